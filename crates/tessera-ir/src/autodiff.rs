@@ -1,0 +1,314 @@
+//! Reverse-mode autodiff as a graph → graph transformation, and the training graph.
+//!
+//! [`gradients`] walks the forward nodes in reverse, asks each op's VJP rule (in `ops/`) for
+//! the gradients of its inputs, and accumulates contributions as they arrive (eagerly, so at
+//! most one running sum per tensor is live). Slices of one tensor whose gradients tile it — q,
+//! k and v cut from a fused projection — are joined by one concat instead of pad-and-add.
+//! Backward nodes inherit the scope and block of the forward node they differentiate.
+//!
+//! [`build_training_graph`] adds the loss seed, the backward pass, the global gradient norm
+//! and one AdamW update per parameter whose state (m, v and, for low-precision weights, an
+//! fp32 master copy) are explicit tensors.
+
+use crate::ops::{optim, ReduceOp, UnaryOp};
+use crate::{AdamWSpec, Builder, DType, IrError, Op, Phase, Result, Shape, StateKind, TensorId};
+use serde::{Deserialize, Serialize};
+
+/// A gradient contribution to one input.
+#[derive(Clone, Copy, Debug)]
+pub enum Grad {
+    /// The gradient of the whole input.
+    Full(TensorId),
+    /// The gradient of `input[.., start..end, ..]` along `dim`; zero elsewhere.
+    Slice { dim: usize, start: usize, end: usize, grad: TensorId },
+}
+
+/// What a VJP rule sees of the forward node it differentiates.
+pub struct VjpCtx<'a> {
+    pub(crate) b: &'a mut Builder,
+    pub inputs: &'a [TensorId],
+    pub outputs: &'a [TensorId],
+    pub(crate) dout: &'a [Option<TensorId>],
+    /// Which inputs need a gradient.
+    pub needs: &'a [bool],
+}
+
+impl VjpCtx<'_> {
+    pub fn x(&self, i: usize) -> TensorId {
+        self.inputs[i]
+    }
+    pub fn y(&self, i: usize) -> TensorId {
+        self.outputs[i]
+    }
+    /// The gradient reaching output `i` (zeros if none does).
+    pub fn dy(&mut self, i: usize) -> Result<TensorId> {
+        match self.dout[i] {
+            Some(t) => Ok(t),
+            None => {
+                let m = self.b.meta(self.outputs[i]).clone();
+                self.b.fill(0.0, m.shape, m.dtype)
+            }
+        }
+    }
+}
+
+/// Pending contributions of one tensor: at most one full running sum plus slices.
+#[derive(Default, Clone)]
+struct Pending {
+    full: Option<TensorId>,
+    slices: Vec<(usize, usize, usize, TensorId)>,
+}
+
+fn contribute(b: &mut Builder, p: &mut Pending, g: Grad) -> Result<()> {
+    match g {
+        Grad::Full(t) => {
+            p.full = Some(match p.full {
+                Some(acc) => b.add(acc, t)?,
+                None => t,
+            })
+        }
+        Grad::Slice { dim, start, end, grad } => p.slices.push((dim, start, end, grad)),
+    }
+    Ok(())
+}
+
+/// Sums the contributions of tensor `t` into one gradient tensor.
+fn finish(b: &mut Builder, t: TensorId, mut p: Pending) -> Result<Option<TensorId>> {
+    if p.slices.is_empty() {
+        return Ok(p.full);
+    }
+    let shape = b.shape(t).clone();
+    p.slices.sort_by_key(|s| (s.0, s.1));
+    let dim = p.slices[0].0;
+    let tiles = p.full.is_none()
+        && p.slices.iter().all(|s| s.0 == dim)
+        && p.slices.windows(2).all(|w| w[0].2 == w[1].1)
+        && p.slices[0].1 == 0
+        && p.slices.last().map(|s| s.2) == Some(shape.dim(dim));
+    if tiles {
+        let parts: Vec<TensorId> = p.slices.iter().map(|s| s.3).collect();
+        return Ok(Some(if parts.len() == 1 { parts[0] } else { b.concat(&parts, dim)? }));
+    }
+    let mut acc = p.full;
+    for (dim, start, end, g) in p.slices {
+        let padded = b.pad(g, dim, start, shape.dim(dim) - end)?;
+        acc = Some(match acc {
+            Some(a) => b.add(a, padded)?,
+            None => padded,
+        });
+    }
+    Ok(acc)
+}
+
+/// Appends the backward pass of `loss` (a scalar) to the builder's graph and returns the
+/// gradient of each tensor in `wrt` (`None` where the loss does not depend on it).
+pub fn gradients(b: &mut Builder, loss: TensorId, wrt: &[TensorId]) -> Result<Vec<Option<TensorId>>> {
+    if b.shape(loss).rank() != 0 || !b.dtype(loss).is_float() {
+        return Err(IrError::Graph(format!(
+            "the loss must be a float scalar, got {}",
+            b.meta(loss)
+        )));
+    }
+    let num_forward = b.graph.nodes.len();
+    // requires_grad: reachable from a `wrt` tensor through differentiable inputs.
+    let mut requires = vec![false; b.graph.tensors.len()];
+    for &w in wrt {
+        requires[w.index()] = true;
+    }
+    for node in &b.graph.nodes {
+        let diff = node.op.differentiable_inputs(node.inputs.len());
+        if node.inputs.iter().zip(&diff).any(|(t, &d)| d && requires[t.index()]) {
+            for &o in &node.outputs {
+                requires[o.index()] = true;
+            }
+        }
+    }
+    if !requires[loss.index()] {
+        return Err(IrError::Graph("the loss does not depend on any parameter".into()));
+    }
+
+    let saved_phase = b.phase();
+    let saved_scope = b.scope_id();
+    let saved_block = b.block();
+    b.set_phase(Phase::Backward);
+
+    let mut pending: Vec<Pending> = vec![Pending::default(); b.graph.tensors.len()];
+    let seed = b.fill(1.0, Shape::scalar(), b.dtype(loss))?;
+    pending[loss.index()].full = Some(seed);
+
+    for n in (0..num_forward).rev() {
+        let node = b.graph.nodes[n].clone();
+        if node.op.is_leaf() || !node.outputs.iter().any(|o| requires[o.index()]) {
+            continue;
+        }
+        b.set_scope_id(node.scope);
+        b.set_block(node.block);
+        let mut dout = Vec::with_capacity(node.outputs.len());
+        for &o in &node.outputs {
+            let p = std::mem::take(&mut pending[o.index()]);
+            dout.push(finish(b, o, p)?);
+        }
+        if dout.iter().all(Option::is_none) {
+            continue;
+        }
+        let diff = node.op.differentiable_inputs(node.inputs.len());
+        let needs: Vec<bool> =
+            node.inputs.iter().zip(&diff).map(|(t, &d)| d && requires[t.index()]).collect();
+        if !needs.iter().any(|&x| x) {
+            continue;
+        }
+        let grads = {
+            let mut cx = VjpCtx {
+                b,
+                inputs: &node.inputs,
+                outputs: &node.outputs,
+                dout: &dout,
+                needs: &needs,
+            };
+            node.op.vjp(&mut cx)?
+        };
+        for (i, g) in grads.into_iter().enumerate() {
+            if let (Some(g), true) = (g, needs[i]) {
+                if pending.len() < b.graph.tensors.len() {
+                    pending.resize(b.graph.tensors.len(), Pending::default());
+                }
+                let t = node.inputs[i];
+                let mut p = std::mem::take(&mut pending[t.index()]);
+                contribute(b, &mut p, g)?;
+                pending[t.index()] = p;
+            }
+        }
+    }
+
+    let mut out = Vec::with_capacity(wrt.len());
+    for &w in wrt {
+        let producer = b.graph.producer(w);
+        let (scope, block) = (producer.scope, producer.block);
+        b.set_scope_id(scope);
+        b.set_block(block);
+        let p = std::mem::take(&mut pending[w.index()]);
+        out.push(finish(b, w, p)?);
+    }
+    b.set_phase(saved_phase);
+    b.set_scope_id(saved_scope);
+    b.set_block(saved_block);
+    Ok(out)
+}
+
+/// Optimizer settings baked into the training graph. The learning rate and step counter are
+/// per-step inputs, so schedules need no graph change.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Applied to weights of rank ≥ 2 only (not biases, norms), as nanoGPT and HF do.
+    pub weight_decay: f64,
+    pub max_grad_norm: Option<f64>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, max_grad_norm: Some(1.0) }
+    }
+}
+
+/// One parameter's tensors in the training graph.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ParamSlot {
+    pub param: TensorId,
+    pub grad: TensorId,
+    pub m: TensorId,
+    pub v: TensorId,
+    /// fp32 master weights when the parameter is stored in lower precision.
+    pub master: Option<TensorId>,
+}
+
+/// Forward + backward + optimizer for one step, with handles to the tensors that matter.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainingGraph {
+    pub graph: crate::Graph,
+    pub loss: TensorId,
+    pub grad_norm: TensorId,
+    /// Learning-rate input (f32 scalar) and 1-based step input (i64 scalar).
+    pub lr: TensorId,
+    pub step: TensorId,
+    pub params: Vec<ParamSlot>,
+}
+
+/// Builds the training graph of a forward graph whose scalar `loss` is given.
+pub fn build_training_graph(mut b: Builder, loss: TensorId, cfg: &TrainConfig) -> Result<TrainingGraph> {
+    let params = b.graph.parameters();
+    if params.is_empty() {
+        return Err(IrError::Graph("the model has no parameters to train".into()));
+    }
+    let grads = gradients(&mut b, loss, &params)?;
+
+    b.set_phase(Phase::Optimizer);
+    b.set_block(None);
+    b.set_scope_id(crate::ScopeId(0));
+    b.push_scope("optimizer");
+    let lr = b.input("lr", Shape::scalar(), DType::F32);
+    let step = b.input("step", Shape::scalar(), DType::I64);
+    b.pop_scope();
+
+    // Global gradient norm: Σ‖g‖² over parameters, in f32.
+    let mut sum_sq: Option<TensorId> = None;
+    let mut slots = Vec::with_capacity(params.len());
+    for (&p, g) in params.iter().zip(&grads) {
+        let g = g.ok_or_else(|| {
+            IrError::Graph(format!(
+                "parameter {} does not affect the loss (remove it or freeze it)",
+                b.graph.tensor_scope(p)
+            ))
+        })?;
+        let node = b.graph.producer(p);
+        let (scope, block) = (node.scope, node.block);
+        b.set_scope_id(scope);
+        b.set_block(block);
+        let rank = b.shape(g).rank();
+        let mut s = b.reduce(ReduceOp::SumSquares, g, &(0..rank).collect::<Vec<_>>(), false)?;
+        if b.dtype(s) != DType::F32 {
+            s = b.cast(s, DType::F32)?;
+        }
+        sum_sq = Some(match sum_sq {
+            Some(acc) => b.add(acc, s)?,
+            None => s,
+        });
+        slots.push(ParamSlot { param: p, grad: g, m: p, v: p, master: None });
+    }
+    b.set_scope_id(crate::ScopeId(0));
+    b.set_block(None);
+    b.push_scope("optimizer");
+    let grad_norm = b.unary(UnaryOp::Sqrt, sum_sq.expect("at least one parameter"))?;
+    b.pop_scope();
+
+    for slot in &mut slots {
+        let p = slot.param;
+        let node = b.graph.producer(p);
+        let (scope, block) = (node.scope, node.block);
+        let name = b.graph.scope_name(scope).to_string();
+        b.set_block(block);
+        slot.m = b.optimizer_state(&format!("{name}.adam_m"), StateKind::AdamM, p, DType::F32);
+        slot.v = b.optimizer_state(&format!("{name}.adam_v"), StateKind::AdamV, p, DType::F32);
+        if b.dtype(p) != DType::F32 {
+            slot.master =
+                Some(b.optimizer_state(&format!("{name}.master"), StateKind::Master, p, DType::F32));
+        }
+        b.set_scope_id(scope);
+        let weight_decay = if b.shape(p).rank() >= 2 { cfg.weight_decay } else { 0.0 };
+        let spec = AdamWSpec {
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay,
+            max_grad_norm: cfg.max_grad_norm,
+        };
+        let mut inputs = vec![p, slot.grad, slot.m, slot.v, lr, step, grad_norm];
+        inputs.extend(slot.master);
+        debug_assert_eq!(inputs[optim::GRAD_NORM], grad_norm);
+        b.push(Op::AdamW(spec), &inputs)?;
+    }
+    b.set_phase(Phase::Forward);
+    Ok(TrainingGraph { graph: b.finish(), loss, grad_norm, lr, step, params: slots })
+}

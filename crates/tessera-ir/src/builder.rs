@@ -1,0 +1,289 @@
+//! The builder in which models are written.
+//!
+//! It appends nodes to a [`Graph`], checking each op's shapes as it goes, and stamps every node
+//! with the current scope path, repeated-block index and phase. A shape error names the scope,
+//! the op and the input shapes: `h.3.mlp.c_fc: matmul f32[4,128,768] x f32[3072,768]: inner
+//! dims 768 vs 3072`.
+
+use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
+use crate::{
+    AttentionSpec, DType, Graph, IrError, NodeId, Op, Phase, Result, ScopeId, Shape, TensorId,
+    TensorMeta,
+};
+
+pub struct Builder {
+    pub graph: Graph,
+    scope_stack: Vec<String>,
+    scope: ScopeId,
+    block: Option<u32>,
+    phase: Phase,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Builder::new()
+    }
+}
+
+impl Builder {
+    pub fn new() -> Builder {
+        let graph = Graph::new();
+        Builder { graph, scope_stack: Vec::new(), scope: ScopeId(0), block: None, phase: Phase::Forward }
+    }
+
+    /// Continues building on an existing graph (autodiff appends the backward pass this way).
+    pub fn from_graph(graph: Graph) -> Builder {
+        Builder { graph, scope_stack: Vec::new(), scope: ScopeId(0), block: None, phase: Phase::Forward }
+    }
+
+    pub fn finish(self) -> Graph {
+        self.graph
+    }
+
+    // ---- context ------------------------------------------------------------------------
+
+    /// The current scope path, components joined by `.`.
+    pub fn scope_path(&self) -> String {
+        self.scope_stack.join(".")
+    }
+
+    pub fn push_scope(&mut self, name: impl AsRef<str>) {
+        self.scope_stack.push(name.as_ref().to_string());
+        self.scope = self.graph.intern_scope(&self.scope_path());
+    }
+
+    pub fn pop_scope(&mut self) {
+        self.scope_stack.pop();
+        self.scope = self.graph.intern_scope(&self.scope_path());
+    }
+
+    /// Runs `f` inside scope `name` (appended to the current path).
+    pub fn scoped<R>(&mut self, name: impl AsRef<str>, f: impl FnOnce(&mut Self) -> R) -> R {
+        self.push_scope(name);
+        let r = f(self);
+        self.pop_scope();
+        r
+    }
+
+    /// Marks subsequent nodes as belonging to repeated block `block`.
+    pub fn set_block(&mut self, block: Option<u32>) {
+        self.block = block;
+    }
+    pub fn block(&self) -> Option<u32> {
+        self.block
+    }
+    pub fn set_phase(&mut self, phase: Phase) {
+        self.phase = phase;
+    }
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+    /// Stamps subsequent nodes with an already interned scope (autodiff reuses the forward
+    /// node's scope for its backward nodes).
+    pub(crate) fn set_scope_id(&mut self, scope: ScopeId) {
+        self.scope = scope;
+    }
+    pub(crate) fn scope_id(&self) -> ScopeId {
+        self.scope
+    }
+
+    pub fn meta(&self, t: TensorId) -> &TensorMeta {
+        self.graph.meta(t)
+    }
+    pub fn shape(&self, t: TensorId) -> &Shape {
+        self.graph.shape(t)
+    }
+    pub fn dtype(&self, t: TensorId) -> DType {
+        self.graph.meta(t).dtype
+    }
+
+    // ---- generic op ---------------------------------------------------------------------
+
+    /// Appends `op` applied to `inputs`, returning its outputs; shape errors carry context.
+    pub fn push(&mut self, op: Op, inputs: &[TensorId]) -> Result<Vec<TensorId>> {
+        let metas: Vec<&TensorMeta> = inputs.iter().map(|&t| self.graph.meta(t)).collect();
+        let out = match op.infer(&metas) {
+            Ok(out) => out,
+            Err(reason) => {
+                let inputs = metas.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(" x ");
+                return Err(IrError::Shape {
+                    scope: self.graph.scope_name(self.scope).to_string(),
+                    op: op.name().to_string(),
+                    inputs,
+                    reason,
+                });
+            }
+        };
+        let id = self.graph.push_node(op, inputs.to_vec(), out, self.scope, self.block, self.phase);
+        Ok(self.graph.node(id).outputs.clone())
+    }
+
+    /// [`Builder::push`] for single-output ops.
+    pub fn push1(&mut self, op: Op, inputs: &[TensorId]) -> Result<TensorId> {
+        let out = self.push(op, inputs)?;
+        Ok(out[0])
+    }
+
+    fn leaf(&mut self, name: &str, op: Op, inputs: &[TensorId]) -> TensorId {
+        let path = if self.scope_stack.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.scope_path())
+        };
+        let scope = self.graph.intern_scope(&path);
+        let metas: Vec<&TensorMeta> = inputs.iter().map(|&t| self.graph.meta(t)).collect();
+        let out = op.infer(&metas).expect("leaf metas are given, not inferred");
+        let id: NodeId =
+            self.graph.push_node(op, inputs.to_vec(), out, scope, self.block, self.phase);
+        self.graph.node(id).outputs[0]
+    }
+
+    // ---- leaves -------------------------------------------------------------------------
+
+    /// A trainable weight named `<scope>.<name>` (its Hugging Face name).
+    pub fn parameter(&mut self, name: &str, shape: impl Into<Shape>, dtype: DType) -> TensorId {
+        self.leaf(name, Op::Parameter(TensorMeta::new(shape, dtype)), &[])
+    }
+
+    /// Per-step data named `<scope>.<name>`.
+    pub fn input(&mut self, name: &str, shape: impl Into<Shape>, dtype: DType) -> TensorId {
+        self.leaf(name, Op::Input(TensorMeta::new(shape, dtype)), &[])
+    }
+
+    pub(crate) fn optimizer_state(
+        &mut self,
+        name: &str,
+        kind: crate::StateKind,
+        param: TensorId,
+        dtype: DType,
+    ) -> TensorId {
+        let meta = TensorMeta { shape: self.shape(param).clone(), dtype };
+        self.leaf(name, Op::OptimizerState { kind, meta }, &[param])
+    }
+
+    pub fn fill(&mut self, value: f64, shape: impl Into<Shape>, dtype: DType) -> Result<TensorId> {
+        self.push1(Op::Fill { value, meta: TensorMeta::new(shape, dtype) }, &[])
+    }
+
+    /// A scalar constant of `like`'s dtype, broadcastable against it.
+    pub fn scalar_like(&mut self, value: f64, like: TensorId) -> Result<TensorId> {
+        let dtype = self.dtype(like);
+        self.fill(value, Shape::scalar(), dtype)
+    }
+
+    // ---- elementwise --------------------------------------------------------------------
+
+    pub fn unary(&mut self, op: UnaryOp, x: TensorId) -> Result<TensorId> {
+        self.push1(Op::Unary(op), &[x])
+    }
+    pub fn binary(&mut self, op: BinaryOp, a: TensorId, b: TensorId) -> Result<TensorId> {
+        self.push1(Op::Binary(op), &[a, b])
+    }
+    pub fn add(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
+        self.binary(BinaryOp::Add, a, b)
+    }
+    pub fn sub(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
+        self.binary(BinaryOp::Sub, a, b)
+    }
+    pub fn mul(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
+        self.binary(BinaryOp::Mul, a, b)
+    }
+    pub fn div(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
+        self.binary(BinaryOp::Div, a, b)
+    }
+    /// x · c for a constant c.
+    pub fn scale(&mut self, x: TensorId, c: f64) -> Result<TensorId> {
+        let s = self.scalar_like(c, x)?;
+        self.mul(x, s)
+    }
+    pub fn cast(&mut self, x: TensorId, dtype: DType) -> Result<TensorId> {
+        self.push1(Op::Cast(dtype), &[x])
+    }
+    /// Dropout keyed by the step's `seed` input; `stream` must differ between call sites.
+    pub fn dropout(&mut self, x: TensorId, p: f64, seed: TensorId, stream: u64) -> Result<TensorId> {
+        self.push1(Op::Dropout { p, stream }, &[x, seed])
+    }
+
+    // ---- linear algebra -----------------------------------------------------------------
+
+    pub fn matmul(&mut self, a: TensorId, b: TensorId, trans_a: bool, trans_b: bool) -> Result<TensorId> {
+        self.push1(Op::MatMul { trans_a, trans_b }, &[a, b])
+    }
+
+    // ---- reductions ---------------------------------------------------------------------
+
+    pub fn reduce(&mut self, op: ReduceOp, x: TensorId, dims: &[usize], keepdim: bool) -> Result<TensorId> {
+        self.push1(Op::Reduce { op, dims: dims.to_vec(), keepdim }, &[x])
+    }
+    pub fn softmax(&mut self, x: TensorId) -> Result<TensorId> {
+        self.push1(Op::Softmax, &[x])
+    }
+
+    /// Sums `g` down to `target` (the inverse of broadcasting), once, generically: dims that
+    /// were added on the left are reduced away, dims that were 1 are reduced with keepdim.
+    pub fn unbroadcast(&mut self, g: TensorId, target: &Shape) -> Result<TensorId> {
+        let gs = self.shape(g).clone();
+        if &gs == target {
+            return Ok(g);
+        }
+        let lead = gs.rank() - target.rank();
+        let dims: Vec<usize> = (0..gs.rank())
+            .filter(|&i| i < lead || (target.dim(i - lead) == 1 && gs.dim(i) != 1))
+            .collect();
+        let r = if dims.is_empty() { g } else { self.reduce(ReduceOp::Sum, g, &dims, true)? };
+        self.reshape(r, target.clone())
+    }
+
+    // ---- layout -------------------------------------------------------------------------
+
+    pub fn reshape(&mut self, x: TensorId, shape: impl Into<Shape>) -> Result<TensorId> {
+        let shape = shape.into();
+        if self.shape(x) == &shape {
+            return Ok(x);
+        }
+        self.push1(Op::Reshape(shape), &[x])
+    }
+    pub fn permute(&mut self, x: TensorId, perm: &[usize]) -> Result<TensorId> {
+        self.push1(Op::Permute(perm.to_vec()), &[x])
+    }
+    pub fn slice(&mut self, x: TensorId, dim: usize, start: usize, end: usize) -> Result<TensorId> {
+        self.push1(Op::Slice { dim, start, end }, &[x])
+    }
+    pub fn pad(&mut self, x: TensorId, dim: usize, before: usize, after: usize) -> Result<TensorId> {
+        self.push1(Op::Pad { dim, before, after }, &[x])
+    }
+    pub fn concat(&mut self, xs: &[TensorId], dim: usize) -> Result<TensorId> {
+        self.push1(Op::Concat { dim }, xs)
+    }
+    pub fn expand(&mut self, x: TensorId, shape: impl Into<Shape>) -> Result<TensorId> {
+        self.push1(Op::Expand(shape.into()), &[x])
+    }
+
+    // ---- neural-network ops -------------------------------------------------------------
+
+    pub fn layer_norm(&mut self, x: TensorId, w: TensorId, b: TensorId, eps: f64) -> Result<TensorId> {
+        self.push1(Op::LayerNorm { eps }, &[x, w, b])
+    }
+    pub fn rms_norm(&mut self, x: TensorId, w: TensorId, eps: f64) -> Result<TensorId> {
+        self.push1(Op::RmsNorm { eps }, &[x, w])
+    }
+    pub fn embedding(&mut self, table: TensorId, ids: TensorId) -> Result<TensorId> {
+        self.push1(Op::Embedding, &[table, ids])
+    }
+    /// Mean cross-entropy of `logits [.., V]` against `targets [..]`; returns the scalar loss.
+    pub fn cross_entropy(
+        &mut self,
+        logits: TensorId,
+        targets: TensorId,
+        ignore_index: Option<i64>,
+    ) -> Result<TensorId> {
+        Ok(self.push(Op::CrossEntropy { ignore_index }, &[logits, targets])?[0])
+    }
+    /// Fused attention on `[B,S,H,D]` operands; returns the output.
+    pub fn attention(&mut self, q: TensorId, k: TensorId, v: TensorId, spec: AttentionSpec) -> Result<TensorId> {
+        Ok(self.push(Op::Attention(spec), &[q, k, v])?[0])
+    }
+    pub fn rope(&mut self, x: TensorId, inv_freq: &[f64]) -> Result<TensorId> {
+        self.push1(Op::Rope { inv_freq: inv_freq.to_vec(), inverse: false }, &[x])
+    }
+}

@@ -1,0 +1,31 @@
+//! Tessera's intermediate representation: everything about a training step that can be known
+//! without a tensor.
+//!
+//! - [`DType`], [`Shape`], [`TensorMeta`]: what each value is.
+//! - [`Op`]: the closed primitive op set; each family's shape inference, FLOPs and VJP live
+//!   together in `ops/`.
+//! - [`Graph`] + [`Builder`]: models are written against the builder; nodes carry scope paths
+//!   (Hugging Face names), repeated-block indices and phases.
+//! - [`autodiff`]: forward graph + loss → [`TrainingGraph`] (backward + AdamW).
+//! - [`Program`]: the training graph lowered to ordered instructions with explicit frees —
+//!   what the profiler simulates and the runtime executes.
+//! - [`interp`]: a plain-loop f64 reference interpreter, the oracle for tests.
+
+pub mod autodiff;
+mod builder;
+mod dtype;
+mod error;
+mod graph;
+pub mod interp;
+pub mod ops;
+mod program;
+mod shape;
+
+pub use autodiff::{build_training_graph, gradients, ParamSlot, TrainConfig, TrainingGraph};
+pub use builder::Builder;
+pub use dtype::DType;
+pub use error::{IrError, Result};
+pub use graph::{Graph, Node, NodeId, Phase, ScopeId, Tensor, TensorId};
+pub use ops::{AdamWSpec, AttentionSpec, BinaryOp, Flops, Op, ReduceOp, StateKind, UnaryOp};
+pub use program::{Instr, Program, Role};
+pub use shape::{Shape, TensorMeta};

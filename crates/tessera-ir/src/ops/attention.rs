@@ -1,0 +1,113 @@
+//! Fused attention (causal or not, sliding window, GQA) and rotary position embeddings.
+//!
+//! Attention saves its output and a per-row log-sum-exp `[B,H,S]`; the backward recomputes
+//! the probabilities from them, FlashAttention-style, so no S×T matrix outlives a kernel. The
+//! kernel may hold one head's S×T score block as workspace while it runs.
+
+use super::{expect_float, expect_inputs, AttentionSpec, Flops, Op};
+use crate::autodiff::{Grad, VjpCtx};
+use crate::{DType, Result, TensorMeta};
+
+/// (B, S, H, D) of a `[B,S,H,D]` operand.
+fn bshd(m: &TensorMeta, what: &str) -> Result<(usize, usize, usize, usize), String> {
+    match m.shape.dims() {
+        &[b, s, h, d] => Ok((b, s, h, d)),
+        _ => Err(format!("{what} {m} must be [batch, seq, heads, head_dim]")),
+    }
+}
+
+pub(crate) fn infer(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+    expect_inputs(x, 3)?;
+    expect_float(x[0], "q")?;
+    let (b, s, h, d) = bshd(x[0], "q")?;
+    let (bk, t, hk, dk) = bshd(x[1], "k")?;
+    if x[2] != x[1] {
+        return Err(format!("v {} must match k {}", x[2], x[1]));
+    }
+    if x[1].dtype != x[0].dtype {
+        return Err(format!("q {} and k {} dtypes differ", x[0], x[1]));
+    }
+    if bk != b || dk != d {
+        return Err(format!("k {} must share batch and head_dim with q {}", x[1], x[0]));
+    }
+    if hk == 0 || h % hk != 0 {
+        return Err(format!("query heads {h} must be a multiple of key/value heads {hk}"));
+    }
+    let _ = t;
+    Ok(vec![x[0].clone(), TensorMeta::new([b, h, s], DType::F32)])
+}
+
+pub(crate) fn infer_backward(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+    expect_inputs(x, 6)?;
+    let fwd = infer(&x[..3])?;
+    if x[3] != &fwd[0] || x[5].shape != fwd[0].shape || x[4] != &fwd[1] {
+        return Err("out, logsumexp and dout must match the forward's outputs".into());
+    }
+    let g = |m: &TensorMeta| TensorMeta { shape: m.shape.clone(), dtype: x[5].dtype };
+    Ok(vec![g(x[0]), g(x[1]), g(x[2])])
+}
+
+/// (B·H·S·T·D, B·H·S·T) — the dense product volume and the score count.
+fn volume(x: &[&TensorMeta]) -> (u64, u64) {
+    let d = x[0].shape.dims();
+    let t = x[1].shape.dim(1) as u64;
+    let scores = d[0] as u64 * d[2] as u64 * d[1] as u64 * t;
+    (scores * d[3] as u64, scores)
+}
+
+/// QK^T and AV: 2·(2·B·H·S·T·D) as dense matmuls; the softmax on the scores is "other".
+pub(crate) fn flops(x: &[&TensorMeta]) -> Flops {
+    let (v, scores) = volume(x);
+    Flops { matmul: 4 * v, other: 5 * scores }
+}
+
+/// By convention twice the forward's matmul FLOPs (dQ, dK, dV, dP), plus the softmax backward.
+pub(crate) fn flops_backward(x: &[&TensorMeta]) -> Flops {
+    let (v, scores) = volume(x);
+    Flops { matmul: 8 * v, other: 4 * scores }
+}
+
+/// One head's S×T f32 score block.
+pub(crate) fn workspace_bytes(x: &[&TensorMeta]) -> u64 {
+    let s = x[0].shape.dim(1) as u64;
+    let t = x[1].shape.dim(1) as u64;
+    s * t * DType::F32.size_bytes()
+}
+
+pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &AttentionSpec) -> Result<Vec<Option<Grad>>> {
+    let dout = cx.dy(0)?;
+    let g = cx.b.push(
+        Op::AttentionBackward(spec.clone()),
+        &[cx.x(0), cx.x(1), cx.x(2), cx.y(0), cx.y(1), dout],
+    )?;
+    Ok(g.into_iter().map(|t| Some(Grad::Full(t))).collect())
+}
+
+pub(crate) fn infer_rope(x: &[&TensorMeta], inv_freq: &[f64]) -> Result<Vec<TensorMeta>, String> {
+    expect_inputs(x, 1)?;
+    expect_float(x[0], "x")?;
+    let (_, _, _, d) = bshd(x[0], "x")?;
+    if d % 2 != 0 || inv_freq.len() != d / 2 {
+        return Err(format!(
+            "head_dim {d} must be even with one frequency per pair ({} given)",
+            inv_freq.len()
+        ));
+    }
+    Ok(vec![x[0].clone()])
+}
+
+/// x·cos + rotate_half(x)·sin.
+pub(crate) fn flops_rope(y: &[&TensorMeta]) -> Flops {
+    Flops::other(3 * y[0].numel())
+}
+
+pub(crate) fn vjp_rope(
+    cx: &mut VjpCtx<'_>,
+    inv_freq: &[f64],
+    inverse: bool,
+) -> Result<Vec<Option<Grad>>> {
+    let dy = cx.dy(0)?;
+    // A rotation's transpose is the rotation by −θ.
+    let g = cx.b.push1(Op::Rope { inv_freq: inv_freq.to_vec(), inverse: !inverse }, &[dy])?;
+    Ok(vec![Some(Grad::Full(g))])
+}

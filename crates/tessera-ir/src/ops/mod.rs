@@ -1,0 +1,560 @@
+//! The closed set of primitive ops.
+//!
+//! Every op family keeps its shape inference, FLOP count and VJP rule in one module below; the
+//! dispatch here is by exhaustive `match` (no `_ =>` arm), so adding a variant does not compile
+//! until each family function — and, in later crates, the sharding rule and the kernel — exists.
+//!
+//! Conventions: matmuls count 2·m·n·k FLOPs; fused attention counts its QK^T and AV as dense
+//! matmuls (no causal discount) and its backward as twice its forward; both land in the
+//! "matmul" FLOP class, everything else in "other".
+
+pub(crate) mod attention;
+pub mod elementwise;
+pub(crate) mod embedding;
+pub(crate) mod layout;
+pub(crate) mod leaf;
+pub(crate) mod loss;
+pub(crate) mod matmul;
+pub(crate) mod norm;
+pub(crate) mod optim;
+pub(crate) mod reduce;
+
+use crate::autodiff::{Grad, VjpCtx};
+use crate::{DType, Result, Shape, TensorMeta};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Tanh,
+    /// Exact GELU, x·Φ(x) (BERT, ViT).
+    Gelu,
+    /// GELU with the tanh approximation (GPT-2's `gelu_new`).
+    GeluTanh,
+    Silu,
+    Relu,
+    Sigmoid,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Max,
+    Min,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+    /// Σ x², used for gradient norms.
+    SumSquares,
+}
+
+/// Optimizer-owned state tensors; explicit so that memory accounting and ZeRO see them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateKind {
+    /// Adam first moment.
+    AdamM,
+    /// Adam second moment.
+    AdamV,
+    /// fp32 master copy of a low-precision weight.
+    Master,
+}
+
+/// Hyper-parameters of the attention op.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttentionSpec {
+    pub causal: bool,
+    /// Sliding window (Mistral): query i sees keys in (i - window, i].
+    pub window: Option<usize>,
+    /// Multiplier of QK^T, usually 1/sqrt(head_dim).
+    pub scale: f64,
+}
+
+/// Hyper-parameters of AdamW. The learning rate and step arrive as scalar inputs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWSpec {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Clip gradients by global norm to this value (the norm is an input).
+    pub max_grad_norm: Option<f64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    // ---- leaves -------------------------------------------------------------------------
+    /// A trainable weight. Its node's scope is its full (Hugging Face) name.
+    Parameter(TensorMeta),
+    /// Data fed each step: token ids, labels, pixels, the learning rate, the RNG seed.
+    Input(TensorMeta),
+    /// Optimizer state of the parameter given as the node's only input.
+    OptimizerState { kind: StateKind, meta: TensorMeta },
+    /// A constant tensor with every element equal to `value`.
+    Fill { value: f64, meta: TensorMeta },
+
+    // ---- elementwise --------------------------------------------------------------------
+    Unary(UnaryOp),
+    /// Inputs `[x, dy]` → `dy · f'(x)`.
+    UnaryBackward(UnaryOp),
+    /// NumPy broadcasting; both operands of one dtype.
+    Binary(BinaryOp),
+    /// Inputs `[a, b, dy]` → gradient w.r.t. operand `wrt` (0 = a, 1 = b), in the broadcast
+    /// output shape. Used where the rule needs the operands (div, max, min).
+    BinaryBackward { op: BinaryOp, wrt: u8 },
+    Cast(DType),
+    /// Inputs `[x, seed]` (seed an i64 scalar). Zeroes each element with probability `p` by a
+    /// counter-based hash of (seed, stream, element index), scaling the rest by 1/(1-p): nothing
+    /// is stored for backward, which re-applies the same mask to the gradient.
+    Dropout { p: f64, stream: u64 },
+
+    // ---- linear algebra -----------------------------------------------------------------
+    /// Batched matmul `[.., m, k] x [.., k, n]` with broadcast batch dims; `trans_*` reads an
+    /// operand as its last two dims swapped (no transpose is materialised).
+    MatMul { trans_a: bool, trans_b: bool },
+
+    // ---- reductions ---------------------------------------------------------------------
+    Reduce { op: ReduceOp, dims: Vec<usize>, keepdim: bool },
+    /// Inputs `[x, dy]` → dx for the matching `Reduce`.
+    ReduceBackward { op: ReduceOp, dims: Vec<usize>, keepdim: bool },
+    /// Softmax over the last dim.
+    Softmax,
+    /// Inputs `[y, dy]` → dx.
+    SoftmaxBackward,
+
+    // ---- layout -------------------------------------------------------------------------
+    /// Same elements, new shape (a view: no new buffer).
+    Reshape(Shape),
+    Permute(Vec<usize>),
+    Slice { dim: usize, start: usize, end: usize },
+    /// Zero padding along one dim (the VJP of `Slice`).
+    Pad { dim: usize, before: usize, after: usize },
+    Concat { dim: usize },
+    /// Broadcast to a larger shape (a view: no new buffer).
+    Expand(Shape),
+
+    // ---- neural-network ops -------------------------------------------------------------
+    /// Inputs `[x, weight, bias]`, normalises the last dim.
+    LayerNorm { eps: f64 },
+    /// Inputs `[x, weight, dy]` → `[dx, dweight, dbias]`.
+    LayerNormBackward { eps: f64 },
+    /// Inputs `[x, weight]`, normalises the last dim.
+    RmsNorm { eps: f64 },
+    /// Inputs `[x, weight, dy]` → `[dx, dweight]`.
+    RmsNormBackward { eps: f64 },
+    /// Inputs `[table [V, D], ids [..]]` → `[.., D]`.
+    Embedding,
+    /// Inputs `[ids, dy]` → scatter-add into `[num_embeddings, D]`.
+    EmbeddingBackward { num_embeddings: usize },
+    /// Inputs `[logits [.., V], targets [..]]` → `[mean loss [] f32, logsumexp [..] f32]`.
+    /// Targets equal to `ignore_index` are left out of the mean.
+    CrossEntropy { ignore_index: Option<i64> },
+    /// Inputs `[logits, targets, logsumexp, dloss]` → dlogits.
+    CrossEntropyBackward { ignore_index: Option<i64> },
+    /// Fused attention. Inputs `q [B,S,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D]` with H a multiple
+    /// of Hkv (GQA) → `[out [B,S,H,D], logsumexp [B,H,S] f32]`. No S×T matrix is saved.
+    Attention(AttentionSpec),
+    /// Inputs `[q, k, v, out, logsumexp, dout]` → `[dq, dk, dv]`.
+    AttentionBackward(AttentionSpec),
+    /// Rotary position embedding on `[B,S,H,D]` (rotate-half layout, positions 0..S), with one
+    /// inverse frequency per pair; `inverse` rotates by −θ (its VJP).
+    Rope { inv_freq: Vec<f64>, inverse: bool },
+
+    // ---- optimizer ----------------------------------------------------------------------
+    /// Inputs `[param, grad, m, v, lr, step, grad_norm]` plus `master` under mixed precision;
+    /// updates in place, outputs `[param', m', v']` (+ `master'`) alias their inputs.
+    AdamW(AdamWSpec),
+}
+
+/// FLOPs of one node, split as the profiler reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flops {
+    /// Matmuls and fused attention's QK^T / AV products.
+    pub matmul: u64,
+    /// Everything else.
+    pub other: u64,
+}
+
+impl Flops {
+    pub fn total(self) -> u64 {
+        self.matmul + self.other
+    }
+    pub(crate) fn other(n: u64) -> Flops {
+        Flops { matmul: 0, other: n }
+    }
+}
+
+impl Op {
+    /// Short name used in errors and printed graphs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Parameter(_) => "parameter",
+            Op::Input(_) => "input",
+            Op::OptimizerState { .. } => "optimizer_state",
+            Op::Fill { .. } => "fill",
+            Op::Unary(_) => "unary",
+            Op::UnaryBackward(_) => "unary_backward",
+            Op::Binary(_) => "binary",
+            Op::BinaryBackward { .. } => "binary_backward",
+            Op::Cast(_) => "cast",
+            Op::Dropout { .. } => "dropout",
+            Op::MatMul { .. } => "matmul",
+            Op::Reduce { .. } => "reduce",
+            Op::ReduceBackward { .. } => "reduce_backward",
+            Op::Softmax => "softmax",
+            Op::SoftmaxBackward => "softmax_backward",
+            Op::Reshape(_) => "reshape",
+            Op::Permute(_) => "permute",
+            Op::Slice { .. } => "slice",
+            Op::Pad { .. } => "pad",
+            Op::Concat { .. } => "concat",
+            Op::Expand(_) => "expand",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::LayerNormBackward { .. } => "layer_norm_backward",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::RmsNormBackward { .. } => "rms_norm_backward",
+            Op::Embedding => "embedding",
+            Op::EmbeddingBackward { .. } => "embedding_backward",
+            Op::CrossEntropy { .. } => "cross_entropy",
+            Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Op::Attention(_) => "attention",
+            Op::AttentionBackward(_) => "attention_backward",
+            Op::Rope { .. } => "rope",
+            Op::AdamW(_) => "adamw",
+        }
+    }
+
+    pub fn is_leaf(&self) -> bool {
+        matches!(
+            self,
+            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. }
+        )
+    }
+
+    /// Output metas for the given input metas, or the reason they do not fit.
+    pub fn infer(&self, x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+        match self {
+            Op::Parameter(m) | Op::Input(m) | Op::Fill { meta: m, .. } => {
+                leaf::infer(x, m, 0)
+            }
+            Op::OptimizerState { meta, .. } => leaf::infer(x, meta, 1),
+            Op::Unary(_) => elementwise::infer_unary(x),
+            Op::UnaryBackward(_) => elementwise::infer_unary_backward(x),
+            Op::Binary(_) => elementwise::infer_binary(x),
+            Op::BinaryBackward { .. } => elementwise::infer_binary_backward(x),
+            Op::Cast(d) => elementwise::infer_cast(x, *d),
+            Op::Dropout { p, .. } => elementwise::infer_dropout(x, *p),
+            Op::MatMul { trans_a, trans_b } => matmul::infer(x, *trans_a, *trans_b),
+            Op::Reduce { op, dims, keepdim } => reduce::infer_reduce(x, *op, dims, *keepdim),
+            Op::ReduceBackward { op, dims, keepdim } => {
+                reduce::infer_reduce_backward(x, *op, dims, *keepdim)
+            }
+            Op::Softmax => reduce::infer_softmax(x),
+            Op::SoftmaxBackward => reduce::infer_softmax_backward(x),
+            Op::Reshape(s) => layout::infer_reshape(x, s),
+            Op::Permute(p) => layout::infer_permute(x, p),
+            Op::Slice { dim, start, end } => layout::infer_slice(x, *dim, *start, *end),
+            Op::Pad { dim, before, after } => layout::infer_pad(x, *dim, *before, *after),
+            Op::Concat { dim } => layout::infer_concat(x, *dim),
+            Op::Expand(s) => layout::infer_expand(x, s),
+            Op::LayerNorm { .. } => norm::infer_layer_norm(x),
+            Op::LayerNormBackward { .. } => norm::infer_layer_norm_backward(x),
+            Op::RmsNorm { .. } => norm::infer_rms_norm(x),
+            Op::RmsNormBackward { .. } => norm::infer_rms_norm_backward(x),
+            Op::Embedding => embedding::infer(x),
+            Op::EmbeddingBackward { num_embeddings } => {
+                embedding::infer_backward(x, *num_embeddings)
+            }
+            Op::CrossEntropy { .. } => loss::infer(x),
+            Op::CrossEntropyBackward { .. } => loss::infer_backward(x),
+            Op::Attention(_) => attention::infer(x),
+            Op::AttentionBackward(_) => attention::infer_backward(x),
+            Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
+            Op::AdamW(_) => optim::infer(x),
+        }
+    }
+
+    /// FLOPs of one application with these input and output metas.
+    pub fn flops(&self, x: &[&TensorMeta], y: &[&TensorMeta]) -> Flops {
+        match self {
+            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. } => {
+                Flops::default()
+            }
+            Op::Unary(u) => elementwise::flops_unary(*u, y),
+            Op::UnaryBackward(u) => elementwise::flops_unary_backward(*u, y),
+            Op::Binary(_) => elementwise::flops_binary(y),
+            Op::BinaryBackward { .. } => elementwise::flops_binary_backward(y),
+            Op::Cast(_) => Flops::default(),
+            Op::Dropout { .. } => elementwise::flops_dropout(y),
+            Op::MatMul { trans_a, .. } => matmul::flops(x, y, *trans_a),
+            Op::Reduce { .. } => reduce::flops_reduce(x),
+            Op::ReduceBackward { .. } => reduce::flops_reduce_backward(y),
+            Op::Softmax => reduce::flops_softmax(y),
+            Op::SoftmaxBackward => reduce::flops_softmax_backward(y),
+            Op::Reshape(_)
+            | Op::Permute(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::Expand(_) => Flops::default(),
+            Op::LayerNorm { .. } => norm::flops_layer_norm(x),
+            Op::LayerNormBackward { .. } => norm::flops_layer_norm_backward(x),
+            Op::RmsNorm { .. } => norm::flops_rms_norm(x),
+            Op::RmsNormBackward { .. } => norm::flops_rms_norm_backward(x),
+            Op::Embedding => Flops::default(),
+            Op::EmbeddingBackward { .. } => embedding::flops_backward(x),
+            Op::CrossEntropy { .. } => loss::flops(x),
+            Op::CrossEntropyBackward { .. } => loss::flops_backward(x),
+            Op::Attention(_) => attention::flops(x),
+            Op::AttentionBackward(_) => attention::flops_backward(x),
+            Op::Rope { .. } => attention::flops_rope(y),
+            Op::AdamW(_) => optim::flops(x),
+        }
+    }
+
+    /// Bytes read and written by one application (for the roofline cost model). Views move
+    /// nothing; in-place updates read and write their state once.
+    pub fn bytes_accessed(&self, x: &[&TensorMeta], y: &[&TensorMeta]) -> u64 {
+        let read: u64 = x.iter().map(|m| m.size_bytes()).sum();
+        let written: u64 = y.iter().map(|m| m.size_bytes()).sum();
+        match self {
+            Op::Reshape(_) | Op::Expand(_) => 0,
+            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => 0,
+            Op::Fill { .. } => written,
+            Op::Unary(_)
+            | Op::UnaryBackward(_)
+            | Op::Binary(_)
+            | Op::BinaryBackward { .. }
+            | Op::Cast(_)
+            | Op::Dropout { .. }
+            | Op::MatMul { .. }
+            | Op::Reduce { .. }
+            | Op::ReduceBackward { .. }
+            | Op::Softmax
+            | Op::SoftmaxBackward
+            | Op::Permute(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::LayerNorm { .. }
+            | Op::LayerNormBackward { .. }
+            | Op::RmsNorm { .. }
+            | Op::RmsNormBackward { .. }
+            | Op::Embedding
+            | Op::EmbeddingBackward { .. }
+            | Op::CrossEntropy { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::Attention(_)
+            | Op::AttentionBackward(_)
+            | Op::Rope { .. }
+            | Op::AdamW(_) => read + written,
+        }
+    }
+
+    /// If output `out` shares its buffer with an input (a view or an in-place update), that
+    /// input's index. The Program's memory accounting and the runtime both follow this.
+    pub fn output_alias(&self, out: usize) -> Option<usize> {
+        match self {
+            Op::Reshape(_) | Op::Expand(_) => Some(0),
+            Op::AdamW(_) => Some(optim::alias(out)),
+            Op::Parameter(_)
+            | Op::Input(_)
+            | Op::OptimizerState { .. }
+            | Op::Fill { .. }
+            | Op::Unary(_)
+            | Op::UnaryBackward(_)
+            | Op::Binary(_)
+            | Op::BinaryBackward { .. }
+            | Op::Cast(_)
+            | Op::Dropout { .. }
+            | Op::MatMul { .. }
+            | Op::Reduce { .. }
+            | Op::ReduceBackward { .. }
+            | Op::Softmax
+            | Op::SoftmaxBackward
+            | Op::Permute(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::LayerNorm { .. }
+            | Op::LayerNormBackward { .. }
+            | Op::RmsNorm { .. }
+            | Op::RmsNormBackward { .. }
+            | Op::Embedding
+            | Op::EmbeddingBackward { .. }
+            | Op::CrossEntropy { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::Attention(_)
+            | Op::AttentionBackward(_)
+            | Op::Rope { .. } => None,
+        }
+    }
+
+    /// Scratch memory the kernel holds while it runs (freed when it returns).
+    pub fn workspace_bytes(&self, x: &[&TensorMeta]) -> u64 {
+        match self {
+            Op::Attention(_) | Op::AttentionBackward(_) => attention::workspace_bytes(x),
+            Op::Parameter(_)
+            | Op::Input(_)
+            | Op::OptimizerState { .. }
+            | Op::Fill { .. }
+            | Op::Unary(_)
+            | Op::UnaryBackward(_)
+            | Op::Binary(_)
+            | Op::BinaryBackward { .. }
+            | Op::Cast(_)
+            | Op::Dropout { .. }
+            | Op::MatMul { .. }
+            | Op::Reduce { .. }
+            | Op::ReduceBackward { .. }
+            | Op::Softmax
+            | Op::SoftmaxBackward
+            | Op::Reshape(_)
+            | Op::Permute(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::Expand(_)
+            | Op::LayerNorm { .. }
+            | Op::LayerNormBackward { .. }
+            | Op::RmsNorm { .. }
+            | Op::RmsNormBackward { .. }
+            | Op::Embedding
+            | Op::EmbeddingBackward { .. }
+            | Op::CrossEntropy { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::Rope { .. }
+            | Op::AdamW(_) => 0,
+        }
+    }
+
+    /// Which inputs can carry a gradient (token ids, targets and seeds cannot).
+    pub fn differentiable_inputs(&self, num_inputs: usize) -> Vec<bool> {
+        let all = |b: bool| vec![b; num_inputs];
+        match self {
+            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. } => {
+                all(false)
+            }
+            Op::Embedding => vec![true, false],
+            Op::CrossEntropy { .. } => vec![true, false],
+            Op::Dropout { .. } => vec![true, false],
+            Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Cast(_)
+            | Op::MatMul { .. }
+            | Op::Reduce { .. }
+            | Op::Softmax
+            | Op::Reshape(_)
+            | Op::Permute(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::Expand(_)
+            | Op::LayerNorm { .. }
+            | Op::RmsNorm { .. }
+            | Op::Attention(_)
+            | Op::Rope { .. } => all(true),
+            // Backward ops and the optimizer are not differentiated again.
+            Op::UnaryBackward(_)
+            | Op::BinaryBackward { .. }
+            | Op::ReduceBackward { .. }
+            | Op::SoftmaxBackward
+            | Op::LayerNormBackward { .. }
+            | Op::RmsNormBackward { .. }
+            | Op::EmbeddingBackward { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::AttentionBackward(_)
+            | Op::AdamW(_) => all(false),
+        }
+    }
+
+    /// Emits the backward nodes of one forward node: the gradient of each input (or `None`)
+    /// given the gradients reaching its outputs.
+    pub(crate) fn vjp(&self, cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Grad>>> {
+        match self {
+            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. } => {
+                Ok(vec![])
+            }
+            Op::Unary(u) => elementwise::vjp_unary(cx, *u),
+            Op::Binary(b) => elementwise::vjp_binary(cx, *b),
+            Op::Cast(_) => elementwise::vjp_cast(cx),
+            Op::Dropout { p, stream } => elementwise::vjp_dropout(cx, *p, *stream),
+            Op::MatMul { trans_a, trans_b } => matmul::vjp(cx, *trans_a, *trans_b),
+            Op::Reduce { op, dims, keepdim } => reduce::vjp_reduce(cx, *op, dims, *keepdim),
+            Op::Softmax => reduce::vjp_softmax(cx),
+            Op::Reshape(_) => layout::vjp_reshape(cx),
+            Op::Permute(p) => layout::vjp_permute(cx, p),
+            Op::Slice { dim, start, end } => layout::vjp_slice(cx, *dim, *start, *end),
+            Op::Pad { dim, before, .. } => layout::vjp_pad(cx, *dim, *before),
+            Op::Concat { dim } => layout::vjp_concat(cx, *dim),
+            Op::Expand(_) => layout::vjp_expand(cx),
+            Op::LayerNorm { eps } => norm::vjp_layer_norm(cx, *eps),
+            Op::RmsNorm { eps } => norm::vjp_rms_norm(cx, *eps),
+            Op::Embedding => embedding::vjp(cx),
+            Op::CrossEntropy { ignore_index } => loss::vjp(cx, *ignore_index),
+            Op::Attention(spec) => attention::vjp(cx, spec),
+            Op::Rope { inv_freq, inverse } => attention::vjp_rope(cx, inv_freq, *inverse),
+            Op::UnaryBackward(_)
+            | Op::BinaryBackward { .. }
+            | Op::ReduceBackward { .. }
+            | Op::SoftmaxBackward
+            | Op::LayerNormBackward { .. }
+            | Op::RmsNormBackward { .. }
+            | Op::EmbeddingBackward { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::AttentionBackward(_)
+            | Op::AdamW(_) => Err(crate::IrError::Graph(format!(
+                "{} has no VJP: backward and optimizer ops are not differentiated again",
+                self.name()
+            ))),
+        }
+    }
+}
+
+/// Shared checks used by the family modules.
+pub(crate) fn expect_inputs(x: &[&TensorMeta], n: usize) -> Result<(), String> {
+    if x.len() == n {
+        Ok(())
+    } else {
+        Err(format!("expects {n} input(s), got {}", x.len()))
+    }
+}
+
+pub(crate) fn expect_float(m: &TensorMeta, what: &str) -> Result<(), String> {
+    if m.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("{what} must be a float tensor, got {}", m.dtype))
+    }
+}
+
+pub(crate) fn expect_int(m: &TensorMeta, what: &str) -> Result<(), String> {
+    if m.dtype.is_int() {
+        Ok(())
+    } else {
+        Err(format!("{what} must be an integer tensor, got {}", m.dtype))
+    }
+}
+
+pub(crate) fn expect_same(a: &TensorMeta, b: &TensorMeta, what: &str) -> Result<(), String> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(format!("{what}: {a} vs {b} must match"))
+    }
+}
