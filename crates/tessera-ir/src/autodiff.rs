@@ -102,7 +102,11 @@ fn finish(b: &mut Builder, t: TensorId, mut p: Pending) -> Result<Option<TensorI
 
 /// Appends the backward pass of `loss` (a scalar) to the builder's graph and returns the
 /// gradient of each tensor in `wrt` (`None` where the loss does not depend on it).
-pub fn gradients(b: &mut Builder, loss: TensorId, wrt: &[TensorId]) -> Result<Vec<Option<TensorId>>> {
+pub fn gradients(
+    b: &mut Builder,
+    loss: TensorId,
+    wrt: &[TensorId],
+) -> Result<Vec<Option<TensorId>>> {
     if b.shape(loss).rank() != 0 || !b.dtype(loss).is_float() {
         return Err(IrError::Graph(format!(
             "the loss must be a float scalar, got {}",
@@ -209,7 +213,13 @@ pub struct TrainConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        TrainConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, max_grad_norm: Some(1.0) }
+        TrainConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            max_grad_norm: Some(1.0),
+        }
     }
 }
 
@@ -237,7 +247,11 @@ pub struct TrainingGraph {
 }
 
 /// Builds the training graph of a forward graph whose scalar `loss` is given.
-pub fn build_training_graph(mut b: Builder, loss: TensorId, cfg: &TrainConfig) -> Result<TrainingGraph> {
+pub fn build_training_graph(
+    mut b: Builder,
+    loss: TensorId,
+    cfg: &TrainConfig,
+) -> Result<TrainingGraph> {
     let params = b.graph.parameters();
     if params.is_empty() {
         return Err(IrError::Graph("the model has no parameters to train".into()));
@@ -292,8 +306,12 @@ pub fn build_training_graph(mut b: Builder, loss: TensorId, cfg: &TrainConfig) -
         slot.m = b.optimizer_state(&format!("{name}.adam_m"), StateKind::AdamM, p, DType::F32);
         slot.v = b.optimizer_state(&format!("{name}.adam_v"), StateKind::AdamV, p, DType::F32);
         if b.dtype(p) != DType::F32 {
-            slot.master =
-                Some(b.optimizer_state(&format!("{name}.master"), StateKind::Master, p, DType::F32));
+            slot.master = Some(b.optimizer_state(
+                &format!("{name}.master"),
+                StateKind::Master,
+                p,
+                DType::F32,
+            ));
         }
         b.set_scope_id(scope);
         let weight_decay = if b.shape(p).rank() >= 2 { cfg.weight_decay } else { 0.0 };

@@ -28,12 +28,24 @@ impl Default for Builder {
 impl Builder {
     pub fn new() -> Builder {
         let graph = Graph::new();
-        Builder { graph, scope_stack: Vec::new(), scope: ScopeId(0), block: None, phase: Phase::Forward }
+        Builder {
+            graph,
+            scope_stack: Vec::new(),
+            scope: ScopeId(0),
+            block: None,
+            phase: Phase::Forward,
+        }
     }
 
     /// Continues building on an existing graph (autodiff appends the backward pass this way).
     pub fn from_graph(graph: Graph) -> Builder {
-        Builder { graph, scope_stack: Vec::new(), scope: ScopeId(0), block: None, phase: Phase::Forward }
+        Builder {
+            graph,
+            scope_stack: Vec::new(),
+            scope: ScopeId(0),
+            block: None,
+            phase: Phase::Forward,
+        }
     }
 
     pub fn finish(self) -> Graph {
@@ -200,19 +212,37 @@ impl Builder {
         self.push1(Op::Cast(dtype), &[x])
     }
     /// Dropout keyed by the step's `seed` input; `stream` must differ between call sites.
-    pub fn dropout(&mut self, x: TensorId, p: f64, seed: TensorId, stream: u64) -> Result<TensorId> {
+    pub fn dropout(
+        &mut self,
+        x: TensorId,
+        p: f64,
+        seed: TensorId,
+        stream: u64,
+    ) -> Result<TensorId> {
         self.push1(Op::Dropout { p, stream }, &[x, seed])
     }
 
     // ---- linear algebra -----------------------------------------------------------------
 
-    pub fn matmul(&mut self, a: TensorId, b: TensorId, trans_a: bool, trans_b: bool) -> Result<TensorId> {
+    pub fn matmul(
+        &mut self,
+        a: TensorId,
+        b: TensorId,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<TensorId> {
         self.push1(Op::MatMul { trans_a, trans_b }, &[a, b])
     }
 
     // ---- reductions ---------------------------------------------------------------------
 
-    pub fn reduce(&mut self, op: ReduceOp, x: TensorId, dims: &[usize], keepdim: bool) -> Result<TensorId> {
+    pub fn reduce(
+        &mut self,
+        op: ReduceOp,
+        x: TensorId,
+        dims: &[usize],
+        keepdim: bool,
+    ) -> Result<TensorId> {
         self.push1(Op::Reduce { op, dims: dims.to_vec(), keepdim }, &[x])
     }
     pub fn softmax(&mut self, x: TensorId) -> Result<TensorId> {
@@ -249,7 +279,13 @@ impl Builder {
     pub fn slice(&mut self, x: TensorId, dim: usize, start: usize, end: usize) -> Result<TensorId> {
         self.push1(Op::Slice { dim, start, end }, &[x])
     }
-    pub fn pad(&mut self, x: TensorId, dim: usize, before: usize, after: usize) -> Result<TensorId> {
+    pub fn pad(
+        &mut self,
+        x: TensorId,
+        dim: usize,
+        before: usize,
+        after: usize,
+    ) -> Result<TensorId> {
         self.push1(Op::Pad { dim, before, after }, &[x])
     }
     pub fn concat(&mut self, xs: &[TensorId], dim: usize) -> Result<TensorId> {
@@ -261,7 +297,13 @@ impl Builder {
 
     // ---- neural-network ops -------------------------------------------------------------
 
-    pub fn layer_norm(&mut self, x: TensorId, w: TensorId, b: TensorId, eps: f64) -> Result<TensorId> {
+    pub fn layer_norm(
+        &mut self,
+        x: TensorId,
+        w: TensorId,
+        b: TensorId,
+        eps: f64,
+    ) -> Result<TensorId> {
         self.push1(Op::LayerNorm { eps }, &[x, w, b])
     }
     pub fn rms_norm(&mut self, x: TensorId, w: TensorId, eps: f64) -> Result<TensorId> {
@@ -280,7 +322,13 @@ impl Builder {
         Ok(self.push(Op::CrossEntropy { ignore_index }, &[logits, targets])?[0])
     }
     /// Fused attention on `[B,S,H,D]` operands; returns the output.
-    pub fn attention(&mut self, q: TensorId, k: TensorId, v: TensorId, spec: AttentionSpec) -> Result<TensorId> {
+    pub fn attention(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        spec: AttentionSpec,
+    ) -> Result<TensorId> {
         Ok(self.push(Op::Attention(spec), &[q, k, v])?[0])
     }
     pub fn rope(&mut self, x: TensorId, inv_freq: &[f64]) -> Result<TensorId> {

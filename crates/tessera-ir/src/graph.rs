@@ -167,10 +167,7 @@ impl Graph {
     /// Finds a leaf (parameter or input) by its full name.
     pub fn find_leaf(&self, name: &str) -> Option<TensorId> {
         let scope = *self.scope_index.get(name)?;
-        self.nodes
-            .iter()
-            .find(|n| n.scope == scope && n.op.is_leaf())
-            .map(|n| n.outputs[0])
+        self.nodes.iter().find(|n| n.scope == scope && n.op.is_leaf()).map(|n| n.outputs[0])
     }
 
     /// Rebuilds the scope lookup table after deserialisation.

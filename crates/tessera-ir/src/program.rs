@@ -153,7 +153,8 @@ impl Program {
 
         let mut instrs = Vec::with_capacity(g.nodes.len() * 2);
         for (i, node) in g.nodes.iter().enumerate() {
-            let bound = matches!(node.op, Op::Parameter(_) | Op::OptimizerState { .. } | Op::Input(_));
+            let bound =
+                matches!(node.op, Op::Parameter(_) | Op::OptimizerState { .. } | Op::Input(_));
             if !bound {
                 instrs.push(Instr::Run(NodeId(i as u32)));
             }
@@ -161,10 +162,8 @@ impl Program {
                 instrs.push(Instr::Free(b));
             }
         }
-        let live_in: Vec<TensorId> = (0..nt)
-            .filter(|&t| resident[t] || is_input[t])
-            .map(|t| TensorId(t as u32))
-            .collect();
+        let live_in: Vec<TensorId> =
+            (0..nt).filter(|&t| resident[t] || is_input[t]).map(|t| TensorId(t as u32)).collect();
         let live_out: Vec<TensorId> = (0..nt)
             .filter(|&t| keep[t] && buffer_of[t].index() == t)
             .map(|t| TensorId(t as u32))

@@ -75,6 +75,11 @@ pub(crate) fn workspace_bytes(x: &[&TensorMeta]) -> u64 {
 }
 
 pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &AttentionSpec) -> Result<Vec<Option<Grad>>> {
+    if cx.dout[1].is_some() {
+        return Err(crate::IrError::Graph(
+            "attention's logsumexp output is saved for the backward pass and has no VJP".into(),
+        ));
+    }
     let dout = cx.dy(0)?;
     let g = cx.b.push(
         Op::AttentionBackward(spec.clone()),

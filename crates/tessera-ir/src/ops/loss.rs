@@ -38,10 +38,15 @@ pub(crate) fn flops_backward(x: &[&TensorMeta]) -> Flops {
 }
 
 pub(crate) fn vjp(cx: &mut VjpCtx<'_>, ignore_index: Option<i64>) -> Result<Vec<Option<Grad>>> {
+    if cx.dout[1].is_some() {
+        return Err(crate::IrError::Graph(
+            "cross_entropy's logsumexp output is saved for the backward pass and has no VJP; \
+             a loss that uses it (e.g. a z-loss) needs its own logsumexp"
+                .into(),
+        ));
+    }
     let dloss = cx.dy(0)?;
-    let g = cx.b.push1(
-        Op::CrossEntropyBackward { ignore_index },
-        &[cx.x(0), cx.x(1), cx.y(1), dloss],
-    )?;
+    let g =
+        cx.b.push1(Op::CrossEntropyBackward { ignore_index }, &[cx.x(0), cx.x(1), cx.y(1), dloss])?;
     Ok(vec![Some(Grad::Full(g)), None])
 }

@@ -104,9 +104,15 @@ pub enum Op {
     /// Data fed each step: token ids, labels, pixels, the learning rate, the RNG seed.
     Input(TensorMeta),
     /// Optimizer state of the parameter given as the node's only input.
-    OptimizerState { kind: StateKind, meta: TensorMeta },
+    OptimizerState {
+        kind: StateKind,
+        meta: TensorMeta,
+    },
     /// A constant tensor with every element equal to `value`.
-    Fill { value: f64, meta: TensorMeta },
+    Fill {
+        value: f64,
+        meta: TensorMeta,
+    },
 
     // ---- elementwise --------------------------------------------------------------------
     Unary(UnaryOp),
@@ -116,22 +122,39 @@ pub enum Op {
     Binary(BinaryOp),
     /// Inputs `[a, b, dy]` → gradient w.r.t. operand `wrt` (0 = a, 1 = b), in the broadcast
     /// output shape. Used where the rule needs the operands (div, max, min).
-    BinaryBackward { op: BinaryOp, wrt: u8 },
+    BinaryBackward {
+        op: BinaryOp,
+        wrt: u8,
+    },
     Cast(DType),
     /// Inputs `[x, seed]` (seed an i64 scalar). Zeroes each element with probability `p` by a
     /// counter-based hash of (seed, stream, element index), scaling the rest by 1/(1-p): nothing
     /// is stored for backward, which re-applies the same mask to the gradient.
-    Dropout { p: f64, stream: u64 },
+    Dropout {
+        p: f64,
+        stream: u64,
+    },
 
     // ---- linear algebra -----------------------------------------------------------------
     /// Batched matmul `[.., m, k] x [.., k, n]` with broadcast batch dims; `trans_*` reads an
     /// operand as its last two dims swapped (no transpose is materialised).
-    MatMul { trans_a: bool, trans_b: bool },
+    MatMul {
+        trans_a: bool,
+        trans_b: bool,
+    },
 
     // ---- reductions ---------------------------------------------------------------------
-    Reduce { op: ReduceOp, dims: Vec<usize>, keepdim: bool },
+    Reduce {
+        op: ReduceOp,
+        dims: Vec<usize>,
+        keepdim: bool,
+    },
     /// Inputs `[x, dy]` → dx for the matching `Reduce`.
-    ReduceBackward { op: ReduceOp, dims: Vec<usize>, keepdim: bool },
+    ReduceBackward {
+        op: ReduceOp,
+        dims: Vec<usize>,
+        keepdim: bool,
+    },
     /// Softmax over the last dim.
     Softmax,
     /// Inputs `[y, dy]` → dx.
@@ -141,31 +164,55 @@ pub enum Op {
     /// Same elements, new shape (a view: no new buffer).
     Reshape(Shape),
     Permute(Vec<usize>),
-    Slice { dim: usize, start: usize, end: usize },
+    Slice {
+        dim: usize,
+        start: usize,
+        end: usize,
+    },
     /// Zero padding along one dim (the VJP of `Slice`).
-    Pad { dim: usize, before: usize, after: usize },
-    Concat { dim: usize },
+    Pad {
+        dim: usize,
+        before: usize,
+        after: usize,
+    },
+    Concat {
+        dim: usize,
+    },
     /// Broadcast to a larger shape (a view: no new buffer).
     Expand(Shape),
 
     // ---- neural-network ops -------------------------------------------------------------
     /// Inputs `[x, weight, bias]`, normalises the last dim.
-    LayerNorm { eps: f64 },
+    LayerNorm {
+        eps: f64,
+    },
     /// Inputs `[x, weight, dy]` → `[dx, dweight, dbias]`.
-    LayerNormBackward { eps: f64 },
+    LayerNormBackward {
+        eps: f64,
+    },
     /// Inputs `[x, weight]`, normalises the last dim.
-    RmsNorm { eps: f64 },
+    RmsNorm {
+        eps: f64,
+    },
     /// Inputs `[x, weight, dy]` → `[dx, dweight]`.
-    RmsNormBackward { eps: f64 },
+    RmsNormBackward {
+        eps: f64,
+    },
     /// Inputs `[table [V, D], ids [..]]` → `[.., D]`.
     Embedding,
     /// Inputs `[ids, dy]` → scatter-add into `[num_embeddings, D]`.
-    EmbeddingBackward { num_embeddings: usize },
+    EmbeddingBackward {
+        num_embeddings: usize,
+    },
     /// Inputs `[logits [.., V], targets [..]]` → `[mean loss [] f32, logsumexp [..] f32]`.
     /// Targets equal to `ignore_index` are left out of the mean.
-    CrossEntropy { ignore_index: Option<i64> },
+    CrossEntropy {
+        ignore_index: Option<i64>,
+    },
     /// Inputs `[logits, targets, logsumexp, dloss]` → dlogits.
-    CrossEntropyBackward { ignore_index: Option<i64> },
+    CrossEntropyBackward {
+        ignore_index: Option<i64>,
+    },
     /// Fused attention. Inputs `q [B,S,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D]` with H a multiple
     /// of Hkv (GQA) → `[out [B,S,H,D], logsumexp [B,H,S] f32]`. No S×T matrix is saved.
     Attention(AttentionSpec),
@@ -173,11 +220,28 @@ pub enum Op {
     AttentionBackward(AttentionSpec),
     /// Rotary position embedding on `[B,S,H,D]` (rotate-half layout, positions 0..S), with one
     /// inverse frequency per pair; `inverse` rotates by −θ (its VJP).
-    Rope { inv_freq: Vec<f64>, inverse: bool },
+    Rope {
+        inv_freq: Vec<f64>,
+        inverse: bool,
+    },
 
     // ---- optimizer ----------------------------------------------------------------------
     /// Inputs `[param, grad, m, v, lr, step, grad_norm]` plus `master` under mixed precision;
     /// updates in place, outputs `[param', m', v']` (+ `master'`) alias their inputs.
+    ///
+    /// Per element, with `step` 1-based and all arithmetic in f32 or wider:
+    ///
+    /// ```text
+    /// c  = min(1, max_grad_norm / (grad_norm + 1e-6))   if max_grad_norm is Some, else 1
+    /// g  = c · grad
+    /// w  = master if present, else param
+    /// m' = β1·m + (1 − β1)·g
+    /// v' = β2·v + (1 − β2)·g²
+    /// m̂  = m' / (1 − β1^step)
+    /// v̂  = v' / (1 − β2^step)
+    /// w' = w − lr·(m̂ / (sqrt(v̂) + eps) + weight_decay·w)
+    /// param' = w'   (rounded to param's dtype);   master' = w'   when present
+    /// ```
     AdamW(AdamWSpec),
 }
 
@@ -249,9 +313,7 @@ impl Op {
     /// Output metas for the given input metas, or the reason they do not fit.
     pub fn infer(&self, x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
         match self {
-            Op::Parameter(m) | Op::Input(m) | Op::Fill { meta: m, .. } => {
-                leaf::infer(x, m, 0)
-            }
+            Op::Parameter(m) | Op::Input(m) | Op::Fill { meta: m, .. } => leaf::infer(x, m, 0),
             Op::OptimizerState { meta, .. } => leaf::infer(x, meta, 1),
             Op::Unary(_) => elementwise::infer_unary(x),
             Op::UnaryBackward(_) => elementwise::infer_unary_backward(x),

@@ -1,0 +1,38 @@
+//! `tessera`: the command-line front end. Library crates return typed errors; here they
+//! become one `error: ...` line on stderr and a non-zero exit (never a panic). Machine-readable
+//! output (`--format json`) is the only thing written to stdout.
+
+mod format;
+mod profile_cmd;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Automatic parallel training of large models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// FLOPs and memory of one training step, computed symbolically (no tensor is allocated).
+    Profile(profile_cmd::ProfileArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Profile(args) => profile_cmd::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the error and its causes, outermost first.
+            let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            eprintln!("error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! `tessera profile`: build the model's training step, lower it, and profile it.
+
+use crate::format::{bytes, count, grouped};
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use serde_json::json;
+use std::time::Instant;
+use tessera_ir::{build_training_graph, DType, Program, TrainConfig};
+use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_profile::{profile, simulate_memory};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    Table,
+    Json,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// fp32 weights, activations, gradients and AdamW state.
+    Fp32,
+    /// bf16 weights, activations and gradients; fp32 master weights and AdamW state.
+    Bf16,
+}
+
+impl Precision {
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct ProfileArgs {
+    /// A preset (gpt2, llama2-7b, ...), a Hugging Face config.json, or a directory holding one.
+    #[arg(long, default_value = "gpt2")]
+    pub model: String,
+    /// Global batch: sequences per training step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Sequence length (ignored by ViT, whose length is set by the image and patch size).
+    #[arg(long, default_value_t = 1024)]
+    pub seq: usize,
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub dtype: Precision,
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    pub format: OutputFormat,
+    /// Also write the memory timeline (instruction, live bytes) as CSV to this file.
+    #[arg(long)]
+    pub timeline: Option<std::path::PathBuf>,
+}
+
+/// `writeln!` into a `String` (which cannot fail).
+macro_rules! outln {
+    ($out:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($out, $($arg)*);
+    }};
+}
+
+/// Writes to stdout; a closed pipe (`tessera profile | head`) is not an error.
+pub fn print_stdout(text: &str) -> Result<()> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+pub fn run(args: &ProfileArgs) -> Result<()> {
+    let start = Instant::now();
+    let cfg = ModelConfig::resolve(&args.model)?;
+    let opts = BuildOptions { batch: args.batch, seq: args.seq, dtype: args.dtype.dtype() };
+    let model = build(&cfg, &opts)?;
+    let seq = model.seq;
+    let train = build_training_graph(model.builder, model.loss, &TrainConfig::default())
+        .context("building the training graph")?;
+    let program = Program::lower(train);
+    let prof = profile(&program);
+    let profile_ms = start.elapsed().as_secs_f64() * 1e3;
+
+    if let Some(path) = &args.timeline {
+        let trace = simulate_memory(&program);
+        let mut csv = String::from("instr,live_bytes\n");
+        for p in &trace.timeline {
+            csv.push_str(&format!("{},{}\n", p.instr, p.live_bytes));
+        }
+        write_atomic(path, csv.as_bytes())?;
+    }
+
+    let m = &prof.memory;
+    let f = &prof.flops;
+    let mut out = String::new();
+    match args.format {
+        OutputFormat::Json => {
+            let by_role: serde_json::Map<String, serde_json::Value> =
+                m.peak_by_role.iter().map(|(r, b)| (r.name().to_string(), json!(b))).collect();
+            let doc = json!({
+                "model": cfg.name(),
+                "batch": args.batch,
+                "seq": seq,
+                "dtype": format!("{:?}", args.dtype).to_lowercase(),
+                "params": prof.params,
+                "flops": f,
+                "memory": {
+                    "params_bytes": m.params_bytes,
+                    "grads_bytes": m.grads_bytes,
+                    "optimizer_bytes": m.optimizer_bytes,
+                    "activations_bytes": m.activations_bytes,
+                    "inputs_bytes": m.inputs_bytes,
+                    "peak_bytes": m.peak_bytes,
+                    "resting_bytes": m.resting_bytes,
+                    "max_workspace_bytes": m.max_workspace_bytes,
+                    "peak_by_role": by_role,
+                    "live_at_peak": m.live_at_peak,
+                    "activations_by_block": m.activations_by_block,
+                },
+                "graph": {
+                    "nodes": program.graph().nodes.len(),
+                    "tensors": program.graph().tensors.len(),
+                    "instructions": program.instrs.len(),
+                },
+                "profile_ms": profile_ms,
+            });
+            print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
+        }
+        OutputFormat::Table => {
+            outln!(out, 
+                "{} · batch {} · seq {} · {:?} · {} parameters",
+                cfg.name(),
+                args.batch,
+                seq,
+                args.dtype,
+                grouped(prof.params)
+            );
+            out.push('\n');
+            outln!(out, "FLOPs per step");
+            outln!(out, "  forward    {:>14}", count(f.forward));
+            outln!(out, "  backward   {:>14}", count(f.backward));
+            outln!(out, "  optimizer  {:>14}", count(f.optimizer));
+            outln!(out, "  total      {:>14}", count(f.total));
+            outln!(out, "  matmul     {:>14}   (matmuls + attention, fwd + bwd)", count(f.matmul));
+            out.push('\n');
+            outln!(out, "Memory (one device, no sharding)");
+            outln!(out, "  parameters         {:>12}", bytes(m.params_bytes));
+            outln!(out, "  gradients          {:>12}", bytes(m.grads_bytes));
+            outln!(out, "  optimizer state    {:>12}", bytes(m.optimizer_bytes));
+            outln!(out, "  saved activations  {:>12}", bytes(m.activations_bytes));
+            outln!(out, "  inputs             {:>12}", bytes(m.inputs_bytes));
+            outln!(out, "  peak               {:>12}", bytes(m.peak_bytes));
+            out.push('\n');
+            outln!(out, "Live at the peak (instruction {} of {}):", m.peak_instr, program.instrs.len());
+            for (role, b) in m.peak_by_role.iter().filter(|(_, b)| *b > 0) {
+                outln!(out, "  {:<20} {:>12}", role.name(), bytes(*b));
+            }
+            outln!(out, "Largest groups live at the peak:");
+            for grp in m.live_at_peak.iter().take(8) {
+                outln!(out, 
+                    "  {:>12}  {:<18} {} ({} buffer{})",
+                    bytes(grp.bytes),
+                    grp.role.name(),
+                    if grp.scope.is_empty() { "<root>" } else { &grp.scope },
+                    grp.buffers,
+                    if grp.buffers == 1 { "" } else { "s" }
+                );
+            }
+            out.push('\n');
+            outln!(out, "profiled in {profile_ms:.1} ms");
+            print_stdout(&out)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `data` to `path` through a temporary file and a rename, so a reader never sees a
+/// half-written file and an interrupted write leaves the old one intact.
+pub fn write_atomic(path: &std::path::Path, data: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!(
+        "{}.tmp",
+        path.extension().and_then(|e| e.to_str()).unwrap_or("")
+    ));
+    std::fs::write(&tmp, data).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}

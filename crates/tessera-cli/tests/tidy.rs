@@ -1,0 +1,97 @@
+//! Code health as a test: the architecture's invariants (ARCHITECTURE.md) are checked here,
+//! not just written down.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
+}
+
+/// Workspace crate → its normal (non-dev) dependencies, from `cargo metadata`.
+fn dependency_graph() -> BTreeMap<String, BTreeSet<String>> {
+    let out = Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
+        .current_dir(workspace_root())
+        .output()
+        .expect("cargo metadata runs");
+    assert!(out.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata is JSON");
+    let mut graph = BTreeMap::new();
+    for pkg in meta["packages"].as_array().expect("packages") {
+        let name = pkg["name"].as_str().expect("name").to_string();
+        let deps = pkg["dependencies"]
+            .as_array()
+            .expect("dependencies")
+            .iter()
+            .filter(|d| d["kind"].is_null()) // normal dependencies only
+            .map(|d| d["name"].as_str().expect("dep name").to_string())
+            .collect();
+        graph.insert(name, deps);
+    }
+    graph
+}
+
+#[test]
+fn crates_depend_only_downwards() {
+    let graph = dependency_graph();
+    // What each crate may depend on inside the workspace (ARCHITECTURE.md, "Invariants").
+    let allowed: BTreeMap<&str, &[&str]> = BTreeMap::from([
+        ("tessera-ir", &[][..]),
+        ("tessera-models", &["tessera-ir"][..]),
+        ("tessera-profile", &["tessera-ir"][..]),
+        ("tessera-cli", &["tessera-ir", "tessera-models", "tessera-profile"][..]),
+    ]);
+    for (krate, deps) in &graph {
+        let Some(ok) = allowed.get(krate.as_str()) else {
+            panic!("crate {krate} is not listed in the layering table of tidy.rs / ARCHITECTURE.md");
+        };
+        for d in deps.iter().filter(|d| d.starts_with("tessera")) {
+            assert!(ok.contains(&d.as_str()), "{krate} must not depend on {d}");
+        }
+    }
+}
+
+#[test]
+fn ir_profiler_and_models_never_touch_a_tensor_library() {
+    let graph = dependency_graph();
+    for krate in ["tessera-ir", "tessera-models", "tessera-profile"] {
+        for d in &graph[krate] {
+            for banned in ["candle", "tch", "ndarray", "cudarc", "burn"] {
+                assert!(!d.starts_with(banned), "{krate} depends on tensor library {d}");
+            }
+        }
+    }
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("readable dir") {
+        let path = entry.expect("entry").path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn every_source_file_opens_with_a_module_doc() {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(workspace_root().join("crates")).expect("crates dir") {
+        let src = entry.expect("entry").path().join("src");
+        if src.is_dir() {
+            rust_files(&src, &mut files);
+        }
+    }
+    assert!(files.len() > 10, "found only {} source files", files.len());
+    let missing: Vec<_> = files
+        .iter()
+        .filter(|f| {
+            let text = std::fs::read_to_string(f).expect("utf-8 source");
+            !text.trim_start().starts_with("//!")
+        })
+        .collect();
+    assert!(missing.is_empty(), "files without a `//!` module doc: {missing:?}");
+}

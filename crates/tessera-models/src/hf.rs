@@ -1,0 +1,433 @@
+//! Hugging Face `config.json` import.
+//!
+//! Required: the architecture dims (vocab, hidden size, layers, heads, the MLP width where the
+//! architecture has one, and the learned position table's length). Everything else takes the
+//! defaults of the matching `transformers` config class. Both key generations are read:
+//! `rope_theta` + `rope_scaling` + `torch_dtype` (transformers 4.x) and `rope_parameters` +
+//! `dtype` (5.x). A JSON `null` counts as absent, except Mistral's `sliding_window`, where
+//! null means "no window" and absence means the class default (4096).
+
+use crate::config::*;
+use crate::error::{ModelError, Result};
+use crate::rope::{RopeScaling, SUPPORTED_ROPE_TYPES};
+use crate::ModelConfig;
+use serde_json::{Map, Value};
+use tessera_ir::DType;
+
+/// The `model_type` values [`parse`] understands.
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["gpt2", "llama", "mistral", "qwen2", "bert", "vit", "mlp"];
+
+/// Parses a config.json's `text`; `origin` names it in errors, `fallback_name` names the model
+/// when the file has no `_name_or_path`.
+pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Result<ModelConfig> {
+    let value: Value = serde_json::from_str(text).map_err(|e| {
+        let full = e.to_string();
+        let suffix = format!(" at line {} column {}", e.line(), e.column());
+        ModelError::Json {
+            path: origin.to_string(),
+            line: e.line(),
+            column: e.column(),
+            message: full.strip_suffix(&suffix).unwrap_or(&full).to_string(),
+        }
+    })?;
+    let Value::Object(map) = &value else {
+        return Err(ModelError::invalid(
+            origin,
+            format!("must be a JSON object of settings, got {}", json_kind(&value)),
+        ));
+    };
+    let model_type = match map.get("model_type") {
+        Some(Value::String(s)) => s.as_str(),
+        None | Some(Value::Null) => {
+            return Err(ModelError::MissingField {
+                model_type: String::new(),
+                field: "model_type".into(),
+            })
+        }
+        Some(other) => {
+            return Err(ModelError::invalid(
+                "model_type",
+                format!("must be a string such as \"llama\", got {}", json_kind(other)),
+            ))
+        }
+    };
+    let f = Fields { map, model_type, prefix: "" };
+    let name = match f.str("_name_or_path")? {
+        Some(n) if !n.is_empty() => n.to_string(),
+        _ => fallback_name.unwrap_or(model_type).to_string(),
+    };
+    match model_type {
+        "gpt2" => gpt2(&f, name),
+        "llama" => llama(&f, name, LlamaVariant::Llama),
+        "mistral" => llama(&f, name, LlamaVariant::Mistral),
+        "qwen2" => llama(&f, name, LlamaVariant::Qwen2),
+        "bert" => bert(&f, name),
+        "vit" => vit(&f, name),
+        "mlp" => mlp(&f, name),
+        other => Err(ModelError::UnknownModelType {
+            found: other.to_string(),
+            supported: SUPPORTED_MODEL_TYPES.join(", "),
+        }),
+    }
+}
+
+fn gpt2(f: &Fields, name: String) -> Result<ModelConfig> {
+    let n_embd = f.req_usize(&["n_embd", "hidden_size"])?;
+    let mut p = Gpt2Params::new(
+        name,
+        f.req_usize(&["vocab_size"])?,
+        f.req_usize(&["n_positions", "max_position_embeddings"])?,
+        n_embd,
+        f.req_usize(&["n_layer", "num_hidden_layers"])?,
+        f.req_usize(&["n_head", "num_attention_heads"])?,
+    );
+    f.set_usize("n_inner", &mut p.n_inner)?;
+    f.set_activation("activation_function", &mut p.activation_function)?;
+    f.set_f64("layer_norm_epsilon", &mut p.layer_norm_epsilon)?;
+    f.set_f64("embd_pdrop", &mut p.embd_pdrop)?;
+    f.set_f64("resid_pdrop", &mut p.resid_pdrop)?;
+    f.set_f64("attn_pdrop", &mut p.attn_pdrop)?;
+    f.set_bool("scale_attn_weights", &mut p.scale_attn_weights)?;
+    f.set_bool("scale_attn_by_inverse_layer_idx", &mut p.scale_attn_by_inverse_layer_idx)?;
+    f.set_bool("tie_word_embeddings", &mut p.tie_word_embeddings)?;
+    p.dtype = f.dtype()?;
+    Ok(ModelConfig::Gpt2(Gpt2Config::new(p)?))
+}
+
+fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig> {
+    let mut p = LlamaParams::new(
+        variant,
+        name,
+        f.req_usize(&["vocab_size"])?,
+        f.req_usize(&["hidden_size"])?,
+        f.req_usize(&["intermediate_size"])?,
+        f.req_usize(&["num_hidden_layers"])?,
+        f.req_usize(&["num_attention_heads"])?,
+    );
+    f.set_usize("num_key_value_heads", &mut p.num_key_value_heads)?;
+    p.head_dim = f.usize("head_dim")?;
+    f.set_usize("max_position_embeddings", &mut p.max_position_embeddings)?;
+    f.set_activation("hidden_act", &mut p.hidden_act)?;
+    f.set_f64("rms_norm_eps", &mut p.rms_norm_eps)?;
+    f.set_bool("tie_word_embeddings", &mut p.tie_word_embeddings)?;
+    (p.rope_theta, p.rope_scaling) = rope(f)?;
+    match variant {
+        LlamaVariant::Llama => {
+            let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
+            p.qkv_bias = attention_bias;
+            p.o_bias = attention_bias;
+            f.set_bool("mlp_bias", &mut p.mlp_bias)?;
+        }
+        LlamaVariant::Mistral => {
+            p.sliding_window = match f.map.get("sliding_window") {
+                None => Some(4096),
+                Some(Value::Null) => None,
+                Some(_) => f.usize("sliding_window")?,
+            };
+        }
+        LlamaVariant::Qwen2 => {
+            p.sliding_window = if f.bool("use_sliding_window")?.unwrap_or(false) {
+                match f.map.get("sliding_window") {
+                    None => Some(4096),
+                    Some(_) => f.usize("sliding_window")?,
+                }
+            } else {
+                None
+            };
+            f.set_usize("max_window_layers", &mut p.sliding_window_from_layer)?;
+        }
+    }
+    p.dtype = f.dtype()?;
+    Ok(ModelConfig::Llama(LlamaConfig::new(p)?))
+}
+
+/// `(rope_theta, scaling)` from `rope_parameters` (transformers 5) or `rope_theta` +
+/// `rope_scaling` (4.x).
+fn rope(f: &Fields) -> Result<(f64, RopeScaling)> {
+    if let Some(map) = f.object("rope_parameters")? {
+        let rp = Fields { map, model_type: f.model_type, prefix: "rope_parameters." };
+        let theta = match rp.f64("rope_theta")? {
+            Some(t) => t,
+            None => f.f64("rope_theta")?.unwrap_or(10000.0),
+        };
+        return Ok((theta, rope_scaling(&rp)?));
+    }
+    let theta = f.f64("rope_theta")?.unwrap_or(10000.0);
+    let scaling = match f.object("rope_scaling")? {
+        None => RopeScaling::Default,
+        Some(map) => rope_scaling(&Fields { map, model_type: f.model_type, prefix: "rope_scaling." })?,
+    };
+    Ok((theta, scaling))
+}
+
+fn rope_scaling(f: &Fields) -> Result<RopeScaling> {
+    let kind = match f.str("rope_type")? {
+        Some(k) => k,
+        None => f.str("type")?.unwrap_or("default"),
+    };
+    Ok(match kind {
+        "default" => RopeScaling::Default,
+        "linear" => RopeScaling::Linear { factor: f.req_f64("factor")? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: f.req_f64("factor")?,
+            low_freq_factor: f.req_f64("low_freq_factor")?,
+            high_freq_factor: f.req_f64("high_freq_factor")?,
+            original_max_position_embeddings: f.req_usize(&["original_max_position_embeddings"])?,
+        },
+        other => {
+            return Err(ModelError::Unsupported {
+                what: format!("{}rope_type", f.prefix),
+                found: other.to_string(),
+                supported: SUPPORTED_ROPE_TYPES.to_string(),
+            })
+        }
+    })
+}
+
+fn bert(f: &Fields, name: String) -> Result<ModelConfig> {
+    let mut p = BertParams::new(
+        name,
+        f.req_usize(&["vocab_size"])?,
+        f.req_usize(&["hidden_size"])?,
+        f.req_usize(&["num_hidden_layers"])?,
+        f.req_usize(&["num_attention_heads"])?,
+        f.req_usize(&["intermediate_size"])?,
+        f.req_usize(&["max_position_embeddings"])?,
+    );
+    f.set_usize("type_vocab_size", &mut p.type_vocab_size)?;
+    f.set_activation("hidden_act", &mut p.hidden_act)?;
+    f.set_f64("layer_norm_eps", &mut p.layer_norm_eps)?;
+    f.set_f64("hidden_dropout_prob", &mut p.hidden_dropout_prob)?;
+    f.set_f64("attention_probs_dropout_prob", &mut p.attention_probs_dropout_prob)?;
+    f.set_bool("tie_word_embeddings", &mut p.tie_word_embeddings)?;
+    if let Some(kind) = f.str("position_embedding_type")? {
+        if kind != "absolute" {
+            return Err(ModelError::Unsupported {
+                what: "position_embedding_type".into(),
+                found: kind.to_string(),
+                supported: "absolute".into(),
+            });
+        }
+    }
+    p.dtype = f.dtype()?;
+    Ok(ModelConfig::Bert(BertConfig::new(p)?))
+}
+
+fn vit(f: &Fields, name: String) -> Result<ModelConfig> {
+    let mut p = VitParams::new(
+        name,
+        f.req_usize(&["hidden_size"])?,
+        f.req_usize(&["num_hidden_layers"])?,
+        f.req_usize(&["num_attention_heads"])?,
+        f.req_usize(&["intermediate_size"])?,
+    );
+    f.set_activation("hidden_act", &mut p.hidden_act)?;
+    f.set_f64("layer_norm_eps", &mut p.layer_norm_eps)?;
+    f.set_f64("hidden_dropout_prob", &mut p.hidden_dropout_prob)?;
+    f.set_f64("attention_probs_dropout_prob", &mut p.attention_probs_dropout_prob)?;
+    f.set_usize("num_channels", &mut p.num_channels)?;
+    f.set_bool("qkv_bias", &mut p.qkv_bias)?;
+    if let Some(hw) = f.pair("image_size")? {
+        p.image_size = hw;
+    }
+    if let Some(hw) = f.pair("patch_size")? {
+        p.patch_size = hw;
+    }
+    // As PretrainedConfig: `id2label` decides the label count when present.
+    p.num_labels = match f.object("id2label")? {
+        Some(labels) => labels.len(),
+        None => f.usize("num_labels")?.unwrap_or(2),
+    };
+    p.dtype = f.dtype()?;
+    Ok(ModelConfig::Vit(VitConfig::new(p)?))
+}
+
+fn mlp(f: &Fields, name: String) -> Result<ModelConfig> {
+    let input_dim = f.req_usize(&["input_dim"])?;
+    let hidden = match f.value("hidden_dims") {
+        None => return Err(f.missing("hidden_dims")),
+        Some(Value::Array(items)) => items,
+        Some(other) => {
+            return Err(ModelError::invalid(
+                "hidden_dims",
+                format!("must be an array of layer widths such as [1024, 1024], got {}", json_kind(other)),
+            ))
+        }
+    };
+    let hidden_dims =
+        hidden.iter().map(|v| as_usize(v, "hidden_dims")).collect::<Result<Vec<_>>>()?;
+    let num_classes = f.req_usize(&["num_classes"])?;
+    let p = MlpParams { name, input_dim, hidden_dims, num_classes, dtype: f.dtype()? };
+    Ok(ModelConfig::Mlp(MlpConfig::new(p)?))
+}
+
+// ---- typed field access ----------------------------------------------------------------------
+
+/// One JSON object's fields, with errors naming `prefix + key`.
+struct Fields<'a> {
+    map: &'a Map<String, Value>,
+    model_type: &'a str,
+    prefix: &'a str,
+}
+
+impl<'a> Fields<'a> {
+    /// The value at `key`; absent and `null` both read as `None`.
+    fn value(&self, key: &str) -> Option<&'a Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn missing(&self, key: &str) -> ModelError {
+        ModelError::MissingField {
+            model_type: self.model_type.to_string(),
+            field: format!("{}{key}", self.prefix),
+        }
+    }
+
+    fn wrong(&self, key: &str, expected: &str, v: &Value) -> ModelError {
+        ModelError::invalid(
+            format!("{}{key}", self.prefix),
+            format!("must be {expected}, got {}", json_kind(v)),
+        )
+    }
+
+    fn usize(&self, key: &str) -> Result<Option<usize>> {
+        self.value(key).map(|v| as_usize(v, &format!("{}{key}", self.prefix))).transpose()
+    }
+
+    /// The first of `keys` present (aliases); a missing-field error names the first.
+    fn req_usize(&self, keys: &[&str]) -> Result<usize> {
+        for key in keys {
+            if let Some(v) = self.usize(key)? {
+                return Ok(v);
+            }
+        }
+        Err(self.missing(keys.first().copied().unwrap_or("?")))
+    }
+
+    fn set_usize(&self, key: &str, dst: &mut usize) -> Result<()> {
+        if let Some(v) = self.usize(key)? {
+            *dst = v;
+        }
+        Ok(())
+    }
+
+    fn f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.wrong(key, "a number", v)),
+        }
+    }
+
+    fn req_f64(&self, key: &str) -> Result<f64> {
+        self.f64(key)?.ok_or_else(|| self.missing(key))
+    }
+
+    fn set_f64(&self, key: &str, dst: &mut f64) -> Result<()> {
+        if let Some(v) = self.f64(key)? {
+            *dst = v;
+        }
+        Ok(())
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.wrong(key, "true or false", v)),
+        }
+    }
+
+    fn set_bool(&self, key: &str, dst: &mut bool) -> Result<()> {
+        if let Some(v) = self.bool(key)? {
+            *dst = v;
+        }
+        Ok(())
+    }
+
+    fn str(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.wrong(key, "a string", v)),
+        }
+    }
+
+    fn object(&self, key: &str) -> Result<Option<&'a Map<String, Value>>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v.as_object().map(Some).ok_or_else(|| self.wrong(key, "an object", v)),
+        }
+    }
+
+    /// An int `n` (meaning `[n, n]`) or a two-element array `[h, w]`.
+    fn pair(&self, key: &str) -> Result<Option<[usize; 2]>> {
+        let field = format!("{}{key}", self.prefix);
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => match items.as_slice() {
+                [h, w] => Ok(Some([as_usize(h, &field)?, as_usize(w, &field)?])),
+                _ => Err(ModelError::invalid(
+                    field,
+                    format!("must be an integer or [height, width], got {} elements", items.len()),
+                )),
+            },
+            Some(v) => {
+                let n = as_usize(v, &field)?;
+                Ok(Some([n, n]))
+            }
+        }
+    }
+
+    fn set_activation(&self, key: &str, dst: &mut Activation) -> Result<()> {
+        if let Some(name) = self.str(key)? {
+            *dst = Activation::from_hf(name).ok_or_else(|| ModelError::Unsupported {
+                what: format!("{}{key}", self.prefix),
+                found: name.to_string(),
+                supported: Activation::SUPPORTED.to_string(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The checkpoint's dtype: `dtype` (transformers 5) or `torch_dtype` (4.x). Names that
+    /// are not a dtype (`"auto"`) read as unstated.
+    fn dtype(&self) -> Result<Option<DType>> {
+        let name = match self.str("dtype")? {
+            Some(n) => Some(n),
+            None => self.str("torch_dtype")?,
+        };
+        Ok(name.and_then(DType::parse))
+    }
+}
+
+/// A non-negative integer (an integral float such as `4096.0` is accepted too).
+fn as_usize(v: &Value, field: &str) -> Result<usize> {
+    let n = match v {
+        Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64().filter(|x| x.fract() == 0.0 && *x >= 0.0 && *x < 9.0e15).map(|x| x as u64)
+        }),
+        _ => None,
+    };
+    n.and_then(|n| usize::try_from(n).ok()).ok_or_else(|| {
+        ModelError::invalid(field, format!("must be a non-negative integer, got {}", short(v)))
+    })
+}
+
+fn json_kind(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(_) => format!("the boolean {v}"),
+        Value::Number(_) => format!("the number {v}"),
+        Value::String(_) => format!("the string {}", short(v)),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "an object".into(),
+    }
+}
+
+/// A value's JSON text, cut to a readable length.
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.chars().count() > 40 {
+        format!("{}…", s.chars().take(40).collect::<String>())
+    } else {
+        s
+    }
+}

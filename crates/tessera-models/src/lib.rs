@@ -1,0 +1,379 @@
+//! Tessera's model zoo: architectures written against the IR [`Builder`], and Hugging Face
+//! `config.json` import.
+//!
+//! - [`ModelConfig`]: what to build — from a preset ([`PRESETS`]), a config.json, or by hand
+//!   through the validated `*Config::new` constructors. Validation happens there, once.
+//! - [`build`]: config + [`BuildOptions`] (batch, sequence, dtype) → [`ForwardModel`], a
+//!   forward graph ending in a scalar f32 loss, ready for `tessera_ir::build_training_graph`.
+//!
+//! Conventions shared by every model file:
+//! - Parameters carry their exact Hugging Face weight names (`transformer.h.3.attn.c_attn.weight`)
+//!   and layouts (`nn.Linear` is `[out, in]`, GPT-2's `Conv1D` is `[in, out]`), so checkpoints
+//!   map one to one; tied weights are one parameter.
+//! - Every node of repeated layer `i` has block `Some(i)`; embeddings and heads have `None`.
+//! - Language models take already-shifted next-token `labels` (nanoGPT convention): the loss
+//!   is `cross_entropy(logits[B,S,V], labels[B,S])`; BERT ignores label −100.
+//! - Weights and activations use [`BuildOptions::dtype`]; the loss is f32.
+//! - Attention is the IR's fused op, so attention-probability dropout (`attn_pdrop`,
+//!   `attention_probs_dropout_prob`) is not applied; padding masks are not modelled.
+//!
+//! Shape suffixes in the model files: `b` batch, `s` sequence, `d` hidden, `h` query heads,
+//! `k` key/value heads, `e` head dim, `i` MLP width, `v` vocabulary, `n` patches, `c`
+//! channels, `p` patch side, `l` labels.
+
+mod bert;
+mod config;
+mod error;
+mod gpt2;
+mod hf;
+mod llama;
+mod mlp;
+mod nn;
+mod presets;
+pub mod rope;
+mod vit;
+
+pub use config::{
+    Activation, BertConfig, BertParams, Gpt2Config, Gpt2Params, LlamaConfig, LlamaParams,
+    LlamaVariant, MlpConfig, MlpParams, VitConfig, VitParams, MAX_LAYERS, MAX_PARAMETERS,
+};
+pub use error::{ModelError, Result};
+pub use hf::SUPPORTED_MODEL_TYPES;
+pub use presets::PRESETS;
+pub use rope::RopeScaling;
+
+use serde::Serialize;
+use std::path::Path;
+use tessera_ir::{Builder, DType, TensorId};
+
+/// A validated model configuration of one of the supported families.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "family", rename_all = "snake_case")]
+pub enum ModelConfig {
+    Gpt2(Gpt2Config),
+    /// LLaMA, Mistral and Qwen2 (see [`LlamaConfig::variant`]).
+    Llama(LlamaConfig),
+    Bert(BertConfig),
+    Vit(VitConfig),
+    Mlp(MlpConfig),
+}
+
+impl ModelConfig {
+    /// Parses the text of a Hugging Face `config.json`.
+    pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
+        hf::parse(text, "config.json", None)
+    }
+
+    /// Reads a `config.json`, or the `config.json` inside directory `path`. Without a
+    /// `_name_or_path` in the file, the model is named after its directory.
+    pub fn from_path(path: &Path) -> Result<ModelConfig> {
+        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let text = std::fs::read_to_string(&file)
+            .map_err(|source| ModelError::Io { path: file.display().to_string(), source })?;
+        let name = if file.file_name().is_some_and(|n| n == "config.json") {
+            file.parent().and_then(Path::file_name)
+        } else {
+            file.file_stem()
+        };
+        let name = name.map(|n| n.to_string_lossy().into_owned()).filter(|n| !n.is_empty());
+        hf::parse(&text, &file.display().to_string(), name.as_deref())
+    }
+
+    /// One of [`PRESETS`]; the error lists them.
+    pub fn preset(name: &str) -> Result<ModelConfig> {
+        presets::preset(name)
+    }
+
+    /// A preset name, else a path to a config.json or a directory holding one.
+    pub fn resolve(spec: &str) -> Result<ModelConfig> {
+        if PRESETS.contains(&spec) {
+            return presets::preset(spec);
+        }
+        let path = Path::new(spec);
+        if path.exists() {
+            return ModelConfig::from_path(path);
+        }
+        Err(ModelError::UnknownPreset { name: spec.to_string(), presets: PRESETS.join(", ") })
+    }
+
+    /// The preset name, the config's `_name_or_path`, or its directory's name.
+    pub fn name(&self) -> &str {
+        match self {
+            ModelConfig::Gpt2(c) => &c.name,
+            ModelConfig::Llama(c) => &c.name,
+            ModelConfig::Bert(c) => &c.name,
+            ModelConfig::Vit(c) => &c.name,
+            ModelConfig::Mlp(c) => &c.name,
+        }
+    }
+
+    /// The family: `gpt2`, `llama`, `bert`, `vit` or `mlp`.
+    pub fn family(&self) -> &'static str {
+        match self {
+            ModelConfig::Gpt2(_) => "gpt2",
+            ModelConfig::Llama(_) => "llama",
+            ModelConfig::Bert(_) => "bert",
+            ModelConfig::Vit(_) => "vit",
+            ModelConfig::Mlp(_) => "mlp",
+        }
+    }
+
+    /// The Hugging Face `model_type` (`mistral` and `qwen2` are of the `llama` family).
+    pub fn model_type(&self) -> &'static str {
+        match self {
+            ModelConfig::Llama(c) => c.variant.model_type(),
+            _ => self.family(),
+        }
+    }
+
+    /// Number of repeated blocks (transformer layers; an MLP's hidden layers).
+    pub fn num_blocks(&self) -> usize {
+        match self {
+            ModelConfig::Gpt2(c) => c.n_layer,
+            ModelConfig::Llama(c) => c.num_hidden_layers,
+            ModelConfig::Bert(c) => c.num_hidden_layers,
+            ModelConfig::Vit(c) => c.num_hidden_layers,
+            ModelConfig::Mlp(c) => c.hidden_dims.len(),
+        }
+    }
+
+    /// Model width (an MLP's widest hidden layer, or its input dim if it has none).
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            ModelConfig::Gpt2(c) => c.n_embd,
+            ModelConfig::Llama(c) => c.hidden_size,
+            ModelConfig::Bert(c) => c.hidden_size,
+            ModelConfig::Vit(c) => c.hidden_size,
+            ModelConfig::Mlp(c) => c.hidden_dims.iter().copied().max().unwrap_or(c.input_dim),
+        }
+    }
+
+    /// Query heads (None for the MLP).
+    pub fn num_heads(&self) -> Option<usize> {
+        match self {
+            ModelConfig::Gpt2(c) => Some(c.n_head),
+            ModelConfig::Llama(c) => Some(c.num_attention_heads),
+            ModelConfig::Bert(c) => Some(c.num_attention_heads),
+            ModelConfig::Vit(c) => Some(c.num_attention_heads),
+            ModelConfig::Mlp(_) => None,
+        }
+    }
+
+    /// Key/value heads (fewer than query heads under GQA).
+    pub fn num_kv_heads(&self) -> Option<usize> {
+        match self {
+            ModelConfig::Llama(c) => Some(c.num_key_value_heads),
+            _ => self.num_heads(),
+        }
+    }
+
+    /// Token vocabulary (None for ViT and the MLP).
+    pub fn vocab_size(&self) -> Option<usize> {
+        match self {
+            ModelConfig::Gpt2(c) => Some(c.vocab_size),
+            ModelConfig::Llama(c) => Some(c.vocab_size),
+            ModelConfig::Bert(c) => Some(c.vocab_size),
+            ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
+        }
+    }
+
+    /// The longest sequence a learned position table allows (GPT-2, BERT); None where
+    /// positions are rotary (LLaMA) or fixed by the input (ViT, MLP).
+    pub fn max_seq(&self) -> Option<usize> {
+        match self {
+            ModelConfig::Gpt2(c) => Some(c.n_positions),
+            ModelConfig::Bert(c) => Some(c.max_position_embeddings),
+            ModelConfig::Llama(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
+        }
+    }
+
+    /// The sequence length the graph will have for a requested one: ViT's is its patch
+    /// count + 1 and the MLP's is 1, whatever is asked; the others take the request.
+    pub fn effective_seq(&self, requested: usize) -> usize {
+        match self {
+            ModelConfig::Vit(c) => c.seq_len(),
+            ModelConfig::Mlp(_) => 1,
+            ModelConfig::Gpt2(_) | ModelConfig::Llama(_) | ModelConfig::Bert(_) => requested,
+        }
+    }
+
+    /// The dtype the checkpoint was saved in, if its config states one.
+    pub fn dtype(&self) -> Option<DType> {
+        match self {
+            ModelConfig::Gpt2(c) => c.dtype,
+            ModelConfig::Llama(c) => c.dtype,
+            ModelConfig::Bert(c) => c.dtype,
+            ModelConfig::Vit(c) => c.dtype,
+            ModelConfig::Mlp(c) => c.dtype,
+        }
+    }
+
+    /// Trainable parameters, tied tensors counted once, from the config alone (the built
+    /// graph's `num_parameters()` agrees; tests check both against Hugging Face's figures).
+    pub fn num_parameters(&self) -> u64 {
+        match self {
+            ModelConfig::Gpt2(c) => c.num_parameters(),
+            ModelConfig::Llama(c) => c.num_parameters(),
+            ModelConfig::Bert(c) => c.num_parameters(),
+            ModelConfig::Vit(c) => c.num_parameters(),
+            ModelConfig::Mlp(c) => c.num_parameters(),
+        }
+    }
+
+    /// (widest activation row, total attention width H·head_dim) — for the size guard.
+    fn widths(&self) -> (usize, usize) {
+        let max = |xs: &[usize]| xs.iter().copied().max().unwrap_or(0);
+        match self {
+            ModelConfig::Gpt2(c) => (max(&[c.vocab_size, 3 * c.n_embd, c.n_inner]), c.n_embd),
+            ModelConfig::Llama(c) => {
+                let q = c.num_attention_heads * c.head_dim();
+                (max(&[c.vocab_size, 2 * c.intermediate_size, q, c.hidden_size]), q)
+            }
+            ModelConfig::Bert(c) => {
+                (max(&[c.vocab_size, c.intermediate_size, c.hidden_size]), c.hidden_size)
+            }
+            ModelConfig::Vit(c) => {
+                let patch = c.num_channels * c.patch_size[0] * c.patch_size[1];
+                (max(&[patch, c.intermediate_size, c.hidden_size]), c.hidden_size)
+            }
+            ModelConfig::Mlp(c) => {
+                (max(&[c.input_dim, c.num_classes, max(&c.hidden_dims)]), 0)
+            }
+        }
+    }
+}
+
+/// How to instantiate a configuration as a graph.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BuildOptions {
+    pub batch: usize,
+    /// Tokens per sequence. Ignored by ViT (patches + 1) and the MLP (1).
+    pub seq: usize,
+    /// Weights and activations (a float type; F32 or BF16 in practice). The loss is f32.
+    pub dtype: DType,
+}
+
+impl BuildOptions {
+    pub fn new(batch: usize, seq: usize, dtype: DType) -> BuildOptions {
+        BuildOptions { batch, seq, dtype }
+    }
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        BuildOptions { batch: 1, seq: 128, dtype: DType::F32 }
+    }
+}
+
+/// What a data input holds, so loaders can fill it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InputKind {
+    /// Token ids in `0..vocab_size`.
+    TokenIds { vocab_size: usize },
+    /// BERT segment ids in `0..type_vocab_size`.
+    TokenTypeIds { type_vocab_size: usize },
+    /// Class targets in `0..num_classes`, or `ignore_index`.
+    Labels { num_classes: usize, ignore_index: Option<i64> },
+    /// Images `[B, C, H, W]` in the model dtype.
+    Pixels,
+    /// Feature vectors `[B, input_dim]` in the model dtype.
+    Features,
+    /// The step's i64 RNG seed for dropout.
+    Seed,
+}
+
+/// One data input of a built model.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModelInput {
+    pub name: &'static str,
+    pub tensor: TensorId,
+    pub kind: InputKind,
+}
+
+/// A built forward graph.
+pub struct ForwardModel {
+    pub builder: Builder,
+    /// The scalar f32 training loss.
+    pub loss: TensorId,
+    /// The logits the loss is taken of (`[B, S, V]`, or `[B, L]` for classifiers).
+    pub logits: TensorId,
+    pub batch: usize,
+    /// The graph's sequence length: ViT's is patches + 1, the MLP's 1.
+    pub seq: usize,
+    /// The data inputs, in declaration order.
+    pub inputs: Vec<ModelInput>,
+}
+
+impl ForwardModel {
+    /// The input named `name` (`input_ids`, `labels`, `token_type_ids`, `pixel_values`,
+    /// `inputs`, `seed`).
+    pub fn input(&self, name: &str) -> Option<TensorId> {
+        self.inputs.iter().find(|i| i.name == name).map(|i| i.tensor)
+    }
+}
+
+/// Activation elements per tensor stay below 2^50 and attention's B·S²·H·D below 2^56, so no
+/// FLOP or byte count of the graph can overflow a u64.
+const MAX_ACTIVATION_ELEMENTS: u128 = 1 << 50;
+const MAX_ATTENTION_VOLUME: u128 = 1 << 56;
+
+/// Builds the forward graph of `cfg` at `opts`' batch, sequence and dtype.
+pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
+    if opts.batch == 0 {
+        return Err(ModelError::invalid("batch", "must be at least 1, got 0"));
+    }
+    if opts.seq == 0 {
+        return Err(ModelError::invalid("seq", "must be at least 1, got 0"));
+    }
+    if !opts.dtype.is_float() {
+        return Err(ModelError::Unsupported {
+            what: "model dtype".into(),
+            found: opts.dtype.to_string(),
+            supported: "f32, bf16, f16, f64".into(),
+        });
+    }
+    if let Some(max) = cfg.max_seq() {
+        if opts.seq > max {
+            let field = match cfg {
+                ModelConfig::Gpt2(_) => "n_positions",
+                _ => "max_position_embeddings",
+            };
+            return Err(ModelError::SequenceTooLong {
+                seq: opts.seq,
+                max,
+                field,
+                model: cfg.name().to_string(),
+            });
+        }
+    }
+    let seq = cfg.effective_seq(opts.seq);
+    let (widest, attention_width) = cfg.widths();
+    let (b, s) = (opts.batch as u128, seq as u128);
+    let activations = b.checked_mul(s).and_then(|t| t.checked_mul(widest as u128));
+    let attention = b
+        .checked_mul(s)
+        .and_then(|t| t.checked_mul(s))
+        .and_then(|t| t.checked_mul(attention_width as u128));
+    if !activations.is_some_and(|n| n <= MAX_ACTIVATION_ELEMENTS)
+        || !attention.is_some_and(|n| n <= MAX_ATTENTION_VOLUME)
+    {
+        return Err(ModelError::invalid(
+            "batch/seq",
+            format!(
+                "batch {} x seq {seq} makes tensors beyond 2^50 elements (or attention beyond \
+                 2^56 multiply-adds) in {}; no device holds that: reduce batch or seq",
+                opts.batch,
+                cfg.name()
+            ),
+        ));
+    }
+    let opts = BuildOptions { seq, ..opts.clone() };
+    match cfg {
+        ModelConfig::Gpt2(c) => gpt2::build(c, &opts),
+        ModelConfig::Llama(c) => llama::build(c, &opts),
+        ModelConfig::Bert(c) => bert::build(c, &opts),
+        ModelConfig::Vit(c) => vit::build(c, &opts),
+        ModelConfig::Mlp(c) => mlp::build(c, &opts),
+    }
+}

@@ -1,0 +1,114 @@
+//! LLaMA-family causal language models: `LlamaForCausalLM`, `MistralForCausalLM`,
+//! `Qwen2ForCausalLM`.
+//!
+//! Papers: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models" and
+//! "Llama 2"; Jiang et al. 2023, "Mistral 7B" (sliding-window attention, GQA); Qwen2 technical
+//! report (Yang et al. 2024; q/k/v biases). Components: RMSNorm (Zhang & Sennrich 2019), RoPE
+//! (Su et al. 2021), SwiGLU (Shazeer 2020), GQA (Ainslie et al. 2023). Reference
+//! implementation: Hugging Face `transformers`, `models/llama/modeling_llama.py`,
+//! `models/mistral/modeling_mistral.py`, `models/qwen2/modeling_qwen2.py`.
+//!
+//! ```text
+//! x_bsd = embed_tokens[input_ids]
+//! for each layer:  q_bshe, k_bske, v_bske = q/k/v_proj(input_layernorm x), rope on q and k
+//!                  x += o_proj(attn(q, k, v))          # causal, GQA, window if configured
+//!                  x += down_proj(act(gate_proj h) * up_proj h),  h = post_attention_layernorm x
+//! logits_bsv = lm_head(norm x)                          # or · embed_tokensᵀ when tied
+//! ```
+//! `nn.Linear` weights are `[out, in]` (y = x·Wᵀ). No dropout (`attention_dropout` is 0 in
+//! every released config and could not apply inside fused attention anyway).
+//!
+//! Shape suffixes: `b` batch, `s` sequence, `d` hidden, `h` query heads, `k` key/value heads,
+//! `e` head dim, `i` intermediate, `v` vocabulary.
+//!
+//! FLOPs (2·m·n·k per matmul; attention as dense S×S products): forward per token =
+//! L·(2d·(h·e) + 4d·(k·e) + 2(h·e)·d + 6d·i + 4·S·h·e) + 2·d·v; training 3× that. RoPE,
+//! RMSNorm and SwiGLU's elementwise work is counted as "other" by the IR.
+
+use crate::config::LlamaConfig;
+use crate::error::Result;
+use crate::nn::{self, Inputs, IrResult};
+use crate::{BuildOptions, ForwardModel, InputKind};
+use tessera_ir::{AttentionSpec, Builder, DType, TensorId};
+
+pub(crate) fn build(cfg: &LlamaConfig, opts: &BuildOptions) -> Result<ForwardModel> {
+    let (batch, seq, dtype) = (opts.batch, opts.seq, opts.dtype);
+    let (v, d) = (cfg.vocab_size, cfg.hidden_size);
+    let mut b = Builder::new();
+    let mut inputs = Inputs::new();
+    let ids = inputs.add(&mut b, "input_ids", [batch, seq], DType::I64, InputKind::TokenIds { vocab_size: v });
+    let labels = inputs.add(
+        &mut b,
+        "labels",
+        [batch, seq],
+        DType::I64,
+        InputKind::Labels { num_classes: v, ignore_index: None },
+    );
+    let inv_freq = cfg.inv_freq();
+
+    b.push_scope("model");
+    let embed_vd = b.scoped("embed_tokens", |b| b.parameter("weight", [v, d], dtype));
+    let mut x_bsd = b.scoped("embed_tokens", |b| b.embedding(embed_vd, ids))?;
+    for layer in 0..cfg.num_hidden_layers {
+        b.set_block(Some(layer as u32));
+        b.push_scope(format!("layers.{layer}"));
+        x_bsd = decoder_layer(&mut b, cfg, layer, &inv_freq, x_bsd)?;
+        b.pop_scope();
+    }
+    b.set_block(None);
+    let x_bsd = nn::rms_norm(&mut b, "norm", x_bsd, cfg.rms_norm_eps)?;
+    b.pop_scope();
+
+    let logits_bsv = if cfg.tie_word_embeddings {
+        b.scoped("lm_head", |b| b.matmul(x_bsd, embed_vd, false, true))?
+    } else {
+        nn::linear(&mut b, "lm_head", x_bsd, v, false)?
+    };
+    let loss = b.cross_entropy(logits_bsv, labels, None)?;
+    Ok(ForwardModel { builder: b, loss, logits: logits_bsv, batch, seq, inputs: inputs.list })
+}
+
+/// One decoder layer, inside scope `model.layers.{layer}`.
+fn decoder_layer(
+    b: &mut Builder,
+    cfg: &LlamaConfig,
+    layer: usize,
+    inv_freq: &[f64],
+    x_bsd: TensorId,
+) -> IrResult<TensorId> {
+    let (d, e) = (cfg.hidden_size, cfg.head_dim());
+    let (h, k) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+    let eps = cfg.rms_norm_eps;
+
+    let n_bsd = nn::rms_norm(b, "input_layernorm", x_bsd, eps)?;
+    let a_bsd = b.scoped("self_attn", |b| {
+        let q = nn::linear(b, "q_proj", n_bsd, h * e, cfg.qkv_bias)?;
+        let kk = nn::linear(b, "k_proj", n_bsd, k * e, cfg.qkv_bias)?;
+        let vv = nn::linear(b, "v_proj", n_bsd, k * e, cfg.qkv_bias)?;
+        let q_bshe = nn::split_heads(b, q, h)?;
+        let k_bske = nn::split_heads(b, kk, k)?;
+        let v_bske = nn::split_heads(b, vv, k)?;
+        let q_bshe = b.rope(q_bshe, inv_freq)?;
+        let k_bske = b.rope(k_bske, inv_freq)?;
+        let spec = AttentionSpec {
+            causal: true,
+            window: cfg.window(layer),
+            scale: 1.0 / (e as f64).sqrt(),
+        };
+        let o_bshe = b.attention(q_bshe, k_bske, v_bske, spec)?;
+        let o_bs_he = nn::merge_heads(b, o_bshe)?;
+        nn::linear(b, "o_proj", o_bs_he, d, cfg.o_bias)
+    })?;
+    let x_bsd = b.add(x_bsd, a_bsd)?;
+
+    let n_bsd = nn::rms_norm(b, "post_attention_layernorm", x_bsd, eps)?;
+    let m_bsd = b.scoped("mlp", |b| {
+        let i = cfg.intermediate_size;
+        let gate_bsi = nn::linear(b, "gate_proj", n_bsd, i, cfg.mlp_bias)?;
+        let gate_bsi = b.unary(cfg.hidden_act.unary_op(), gate_bsi)?;
+        let up_bsi = nn::linear(b, "up_proj", n_bsd, i, cfg.mlp_bias)?;
+        let g_bsi = b.mul(gate_bsi, up_bsi)?;
+        nn::linear(b, "down_proj", g_bsi, d, cfg.mlp_bias)
+    })?;
+    b.add(x_bsd, m_bsd)
+}

@@ -1,0 +1,133 @@
+//! Layers shared by the model files: each is a few IR ops under its Hugging Face module name,
+//! so parameters come out as `<scope>.<name>.weight`.
+
+use crate::{InputKind, ModelInput};
+use tessera_ir::{Builder, DType, IrError, Shape, TensorId};
+
+pub(crate) type IrResult<T> = std::result::Result<T, IrError>;
+
+/// `nn.Linear` named `name`: weight `[out, in]` (PyTorch layout), `y = x·Wᵀ (+ b)`.
+pub(crate) fn linear(
+    b: &mut Builder,
+    name: &str,
+    x: TensorId,
+    out_dim: usize,
+    bias: bool,
+) -> IrResult<TensorId> {
+    let (in_dim, dtype) = (b.shape(x).last(), b.dtype(x));
+    b.scoped(name, |b| {
+        let w = b.parameter("weight", [out_dim, in_dim], dtype);
+        let y = b.matmul(x, w, false, true)?;
+        if bias {
+            let bias = b.parameter("bias", [out_dim], dtype);
+            b.add(y, bias)
+        } else {
+            Ok(y)
+        }
+    })
+}
+
+/// GPT-2's `Conv1D` named `name`: weight `[in, out]`, `y = x·W + b`.
+pub(crate) fn conv1d(b: &mut Builder, name: &str, x: TensorId, out_dim: usize) -> IrResult<TensorId> {
+    let (in_dim, dtype) = (b.shape(x).last(), b.dtype(x));
+    b.scoped(name, |b| {
+        let w = b.parameter("weight", [in_dim, out_dim], dtype);
+        let bias = b.parameter("bias", [out_dim], dtype);
+        let y = b.matmul(x, w, false, false)?;
+        b.add(y, bias)
+    })
+}
+
+/// `nn.LayerNorm` over the last dim, named `name`.
+pub(crate) fn layer_norm(b: &mut Builder, name: &str, x: TensorId, eps: f64) -> IrResult<TensorId> {
+    let (dim, dtype) = (b.shape(x).last(), b.dtype(x));
+    b.scoped(name, |b| {
+        let w = b.parameter("weight", [dim], dtype);
+        let bias = b.parameter("bias", [dim], dtype);
+        b.layer_norm(x, w, bias, eps)
+    })
+}
+
+/// `LlamaRMSNorm` over the last dim, named `name`.
+pub(crate) fn rms_norm(b: &mut Builder, name: &str, x: TensorId, eps: f64) -> IrResult<TensorId> {
+    let (dim, dtype) = (b.shape(x).last(), b.dtype(x));
+    b.scoped(name, |b| {
+        let w = b.parameter("weight", [dim], dtype);
+        b.rms_norm(x, w, eps)
+    })
+}
+
+/// `[B, S, H·D]` → `[B, S, H, D]`.
+pub(crate) fn split_heads(b: &mut Builder, x: TensorId, heads: usize) -> IrResult<TensorId> {
+    let d = b.shape(x).dims().to_vec();
+    match d.as_slice() {
+        &[batch, seq, width] => b.reshape(x, [batch, seq, heads, width / heads]),
+        _ => Err(IrError::Graph(format!("split_heads expects [B, S, H·D], got {}", b.meta(x)))),
+    }
+}
+
+/// `[B, S, H, D]` → `[B, S, H·D]`.
+pub(crate) fn merge_heads(b: &mut Builder, x: TensorId) -> IrResult<TensorId> {
+    let d = b.shape(x).dims().to_vec();
+    match d.as_slice() {
+        &[batch, seq, heads, head_dim] => b.reshape(x, [batch, seq, heads * head_dim]),
+        _ => Err(IrError::Graph(format!("merge_heads expects [B, S, H, D], got {}", b.meta(x)))),
+    }
+}
+
+/// The step's data inputs, declared at the root scope so they carry their plain names.
+pub(crate) struct Inputs {
+    pub(crate) list: Vec<ModelInput>,
+}
+
+impl Inputs {
+    pub(crate) fn new() -> Inputs {
+        Inputs { list: Vec::new() }
+    }
+
+    pub(crate) fn add(
+        &mut self,
+        b: &mut Builder,
+        name: &'static str,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        kind: InputKind,
+    ) -> TensorId {
+        let tensor = b.input(name, shape, dtype);
+        self.list.push(ModelInput { name, tensor, kind });
+        tensor
+    }
+
+    /// Declares the dropout `seed` (an i64 scalar) when any dropout probability is positive.
+    pub(crate) fn dropout(&mut self, b: &mut Builder, probs: &[f64]) -> Dropout {
+        let seed = probs
+            .iter()
+            .any(|&p| p > 0.0)
+            .then(|| self.add(b, "seed", Shape::scalar(), DType::I64, InputKind::Seed));
+        Dropout { seed, next_stream: 0 }
+    }
+}
+
+/// Dropout call sites: each gets its own RNG stream of the step's seed.
+pub(crate) struct Dropout {
+    seed: Option<TensorId>,
+    next_stream: u64,
+}
+
+impl Dropout {
+    /// `x` with dropout `p` under scope `name`; the identity when `p` is 0.
+    pub(crate) fn apply(&mut self, b: &mut Builder, name: &str, x: TensorId, p: f64) -> IrResult<TensorId> {
+        if p <= 0.0 {
+            return Ok(x);
+        }
+        let Some(seed) = self.seed else {
+            return Err(IrError::Graph(format!(
+                "{}: dropout {p} without a declared seed input",
+                b.scope_path()
+            )));
+        };
+        let stream = self.next_stream;
+        self.next_stream += 1;
+        b.scoped(name, |b| b.dropout(x, p, seed, stream))
+    }
+}

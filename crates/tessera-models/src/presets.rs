@@ -1,0 +1,111 @@
+//! Named configurations. Those named after a Hugging Face checkpoint reproduce its
+//! config.json field for field (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`,
+//! `meta-llama/Llama-2-{7,13,70}b-hf`, `meta-llama/Meta-Llama-3-8B`, `bert-large-uncased`,
+//! `google/vit-base-patch16-224`); `gpt3-175b` is GPT-3's largest model (Brown et al. 2020,
+//! table 2.1) in GPT-2's architecture; the rest are our own.
+
+use crate::config::*;
+use crate::error::{ModelError, Result};
+use crate::ModelConfig;
+use tessera_ir::DType;
+
+/// Every preset name, in the order they are listed to users.
+pub const PRESETS: &[&str] = &[
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+    "gpt3-175b",
+    "gpt2-tiny",
+    "llama2-7b",
+    "llama2-13b",
+    "llama2-70b",
+    "llama3-8b",
+    "llama-1.3b",
+    "llama-tiny",
+    "bert-large",
+    "vit-base",
+    "mlp",
+];
+
+pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
+    let gpt2 = |n_embd, n_layer, n_head| {
+        gpt2_cfg(Gpt2Params::new(name, 50257, 1024, n_embd, n_layer, n_head))
+    };
+    let llama2 = |hidden, intermediate, layers, heads, kv_heads| {
+        let mut p =
+            LlamaParams::new(LlamaVariant::Llama, name, 32000, hidden, intermediate, layers, heads);
+        p.num_key_value_heads = kv_heads;
+        p.max_position_embeddings = 4096;
+        p.rms_norm_eps = 1e-5;
+        p.dtype = Some(DType::F16);
+        llama_cfg(p)
+    };
+    match name {
+        "gpt2" => gpt2(768, 12, 12),
+        "gpt2-medium" => gpt2(1024, 24, 16),
+        "gpt2-large" => gpt2(1280, 36, 20),
+        "gpt2-xl" => gpt2(1600, 48, 25),
+        "gpt3-175b" => gpt2_cfg(Gpt2Params::new(name, 50257, 2048, 12288, 96, 96)),
+        "gpt2-tiny" => {
+            // Byte-level vocabulary, no dropout: the model the CPU tests and demos train.
+            let mut p = Gpt2Params::new(name, 256, 256, 256, 8, 8);
+            p.embd_pdrop = 0.0;
+            p.resid_pdrop = 0.0;
+            p.attn_pdrop = 0.0;
+            gpt2_cfg(p)
+        }
+        "llama2-7b" => llama2(4096, 11008, 32, 32, 32),
+        "llama2-13b" => llama2(5120, 13824, 40, 40, 40),
+        "llama2-70b" => llama2(8192, 28672, 80, 64, 8),
+        "llama3-8b" => {
+            let mut p =
+                LlamaParams::new(LlamaVariant::Llama, name, 128256, 4096, 14336, 32, 32);
+            p.num_key_value_heads = 8;
+            p.max_position_embeddings = 8192;
+            p.rms_norm_eps = 1e-5;
+            p.rope_theta = 500000.0;
+            p.dtype = Some(DType::BF16);
+            llama_cfg(p)
+        }
+        "llama-1.3b" => {
+            let p = LlamaParams::new(LlamaVariant::Llama, name, 32000, 2048, 5504, 24, 16);
+            llama_cfg(p)
+        }
+        "llama-tiny" => {
+            let mut p = LlamaParams::new(LlamaVariant::Llama, name, 256, 256, 688, 8, 8);
+            p.num_key_value_heads = 4;
+            p.max_position_embeddings = 256;
+            p.rms_norm_eps = 1e-5;
+            llama_cfg(p)
+        }
+        "bert-large" => {
+            let p = BertParams::new(name, 30522, 1024, 24, 16, 4096, 512);
+            Ok(ModelConfig::Bert(BertConfig::new(p)?))
+        }
+        "vit-base" => {
+            let mut p = VitParams::new(name, 768, 12, 12, 3072);
+            p.num_labels = 1000;
+            Ok(ModelConfig::Vit(VitConfig::new(p)?))
+        }
+        "mlp" => {
+            let p = MlpParams {
+                name: name.to_string(),
+                input_dim: 784,
+                hidden_dims: vec![1024, 1024],
+                num_classes: 10,
+                dtype: None,
+            };
+            Ok(ModelConfig::Mlp(MlpConfig::new(p)?))
+        }
+        _ => Err(ModelError::UnknownPreset { name: name.to_string(), presets: PRESETS.join(", ") }),
+    }
+}
+
+fn gpt2_cfg(p: Gpt2Params) -> Result<ModelConfig> {
+    Ok(ModelConfig::Gpt2(Gpt2Config::new(p)?))
+}
+
+fn llama_cfg(p: LlamaParams) -> Result<ModelConfig> {
+    Ok(ModelConfig::Llama(LlamaConfig::new(p)?))
+}

@@ -1,0 +1,108 @@
+//! Parameter counts of built graphs against Hugging Face `transformers`' figures (trainable
+//! tensors, tied ones once, buffers excluded). Each case is checked twice: the built graph's
+//! `num_parameters()` and the config's closed-form `num_parameters()` must both equal it.
+
+use std::path::PathBuf;
+use tessera_ir::DType;
+use tessera_models::{build, BuildOptions, ModelConfig};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// Both counts of `cfg` against `expected`; the error names the case.
+fn check(case: &str, cfg: &ModelConfig, expected: u64) -> Result<(), String> {
+    let model = build(cfg, &BuildOptions::new(1, 16, DType::F32))
+        .map_err(|e| format!("{case}: build failed: {e}"))?;
+    let graph = model.builder.graph.num_parameters();
+    let closed_form = cfg.num_parameters();
+    if graph != expected || closed_form != expected {
+        return Err(format!(
+            "{case}: expected {expected}, graph has {graph}, closed form gives {closed_form}"
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn presets_match_hugging_face_counts() {
+    let cases: &[(&str, u64)] = &[
+        ("gpt2", 124_439_808),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+        ("gpt2-xl", 1_557_611_200),
+        ("llama2-7b", 6_738_415_616),
+        ("llama2-13b", 13_015_864_320),
+        ("llama2-70b", 68_976_648_192),
+        ("llama3-8b", 8_030_261_248),
+        // BertForMaskedLM (no pooler), decoder tied to the word embeddings.
+        ("bert-large", 335_174_458),
+        // ViTForImageClassification, 1000 labels, no pooler.
+        ("vit-base", 86_567_656),
+        // 784·1024+1024 + 1024·1024+1024 + 1024·10+10.
+        ("mlp", 1_863_690),
+    ];
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|&(name, expected)| {
+            let cfg = match ModelConfig::preset(name) {
+                Ok(cfg) => cfg,
+                Err(e) => return Some(format!("{name}: preset failed: {e}")),
+            };
+            check(name, &cfg, expected).err()
+        })
+        .collect();
+    assert!(failures.is_empty(), "parameter count mismatches:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn gpt3_175b_has_175b_parameters() {
+    // GPT-3 paper, table 2.1: "175.0B". By hand: per layer 12·d² + 13·d at d = 12288
+    // (c_attn 3d²+3d, c_proj d²+d, c_fc 4d²+4d, mlp c_proj 4d²+d, two LayerNorms 4d) =
+    // 1,812,099,072, × 96 = 173,961,510,912; wte 50257·12288 = 617,558,016; wpe
+    // 2048·12288 = 25,165,824; ln_f 24,576. Sum 174,604,259,328.
+    let cfg = ModelConfig::preset("gpt3-175b").unwrap();
+    check("gpt3-175b", &cfg, 174_604_259_328).unwrap();
+}
+
+#[test]
+fn mistral_7b_fixture_matches_published_count() {
+    // Mistral-7B-v0.1's config.json (GQA 32/8 heads, head_dim 128, untied head).
+    // By hand: embed 32000·4096 = 131,072,000 and lm_head the same;
+    // per layer q 4096² = 16,777,216, k and v 4096·1024 = 4,194,304 each, o 16,777,216,
+    // MLP 3·4096·14336 = 176,160,768, two norms 8,192: 218,112,000 × 32 = 6,979,584,000;
+    // final norm 4,096. Total 131,072,000·2 + 6,979,584,000 + 4,096 = 7,241,732,096, the
+    // figure published for the checkpoint.
+    let cfg = ModelConfig::from_path(&fixture("mistral-7b-v0.1.json")).unwrap();
+    check("mistral-7b-v0.1", &cfg, 7_241_732_096).unwrap();
+}
+
+#[test]
+fn qwen2_0_5b_fixture_matches_published_count() {
+    // Qwen2-0.5B's config.json (14 heads of 64, 2 KV heads, q/k/v biases, tied embeddings).
+    // By hand: embed 151936·896 = 136,134,656 (tied: counted once);
+    // per layer q 896·896 + 896 = 803,712, k and v 896·128 + 128 = 114,816 each,
+    // o 896·896 = 802,816, MLP 3·896·4864 = 13,074,432, norms 1,792: 14,912,384 × 24 =
+    // 357,897,216; final norm 896. Total 494,032,768, the figure published for Qwen2-0.5B.
+    let cfg = ModelConfig::from_path(&fixture("qwen2-0.5b.json")).unwrap();
+    check("qwen2-0.5b", &cfg, 494_032_768).unwrap();
+}
+
+#[test]
+fn transformers_v5_style_fixture_matches_published_count() {
+    // SmolLM2-135M written with transformers 5 keys (`rope_parameters`, `dtype`).
+    // By hand: embed 49152·576 = 28,311,552 (tied); per layer q 576² = 331,776, k and v
+    // 576·192 = 110,592 each, o 331,776, MLP 3·576·1536 = 2,654,208, norms 1,152:
+    // 3,540,096 × 30 = 106,202,880; final norm 576. Total 134,515,008.
+    let cfg = ModelConfig::from_path(&fixture("smollm2-135m-v5.json")).unwrap();
+    check("smollm2-135m", &cfg, 134_515_008).unwrap();
+}
+
+#[test]
+fn llama3_rope_scaling_fixture_matches_published_count() {
+    // Llama-3.2-1B: embed 128256·2048 = 262,668,288 (tied); per layer q 2048² = 4,194,304,
+    // k and v 2048·512 = 1,048,576 each, o 4,194,304, MLP 3·2048·8192 = 50,331,648, norms
+    // 4,096: 60,821,504 × 16 = 973,144,064; final norm 2,048. Total 1,235,814,400.
+    let cfg = ModelConfig::from_path(&fixture("llama-3.2-1b.json")).unwrap();
+    check("llama-3.2-1b", &cfg, 1_235_814_400).unwrap();
+}

@@ -1,0 +1,49 @@
+//! FLOP accounting per phase.
+
+use serde::Serialize;
+use tessera_ir::{Graph, Phase, TensorMeta};
+
+/// FLOPs of one training step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FlopReport {
+    /// Every forward op.
+    pub forward: u64,
+    /// Every backward op.
+    pub backward: u64,
+    /// Gradient norm, clipping and AdamW.
+    pub optimizer: u64,
+    /// forward + backward + optimizer.
+    pub total: u64,
+    /// Matmuls and attention products, forward + backward (the MFU numerator).
+    pub matmul: u64,
+    pub matmul_forward: u64,
+    pub matmul_backward: u64,
+}
+
+/// Sums each node's FLOPs into its phase.
+pub fn count_flops(graph: &Graph) -> FlopReport {
+    let mut r = FlopReport::default();
+    let mut x: Vec<&TensorMeta> = Vec::with_capacity(8);
+    let mut y: Vec<&TensorMeta> = Vec::with_capacity(4);
+    for node in &graph.nodes {
+        x.clear();
+        y.clear();
+        x.extend(node.inputs.iter().map(|&t| graph.meta(t)));
+        y.extend(node.outputs.iter().map(|&t| graph.meta(t)));
+        let f = node.op.flops(&x, &y);
+        match node.phase {
+            Phase::Forward => {
+                r.forward += f.total();
+                r.matmul_forward += f.matmul;
+            }
+            Phase::Backward => {
+                r.backward += f.total();
+                r.matmul_backward += f.matmul;
+            }
+            Phase::Optimizer => r.optimizer += f.total(),
+        }
+    }
+    r.total = r.forward + r.backward + r.optimizer;
+    r.matmul = r.matmul_forward + r.matmul_backward;
+    r
+}

@@ -1,0 +1,182 @@
+//! Memory simulation over the Program: liveness, peak, what is live at the peak, timeline.
+
+use serde::Serialize;
+use std::collections::HashMap;
+use tessera_ir::{Instr, Program, Role, TensorId, TensorMeta};
+
+/// Live bytes right after one instruction (workspace of a `Run` included at its instant).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TimelinePoint {
+    pub instr: u32,
+    pub live_bytes: u64,
+}
+
+/// Buffers live at the peak, grouped by producing scope and role.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LiveGroup {
+    pub scope: String,
+    pub role: Role,
+    pub bytes: u64,
+    pub buffers: u32,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MemoryReport {
+    /// Trainable weights as stored for compute (bf16 under mixed precision).
+    pub params_bytes: u64,
+    /// Accumulated parameter gradients.
+    pub grads_bytes: u64,
+    /// Adam moments and fp32 master weights.
+    pub optimizer_bytes: u64,
+    /// All forward values read by the backward pass (each buffer once).
+    pub activations_bytes: u64,
+    /// Per-step data (token ids, labels, scalars).
+    pub inputs_bytes: u64,
+    /// Saved activations produced by each repeated block, indexed by block.
+    pub activations_by_block: Vec<u64>,
+    /// The largest kernel workspace requested by any instruction.
+    pub max_workspace_bytes: u64,
+    /// Peak of live bytes over the step.
+    pub peak_bytes: u64,
+    /// Index of the instruction at which the peak is first reached.
+    pub peak_instr: u32,
+    /// Live bytes at the peak split by role (workspace counted as temporaries).
+    pub peak_by_role: Vec<(Role, u64)>,
+    /// Largest groups of live buffers at the peak.
+    pub live_at_peak: Vec<LiveGroup>,
+    /// Bytes live before the step begins (parameters, optimizer state, inputs).
+    pub resting_bytes: u64,
+}
+
+/// A full simulation: the report and the timeline.
+#[derive(Clone, Debug)]
+pub struct MemoryTrace {
+    pub report: MemoryReport,
+    pub timeline: Vec<TimelinePoint>,
+}
+
+/// Walks the Program as the runtime does and records live bytes.
+pub fn simulate_memory(p: &Program) -> MemoryTrace {
+    let g = p.graph();
+    let bytes = |t: TensorId| g.meta(t).size_bytes();
+    let mut live: u64 = p.live_in.iter().map(|&t| bytes(t)).sum();
+    let resting = live;
+    let mut peak = live;
+    let mut peak_instr = 0u32;
+    let mut peak_workspace = 0u64;
+    let mut max_workspace = 0u64;
+    let mut timeline = Vec::with_capacity(p.instrs.len());
+    let mut metas: Vec<&TensorMeta> = Vec::with_capacity(8);
+    for (i, instr) in p.instrs.iter().enumerate() {
+        match *instr {
+            Instr::Run(n) => {
+                for t in p.allocations(n) {
+                    live += bytes(t);
+                }
+                let node = g.node(n);
+                metas.clear();
+                metas.extend(node.inputs.iter().map(|&t| g.meta(t)));
+                let ws = node.op.workspace_bytes(&metas);
+                max_workspace = max_workspace.max(ws);
+                if live + ws > peak {
+                    peak = live + ws;
+                    peak_instr = i as u32;
+                    peak_workspace = ws;
+                }
+                timeline.push(TimelinePoint { instr: i as u32, live_bytes: live + ws });
+            }
+            Instr::Free(t) => {
+                live -= bytes(t);
+                timeline.push(TimelinePoint { instr: i as u32, live_bytes: live });
+            }
+        }
+    }
+
+    // Totals by role, over every buffer of the step.
+    let mut report = MemoryReport { resting_bytes: resting, ..Default::default() };
+    let num_blocks =
+        g.nodes.iter().filter_map(|n| n.block).max().map_or(0, |b| b as usize + 1);
+    report.activations_by_block = vec![0; num_blocks];
+    for (t, &root) in p.buffer_of.iter().enumerate() {
+        if root.index() != t {
+            continue;
+        }
+        let b = bytes(root);
+        match p.role[t] {
+            Role::Parameter => report.params_bytes += b,
+            Role::Gradient => report.grads_bytes += b,
+            Role::OptimizerState => report.optimizer_bytes += b,
+            Role::Input => report.inputs_bytes += b,
+            Role::SavedActivation => {
+                report.activations_bytes += b;
+                if let Some(k) = g.producer(root).block {
+                    report.activations_by_block[k as usize] += b;
+                }
+            }
+            Role::Temporary => {}
+        }
+    }
+    report.peak_bytes = peak;
+    report.peak_instr = peak_instr;
+    report.max_workspace_bytes = max_workspace;
+    let (by_role, groups) = live_at(p, peak_instr as usize, peak_workspace);
+    report.peak_by_role = by_role;
+    report.live_at_peak = groups;
+    MemoryTrace { report, timeline }
+}
+
+/// Replays the Program up to and including instruction `at` and groups what is live.
+fn live_at(p: &Program, at: usize, workspace: u64) -> (Vec<(Role, u64)>, Vec<LiveGroup>) {
+    let g = p.graph();
+    let mut live: Vec<TensorId> = p.live_in.clone();
+    let mut alive = vec![false; g.tensors.len()];
+    for &t in &live {
+        alive[t.index()] = true;
+    }
+    for instr in &p.instrs[..=at.min(p.instrs.len().saturating_sub(1))] {
+        match *instr {
+            Instr::Run(n) => {
+                for t in p.allocations(n) {
+                    alive[t.index()] = true;
+                    live.push(t);
+                }
+            }
+            Instr::Free(t) => alive[t.index()] = false,
+        }
+    }
+    let mut by_role: HashMap<Role, u64> = HashMap::new();
+    let mut groups: HashMap<(String, Role), (u64, u32)> = HashMap::new();
+    for t in live.into_iter().filter(|t| alive[t.index()]) {
+        let b = g.meta(t).size_bytes();
+        let role = p.role[t.index()];
+        *by_role.entry(role).or_default() += b;
+        let scope = group_scope(g.tensor_scope(t), role);
+        let e = groups.entry((scope, role)).or_default();
+        e.0 += b;
+        e.1 += 1;
+    }
+    *by_role.entry(Role::Temporary).or_default() += workspace;
+    let by_role = Role::ALL.iter().map(|r| (*r, by_role.get(r).copied().unwrap_or(0))).collect();
+    let mut groups: Vec<LiveGroup> = groups
+        .into_iter()
+        .map(|((scope, role), (bytes, buffers))| LiveGroup { scope, role, bytes, buffers })
+        .collect();
+    groups.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.scope.cmp(&b.scope)));
+    groups.truncate(16);
+    (by_role, groups)
+}
+
+/// Model state is grouped by module (`transformer.h.3.attn.c_attn.weight.adam_m` →
+/// `transformer.h.3.attn.c_attn`) so a layer's weights, grads and moments line up.
+fn group_scope(scope: &str, role: Role) -> String {
+    match role {
+        Role::Parameter | Role::Gradient | Role::OptimizerState => {
+            let mut s = scope;
+            for suffix in [".adam_m", ".adam_v", ".master"] {
+                s = s.strip_suffix(suffix).unwrap_or(s);
+            }
+            s.rsplit_once('.').map_or(s, |(head, _)| head).to_string()
+        }
+        Role::Input | Role::SavedActivation | Role::Temporary => scope.to_string(),
+    }
+}
