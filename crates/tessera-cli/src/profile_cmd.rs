@@ -128,7 +128,8 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
             print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
         }
         OutputFormat::Table => {
-            outln!(out, 
+            outln!(
+                out,
                 "{} · batch {} · seq {} · {:?} · {} parameters",
                 cfg.name(),
                 args.batch,
@@ -152,13 +153,19 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
             outln!(out, "  inputs             {:>12}", bytes(m.inputs_bytes));
             outln!(out, "  peak               {:>12}", bytes(m.peak_bytes));
             out.push('\n');
-            outln!(out, "Live at the peak (instruction {} of {}):", m.peak_instr, program.instrs.len());
+            outln!(
+                out,
+                "Live at the peak (instruction {} of {}):",
+                m.peak_instr,
+                program.instrs.len()
+            );
             for (role, b) in m.peak_by_role.iter().filter(|(_, b)| *b > 0) {
                 outln!(out, "  {:<20} {:>12}", role.name(), bytes(*b));
             }
             outln!(out, "Largest groups live at the peak:");
             for grp in m.live_at_peak.iter().take(8) {
-                outln!(out, 
+                outln!(
+                    out,
                     "  {:>12}  {:<18} {} ({} buffer{})",
                     bytes(grp.bytes),
                     grp.role.name(),
@@ -178,10 +185,8 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
 /// Writes `data` to `path` through a temporary file and a rename, so a reader never sees a
 /// half-written file and an interrupted write leaves the old one intact.
 pub fn write_atomic(path: &std::path::Path, data: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!(
-        "{}.tmp",
-        path.extension().and_then(|e| e.to_str()).unwrap_or("")
-    ));
+    let tmp = path
+        .with_extension(format!("{}.tmp", path.extension().and_then(|e| e.to_str()).unwrap_or("")));
     std::fs::write(&tmp, data).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path)
         .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;

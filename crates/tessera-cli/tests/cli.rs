@@ -18,7 +18,9 @@ fn temp_config(name: &str, text: &str) -> PathBuf {
 
 #[test]
 fn profile_json_has_the_promised_keys() {
-    let out = tessera(&["profile", "--model", "gpt2", "--batch", "2", "--seq", "256", "--format", "json"]);
+    let out = tessera(&[
+        "profile", "--model", "gpt2", "--batch", "2", "--seq", "256", "--format", "json",
+    ]);
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is only JSON");
     for key in [
@@ -39,7 +41,9 @@ fn profile_json_has_the_promised_keys() {
     }
     assert_eq!(v["params"], 124_439_808u64);
     let f = &v["flops"];
-    let total = f["forward"].as_u64().unwrap() + f["backward"].as_u64().unwrap() + f["optimizer"].as_u64().unwrap();
+    let total = f["forward"].as_u64().unwrap()
+        + f["backward"].as_u64().unwrap()
+        + f["optimizer"].as_u64().unwrap();
     assert_eq!(f["total"].as_u64().unwrap(), total);
 }
 
@@ -48,7 +52,17 @@ fn profile_table_and_timeline() {
     let dir = std::env::temp_dir().join(format!("tessera-timeline-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let csv = dir.join("timeline.csv");
-    let out = tessera(&["profile", "--model", "llama-tiny", "--batch", "2", "--seq", "64", "--timeline", csv.to_str().unwrap()]);
+    let out = tessera(&[
+        "profile",
+        "--model",
+        "llama-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--timeline",
+        csv.to_str().unwrap(),
+    ]);
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     let table = String::from_utf8(out.stdout).unwrap();
     assert!(table.contains("peak"), "{table}");
@@ -86,14 +100,20 @@ fn unknown_model_type_is_one_clear_error() {
 
 #[test]
 fn missing_field_is_one_clear_error() {
-    let p = temp_config("missing", r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}"#);
+    let p = temp_config(
+        "missing",
+        r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}"#,
+    );
     let e = expect_clean_error(&["profile", "--model", p.to_str().unwrap()]);
     assert!(e.contains("num_hidden_layers"), "names the field: {e}");
 }
 
 #[test]
 fn indivisible_heads_is_one_clear_error() {
-    let p = temp_config("heads", r#"{"model_type": "gpt2", "vocab_size": 100, "n_embd": 100, "n_layer": 2, "n_head": 3, "n_positions": 64}"#);
+    let p = temp_config(
+        "heads",
+        r#"{"model_type": "gpt2", "vocab_size": 100, "n_embd": 100, "n_layer": 2, "n_head": 3, "n_positions": 64}"#,
+    );
     let e = expect_clean_error(&["profile", "--model", p.to_str().unwrap(), "--seq", "32"]);
     assert!(e.contains("100") && e.contains('3'), "names the sizes: {e}");
 }

@@ -16,7 +16,11 @@ fn dependency_graph() -> BTreeMap<String, BTreeSet<String>> {
         .current_dir(workspace_root())
         .output()
         .expect("cargo metadata runs");
-    assert!(out.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata is JSON");
     let mut graph = BTreeMap::new();
     for pkg in meta["packages"].as_array().expect("packages") {
@@ -45,7 +49,9 @@ fn crates_depend_only_downwards() {
     ]);
     for (krate, deps) in &graph {
         let Some(ok) = allowed.get(krate.as_str()) else {
-            panic!("crate {krate} is not listed in the layering table of tidy.rs / ARCHITECTURE.md");
+            panic!(
+                "crate {krate} is not listed in the layering table of tidy.rs / ARCHITECTURE.md"
+            );
         };
         for d in deps.iter().filter(|d| d.starts_with("tessera")) {
             assert!(ok.contains(&d.as_str()), "{krate} must not depend on {d}");

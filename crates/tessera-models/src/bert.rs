@@ -28,7 +28,7 @@ use crate::{BuildOptions, ForwardModel, InputKind};
 use tessera_ir::{AttentionSpec, Builder, DType, TensorId};
 
 /// HF's `CrossEntropyLoss` default `ignore_index`.
-pub const IGNORE_INDEX: i64 = -100;
+pub(crate) const IGNORE_INDEX: i64 = -100;
 
 pub(crate) fn build(cfg: &BertConfig, opts: &BuildOptions) -> Result<ForwardModel> {
     let (batch, seq, dtype) = (opts.batch, opts.seq, opts.dtype);
@@ -36,7 +36,13 @@ pub(crate) fn build(cfg: &BertConfig, opts: &BuildOptions) -> Result<ForwardMode
     let p = cfg.hidden_dropout_prob;
     let mut b = Builder::new();
     let mut inputs = Inputs::new();
-    let ids = inputs.add(&mut b, "input_ids", [batch, seq], DType::I64, InputKind::TokenIds { vocab_size: v });
+    let ids = inputs.add(
+        &mut b,
+        "input_ids",
+        [batch, seq],
+        DType::I64,
+        InputKind::TokenIds { vocab_size: v },
+    );
     let types = inputs.add(
         &mut b,
         "token_type_ids",
@@ -59,8 +65,9 @@ pub(crate) fn build(cfg: &BertConfig, opts: &BuildOptions) -> Result<ForwardMode
     let pos_pd = b.scoped("position_embeddings", |b| {
         b.parameter("weight", [cfg.max_position_embeddings, d], dtype)
     });
-    let type_td =
-        b.scoped("token_type_embeddings", |b| b.parameter("weight", [cfg.type_vocab_size, d], dtype));
+    let type_td = b.scoped("token_type_embeddings", |b| {
+        b.parameter("weight", [cfg.type_vocab_size, d], dtype)
+    });
     let word_bsd = b.scoped("word_embeddings", |b| b.embedding(word_vd, ids))?;
     let type_bsd = b.scoped("token_type_embeddings", |b| b.embedding(type_td, types))?;
     let pos_sd = b.scoped("position_embeddings", |b| b.slice(pos_pd, 0, 0, seq))?;

@@ -84,7 +84,8 @@ fn layers(field: &str, v: usize) -> Result<()> {
 }
 
 fn divisible(num_field: &str, num: usize, den_field: &str, den: usize) -> Result<()> {
-    if num % den != 0 {
+    // checked_rem: a zero divisor is reported, not a panic.
+    if num.checked_rem(den) != Some(0) {
         return Err(ModelError::invalid(
             num_field,
             format!(
@@ -239,8 +240,7 @@ impl Gpt2Params {
 
     fn count(&self) -> Option<u128> {
         let (v, p, d, i) = (self.vocab_size, self.n_positions, self.n_embd, self.n_inner);
-        let layer =
-            count(&[&[4, d], &[3, d, d], &[3, d], &[d, d], &[d], &[2, d, i], &[i], &[d]])?;
+        let layer = count(&[&[4, d], &[3, d, d], &[3, d], &[d, d], &[d], &[2, d, i], &[i], &[d]])?;
         let lm_head = if self.tie_word_embeddings { 0 } else { v };
         let base = count(&[&[v, d], &[p, d], &[2, d], &[lm_head, d]])?;
         layer.checked_mul(self.n_layer as u128)?.checked_add(base)
@@ -515,7 +515,12 @@ impl BertParams {
         positive("intermediate_size", self.intermediate_size)?;
         positive("max_position_embeddings", self.max_position_embeddings)?;
         positive("type_vocab_size", self.type_vocab_size)?;
-        divisible("hidden_size", self.hidden_size, "num_attention_heads", self.num_attention_heads)?;
+        divisible(
+            "hidden_size",
+            self.hidden_size,
+            "num_attention_heads",
+            self.num_attention_heads,
+        )?;
         epsilon("layer_norm_eps", self.layer_norm_eps)?;
         probability("hidden_dropout_prob", self.hidden_dropout_prob)?;
         probability("attention_probs_dropout_prob", self.attention_probs_dropout_prob)?;
@@ -619,7 +624,12 @@ impl VitParams {
             positive("patch_size", self.patch_size[k])?;
             divisible("image_size", self.image_size[k], "patch_size", self.patch_size[k])?;
         }
-        divisible("hidden_size", self.hidden_size, "num_attention_heads", self.num_attention_heads)?;
+        divisible(
+            "hidden_size",
+            self.hidden_size,
+            "num_attention_heads",
+            self.num_attention_heads,
+        )?;
         if self.num_labels < 2 {
             return Err(ModelError::invalid(
                 "num_labels",
@@ -671,7 +681,7 @@ impl VitConfig {
     pub fn num_patches(&self) -> usize {
         (self.image_size[0] / self.patch_size[0]) * (self.image_size[1] / self.patch_size[1])
     }
-    /// The encoder's sequence length: N patches plus the [CLS] token.
+    /// The encoder's sequence length: N patches plus the `[CLS]` token.
     pub fn seq_len(&self) -> usize {
         self.num_patches() + 1
     }
@@ -726,7 +736,9 @@ impl MlpParams {
     }
 
     fn count(&self) -> Option<u128> {
-        self.layer_dims().iter().try_fold(0u128, |acc, &(i, o)| acc.checked_add(count(&[&[i, o], &[o]])?))
+        self.layer_dims()
+            .iter()
+            .try_fold(0u128, |acc, &(i, o)| acc.checked_add(count(&[&[i, o], &[o]])?))
     }
 }
 

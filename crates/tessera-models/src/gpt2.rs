@@ -22,8 +22,8 @@
 //! discount): forward per token = L·(6d² + 2d² + 4d·i + 4·S·d) + 2·d·v, i.e. 24d² + 4Sd per
 //! layer at i = 4d; a training step is 3× the forward (every matmul has a dX and a dW
 //! product). gpt2 at B=1, S=1024: 874,944,921,600 (tested). nanoGPT's MFU estimate,
-//! 6N + 12·L·h·e·S per token, is the same count with N the non-embedding parameters plus the
-//! tied head.
+//! 6N + 12·L·h·e·S per token, approximates this with N = all parameters but `wpe` (its 6N
+//! also counts biases and norms as if they were matmul weights).
 
 use crate::config::Gpt2Config;
 use crate::error::Result;
@@ -36,7 +36,13 @@ pub(crate) fn build(cfg: &Gpt2Config, opts: &BuildOptions) -> Result<ForwardMode
     let (v, d) = (cfg.vocab_size, cfg.n_embd);
     let mut b = Builder::new();
     let mut inputs = Inputs::new();
-    let ids = inputs.add(&mut b, "input_ids", [batch, seq], DType::I64, InputKind::TokenIds { vocab_size: v });
+    let ids = inputs.add(
+        &mut b,
+        "input_ids",
+        [batch, seq],
+        DType::I64,
+        InputKind::TokenIds { vocab_size: v },
+    );
     let labels = inputs.add(
         &mut b,
         "labels",
@@ -92,7 +98,8 @@ fn block(
         let q_bshe = nn::split_heads(b, q_bsd, cfg.n_head)?;
         let k_bshe = nn::split_heads(b, k_bsd, cfg.n_head)?;
         let v_bshe = nn::split_heads(b, v_bsd, cfg.n_head)?;
-        let mut scale = if cfg.scale_attn_weights { 1.0 / (cfg.head_dim() as f64).sqrt() } else { 1.0 };
+        let mut scale =
+            if cfg.scale_attn_weights { 1.0 / (cfg.head_dim() as f64).sqrt() } else { 1.0 };
         if cfg.scale_attn_by_inverse_layer_idx {
             scale /= (layer + 1) as f64;
         }

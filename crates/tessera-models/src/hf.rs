@@ -14,8 +14,9 @@ use crate::ModelConfig;
 use serde_json::{Map, Value};
 use tessera_ir::DType;
 
-/// The `model_type` values [`parse`] understands.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["gpt2", "llama", "mistral", "qwen2", "bert", "vit", "mlp"];
+/// The `model_type` values a config.json may have.
+pub const SUPPORTED_MODEL_TYPES: &[&str] =
+    &["gpt2", "llama", "mistral", "qwen2", "bert", "vit", "mlp"];
 
 /// Parses a config.json's `text`; `origin` names it in errors, `fallback_name` names the model
 /// when the file has no `_name_or_path`.
@@ -155,7 +156,9 @@ fn rope(f: &Fields) -> Result<(f64, RopeScaling)> {
     let theta = f.f64("rope_theta")?.unwrap_or(10000.0);
     let scaling = match f.object("rope_scaling")? {
         None => RopeScaling::Default,
-        Some(map) => rope_scaling(&Fields { map, model_type: f.model_type, prefix: "rope_scaling." })?,
+        Some(map) => {
+            rope_scaling(&Fields { map, model_type: f.model_type, prefix: "rope_scaling." })?
+        }
     };
     Ok((theta, scaling))
 }
@@ -250,7 +253,10 @@ fn mlp(f: &Fields, name: String) -> Result<ModelConfig> {
         Some(other) => {
             return Err(ModelError::invalid(
                 "hidden_dims",
-                format!("must be an array of layer widths such as [1024, 1024], got {}", json_kind(other)),
+                format!(
+                    "must be an array of layer widths such as [1024, 1024], got {}",
+                    json_kind(other)
+                ),
             ))
         }
     };

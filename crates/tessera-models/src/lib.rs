@@ -51,7 +51,7 @@ use tessera_ir::{Builder, DType, TensorId};
 #[serde(tag = "family", rename_all = "snake_case")]
 pub enum ModelConfig {
     Gpt2(Gpt2Config),
-    /// LLaMA, Mistral and Qwen2 (see [`LlamaConfig::variant`]).
+    /// LLaMA, Mistral and Qwen2 (see [`LlamaParams::variant`]).
     Llama(LlamaConfig),
     Bert(BertConfig),
     Vit(VitConfig),
@@ -236,9 +236,7 @@ impl ModelConfig {
                 let patch = c.num_channels * c.patch_size[0] * c.patch_size[1];
                 (max(&[patch, c.intermediate_size, c.hidden_size]), c.hidden_size)
             }
-            ModelConfig::Mlp(c) => {
-                (max(&[c.input_dim, c.num_classes, max(&c.hidden_dims)]), 0)
-            }
+            ModelConfig::Mlp(c) => (max(&[c.input_dim, c.num_classes, max(&c.hidden_dims)]), 0),
         }
     }
 }
@@ -355,8 +353,8 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         .checked_mul(s)
         .and_then(|t| t.checked_mul(s))
         .and_then(|t| t.checked_mul(attention_width as u128));
-    if !activations.is_some_and(|n| n <= MAX_ACTIVATION_ELEMENTS)
-        || !attention.is_some_and(|n| n <= MAX_ATTENTION_VOLUME)
+    if activations.is_none_or(|n| n > MAX_ACTIVATION_ELEMENTS)
+        || attention.is_none_or(|n| n > MAX_ATTENTION_VOLUME)
     {
         return Err(ModelError::invalid(
             "batch/seq",

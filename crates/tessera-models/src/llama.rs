@@ -36,7 +36,13 @@ pub(crate) fn build(cfg: &LlamaConfig, opts: &BuildOptions) -> Result<ForwardMod
     let (v, d) = (cfg.vocab_size, cfg.hidden_size);
     let mut b = Builder::new();
     let mut inputs = Inputs::new();
-    let ids = inputs.add(&mut b, "input_ids", [batch, seq], DType::I64, InputKind::TokenIds { vocab_size: v });
+    let ids = inputs.add(
+        &mut b,
+        "input_ids",
+        [batch, seq],
+        DType::I64,
+        InputKind::TokenIds { vocab_size: v },
+    );
     let labels = inputs.add(
         &mut b,
         "labels",
@@ -82,12 +88,12 @@ fn decoder_layer(
 
     let n_bsd = nn::rms_norm(b, "input_layernorm", x_bsd, eps)?;
     let a_bsd = b.scoped("self_attn", |b| {
-        let q = nn::linear(b, "q_proj", n_bsd, h * e, cfg.qkv_bias)?;
-        let kk = nn::linear(b, "k_proj", n_bsd, k * e, cfg.qkv_bias)?;
-        let vv = nn::linear(b, "v_proj", n_bsd, k * e, cfg.qkv_bias)?;
-        let q_bshe = nn::split_heads(b, q, h)?;
-        let k_bske = nn::split_heads(b, kk, k)?;
-        let v_bske = nn::split_heads(b, vv, k)?;
+        let q_bs_he = nn::linear(b, "q_proj", n_bsd, h * e, cfg.qkv_bias)?;
+        let k_bs_ke = nn::linear(b, "k_proj", n_bsd, k * e, cfg.qkv_bias)?;
+        let v_bs_ke = nn::linear(b, "v_proj", n_bsd, k * e, cfg.qkv_bias)?;
+        let q_bshe = nn::split_heads(b, q_bs_he, h)?;
+        let k_bske = nn::split_heads(b, k_bs_ke, k)?;
+        let v_bske = nn::split_heads(b, v_bs_ke, k)?;
         let q_bshe = b.rope(q_bshe, inv_freq)?;
         let k_bske = b.rope(k_bske, inv_freq)?;
         let spec = AttentionSpec {

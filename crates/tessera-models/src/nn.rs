@@ -28,7 +28,12 @@ pub(crate) fn linear(
 }
 
 /// GPT-2's `Conv1D` named `name`: weight `[in, out]`, `y = x·W + b`.
-pub(crate) fn conv1d(b: &mut Builder, name: &str, x: TensorId, out_dim: usize) -> IrResult<TensorId> {
+pub(crate) fn conv1d(
+    b: &mut Builder,
+    name: &str,
+    x: TensorId,
+    out_dim: usize,
+) -> IrResult<TensorId> {
     let (in_dim, dtype) = (b.shape(x).last(), b.dtype(x));
     b.scoped(name, |b| {
         let w = b.parameter("weight", [in_dim, out_dim], dtype);
@@ -116,7 +121,13 @@ pub(crate) struct Dropout {
 
 impl Dropout {
     /// `x` with dropout `p` under scope `name`; the identity when `p` is 0.
-    pub(crate) fn apply(&mut self, b: &mut Builder, name: &str, x: TensorId, p: f64) -> IrResult<TensorId> {
+    pub(crate) fn apply(
+        &mut self,
+        b: &mut Builder,
+        name: &str,
+        x: TensorId,
+        p: f64,
+    ) -> IrResult<TensorId> {
         if p <= 0.0 {
             return Ok(x);
         }

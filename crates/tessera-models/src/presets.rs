@@ -59,8 +59,7 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         "llama2-13b" => llama2(5120, 13824, 40, 40, 40),
         "llama2-70b" => llama2(8192, 28672, 80, 64, 8),
         "llama3-8b" => {
-            let mut p =
-                LlamaParams::new(LlamaVariant::Llama, name, 128256, 4096, 14336, 32, 32);
+            let mut p = LlamaParams::new(LlamaVariant::Llama, name, 128256, 4096, 14336, 32, 32);
             p.num_key_value_heads = 8;
             p.max_position_embeddings = 8192;
             p.rms_norm_eps = 1e-5;

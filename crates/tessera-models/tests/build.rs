@@ -81,7 +81,12 @@ fn check_blocks(name: &str, prefix: impl Fn(usize) -> String) {
     for n in &g.nodes {
         let scope = g.scope_name(n.scope);
         let layer = (0..cfg.num_blocks()).find(|&i| under(scope, i));
-        assert_eq!(n.block, layer.map(|i| i as u32), "{name}: {} node in scope {scope}", n.op.name());
+        assert_eq!(
+            n.block,
+            layer.map(|i| i as u32),
+            "{name}: {} node in scope {scope}",
+            n.op.name()
+        );
         if let Some(i) = layer {
             per_block[i] += 1;
         }

@@ -57,8 +57,10 @@ fn names_come_from_name_or_path_then_the_directory() {
     assert_eq!(cfg.name(), "meta-llama/Llama-2-7b-hf");
     let cfg = ModelConfig::from_path(&fixture("mistral-7b-v0.1.json")).unwrap();
     assert_eq!(cfg.name(), "mistral-7b-v0.1");
-    let cfg = ModelConfig::from_hf_json(r#"{"model_type": "mlp", "input_dim": 4, "hidden_dims": [], "num_classes": 2}"#)
-        .unwrap();
+    let cfg = ModelConfig::from_hf_json(
+        r#"{"model_type": "mlp", "input_dim": 4, "hidden_dims": [], "num_classes": 2}"#,
+    )
+    .unwrap();
     assert_eq!(cfg.name(), "mlp");
 }
 
@@ -174,13 +176,13 @@ fn llama3_rope_scaling_matches_hand_computed_frequencies() {
     // = 1.4142136e-3 · 0.3037426 = 4.295568e-4. The other values were computed the same way
     // in double precision (Python `math`), independently of this crate.
     let expected: &[(usize, f64)] = &[
-        (0, 1.0),                       // wavelength 6.28: kept
-        (14, 0.0032114459947525913),    // wavelength 1956: kept
-        (15, 0.001290547928209264),     // wavelength 2948: smooth 0.5928
-        (16, 0.00042955679655936815),   // wavelength 4443: smooth 0.2813
-        (17, 9.70828780262767e-05),     // wavelength 6695: smooth 0.0745
-        (18, 1.9461638184831125e-05),   // wavelength 10089: divided by 32
-        (31, 9.418306725434909e-08),    // wavelength 2.08e6: divided by 32
+        (0, 1.0),                     // wavelength 6.28: kept
+        (14, 0.0032114459947525913),  // wavelength 1956: kept
+        (15, 0.001290547928209264),   // wavelength 2948: smooth 0.5928
+        (16, 0.00042955679655936815), // wavelength 4443: smooth 0.2813
+        (17, 9.70828780262767e-05),   // wavelength 6695: smooth 0.0745
+        (18, 1.9461638184831125e-05), // wavelength 10089: divided by 32
+        (31, 9.418306725434909e-08),  // wavelength 2.08e6: divided by 32
     ];
     let inv = c.inv_freq();
     assert_eq!(inv.len(), 32);
@@ -260,7 +262,10 @@ fn vit_labels_come_from_id2label_and_sizes_may_be_pairs() {
     )
     .unwrap();
     let ModelConfig::Vit(d) = &defaults else { panic!("expected vit") };
-    assert_eq!((d.image_size, d.patch_size, d.num_channels, d.num_labels), ([224, 224], [16, 16], 3, 2));
+    assert_eq!(
+        (d.image_size, d.patch_size, d.num_channels, d.num_labels),
+        ([224, 224], [16, 16], 3, 2)
+    );
     assert_eq!(d.layer_norm_eps, 1e-12);
 }
 
@@ -291,7 +296,11 @@ fn malformed_json_names_file_and_position() {
     let dir = std::env::temp_dir().join(format!("tessera-models-bad-json-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("config.json");
-    std::fs::write(&path, "{\n  \"model_type\": \"gpt2\",\n  \"n_embd\": 768\n  \"n_head\": 12\n}\n").unwrap();
+    std::fs::write(
+        &path,
+        "{\n  \"model_type\": \"gpt2\",\n  \"n_embd\": 768\n  \"n_head\": 12\n}\n",
+    )
+    .unwrap();
     let (e, text) = err_text(ModelConfig::from_path(&dir));
     std::fs::remove_dir_all(&dir).unwrap();
     let ModelError::Json { line, column, .. } = e else { panic!("expected Json, got {e:?}") };
@@ -339,7 +348,10 @@ fn query_heads_must_be_a_multiple_of_kv_heads() {
         "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 8,
         "num_key_value_heads": 3}"#;
     let (_, msg) = err_text(ModelConfig::from_hf_json(text));
-    assert!(msg.contains("num_attention_heads 8 is not divisible by num_key_value_heads 3"), "{msg}");
+    assert!(
+        msg.contains("num_attention_heads 8 is not divisible by num_key_value_heads 3"),
+        "{msg}"
+    );
 }
 
 #[test]

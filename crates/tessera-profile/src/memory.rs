@@ -94,8 +94,7 @@ pub fn simulate_memory(p: &Program) -> MemoryTrace {
 
     // Totals by role, over every buffer of the step.
     let mut report = MemoryReport { resting_bytes: resting, ..Default::default() };
-    let num_blocks =
-        g.nodes.iter().filter_map(|n| n.block).max().map_or(0, |b| b as usize + 1);
+    let num_blocks = g.nodes.iter().filter_map(|n| n.block).max().map_or(0, |b| b as usize + 1);
     report.activations_by_block = vec![0; num_blocks];
     for (t, &root) in p.buffer_of.iter().enumerate() {
         if root.index() != t {

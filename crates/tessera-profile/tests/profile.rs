@@ -32,7 +32,13 @@ fn matmul_flops_match_published_figures() {
 }
 
 /// 6·N_matmul·tokens + 12·L·h·s·tokens with N_matmul written from the dimensions.
-fn analytic_matmul_flops(n_matmul: u64, layers: u64, attn_width: u64, seq: u64, tokens: u64) -> u64 {
+fn analytic_matmul_flops(
+    n_matmul: u64,
+    layers: u64,
+    attn_width: u64,
+    seq: u64,
+    tokens: u64,
+) -> u64 {
     6 * n_matmul * tokens + 12 * layers * attn_width * seq * tokens
 }
 
@@ -49,18 +55,57 @@ fn matmul_flops_match_the_6n_plus_attention_formula() {
     // GPT-2 family: per layer c_attn D·3D, c_proj D·D, c_fc D·4D, mlp c_proj 4D·D; lm_head V·D.
     let gpt = |l: u64, d: u64, v: u64| l * (3 * d * d + d * d + 8 * d * d) + v * d;
     // LLaMA: q D·H·Dh, k and v D·Hkv·Dh each, o H·Dh·D, gate/up/down 3·D·I; lm_head V·D.
-    let llama = |l: u64, d: u64, kv: u64, i: u64, v: u64| l * (2 * d * d + 2 * d * kv + 3 * d * i) + v * d;
+    let llama =
+        |l: u64, d: u64, kv: u64, i: u64, v: u64| l * (2 * d * d + 2 * d * kv + 3 * d * i) + v * d;
     let cases = [
-        Case { model: "gpt2", batch: 2, seq: 256, n_matmul: gpt(12, 768, 50257), layers: 12, attn_width: 768 },
-        Case { model: "gpt2-medium", batch: 1, seq: 512, n_matmul: gpt(24, 1024, 50257), layers: 24, attn_width: 1024 },
-        Case { model: "llama2-7b", batch: 1, seq: 512, n_matmul: llama(32, 4096, 4096, 11008, 32000), layers: 32, attn_width: 4096 },
+        Case {
+            model: "gpt2",
+            batch: 2,
+            seq: 256,
+            n_matmul: gpt(12, 768, 50257),
+            layers: 12,
+            attn_width: 768,
+        },
+        Case {
+            model: "gpt2-medium",
+            batch: 1,
+            seq: 512,
+            n_matmul: gpt(24, 1024, 50257),
+            layers: 24,
+            attn_width: 1024,
+        },
+        Case {
+            model: "llama2-7b",
+            batch: 1,
+            seq: 512,
+            n_matmul: llama(32, 4096, 4096, 11008, 32000),
+            layers: 32,
+            attn_width: 4096,
+        },
         // Llama-3-8B: GQA with 8 KV heads of 128 → k/v width 1024.
-        Case { model: "llama3-8b", batch: 2, seq: 256, n_matmul: llama(32, 4096, 1024, 14336, 128256), layers: 32, attn_width: 4096 },
-        Case { model: "llama-tiny", batch: 4, seq: 64, n_matmul: llama(8, 256, 128, 688, 256), layers: 8, attn_width: 256 },
+        Case {
+            model: "llama3-8b",
+            batch: 2,
+            seq: 256,
+            n_matmul: llama(32, 4096, 1024, 14336, 128256),
+            layers: 32,
+            attn_width: 4096,
+        },
+        Case {
+            model: "llama-tiny",
+            batch: 4,
+            seq: 64,
+            n_matmul: llama(8, 256, 128, 688, 256),
+            layers: 8,
+            attn_width: 256,
+        },
     ];
     for c in cases {
-        let got = count_flops(program(c.model, c.batch as usize, c.seq as usize, DType::F32).graph()).matmul;
-        let want = analytic_matmul_flops(c.n_matmul, c.layers, c.attn_width, c.seq, c.batch * c.seq);
+        let got =
+            count_flops(program(c.model, c.batch as usize, c.seq as usize, DType::F32).graph())
+                .matmul;
+        let want =
+            analytic_matmul_flops(c.n_matmul, c.layers, c.attn_width, c.seq, c.batch * c.seq);
         let e = rel(got as f64, want as f64);
         assert!(e < 0.005, "{}: {got} vs formula {want} ({:.3}%)", c.model, e * 100.0);
     }
@@ -86,7 +131,10 @@ fn gpt_block_saved_activations_match_closed_form() {
             let blocks = &p.memory.activations_by_block;
             assert!(blocks.len() > 2, "{model}: no blocks tagged");
             for (i, &got) in blocks.iter().enumerate() {
-                assert_eq!(got, want, "{model} {dtype} b{batch} s{seq}: block {i} saves {got} B, formula {want} B");
+                assert_eq!(
+                    got, want,
+                    "{model} {dtype} b{batch} s{seq}: block {i} saves {got} B, formula {want} B"
+                );
             }
         }
     }
@@ -131,11 +179,7 @@ fn program_frees_every_step_buffer_exactly_once() {
     // After the step exactly parameters, optimizer state, loss and grad norm remain.
     let trace = simulate_memory(&prog);
     let end = trace.timeline.last().expect("non-empty").live_bytes;
-    let resident: u64 = prog
-        .live_out
-        .iter()
-        .map(|&t| g.meta(t).size_bytes())
-        .sum();
+    let resident: u64 = prog.live_out.iter().map(|&t| g.meta(t).size_bytes()).sum();
     assert_eq!(end, resident);
     let model_state: u64 = prog
         .live_out
