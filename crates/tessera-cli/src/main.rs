@@ -4,9 +4,14 @@
 
 mod format;
 mod profile_cmd;
+mod train_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
+
+/// Counts heap bytes so `train` can compare the real heap with the predicted peak.
+#[global_allocator]
+static ALLOC: tessera_runtime::alloc::CountingAlloc = tessera_runtime::alloc::CountingAlloc;
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Automatic parallel training of large models")]
@@ -19,12 +24,15 @@ struct Cli {
 enum Command {
     /// FLOPs and memory of one training step, computed symbolically (no tensor is allocated).
     Profile(profile_cmd::ProfileArgs),
+    /// Train a model on text on one device (default: gpt2-tiny on the shipped corpus).
+    Train(train_cmd::TrainArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Profile(args) => profile_cmd::run(&args),
+        Command::Train(args) => train_cmd::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -45,7 +45,11 @@ fn crates_depend_only_downwards() {
         ("tessera-ir", &[][..]),
         ("tessera-models", &["tessera-ir"][..]),
         ("tessera-profile", &["tessera-ir"][..]),
-        ("tessera-cli", &["tessera-ir", "tessera-models", "tessera-profile"][..]),
+        ("tessera-runtime", &["tessera-ir"][..]),
+        (
+            "tessera-cli",
+            &["tessera-ir", "tessera-models", "tessera-profile", "tessera-runtime"][..],
+        ),
     ]);
     for (krate, deps) in &graph {
         let Some(ok) = allowed.get(krate.as_str()) else {

@@ -58,7 +58,9 @@ impl Role {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Program {
-    pub train: TrainingGraph,
+    pub graph: Graph,
+    /// Values the caller reads after the program ends (kept, never freed).
+    pub outputs: Vec<TensorId>,
     pub instrs: Vec<Instr>,
     /// The root tensor of each tensor's buffer.
     pub buffer_of: Vec<TensorId>,
@@ -72,12 +74,25 @@ pub struct Program {
 
 impl Program {
     pub fn graph(&self) -> &Graph {
-        &self.train.graph
+        &self.graph
     }
 
-    /// Lowers a training graph in node order (already topological).
+    /// Lowers a training step: its outputs are the loss and the gradient norm, and the
+    /// parameters' accumulated gradients get the gradient role.
     pub fn lower(train: TrainingGraph) -> Program {
-        let g = &train.graph;
+        let grads: Vec<TensorId> = train.params.iter().map(|s| s.grad).collect();
+        Program::lower_graph(train.graph, vec![train.loss, train.grad_norm], &grads)
+    }
+
+    /// [`Program::lower`] without giving up the training graph (the runtime keeps both).
+    pub fn lower_training(train: &TrainingGraph) -> Program {
+        Program::lower(train.clone())
+    }
+
+    /// Lowers any graph in node order (already topological), keeping `outputs` alive at the
+    /// end; `grads` are the tensors to account as parameter gradients.
+    pub fn lower_graph(graph: Graph, outputs: Vec<TensorId>, grads: &[TensorId]) -> Program {
+        let g = &graph;
         let nt = g.tensors.len();
         let mut buffer_of: Vec<TensorId> = (0..nt as u32).map(TensorId).collect();
         for node in &g.nodes {
@@ -122,8 +137,8 @@ impl Program {
                 }
             }
         }
-        for slot in &train.params {
-            let buf = buffer_of[slot.grad.index()];
+        for &grad in grads {
+            let buf = buffer_of[grad.index()];
             if role[buf.index()] == Role::Temporary {
                 role[buf.index()] = Role::Gradient;
             }
@@ -138,7 +153,7 @@ impl Program {
             }
         }
         let mut keep = resident.clone();
-        for &t in [train.loss, train.grad_norm].iter() {
+        for &t in &outputs {
             keep[buffer_of[t.index()].index()] = true;
         }
         let mut frees_after: Vec<Vec<TensorId>> = vec![Vec::new(); g.nodes.len()];
@@ -168,7 +183,7 @@ impl Program {
             .filter(|&t| keep[t] && buffer_of[t].index() == t)
             .map(|t| TensorId(t as u32))
             .collect();
-        Program { train, instrs, buffer_of, role, live_in, live_out }
+        Program { graph, outputs, instrs, buffer_of, role, live_in, live_out }
     }
 
     /// Bytes of the buffer rooted at `t`.

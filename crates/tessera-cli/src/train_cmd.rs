@@ -1,0 +1,273 @@
+//! `tessera train`: train a model on real text on one device, and check the profiler's memory
+//! prediction against the runtime's accountant and the process heap.
+
+use crate::format::bytes;
+use crate::profile_cmd::{print_stdout, OutputFormat};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::time::Instant;
+use tessera_ir::{build_training_graph, DType, TrainConfig};
+use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_profile::simulate_memory;
+use tessera_runtime::data::{DataOptions, Dataset, TokenDType, Tokenizer};
+use tessera_runtime::{alloc, CpuBackend, LrSchedule, Trainer};
+
+/// The shipped corpus (public-domain Shakespeare, see data/README.md), embedded so the default
+/// run works from any directory.
+const DEFAULT_CORPUS: &str = include_str!("../../../data/shakespeare.txt");
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// A preset, a Hugging Face config.json, or a directory holding one (causal LMs).
+    #[arg(long, default_value = "gpt2-tiny")]
+    pub model: String,
+    /// Text file (byte-level tokens, or --tokenizer), nanoGPT token file (.bin), or a directory
+    /// with train.bin and val.bin. Default: the shipped Shakespeare corpus.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Hugging Face tokenizer.json to encode a text corpus (default: bytes).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Element type of .bin token files.
+    #[arg(long, value_enum, default_value_t = TokenBits::U16)]
+    pub token_dtype: TokenBits,
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Global batch: sequences per step.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 128)]
+    pub seq: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 2e-3)]
+    pub lr: f64,
+    /// Learning-rate schedule over the run's --steps.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
+    pub schedule: ScheduleKind,
+    /// Warmup steps of the cosine schedule (default: 5% of --steps).
+    #[arg(long)]
+    pub warmup: Option<u64>,
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    /// AdamW weight decay (matrices only).
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// Clip gradients to this global norm (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Device memory budget, e.g. `512MiB`, `2GiB`: exceeding it is a clear error.
+    #[arg(long, value_parser = parse_size)]
+    pub memory_budget: Option<u64>,
+    /// Held-out batches for the final eval loss.
+    #[arg(long, default_value_t = 8)]
+    pub eval_batches: usize,
+    /// Write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s) to this file.
+    #[arg(long)]
+    pub log_json: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    pub format: OutputFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TokenBits {
+    U16,
+    U32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ScheduleKind {
+    Constant,
+    Cosine,
+}
+
+/// `512MiB`, `20GiB`, `1.5GB`, `4096` (bytes) → bytes.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size; write e.g. 512MiB, 20GiB or 1048576"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024f64.powi(4),
+        other => {
+            return Err(format!(
+                "unknown size unit `{other}` in `{s}` (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ))
+        }
+    };
+    if !(value >= 0.0) || !value.is_finite() {
+        return Err(format!("`{s}` is not a valid size"));
+    }
+    Ok((value * scale).round() as u64)
+}
+
+pub fn run(args: &TrainArgs) -> Result<()> {
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let cfg = ModelConfig::resolve(&args.model)?;
+    let opts = BuildOptions { batch: args.batch, seq: args.seq, dtype: DType::F32 };
+    let model = build(&cfg, &opts)?;
+    let eval_model = build(&cfg, &opts)?;
+    let vocab = cfg.vocab_size().unwrap_or(0);
+
+    let tokenizer = match &args.tokenizer {
+        Some(path) => Tokenizer::from_file(path)?,
+        None => Tokenizer::Byte,
+    };
+    let dataset = match &args.data {
+        Some(path) => {
+            let data_opts = DataOptions {
+                tokenizer,
+                token_dtype: match args.token_dtype {
+                    TokenBits::U16 => TokenDType::U16,
+                    TokenBits::U32 => TokenDType::U32,
+                },
+                ..DataOptions::default()
+            };
+            Dataset::load(path, &data_opts)?
+        }
+        None => Dataset::from_text(DEFAULT_CORPUS, &tokenizer)?,
+    };
+    dataset.validate(vocab, args.seq)?;
+
+    let train_cfg = TrainConfig {
+        weight_decay: args.weight_decay,
+        max_grad_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),
+        ..TrainConfig::default()
+    };
+    let train = build_training_graph(model.builder, model.loss, &train_cfg)
+        .context("building the training graph")?;
+    let schedule = match args.schedule {
+        ScheduleKind::Constant => LrSchedule::Constant { lr: args.lr },
+        ScheduleKind::Cosine => LrSchedule::WarmupCosine {
+            peak: args.lr,
+            min_lr: args.lr * 0.1,
+            warmup: args.warmup.unwrap_or(args.steps / 20),
+            total: args.steps,
+        },
+    };
+
+    let heap_baseline = alloc::current_bytes();
+    let mut trainer =
+        Trainer::new(train, CpuBackend::new(0), schedule, args.seed, args.memory_budget)?
+            .with_eval(eval_model.builder.finish(), eval_model.loss, CpuBackend::new(0))?;
+    let predicted = simulate_memory(trainer.program()).report.peak_bytes;
+
+    let mut log = match &args.log_json {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let bar = ProgressBar::new(args.steps);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let tokens_per_step = (args.batch * args.seq) as f64;
+    let mut initial_loss = f64::NAN;
+    let mut last = None;
+    let mut measured = 0u64;
+    alloc::reset_peak();
+    let start = Instant::now();
+    for step in 1..=args.steps {
+        let b = dataset.train_batch(args.seed, step, args.batch, args.seq)?;
+        let t0 = Instant::now();
+        let stats = trainer.step(&b.inputs, &b.targets)?;
+        let dt = t0.elapsed().as_secs_f64();
+        if step == 1 {
+            initial_loss = stats.loss;
+        }
+        measured = measured.max(stats.peak_bytes);
+        let tps = tokens_per_step / dt;
+        if let Some(w) = log.as_mut() {
+            let line = json!({"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
+                              "lr": stats.lr, "tokens_per_s": tps, "peak_bytes": stats.peak_bytes});
+            writeln!(w, "{line}").context("writing the step log")?;
+        }
+        bar.set_position(step);
+        bar.set_message(format!(
+            "loss {:.4} | {:.0} tok/s | mem {} (predicted {})",
+            stats.loss,
+            tps,
+            bytes(stats.peak_bytes),
+            bytes(predicted)
+        ));
+        last = Some(stats);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    if let Some(mut w) = log {
+        w.flush().context("writing the step log")?;
+    }
+    let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
+    let last = last.context("no step ran")?;
+    let val: Vec<(Vec<i64>, Vec<i64>)> = dataset
+        .val_batches(args.batch, args.seq, args.eval_batches)?
+        .into_iter()
+        .map(|b| (b.inputs, b.targets))
+        .collect();
+    let eval_loss = trainer.eval(&val)?;
+    let tokens_per_s = tokens_per_step * args.steps as f64 / elapsed;
+    let unigram = tessera_runtime::data::unigram_entropy_nats(&dataset.train, dataset.vocab_size);
+
+    match args.format {
+        OutputFormat::Json => {
+            let doc = json!({
+                "model": cfg.name(),
+                "devices": 1,
+                "steps": args.steps,
+                "batch": args.batch,
+                "seq": args.seq,
+                "initial_loss": initial_loss,
+                "final_loss": last.loss,
+                "eval_loss": eval_loss,
+                "unigram_entropy": unigram,
+                "tokens_per_s": tokens_per_s,
+                "elapsed_s": elapsed,
+                "memory": {
+                    "predicted_peak_bytes": [predicted],
+                    "measured_peak_bytes": [measured],
+                    "heap_peak_bytes": heap_peak,
+                },
+            });
+            print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
+        }
+        OutputFormat::Table => {
+            let text = format!(
+                "{model} · {steps} steps · batch {b} × seq {s} · {tps:.0} tokens/s\n\
+                 loss        {l0:.4} → {l1:.4} (train), {le:.4} (held-out); unigram entropy {u:.4}\n\
+                 memory      predicted peak {p}, measured peak {m}, process heap peak {h}\n",
+                model = cfg.name(),
+                steps = args.steps,
+                b = args.batch,
+                s = args.seq,
+                tps = tokens_per_s,
+                l0 = initial_loss,
+                l1 = last.loss,
+                le = eval_loss,
+                u = unigram,
+                p = bytes(predicted),
+                m = bytes(measured),
+                h = bytes(heap_peak),
+            );
+            print_stdout(&text)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! The runtime against the profiler and against reality: the accountant's peak equals the
+//! Program's predicted peak exactly, the process heap follows it, a model really learns, and
+//! bad data or budgets are clear errors.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use tessera_ir::{build_training_graph, DType, TrainConfig};
+use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_profile::simulate_memory;
+use tessera_runtime::{CpuBackend, LrSchedule, Trainer};
+
+fn trainer(model: &str, batch: usize, seq: usize, budget: Option<u64>) -> Trainer<CpuBackend> {
+    let cfg = ModelConfig::resolve(model).expect("model");
+    let fm = build(&cfg, &BuildOptions { batch, seq, dtype: DType::F32 }).expect("builds");
+    let tg = build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).expect("graph");
+    Trainer::new(tg, CpuBackend::new(0), LrSchedule::Constant { lr: 1e-3 }, 7, budget)
+        .expect("trainer")
+}
+
+/// Deterministic pseudo-random token batch.
+fn tokens(n: usize, vocab: u64, salt: u64) -> Vec<i64> {
+    (0..n as u64)
+        .map(|i| ((i.wrapping_mul(2654435761) ^ salt.wrapping_mul(40503)) % vocab) as i64)
+        .collect()
+}
+
+#[test]
+fn accountant_peak_equals_the_profilers_prediction_exactly() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for (batch, seq) in [(1, 16), (3, 40), (2, 128)] {
+            let mut t = trainer(model, batch, seq, None);
+            let predicted = simulate_memory(t.program()).report.peak_bytes;
+            for step in 0..2 {
+                let x = tokens(batch * seq, 256, step);
+                let y = tokens(batch * seq, 256, step + 100);
+                let stats = t.step(&x, &y).expect("step");
+                assert_eq!(
+                    stats.peak_bytes, predicted,
+                    "{model} b{batch} s{seq} step {step}: measured {} vs predicted {predicted}",
+                    stats.peak_bytes
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_budget_below_the_peak_is_a_clear_error_naming_the_tensor() {
+    let probe = trainer("gpt2-tiny", 2, 32, None);
+    let predicted = simulate_memory(probe.program()).report.peak_bytes;
+    drop(probe);
+    // Exactly the predicted peak fits ...
+    let mut ok = trainer("gpt2-tiny", 2, 32, Some(predicted));
+    ok.step(&tokens(64, 256, 1), &tokens(64, 256, 2)).expect("fits exactly");
+    // ... one byte less does not.
+    let mut t = trainer("gpt2-tiny", 2, 32, Some(predicted - 1));
+    let err = t.step(&tokens(64, 256, 1), &tokens(64, 256, 2)).expect_err("must not fit");
+    let msg = err.to_string();
+    assert!(msg.contains("out of memory") && msg.contains(&(predicted - 1).to_string()), "{msg}");
+    assert!(msg.contains("transformer"), "names the scope: {msg}");
+}
+
+#[test]
+fn learns_a_repetitive_text_beyond_any_unigram_model() {
+    let text = "the quick brown fox jumps over the lazy dog. ".repeat(40);
+    let bytes: Vec<i64> = text.bytes().map(i64::from).collect();
+    // Byte-unigram entropy of the text: the best loss a model ignoring context can reach.
+    let mut counts = [0f64; 256];
+    for &b in &bytes {
+        counts[b as usize] += 1.0;
+    }
+    let n = bytes.len() as f64;
+    let unigram: f64 = counts.iter().filter(|&&c| c > 0.0).map(|&c| -(c / n) * (c / n).ln()).sum();
+
+    let (batch, seq) = (4, 32);
+    let cfg = ModelConfig::resolve("gpt2-tiny").unwrap();
+    let fm = build(&cfg, &BuildOptions { batch, seq, dtype: DType::F32 }).unwrap();
+    let tg = build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).unwrap();
+    let schedule = LrSchedule::WarmupCosine { peak: 3e-3, min_lr: 3e-4, warmup: 10, total: 150 };
+    let mut t = Trainer::new(tg, CpuBackend::new(0), schedule, 1, None).unwrap();
+    let mut last = f64::INFINITY;
+    for step in 0..150u64 {
+        let mut x = Vec::with_capacity(batch * seq);
+        let mut y = Vec::with_capacity(batch * seq);
+        for row in 0..batch as u64 {
+            let off = ((step * 7919 + row * 104729) % (bytes.len() - seq - 1) as u64) as usize;
+            x.extend_from_slice(&bytes[off..off + seq]);
+            y.extend_from_slice(&bytes[off + 1..off + seq + 1]);
+        }
+        last = t.step(&x, &y).unwrap().loss;
+    }
+    assert!(last < 0.5 * unigram, "final loss {last:.4} vs unigram entropy {unigram:.4}");
+}
+
+fn tessera(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("tessera runs")
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tessera-train-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn train_json_log_and_heap_follow_the_prediction() {
+    let log = temp("log").join("steps.jsonl");
+    let out = tessera(&[
+        "train",
+        "--steps",
+        "3",
+        "--batch",
+        "8",
+        "--seq",
+        "256",
+        "--format",
+        "json",
+        "--log-json",
+        log.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    for key in ["initial_loss", "final_loss", "eval_loss", "steps", "tokens_per_s"] {
+        assert!(v[key].is_number(), "{key}: {}", v[key]);
+    }
+    let predicted = v["memory"]["predicted_peak_bytes"][0].as_u64().unwrap();
+    let measured = v["memory"]["measured_peak_bytes"][0].as_u64().unwrap();
+    assert_eq!(predicted, measured);
+    let heap = v["memory"]["heap_peak_bytes"].as_u64().unwrap() as f64;
+    let err = (heap - predicted as f64).abs() / predicted as f64;
+    assert!(err < 0.10, "heap peak {heap} vs predicted {predicted}: {:.1}% off", err * 100.0);
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3);
+    for (i, r) in rows.iter().enumerate() {
+        assert_eq!(r["step"].as_u64(), Some(i as u64 + 1));
+        assert!(r["loss"].is_number() && r["grad_norm"].is_number());
+    }
+}
+
+/// Runs `train` expecting one clear error line.
+fn train_error(args: &[&str]) -> String {
+    let mut all = vec!["train", "--steps", "1"];
+    all.extend_from_slice(args);
+    let out = tessera(&all);
+    assert!(!out.status.success(), "should fail: {args:?}");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(!err.contains("panicked"), "panic: {err}");
+    let last = err.lines().last().unwrap_or("").to_string();
+    assert!(last.starts_with("error: "), "{err}");
+    last
+}
+
+#[test]
+fn bad_data_and_budgets_are_clear_errors() {
+    let dir = temp("bad");
+    let e = train_error(&["--data", dir.join("missing.txt").to_str().unwrap()]);
+    assert!(e.contains("missing.txt"), "{e}");
+
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let e = train_error(&["--data", empty.to_str().unwrap()]);
+    assert!(e.contains("empty"), "{e}");
+
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "just a few words, far fewer than one sequence").unwrap();
+    let e = train_error(&["--data", short.to_str().unwrap(), "--seq", "128"]);
+    assert!(e.contains("128") || e.contains("129"), "{e}");
+
+    // A nanoGPT u16 token file with an id beyond gpt2-tiny's 256-entry vocabulary.
+    let bin = dir.join("tokens.bin");
+    let ids: Vec<u8> = (0..4000u16).flat_map(|i| (i % 300).to_le_bytes()).collect();
+    std::fs::write(&bin, ids).unwrap();
+    let e = train_error(&["--data", bin.to_str().unwrap(), "--seq", "32"]);
+    assert!(e.contains("256") && e.contains("300") || e.contains("256"), "{e}");
+
+    let e = train_error(&["--memory-budget", "1MiB"]);
+    assert!(e.contains("out of memory") && e.contains("1048576"), "{e}");
+}

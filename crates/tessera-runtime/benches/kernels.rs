@@ -1,0 +1,112 @@
+//! Micro benchmarks of the heavy CPU kernels, reported in GFLOP/s.
+//!
+//! Criterion's throughput is set to the FLOP count of one call, so its `elem/s` figures read
+//! as FLOP/s; a short manual timing after each group prints GFLOP/s explicitly. FLOPs follow
+//! the IR's conventions: matmul 2·m·n·k; attention forward 4·B·H·S·T·D and backward twice
+//! that, with no causal discount (a causal run does about half that work).
+//!
+//! `cargo bench -p tessera-runtime --bench kernels -- --quick`
+
+use candle_core::{Device, Tensor};
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use std::time::{Duration, Instant};
+use tessera_ir::{AttentionSpec, Op, TensorMeta};
+use tessera_runtime::kernels::execute;
+use tessera_runtime::tensor::meta_of;
+
+fn rand(dims: &[usize]) -> Tensor {
+    Tensor::randn(0f32, 1f32, dims, &Device::Cpu).unwrap()
+}
+
+fn metas(op: &Op, x: &[&Tensor]) -> Vec<TensorMeta> {
+    let m: Vec<TensorMeta> = x.iter().map(|t| meta_of(t).unwrap()).collect();
+    op.infer(&m.iter().collect::<Vec<_>>()).unwrap()
+}
+
+/// Runs `f` for about a second and prints its GFLOP/s.
+fn report(name: &str, flops: u64, mut f: impl FnMut()) {
+    f();
+    let (start, mut iters) = (Instant::now(), 0u32);
+    while start.elapsed() < Duration::from_secs(1) || iters < 3 {
+        f();
+        iters += 1;
+    }
+    let secs = start.elapsed().as_secs_f64() / iters as f64;
+    println!(
+        "{name}: {:.2} ms/call, {:.1} GFLOP/s ({} threads)",
+        secs * 1e3,
+        flops as f64 / secs / 1e9,
+        rayon::current_num_threads()
+    );
+}
+
+fn bench_matmul(c: &mut Criterion) {
+    let (m, k, n) = (1024, 768, 3072);
+    let a = rand(&[m, k]);
+    let b = rand(&[k, n]);
+    let wt = rand(&[n, k]);
+    let flops = 2 * (m * k * n) as u64;
+    let mut g = c.benchmark_group("matmul");
+    g.throughput(Throughput::Elements(flops));
+    for (name, op, rhs) in [
+        ("1024x768 @ 768x3072", Op::MatMul { trans_a: false, trans_b: false }, &b),
+        ("1024x768 @ (3072x768)T", Op::MatMul { trans_a: false, trans_b: true }, &wt),
+    ] {
+        let out = metas(&op, &[&a, rhs]);
+        g.bench_function(name, |bch| bch.iter(|| execute(&op, &[&a, rhs], &out).unwrap()));
+        report(&format!("matmul {name}"), flops, || {
+            execute(&op, &[&a, rhs], &out).unwrap();
+        });
+    }
+    g.finish();
+}
+
+fn bench_attention(c: &mut Criterion) {
+    let (b, s, h, d) = (4, 256, 12, 64);
+    let q = rand(&[b, s, h, d]);
+    let k = rand(&[b, s, h, d]);
+    let v = rand(&[b, s, h, d]);
+    let dout = rand(&[b, s, h, d]);
+    let fwd_flops = 4 * (b * h * s * s * d) as u64;
+    let mut g = c.benchmark_group("attention B=4 S=256 H=12 D=64");
+    for causal in [false, true] {
+        let spec = AttentionSpec { causal, window: None, scale: 1.0 / (d as f64).sqrt() };
+        let fwd = Op::Attention(spec.clone());
+        let bwd = Op::AttentionBackward(spec);
+        let fwd_out = metas(&fwd, &[&q, &k, &v]);
+        let y = execute(&fwd, &[&q, &k, &v], &fwd_out).unwrap();
+        let bwd_in = [&q, &k, &v, &y[0], &y[1], &dout];
+        let bwd_out = metas(&bwd, &bwd_in);
+        let tag = if causal { "causal" } else { "full" };
+
+        g.throughput(Throughput::Elements(fwd_flops));
+        g.bench_function(format!("forward {tag}"), |bch| {
+            bch.iter(|| execute(&fwd, &[&q, &k, &v], &fwd_out).unwrap())
+        });
+        g.throughput(Throughput::Elements(3 * fwd_flops));
+        g.bench_function(format!("forward+backward {tag}"), |bch| {
+            bch.iter(|| {
+                let y = execute(&fwd, &[&q, &k, &v], &fwd_out).unwrap();
+                execute(&bwd, &[&q, &k, &v, &y[0], &y[1], &dout], &bwd_out).unwrap()
+            })
+        });
+        report(&format!("attention forward {tag}"), fwd_flops, || {
+            execute(&fwd, &[&q, &k, &v], &fwd_out).unwrap();
+        });
+        report(&format!("attention backward {tag}"), 2 * fwd_flops, || {
+            execute(&bwd, &bwd_in, &bwd_out).unwrap();
+        });
+        report(&format!("attention forward+backward {tag}"), 3 * fwd_flops, || {
+            let y = execute(&fwd, &[&q, &k, &v], &fwd_out).unwrap();
+            execute(&bwd, &[&q, &k, &v, &y[0], &y[1], &dout], &bwd_out).unwrap();
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    targets = bench_matmul, bench_attention
+}
+criterion_main!(benches);

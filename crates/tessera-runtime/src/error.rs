@@ -1,0 +1,38 @@
+//! The runtime's one error type. Messages name the problem and the fix.
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    /// The memory budget of a device would be exceeded.
+    #[error(
+        "out of memory on {device}: allocating {tensor} ({scope}, {bytes} bytes) would bring live \
+         memory to {would_be} bytes, over the budget of {budget} bytes; raise the budget, lower \
+         the batch or sequence length, or (once the planner lands) shard or checkpoint"
+    )]
+    OutOfMemory {
+        device: String,
+        tensor: String,
+        scope: String,
+        bytes: u64,
+        would_be: u64,
+        budget: u64,
+    },
+    /// A leaf was not bound, or bound to a value of the wrong shape or dtype.
+    #[error("{0}")]
+    Binding(String),
+    /// The Program asked for something this backend cannot do (e.g. an unsupported dtype).
+    #[error("{op} on {backend}: {reason}")]
+    Unsupported { backend: String, op: String, reason: String },
+    /// Bad data: unreadable file, empty corpus, out-of-range token id, ...
+    #[error("{0}")]
+    Data(String),
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error(transparent)]
+    Ir(#[from] tessera_ir::IrError),
+    #[error("tensor library: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

@@ -1,0 +1,169 @@
+//! The Program interpreter.
+//!
+//! Leaves are bound by the caller: resident ones (parameters, optimizer state) once, the
+//! step's inputs before every run. [`Executor::run`] then walks the instructions: a `Run`
+//! charges the node's fresh output buffers and its workspace to the accountant (failing before
+//! the kernel runs if a budget would be exceeded), executes the kernel, and stores the
+//! outputs; a `Free` drops every tensor sharing the freed buffer and credits its bytes.
+
+use crate::tensor::{check_meta, size_bytes};
+use crate::{Backend, MemoryAccountant, Result, RuntimeError};
+use candle_core::Tensor;
+use tessera_ir::{Instr, Op, Program, TensorId, TensorMeta};
+
+pub struct Executor<B: Backend> {
+    program: Program,
+    backend: B,
+    values: Vec<Option<Tensor>>,
+    /// Tensors sharing each buffer (indexed by root), so a free drops every handle.
+    members: Vec<Vec<TensorId>>,
+    accountant: MemoryAccountant,
+}
+
+impl<B: Backend> Executor<B> {
+    pub fn new(program: Program, backend: B, budget: Option<u64>) -> Executor<B> {
+        let n = program.graph.tensors.len();
+        let mut members = vec![Vec::new(); n];
+        for (t, root) in program.buffer_of.iter().enumerate() {
+            members[root.index()].push(TensorId(t as u32));
+        }
+        let accountant = MemoryAccountant::new(backend.name(), budget);
+        Executor { program, backend, values: vec![None; n], members, accountant }
+    }
+
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+    pub fn accountant(&self) -> &MemoryAccountant {
+        &self.accountant
+    }
+
+    /// Binds a leaf (parameter, optimizer state or input) to a tensor of exactly its meta.
+    /// Rebinding replaces the previous value and its charge.
+    pub fn bind(&mut self, t: TensorId, value: Tensor) -> Result<()> {
+        let g = &self.program.graph;
+        let node = g.producer(t);
+        if !matches!(node.op, Op::Parameter(_) | Op::OptimizerState { .. } | Op::Input(_)) {
+            return Err(RuntimeError::Binding(format!(
+                "{} is computed by a {} node; only leaves can be bound",
+                g.tensor_scope(t),
+                node.op.name()
+            )));
+        }
+        check_meta(&value, g.meta(t), g.tensor_scope(t))?;
+        if let Some(old) = self.values[t.index()].take() {
+            self.accountant.free(size_bytes(&old));
+        }
+        self.accountant.alloc(size_bytes(&value), g.tensor_scope(t), g.tensor_scope(t))?;
+        self.values[t.index()] = Some(value);
+        Ok(())
+    }
+
+    /// The current value of a tensor, if live.
+    pub fn get(&self, t: TensorId) -> Option<&Tensor> {
+        self.values[t.index()].as_ref()
+    }
+
+    /// Drops the step's outputs (loss, gradient norm) kept from the previous run.
+    pub fn clear_outputs(&mut self) {
+        for i in 0..self.program.outputs.len() {
+            let t = self.program.outputs[i];
+            let root = self.program.buffer_of[t.index()];
+            if self.values[root.index()].is_some() && !self.is_leaf(root) {
+                self.release(root);
+            }
+        }
+    }
+
+    fn is_leaf(&self, t: TensorId) -> bool {
+        matches!(
+            self.program.graph.producer(t).op,
+            Op::Parameter(_) | Op::OptimizerState { .. } | Op::Input(_)
+        )
+    }
+
+    /// Drops every handle of buffer `root` and credits its bytes.
+    fn release(&mut self, root: TensorId) {
+        let bytes = self.program.graph.meta(root).size_bytes();
+        let mut had = false;
+        for &m in &self.members[root.index()] {
+            had |= self.values[m.index()].take().is_some();
+        }
+        if had {
+            self.accountant.free(bytes);
+        }
+    }
+
+    /// Executes the Program once. Every leaf in `program.live_in` must be bound.
+    pub fn run(&mut self) -> Result<()> {
+        self.clear_outputs();
+        let g = &self.program.graph;
+        for &t in &self.program.live_in {
+            if self.values[t.index()].is_none() {
+                return Err(RuntimeError::Binding(format!(
+                    "{} ({}) is not bound",
+                    g.tensor_scope(t),
+                    g.meta(t)
+                )));
+            }
+        }
+        self.accountant.reset_peak();
+        let mut metas: Vec<TensorMeta> = Vec::new();
+        for i in 0..self.program.instrs.len() {
+            match self.program.instrs[i] {
+                Instr::Run(n) => self.run_node(n, &mut metas)?,
+                Instr::Free(t) => self.release(t),
+            }
+        }
+        Ok(())
+    }
+
+    fn run_node(&mut self, n: tessera_ir::NodeId, metas: &mut Vec<TensorMeta>) -> Result<()> {
+        let g = &self.program.graph;
+        let node = g.node(n);
+        let scope = g.scope_name(node.scope);
+        // Charge fresh buffers and workspace before running, so a budget breach happens before
+        // anything is allocated.
+        let mut fresh = 0u64;
+        for &o in &node.outputs {
+            if self.program.buffer_of[o.index()] == o {
+                fresh += g.meta(o).size_bytes();
+            }
+        }
+        let in_metas: Vec<&TensorMeta> = node.inputs.iter().map(|&t| g.meta(t)).collect();
+        let workspace = node.op.workspace_bytes(&in_metas);
+        let what = node.op.name();
+        self.accountant.alloc(fresh, what, scope)?;
+        self.accountant.touch_workspace(workspace, what, scope)?;
+
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &t in &node.inputs {
+            inputs.push(self.values[t.index()].as_ref().ok_or_else(|| {
+                RuntimeError::Binding(format!(
+                    "{}: input {} of {} is not live (a Program bug)",
+                    scope,
+                    g.tensor_scope(t),
+                    what
+                ))
+            })?);
+        }
+        metas.clear();
+        metas.extend(node.outputs.iter().map(|&t| g.meta(t).clone()));
+        let outs = self.backend.execute(&node.op, &inputs, metas)?;
+        if outs.len() != node.outputs.len() {
+            return Err(RuntimeError::Binding(format!(
+                "{scope}: {what} returned {} outputs, expected {}",
+                outs.len(),
+                node.outputs.len()
+            )));
+        }
+        for (k, (t, o)) in outs.into_iter().zip(node.outputs.clone()).enumerate() {
+            check_meta(&t, g.meta(o), &format!("{scope}: output {k} of {what}"))?;
+            self.values[o.index()] = Some(t);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,115 @@
+//! Parameter initialisation, decided by each parameter's role in the graph rather than by
+//! model-specific code: norm weights start at 1, biases and norm shifts at 0, matrices and
+//! embeddings from N(0, 0.02²) — with the GPT-2 paper's 1/√(2·layers) scaling for the
+//! projections that write into the residual stream.
+//!
+//! Values come from a counter-based generator keyed by (seed, parameter name, element index),
+//! so a parameter's initial value does not depend on creation order or, later, on which device
+//! holds which shard.
+
+use crate::tensor::from_vec;
+use crate::Result;
+use candle_core::Tensor;
+use tessera_ir::{Graph, Op, TensorId};
+
+/// Standard deviation of matrices and embeddings (GPT-2, BERT, LLaMA reference inits).
+pub const INIT_STD: f64 = 0.02;
+
+/// Suffixes of the weights that project back into the residual stream.
+const RESIDUAL_PROJECTIONS: [&str; 5] = [
+    "attn.c_proj.weight",
+    "mlp.c_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.down_proj.weight",
+    "output.dense.weight",
+];
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum InitRule {
+    Zeros,
+    Ones,
+    Normal { std: f64 },
+}
+
+/// The rule for each parameter of `graph`, in `graph.parameters()` order.
+pub fn init_rules(graph: &Graph) -> Vec<(TensorId, InitRule)> {
+    let num_blocks = graph.nodes.iter().filter_map(|n| n.block).max().map_or(1, |b| b as u64 + 1);
+    let consumers = graph.consumers();
+    graph
+        .parameters()
+        .into_iter()
+        .map(|p| {
+            let norm_slot = consumers[p.index()].iter().find_map(|&n| {
+                let node = graph.node(n);
+                match node.op {
+                    Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
+                        node.inputs.iter().position(|&t| t == p)
+                    }
+                    _ => None,
+                }
+            });
+            let name = graph.tensor_scope(p);
+            let rule = match norm_slot {
+                Some(1) => InitRule::Ones,
+                Some(_) => InitRule::Zeros,
+                None if graph.shape(p).rank() < 2 => InitRule::Zeros,
+                None if RESIDUAL_PROJECTIONS.iter().any(|s| name.ends_with(s)) => {
+                    InitRule::Normal { std: INIT_STD / (2.0 * num_blocks as f64).sqrt() }
+                }
+                None => InitRule::Normal { std: INIT_STD },
+            };
+            (p, rule)
+        })
+        .collect()
+}
+
+/// splitmix64.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// FNV-1a of a parameter name: a stable key independent of graph order.
+fn name_key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x1000_0000_01b3))
+}
+
+/// Uniform in (0, 1] from a 64-bit hash.
+fn unit(h: u64) -> f64 {
+    ((h >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+}
+
+/// A standard normal for element `i` of the stream `key` (Box–Muller on two hashes).
+pub fn normal(seed: u64, key: u64, i: u64) -> f64 {
+    let base = mix(seed ^ mix(key)).wrapping_add(i.wrapping_mul(2));
+    let u1 = unit(mix(base));
+    let u2 = unit(mix(base.wrapping_add(1)));
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+/// Initial value of one parameter as f32 host data.
+pub fn init_values(name: &str, numel: usize, rule: InitRule, seed: u64) -> Vec<f32> {
+    match rule {
+        InitRule::Zeros => vec![0.0; numel],
+        InitRule::Ones => vec![1.0; numel],
+        InitRule::Normal { std } => {
+            let key = name_key(name);
+            (0..numel as u64).map(|i| (std * normal(seed, key, i)) as f32).collect()
+        }
+    }
+}
+
+/// Creates every parameter of `graph` as an f32 CPU tensor.
+pub fn init_parameters(graph: &Graph, seed: u64) -> Result<Vec<(TensorId, Tensor)>> {
+    init_rules(graph)
+        .into_iter()
+        .map(|(p, rule)| {
+            let shape = graph.shape(p).dims().to_vec();
+            let numel = shape.iter().product();
+            let data = init_values(graph.tensor_scope(p), numel, rule, seed);
+            Ok((p, from_vec(data, &shape)?))
+        })
+        .collect()
+}

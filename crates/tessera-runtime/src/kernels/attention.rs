@@ -1,0 +1,388 @@
+//! Fused attention (FlashAttention-style memory) and rotary position embeddings.
+//!
+//! Layout `[B,S,H,D]`: the heads of one position are interleaved in a row, so head `h` of
+//! batch `b` is the strided matrix at `((b·S)·H + h)·D` with row stride `H·D` (`Hkv·D` for
+//! k and v). Every product (QKᵀ, PV, dO·Vᵀ, Pᵀ·dO, dS·K, dSᵀ·Q) is one `gemm` call on such
+//! views, so nothing is transposed or gathered.
+//!
+//! Queries are processed in blocks of rows; a block only multiplies against the key range
+//! that some row of it can see (causal and sliding-window masks skip whole key ranges), and
+//! holds its scores in a `rows × keys` scratch, which is at most one head's S×T block (the
+//! declared workspace) per rayon worker. Only `out` and the log-sum-exp `[B,H,S]` are saved;
+//! the backward recomputes the probabilities from q, k and the log-sum-exp.
+//!
+//! Work split: the forward runs over (batch, head, query block) tasks; the backward over
+//! (batch, kv head) tasks, each looping over its group's query heads, so dk and dv are
+//! accumulated by a single task without races (and dq rows belong to one task too).
+
+use super::matmul::{all_threads, gemm_f32, MatMut, MatRef, SendConstPtr, SendPtr};
+use crate::tensor::{contiguous, from_vec, read};
+use crate::{Result, RuntimeError};
+use candle_core::{DType, Tensor};
+use gemm::Parallelism;
+use rayon::prelude::*;
+use tessera_ir::AttentionSpec;
+
+/// Query rows per block.
+const BLOCK_ROWS: usize = 64;
+
+fn unsupported(op: &str, reason: String) -> RuntimeError {
+    RuntimeError::Unsupported { backend: "cpu".into(), op: op.into(), reason }
+}
+
+fn bshd(t: &Tensor, what: &str) -> Result<[usize; 4]> {
+    match *t.dims() {
+        [b, s, h, d] => Ok([b, s, h, d]),
+        _ => Err(RuntimeError::Binding(format!(
+            "{what} {:?} must be [batch, seq, heads, head_dim]",
+            t.dims()
+        ))),
+    }
+}
+
+fn expect_f32(op: &str, ts: &[(&Tensor, &str)]) -> Result<()> {
+    for (t, what) in ts {
+        if t.dtype() != DType::F32 {
+            return Err(unsupported(
+                op,
+                format!("{what} is {:?}; only f32 is supported on the CPU", t.dtype()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The attention geometry.
+#[derive(Clone, Copy)]
+struct Geom {
+    b: usize,
+    s: usize,
+    t: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+    window: Option<usize>,
+    scale: f32,
+}
+
+impl Geom {
+    fn new(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Geom> {
+        let [b, s, h, d] = bshd(q, "q")?;
+        let [bk, t, hkv, dk] = bshd(k, "k")?;
+        if v.dims() != k.dims() {
+            return Err(RuntimeError::Binding(format!(
+                "v {:?} must match k {:?}",
+                v.dims(),
+                k.dims()
+            )));
+        }
+        if bk != b || dk != d || hkv == 0 || h % hkv != 0 {
+            return Err(RuntimeError::Binding(format!(
+                "k {:?} does not fit q {:?} (same batch and head_dim, heads a multiple of kv heads)",
+                k.dims(),
+                q.dims()
+            )));
+        }
+        Ok(Geom {
+            b,
+            s,
+            t,
+            h,
+            hkv,
+            d,
+            causal: spec.causal,
+            window: spec.window,
+            scale: spec.scale as f32,
+        })
+    }
+
+    fn group(&self) -> usize {
+        self.h / self.hkv
+    }
+
+    /// Element offset of q/out/dout row (b, i, h).
+    fn q_at(&self, b: usize, i: usize, h: usize) -> usize {
+        ((b * self.s + i) * self.h + h) * self.d
+    }
+
+    /// Element offset of k/v row (b, j, kv head g).
+    fn kv_at(&self, b: usize, j: usize, g: usize) -> usize {
+        ((b * self.t + j) * self.hkv + g) * self.d
+    }
+
+    /// Keys `lo..hi` visible to query `i` (empty when `hi <= lo`).
+    fn visible(&self, i: usize) -> (usize, usize) {
+        let p = i as i64 + self.t as i64 - self.s as i64;
+        let hi = if self.causal { (p + 1).clamp(0, self.t as i64) } else { self.t as i64 };
+        let lo = match self.window {
+            Some(w) => (p - w as i64 + 1).clamp(0, self.t as i64),
+            None => 0,
+        };
+        (lo as usize, hi as usize)
+    }
+
+    /// Keys any query of `i0..i1` can see (both bounds are monotone in i).
+    fn block_keys(&self, i0: usize, i1: usize) -> (usize, usize) {
+        let (lo, _) = self.visible(i0);
+        let (_, hi) = self.visible(i1 - 1);
+        (lo, hi.max(lo))
+    }
+}
+
+/// Rows of scratch a block may use; `bufs` S-long blocks are held at once, kept within one
+/// head's S×T block.
+fn block_rows(s: usize, bufs: usize) -> usize {
+    BLOCK_ROWS.min((s / bufs).max(1))
+}
+
+/// Fused attention: `[out [B,S,H,D], logsumexp [B,H,S] f32]`.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Vec<Tensor>> {
+    expect_f32("attention", &[(q, "q"), (k, "k"), (v, "v")])?;
+    let g = Geom::new(q, k, v, spec)?;
+    let (q, k, v) = (contiguous(q)?, contiguous(k)?, contiguous(v)?);
+    let (qs, ks, vs) = (read::<f32>(&q)?, read::<f32>(&k)?, read::<f32>(&v)?);
+    let mut out = vec![0f32; g.b * g.s * g.h * g.d];
+    let mut lse = vec![f32::NEG_INFINITY; g.b * g.h * g.s];
+    let bq = block_rows(g.s, 1);
+    let nblk = g.s.div_ceil(bq);
+    let tasks = g.b * g.h * nblk;
+    let (qp, kp, vp) =
+        (SendConstPtr(qs.as_ptr()), SendConstPtr(ks.as_ptr()), SendConstPtr(vs.as_ptr()));
+    let (op, lp) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
+    let par = if tasks < rayon::current_num_threads() { all_threads() } else { Parallelism::None };
+    let (hd, kvd) = ((g.h * g.d) as isize, (g.hkv * g.d) as isize);
+
+    (0..tasks).into_par_iter().for_each_init(Vec::<f32>::new, |scores, task| {
+        let (bh, blk) = (task / nblk, task % nblk);
+        let (b, h) = (bh / g.h, bh % g.h);
+        let kvh = h / g.group();
+        let (i0, i1) = (blk * bq, ((blk + 1) * bq).min(g.s));
+        let (jlo, jhi) = g.block_keys(i0, i1);
+        let (rows, tb) = (i1 - i0, jhi - jlo);
+        if tb == 0 {
+            return; // every query masked: zero output, lse −∞ (as allocated)
+        }
+        scores.clear();
+        scores.resize(rows * tb, 0.0);
+        let q_blk = MatRef { ptr: qp.get().wrapping_add(g.q_at(b, i0, h)), rs: hd, cs: 1 };
+        let k_blk = MatRef { ptr: kp.get().wrapping_add(g.kv_at(b, jlo, kvh)), rs: kvd, cs: 1 };
+        let v_blk = MatRef { ptr: vp.get().wrapping_add(g.kv_at(b, jlo, kvh)), rs: kvd, cs: 1 };
+        let sc = MatMut { ptr: scores.as_mut_ptr(), rs: tb as isize, cs: 1 };
+        // SAFETY: the views address rows i0..i1 of head h and keys jlo..jhi of kv head kvh,
+        // inside the checked [B,S,H,D] / [B,T,Hkv,D] buffers; `scores` is this task's own.
+        unsafe { gemm_f32(rows, tb, g.d, sc, false, q_blk, k_blk.t(), g.scale, par) };
+        for (r, row) in scores.chunks_mut(tb).enumerate() {
+            let i = i0 + r;
+            let (lo, hi) = g.visible(i);
+            let (lo, hi) = (lo.clamp(jlo, jhi) - jlo, hi.clamp(jlo, jhi) - jlo);
+            let l = softmax_row(row, lo, hi);
+            // SAFETY: lse[b, h, i] belongs to this task only.
+            unsafe { *lp.get().add((b * g.h + h) * g.s + i) = l };
+        }
+        let o_blk = MatMut { ptr: op.get().wrapping_add(g.q_at(b, i0, h)), rs: hd, cs: 1 };
+        let p = MatRef { ptr: scores.as_ptr(), rs: tb as isize, cs: 1 };
+        // SAFETY: out rows i0..i1 of head h belong to this task only.
+        unsafe { gemm_f32(rows, g.d, tb, o_blk, false, p, v_blk, 1.0, par) };
+    });
+    drop((qs, ks, vs));
+    Ok(vec![from_vec(out, &[g.b, g.s, g.h, g.d])?, from_vec(lse, &[g.b, g.h, g.s])?])
+}
+
+/// Turns scores `row[lo..hi]` into probabilities (zero outside) and returns the row's
+/// log-sum-exp (−∞, with an all-zero row, when nothing is visible).
+fn softmax_row(row: &mut [f32], lo: usize, hi: usize) -> f32 {
+    if hi <= lo {
+        row.fill(0.0);
+        return f32::NEG_INFINITY;
+    }
+    let mx = row[lo..hi].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for x in &mut row[lo..hi] {
+        *x = (*x - mx).exp();
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
+    for x in &mut row[lo..hi] {
+        *x *= inv;
+    }
+    row[..lo].fill(0.0);
+    row[hi..].fill(0.0);
+    mx + sum.ln()
+}
+
+/// `[dq, dk, dv]` of fused attention, recomputing the probabilities from `lse`.
+pub fn attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    spec: &AttentionSpec,
+) -> Result<Vec<Tensor>> {
+    let op = "attention_backward";
+    expect_f32(
+        op,
+        &[(q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "logsumexp"), (dout, "dout")],
+    )?;
+    let g = Geom::new(q, k, v, spec)?;
+    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [g.b, g.h, g.s] {
+        return Err(RuntimeError::Binding(format!(
+            "{op}: out {:?} and dout {:?} must match q {:?}, logsumexp {:?} must be [B,H,S]",
+            out.dims(),
+            dout.dims(),
+            q.dims(),
+            lse.dims()
+        )));
+    }
+    let (q, k, v) = (contiguous(q)?, contiguous(k)?, contiguous(v)?);
+    let (out, lse, dout) = (contiguous(out)?, contiguous(lse)?, contiguous(dout)?);
+    let (qs, ks, vs) = (read::<f32>(&q)?, read::<f32>(&k)?, read::<f32>(&v)?);
+    let (os, ls, dos) = (read::<f32>(&out)?, read::<f32>(&lse)?, read::<f32>(&dout)?);
+    let mut dq = vec![0f32; qs.len()];
+    let mut dk = vec![0f32; ks.len()];
+    let mut dv = vec![0f32; vs.len()];
+
+    let bq = block_rows(g.s, 2);
+    let nblk = g.s.div_ceil(bq);
+    let tasks = g.b * g.hkv;
+    let par = if tasks < rayon::current_num_threads() { all_threads() } else { Parallelism::None };
+    let (hd, kvd) = ((g.h * g.d) as isize, (g.hkv * g.d) as isize);
+    let (qp, kp, vp) =
+        (SendConstPtr(qs.as_ptr()), SendConstPtr(ks.as_ptr()), SendConstPtr(vs.as_ptr()));
+    let (opp, lp, dop) =
+        (SendConstPtr(os.as_ptr()), SendConstPtr(ls.as_ptr()), SendConstPtr(dos.as_ptr()));
+    let (dqp, dkp, dvp) =
+        (SendPtr(dq.as_mut_ptr()), SendPtr(dk.as_mut_ptr()), SendPtr(dv.as_mut_ptr()));
+
+    (0..tasks).into_par_iter().for_each_init(
+        || (Vec::<f32>::new(), Vec::<f32>::new()),
+        |(pbuf, dpbuf), task| {
+            let (b, kvh) = (task / g.hkv, task % g.hkv);
+            let k_all = kp.get().wrapping_add(g.kv_at(b, 0, kvh));
+            let v_all = vp.get().wrapping_add(g.kv_at(b, 0, kvh));
+            let dk_all = dkp.get().wrapping_add(g.kv_at(b, 0, kvh));
+            let dv_all = dvp.get().wrapping_add(g.kv_at(b, 0, kvh));
+            for h in kvh * g.group()..(kvh + 1) * g.group() {
+                for blk in 0..nblk {
+                    let (i0, i1) = (blk * bq, ((blk + 1) * bq).min(g.s));
+                    let (jlo, jhi) = g.block_keys(i0, i1);
+                    let (rows, tb) = (i1 - i0, jhi - jlo);
+                    if tb == 0 {
+                        continue; // dq rows stay zero
+                    }
+                    pbuf.clear();
+                    pbuf.resize(rows * tb, 0.0);
+                    dpbuf.clear();
+                    dpbuf.resize(rows * tb, 0.0);
+                    let qo = g.q_at(b, i0, h);
+                    let koff = jlo as isize * kvd;
+                    let q_blk = MatRef { ptr: qp.get().wrapping_add(qo), rs: hd, cs: 1 };
+                    let do_blk = MatRef { ptr: dop.get().wrapping_add(qo), rs: hd, cs: 1 };
+                    let k_blk = MatRef { ptr: k_all.wrapping_offset(koff), rs: kvd, cs: 1 };
+                    let v_blk = MatRef { ptr: v_all.wrapping_offset(koff), rs: kvd, cs: 1 };
+                    let p_mut = MatMut { ptr: pbuf.as_mut_ptr(), rs: tb as isize, cs: 1 };
+                    let dp_mut = MatMut { ptr: dpbuf.as_mut_ptr(), rs: tb as isize, cs: 1 };
+                    // SAFETY (all gemms below): views address rows i0..i1 of head h and keys
+                    // jlo..jhi of kv head kvh inside the checked buffers; the scratch is this
+                    // task's own; dq rows of head h and dk/dv of kv head kvh (batch b) are
+                    // written by this task only.
+                    unsafe {
+                        gemm_f32(rows, tb, g.d, p_mut, false, q_blk, k_blk.t(), g.scale, par);
+                        gemm_f32(rows, tb, g.d, dp_mut, false, do_blk, v_blk.t(), 1.0, par);
+                    }
+                    for r in 0..rows {
+                        let i = i0 + r;
+                        let prow = &mut pbuf[r * tb..(r + 1) * tb];
+                        let dprow = &mut dpbuf[r * tb..(r + 1) * tb];
+                        // SAFETY: lse, out and dout are read-only inputs, rows in bounds.
+                        let l = unsafe { *lp.get().add((b * g.h + h) * g.s + i) };
+                        let (lo, hi) = g.visible(i);
+                        let (lo, hi) = (lo.clamp(jlo, jhi) - jlo, hi.clamp(jlo, jhi) - jlo);
+                        if l == f32::NEG_INFINITY || hi <= lo {
+                            prow.fill(0.0);
+                            dprow.fill(0.0);
+                            continue;
+                        }
+                        let o = g.q_at(b, i, h);
+                        let (orow, grow) = unsafe {
+                            (
+                                std::slice::from_raw_parts(opp.get().add(o), g.d),
+                                std::slice::from_raw_parts(dop.get().add(o), g.d),
+                            )
+                        };
+                        let big_d: f32 = orow.iter().zip(grow).map(|(a, b)| a * b).sum();
+                        prow[..lo].fill(0.0);
+                        prow[hi..].fill(0.0);
+                        dprow[..lo].fill(0.0);
+                        dprow[hi..].fill(0.0);
+                        for (p, dp) in prow[lo..hi].iter_mut().zip(&mut dprow[lo..hi]) {
+                            *p = (*p - l).exp();
+                            *dp = *p * (*dp - big_d); // dS
+                        }
+                    }
+                    let p = MatRef { ptr: pbuf.as_ptr(), rs: tb as isize, cs: 1 };
+                    let ds = MatRef { ptr: dpbuf.as_ptr(), rs: tb as isize, cs: 1 };
+                    let dq_blk = MatMut { ptr: dqp.get().wrapping_add(qo), rs: hd, cs: 1 };
+                    let dk_blk = MatMut { ptr: dk_all.wrapping_offset(koff), rs: kvd, cs: 1 };
+                    let dv_blk = MatMut { ptr: dv_all.wrapping_offset(koff), rs: kvd, cs: 1 };
+                    unsafe {
+                        gemm_f32(tb, g.d, rows, dv_blk, true, p.t(), do_blk, 1.0, par);
+                        gemm_f32(rows, g.d, tb, dq_blk, false, ds, k_blk, g.scale, par);
+                        gemm_f32(tb, g.d, rows, dk_blk, true, ds.t(), q_blk, g.scale, par);
+                    }
+                }
+            }
+        },
+    );
+    drop((qs, ks, vs, os, ls, dos));
+    Ok(vec![from_vec(dq, q.dims())?, from_vec(dk, k.dims())?, from_vec(dv, v.dims())?])
+}
+
+/// Rotary embedding (rotate-half) at positions 0..S; `inverse` rotates by −θ.
+pub fn rope(x: &Tensor, inv_freq: &[f64], inverse: bool) -> Result<Tensor> {
+    expect_f32("rope", &[(x, "x")])?;
+    let [b, s, h, d] = bshd(x, "x")?;
+    let half = d / 2;
+    if d % 2 != 0 || inv_freq.len() != half {
+        return Err(RuntimeError::Binding(format!(
+            "rope: head_dim {d} needs {half} inverse frequencies, got {}",
+            inv_freq.len()
+        )));
+    }
+    let sign = if inverse { -1.0 } else { 1.0 };
+    // cos/sin per (position, pair), angles in f64.
+    let mut cos = Vec::with_capacity(s * half);
+    let mut sin = Vec::with_capacity(s * half);
+    for pos in 0..s {
+        for f in inv_freq {
+            let (sn, cs) = (sign * pos as f64 * f).sin_cos();
+            cos.push(cs as f32);
+            sin.push(sn as f32);
+        }
+    }
+    let x = contiguous(x)?;
+    let xs = read::<f32>(&x)?;
+    let mut out = vec![0f32; xs.len()];
+    let row = h * d;
+    if row > 0 {
+        out.par_chunks_mut(row).zip(xs.par_chunks(row)).enumerate().with_min_len(16).for_each(
+            |(r, (orow, xrow))| {
+                let pos = r % s;
+                let (c, sn) =
+                    (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+                for (o, xh) in orow.chunks_mut(d).zip(xrow.chunks(d)) {
+                    let (x1, x2) = xh.split_at(half);
+                    let (o1, o2) = o.split_at_mut(half);
+                    for i in 0..half {
+                        o1[i] = x1[i] * c[i] - x2[i] * sn[i];
+                        o2[i] = x2[i] * c[i] + x1[i] * sn[i];
+                    }
+                }
+            },
+        );
+    }
+    drop(xs);
+    from_vec(out, &[b, s, h, d])
+}

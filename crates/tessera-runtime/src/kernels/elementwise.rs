@@ -1,0 +1,740 @@
+//! Fill, unary, binary (NumPy broadcasting), cast and dropout, plus the helpers the other
+//! kernel files of this crate share:
+//!
+//! - [`View`] and [`walk`]: read candle views (broadcast, transposed, narrowed, offset) in
+//!   place through their strides, in parallel chunks, with no materialising copy;
+//! - [`exp_f32`]: a branch-free `exp` (Cody–Waite reduction + Cephes polynomial, ≤ 2 ulp)
+//!   that LLVM vectorises, used by every exp-heavy f32 loop (softmax, cross-entropy, GELU);
+//! - f64-accumulating sums that vectorise (eight independent lanes).
+//!
+//! Numerics: f32 in, f32 out. Functions whose textbook form cancels (1 − tanh², σ(1 − σ),
+//! 0.5·(1 + tanh)) are rewritten in forms that do not; where terms still cancel (the GELU
+//! and SiLU derivatives at their zero crossings) or an argument grows like x³ (tanh-GELU),
+//! the function is evaluated in f64 with a vectorisable [`exp_f64`]; exact GELU uses an f64
+//! erfc (Cephes' rational approximations). Every output is within a few f32 ulps of the exact value.
+
+use crate::tensor::{candle_dtype, from_vec};
+use crate::{Result, RuntimeError};
+use candle_core::{DType as CDType, Device, Layout, Storage, StorageRef, Tensor, WithDType};
+use rayon::prelude::*;
+use tessera_ir::ops::elementwise::dropout_keep;
+use tessera_ir::{BinaryOp, DType, TensorMeta, UnaryOp};
+
+/// Elements per parallel task: large enough to amortise rayon's scheduling (~1 µs).
+pub(super) const CHUNK: usize = 1 << 15;
+
+// ---- shared helpers -----------------------------------------------------------------------
+
+pub(super) fn unsupported(op: &str, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::Unsupported { backend: "cpu".into(), op: op.into(), reason: reason.into() }
+}
+
+/// Errors unless `t` is f32 (the only float type the CPU kernels compute in for now).
+pub(super) fn expect_f32(t: &Tensor, op: &str, what: &str) -> Result<()> {
+    if t.dtype() == CDType::F32 {
+        Ok(())
+    } else {
+        Err(unsupported(
+            op,
+            format!("{what} is {:?}: f32 only on the CPU backend for now", t.dtype()),
+        ))
+    }
+}
+
+/// Errors unless `t` holds integers as the runtime stores them (i64).
+pub(super) fn expect_i64(t: &Tensor, op: &str, what: &str) -> Result<()> {
+    if t.dtype() == CDType::I64 {
+        Ok(())
+    } else {
+        Err(unsupported(
+            op,
+            format!("{what} must be i64 (token ids / targets), got {:?}", t.dtype()),
+        ))
+    }
+}
+
+pub(super) fn numel(dims: &[usize]) -> usize {
+    dims.iter().product()
+}
+
+/// A tensor's whole storage (read-locked) with its layout: strided reads without a copy.
+pub(super) struct View<'a> {
+    guard: StorageRef<'a>,
+    layout: &'a Layout,
+}
+
+impl<'a> View<'a> {
+    pub(super) fn new(t: &'a Tensor) -> Result<View<'a>> {
+        let (guard, layout) = t.storage_and_layout();
+        if !matches!(&*guard, Storage::Cpu(_)) {
+            return Err(RuntimeError::Binding(
+                "the CPU backend got a tensor on another device".into(),
+            ));
+        }
+        Ok(View { guard, layout })
+    }
+
+    /// Every element of the underlying storage (index it with [`View::offset`] and strides).
+    pub(super) fn data<T: WithDType>(&self) -> Result<&[T]> {
+        match &*self.guard {
+            Storage::Cpu(c) => Ok(c.as_slice::<T>()?),
+            _ => unreachable!("device checked in View::new"),
+        }
+    }
+
+    pub(super) fn offset(&self) -> usize {
+        self.layout.start_offset()
+    }
+
+    /// Strides (in elements) that read this view as if broadcast to `out` (NumPy rules:
+    /// right-aligned, size-1 and missing dims get stride 0).
+    pub(super) fn strides_for(&self, out: &[usize]) -> Result<Vec<usize>> {
+        let (d, s) = (self.layout.dims(), self.layout.stride());
+        let bad = || {
+            RuntimeError::Binding(format!(
+                "an operand of shape {d:?} does not broadcast to {out:?}"
+            ))
+        };
+        if d.len() > out.len() {
+            return Err(bad());
+        }
+        let lead = out.len() - d.len();
+        let mut st = vec![0; out.len()];
+        for (k, (&dk, &sk)) in d.iter().zip(s).enumerate() {
+            if dk == out[lead + k] {
+                st[lead + k] = if dk == 1 { 0 } else { sk };
+            } else if dk != 1 {
+                return Err(bad());
+            }
+        }
+        Ok(st)
+    }
+}
+
+/// Walks an output of shape `dims` (row-major, `out.len() == numel(dims)`) in parallel chunks
+/// of [`CHUNK`] elements. Dims of size 1 are dropped and adjacent dims merged where every
+/// operand allows, then for each run along the innermost remaining dim `seg(run, flat, offs,
+/// inner)` is called: `run` the output elements, `flat` the flat index of `run[0]`, `offs[k]`
+/// operand `k`'s element offset for `run[0]` and `inner[k]` its stride along the run.
+pub(super) fn walk<T: Send, const N: usize>(
+    out: &mut [T],
+    dims: &[usize],
+    strides: [&[usize]; N],
+    offsets: [usize; N],
+    seg: impl Fn(&mut [T], usize, [usize; N], [usize; N]) + Sync,
+) {
+    debug_assert_eq!(out.len(), numel(dims));
+    if out.is_empty() {
+        return;
+    }
+    // Collapse: drop size-1 dims, merge a dim into the previous one when it is contiguous
+    // with it for every operand.
+    let mut cd: Vec<usize> = Vec::with_capacity(dims.len());
+    let mut cs: [Vec<usize>; N] = std::array::from_fn(|_| Vec::with_capacity(dims.len()));
+    for (i, &d) in dims.iter().enumerate() {
+        if d == 1 {
+            continue;
+        }
+        let merge = !cd.is_empty() && (0..N).all(|k| *cs[k].last().unwrap() == strides[k][i] * d);
+        if merge {
+            *cd.last_mut().unwrap() *= d;
+            for k in 0..N {
+                *cs[k].last_mut().unwrap() = strides[k][i];
+            }
+        } else {
+            cd.push(d);
+            for k in 0..N {
+                cs[k].push(strides[k][i]);
+            }
+        }
+    }
+    if cd.is_empty() {
+        cd.push(1);
+        for s in cs.iter_mut() {
+            s.push(0);
+        }
+    }
+    let r = cd.len() - 1;
+    let inner = cd[r];
+    let inner_st: [usize; N] = std::array::from_fn(|k| cs[k][r]);
+    let (od, os) = (&cd[..r], &cs);
+
+    let run_chunk = |start: usize, chunk: &mut [T]| {
+        let (mut row, mut col) = (start / inner, start % inner);
+        let mut idx = vec![0usize; r];
+        for d in (0..r).rev() {
+            idx[d] = row % od[d];
+            row /= od[d];
+        }
+        let mut base: [usize; N] =
+            std::array::from_fn(|k| offsets[k] + (0..r).map(|d| idx[d] * os[k][d]).sum::<usize>());
+        let mut pos = 0;
+        while pos < chunk.len() {
+            let n = (inner - col).min(chunk.len() - pos);
+            let offs: [usize; N] = std::array::from_fn(|k| base[k] + col * inner_st[k]);
+            seg(&mut chunk[pos..pos + n], start + pos, offs, inner_st);
+            pos += n;
+            col = 0;
+            if pos == chunk.len() {
+                break;
+            }
+            for d in (0..r).rev() {
+                idx[d] += 1;
+                for k in 0..N {
+                    base[k] += os[k][d];
+                }
+                if idx[d] < od[d] {
+                    break;
+                }
+                for k in 0..N {
+                    base[k] -= os[k][d] * od[d];
+                }
+                idx[d] = 0;
+            }
+        }
+    };
+    if out.len() <= CHUNK {
+        run_chunk(0, out);
+    } else {
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(ci, c)| run_chunk(ci * CHUNK, c));
+    }
+}
+
+/// `f` applied to every element of `x` (any layout), as a fresh contiguous f32 tensor.
+fn map1<F: Fn(f32) -> f32 + Sync>(x: &Tensor, f: F) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let vx = View::new(x)?;
+    let sx = vx.strides_for(&dims)?;
+    let dx = vx.data::<f32>()?;
+    let mut out = vec![0f32; numel(&dims)];
+    walk(&mut out, &dims, [&sx], [vx.offset()], |o, _, [i], [s]| {
+        if s == 1 {
+            let n = o.len();
+            for (o, &v) in o.iter_mut().zip(&dx[i..i + n]) {
+                *o = f(v);
+            }
+        } else {
+            for (k, o) in o.iter_mut().enumerate() {
+                *o = f(dx[i + k * s]);
+            }
+        }
+    });
+    from_vec(out, &dims)
+}
+
+/// `f(a, b)` elementwise with both operands read (broadcast, any layout) as `dims`.
+fn map2<F: Fn(f32, f32) -> f32 + Sync>(
+    a: &Tensor,
+    b: &Tensor,
+    dims: &[usize],
+    f: F,
+) -> Result<Tensor> {
+    let (va, vb) = (View::new(a)?, View::new(b)?);
+    let (sa, sb) = (va.strides_for(dims)?, vb.strides_for(dims)?);
+    let (da, db) = (va.data::<f32>()?, vb.data::<f32>()?);
+    let mut out = vec![0f32; numel(dims)];
+    walk(&mut out, dims, [&sa, &sb], [va.offset(), vb.offset()], |o, _, [ia, ib], st| {
+        let n = o.len();
+        match st {
+            [1, 1] => {
+                for ((o, &x), &y) in o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]) {
+                    *o = f(x, y);
+                }
+            }
+            [1, 0] => {
+                let y = db[ib];
+                for (o, &x) in o.iter_mut().zip(&da[ia..ia + n]) {
+                    *o = f(x, y);
+                }
+            }
+            [0, 1] => {
+                let x = da[ia];
+                for (o, &y) in o.iter_mut().zip(&db[ib..ib + n]) {
+                    *o = f(x, y);
+                }
+            }
+            [ja, jb] => {
+                for (k, o) in o.iter_mut().enumerate() {
+                    *o = f(da[ia + k * ja], db[ib + k * jb]);
+                }
+            }
+        }
+    });
+    from_vec(out, dims)
+}
+
+/// `f(a, b, c)` elementwise with all three read (broadcast, any layout) as `dims`.
+fn map3<F: Fn(f32, f32, f32) -> f32 + Sync>(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    dims: &[usize],
+    f: F,
+) -> Result<Tensor> {
+    let (va, vb, vc) = (View::new(a)?, View::new(b)?, View::new(c)?);
+    let (sa, sb, sc) = (va.strides_for(dims)?, vb.strides_for(dims)?, vc.strides_for(dims)?);
+    let (da, db, dc) = (va.data::<f32>()?, vb.data::<f32>()?, vc.data::<f32>()?);
+    let mut out = vec![0f32; numel(dims)];
+    let offs = [va.offset(), vb.offset(), vc.offset()];
+    walk(&mut out, dims, [&sa, &sb, &sc], offs, |o, _, [ia, ib, ic], st| {
+        let n = o.len();
+        if st == [1, 1, 1] {
+            let it = o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]).zip(&dc[ic..ic + n]);
+            for (((o, &x), &y), &z) in it {
+                *o = f(x, y, z);
+            }
+        } else {
+            let [ja, jb, jc] = st;
+            for (k, o) in o.iter_mut().enumerate() {
+                *o = f(da[ia + k * ja], db[ib + k * jb], dc[ic + k * jc]);
+            }
+        }
+    });
+    from_vec(out, dims)
+}
+
+/// Σ f(x) accumulated in f64 over eight independent lanes (vectorisable, and accurate: each
+/// lane sums n/8 terms in f64).
+#[inline]
+pub(super) fn sum_by(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
+    let mut acc = [0f64; 8];
+    let mut it = xs.chunks_exact(8);
+    for c in &mut it {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f(v);
+        }
+    }
+    let tail: f64 = it.remainder().iter().map(|&v| f(v)).sum();
+    acc.iter().sum::<f64>() + tail
+}
+
+/// Σ f(x, y) over two equally long slices, accumulated as [`sum_by`].
+#[inline]
+pub(super) fn sum_by2(xs: &[f32], ys: &[f32], f: impl Fn(f32, f32) -> f64) -> f64 {
+    debug_assert_eq!(xs.len(), ys.len());
+    let mut acc = [0f64; 8];
+    let (mut ix, mut iy) = (xs.chunks_exact(8), ys.chunks_exact(8));
+    for (cx, cy) in (&mut ix).zip(&mut iy) {
+        for ((a, &x), &y) in acc.iter_mut().zip(cx).zip(cy) {
+            *a += f(x, y);
+        }
+    }
+    let tail: f64 = ix.remainder().iter().zip(iy.remainder()).map(|(&x, &y)| f(x, y)).sum();
+    acc.iter().sum::<f64>() + tail
+}
+
+/// Maximum of a slice (NaN ignored, as `f64::max` folds do; −∞ for an empty slice).
+#[inline]
+pub(super) fn max_f32(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let mut it = xs.chunks_exact(8);
+    for c in &mut it {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    let m = it.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    acc.iter().fold(m, |m, &v| m.max(v))
+}
+
+/// eˣ in f32, branch-free so that loops calling it vectorise: Cody–Waite reduction
+/// x = n·ln2 + r, |r| ≤ ln2/2, Cephes' degree-6 polynomial for eʳ (≤ 2 ulp), and 2ⁿ built
+/// from exponent bits as two factors so that results down to the subnormals are right.
+/// NaN → NaN, +∞ → +∞, −∞ → 0.
+#[inline(always)]
+pub(super) fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4; // ln 2 split: C1 + C2, C1 exact in 9 bits
+    const C2: f32 = -2.121_944_4e-4;
+    const MAGIC: f32 = 12_582_912.0; // 1.5·2²³: adding it rounds to an integer
+    let x = x.clamp(-104.0, 89.0);
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let ni = (t.to_bits() as i32).wrapping_sub(0x4B40_0000);
+    let r = x - n * C1 - n * C2;
+    let z = r * r;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let p = p * z + r + 1.0;
+    let n1 = ni >> 1;
+    let n2 = ni.wrapping_sub(n1);
+    let s1 = f32::from_bits((n1.wrapping_add(127) as u32).wrapping_shl(23));
+    let s2 = f32::from_bits((n2.wrapping_add(127) as u32).wrapping_shl(23));
+    p * s1 * s2
+}
+
+/// eˣ in f64, branch-free like [`exp_f32`] (reduction by ln 2 in two parts, degree-11
+/// Taylor polynomial on |r| ≤ ln2/2: relative error ≲ 1e-15), for the few f32 functions
+/// that need more than f32 in their intermediate terms.
+#[inline(always)]
+pub(super) fn exp_f64(x: f64) -> f64 {
+    const LOG2E: f64 = std::f64::consts::LOG2_E;
+    const LN2_HI: f64 = 6.931_471_803_691_238e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
+    const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5·2⁵²
+    let x = x.clamp(-1080.0, 710.0);
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let ni = (t.to_bits() as i64).wrapping_sub(MAGIC.to_bits() as i64);
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.0 / 39_916_800.0;
+    for c in [
+        1.0 / 3_628_800.0,
+        1.0 / 362_880.0,
+        1.0 / 40_320.0,
+        1.0 / 5_040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = p * r + c;
+    }
+    let n1 = ni >> 1;
+    let n2 = ni.wrapping_sub(n1);
+    let s1 = f64::from_bits((n1.wrapping_add(1023) as u64).wrapping_shl(52));
+    let s2 = f64::from_bits((n2.wrapping_add(1023) as u64).wrapping_shl(52));
+    p * s1 * s2
+}
+
+/// [`sigmoid_parts`] in f64.
+#[inline(always)]
+fn sigmoid_parts_f64(x: f64) -> (f64, f64) {
+    let e = exp_f64(-x.abs());
+    let inv = 1.0 / (1.0 + e);
+    let s = if x >= 0.0 { inv } else { e * inv };
+    (s, e * inv * inv)
+}
+
+/// (σ(x), σ(x)·(1 − σ(x))) without cancellation: with e = e^{−|x|}, σ(|x|) = 1/(1+e),
+/// σ(−|x|) = e/(1+e) and σ(x)(1 − σ(x)) = e/(1+e)².
+#[inline(always)]
+fn sigmoid_parts(x: f32) -> (f32, f32) {
+    let e = exp_f32(-x.abs());
+    let inv = 1.0 / (1.0 + e);
+    let s = if x >= 0.0 { inv } else { e * inv };
+    (s, e * inv * inv)
+}
+
+/// √(2/π), GPT-2's tanh-GELU constant.
+const GELU_TANH_C: f64 = 0.797_884_560_802_865_4;
+const GELU_TANH_A: f64 = 0.044_715;
+
+/// GeluTanh: 0.5·x·(1 + tanh(u)) = x·σ(2u), u = √(2/π)(x + 0.044715x³), in f64 (u grows
+/// like x³: in f32 its rounding would show in e^{−2|u|}).
+#[inline(always)]
+fn gelu_tanh(x: f32) -> f32 {
+    let x = x as f64;
+    let u2 = 2.0 * GELU_TANH_C * (x + GELU_TANH_A * x * x * x);
+    (x * sigmoid_parts_f64(u2).0) as f32
+}
+
+/// d/dx of GeluTanh: σ(2u) + x·σ(2u)(1 − σ(2u))·2u'(x) (= 0.5(1+t) + 0.5x(1−t²)u'), in f64:
+/// the two terms cancel where the derivative crosses zero (x ≈ −0.75).
+#[inline(always)]
+fn gelu_tanh_grad(x: f32) -> f32 {
+    let x = x as f64;
+    let x2 = x * x;
+    let u2 = 2.0 * GELU_TANH_C * (x + GELU_TANH_A * x2 * x);
+    let (s, ds) = sigmoid_parts_f64(u2);
+    (s + x * ds * (2.0 * GELU_TANH_C * (1.0 + 3.0 * GELU_TANH_A * x2))) as f32
+}
+
+/// d/dx of SiLU: σ(x) + x·σ(x)(1 − σ(x)), in f64 (the terms cancel near x ≈ −1.28).
+#[inline(always)]
+fn silu_grad(x: f32) -> f32 {
+    let x = x as f64;
+    let (s, ds) = sigmoid_parts_f64(x);
+    (s + x * ds) as f32
+}
+
+/// Σ c_k x^k by Horner, highest power first.
+#[inline(always)]
+fn polevl(x: f64, c: &[f64]) -> f64 {
+    c.iter().fold(0.0, |a, &k| a * x + k)
+}
+
+/// Like [`polevl`] with an implicit leading coefficient 1.
+#[inline(always)]
+fn p1evl(x: f64, c: &[f64]) -> f64 {
+    c.iter().fold(1.0, |a, &k| a * x + k)
+}
+
+/// erfc(x) in f64 to ~1e-15 relative, without cancellation in either tail: Cephes' rational
+/// approximations (erf = x·T(x²)/U(x²) for |x| < 1, erfc = e^{−x²}·P(x)/Q(x) for |x| < 8,
+/// e^{−x²}·R(x)/S(x) beyond). Checked against `tessera_ir::interp::erfc` to 3e-12.
+fn erfc_f64(x: f64) -> f64 {
+    const T: [f64; 5] = [
+        9.604_973_739_870_516e0,
+        9.002_601_972_038_427e1,
+        2.232_005_345_946_843e3,
+        7.003_325_141_128_051e3,
+        5.559_230_130_103_949e4,
+    ];
+    const U: [f64; 5] = [
+        3.356_171_416_475_031e1,
+        5.213_579_497_801_527e2,
+        4.594_323_829_709_801e3,
+        2.262_900_006_138_909_4e4,
+        4.926_739_426_086_359e4,
+    ];
+    const P: [f64; 9] = [
+        2.461_969_814_735_305e-10,
+        5.641_895_648_310_688e-1,
+        7.463_210_564_422_699e0,
+        4.863_719_709_856_814e1,
+        1.965_208_329_560_771e2,
+        5.264_451_949_954_773e2,
+        9.345_285_271_719_576e2,
+        1.027_551_886_895_157_1e3,
+        5.575_353_353_693_994e2,
+    ];
+    const Q: [f64; 8] = [
+        1.322_819_511_547_45e1,
+        8.670_721_408_859_897e1,
+        3.549_377_788_878_199e2,
+        9.757_085_017_432_055e2,
+        1.823_909_166_879_097_4e3,
+        2.246_337_608_187_11e3,
+        1.656_663_091_941_613_5e3,
+        5.575_353_408_177_277e2,
+    ];
+    const R: [f64; 6] = [
+        5.641_895_835_477_551e-1,
+        1.275_366_707_599_781e0,
+        5.019_050_422_511_805e0,
+        6.160_210_979_930_536e0,
+        7.409_742_699_504_489e0,
+        2.978_866_653_721_002_4e0,
+    ];
+    const S: [f64; 6] = [
+        2.260_528_632_201_172_7e0,
+        9.396_035_249_380_015e0,
+        1.204_895_398_080_966_5e1,
+        1.708_144_507_475_659e1,
+        9.608_968_090_632_859e0,
+        3.369_076_451_000_815e0,
+    ];
+    let a = x.abs();
+    if a < 1.0 {
+        let z = a * a;
+        return 1.0 - x * polevl(z, &T) / p1evl(z, &U);
+    }
+    let e = exp_f64(-a * a);
+    let y = if a < 8.0 {
+        e * polevl(a, &P) / p1evl(a, &Q)
+    } else if a < 27.0 {
+        e * polevl(a, &R) / p1evl(a, &S)
+    } else {
+        0.0 // below the smallest subnormal (and ±∞ → 0 rather than ∞/∞)
+    };
+    if x < 0.0 {
+        2.0 - y
+    } else {
+        y
+    }
+}
+
+/// Φ(x) = erfc(−x/√2)/2.
+#[inline]
+fn normal_cdf(x: f64) -> f64 {
+    0.5 * erfc_f64(-x * std::f64::consts::FRAC_1_SQRT_2)
+}
+
+fn gelu(x: f32) -> f32 {
+    let x = x as f64;
+    (x * normal_cdf(x)) as f32
+}
+
+fn gelu_grad(x: f32) -> f32 {
+    const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+    let x = x as f64;
+    (normal_cdf(x) + x * INV_SQRT_2PI * exp_f64(-0.5 * x * x)) as f32
+}
+
+// ---- kernels ------------------------------------------------------------------------------
+
+pub fn fill(value: f64, meta: &TensorMeta) -> Result<Tensor> {
+    let dims = meta.shape.dims();
+    let cpu = &Device::Cpu;
+    let t = match meta.dtype {
+        DType::F32 => Tensor::full(value as f32, dims, cpu)?,
+        DType::F64 => Tensor::full(value, dims, cpu)?,
+        DType::F16 => Tensor::full(half::f16::from_f64(value), dims, cpu)?,
+        DType::BF16 => Tensor::full(half::bf16::from_f64(value), dims, cpu)?,
+        DType::I32 | DType::I64 => Tensor::full(value.trunc() as i64, dims, cpu)?,
+        DType::Bool => Tensor::full(u8::from(value != 0.0), dims, cpu)?,
+    };
+    debug_assert_eq!(t.dtype(), candle_dtype(meta.dtype));
+    Ok(t)
+}
+
+pub fn unary(u: UnaryOp, x: &Tensor) -> Result<Tensor> {
+    expect_f32(x, "unary", "x")?;
+    match u {
+        UnaryOp::Neg => map1(x, |v| -v),
+        UnaryOp::Exp => map1(x, exp_f32),
+        UnaryOp::Log => map1(x, f32::ln),
+        UnaryOp::Sqrt => map1(x, f32::sqrt),
+        UnaryOp::Rsqrt => map1(x, |v| 1.0 / v.sqrt()),
+        UnaryOp::Tanh => map1(x, f32::tanh),
+        UnaryOp::Gelu => map1(x, gelu),
+        UnaryOp::GeluTanh => map1(x, gelu_tanh),
+        UnaryOp::Silu => map1(x, |v| v * sigmoid_parts(v).0),
+        UnaryOp::Relu => map1(x, |v| if v > 0.0 { v } else { 0.0 }),
+        UnaryOp::Sigmoid => map1(x, |v| sigmoid_parts(v).0),
+    }
+}
+
+/// `dy · f'(x)`.
+pub fn unary_backward(u: UnaryOp, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    expect_f32(x, "unary_backward", "x")?;
+    expect_f32(dy, "unary_backward", "dy")?;
+    if x.dims() != dy.dims() {
+        return Err(RuntimeError::Binding(format!(
+            "unary_backward: x {:?} and dy {:?} must have one shape",
+            x.dims(),
+            dy.dims()
+        )));
+    }
+    let dims = x.dims().to_vec();
+    match u {
+        UnaryOp::Neg => map2(x, dy, &dims, |_, g| -g),
+        UnaryOp::Exp => map2(x, dy, &dims, |v, g| g * exp_f32(v)),
+        UnaryOp::Log => map2(x, dy, &dims, |v, g| g / v),
+        UnaryOp::Sqrt => map2(x, dy, &dims, |v, g| g * (0.5 / v.sqrt())),
+        UnaryOp::Rsqrt => map2(x, dy, &dims, |v, g| g * (-0.5 / (v * v.sqrt()))),
+        // 1 − tanh²(x) = 4e/(1+e)² with e = e^{−2|x|}: no cancellation for large |x|.
+        UnaryOp::Tanh => map2(x, dy, &dims, |v, g| g * (4.0 * sigmoid_parts(2.0 * v).1)),
+        UnaryOp::Gelu => map2(x, dy, &dims, |v, g| g * gelu_grad(v)),
+        UnaryOp::GeluTanh => map2(x, dy, &dims, |v, g| g * gelu_tanh_grad(v)),
+        UnaryOp::Silu => map2(x, dy, &dims, |v, g| g * silu_grad(v)),
+        UnaryOp::Relu => map2(x, dy, &dims, |v, g| if v > 0.0 { g } else { 0.0 }),
+        UnaryOp::Sigmoid => map2(x, dy, &dims, |v, g| g * sigmoid_parts(v).1),
+    }
+}
+
+#[inline(always)]
+fn max_nan(p: f32, q: f32) -> f32 {
+    if p >= q || p.is_nan() {
+        p
+    } else {
+        q
+    }
+}
+
+#[inline(always)]
+fn min_nan(p: f32, q: f32) -> f32 {
+    if p <= q || p.is_nan() {
+        p
+    } else {
+        q
+    }
+}
+
+/// NumPy-broadcasting binary op. Operands are read in place through their strides: equal
+/// shapes and trailing broadcasts (a bias `[N]` against `[.., N]`) become vectorised
+/// slice loops, anything else a strided loop.
+pub fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &TensorMeta) -> Result<Tensor> {
+    expect_f32(a, "binary", "a")?;
+    expect_f32(b, "binary", "b")?;
+    let dims = out.shape.dims();
+    match op {
+        BinaryOp::Add => map2(a, b, dims, |x, y| x + y),
+        BinaryOp::Sub => map2(a, b, dims, |x, y| x - y),
+        BinaryOp::Mul => map2(a, b, dims, |x, y| x * y),
+        BinaryOp::Div => map2(a, b, dims, |x, y| x / y),
+        BinaryOp::Max => map2(a, b, dims, max_nan),
+        BinaryOp::Min => map2(a, b, dims, min_nan),
+    }
+}
+
+/// Inputs `a, b, dy` → the gradient w.r.t. operand `wrt`, in the broadcast output shape.
+/// `Max`/`Min` send the whole gradient to `a` on ties.
+pub fn binary_backward(
+    op: BinaryOp,
+    wrt: u8,
+    a: &Tensor,
+    b: &Tensor,
+    dy: &Tensor,
+    out: &TensorMeta,
+) -> Result<Tensor> {
+    for (t, what) in [(a, "a"), (b, "b"), (dy, "dy")] {
+        expect_f32(t, "binary_backward", what)?;
+    }
+    let dims = out.shape.dims();
+    if dy.dims() != dims {
+        return Err(RuntimeError::Binding(format!(
+            "binary_backward: dy {:?} must have the broadcast shape {dims:?}",
+            dy.dims()
+        )));
+    }
+    use BinaryOp::*;
+    match (op, wrt) {
+        (Add, 0 | 1) | (Sub, 0) => map3(a, b, dy, dims, |_, _, g| g),
+        (Sub, 1) => map3(a, b, dy, dims, |_, _, g| -g),
+        (Mul, 0) => map3(a, b, dy, dims, |_, q, g| g * q),
+        (Mul, 1) => map3(a, b, dy, dims, |p, _, g| g * p),
+        (Div, 0) => map3(a, b, dy, dims, |_, q, g| g / q),
+        (Div, 1) => map3(a, b, dy, dims, |p, q, g| -g * p / (q * q)),
+        (Max, 0) => map3(a, b, dy, dims, |p, q, g| if p >= q { g } else { 0.0 }),
+        (Max, 1) => map3(a, b, dy, dims, |p, q, g| if p >= q { 0.0 } else { g }),
+        (Min, 0) => map3(a, b, dy, dims, |p, q, g| if p <= q { g } else { 0.0 }),
+        (Min, 1) => map3(a, b, dy, dims, |p, q, g| if p <= q { 0.0 } else { g }),
+        (_, w) => {
+            Err(RuntimeError::Binding(format!("binary_backward: wrt must be 0 or 1, got {w}")))
+        }
+    }
+}
+
+/// Dtype conversion by candle (floats round to nearest, float → int truncates toward zero),
+/// except to bool, which is `x != 0` (candle's `as u8` would truncate 0.5 to 0). Always a
+/// fresh contiguous tensor, even when the dtype does not change.
+pub fn cast(x: &Tensor, to: DType) -> Result<Tensor> {
+    let target = candle_dtype(to);
+    Ok(if to == DType::Bool {
+        x.ne(0f64)?.force_contiguous()?
+    } else if x.dtype() == target {
+        x.force_contiguous()?
+    } else {
+        x.to_dtype(target)?
+    })
+}
+
+/// Zeroes element `k` (flat row-major index) unless `dropout_keep(seed, stream, k, p)`, and
+/// scales the kept ones by 1/(1 − p).
+pub fn dropout(x: &Tensor, seed: &Tensor, p: f64, stream: u64) -> Result<Tensor> {
+    expect_f32(x, "dropout", "x")?;
+    expect_i64(seed, "dropout", "seed")?;
+    if seed.elem_count() != 1 {
+        return Err(RuntimeError::Binding(format!(
+            "dropout: the seed must be an i64 scalar, got shape {:?}",
+            seed.dims()
+        )));
+    }
+    if !(0.0..1.0).contains(&p) {
+        return Err(RuntimeError::Binding(format!("dropout: probability {p} must be in [0, 1)")));
+    }
+    let seed = seed.flatten_all()?.to_vec1::<i64>()?[0] as u64;
+    if p == 0.0 {
+        return map1(x, |v| v);
+    }
+    let scale = (1.0 / (1.0 - p)) as f32;
+    let dims = x.dims().to_vec();
+    let vx = View::new(x)?;
+    let sx = vx.strides_for(&dims)?;
+    let dx = vx.data::<f32>()?;
+    let mut out = vec![0f32; numel(&dims)];
+    walk(&mut out, &dims, [&sx], [vx.offset()], |o, flat, [i], [s]| {
+        for (k, o) in o.iter_mut().enumerate() {
+            let keep = dropout_keep(seed, stream, (flat + k) as u64, p);
+            *o = if keep { dx[i + k * s] * scale } else { 0.0 };
+        }
+    });
+    from_vec(out, &dims)
+}

@@ -1,0 +1,143 @@
+//! Fused softmax cross-entropy. The forward saves only each row's log-sum-exp; the backward
+//! rebuilds the probabilities from it. Rows run in parallel, exponentials are the vectorised
+//! [`exp_f32`], row sums and the loss accumulate in f64 (the loss from per-task partials
+//! summed in task order: deterministic). No `[rows, V]` buffer exists besides dlogits.
+
+use super::elementwise::{exp_f32, expect_f32, expect_i64, max_f32, sum_by, CHUNK};
+use super::reduce::par_rows;
+use crate::tensor::{contiguous, from_vec, read};
+use crate::{Result, RuntimeError};
+use candle_core::Tensor;
+use rayon::prelude::*;
+
+/// Checks `logits [.., V]` against `targets [..]`; returns V.
+fn check(op: &str, logits: &Tensor, targets: &Tensor) -> Result<usize> {
+    expect_f32(logits, op, "logits")?;
+    expect_i64(targets, op, "targets")?;
+    let (l, t) = (logits.dims(), targets.dims());
+    if l.len() < 2 || &l[..l.len() - 1] != t {
+        return Err(RuntimeError::Binding(format!(
+            "{op}: logits {l:?} must be targets' shape {t:?} plus a class dim"
+        )));
+    }
+    Ok(l[l.len() - 1])
+}
+
+/// The class of every row (`None` when ignored), or a clear error for the first target
+/// that is neither a class in `0..classes` nor `ignore_index`. Returns the non-ignored count.
+fn check_targets(op: &str, targets: &[i64], classes: usize, ignore: Option<i64>) -> Result<usize> {
+    let mut count = 0;
+    for (k, &t) in targets.iter().enumerate() {
+        if Some(t) == ignore {
+            continue;
+        }
+        if t < 0 || t as u64 >= classes as u64 {
+            let ig = match ignore {
+                Some(i) => format!("the ignore_index is {i}"),
+                None => "no ignore_index is set".into(),
+            };
+            return Err(RuntimeError::Data(format!(
+                "{op}: target {t} (at flat position {k}) is out of range for {classes} classes \
+                 (valid targets are 0..{classes}; {ig})"
+            )));
+        }
+        count += 1;
+    }
+    Ok(count)
+}
+
+/// log Σ exp over a row (−∞ for a row of −∞).
+#[inline]
+fn logsumexp(row: &[f32]) -> f64 {
+    let m = max_f32(row);
+    if m == f32::NEG_INFINITY {
+        return f64::NEG_INFINITY;
+    }
+    m as f64 + sum_by(row, |v| exp_f32(v - m) as f64).ln()
+}
+
+/// `[mean loss over non-ignored rows (0 if none), logsumexp per row]`, both f32.
+pub fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<i64>,
+) -> Result<Vec<Tensor>> {
+    let v = check("cross_entropy", logits, targets)?;
+    let (lc, tc) = (contiguous(logits)?, contiguous(targets)?);
+    let (ls, ts) = (read::<f32>(&lc)?, read::<i64>(&tc)?);
+    let count = check_targets("cross_entropy", &ts, v, ignore_index)?;
+    let rows = ts.len();
+    let mut lse = vec![0f32; rows];
+    let total: f64 = if v == 0 || rows == 0 {
+        lse.fill(f32::NEG_INFINITY);
+        0.0
+    } else {
+        let per = (CHUNK / v).max(1);
+        let task = |r0: usize, out: &mut [f32]| -> f64 {
+            let mut loss = 0.0;
+            for (j, o) in out.iter_mut().enumerate() {
+                let r = r0 + j;
+                let row = &ls[r * v..(r + 1) * v];
+                let l = logsumexp(row);
+                *o = l as f32;
+                let t = ts[r];
+                if Some(t) != ignore_index {
+                    loss += l - row[t as usize] as f64;
+                }
+            }
+            loss
+        };
+        let partials: Vec<f64> = if rows <= per {
+            vec![task(0, &mut lse)]
+        } else {
+            lse.par_chunks_mut(per).enumerate().map(|(k, c)| task(k * per, c)).collect()
+        };
+        partials.iter().sum()
+    };
+    let loss = (total / count.max(1) as f64) as f32;
+    Ok(vec![from_vec(vec![loss], &[])?, from_vec(lse, targets.dims())?])
+}
+
+/// dlogits = dloss/N · (softmax(logits) − onehot(target)) on non-ignored rows, 0 on ignored
+/// ones, with N the number of non-ignored rows (at least 1).
+pub fn cross_entropy_backward(
+    logits: &Tensor,
+    targets: &Tensor,
+    lse: &Tensor,
+    dloss: &Tensor,
+    ignore_index: Option<i64>,
+) -> Result<Tensor> {
+    let v = check("cross_entropy_backward", logits, targets)?;
+    expect_f32(lse, "cross_entropy_backward", "logsumexp")?;
+    expect_f32(dloss, "cross_entropy_backward", "dloss")?;
+    if lse.dims() != targets.dims() || dloss.elem_count() != 1 {
+        return Err(RuntimeError::Binding(format!(
+            "cross_entropy_backward: logsumexp {:?} must be targets' shape {:?} and dloss {:?} a \
+             scalar",
+            lse.dims(),
+            targets.dims(),
+            dloss.dims()
+        )));
+    }
+    let (lc, tc, sc) = (contiguous(logits)?, contiguous(targets)?, contiguous(lse)?);
+    let (ls, ts, ss) = (read::<f32>(&lc)?, read::<i64>(&tc)?, read::<f32>(&sc)?);
+    let count = check_targets("cross_entropy_backward", &ts, v, ignore_index)?;
+    let dl = dloss.flatten_all()?.to_vec1::<f32>()?[0];
+    let g = (dl as f64 / count.max(1) as f64) as f32;
+    let mut out = vec![0f32; ls.len()];
+    if v > 0 {
+        par_rows(&mut out, v, |r, orow| {
+            let t = ts[r];
+            if Some(t) == ignore_index {
+                return;
+            }
+            let row = &ls[r * v..(r + 1) * v];
+            let m = ss[r];
+            for (o, &l) in orow.iter_mut().zip(row) {
+                *o = g * exp_f32(l - m);
+            }
+            orow[t as usize] -= g;
+        });
+    }
+    from_vec(out, logits.dims())
+}

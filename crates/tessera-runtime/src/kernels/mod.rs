@@ -1,0 +1,79 @@
+//! CPU kernels, one module per op family (mirroring `tessera_ir::ops`), dispatched by an
+//! exhaustive match: a new IR op does not compile until it has a kernel here.
+//!
+//! Conventions shared by every kernel:
+//! - inputs may be non-contiguous (views made by `Expand`); kernels call
+//!   [`crate::tensor::contiguous`] before reading slices;
+//! - outputs are fresh contiguous tensors of exactly the IR's output metas, except where the
+//!   IR declares an alias (`Reshape`, `Expand` share storage; `AdamW` updates in place);
+//! - no kernel allocates a temporary larger than its declared workspace
+//!   (`Op::workspace_bytes`) beyond O(rows) scratch, so the heap follows the Program;
+//! - arithmetic is f32 with f32 (or wider) accumulation; integer inputs are i64.
+
+mod attention;
+mod elementwise;
+mod embedding;
+mod layout;
+mod loss;
+mod matmul;
+mod norm;
+mod optim;
+mod reduce;
+
+use crate::{Result, RuntimeError};
+use candle_core::Tensor;
+use tessera_ir::{Op, TensorMeta};
+
+/// Runs one op. `out` are the IR's output metas (shapes, dtypes) for this node.
+pub fn execute(op: &Op, x: &[&Tensor], out: &[TensorMeta]) -> Result<Vec<Tensor>> {
+    let one = |t: Tensor| Ok(vec![t]);
+    match op {
+        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => Err(RuntimeError::Binding(
+            format!("{} is a leaf: bind it, do not execute it", op.name()),
+        )),
+        Op::Fill { value, meta } => one(elementwise::fill(*value, meta)?),
+        Op::Unary(u) => one(elementwise::unary(*u, x[0])?),
+        Op::UnaryBackward(u) => one(elementwise::unary_backward(*u, x[0], x[1])?),
+        Op::Binary(b) => one(elementwise::binary(*b, x[0], x[1], &out[0])?),
+        Op::BinaryBackward { op, wrt } => {
+            one(elementwise::binary_backward(*op, *wrt, x[0], x[1], x[2], &out[0])?)
+        }
+        Op::Cast(d) => one(elementwise::cast(x[0], *d)?),
+        Op::Dropout { p, stream } => one(elementwise::dropout(x[0], x[1], *p, *stream)?),
+        Op::MatMul { trans_a, trans_b } => {
+            one(matmul::matmul(x[0], x[1], *trans_a, *trans_b, &out[0])?)
+        }
+        Op::Reduce { op, dims, keepdim } => {
+            one(reduce::reduce(*op, dims, *keepdim, x[0], &out[0])?)
+        }
+        Op::ReduceBackward { op, dims, keepdim } => {
+            one(reduce::reduce_backward(*op, dims, *keepdim, x[0], x[1], &out[0])?)
+        }
+        Op::Softmax => one(reduce::softmax(x[0])?),
+        Op::SoftmaxBackward => one(reduce::softmax_backward(x[0], x[1])?),
+        Op::Reshape(s) => one(layout::reshape(x[0], s)?),
+        Op::Permute(p) => one(layout::permute(x[0], p)?),
+        Op::Slice { dim, start, end } => one(layout::slice(x[0], *dim, *start, *end)?),
+        Op::Pad { dim, before, after } => one(layout::pad(x[0], *dim, *before, *after)?),
+        Op::Concat { dim } => one(layout::concat(x, *dim)?),
+        Op::Expand(s) => one(layout::expand(x[0], s)?),
+        Op::LayerNorm { eps } => one(norm::layer_norm(x[0], x[1], x[2], *eps)?),
+        Op::LayerNormBackward { eps } => norm::layer_norm_backward(x[0], x[1], x[2], *eps),
+        Op::RmsNorm { eps } => one(norm::rms_norm(x[0], x[1], *eps)?),
+        Op::RmsNormBackward { eps } => norm::rms_norm_backward(x[0], x[1], x[2], *eps),
+        Op::Embedding => one(embedding::embedding(x[0], x[1])?),
+        Op::EmbeddingBackward { num_embeddings } => {
+            one(embedding::embedding_backward(x[0], x[1], *num_embeddings)?)
+        }
+        Op::CrossEntropy { ignore_index } => loss::cross_entropy(x[0], x[1], *ignore_index),
+        Op::CrossEntropyBackward { ignore_index } => {
+            one(loss::cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index)?)
+        }
+        Op::Attention(spec) => attention::attention(x[0], x[1], x[2], spec),
+        Op::AttentionBackward(spec) => {
+            attention::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], spec)
+        }
+        Op::Rope { inv_freq, inverse } => one(attention::rope(x[0], inv_freq, *inverse)?),
+        Op::AdamW(spec) => optim::adamw(spec, x),
+    }
+}

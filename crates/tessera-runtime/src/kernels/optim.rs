@@ -1,0 +1,326 @@
+//! AdamW, updating the parameter, its moments and its master copy in place.
+//!
+//! The update is one fused pass over the elements (rayon over chunks): the storages of m, v,
+//! the master weight (when present) and the parameter are borrowed mutably through nested
+//! candle in-place ops ([`Tensor::inplace_op1`]), the gradient is read through a shared borrow,
+//! and no parameter-sized buffer is allocated. The outputs are handles to the input tensors
+//! (`Tensor::clone` shares storage), as the IR's aliasing declares.
+//!
+//! Arithmetic is f32 per element; the bias corrections and the clip factor are computed in
+//! f64 once. Under mixed precision (`master` present) the f32 master is updated and the
+//! parameter (bf16 / f16 / f32) is overwritten with its rounded value.
+
+use crate::tensor::{contiguous, read};
+use crate::{Result, RuntimeError};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, WithDType};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::cell::Cell;
+use tessera_ir::AdamWSpec;
+
+// Input positions, as `tessera_ir::ops::optim` defines them (that module is crate-private).
+const PARAM: usize = 0;
+const GRAD: usize = 1;
+const M: usize = 2;
+const V: usize = 3;
+const LR: usize = 4;
+const STEP: usize = 5;
+const GRAD_NORM: usize = 6;
+const MASTER: usize = 7;
+
+/// Elements per rayon task.
+const CHUNK: usize = 1 << 14;
+
+fn unsupported(reason: String) -> RuntimeError {
+    RuntimeError::Unsupported { backend: "cpu".into(), op: "adamw".into(), reason }
+}
+
+/// A float element type the update reads and writes.
+trait Elem: WithDType + Copy + Send + Sync {
+    fn get(self) -> f32;
+    fn put(x: f32) -> Self;
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+}
+
+impl Elem for f32 {
+    fn get(self) -> f32 {
+        self
+    }
+    fn put(x: f32) -> f32 {
+        x
+    }
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [f32]> {
+        match s {
+            CpuStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Elem for bf16 {
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    fn put(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [bf16]> {
+        match s {
+            CpuStorage::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Elem for f16 {
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    fn put(x: f32) -> f16 {
+        f16::from_f32(x)
+    }
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [f16]> {
+        match s {
+            CpuStorage::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// An in-place op that hands the tensor's storage to a closure, once.
+struct WithMut<F> {
+    f: Cell<Option<F>>,
+    result: Cell<Option<Result<()>>>,
+}
+
+impl<F: FnOnce(&mut CpuStorage, &Layout) -> Result<()>> InplaceOp1 for WithMut<F> {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        if let Some(f) = self.f.take() {
+            self.result.set(Some(f(storage, layout)));
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` on the contiguous elements of `t` (type `T`), borrowed mutably in place.
+fn with_slice_mut<T: Elem>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(&mut [T]) -> Result<()>,
+) -> Result<()> {
+    let op = WithMut {
+        f: Cell::new(Some(|s: &mut CpuStorage, l: &Layout| {
+            let Some((start, end)) = l.contiguous_offsets() else {
+                return Err(RuntimeError::Binding(format!("adamw: {what} must be contiguous")));
+            };
+            let dtype = s.dtype();
+            let data = T::slice_mut(s).ok_or_else(|| {
+                RuntimeError::Binding(format!(
+                    "adamw: {what} is {dtype:?}, expected {:?}",
+                    T::DTYPE
+                ))
+            })?;
+            f(&mut data[start..end])
+        })),
+        result: Cell::new(None),
+    };
+    t.inplace_op1(&op)?;
+    op.result
+        .take()
+        .unwrap_or_else(|| Err(RuntimeError::Binding(format!("adamw: {what} is not on the CPU"))))
+}
+
+/// Per-step constants of the update.
+#[derive(Clone, Copy)]
+struct Coef {
+    clip: f32,
+    b1: f32,
+    b2: f32,
+    inv_bc1: f32,
+    inv_bc2: f32,
+    eps: f32,
+    lr: f32,
+    wd: f32,
+}
+
+/// The updated (w, m, v) of one element.
+#[inline(always)]
+fn update(c: &Coef, w: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
+    let g = c.clip * g;
+    let m = c.b1 * m + (1.0 - c.b1) * g;
+    let v = c.b2 * v + (1.0 - c.b2) * g * g;
+    let (m_hat, v_hat) = (m * c.inv_bc1, v * c.inv_bc2);
+    (w - c.lr * (m_hat / (v_hat.sqrt() + c.eps) + c.wd * w), m, v)
+}
+
+/// Scalar value of a 0-d (or one-element) tensor.
+fn scalar(t: &Tensor, what: &str) -> Result<f64> {
+    let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    match v[..] {
+        [x] => Ok(x),
+        _ => Err(RuntimeError::Binding(format!(
+            "adamw: {what} must be a scalar, got {:?}",
+            t.dims()
+        ))),
+    }
+}
+
+/// Address of a tensor's storage (to reject aliased operands before locking them).
+fn storage_addr(t: &Tensor) -> usize {
+    let (s, _) = t.storage_and_layout();
+    match &*s {
+        candle_core::Storage::Cpu(c) => match c {
+            CpuStorage::F32(v) => v.as_ptr() as usize,
+            CpuStorage::BF16(v) => v.as_ptr() as usize,
+            CpuStorage::F16(v) => v.as_ptr() as usize,
+            CpuStorage::F64(v) => v.as_ptr() as usize,
+            _ => 0,
+        },
+        _ => 0,
+    }
+}
+
+/// AdamW on inputs `[param, grad, m, v, lr, step, grad_norm, (master)]`, in place; returns
+/// `[param', m', v', (master')]` sharing storage with the inputs.
+pub fn adamw(spec: &AdamWSpec, x: &[&Tensor]) -> Result<Vec<Tensor>> {
+    if x.len() != 7 && x.len() != 8 {
+        return Err(RuntimeError::Binding(format!("adamw expects 7 or 8 inputs, got {}", x.len())));
+    }
+    let (param, grad, m, v) = (x[PARAM], x[GRAD], x[M], x[V]);
+    let master = x.get(MASTER).copied();
+    let mut state = vec![(grad, "grad"), (m, "m"), (v, "v")];
+    state.extend(master.map(|t| (t, "master")));
+    for (t, what) in &state {
+        if t.dims() != param.dims() {
+            return Err(RuntimeError::Binding(format!(
+                "adamw: {what} {:?} must have the parameter's shape {:?}",
+                t.dims(),
+                param.dims()
+            )));
+        }
+    }
+    for (t, what) in state.iter().skip(1) {
+        if t.dtype() != DType::F32 {
+            return Err(unsupported(format!(
+                "{what} is {:?}; optimizer state must be f32",
+                t.dtype()
+            )));
+        }
+    }
+    let mut written = vec![param, m, v];
+    written.extend(master);
+    let addrs: Vec<usize> = written.iter().chain([&grad]).map(|t| storage_addr(t)).collect();
+    for i in 0..addrs.len() {
+        for j in 0..i {
+            if addrs[i] != 0 && addrs[i] == addrs[j] && param.elem_count() > 0 {
+                return Err(RuntimeError::Binding(
+                    "adamw: parameter, gradient and optimizer state must not share storage".into(),
+                ));
+            }
+        }
+    }
+
+    let lr = scalar(x[LR], "lr")?;
+    if x[STEP].dtype() != DType::I64 {
+        return Err(RuntimeError::Binding(format!(
+            "adamw: step must be i64, got {:?}",
+            x[STEP].dtype()
+        )));
+    }
+    let step = scalar(x[STEP], "step")?;
+    if step.is_nan() || step < 1.0 {
+        return Err(RuntimeError::Binding(format!(
+            "adamw: step {step} must be ≥ 1 (it is 1-based)"
+        )));
+    }
+    let clip = match spec.max_grad_norm {
+        Some(max) => (max / (scalar(x[GRAD_NORM], "grad_norm")? + 1e-6)).min(1.0),
+        None => 1.0,
+    };
+    let c = Coef {
+        clip: clip as f32,
+        b1: spec.beta1 as f32,
+        b2: spec.beta2 as f32,
+        inv_bc1: (1.0 / (1.0 - spec.beta1.powf(step))) as f32,
+        inv_bc2: (1.0 / (1.0 - spec.beta2.powf(step))) as f32,
+        eps: spec.eps as f32,
+        lr: lr as f32,
+        wd: spec.weight_decay as f32,
+    };
+
+    let grad = contiguous(grad)?; // a copy only for a broadcast / strided gradient view
+    match param.dtype() {
+        DType::F32 => by_grad::<f32>(&c, param, &grad, m, v, master)?,
+        DType::BF16 => by_grad::<bf16>(&c, param, &grad, m, v, master)?,
+        DType::F16 => by_grad::<f16>(&c, param, &grad, m, v, master)?,
+        d => return Err(unsupported(format!("parameter dtype {d:?} (f32, bf16 or f16 only)"))),
+    }
+    Ok(written.into_iter().cloned().collect())
+}
+
+fn by_grad<P: Elem>(
+    c: &Coef,
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    master: Option<&Tensor>,
+) -> Result<()> {
+    match grad.dtype() {
+        DType::F32 => run::<P, f32>(c, param, grad, m, v, master),
+        DType::BF16 => run::<P, bf16>(c, param, grad, m, v, master),
+        DType::F16 => run::<P, f16>(c, param, grad, m, v, master),
+        d => Err(unsupported(format!("gradient dtype {d:?} (f32, bf16 or f16 only)"))),
+    }
+}
+
+fn run<P: Elem, G: Elem>(
+    c: &Coef,
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    master: Option<&Tensor>,
+) -> Result<()> {
+    let g = read::<G>(grad)?;
+    let g: &[G] = &g;
+    with_slice_mut::<f32>(m, "m", |ms| {
+        with_slice_mut::<f32>(v, "v", |vs| match master {
+            None => with_slice_mut::<P>(param, "param", |ps| {
+                ps.par_chunks_mut(CHUNK)
+                    .zip(g.par_chunks(CHUNK))
+                    .zip(ms.par_chunks_mut(CHUNK))
+                    .zip(vs.par_chunks_mut(CHUNK))
+                    .for_each(|(((ps, gs), ms), vs)| {
+                        for (((p, g), m), v) in ps.iter_mut().zip(gs).zip(ms).zip(vs) {
+                            let (w, m2, v2) = update(c, p.get(), g.get(), *m, *v);
+                            (*p, *m, *v) = (P::put(w), m2, v2);
+                        }
+                    });
+                Ok(())
+            }),
+            Some(master) => with_slice_mut::<f32>(master, "master", |ws| {
+                with_slice_mut::<P>(param, "param", |ps| {
+                    ps.par_chunks_mut(CHUNK)
+                        .zip(ws.par_chunks_mut(CHUNK))
+                        .zip(g.par_chunks(CHUNK))
+                        .zip(ms.par_chunks_mut(CHUNK))
+                        .zip(vs.par_chunks_mut(CHUNK))
+                        .for_each(|((((ps, ws), gs), ms), vs)| {
+                            for ((((p, w), g), m), v) in
+                                ps.iter_mut().zip(ws).zip(gs).zip(ms).zip(vs)
+                            {
+                                let (w2, m2, v2) = update(c, *w, g.get(), *m, *v);
+                                (*p, *w, *m, *v) = (P::put(w2), w2, m2, v2);
+                            }
+                        });
+                    Ok(())
+                })
+            }),
+        })
+    })
+}

@@ -1,0 +1,31 @@
+//! Tessera's runtime: executes a [`tessera_ir::Program`] on real tensors.
+//!
+//! The runtime decides nothing. It binds the Program's leaves (parameters, optimizer state,
+//! the step's data), runs its instructions in order on a [`Backend`], frees what the Program
+//! frees, and charges every allocation to a [`MemoryAccountant`] — the same allocations the
+//! profiler simulated, so predicted and measured peaks agree exactly.
+//!
+//! - [`backend`]: the device seam ([`CpuBackend`]: candle tensors + host kernels);
+//! - [`kernels`]: one module per op family, an exhaustive dispatch over `Op`;
+//! - [`executor`]: the Program interpreter;
+//! - [`memory`] / [`alloc`]: the accountant and a counting global allocator to check it;
+//! - [`init`], [`schedule`], [`data`], [`trainer`]: everything a training run needs.
+
+pub mod alloc;
+pub mod backend;
+pub mod data;
+mod error;
+pub mod executor;
+pub mod init;
+pub mod kernels;
+pub mod memory;
+pub mod schedule;
+pub mod tensor;
+pub mod trainer;
+
+pub use backend::{Backend, CpuBackend};
+pub use error::{Result, RuntimeError};
+pub use executor::Executor;
+pub use memory::MemoryAccountant;
+pub use schedule::LrSchedule;
+pub use trainer::{StepStats, Trainer};

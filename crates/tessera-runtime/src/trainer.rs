@@ -1,0 +1,253 @@
+//! A single-device training loop over a [`TrainingGraph`]: initialise parameters and AdamW
+//! state, then per step bind the batch, learning rate, step counter and dropout seed and run
+//! the Program. Evaluation runs a forward-only Program that shares the parameter tensors.
+//!
+//! The trainer finds the model's data inputs by their names (`input_ids`, `labels`, optional
+//! `seed` and `token_type_ids`), so it needs no knowledge of model families.
+
+use crate::init::init_parameters;
+use crate::schedule::LrSchedule;
+use crate::tensor::from_vec;
+use crate::{Backend, Executor, Result, RuntimeError};
+use candle_core::Tensor;
+use std::collections::HashMap;
+use tessera_ir::{DType, Graph, Program, TensorId, TrainingGraph};
+
+/// What one step reports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// Peak bytes the accountant saw during this step.
+    pub peak_bytes: u64,
+}
+
+/// Leaves that carry a step's data.
+#[derive(Clone, Copy, Debug)]
+struct DataLeaves {
+    ids: TensorId,
+    labels: TensorId,
+    token_types: Option<TensorId>,
+    seed: Option<TensorId>,
+    batch: usize,
+    seq: usize,
+}
+
+impl DataLeaves {
+    fn find(graph: &Graph) -> Result<DataLeaves> {
+        let ids = graph.find_leaf("input_ids").ok_or_else(|| {
+            RuntimeError::Binding(
+                "the model has no `input_ids` input: `train` supports token models".into(),
+            )
+        })?;
+        let labels = graph
+            .find_leaf("labels")
+            .ok_or_else(|| RuntimeError::Binding("the model has no `labels` input".into()))?;
+        let dims = graph.shape(ids).dims();
+        if dims.len() != 2 || graph.shape(labels).dims() != dims {
+            return Err(RuntimeError::Binding(format!(
+                "`train` needs causal-LM inputs `input_ids` and `labels` of shape [batch, seq], \
+                 got {} and {}",
+                graph.meta(ids),
+                graph.meta(labels)
+            )));
+        }
+        Ok(DataLeaves {
+            ids,
+            labels,
+            token_types: graph.find_leaf("token_type_ids"),
+            seed: graph.find_leaf("seed"),
+            batch: dims[0],
+            seq: dims[1],
+        })
+    }
+}
+
+/// The dropout seed of a step: distinct per (run seed, step), identical on every device.
+pub fn step_seed(seed: u64, step: u64) -> i64 {
+    let mut z = seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    (z >> 1) as i64
+}
+
+pub struct Trainer<B: Backend> {
+    train: TrainingGraph,
+    exec: Executor<B>,
+    eval: Option<(Executor<B>, DataLeaves, TensorId)>,
+    leaves: DataLeaves,
+    schedule: LrSchedule,
+    seed: u64,
+    /// Steps completed.
+    step: u64,
+    /// Parameter tensors by name, shared with the eval program.
+    params_by_name: HashMap<String, Tensor>,
+}
+
+impl<B: Backend> Trainer<B> {
+    /// Lowers `train`, initialises parameters from `seed` and zeroes the AdamW state.
+    /// `budget` limits the device's live bytes (a clear error names the tensor that breaks it).
+    pub fn new(
+        train: TrainingGraph,
+        backend: B,
+        schedule: LrSchedule,
+        seed: u64,
+        budget: Option<u64>,
+    ) -> Result<Trainer<B>> {
+        let g = &train.graph;
+        for slot in &train.params {
+            if g.meta(slot.param).dtype != DType::F32 {
+                return Err(RuntimeError::Unsupported {
+                    backend: backend.name().to_string(),
+                    op: "train".into(),
+                    reason: format!(
+                        "{} is {}; the runtime trains in f32 for now (use --dtype fp32)",
+                        g.tensor_scope(slot.param),
+                        g.meta(slot.param).dtype
+                    ),
+                });
+            }
+        }
+        let leaves = DataLeaves::find(g)?;
+        let program = Program::lower_training(&train);
+        let mut exec = Executor::new(program, backend, budget);
+        let mut params_by_name = HashMap::new();
+        for (p, value) in init_parameters(&train.graph, seed)? {
+            params_by_name.insert(train.graph.tensor_scope(p).to_string(), value.clone());
+            exec.bind(p, value)?;
+        }
+        for slot in &train.params {
+            let dims = train.graph.shape(slot.param).dims().to_vec();
+            for state in [Some(slot.m), Some(slot.v), slot.master] {
+                if let Some(s) = state {
+                    let zeros = Tensor::zeros(
+                        dims.as_slice(),
+                        candle_core::DType::F32,
+                        exec.backend().device(),
+                    )?;
+                    exec.bind(s, zeros)?;
+                }
+            }
+        }
+        Ok(Trainer { train, exec, eval: None, leaves, schedule, seed, step: 0, params_by_name })
+    }
+
+    /// Adds a forward-only evaluation graph (same model, same parameter names) with scalar
+    /// `loss`; its parameters are the training tensors themselves, not copies.
+    pub fn with_eval(mut self, graph: Graph, loss: TensorId, backend: B) -> Result<Trainer<B>> {
+        let leaves = DataLeaves::find(&graph)?;
+        let params = graph.parameters();
+        let program = Program::lower_graph(graph, vec![loss], &[]);
+        let mut exec = Executor::new(program, backend, None);
+        for p in params {
+            let name = exec.program().graph.tensor_scope(p).to_string();
+            let value = self.params_by_name.get(&name).ok_or_else(|| {
+                RuntimeError::Binding(format!("eval graph parameter {name} is not trained"))
+            })?;
+            exec.bind(p, value.clone())?;
+        }
+        self.eval = Some((exec, leaves, loss));
+        Ok(self)
+    }
+
+    pub fn training_graph(&self) -> &TrainingGraph {
+        &self.train
+    }
+    pub fn program(&self) -> &Program {
+        self.exec.program()
+    }
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+    pub fn batch_shape(&self) -> (usize, usize) {
+        (self.leaves.batch, self.leaves.seq)
+    }
+    /// The current value of a named parameter.
+    pub fn parameter(&self, name: &str) -> Option<&Tensor> {
+        self.params_by_name.get(name)
+    }
+
+    fn bind_batch(
+        exec: &mut Executor<B>,
+        leaves: &DataLeaves,
+        inputs: &[i64],
+        targets: &[i64],
+    ) -> Result<()> {
+        let n = leaves.batch * leaves.seq;
+        if inputs.len() != n || targets.len() != n {
+            return Err(RuntimeError::Data(format!(
+                "batch has {} inputs and {} targets; the program expects {} × {} = {n}",
+                inputs.len(),
+                targets.len(),
+                leaves.batch,
+                leaves.seq
+            )));
+        }
+        let dims = [leaves.batch, leaves.seq];
+        exec.bind(leaves.ids, from_vec(inputs.to_vec(), &dims)?)?;
+        exec.bind(leaves.labels, from_vec(targets.to_vec(), &dims)?)?;
+        if let Some(tt) = leaves.token_types {
+            exec.bind(tt, from_vec(vec![0i64; n], &dims)?)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one optimizer step on a `[batch, seq]` batch of inputs and next-token targets.
+    pub fn step(&mut self, inputs: &[i64], targets: &[i64]) -> Result<StepStats> {
+        let step = self.step + 1;
+        let lr = self.schedule.lr_at(step);
+        Self::bind_batch(&mut self.exec, &self.leaves, inputs, targets)?;
+        if let Some(s) = self.leaves.seed {
+            self.exec
+                .bind(s, Tensor::new(step_seed(self.seed, step), self.exec.backend().device())?)?;
+        }
+        self.exec.bind(self.train.lr, Tensor::new(lr as f32, self.exec.backend().device())?)?;
+        self.exec.bind(self.train.step, Tensor::new(step as i64, self.exec.backend().device())?)?;
+        self.exec.run()?;
+        let loss = scalar(&self.exec, self.train.loss)?;
+        let grad_norm = scalar(&self.exec, self.train.grad_norm)?;
+        if !loss.is_finite() {
+            return Err(RuntimeError::Data(format!(
+                "step {step}: the loss is {loss}; lower the learning rate (now {lr:.2e})"
+            )));
+        }
+        self.step = step;
+        Ok(StepStats { step, loss, grad_norm, lr, peak_bytes: self.exec.accountant().peak_bytes() })
+    }
+
+    /// Mean loss of the eval program over the given batches (dropout off is not modelled:
+    /// the eval graph is built without a seed when the model has no dropout).
+    pub fn eval(&mut self, batches: &[(Vec<i64>, Vec<i64>)]) -> Result<f64> {
+        let seed = self.seed;
+        let Some((exec, leaves, loss)) = self.eval.as_mut() else {
+            return Err(RuntimeError::Binding("no eval graph was given (with_eval)".into()));
+        };
+        if batches.is_empty() {
+            return Err(RuntimeError::Data("no held-out batches to evaluate".into()));
+        }
+        let mut total = 0.0;
+        for (i, (x, y)) in batches.iter().enumerate() {
+            Self::bind_batch(exec, leaves, x, y)?;
+            if let Some(s) = leaves.seed {
+                exec.bind(
+                    s,
+                    Tensor::new(step_seed(seed, u64::MAX - i as u64), exec.backend().device())?,
+                )?;
+            }
+            exec.run()?;
+            total += scalar(exec, *loss)?;
+        }
+        Ok(total / batches.len() as f64)
+    }
+
+    /// The accountant's peak during the last step.
+    pub fn measured_peak_bytes(&self) -> u64 {
+        self.exec.accountant().peak_bytes()
+    }
+}
+
+fn scalar<B: Backend>(exec: &Executor<B>, t: TensorId) -> Result<f64> {
+    let v = exec.get(t).ok_or_else(|| RuntimeError::Binding("step output was not kept".into()))?;
+    Ok(v.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?)
+}

@@ -1,0 +1,491 @@
+//! The heavy kernels (matmul, fused attention, rope, AdamW) against the f64 reference
+//! interpreter.
+//!
+//! Criterion: for every output, the norm-wise relative error ‖got − want‖₂ / max(‖want‖₂, 1e-30)
+//! must be at most 1e-5, where `want` is `interp::eval_op` on the very same (f32) input values
+//! in f64. Infinite reference elements (attention's log-sum-exp of a fully masked query) must
+//! be matched exactly and are left out of the norms.
+//!
+//! Inputs include non-contiguous views (`.t()`, `narrow`, `transpose`) and broadcast views
+//! (`broadcast_as`, stride 0), which the matmul reads in place.
+
+use candle_core::{DType, Device, Storage, Tensor};
+use half::bf16;
+use std::sync::{Mutex, MutexGuard};
+use tessera_ir::interp::{eval_op, Value};
+use tessera_ir::{AdamWSpec, AttentionSpec, Op, TensorMeta};
+use tessera_runtime::alloc::CountingAlloc;
+use tessera_runtime::kernels::execute;
+use tessera_runtime::tensor::{meta_of, to_f64_vec};
+use tessera_runtime::RuntimeError;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+const TOL: f64 = 1e-5;
+
+/// Tests run one at a time so the allocation check sees only its own kernel.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// xorshift64*: deterministic uniform values in [-1, 1).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let r = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        ((r >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn tensor(&mut self, dims: &[usize]) -> Tensor {
+        let n: usize = dims.iter().product();
+        let data: Vec<f32> = (0..n).map(|_| self.next()).collect();
+        Tensor::from_vec(data, dims, &Device::Cpu).unwrap()
+    }
+}
+
+fn value_of(t: &Tensor) -> Value {
+    Value::new(t.dims().to_vec(), to_f64_vec(t).unwrap())
+}
+
+/// ‖got − want‖ / max(‖want‖, tiny), with infinities required to match exactly.
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    rel_err_floor(got, want, 1e-30)
+}
+
+/// ‖got − want‖ / max(‖want‖, floor).
+fn rel_err_floor(got: &[f64], want: &[f64], floor: f64) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let (mut num, mut den) = (0.0, 0.0);
+    for (&g, &w) in got.iter().zip(want) {
+        if w.is_infinite() {
+            assert_eq!(g, w, "infinite reference element not matched");
+            continue;
+        }
+        assert!(g.is_finite(), "kernel produced {g} where the reference has {w}");
+        num += (g - w) * (g - w);
+        den += w * w;
+    }
+    num.sqrt() / den.sqrt().max(floor)
+}
+
+/// Runs `op` through the runtime's dispatch and through the interpreter on the same values;
+/// each output must agree within `tols[i]` (norm-wise relative). Returns the runtime outputs.
+fn check_kernel_tol(op: &Op, inputs: &[&Tensor], tols: &[f64]) -> Vec<Tensor> {
+    check_kernel_floor(op, inputs, tols, 1e-30)
+}
+
+/// As [`check_kernel_tol`], with the reference norm floored at `floor` (for outputs that are
+/// exactly zero in exact arithmetic and rounding noise in f32).
+fn check_kernel_floor(op: &Op, inputs: &[&Tensor], tols: &[f64], floor: f64) -> Vec<Tensor> {
+    // Values first: AdamW updates its inputs in place.
+    let values: Vec<Value> = inputs.iter().map(|t| value_of(t)).collect();
+    let metas: Vec<TensorMeta> = inputs.iter().map(|t| meta_of(t).unwrap()).collect();
+    let out_metas = op.infer(&metas.iter().collect::<Vec<_>>()).unwrap();
+    let want = eval_op(op, &values.iter().collect::<Vec<_>>()).unwrap();
+    let got = execute(op, inputs, &out_metas).unwrap();
+    assert_eq!(got.len(), want.len(), "{op:?}: output count");
+    for (i, ((g, w), m)) in got.iter().zip(&want).zip(&out_metas).enumerate() {
+        assert_eq!(&meta_of(g).unwrap(), m, "{op:?}: output {i} meta");
+        let err = rel_err_floor(&to_f64_vec(g).unwrap(), &w.data, floor);
+        assert!(err <= tols[i], "{op:?}: output {i} relative error {err:e} > {:e}", tols[i]);
+    }
+    got
+}
+
+fn check_kernel(op: &Op, inputs: &[&Tensor]) -> Vec<Tensor> {
+    check_kernel_tol(op, inputs, &[TOL; 4])
+}
+
+fn mm(ta: bool, tb: bool) -> Op {
+    Op::MatMul { trans_a: ta, trans_b: tb }
+}
+
+/// Stored dims of an `[.., m, k]` operand read with `trans`.
+fn stored(batch: &[usize], r: usize, c: usize, trans: bool) -> Vec<usize> {
+    let mut d = batch.to_vec();
+    d.extend(if trans { [c, r] } else { [r, c] });
+    d
+}
+
+// ---- matmul ----------------------------------------------------------------------------------
+
+#[test]
+fn matmul_transpose_combos_odd_sizes() {
+    let _s = serial();
+    let mut rng = Rng::new(1);
+    for (m, k, n) in [(7, 33, 65), (65, 7, 33), (33, 65, 7), (1, 5, 3)] {
+        for ta in [false, true] {
+            for tb in [false, true] {
+                for batch in [&[][..], &[2][..], &[2, 3][..]] {
+                    let a = rng.tensor(&stored(batch, m, k, ta));
+                    let b = rng.tensor(&stored(batch, k, n, tb));
+                    check_kernel(&mm(ta, tb), &[&a, &b]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_broadcast_batches() {
+    let _s = serial();
+    let mut rng = Rng::new(2);
+    // [B,S,K] x [K,N] and x [N,K]ᵀ: one folded gemm.
+    for tb in [false, true] {
+        let a = rng.tensor(&[3, 13, 33]);
+        let b = rng.tensor(&stored(&[], 33, 65, tb));
+        check_kernel(&mm(false, tb), &[&a, &b]);
+    }
+    // [B,K,S]ᵀ x [K,N]: rows do not fold, one gemm per batch.
+    let a = rng.tensor(&[3, 33, 13]);
+    let b = rng.tensor(&[33, 7]);
+    check_kernel(&mm(true, false), &[&a, &b]);
+    // A 2-D left operand with a batched right one.
+    for ta in [false, true] {
+        let a = rng.tensor(&stored(&[], 7, 33, ta));
+        let b = rng.tensor(&[4, 33, 9]);
+        check_kernel(&mm(ta, false), &[&a, &b]);
+    }
+    // [B,1,m,k] x [1,H,k,n] → [B,H,m,n].
+    let a = rng.tensor(&[2, 1, 7, 33]);
+    let b = rng.tensor(&[1, 3, 33, 9]);
+    check_kernel(&mm(false, false), &[&a, &b]);
+    // Fewer batch dims on the left, with size-1 dims: [H,m,k] x [B,1,k,n]ᵀ.
+    let a = rng.tensor(&[3, 7, 33]);
+    let b = rng.tensor(&[2, 1, 9, 33]);
+    check_kernel(&mm(false, true), &[&a, &b]);
+    // Weight gradient of a flattened linear layer: [N,D]ᵀ x [N,K].
+    let x = rng.tensor(&[39, 33]);
+    let dy = rng.tensor(&[39, 65]);
+    check_kernel(&mm(true, false), &[&x, &dy]);
+}
+
+#[test]
+fn matmul_non_contiguous_and_broadcast_views() {
+    let _s = serial();
+    let mut rng = Rng::new(3);
+    let (m, k, n) = (33, 65, 7);
+    // A made as its transpose, then `.t()`: strides (1, m).
+    let at = rng.tensor(&[k, m]).t().unwrap();
+    assert!(!at.is_contiguous());
+    let b = rng.tensor(&[k, n]);
+    check_kernel(&mm(false, false), &[&at, &b]);
+    // Non-contiguous views read transposed: [m,n] x ([k,n] view)ᵀ and ([m,k] view)ᵀ x ([n,m] view)ᵀ.
+    let bt = rng.tensor(&[n, k]).t().unwrap(); // [k, n] view
+    check_kernel(&mm(false, true), &[&rng.tensor(&[m, n]), &bt]);
+    let bt2 = rng.tensor(&[m, n]).t().unwrap(); // [n, m] view
+    check_kernel(&mm(true, true), &[&at, &bt2]);
+    check_kernel(&mm(true, false), &[&at, &rng.tensor(&[m, n])]);
+    // Narrowed views: column window (rows still fold) and row window (they do not).
+    let wide = rng.tensor(&[3, 13, k + 5]).narrow(2, 2, k).unwrap();
+    assert!(!wide.is_contiguous());
+    check_kernel(&mm(false, false), &[&wide, &b]);
+    let tall = rng.tensor(&[3, 13 + 4, k]).narrow(1, 3, 13).unwrap();
+    check_kernel(&mm(false, false), &[&tall, &b]);
+    check_kernel(&mm(false, true), &[&tall, &rng.tensor(&[n, k])]);
+    // Batched transposed views.
+    let bat = rng.tensor(&[2, k, m]).transpose(1, 2).unwrap(); // [2, m, k] view
+    check_kernel(&mm(false, false), &[&bat, &rng.tensor(&[2, k, n])]);
+    check_kernel(&mm(true, false), &[&bat.transpose(1, 2).unwrap(), &rng.tensor(&[2, k, n])]);
+    // Broadcast views (stride 0): a weight expanded over the batch, and an expanded left side.
+    let wb = rng.tensor(&[k, n]).broadcast_as((4, k, n)).unwrap();
+    check_kernel(&mm(false, false), &[&rng.tensor(&[4, m, k]), &wb]);
+    let ab = rng.tensor(&[1, m, k]).broadcast_as((4, m, k)).unwrap();
+    check_kernel(&mm(false, false), &[&ab, &rng.tensor(&[4, k, n])]);
+    check_kernel(&mm(false, true), &[&ab, &rng.tensor(&[4, n, k])]);
+    // A row-broadcast left operand (every row the same, row stride 0).
+    let rows = rng.tensor(&[1, k]).broadcast_as((m, k)).unwrap();
+    check_kernel(&mm(false, false), &[&rows, &b]);
+}
+
+#[test]
+fn matmul_large() {
+    let _s = serial();
+    let mut rng = Rng::new(4);
+    let a = rng.tensor(&[2, 256, 300]);
+    let b = rng.tensor(&[260, 300]);
+    check_kernel(&mm(false, true), &[&a, &b]);
+    let a = rng.tensor(&[257, 256]);
+    let b = rng.tensor(&[256, 255]).t().unwrap().contiguous().unwrap().t().unwrap();
+    check_kernel(&mm(false, false), &[&a, &b]);
+    let a = rng.tensor(&[256, 300]).t().unwrap(); // [300, 256] view
+    check_kernel(&mm(true, false), &[&a, &rng.tensor(&[300, 260])]);
+    // Several large batch elements (one multithreaded gemm each).
+    let a = rng.tensor(&[2, 1, 128, 160]);
+    let b = rng.tensor(&[1, 2, 160, 150]);
+    check_kernel(&mm(false, false), &[&a, &b]);
+}
+
+#[test]
+fn matmul_edge_shapes_and_dtypes() {
+    let _s = serial();
+    let mut rng = Rng::new(5);
+    // k = 0: zeros.
+    let a = rng.tensor(&[2, 3, 0]);
+    let b = rng.tensor(&[0, 4]);
+    let y = check_kernel(&mm(false, false), &[&a, &b]);
+    assert!(to_f64_vec(&y[0]).unwrap().iter().all(|&v| v == 0.0));
+    // Non-f32 operands are a clear Unsupported error.
+    let a = rng.tensor(&[3, 4]).to_dtype(DType::F64).unwrap();
+    let meta = op_meta(&mm(false, true), &[&a, &a]);
+    match execute(&mm(false, true), &[&a, &a], &meta) {
+        Err(RuntimeError::Unsupported { op, .. }) => assert_eq!(op, "matmul"),
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+}
+
+fn op_meta(op: &Op, inputs: &[&Tensor]) -> Vec<TensorMeta> {
+    let metas: Vec<TensorMeta> = inputs.iter().map(|t| meta_of(t).unwrap()).collect();
+    op.infer(&metas.iter().collect::<Vec<_>>()).unwrap()
+}
+
+// ---- attention and rope ----------------------------------------------------------------------
+
+/// Forward and backward of one attention configuration.
+#[allow(clippy::too_many_arguments)]
+fn check_attention(
+    seed: u64,
+    b: usize,
+    s: usize,
+    t: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    causal: bool,
+    window: Option<usize>,
+) {
+    let mut rng = Rng::new(seed);
+    let spec = AttentionSpec { causal, window, scale: 1.0 / (d as f64).sqrt() };
+    // Larger logits than uniform [-1, 1) so the softmax is far from flat.
+    let q = (rng.tensor(&[b, s, h, d]) * 2.0).unwrap();
+    let k = (rng.tensor(&[b, t, hkv, d]) * 2.0).unwrap();
+    let v = rng.tensor(&[b, t, hkv, d]);
+    let fwd = check_kernel(&Op::Attention(spec.clone()), &[&q, &k, &v]);
+    let dout = rng.tensor(&[b, s, h, d]);
+    // With a window of 1 every probability is 1 and dq, dk are exactly 0 (dS = dP − D = 0):
+    // measure their f32 rounding noise against the gradient scale ‖dout‖ instead.
+    let floor = if window == Some(1) {
+        dout.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt() as f64
+    } else {
+        1e-30
+    };
+    let inputs = [&q, &k, &v, &fwd[0], &fwd[1], &dout];
+    check_kernel_floor(&Op::AttentionBackward(spec), &inputs, &[TOL; 3], floor);
+}
+
+#[test]
+fn attention_causal_and_full() {
+    let _s = serial();
+    for causal in [true, false] {
+        check_attention(10, 2, 13, 13, 4, 2, 8, causal, None);
+        check_attention(11, 1, 16, 16, 2, 2, 16, causal, None);
+        // Several query blocks (64 rows each), odd length.
+        check_attention(12, 1, 150, 150, 2, 1, 16, causal, None);
+    }
+}
+
+#[test]
+fn attention_sliding_window() {
+    let _s = serial();
+    for causal in [true, false] {
+        check_attention(20, 2, 13, 13, 4, 2, 8, causal, Some(4));
+        check_attention(21, 1, 150, 150, 2, 2, 8, causal, Some(40));
+    }
+    // A window of 1: each query sees only itself.
+    check_attention(22, 1, 9, 9, 2, 1, 4, true, Some(1));
+}
+
+#[test]
+fn attention_gqa() {
+    let _s = serial();
+    check_attention(30, 2, 13, 13, 4, 2, 8, true, None);
+    check_attention(31, 2, 13, 13, 8, 1, 8, true, None);
+    check_attention(32, 1, 33, 33, 8, 1, 16, false, Some(7));
+    check_attention(33, 3, 7, 7, 8, 4, 4, false, None);
+}
+
+#[test]
+fn attention_unequal_lengths() {
+    let _s = serial();
+    // Queries are the last S of T positions.
+    check_attention(40, 2, 5, 13, 4, 2, 8, true, None);
+    check_attention(41, 1, 5, 13, 2, 1, 8, true, Some(3));
+    // T < S with causal: the first queries see no key (zero output, lse −∞, zero gradient).
+    check_attention(42, 2, 13, 5, 4, 2, 8, true, None);
+    check_attention(43, 1, 13, 20, 2, 2, 8, false, None);
+}
+
+#[test]
+fn attention_fully_masked_rows() {
+    let _s = serial();
+    let mut rng = Rng::new(50);
+    let spec = AttentionSpec { causal: true, window: None, scale: 0.5 };
+    let q = rng.tensor(&[1, 6, 2, 4]);
+    let k = rng.tensor(&[1, 3, 1, 4]);
+    let v = rng.tensor(&[1, 3, 1, 4]);
+    let fwd = check_kernel(&Op::Attention(spec), &[&q, &k, &v]);
+    let lse = to_f64_vec(&fwd[1]).unwrap();
+    // Query i sits at position i − 3: queries 0..3 see nothing.
+    for h in 0..2 {
+        for i in 0..6 {
+            assert_eq!(
+                lse[h * 6 + i] == f64::NEG_INFINITY,
+                i < 3,
+                "lse[{h},{i}] = {}",
+                lse[h * 6 + i]
+            );
+        }
+    }
+}
+
+#[test]
+fn rope_forward_and_inverse() {
+    let _s = serial();
+    let mut rng = Rng::new(60);
+    let (b, s, h, d) = (2, 13, 3, 16);
+    let inv_freq: Vec<f64> =
+        (0..d / 2).map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64)).collect();
+    let x = rng.tensor(&[b, s, h, d]);
+    let y = check_kernel(&Op::Rope { inv_freq: inv_freq.clone(), inverse: false }, &[&x]);
+    let back = check_kernel(&Op::Rope { inv_freq, inverse: true }, &[&y[0]]);
+    let err = rel_err(&to_f64_vec(&back[0]).unwrap(), &to_f64_vec(&x).unwrap());
+    assert!(err < 1e-6, "inverse rope does not undo rope: {err:e}");
+    // Long sequences: large angles stay accurate (computed in f64).
+    let x = rng.tensor(&[1, 300, 2, 8]);
+    let inv_freq: Vec<f64> = (0..4).map(|i| 10000f64.powf(-2.0 * i as f64 / 8.0)).collect();
+    check_kernel(&Op::Rope { inv_freq, inverse: true }, &[&x]);
+}
+
+// ---- AdamW -----------------------------------------------------------------------------------
+
+fn spec(clip: Option<f64>) -> AdamWSpec {
+    AdamWSpec { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, max_grad_norm: clip }
+}
+
+fn scalar_f32(x: f32) -> Tensor {
+    Tensor::new(x, &Device::Cpu).unwrap()
+}
+
+fn scalar_i64(x: i64) -> Tensor {
+    Tensor::new(x, &Device::Cpu).unwrap()
+}
+
+/// Address of a tensor's storage.
+fn storage_ptr(t: &Tensor) -> usize {
+    let (s, _) = t.storage_and_layout();
+    match &*s {
+        Storage::Cpu(c) => match t.dtype() {
+            DType::BF16 => c.as_slice::<bf16>().unwrap().as_ptr() as usize,
+            _ => c.as_slice::<f32>().unwrap().as_ptr() as usize,
+        },
+        _ => unreachable!(),
+    }
+}
+
+/// AdamW state for a `dims` parameter: (param, grad, m, v) with v ≥ 0.
+fn adam_state(rng: &mut Rng, dims: &[usize]) -> (Tensor, Tensor, Tensor, Tensor) {
+    let p = rng.tensor(dims);
+    let g = (rng.tensor(dims) * 3.0).unwrap();
+    let m = (rng.tensor(dims) * 0.1).unwrap();
+    let v = (rng.tensor(dims).sqr().unwrap() * 0.01).unwrap();
+    (p, g, m, v)
+}
+
+/// Checks values against the interpreter, that outputs alias inputs, and that the inputs
+/// themselves now hold the updated values.
+fn check_adamw(inputs: &[&Tensor], spec: AdamWSpec, tols: &[f64]) {
+    let op = Op::AdamW(spec);
+    let out = check_kernel_tol(&op, inputs, tols);
+    let aliased = [0, 2, 3, 7];
+    for (o, &i) in out.iter().zip(&aliased) {
+        assert_eq!(storage_ptr(o), storage_ptr(inputs[i]), "output for input {i} is not in place");
+        // The input handle itself sees the update.
+        assert_eq!(to_f64_vec(o).unwrap(), to_f64_vec(inputs[i]).unwrap());
+    }
+}
+
+#[test]
+fn adamw_f32_in_place() {
+    let _s = serial();
+    let mut rng = Rng::new(70);
+    for (clip, norm) in [(None, 5.0), (Some(1.0), 5.0), (Some(10.0), 5.0)] {
+        for step in [1, 3, 1000] {
+            let (p, g, m, v) = adam_state(&mut rng, &[37, 65]);
+            let before = to_f64_vec(&p).unwrap();
+            let (lr, st, gn) = (scalar_f32(3e-3), scalar_i64(step), scalar_f32(norm));
+            check_adamw(&[&p, &g, &m, &v, &lr, &st, &gn], spec(clip), &[TOL; 3]);
+            assert_ne!(before, to_f64_vec(&p).unwrap(), "parameter not updated");
+        }
+    }
+}
+
+#[test]
+fn adamw_f32_master_in_place() {
+    let _s = serial();
+    let mut rng = Rng::new(71);
+    for clip in [None, Some(0.5)] {
+        let (p, g, m, v) = adam_state(&mut rng, &[1000]);
+        let master = p.copy().unwrap();
+        let (lr, st, gn) = (scalar_f32(1e-2), scalar_i64(7), scalar_f32(2.0));
+        check_adamw(&[&p, &g, &m, &v, &lr, &st, &gn, &master], spec(clip), &[TOL; 4]);
+    }
+}
+
+#[test]
+fn adamw_bf16_param_f32_master() {
+    let _s = serial();
+    let mut rng = Rng::new(72);
+    for clip in [None, Some(1.0)] {
+        let (p32, g32, m, v) = adam_state(&mut rng, &[129, 33]);
+        let p = p32.to_dtype(DType::BF16).unwrap();
+        let g = g32.to_dtype(DType::BF16).unwrap();
+        // The master holds more precision than the bf16 weight.
+        let master =
+            (p.to_dtype(DType::F32).unwrap() + (rng.tensor(&[129, 33]) * 1e-3).unwrap()).unwrap();
+        let (lr, st, gn) = (scalar_f32(1e-3), scalar_i64(2), scalar_f32(3.0));
+        // param' is bf16(master'): within bf16 rounding (2⁻⁸ relative) of the f64 update.
+        let inputs = [&p, &g, &m, &v, &lr, &st, &gn, &master];
+        check_adamw(&inputs, spec(clip), &[2f64.powi(-8), TOL, TOL, TOL]);
+        // And exactly the rounding of the updated master.
+        let rounded = master.to_dtype(DType::BF16).unwrap();
+        assert_eq!(to_f64_vec(&p).unwrap(), to_f64_vec(&rounded).unwrap());
+    }
+}
+
+#[test]
+fn adamw_allocates_no_parameter_sized_buffer() {
+    let _s = serial();
+    let mut rng = Rng::new(73);
+    let n = 1 << 20; // 4 MiB per f32 tensor
+    let (p, g, m, v) = adam_state(&mut rng, &[n]);
+    let master = p.copy().unwrap();
+    let (lr, st, gn) = (scalar_f32(1e-3), scalar_i64(1), scalar_f32(1.0));
+    let inputs = [&p, &g, &m, &v, &lr, &st, &gn, &master];
+    let metas = op_meta(&Op::AdamW(spec(Some(1.0))), &inputs);
+    let before = tessera_runtime::alloc::current_bytes();
+    tessera_runtime::alloc::reset_peak();
+    let out = execute(&Op::AdamW(spec(Some(1.0))), &inputs, &metas).unwrap();
+    let extra = tessera_runtime::alloc::peak_bytes() - before;
+    assert!(extra < (n as u64) / 4, "AdamW allocated {extra} bytes for a {n}-element parameter");
+    assert_eq!(out.len(), 4);
+}
+
+#[test]
+fn adamw_rejects_step_zero() {
+    let _s = serial();
+    let mut rng = Rng::new(74);
+    let (p, g, m, v) = adam_state(&mut rng, &[4]);
+    let (lr, st, gn) = (scalar_f32(1e-3), scalar_i64(0), scalar_f32(1.0));
+    let inputs = [&p, &g, &m, &v, &lr, &st, &gn];
+    let metas = op_meta(&Op::AdamW(spec(None)), &inputs);
+    assert!(execute(&Op::AdamW(spec(None)), &inputs, &metas).is_err());
+}
