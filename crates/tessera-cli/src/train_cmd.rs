@@ -70,6 +70,9 @@ pub struct TrainArgs {
     pub log_json: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
+    /// Report where the step time goes, per op kind (adds `op_times` to the JSON).
+    #[arg(long)]
+    pub op_times: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -109,7 +112,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             ))
         }
     };
-    if !(value >= 0.0) || !value.is_finite() {
+    if value.is_nan() || value < 0.0 || !value.is_finite() {
         return Err(format!("`{s}` is not a valid size"));
     }
     Ok((value * scale).round() as u64)
@@ -167,6 +170,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         Trainer::new(train, CpuBackend::new(0), schedule, args.seed, args.memory_budget)?
             .with_eval(eval_model.builder.finish(), eval_model.loss, CpuBackend::new(0))?;
     let predicted = simulate_memory(trainer.program()).report.peak_bytes;
+    trainer.record_timings(args.op_times);
 
     let mut log = match &args.log_json {
         Some(p) => Some(std::io::BufWriter::new(
@@ -226,9 +230,18 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let tokens_per_s = tokens_per_step * args.steps as f64 / elapsed;
     let unigram = tessera_runtime::data::unigram_entropy_nats(&dataset.train, dataset.vocab_size);
 
+    let op_times: Vec<(&str, u64, f64)> = {
+        let mut v: Vec<_> = trainer
+            .timings()
+            .map(|t| t.iter().map(|(k, o)| (*k, o.calls, o.seconds)).collect())
+            .unwrap_or_default();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    };
+    let op_total: f64 = op_times.iter().map(|o| o.2).sum();
     match args.format {
         OutputFormat::Json => {
-            let doc = json!({
+            let mut doc = json!({
                 "model": cfg.name(),
                 "devices": 1,
                 "steps": args.steps,
@@ -246,6 +259,13 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                     "heap_peak_bytes": heap_peak,
                 },
             });
+            if args.op_times {
+                doc["op_times"] = op_times
+                    .iter()
+                    .map(|(k, calls, s)| (k.to_string(), json!({"calls": calls, "seconds": s})))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
+            }
             print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
         }
         OutputFormat::Table => {
@@ -266,6 +286,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 m = bytes(measured),
                 h = bytes(heap_peak),
             );
+            let mut text = text;
+            if args.op_times {
+                text.push_str("where the time goes (all steps):\n");
+                for (k, calls, secs) in &op_times {
+                    text.push_str(&format!(
+                        "  {k:<24} {secs:>8.2} s  {:>5.1}%  {calls} calls\n",
+                        100.0 * secs / op_total.max(1e-12)
+                    ));
+                }
+            }
             print_stdout(&text)?;
         }
     }

@@ -9,7 +9,16 @@
 use crate::tensor::{check_meta, size_bytes};
 use crate::{Backend, MemoryAccountant, Result, RuntimeError};
 use candle_core::Tensor;
+use std::collections::BTreeMap;
+use std::time::Instant;
 use tessera_ir::{Instr, Op, Program, TensorId, TensorMeta};
+
+/// Wall time spent in one op kind (`matmul`, `attention_backward`, ...).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OpTime {
+    pub calls: u64,
+    pub seconds: f64,
+}
 
 pub struct Executor<B: Backend> {
     program: Program,
@@ -18,6 +27,8 @@ pub struct Executor<B: Backend> {
     /// Tensors sharing each buffer (indexed by root), so a free drops every handle.
     members: Vec<Vec<TensorId>>,
     accountant: MemoryAccountant,
+    /// Per-op-kind wall time, when enabled.
+    timings: Option<BTreeMap<&'static str, OpTime>>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -28,7 +39,7 @@ impl<B: Backend> Executor<B> {
             members[root.index()].push(TensorId(t as u32));
         }
         let accountant = MemoryAccountant::new(backend.name(), budget);
-        Executor { program, backend, values: vec![None; n], members, accountant }
+        Executor { program, backend, values: vec![None; n], members, accountant, timings: None }
     }
 
     pub fn program(&self) -> &Program {
@@ -39,6 +50,16 @@ impl<B: Backend> Executor<B> {
     }
     pub fn accountant(&self) -> &MemoryAccountant {
         &self.accountant
+    }
+
+    /// Starts (or stops) recording wall time per op kind.
+    pub fn record_timings(&mut self, on: bool) {
+        self.timings = on.then(BTreeMap::new);
+    }
+
+    /// Wall time per op kind since recording started.
+    pub fn timings(&self) -> Option<&BTreeMap<&'static str, OpTime>> {
+        self.timings.as_ref()
     }
 
     /// Binds a leaf (parameter, optimizer state or input) to a tensor of exactly its meta.
@@ -152,7 +173,13 @@ impl<B: Backend> Executor<B> {
         }
         metas.clear();
         metas.extend(node.outputs.iter().map(|&t| g.meta(t).clone()));
+        let started = self.timings.is_some().then(Instant::now);
         let outs = self.backend.execute(&node.op, &inputs, metas)?;
+        if let (Some(t0), Some(timings)) = (started, self.timings.as_mut()) {
+            let e = timings.entry(what).or_default();
+            e.calls += 1;
+            e.seconds += t0.elapsed().as_secs_f64();
+        }
         if outs.len() != node.outputs.len() {
             return Err(RuntimeError::Binding(format!(
                 "{scope}: {what} returned {} outputs, expected {}",

@@ -119,15 +119,10 @@ impl<B: Backend> Trainer<B> {
         }
         for slot in &train.params {
             let dims = train.graph.shape(slot.param).dims().to_vec();
-            for state in [Some(slot.m), Some(slot.v), slot.master] {
-                if let Some(s) = state {
-                    let zeros = Tensor::zeros(
-                        dims.as_slice(),
-                        candle_core::DType::F32,
-                        exec.backend().device(),
-                    )?;
-                    exec.bind(s, zeros)?;
-                }
+            for s in [Some(slot.m), Some(slot.v), slot.master].into_iter().flatten() {
+                let device = exec.backend().device();
+                let zeros = Tensor::zeros(dims.as_slice(), candle_core::DType::F32, device)?;
+                exec.bind(s, zeros)?;
             }
         }
         Ok(Trainer { train, exec, eval: None, leaves, schedule, seed, step: 0, params_by_name })
@@ -239,6 +234,16 @@ impl<B: Backend> Trainer<B> {
             total += scalar(exec, *loss)?;
         }
         Ok(total / batches.len() as f64)
+    }
+
+    /// Records wall time per op kind in the training step from now on.
+    pub fn record_timings(&mut self, on: bool) {
+        self.exec.record_timings(on);
+    }
+
+    /// Wall time per op kind of the training steps since recording started.
+    pub fn timings(&self) -> Option<&std::collections::BTreeMap<&'static str, crate::executor::OpTime>> {
+        self.exec.timings()
     }
 
     /// The accountant's peak during the last step.

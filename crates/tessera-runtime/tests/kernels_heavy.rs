@@ -401,15 +401,30 @@ fn adam_state(rng: &mut Rng, dims: &[usize]) -> (Tensor, Tensor, Tensor, Tensor)
 }
 
 /// Checks values against the interpreter, that outputs alias inputs, and that the inputs
-/// themselves now hold the updated values.
+/// themselves now hold the updated values. The weight update `w' − w` (small next to `w`) is
+/// also compared on its own, within 1e-4 norm-wise (f32 rounding of `w'` over the step size),
+/// for every f32 weight output (the master, and the parameter when it is f32).
 fn check_adamw(inputs: &[&Tensor], spec: AdamWSpec, tols: &[f64]) {
     let op = Op::AdamW(spec);
+    let values: Vec<Value> = inputs.iter().map(|t| value_of(t)).collect();
+    let want = eval_op(&op, &values.iter().collect::<Vec<_>>()).unwrap();
     let out = check_kernel_tol(&op, inputs, tols);
     let aliased = [0, 2, 3, 7];
     for (o, &i) in out.iter().zip(&aliased) {
         assert_eq!(storage_ptr(o), storage_ptr(inputs[i]), "output for input {i} is not in place");
         // The input handle itself sees the update.
         assert_eq!(to_f64_vec(o).unwrap(), to_f64_vec(inputs[i]).unwrap());
+    }
+    for (o, &i) in out.iter().zip(&aliased) {
+        if (i == 0 || i == 7) && o.dtype() == DType::F32 {
+            let got = to_f64_vec(o).unwrap();
+            let before = &values[i].data;
+            let dgot: Vec<f64> = got.iter().zip(before).map(|(a, b)| a - b).collect();
+            let j = if i == 0 { 0 } else { 3 };
+            let dwant: Vec<f64> = want[j].data.iter().zip(before).map(|(a, b)| a - b).collect();
+            let err = rel_err(&dgot, &dwant);
+            assert!(err < 1e-4, "weight update of input {i}: relative error {err:e}");
+        }
     }
 }
 

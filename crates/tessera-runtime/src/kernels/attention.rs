@@ -13,7 +13,12 @@
 //!
 //! Work split: the forward runs over (batch, head, query block) tasks; the backward over
 //! (batch, kv head) tasks, each looping over its group's query heads, so dk and dv are
-//! accumulated by a single task without races (and dq rows belong to one task too).
+//! accumulated by a single task without races (and dq rows belong to one task too). When
+//! there are fewer tasks than threads, the gemms themselves go multithreaded.
+//!
+//! The softmax rows use a branch-free polynomial `exp` (Cephes' `expf`, ~2 ulp) with lane-wise
+//! max / sum reductions, so they vectorise; they are compiled a second time for AVX2+FMA and
+//! picked at run time (with libm's scalar `exp` the row pass was a large share of the time).
 
 use super::matmul::{all_threads, gemm_f32, MatMut, MatRef, SendConstPtr, SendPtr};
 use crate::tensor::{contiguous, from_vec, read};
@@ -192,23 +197,129 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Re
 /// Turns scores `row[lo..hi]` into probabilities (zero outside) and returns the row's
 /// log-sum-exp (−∞, with an all-zero row, when nothing is visible).
 fn softmax_row(row: &mut [f32], lo: usize, hi: usize) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { softmax_row_avx2(row, lo, hi) };
+    }
+    softmax_row_body(row, lo, hi)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_row_avx2(row: &mut [f32], lo: usize, hi: usize) -> f32 {
+    softmax_row_body(row, lo, hi)
+}
+
+#[inline(always)]
+fn softmax_row_body(row: &mut [f32], lo: usize, hi: usize) -> f32 {
     if hi <= lo {
         row.fill(0.0);
         return f32::NEG_INFINITY;
     }
-    let mx = row[lo..hi].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for x in &mut row[lo..hi] {
-        *x = (*x - mx).exp();
-        sum += *x;
-    }
-    let inv = 1.0 / sum;
-    for x in &mut row[lo..hi] {
-        *x *= inv;
-    }
     row[..lo].fill(0.0);
     row[hi..].fill(0.0);
+    let vis = &mut row[lo..hi];
+    let mx = lanes_max(vis);
+    for x in vis.iter_mut() {
+        *x = exp_approx(*x - mx);
+    }
+    let sum = lanes_sum(vis);
+    let inv = 1.0 / sum;
+    for x in vis.iter_mut() {
+        *x *= inv;
+    }
     mx + sum.ln()
+}
+
+/// Backward row: `p = exp(s − lse)` in `p`, and `dS = p·(dP − D)` in `dp`, over `lo..hi`
+/// (zero outside).
+fn backward_row(p: &mut [f32], dp: &mut [f32], lo: usize, hi: usize, lse: f32, big_d: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { backward_row_avx2(p, dp, lo, hi, lse, big_d) };
+    }
+    backward_row_body(p, dp, lo, hi, lse, big_d)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn backward_row_avx2(
+    p: &mut [f32],
+    dp: &mut [f32],
+    lo: usize,
+    hi: usize,
+    lse: f32,
+    big_d: f32,
+) {
+    backward_row_body(p, dp, lo, hi, lse, big_d)
+}
+
+#[inline(always)]
+fn backward_row_body(p: &mut [f32], dp: &mut [f32], lo: usize, hi: usize, lse: f32, big_d: f32) {
+    let lo = lo.min(hi);
+    p[..lo].fill(0.0);
+    p[hi..].fill(0.0);
+    dp[..lo].fill(0.0);
+    dp[hi..].fill(0.0);
+    for (p, dp) in p[lo..hi].iter_mut().zip(&mut dp[lo..hi]) {
+        *p = exp_approx(*p - lse);
+        *dp = *p * (*dp - big_d);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_fma() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// Max of a slice over 8 independent lanes (so it vectorises).
+#[inline(always)]
+fn lanes_max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    rest.iter().chain(&acc).copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Sum of a slice over 8 independent lanes (so it vectorises).
+#[inline(always)]
+fn lanes_sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
+}
+
+/// `e^x` for `x ≤ 88` to about 2 ulp (Cephes' `expf` polynomial), branch-free so loops over
+/// it vectorise; inputs below −87 give ~1e-38 instead of a denormal or 0.
+#[inline(always)]
+fn exp_approx(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5·2²³: adding it rounds to an integer in the low bits
+    let x = x.clamp(-87.0, 88.0);
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let p = 1.987_569_1e-4;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    let two_n = f32::from_bits(((t.to_bits() as i32 - 0x4B40_0000 + 127) << 23) as u32);
+    y * two_n
 }
 
 /// `[dq, dk, dv]` of fused attention, recomputing the probabilities from `lse`.
@@ -313,14 +424,7 @@ pub fn attention_backward(
                             )
                         };
                         let big_d: f32 = orow.iter().zip(grow).map(|(a, b)| a * b).sum();
-                        prow[..lo].fill(0.0);
-                        prow[hi..].fill(0.0);
-                        dprow[..lo].fill(0.0);
-                        dprow[hi..].fill(0.0);
-                        for (p, dp) in prow[lo..hi].iter_mut().zip(&mut dprow[lo..hi]) {
-                            *p = (*p - l).exp();
-                            *dp = *p * (*dp - big_d); // dS
-                        }
+                        backward_row(prow, dprow, lo, hi, l, big_d);
                     }
                     let p = MatRef { ptr: pbuf.as_ptr(), rs: tb as isize, cs: 1 };
                     let ds = MatRef { ptr: dpbuf.as_ptr(), rs: tb as isize, cs: 1 };
@@ -385,4 +489,30 @@ pub fn rope(x: &Tensor, inv_freq: &[f64], inverse: bool) -> Result<Tensor> {
     }
     drop(xs);
     from_vec(out, &[b, s, h, d])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_approx_is_accurate() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -87.0 + 175.0 * i as f32 / 200_000.0;
+            let want = (x as f64).exp();
+            worst = worst.max(((exp_approx(x) as f64 - want) / want).abs());
+        }
+        assert!(worst < 5e-7, "exp_approx relative error {worst:e}");
+        assert_eq!(exp_approx(0.0), 1.0);
+        assert!(exp_approx(f32::NEG_INFINITY) < 1e-37);
+    }
+
+    #[test]
+    fn row_reductions() {
+        let x: Vec<f32> = (0..21).map(|i| ((i * 7) % 11) as f32 - 3.0).collect();
+        assert_eq!(lanes_max(&x), 7.0);
+        assert_eq!(lanes_sum(&x), x.iter().sum::<f32>());
+        assert_eq!(lanes_max(&[]), f32::NEG_INFINITY);
+    }
 }

@@ -75,8 +75,13 @@ pub fn reshape(x: &Tensor, s: &Shape) -> Result<Tensor> {
             x.elem_count()
         )));
     }
-    // candle: a view of the same storage (same offset) when contiguous, else a copy.
-    Ok(x.reshape(s.dims())?)
+    if x.is_contiguous() {
+        // candle: a view of the same storage, same start offset; nothing is copied.
+        Ok(x.reshape(s.dims())?)
+    } else {
+        let dense = with_dtype!("reshape", x.dtype(), T => copy_strided::<T>(x))?;
+        Ok(dense.reshape(s.dims())?)
+    }
 }
 
 /// NumPy broadcast to `s` as a view (stride 0 along stretched and new leading dims).

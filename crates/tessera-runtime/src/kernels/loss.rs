@@ -3,7 +3,7 @@
 //! [`exp_f32`], row sums and the loss accumulate in f64 (the loss from per-task partials
 //! summed in task order: deterministic). No `[rows, V]` buffer exists besides dlogits.
 
-use super::elementwise::{exp_f32, expect_f32, expect_i64, max_f32, sum_by, CHUNK};
+use super::elementwise::{exp_f32, expect_f32, expect_i64, max_f32, sum_exp, CHUNK};
 use super::reduce::par_rows;
 use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
@@ -53,7 +53,7 @@ fn logsumexp(row: &[f32]) -> f64 {
     if m == f32::NEG_INFINITY {
         return f64::NEG_INFINITY;
     }
-    m as f64 + sum_by(row, |v| exp_f32(v - m) as f64).ln()
+    m as f64 + sum_exp(row, m).ln()
 }
 
 /// `[mean loss over non-ignored rows (0 if none), logsumexp per row]`, both f32.

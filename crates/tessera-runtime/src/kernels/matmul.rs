@@ -115,7 +115,9 @@ impl Operand {
         let (rs, cs) = if trans { (cs, rs) } else { (rs, cs) };
         let own = &dims[..r - 2];
         if own.len() > batch.len() {
-            return Err(unsupported(format!("{what} has more batch dims than the output")));
+            return Err(RuntimeError::Binding(format!(
+                "matmul: {what} has more batch dims than the output"
+            )));
         }
         let lead = batch.len() - own.len();
         let mut batch_strides = vec![0; batch.len()];
@@ -123,8 +125,8 @@ impl Operand {
             if d == batch[lead + i] {
                 batch_strides[lead + i] = if d == 1 { 0 } else { st[i] };
             } else if d != 1 {
-                return Err(unsupported(format!(
-                    "{what} batch dims {own:?} do not broadcast to {batch:?}"
+                return Err(RuntimeError::Binding(format!(
+                    "matmul: {what} batch dims {own:?} do not broadcast to {batch:?}"
                 )));
             }
         }

@@ -262,9 +262,15 @@ fn reduce_into<A: Acc, T: Send>(
         return;
     }
     let r_flat = p.r_flat();
-    // Few outputs and a large reduction: split the reduced index space into parts.
-    let parts = (data.len() / CHUNK).min(64).min((1 << 16) / n_out).min(r_flat);
-    if n_out <= 4096 && parts >= 2 {
+    // Outputs per task when splitting the outputs (each task folds about CHUNK elements).
+    let per = (CHUNK / p.count.max(1)).max(1);
+    // Splitting the reduced index space instead (partial accumulators merged in order) pays
+    // when splitting the outputs gives too few tasks (a global norm, a few long rows), and
+    // for column reductions (a bias gradient), where it reads whole contiguous rows instead
+    // of narrow strided columns. Partials are bounded to 2¹⁸ accumulators.
+    let parts = (data.len() / CHUNK).min(64).min((1 << 18) / n_out).min(r_flat);
+    let few_tasks = n_out.div_ceil(per) < 16;
+    if parts >= 2 && (few_tasks || !p.inner_reduced) {
         let partials: Vec<Vec<A>> = (0..parts)
             .into_par_iter()
             .map(|k| {
@@ -285,8 +291,7 @@ fn reduce_into<A: Acc, T: Send>(
         }
         return;
     }
-    // Otherwise split the outputs, each task covering about CHUNK input elements.
-    let per = (CHUNK / p.count.max(1)).max(1);
+    // Otherwise split the outputs.
     let task = |o_lo: usize, oc: &mut [T]| {
         let mut accs = vec![A::INIT; oc.len()];
         run_block(p, data, o_lo, 0, r_flat, &mut accs);
