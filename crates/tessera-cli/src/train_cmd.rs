@@ -35,15 +35,16 @@ pub struct TrainArgs {
     /// Element type of .bin token files.
     #[arg(long, value_enum, default_value_t = TokenBits::U16)]
     pub token_dtype: TokenBits,
-    #[arg(long, default_value_t = 200)]
+    /// Optimizer steps; also the horizon of the learning-rate schedule.
+    #[arg(long, default_value_t = 150)]
     pub steps: u64,
     /// Global batch: sequences per step.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 8)]
     pub batch: usize,
     #[arg(long, default_value_t = 128)]
     pub seq: usize,
     /// Peak learning rate.
-    #[arg(long, default_value_t = 2e-3)]
+    #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
     /// Learning-rate schedule over the run's --steps.
     #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]

@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Training-step throughput of Tessera vs PyTorch CPU (torch==2.5.1) on the same GPT-2 shapes,
+# in one run on this machine. Prints Markdown for BENCHMARKS.md: per case, steady-state
+# tokens/s of `tessera train` and of scripts/bench_torch_gpt2.py (SDPA attention, and eager
+# matmul+softmax attention), the ratio Tessera / PyTorch (> 1: Tessera is faster), the
+# machine facts, background CPU load around each case, and Tessera's per-op breakdown.
+#
+# Tessera's figure excludes step 1 (computed from --log-json's per-step tokens_per_s);
+# PyTorch's excludes its warmup steps. Both use 2 threads (rayon's default here = nproc;
+# torch.set_num_threads(2)), fp32, AdamW(0.9, 0.95, eps 1e-8, wd 0.1 on matrices), clip 1.0.
+#
+# usage: scripts/bench-vs-torch.sh            (raw JSON is kept in target/bench-vs-torch/)
+# env:   BENCH_CASES="model batch seq tessera_steps torch_steps eager_steps;..." to override
+#        BENCH_MAX_BUSY=25  background CPU busy % above which a case is re-run once
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv-bench
+py=$venv/bin/python
+out=target/bench-vs-torch
+mkdir -p "$out"
+threads=2
+max_busy=${BENCH_MAX_BUSY:-25}
+
+# --- PyTorch ------------------------------------------------------------------------------
+torch_ok() { "$py" -c 'import torch, sys; torch.ones(2) @ torch.ones(2); sys.exit(torch.__version__.split("+")[0] != "2.5.1")' 2>/dev/null; }
+if ! [ -x "$py" ] || ! torch_ok; then
+  echo "setting up $venv (torch==2.5.1, CPU)..." >&2
+  python3 -m venv "$venv"
+  # PyPI's Linux torch wheel is the CUDA build: try it without the nvidia-* packages first.
+  "$venv/bin/pip" install -q --no-deps torch==2.5.1 filelock 'typing-extensions>=4.8' \
+    sympy==1.13.1 mpmath networkx jinja2 MarkupSafe fsspec numpy
+  if ! torch_ok; then
+    echo "torch 2.5.1 does not import without its nvidia-* libraries (libtorch_global_deps" \
+         "preloads libcudart/libcublas): installing it with its dependencies (~5 GB)" >&2
+    "$venv/bin/pip" install -q torch==2.5.1
+  fi
+  torch_ok || { echo "error: torch 2.5.1 does not import in $venv" >&2; exit 1; }
+fi
+
+# --- Tessera ------------------------------------------------------------------------------
+cargo build --release -q --bin tessera
+bin=target/release/tessera
+
+# % of CPU time the rest of the machine used over a few seconds (run while we are idle).
+busy() {
+  python3 - <<'PY'
+import time
+def snap():
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v), idle
+t0, i0 = snap(); time.sleep(3); t1, i1 = snap()
+print(round(100 * (1 - (i1 - i0) / max(1, t1 - t0))))
+PY
+}
+
+run_tessera() {  # model batch seq steps tag
+  "$bin" train --model "$1" --batch "$2" --seq "$3" --steps "$4" --eval-batches 1 \
+    --format json --op-times --log-json "$out/$5.steps.jsonl" > "$out/$5.json"
+}
+run_torch() {  # model batch seq steps attn tag
+  "$py" scripts/bench_torch_gpt2.py --model "$1" --batch "$2" --seq "$3" --steps "$4" \
+    --warmup 2 --attn "$5" --threads "$threads" > "$out/$6.json"
+}
+
+cases=${BENCH_CASES:-"gpt2 4 256 6 4 3;gpt2-tiny 16 128 20 10 10"}
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+start=$(date +%s)
+: > "$out/cases.txt"
+IFS=';' read -ra case_list <<< "$cases"
+for c in "${case_list[@]}"; do
+  read -r model batch seq tsteps psteps esteps <<< "$c"
+  tag="$model-b$batch-s$seq"
+  for attempt in 1 2; do
+    pre=$(busy)
+    echo "[$(date +%T)] $tag: background busy ${pre}%, load $(cut -d' ' -f1 /proc/loadavg)" >&2
+    echo "  tessera ($tsteps steps)..." >&2;          run_tessera "$model" "$batch" "$seq" "$tsteps" "$tag.tessera"
+    echo "  pytorch sdpa (2+$psteps steps)..." >&2;   run_torch "$model" "$batch" "$seq" "$psteps" sdpa "$tag.torch-sdpa"
+    echo "  pytorch eager (2+$esteps steps)..." >&2;  run_torch "$model" "$batch" "$seq" "$esteps" eager "$tag.torch-eager"
+    post=$(busy)
+    echo "  background busy after: ${post}%" >&2
+    if [ "$pre" -le "$max_busy" ] && [ "$post" -le "$max_busy" ]; then break; fi
+    [ "$attempt" = 1 ] && echo "  machine was busy (> ${max_busy}%): re-running $tag once" >&2
+  done
+  echo "$tag $pre $post" >> "$out/cases.txt"
+done
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+elapsed=$(( $(date +%s) - start ))
+
+# --- Report -------------------------------------------------------------------------------
+OUT="$out" LOAD_BEFORE="$load_before" LOAD_AFTER="$load_after" ELAPSED="$elapsed" \
+  "$py" - <<'PY'
+import json, os, platform, subprocess, time
+import torch
+out = os.environ["OUT"]
+def load(p): return json.load(open(os.path.join(out, p)))
+def steady(tag):
+    """Tessera's tokens/s over steps 2..N (total tokens / total time)."""
+    doc = load(f"{tag}.tessera.json")
+    rows = [json.loads(l) for l in open(os.path.join(out, f"{tag}.tessera.steps.jsonl"))]
+    tok = doc["batch"] * doc["seq"]
+    rest = rows[1:] or rows
+    return doc, tok * len(rest) / sum(tok / r["tokens_per_s"] for r in rest), len(rest)
+
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "")
+isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
+mem = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1]) // 2**20
+sh = lambda *a: subprocess.run(a, capture_output=True, text=True).stdout.strip()
+rev = sh("git", "rev-parse", "--short", "HEAD") + (" (dirty)" if sh("git", "status", "--porcelain", "--untracked-files=no") else "")
+
+print("| case | Tessera tokens/s | PyTorch SDPA tokens/s | Tessera / PyTorch SDPA | PyTorch eager tokens/s | Tessera / PyTorch eager |")
+print("|---|---:|---:|---:|---:|---:|")
+busy = {}
+breakdown = None
+threads = None
+for line in open(os.path.join(out, "cases.txt")):
+    tag, pre, post = line.split()
+    busy[tag] = (pre, post)
+    doc, t, n = steady(tag)
+    s, e = load(f"{tag}.torch-sdpa.json"), load(f"{tag}.torch-eager.json")
+    threads = s["threads"]
+    case = f"{doc['model']} batch {doc['batch']} × seq {doc['seq']}"
+    print(f"| {case} | {t:,.0f} | {s['tokens_per_s']:,.0f} | {t / s['tokens_per_s']:.2f}× "
+          f"| {e['tokens_per_s']:,.0f} | {t / e['tokens_per_s']:.2f}× |")
+    if breakdown is None and "op_times" in doc:
+        breakdown = (case, doc)
+print()
+print(f"- Machine: {cpu} ({isa}), nproc {os.cpu_count()}, {mem} GiB RAM, {platform.platform()}")
+print(f"- Date: {time.strftime('%Y-%m-%d %H:%M %Z')}; Tessera {rev}; torch {torch.__version__} "
+      f"({torch.backends.cpu.get_cpu_capability()} kernels), "
+      f"{threads} threads; Tessera: rayon default ({os.cpu_count()} threads)")
+print("- Tessera: `tessera train --steps N --format json --op-times --log-json F` on the "
+      "shipped corpus; tokens/s over steps 2..N from the per-step log. PyTorch: "
+      "`scripts/bench_torch_gpt2.py`, random tokens, 2 warmup steps then timed steps.")
+for line in open(os.path.join(out, "cases.txt")):
+    tag = line.split()[0]
+    doc, t, n = steady(tag)
+    s, e = load(f"{tag}.torch-sdpa.json"), load(f"{tag}.torch-eager.json")
+    print(f"- {tag}: Tessera {doc['steps']} steps ({n} timed; all-steps average "
+          f"{doc['tokens_per_s']:,.0f} tokens/s, loss {doc['initial_loss']:.3f} → {doc['final_loss']:.3f}); "
+          f"PyTorch SDPA {s['timed_steps']} timed steps, {s['step_s']:.2f} s/step; eager "
+          f"{e['timed_steps']} timed, {e['step_s']:.2f} s/step; params {s['params']:,}; "
+          f"background CPU busy {busy[tag][0]}% before, {busy[tag][1]}% after")
+print(f"- Load average (1/5/15 min) before: {os.environ['LOAD_BEFORE']}, after: "
+      f"{os.environ['LOAD_AFTER']}; benchmark wall time {os.environ['ELAPSED']} s")
+if breakdown:
+    case, doc = breakdown
+    ops = doc["op_times"]
+    total = sum(o["seconds"] for o in ops.values())
+    print()
+    print(f"Tessera per-op time, {case}, all {doc['steps']} steps ({total:.1f} s in ops, "
+          f"{doc['elapsed_s']:.1f} s wall):")
+    print()
+    print("| op | seconds | share | calls |")
+    print("|---|---:|---:|---:|")
+    for k, o in sorted(ops.items(), key=lambda kv: -kv[1]["seconds"]):
+        print(f"| {k} | {o['seconds']:.2f} | {100 * o['seconds'] / max(total, 1e-12):.1f}% | {o['calls']} |")
+PY
