@@ -2,6 +2,7 @@
 //! become one `error: ...` line on stderr and a non-zero exit (never a panic). Machine-readable
 //! output (`--format json`) is the only thing written to stdout.
 
+mod eval_cmd;
 mod format;
 mod profile_cmd;
 mod train_cmd;
@@ -26,6 +27,8 @@ enum Command {
     Profile(profile_cmd::ProfileArgs),
     /// Train a model on text on one device (default: gpt2-tiny on the shipped corpus).
     Train(train_cmd::TrainArgs),
+    /// Next-token loss (and logits) of a checkpoint directory over given token ids.
+    Eval(eval_cmd::EvalArgs),
 }
 
 fn main() -> ExitCode {
@@ -33,6 +36,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Profile(args) => profile_cmd::run(&args),
         Command::Train(args) => train_cmd::run(&args),
+        Command::Eval(args) => eval_cmd::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,7 +2,7 @@
 //! prediction against the runtime's accountant and the process heap.
 
 use crate::format::bytes;
-use crate::profile_cmd::{print_stdout, OutputFormat};
+use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -10,9 +10,10 @@ use serde_json::json;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
-use tessera_ir::{build_training_graph, DType, TrainConfig};
+use tessera_ir::{build_training_graph, TrainConfig};
 use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_profile::simulate_memory;
+use tessera_runtime::checkpoint::{load_checkpoint, save_checkpoint, Manifest};
 use tessera_runtime::data::{DataOptions, Dataset, TokenDType, Tokenizer};
 use tessera_runtime::{alloc, CpuBackend, LrSchedule, Trainer};
 
@@ -43,6 +44,10 @@ pub struct TrainArgs {
     pub batch: usize,
     #[arg(long, default_value_t = 128)]
     pub seq: usize,
+    /// fp32, or bf16 mixed precision (bf16 weights, activations and gradients; fp32 master
+    /// weights and AdamW state; arithmetic in f32).
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub dtype: Precision,
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
@@ -74,6 +79,19 @@ pub struct TrainArgs {
     /// Report where the step time goes, per op kind (adds `op_times` to the JSON).
     #[arg(long)]
     pub op_times: bool,
+    /// Save a checkpoint (HF config.json + model.safetensors, optimizer state, manifest) to
+    /// this directory at the end of the run (atomically: an interrupted save keeps the old one).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Also save every N steps.
+    #[arg(long, requires = "save")]
+    pub save_every: Option<u64>,
+    /// Resume from a checkpoint saved by `--save`, continuing to the same --steps horizon.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Stop after this step (the schedule still spans --steps); for tests and preemption.
+    #[arg(long)]
+    pub stop_after: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -124,9 +142,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         bail!("--steps must be at least 1");
     }
     let cfg = ModelConfig::resolve(&args.model)?;
-    let opts = BuildOptions { batch: args.batch, seq: args.seq, dtype: DType::F32 };
+    let opts = BuildOptions { batch: args.batch, seq: args.seq, dtype: args.dtype.dtype() };
     let model = build(&cfg, &opts)?;
-    let eval_model = build(&cfg, &opts)?;
+    let eval_model = build(&cfg.without_dropout(), &opts)?;
     let vocab = cfg.vocab_size().unwrap_or(0);
 
     let tokenizer = match &args.tokenizer {
@@ -166,10 +184,63 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         },
     };
 
+    let run_facts = json!({"batch": args.batch, "seq": args.seq,
+                           "dtype": format!("{:?}", args.dtype).to_lowercase()});
+    let resume = match &args.resume {
+        Some(dir) => {
+            let ckpt = load_checkpoint(dir)?;
+            let m = &ckpt.manifest;
+            if m.total_steps != args.steps || m.seed != args.seed || m.extra != run_facts {
+                bail!(
+                    "{} was saved by a run with --steps {} --seed {} {}; resume with the same \
+                     settings (got --steps {} --seed {} {run_facts})",
+                    dir.display(),
+                    m.total_steps,
+                    m.seed,
+                    m.extra,
+                    args.steps,
+                    args.seed
+                );
+            }
+            Some(ckpt)
+        }
+        None => None,
+    };
+
     let heap_baseline = alloc::current_bytes();
     let mut trainer =
-        Trainer::new(train, CpuBackend::new(0), schedule, args.seed, args.memory_budget)?
+        Trainer::new(train, CpuBackend::new(0), schedule.clone(), args.seed, args.memory_budget)?
             .with_eval(eval_model.builder.finish(), eval_model.loss, CpuBackend::new(0))?;
+    if let Some(ckpt) = &resume {
+        trainer
+            .restore(&ckpt.params, &ckpt.optimizer, ckpt.manifest.step)
+            .with_context(|| format!("resuming from {}", ckpt.dir.display()))?;
+    }
+    let first = trainer.steps_done() + 1;
+    let last_step = args.stop_after.map_or(args.steps, |k| k.min(args.steps));
+    if first > last_step {
+        bail!("nothing to do: the run is already at step {} of {last_step}", first - 1);
+    }
+    let save = |trainer: &Trainer<CpuBackend>| -> Result<()> {
+        let Some(dir) = &args.save else { return Ok(()) };
+        let mut manifest = Manifest::new(
+            trainer.steps_done(),
+            args.steps,
+            args.seed,
+            &args.model,
+            schedule.clone(),
+        );
+        manifest.extra = run_facts.clone();
+        save_checkpoint(
+            dir,
+            &cfg.to_hf_json(),
+            &trainer.parameters(),
+            &trainer.optimizer_state()?,
+            &manifest,
+        )
+        .with_context(|| format!("saving a checkpoint to {}", dir.display()))?;
+        Ok(())
+    };
     let predicted = simulate_memory(trainer.program()).report.peak_bytes;
     trainer.record_timings(args.op_times);
 
@@ -179,7 +250,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         )),
         None => None,
     };
-    let bar = ProgressBar::new(args.steps);
+    let bar = ProgressBar::new(last_step);
+    bar.set_position(first - 1);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -190,12 +262,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let mut measured = 0u64;
     alloc::reset_peak();
     let start = Instant::now();
-    for step in 1..=args.steps {
+    for step in first..=last_step {
         let b = dataset.train_batch(args.seed, step, args.batch, args.seq)?;
         let t0 = Instant::now();
         let stats = trainer.step(&b.inputs, &b.targets)?;
         let dt = t0.elapsed().as_secs_f64();
-        if step == 1 {
+        if step == first {
             initial_loss = stats.loss;
         }
         measured = measured.max(stats.peak_bytes);
@@ -214,7 +286,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             bytes(predicted)
         ));
         last = Some(stats);
+        if args.save_every.is_some_and(|n| n > 0 && step % n == 0) && step != last_step {
+            save(&trainer)?;
+        }
     }
+    save(&trainer)?;
     let elapsed = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     if let Some(mut w) = log {
@@ -228,7 +304,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         .map(|b| (b.inputs, b.targets))
         .collect();
     let eval_loss = trainer.eval(&val)?;
-    let tokens_per_s = tokens_per_step * args.steps as f64 / elapsed;
+    let steps_run = last_step + 1 - first;
+    let tokens_per_s = tokens_per_step * steps_run as f64 / elapsed;
     let unigram = tessera_runtime::data::unigram_entropy_nats(&dataset.train, dataset.vocab_size);
 
     let op_times: Vec<(&str, u64, f64)> = {
@@ -245,7 +322,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             let mut doc = json!({
                 "model": cfg.name(),
                 "devices": 1,
-                "steps": args.steps,
+                "steps": steps_run,
+                "last_step": last_step,
                 "batch": args.batch,
                 "seq": args.seq,
                 "initial_loss": initial_loss,
@@ -275,7 +353,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                  loss        {l0:.4} → {l1:.4} (train), {le:.4} (held-out); unigram entropy {u:.4}\n\
                  memory      predicted peak {p}, measured peak {m}, process heap peak {h}\n",
                 model = cfg.name(),
-                steps = args.steps,
+                steps = steps_run,
                 b = args.batch,
                 s = args.seq,
                 tps = tokens_per_s,

@@ -74,7 +74,8 @@ fn check(name: &str, cfg: &ModelConfig, batch: usize, seq: usize) {
     // Reference: the f64 interpreter on the f32-rounded values.
     let mut bindings = HashMap::new();
     for (&t, v) in &f32_values {
-        bindings.insert(t, Value::new(graph.shape(t).clone(), v.iter().map(|&x| x as f64).collect()));
+        bindings
+            .insert(t, Value::new(graph.shape(t).clone(), v.iter().map(|&x| x as f64).collect()));
     }
     for (&t, v) in &int_values {
         bindings.insert(t, Value::from_i64(graph.shape(t).clone(), v));
@@ -97,11 +98,11 @@ fn check(name: &str, cfg: &ModelConfig, batch: usize, seq: usize) {
 
     // A key bias has an exactly zero gradient (softmax ignores a constant shift of a row), so
     // relative error is measured against max(‖reference‖, 1e-3 · ‖all gradients‖).
-    let total: f64 =
-        reference[1..].iter().flat_map(|v| &v.data).map(|x| x * x).sum::<f64>().sqrt();
+    let total: f64 = reference[1..].iter().flat_map(|v| &v.data).map(|x| x * x).sum::<f64>().sqrt();
     for (k, (&t, want)) in wanted.iter().zip(&reference).enumerate() {
         let got = to_f64_vec(exec.get(t).expect("output kept")).unwrap();
-        let diff: f64 = got.iter().zip(&want.data).map(|(a, b)| (a - b) * (a - b)).sum::<f64>().sqrt();
+        let diff: f64 =
+            got.iter().zip(&want.data).map(|(a, b)| (a - b) * (a - b)).sum::<f64>().sqrt();
         let norm: f64 = want.data.iter().map(|b| b * b).sum::<f64>().sqrt();
         let floor = if k == 0 { 0.0 } else { 1e-3 * total };
         assert!(norm.max(floor) > 0.0, "{name}: output {k} is identically zero");

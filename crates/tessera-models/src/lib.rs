@@ -26,6 +26,7 @@ mod config;
 mod error;
 mod gpt2;
 mod hf;
+mod hf_write;
 mod llama;
 mod mlp;
 mod nn;
@@ -59,6 +60,31 @@ pub enum ModelConfig {
 }
 
 impl ModelConfig {
+    /// The same model with every dropout probability set to zero: evaluation and inference
+    /// (and parity checks against a reference) run without dropout.
+    pub fn without_dropout(&self) -> ModelConfig {
+        // Zero is always a valid probability, so re-validation cannot fail.
+        const VALID: &str = "a config with zero dropout is valid";
+        match self {
+            ModelConfig::Gpt2(c) => {
+                let mut p = c.clone().into_params();
+                (p.embd_pdrop, p.resid_pdrop, p.attn_pdrop) = (0.0, 0.0, 0.0);
+                ModelConfig::Gpt2(Gpt2Config::new(p).expect(VALID))
+            }
+            ModelConfig::Bert(c) => {
+                let mut p = c.clone().into_params();
+                (p.hidden_dropout_prob, p.attention_probs_dropout_prob) = (0.0, 0.0);
+                ModelConfig::Bert(BertConfig::new(p).expect(VALID))
+            }
+            ModelConfig::Vit(c) => {
+                let mut p = c.clone().into_params();
+                (p.hidden_dropout_prob, p.attention_probs_dropout_prob) = (0.0, 0.0);
+                ModelConfig::Vit(VitConfig::new(p).expect(VALID))
+            }
+            ModelConfig::Llama(_) | ModelConfig::Mlp(_) => self.clone(),
+        }
+    }
+
     /// Parses the text of a Hugging Face `config.json`.
     pub fn from_hf_json(text: &str) -> Result<ModelConfig> {
         hf::parse(text, "config.json", None)

@@ -436,3 +436,126 @@ fn absurd_sizes_are_rejected_not_overflowed() {
     let (_, msg) = err_text(build(&gpt2, &BuildOptions::new(1 << 20, 1 << 20, DType::F32)));
     assert!(msg.contains("reduce batch or seq"), "{msg}");
 }
+
+// ---- export: to_hf_json is the inverse of from_hf_json ---------------------------------------
+
+/// `cfg` with an unstated dtype read as f32, which is what `to_hf_json` writes for it.
+fn with_stated_dtype(cfg: &ModelConfig) -> serde_json::Value {
+    let mut json = serde_json::to_value(cfg).unwrap();
+    if json["dtype"].is_null() {
+        json["dtype"] = serde_json::to_value(DType::F32).unwrap();
+    }
+    json
+}
+
+/// Parameter names and shapes of the built graph, in declaration order.
+fn param_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let model = build(cfg, &BuildOptions::new(1, 4, DType::F32)).unwrap();
+    let g = &model.builder.graph;
+    g.parameters()
+        .into_iter()
+        .map(|p| (g.tensor_scope(p).to_string(), g.shape(p).dims().to_vec()))
+        .collect()
+}
+
+fn check_round_trip(cfg: &ModelConfig, what: &str) {
+    let json = cfg.to_hf_json();
+    assert_eq!(json["model_type"], cfg.model_type(), "{what}");
+    let text = serde_json::to_string_pretty(&json).unwrap();
+    let back = ModelConfig::from_hf_json(&text).unwrap_or_else(|e| panic!("{what}: {e}\n{text}"));
+    assert_eq!(with_stated_dtype(&back), with_stated_dtype(cfg), "{what}:\n{text}");
+    if cfg.dtype().is_some() {
+        assert_eq!(&back, cfg, "{what}: a stated dtype round-trips exactly");
+    }
+    assert_eq!(back.name(), cfg.name(), "{what}");
+    assert_eq!(back.num_parameters(), cfg.num_parameters(), "{what}");
+    // Small enough to build: the graphs have the same parameters, names and shapes.
+    if cfg.num_parameters() < 200_000_000 {
+        assert_eq!(param_shapes(&back), param_shapes(cfg), "{what}");
+    }
+}
+
+#[test]
+fn to_hf_json_round_trips_every_preset_and_fixture() {
+    for name in tessera_models::PRESETS {
+        check_round_trip(&ModelConfig::preset(name).unwrap(), &format!("preset {name}"));
+    }
+    for file in [
+        "bert-large-uncased.json",
+        "gpt2.json",
+        "llama-2-7b-hf",
+        "llama-3.2-1b.json",
+        "mistral-7b-v0.1.json",
+        "qwen2-0.5b.json",
+        "smollm2-135m-v5.json",
+    ] {
+        check_round_trip(&ModelConfig::from_path(&fixture(file)).unwrap(), file);
+    }
+}
+
+#[test]
+fn to_hf_json_round_trips_non_default_settings() {
+    use tessera_models::{Activation, LlamaParams, VitConfig, VitParams};
+    let base = |variant| LlamaParams::new(variant, "x", 64, 32, 48, 2, 4);
+    let mut variants = Vec::new();
+    // Tied llama with explicit head_dim, biases, linear RoPE scaling and bf16.
+    let mut p = base(LlamaVariant::Llama);
+    (p.tie_word_embeddings, p.head_dim, p.qkv_bias, p.o_bias, p.mlp_bias) =
+        (true, Some(16), true, true, true);
+    p.rope_scaling = RopeScaling::Linear { factor: 4.0 };
+    p.hidden_act = Activation::GeluTanh;
+    p.dtype = Some(DType::BF16);
+    variants.push(p);
+    // Mistral without a window; Qwen2 with one from layer 1.
+    let mut p = base(LlamaVariant::Mistral);
+    p.sliding_window = None;
+    variants.push(p);
+    let mut p = base(LlamaVariant::Qwen2);
+    (p.sliding_window, p.sliding_window_from_layer, p.num_key_value_heads) = (Some(8), 1, 2);
+    variants.push(p);
+    for p in variants {
+        let cfg = ModelConfig::Llama(LlamaConfig::new(p).unwrap());
+        check_round_trip(&cfg, &format!("{:?}", cfg));
+    }
+    // GPT-2 with a non-default MLP width, untied head and inverse-layer scaling.
+    let mut p = tessera_models::Gpt2Params::new("g", 100, 16, 32, 2, 4);
+    (p.n_inner, p.tie_word_embeddings, p.scale_attn_by_inverse_layer_idx) = (40, false, true);
+    p.activation_function = Activation::Relu;
+    check_round_trip(&ModelConfig::Gpt2(tessera_models::Gpt2Config::new(p).unwrap()), "gpt2");
+    // ViT with rectangular images and patches, 3 labels.
+    let mut p = VitParams::new("v", 32, 1, 2, 64);
+    (p.image_size, p.patch_size, p.num_labels, p.qkv_bias) = ([32, 48], [8, 16], 3, false);
+    check_round_trip(&ModelConfig::Vit(VitConfig::new(p).unwrap()), "vit");
+    // Untied BERT.
+    let mut p = tessera_models::BertParams::new("b", 50, 16, 1, 2, 32, 20);
+    (p.tie_word_embeddings, p.type_vocab_size) = (false, 3);
+    check_round_trip(&ModelConfig::Bert(tessera_models::BertConfig::new(p).unwrap()), "bert");
+}
+
+#[test]
+fn to_hf_json_writes_what_transformers_expects() {
+    let gpt2 = ModelConfig::preset("gpt2").unwrap().to_hf_json();
+    assert_eq!(gpt2["architectures"], serde_json::json!(["GPT2LMHeadModel"]));
+    assert_eq!(gpt2["activation_function"], "gelu_new");
+    assert_eq!(gpt2["n_inner"], serde_json::Value::Null);
+    assert_eq!(gpt2["eos_token_id"], 50256);
+    assert_eq!(gpt2["torch_dtype"], "float32");
+    let llama3 = ModelConfig::from_path(&fixture("llama-3.2-1b.json")).unwrap().to_hf_json();
+    assert_eq!(llama3["architectures"], serde_json::json!(["LlamaForCausalLM"]));
+    assert_eq!(llama3["rope_scaling"]["rope_type"], "llama3");
+    assert_eq!(llama3["rope_theta"], 500000.0);
+    assert_eq!(llama3["tie_word_embeddings"], true);
+    assert_eq!(llama3["torch_dtype"], "bfloat16");
+    let mistral = ModelConfig::from_path(&fixture("mistral-7b-v0.1.json")).unwrap().to_hf_json();
+    assert_eq!(mistral["architectures"], serde_json::json!(["MistralForCausalLM"]));
+    assert_eq!(mistral["sliding_window"], 4096);
+    let qwen = ModelConfig::from_path(&fixture("qwen2-0.5b.json")).unwrap().to_hf_json();
+    assert_eq!(qwen["architectures"], serde_json::json!(["Qwen2ForCausalLM"]));
+    assert_eq!(qwen["use_sliding_window"], false);
+    let bert = ModelConfig::preset("bert-large").unwrap().to_hf_json();
+    assert_eq!(bert["architectures"], serde_json::json!(["BertForMaskedLM"]));
+    let vit = ModelConfig::preset("vit-base").unwrap().to_hf_json();
+    assert_eq!(vit["architectures"], serde_json::json!(["ViTForImageClassification"]));
+    assert_eq!(vit["id2label"].as_object().unwrap().len(), 1000);
+    assert_eq!(ModelConfig::preset("mlp").unwrap().to_hf_json()["model_type"], "mlp");
+}

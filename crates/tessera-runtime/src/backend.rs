@@ -4,9 +4,10 @@
 //! implement the same trait. The trait is deliberately small: one entry point per node.
 
 use crate::kernels;
+use crate::tensor::candle_dtype;
 use crate::Result;
-use candle_core::{Device, Tensor};
-use tessera_ir::{Op, TensorMeta};
+use candle_core::{DType, Device, Tensor};
+use tessera_ir::{DType as IrDType, Op, TensorMeta};
 
 pub trait Backend: Send + Sync {
     /// Human-readable device name used in errors (`cpu:0`).
@@ -44,6 +45,55 @@ impl Backend for CpuBackend {
         &self.device
     }
     fn execute(&self, op: &Op, inputs: &[&Tensor], outputs: &[TensorMeta]) -> Result<Vec<Tensor>> {
-        kernels::execute(op, inputs, outputs)
+        if !needs_upcast(op, inputs) {
+            return kernels::execute(op, inputs, outputs);
+        }
+        // Mixed precision on the CPU: bf16/f16 tensors are stored as such, and arithmetic
+        // runs in f32 (the usual autocast semantics): upcast the inputs, compute, round the
+        // outputs to their declared dtype.
+        let up: Vec<Tensor> = inputs
+            .iter()
+            .map(|t| match t.dtype() {
+                DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
+                _ => Ok((*t).clone()),
+            })
+            .collect::<Result<_, _>>()?;
+        let up_refs: Vec<&Tensor> = up.iter().collect();
+        let f32_outputs: Vec<TensorMeta> = outputs
+            .iter()
+            .map(|m| match m.dtype {
+                IrDType::BF16 | IrDType::F16 => {
+                    TensorMeta { shape: m.shape.clone(), dtype: IrDType::F32 }
+                }
+                _ => m.clone(),
+            })
+            .collect();
+        let outs = kernels::execute(op, &up_refs, &f32_outputs)?;
+        outs.into_iter()
+            .zip(outputs)
+            .map(|(t, m)| {
+                let want = candle_dtype(m.dtype);
+                Ok(if t.dtype() == want { t } else { t.to_dtype(want)? })
+            })
+            .collect()
     }
+}
+
+/// Whether `op` must run through the f32 upcast path: it computes on a half-precision input.
+/// Layout ops, fills and casts handle every dtype natively (and views must stay views); AdamW
+/// updates bf16 parameters in place from its f32 master.
+fn needs_upcast(op: &Op, inputs: &[&Tensor]) -> bool {
+    let half = inputs.iter().any(|t| matches!(t.dtype(), DType::BF16 | DType::F16));
+    half && !matches!(
+        op,
+        Op::Reshape(_)
+            | Op::Expand(_)
+            | Op::Permute(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::Fill { .. }
+            | Op::Cast(_)
+            | Op::AdamW(_)
+    )
 }

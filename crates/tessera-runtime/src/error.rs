@@ -27,6 +27,9 @@ pub enum RuntimeError {
     /// Bad data: unreadable file, empty corpus, out-of-range token id, ...
     #[error("{0}")]
     Data(String),
+    /// A checkpoint that cannot be read or does not fit the model; names the file and tensors.
+    #[error("{0}")]
+    Checkpoint(String),
     #[error("{path}: {source}")]
     Io { path: String, source: std::io::Error },
     #[error(transparent)]

@@ -10,9 +10,11 @@
 //! - [`executor`]: the Program interpreter;
 //! - [`memory`] / [`alloc`]: the accountant and a counting global allocator to check it;
 //! - [`init`], [`schedule`], [`data`], [`trainer`]: everything a training run needs.
+//! - [`checkpoint`]: Hugging Face weight import and atomic save/resume checkpoints.
 
 pub mod alloc;
 pub mod backend;
+pub mod checkpoint;
 pub mod data;
 mod error;
 pub mod executor;

@@ -7,7 +7,7 @@
 
 use crate::init::init_parameters;
 use crate::schedule::LrSchedule;
-use crate::tensor::from_vec;
+use crate::tensor::{candle_dtype, from_vec};
 use crate::{Backend, Executor, Result, RuntimeError};
 use candle_core::Tensor;
 use std::collections::HashMap;
@@ -97,14 +97,15 @@ impl<B: Backend> Trainer<B> {
     ) -> Result<Trainer<B>> {
         let g = &train.graph;
         for slot in &train.params {
-            if g.meta(slot.param).dtype != DType::F32 {
+            let dtype = g.meta(slot.param).dtype;
+            let ok = dtype == DType::F32 || (dtype.is_float() && slot.master.is_some());
+            if !ok {
                 return Err(RuntimeError::Unsupported {
                     backend: backend.name().to_string(),
                     op: "train".into(),
                     reason: format!(
-                        "{} is {}; the runtime trains in f32 for now (use --dtype fp32)",
+                        "{} is {dtype} without an fp32 master copy; train in fp32 or bf16",
                         g.tensor_scope(slot.param),
-                        g.meta(slot.param).dtype
                     ),
                 });
             }
@@ -113,13 +114,19 @@ impl<B: Backend> Trainer<B> {
         let program = Program::lower_training(&train);
         let mut exec = Executor::new(program, backend, budget);
         let mut params_by_name = HashMap::new();
-        for (p, value) in init_parameters(&train.graph, seed)? {
-            params_by_name.insert(train.graph.tensor_scope(p).to_string(), value.clone());
-            exec.bind(p, value)?;
-        }
+        let initial: HashMap<TensorId, Tensor> =
+            init_parameters(&train.graph, seed)?.into_iter().collect();
         for slot in &train.params {
+            let f32_init = &initial[&slot.param];
+            // Low-precision weights are the rounded fp32 master copy.
+            let value = f32_init.to_dtype(candle_dtype(train.graph.meta(slot.param).dtype))?;
+            params_by_name.insert(train.graph.tensor_scope(slot.param).to_string(), value.clone());
+            exec.bind(slot.param, value)?;
+            if let Some(master) = slot.master {
+                exec.bind(master, f32_init.copy()?)?;
+            }
             let dims = train.graph.shape(slot.param).dims().to_vec();
-            for s in [Some(slot.m), Some(slot.v), slot.master].into_iter().flatten() {
+            for s in [slot.m, slot.v] {
                 let device = exec.backend().device();
                 let zeros = Tensor::zeros(dims.as_slice(), candle_core::DType::F32, device)?;
                 exec.bind(s, zeros)?;
@@ -236,13 +243,82 @@ impl<B: Backend> Trainer<B> {
         Ok(total / batches.len() as f64)
     }
 
+    /// Parameters by Hugging Face name, in graph order (live handles: copy before mutating).
+    pub fn parameters(&self) -> Vec<(String, Tensor)> {
+        let g = &self.train.graph;
+        self.train
+            .params
+            .iter()
+            .map(|s| {
+                let name = g.tensor_scope(s.param).to_string();
+                let t = self.params_by_name[&name].clone();
+                (name, t)
+            })
+            .collect()
+    }
+
+    /// AdamW state keyed `<parameter>.adam_m`, `.adam_v` and (mixed precision) `.master`.
+    pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let g = &self.train.graph;
+        let mut out = Vec::new();
+        for slot in &self.train.params {
+            for t in [Some(slot.m), Some(slot.v), slot.master].into_iter().flatten() {
+                let value = self.exec.get(t).ok_or_else(|| {
+                    RuntimeError::Binding(format!("{} is not bound", g.tensor_scope(t)))
+                })?;
+                out.push((g.tensor_scope(t).to_string(), value.clone()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Restores parameters, optimizer state and the step counter (from a checkpoint), so the
+    /// next [`Trainer::step`] continues exactly where the saved run stopped. Every tensor must
+    /// be present with the right shape; values are copied into fresh buffers.
+    pub fn restore(
+        &mut self,
+        params: &HashMap<String, Tensor>,
+        optimizer: &HashMap<String, Tensor>,
+        steps_done: u64,
+    ) -> Result<()> {
+        let g = self.train.graph.clone();
+        let fetch = |map: &HashMap<String, Tensor>, name: &str, what: &str| {
+            map.get(name).cloned().ok_or_else(|| {
+                RuntimeError::Binding(format!("the checkpoint has no {what} `{name}`"))
+            })
+        };
+        for slot in &self.train.params {
+            let name = g.tensor_scope(slot.param).to_string();
+            let want = candle_dtype(g.meta(slot.param).dtype);
+            let value = fetch(params, &name, "parameter")?.to_dtype(want)?.copy()?;
+            self.exec.bind(slot.param, value.clone())?;
+            if let Some((eval, _, _)) = self.eval.as_mut() {
+                if let Some(p) = eval.program().graph.find_leaf(&name) {
+                    eval.bind(p, value.clone())?;
+                }
+            }
+            self.params_by_name.insert(name, value);
+            for t in [Some(slot.m), Some(slot.v), slot.master].into_iter().flatten() {
+                let state_name = g.tensor_scope(t);
+                let value = fetch(optimizer, state_name, "optimizer state")?
+                    .to_dtype(candle_core::DType::F32)?
+                    .copy()?;
+                self.exec.bind(t, value)?;
+            }
+        }
+        self.step = steps_done;
+        Ok(())
+    }
+
     /// Records wall time per op kind in the training step from now on.
     pub fn record_timings(&mut self, on: bool) {
         self.exec.record_timings(on);
     }
 
     /// Wall time per op kind of the training steps since recording started.
-    pub fn timings(&self) -> Option<&std::collections::BTreeMap<&'static str, crate::executor::OpTime>> {
+    pub fn timings(
+        &self,
+    ) -> Option<&std::collections::BTreeMap<&'static str, crate::executor::OpTime>> {
         self.exec.timings()
     }
 

@@ -1,0 +1,241 @@
+//! Hugging Face `config.json` export: [`ModelConfig::to_hf_json`], the inverse of
+//! [`ModelConfig::from_hf_json`].
+//!
+//! The JSON is what `save_pretrained` of the matching `transformers` class writes
+//! (transformers 4.x keys: `rope_theta` + `rope_scaling`, `torch_dtype`), so
+//! `AutoModelFor*.from_pretrained(dir)` rebuilds the same architecture and
+//! `from_hf_json(to_hf_json(c)) == c` for every configuration `transformers` can express.
+//!
+//! Written per family:
+//! - GPT-2: `GPT2LMHeadModel`; `n_inner` is `null` when it is transformers' default 4·n_embd;
+//!   `bos_token_id`/`eos_token_id` are the last token (50256 for the real vocabulary, and in
+//!   range for small ones).
+//! - LLaMA / Mistral / Qwen2: `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM`;
+//!   `head_dim` only when explicit; `rope_scaling` null for plain RoPE.
+//! - BERT: `BertForMaskedLM`, absolute positions. ViT: `ViTForImageClassification` with an
+//!   `id2label` of `LABEL_i` (transformers' own default names).
+//! - MLP: our own `model_type: "mlp"` (no `architectures`).
+//!
+//! `torch_dtype` is the config's dtype, `float32` when it states none.
+//!
+//! Not expressible in `transformers`, so not round-tripped (the nearest config is written):
+//! a llama with `qkv_bias != o_bias` (HF has one `attention_bias`, written from `qkv_bias`),
+//! biases on Mistral, a Qwen2 without q/k/v bias or with MLP/o biases, and a sliding window
+//! or `sliding_window_from_layer` on the `llama` variant.
+
+use crate::config::{
+    Activation, BertConfig, Gpt2Config, LlamaConfig, LlamaVariant, MlpConfig, VitConfig,
+};
+use crate::rope::RopeScaling;
+use crate::ModelConfig;
+use serde_json::{json, Map, Value};
+use tessera_ir::DType;
+
+impl ModelConfig {
+    /// The Hugging Face `config.json` of this configuration (see the module docs of
+    /// `hf_write.rs` for what each family writes).
+    pub fn to_hf_json(&self) -> Value {
+        let mut map = match self {
+            ModelConfig::Gpt2(c) => gpt2(c),
+            ModelConfig::Llama(c) => llama(c),
+            ModelConfig::Bert(c) => bert(c),
+            ModelConfig::Vit(c) => vit(c),
+            ModelConfig::Mlp(c) => mlp(c),
+        };
+        map.insert("_name_or_path".into(), json!(self.name()));
+        map.insert("model_type".into(), json!(self.model_type()));
+        map.insert("torch_dtype".into(), json!(hf_dtype(self.dtype().unwrap_or(DType::F32))));
+        Value::Object(map)
+    }
+}
+
+/// The `torch.dtype` name (`float32`, `bfloat16`, ...).
+fn hf_dtype(d: DType) -> &'static str {
+    match d {
+        DType::F64 => "float64",
+        DType::F32 => "float32",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::I32 => "int32",
+        DType::I64 => "int64",
+        DType::Bool => "bool",
+    }
+}
+
+/// The `ACT2FN` name; GPT-2's tanh GELU is traditionally `gelu_new`, the others'
+/// `gelu_pytorch_tanh` (the same function).
+fn hf_activation(a: Activation, gpt2: bool) -> &'static str {
+    match a {
+        Activation::Gelu => "gelu",
+        Activation::GeluTanh if gpt2 => "gelu_new",
+        Activation::GeluTanh => "gelu_pytorch_tanh",
+        Activation::Relu => "relu",
+        Activation::Silu => "silu",
+        Activation::Sigmoid => "sigmoid",
+        Activation::Tanh => "tanh",
+    }
+}
+
+fn object(v: Value) -> Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => unreachable!("json! of an object literal"),
+    }
+}
+
+fn gpt2(c: &Gpt2Config) -> Map<String, Value> {
+    let n_inner = if c.n_inner == 4 * c.n_embd { Value::Null } else { json!(c.n_inner) };
+    let last_token = c.vocab_size - 1;
+    object(json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": c.vocab_size,
+        "n_positions": c.n_positions,
+        "n_ctx": c.n_positions,
+        "n_embd": c.n_embd,
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_inner": n_inner,
+        "activation_function": hf_activation(c.activation_function, true),
+        "layer_norm_epsilon": c.layer_norm_epsilon,
+        "embd_pdrop": c.embd_pdrop,
+        "resid_pdrop": c.resid_pdrop,
+        "attn_pdrop": c.attn_pdrop,
+        "scale_attn_weights": c.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx": c.scale_attn_by_inverse_layer_idx,
+        "reorder_and_upcast_attn": false,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "initializer_range": 0.02,
+        "bos_token_id": last_token,
+        "eos_token_id": last_token,
+        "use_cache": true,
+    }))
+}
+
+fn rope_scaling(s: &RopeScaling) -> Value {
+    match *s {
+        RopeScaling::Default => Value::Null,
+        RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+        }),
+    }
+}
+
+fn llama(c: &LlamaConfig) -> Map<String, Value> {
+    let architecture = match c.variant {
+        LlamaVariant::Llama => "LlamaForCausalLM",
+        LlamaVariant::Mistral => "MistralForCausalLM",
+        LlamaVariant::Qwen2 => "Qwen2ForCausalLM",
+    };
+    let mut m = object(json!({
+        "architectures": [architecture],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": hf_activation(c.hidden_act, false),
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": rope_scaling(&c.rope_scaling),
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": true,
+    }));
+    if let Some(h) = c.params().head_dim {
+        m.insert("head_dim".into(), json!(h));
+    }
+    match c.variant {
+        LlamaVariant::Llama => {
+            m.insert("attention_bias".into(), json!(c.qkv_bias));
+            m.insert("mlp_bias".into(), json!(c.mlp_bias));
+            m.insert("pretraining_tp".into(), json!(1));
+        }
+        LlamaVariant::Mistral => {
+            m.insert("sliding_window".into(), json!(c.sliding_window));
+        }
+        LlamaVariant::Qwen2 => {
+            m.insert("use_sliding_window".into(), json!(c.sliding_window.is_some()));
+            m.insert("sliding_window".into(), json!(c.sliding_window));
+            m.insert("max_window_layers".into(), json!(c.sliding_window_from_layer));
+        }
+    }
+    m
+}
+
+fn bert(c: &BertConfig) -> Map<String, Value> {
+    object(json!({
+        "architectures": ["BertForMaskedLM"],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "type_vocab_size": c.type_vocab_size,
+        "hidden_act": hf_activation(c.hidden_act, false),
+        "layer_norm_eps": c.layer_norm_eps,
+        "hidden_dropout_prob": c.hidden_dropout_prob,
+        "attention_probs_dropout_prob": c.attention_probs_dropout_prob,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "initializer_range": 0.02,
+        "pad_token_id": 0,
+        "use_cache": true,
+    }))
+}
+
+/// `n` for a square `[n, n]`, else `[h, w]` (transformers accepts both).
+fn pair(hw: [usize; 2]) -> Value {
+    if hw[0] == hw[1] {
+        json!(hw[0])
+    } else {
+        json!(hw)
+    }
+}
+
+fn vit(c: &VitConfig) -> Map<String, Value> {
+    let id2label: Map<String, Value> =
+        (0..c.num_labels).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect();
+    let label2id: Map<String, Value> =
+        (0..c.num_labels).map(|i| (format!("LABEL_{i}"), json!(i))).collect();
+    object(json!({
+        "architectures": ["ViTForImageClassification"],
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": hf_activation(c.hidden_act, false),
+        "layer_norm_eps": c.layer_norm_eps,
+        "hidden_dropout_prob": c.hidden_dropout_prob,
+        "attention_probs_dropout_prob": c.attention_probs_dropout_prob,
+        "image_size": pair(c.image_size),
+        "patch_size": pair(c.patch_size),
+        "num_channels": c.num_channels,
+        "qkv_bias": c.qkv_bias,
+        "encoder_stride": c.patch_size[0],
+        "initializer_range": 0.02,
+        "id2label": id2label,
+        "label2id": label2id,
+    }))
+}
+
+fn mlp(c: &MlpConfig) -> Map<String, Value> {
+    object(json!({
+        "input_dim": c.input_dim,
+        "hidden_dims": c.hidden_dims,
+        "num_classes": c.num_classes,
+    }))
+}

@@ -1,0 +1,834 @@
+//! Checkpoints: Hugging Face weight import ([`load_hf_weights`]) and Tessera's own
+//! save/resume directory ([`save_checkpoint`], [`load_checkpoint`]).
+//!
+//! # Hugging Face weights
+//! [`load_hf_weights`] reads `model.safetensors`, a sharded `model.safetensors.index.json`
+//! (+ its shards) or one `.safetensors` file, and maps every tensor to the graph parameter
+//! of the same name (parameters carry their Hugging Face names). It also accepts:
+//! - base-model checkpoints whose names lack the head model's prefix (`transformer.`,
+//!   `model.`, `bert.`, `vit.`), such as the original `gpt2` one (`h.0.attn.c_attn.weight`);
+//! - legacy LayerNorm names `*.gamma` / `*.beta` (old BERT checkpoints);
+//! - for tied weights, the redundant second name `transformers` may store (`lm_head.weight`,
+//!   `cls.predictions.decoder.weight`, `cls.predictions.decoder.bias`): it fills the tied
+//!   parameter when that is absent, and must equal it when both are present (a difference
+//!   means the weights were not tied: `tie_word_embeddings` in config.json is wrong);
+//! - and skips non-parameter buffers (`.attn.bias`, `.attn.masked_bias`,
+//!   `rotary_emb.inv_freq`, `position_ids`) and the heads our models do not build, which
+//!   `transformers`' own `BertForMaskedLM` / `ViTForImageClassification` drop as well
+//!   (`bert.pooler.*`, `cls.seq_relationship.*`, `vit.pooler.*`).
+//!
+//! f16 / bf16 / f32 / f64 tensors are converted to the parameter's dtype (bit-exact when
+//! they already have it). Every mismatch — missing, unexpected or duplicated tensors, wrong
+//! shapes (both shown), non-float dtypes — is reported by name in one
+//! [`RuntimeError::Checkpoint`]. Files are read one at a time: the peak is the converted
+//! weights plus the largest file.
+//!
+//! # Checkpoint directory (format_version 1)
+//! ```text
+//! DIR/config.json            the model's Hugging Face config (ModelConfig::to_hf_json), with
+//!                            torch_dtype set to the saved weights' dtype
+//! DIR/model.safetensors      parameters under their HF names, tied tensors once, header
+//!                            metadata {"format": "pt"}: what `save_pretrained` writes
+//! DIR/optimizer.safetensors  AdamW state keyed `<param>.adam_m`, `<param>.adam_v` and, for
+//!                            low-precision weights, `<param>.master` (see [`optimizer_key`])
+//! DIR/manifest.json          [`Manifest`]: format_version, step, total_steps, seed, model,
+//!                            schedule, extra (arbitrary JSON for the caller)
+//! ```
+//! `DIR` is laid out as a Hugging Face model directory (what `save_pretrained` writes, plus
+//! two files `transformers` ignores), so `AutoModelForCausalLM.from_pretrained(DIR)` (or
+//! `AutoModelForMaskedLM` / `AutoModelForImageClassification`) can load it, and so does
+//! [`load_hf_weights`].
+//!
+//! # Atomicity
+//! A save never modifies the previous checkpoint in place. [`save_checkpoint`]:
+//! 1. removes leftovers of interrupted saves of `DIR` (`DIR.tmp-*`; `DIR.old-*` only when
+//!    `DIR` exists, i.e. when they are not the last complete checkpoint);
+//! 2. writes every file into the sibling `DIR.tmp-<pid>`, `manifest.json` last, fsyncing each
+//!    file and then the directory;
+//! 3. renames `DIR` → `DIR.old-<pid>` (if `DIR` exists), then `DIR.tmp-<pid>` → `DIR`, and
+//!    fsyncs the parent directory;
+//! 4. removes `DIR.old-<pid>` (a failure there is ignored: the next save removes it).
+//!
+//! Killed during 1–2, `DIR` is untouched. Killed between the two renames of 3, `DIR` is
+//! missing and `DIR.old-<pid>` holds the previous checkpoint: [`load_checkpoint`] renames it
+//! back to `DIR` (or reads it in place if it cannot) and loads it, and the next save
+//! completes the rotation. Killed during 4, `DIR` is already the new checkpoint. A `DIR.tmp-*`
+//! is never loaded. One writer per checkpoint directory at a time. `DIR` is replaced whole
+//! (files added to it by hand are not kept), so a save refuses an existing `DIR` that is
+//! neither empty nor a checkpoint.
+
+use crate::schedule::LrSchedule;
+use crate::tensor::candle_dtype;
+use crate::{Result, RuntimeError};
+use candle_core::safetensors::Load;
+use candle_core::{Device, Tensor};
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use tessera_ir::{Graph, StateKind, TensorId};
+
+/// The checkpoint format this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+pub const CONFIG_FILE: &str = "config.json";
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const MODEL_INDEX_FILE: &str = "model.safetensors.index.json";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// Prefixes of the head models' base model (`GPT2LMHeadModel.transformer`, ...), absent from
+/// base-model checkpoints.
+const BASE_PREFIXES: &[&str] = &["transformer.", "model.", "bert.", "vit."];
+
+/// `(alias, parameter)`: names `transformers` may store for a tied parameter.
+const TIED_ALIASES: &[(&str, &str)] = &[
+    ("lm_head.weight", "transformer.wte.weight"),
+    ("lm_head.weight", "model.embed_tokens.weight"),
+    ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"),
+    ("cls.predictions.decoder.bias", "cls.predictions.bias"),
+];
+
+/// Suffixes of buffers that are not parameters (causal masks, RoPE tables, position ids).
+const BUFFER_SUFFIXES: &[&str] =
+    &[".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "position_ids"];
+
+/// Prefixes of heads our models do not build (transformers' MaskedLM / classifier drop them).
+const UNBUILT_HEADS: &[&str] = &["bert.pooler.", "pooler.", "cls.seq_relationship.", "vit.pooler."];
+
+/// What a training run needs besides the tensors to resume exactly.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT_VERSION`] when written by this build.
+    pub format_version: u32,
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// The run's horizon (the schedule's `total`).
+    pub total_steps: u64,
+    /// The run seed (parameter init, batch order, dropout).
+    pub seed: u64,
+    /// The model as the user named it: a preset or a config path.
+    pub model: String,
+    pub schedule: LrSchedule,
+    /// Anything else the caller wants back (data position, CLI flags, metrics).
+    #[serde(default)]
+    pub extra: Value,
+}
+
+impl Manifest {
+    /// A manifest of the current format with `extra` null.
+    pub fn new(
+        step: u64,
+        total_steps: u64,
+        seed: u64,
+        model: impl Into<String>,
+        schedule: LrSchedule,
+    ) -> Manifest {
+        Manifest {
+            format_version: FORMAT_VERSION,
+            step,
+            total_steps,
+            seed,
+            model: model.into(),
+            schedule,
+            extra: Value::Null,
+        }
+    }
+}
+
+/// A loaded checkpoint directory.
+#[derive(Debug)]
+pub struct Checkpoint {
+    pub manifest: Manifest,
+    /// Parameters by HF name, dtypes as saved.
+    pub params: HashMap<String, Tensor>,
+    /// Optimizer state by [`optimizer_key`].
+    pub optimizer: HashMap<String, Tensor>,
+    pub config_json: Value,
+    /// Where it was read from (`DIR`, also after recovery from `DIR.old-*`, unless the
+    /// rename back failed).
+    pub dir: PathBuf,
+}
+
+/// The key of a parameter's optimizer state: `<param>.adam_m`, `.adam_v`, `.master` (the
+/// scope names `build_training_graph` gives these tensors).
+pub fn optimizer_key(param: &str, kind: StateKind) -> String {
+    format!("{param}.{}", state_suffix(kind))
+}
+
+fn state_suffix(kind: StateKind) -> &'static str {
+    match kind {
+        StateKind::AdamM => "adam_m",
+        StateKind::AdamV => "adam_v",
+        StateKind::Master => "master",
+    }
+}
+
+fn err(msg: impl Into<String>) -> RuntimeError {
+    RuntimeError::Checkpoint(msg.into())
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
+    move |source| RuntimeError::Io { path: path.display().to_string(), source }
+}
+
+// ---- Hugging Face weights ------------------------------------------------------------------
+
+/// The safetensors files of the weights at `path`, and the index file if sharded.
+fn weight_files(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
+    let is_index = |p: &Path| p.to_string_lossy().ends_with(".index.json");
+    if path.is_file() {
+        if is_index(path) {
+            return Ok((index_shards(path)?, Some(path.to_path_buf())));
+        }
+        return Ok((vec![path.to_path_buf()], None));
+    }
+    if !path.is_dir() {
+        return Err(err(format!(
+            "{}: no such file or directory; pass a directory holding {MODEL_FILE} (or \
+             {MODEL_INDEX_FILE} and its shards), or a .safetensors file",
+            path.display()
+        )));
+    }
+    let single = path.join(MODEL_FILE);
+    if single.is_file() {
+        return Ok((vec![single], None));
+    }
+    let index = path.join(MODEL_INDEX_FILE);
+    if index.is_file() {
+        return Ok((index_shards(&index)?, Some(index)));
+    }
+    let hint = if path.join("pytorch_model.bin").exists()
+        || path.join("pytorch_model.bin.index.json").exists()
+    {
+        " (it has PyTorch .bin weights only: convert them with transformers' \
+         `model.save_pretrained(dir, safe_serialization=True)`)"
+    } else {
+        ""
+    };
+    Err(err(format!(
+        "{}: no {MODEL_FILE} or {MODEL_INDEX_FILE} in this directory{hint}",
+        path.display()
+    )))
+}
+
+/// The distinct shard files an index's `weight_map` names, each of which must exist.
+fn index_shards(index: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index).map_err(io_err(index))?;
+    let value: Value = serde_json::from_str(&text).map_err(|e| {
+        err(format!("{}: malformed JSON ({e}); re-download the index", index.display()))
+    })?;
+    let Some(map) = value.get("weight_map").and_then(Value::as_object) else {
+        return Err(err(format!(
+            "{}: no \"weight_map\" object; a safetensors index maps tensor names to shard files",
+            index.display()
+        )));
+    };
+    if map.is_empty() {
+        return Err(err(format!(
+            "{}: the weight_map is empty; re-download the index",
+            index.display()
+        )));
+    }
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let mut shards = BTreeSet::new();
+    for (name, file) in map {
+        let Some(file) = file.as_str() else {
+            return Err(err(format!(
+                "{}: weight_map[\"{name}\"] must be a file name, got {file}",
+                index.display()
+            )));
+        };
+        shards.insert(file.to_string());
+    }
+    let mut files = Vec::new();
+    let mut absent = Vec::new();
+    for s in shards {
+        let p = dir.join(&s);
+        if p.is_file() {
+            files.push(p);
+        } else {
+            absent.push(s);
+        }
+    }
+    if !absent.is_empty() {
+        return Err(err(format!(
+            "{}: shard(s) {} listed in the index are missing from {}; the download is \
+             incomplete",
+            index.display(),
+            absent.join(", "),
+            dir.display()
+        )));
+    }
+    Ok(files)
+}
+
+/// Reads and parses one safetensors file; corruption is reported with the file's name.
+fn read_safetensors(path: &Path) -> Result<Vec<u8>> {
+    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    if let Err(e) = SafeTensors::deserialize(&bytes) {
+        return Err(err(format!(
+            "{}: not a valid safetensors file ({e}); it is corrupt or truncated: re-download \
+             or re-save it",
+            path.display()
+        )));
+    }
+    Ok(bytes)
+}
+
+fn is_float(d: Dtype) -> bool {
+    matches!(d, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
+}
+
+/// What a checkpoint name refers to.
+enum Target {
+    Param(TensorId),
+    /// A redundant name of a tied parameter.
+    Alias(TensorId),
+    Skipped,
+    Unexpected,
+}
+
+fn resolve(name: &str, by_name: &HashMap<&str, TensorId>) -> Target {
+    let legacy = name
+        .strip_suffix(".gamma")
+        .map(|s| format!("{s}.weight"))
+        .or_else(|| name.strip_suffix(".beta").map(|s| format!("{s}.bias")));
+    for n in std::iter::once(name.to_string()).chain(legacy) {
+        if let Some(&p) = by_name.get(n.as_str()) {
+            return Target::Param(p);
+        }
+        for prefix in BASE_PREFIXES {
+            if let Some(&p) = by_name.get(format!("{prefix}{n}").as_str()) {
+                return Target::Param(p);
+            }
+        }
+    }
+    for (alias, param) in TIED_ALIASES {
+        if name == *alias {
+            if let Some(&p) = by_name.get(param) {
+                return Target::Alias(p);
+            }
+        }
+    }
+    if BUFFER_SUFFIXES.iter().any(|s| name.ends_with(s))
+        || UNBUILT_HEADS.iter().any(|h| name.starts_with(h))
+    {
+        return Target::Skipped;
+    }
+    Target::Unexpected
+}
+
+/// Everything wrong with a set of weights, reported at once.
+#[derive(Default)]
+struct Problems {
+    missing: Vec<String>,
+    unexpected: Vec<String>,
+    duplicate: Vec<String>,
+    shape: Vec<String>,
+    dtype: Vec<String>,
+    tied: Vec<String>,
+}
+
+impl Problems {
+    fn count(&self) -> usize {
+        [&self.missing, &self.unexpected, &self.duplicate, &self.shape, &self.dtype, &self.tied]
+            .iter()
+            .map(|v| v.len())
+            .sum()
+    }
+
+    fn into_error(self, path: &Path) -> RuntimeError {
+        let mut msg = format!(
+            "{}: the weights do not fit the model ({} problems):",
+            path.display(),
+            self.count()
+        );
+        let sections = [
+            ("missing from the checkpoint", self.missing),
+            ("in the checkpoint but not in the model", self.unexpected),
+            ("given twice", self.duplicate),
+            ("wrong shape", self.shape),
+            ("unsupported dtype (f16, bf16, f32 or f64 only)", self.dtype),
+            ("tied in the model but different in the checkpoint", self.tied),
+        ];
+        for (title, mut items) in sections {
+            if items.is_empty() {
+                continue;
+            }
+            items.sort();
+            msg.push_str(&format!("\n  {title} ({}):", items.len()));
+            for i in items {
+                msg.push_str(&format!("\n    {i}"));
+            }
+        }
+        msg.push_str(
+            "\ndoes config.json match these weights? The model is built from the config: a \
+             different family, size, vocabulary or tie_word_embeddings gives these errors",
+        );
+        err(msg)
+    }
+}
+
+/// A safetensors view converted to `dtype` (bit-exact when it already is).
+fn to_tensor(
+    view: &safetensors::tensor::TensorView<'_>,
+    dtype: candle_core::DType,
+) -> Result<Tensor> {
+    let t = view.load(&Device::Cpu)?;
+    Ok(if t.dtype() == dtype { t } else { t.to_dtype(dtype)? })
+}
+
+/// Whether two tensors of one dtype hold the same elements.
+fn same_values(a: &Tensor, b: &Tensor) -> Result<bool> {
+    if a.dims() != b.dims() || a.dtype() != b.dtype() {
+        return Ok(false);
+    }
+    if a.elem_count() == 0 {
+        return Ok(true);
+    }
+    Ok(a.flatten_all()?.eq(&b.flatten_all()?)?.min(0)?.to_scalar::<u8>()? == 1)
+}
+
+/// Loads Hugging Face weights for `graph`'s parameters: `path` is a directory holding
+/// `model.safetensors` or `model.safetensors.index.json` + shards, an index file, or one
+/// `.safetensors` file. Returns one tensor per parameter, in `graph.parameters()` order, in
+/// the parameter's dtype. See the module docs for the names accepted.
+pub fn load_hf_weights(path: &Path, graph: &Graph) -> Result<Vec<(TensorId, Tensor)>> {
+    let (files, index) = weight_files(path)?;
+    // Errors name the file read (the index when sharded), not just the directory.
+    let source = index.unwrap_or_else(|| files[0].clone());
+    let params = graph.parameters();
+    let by_name: HashMap<&str, TensorId> =
+        params.iter().map(|&p| (graph.tensor_scope(p), p)).collect();
+    let mut problems = Problems::default();
+    // Which checkpoint name supplied each parameter (and each tied alias), and the converted
+    // values; conversions stop at the first problem (the load fails anyway), checks do not.
+    let mut supplied: HashMap<TensorId, String> = HashMap::new();
+    let mut values: HashMap<TensorId, Tensor> = HashMap::new();
+    let mut aliases: BTreeMap<String, (TensorId, Option<Tensor>)> = BTreeMap::new();
+    let sharded = files.len() > 1;
+    for file in &files {
+        let bytes = read_safetensors(file)?;
+        let st = SafeTensors::deserialize(&bytes).expect("validated by read_safetensors");
+        let mut tensors = st.tensors();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        let shard = file.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+        let at = |name: &str| {
+            if sharded {
+                format!("{name} (in {shard})")
+            } else {
+                name.to_string()
+            }
+        };
+        for (name, view) in tensors {
+            let (p, alias) = match resolve(&name, &by_name) {
+                Target::Skipped => continue,
+                Target::Unexpected => {
+                    problems.unexpected.push(format!("{} {:?}", at(&name), view.shape()));
+                    continue;
+                }
+                Target::Param(p) => (p, false),
+                Target::Alias(p) => (p, true),
+            };
+            let param = graph.tensor_scope(p);
+            let shown = if name == param { at(&name) } else { at(&format!("{name} (as {param})")) };
+            // Registered before the checks, so a tensor of the wrong shape or dtype is
+            // reported as such, not also as missing.
+            if alias {
+                aliases.insert(name.clone(), (p, None));
+            } else if let Some(first) = supplied.get(&p) {
+                problems.duplicate.push(format!("{param}: as {first} and as {name}"));
+                continue;
+            } else {
+                supplied.insert(p, name.clone());
+            }
+            if !is_float(view.dtype()) {
+                problems.dtype.push(format!("{shown}: {:?}", view.dtype()));
+                continue;
+            }
+            let want = graph.shape(p).dims();
+            if view.shape() != want {
+                problems
+                    .shape
+                    .push(format!("{shown}: checkpoint {:?}, model {want:?}", view.shape()));
+                continue;
+            }
+            if problems.count() > 0 {
+                continue;
+            }
+            let value = to_tensor(&view, candle_dtype(graph.meta(p).dtype))?;
+            if alias {
+                aliases.insert(name, (p, Some(value)));
+            } else {
+                values.insert(p, value);
+            }
+        }
+    }
+    for (name, (p, value)) in aliases {
+        let param = graph.tensor_scope(p);
+        match supplied.entry(p) {
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                // Only the alias was stored: it is the parameter.
+                slot.insert(name);
+                if let Some(v) = value {
+                    values.insert(p, v);
+                }
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                if let (Some(kept), Some(v)) = (values.get(&p), value) {
+                    if !same_values(kept, &v)? {
+                        problems.tied.push(format!(
+                            "{name} differs from {param}; if the checkpoint's head is its own \
+                             matrix, set \"tie_word_embeddings\": false in config.json"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    for &p in &params {
+        if !supplied.contains_key(&p) {
+            problems.missing.push(format!("{} {:?}", graph.tensor_scope(p), graph.shape(p).dims()));
+        }
+    }
+    if problems.count() > 0 {
+        return Err(problems.into_error(&source));
+    }
+    Ok(params
+        .into_iter()
+        .map(|p| (p, values.remove(&p).expect("no problems: every parameter was converted")))
+        .collect())
+}
+
+// ---- checkpoint directories ----------------------------------------------------------------
+
+/// `(parent, file name)` of a checkpoint directory path.
+fn split_dir(dir: &Path) -> Result<(PathBuf, String)> {
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| {
+        err(format!(
+            "{}: a checkpoint path must end in a directory name (such as runs/ckpt)",
+            dir.display()
+        ))
+    })?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok((parent, name))
+}
+
+/// Siblings of `DIR` named `DIR.<kind>-<digits>` (leftovers of interrupted saves).
+fn leftovers(parent: &Path, name: &str, kind: &str) -> Vec<PathBuf> {
+    let prefix = format!("{name}.{kind}-");
+    let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
+    let mut found: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.strip_prefix(&prefix)
+                .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(|e| e.path())
+        .collect();
+    found.sort();
+    found
+}
+
+/// fsync a directory so that renames and new entries in it are durable (no-op off Unix).
+fn sync_dir(dir: &Path) -> Result<()> {
+    #[cfg(unix)]
+    std::fs::File::open(dir).and_then(|f| f.sync_all()).map_err(io_err(dir))?;
+    #[cfg(not(unix))]
+    let _ = dir;
+    Ok(())
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).map_err(io_err(path))?;
+    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(io_err(path))
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(value)
+        .map_err(|e| err(format!("{}: cannot serialise: {e}", path.display())))?;
+    text.push('\n');
+    write_synced(path, text.as_bytes())
+}
+
+/// Writes `tensors` as a safetensors file with transformers' `{"format": "pt"}` metadata.
+fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let contiguous = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.as_str(), t.contiguous()?)))
+        .collect::<Result<Vec<_>>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(contiguous, Some(metadata), path)
+        .map_err(|e| err(format!("{}: cannot write safetensors: {e}", path.display())))?;
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(io_err(path))
+}
+
+/// Names must be unique; optimizer keys must be `<param>.adam_m|adam_v|master` of a given
+/// parameter with its shape.
+fn check_tensor_sets<'a>(
+    params: impl Iterator<Item = (&'a str, &'a Tensor)>,
+    optimizer: impl Iterator<Item = (&'a str, &'a Tensor)>,
+    what: &str,
+) -> Result<()> {
+    let mut problems = Vec::new();
+    let mut shapes: HashMap<&str, &[usize]> = HashMap::new();
+    for (name, t) in params {
+        if shapes.insert(name, t.dims()).is_some() {
+            problems.push(format!("parameter {name} is given twice"));
+        }
+    }
+    let mut seen = BTreeSet::new();
+    for (key, t) in optimizer {
+        if !seen.insert(key) {
+            problems.push(format!("optimizer state {key} is given twice"));
+            continue;
+        }
+        let split = [StateKind::AdamM, StateKind::AdamV, StateKind::Master]
+            .into_iter()
+            .find_map(|k| key.strip_suffix(state_suffix(k))?.strip_suffix('.'));
+        let Some(param) = split else {
+            problems.push(format!(
+                "optimizer state {key}: the key must be <parameter>.adam_m, .adam_v or .master"
+            ));
+            continue;
+        };
+        match shapes.get(param) {
+            None => problems.push(format!("optimizer state {key}: no parameter {param}")),
+            Some(&dims) if dims != t.dims() => problems.push(format!(
+                "optimizer state {key} has shape {:?} but parameter {param} has {dims:?}",
+                t.dims()
+            )),
+            Some(_) => {}
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(err(format!("{what}:\n  {}", problems.join("\n  "))))
+}
+
+/// The dtype name transformers writes as `torch_dtype`.
+fn torch_dtype(d: candle_core::DType) -> Option<&'static str> {
+    Some(match d {
+        candle_core::DType::F32 => "float32",
+        candle_core::DType::F16 => "float16",
+        candle_core::DType::BF16 => "bfloat16",
+        candle_core::DType::F64 => "float64",
+        _ => return None,
+    })
+}
+
+/// Saves a checkpoint directory atomically (module docs: format and protocol). `config_json`
+/// is the model's HF config (`ModelConfig::to_hf_json`); its `torch_dtype` (and `dtype`, if
+/// present) is set to the parameters' dtype when they share one. `params` are named by
+/// their HF names; `optimizer` keys are [`optimizer_key`]s of those parameters.
+pub fn save_checkpoint(
+    dir: &Path,
+    config_json: &Value,
+    params: &[(String, Tensor)],
+    optimizer: &[(String, Tensor)],
+    manifest: &Manifest,
+) -> Result<()> {
+    if manifest.format_version != FORMAT_VERSION {
+        return Err(err(format!(
+            "cannot save a manifest of format_version {}: this build writes version \
+             {FORMAT_VERSION} (use Manifest::new)",
+            manifest.format_version
+        )));
+    }
+    let Value::Object(mut config) = config_json.clone() else {
+        return Err(err(
+            "the checkpoint's config.json must be a JSON object (ModelConfig::to_hf_json)",
+        ));
+    };
+    check_tensor_sets(
+        params.iter().map(|(n, t)| (n.as_str(), t)),
+        optimizer.iter().map(|(n, t)| (n.as_str(), t)),
+        &format!("cannot save checkpoint {}", dir.display()),
+    )?;
+    let common = params
+        .first()
+        .map(|(_, t)| t.dtype())
+        .filter(|&d| params.iter().all(|(_, t)| t.dtype() == d));
+    if let Some(name) = common.and_then(torch_dtype) {
+        config.insert("torch_dtype".into(), Value::from(name));
+        if config.contains_key("dtype") {
+            config.insert("dtype".into(), Value::from(name));
+        }
+    }
+
+    let (parent, name) = split_dir(dir)?;
+    // DIR is replaced whole, so it must be a checkpoint (or empty): never another directory.
+    if dir.exists() {
+        let foreign = if dir.is_dir() {
+            let empty = std::fs::read_dir(dir).map_err(io_err(dir))?.next().is_none();
+            !empty && !dir.join(MANIFEST_FILE).is_file()
+        } else {
+            true
+        };
+        if foreign {
+            return Err(err(format!(
+                "{} exists and is not a Tessera checkpoint (no {MANIFEST_FILE}); saving would                  replace it: choose another checkpoint path",
+                dir.display()
+            )));
+        }
+    }
+    std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
+    // 1. Leftovers of interrupted saves; `DIR.old-*` only when DIR is complete.
+    for stale in leftovers(&parent, &name, "tmp") {
+        let _ = std::fs::remove_dir_all(stale);
+    }
+    if dir.is_dir() {
+        for stale in leftovers(&parent, &name, "old") {
+            let _ = std::fs::remove_dir_all(stale);
+        }
+    }
+    // 2. Everything into DIR.tmp-<pid>, the manifest last.
+    let pid = std::process::id();
+    let tmp = parent.join(format!("{name}.tmp-{pid}"));
+    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+    write_safetensors(&tmp.join(MODEL_FILE), params)?;
+    write_safetensors(&tmp.join(OPTIMIZER_FILE), optimizer)?;
+    write_json(&tmp.join(CONFIG_FILE), &config)?;
+    write_json(&tmp.join(MANIFEST_FILE), manifest)?;
+    sync_dir(&tmp)?;
+    // 3. Swap: DIR → DIR.old-<pid>, DIR.tmp-<pid> → DIR.
+    let old = parent.join(format!("{name}.old-{pid}"));
+    let had_previous = dir.exists();
+    if had_previous {
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+        }
+        std::fs::rename(dir, &old).map_err(io_err(dir))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(io_err(&tmp))?;
+    sync_dir(&parent)?;
+    // 4. The previous checkpoint, and any older one an earlier crash left behind.
+    for stale in leftovers(&parent, &name, "old") {
+        let _ = std::fs::remove_dir_all(stale);
+    }
+    Ok(())
+}
+
+/// Reads a manifest, checking its version before its fields.
+fn read_manifest(path: &Path) -> Result<Manifest> {
+    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let value: Value = serde_json::from_str(&text)
+        .map_err(|e| err(format!("{}: malformed JSON ({e})", path.display())))?;
+    match value.get("format_version").and_then(Value::as_u64) {
+        Some(v) if v == u64::from(FORMAT_VERSION) => {}
+        Some(v) => {
+            return Err(err(format!(
+                "{}: checkpoint format_version {v} is not supported: this build reads version \
+                 {FORMAT_VERSION}; load it with the Tessera version that wrote it",
+                path.display()
+            )))
+        }
+        None => {
+            return Err(err(format!(
+                "{}: no integer \"format_version\"; not a Tessera checkpoint manifest",
+                path.display()
+            )))
+        }
+    }
+    serde_json::from_value(value)
+        .map_err(|e| err(format!("{}: invalid manifest: {e}", path.display())))
+}
+
+/// All tensors of one safetensors file, as stored.
+fn read_all_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+    let bytes = read_safetensors(path)?;
+    let st = SafeTensors::deserialize(&bytes).expect("validated by read_safetensors");
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let t = view.load(&Device::Cpu).map_err(|e| {
+                err(format!("{}: tensor {name} cannot be read: {e}", path.display()))
+            })?;
+            Ok((name, t))
+        })
+        .collect()
+}
+
+/// The directory to read for checkpoint `dir`: itself, or the previous checkpoint a save
+/// killed between its two renames left as `DIR.old-<pid>` (renamed back to `DIR` when
+/// possible).
+fn recover_dir(dir: &Path) -> Result<PathBuf> {
+    if dir.is_dir() {
+        return Ok(dir.to_path_buf());
+    }
+    let (parent, name) = split_dir(dir)?;
+    let mut best: Option<(u64, PathBuf)> = None;
+    for old in leftovers(&parent, &name, "old") {
+        if let Ok(m) = read_manifest(&old.join(MANIFEST_FILE)) {
+            if best.as_ref().is_none_or(|(step, _)| m.step > *step) {
+                best = Some((m.step, old));
+            }
+        }
+    }
+    match best {
+        Some((_, old)) => {
+            if std::fs::rename(&old, dir).is_ok() {
+                sync_dir(&parent)?;
+                Ok(dir.to_path_buf())
+            } else {
+                Ok(old)
+            }
+        }
+        None => {
+            let tmp = leftovers(&parent, &name, "tmp");
+            let note = if tmp.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " ({} is an interrupted save and is never loaded)",
+                    tmp.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+                )
+            };
+            Err(err(format!(
+                "checkpoint directory {} does not exist{note}; check the path, or start \
+                 without resuming",
+                dir.display()
+            )))
+        }
+    }
+}
+
+/// Loads a checkpoint directory written by [`save_checkpoint`], recovering the previous
+/// checkpoint if a save was killed between its renames (module docs). Tensors come back
+/// bit-exact, in their saved dtypes.
+pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
+    let dir = recover_dir(dir)?;
+    let manifest_path = dir.join(MANIFEST_FILE);
+    if !manifest_path.is_file() {
+        let hint = if dir.join(MODEL_FILE).is_file() || dir.join(MODEL_INDEX_FILE).is_file() {
+            " It holds Hugging Face weights: load those with load_hf_weights (initialise from \
+             them) instead of resuming"
+        } else {
+            ""
+        };
+        return Err(err(format!(
+            "{}: no {MANIFEST_FILE}, so this is not a Tessera checkpoint.{hint}",
+            dir.display()
+        )));
+    }
+    let manifest = read_manifest(&manifest_path)?;
+    let config_path = dir.join(CONFIG_FILE);
+    let config_text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
+    let config_json: Value = serde_json::from_str(&config_text)
+        .map_err(|e| err(format!("{}: malformed JSON ({e})", config_path.display())))?;
+    let params = read_all_tensors(&dir.join(MODEL_FILE))?;
+    let optimizer = read_all_tensors(&dir.join(OPTIMIZER_FILE))?;
+    check_tensor_sets(
+        params.iter().map(|(n, t)| (n.as_str(), t)),
+        optimizer.iter().map(|(n, t)| (n.as_str(), t)),
+        &format!("{}: inconsistent checkpoint", dir.display()),
+    )?;
+    Ok(Checkpoint { manifest, params, optimizer, config_json, dir })
+}
