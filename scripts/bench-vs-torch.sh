@@ -3,7 +3,8 @@
 # in one run on this machine. Prints Markdown for BENCHMARKS.md: per case, steady-state
 # tokens/s of `tessera train` and of scripts/bench_torch_gpt2.py (SDPA attention, and eager
 # matmul+softmax attention), the ratio Tessera / PyTorch (> 1: Tessera is faster), the
-# machine facts, background CPU load around each case, and Tessera's per-op breakdown.
+# machine facts, how busy the rest of the machine was during each run (a case is re-run once
+# if it was busy), and Tessera's per-op breakdown.
 #
 # Tessera's figure excludes step 1 (computed from --log-json's per-step tokens_per_s);
 # PyTorch's excludes its warmup steps. Both use 2 threads (rayon's default here = nproc;

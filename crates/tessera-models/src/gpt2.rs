@@ -57,16 +57,18 @@ pub(crate) fn build(cfg: &Gpt2Config, opts: &BuildOptions) -> Result<ForwardMode
     let wpe_pd = b.scoped("wpe", |b| b.parameter("weight", [cfg.n_positions, d], dtype));
     let tok_bsd = b.scoped("wte", |b| b.embedding(wte_vd, ids))?;
     let pos_sd = b.scoped("wpe", |b| b.slice(wpe_pd, 0, 0, seq))?;
+    let tok_bsd = nn::to(&mut b, tok_bsd, nn::RESIDUAL_DTYPE)?;
+    let pos_sd = nn::to(&mut b, pos_sd, nn::RESIDUAL_DTYPE)?;
     let mut x_bsd = b.add(tok_bsd, pos_sd)?;
     x_bsd = drop.apply(&mut b, "drop", x_bsd, cfg.embd_pdrop)?;
     for layer in 0..cfg.n_layer {
         b.set_block(Some(layer as u32));
         b.push_scope(format!("h.{layer}"));
-        x_bsd = block(&mut b, cfg, layer, &mut drop, x_bsd)?;
+        x_bsd = block(&mut b, cfg, layer, &mut drop, x_bsd, dtype)?;
         b.pop_scope();
     }
     b.set_block(None);
-    let x_bsd = nn::layer_norm(&mut b, "ln_f", x_bsd, cfg.layer_norm_epsilon)?;
+    let x_bsd = nn::layer_norm_to(&mut b, "ln_f", x_bsd, cfg.layer_norm_epsilon, dtype)?;
     b.pop_scope();
 
     let logits_bsv = if cfg.tie_word_embeddings {
@@ -85,11 +87,13 @@ fn block(
     layer: usize,
     drop: &mut Dropout,
     x_bsd: TensorId,
+    cfg_dtype: DType,
 ) -> IrResult<TensorId> {
     let d = cfg.n_embd;
     let eps = cfg.layer_norm_epsilon;
+    let dtype = cfg_dtype;
 
-    let h_bsd = nn::layer_norm(b, "ln_1", x_bsd, eps)?;
+    let h_bsd = nn::layer_norm_to(b, "ln_1", x_bsd, eps, dtype)?;
     let a_bsd = b.scoped("attn", |b| {
         let qkv_bs3d = nn::conv1d(b, "c_attn", h_bsd, 3 * d)?;
         let q_bsd = b.slice(qkv_bs3d, 2, 0, d)?;
@@ -109,14 +113,16 @@ fn block(
         let o_bsd = nn::conv1d(b, "c_proj", o_bsd, d)?;
         drop.apply(b, "resid_dropout", o_bsd, cfg.resid_pdrop)
     })?;
+    let a_bsd = nn::to(b, a_bsd, nn::RESIDUAL_DTYPE)?;
     let x_bsd = b.add(x_bsd, a_bsd)?;
 
-    let h_bsd = nn::layer_norm(b, "ln_2", x_bsd, eps)?;
+    let h_bsd = nn::layer_norm_to(b, "ln_2", x_bsd, eps, dtype)?;
     let m_bsd = b.scoped("mlp", |b| {
         let u_bsi = nn::conv1d(b, "c_fc", h_bsd, cfg.n_inner)?;
         let u_bsi = b.unary(cfg.activation_function.unary_op(), u_bsi)?;
         let m_bsd = nn::conv1d(b, "c_proj", u_bsi, d)?;
         drop.apply(b, "dropout", m_bsd, cfg.resid_pdrop)
     })?;
+    let m_bsd = nn::to(b, m_bsd, nn::RESIDUAL_DTYPE)?;
     b.add(x_bsd, m_bsd)
 }

@@ -54,15 +54,16 @@ pub(crate) fn build(cfg: &LlamaConfig, opts: &BuildOptions) -> Result<ForwardMod
 
     b.push_scope("model");
     let embed_vd = b.scoped("embed_tokens", |b| b.parameter("weight", [v, d], dtype));
-    let mut x_bsd = b.scoped("embed_tokens", |b| b.embedding(embed_vd, ids))?;
+    let x_bsd = b.scoped("embed_tokens", |b| b.embedding(embed_vd, ids))?;
+    let mut x_bsd = nn::to(&mut b, x_bsd, nn::RESIDUAL_DTYPE)?;
     for layer in 0..cfg.num_hidden_layers {
         b.set_block(Some(layer as u32));
         b.push_scope(format!("layers.{layer}"));
-        x_bsd = decoder_layer(&mut b, cfg, layer, &inv_freq, x_bsd)?;
+        x_bsd = decoder_layer(&mut b, cfg, layer, &inv_freq, x_bsd, dtype)?;
         b.pop_scope();
     }
     b.set_block(None);
-    let x_bsd = nn::rms_norm(&mut b, "norm", x_bsd, cfg.rms_norm_eps)?;
+    let x_bsd = nn::rms_norm_to(&mut b, "norm", x_bsd, cfg.rms_norm_eps, dtype)?;
     b.pop_scope();
 
     let logits_bsv = if cfg.tie_word_embeddings {
@@ -81,12 +82,13 @@ fn decoder_layer(
     layer: usize,
     inv_freq: &[f64],
     x_bsd: TensorId,
+    dtype: DType,
 ) -> IrResult<TensorId> {
     let (d, e) = (cfg.hidden_size, cfg.head_dim());
     let (h, k) = (cfg.num_attention_heads, cfg.num_key_value_heads);
     let eps = cfg.rms_norm_eps;
 
-    let n_bsd = nn::rms_norm(b, "input_layernorm", x_bsd, eps)?;
+    let n_bsd = nn::rms_norm_to(b, "input_layernorm", x_bsd, eps, dtype)?;
     let a_bsd = b.scoped("self_attn", |b| {
         let q_bs_he = nn::linear(b, "q_proj", n_bsd, h * e, cfg.qkv_bias)?;
         let k_bs_ke = nn::linear(b, "k_proj", n_bsd, k * e, cfg.qkv_bias)?;
@@ -105,9 +107,10 @@ fn decoder_layer(
         let o_bs_he = nn::merge_heads(b, o_bshe)?;
         nn::linear(b, "o_proj", o_bs_he, d, cfg.o_bias)
     })?;
+    let a_bsd = nn::to(b, a_bsd, nn::RESIDUAL_DTYPE)?;
     let x_bsd = b.add(x_bsd, a_bsd)?;
 
-    let n_bsd = nn::rms_norm(b, "post_attention_layernorm", x_bsd, eps)?;
+    let n_bsd = nn::rms_norm_to(b, "post_attention_layernorm", x_bsd, eps, dtype)?;
     let m_bsd = b.scoped("mlp", |b| {
         let i = cfg.intermediate_size;
         let gate_bsi = nn::linear(b, "gate_proj", n_bsd, i, cfg.mlp_bias)?;
@@ -116,5 +119,6 @@ fn decoder_layer(
         let g_bsi = b.mul(gate_bsi, up_bsi)?;
         nn::linear(b, "down_proj", g_bsi, d, cfg.mlp_bias)
     })?;
+    let m_bsd = nn::to(b, m_bsd, nn::RESIDUAL_DTYPE)?;
     b.add(x_bsd, m_bsd)
 }

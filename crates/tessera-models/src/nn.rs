@@ -53,13 +53,52 @@ pub(crate) fn layer_norm(b: &mut Builder, name: &str, x: TensorId, eps: f64) -> 
     })
 }
 
-/// `LlamaRMSNorm` over the last dim, named `name`.
-pub(crate) fn rms_norm(b: &mut Builder, name: &str, x: TensorId, eps: f64) -> IrResult<TensorId> {
-    let (dim, dtype) = (b.shape(x).last(), b.dtype(x));
-    b.scoped(name, |b| {
+/// The residual stream's dtype, whatever the compute dtype (Megatron's
+/// `--fp32-residual-connection`, and what autocast does implicitly): in bf16, each block's
+/// small update to the stream would be rounded away.
+pub(crate) const RESIDUAL_DTYPE: DType = DType::F32;
+
+/// `x` in `dtype` (a cast only when it differs).
+pub(crate) fn to(b: &mut Builder, x: TensorId, dtype: DType) -> IrResult<TensorId> {
+    if b.dtype(x) == dtype {
+        Ok(x)
+    } else {
+        b.cast(x, dtype)
+    }
+}
+
+/// `nn.LayerNorm` with `dtype` weights applied to the (fp32) residual stream, its output in
+/// `dtype` for the matmuls that follow.
+pub(crate) fn layer_norm_to(
+    b: &mut Builder,
+    name: &str,
+    x: TensorId,
+    eps: f64,
+    dtype: DType,
+) -> IrResult<TensorId> {
+    let dim = b.shape(x).last();
+    let y = b.scoped(name, |b| {
+        let w = b.parameter("weight", [dim], dtype);
+        let bias = b.parameter("bias", [dim], dtype);
+        b.layer_norm(x, w, bias, eps)
+    })?;
+    to(b, y, dtype)
+}
+
+/// `LlamaRMSNorm` with `dtype` weights on the residual stream, output in `dtype`.
+pub(crate) fn rms_norm_to(
+    b: &mut Builder,
+    name: &str,
+    x: TensorId,
+    eps: f64,
+    dtype: DType,
+) -> IrResult<TensorId> {
+    let dim = b.shape(x).last();
+    let y = b.scoped(name, |b| {
         let w = b.parameter("weight", [dim], dtype);
         b.rms_norm(x, w, eps)
-    })
+    })?;
+    to(b, y, dtype)
 }
 
 /// `[B, S, H·D]` → `[B, S, H, D]`.

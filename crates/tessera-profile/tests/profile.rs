@@ -115,9 +115,11 @@ fn matmul_flops_match_the_6n_plus_attention_formula() {
 fn gpt_block_saved_activations_match_closed_form() {
     // Per GPT-2 block, with our fused attention (no s×s scores) and counter-based dropout (no
     // masks), the backward pass reads these forward values, each B·S wide:
-    //   ln_1 input (D), ln_1 output / c_attn input (D), q, k, v (3·D), attention output /
-    //   c_proj input (D), ln_2 input (D), ln_2 output / c_fc input (D), GELU input (4·D),
-    //   GELU output / mlp c_proj input (4·D)  → 16·D elements per token,
+    //   the block's two residual-stream values — ln_1's and ln_2's inputs (D each), kept in
+    //   fp32 whatever the compute dtype (an fp32 residual connection) —
+    //   and, in the compute dtype: ln_1 output / c_attn input (D), q, k, v (3·D), attention
+    //   output / c_proj input (D), ln_2 output / c_fc input (D), GELU input (4·D), GELU output /
+    //   mlp c_proj input (4·D) → 14·D elements per token,
     // plus the attention's log-sum-exp, H per token in f32.
     for (model, d, h, dtype) in [
         ("gpt2", 768u64, 12u64, DType::F32),
@@ -127,7 +129,7 @@ fn gpt_block_saved_activations_match_closed_form() {
         for (batch, seq) in [(1u64, 128u64), (4, 64)] {
             let p = prof(model, batch as usize, seq as usize, dtype);
             let tokens = batch * seq;
-            let want = 16 * d * tokens * dtype.size_bytes() + h * tokens * 4;
+            let want = (2 * 4 + 14 * dtype.size_bytes()) * d * tokens + h * tokens * 4;
             let blocks = &p.memory.activations_by_block;
             assert!(blocks.len() > 2, "{model}: no blocks tagged");
             for (i, &got) in blocks.iter().enumerate() {

@@ -26,7 +26,8 @@ pub(crate) fn infer_layer_norm_backward(x: &[&TensorMeta]) -> Result<Vec<TensorM
     if x[2].shape != x[0].shape {
         return Err(format!("dy {} must have x's shape {}", x[2], x[0].shape));
     }
-    let w = TensorMeta { shape: x[1].shape.clone(), dtype: x[2].dtype };
+    // Weight gradients take the weight's dtype (a bf16 norm may normalise an fp32 stream).
+    let w = TensorMeta { shape: x[1].shape.clone(), dtype: x[1].dtype };
     Ok(vec![TensorMeta { shape: x[0].shape.clone(), dtype: x[2].dtype }, w.clone(), w])
 }
 
@@ -42,7 +43,7 @@ pub(crate) fn infer_rms_norm_backward(x: &[&TensorMeta]) -> Result<Vec<TensorMet
     if x[2].shape != x[0].shape {
         return Err(format!("dy {} must have x's shape {}", x[2], x[0].shape));
     }
-    let w = TensorMeta { shape: x[1].shape.clone(), dtype: x[2].dtype };
+    let w = TensorMeta { shape: x[1].shape.clone(), dtype: x[1].dtype };
     Ok(vec![TensorMeta { shape: x[0].shape.clone(), dtype: x[2].dtype }, w])
 }
 
