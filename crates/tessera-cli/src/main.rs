@@ -26,7 +26,7 @@ enum Command {
     /// FLOPs and memory of one training step, computed symbolically (no tensor is allocated).
     Profile(profile_cmd::ProfileArgs),
     /// Train a model on text on one device (default: gpt2-tiny on the shipped corpus).
-    Train(train_cmd::TrainArgs),
+    Train(Box<train_cmd::TrainArgs>),
     /// Next-token loss (and logits) of a checkpoint directory over given token ids.
     Eval(eval_cmd::EvalArgs),
 }

@@ -21,6 +21,9 @@ pub enum Precision {
     Fp32,
     /// bf16 weights, activations and gradients; fp32 master weights and AdamW state.
     Bf16,
+    /// fp16 weights, activations and gradients; fp32 master weights and AdamW state; dynamic
+    /// loss scaling.
+    Fp16,
 }
 
 impl Precision {
@@ -28,6 +31,7 @@ impl Precision {
         match self {
             Precision::Fp32 => DType::F32,
             Precision::Bf16 => DType::BF16,
+            Precision::Fp16 => DType::F16,
         }
     }
 }

@@ -15,7 +15,7 @@ use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_profile::simulate_memory;
 use tessera_runtime::checkpoint::{load_checkpoint, save_checkpoint, Manifest};
 use tessera_runtime::data::{DataOptions, Dataset, TokenDType, Tokenizer};
-use tessera_runtime::{alloc, CpuBackend, LrSchedule, Trainer};
+use tessera_runtime::{alloc, CpuBackend, LossScaleConfig, LossScaleState, LrSchedule, Trainer};
 
 /// The shipped corpus (public-domain Shakespeare, see data/README.md), embedded so the default
 /// run works from any directory.
@@ -44,8 +44,9 @@ pub struct TrainArgs {
     pub batch: usize,
     #[arg(long, default_value_t = 128)]
     pub seq: usize,
-    /// fp32, or bf16 mixed precision (bf16 weights, activations and gradients; fp32 master
-    /// weights and AdamW state; arithmetic in f32).
+    /// fp32, or bf16 / fp16 mixed precision (half-precision weights, activations and
+    /// gradients; fp32 master weights and AdamW state; arithmetic in f32). fp16 adds dynamic
+    /// loss scaling: overflowing steps are skipped and halve the scale.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub dtype: Precision,
     /// Peak learning rate.
@@ -71,7 +72,8 @@ pub struct TrainArgs {
     /// Held-out batches for the final eval loss.
     #[arg(long, default_value_t = 8)]
     pub eval_batches: usize,
-    /// Write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s) to this file.
+    /// Write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s; with fp16
+    /// also loss_scale and skipped) to this file.
     #[arg(long)]
     pub log_json: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
@@ -92,7 +94,16 @@ pub struct TrainArgs {
     /// Stop after this step (the schedule still spans --steps); for tests and preemption.
     #[arg(long)]
     pub stop_after: Option<u64>,
+    /// fp16: the initial loss scale.
+    #[arg(long, default_value_t = 65536.0)]
+    pub loss_scale: f64,
+    /// fp16: double the loss scale after this many consecutive steps without overflow.
+    #[arg(long, default_value_t = 2000)]
+    pub loss_scale_window: u64,
 }
+
+/// Key of the loss scaler's state in a checkpoint manifest's `extra`.
+const SCALER_KEY: &str = "loss_scaler";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum TokenBits {
@@ -190,7 +201,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         Some(dir) => {
             let ckpt = load_checkpoint(dir)?;
             let m = &ckpt.manifest;
-            if m.total_steps != args.steps || m.seed != args.seed || m.extra != run_facts {
+            let mut facts = m.extra.clone();
+            if let Some(map) = facts.as_object_mut() {
+                map.remove(SCALER_KEY);
+            }
+            if m.total_steps != args.steps || m.seed != args.seed || facts != run_facts {
                 bail!(
                     "{} was saved by a run with --steps {} --seed {} {}; resume with the same \
                      settings (got --steps {} --seed {} {run_facts})",
@@ -208,13 +223,27 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
 
     let heap_baseline = alloc::current_bytes();
+    let scaled = train.loss_scale.is_some();
     let mut trainer =
         Trainer::new(train, CpuBackend::new(0), schedule.clone(), args.seed, args.memory_budget)?
             .with_eval(eval_model.builder.finish(), eval_model.loss, CpuBackend::new(0))?;
+    if scaled {
+        let scale_cfg = LossScaleConfig {
+            init_scale: args.loss_scale,
+            growth_interval: args.loss_scale_window,
+            ..LossScaleConfig::default()
+        };
+        trainer = trainer.with_loss_scale(scale_cfg).context("--loss-scale")?;
+    }
     if let Some(ckpt) = &resume {
         trainer
             .restore(&ckpt.params, &ckpt.optimizer, ckpt.manifest.step)
             .with_context(|| format!("resuming from {}", ckpt.dir.display()))?;
+        if let Some(state) = ckpt.manifest.extra.get(SCALER_KEY) {
+            let state: LossScaleState = serde_json::from_value(state.clone())
+                .with_context(|| format!("{}: bad {SCALER_KEY}", ckpt.dir.display()))?;
+            trainer.set_loss_scale_state(state)?;
+        }
     }
     let first = trainer.steps_done() + 1;
     let last_step = args.stop_after.map_or(args.steps, |k| k.min(args.steps));
@@ -231,6 +260,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             schedule.clone(),
         );
         manifest.extra = run_facts.clone();
+        if let Some(state) = trainer.loss_scale_state() {
+            manifest.extra[SCALER_KEY] = serde_json::to_value(state)?;
+        }
         save_checkpoint(
             dir,
             &cfg.to_hf_json(),
@@ -260,6 +292,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let mut initial_loss = f64::NAN;
     let mut last = None;
     let mut measured = 0u64;
+    let mut skipped_steps = 0u64;
     alloc::reset_peak();
     let start = Instant::now();
     for step in first..=last_step {
@@ -271,10 +304,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             initial_loss = stats.loss;
         }
         measured = measured.max(stats.peak_bytes);
+        skipped_steps += u64::from(stats.skipped);
         let tps = tokens_per_step / dt;
         if let Some(w) = log.as_mut() {
-            let line = json!({"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
+            // A skipped step's norm is inf or NaN, which JSON cannot hold: it is written null.
+            let grad_norm = stats.grad_norm.is_finite().then_some(stats.grad_norm);
+            let mut line = json!({"step": step, "loss": stats.loss, "grad_norm": grad_norm,
                               "lr": stats.lr, "tokens_per_s": tps, "peak_bytes": stats.peak_bytes});
+            if scaled {
+                line["loss_scale"] = json!(stats.loss_scale);
+                line["skipped"] = json!(stats.skipped);
+            }
             writeln!(w, "{line}").context("writing the step log")?;
         }
         bar.set_position(step);
@@ -338,6 +378,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                     "heap_peak_bytes": heap_peak,
                 },
             });
+            if scaled {
+                doc["skipped_steps"] = json!(skipped_steps);
+                doc["loss_scale"] = json!(trainer.loss_scale_state().map(|s| s.scale));
+            }
             if args.op_times {
                 doc["op_times"] = op_times
                     .iter()
@@ -366,6 +410,12 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 h = bytes(heap_peak),
             );
             let mut text = text;
+            if let (true, Some(state)) = (scaled, trainer.loss_scale_state()) {
+                text.push_str(&format!(
+                    "fp16        {skipped_steps} skipped steps (overflow); loss scale now {}\n",
+                    state.scale
+                ));
+            }
             if args.op_times {
                 text.push_str("where the time goes (all steps):\n");
                 for (k, calls, secs) in &op_times {

@@ -200,7 +200,13 @@ fn loss_curve(dtype: DType, steps: u64) -> Vec<f64> {
         tessera_runtime::data::Dataset::from_text(text, &tessera_runtime::data::Tokenizer::Byte)
             .unwrap();
     let (batch, seq) = (4, 32);
-    let mut t = trainer_in("gpt2-tiny", batch, seq, None, dtype);
+    let cfg = ModelConfig::resolve("gpt2-tiny").unwrap();
+    let fm = build(&cfg, &BuildOptions { batch, seq, dtype }).unwrap();
+    let tg = build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).unwrap();
+    // With warmup, as `tessera train` runs it: without, Adam's first full-size steps spike
+    // the loss and the two runs' trajectories decorrelate.
+    let schedule = LrSchedule::WarmupCosine { peak: 1e-3, min_lr: 1e-4, warmup: 20, total: steps };
+    let mut t = Trainer::new(tg, CpuBackend::new(0), schedule, 7, None).unwrap();
     (1..=steps)
         .map(|step| {
             let b = data.train_batch(3, step, batch, seq).unwrap();
@@ -211,27 +217,18 @@ fn loss_curve(dtype: DType, steps: u64) -> Vec<f64> {
 
 #[test]
 fn bf16_mixed_precision_tracks_the_fp32_loss_curve() {
-    // Measured: 10-step means differ by 3.8% on average and 1.8–5.6% in the second half (our
-    // bf16 keeps the residual stream in bf16; autocast-style fp32 residuals would be closer).
-    // The interop issue's target is 2%; this test pins what holds today so it cannot regress.
     let steps = 200;
     let fp32 = loss_curve(DType::F32, steps);
     let bf16 = loss_curve(DType::BF16, steps);
-    // Single steps are noisy in both precisions, and while the loss falls fastest a small
-    // shift in time is a large relative gap; compare 10-step means on average, and the
-    // second half of the run as a whole.
+    // Single steps are noisy in both precisions: compare 10-step means (measured: ≤ 0.7%).
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let gaps: Vec<f64> = fp32
         .chunks(10)
         .zip(bf16.chunks(10))
         .map(|(a, b)| (mean(b) - mean(a)).abs() / mean(a))
         .collect();
-    let avg_gap = mean(&gaps);
-    let half = steps as usize / 2;
-    let late_gap = (mean(&bf16[half..]) - mean(&fp32[half..])).abs() / mean(&fp32[half..]);
-    eprintln!("10-step gaps: {gaps:.3?}");
-    assert!(avg_gap < 0.05, "bf16 strays {:.2}% from fp32 on average", avg_gap * 100.0);
-    assert!(late_gap < 0.05, "bf16's second half is {:.2}% off fp32's", late_gap * 100.0);
+    let worst = gaps.iter().copied().fold(0.0, f64::max);
+    assert!(worst < 0.02, "bf16 strays {:.2}% from fp32; 10-step gaps {gaps:.3?}", worst * 100.0);
     assert!(fp32[steps as usize - 1] < fp32[0] * 0.6, "the run must actually learn");
 }
 

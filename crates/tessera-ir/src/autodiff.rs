@@ -8,7 +8,9 @@
 //!
 //! [`build_training_graph`] adds the loss seed, the backward pass, the global gradient norm
 //! and one AdamW update per parameter whose state (m, v and, for low-precision weights, an
-//! fp32 master copy) are explicit tensors.
+//! fp32 master copy) are explicit tensors. With fp16 weights it adds loss scaling: a scalar
+//! input `optimizer.loss_scale` seeds the backward pass and AdamW unscales (see
+//! [`TrainingGraph::loss_scale`]).
 
 use crate::ops::{optim, ReduceOp, UnaryOp};
 use crate::{AdamWSpec, Builder, DType, IrError, Op, Phase, Result, Shape, StateKind, TensorId};
@@ -107,6 +109,17 @@ pub fn gradients(
     loss: TensorId,
     wrt: &[TensorId],
 ) -> Result<Vec<Option<TensorId>>> {
+    gradients_seeded(b, loss, None, wrt)
+}
+
+/// [`gradients`] of `seed · loss`: the backward pass starts from the scalar `seed` (cast to
+/// the loss's dtype if needed) instead of 1. Loss scaling seeds with the loss scale.
+pub fn gradients_seeded(
+    b: &mut Builder,
+    loss: TensorId,
+    seed: Option<TensorId>,
+    wrt: &[TensorId],
+) -> Result<Vec<Option<TensorId>>> {
     if b.shape(loss).rank() != 0 || !b.dtype(loss).is_float() {
         return Err(IrError::Graph(format!(
             "the loss must be a float scalar, got {}",
@@ -137,7 +150,20 @@ pub fn gradients(
     b.set_phase(Phase::Backward);
 
     let mut pending: Vec<Pending> = vec![Pending::default(); b.graph.tensors.len()];
-    let seed = b.fill(1.0, Shape::scalar(), b.dtype(loss))?;
+    let seed = match seed {
+        None => b.fill(1.0, Shape::scalar(), b.dtype(loss))?,
+        Some(s) if b.shape(s).rank() != 0 || !b.dtype(s).is_float() => {
+            return Err(IrError::Graph(format!(
+                "the backward seed must be a float scalar, got {}",
+                b.meta(s)
+            )))
+        }
+        Some(s) if b.dtype(s) != b.dtype(loss) => b.cast(s, b.dtype(loss))?,
+        Some(s) => s,
+    };
+    if pending.len() < b.graph.tensors.len() {
+        pending.resize(b.graph.tensors.len(), Pending::default());
+    }
     pending[loss.index()].full = Some(seed);
 
     for n in (0..num_forward).rev() {
@@ -243,6 +269,13 @@ pub struct TrainingGraph {
     /// Learning-rate input (f32 scalar) and 1-based step input (i64 scalar).
     pub lr: TensorId,
     pub step: TensorId,
+    /// fp16 parameters only: the loss-scale input `optimizer.loss_scale` (f32 scalar). The
+    /// backward pass differentiates `loss · loss_scale` (`loss` itself stays unscaled),
+    /// `grad_norm` is the norm of those scaled gradients, and every AdamW node reads
+    /// `grad_scale = 1 / loss_scale` (computed in the graph) to unscale them and to skip the
+    /// update when the unscaled norm is not finite.
+    #[serde(default)]
+    pub loss_scale: Option<TensorId>,
     pub params: Vec<ParamSlot>,
 }
 
@@ -256,7 +289,17 @@ pub fn build_training_graph(
     if params.is_empty() {
         return Err(IrError::Graph("the model has no parameters to train".into()));
     }
-    let grads = gradients(&mut b, loss, &params)?;
+    // Loss scaling for fp16 weights (bf16 has fp32's range and needs none).
+    let scaled = params.iter().any(|&p| b.dtype(p) == DType::F16);
+    let loss_scale = scaled.then(|| {
+        b.set_scope_id(crate::ScopeId(0));
+        b.set_block(None);
+        b.push_scope("optimizer");
+        let t = b.input("loss_scale", Shape::scalar(), DType::F32);
+        b.pop_scope();
+        t
+    });
+    let grads = gradients_seeded(&mut b, loss, loss_scale, &params)?;
 
     b.set_phase(Phase::Optimizer);
     b.set_block(None);
@@ -264,6 +307,13 @@ pub fn build_training_graph(
     b.push_scope("optimizer");
     let lr = b.input("lr", Shape::scalar(), DType::F32);
     let step = b.input("step", Shape::scalar(), DType::I64);
+    let grad_scale = match loss_scale {
+        Some(s) => {
+            let one = b.fill(1.0, Shape::scalar(), DType::F32)?;
+            Some(b.div(one, s)?)
+        }
+        None => None,
+    };
     b.pop_scope();
 
     // Global gradient norm: Σ‖g‖² over parameters, in f32.
@@ -281,7 +331,9 @@ pub fn build_training_graph(
         b.set_scope_id(scope);
         b.set_block(block);
         let rank = b.shape(g).rank();
-        let mut s = b.reduce(ReduceOp::SumSquares, g, &(0..rank).collect::<Vec<_>>(), false)?;
+        // Scaled fp16 gradients square past fp16's range: reduce them in f32.
+        let g32 = if scaled && b.dtype(g) == DType::F16 { b.cast(g, DType::F32)? } else { g };
+        let mut s = b.reduce(ReduceOp::SumSquares, g32, &(0..rank).collect::<Vec<_>>(), false)?;
         if b.dtype(s) != DType::F32 {
             s = b.cast(s, DType::F32)?;
         }
@@ -321,12 +373,14 @@ pub fn build_training_graph(
             eps: cfg.eps,
             weight_decay,
             max_grad_norm: cfg.max_grad_norm,
+            grad_scale: grad_scale.is_some(),
         };
         let mut inputs = vec![p, slot.grad, slot.m, slot.v, lr, step, grad_norm];
         inputs.extend(slot.master);
+        inputs.extend(grad_scale);
         debug_assert_eq!(inputs[optim::GRAD_NORM], grad_norm);
         b.push(Op::AdamW(spec), &inputs)?;
     }
     b.set_phase(Phase::Forward);
-    Ok(TrainingGraph { graph: b.finish(), loss, grad_norm, lr, step, params: slots })
+    Ok(TrainingGraph { graph: b.finish(), loss, grad_norm, lr, step, loss_scale, params: slots })
 }

@@ -71,8 +71,9 @@
 //!   and kept elements are scaled by `1/(1−p)`.
 //! - **Layout ops** copy (`Reshape` and `Expand` are views only for memory accounting); `Pad`
 //!   fills with zeros; `Permute(perm)` gives output dim `i` the input's dim `perm[i]`.
-//! - **`AdamW`** implements the formula in the doc comment of [`Op::AdamW`] exactly; `step`
-//!   must be ≥ 1 (it is 1-based). Outputs are fresh values (the in-place aliasing is a memory
+//! - **`AdamW`** implements the formula in the doc comment of [`Op::AdamW`] exactly (the
+//!   `grad_scale` input and its skip-on-overflow rule included); `step` must be ≥ 1 (it is
+//!   1-based). Outputs are fresh values (the in-place aliasing is a memory
 //!   matter the interpreter ignores).
 
 use crate::ops::elementwise::dropout_keep;
@@ -484,11 +485,12 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::CrossEntropyBackward { .. } => 4,
         Op::AttentionBackward(_) => 6,
         Op::Concat { .. } => x.len().max(1),
-        Op::AdamW(_) => {
-            if x.len() == 8 {
-                8
+        Op::AdamW(spec) => {
+            let base = 7 + usize::from(spec.grad_scale);
+            if x.len() == base + 1 {
+                base + 1
             } else {
-                7
+                base
             }
         }
     };
@@ -1515,7 +1517,8 @@ fn adamw(x: &[&Value], spec: &AdamWSpec) -> Result<Vec<Value>, String> {
             p.shape
         );
     }
-    let master = x.get(optim::MASTER).copied();
+    let (master_at, scale_at) = spec.optional_inputs(x.len());
+    let master = master_at.map(|i| x[i]);
     if let Some(mw) = master {
         ensure!(
             mw.shape == p.shape,
@@ -1527,15 +1530,26 @@ fn adamw(x: &[&Value], spec: &AdamWSpec) -> Result<Vec<Value>, String> {
     for (i, what) in [(optim::LR, "lr"), (optim::STEP, "step"), (optim::GRAD_NORM, "grad_norm")] {
         ensure!(x[i].numel() == 1, "{what} must be a scalar, got {}", x[i].shape);
     }
+    if let Some(i) = scale_at {
+        ensure!(x[i].numel() == 1, "grad_scale must be a scalar, got {}", x[i].shape);
+    }
     let lr = x[optim::LR].data[0];
     let step = x[optim::STEP].data[0];
     if step.is_nan() || step < 1.0 {
         return Err(format!("step {step} must be ≥ 1 (it is 1-based)"));
     }
+    let scale = scale_at.map_or(1.0, |i| x[i].data[0]);
+    let norm = x[optim::GRAD_NORM].data[0] * scale;
+    if scale_at.is_some() && !norm.is_finite() {
+        // Overflow under loss scaling: skip the update, every state unchanged.
+        let mut outs = vec![p.clone(), x[optim::M].clone(), x[optim::V].clone()];
+        outs.extend(master.cloned());
+        return Ok(outs);
+    }
     let clip = match spec.max_grad_norm {
-        Some(max) => (max / (x[optim::GRAD_NORM].data[0] + 1e-6)).min(1.0),
+        Some(max) => (max / (norm + 1e-6)).min(1.0),
         None => 1.0,
-    };
+    } * scale;
     let bc1 = 1.0 - spec.beta1.powf(step);
     let bc2 = 1.0 - spec.beta2.powf(step);
     let w = master.unwrap_or(p);

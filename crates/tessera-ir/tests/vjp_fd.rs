@@ -696,13 +696,13 @@ fn composite_models() {
 // ---- training through build_training_graph ------------------------------------------------------
 
 /// A 2-layer MLP classifier: `relu(x·W1 + b1)·W2 + b2` under cross-entropy.
-fn mlp(b: &mut Builder) -> (TensorId, TensorId, TensorId) {
-    let x = b.input("x", [8, 6], DType::F32);
+fn mlp(b: &mut Builder, dtype: DType) -> (TensorId, TensorId, TensorId) {
+    let x = b.input("x", [8, 6], dtype);
     let targets = b.input("targets", [8], DType::I64);
-    let w1 = b.parameter("fc1.weight", [6, 16], DType::F32);
-    let b1 = b.parameter("fc1.bias", [16], DType::F32);
-    let w2 = b.parameter("fc2.weight", [16, 4], DType::F32);
-    let b2 = b.parameter("fc2.bias", [4], DType::F32);
+    let w1 = b.parameter("fc1.weight", [6, 16], dtype);
+    let b1 = b.parameter("fc1.bias", [16], dtype);
+    let w2 = b.parameter("fc2.weight", [16, 4], dtype);
+    let b2 = b.parameter("fc2.bias", [4], dtype);
     let h = b.matmul(x, w1, false, false).unwrap();
     let h = b.add(h, b1).unwrap();
     let h = b.unary(U::Relu, h).unwrap();
@@ -712,11 +712,17 @@ fn mlp(b: &mut Builder) -> (TensorId, TensorId, TensorId) {
     (loss, x, targets)
 }
 
-fn mlp_setup(
-    cfg: &TrainConfig,
-) -> (tessera_ir::TrainingGraph, HashMap<TensorId, Value>, HashMap<TensorId, Value>) {
+type Setup = (tessera_ir::TrainingGraph, HashMap<TensorId, Value>, HashMap<TensorId, Value>);
+
+fn mlp_setup(cfg: &TrainConfig) -> Setup {
+    mlp_setup_in(cfg, DType::F32)
+}
+
+/// The MLP's training graph, state and data with weights and activations in `dtype` (the
+/// interpreter computes in f64 whatever the dtype; the same seed gives the same values).
+fn mlp_setup_in(cfg: &TrainConfig, dtype: DType) -> Setup {
     let mut b = Builder::new();
-    let (loss, x, targets) = mlp(&mut b);
+    let (loss, x, targets) = mlp(&mut b, dtype);
     let train = tessera_ir::build_training_graph(b, loss, cfg).unwrap();
     let mut rng = StdRng::seed_from_u64(7);
     let mut params = HashMap::new();
@@ -798,6 +804,112 @@ fn adamw_step_matches_hand_formula() {
             for t in [slot.param, slot.m, slot.v] {
                 assert_eq!(state[&t], via_helper[&t]);
             }
+        }
+    }
+}
+
+/// AdamW's optional `grad_scale` input: `n = grad_norm·s`, `g = min(1, max/(n+1e-6))·s·grad`,
+/// and a non-finite `n` skips the update (every output equals its input).
+#[test]
+fn adamw_grad_scale_unscales_and_skips_on_overflow() {
+    let spec = tessera_ir::AdamWSpec {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        max_grad_norm: Some(1.0),
+        grad_scale: true,
+    };
+    let vals = |xs: &[f64]| Value::from_fn([xs.len()], |i| xs[i]);
+    let (w, g, m, v) = (
+        vals(&[0.5, -0.25, 1.0]),
+        vals(&[64.0, -32.0, 8.0]),
+        vals(&[0.01, 0.02, -0.03]),
+        vals(&[1e-4, 2e-4, 3e-4]),
+    );
+    let master = vals(&[0.5001, -0.2501, 1.0001]);
+    let (lr, step, s) = (Value::scalar(1e-2), Value::from_i64(Shape::scalar(), &[3]), 1.0 / 16.0);
+    for (norm, clip_active) in [(48.0, true), (8.0, false)] {
+        let (gn, gs) = (Value::scalar(norm), Value::scalar(s));
+        let x = [&w, &g, &m, &v, &lr, &step, &gn, &master, &gs];
+        let out = interp::eval_op(&Op::AdamW(spec.clone()), &x).unwrap();
+        assert_eq!(out.len(), 4);
+        let n = norm * s;
+        assert_eq!(n > 1.0, clip_active);
+        let c = (1.0 / (n + 1e-6)).min(1.0);
+        for k in 0..3 {
+            let gk = c * s * g.data[k];
+            let m2 = 0.9 * m.data[k] + 0.1 * gk;
+            let v2 = 0.95 * v.data[k] + 0.05 * gk * gk;
+            let (mh, vh) = (m2 / (1.0 - 0.9f64.powi(3)), v2 / (1.0 - 0.95f64.powi(3)));
+            let wk = master.data[k];
+            let w2 = wk - 1e-2 * (mh / (vh.sqrt() + 1e-8) + 0.1 * wk);
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-14 * b.abs();
+            assert!(close(out[0].data[k], w2) && close(out[3].data[k], w2), "w' {k}");
+            assert!(close(out[1].data[k], m2) && close(out[2].data[k], v2), "m', v' {k}");
+        }
+    }
+    // Overflow: inf or NaN norm (or an infinite scale) skips; everything comes back unchanged.
+    for (norm, scale) in [(f64::INFINITY, s), (f64::NAN, s), (1e300, 1e300)] {
+        let (gn, gs) = (Value::scalar(norm), Value::scalar(scale));
+        let x = [&w, &g, &m, &v, &lr, &step, &gn, &master, &gs];
+        let out = interp::eval_op(&Op::AdamW(spec.clone()), &x).unwrap();
+        assert_eq!(out, vec![w.clone(), m.clone(), v.clone(), master.clone()], "norm {norm}");
+    }
+    // Without a master copy the scale is the last input too.
+    let gn = Value::scalar(f64::INFINITY);
+    let gs = Value::scalar(s);
+    let out = interp::eval_op(&Op::AdamW(spec), &[&w, &g, &m, &v, &lr, &step, &gn, &gs]).unwrap();
+    assert_eq!(out, vec![w.clone(), m.clone(), v.clone()]);
+}
+
+/// fp16 graphs differentiate `loss · loss_scale`: scaled gradients and norm, the same
+/// unscaled loss and the same AdamW update as fp32; an overflowing scale skips the update.
+#[test]
+fn fp16_training_graph_scales_the_loss_and_adamw_unscales() {
+    let cfg = TrainConfig { max_grad_norm: Some(0.05), ..TrainConfig::default() };
+    let (t32, s32, d32) = mlp_setup_in(&cfg, DType::F32);
+    let (t16, s16, d16) = mlp_setup_in(&cfg, DType::F16);
+    assert!(t32.loss_scale.is_none(), "fp32 graphs take no loss scale");
+    let ls = t16.loss_scale.expect("fp16 graphs take a loss scale");
+    assert_eq!(t16.graph.tensor_scope(ls), "optimizer.loss_scale");
+    assert_eq!(*t16.graph.meta(ls), tessera_ir::TensorMeta::new(Shape::scalar(), DType::F32));
+    let run = |t: &tessera_ir::TrainingGraph,
+               s: &HashMap<TensorId, Value>,
+               d: &HashMap<TensorId, Value>,
+               scale: Option<f64>| {
+        let mut bindings = s.clone();
+        bindings.extend(d.clone());
+        bindings.insert(t.lr, Value::scalar(3e-3));
+        bindings.insert(t.step, Value::from_i64(Shape::scalar(), &[1]));
+        if let (Some(ls), Some(v)) = (t.loss_scale, scale) {
+            bindings.insert(ls, Value::scalar(v));
+        }
+        interp::eval(&t.graph, &bindings).unwrap()
+    };
+    let scale = 1024.0;
+    let (a, b) = (run(&t32, &s32, &d32, None), run(&t16, &s16, &d16, Some(scale)));
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-12 * y.abs().max(1e-300);
+    assert!(close(b[t16.loss.index()].item(), a[t32.loss.index()].item()), "loss is unscaled");
+    assert!(close(b[t16.grad_norm.index()].item(), scale * a[t32.grad_norm.index()].item()));
+    for (p32, p16) in t32.params.iter().zip(&t16.params) {
+        let (g32, g16) = (&a[p32.grad.index()].data, &b[p16.grad.index()].data);
+        assert!(g32.iter().zip(g16).all(|(x, y)| close(*y, scale * x)), "scaled gradient");
+        let (n32, n16) = (adamw_node(&t32.graph, p32.param), adamw_node(&t16.graph, p16.param));
+        assert_eq!(n16.outputs.len(), 4, "param, m, v and the fp32 master");
+        for k in 0..3 {
+            let (x, y) = (&a[n32.outputs[k].index()].data, &b[n16.outputs[k].index()].data);
+            assert!(x.iter().zip(y).all(|(x, y)| close(*y, *x)), "AdamW output {k} unscaled");
+        }
+    }
+    // An infinite scale overflows every gradient: the update is skipped.
+    let b = run(&t16, &s16, &d16, Some(f64::INFINITY));
+    assert!(!b[t16.grad_norm.index()].item().is_finite());
+    for p in &t16.params {
+        let node = adamw_node(&t16.graph, p.param);
+        let olds = [p.param, p.m, p.v, p.master.unwrap()];
+        for (o, old) in node.outputs.iter().zip(olds) {
+            assert_eq!(b[o.index()], s16[&old], "skipped: {}", t16.graph.tensor_scope(old));
         }
     }
 }

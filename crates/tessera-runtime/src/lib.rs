@@ -30,4 +30,4 @@ pub use error::{Result, RuntimeError};
 pub use executor::Executor;
 pub use memory::MemoryAccountant;
 pub use schedule::LrSchedule;
-pub use trainer::{StepStats, Trainer};
+pub use trainer::{LossScaleConfig, LossScaleState, StepStats, Trainer};

@@ -4,12 +4,23 @@
 //!
 //! The trainer finds the model's data inputs by their names (`input_ids`, `labels`, optional
 //! `seed` and `token_type_ids`), so it needs no knowledge of model families.
+//!
+//! **fp16 dynamic loss scaling** (graphs with [`TrainingGraph::loss_scale`]) follows PyTorch's
+//! `GradScaler`: the scale starts at [`LossScaleConfig::init_scale`] (2^16); a step whose
+//! unscaled gradient norm is not finite is *skipped* (the AdamW nodes leave parameters and
+//! state untouched) and halves the scale; [`LossScaleConfig::growth_interval`] (2000)
+//! consecutive good steps double it. As in PyTorch, a skipped step still counts as an
+//! iteration — the step counter, learning-rate schedule, batch order and dropout seed advance
+//! — but not as an optimizer step: AdamW's bias-correction `step` input is the number of
+//! updates actually applied plus one (PyTorch's Adam does not advance its `step` state when
+//! `GradScaler` skips `optimizer.step()`).
 
 use crate::init::init_parameters;
 use crate::schedule::LrSchedule;
 use crate::tensor::{candle_dtype, from_vec};
 use crate::{Backend, Executor, Result, RuntimeError};
 use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use tessera_ir::{DType, Graph, Program, TensorId, TrainingGraph};
 
@@ -17,11 +28,100 @@ use tessera_ir::{DType, Graph, Program, TensorId, TrainingGraph};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepStats {
     pub step: u64,
+    /// The unscaled loss.
     pub loss: f64,
+    /// The unscaled global gradient norm (not finite on a skipped step).
     pub grad_norm: f64,
     pub lr: f64,
     /// Peak bytes the accountant saw during this step.
     pub peak_bytes: u64,
+    /// fp16: the gradients overflowed and the update was skipped. Always false otherwise.
+    pub skipped: bool,
+    /// fp16: the loss scale this step ran with. 1 without loss scaling.
+    pub loss_scale: f64,
+}
+
+/// Dynamic loss scaling settings (PyTorch `GradScaler`'s defaults).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaleConfig {
+    pub init_scale: f64,
+    /// Multiplies the scale after `growth_interval` consecutive good steps.
+    pub growth_factor: f64,
+    /// Multiplies the scale after a step whose gradients overflowed.
+    pub backoff_factor: f64,
+    pub growth_interval: u64,
+}
+
+impl Default for LossScaleConfig {
+    fn default() -> Self {
+        LossScaleConfig {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
+    }
+}
+
+/// The loss scaler's state, saved with a checkpoint to resume exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaleState {
+    /// The scale the next step runs with.
+    pub scale: f64,
+    /// Consecutive good steps since the last growth or backoff.
+    pub good_steps: u64,
+    /// Skipped steps since the start of the run (AdamW's step is `steps − skipped + 1`).
+    pub skipped_steps: u64,
+}
+
+/// The scaler of an fp16 training graph: its input, settings and state.
+#[derive(Clone, Copy, Debug)]
+struct LossScaler {
+    input: TensorId,
+    cfg: LossScaleConfig,
+    state: LossScaleState,
+}
+
+impl LossScaler {
+    fn new(input: TensorId, cfg: LossScaleConfig) -> LossScaler {
+        let state = LossScaleState { scale: cfg.init_scale, good_steps: 0, skipped_steps: 0 };
+        LossScaler { input, cfg, state }
+    }
+
+    /// Records a step's outcome and adjusts the scale.
+    fn update(&mut self, overflow: bool) {
+        let s = &mut self.state;
+        if overflow {
+            s.scale *= self.cfg.backoff_factor;
+            s.good_steps = 0;
+            s.skipped_steps += 1;
+        } else {
+            s.good_steps += 1;
+            if s.good_steps >= self.cfg.growth_interval {
+                s.scale *= self.cfg.growth_factor;
+                s.good_steps = 0;
+            }
+        }
+    }
+}
+
+fn check_scale_config(cfg: &LossScaleConfig) -> Result<()> {
+    let ok = cfg.init_scale.is_finite()
+        && cfg.init_scale > 0.0
+        && cfg.init_scale <= f64::from(f32::MAX)
+        && cfg.growth_factor >= 1.0
+        && cfg.growth_factor.is_finite()
+        && cfg.backoff_factor > 0.0
+        && cfg.backoff_factor < 1.0
+        && cfg.growth_interval >= 1;
+    if ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::Binding(format!(
+            "invalid loss scaling {cfg:?}: need 0 < init_scale ≤ f32::MAX, growth_factor ≥ 1, \
+             0 < backoff_factor < 1 and growth_interval ≥ 1"
+        )))
+    }
 }
 
 /// Leaves that carry a step's data.
@@ -83,6 +183,8 @@ pub struct Trainer<B: Backend> {
     step: u64,
     /// Parameter tensors by name, shared with the eval program.
     params_by_name: HashMap<String, Tensor>,
+    /// fp16 graphs only.
+    scaler: Option<LossScaler>,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -132,7 +234,59 @@ impl<B: Backend> Trainer<B> {
                 exec.bind(s, zeros)?;
             }
         }
-        Ok(Trainer { train, exec, eval: None, leaves, schedule, seed, step: 0, params_by_name })
+        let scaler = train.loss_scale.map(|t| LossScaler::new(t, LossScaleConfig::default()));
+        Ok(Trainer {
+            train,
+            exec,
+            eval: None,
+            leaves,
+            schedule,
+            seed,
+            step: 0,
+            params_by_name,
+            scaler,
+        })
+    }
+
+    /// Sets the dynamic loss scaling of an fp16 graph (and restarts its state from
+    /// `cfg.init_scale`); an error for a graph without loss scaling.
+    pub fn with_loss_scale(mut self, cfg: LossScaleConfig) -> Result<Trainer<B>> {
+        check_scale_config(&cfg)?;
+        let Some(input) = self.train.loss_scale else {
+            return Err(RuntimeError::Binding(
+                "the training graph has no loss scale (only fp16 parameters use one)".into(),
+            ));
+        };
+        let skipped_steps = self.scaler.map_or(0, |s| s.state.skipped_steps);
+        let mut scaler = LossScaler::new(input, cfg);
+        scaler.state.skipped_steps = skipped_steps;
+        self.scaler = Some(scaler);
+        Ok(self)
+    }
+
+    /// The loss scaler's state (`None` without loss scaling).
+    pub fn loss_scale_state(&self) -> Option<LossScaleState> {
+        self.scaler.map(|s| s.state)
+    }
+
+    /// Restores the loss scaler's state from a checkpoint (after [`Trainer::restore`], which
+    /// leaves the scaler alone).
+    pub fn set_loss_scale_state(&mut self, state: LossScaleState) -> Result<()> {
+        let steps = self.step;
+        let Some(scaler) = self.scaler.as_mut() else {
+            return Err(RuntimeError::Binding(
+                "the training graph has no loss scale (only fp16 parameters use one)".into(),
+            ));
+        };
+        check_scale_config(&LossScaleConfig { init_scale: state.scale, ..scaler.cfg })?;
+        if state.skipped_steps > steps {
+            return Err(RuntimeError::Binding(format!(
+                "{} skipped steps, but only {steps} steps are done",
+                state.skipped_steps
+            )));
+        }
+        scaler.state = state;
+        Ok(())
     }
 
     /// Adds a forward-only evaluation graph (same model, same parameter names) with scalar
@@ -204,18 +358,41 @@ impl<B: Backend> Trainer<B> {
             self.exec
                 .bind(s, Tensor::new(step_seed(self.seed, step), self.exec.backend().device())?)?;
         }
-        self.exec.bind(self.train.lr, Tensor::new(lr as f32, self.exec.backend().device())?)?;
-        self.exec.bind(self.train.step, Tensor::new(step as i64, self.exec.backend().device())?)?;
+        let device = self.exec.backend().device().clone();
+        self.exec.bind(self.train.lr, Tensor::new(lr as f32, &device)?)?;
+        // AdamW's step counts applied updates (skipped fp16 steps excluded), 1-based.
+        let skipped = self.scaler.map_or(0, |s| s.state.skipped_steps);
+        let adam_step = step - skipped;
+        self.exec.bind(self.train.step, Tensor::new(adam_step as i64, &device)?)?;
+        let loss_scale = self.scaler.map_or(1.0, |s| s.state.scale);
+        if let Some(scaler) = &self.scaler {
+            self.exec.bind(scaler.input, Tensor::new(loss_scale as f32, &device)?)?;
+        }
         self.exec.run()?;
         let loss = scalar(&self.exec, self.train.loss)?;
-        let grad_norm = scalar(&self.exec, self.train.grad_norm)?;
+        let mut grad_norm = scalar(&self.exec, self.train.grad_norm)?;
         if !loss.is_finite() {
             return Err(RuntimeError::Data(format!(
                 "step {step}: the loss is {loss}; lower the learning rate (now {lr:.2e})"
             )));
         }
+        let mut overflow = false;
+        if let Some(scaler) = self.scaler.as_mut() {
+            // The AdamW nodes' rule: skip iff grad_norm · (1/scale in f32) is not finite.
+            grad_norm *= f64::from(1.0 / loss_scale as f32);
+            overflow = !grad_norm.is_finite();
+            scaler.update(overflow);
+        }
         self.step = step;
-        Ok(StepStats { step, loss, grad_norm, lr, peak_bytes: self.exec.accountant().peak_bytes() })
+        Ok(StepStats {
+            step,
+            loss,
+            grad_norm,
+            lr,
+            peak_bytes: self.exec.accountant().peak_bytes(),
+            skipped: overflow,
+            loss_scale,
+        })
     }
 
     /// Mean loss of the eval program over the given batches (dropout off is not modelled:
@@ -273,7 +450,8 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Restores parameters, optimizer state and the step counter (from a checkpoint), so the
-    /// next [`Trainer::step`] continues exactly where the saved run stopped. Every tensor must
+    /// next [`Trainer::step`] continues exactly where the saved run stopped (for fp16, after
+    /// [`Trainer::set_loss_scale_state`] too: this leaves the loss scaler alone). Every tensor must
     /// be present with the right shape; values are copied into fresh buffers.
     pub fn restore(
         &mut self,

@@ -368,7 +368,19 @@ fn rope_forward_and_inverse() {
 // ---- AdamW -----------------------------------------------------------------------------------
 
 fn spec(clip: Option<f64>) -> AdamWSpec {
-    AdamWSpec { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, max_grad_norm: clip }
+    AdamWSpec {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        max_grad_norm: clip,
+        grad_scale: false,
+    }
+}
+
+/// With the loss-scaling `grad_scale` input (last).
+fn scaled_spec(clip: Option<f64>) -> AdamWSpec {
+    AdamWSpec { grad_scale: true, ..spec(clip) }
 }
 
 fn scalar_f32(x: f32) -> Tensor {
@@ -385,6 +397,7 @@ fn storage_ptr(t: &Tensor) -> usize {
     match &*s {
         Storage::Cpu(c) => match t.dtype() {
             DType::BF16 => c.as_slice::<bf16>().unwrap().as_ptr() as usize,
+            DType::F16 => c.as_slice::<half::f16>().unwrap().as_ptr() as usize,
             _ => c.as_slice::<f32>().unwrap().as_ptr() as usize,
         },
         _ => unreachable!(),
@@ -474,6 +487,64 @@ fn adamw_bf16_param_f32_master() {
         let rounded = master.to_dtype(DType::BF16).unwrap();
         assert_eq!(to_f64_vec(&p).unwrap(), to_f64_vec(&rounded).unwrap());
     }
+}
+
+#[test]
+fn adamw_f16_param_with_grad_scale() {
+    let _s = serial();
+    let mut rng = Rng::new(75);
+    for clip in [None, Some(1.0)] {
+        let (p32, g32, m, v) = adam_state(&mut rng, &[129, 33]);
+        let p = p32.to_dtype(DType::F16).unwrap();
+        // Scaled fp16 gradients (loss scale 2^10); the norm input is the scaled norm.
+        let scale = 1024.0f32;
+        let g = (g32 * f64::from(scale)).unwrap().to_dtype(DType::F16).unwrap();
+        let master =
+            (p.to_dtype(DType::F32).unwrap() + (rng.tensor(&[129, 33]) * 1e-3).unwrap()).unwrap();
+        let (lr, st, gn, gs) =
+            (scalar_f32(1e-3), scalar_i64(2), scalar_f32(3.0 * scale), scalar_f32(1.0 / scale));
+        let inputs = [&p, &g, &m, &v, &lr, &st, &gn, &master, &gs];
+        // param' is f16(master'): within f16 rounding (2⁻¹¹ relative) of the f64 update.
+        check_adamw(&inputs, scaled_spec(clip), &[2f64.powi(-11), TOL, TOL, TOL]);
+        let rounded = master.to_dtype(DType::F16).unwrap();
+        assert_eq!(to_f64_vec(&p).unwrap(), to_f64_vec(&rounded).unwrap());
+    }
+    // Without a master copy (f32 parameter) the scale is the last input too.
+    let (p, g, m, v) = adam_state(&mut rng, &[300]);
+    let (lr, st, gn, gs) = (scalar_f32(1e-3), scalar_i64(5), scalar_f32(40.0), scalar_f32(0.125));
+    check_adamw(&[&p, &g, &m, &v, &lr, &st, &gn, &gs], scaled_spec(Some(1.0)), &[TOL; 3]);
+}
+
+#[test]
+fn adamw_skips_the_update_when_the_unscaled_norm_overflows() {
+    let _s = serial();
+    let mut rng = Rng::new(76);
+    for (norm, scale) in [(f32::INFINITY, 2f32.powi(-16)), (f32::NAN, 2f32.powi(-16))] {
+        let (p32, g32, m, v) = adam_state(&mut rng, &[1000]);
+        let p = p32.to_dtype(DType::F16).unwrap();
+        let g = g32.to_dtype(DType::F16).unwrap();
+        let master = p.to_dtype(DType::F32).unwrap();
+        let (lr, st, gn, gs) =
+            (scalar_f32(1e-2), scalar_i64(3), scalar_f32(norm), scalar_f32(scale));
+        let inputs = [&p, &g, &m, &v, &lr, &st, &gn, &master, &gs];
+        let before: Vec<Vec<f64>> = inputs.iter().map(|t| to_f64_vec(t).unwrap()).collect();
+        // The interpreter agrees (values, in-place aliasing) ...
+        check_adamw(&inputs, scaled_spec(Some(1.0)), &[0.0; 4]);
+        // ... and nothing was written.
+        for (i, t) in inputs.iter().enumerate().filter(|(i, _)| *i != 6) {
+            let after = to_f64_vec(t).unwrap();
+            let same =
+                after.iter().zip(&before[i]).all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+            assert!(same, "input {i} changed on a skipped step (norm {norm})");
+        }
+    }
+    // Without grad_scale there is no skip rule (fp32 / bf16 graphs are unchanged): an
+    // infinite norm still updates, as it always has.
+    let (p, g, m, v) = adam_state(&mut rng, &[10]);
+    let before = to_f64_vec(&p).unwrap();
+    let (lr, st, gn) = (scalar_f32(1e-2), scalar_i64(3), scalar_f32(f32::INFINITY));
+    check_adamw(&[&p, &g, &m, &v, &lr, &st, &gn], spec(Some(1.0)), &[TOL; 3]);
+    assert_ne!(before, to_f64_vec(&p).unwrap());
 }
 
 #[test]

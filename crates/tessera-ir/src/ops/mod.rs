@@ -93,6 +93,23 @@ pub struct AdamWSpec {
     pub weight_decay: f64,
     /// Clip gradients by global norm to this value (the norm is an input).
     pub max_grad_norm: Option<f64>,
+    /// Loss scaling (fp16): the op takes a last input `grad_scale` (an f32 scalar,
+    /// 1 / loss_scale) that unscales the gradient and its norm, and skips the update when the
+    /// unscaled norm is not finite. See [`Op::AdamW`].
+    #[serde(default)]
+    pub grad_scale: bool,
+}
+
+impl AdamWSpec {
+    /// Positions of the optional `master` and `grad_scale` inputs of an AdamW node with
+    /// `n_inputs` inputs: `[param, grad, m, v, lr, step, grad_norm, (master), (grad_scale)]`,
+    /// `grad_scale` present iff [`AdamWSpec::grad_scale`], and always last.
+    pub fn optional_inputs(&self, n_inputs: usize) -> (Option<usize>, Option<usize>) {
+        let base = 7;
+        let scale = self.grad_scale.then(|| n_inputs.saturating_sub(1));
+        let master = (n_inputs == base + 1 + usize::from(self.grad_scale)).then_some(base);
+        (master, scale)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -226,14 +243,20 @@ pub enum Op {
     },
 
     // ---- optimizer ----------------------------------------------------------------------
-    /// Inputs `[param, grad, m, v, lr, step, grad_norm]` plus `master` under mixed precision;
+    /// Inputs `[param, grad, m, v, lr, step, grad_norm]` plus `master` under mixed precision,
+    /// plus `grad_scale` (last) when the spec's `grad_scale` is set (fp16 loss scaling);
     /// updates in place, outputs `[param', m', v']` (+ `master'`) alias their inputs.
     ///
-    /// Per element, with `step` 1-based and all arithmetic in f32 or wider:
+    /// Per element, with `step` 1-based and all arithmetic in f32 or wider; `s = grad_scale`
+    /// (an f32 scalar, 1 / loss_scale) when present, else 1; `grad` and `grad_norm` are the
+    /// scaled gradient and its global norm:
     ///
     /// ```text
-    /// c  = min(1, max_grad_norm / (grad_norm + 1e-6))   if max_grad_norm is Some, else 1
-    /// g  = c · grad
+    /// n  = grad_norm · s                                 (the unscaled global norm)
+    /// if grad_scale is present and n is not finite (inf or NaN):
+    ///     skip: param' = param, m' = m, v' = v, master' = master   (nothing is written)
+    /// c  = min(1, max_grad_norm / (n + 1e-6))            if max_grad_norm is Some, else 1
+    /// g  = c · s · grad
     /// w  = master if present, else param
     /// m' = β1·m + (1 − β1)·g
     /// v' = β2·v + (1 − β2)·g²
@@ -347,7 +370,7 @@ impl Op {
             Op::Attention(_) => attention::infer(x),
             Op::AttentionBackward(_) => attention::infer_backward(x),
             Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
-            Op::AdamW(_) => optim::infer(x),
+            Op::AdamW(spec) => optim::infer(spec, x),
         }
     }
 

@@ -7,8 +7,9 @@
 //! (`Tensor::clone` shares storage), as the IR's aliasing declares.
 //!
 //! Arithmetic is f32 per element; the bias corrections and the clip factor are computed in
-//! f64 once. Under mixed precision (`master` present) the f32 master is updated and the
-//! parameter (bf16 / f16 / f32) is overwritten with its rounded value.
+//! f64 once (the clip factor includes the loss-scaling `grad_scale`, when present). Under
+//! mixed precision (`master` present) the f32 master is updated and the parameter (bf16 /
+//! f16 / f32) is overwritten with its rounded value.
 
 use crate::tensor::{contiguous, read};
 use crate::{Result, RuntimeError};
@@ -27,7 +28,6 @@ const V: usize = 3;
 const LR: usize = 4;
 const STEP: usize = 5;
 const GRAD_NORM: usize = 6;
-const MASTER: usize = 7;
 
 /// Elements per rayon task.
 const CHUNK: usize = 1 << 14;
@@ -184,14 +184,21 @@ fn storage_addr(t: &Tensor) -> usize {
     }
 }
 
-/// AdamW on inputs `[param, grad, m, v, lr, step, grad_norm, (master)]`, in place; returns
-/// `[param', m', v', (master')]` sharing storage with the inputs.
+/// AdamW on inputs `[param, grad, m, v, lr, step, grad_norm, (master), (grad_scale)]`, in
+/// place; returns `[param', m', v', (master')]` sharing storage with the inputs. With
+/// `grad_scale` (loss scaling) a non-finite unscaled norm skips the update: nothing is written.
 pub fn adamw(spec: &AdamWSpec, x: &[&Tensor]) -> Result<Vec<Tensor>> {
-    if x.len() != 7 && x.len() != 8 {
-        return Err(RuntimeError::Binding(format!("adamw expects 7 or 8 inputs, got {}", x.len())));
+    let base = 7 + usize::from(spec.grad_scale);
+    if x.len() != base && x.len() != base + 1 {
+        return Err(RuntimeError::Binding(format!(
+            "adamw expects {base} or {} inputs, got {}",
+            base + 1,
+            x.len()
+        )));
     }
+    let (master_at, scale_at) = spec.optional_inputs(x.len());
     let (param, grad, m, v) = (x[PARAM], x[GRAD], x[M], x[V]);
-    let master = x.get(MASTER).copied();
+    let master = master_at.map(|i| x[i]);
     let mut state = vec![(grad, "grad"), (m, "m"), (v, "v")];
     state.extend(master.map(|t| (t, "master")));
     for (t, what) in &state {
@@ -237,10 +244,19 @@ pub fn adamw(spec: &AdamWSpec, x: &[&Tensor]) -> Result<Vec<Tensor>> {
             "adamw: step {step} must be ≥ 1 (it is 1-based)"
         )));
     }
-    let clip = match spec.max_grad_norm {
-        Some(max) => (max / (scalar(x[GRAD_NORM], "grad_norm")? + 1e-6)).min(1.0),
+    let scale = match scale_at {
+        Some(i) => scalar(x[i], "grad_scale")?,
         None => 1.0,
     };
+    let norm = scalar(x[GRAD_NORM], "grad_norm")? * scale;
+    if scale_at.is_some() && !norm.is_finite() {
+        // Overflow under loss scaling: skip the step, leaving every state untouched.
+        return Ok(written.into_iter().cloned().collect());
+    }
+    let clip = match spec.max_grad_norm {
+        Some(max) => (max / (norm + 1e-6)).min(1.0),
+        None => 1.0,
+    } * scale;
     let c = Coef {
         clip: clip as f32,
         b1: spec.beta1 as f32,
