@@ -19,6 +19,7 @@ mod graph;
 pub mod interp;
 pub mod ops;
 mod program;
+pub mod rng;
 mod shape;
 
 pub use autodiff::{build_training_graph, gradients, ParamSlot, TrainConfig, TrainingGraph};

@@ -339,10 +339,11 @@ impl Problems {
     }
 
     fn into_error(self, path: &Path) -> RuntimeError {
+        let n = self.count();
         let mut msg = format!(
-            "{}: the weights do not fit the model ({} problems):",
+            "{}: the weights do not fit the model ({n} problem{}):",
             path.display(),
-            self.count()
+            if n == 1 { "" } else { "s" }
         );
         let sections = [
             ("missing from the checkpoint", self.missing),

@@ -31,6 +31,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
+use tessera_ir::rng::splitmix64;
 
 /// The fraction of a single file's tokens held out for evaluation (the tail of the file).
 pub const DEFAULT_VAL_FRACTION: f64 = 0.1;
@@ -367,14 +368,6 @@ impl Batch {
         }
         Batch { inputs, targets, batch: offsets.len(), seq }
     }
-}
-
-/// splitmix64's output function: a bijective 64-bit mixer (Steele, Lea & Flood 2014).
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// A uniform draw in `0..n` (n ≥ 1) that depends only on `(seed, step, row)`.

@@ -63,13 +63,7 @@ pub fn init_rules(graph: &Graph) -> Vec<(TensorId, InitRule)> {
         .collect()
 }
 
-/// splitmix64.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+use tessera_ir::rng::splitmix64 as mix;
 
 /// FNV-1a of a parameter name: a stable key independent of graph order.
 fn name_key(name: &str) -> u64 {

@@ -167,9 +167,7 @@ impl DataLeaves {
 
 /// The dropout seed of a step: distinct per (run seed, step), identical on every device.
 pub fn step_seed(seed: u64, step: u64) -> i64 {
-    let mut z = seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    (z >> 1) as i64
+    (tessera_ir::rng::splitmix64(seed ^ tessera_ir::rng::splitmix64(step)) >> 1) as i64
 }
 
 pub struct Trainer<B: Backend> {
@@ -395,8 +393,9 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
-    /// Mean loss of the eval program over the given batches (dropout off is not modelled:
-    /// the eval graph is built without a seed when the model has no dropout).
+    /// Mean loss of the eval program over the given batches. Callers build the eval graph
+    /// without dropout (`ModelConfig::without_dropout`); if it has a seed input anyway, each
+    /// batch gets a fixed one so evaluation stays deterministic.
     pub fn eval(&mut self, batches: &[(Vec<i64>, Vec<i64>)]) -> Result<f64> {
         let seed = self.seed;
         let Some((exec, leaves, loss)) = self.eval.as_mut() else {
