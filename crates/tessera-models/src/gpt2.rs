@@ -71,11 +71,8 @@ pub(crate) fn build(cfg: &Gpt2Config, opts: &BuildOptions) -> Result<ForwardMode
     let x_bsd = nn::layer_norm_to(&mut b, "ln_f", x_bsd, cfg.layer_norm_epsilon, dtype)?;
     b.pop_scope();
 
-    let logits_bsv = if cfg.tie_word_embeddings {
-        b.scoped("lm_head", |b| b.matmul(x_bsd, wte_vd, false, true))?
-    } else {
-        nn::linear(&mut b, "lm_head", x_bsd, v, false)?
-    };
+    let tied = cfg.tie_word_embeddings.then_some(wte_vd);
+    let logits_bsv = nn::lm_head(&mut b, x_bsd, tied, v)?;
     let loss = b.cross_entropy(logits_bsv, labels, None)?;
     Ok(ForwardModel { builder: b, loss, logits: logits_bsv, batch, seq, inputs: inputs.list })
 }
@@ -87,11 +84,10 @@ fn block(
     layer: usize,
     drop: &mut Dropout,
     x_bsd: TensorId,
-    cfg_dtype: DType,
+    dtype: DType,
 ) -> IrResult<TensorId> {
     let d = cfg.n_embd;
     let eps = cfg.layer_norm_epsilon;
-    let dtype = cfg_dtype;
 
     let h_bsd = nn::layer_norm_to(b, "ln_1", x_bsd, eps, dtype)?;
     let a_bsd = b.scoped("attn", |b| {

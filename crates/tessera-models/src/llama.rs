@@ -66,11 +66,8 @@ pub(crate) fn build(cfg: &LlamaConfig, opts: &BuildOptions) -> Result<ForwardMod
     let x_bsd = nn::rms_norm_to(&mut b, "norm", x_bsd, cfg.rms_norm_eps, dtype)?;
     b.pop_scope();
 
-    let logits_bsv = if cfg.tie_word_embeddings {
-        b.scoped("lm_head", |b| b.matmul(x_bsd, embed_vd, false, true))?
-    } else {
-        nn::linear(&mut b, "lm_head", x_bsd, v, false)?
-    };
+    let tied = cfg.tie_word_embeddings.then_some(embed_vd);
+    let logits_bsv = nn::lm_head(&mut b, x_bsd, tied, v)?;
     let loss = b.cross_entropy(logits_bsv, labels, None)?;
     Ok(ForwardModel { builder: b, loss, logits: logits_bsv, batch, seq, inputs: inputs.list })
 }

@@ -101,6 +101,20 @@ pub(crate) fn rms_norm_to(
     to(b, y, dtype)
 }
 
+/// The causal-LM head: logits over `vocab` from `x`, through the token embedding `tied` when
+/// the head shares it (`x·Eᵀ`), else through its own `lm_head` linear layer.
+pub(crate) fn lm_head(
+    b: &mut Builder,
+    x: TensorId,
+    tied: Option<TensorId>,
+    vocab: usize,
+) -> IrResult<TensorId> {
+    match tied {
+        Some(embedding) => b.scoped("lm_head", |b| b.matmul(x, embedding, false, true)),
+        None => linear(b, "lm_head", x, vocab, false),
+    }
+}
+
 /// `[B, S, H·D]` → `[B, S, H, D]`.
 pub(crate) fn split_heads(b: &mut Builder, x: TensorId, heads: usize) -> IrResult<TensorId> {
     let d = b.shape(x).dims().to_vec();
