@@ -5,7 +5,7 @@ set -euo pipefail
 
 # System packages by issue: none yet for the IR/profiler; later issues add cmake, libclang-dev
 # (HiGHS) and OpenMPI. Keep the list here, in one place.
-PACKAGES=()
+PACKAGES=(cmake g++ libclang-dev)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -181,6 +181,7 @@ fn is_bound_leaf(op: &Op) -> bool {
     match op {
         Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => true,
         Op::Fill { .. }
+        | Op::Reshard(_)
         | Op::Unary(_)
         | Op::UnaryBackward(_)
         | Op::Binary(_)
@@ -476,7 +477,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::Fill { .. } => 0,
         Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Softmax => 1,
         Op::Reshape(_) | Op::Permute(_) | Op::Slice { .. } | Op::Pad { .. } | Op::Expand(_) => 1,
-        Op::Rope { .. } => 1,
+        Op::Rope { .. } | Op::Reshard(_) => 1,
         Op::UnaryBackward(_) | Op::Binary(_) | Op::Dropout { .. } | Op::MatMul { .. } => 2,
         Op::ReduceBackward { .. } | Op::SoftmaxBackward | Op::RmsNorm { .. } => 2,
         Op::Embedding | Op::EmbeddingBackward { .. } | Op::CrossEntropy { .. } => 2,
@@ -501,6 +502,14 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
             unreachable!("returned above")
         }
         Op::Fill { value, meta } => one(Value::full(meta.shape.clone(), *value)),
+        Op::Reshard(spec) => {
+            // One device: groups of one move nothing. Larger groups need a communicator.
+            ensure!(
+                spec.forward.iter().all(|s| s.size == 1),
+                "reshard over more than one device needs a communicator (the SPMD runtime)"
+            );
+            one(x[0].clone())
+        }
         Op::Unary(u) => one(map(x[0], |v| unary(*u, v))),
         Op::UnaryBackward(u) => {
             ensure!(x[0].shape == x[1].shape, "x {} and dy {} differ", x[0].shape, x[1].shape);

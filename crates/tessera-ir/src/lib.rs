@@ -27,6 +27,9 @@ pub use builder::Builder;
 pub use dtype::DType;
 pub use error::{IrError, Result};
 pub use graph::{Graph, Node, NodeId, Phase, ScopeId, Tensor, TensorId};
-pub use ops::{AdamWSpec, AttentionSpec, BinaryOp, Flops, Op, ReduceOp, StateKind, UnaryOp};
+pub use ops::{
+    AdamWSpec, AttentionSpec, BinaryOp, Collective, CommStep, Flops, Op, ReduceOp, ReshardSpec,
+    StateKind, UnaryOp,
+};
 pub use program::{Instr, Program, Role};
 pub use shape::{Shape, TensorMeta};

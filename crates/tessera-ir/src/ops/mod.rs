@@ -9,6 +9,7 @@
 //! "matmul" FLOP class, everything else in "other".
 
 pub(crate) mod attention;
+pub mod comm;
 pub mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod layout;
@@ -22,6 +23,7 @@ pub(crate) mod reduce;
 use crate::autodiff::{Grad, VjpCtx};
 use crate::{DType, Result, Shape, TensorMeta};
 use serde::{Deserialize, Serialize};
+pub use comm::{Collective, CommStep, ReshardSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -266,6 +268,11 @@ pub enum Op {
     /// param' = w'   (rounded to param's dtype);   master' = w'   when present
     /// ```
     AdamW(AdamWSpec),
+
+    // ---- communication (only in lowered per-device graphs) -------------------------------
+    /// Collectives that move a value between shardings; see [`comm`]. A forward with no steps
+    /// is a view (Megatron's "f": identity now, all-reduce of the gradient later).
+    Reshard(ReshardSpec),
 }
 
 /// FLOPs of one node, split as the profiler reports them.
@@ -323,6 +330,7 @@ impl Op {
             Op::AttentionBackward(_) => "attention_backward",
             Op::Rope { .. } => "rope",
             Op::AdamW(_) => "adamw",
+            Op::Reshard(_) => "reshard",
         }
     }
 
@@ -371,6 +379,7 @@ impl Op {
             Op::AttentionBackward(_) => attention::infer_backward(x),
             Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
             Op::AdamW(spec) => optim::infer(spec, x),
+            Op::Reshard(spec) => comm::infer(x, spec),
         }
     }
 
@@ -409,6 +418,7 @@ impl Op {
             Op::AttentionBackward(_) => attention::flops_backward(x),
             Op::Rope { .. } => attention::flops_rope(y),
             Op::AdamW(_) => optim::flops(x),
+            Op::Reshard(spec) => comm::flops(spec, x),
         }
     }
 
@@ -448,6 +458,13 @@ impl Op {
             | Op::AttentionBackward(_)
             | Op::Rope { .. }
             | Op::AdamW(_) => read + written,
+            Op::Reshard(spec) => {
+                if spec.is_view() {
+                    0
+                } else {
+                    read + written
+                }
+            }
         }
     }
 
@@ -457,6 +474,7 @@ impl Op {
         match self {
             Op::Reshape(_) | Op::Expand(_) => Some(0),
             Op::AdamW(_) => Some(optim::alias(out)),
+            Op::Reshard(spec) => spec.is_view().then_some(0),
             Op::Parameter(_)
             | Op::Input(_)
             | Op::OptimizerState { .. }
@@ -524,7 +542,8 @@ impl Op {
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::Rope { .. }
-            | Op::AdamW(_) => 0,
+            | Op::AdamW(_)
+            | Op::Reshard(_) => 0,
         }
     }
 
@@ -553,7 +572,8 @@ impl Op {
             | Op::LayerNorm { .. }
             | Op::RmsNorm { .. }
             | Op::Attention(_)
-            | Op::Rope { .. } => all(true),
+            | Op::Rope { .. }
+            | Op::Reshard(_) => all(true),
             // Backward ops and the optimizer are not differentiated again.
             Op::UnaryBackward(_)
             | Op::BinaryBackward { .. }
@@ -594,6 +614,7 @@ impl Op {
             Op::CrossEntropy { ignore_index } => loss::vjp(cx, *ignore_index),
             Op::Attention(spec) => attention::vjp(cx, spec),
             Op::Rope { inv_freq, inverse } => attention::vjp_rope(cx, inv_freq, *inverse),
+            Op::Reshard(spec) => comm::vjp(cx, spec),
             Op::UnaryBackward(_)
             | Op::BinaryBackward { .. }
             | Op::ReduceBackward { .. }

@@ -75,5 +75,12 @@ pub fn execute(op: &Op, x: &[&Tensor], out: &[TensorMeta]) -> Result<Vec<Tensor>
         }
         Op::Rope { inv_freq, inverse } => one(attention::rope(x[0], inv_freq, *inverse)?),
         Op::AdamW(spec) => optim::adamw(spec, x),
+        // Groups of one device move nothing; larger ones need the SPMD runtime's communicator.
+        Op::Reshard(spec) if spec.forward.iter().all(|s| s.size == 1) => one(x[0].clone()),
+        Op::Reshard(_) => Err(RuntimeError::Binding(
+            "a reshard over several devices needs a communicator: run the plan with the SPMD \
+             runtime (`tessera train --devices N`)"
+                .into(),
+        )),
     }
 }

@@ -1,0 +1,1 @@
+//! Parallelism config strings. (Skeleton.)

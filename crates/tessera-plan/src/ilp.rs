@@ -1,0 +1,1 @@
+//! The strategy ILP. (Skeleton.)

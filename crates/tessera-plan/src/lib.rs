@@ -1,0 +1,45 @@
+//! The auto-parallel planner: given a training graph and a cluster, find how to split the step
+//! across devices — fastest under a per-device memory budget — and lower that plan to one
+//! Program per device.
+//!
+//! - [`cluster`]: device presets, cluster strings (`2x8xH100`) and files; [`units`]: sizes.
+//! - [`mesh`]: logical N-D device meshes over a cluster, with a link (latency, bandwidth) per axis.
+//! - [`spec`]: sharding specs (each dim over mesh axes, or a pending sum).
+//! - [`reshard`]: cheapest path between two specs over collective moves, in seconds.
+//! - [`config`]: the parallelism config-string grammar (`dp2 tp4 zero1 mb2 sp`).
+//! - [`ilp`]: the one-hot strategy ILP (HiGHS), with a brute-force oracle for tests.
+//!
+//! One time unit (seconds, f64) and one memory unit (bytes, u64) everywhere.
+
+pub mod cluster;
+pub mod config;
+pub mod ilp;
+pub mod mesh;
+pub mod reshard;
+pub mod spec;
+pub mod units;
+
+pub use cluster::{Cluster, DeviceSpec, Link};
+pub use mesh::Mesh;
+pub use spec::Spec;
+
+/// Everything that can go wrong while planning, each naming the problem and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// Bad user input: a cluster string, a config string, a size, a file.
+    #[error("{0}")]
+    Invalid(String),
+    /// No plan fits the memory budget.
+    #[error(
+        "no plan fits in {budget} per device; the least any plan needs is {needed} per device \
+         ({hint})",
+        budget = units::format_bytes(*budget),
+        needed = units::format_bytes(*needed)
+    )]
+    Infeasible { budget: u64, needed: u64, hint: String },
+    /// An internal failure (the solver, a lowering that does not type-check).
+    #[error("{0}")]
+    Internal(String),
+}
+
+pub type Result<T, E = PlanError> = std::result::Result<T, E>;
