@@ -1,19 +1,8 @@
 //! Human-readable numbers for tables.
 
-/// `1536` → `1.50 KiB`.
+/// `1536` → `1.50 KiB` (one formatter for the whole CLI: the planner's).
 pub fn bytes(b: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
+    tessera_plan::units::format_bytes(b)
 }
 
 /// `874944921600` → `874.94 G`.

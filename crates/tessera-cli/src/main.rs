@@ -2,8 +2,10 @@
 //! become one `error: ...` line on stderr and a non-zero exit (never a panic). Machine-readable
 //! output (`--format json`) is the only thing written to stdout.
 
+mod calibrate_cmd;
 mod eval_cmd;
 mod format;
+mod plan_cmd;
 mod profile_cmd;
 mod train_cmd;
 
@@ -29,6 +31,11 @@ enum Command {
     Train(Box<train_cmd::TrainArgs>),
     /// Next-token loss (and logits) of a checkpoint directory over given token ids.
     Eval(eval_cmd::EvalArgs),
+    /// Measure this CPU (matmul FLOP/s, memory and thread-to-thread bandwidth) and save it as
+    /// the `cpu` device preset used by cluster strings like `4xcpu`.
+    /// Find the fastest parallel plan that fits (or evaluate a given one) for a model on a cluster.
+    Plan(Box<plan_cmd::PlanArgs>),
+    Calibrate(calibrate_cmd::CalibrateArgs),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +44,8 @@ fn main() -> ExitCode {
         Command::Profile(args) => profile_cmd::run(&args),
         Command::Train(args) => train_cmd::run(&args),
         Command::Eval(args) => eval_cmd::run(&args),
+        Command::Plan(args) => plan_cmd::run(&args),
+        Command::Calibrate(args) => calibrate_cmd::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

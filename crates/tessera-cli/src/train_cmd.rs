@@ -117,35 +117,9 @@ pub enum ScheduleKind {
     Cosine,
 }
 
-/// `512MiB`, `20GiB`, `1.5GB`, `4096` (bytes) → bytes.
+/// `512MiB`, `20GiB`, `1.5GB`, `4096` (bytes) → bytes ([`tessera_plan::units::parse_bytes`]).
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size; write e.g. 512MiB, 20GiB or 1048576"))?;
-    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "t" | "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024.0 * 1024.0,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        "tib" => 1024f64.powi(4),
-        other => {
-            return Err(format!(
-                "unknown size unit `{other}` in `{s}` (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
-            ))
-        }
-    };
-    if value.is_nan() || value < 0.0 || !value.is_finite() {
-        return Err(format!("`{s}` is not a valid size"));
-    }
-    Ok((value * scale).round() as u64)
+    tessera_plan::units::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {

@@ -45,10 +45,12 @@ fn crates_depend_only_downwards() {
         ("tessera-ir", &[][..]),
         ("tessera-models", &["tessera-ir"][..]),
         ("tessera-profile", &["tessera-ir"][..]),
+        ("tessera-plan", &["tessera-ir", "tessera-profile"][..]),
         ("tessera-runtime", &["tessera-ir"][..]),
         (
             "tessera-cli",
-            &["tessera-ir", "tessera-models", "tessera-profile", "tessera-runtime"][..],
+            &["tessera-ir", "tessera-models", "tessera-profile", "tessera-plan", "tessera-runtime"]
+                [..],
         ),
     ]);
     for (krate, deps) in &graph {

@@ -258,7 +258,62 @@ pub struct ParamSlot {
     pub v: TensorId,
     /// fp32 master weights when the parameter is stored in lower precision.
     pub master: Option<TensorId>,
+    /// What AdamW updates in place: the parameter itself, or this device's shard of it when
+    /// optimizer state is sharded (ZeRO-1/2).
+    #[serde(default)]
+    pub update: Option<TensorId>,
+    /// ZeRO-1/2: the updated shards gathered into a full parameter, which the runtime copies
+    /// into `param` at the end of the step.
+    #[serde(default)]
+    pub gathered: Option<TensorId>,
 }
+
+/// How the optimizer section treats each parameter. The defaults are one device: the gradient
+/// is already complete, AdamW updates the parameter itself, the norm is a plain sum. The
+/// planner's lowering overrides them to synchronise gradients, shard optimizer state (ZeRO) and
+/// sum gradient norms across devices.
+pub trait UpdateHooks {
+    /// The gradient to update with (e.g. after an all-reduce over data-parallel devices).
+    fn sync_grad(
+        &mut self,
+        _b: &mut Builder,
+        _param: TensorId,
+        grad: TensorId,
+    ) -> Result<TensorId> {
+        Ok(grad)
+    }
+    /// The tensor AdamW updates in place for `param`; its shape is the optimizer state's.
+    fn update_target(&mut self, _b: &mut Builder, param: TensorId) -> Result<TensorId> {
+        Ok(param)
+    }
+    /// One parameter's Σg² (f32 scalar) as a term of the global sum.
+    fn norm_term(
+        &mut self,
+        _b: &mut Builder,
+        _param: TensorId,
+        sumsq: TensorId,
+    ) -> Result<TensorId> {
+        Ok(sumsq)
+    }
+    /// The sum of all terms, before the square root.
+    fn norm_total(&mut self, _b: &mut Builder, total: TensorId) -> Result<TensorId> {
+        Ok(total)
+    }
+    /// After the update of `target` (see [`UpdateHooks::update_target`]): e.g. gather the
+    /// updated shards of `param`. Returns the full updated parameter when it is a new tensor.
+    fn after_update(
+        &mut self,
+        _b: &mut Builder,
+        _param: TensorId,
+        _target: TensorId,
+    ) -> Result<Option<TensorId>> {
+        Ok(None)
+    }
+}
+
+/// One device: every hook is the identity.
+pub struct SingleDevice;
+impl UpdateHooks for SingleDevice {}
 
 /// Forward + backward + optimizer for one step, with handles to the tensors that matter.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -281,9 +336,20 @@ pub struct TrainingGraph {
 
 /// Builds the training graph of a forward graph whose scalar `loss` is given.
 pub fn build_training_graph(
+    b: Builder,
+    loss: TensorId,
+    cfg: &TrainConfig,
+) -> Result<TrainingGraph> {
+    build_training_graph_with(b, loss, cfg, &mut SingleDevice)
+}
+
+/// [`build_training_graph`] with the optimizer section shaped by `hooks` (distributed
+/// lowering).
+pub fn build_training_graph_with(
     mut b: Builder,
     loss: TensorId,
     cfg: &TrainConfig,
+    hooks: &mut dyn UpdateHooks,
 ) -> Result<TrainingGraph> {
     let params = b.graph.parameters();
     if params.is_empty() {
@@ -319,6 +385,7 @@ pub fn build_training_graph(
     // Global gradient norm: Σ‖g‖² over parameters, in f32.
     let mut sum_sq: Option<TensorId> = None;
     let mut slots = Vec::with_capacity(params.len());
+    let mut synced = Vec::with_capacity(params.len());
     for (&p, g) in params.iter().zip(&grads) {
         let g = g.ok_or_else(|| {
             IrError::Graph(format!(
@@ -330,6 +397,8 @@ pub fn build_training_graph(
         let (scope, block) = (node.scope, node.block);
         b.set_scope_id(scope);
         b.set_block(block);
+        let raw = g;
+        let g = hooks.sync_grad(&mut b, p, raw)?;
         let rank = b.shape(g).rank();
         // Scaled fp16 gradients square past fp16's range: reduce them in f32.
         let g32 = if scaled && b.dtype(g) == DType::F16 { b.cast(g, DType::F32)? } else { g };
@@ -337,33 +406,44 @@ pub fn build_training_graph(
         if b.dtype(s) != DType::F32 {
             s = b.cast(s, DType::F32)?;
         }
+        let s = hooks.norm_term(&mut b, p, s)?;
         sum_sq = Some(match sum_sq {
             Some(acc) => b.add(acc, s)?,
             None => s,
         });
-        slots.push(ParamSlot { param: p, grad: g, m: p, v: p, master: None });
+        synced.push(g);
+        slots.push(ParamSlot {
+            param: p,
+            grad: raw,
+            m: p,
+            v: p,
+            master: None,
+            update: None,
+            gathered: None,
+        });
     }
     b.set_scope_id(crate::ScopeId(0));
     b.set_block(None);
     b.push_scope("optimizer");
-    let grad_norm = b.unary(UnaryOp::Sqrt, sum_sq.expect("at least one parameter"))?;
+    let total = hooks.norm_total(&mut b, sum_sq.expect("at least one parameter"))?;
+    let grad_norm = b.unary(UnaryOp::Sqrt, total)?;
     b.pop_scope();
 
-    for slot in &mut slots {
+    for (slot, &grad) in slots.iter_mut().zip(&synced) {
         let p = slot.param;
         let node = b.graph.producer(p);
         let (scope, block) = (node.scope, node.block);
         let name = b.graph.scope_name(scope).to_string();
         b.set_block(block);
-        slot.m = b.optimizer_state(&format!("{name}.adam_m"), StateKind::AdamM, p, DType::F32);
-        slot.v = b.optimizer_state(&format!("{name}.adam_v"), StateKind::AdamV, p, DType::F32);
+        b.set_scope_id(scope);
+        let target = hooks.update_target(&mut b, p)?;
+        let state = |b: &mut Builder, suffix: &str, kind| {
+            b.optimizer_state(&format!("{name}.{suffix}"), kind, p, target, DType::F32)
+        };
+        slot.m = state(&mut b, "adam_m", StateKind::AdamM);
+        slot.v = state(&mut b, "adam_v", StateKind::AdamV);
         if b.dtype(p) != DType::F32 {
-            slot.master = Some(b.optimizer_state(
-                &format!("{name}.master"),
-                StateKind::Master,
-                p,
-                DType::F32,
-            ));
+            slot.master = Some(state(&mut b, "master", StateKind::Master));
         }
         b.set_scope_id(scope);
         let weight_decay = if b.shape(p).rank() >= 2 { cfg.weight_decay } else { 0.0 };
@@ -375,11 +455,13 @@ pub fn build_training_graph(
             max_grad_norm: cfg.max_grad_norm,
             grad_scale: grad_scale.is_some(),
         };
-        let mut inputs = vec![p, slot.grad, slot.m, slot.v, lr, step, grad_norm];
+        let mut inputs = vec![target, grad, slot.m, slot.v, lr, step, grad_norm];
         inputs.extend(slot.master);
         inputs.extend(grad_scale);
         debug_assert_eq!(inputs[optim::GRAD_NORM], grad_norm);
         b.push(Op::AdamW(spec), &inputs)?;
+        slot.update = (target != p).then_some(target);
+        slot.gathered = hooks.after_update(&mut b, p, target)?;
     }
     b.set_phase(Phase::Forward);
     Ok(TrainingGraph { graph: b.finish(), loss, grad_norm, lr, step, loss_scale, params: slots })

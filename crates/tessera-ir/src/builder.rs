@@ -92,10 +92,14 @@ impl Builder {
     }
     /// Stamps subsequent nodes with an already interned scope (autodiff reuses the forward
     /// node's scope for its backward nodes).
-    pub(crate) fn set_scope_id(&mut self, scope: ScopeId) {
+    pub fn set_scope_id(&mut self, scope: ScopeId) {
         self.scope = scope;
     }
-    pub(crate) fn scope_id(&self) -> ScopeId {
+    /// Stamps subsequent nodes with the scope `path` (interned here).
+    pub fn set_scope_path(&mut self, path: &str) {
+        self.scope = self.graph.intern_scope(path);
+    }
+    pub fn scope_id(&self) -> ScopeId {
         self.scope
     }
 
@@ -167,9 +171,10 @@ impl Builder {
         name: &str,
         kind: crate::StateKind,
         param: TensorId,
+        like: TensorId,
         dtype: DType,
     ) -> TensorId {
-        let meta = TensorMeta { shape: self.shape(param).clone(), dtype };
+        let meta = TensorMeta { shape: self.shape(like).clone(), dtype };
         self.leaf(name, Op::OptimizerState { kind, meta }, &[param])
     }
 

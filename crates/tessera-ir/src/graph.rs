@@ -99,6 +99,11 @@ impl Graph {
         id
     }
 
+    /// Number of interned scopes (ids are `0..num_scopes()`).
+    pub fn num_scopes(&self) -> usize {
+        self.scopes.len()
+    }
+
     pub fn scope_name(&self, id: ScopeId) -> &str {
         &self.scopes[id.0 as usize]
     }

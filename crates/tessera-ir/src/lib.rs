@@ -22,7 +22,10 @@ mod program;
 pub mod rng;
 mod shape;
 
-pub use autodiff::{build_training_graph, gradients, ParamSlot, TrainConfig, TrainingGraph};
+pub use autodiff::{
+    build_training_graph, build_training_graph_with, gradients, ParamSlot, SingleDevice,
+    TrainConfig, TrainingGraph, UpdateHooks,
+};
 pub use builder::Builder;
 pub use dtype::DType;
 pub use error::{IrError, Result};

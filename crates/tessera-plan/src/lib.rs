@@ -13,9 +13,15 @@
 
 pub mod cluster;
 pub mod config;
+pub mod cost;
 pub mod ilp;
+pub mod lower;
 pub mod mesh;
+pub mod plan;
+pub mod planner;
 pub mod reshard;
+pub mod rules;
+pub mod search;
 pub mod spec;
 pub mod units;
 

@@ -33,7 +33,7 @@ impl Mesh {
         for i in 0..shape.len() {
             let stride: usize = shape[i + 1..].iter().product();
             let span = stride * shape[i];
-            let intra = span <= cluster.gpus_per_node && cluster.gpus_per_node % span == 0;
+            let intra = span <= cluster.gpus_per_node && cluster.gpus_per_node.is_multiple_of(span);
             links.push(if intra || cluster.nodes == 1 { cluster.intra } else { cluster.inter });
         }
         let axes = (0..shape.len())
@@ -80,7 +80,7 @@ impl Mesh {
                 return;
             }
             for f in 2..=n {
-                if n % f == 0 {
+                if n.is_multiple_of(f) {
                     cur.push(f);
                     go(n / f, left - 1, cur, out);
                     cur.pop();

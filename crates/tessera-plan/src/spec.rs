@@ -105,7 +105,11 @@ impl Spec {
                 dims.push(Vec::new());
             } else {
                 let axes = tok.strip_prefix('S')?;
-                dims.push(axes.chars().map(|c| c.to_digit(10).map(|d| d as usize)).collect::<Option<_>>()?);
+                dims.push(
+                    axes.chars()
+                        .map(|c| c.to_digit(10).map(|d| d as usize))
+                        .collect::<Option<_>>()?,
+                );
             }
         }
         let rest = rest.trim();

@@ -56,7 +56,7 @@ impl CommStep {
             }
             Collective::ReduceScatter { dim } | Collective::Shard { dim } => {
                 check(&d, dim)?;
-                if d[dim] % n != 0 {
+                if !d[dim].is_multiple_of(n) {
                     return Err(format!("{self:?}: dim {dim} of {shape} not divisible by {n}"));
                 }
                 d[dim] /= n;
@@ -64,8 +64,10 @@ impl CommStep {
             Collective::AllToAll { split_dim, concat_dim } => {
                 check(&d, split_dim)?;
                 check(&d, concat_dim)?;
-                if d[split_dim] % n != 0 {
-                    return Err(format!("{self:?}: dim {split_dim} of {shape} not divisible by {n}"));
+                if !d[split_dim].is_multiple_of(n) {
+                    return Err(format!(
+                        "{self:?}: dim {split_dim} of {shape} not divisible by {n}"
+                    ));
                 }
                 d[split_dim] /= n;
                 d[concat_dim] *= n;

@@ -22,8 +22,8 @@ pub(crate) mod reduce;
 
 use crate::autodiff::{Grad, VjpCtx};
 use crate::{DType, Result, Shape, TensorMeta};
-use serde::{Deserialize, Serialize};
 pub use comm::{Collective, CommStep, ReshardSpec};
+use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -1,0 +1,185 @@
+//! `tessera plan`: find (or evaluate) a parallel plan for a model on a cluster.
+
+use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+use tessera_ir::{build_training_graph, TrainConfig};
+use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_plan::config::ParallelConfig;
+use tessera_plan::plan::Plan;
+use tessera_plan::planner::{self, Request};
+use tessera_plan::search::Forward;
+use tessera_plan::units::{format_bytes, parse_bytes};
+use tessera_plan::{Cluster, PlanError};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Baseline {
+    /// Megatron-LM-style configurations: dp × tp, sequence parallel, ZeRO, micro-batches.
+    Megatron,
+}
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// A preset (gpt2, llama2-7b, ...), a Hugging Face config.json, or a directory holding one.
+    #[arg(long, default_value = "gpt2")]
+    pub model: String,
+    /// `[NODES x] GPUS x DEVICE` (8xH100, 2x8xH200, 4xcpu) or a cluster .toml/.json file.
+    #[arg(long, default_value = "8xH100")]
+    pub cluster: String,
+    /// Global batch: sequences per training step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub seq: usize,
+    #[arg(long, value_enum, default_value_t = Precision::Bf16)]
+    pub dtype: Precision,
+    /// Per-device memory budget (512MiB, 20GiB); default: the device's memory minus its reserve.
+    #[arg(long)]
+    pub memory_budget: Option<String>,
+    /// Memory held back per device for the runtime context (default 1GiB on GPUs).
+    #[arg(long)]
+    pub reserve: Option<String>,
+    /// `auto`, a config string (`"dp2 tp4 sp zero1 mb2"`), or a plan JSON file.
+    #[arg(long, default_value = "auto")]
+    pub plan: String,
+    #[arg(long, value_enum)]
+    pub baseline: Option<Baseline>,
+    /// Print the per-op strategies of one block and the collectives of a step.
+    #[arg(long)]
+    pub explain: bool,
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    pub format: OutputFormat,
+    /// Also write the plan JSON here (atomically).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn plan_err(e: PlanError) -> anyhow::Error {
+    anyhow::anyhow!(e.to_string())
+}
+
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let cfg = ModelConfig::resolve(&args.model)?;
+    let mut cluster = Cluster::parse(&args.cluster).map_err(plan_err)?;
+    if let Some(r) = &args.reserve {
+        cluster = cluster.with_reserve(parse_bytes(r).map_err(plan_err)?);
+    }
+    let budget = match &args.memory_budget {
+        Some(s) => parse_bytes(s).map_err(plan_err)?,
+        None => cluster.device.usable_bytes(),
+    };
+    if budget == 0 {
+        bail!("the memory budget is 0 bytes: give --memory-budget a size like 20GiB");
+    }
+    if args.batch == 0 || args.seq == 0 {
+        bail!("--batch and --seq must be at least 1");
+    }
+    let dtype = args.dtype.dtype();
+    let seq = cfg.effective_seq(args.seq);
+    let train = TrainConfig::default();
+    // Model FLOPs of one global step (the MFU numerator), from the symbolic profile.
+    let full = build(&cfg, &BuildOptions { batch: args.batch, seq, dtype })?;
+    let tg = build_training_graph(full.builder, full.loss, &train)?;
+    let model_flops = tessera_profile::count_flops(&tg.graph).matmul as f64;
+    let model_cfg = cfg.clone();
+    let builder = move |mb: usize| -> tessera_plan::Result<Forward> {
+        let m = build(&model_cfg, &BuildOptions { batch: mb, seq, dtype })
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+    };
+    let req = Request {
+        build: &builder,
+        model: cfg.name().to_string(),
+        batch: args.batch,
+        seq,
+        dtype,
+        cluster,
+        budget,
+        train,
+        model_flops,
+    };
+    let mut plan = if args.plan == "auto" {
+        planner::plan_auto(&req).map_err(plan_err)?
+    } else if std::path::Path::new(&args.plan).is_file() {
+        let text = std::fs::read_to_string(&args.plan)
+            .with_context(|| format!("reading plan file {}", args.plan))?;
+        let file: Plan = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("plan file {} is not a plan: {e}", args.plan))?;
+        planner::plan_from_file(&req, &file).map_err(plan_err)?
+    } else {
+        let pc = ParallelConfig::parse(&args.plan).map_err(plan_err)?;
+        planner::plan_fixed(&req, &pc).map_err(plan_err)?
+    };
+    if args.baseline == Some(Baseline::Megatron) {
+        planner::attach_megatron(&req, &mut plan).map_err(plan_err)?;
+    }
+    let json = serde_json::to_string_pretty(&plan)?;
+    if let Some(out) = &args.out {
+        write_atomic(out, json.as_bytes())?;
+    }
+    match args.format {
+        OutputFormat::Json => print_stdout(&(json + "\n")),
+        OutputFormat::Table => print_stdout(&table(&plan, args.explain)),
+    }
+}
+
+fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+fn table(p: &Plan, explain: bool) -> String {
+    let pr = &p.predicted;
+    let mut s = String::new();
+    s += &format!(
+        "{} on {} ({} devices), batch {} × seq {}, {}\n",
+        p.model, p.cluster, p.devices, p.batch, p.seq, p.dtype
+    );
+    s += &format!(
+        "plan      {}   mesh {:?}   (found in {:.0} ms)\n",
+        p.config, p.mesh.shape, p.search_ms
+    );
+    s += &format!(
+        "step      {:.4} s   {:.0} tokens/s   MFU {:.1}%\n",
+        pr.step_time_s,
+        pr.tokens_per_s,
+        pr.mfu * 100.0
+    );
+    s += &format!(
+        "  compute {:.4} s fwd + {:.4} s bwd + {:.4} s optimizer; comm {:.4} s blocking, {:.4} s \
+         overlapped ({:.4} s exposed)\n",
+        pr.forward_compute_s,
+        pr.backward_compute_s,
+        pr.optimizer_compute_s,
+        pr.blocking_comm_s,
+        pr.overlapped_comm_s,
+        pr.exposed_comm_s
+    );
+    s += &format!(
+        "memory    peak {} per device (budget {}): params {}, grads {}, optimizer {}, \
+         activations {}\n",
+        format_bytes(pr.peak_bytes_per_device.first().copied().unwrap_or(0)),
+        format_bytes(p.memory_budget_bytes),
+        format_bytes(pr.params_bytes),
+        format_bytes(pr.grads_bytes),
+        format_bytes(pr.optimizer_bytes),
+        format_bytes(pr.activations_bytes)
+    );
+    if let Some(m) = &p.baselines.megatron {
+        s += &format!(
+            "megatron  best {} at {:.4} s ({} of {} configurations fit): plan is {:.2}× its speed\n",
+            m.config,
+            m.step_time_s,
+            m.configurations_fitting,
+            m.configurations_tried,
+            m.step_time_s / pr.step_time_s
+        );
+    }
+    if explain {
+        s += &p.explain();
+    }
+    s
+}

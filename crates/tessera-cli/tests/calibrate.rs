@@ -1,0 +1,59 @@
+//! `tessera calibrate` end to end: the JSON it prints, and the preset file it writes, read back
+//! through the planner's cluster API (`4xcpu` with `TESSERA_CPU_PRESET` pointing at it).
+
+use std::process::Command;
+use tessera_plan::cluster::{CpuCalibration, CPU_PRESET_ENV};
+use tessera_plan::Cluster;
+
+#[test]
+fn calibrate_writes_a_cpu_preset_the_planner_reads() {
+    let dir = std::env::temp_dir().join(format!("tessera-calibrate-{}", std::process::id()));
+    let path = dir.join("nested").join("cpu.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["calibrate", "--out", path.to_str().unwrap(), "--format", "json"])
+        .output()
+        .expect("tessera runs");
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is only JSON");
+    for key in ["matmul_flops", "memory_bandwidth", "thread_copy_bandwidth"] {
+        let x = v[key].as_f64().unwrap_or_else(|| panic!("{key} missing or not a number: {v}"));
+        assert!(x.is_finite() && x > 1e6, "{key} = {x}");
+    }
+    assert_eq!(v["path"].as_str(), Some(path.to_str().unwrap()));
+
+    let cal = CpuCalibration::load(&path).expect("the written preset parses");
+    assert_eq!(cal.device.name, "cpu");
+    assert_eq!(cal.device.fp32_flops, v["matmul_flops"].as_f64().unwrap());
+    assert_eq!(cal.device.memory_bandwidth, v["memory_bandwidth"].as_f64().unwrap());
+    assert_eq!(cal.intra.bandwidth, v["thread_copy_bandwidth"].as_f64().unwrap());
+    assert_eq!((cal.device.matmul_efficiency, cal.device.reserve_bytes), (1.0, 0));
+    assert!(cal.device.memory_bytes > 0);
+
+    // Only this test reads the variable (the other one passes --out), and std serialises
+    // environment access.
+    std::env::set_var(CPU_PRESET_ENV, &path);
+    let c = Cluster::parse("4xcpu").expect("4xcpu reads the calibration");
+    std::env::remove_var(CPU_PRESET_ENV);
+    assert_eq!(c.num_devices(), 4);
+    assert_eq!(c.device, cal.device);
+    assert_eq!(c.intra, cal.intra);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn calibrate_rejects_an_unwritable_path() {
+    // A path under a regular file cannot be created.
+    let dir = std::env::temp_dir().join(format!("tessera-calibrate-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("file");
+    std::fs::write(&file, "x").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["calibrate", "--out", file.join("cpu.json").to_str().unwrap()])
+        .output()
+        .expect("tessera runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("error: cannot create the directory of"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,98 @@
+//! The cost model, in seconds. Compute is a roofline with a per-kernel overhead; collectives
+//! are alpha-beta over the link of their mesh axis with ring formulas. The same functions price
+//! strategies for the ILP and walk lowered Programs for the final prediction.
+//!
+//! Constants and their sources are in `cluster.rs` (device presets) and BENCHMARKS.md.
+
+use crate::{DeviceSpec, Link};
+use tessera_ir::{Collective, CommStep, DType, Op, TensorMeta};
+
+/// Non-tensor-core (SIMT) FP32 throughput as a fraction of the dense matmul peak: H100 SXM
+/// 67 of 495 TFLOP/s (TF32 dense), A100 19.5 of 156 — both ≈ 1/7.5. Elementwise kernels are
+/// memory-bound anyway; this only matters for reductions and attention's softmax.
+const GPU_VECTOR_FRACTION: f64 = 1.0 / 7.5;
+
+#[derive(Clone, Debug)]
+pub struct CostModel {
+    pub device: DeviceSpec,
+    is_cpu: bool,
+}
+
+impl CostModel {
+    pub fn new(device: DeviceSpec) -> CostModel {
+        let is_cpu = device.name.eq_ignore_ascii_case("cpu");
+        CostModel { device, is_cpu }
+    }
+
+    /// Time of one kernel on local metas: max(compute, memory) + launch overhead. Views and
+    /// leaves cost nothing; collectives are priced by [`CostModel::reshard_time`].
+    pub fn op_time(&self, op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> f64 {
+        if op.is_leaf() || matches!(op, Op::Reshape(_) | Op::Expand(_) | Op::Reshard(_)) {
+            return 0.0;
+        }
+        let flops = op.flops(x, y);
+        let bytes = op.bytes_accessed(x, y) as f64;
+        let dtype = x.first().or(y.first()).map_or(DType::F32, |m| m.dtype);
+        let d = &self.device;
+        let peak = d.peak_flops(dtype) * d.matmul_efficiency;
+        let vector = if self.is_cpu { peak } else { d.fp32_flops * GPU_VECTOR_FRACTION };
+        let compute = flops.matmul as f64 / peak + flops.other as f64 / vector;
+        let memory = bytes / (d.memory_bandwidth * d.memory_efficiency);
+        compute.max(memory) + d.kernel_overhead_s
+    }
+
+    /// Time of a sequence of collective steps starting from a local tensor `input`.
+    pub fn reshard_time(&self, links: &[Link], steps: &[CommStep], input: &TensorMeta) -> f64 {
+        let mut shape = input.shape.clone();
+        let mut t = 0.0;
+        for s in steps {
+            let bytes = TensorMeta::new(shape.clone(), input.dtype).size_bytes();
+            t += collective_time(links[s.axis], s.size, s.op, bytes);
+            shape = match s.apply(&shape) {
+                Ok(s) => s,
+                Err(_) => return f64::INFINITY,
+            };
+        }
+        t
+    }
+}
+
+/// One collective over `n` devices on `link`, where each device holds `bytes` before it
+/// (ring algorithms; see DESIGN §4):
+///
+/// | collective | time |
+/// |---|---|
+/// | all-gather | (n−1)·α + (n−1)·B/bw (the output is n·B) |
+/// | reduce-scatter | (n−1)·α + (n−1)/n·B/bw |
+/// | all-reduce | 2(n−1)·α + 2(n−1)/n·B/bw |
+/// | all-to-all | (n−1)·α + (n−1)/n·B/bw |
+/// | shard (local slice) | 0 |
+pub fn collective_time(link: Link, n: usize, op: Collective, bytes: u64) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let (nf, b) = (n as f64, bytes as f64);
+    let (a, bw) = (link.latency_s, link.bandwidth);
+    match op {
+        Collective::AllGather { .. } => (nf - 1.0) * (a + b / bw),
+        Collective::ReduceScatter { .. } | Collective::AllToAll { .. } => {
+            (nf - 1.0) * a + (nf - 1.0) / nf * b / bw
+        }
+        Collective::AllReduce => 2.0 * (nf - 1.0) * a + 2.0 * (nf - 1.0) / nf * b / bw,
+        Collective::Shard { .. } => 0.0,
+    }
+}
+
+/// Gradient synchronisation and ZeRO gathers are coalesced into buckets (PyTorch DDP's 25 MiB
+/// default): latency is paid per bucket, not per tensor.
+pub const BUCKET_BYTES: f64 = 25.0 * 1024.0 * 1024.0;
+
+/// [`collective_time`] with the latency shared across a bucket: the bandwidth term in full, the
+/// latency term for the fraction of a bucket these bytes fill.
+pub fn bucketed_time(link: Link, n: usize, op: Collective, bytes: u64) -> f64 {
+    let full = collective_time(link, n, op, bytes);
+    let latency =
+        collective_time(Link { latency_s: link.latency_s, bandwidth: f64::INFINITY }, n, op, 0);
+    let share = (bytes as f64 / BUCKET_BYTES).min(1.0);
+    full - latency + latency * share
+}

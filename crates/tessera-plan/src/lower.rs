@@ -1,0 +1,775 @@
+//! Lowering a plan to per-device Programs (tensor-free).
+//!
+//! 1. The *forward* graph is rewritten with local shapes: every node runs its chosen strategy,
+//!    and where a consumer needs an input in another spec a [`Op::Reshard`] node moves it (the
+//!    cheapest collective path). Each reshard also carries the path its *gradient* takes back:
+//!    from the spec the consumer's backward produces (a pending sum on axes where the consumer
+//!    splits work the input does not) to the producer's spec. Megatron's f/g pairs, sequence
+//!    parallel's all-gather/reduce-scatter and ZeRO-3's gather/reduce-scatter all fall out of
+//!    this one rule.
+//! 2. The local forward graph is differentiated by the ordinary autodiff; the optimizer section
+//!    is shaped by [`UpdateHooks`]: gradient synchronisation over data-parallel axes (all-reduce
+//!    or, under ZeRO-2, reduce-scatter), optimizer state on shards (ZeRO-1/2/3), the global
+//!    gradient norm as a pending sum over the mesh.
+//! 3. A replay pass unrolls micro-batches (gradients accumulate, synchronised once), moves each
+//!    gradient's synchronisation right after its last contribution (so ZeRO-2 frees full
+//!    gradients early) and re-gathers all-gathered tensors in the backward pass instead of
+//!    saving them (sequence parallel and ZeRO-3 keep only shards between passes).
+//!
+//! Every device runs the same Program (all splits are even), so the per-device Programs are
+//! one Program and N peaks; the device's mesh coordinate selects its shards at run time.
+
+use crate::cost::CostModel;
+use crate::reshard::cheapest_path;
+use crate::rules::{local_meta, Strategy};
+use crate::{Mesh, PlanError, Result, Spec};
+use std::collections::{BTreeSet, HashMap};
+use tessera_ir::{
+    build_training_graph_with, Builder, Collective, CommStep, Graph, Instr, NodeId, Op, Phase,
+    Program, ReshardSpec, TensorId, TensorMeta, TrainConfig, TrainingGraph, UpdateHooks,
+};
+use tessera_profile::{simulate_memory, MemoryReport};
+
+#[derive(Clone, Debug)]
+pub struct LowerOptions {
+    pub zero: u8,
+    pub micro_batches: usize,
+    pub train: TrainConfig,
+}
+
+/// The lowered plan and everything predicted from it.
+#[derive(Clone, Debug)]
+pub struct Lowered {
+    /// One device's Program (every device runs the same one on its own shards).
+    pub program: Program,
+    pub training: TrainingGraph,
+    pub memory: MemoryReport,
+    pub time: StepTime,
+    pub collectives: Vec<CollectiveRecord>,
+    /// The stored spec of each parameter and input, by name.
+    pub leaf_specs: Vec<(String, Spec)>,
+}
+
+/// Predicted time of one step, from walking the Program with the cost model.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepTime {
+    pub forward_compute_s: f64,
+    pub backward_compute_s: f64,
+    pub optimizer_compute_s: f64,
+    /// Collectives on the critical path (tensor/sequence parallel activations).
+    pub blocking_comm_s: f64,
+    /// Collectives on parameters and gradients (data parallel, ZeRO), which run beside the
+    /// compute of their pass.
+    pub overlapped_comm_s: f64,
+    /// The part of `overlapped_comm_s` that the compute does not hide.
+    pub exposed_comm_s: f64,
+    pub step_time_s: f64,
+}
+
+/// One collective step of the Program.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CollectiveRecord {
+    pub scope: String,
+    pub phase: Phase,
+    pub op: &'static str,
+    pub axis: usize,
+    pub group: usize,
+    /// Bytes this device contributes.
+    pub bytes: u64,
+}
+
+#[derive(Clone, Debug)]
+struct ParamInfo {
+    /// Spec the parameter is stored in (includes the ZeRO-3 split).
+    stored: Spec,
+    /// Axes over which its accumulated gradient is a pending sum (data-parallel axes).
+    pending: Vec<usize>,
+    /// ZeRO: axes the optimizer state (and under ZeRO-3 the parameter) is split over, and the
+    /// dim split.
+    zero_axes: Vec<usize>,
+    zero_dim: usize,
+}
+
+fn axes_minus(a: &[usize], b: &Spec) -> Vec<usize> {
+    a.iter().copied().filter(|&x| !b.uses_axis(x)).collect()
+}
+
+fn with_partial(spec: &Spec, extra: &[usize]) -> Spec {
+    let mut s = spec.clone();
+    let mut p: BTreeSet<usize> = s.partial.iter().copied().collect();
+    p.extend(extra.iter().copied());
+    s.partial = p.into_iter().collect();
+    s
+}
+
+fn without_partial(spec: &Spec) -> Spec {
+    Spec { dims: spec.dims.clone(), partial: Vec::new() }
+}
+
+/// Lowers `forward` (loss `loss`) under `strategy` (one per node; `None` for leaves).
+pub fn lower(
+    forward: &Graph,
+    loss: TensorId,
+    strategy: &[Option<Strategy>],
+    mesh: &Mesh,
+    cost: &CostModel,
+    opts: &LowerOptions,
+) -> Result<Lowered> {
+    let mut lw = LocalForward::new(forward, strategy, mesh, opts)?;
+    let local_loss = lw.build(loss)?;
+    let leaf_specs = lw.leaf_specs.clone();
+    let mut hooks =
+        DistHooks { mesh, zero: opts.zero, params: lw.local_params, synced: HashMap::new() };
+    let tg = build_training_graph_with(lw.b, local_loss, &opts.train, &mut hooks)
+        .map_err(|e| PlanError::Internal(format!("differentiating the sharded graph: {e}")))?;
+    let tg = replay(&tg, opts.micro_batches)?;
+    let grads: Vec<TensorId> = tg.params.iter().map(|s| s.grad).collect();
+    let program = Program::lower_graph(tg.graph.clone(), vec![tg.loss, tg.grad_norm], &grads);
+    let memory = simulate_memory(&program).report;
+    let (time, collectives) = simulate_time(&program, mesh, cost);
+    Ok(Lowered { program, training: tg, memory, time, collectives, leaf_specs })
+}
+
+/// Builds the local forward graph.
+struct LocalForward<'a> {
+    g: &'a Graph,
+    strategy: &'a [Option<Strategy>],
+    mesh: &'a Mesh,
+    micro_batches: usize,
+    b: Builder,
+    /// Each global tensor's local tensor, in its producer's spec.
+    home: Vec<Option<(TensorId, Spec)>>,
+    /// Reshards already emitted: (tensor, spec, gradient pending axes) → local tensor.
+    moved: HashMap<(TensorId, Spec, Vec<usize>), TensorId>,
+    params: HashMap<TensorId, ParamInfo>,
+    /// Local parameter → its info (for the optimizer hooks).
+    local_params: HashMap<TensorId, ParamInfo>,
+    leaf_specs: Vec<(String, Spec)>,
+}
+
+impl<'a> LocalForward<'a> {
+    fn new(
+        g: &'a Graph,
+        strategy: &'a [Option<Strategy>],
+        mesh: &'a Mesh,
+        opts: &LowerOptions,
+    ) -> Result<LocalForward<'a>> {
+        let mut lw = LocalForward {
+            g,
+            strategy,
+            mesh,
+            micro_batches: opts.micro_batches.max(1),
+            b: Builder::new(),
+            home: vec![None; g.tensors.len()],
+            moved: HashMap::new(),
+            params: HashMap::new(),
+            local_params: HashMap::new(),
+            leaf_specs: Vec::new(),
+        };
+        lw.plan_params(opts.zero)?;
+        Ok(lw)
+    }
+
+    fn strat(&self, n: NodeId) -> Result<&'a Strategy> {
+        self.strategy.get(n.index()).and_then(|s| s.as_ref()).ok_or_else(|| {
+            PlanError::Internal(format!(
+                "node {} ({}) has no strategy",
+                n.index(),
+                self.g.node(n).op.name()
+            ))
+        })
+    }
+
+    /// The spec each leaf is needed in by its first reader.
+    fn first_use(&self, t: TensorId, consumers: &[Vec<NodeId>]) -> Result<Spec> {
+        match consumers[t.index()].first() {
+            Some(&c) => {
+                let node = self.g.node(c);
+                let i = node.inputs.iter().position(|&x| x == t).unwrap_or(0);
+                Ok(self.strat(c)?.inputs[i].clone())
+            }
+            None => Ok(Spec::replicated(self.g.meta(t).shape.rank())),
+        }
+    }
+
+    /// Stored spec, pending gradient axes and ZeRO split of every parameter.
+    fn plan_params(&mut self, zero: u8) -> Result<()> {
+        let consumers = self.g.consumers();
+        let live = |a: &usize| self.mesh.shape[*a] > 1;
+        for p in self.g.parameters() {
+            let stored = self.first_use(p, &consumers)?;
+            let mut pending: Option<BTreeSet<usize>> = None;
+            for &c in &consumers[p.index()] {
+                let st = self.strat(c)?;
+                for (i, &x) in self.g.node(c).inputs.iter().enumerate() {
+                    if x != p {
+                        continue;
+                    }
+                    let d: BTreeSet<usize> = axes_minus(&st.compute_axes, &st.inputs[i])
+                        .into_iter()
+                        .filter(|a| !stored.uses_axis(*a))
+                        .filter(live)
+                        .collect();
+                    pending = Some(match pending {
+                        Some(acc) => acc.intersection(&d).copied().collect(),
+                        None => d,
+                    });
+                }
+            }
+            let pending: Vec<usize> = pending.unwrap_or_default().into_iter().collect();
+            let meta = self.g.meta(p);
+            let local = stored.local_shape(self.mesh, meta.shape.dims()).ok_or_else(|| {
+                PlanError::Internal(format!(
+                    "parameter {} cannot be stored as {stored}",
+                    self.g.tensor_scope(p)
+                ))
+            })?;
+            let n: usize = pending.iter().map(|&a| self.mesh.shape[a]).product();
+            let zero_dim = (0..local.len()).find(|&d| local[d] % n == 0 && local[d] >= n);
+            let (zero_axes, zero_dim) = match (zero, zero_dim) {
+                (1..=3, Some(d)) if n > 1 => (pending.clone(), d),
+                _ => (Vec::new(), 0),
+            };
+            let (stored, pending) = if zero == 3 && !zero_axes.is_empty() {
+                let mut s = stored.clone();
+                s.dims[zero_dim].extend(zero_axes.iter().copied());
+                (s, Vec::new())
+            } else {
+                (stored, pending)
+            };
+            self.params.insert(p, ParamInfo { stored, pending, zero_axes, zero_dim });
+        }
+        Ok(())
+    }
+
+    fn local(&self, t: TensorId, spec: &Spec) -> Result<TensorMeta> {
+        local_meta(self.g.meta(t), spec, self.mesh).ok_or_else(|| {
+            PlanError::Internal(format!(
+                "{} ({}) does not split as {spec}",
+                self.g.tensor_scope(t),
+                self.g.meta(t)
+            ))
+        })
+    }
+
+    fn build(&mut self, loss: TensorId) -> Result<TensorId> {
+        let consumers = self.g.consumers();
+        for (i, node) in self.g.nodes.iter().enumerate() {
+            let id = NodeId(i as u32);
+            self.b.set_block(node.block);
+            self.b.set_phase(Phase::Forward);
+            let name = self.g.scope_name(node.scope).to_string();
+            match &node.op {
+                Op::Parameter(_) => {
+                    let p = node.outputs[0];
+                    let info = &self.params[&p];
+                    let spec = info.stored.clone();
+                    let m = self.local(p, &spec)?;
+                    let lp = self.b.parameter(&name, m.shape.clone(), m.dtype);
+                    self.leaf_specs.push((name, spec.clone()));
+                    self.local_params.insert(lp, self.params[&p].clone());
+                    self.home[p.index()] = Some((lp, spec));
+                }
+                Op::Input(_) => {
+                    let t = node.outputs[0];
+                    let spec = self.first_use(t, &consumers)?;
+                    let m = self.local(t, &spec)?;
+                    let lt = self.b.input(&name, m.shape.clone(), m.dtype);
+                    self.leaf_specs.push((name, spec.clone()));
+                    self.home[t.index()] = Some((lt, spec));
+                }
+                // Made where they are read, in the spec the reader needs.
+                Op::Fill { .. } => {}
+                Op::OptimizerState { .. } => {
+                    return Err(PlanError::Internal("optimizer state in a forward graph".into()))
+                }
+                op => {
+                    let st = self.strat(id)?;
+                    self.b.set_scope_path(&name);
+                    let mut inputs = Vec::with_capacity(node.inputs.len());
+                    for (k, &t) in node.inputs.iter().enumerate() {
+                        inputs.push(self.fetch(t, &st.inputs[k], &st.compute_axes)?);
+                    }
+                    self.b.set_scope_path(&name);
+                    let want: Vec<TensorMeta> = node
+                        .outputs
+                        .iter()
+                        .zip(&st.outputs)
+                        .map(|(&o, s)| self.local(o, s))
+                        .collect::<Result<_>>()?;
+                    let local_op = localize(op, &want);
+                    let outs = self.b.push(local_op, &inputs).map_err(|e| {
+                        PlanError::Internal(format!(
+                            "{name}: sharded {} does not type-check: {e}",
+                            op.name()
+                        ))
+                    })?;
+                    for (k, &o) in outs.iter().enumerate() {
+                        if self.b.meta(o) != &want[k] {
+                            return Err(PlanError::Internal(format!(
+                                "{name}: {} output {k} is {} locally, the strategy says {}",
+                                op.name(),
+                                self.b.meta(o),
+                                want[k]
+                            )));
+                        }
+                    }
+                    let mut outs = outs;
+                    if let Op::CrossEntropy { .. } = op {
+                        // A mean over local rows: scale to this device's share of the global
+                        // mean over all rows of all micro-batches, a pending sum.
+                        let shards: usize =
+                            st.outputs[0].partial.iter().map(|&a| self.mesh.shape[a]).product();
+                        let k = shards * self.micro_batches;
+                        if k > 1 {
+                            let s =
+                                self.b.scalar_like(1.0 / k as f64, outs[0]).map_err(internal)?;
+                            outs[0] = self.b.mul(outs[0], s).map_err(internal)?;
+                        }
+                    }
+                    for (k, &o) in node.outputs.iter().enumerate() {
+                        self.home[o.index()] = Some((outs[k], st.outputs[k].clone()));
+                    }
+                }
+            }
+        }
+        // The loss every device reports: sum the pending shares.
+        let (l, spec) = self.home[loss.index()]
+            .clone()
+            .ok_or_else(|| PlanError::Internal("loss not lowered".into()))?;
+        if spec.partial.is_empty() {
+            return Ok(l);
+        }
+        let steps: Vec<CommStep> = spec
+            .partial
+            .iter()
+            .map(|&a| CommStep { op: Collective::AllReduce, axis: a, size: self.mesh.shape[a] })
+            .collect();
+        self.b.set_scope_path("loss");
+        self.b
+            .push1(Op::Reshard(ReshardSpec { forward: steps, backward: vec![] }), &[l])
+            .map_err(internal)
+    }
+
+    /// `t` in spec `want` for a reader that splits its work over `compute`.
+    fn fetch(&mut self, t: TensorId, want: &Spec, compute: &[usize]) -> Result<TensorId> {
+        let producer = self.g.producer(t);
+        if let Op::Fill { value, .. } = producer.op {
+            let m = self.local(t, want)?;
+            return self.b.fill(value, m.shape.clone(), m.dtype).map_err(internal);
+        }
+        let (src, have) = self.home[t.index()].clone().ok_or_else(|| {
+            PlanError::Internal(format!("{} used before it is made", self.g.tensor_scope(t)))
+        })?;
+        let meta = self.g.meta(t).clone();
+        let differentiable = meta.dtype.is_float();
+        let live: Vec<usize> =
+            compute.iter().copied().filter(|&a| self.mesh.shape[a] > 1).collect();
+        let pending = if differentiable { axes_minus(&live, want) } else { Vec::new() };
+        let grad_at = with_partial(want, &pending);
+        let grad_to = match self.params.get(&t) {
+            Some(info) => with_partial(&info.stored, &info.pending),
+            None => without_partial(&have),
+        };
+        if &have == want && grad_at == grad_to {
+            return Ok(src);
+        }
+        let key = (t, want.clone(), pending.clone());
+        if let Some(&m) = self.moved.get(&key) {
+            return Ok(m);
+        }
+        let elem = meta.dtype.size_bytes();
+        let dims = meta.shape.dims();
+        let fwd = cheapest_path(self.mesh, dims, elem, &have, want).ok_or_else(|| {
+            PlanError::Internal(format!(
+                "no collective path from {have} to {want} for {}",
+                self.g.tensor_scope(t)
+            ))
+        })?;
+        let bwd = if differentiable {
+            cheapest_path(self.mesh, dims, elem, &grad_at, &grad_to).ok_or_else(|| {
+                PlanError::Internal(format!(
+                    "no collective path for the gradient of {} from {grad_at} to {grad_to}",
+                    self.g.tensor_scope(t)
+                ))
+            })?
+        } else {
+            crate::reshard::ReshardPath { steps: vec![], cost_s: 0.0 }
+        };
+        let spec = ReshardSpec { forward: fwd.steps, backward: bwd.steps };
+        let out = self.b.push1(Op::Reshard(spec), &[src]).map_err(internal)?;
+        self.moved.insert(key, out);
+        Ok(out)
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> PlanError {
+    PlanError::Internal(e.to_string())
+}
+
+/// The op with attributes that name global sizes rewritten to local ones.
+fn localize(op: &Op, out: &[TensorMeta]) -> Op {
+    match op {
+        Op::Reshape(_) => Op::Reshape(out[0].shape.clone()),
+        Op::Expand(_) => Op::Expand(out[0].shape.clone()),
+        other => other.clone(),
+    }
+}
+
+/// Distributed optimizer section: gradient sync, ZeRO shards, global norm.
+struct DistHooks<'a> {
+    mesh: &'a Mesh,
+    zero: u8,
+    params: HashMap<TensorId, ParamInfo>,
+    /// Spec of each parameter's synchronised gradient.
+    synced: HashMap<TensorId, Spec>,
+}
+
+impl DistHooks<'_> {
+    fn steps(&self, axes: &[usize], op: Collective) -> Vec<CommStep> {
+        axes.iter().map(|&a| CommStep { op, axis: a, size: self.mesh.shape[a] }).collect()
+    }
+    fn reshard(
+        b: &mut Builder,
+        x: TensorId,
+        forward: Vec<CommStep>,
+    ) -> tessera_ir::Result<TensorId> {
+        if forward.is_empty() {
+            return Ok(x);
+        }
+        b.push1(Op::Reshard(ReshardSpec { forward, backward: vec![] }), &[x])
+    }
+    /// ZeRO-1/2: the optimizer works on shards of a replicated parameter.
+    fn shards_state(&self, info: &ParamInfo) -> bool {
+        matches!(self.zero, 1 | 2) && !info.zero_axes.is_empty()
+    }
+}
+
+impl UpdateHooks for DistHooks<'_> {
+    fn sync_grad(
+        &mut self,
+        b: &mut Builder,
+        param: TensorId,
+        grad: TensorId,
+    ) -> tessera_ir::Result<TensorId> {
+        let Some(info) = self.params.get(&param) else { return Ok(grad) };
+        let mut spec = info.stored.clone();
+        let steps = if self.shards_state(info) {
+            let zd = info.zero_dim;
+            spec.dims[zd].extend(info.zero_axes.iter().copied());
+            if self.zero == 2 {
+                self.steps(&info.zero_axes, Collective::ReduceScatter { dim: zd })
+            } else {
+                let mut s = self.steps(&info.pending, Collective::AllReduce);
+                s.extend(self.steps(&info.zero_axes, Collective::Shard { dim: zd }));
+                s
+            }
+        } else {
+            self.steps(&info.pending, Collective::AllReduce)
+        };
+        self.synced.insert(param, spec);
+        Self::reshard(b, grad, steps)
+    }
+
+    fn update_target(&mut self, b: &mut Builder, param: TensorId) -> tessera_ir::Result<TensorId> {
+        let Some(info) = self.params.get(&param) else { return Ok(param) };
+        if !self.shards_state(info) {
+            return Ok(param);
+        }
+        let steps = self.steps(&info.zero_axes, Collective::Shard { dim: info.zero_dim });
+        Self::reshard(b, param, steps)
+    }
+
+    fn norm_term(
+        &mut self,
+        b: &mut Builder,
+        param: TensorId,
+        sumsq: TensorId,
+    ) -> tessera_ir::Result<TensorId> {
+        // Σg² of a shard is a pending sum over the axes the gradient is split on; on the others
+        // every device holds the same value: count it once by scaling.
+        let Some(spec) = self.synced.get(&param) else { return Ok(sumsq) };
+        let k: usize = (0..self.mesh.ndim())
+            .filter(|&a| !spec.uses_axis(a))
+            .map(|a| self.mesh.shape[a])
+            .product();
+        if k == 1 {
+            return Ok(sumsq);
+        }
+        let s = b.scalar_like(1.0 / k as f64, sumsq)?;
+        b.mul(sumsq, s)
+    }
+
+    fn norm_total(&mut self, b: &mut Builder, total: TensorId) -> tessera_ir::Result<TensorId> {
+        let axes: Vec<usize> = (0..self.mesh.ndim()).filter(|&a| self.mesh.shape[a] > 1).collect();
+        let steps = self.steps(&axes, Collective::AllReduce);
+        Self::reshard(b, total, steps)
+    }
+
+    fn after_update(
+        &mut self,
+        b: &mut Builder,
+        param: TensorId,
+        target: TensorId,
+    ) -> tessera_ir::Result<Option<TensorId>> {
+        let Some(info) = self.params.get(&param) else { return Ok(None) };
+        if !self.shards_state(info) {
+            return Ok(None);
+        }
+        let mut axes = info.zero_axes.clone();
+        axes.reverse();
+        let steps = self.steps(&axes, Collective::AllGather { dim: info.zero_dim });
+        Self::reshard(b, target, steps).map(Some)
+    }
+}
+
+fn gathers(op: &Op) -> bool {
+    matches!(op, Op::Reshard(s) if s.forward.iter().any(|c| matches!(c.op, Collective::AllGather { .. })))
+}
+
+/// Micro-batch unrolling, early gradient synchronisation and backward re-gathers (see the
+/// module docs). Returns a new training graph with the same parameters.
+fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
+    let g = &tg.graph;
+    let mb = micro_batches.max(1);
+    let mut b = Builder::from_graph(Graph::new());
+    for s in 1..g.num_scopes() {
+        b.graph.intern_scope(g.scope_name(tessera_ir::ScopeId(s as u32)));
+    }
+    // Each parameter's gradient and the optimizer-phase reshard that synchronises it.
+    let grad_slot: HashMap<TensorId, usize> =
+        tg.params.iter().enumerate().map(|(i, s)| (s.grad, i)).collect();
+    let mut sync_node: HashMap<TensorId, NodeId> = HashMap::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        if n.phase == Phase::Optimizer
+            && matches!(n.op, Op::Reshard(_))
+            && grad_slot.contains_key(&n.inputs[0])
+        {
+            sync_node.insert(n.inputs[0], NodeId(i as u32));
+        }
+    }
+    let shared_input = |n: &tessera_ir::Node| {
+        g.scope_name(n.scope).starts_with("optimizer") || n.phase == Phase::Optimizer
+    };
+    let mut shared: HashMap<TensorId, TensorId> = HashMap::new();
+    let mut acc: Vec<Option<TensorId>> = vec![None; tg.params.len()];
+    let mut losses = Vec::new();
+    let mut emitted_sync: HashMap<NodeId, ()> = HashMap::new();
+
+    let push =
+        |b: &mut Builder, n: &tessera_ir::Node, inputs: &[TensorId]| -> Result<Vec<TensorId>> {
+            b.set_scope_id(n.scope);
+            b.set_block(n.block);
+            b.set_phase(n.phase);
+            b.push(n.op.clone(), inputs).map_err(internal)
+        };
+
+    for k in 0..mb {
+        let mut map: HashMap<TensorId, TensorId> = HashMap::new();
+        let mut regathered: HashMap<TensorId, TensorId> = HashMap::new();
+        for n in &g.nodes {
+            if n.phase == Phase::Optimizer {
+                continue;
+            }
+            let look = |t: &TensorId, map: &HashMap<TensorId, TensorId>| -> TensorId {
+                map.get(t).or_else(|| shared.get(t)).copied().unwrap_or(*t)
+            };
+            let outs = match &n.op {
+                Op::Parameter(_) | Op::OptimizerState { .. } => {
+                    if k == 0 {
+                        let ins: Vec<TensorId> = n.inputs.iter().map(|t| look(t, &map)).collect();
+                        let o = push(&mut b, n, &ins)?;
+                        shared.insert(n.outputs[0], o[0]);
+                    }
+                    continue;
+                }
+                Op::Input(_) if shared_input(n) => {
+                    if k == 0 {
+                        let o = push(&mut b, n, &[])?;
+                        shared.insert(n.outputs[0], o[0]);
+                    }
+                    continue;
+                }
+                Op::Input(m) if k > 0 => {
+                    // Each micro-batch reads its own data.
+                    let name = format!("{}@mb{k}", g.scope_name(n.scope));
+                    b.set_block(n.block);
+                    b.set_phase(n.phase);
+                    vec![b.input(&name, m.shape.clone(), m.dtype)]
+                }
+                _ => {
+                    let mut ins = Vec::with_capacity(n.inputs.len());
+                    for t in &n.inputs {
+                        let p = g.producer(*t);
+                        if n.phase == Phase::Backward && p.phase == Phase::Forward && gathers(&p.op)
+                        {
+                            // Gather again rather than keep the gathered tensor alive.
+                            let r = match regathered.get(t) {
+                                Some(&r) => r,
+                                None => {
+                                    let src = look(&p.inputs[0], &map);
+                                    b.set_scope_id(p.scope);
+                                    b.set_block(p.block);
+                                    b.set_phase(Phase::Backward);
+                                    let r = b.push1(p.op.clone(), &[src]).map_err(internal)?;
+                                    regathered.insert(*t, r);
+                                    r
+                                }
+                            };
+                            ins.push(r);
+                        } else {
+                            ins.push(look(t, &map));
+                        }
+                    }
+                    push(&mut b, n, &ins)?
+                }
+            };
+            for (o, &lo) in n.outputs.iter().zip(&outs) {
+                map.insert(*o, lo);
+            }
+            // Accumulate gradients across micro-batches as soon as they are complete.
+            for o in &n.outputs {
+                let Some(&slot) = grad_slot.get(o) else { continue };
+                let gk = map[o];
+                let total = match acc[slot] {
+                    None => gk,
+                    Some(prev) => {
+                        b.set_phase(Phase::Backward);
+                        b.add(prev, gk).map_err(internal)?
+                    }
+                };
+                acc[slot] = Some(total);
+                if k + 1 == mb {
+                    if let Some(&sn) = sync_node.get(o) {
+                        let node = g.node(sn);
+                        let out = push(&mut b, node, &[total])?;
+                        shared.insert(node.outputs[0], out[0]);
+                        emitted_sync.insert(sn, ());
+                    }
+                }
+            }
+        }
+        losses.push(
+            map.get(&tg.loss)
+                .copied()
+                .ok_or_else(|| PlanError::Internal("loss lost in replay".into()))?,
+        );
+    }
+    for (slot, s) in tg.params.iter().enumerate() {
+        if let Some(a) = acc[slot] {
+            shared.insert(s.grad, a);
+        }
+    }
+    let mut loss = losses[0];
+    for &l in &losses[1..] {
+        b.set_phase(Phase::Forward);
+        loss = b.add(loss, l).map_err(internal)?;
+    }
+    for (i, n) in g.nodes.iter().enumerate() {
+        if n.phase != Phase::Optimizer || emitted_sync.contains_key(&NodeId(i as u32)) {
+            continue;
+        }
+        let ins: Vec<TensorId> =
+            n.inputs.iter().map(|t| shared.get(t).copied().unwrap_or(*t)).collect();
+        let outs = push(&mut b, n, &ins)?;
+        for (o, lo) in n.outputs.iter().zip(outs) {
+            shared.insert(*o, lo);
+        }
+    }
+    let m = |t: TensorId| shared.get(&t).copied().unwrap_or(t);
+    let params = tg
+        .params
+        .iter()
+        .map(|s| tessera_ir::ParamSlot {
+            param: m(s.param),
+            grad: m(s.grad),
+            m: m(s.m),
+            v: m(s.v),
+            master: s.master.map(m),
+            update: s.update.map(m),
+            gathered: s.gathered.map(m),
+        })
+        .collect();
+    Ok(TrainingGraph {
+        graph: b.finish(),
+        loss,
+        grad_norm: m(tg.grad_norm),
+        lr: m(tg.lr),
+        step: m(tg.step),
+        loss_scale: tg.loss_scale.map(m),
+        params,
+    })
+}
+
+/// Walks the Program with the cost model: compute per phase, collectives split into blocking
+/// ones and parameter/gradient ones that overlap the compute of their pass.
+pub fn simulate_time(
+    p: &Program,
+    mesh: &Mesh,
+    cost: &CostModel,
+) -> (StepTime, Vec<CollectiveRecord>) {
+    let g = p.graph();
+    let mut t = StepTime::default();
+    let (mut ov_fwd, mut ov_bwd) = (0.0, 0.0);
+    let mut records = Vec::new();
+    let mut x: Vec<&TensorMeta> = Vec::new();
+    let mut y: Vec<&TensorMeta> = Vec::new();
+    for instr in &p.instrs {
+        let Instr::Run(id) = *instr else { continue };
+        let n = g.node(id);
+        if let Op::Reshard(spec) = &n.op {
+            let input = g.meta(n.inputs[0]);
+            let on_param = matches!(g.producer(n.inputs[0]).op, Op::Parameter(_))
+                || n.phase == Phase::Optimizer;
+            let mut secs = 0.0;
+            let mut shape = input.shape.clone();
+            for s in &spec.forward {
+                let here = TensorMeta::new(shape.clone(), input.dtype);
+                let bytes = s.payload_bytes(&here);
+                let link = mesh.links[s.axis];
+                let full = here.size_bytes();
+                secs += if on_param {
+                    crate::cost::bucketed_time(link, s.size, s.op, full)
+                } else {
+                    crate::cost::collective_time(link, s.size, s.op, full)
+                };
+                if !matches!(s.op, Collective::Shard { .. }) && s.size > 1 {
+                    records.push(CollectiveRecord {
+                        scope: g.scope_name(n.scope).to_string(),
+                        phase: n.phase,
+                        op: s.name(),
+                        axis: s.axis,
+                        group: s.size,
+                        bytes,
+                    });
+                }
+                shape = s.apply(&shape).unwrap_or(shape);
+            }
+            match (n.phase, on_param) {
+                (Phase::Forward, true) => ov_fwd += secs,
+                (Phase::Backward, true) | (Phase::Optimizer, _) => ov_bwd += secs,
+                _ => t.blocking_comm_s += secs,
+            }
+            continue;
+        }
+        x.clear();
+        y.clear();
+        x.extend(n.inputs.iter().map(|&i| g.meta(i)));
+        y.extend(n.outputs.iter().map(|&o| g.meta(o)));
+        let secs = cost.op_time(&n.op, &x, &y);
+        match n.phase {
+            Phase::Forward => t.forward_compute_s += secs,
+            Phase::Backward => t.backward_compute_s += secs,
+            Phase::Optimizer => t.optimizer_compute_s += secs,
+        }
+    }
+    t.overlapped_comm_s = ov_fwd + ov_bwd;
+    t.exposed_comm_s =
+        (ov_fwd - t.forward_compute_s).max(0.0) + (ov_bwd - t.backward_compute_s).max(0.0);
+    t.step_time_s = t.forward_compute_s
+        + t.backward_compute_s
+        + t.optimizer_compute_s
+        + t.blocking_comm_s
+        + t.exposed_comm_s;
+    (t, records)
+}

@@ -1,0 +1,357 @@
+//! Plans as data: the versioned JSON a search produces, a human can edit, and the runtime
+//! executes. A plan records the mesh, every forward op's strategy (so it can be lowered again
+//! exactly), the collectives of one step, and the predictions taken from the lowered Program.
+
+use crate::config::ParallelConfig;
+use crate::lower::CollectiveRecord;
+use crate::rules::{DimRole, Strategy};
+use crate::search::Evaluated;
+use crate::{Mesh, PlanError, Result, Spec};
+use serde::{Deserialize, Serialize};
+use tessera_ir::{Graph, Op};
+
+pub const PLAN_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct MeshJson {
+    pub shape: Vec<usize>,
+    pub axes: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TensorPlacement {
+    pub name: String,
+    pub spec: String,
+    pub local_shape: Vec<usize>,
+}
+
+/// One forward op's strategy, by node index (checked against the op name on load).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NodeStrategy {
+    pub node: usize,
+    pub scope: String,
+    pub op: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block: Option<u32>,
+    pub inputs: Vec<String>,
+    pub outputs: Vec<String>,
+    pub compute_axes: Vec<usize>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CollectiveJson {
+    pub scope: String,
+    pub phase: String,
+    pub op: String,
+    pub axis: usize,
+    pub group: usize,
+    pub bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Predicted {
+    pub step_time_s: f64,
+    pub peak_bytes_per_device: Vec<u64>,
+    /// Model FLOPs utilisation: matmul FLOPs of the step / (time × devices × peak).
+    pub mfu: f64,
+    pub tokens_per_s: f64,
+    pub forward_compute_s: f64,
+    pub backward_compute_s: f64,
+    pub optimizer_compute_s: f64,
+    pub blocking_comm_s: f64,
+    pub overlapped_comm_s: f64,
+    pub exposed_comm_s: f64,
+    /// Bytes each device contributes to collectives in one step.
+    pub comm_bytes_per_device: u64,
+    pub params_bytes: u64,
+    pub grads_bytes: u64,
+    pub optimizer_bytes: u64,
+    pub activations_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct BaselineJson {
+    pub config: String,
+    pub step_time_s: f64,
+    pub peak_bytes_per_device: Vec<u64>,
+    pub configurations_tried: usize,
+    pub configurations_fitting: usize,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Baselines {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub megatron: Option<BaselineJson>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Plan {
+    pub version: u32,
+    pub model: String,
+    pub cluster: String,
+    pub devices: usize,
+    pub batch: usize,
+    pub seq: usize,
+    pub dtype: String,
+    pub memory_budget_bytes: u64,
+    pub mesh: MeshJson,
+    /// Canonical config string (`dp2 tp4 sp zero1 mb2`).
+    pub config: String,
+    pub zero_stage: u8,
+    pub micro_batches: usize,
+    /// How the plan was found: `auto`, `fixed`, `file`.
+    pub source: String,
+    pub predicted: Predicted,
+    pub search_ms: f64,
+    #[serde(default)]
+    pub baselines: Baselines,
+    pub tensors: Vec<TensorPlacement>,
+    pub collectives: Vec<CollectiveJson>,
+    pub strategies: Vec<NodeStrategy>,
+}
+
+/// What the plan does, as a config string: the axes that split the token ids' batch are data
+/// parallel, the others tensor parallel; `sp` when a norm's rows split over a tensor axis.
+pub fn describe(
+    g: &Graph,
+    strategies: &[Option<Strategy>],
+    mesh: &Mesh,
+    zero: u8,
+    mb: usize,
+) -> ParallelConfig {
+    let mut dp_axes: Vec<usize> = Vec::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        if let (Op::Embedding, Some(s)) = (&n.op, &strategies[i]) {
+            dp_axes = s.inputs[1].dims.first().cloned().unwrap_or_default();
+            break;
+        }
+    }
+    if dp_axes.is_empty() {
+        if let Some((i, _)) =
+            g.nodes.iter().enumerate().find(|(i, n)| !n.op.is_leaf() && strategies[*i].is_some())
+        {
+            if let Some(s) = &strategies[i] {
+                dp_axes = s.outputs[0].dims.first().cloned().unwrap_or_default();
+            }
+        }
+    }
+    let dp: usize = dp_axes.iter().map(|&a| mesh.shape[a]).product();
+    let tp = mesh.num_devices() / dp.max(1);
+    let sp = tp > 1
+        && g.nodes.iter().enumerate().any(|(i, n)| {
+            matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
+                && strategies[i].as_ref().is_some_and(|s| {
+                    s.inputs[0].dims.get(1).is_some_and(|d| d.iter().any(|a| !dp_axes.contains(a)))
+                })
+        });
+    ParallelConfig { dp: dp.max(1), tp: tp.max(1), zero, micro_batches: mb, sp }
+}
+
+pub struct PlanContext<'a> {
+    pub model: String,
+    pub cluster: String,
+    pub batch: usize,
+    pub seq: usize,
+    pub dtype: String,
+    pub budget: u64,
+    /// Matmul FLOPs of one global step (the MFU numerator).
+    pub model_flops: f64,
+    /// Peak dense FLOP/s of one device in the plan's dtype.
+    pub peak_flops: f64,
+    pub forward: &'a Graph,
+}
+
+impl Plan {
+    pub fn from_evaluated(
+        cx: &PlanContext<'_>,
+        e: &Evaluated,
+        source: &str,
+        search_ms: f64,
+    ) -> Plan {
+        let mesh = &e.candidate.mesh;
+        let n = mesh.num_devices();
+        let t = &e.lowered.time;
+        let peak = e.lowered.memory.peak_bytes;
+        let g = cx.forward;
+        let cfg = describe(g, &e.strategies, mesh, e.candidate.zero, e.candidate.micro_batches);
+        let comm: u64 = e.lowered.collectives.iter().map(|c| c.bytes).sum();
+        let m = &e.lowered.memory;
+        let predicted = Predicted {
+            step_time_s: t.step_time_s,
+            peak_bytes_per_device: vec![peak; n],
+            mfu: cx.model_flops / (t.step_time_s * n as f64 * cx.peak_flops),
+            tokens_per_s: (cx.batch * cx.seq) as f64 / t.step_time_s,
+            forward_compute_s: t.forward_compute_s,
+            backward_compute_s: t.backward_compute_s,
+            optimizer_compute_s: t.optimizer_compute_s,
+            blocking_comm_s: t.blocking_comm_s,
+            overlapped_comm_s: t.overlapped_comm_s,
+            exposed_comm_s: t.exposed_comm_s,
+            comm_bytes_per_device: comm,
+            params_bytes: m.params_bytes,
+            grads_bytes: m.grads_bytes,
+            optimizer_bytes: m.optimizer_bytes,
+            activations_bytes: m.activations_bytes,
+        };
+        let lg = e.lowered.program.graph();
+        let tensors = e
+            .lowered
+            .leaf_specs
+            .iter()
+            .map(|(name, spec)| TensorPlacement {
+                name: name.clone(),
+                spec: spec.to_string(),
+                local_shape: lg
+                    .find_leaf(name)
+                    .map(|t| lg.meta(t).shape.dims().to_vec())
+                    .unwrap_or_default(),
+            })
+            .collect();
+        let strategies = g
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, node)| {
+                let s = e.strategies.get(i)?.as_ref()?;
+                Some(NodeStrategy {
+                    node: i,
+                    scope: g.scope_name(node.scope).to_string(),
+                    op: node.op.name().to_string(),
+                    block: node.block,
+                    inputs: s.inputs.iter().map(Spec::to_string).collect(),
+                    outputs: s.outputs.iter().map(Spec::to_string).collect(),
+                    compute_axes: s.compute_axes.clone(),
+                })
+            })
+            .collect();
+        Plan {
+            version: PLAN_VERSION,
+            model: cx.model.clone(),
+            cluster: cx.cluster.clone(),
+            devices: n,
+            batch: cx.batch,
+            seq: cx.seq,
+            dtype: cx.dtype.clone(),
+            memory_budget_bytes: cx.budget,
+            mesh: MeshJson { shape: mesh.shape.clone(), axes: mesh.axes.clone() },
+            config: cfg.canonical(),
+            zero_stage: e.candidate.zero,
+            micro_batches: e.candidate.micro_batches,
+            source: source.to_string(),
+            predicted,
+            search_ms,
+            baselines: Baselines::default(),
+            tensors,
+            collectives: e.lowered.collectives.iter().map(collective_json).collect(),
+            strategies,
+        }
+    }
+
+    /// Reads the per-node strategies back (for lowering a plan file again).
+    pub fn node_strategies(&self, g: &Graph, mesh: &Mesh) -> Result<Vec<Option<Strategy>>> {
+        let mut out: Vec<Option<Strategy>> = vec![None; g.nodes.len()];
+        let parse = |s: &str| {
+            Spec::parse(s).ok_or_else(|| {
+                PlanError::Invalid(format!(
+                    "plan file: `{s}` is not a sharding spec (write e.g. [S0, R])"
+                ))
+            })
+        };
+        for ns in &self.strategies {
+            let node = g.nodes.get(ns.node).ok_or_else(|| {
+                PlanError::Invalid(format!("plan file: node {} does not exist in this model (was the plan made for another model or batch?)", ns.node))
+            })?;
+            if node.op.name() != ns.op {
+                return Err(PlanError::Invalid(format!(
+                    "plan file: node {} is a {} in this model, the plan says {} (was the plan made for another model?)",
+                    ns.node,
+                    node.op.name(),
+                    ns.op
+                )));
+            }
+            let inputs = ns.inputs.iter().map(|s| parse(s)).collect::<Result<Vec<_>>>()?;
+            let outputs = ns.outputs.iter().map(|s| parse(s)).collect::<Result<Vec<_>>>()?;
+            for (spec, &t) in
+                inputs.iter().zip(&node.inputs).chain(outputs.iter().zip(&node.outputs))
+            {
+                if spec.local_shape(mesh, g.meta(t).shape.dims()).is_none() {
+                    return Err(PlanError::Invalid(format!(
+                        "plan file: {} ({}) cannot be split as {spec} on mesh {:?}",
+                        ns.scope,
+                        g.meta(t),
+                        mesh.shape
+                    )));
+                }
+            }
+            out[ns.node] = Some(Strategy {
+                inputs,
+                outputs,
+                compute_axes: ns.compute_axes.clone(),
+                axis_labels: vec![None; mesh.ndim()],
+            });
+        }
+        for (i, n) in g.nodes.iter().enumerate() {
+            if !n.op.is_leaf() && out[i].is_none() {
+                return Err(PlanError::Invalid(format!(
+                    "plan file: no strategy for node {i} ({} {})",
+                    n.op.name(),
+                    g.scope_name(n.scope)
+                )));
+            }
+        }
+        Ok(out)
+    }
+
+    /// `--explain`: one line per op of the first block and of the ops outside blocks.
+    pub fn explain(&self) -> String {
+        let mut s = String::new();
+        let axes = self.mesh.axes.join("×");
+        s += &format!(
+            "mesh {:?} ({axes}), config `{}`, ZeRO-{}, {} micro-batch(es)\n",
+            self.mesh.shape, self.config, self.zero_stage, self.micro_batches
+        );
+        let first_block = self.strategies.iter().find_map(|n| n.block);
+        s += &format!("{:<40} {:<14} {:<34} {:<24}\n", "scope", "op", "inputs", "outputs");
+        for n in &self.strategies {
+            if n.block.is_some() && n.block != first_block {
+                continue;
+            }
+            s += &format!(
+                "{:<40} {:<14} {:<34} {:<24}\n",
+                n.scope,
+                n.op,
+                n.inputs.join(" "),
+                n.outputs.join(" ")
+            );
+        }
+        let mut by_kind: std::collections::BTreeMap<(String, String), (usize, u64)> =
+            Default::default();
+        for c in &self.collectives {
+            let e = by_kind.entry((c.phase.clone(), c.op.clone())).or_default();
+            e.0 += 1;
+            e.1 += c.bytes;
+        }
+        s += "collectives per step (per device):\n";
+        for ((phase, op), (count, bytes)) in by_kind {
+            s += &format!(
+                "  {phase:<10} {op:<16} {count:>6} × , {}\n",
+                crate::units::format_bytes(bytes)
+            );
+        }
+        s
+    }
+}
+
+fn collective_json(c: &CollectiveRecord) -> CollectiveJson {
+    CollectiveJson {
+        scope: c.scope.clone(),
+        phase: c.phase.name().to_string(),
+        op: c.op.to_string(),
+        axis: c.axis,
+        group: c.group,
+        bytes: c.bytes,
+    }
+}
+
+#[doc(hidden)]
+pub fn _role(_: DimRole) {}

@@ -1,0 +1,457 @@
+//! Sharding strategies per op, generated from one rule: describe the op by its iteration dims
+//! ("labels", as in an einsum), say which labels may be split, then every assignment of mesh
+//! axes to labels is a strategy. Nothing is a hand-written list:
+//!
+//! - matmul `[.., m, k] x [.., k, n]`: batch dims, m and n are parallel labels, k is a
+//!   contraction — splitting it leaves the output a pending sum (Partial);
+//! - elementwise ops: every output dim is a label (broadcast inputs stay replicated there), so
+//!   norms, dropout and residual adds may split the sequence dim: with tensor parallelism that
+//!   is Megatron's sequence parallelism;
+//! - sum reductions contract; mean/max reductions, softmax and norms keep their reduced dim whole;
+//! - embedding: ids' dims and the hidden dim (hidden-parallel); the vocabulary stays whole;
+//! - attention: batch and heads (query and KV heads split together, so the split must divide
+//!   the KV heads); sequence and head dim whole;
+//! - cross-entropy: rows split, classes whole; the mean loss becomes a pending sum.
+//!
+//! Ops that only appear after autodiff (backward ops, the optimizer) get no strategies: the
+//! lowering differentiates the sharded forward graph instead.
+
+use crate::{Mesh, Spec};
+use tessera_ir::{Op, ReduceOp, TensorMeta};
+
+/// One way to run an op on the mesh.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Strategy {
+    /// The spec each input must arrive in.
+    pub inputs: Vec<Spec>,
+    /// The spec each output leaves in.
+    pub outputs: Vec<Spec>,
+    /// Mesh axes the work is split over (on any other axis every device repeats it). An input
+    /// replicated on such an axis gets a gradient that is a pending sum there.
+    pub compute_axes: Vec<usize>,
+    /// For each mesh axis, the label it splits (None: not used).
+    pub axis_labels: Vec<Option<usize>>,
+}
+
+/// What a dim of a tensor means to the model, propagated from the token ids: used by fixed
+/// configurations ("dp" splits the batch, "sp" the sequence).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DimRole {
+    Batch,
+    Seq,
+    Other,
+}
+
+/// An op as iteration dims.
+#[derive(Clone, Debug, Default)]
+pub struct Labeling {
+    /// Size of each label (the divisibility bound for splitting it).
+    pub sizes: Vec<usize>,
+    pub shardable: Vec<bool>,
+    /// Per input, per dim: its label, or None (kept whole: broadcast or not splittable).
+    pub inputs: Vec<Vec<Option<usize>>>,
+    pub outputs: Vec<Vec<Option<usize>>>,
+    /// Per output: labels whose split makes this output a pending sum.
+    pub partial_from: Vec<Vec<usize>>,
+}
+
+impl Labeling {
+    fn label(&mut self, size: usize, shardable: bool) -> usize {
+        self.sizes.push(size);
+        self.shardable.push(shardable && size > 1);
+        self.sizes.len() - 1
+    }
+
+    /// Every dim of `meta` gets its own label.
+    fn fresh_dims(
+        &mut self,
+        meta: &TensorMeta,
+        shardable: impl Fn(usize) -> bool,
+    ) -> Vec<Option<usize>> {
+        let dims = meta.shape.dims();
+        (0..dims.len()).map(|d| Some(self.label(dims[d], shardable(d)))).collect()
+    }
+}
+
+/// Labels of one op application, or an error for ops that have no forward sharding rule.
+pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labeling, String> {
+    let mut l = Labeling::default();
+    let rank = |m: &TensorMeta| m.shape.rank();
+    let dims = |m: &TensorMeta| m.shape.dims().to_vec();
+    match op {
+        Op::Unary(_) | Op::Cast(_) => {
+            let o = l.fresh_dims(y[0], |_| true);
+            l.inputs = vec![o.clone()];
+            l.outputs = vec![o];
+        }
+        Op::Dropout { .. } => {
+            let o = l.fresh_dims(y[0], |_| true);
+            l.inputs = vec![o.clone(), vec![None; rank(x[1])]];
+            l.outputs = vec![o];
+        }
+        Op::Binary(_) => {
+            let o = l.fresh_dims(y[0], |_| true);
+            let od = dims(y[0]);
+            for m in x {
+                // Right-aligned broadcasting: a size-1 dim against a larger one stays whole.
+                let r = rank(m);
+                let off = od.len() - r;
+                let md = dims(m);
+                l.inputs.push(
+                    (0..r).map(|d| if md[d] == od[off + d] { o[off + d] } else { None }).collect(),
+                );
+            }
+            l.outputs = vec![o];
+        }
+        Op::MatMul { trans_a, trans_b } => {
+            let (a, b) = (dims(x[0]), dims(x[1]));
+            let out = dims(y[0]);
+            let nb = out.len() - 2;
+            let batch: Vec<usize> = (0..nb).map(|d| l.label(out[d], true)).collect();
+            let m = l.label(out[nb], true);
+            let n = l.label(out[nb + 1], true);
+            let k_size = if *trans_a { a[a.len() - 2] } else { a[a.len() - 1] };
+            let k = l.label(k_size, true);
+            let operand = |d: &[usize], trans: bool, row: usize, col: usize| {
+                let r = d.len();
+                let off = nb + 2 - r;
+                let mut v: Vec<Option<usize>> = (0..r - 2)
+                    .map(|i| if d[i] == out[off + i] { Some(batch[off + i]) } else { None })
+                    .collect();
+                let (p, q) = if trans { (col, row) } else { (row, col) };
+                v.push(Some(p));
+                v.push(Some(q));
+                v
+            };
+            l.inputs = vec![operand(&a, *trans_a, m, k), operand(&b, *trans_b, k, n)];
+            let mut o: Vec<Option<usize>> = batch.iter().map(|&b| Some(b)).collect();
+            o.push(Some(m));
+            o.push(Some(n));
+            l.outputs = vec![o];
+            l.partial_from = vec![vec![k]];
+        }
+        Op::Reduce { op: rop, dims: rdims, keepdim } => {
+            let contract = matches!(rop, ReduceOp::Sum | ReduceOp::SumSquares);
+            let xi = l.fresh_dims(x[0], |d| !rdims.contains(&d) || contract);
+            let mut o = Vec::new();
+            for (d, lab) in xi.iter().enumerate() {
+                if !rdims.contains(&d) {
+                    o.push(*lab);
+                } else if *keepdim {
+                    o.push(None);
+                }
+            }
+            l.partial_from = vec![rdims.iter().filter_map(|&d| xi[d]).collect()];
+            l.inputs = vec![xi];
+            l.outputs = vec![o];
+        }
+        Op::Softmax => {
+            let r = rank(x[0]);
+            let o = l.fresh_dims(x[0], |d| d + 1 < r);
+            l.inputs = vec![o.clone()];
+            l.outputs = vec![o];
+        }
+        Op::Reshape(_) => {
+            let (xi, o) = reshape_labels(&mut l, &dims(x[0]), &dims(y[0]));
+            l.inputs = vec![xi];
+            l.outputs = vec![o];
+        }
+        Op::Permute(p) => {
+            let xi = l.fresh_dims(x[0], |_| true);
+            l.outputs = vec![p.iter().map(|&d| xi[d]).collect()];
+            l.inputs = vec![xi];
+        }
+        Op::Slice { dim, .. } | Op::Pad { dim, .. } => {
+            let xi = l.fresh_dims(x[0], |d| d != *dim);
+            let mut o = xi.clone();
+            o[*dim] = None;
+            let mut xi = xi;
+            xi[*dim] = None;
+            l.inputs = vec![xi];
+            l.outputs = vec![o];
+        }
+        Op::Concat { dim } => {
+            let mut o = l.fresh_dims(y[0], |d| d != *dim);
+            o[*dim] = None;
+            l.inputs = vec![o.clone(); x.len()];
+            l.outputs = vec![o];
+        }
+        Op::Expand(_) => {
+            let o = l.fresh_dims(y[0], |_| true);
+            let (xd, od) = (dims(x[0]), dims(y[0]));
+            let off = od.len() - xd.len();
+            l.inputs = vec![(0..xd.len())
+                .map(|d| if xd[d] == od[off + d] { o[off + d] } else { None })
+                .collect()];
+            l.outputs = vec![o];
+        }
+        Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
+            let r = rank(x[0]);
+            let mut o = l.fresh_dims(x[0], |d| d + 1 < r);
+            o[r - 1] = None;
+            l.inputs = vec![o.clone()];
+            for m in &x[1..] {
+                l.inputs.push(vec![None; rank(m)]);
+            }
+            l.outputs = vec![o];
+        }
+        Op::Embedding => {
+            let ids = l.fresh_dims(x[1], |_| true);
+            let hidden = l.label(x[0].shape.dims()[1], true);
+            l.inputs = vec![vec![None, Some(hidden)], ids.clone()];
+            let mut o = ids;
+            o.push(Some(hidden));
+            l.outputs = vec![o];
+        }
+        Op::CrossEntropy { .. } => {
+            let rows = l.fresh_dims(x[1], |_| true);
+            let mut logits = rows.clone();
+            logits.push(None);
+            l.inputs = vec![logits, rows.clone()];
+            l.outputs = vec![vec![], rows.clone()];
+            l.partial_from = vec![rows.iter().flatten().copied().collect(), vec![]];
+        }
+        Op::Attention(_) => {
+            // q [B,S,H,D], k/v [B,T,Hkv,D] → out [B,S,H,D], lse [B,H,S].
+            let (q, k) = (dims(x[0]), dims(x[1]));
+            let b = l.label(q[0], true);
+            // Heads split together: the bound is the KV head count.
+            let h = l.label(k[2], true);
+            l.inputs = vec![vec![Some(b), None, Some(h), None]; 3];
+            l.outputs = vec![vec![Some(b), None, Some(h), None], vec![Some(b), Some(h), None]];
+        }
+        Op::Rope { .. } => {
+            let q = dims(x[0]);
+            let b = l.label(q[0], true);
+            let h = l.label(q[2], true);
+            let o = vec![Some(b), None, Some(h), None];
+            l.inputs = vec![o.clone()];
+            l.outputs = vec![o];
+        }
+        Op::Parameter(_)
+        | Op::Input(_)
+        | Op::OptimizerState { .. }
+        | Op::Fill { .. }
+        | Op::UnaryBackward(_)
+        | Op::BinaryBackward { .. }
+        | Op::ReduceBackward { .. }
+        | Op::SoftmaxBackward
+        | Op::LayerNormBackward { .. }
+        | Op::RmsNormBackward { .. }
+        | Op::EmbeddingBackward { .. }
+        | Op::CrossEntropyBackward { .. }
+        | Op::AttentionBackward(_)
+        | Op::AdamW(_)
+        | Op::Reshard(_) => {
+            return Err(format!(
+                "{} has no sharding rule: the planner shards forward graphs and differentiates \
+                 the sharded graph",
+                op.name()
+            ))
+        }
+    }
+    if l.partial_from.is_empty() {
+        l.partial_from = vec![Vec::new(); l.outputs.len()];
+    }
+    Ok(l)
+}
+
+/// Reshape keeps a split only where it survives: dims are grouped into runs of equal product,
+/// and a split of a group's leading dim carries over to the other side's leading dim (a block
+/// of rows of `[b·s, d]` is a block of `b` in `[b, s, d]` when the split divides `b`).
+fn reshape_labels(
+    l: &mut Labeling,
+    xd: &[usize],
+    yd: &[usize],
+) -> (Vec<Option<usize>>, Vec<Option<usize>>) {
+    let mut xi = vec![None; xd.len()];
+    let mut yo = vec![None; yd.len()];
+    let (mut i, mut j) = (0, 0);
+    while i < xd.len() && j < yd.len() {
+        let (gi, gj) = (i, j);
+        let (mut px, mut py) = (xd[i] as u64, yd[j] as u64);
+        i += 1;
+        j += 1;
+        while px != py {
+            if px < py {
+                if i >= xd.len() {
+                    break;
+                }
+                px *= xd[i] as u64;
+                i += 1;
+            } else {
+                if j >= yd.len() {
+                    break;
+                }
+                py *= yd[j] as u64;
+                j += 1;
+            }
+        }
+        let lab = l.label(xd[gi].min(yd[gj]), true);
+        xi[gi] = Some(lab);
+        yo[gj] = Some(lab);
+        // Trailing size-1 dims join no group.
+        while i < xd.len() && xd[i] == 1 && (j >= yd.len() || yd[j] != 1) {
+            i += 1;
+        }
+        while j < yd.len() && yd[j] == 1 && (i >= xd.len() || xd[i] != 1) {
+            j += 1;
+        }
+    }
+    (xi, yo)
+}
+
+/// Restricts which labels each mesh axis may split (fixed configurations).
+pub type AxisFilter<'a> = &'a dyn Fn(usize, usize) -> bool;
+
+/// Every strategy of a labelled op on `mesh`: each axis splits one shardable label or none,
+/// subject to `allow(axis, label)`, and every split must divide its dims evenly.
+pub fn strategies(
+    l: &Labeling,
+    x: &[&TensorMeta],
+    y: &[&TensorMeta],
+    mesh: &Mesh,
+    allow: AxisFilter<'_>,
+) -> Vec<Strategy> {
+    let na = mesh.ndim();
+    let options: Vec<Vec<Option<usize>>> = (0..na)
+        .map(|a| {
+            let mut o = vec![None];
+            o.extend((0..l.sizes.len()).filter(|&lab| l.shardable[lab] && allow(a, lab)).map(Some));
+            o
+        })
+        .collect();
+    let mut out = Vec::new();
+    let mut pick = vec![0usize; na];
+    'outer: loop {
+        let assign: Vec<Option<usize>> = (0..na).map(|a| options[a][pick[a]]).collect();
+        if let Some(s) = build(l, x, y, mesh, &assign) {
+            out.push(s);
+        }
+        // Odometer over the per-axis options.
+        for a in (0..na).rev() {
+            pick[a] += 1;
+            if pick[a] < options[a].len() {
+                continue 'outer;
+            }
+            pick[a] = 0;
+        }
+        break;
+    }
+    out
+}
+
+fn build(
+    l: &Labeling,
+    x: &[&TensorMeta],
+    y: &[&TensorMeta],
+    mesh: &Mesh,
+    assign: &[Option<usize>],
+) -> Option<Strategy> {
+    let mut axes_of = vec![Vec::new(); l.sizes.len()];
+    for (a, lab) in assign.iter().enumerate() {
+        if let Some(lab) = lab {
+            axes_of[*lab].push(a);
+        }
+    }
+    for (lab, axes) in axes_of.iter().enumerate() {
+        let n: usize = axes.iter().map(|&a| mesh.shape[a]).product();
+        if !l.sizes[lab].is_multiple_of(n) {
+            return None;
+        }
+    }
+    let spec_of = |labels: &[Option<usize>], partial: &[usize]| -> Spec {
+        let mut p: Vec<usize> =
+            partial.iter().flat_map(|&lab| axes_of[lab].iter().copied()).collect();
+        p.sort_unstable();
+        Spec {
+            dims: labels
+                .iter()
+                .map(|lab| lab.map_or_else(Vec::new, |lab| axes_of[lab].clone()))
+                .collect(),
+            partial: p,
+        }
+    };
+    let inputs: Vec<Spec> = l.inputs.iter().map(|labs| spec_of(labs, &[])).collect();
+    let outputs: Vec<Spec> =
+        l.outputs.iter().zip(&l.partial_from).map(|(labs, p)| spec_of(labs, p)).collect();
+    // Every tensor must split evenly (reshape labels bound two dims at once).
+    for (spec, meta) in inputs.iter().zip(x).chain(outputs.iter().zip(y)) {
+        spec.local_shape(mesh, meta.shape.dims())?;
+    }
+    let compute_axes = (0..assign.len()).filter(|&a| assign[a].is_some()).collect();
+    Some(Strategy { inputs, outputs, compute_axes, axis_labels: assign.to_vec() })
+}
+
+/// The local (per-device) meta of a tensor under a spec.
+pub fn local_meta(meta: &TensorMeta, spec: &Spec, mesh: &Mesh) -> Option<TensorMeta> {
+    let shape = spec.local_shape(mesh, meta.shape.dims())?;
+    Some(TensorMeta::new(shape, meta.dtype))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Link;
+    use tessera_ir::DType;
+
+    fn mesh(shape: &[usize]) -> Mesh {
+        Mesh::with_links(shape, vec![Link { latency_s: 1e-6, bandwidth: 1e11 }; shape.len()])
+    }
+    fn meta(d: &[usize]) -> TensorMeta {
+        TensorMeta::new(d.to_vec(), DType::F32)
+    }
+
+    #[test]
+    fn matmul_k_split_is_partial_and_n_split_is_column_parallel() {
+        let op = Op::MatMul { trans_a: false, trans_b: false };
+        let (a, b, c) = (meta(&[8, 16, 32]), meta(&[32, 64]), meta(&[8, 16, 64]));
+        let l = labeling(&op, &[&a, &b], &[&c]).unwrap();
+        let all = strategies(&l, &[&a, &b], &[&c], &mesh(&[4]), &|_, _| true);
+        // none, batch, m, n, k.
+        assert_eq!(all.len(), 5);
+        let row = all.iter().find(|s| s.outputs[0].partial == vec![0]).unwrap();
+        assert_eq!(row.inputs[0].to_string(), "[R, R, S0]");
+        assert_eq!(row.inputs[1].to_string(), "[S0, R]");
+        let col = all.iter().find(|s| s.inputs[1].to_string() == "[R, S0]").unwrap();
+        assert_eq!(col.outputs[0].to_string(), "[R, R, S0]");
+        assert_eq!(col.inputs[0].to_string(), "[R, R, R]");
+    }
+
+    #[test]
+    fn reshape_carries_a_split_of_the_leading_dim_only() {
+        let (x, y) = (meta(&[4, 6, 8]), meta(&[24, 8]));
+        let l = labeling(&Op::Reshape(y.shape.clone()), &[&x], &[&y]).unwrap();
+        let all = strategies(&l, &[&x], &[&y], &mesh(&[2]), &|_, _| true);
+        let specs: Vec<String> =
+            all.iter().map(|s| format!("{} -> {}", s.inputs[0], s.outputs[0])).collect();
+        assert!(specs.contains(&"[S0, R, R] -> [S0, R]".to_string()), "{specs:?}");
+        assert!(specs.contains(&"[R, R, S0] -> [R, S0]".to_string()), "{specs:?}");
+        assert!(!specs.iter().any(|s| s.starts_with("[R, S0")), "{specs:?}");
+    }
+
+    #[test]
+    fn attention_splits_heads_only_by_divisors_of_kv_heads() {
+        let spec = tessera_ir::AttentionSpec { causal: true, window: None, scale: 1.0 };
+        let (q, kv) = (meta(&[2, 8, 8, 4]), meta(&[2, 8, 2, 4]));
+        let (o, lse) = (meta(&[2, 8, 8, 4]), meta(&[2, 8, 8]));
+        let l = labeling(&Op::Attention(spec), &[&q, &kv, &kv], &[&o, &lse]).unwrap();
+        let four = strategies(&l, &[&q, &kv, &kv], &[&o, &lse], &mesh(&[4]), &|_, _| true);
+        // Batch 2 and KV heads 2 do not split 4 ways: only replication remains.
+        assert_eq!(four.len(), 1);
+        let two = strategies(&l, &[&q, &kv, &kv], &[&o, &lse], &mesh(&[2]), &|_, _| true);
+        assert_eq!(two.len(), 3);
+    }
+
+    #[test]
+    fn cross_entropy_loss_is_a_pending_sum_over_split_rows() {
+        let (lg, t) = (meta(&[4, 8, 10]), TensorMeta::new(vec![4, 8], DType::I64));
+        let (loss, lse) = (meta(&[]), meta(&[4, 8]));
+        let op = Op::CrossEntropy { ignore_index: None };
+        let l = labeling(&op, &[&lg, &t], &[&loss, &lse]).unwrap();
+        let all = strategies(&l, &[&lg, &t], &[&loss, &lse], &mesh(&[2, 2]), &|_, _| true);
+        let s = all.iter().find(|s| s.inputs[1].to_string() == "[S0, S1]").unwrap();
+        assert_eq!(s.outputs[0].partial, vec![0, 1]);
+        assert!(all.iter().all(|s| s.inputs[0].dims[2].is_empty()));
+    }
+}
