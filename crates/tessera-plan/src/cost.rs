@@ -68,19 +68,7 @@ impl CostModel {
 /// | all-to-all | (n−1)·α + (n−1)/n·B/bw |
 /// | shard (local slice) | 0 |
 pub fn collective_time(link: Link, n: usize, op: Collective, bytes: u64) -> f64 {
-    if n <= 1 {
-        return 0.0;
-    }
-    let (nf, b) = (n as f64, bytes as f64);
-    let (a, bw) = (link.latency_s, link.bandwidth);
-    match op {
-        Collective::AllGather { .. } => (nf - 1.0) * (a + b / bw),
-        Collective::ReduceScatter { .. } | Collective::AllToAll { .. } => {
-            (nf - 1.0) * a + (nf - 1.0) / nf * b / bw
-        }
-        Collective::AllReduce => 2.0 * (nf - 1.0) * a + 2.0 * (nf - 1.0) / nf * b / bw,
-        Collective::Shard { .. } => 0.0,
-    }
+    crate::reshard::collective_time(op, n, bytes as f64, &link)
 }
 
 /// Gradient synchronisation and ZeRO gathers are coalesced into buckets (PyTorch DDP's 25 MiB

@@ -4,7 +4,7 @@
 
 use crate::config::ParallelConfig;
 use crate::lower::CollectiveRecord;
-use crate::rules::{DimRole, Strategy};
+use crate::rules::Strategy;
 use crate::search::Evaluated;
 use crate::{Mesh, PlanError, Result, Spec};
 use serde::{Deserialize, Serialize};
@@ -352,6 +352,3 @@ fn collective_json(c: &CollectiveRecord) -> CollectiveJson {
         bytes: c.bytes,
     }
 }
-
-#[doc(hidden)]
-pub fn _role(_: DimRole) {}

@@ -179,7 +179,7 @@ fn local_bytes(meta: &TensorMeta, spec: &Spec, mesh: &Mesh) -> f64 {
 }
 
 impl<'g> Space<'g> {
-    fn new(g: &'g Graph, mesh: &Mesh, rule: &AxisRule, cost: &CostModel) -> Result<Space<'g>> {
+    fn new(g: &'g Graph, mesh: &Mesh, rule: &AxisRule) -> Result<Space<'g>> {
         let n = g.nodes.len();
         let mut labels: Vec<Option<Labeling>> = Vec::with_capacity(n);
         for node in &g.nodes {
@@ -285,18 +285,18 @@ impl<'g> Space<'g> {
                 let t = node.inputs[k];
                 let oi = g.tensor(t).output_index as usize;
                 let mut mine: Vec<Strategy> = Vec::with_capacity(chosen[p].len());
-                let _ = v;
                 for ps in &chosen[p] {
                     let have = &ps.outputs[oi];
                     let pick = all
                         .iter()
                         .filter(|s| &s.inputs[k] == have)
+                        // Same input layout: keep the output as split as possible.
                         .min_by(|a, b| {
-                            let ca = cost.op_time(&node.op, &x, &y)
-                                + local_bytes(y[0], &a.outputs[0], mesh);
-                            let cb = cost.op_time(&node.op, &x, &y)
-                                + local_bytes(y[0], &b.outputs[0], mesh);
-                            ca.total_cmp(&cb)
+                            local_bytes(y[0], &a.outputs[0], mesh).total_cmp(&local_bytes(
+                                y[0],
+                                &b.outputs[0],
+                                mesh,
+                            ))
                         })
                         .or_else(|| all.first());
                     mine.push(
@@ -359,7 +359,7 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
     let (fwd, saved) = (&shared.0, &shared.1);
     let g = &fwd.graph;
     let mesh = &cand.mesh;
-    let space = Space::new(g, mesh, &cand.rule, &p.cost)?;
+    let space = Space::new(g, mesh, &cand.rule)?;
     if space.options.iter().any(|o| o.is_empty()) {
         return Ok(None);
     }
@@ -414,7 +414,7 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     }
     let shared = p.forward(p.batch / mb)?;
     let (fwd, saved) = (&shared.0, &shared.1);
-    let space = Space::new(&fwd.graph, &cand.mesh, &cand.rule, &p.cost)?;
+    let space = Space::new(&fwd.graph, &cand.mesh, &cand.rule)?;
     if space.options.iter().any(|o| o.is_empty()) {
         return Ok(None);
     }
