@@ -31,10 +31,10 @@ enum Command {
     Train(Box<train_cmd::TrainArgs>),
     /// Next-token loss (and logits) of a checkpoint directory over given token ids.
     Eval(eval_cmd::EvalArgs),
-    /// Measure this CPU (matmul FLOP/s, memory and thread-to-thread bandwidth) and save it as
-    /// the `cpu` device preset used by cluster strings like `4xcpu`.
     /// Find the fastest parallel plan that fits (or evaluate a given one) for a model on a cluster.
     Plan(Box<plan_cmd::PlanArgs>),
+    /// Measure this CPU (matmul FLOP/s, memory and thread-to-thread bandwidth) and save it as
+    /// the `cpu` device preset used by cluster strings like `4xcpu`.
     Calibrate(calibrate_cmd::CalibrateArgs),
 }
 

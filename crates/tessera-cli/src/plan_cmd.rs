@@ -113,6 +113,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     };
     if args.baseline == Some(Baseline::Megatron) {
         planner::attach_megatron(&req, &mut plan).map_err(plan_err)?;
+    } else {
+        plan.baselines.megatron = None;
     }
     let json = serde_json::to_string_pretty(&plan)?;
     if let Some(out) = &args.out {
@@ -142,6 +144,11 @@ fn table(p: &Plan, explain: bool) -> String {
         "plan      {}   mesh {:?}   (found in {:.0} ms)\n",
         p.config, p.mesh.shape, p.search_ms
     );
+    if p.layout == "per-op" && p.source != "file" {
+        s +=
+            "          per-op layout: the config above is its closest Megatron-style description; \
+              save the plan with --out FILE and pass --plan FILE to reuse it exactly\n";
+    }
     s += &format!(
         "step      {:.4} s   {:.0} tokens/s   MFU {:.1}%\n",
         pr.step_time_s,

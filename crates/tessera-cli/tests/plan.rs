@@ -33,6 +33,8 @@ fn fails(extra: &[&str], needle: &str) {
 #[test]
 fn json_has_the_promised_keys_and_the_baseline_is_no_faster() {
     let v = plan(&["--cluster", "4xH100", "--baseline", "megatron", "--format", "json"]);
+    // The layout says whether the config string reproduces the plan.
+    assert!(matches!(v["layout"].as_str(), Some("megatron" | "per-op")), "{}", v["layout"]);
     assert_eq!(
         v["mesh"]["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).product::<u64>(),
         4

@@ -46,11 +46,18 @@ fn crates_depend_only_downwards() {
         ("tessera-models", &["tessera-ir"][..]),
         ("tessera-profile", &["tessera-ir"][..]),
         ("tessera-plan", &["tessera-ir", "tessera-profile"][..]),
-        ("tessera-runtime", &["tessera-ir"][..]),
+        ("tessera-comm", &[][..]),
+        ("tessera-runtime", &["tessera-ir", "tessera-comm"][..]),
         (
             "tessera-cli",
-            &["tessera-ir", "tessera-models", "tessera-profile", "tessera-plan", "tessera-runtime"]
-                [..],
+            &[
+                "tessera-ir",
+                "tessera-models",
+                "tessera-profile",
+                "tessera-plan",
+                "tessera-comm",
+                "tessera-runtime",
+            ][..],
         ),
     ]);
     for (krate, deps) in &graph {

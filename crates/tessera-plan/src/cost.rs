@@ -41,6 +41,36 @@ impl CostModel {
         compute.max(memory) + d.kernel_overhead_s
     }
 
+    /// Time of the AdamW update of `elems` elements of a `dtype` parameter (the kernel lowering
+    /// emits: parameter, gradient, m, v and, below f32, the master copy, read and written).
+    pub fn optimizer_step_time(&self, elems: usize, dtype: DType) -> f64 {
+        if elems == 0 {
+            return 0.0;
+        }
+        let shape = tessera_ir::Shape::new(vec![elems]);
+        let param = TensorMeta::new(shape.clone(), dtype);
+        let state = TensorMeta::new(shape, DType::F32);
+        let scalar = TensorMeta::new(tessera_ir::Shape::scalar(), DType::F32);
+        let step = TensorMeta::new(tessera_ir::Shape::scalar(), DType::I64);
+        let mut x = vec![&param, &param, &state, &state, &scalar, &step, &scalar];
+        if dtype != DType::F32 {
+            x.push(&state);
+        }
+        let spec = tessera_ir::AdamWSpec {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: None,
+            grad_scale: false,
+        };
+        let op = Op::AdamW(spec);
+        // The metas above are well-formed by construction (a unit test checks the time is
+        // positive), so inference cannot fail.
+        let y = op.infer(&x).unwrap_or_default();
+        self.op_time(&op, &x, &y.iter().collect::<Vec<_>>())
+    }
+
     /// Time of a sequence of collective steps starting from a local tensor `input`.
     pub fn reshard_time(&self, links: &[Link], steps: &[CommStep], input: &TensorMeta) -> f64 {
         let mut shape = input.shape.clone();
@@ -83,4 +113,22 @@ pub fn bucketed_time(link: Link, n: usize, op: Collective, bytes: u64) -> f64 {
         collective_time(Link { latency_s: link.latency_s, bandwidth: f64::INFINITY }, n, op, 0);
     let share = (bytes as f64 / BUCKET_BYTES).min(1.0);
     full - latency + latency * share
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn optimizer_step_is_memory_bound_and_scales_with_elements() {
+        let m = CostModel::new(crate::cluster::device_preset("H100").expect("preset"));
+        let small = m.optimizer_step_time(1 << 20, DType::F32);
+        let big = m.optimizer_step_time(1 << 30, DType::F32);
+        // 2^30 f32 elements: param, grad, m, v read + param, m, v written = 28 bytes each.
+        let floor = 28.0 * (1u64 << 30) as f64 / m.device.memory_bandwidth;
+        assert!(big >= floor && big < 2.0 * floor, "{big} vs {floor}");
+        assert!(small > 0.0 && small < big / 100.0);
+        // A bf16 weight also carries an f32 master copy.
+        assert!(m.optimizer_step_time(1 << 30, DType::BF16) > big * 0.9);
+    }
 }

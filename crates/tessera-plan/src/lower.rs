@@ -64,6 +64,8 @@ pub struct StepTime {
     /// The part of `overlapped_comm_s` that the compute does not hide.
     pub exposed_comm_s: f64,
     pub step_time_s: f64,
+    /// Compute seconds per op kind (`matmul`, `attention`, `adamw`, ..), all phases.
+    pub compute_by_op_s: std::collections::BTreeMap<&'static str, f64>,
 }
 
 /// One collective step of the Program.
@@ -719,8 +721,14 @@ pub fn simulate_time(
         let n = g.node(id);
         if let Op::Reshard(spec) = &n.op {
             let input = g.meta(n.inputs[0]);
+            // Parameter gathers, gradient reductions (early ones in backward included) and the
+            // optimizer's collectives run beside the compute, as DDP/FSDP buckets do.
+            let is_grad =
+                |t: TensorId| p.role[p.buffer_of[t.index()].index()] == tessera_ir::Role::Gradient;
             let on_param = matches!(g.producer(n.inputs[0]).op, Op::Parameter(_))
-                || n.phase == Phase::Optimizer;
+                || n.phase == Phase::Optimizer
+                || is_grad(n.inputs[0])
+                || is_grad(n.outputs[0]);
             let mut secs = 0.0;
             let mut shape = input.shape.clone();
             for s in &spec.forward {
@@ -757,6 +765,9 @@ pub fn simulate_time(
         x.extend(n.inputs.iter().map(|&i| g.meta(i)));
         y.extend(n.outputs.iter().map(|&o| g.meta(o)));
         let secs = cost.op_time(&n.op, &x, &y);
+        if secs > 0.0 {
+            *t.compute_by_op_s.entry(n.op.name()).or_default() += secs;
+        }
         match n.phase {
             Phase::Forward => t.forward_compute_s += secs,
             Phase::Backward => t.backward_compute_s += secs,

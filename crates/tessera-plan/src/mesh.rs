@@ -48,6 +48,22 @@ impl Mesh {
         Mesh { shape: shape.to_vec(), axes, links }
     }
 
+    /// Whether the two meshes are the same up to the order of their axes (same sizes over the
+    /// same links): plans on one map onto the other by renaming axes.
+    pub fn equivalent(&self, other: &Mesh) -> bool {
+        let key = |m: &Mesh| {
+            let mut k: Vec<(usize, u64, u64)> = m
+                .shape
+                .iter()
+                .zip(&m.links)
+                .map(|(&s, l)| (s, l.latency_s.to_bits(), l.bandwidth.to_bits()))
+                .collect();
+            k.sort_unstable();
+            k
+        };
+        key(self) == key(other)
+    }
+
     pub fn ndim(&self) -> usize {
         self.shape.len()
     }
@@ -93,5 +109,24 @@ impl Mesh {
         let mut out = Vec::new();
         go(n, max_axes, &mut Vec::new(), &mut out);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meshes_equal_up_to_axis_order_only_within_a_node() {
+        let node = Cluster::parse("8xH100").unwrap();
+        let a = Mesh::new(&node, &[2, 4], &[]).unwrap();
+        let b = Mesh::new(&node, &[4, 2], &[]).unwrap();
+        assert!(a.equivalent(&b) && b.equivalent(&a));
+        assert!(!a.equivalent(&Mesh::new(&node, &[8], &[]).unwrap()));
+        // Across nodes the outer axis runs over the slower link: [2, 8] is not [8, 2].
+        let two = Cluster::parse("2x8xH100").unwrap();
+        let c = Mesh::new(&two, &[2, 8], &[]).unwrap();
+        let d = Mesh::new(&two, &[8, 2], &[]).unwrap();
+        assert!(!c.equivalent(&d));
     }
 }

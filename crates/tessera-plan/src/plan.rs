@@ -12,6 +12,10 @@ use tessera_ir::{Graph, Op};
 
 pub const PLAN_VERSION: u32 = 1;
 
+fn default_layout() -> String {
+    "per-op".into()
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct MeshJson {
     pub shape: Vec<usize>,
@@ -67,6 +71,9 @@ pub struct Predicted {
     pub grads_bytes: u64,
     pub optimizer_bytes: u64,
     pub activations_bytes: u64,
+    /// Compute seconds per op kind over the whole step (forward, backward, optimizer).
+    #[serde(default)]
+    pub compute_by_op_s: std::collections::BTreeMap<String, f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -95,8 +102,13 @@ pub struct Plan {
     pub dtype: String,
     pub memory_budget_bytes: u64,
     pub mesh: MeshJson,
-    /// Canonical config string (`dp2 tp4 sp zero1 mb2`).
+    /// Canonical config string (`dp2 tp4 sp zero1 mb2`). For a `per-op` layout it is the
+    /// closest Megatron-style description, not an equivalent: reuse such a plan as a file.
     pub config: String,
+    /// `megatron`: a Megatron-style layout that `--plan "<config>"` reproduces; `per-op`: the
+    /// free search chose each op's sharding (the strategies below are the plan).
+    #[serde(default = "default_layout")]
+    pub layout: String,
     pub zero_stage: u8,
     pub micro_batches: usize,
     /// How the plan was found: `auto`, `fixed`, `file`.
@@ -119,13 +131,19 @@ pub fn describe(
     zero: u8,
     mb: usize,
 ) -> ParallelConfig {
-    let mut dp_axes: Vec<usize> = Vec::new();
+    // Data-parallel axes: those splitting the batch (first) dim of most matmuls' activations.
+    let mut votes: std::collections::BTreeMap<Vec<usize>, usize> = Default::default();
     for (i, n) in g.nodes.iter().enumerate() {
-        if let (Op::Embedding, Some(s)) = (&n.op, &strategies[i]) {
-            dp_axes = s.inputs[1].dims.first().cloned().unwrap_or_default();
-            break;
+        if let (Op::MatMul { .. }, Some(s)) = (&n.op, &strategies[i]) {
+            let x = g.meta(n.inputs[0]);
+            if x.shape.rank() >= 3 {
+                *votes.entry(s.inputs[0].dims.first().cloned().unwrap_or_default()).or_default() +=
+                    1;
+            }
         }
     }
+    let mut dp_axes: Vec<usize> =
+        votes.into_iter().max_by_key(|(_, n)| *n).map(|(axes, _)| axes).unwrap_or_default();
     if dp_axes.is_empty() {
         if let Some((i, _)) =
             g.nodes.iter().enumerate().find(|(i, n)| !n.op.is_leaf() && strategies[*i].is_some())
@@ -192,6 +210,7 @@ impl Plan {
             grads_bytes: m.grads_bytes,
             optimizer_bytes: m.optimizer_bytes,
             activations_bytes: m.activations_bytes,
+            compute_by_op_s: t.compute_by_op_s.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         };
         let lg = e.lowered.program.graph();
         let tensors = e
@@ -235,6 +254,10 @@ impl Plan {
             memory_budget_bytes: cx.budget,
             mesh: MeshJson { shape: mesh.shape.clone(), axes: mesh.axes.clone() },
             config: cfg.canonical(),
+            layout: match e.candidate.rule {
+                crate::search::AxisRule::Megatron { .. } => "megatron".into(),
+                crate::search::AxisRule::Free => "per-op".into(),
+            },
             zero_stage: e.candidate.zero,
             micro_batches: e.candidate.micro_batches,
             source: source.to_string(),
@@ -330,6 +353,24 @@ impl Plan {
             let e = by_kind.entry((c.phase.clone(), c.op.clone())).or_default();
             e.0 += 1;
             e.1 += c.bytes;
+        }
+        let p = &self.predicted;
+        let mut ops: Vec<(&String, &f64)> = p.compute_by_op_s.iter().collect();
+        ops.sort_by(|a, b| b.1.total_cmp(a.1));
+        s += &format!(
+            "step {:.4} s: compute {:.4} s (forward {:.4}, backward {:.4}, optimizer {:.4}), \
+             blocking comm {:.4} s, exposed comm {:.4} s\n",
+            p.step_time_s,
+            p.forward_compute_s + p.backward_compute_s + p.optimizer_compute_s,
+            p.forward_compute_s,
+            p.backward_compute_s,
+            p.optimizer_compute_s,
+            p.blocking_comm_s,
+            p.exposed_comm_s
+        );
+        s += "compute by op:\n";
+        for (op, secs) in ops {
+            s += &format!("  {op:<24} {secs:>9.4} s  {:>5.1}%\n", 100.0 * secs / p.step_time_s);
         }
         s += "collectives per step (per device):\n";
         for ((phase, op), (count, bytes)) in by_kind {

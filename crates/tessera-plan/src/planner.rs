@@ -2,12 +2,13 @@
 //! the Megatron-LM baseline — all priced by the same cost model on lowered Programs.
 //!
 //! Search space of `auto`: meshes `[N]` and `[N/t, t]` for every tensor-axis size `t` that
-//! divides a node (so the inner axis stays on the fast link), each with the free per-op ILP,
-//! plus every Megatron-style configuration (the ILP constrained to `dp` on the batch); ZeRO
-//! stages 0–3 and power-of-two micro-batch counts. For each mesh and ZeRO stage the smallest
-//! micro-batch count that fits is kept (more micro-batches only add per-kernel overhead and
-//! ZeRO-3 gathers); ZeRO stages above the first that fits without micro-batching are skipped
-//! (they save memory that is not needed and add communication or nothing).
+//! divides a node (so the inner axis stays on the fast link; meshes equal up to axis order,
+//! like `[2, 4]` and `[4, 2]` inside one node, are searched once), each with the free per-op
+//! ILP, plus every Megatron-style configuration (the ILP constrained to `dp` on the batch).
+//! Per mesh, ZeRO stages in order, each at the smallest micro-batch count that fits (more
+//! micro-batches only add per-kernel overhead and ZeRO-3 gathers); see [`run_job`] for which
+//! stages can win. Jobs (one mesh or Megatron `dp × tp × sp` each) run on all cores, and the
+//! Megatron results double as the `--baseline megatron` answer.
 
 use crate::config::ParallelConfig;
 use crate::plan::{BaselineJson, Plan, PlanContext};
@@ -139,57 +140,98 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     }
 }
 
-/// All Megatron-LM-style configurations (dp × tp within a node, sp on/off, ZeRO 0–3, micro
-/// batches); returns the fastest that fits, with the counts tried and fitting.
-pub fn megatron(req: &Request<'_>) -> Result<Option<(Evaluated, ParallelConfig, usize, usize)>> {
-    megatron_in(req, &req.problem())
+/// One unit of the search, run on one thread: a mesh with its axis rule, over ZeRO stages.
+#[derive(Clone)]
+enum Job {
+    /// The free per-op ILP on a mesh.
+    Free(Mesh),
+    /// A Megatron-style `dp × tp` configuration (sequence parallel on or off).
+    Megatron { dp: usize, tp: usize, sp: bool },
 }
 
-fn megatron_in(
-    req: &Request<'_>,
-    p: &Problem0<'_>,
-) -> Result<Option<(Evaluated, ParallelConfig, usize, usize)>> {
+/// What one job found: per ZeRO stage that fits, the plan at its smallest fitting micro-batch
+/// count, and how many (stage, micro-batch) configurations were tried.
+struct JobResult {
+    tried: usize,
+    fits: Vec<Evaluated>,
+}
+
+/// ZeRO stages in order, each at its smallest fitting micro-batch count. Under this cost model
+/// a higher stage never speeds up a step at the same micro-batch count, except 0 → 1 (the
+/// optimizer update runs on a 1/dp shard): stage 2 is tried only when stage 1 needs
+/// micro-batching (or does not fit), stage 3 only when stage 2 does — a higher stage can only
+/// win by fitting with fewer micro-batches.
+fn run_job(req: &Request<'_>, p: &Problem0<'_>, job: &Job, mbs: &[usize]) -> Result<JobResult> {
+    let (mesh, rule, mbs) = match job {
+        Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
+        Job::Megatron { dp, tp, sp } => {
+            let cfg = ParallelConfig { dp: *dp, tp: *tp, zero: 0, micro_batches: 1, sp: *sp };
+            let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
+            (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
+        }
+    };
+    let mut out = JobResult { tried: 0, fits: Vec::new() };
+    for zero in 0..=3u8 {
+        let (tried, e) = first_fit(req, p, &mesh, &rule, zero, &mbs)?;
+        out.tried += tried;
+        let needs_mb = e.as_ref().is_none_or(|e| e.candidate.micro_batches > 1);
+        out.fits.extend(e);
+        if zero >= 1 && !needs_mb {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
     let n = req.cluster.num_devices();
-    let mbs = req.micro_batch_options();
     let mut jobs = Vec::new();
     for tp in (1..=req.cluster.gpus_per_node.min(n)).filter(|&t| n.is_multiple_of(t)) {
         for sp in [false, true] {
-            if sp && tp == 1 {
-                continue;
-            }
-            for zero in 0..=3u8 {
-                jobs.push(ParallelConfig { dp: n / tp, tp, zero, micro_batches: 1, sp });
+            if !(sp && tp == 1) {
+                jobs.push(Job::Megatron { dp: n / tp, tp, sp });
             }
         }
     }
-    let results =
-        parallel_map(&jobs, |cfg| -> Result<(usize, Option<(Evaluated, ParallelConfig)>)> {
-            let mesh = megatron_mesh(&req.cluster, cfg)?;
-            let mbs: Vec<usize> =
-                mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * cfg.dp)).collect();
-            let (tried, e) =
-                first_fit(req, p, &mesh, &AxisRule::Megatron { sp: cfg.sp }, cfg.zero, &mbs)?;
-            Ok((
-                tried,
-                e.map(|e| {
-                    let mb = e.candidate.micro_batches;
-                    (e, ParallelConfig { micro_batches: mb, ..cfg.clone() })
-                }),
-            ))
-        });
+    jobs
+}
+
+/// The best Megatron configuration among job results, with the counts tried and fitting.
+fn best_megatron(
+    jobs: &[Job],
+    results: &[JobResult],
+) -> Option<(Evaluated, ParallelConfig, usize, usize)> {
     let (mut tried, mut fitting) = (0, 0);
     let mut best: Option<(Evaluated, ParallelConfig)> = None;
-    for r in results {
-        let (t, e) = r?;
-        tried += t;
-        if let Some((e, cfg)) = e {
-            fitting += 1;
+    for (job, r) in jobs.iter().zip(results) {
+        let Job::Megatron { dp, tp, sp } = *job else { continue };
+        tried += r.tried;
+        fitting += r.fits.len();
+        for e in &r.fits {
             if best.as_ref().is_none_or(|(b, _)| e.step_time_s() < b.step_time_s()) {
-                best = Some((e, cfg));
+                let cfg = ParallelConfig {
+                    dp,
+                    tp,
+                    zero: e.candidate.zero,
+                    micro_batches: e.candidate.micro_batches,
+                    sp,
+                };
+                best = Some((e.clone(), cfg));
             }
         }
     }
-    Ok(best.map(|(e, c)| (e, c, tried, fitting)))
+    best.map(|(e, c)| (e, c, tried, fitting))
+}
+
+/// All Megatron-LM-style configurations (dp × tp within a node, sp on/off, ZeRO stages,
+/// micro-batches); returns the fastest that fits, with the counts tried and fitting.
+pub fn megatron(req: &Request<'_>) -> Result<Option<(Evaluated, ParallelConfig, usize, usize)>> {
+    let p = req.problem();
+    let mbs = req.micro_batch_options();
+    let jobs = megatron_jobs(req);
+    let results: Vec<JobResult> =
+        parallel_map(&jobs, |j| run_job(req, &p, j, &mbs)).into_iter().collect::<Result<_>>()?;
+    Ok(best_megatron(&jobs, &results))
 }
 
 /// The automatic plan: the fastest fitting candidate of the whole space.
@@ -198,44 +240,45 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let n = req.cluster.num_devices();
     let p = req.problem();
     let mbs = req.micro_batch_options();
-    let mut meshes: Vec<Vec<usize>> = vec![vec![n]];
+    let mut meshes: Vec<Mesh> = vec![Mesh::new(&req.cluster, &[n], &[])?];
     for t in 2..=req.cluster.gpus_per_node.min(n) {
         if n.is_multiple_of(t) && req.cluster.gpus_per_node.is_multiple_of(t) && t < n {
-            meshes.push(vec![n / t, t]);
-        }
-    }
-    let results = parallel_map(&meshes, |shape| -> Result<Option<Evaluated>> {
-        let names: Vec<&str> = if shape.len() == 1 { vec!["a0"] } else { vec!["a0", "a1"] };
-        let mesh = Mesh::new(&req.cluster, shape, &names)?;
-        let mut best: Option<Evaluated> = None;
-        for zero in 0..=3u8 {
-            let (_, e) = first_fit(req, &p, &mesh, &AxisRule::Free, zero, &mbs)?;
-            let Some(e) = e else { continue };
-            let done = e.candidate.micro_batches == 1;
-            if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
-                best = Some(e);
-            }
-            if done {
-                break;
-            }
-        }
-        Ok(best)
-    });
-    let mut best: Option<Evaluated> = None;
-    for r in results {
-        if let Some(e) = r? {
-            if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
-                best = Some(e);
+            let mesh = Mesh::new(&req.cluster, &[n / t, t], &[])?;
+            // Within one node `[2, 4]` and `[4, 2]` are one mesh: the free ILP finds the same
+            // plans on both, up to naming the axes.
+            if !meshes.iter().any(|m| m.equivalent(&mesh)) {
+                meshes.push(mesh);
             }
         }
     }
-    if let Some((e, _, _, _)) = megatron_in(req, &p)? {
-        if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
-            best = Some(e);
+    // The free 2-D meshes are the slowest jobs: they go first so the threads stay busy.
+    let mut jobs: Vec<Job> = meshes.into_iter().rev().map(Job::Free).collect();
+    jobs.extend(megatron_jobs(req));
+    let results: Vec<JobResult> =
+        parallel_map(&jobs, |j| run_job(req, &p, j, &mbs)).into_iter().collect::<Result<_>>()?;
+    let fastest = |free: bool| {
+        jobs.iter()
+            .zip(&results)
+            .filter(|(j, _)| matches!(j, Job::Free(_)) == free)
+            .flat_map(|(_, r)| &r.fits)
+            .min_by(|a, b| a.step_time_s().total_cmp(&b.step_time_s()))
+    };
+    // A Megatron-style layout is reproducible from its config string and familiar: the per-op
+    // layout must beat it by more than 0.1% to be preferred.
+    let best = match (fastest(true), fastest(false)) {
+        (Some(f), Some(m)) => {
+            Some(if f.step_time_s() < m.step_time_s() * (1.0 - 1e-3) { f } else { m })
         }
-    }
+        (f, m) => f.or(m),
+    };
     match best {
-        Some(e) => req.to_plan(&e, "auto", t0.elapsed().as_secs_f64() * 1e3),
+        Some(e) => {
+            let mut plan = req.to_plan(e, "auto", t0.elapsed().as_secs_f64() * 1e3)?;
+            // The search priced every Megatron configuration anyway: keep the best as baseline.
+            plan.baselines.megatron =
+                best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
+            Ok(plan)
+        }
         None => Err(infeasible(req, &p, &mbs)?),
     }
 }
@@ -345,16 +388,23 @@ fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Ve
     out.into_iter().map(|r| r.expect("every item ran")).collect()
 }
 
-/// Fills the Megatron baseline of a plan.
+fn baseline_json(
+    req: &Request<'_>,
+    (e, cfg, tried, fitting): &(Evaluated, ParallelConfig, usize, usize),
+) -> BaselineJson {
+    BaselineJson {
+        config: cfg.canonical(),
+        step_time_s: e.step_time_s(),
+        peak_bytes_per_device: vec![e.peak_bytes(); req.cluster.num_devices()],
+        configurations_tried: *tried,
+        configurations_fitting: *fitting,
+    }
+}
+
+/// Fills the Megatron baseline of a plan (kept if the automatic search already did).
 pub fn attach_megatron(req: &Request<'_>, plan: &mut Plan) -> Result<()> {
-    if let Some((e, cfg, tried, fitting)) = megatron(req)? {
-        plan.baselines.megatron = Some(BaselineJson {
-            config: cfg.canonical(),
-            step_time_s: e.step_time_s(),
-            peak_bytes_per_device: vec![e.peak_bytes(); req.cluster.num_devices()],
-            configurations_tried: tried,
-            configurations_fitting: fitting,
-        });
+    if plan.baselines.megatron.is_none() {
+        plan.baselines.megatron = megatron(req)?.as_ref().map(|m| baseline_json(req, m));
     }
     Ok(())
 }

@@ -114,10 +114,11 @@ struct Space<'g> {
     g: &'g Graph,
     /// Decision index per node (None: leaf).
     var_of: Vec<Option<usize>>,
-    /// Per decision: its head node and its strategies.
+    /// Per decision: its head node and its number of strategies.
     heads: Vec<NodeId>,
-    options: Vec<Vec<Strategy>>,
-    /// Per node, per pick of its decision: the node's strategy (followers derive theirs).
+    options: Vec<usize>,
+    /// Per representative node, per pick of its decision: the node's strategy (followers
+    /// derive theirs); empty for nodes that copy a representative (see [`Space::chosen`]).
     chosen: Vec<Vec<Strategy>>,
     /// Node whose strategies it copies (block sharing), or itself.
     rep: Vec<usize>,
@@ -223,14 +224,13 @@ impl<'g> Space<'g> {
         let live_axes: Vec<usize> = (0..mesh.ndim()).filter(|&a| mesh.shape[a] > 1).collect();
         let mut var_of = vec![None; n];
         let mut heads = Vec::new();
-        let mut options: Vec<Vec<Strategy>> = Vec::new();
+        let mut options: Vec<usize> = Vec::new();
         let mut chosen: Vec<Vec<Strategy>> = vec![Vec::new(); n];
         for i in 0..n {
             let node = &g.nodes[i];
             let Some(l) = &labels[i] else { continue };
             if rep[i] != i {
                 var_of[i] = var_of[rep[i]];
-                chosen[i] = chosen[rep[i]].clone();
                 continue;
             }
             let x = metas(g, &node.inputs);
@@ -308,8 +308,8 @@ impl<'g> Space<'g> {
             } else {
                 var_of[i] = Some(heads.len());
                 heads.push(NodeId(i as u32));
-                chosen[i] = all.clone();
-                options.push(all);
+                options.push(all.len());
+                chosen[i] = all;
             }
         }
         Ok(Space { g, var_of, heads, options, chosen, rep })
@@ -318,8 +318,13 @@ impl<'g> Space<'g> {
     /// The per-node strategies of a set of picks.
     fn assignment(&self, picks: &[usize]) -> Vec<Option<Strategy>> {
         (0..self.g.nodes.len())
-            .map(|i| self.var_of[i].map(|v| self.chosen[i][picks[v]].clone()))
+            .map(|i| self.var_of[i].map(|v| self.chosen(i)[picks[v]].clone()))
             .collect()
+    }
+
+    /// Node `i`'s strategy per pick of its decision.
+    fn chosen(&self, i: usize) -> &[Strategy] {
+        &self.chosen[self.rep[i]]
     }
 }
 
@@ -360,7 +365,7 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
     let g = &fwd.graph;
     let mesh = &cand.mesh;
     let space = Space::new(g, mesh, &cand.rule)?;
-    if space.options.iter().any(|o| o.is_empty()) {
+    if space.options.contains(&0) {
         return Ok(None);
     }
     let t0 = std::time::Instant::now();
@@ -380,7 +385,7 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
         let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts)?;
         if std::env::var_os("TESSERA_TRACE").is_some() {
             eprintln!(
-                "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?}",
+                "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?} ilp {:.4} lowered {:.4} peak {:.2}/{:.2} GiB",
                 mesh.shape,
                 cand.rule,
                 cand.zero,
@@ -388,7 +393,11 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
                 problem.choices.len(),
                 t_build,
                 t_solve,
-                t1.elapsed() - t_solve
+                t1.elapsed() - t_solve,
+                sol.objective,
+                lowered.time.step_time_s,
+                lowered.memory.peak_bytes as f64 / (1u64 << 30) as f64,
+                budget / (1u64 << 30) as f64,
             );
         }
         let peak = lowered.memory.peak_bytes as f64;
@@ -415,7 +424,7 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let shared = p.forward(p.batch / mb)?;
     let (fwd, saved) = (&shared.0, &shared.1);
     let space = Space::new(&fwd.graph, &cand.mesh, &cand.rule)?;
-    if space.options.iter().any(|o| o.is_empty()) {
+    if space.options.contains(&0) {
         return Ok(None);
     }
     let mut reshard = ReshardCache::new(cand.mesh.clone());
@@ -440,7 +449,7 @@ fn build_problem(
     let mesh = &cand.mesh;
     let mbf = cand.micro_batches.max(1) as f64;
     let nv = space.heads.len();
-    let mut node_cost: Vec<Vec<f64>> = space.options.iter().map(|o| vec![0.0; o.len()]).collect();
+    let mut node_cost: Vec<Vec<f64>> = space.options.iter().map(|&o| vec![0.0; o]).collect();
     let mut saved_bytes: Vec<Vec<f64>> = node_cost.clone();
     let mut static_bytes: Vec<Vec<f64>> = node_cost.clone();
     let mut temp_bytes: Vec<Vec<f64>> = node_cost.clone();
@@ -454,11 +463,11 @@ fn build_problem(
         let Some(v) = space.var_of[i] else { continue };
         let r = space.rep[i];
         if let std::collections::hash_map::Entry::Vacant(slot) = memo.entry(r) {
-            let nopt = space.options[v].len();
+            let nopt = space.options[v];
             let (mut c, mut sv, mut st, mut tp) =
                 (vec![0.0; nopt], vec![0.0; nopt], vec![0.0; nopt], vec![0.0; nopt]);
             for s in 0..nopt {
-                let strat = &space.chosen[i][s];
+                let strat = &space.chosen(i)[s];
                 let x: Option<Vec<TensorMeta>> = node
                     .inputs
                     .iter()
@@ -517,6 +526,8 @@ fn build_problem(
                     };
                     st[s] += elems
                         * (eb / pdiv + eb / gdiv + optimizer_bytes_per_elem(meta.dtype) / odiv);
+                    // The update runs on this device's share of the optimizer state.
+                    c[s] += p.cost.optimizer_step_time((elems / odiv).ceil() as usize, meta.dtype);
                     // Gradient sync over the pending axes (ring all-reduce ≈ reduce-scatter +
                     // all-gather); ZeRO-3 also gathers the weight in forward and backward.
                     let bytes = elems * eb;
@@ -565,17 +576,17 @@ fn build_problem(
             let key = (space.rep[pi], space.rep[ci], oi, k);
             let meta = g.meta(t);
             let m = edge_memo.entry(key).or_insert_with(|| {
-                let (np, nc) = (space.options[pv].len(), space.options[cv].len());
+                let (np, nc) = (space.options[pv], space.options[cv]);
                 let mut m = vec![vec![0.0; nc]; np];
                 let dims = meta.shape.dims();
                 let eb = meta.dtype.size_bytes();
                 for (s, row) in m.iter_mut().enumerate() {
-                    let have = &space.chosen[pi][s].outputs[oi];
+                    let have = &space.chosen(pi)[s].outputs[oi];
                     for (u, cell) in row.iter_mut().enumerate() {
                         if pv == cv && s != u {
                             continue;
                         }
-                        let cs = &space.chosen[ci][u];
+                        let cs = &space.chosen(ci)[u];
                         let want = &cs.inputs[k];
                         let f = reshard.cost(dims, eb, have, want).unwrap_or(f64::INFINITY);
                         let b = if meta.dtype.is_float() {
