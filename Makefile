@@ -10,4 +10,4 @@ demo: setup
 
 # Every test of the workspace.
 test: setup
-	cargo test --workspace
+	cargo test --workspace --features tessera-cli/mpi

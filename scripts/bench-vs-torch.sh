@@ -69,7 +69,7 @@ PY
 }
 
 run_tessera() {  # model batch seq steps tag
-  measure "$out/$5.json" "$out/$5.load" "$bin" train --model "$1" --batch "$2" --seq "$3" \
+  measure "$out/$5.json" "$out/$5.load" "$bin" train --devices 1 --model "$1" --batch "$2" --seq "$3" \
     --steps "$4" --eval-batches 1 --format json --op-times --log-json "$out/$5.steps.jsonl"
 }
 run_torch() {  # model batch seq steps attn tag

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Manual check of the Tessera → Hugging Face direction (the reverse of tests/hf_parity.rs):
-# for each model, `tessera train --steps 3 --save DIR`, then `transformers`'
-# AutoModelForCausalLM.from_pretrained(DIR) must load every tensor and compute the same logits
-# as `tessera eval --logits` on DIR (max abs diff < 1e-4, loss rel diff < 1e-5). Prints
+# for each model, `tessera train --devices D --steps 3 --save CKPT` (D=1: an HF directory
+# itself; D>1: a sharded checkpoint, gathered by `tessera export --checkpoint CKPT --hf DIR`),
+# then `transformers`' AutoModelForCausalLM.from_pretrained(DIR) must load every tensor and
+# compute the same logits as `tessera eval --logits` on DIR (max abs diff < 1e-4, loss rel diff < 1e-5). Prints
 # PASS/FAIL per model and exits non-zero if any failed. Not part of `cargo test`: it needs the
 # Python venv (.venv-bench with torch 2.5.1 + transformers 4.46.3, set up on first use).
 #
@@ -12,6 +13,8 @@
 #        vocabulary widened to 256 (the default corpus is byte-level); anything else is passed
 #        to --model as is (a preset or a config path).
 #        HF_ROUNDTRIP_LR=0.03  the training learning rate (constant, no warmup);
+#        HF_ROUNDTRIP_DEVICES=1  simulated devices of the training run (default 1; with more,
+#        models with dropout are refused, so use presets such as gpt2-tiny / llama-tiny);
 #        KEEP=1 keeps the work directory (printed at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,10 +53,15 @@ PY
     spec=$work/configs/$name/config.json
   fi
   out=$work/saved/$name
-  echo "== tessera train --model $m --steps 3 --save $out" >&2
-  if "$bin" train --model "$spec" --steps 3 --batch 2 --seq 32 --eval-batches 1 \
-       --lr "$lr" --warmup 0 --schedule constant \
+  devices=${HF_ROUNDTRIP_DEVICES:-1}
+  echo "== tessera train --model $m --devices $devices --steps 3 --save $out" >&2
+  if "$bin" train --model "$spec" --devices "$devices" --steps 3 --batch 4 --seq 32 \
+       --eval-batches 1 --lr "$lr" --warmup 0 --schedule constant \
        --save "$out" --format json > "$work/train-$name.json" 2> "$work/train-$name.err"; then
+    if [ "$devices" -gt 1 ]; then
+      "$bin" export --checkpoint "$out" --hf "$out-hf" 2>> "$work/train-$name.err"
+      out=$out-hf
+    fi
     dirs+=("$out")
   else
     echo "FAIL $name: tessera train failed: $(tail -n 5 "$work/train-$name.err")"

@@ -3,9 +3,10 @@
 # Called by `make demo` and `make test`; safe to run repeatedly, as root or through sudo.
 set -euo pipefail
 
-# System packages by issue: none yet for the IR/profiler; later issues add cmake, libclang-dev
-# (HiGHS) and OpenMPI. Keep the list here, in one place.
-PACKAGES=(cmake g++ libclang-dev)
+# System packages, in one place: cmake, g++ and libclang-dev build HiGHS (the planner's ILP
+# solver) and rsmpi's bindings; libopenmpi-dev and openmpi-bin are the MPI library and its
+# `mpirun`, for tessera-comm's MPI backend (feature `mpi`) and its tests.
+PACKAGES=(cmake g++ libclang-dev libopenmpi-dev openmpi-bin)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -4,9 +4,11 @@
 
 mod calibrate_cmd;
 mod eval_cmd;
+mod export_cmd;
 mod format;
 mod plan_cmd;
 mod profile_cmd;
+mod spmd_train;
 mod train_cmd;
 
 use clap::{Parser, Subcommand};
@@ -27,10 +29,13 @@ struct Cli {
 enum Command {
     /// FLOPs and memory of one training step, computed symbolically (no tensor is allocated).
     Profile(profile_cmd::ProfileArgs),
-    /// Train a model on text on one device (default: gpt2-tiny on the shipped corpus).
+    /// Train a model on text on N devices with a parallel plan (default: gpt2-tiny on the
+    /// shipped corpus, 4 simulated devices, automatic plan), or on one with --devices 1.
     Train(Box<train_cmd::TrainArgs>),
     /// Next-token loss (and logits) of a checkpoint directory over given token ids.
     Eval(eval_cmd::EvalArgs),
+    /// Gather a checkpoint (sharded or not) into a Hugging Face model directory.
+    Export(export_cmd::ExportArgs),
     /// Find the fastest parallel plan that fits (or evaluate a given one) for a model on a cluster.
     Plan(Box<plan_cmd::PlanArgs>),
     /// Measure this CPU (matmul FLOP/s, memory and thread-to-thread bandwidth) and save it as
@@ -44,6 +49,7 @@ fn main() -> ExitCode {
         Command::Profile(args) => profile_cmd::run(&args),
         Command::Train(args) => train_cmd::run(&args),
         Command::Eval(args) => eval_cmd::run(&args),
+        Command::Export(args) => export_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Calibrate(args) => calibrate_cmd::run(&args),
     };

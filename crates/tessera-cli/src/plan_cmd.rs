@@ -55,7 +55,7 @@ pub struct PlanArgs {
     pub out: Option<PathBuf>,
 }
 
-fn plan_err(e: PlanError) -> anyhow::Error {
+pub fn plan_err(e: PlanError) -> anyhow::Error {
     anyhow::anyhow!(e.to_string())
 }
 
@@ -99,18 +99,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         train,
         model_flops,
     };
-    let mut plan = if args.plan == "auto" {
-        planner::plan_auto(&req).map_err(plan_err)?
-    } else if std::path::Path::new(&args.plan).is_file() {
-        let text = std::fs::read_to_string(&args.plan)
-            .with_context(|| format!("reading plan file {}", args.plan))?;
-        let file: Plan = serde_json::from_str(&text)
-            .map_err(|e| anyhow::anyhow!("plan file {} is not a plan: {e}", args.plan))?;
-        planner::plan_from_file(&req, &file).map_err(plan_err)?
-    } else {
-        let pc = ParallelConfig::parse(&args.plan).map_err(plan_err)?;
-        planner::plan_fixed(&req, &pc).map_err(plan_err)?
-    };
+    let mut plan = choose_plan(&req, &args.plan)?;
     if args.baseline == Some(Baseline::Megatron) {
         planner::attach_megatron(&req, &mut plan).map_err(plan_err)?;
     } else {
@@ -123,6 +112,22 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     match args.format {
         OutputFormat::Json => print_stdout(&(json + "\n")),
         OutputFormat::Table => print_stdout(&table(&plan, args.explain)),
+    }
+}
+
+/// `auto`, a plan JSON file, or a config string (`"dp2 tp2 zero1"`).
+pub fn choose_plan(req: &Request<'_>, plan: &str) -> Result<Plan> {
+    if plan == "auto" {
+        planner::plan_auto(req).map_err(plan_err)
+    } else if std::path::Path::new(plan).is_file() {
+        let text =
+            std::fs::read_to_string(plan).with_context(|| format!("reading plan file {plan}"))?;
+        let file: Plan = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("plan file {plan} is not a plan: {e}"))?;
+        planner::plan_from_file(req, &file).map_err(plan_err)
+    } else {
+        let pc = ParallelConfig::parse(plan).map_err(plan_err)?;
+        planner::plan_fixed(req, &pc).map_err(plan_err)
     }
 }
 

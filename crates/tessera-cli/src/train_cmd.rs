@@ -1,5 +1,6 @@
-//! `tessera train`: train a model on real text on one device, and check the profiler's memory
-//! prediction against the runtime's accountant and the process heap.
+//! `tessera train`: train a model on real text — on N simulated devices under a parallel plan
+//! (the default: 4, automatic plan; see [`crate::spmd_train`]) or on one device — and check the
+//! predicted memory (and traffic) against the runtime's accountant and the process heap.
 
 use crate::format::bytes;
 use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
@@ -21,8 +22,22 @@ use tessera_runtime::{alloc, CpuBackend, LossScaleConfig, LossScaleState, LrSche
 /// run works from any directory.
 const DEFAULT_CORPUS: &str = include_str!("../../../data/shakespeare.txt");
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct TrainArgs {
+    /// Devices to train on: simulated devices (threads) in this process, each with its own
+    /// memory accountant and budget. Under mpirun/srun/torchrun, the launcher's world instead.
+    #[arg(long, default_value_t = 4)]
+    pub devices: usize,
+    /// The cluster the plan is made for (default `<devices>xcpu`, the calibrated CPU preset).
+    #[arg(long)]
+    pub cluster: Option<String>,
+    /// `auto`, a config string (`"dp2 tp2 zero1"`), or a plan JSON file (`tessera plan --out`).
+    #[arg(long, default_value = "auto")]
+    pub plan: String,
+    /// Seconds a rank waits in a collective for its peers before the run ends with an error
+    /// naming the rank and the collective.
+    #[arg(long, default_value_t = 30.0)]
+    pub comm_timeout: f64,
     /// A preset, a Hugging Face config.json, or a directory holding one (causal LMs).
     #[arg(long, default_value = "gpt2-tiny")]
     pub model: String,
@@ -103,7 +118,7 @@ pub struct TrainArgs {
 }
 
 /// Key of the loss scaler's state in a checkpoint manifest's `extra`.
-const SCALER_KEY: &str = "loss_scaler";
+pub const SCALER_KEY: &str = "loss_scaler";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum TokenBits {
@@ -122,16 +137,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     tessera_plan::units::parse_bytes(s).map_err(|e| e.to_string())
 }
 
-pub fn run(args: &TrainArgs) -> Result<()> {
-    if args.steps == 0 {
-        bail!("--steps must be at least 1");
-    }
-    let cfg = ModelConfig::resolve(&args.model)?;
-    let opts = BuildOptions { batch: args.batch, seq: args.seq, dtype: args.dtype.dtype() };
-    let model = build(&cfg, &opts)?;
-    let eval_model = build(&cfg.without_dropout(), &opts)?;
-    let vocab = cfg.vocab_size().unwrap_or(0);
-
+/// The corpus `--data`/`--tokenizer` name (default: the shipped one), validated for the model.
+pub fn load_dataset(args: &TrainArgs, vocab: usize) -> Result<Dataset> {
     let tokenizer = match &args.tokenizer {
         Some(path) => Tokenizer::from_file(path)?,
         None => Tokenizer::Byte,
@@ -151,6 +158,49 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         None => Dataset::from_text(DEFAULT_CORPUS, &tokenizer)?,
     };
     dataset.validate(vocab, args.seq)?;
+    Ok(dataset)
+}
+
+/// The learning-rate schedule of `--schedule` over `--steps`.
+pub fn make_schedule(args: &TrainArgs) -> LrSchedule {
+    match args.schedule {
+        ScheduleKind::Constant => LrSchedule::Constant { lr: args.lr },
+        ScheduleKind::Cosine => LrSchedule::WarmupCosine {
+            peak: args.lr,
+            min_lr: args.lr * 0.1,
+            warmup: args.warmup.unwrap_or(args.steps / 20),
+            total: args.steps,
+        },
+    }
+}
+
+/// The settings a resumed run must share with the saved one (besides steps and seed).
+pub fn run_facts(args: &TrainArgs) -> serde_json::Value {
+    json!({"batch": args.batch, "seq": args.seq,
+           "dtype": format!("{:?}", args.dtype).to_lowercase()})
+}
+
+pub fn run(args: &TrainArgs) -> Result<()> {
+    if args.devices == 0 {
+        bail!("--devices must be at least 1");
+    }
+    if let Some(env) = tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))? {
+        if env.world_size > 1 {
+            return crate::spmd_train::run_launched(args, &env);
+        }
+    }
+    if args.devices > 1 {
+        return crate::spmd_train::run(args, args.devices);
+    }
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let cfg = ModelConfig::resolve(&args.model)?;
+    let opts = BuildOptions { batch: args.batch, seq: args.seq, dtype: args.dtype.dtype() };
+    let model = build(&cfg, &opts)?;
+    let eval_model = build(&cfg.without_dropout(), &opts)?;
+    let vocab = cfg.vocab_size().unwrap_or(0);
+    let dataset = load_dataset(args, vocab)?;
 
     let train_cfg = TrainConfig {
         weight_decay: args.weight_decay,
@@ -159,18 +209,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let train = build_training_graph(model.builder, model.loss, &train_cfg)
         .context("building the training graph")?;
-    let schedule = match args.schedule {
-        ScheduleKind::Constant => LrSchedule::Constant { lr: args.lr },
-        ScheduleKind::Cosine => LrSchedule::WarmupCosine {
-            peak: args.lr,
-            min_lr: args.lr * 0.1,
-            warmup: args.warmup.unwrap_or(args.steps / 20),
-            total: args.steps,
-        },
-    };
-
-    let run_facts = json!({"batch": args.batch, "seq": args.seq,
-                           "dtype": format!("{:?}", args.dtype).to_lowercase()});
+    let schedule = make_schedule(args);
+    let run_facts = run_facts(args);
     let resume = match &args.resume {
         Some(dir) => {
             let ckpt = load_checkpoint(dir)?;
@@ -312,12 +352,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
     let last = last.context("no step ran")?;
-    let val: Vec<(Vec<i64>, Vec<i64>)> = dataset
-        .val_batches(args.batch, args.seq, args.eval_batches)?
-        .into_iter()
-        .map(|b| (b.inputs, b.targets))
-        .collect();
-    let eval_loss = trainer.eval(&val)?;
+    let val: Vec<(Vec<i64>, Vec<i64>)> = if args.eval_batches == 0 {
+        Vec::new()
+    } else {
+        dataset
+            .val_batches(args.batch, args.seq, args.eval_batches)?
+            .into_iter()
+            .map(|b| (b.inputs, b.targets))
+            .collect()
+    };
+    // `--eval-batches 0` skips the held-out evaluation.
+    let eval_loss = if val.is_empty() { None } else { Some(trainer.eval(&val)?) };
     let steps_run = last_step + 1 - first;
     let tokens_per_s = tokens_per_step * steps_run as f64 / elapsed;
     let unigram = tessera_runtime::data::unigram_entropy_nats(&dataset.train, dataset.vocab_size);
@@ -368,7 +413,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         OutputFormat::Table => {
             let text = format!(
                 "{model} · {steps} steps · batch {b} × seq {s} · {tps:.0} tokens/s\n\
-                 loss        {l0:.4} → {l1:.4} (train), {le:.4} (held-out); unigram entropy {u:.4}\n\
+                 loss        {l0:.4} → {l1:.4} (train), {le} (held-out); unigram entropy {u:.4}\n\
                  memory      predicted peak {p}, measured peak {m}, process heap peak {h}\n",
                 model = cfg.name(),
                 steps = steps_run,
@@ -377,7 +422,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 tps = tokens_per_s,
                 l0 = initial_loss,
                 l1 = last.loss,
-                le = eval_loss,
+                le = eval_loss.map_or("not evaluated".to_string(), |e| format!("{e:.4}")),
                 u = unigram,
                 p = bytes(predicted),
                 m = bytes(measured),

@@ -199,6 +199,8 @@ fn cli_profile_and_train_in_fp16() {
     let ck = dir.join("ckpt");
     let j = tessera(&[
         "train",
+        "--devices",
+        "1",
         "--dtype",
         "fp16",
         "--steps",

@@ -119,6 +119,8 @@ fn train_json_log_and_heap_follow_the_prediction() {
     let log = temp("log").join("steps.jsonl");
     let out = tessera(&[
         "train",
+        "--devices",
+        "1",
         "--steps",
         "3",
         "--batch",
@@ -155,7 +157,7 @@ fn train_json_log_and_heap_follow_the_prediction() {
 
 /// Runs `train` expecting one clear error line.
 fn train_error(args: &[&str]) -> String {
-    let mut all = vec!["train", "--steps", "1"];
+    let mut all = vec!["train", "--devices", "1", "--steps", "1"];
     all.extend_from_slice(args);
     let out = tessera(&all);
     assert!(!out.status.success(), "should fail: {args:?}");
@@ -244,7 +246,19 @@ fn losses(path: &std::path::Path) -> Vec<f64> {
 fn resume_is_bit_exact_with_the_cosine_schedule() {
     let dir = temp("resume");
     let ck = dir.join("ckpt");
-    let common = ["train", "--steps", "30", "--batch", "2", "--seq", "32", "--warmup", "5"];
+    let common = [
+        "train",
+        "--devices",
+        "1",
+        "--steps",
+        "30",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--warmup",
+        "5",
+    ];
     let run = |extra: &[&str], log: &str| {
         let mut args = common.to_vec();
         args.extend_from_slice(extra);
@@ -266,6 +280,8 @@ fn resume_is_bit_exact_with_the_cosine_schedule() {
     // Resuming with other settings is refused with a clear message.
     let out = tessera(&[
         "train",
+        "--devices",
+        "1",
         "--steps",
         "40",
         "--batch",

@@ -11,6 +11,10 @@
 //!   row-major mesh ([`Group::mesh_axis`], [`Group::mesh_axes`]).
 //! - [`ThreadComm`] and [`run_on_threads`]: a backend where each rank is a thread of this
 //!   process, for running and testing a parallel plan on one machine.
+//! - `MpiComm` (cargo feature `mpi`): a backend where each rank is a process started by
+//!   `mpirun`/`srun`, over an MPI library (see the `mpi` module).
+//! - [`discover`] / [`LaunchEnv`]: the rank and world size a launcher (`mpirun`, `srun`,
+//!   `torchrun`) gave this process, read from its environment.
 //! - [`CommError`]: timeouts, dead ranks and mismatched calls, each naming the rank, the
 //!   collective, the group and the culprit.
 //!
@@ -28,16 +32,23 @@
 //!   needs it fail at once. Members that disagree on a call (kind, length, root) all fail with
 //!   an error naming both sides, instead of hanging or exchanging wrong data.
 //!
-//! See the [`thread`] module for how the rendezvous works.
+//! See the [`thread`] module for how the rendezvous works, and the `mpi` module for how the MPI
+//! backend keeps the same guarantees on top of MPI's collectives.
 
 pub mod communicator;
 pub mod error;
 pub mod group;
+pub mod launch;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod stats;
 pub mod thread;
 
+#[cfg(feature = "mpi")]
+pub use crate::mpi::MpiComm;
 pub use communicator::Communicator;
 pub use error::{CommError, Departure, Result};
 pub use group::{mesh_coords, mesh_rank, mesh_size, Group};
+pub use launch::{discover, discover_from, LaunchEnv, Launcher};
 pub use stats::{CollectiveKind, CommStats, KindStats};
 pub use thread::{run_on_threads, ThreadComm};

@@ -46,7 +46,8 @@ pub struct Lowered {
     pub memory: MemoryReport,
     pub time: StepTime,
     pub collectives: Vec<CollectiveRecord>,
-    /// The stored spec of each parameter and input, by name.
+    /// The stored spec of each parameter, its optimizer state (`<param>.adam_m`, `.adam_v`,
+    /// `.master`) and each input, by name.
     pub leaf_specs: Vec<(String, Spec)>,
 }
 
@@ -138,6 +139,7 @@ struct LocalForward<'a> {
     strategy: &'a [Option<Strategy>],
     mesh: &'a Mesh,
     micro_batches: usize,
+    zero: u8,
     b: Builder,
     /// Each global tensor's local tensor, in its producer's spec.
     home: Vec<Option<(TensorId, Spec)>>,
@@ -161,6 +163,7 @@ impl<'a> LocalForward<'a> {
             strategy,
             mesh,
             micro_batches: opts.micro_batches.max(1),
+            zero: opts.zero,
             b: Builder::new(),
             home: vec![None; g.tensors.len()],
             moved: HashMap::new(),
@@ -268,6 +271,14 @@ impl<'a> LocalForward<'a> {
                     let spec = info.stored.clone();
                     let m = self.local(p, &spec)?;
                     let lp = self.b.parameter(&name, m.shape.clone(), m.dtype);
+                    // Optimizer state lives on the ZeRO-1/2 shard of the stored parameter.
+                    let mut state = spec.clone();
+                    if matches!(self.zero, 1 | 2) && !info.zero_axes.is_empty() {
+                        state.dims[info.zero_dim].extend(info.zero_axes.iter().copied());
+                    }
+                    for suffix in ["adam_m", "adam_v", "master"] {
+                        self.leaf_specs.push((format!("{name}.{suffix}"), state.clone()));
+                    }
                     self.leaf_specs.push((name, spec.clone()));
                     self.local_params.insert(lp, self.params[&p].clone());
                     self.home[p.index()] = Some((lp, spec));

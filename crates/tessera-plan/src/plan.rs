@@ -217,13 +217,14 @@ impl Plan {
             .lowered
             .leaf_specs
             .iter()
-            .map(|(name, spec)| TensorPlacement {
-                name: name.clone(),
-                spec: spec.to_string(),
-                local_shape: lg
-                    .find_leaf(name)
-                    .map(|t| lg.meta(t).shape.dims().to_vec())
-                    .unwrap_or_default(),
+            .filter_map(|(name, spec)| {
+                // Leaves the Program holds (no `.master` entries in fp32).
+                let t = lg.find_leaf(name)?;
+                Some(TensorPlacement {
+                    name: name.clone(),
+                    spec: spec.to_string(),
+                    local_shape: lg.meta(t).shape.dims().to_vec(),
+                })
             })
             .collect();
         let strategies = g

@@ -283,9 +283,18 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     }
 }
 
-/// Re-lowers a plan file's strategies (hand edits included) with the current cost model.
-pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
-    let t0 = Instant::now();
+/// A plan lowered to the Program every device runs, ready for the SPMD runtime.
+pub struct Executable {
+    pub mesh: Mesh,
+    pub lowered: crate::lower::Lowered,
+    pub zero_stage: u8,
+    pub micro_batches: usize,
+    /// Strategy per node of the forward graph (`None` for leaves).
+    pub strategies: Vec<Option<crate::rules::Strategy>>,
+}
+
+/// Lowers a plan's strategies (hand edits included) on the request's model and cluster.
+pub fn lower_plan(req: &Request<'_>, file: &Plan) -> Result<Executable> {
     if file.version != crate::plan::PLAN_VERSION {
         return Err(PlanError::Invalid(format!(
             "plan file version {} is not supported (this tessera writes version {})",
@@ -314,15 +323,22 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
         train: req.train.clone(),
     };
     let lowered = crate::lower::lower(&fwd.graph, fwd.loss, &strategies, &mesh, &p.cost, &opts)?;
+    Ok(Executable { mesh, lowered, zero_stage: file.zero_stage, micro_batches: mb, strategies })
+}
+
+/// Re-lowers a plan file's strategies (hand edits included) with the current cost model.
+pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
+    let t0 = Instant::now();
+    let exe = lower_plan(req, file)?;
     let e = Evaluated {
         candidate: Candidate {
-            mesh,
+            mesh: exe.mesh,
             rule: AxisRule::Free,
-            zero: file.zero_stage,
-            micro_batches: mb,
+            zero: exe.zero_stage,
+            micro_batches: exe.micro_batches,
         },
-        strategies,
-        lowered,
+        strategies: exe.strategies,
+        lowered: exe.lowered,
         ilp_objective_s: f64::NAN,
     };
     if e.peak_bytes() > req.budget {

@@ -164,11 +164,11 @@ fn state_suffix(kind: StateKind) -> &'static str {
     }
 }
 
-fn err(msg: impl Into<String>) -> RuntimeError {
+pub(crate) fn err(msg: impl Into<String>) -> RuntimeError {
     RuntimeError::Checkpoint(msg.into())
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
     move |source| RuntimeError::Io { path: path.display().to_string(), source }
 }
 
@@ -264,7 +264,7 @@ fn index_shards(index: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Reads and parses one safetensors file; corruption is reported with the file's name.
-fn read_safetensors(path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn read_safetensors(path: &Path) -> Result<Vec<u8>> {
     let bytes = std::fs::read(path).map_err(io_err(path))?;
     if let Err(e) = SafeTensors::deserialize(&bytes) {
         return Err(err(format!(
@@ -505,7 +505,7 @@ pub fn load_hf_weights(path: &Path, graph: &Graph) -> Result<Vec<(TensorId, Tens
 // ---- checkpoint directories ----------------------------------------------------------------
 
 /// `(parent, file name)` of a checkpoint directory path.
-fn split_dir(dir: &Path) -> Result<(PathBuf, String)> {
+pub(crate) fn split_dir(dir: &Path) -> Result<(PathBuf, String)> {
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| {
         err(format!(
             "{}: a checkpoint path must end in a directory name (such as runs/ckpt)",
@@ -520,7 +520,7 @@ fn split_dir(dir: &Path) -> Result<(PathBuf, String)> {
 }
 
 /// Siblings of `DIR` named `DIR.<kind>-<digits>` (leftovers of interrupted saves).
-fn leftovers(parent: &Path, name: &str, kind: &str) -> Vec<PathBuf> {
+pub(crate) fn leftovers(parent: &Path, name: &str, kind: &str) -> Vec<PathBuf> {
     let prefix = format!("{name}.{kind}-");
     let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
     let mut found: Vec<PathBuf> = entries
@@ -537,7 +537,7 @@ fn leftovers(parent: &Path, name: &str, kind: &str) -> Vec<PathBuf> {
 }
 
 /// fsync a directory so that renames and new entries in it are durable (no-op off Unix).
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     #[cfg(unix)]
     std::fs::File::open(dir).and_then(|f| f.sync_all()).map_err(io_err(dir))?;
     #[cfg(not(unix))]
@@ -551,7 +551,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.write_all(bytes).and_then(|()| f.sync_all()).map_err(io_err(path))
 }
 
-fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+pub(crate) fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
     let mut text = serde_json::to_string_pretty(value)
         .map_err(|e| err(format!("{}: cannot serialise: {e}", path.display())))?;
     text.push('\n');
@@ -559,7 +559,7 @@ fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
 }
 
 /// Writes `tensors` as a safetensors file with transformers' `{"format": "pt"}` metadata.
-fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+pub(crate) fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let contiguous = tensors
         .iter()
         .map(|(n, t)| Ok((n.as_str(), t.contiguous()?)))
@@ -572,7 +572,7 @@ fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
 
 /// Names must be unique; optimizer keys must be `<param>.adam_m|adam_v|master` of a given
 /// parameter with its shape.
-fn check_tensor_sets<'a>(
+pub(crate) fn check_tensor_sets<'a>(
     params: impl Iterator<Item = (&'a str, &'a Tensor)>,
     optimizer: impl Iterator<Item = (&'a str, &'a Tensor)>,
     what: &str,
@@ -615,7 +615,7 @@ fn check_tensor_sets<'a>(
 }
 
 /// The dtype name transformers writes as `torch_dtype`.
-fn torch_dtype(d: candle_core::DType) -> Option<&'static str> {
+pub(crate) fn torch_dtype(d: candle_core::DType) -> Option<&'static str> {
     Some(match d {
         candle_core::DType::F32 => "float32",
         candle_core::DType::F16 => "float16",
@@ -718,7 +718,7 @@ pub fn save_checkpoint(
 }
 
 /// Reads a manifest, checking its version before its fields.
-fn read_manifest(path: &Path) -> Result<Manifest> {
+pub(crate) fn read_manifest(path: &Path) -> Result<Manifest> {
     let text = std::fs::read_to_string(path).map_err(io_err(path))?;
     let value: Value = serde_json::from_str(&text)
         .map_err(|e| err(format!("{}: malformed JSON ({e})", path.display())))?;
@@ -760,7 +760,7 @@ fn read_all_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
 /// The directory to read for checkpoint `dir`: itself, or the previous checkpoint a save
 /// killed between its two renames left as `DIR.old-<pid>` (renamed back to `DIR` when
 /// possible).
-fn recover_dir(dir: &Path) -> Result<PathBuf> {
+pub(crate) fn recover_dir(dir: &Path) -> Result<PathBuf> {
     if dir.is_dir() {
         return Ok(dir.to_path_buf());
     }
@@ -803,9 +803,15 @@ fn recover_dir(dir: &Path) -> Result<PathBuf> {
 
 /// Loads a checkpoint directory written by [`save_checkpoint`], recovering the previous
 /// checkpoint if a save was killed between its renames (module docs). Tensors come back
-/// bit-exact, in their saved dtypes.
+/// bit-exact, in their saved dtypes. A sharded checkpoint (`dist_checkpoint::save_sharded`)
+/// is assembled into global tensors by `dist_checkpoint::load_sharded`.
 pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let dir = recover_dir(dir)?;
+    // A checkpoint written by `dist_checkpoint::save_sharded` (after the same recovery):
+    // its tensors are assembled from the per-rank files.
+    if crate::dist_checkpoint::is_sharded(&dir) {
+        return crate::dist_checkpoint::load_sharded_from(dir);
+    }
     let manifest_path = dir.join(MANIFEST_FILE);
     if !manifest_path.is_file() {
         let hint = if dir.join(MODEL_FILE).is_file() || dir.join(MODEL_INDEX_FILE).is_file() {

@@ -34,6 +34,9 @@ pub enum RuntimeError {
     Io { path: String, source: std::io::Error },
     #[error(transparent)]
     Ir(#[from] tessera_ir::IrError),
+    /// A collective failed: a timeout, a rank that died, a mismatched call (names them).
+    #[error(transparent)]
+    Comm(#[from] tessera_comm::CommError),
     #[error("tensor library: {0}")]
     Candle(#[from] candle_core::Error),
 }

@@ -5,7 +5,13 @@
 //! charges the node's fresh output buffers and its workspace to the accountant (failing before
 //! the kernel runs if a budget would be exceeded), executes the kernel, and stores the
 //! outputs; a `Free` drops every tensor sharing the freed buffer and credits its bytes.
+//!
+//! On a device of a parallel plan, [`Executor::with_collectives`] hands `Reshard` nodes to a
+//! [`ReshardRunner`] (the communicator), and [`Executor::write_back`] makes a ZeRO-1/2
+//! gathered parameter the parameter's new value the moment it is produced (the Program frees
+//! the gathered buffer right after; the parameter keeps its storage).
 
+use crate::collective::ReshardRunner;
 use crate::tensor::{check_meta, size_bytes};
 use crate::{Backend, MemoryAccountant, Result, RuntimeError};
 use candle_core::Tensor;
@@ -29,6 +35,10 @@ pub struct Executor<B: Backend> {
     accountant: MemoryAccountant,
     /// Per-op-kind wall time, when enabled.
     timings: Option<BTreeMap<&'static str, OpTime>>,
+    /// Runs `Reshard` nodes that move data between devices.
+    collectives: Option<Box<dyn ReshardRunner>>,
+    /// Produced tensor → leaf whose value it becomes (ZeRO-1/2 gathered parameters).
+    write_back: BTreeMap<TensorId, TensorId>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -39,7 +49,46 @@ impl<B: Backend> Executor<B> {
             members[root.index()].push(TensorId(t as u32));
         }
         let accountant = MemoryAccountant::new(backend.name(), budget);
-        Executor { program, backend, values: vec![None; n], members, accountant, timings: None }
+        Executor {
+            program,
+            backend,
+            values: vec![None; n],
+            members,
+            accountant,
+            timings: None,
+            collectives: None,
+            write_back: BTreeMap::new(),
+        }
+    }
+
+    /// Runs `Reshard` nodes through `runner` (one device of a parallel plan).
+    pub fn with_collectives(mut self, runner: Box<dyn ReshardRunner>) -> Executor<B> {
+        self.collectives = Some(runner);
+        self
+    }
+
+    pub fn collectives(&self) -> Option<&dyn ReshardRunner> {
+        self.collectives.as_deref()
+    }
+
+    pub fn collectives_mut(&mut self) -> Option<&mut (dyn ReshardRunner + 'static)> {
+        self.collectives.as_deref_mut()
+    }
+
+    /// When `produced` is computed, it becomes the value of leaf `leaf` (same meta).
+    pub fn write_back(&mut self, produced: TensorId, leaf: TensorId) -> Result<()> {
+        let g = &self.program.graph;
+        if g.meta(produced) != g.meta(leaf) || !self.is_leaf(leaf) {
+            return Err(RuntimeError::Binding(format!(
+                "cannot write {} ({}) back into {} ({})",
+                g.tensor_scope(produced),
+                g.meta(produced),
+                g.tensor_scope(leaf),
+                g.meta(leaf)
+            )));
+        }
+        self.write_back.insert(produced, leaf);
+        Ok(())
     }
 
     pub fn program(&self) -> &Program {
@@ -174,7 +223,10 @@ impl<B: Backend> Executor<B> {
         metas.clear();
         metas.extend(node.outputs.iter().map(|&t| g.meta(t).clone()));
         let started = self.timings.is_some().then(Instant::now);
-        let outs = self.backend.execute(&node.op, &inputs, metas)?;
+        let outs = match (&node.op, self.collectives.as_mut()) {
+            (Op::Reshard(spec), Some(runner)) => vec![runner.reshard(spec, inputs[0])?],
+            _ => self.backend.execute(&node.op, &inputs, metas)?,
+        };
         if let (Some(t0), Some(timings)) = (started, self.timings.as_mut()) {
             let e = timings.entry(what).or_default();
             e.calls += 1;
@@ -189,6 +241,11 @@ impl<B: Backend> Executor<B> {
         }
         for (k, (t, o)) in outs.into_iter().zip(node.outputs.clone()).enumerate() {
             check_meta(&t, g.meta(o), &format!("{scope}: output {k} of {what}"))?;
+            if let Some(&leaf) = self.write_back.get(&o) {
+                // The leaf's old storage goes; the accountant already charged both buffers as
+                // the Program does (the produced one is freed by the next instruction).
+                self.values[leaf.index()] = Some(t.clone());
+            }
             self.values[o.index()] = Some(t);
         }
         Ok(())

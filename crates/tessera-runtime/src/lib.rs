@@ -10,18 +10,25 @@
 //! - [`executor`]: the Program interpreter;
 //! - [`memory`] / [`alloc`]: the accountant and a counting global allocator to check it;
 //! - [`init`], [`schedule`], [`data`], [`trainer`]: everything a training run needs.
+//! - [`collective`], [`spmd`]: one device of a parallel plan — its shards, its collectives
+//!   (through a `tessera_comm::Communicator`) and its training loop.
 //! - [`checkpoint`]: Hugging Face weight import and atomic save/resume checkpoints.
+//! - [`dist_checkpoint`]: sharded checkpoints of a parallel run (one file per rank, loaded
+//!   back as global tensors under any device count) and Hugging Face export.
 
 pub mod alloc;
 pub mod backend;
 pub mod checkpoint;
+pub mod collective;
 pub mod data;
+pub mod dist_checkpoint;
 mod error;
 pub mod executor;
 pub mod init;
 pub mod kernels;
 pub mod memory;
 pub mod schedule;
+pub mod spmd;
 pub mod tensor;
 pub mod trainer;
 

@@ -1,0 +1,491 @@
+//! The SPMD runtime against one device: a plan lowered by the planner and run on N simulated
+//! devices (threads, one communicator each) computes what one device computes — per-step loss
+//! and gradient norm within 1e-5 relative, final parameters within 1e-5 — while each device
+//! holds exactly the shards the plan assigns it, calls exactly the plan's collectives, moves
+//! exactly the predicted bytes, and peaks at exactly the predicted memory.
+//!
+//! The single-device reference is itself pinned by a golden loss file per model
+//! (`tests/golden/<model>.losses`), so a change that moves both sides together is still caught.
+//! Regenerate the golden files with `TESSERA_BLESS=1 cargo test -p tessera-cli --test spmd`
+//! (and say why in the commit).
+
+use candle_core::Tensor;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tessera_comm::ThreadComm;
+use tessera_ir::{build_training_graph, DType, TrainConfig};
+use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_plan::config::ParallelConfig;
+use tessera_plan::plan::Plan;
+use tessera_plan::planner::{self, Executable, Request};
+use tessera_plan::search::Forward;
+use tessera_plan::{Cluster, PlanError};
+use tessera_runtime::collective::{CommRunner, DeviceMesh, Placement};
+use tessera_runtime::init::init_parameters;
+use tessera_runtime::spmd::{gather_global, DeviceSetup, GlobalState, SpmdTrainer};
+use tessera_runtime::{CpuBackend, LrSchedule, Trainer};
+
+const STEPS: u64 = 20;
+const BATCH: usize = 8;
+const SEQ: usize = 32;
+const SEED: u64 = 1337;
+const TOL: f64 = 1e-5;
+
+fn schedule() -> LrSchedule {
+    LrSchedule::WarmupCosine { peak: 1e-4, min_lr: 1e-5, warmup: 2, total: STEPS }
+}
+
+/// Deterministic pseudo-random tokens of a step (independent of the device count).
+fn batch(step: u64) -> (Vec<i64>, Vec<i64>) {
+    let tok = |salt: u64| -> Vec<i64> {
+        (0..(BATCH * SEQ) as u64)
+            .map(|i| {
+                let z = tessera_ir::rng::splitmix64(i ^ salt.wrapping_mul(0x9E37_79B9));
+                (z % 256) as i64
+            })
+            .collect()
+    };
+    (tok(step * 2 + 1), tok(step * 2 + 2))
+}
+
+fn train_cfg() -> TrainConfig {
+    TrainConfig { weight_decay: 0.1, max_grad_norm: Some(1.0), ..TrainConfig::default() }
+}
+
+/// What a run reports.
+struct Run {
+    /// (loss, grad norm) per step.
+    steps: Vec<(f64, f64)>,
+    params: HashMap<String, Tensor>,
+}
+
+fn single(model: &str) -> Run {
+    let cfg = ModelConfig::resolve(model).unwrap();
+    let m = build(&cfg, &BuildOptions { batch: BATCH, seq: SEQ, dtype: DType::F32 }).unwrap();
+    let tg = build_training_graph(m.builder, m.loss, &train_cfg()).unwrap();
+    let mut t = Trainer::new(tg, CpuBackend::new(0), schedule(), SEED, None).unwrap();
+    let mut steps = Vec::new();
+    for s in 1..=STEPS {
+        let (x, y) = batch(s);
+        let st = t.step(&x, &y).unwrap();
+        steps.push((st.loss, st.grad_norm));
+    }
+    Run { steps, params: t.parameters().into_iter().collect() }
+}
+
+fn request<'a>(
+    model: &str,
+    devices: usize,
+    builder: &'a (dyn Fn(usize) -> tessera_plan::Result<Forward> + Sync),
+) -> Request<'a> {
+    let cfg = ModelConfig::resolve(model).unwrap();
+    Request {
+        build: builder,
+        model: cfg.name().to_string(),
+        batch: BATCH,
+        seq: SEQ,
+        dtype: DType::F32,
+        cluster: Cluster::parse(&format!("{devices}xcpu")).unwrap(),
+        budget: 1 << 40,
+        train: train_cfg(),
+        model_flops: 1.0,
+    }
+}
+
+/// The plan (`auto` or a config string) and its lowering.
+fn plan(model: &str, devices: usize, config: &str) -> Result<(Plan, Executable), PlanError> {
+    let cfg = ModelConfig::resolve(model).unwrap();
+    let builder = move |mb: usize| -> tessera_plan::Result<Forward> {
+        let m = build(&cfg, &BuildOptions { batch: mb, seq: SEQ, dtype: DType::F32 })
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+    };
+    let req = request(model, devices, &builder);
+    let plan = if config == "auto" {
+        planner::plan_auto(&req)?
+    } else {
+        planner::plan_fixed(&req, &ParallelConfig::parse(config)?)?
+    };
+    let exe = planner::lower_plan(&req, &plan)?;
+    Ok((plan, exe))
+}
+
+fn global_init(model: &str) -> HashMap<String, Tensor> {
+    let cfg = ModelConfig::resolve(model).unwrap();
+    let m = build(&cfg, &BuildOptions { batch: BATCH, seq: SEQ, dtype: DType::F32 }).unwrap();
+    let tg = build_training_graph(m.builder, m.loss, &train_cfg()).unwrap();
+    init_parameters(&tg.graph, SEED)
+        .unwrap()
+        .into_iter()
+        .map(|(t, v)| (tg.graph.tensor_scope(t).to_string(), v))
+        .collect()
+}
+
+/// One device's view of a parallel run.
+struct DeviceReport {
+    peak: u64,
+    /// Collective calls per kind and bytes of the last step.
+    calls: BTreeMap<String, u64>,
+    bytes: u64,
+    /// Local shape of every parameter and optimizer state.
+    shapes: BTreeMap<String, Vec<usize>>,
+}
+
+struct ParallelRun {
+    run: Run,
+    devices: Vec<DeviceReport>,
+}
+
+fn parallel(exe: &Executable, init: &HashMap<String, Tensor>) -> ParallelRun {
+    let n: usize = exe.mesh.shape.iter().product();
+    let placements: HashMap<String, Placement> =
+        exe.lowered.leaf_specs.iter().map(|(k, s)| (k.clone(), s.dims.clone())).collect();
+    let comms = ThreadComm::world(n, Duration::from_secs(60)).unwrap();
+    let results: Vec<(Option<Run>, DeviceReport)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let placements = placements.clone();
+                s.spawn(move || {
+                    let mesh = DeviceMesh::new(&exe.mesh.shape, rank).unwrap();
+                    let runner = CommRunner::new(Box::new(comm), mesh.clone()).unwrap();
+                    let setup = DeviceSetup {
+                        mesh,
+                        placements,
+                        micro_batches: exe.micro_batches,
+                        budget: None,
+                    };
+                    let state = GlobalState { params: init, optimizer: None, steps_done: 0 };
+                    let mut t = SpmdTrainer::new(
+                        exe.lowered.training.clone(),
+                        CpuBackend::new(rank),
+                        runner,
+                        setup,
+                        schedule(),
+                        SEED,
+                        state,
+                    )
+                    .unwrap();
+                    let mut steps = Vec::new();
+                    let (mut calls, mut bytes, mut peak) = (BTreeMap::new(), 0, 0);
+                    for s in 1..=STEPS {
+                        let (x, y) = batch(s);
+                        let before = t.comm_stats();
+                        let st = t.step(&x, &y).unwrap();
+                        let after = t.comm_stats();
+                        bytes = after.total_bytes() - before.total_bytes();
+                        calls = after
+                            .per_kind
+                            .iter()
+                            .map(|(k, v)| {
+                                let prev = before.per_kind.get(k).map_or(0, |p| p.calls);
+                                (k.name().to_string(), v.calls - prev)
+                            })
+                            .filter(|(_, c)| *c > 0)
+                            .collect();
+                        peak = st.peak_bytes;
+                        steps.push((st.loss, st.grad_norm));
+                    }
+                    let shapes = t
+                        .local_state()
+                        .unwrap()
+                        .into_iter()
+                        .map(|(k, v, _)| (k, v.dims().to_vec()))
+                        .collect();
+                    let params = gather_global(&mut t).unwrap();
+                    let run = (rank == 0).then_some(Run { steps, params });
+                    (run, DeviceReport { peak, calls, bytes, shapes })
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    let mut devices = Vec::new();
+    let mut run = None;
+    for (r, d) in results {
+        if r.is_some() {
+            run = r;
+        }
+        devices.push(d);
+    }
+    ParallelRun { run: run.expect("rank 0 reports"), devices }
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// Largest element-wise difference between two tensors, relative to the reference's scale.
+fn max_param_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> (String, f64) {
+    let mut worst = (String::new(), 0.0);
+    for (name, want) in b {
+        if name.contains(".adam_") || name.ends_with(".master") {
+            continue;
+        }
+        let got = a.get(name).unwrap_or_else(|| panic!("{name} missing"));
+        assert_eq!(got.dims(), want.dims(), "{name}");
+        let g = tessera_runtime::tensor::to_f64_vec(got).unwrap();
+        let w = tessera_runtime::tensor::to_f64_vec(want).unwrap();
+        let scale = w.iter().fold(0f64, |m, x| m.max(x.abs())).max(1.0);
+        let d = g.iter().zip(&w).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale;
+        if d > worst.1 {
+            worst = (name.clone(), d);
+        }
+    }
+    worst
+}
+
+fn golden_path(model: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/golden/{model}.losses"))
+}
+
+/// The single-device run against its golden file (or writes it under TESSERA_BLESS=1).
+fn check_golden(model: &str, run: &Run) {
+    let path = golden_path(model);
+    if std::env::var_os("TESSERA_BLESS").is_some() {
+        let mut text = format!(
+            "# {model}: single-device fp32, batch {BATCH} seq {SEQ} seed {SEED}, {STEPS} steps \
+             (tests/spmd.rs). step loss grad_norm\n"
+        );
+        for (i, (l, g)) in run.steps.iter().enumerate() {
+            text += &format!("{} {l:.9e} {g:.9e}\n", i + 1);
+        }
+        std::fs::write(&path, text).unwrap();
+        return;
+    }
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!("{}: {e}; regenerate with TESSERA_BLESS=1 (see the module docs)", path.display())
+    });
+    let rows: Vec<Vec<f64>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().map(|x| x.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(rows.len(), run.steps.len(), "{}", path.display());
+    for (row, (l, g)) in rows.iter().zip(&run.steps) {
+        assert!(
+            rel(*l, row[1]) < TOL && rel(*g, row[2]) < TOL,
+            "{model} step {}: loss {l} grad_norm {g}, golden {} {} ({})",
+            row[0],
+            row[1],
+            row[2],
+            path.display()
+        );
+    }
+}
+
+/// Every configuration of the acceptance list that fits `model` on `devices`.
+fn configs(devices: usize) -> Vec<&'static str> {
+    match devices {
+        2 => vec!["dp2", "tp2", "dp2 mb4", "auto"],
+        4 => vec![
+            "dp4",
+            "tp4",
+            "dp2 tp2",
+            "dp2 tp2 sp",
+            "dp4 zero1",
+            "dp4 zero2",
+            "dp4 zero3",
+            "auto",
+        ],
+        8 => vec!["dp2 tp4", "dp8 zero1", "auto"],
+        _ => unreachable!(),
+    }
+}
+
+fn fidelity(model: &str) {
+    let reference = single(model);
+    check_golden(model, &reference);
+    let init = global_init(model);
+    let mut failures = Vec::new();
+    for devices in [2, 4, 8] {
+        for config in configs(devices) {
+            let t0 = Instant::now();
+            let (plan, exe) = match plan(model, devices, config) {
+                Ok(p) => p,
+                Err(e) => panic!("{model} {config} on {devices}: {e}"),
+            };
+            let pr = parallel(&exe, &init);
+            let label = format!("{model} `{config}` ({}) on {devices}", plan.config);
+            // SPMD_DEBUG=1: per-step relative differences, to see where a run drifts.
+            if std::env::var_os("SPMD_DEBUG").is_some() {
+                for (i, ((l, g), (l1, g1))) in pr.run.steps.iter().zip(&reference.steps).enumerate()
+                {
+                    eprintln!(
+                        "  step {}: loss rel {:.1e} gnorm rel {:.1e}",
+                        i + 1,
+                        rel(*l, *l1),
+                        rel(*g, *g1)
+                    );
+                }
+            }
+            for (i, ((l, g), (l1, g1))) in pr.run.steps.iter().zip(&reference.steps).enumerate() {
+                if rel(*l, *l1) >= TOL || rel(*g, *g1) >= TOL {
+                    failures.push(format!(
+                        "{label} step {}: loss {l} vs {l1}, grad_norm {g} vs {g1}",
+                        i + 1
+                    ));
+                    break;
+                }
+            }
+            let (name, d) = max_param_diff(&pr.run.params, &reference.params);
+            if d >= TOL {
+                failures.push(format!("{label}: final {name} differs by {d:e} (relative)"));
+            }
+            check_structure(&label, &plan, &exe, &pr);
+            eprintln!(
+                "{label}: ok in {:.1} s (max param diff {d:.1e})",
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Shards, collectives, bytes and peaks per device, against the plan.
+fn check_structure(label: &str, plan: &Plan, exe: &Executable, pr: &ParallelRun) {
+    let planned: BTreeMap<&str, &Vec<usize>> =
+        plan.tensors.iter().map(|t| (t.name.as_str(), &t.local_shape)).collect();
+    let mut want_calls: BTreeMap<String, u64> = BTreeMap::new();
+    for c in &exe.lowered.collectives {
+        *want_calls.entry(c.op.to_string()).or_insert(0) += 1;
+    }
+    let want_bytes: u64 = exe.lowered.collectives.iter().map(|c| c.bytes).sum();
+    assert_eq!(want_bytes, plan.predicted.comm_bytes_per_device, "{label}");
+    for (rank, d) in pr.devices.iter().enumerate() {
+        assert_eq!(d.peak, exe.lowered.memory.peak_bytes, "{label} rank {rank}: peak");
+        assert_eq!(
+            plan.predicted.peak_bytes_per_device[rank], d.peak,
+            "{label} rank {rank}: plan's peak"
+        );
+        assert_eq!(d.calls, want_calls, "{label} rank {rank}: collectives per step");
+        assert_eq!(d.bytes, want_bytes, "{label} rank {rank}: collective bytes per step");
+        for (name, shape) in &d.shapes {
+            let want = planned
+                .get(name.as_str())
+                .unwrap_or_else(|| panic!("{label}: the plan does not place {name}"));
+            assert_eq!(&shape, want, "{label} rank {rank}: {name}");
+        }
+    }
+}
+
+#[test]
+fn gpt2_tiny_on_2_4_8_devices_matches_one_device() {
+    fidelity("gpt2-tiny");
+}
+
+#[test]
+fn llama_tiny_on_2_4_8_devices_matches_one_device() {
+    fidelity("llama-tiny");
+}
+
+/// The plan's placements mean what they say: under `dp2 tp2 zero1`, a tensor-parallel weight
+/// holds 1/2 of its elements per device and its AdamW state 1/4 (ZeRO over the data axis).
+#[test]
+fn shards_are_the_fractions_the_plan_assigns() {
+    let (_, exe) = plan("gpt2-tiny", 4, "dp2 tp2 zero1").unwrap();
+    let init = global_init("gpt2-tiny");
+    let leaf = |name: &str| -> (Vec<usize>, Vec<usize>) {
+        let g = exe.lowered.program.graph();
+        let p = g.find_leaf(name).unwrap();
+        let m = g.find_leaf(&format!("{name}.adam_m")).unwrap();
+        (g.shape(p).dims().to_vec(), g.shape(m).dims().to_vec())
+    };
+    let name = "transformer.h.0.mlp.c_fc.weight";
+    let global = init[name].dims().to_vec();
+    let (local, state) = leaf(name);
+    let numel = |d: &[usize]| d.iter().product::<usize>();
+    assert_eq!(numel(&local) * 2, numel(&global), "{name}: 1/tp of the weight");
+    assert_eq!(numel(&state) * 4, numel(&global), "{name}: 1/(tp·dp) of its AdamW state");
+}
+
+/// A rank that leaves (an error, a crash) ends every other rank with an error naming it, and a
+/// rank that stalls past the timeout ends the others with a timeout naming the collective —
+/// both in bounded time.
+#[test]
+fn a_dead_or_stuck_rank_ends_every_rank_with_a_clear_error() {
+    let (_, exe) = plan("gpt2-tiny", 4, "dp2 tp2").unwrap();
+    let init = global_init("gpt2-tiny");
+    let placements: HashMap<String, Placement> =
+        exe.lowered.leaf_specs.iter().map(|(k, s)| (k.clone(), s.dims.clone())).collect();
+    for (mode, timeout) in [("dies", 30.0), ("stalls", 2.0)] {
+        let t0 = Instant::now();
+        let comms = ThreadComm::world(4, Duration::from_secs_f64(timeout)).unwrap();
+        let errors: Vec<Option<String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let placements = placements.clone();
+                    let (exe, init) = (&exe, &init);
+                    s.spawn(move || -> Option<String> {
+                        let mesh = DeviceMesh::new(&exe.mesh.shape, rank).unwrap();
+                        let runner = CommRunner::new(Box::new(comm), mesh.clone()).unwrap();
+                        let setup =
+                            DeviceSetup { mesh, placements, micro_batches: 1, budget: None };
+                        let state = GlobalState { params: init, optimizer: None, steps_done: 0 };
+                        let mut t = SpmdTrainer::new(
+                            exe.lowered.training.clone(),
+                            CpuBackend::new(rank),
+                            runner,
+                            setup,
+                            schedule(),
+                            SEED,
+                            state,
+                        )
+                        .unwrap();
+                        for step in 1..=3 {
+                            if rank == 2 && step == 2 {
+                                if mode == "dies" {
+                                    return Some("rank 2 left".into());
+                                }
+                                std::thread::sleep(Duration::from_secs_f64(timeout * 2.0));
+                            }
+                            let (x, y) = batch(step);
+                            if let Err(e) = t.step(&x, &y) {
+                                return Some(e.to_string());
+                            }
+                        }
+                        None
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        });
+        let elapsed = t0.elapsed().as_secs_f64();
+        assert!(elapsed < 60.0, "{mode}: took {elapsed:.1} s");
+        for (rank, e) in errors.iter().enumerate() {
+            if rank == 2 {
+                continue;
+            }
+            let e = e.as_deref().unwrap_or_else(|| panic!("{mode}: rank {rank} did not fail"));
+            match mode {
+                "dies" => assert!(
+                    e.contains("rank 2") && e.contains(&format!("rank {rank}")),
+                    "{mode}: rank {rank}: {e}"
+                ),
+                _ => assert!(
+                    e.contains("timed out") || e.contains("timeout") || e.contains("rank 2"),
+                    "{mode}: rank {rank}: {e}"
+                ),
+            }
+            assert!(
+                [
+                    "all_reduce",
+                    "all_gather",
+                    "reduce_scatter",
+                    "all_to_all",
+                    "all-reduce",
+                    "all-gather",
+                    "reduce-scatter",
+                    "all-to-all"
+                ]
+                .iter()
+                .any(|k| e.contains(k)),
+                "{mode}: rank {rank} does not name the collective: {e}"
+            );
+        }
+    }
+}

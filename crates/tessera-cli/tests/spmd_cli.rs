@@ -1,0 +1,217 @@
+//! `tessera train --devices N` end to end through the binary: the report's per-device
+//! predictions and measurements, sharded checkpoints that resume under another plan and
+//! device count, `tessera export --hf`, and failures that end every rank with a clear error in
+//! bounded time.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Instant;
+
+fn tessera(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("tessera runs")
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("spmd-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn ok(out: &Output, what: &str) -> Value {
+    assert!(out.status.success(), "{what} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: not JSON: {e}"))
+}
+
+/// `(step, loss, grad_norm)` of a `--log-json` file.
+fn log(path: &PathBuf) -> Vec<(u64, f64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap(),
+                v["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+const SMALL: [&str; 8] = ["--batch", "8", "--seq", "32", "--lr", "1e-4", "--warmup", "1"];
+
+#[test]
+fn default_train_reports_every_device_predicted_against_measured() {
+    let dir = temp("default");
+    let steps = dir.join("steps.jsonl");
+    let mut args = vec!["train", "--steps", "3", "--eval-batches", "1", "--format", "json"];
+    args.extend(SMALL);
+    args.extend(["--log-json", steps.to_str().unwrap()]);
+    let doc = ok(&tessera(&args, &[]), "train");
+    assert_eq!(doc["devices"], 4, "{doc}");
+    assert!(doc["config"].as_str().is_some_and(|c| c.starts_with("dp")), "{doc}");
+    for key in [
+        "memory.predicted_peak_bytes",
+        "memory.measured_peak_bytes",
+        "comm.predicted_bytes",
+        "comm.measured_bytes",
+    ] {
+        let (a, b) = key.split_once('.').unwrap();
+        let v = doc[a][b].as_array().unwrap_or_else(|| panic!("{key} missing: {doc}"));
+        assert_eq!(v.len(), 4, "{key}");
+        assert!(v.iter().all(|x| x.as_u64().is_some_and(|b| b > 0)), "{key}: {v:?}");
+    }
+    assert_eq!(doc["memory"]["predicted_peak_bytes"], doc["memory"]["measured_peak_bytes"]);
+    assert_eq!(doc["comm"]["predicted_bytes"], doc["comm"]["measured_bytes"]);
+    assert_eq!(doc["comm"]["predicted_calls"], doc["comm"]["measured_calls"]);
+    let lines = log(&steps);
+    assert_eq!(lines.iter().map(|l| l.0).collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert!(lines.iter().all(|l| l.1.is_finite() && l.2 > 0.0), "{lines:?}");
+}
+
+/// A checkpoint saved by `tp4` on 4 devices resumes under `dp2` on 2 devices, and the loss curve
+/// continues the single-device one; `tessera export --hf` gathers it into a model directory
+/// that evaluates like the single-device checkpoint of the same step.
+#[test]
+fn tp4_checkpoint_resumes_under_dp2_and_exports() {
+    let dir = temp("resume");
+    let ck = dir.join("ck");
+    let run = |extra: &[&str], log_name: &str| -> PathBuf {
+        let path = dir.join(log_name);
+        let mut args = vec!["train", "--steps", "10", "--eval-batches", "0", "--format", "json"];
+        args.extend(SMALL);
+        args.extend(extra);
+        args.extend(["--log-json", path.to_str().unwrap()]);
+        ok(&tessera(&args, &[]), log_name);
+        path
+    };
+    let single_ck = dir.join("single");
+    let reference = log(&run(
+        &["--devices", "1", "--stop-after", "5", "--save", single_ck.to_str().unwrap()],
+        "ref-a.jsonl",
+    ));
+    let reference_b =
+        log(&run(&["--devices", "1", "--resume", single_ck.to_str().unwrap()], "ref-b.jsonl"));
+    let a = log(&run(
+        &["--devices", "4", "--plan", "tp4", "--stop-after", "5", "--save", ck.to_str().unwrap()],
+        "a.jsonl",
+    ));
+    // Export now, while `ck` holds step 5, like the single-device checkpoint.
+    let hf = dir.join("hf");
+    let out = tessera(
+        &["export", "--checkpoint", ck.to_str().unwrap(), "--hf", hf.to_str().unwrap()],
+        &[],
+    );
+    assert!(out.status.success(), "export: {}", String::from_utf8_lossy(&out.stderr));
+    let b = log(&run(
+        &["--devices", "2", "--plan", "dp2", "--resume", ck.to_str().unwrap()],
+        "b.jsonl",
+    ));
+    assert_eq!(a.len(), 5);
+    assert_eq!(b.iter().map(|l| l.0).collect::<Vec<_>>(), vec![6, 7, 8, 9, 10]);
+    let want: Vec<_> = reference.iter().chain(&reference_b).collect();
+    for (got, want) in a.iter().chain(&b).zip(want) {
+        let rel = |x: f64, y: f64| (x - y).abs() / y.abs();
+        assert!(
+            rel(got.1, want.1) < 1e-5 && rel(got.2, want.2) < 1e-5,
+            "step {}: loss {} grad_norm {} vs one device {} {}",
+            got.0,
+            got.1,
+            got.2,
+            want.1,
+            want.2
+        );
+    }
+
+    let tokens = "10,72,101,108,108,111,32,119,111,114,108,100,33,10";
+    let eval = |d: &PathBuf| -> f64 {
+        let doc = ok(
+            &tessera(
+                &[
+                    "eval",
+                    "--model-dir",
+                    d.to_str().unwrap(),
+                    "--tokens",
+                    tokens,
+                    "--format",
+                    "json",
+                ],
+                &[],
+            ),
+            "eval",
+        );
+        doc["loss"].as_f64().unwrap_or_else(|| panic!("no loss: {doc}"))
+    };
+    let (exported, single) = (eval(&hf), eval(&single_ck));
+    assert!(
+        (exported - single).abs() / single < 1e-5,
+        "exported {exported} vs single-device checkpoint {single}"
+    );
+}
+
+/// A rank that fails (or stalls past --comm-timeout) ends the whole run with an error naming
+/// the rank and the collective, well within 60 s.
+#[test]
+fn a_failing_or_stuck_rank_ends_the_run_with_a_clear_error() {
+    for kind in ["error", "hang"] {
+        let t0 = Instant::now();
+        let fault = format!("rank=2,step=2,kind={kind}");
+        let mut args = vec!["train", "--devices", "4", "--plan", "dp2 tp2", "--steps", "4"];
+        args.extend(SMALL);
+        args.extend(["--comm-timeout", "2", "--eval-batches", "0"]);
+        let out = tessera(&args, &[("TESSERA_FAULT", fault.as_str())]);
+        let elapsed = t0.elapsed().as_secs_f64();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{kind}: should fail");
+        assert!(elapsed < 60.0, "{kind}: took {elapsed:.0} s");
+        assert!(err.contains("error:"), "{kind}: {err}");
+        if kind == "error" {
+            assert!(err.contains("rank 2 failed") && err.contains("TESSERA_FAULT"), "{err}");
+        } else {
+            assert!(err.contains("timed out"), "{kind}: {err}");
+            assert!(
+                ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+                    .iter()
+                    .any(|c| err.contains(c)),
+                "{kind}: no collective named: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn models_with_dropout_are_refused_on_several_devices() {
+    let dir = temp("dropout");
+    let cfg = dir.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type":"gpt2","vocab_size":256,"n_positions":64,"n_embd":32,"n_layer":1,
+            "n_head":2,"resid_pdrop":0.1,"embd_pdrop":0.1,"attn_pdrop":0.1}"#,
+    )
+    .unwrap();
+    let out = tessera(
+        &[
+            "train",
+            "--model",
+            cfg.to_str().unwrap(),
+            "--devices",
+            "2",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("dropout") && err.contains("--devices 1"), "{err}");
+}

@@ -1,0 +1,301 @@
+//! Self-test of the MPI backend, one process per rank: `mpirun -n N mpi_selftest [MODE]`.
+//!
+//! `tests/mpi_backend.rs` runs it under `mpirun`; it can also be run by hand after
+//! `cargo build -p tessera-comm --features mpi --example mpi_selftest`.
+//!
+//! Modes:
+//! - `check` (default): every collective on the world and on the rows and columns of a
+//!   `[2, N/2]` mesh (interleaved, so cached sub-communicators and per-group call numbers are
+//!   exercised), each result compared bit for bit with a reference computed locally from every
+//!   member's input (inputs are a pure function of rank and call); all-reduce results are
+//!   all-gathered again to check every member got the same bits. Then a send/recv ring (FIFO,
+//!   empty and large messages, both neighbours sending before receiving), a mismatched call,
+//!   argument errors, and the traffic counters. Each rank prints `rank R of N: ok` and exits 0,
+//!   or prints what failed and ends the whole job with a non-zero status.
+//! - `stuck`: rank 0 calls an all-reduce over the world with a 3 s timeout while every other
+//!   rank leaves without calling it; rank 0 must report the timeout and end the job.
+//! - `stuck-group`: the same over the group `[0, 1]` (needs 3 or more ranks, so the group is a
+//!   sub-communicator still being set up): the timeout must name rank 1 as missing.
+
+use std::error::Error;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use tessera_comm::{CollectiveKind, CommError, CommStats, Communicator, Group, MpiComm};
+
+type Res<T = ()> = Result<T, Box<dyn Error>>;
+
+/// Fails the check with a message naming what differed.
+macro_rules! check {
+    ($cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Err(format!($($msg)+).into());
+        }
+    };
+}
+
+/// Generous: a correctness run never waits this long unless something is broken.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(60);
+/// Short, so that the failure modes end quickly.
+const STUCK_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A deterministic input of `len` elements for `rank`, distinct per `salt`, with magnitudes from
+/// 1e-3 to 1e3 so that the order of a sum changes its rounding (same as the thread tests).
+fn input(rank: usize, len: usize, salt: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let h = (rank * 7919 + i * 104_729 + salt * 1_299_709) % 10_007;
+            let scale = [1e-3f32, 1.0, 1e3][(rank + i + salt) % 3];
+            let sign = if (h + i).is_multiple_of(2) { 1.0 } else { -1.0 };
+            sign * (h as f32 + 0.5) * scale * 0.1
+        })
+        .collect()
+}
+
+/// Element-wise sum in group order: the reference for reductions.
+fn reference_sum(members: &[usize], len: usize, salt: usize) -> Vec<f32> {
+    let mut acc = vec![0.0f32; len];
+    for &m in members {
+        for (a, x) in acc.iter_mut().zip(input(m, len, salt)) {
+            *a += x;
+        }
+    }
+    acc
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn bytes(len: usize) -> u64 {
+    len as u64 * 4
+}
+
+/// Every collective once on `group`, checked against local references. `expected` counts what
+/// the communicator should count.
+fn check_group(comm: &mut MpiComm, expected: &mut CommStats, group: &Group, salt: usize) -> Res {
+    let me = comm.rank();
+    let members = group.ranks();
+    let n = group.len();
+    let idx = group.index_of(me).ok_or("the group does not contain this rank")?;
+
+    // All-reduce of an odd length, then the same bits on every member.
+    let len = 5;
+    let got = comm.all_reduce_sum(group, &input(me, len, salt))?;
+    expected.record(CollectiveKind::AllReduce, bytes(len));
+    let want = reference_sum(members, len, salt);
+    check!(bits(&got) == bits(&want), "all_reduce over {group}: got {got:?}, want {want:?}");
+    let everyone = comm.all_gather(group, &got)?;
+    expected.record(CollectiveKind::AllGather, bytes(len));
+    for (k, theirs) in everyone.chunks_exact(len).enumerate() {
+        check!(
+            bits(theirs) == bits(&got),
+            "all_reduce over {group}: member {k} got {theirs:?} but this rank got {got:?}"
+        );
+    }
+
+    let empty = comm.all_reduce_sum(group, &[])?;
+    expected.record(CollectiveKind::AllReduce, 0);
+    check!(empty.is_empty(), "empty all_reduce over {group} returned {empty:?}");
+
+    let got = comm.all_gather(group, &input(me, 3, salt + 1))?;
+    expected.record(CollectiveKind::AllGather, bytes(3));
+    let want: Vec<f32> = members.iter().flat_map(|&m| input(m, 3, salt + 1)).collect();
+    check!(bits(&got) == bits(&want), "all_gather over {group}: got {got:?}, want {want:?}");
+
+    let chunk = 3;
+    let got = comm.reduce_scatter_sum(group, &input(me, chunk * n, salt + 2))?;
+    expected.record(CollectiveKind::ReduceScatter, bytes(chunk * n));
+    let want = reference_sum(members, chunk * n, salt + 2)[idx * chunk..(idx + 1) * chunk].to_vec();
+    check!(bits(&got) == bits(&want), "reduce_scatter over {group}: got {got:?}, want {want:?}");
+
+    let chunk = 2;
+    let got = comm.all_to_all(group, &input(me, chunk * n, salt + 3))?;
+    expected.record(CollectiveKind::AllToAll, bytes(chunk * n));
+    let want: Vec<f32> = members
+        .iter()
+        .flat_map(|&m| input(m, chunk * n, salt + 3)[idx * chunk..(idx + 1) * chunk].to_vec())
+        .collect();
+    check!(bits(&got) == bits(&want), "all_to_all over {group}: got {got:?}, want {want:?}");
+
+    // A broadcast from every member; non-roots pass nothing (their input is ignored).
+    for &root in members {
+        let data = if root == me { input(root, 4, salt + 4 + root) } else { Vec::new() };
+        let got = comm.broadcast(group, root, &data)?;
+        expected.record(CollectiveKind::Broadcast, bytes(data.len()));
+        let want = input(root, 4, salt + 4 + root);
+        check!(
+            bits(&got) == bits(&want),
+            "broadcast from {root} over {group}: got {got:?}, want {want:?}"
+        );
+    }
+
+    comm.barrier(group)?;
+    expected.record(CollectiveKind::Barrier, 0);
+    Ok(())
+}
+
+/// Messages around the ring, to self, empty and large (above any eager limit, so the send can
+/// only complete once the receiver takes it: a blocking send would deadlock here, since every
+/// rank sends before it receives).
+fn check_send_recv(comm: &mut MpiComm, expected: &mut CommStats) -> Res {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let sizes = [6, 0, 1 << 18, 2];
+    for (i, &len) in sizes.iter().enumerate() {
+        comm.send(next, &input(me, len, 50 + i))?;
+        expected.record(CollectiveKind::Send, bytes(len));
+    }
+    for (i, &len) in sizes.iter().enumerate() {
+        let got = comm.recv(prev)?;
+        expected.record(CollectiveKind::Recv, bytes(len));
+        check!(
+            bits(&got) == bits(&input(prev, len, 50 + i)),
+            "message {i} from rank {prev}: got {} elements, want {len} (FIFO order per pair)",
+            got.len()
+        );
+    }
+    comm.send(me, &[1.0, 2.0, 3.0])?;
+    expected.record(CollectiveKind::Send, bytes(3));
+    let got = comm.recv(me)?;
+    expected.record(CollectiveKind::Recv, bytes(3));
+    check!(got == [1.0, 2.0, 3.0], "message to self: got {got:?}");
+    Ok(())
+}
+
+/// Calls that must fail; none of them may count or communicate.
+fn check_errors(comm: &mut MpiComm, expected: &mut CommStats) -> Res {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let world = Group::world(n)?;
+    let outside = Group::new([me, n])?;
+    check!(
+        matches!(comm.all_reduce_sum(&outside, &[1.0]), Err(CommError::InvalidGroup(_))),
+        "a group naming rank {n} in a world of {n} must be InvalidGroup"
+    );
+    if n > 1 {
+        let others = Group::new([(me + 1) % n])?;
+        check!(
+            matches!(comm.barrier(&others), Err(CommError::InvalidGroup(_))),
+            "a group without the caller must be InvalidGroup"
+        );
+        let lone = Group::new([me])?;
+        check!(
+            matches!(comm.broadcast(&lone, (me + 1) % n, &[]), Err(CommError::InvalidArgument(_))),
+            "a broadcast root outside the group must be InvalidArgument"
+        );
+        check!(
+            matches!(
+                comm.reduce_scatter_sum(&world, &vec![0.0; n + 1]),
+                Err(CommError::InvalidArgument(_))
+            ),
+            "a reduce_scatter length not divisible by the group size must be InvalidArgument"
+        );
+        check!(
+            matches!(
+                comm.all_to_all(&world, &vec![0.0; n + 1]),
+                Err(CommError::InvalidArgument(_))
+            ),
+            "an all_to_all length not divisible by the group size must be InvalidArgument"
+        );
+    }
+    check!(
+        matches!(comm.send(n, &[1.0]), Err(CommError::InvalidArgument(_))),
+        "a send to rank {n} must be InvalidArgument"
+    );
+    check!(
+        matches!(comm.recv(me), Err(CommError::InvalidArgument(_))),
+        "a recv from self with nothing queued must be InvalidArgument"
+    );
+
+    // A mismatched call: every member fails with Mismatch, and the group stays usable.
+    if n > 1 {
+        let len = if me == 0 { 1 } else { 2 };
+        match comm.all_gather(&world, &vec![0.0; len]) {
+            Err(e @ CommError::Mismatch { .. }) => {
+                let msg = e.to_string();
+                check!(
+                    msg.contains("all_gather with 1 elements") && msg.contains("with 2 elements"),
+                    "the mismatch error should name both sides: {msg}"
+                );
+            }
+            other => {
+                return Err(format!("a length mismatch must be Mismatch, got {other:?}").into())
+            }
+        }
+        comm.barrier(&world)?;
+        expected.record(CollectiveKind::Barrier, 0);
+    }
+    Ok(())
+}
+
+fn check_all(comm: &mut MpiComm) -> Res {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let mut expected = CommStats::default();
+    let world = Group::world(n)?;
+    let shape = if n.is_multiple_of(2) { vec![2, n / 2] } else { vec![1, n] };
+    let row = Group::mesh_axis(&shape, 1, me)?;
+    let column = Group::mesh_axis(&shape, 0, me)?;
+    // Rows and columns interleaved, each used twice: set-up happens on first use, in an order
+    // that differs between groups, and later calls reuse the cached communicators.
+    for (i, group) in [&world, &row, &column, &row, &world, &column].into_iter().enumerate() {
+        check_group(comm, &mut expected, group, 10 * i)
+            .map_err(|e| format!("collectives over {group} (round {i}): {e}"))?;
+    }
+    check_send_recv(comm, &mut expected).map_err(|e| format!("send/recv: {e}"))?;
+    check_errors(comm, &mut expected).map_err(|e| format!("error cases: {e}"))?;
+    let stats = comm.stats();
+    check!(stats == expected, "stats {stats:?}, want {expected:?}");
+    comm.barrier(&world)?;
+    Ok(())
+}
+
+/// Rank 0 calls a collective the others never call; returns the error rank 0 got (other ranks
+/// return at once).
+fn stuck(comm: &mut MpiComm, group: &Group) -> Res {
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    match comm.all_reduce_sum(group, &[1.0, 2.0]) {
+        Ok(v) => Err(format!("the all_reduce should have timed out, returned {v:?}").into()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn main() -> ExitCode {
+    let mode = std::env::args().nth(1).unwrap_or_else(|| "check".to_string());
+    let timeout = if mode == "check" { CHECK_TIMEOUT } else { STUCK_TIMEOUT };
+    let mut comm = match MpiComm::init(timeout) {
+        Ok(comm) => comm,
+        Err(e) => {
+            eprintln!("mpi_selftest: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (me, n) = (comm.rank(), comm.world_size());
+    let result = match mode.as_str() {
+        "check" => check_all(&mut comm),
+        "stuck" => Group::world(n).map_err(Into::into).and_then(|g| stuck(&mut comm, &g)),
+        "stuck-group" if n >= 3 => {
+            Group::new([0, 1]).map_err(Into::into).and_then(|g| stuck(&mut comm, &g))
+        }
+        "stuck-group" => Err("stuck-group needs at least 3 ranks".into()),
+        other => Err(format!("unknown mode {other:?} (check, stuck, stuck-group)").into()),
+    };
+    match result {
+        Ok(()) if mode == "check" => {
+            println!("mpi_selftest: rank {me} of {n}: ok");
+            ExitCode::SUCCESS
+        }
+        Ok(()) => {
+            // Dropping the communicator finalises MPI, which waits for the other ranks: this
+            // rank stays there until rank 0's abort ends the job.
+            println!("mpi_selftest: rank {me} of {n}: leaving without calling the collective");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            // Other ranks may be blocked in MPI where no error reaches them: end the whole job.
+            eprintln!("mpi_selftest: rank {me} of {n}: FAILED: {e}");
+            comm.abort(1)
+        }
+    }
+}

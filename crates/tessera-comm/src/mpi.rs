@@ -1,0 +1,947 @@
+//! The MPI backend: one rank per process, started by `mpirun` (or `srun`), over rsmpi.
+//!
+//! [`MpiComm`] keeps the thread backend's guarantees — results in group order and identical
+//! bits on every member, each group its own call sequence, every call bounded by a timeout,
+//! clear errors naming rank, collective and group — on top of MPI's non-blocking operations.
+//!
+//! # Communicators
+//!
+//! - A collective over the whole world runs on `MPI_COMM_WORLD`. A collective over a smaller
+//!   group runs on a sub-communicator made at the group's first call and cached per group; its
+//!   member order is the group's (ascending global ranks).
+//! - The sub-communicator is made with `MPI_Comm_create_group`, which only the group's members
+//!   call (unlike `MPI_Comm_split`/`MPI_Comm_create`, which every rank of the parent must call
+//!   together, in one order: impossible when rows and columns of a mesh are first used by
+//!   different ranks at different times). It is blocking and cannot time out, so it is preceded
+//!   by a *hello* exchange with the other members (non-blocking, on a private duplicate of the
+//!   world): only once every member has said it is setting up this same group is it called, so
+//!   a missing member gives a [`CommError::Timeout`] naming it, and a member setting up a
+//!   different group gives a [`CommError::Mismatch`], instead of a hang.
+//! - `send`/`recv` use another private duplicate of the world (one tag), so user messages never
+//!   match anything else and keep MPI's per-pair FIFO order.
+//!
+//! # One call
+//!
+//! Every collective first all-gathers a small *signature* (kind, the call's number in this
+//! group, length, root) on the group's communicator. Members whose calls disagree all fail
+//! with [`CommError::Mismatch`] naming both sides, and since they all saw the same signatures
+//! they all skip the data phase together, so the group stays in step. The signature also tells
+//! non-roots the length of a broadcast. Then the data moves with one non-blocking MPI
+//! collective, and sums are taken locally in group order so every member gets the same bits as
+//! the thread backend: all-reduce is an all-gather then a sum, reduce-scatter an all-to-all of
+//! chunks then a sum, all-to-all and broadcast map directly, and a barrier is the signature
+//! exchange alone. This costs a second (tiny) collective per call and, for all-reduce, n times
+//! the traffic of a reducing all-reduce; the runtime's groups are small, and exactness is the
+//! point.
+//!
+//! # Timeouts and failure
+//!
+//! Every operation is started non-blocking and polled until it completes or the call's
+//! deadline passes; then the call fails with [`CommError::Timeout`]. MPI does not tell which
+//! members have not arrived at a collective, so `missing` is empty for a timed-out collective
+//! (it is filled in while a group's communicator is being set up, and for `recv` it is the
+//! sender). An MPI collective cannot be cancelled: the timed-out request and its buffers are
+//! abandoned (leaked; MPI may still write to them), and the rank's MPI state is no longer
+//! usable. **After a `Timeout` the program must end the job**: print the error and call
+//! [`MpiComm::abort`], which calls `MPI_Abort` on the world and ends every rank (what the
+//! runtime's driver is meant to do with any error of this backend). A rank that drops its communicator after an abandoned operation skips
+//! `MPI_Finalize` (which could hang), so the launcher sees it exit without finalising and ends
+//! the job.
+//!
+//! Unlike the thread backend, a rank that has returned is not detected as "gone" (no
+//! [`CommError::RankDied`]): its peers' calls time out instead, or the launcher ends the job when
+//! the rank exits.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::time::{Duration, Instant};
+
+use ::mpi::datatype::Equivalence;
+use ::mpi::point_to_point::{Message, Status};
+use ::mpi::request::{Request, Scope, StaticScope};
+use ::mpi::topology::{Rank, SimpleCommunicator};
+use ::mpi::traits::{
+    Communicator as _, CommunicatorCollectives as _, Destination as _, Group as _, Root as _,
+    Source as _,
+};
+use ::mpi::{Tag, Threading};
+
+use crate::communicator::Communicator;
+use crate::error::{describe_op, CommError, Result};
+use crate::group::Group;
+use crate::stats::{f32_bytes, CollectiveKind, CommStats};
+
+/// Tag of user messages, on the `p2p` communicator (alone there, so FIFO per pair holds).
+const USER_TAG: Tag = 0;
+/// Tag of set-up hellos, on the `hello` communicator.
+const HELLO_TAG: Tag = 1;
+/// Tag given to `MPI_Comm_create_group` on the `create` communicator (only one set-up runs at a
+/// time per rank, so one tag suffices).
+const CREATE_TAG: Tag = 2;
+
+/// What a timed-out collective's error says, since MPI cannot say who is missing.
+const UNKNOWN_MISSING: &str = "MPI cannot tell which members are missing (hence the empty \
+     list), and the timed-out MPI operation cannot be cancelled: end the job now (print this \
+     error and call MpiComm::abort)";
+
+/// One rank of an MPI job. Create it once per process with [`MpiComm::init`]; dropping it
+/// finalises MPI, which waits for every other rank to finalise too.
+///
+/// It may be moved to another thread (MPI runs at `MPI_THREAD_SERIALIZED`), but MPI wants
+/// `MPI_Finalize` on the thread that initialised it: prefer dropping it on the thread that
+/// called `init` (OpenMPI tolerates another thread in practice).
+///
+/// MPI errors the backend does not catch first (a library or network failure) keep MPI's
+/// default handler, which aborts the whole job with MPI's own message.
+pub struct MpiComm {
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    /// Per group: how many calls this rank has made on it (the next call's number).
+    seqs: HashMap<Group, u64>,
+    stats: CommStats,
+    /// Set once an operation was abandoned after a timeout: MPI may still use its buffers and
+    /// its request is never completed, so MPI must not be finalised (see `Drop`).
+    abandoned: bool,
+    /// Everything that holds MPI handles, dropped (or deliberately not) in `Drop`.
+    mpi: ManuallyDrop<MpiState>,
+}
+
+/// MPI objects, in the order they must be released: communicators before the universe, whose
+/// drop calls `MPI_Finalize`.
+struct MpiState {
+    /// Sends not yet known to be complete; their buffers are freed when they are.
+    pending: Vec<Box<dyn PendingSend>>,
+    /// Sub-communicators per group (not the world, which uses `world`).
+    groups: HashMap<Group, SimpleCommunicator>,
+    /// Duplicate of the world for `send`/`recv`.
+    p2p: SimpleCommunicator,
+    /// Duplicate of the world for set-up hellos.
+    hello: SimpleCommunicator,
+    /// Duplicate of the world, parent of every `MPI_Comm_create_group`.
+    create: SimpleCommunicator,
+    /// `MPI_COMM_WORLD`: whole-world collectives and `MPI_Abort`.
+    world: SimpleCommunicator,
+    #[expect(dead_code, reason = "held only for its Drop, which calls MPI_Finalize")]
+    universe: ::mpi::environment::Universe,
+}
+
+// SAFETY: MPI handles are plain integers or pointers that MPI allows any thread to use as long
+// as MPI was initialised with at least `MPI_THREAD_SERIALIZED` and no two threads call MPI at
+// once. `init` refuses a lower thread level, and `MpiComm` is not `Sync`, so one thread at a
+// time owns it and makes all of its MPI calls; moving it between threads is what the runtime
+// does (it owns a `Box<dyn Communicator>` and hands it to the thread that drives the rank).
+unsafe impl Send for MpiComm {}
+
+impl fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("timeout", &self.timeout)
+            .field("abandoned", &self.abandoned)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The operation did not complete by the deadline and was abandoned (its buffers leaked).
+struct Abandoned;
+
+/// What each member asks for in one call; the members of a call must agree on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Signature {
+    kind: CollectiveKind,
+    /// The call's number among this group's calls on the calling rank.
+    seq: u64,
+    /// Input length (for broadcast, only the root's matters).
+    len: usize,
+    /// Root rank (broadcast only).
+    root: Option<usize>,
+}
+
+impl Signature {
+    const WORDS: usize = 4;
+
+    fn encode(&self) -> [u64; Signature::WORDS] {
+        let kind = CollectiveKind::ALL.iter().position(|&k| k == self.kind).unwrap_or(usize::MAX);
+        [kind as u64, self.seq, self.len as u64, self.root.map_or(u64::MAX, |r| r as u64)]
+    }
+
+    fn decode(words: &[u64]) -> Option<Signature> {
+        let [kind, seq, len, root] = *words else { return None };
+        Some(Signature {
+            kind: *CollectiveKind::ALL.get(usize::try_from(kind).ok()?)?,
+            seq,
+            len: usize::try_from(len).ok()?,
+            root: if root == u64::MAX { None } else { Some(usize::try_from(root).ok()?) },
+        })
+    }
+
+    /// Whether two members' calls can be the same call.
+    fn agrees(&self, other: &Signature) -> bool {
+        let len_matters = !matches!(self.kind, CollectiveKind::Broadcast | CollectiveKind::Barrier);
+        self.kind == other.kind
+            && self.seq == other.seq
+            && self.root == other.root
+            && (!len_matters || self.len == other.len)
+    }
+
+    fn describe(&self) -> String {
+        let what = match (self.kind, self.root) {
+            (kind, Some(root)) => format!("{kind} from root {root}"),
+            (CollectiveKind::Barrier, None) => "barrier".to_string(),
+            (kind, None) => format!("{kind} with {} elements", self.len),
+        };
+        format!("{what} as its call #{} in this group", self.seq)
+    }
+}
+
+/// One collective call in progress: what its errors must name.
+struct Call<'g> {
+    rank: usize,
+    kind: CollectiveKind,
+    group: &'g Group,
+    seq: u64,
+    timeout: Duration,
+    /// `None` when the timeout is too large to add to now: no deadline.
+    deadline: Option<Instant>,
+}
+
+impl Call<'_> {
+    fn timed_out(&self, missing: Vec<usize>, detail: String) -> CommError {
+        CommError::Timeout {
+            rank: self.rank,
+            kind: self.kind,
+            group: self.group.ranks().to_vec(),
+            timeout: self.timeout,
+            missing,
+            detail,
+        }
+    }
+
+    fn mismatch(&self, detail: String) -> CommError {
+        CommError::Mismatch {
+            rank: self.rank,
+            kind: self.kind,
+            group: self.group.ranks().to_vec(),
+            seq: self.seq,
+            detail,
+        }
+    }
+}
+
+fn past(deadline: Option<Instant>) -> bool {
+    deadline.is_some_and(|d| Instant::now() >= d)
+}
+
+/// Polling pace: spin briefly (completions are often microseconds away), then yield, then
+/// sleep, so a long wait does not burn a core that another rank on the node may need.
+struct Backoff(u32);
+
+impl Backoff {
+    fn pause(&mut self) {
+        self.0 = self.0.saturating_add(1);
+        if self.0 < 64 {
+            std::hint::spin_loop();
+        } else if self.0 < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+/// Polls `request` until it completes (`true`) or `deadline` passes (`false`). Each test also
+/// drives MPI's progress engine, which moves this rank's other pending operations along.
+///
+/// On `false` the request has been abandoned: unregistered from its scope without completing,
+/// so MPI may still read or write its buffers. The caller must then leak every buffer the
+/// request uses (never free or reuse them).
+fn finish<'a, D: ?Sized, S: Scope<'a>>(
+    request: Request<'a, D, S>,
+    deadline: Option<Instant>,
+) -> bool {
+    let mut request = request;
+    let mut backoff = Backoff(0);
+    loop {
+        request = match request.test() {
+            Ok(_) => return true,
+            Err(pending) => pending,
+        };
+        if past(deadline) {
+            // SAFETY: `into_raw` asks that the request be completed while its buffers live; it
+            // never will be, so instead every caller leaks the buffers (see above), which keeps
+            // them valid for as long as MPI might touch them. The raw request handle is leaked
+            // too: MPI cannot cancel a collective, and the rank must end the job anyway.
+            let _ = unsafe { request.into_raw() };
+            return false;
+        }
+        backoff.pause();
+    }
+}
+
+/// Every member's `send`, concatenated in member order (`n` members).
+fn all_gather_on<T: Equivalence + Copy + Default>(
+    comm: &SimpleCommunicator,
+    send: Vec<T>,
+    n: usize,
+    deadline: Option<Instant>,
+) -> std::result::Result<Vec<T>, Abandoned> {
+    let mut recv = vec![T::default(); send.len() * n];
+    let done = ::mpi::request::scope(|scope| {
+        finish(comm.immediate_all_gather_into(scope, &send[..], &mut recv[..]), deadline)
+    });
+    if done {
+        Ok(recv)
+    } else {
+        // MPI may still use both buffers: leak them (see `finish`).
+        Vec::leak(send);
+        Vec::leak(recv);
+        Err(Abandoned)
+    }
+}
+
+/// Chunk k of `send` to member k; the result holds member k's chunk for us at chunk k.
+fn all_to_all_on(
+    comm: &SimpleCommunicator,
+    send: Vec<f32>,
+    deadline: Option<Instant>,
+) -> std::result::Result<Vec<f32>, Abandoned> {
+    let mut recv = vec![0.0f32; send.len()];
+    let done = ::mpi::request::scope(|scope| {
+        finish(comm.immediate_all_to_all_into(scope, &send[..], &mut recv[..]), deadline)
+    });
+    if done {
+        Ok(recv)
+    } else {
+        Vec::leak(send);
+        Vec::leak(recv);
+        Err(Abandoned)
+    }
+}
+
+/// `buf` of member `root_idx` on every member (`buf` has the root's length everywhere).
+fn broadcast_on(
+    comm: &SimpleCommunicator,
+    root_idx: Rank,
+    mut buf: Vec<f32>,
+    deadline: Option<Instant>,
+) -> std::result::Result<Vec<f32>, Abandoned> {
+    let root = comm.process_at_rank(root_idx);
+    let done = ::mpi::request::scope(|scope| {
+        finish(root.immediate_broadcast_into(scope, &mut buf[..]), deadline)
+    });
+    if done {
+        Ok(buf)
+    } else {
+        Vec::leak(buf);
+        Err(Abandoned)
+    }
+}
+
+/// Receives a message found by a matched probe (so no other receive can take it).
+fn receive_matched<T: Equivalence + Copy + Default>(
+    (message, status): (Message, Status),
+    deadline: Option<Instant>,
+) -> std::result::Result<Vec<T>, Abandoned> {
+    // MPI_Get_count is negative (MPI_UNDEFINED) only for a message that is not whole `T`s,
+    // which cannot happen on our private communicators where each tag carries one type; an
+    // empty buffer would then make MPI report the truncation rather than us guessing.
+    let len = usize::try_from(status.count(T::equivalent_datatype())).unwrap_or(0);
+    let mut buf = vec![T::default(); len];
+    let done = ::mpi::request::scope(|scope| {
+        finish(message.immediate_matched_receive_into(scope, &mut buf[..]), deadline)
+    });
+    if done {
+        Ok(buf)
+    } else {
+        Vec::leak(buf);
+        Err(Abandoned)
+    }
+}
+
+/// A send MPI may still be reading from: its request and the heap buffer it reads.
+trait PendingSend {
+    /// Tests the send; `None` once it has completed (and its buffer was freed).
+    fn poll(self: Box<Self>) -> Option<Box<dyn PendingSend>>;
+}
+
+struct LentSend<T: Equivalence + 'static> {
+    request: Request<'static, [T]>,
+    /// Allocated by `Box::into_raw` in `start_send`; freed in `poll` once the request is done.
+    buf: *mut [T],
+}
+
+impl<T: Equivalence + 'static> PendingSend for LentSend<T> {
+    fn poll(self: Box<Self>) -> Option<Box<dyn PendingSend>> {
+        let LentSend { request, buf } = *self;
+        match request.test() {
+            Ok(_) => {
+                // SAFETY: `buf` came from `Box::into_raw` and was only lent to MPI through the
+                // request, which is complete: nothing references the buffer any more.
+                drop(unsafe { Box::from_raw(buf) });
+                None
+            }
+            Err(request) => Some(Box::new(LentSend { request, buf })),
+        }
+    }
+}
+
+/// Starts sending `data` to rank `to` of `comm` with `tag`, without waiting for the receiver.
+/// The buffer lives on the heap until the send completes (see [`PendingSend`]).
+fn start_send<T: Equivalence + 'static>(
+    comm: &SimpleCommunicator,
+    to: Rank,
+    tag: Tag,
+    data: Vec<T>,
+) -> Box<dyn PendingSend> {
+    let buf: *mut [T] = Box::into_raw(data.into_boxed_slice());
+    // SAFETY: `buf` is a live, unaliased allocation that is freed only after the request has
+    // completed (`LentSend::poll`) or never (a send still pending when the rank ends is leaked), so
+    // the `'static` borrow MPI gets never dangles.
+    let view: &'static [T] = unsafe { &*buf };
+    let request = comm.process_at_rank(to).immediate_send_with_tag(StaticScope, view, tag);
+    Box::new(LentSend { request, buf })
+}
+
+/// Element-wise sum of the `n` equal chunks of `parts`, in chunk order (member order), so every
+/// member gets the same bits as the thread backend's sum.
+fn sum_chunks(parts: &[f32], n: usize) -> Vec<f32> {
+    let len = parts.len().checked_div(n).unwrap_or(0);
+    if len == 0 {
+        return Vec::new();
+    }
+    let (first, rest) = parts.split_at(len);
+    let mut out = first.to_vec();
+    for chunk in rest.chunks_exact(len) {
+        for (o, x) in out.iter_mut().zip(chunk) {
+            *o += *x;
+        }
+    }
+    out
+}
+
+fn to_rank(r: usize) -> Result<Rank> {
+    Rank::try_from(r).map_err(|_| CommError::Internal(format!("rank {r} does not fit an MPI rank")))
+}
+
+impl MpiComm {
+    /// Initialises MPI (thread level `MPI_THREAD_SERIALIZED`, so the communicator may move to
+    /// another thread) and returns this process's rank of `MPI_COMM_WORLD`; every wait of
+    /// every later call gives up after `timeout`. Every process of the job must call it: like
+    /// `MPI_Init` itself, it waits (without a timeout) for every rank to arrive, since it
+    /// duplicates the world communicator; a rank that exits before calling it makes the
+    /// launcher end the job.
+    ///
+    /// Fails if MPI was already initialised in this process (MPI can be initialised only once,
+    /// even after finalising) or provides no thread support beyond `MPI_THREAD_FUNNELED`.
+    pub fn init(timeout: Duration) -> Result<MpiComm> {
+        let Some((universe, provided)) = ::mpi::initialize_with_threading(Threading::Serialized)
+        else {
+            return Err(CommError::InvalidArgument(
+                "MPI is already initialised in this process: create one MpiComm per process \
+                 (MPI cannot be initialised twice, not even after finalising)"
+                    .into(),
+            ));
+        };
+        if provided < Threading::Serialized {
+            return Err(CommError::InvalidArgument(format!(
+                "the MPI library offers only thread level {provided:?}, but MpiComm needs \
+                 Serialized (the runtime drives a rank from a thread other than main); use an MPI \
+                 built with thread support (OpenMPI's packages are)"
+            )));
+        }
+        let world = universe.world();
+        let (rank, world_size) = (usize::try_from(world.rank()), usize::try_from(world.size()));
+        let (Ok(rank), Ok(world_size)) = (rank, world_size) else {
+            return Err(CommError::Internal("MPI returned a negative rank or world size".into()));
+        };
+        // Each duplicate gets its own matching context, so hellos, user messages and the
+        // traffic of MPI_Comm_create_group can never be confused with one another.
+        let (p2p, hello, create) = (world.duplicate(), world.duplicate(), world.duplicate());
+        Ok(MpiComm {
+            rank,
+            world_size,
+            timeout,
+            seqs: HashMap::new(),
+            stats: CommStats::default(),
+            abandoned: false,
+            mpi: ManuallyDrop::new(MpiState {
+                pending: Vec::new(),
+                groups: HashMap::new(),
+                p2p,
+                hello,
+                create,
+                world,
+                universe,
+            }),
+        })
+    }
+
+    /// How long any one call may wait before it fails.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Ends the whole job now: `MPI_Abort` on the world, which makes the launcher kill every
+    /// rank and exit with a non-zero status (`code`, where the launcher passes it on). The way
+    /// to stop after a [`CommError::Timeout`] (or any error that leaves ranks out of step),
+    /// since the other ranks may be blocked in MPI where no error can reach them.
+    pub fn abort(&self, code: i32) -> ! {
+        self.mpi.world.abort(code)
+    }
+
+    /// Frees the buffers of sends that have completed.
+    fn reap(&mut self) {
+        let pending = std::mem::take(&mut self.mpi.pending);
+        self.mpi.pending = pending.into_iter().filter_map(|p| p.poll()).collect();
+    }
+
+    /// The member index of the caller in `group`, after checking the group fits the world.
+    fn member_index(&self, kind: CollectiveKind, group: &Group) -> Result<usize> {
+        let n = self.world_size;
+        if let Some(&bad) = group.ranks().iter().find(|&&r| r >= n) {
+            return Err(CommError::InvalidGroup(format!(
+                "rank {}: {} names rank {bad}, outside a world of {n} ranks",
+                self.rank,
+                describe_op(kind, group.ranks())
+            )));
+        }
+        group.index_of(self.rank).ok_or_else(|| {
+            CommError::InvalidGroup(format!(
+                "rank {}: {} does not include the calling rank",
+                self.rank,
+                describe_op(kind, group.ranks())
+            ))
+        })
+    }
+
+    /// Checks `len` splits into one equal chunk per member; returns the chunk length.
+    fn chunk_len(&self, kind: CollectiveKind, group: &Group, len: usize) -> Result<usize> {
+        if !len.is_multiple_of(group.len()) {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {}: {} needs an input length divisible by the group size {}, got {len}",
+                self.rank,
+                describe_op(kind, group.ranks()),
+                group.len()
+            )));
+        }
+        Ok(len / group.len())
+    }
+
+    /// MPI counts are 32-bit: refuse a buffer of `len` elements MPI could not describe.
+    fn check_count(&self, kind: CollectiveKind, group: &[usize], len: Option<usize>) -> Result<()> {
+        match len {
+            Some(len) if i32::try_from(len).is_ok() => Ok(()),
+            _ => Err(CommError::InvalidArgument(format!(
+                "rank {}: {} would move more than {} elements in one MPI buffer; split the tensor",
+                self.rank,
+                describe_op(kind, group),
+                i32::MAX
+            ))),
+        }
+    }
+
+    fn check_peer(&self, kind: CollectiveKind, peer: usize) -> Result<()> {
+        if peer >= self.world_size {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {}: {} is outside a world of {} ranks",
+                self.rank,
+                describe_op(kind, &[peer]),
+                self.world_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Opens call `kind` on `group`: numbers it, sets its deadline.
+    fn open<'g>(&mut self, kind: CollectiveKind, group: &'g Group) -> Call<'g> {
+        let next = self.seqs.entry(group.clone()).or_insert(0);
+        let seq = *next;
+        *next += 1;
+        Call {
+            rank: self.rank,
+            kind,
+            group,
+            seq,
+            timeout: self.timeout,
+            deadline: Instant::now().checked_add(self.timeout),
+        }
+    }
+
+    /// The communicator of `group` (made by `ensure_comm`).
+    fn comm(&self, group: &Group) -> Result<&SimpleCommunicator> {
+        if group.len() == self.world_size {
+            return Ok(&self.mpi.world);
+        }
+        self.mpi.groups.get(group).ok_or_else(|| {
+            CommError::Internal(format!("group {group} has no MPI communicator after set-up"))
+        })
+    }
+
+    /// Makes the sub-communicator of the call's group if this is the rank's first call there:
+    /// hellos with every other member (bounded by the deadline), then `MPI_Comm_create_group`.
+    fn ensure_comm(&mut self, call: &Call<'_>) -> Result<()> {
+        let group = call.group;
+        if group.len() == self.world_size || self.mpi.groups.contains_key(group) {
+            return Ok(());
+        }
+        let me = self.rank;
+        // The hello names the group, so a member setting up another group is caught here.
+        let hello: Vec<u64> = group.ranks().iter().map(|&r| r as u64).collect();
+        let mut missing: Vec<usize> = group.ranks().iter().copied().filter(|&r| r != me).collect();
+        for &peer in &missing {
+            let send = start_send(&self.mpi.hello, to_rank(peer)?, HELLO_TAG, hello.clone());
+            self.mpi.pending.push(send);
+        }
+        let mut backoff = Backoff(0);
+        while !missing.is_empty() {
+            let mut i = 0;
+            while i < missing.len() {
+                let peer = missing[i];
+                let source = self.mpi.hello.process_at_rank(to_rank(peer)?);
+                let Some(found) = source.immediate_matched_probe_with_tag(HELLO_TAG) else {
+                    i += 1;
+                    continue;
+                };
+                let Ok(theirs) = receive_matched::<u64>(found, call.deadline) else {
+                    self.abandoned = true;
+                    return Err(call.timed_out(
+                        vec![peer],
+                        format!(
+                            "the hello from rank {peer} did not finish arriving; {UNKNOWN_MISSING}"
+                        ),
+                    ));
+                };
+                if theirs != hello {
+                    return Err(call.mismatch(format!(
+                        "rank {me} is setting up group {group} for its first call there, but rank \
+                         {peer}'s next new group is {theirs:?}: members must first use shared \
+                         groups in the same order"
+                    )));
+                }
+                missing.remove(i);
+            }
+            if missing.is_empty() {
+                break;
+            }
+            if past(call.deadline) {
+                let who = missing.iter().map(|r| format!("rank {r}")).collect::<Vec<_>>();
+                let detail = format!(
+                    "{} {} not started a call on this group yet (MPI sets up the group's \
+                     communicator at its first call, with every member present)",
+                    who.join(", "),
+                    if who.len() == 1 { "has" } else { "have" }
+                );
+                return Err(call.timed_out(missing, detail));
+            }
+            self.reap();
+            backoff.pause();
+        }
+        let ranks = group.ranks().iter().map(|&r| to_rank(r)).collect::<Result<Vec<_>>>()?;
+        let mpi_group = self.mpi.world.group().include(&ranks);
+        // Every member has said hello, so every member is about to make this same call: it
+        // completes promptly. Its member order is `ranks`' order, the group's.
+        let comm = self.mpi.create.split_by_subgroup_with_tag(&mpi_group, CREATE_TAG).ok_or_else(
+            || {
+                CommError::Internal(format!(
+                    "rank {me}: MPI_Comm_create_group for group {group} returned no communicator"
+                ))
+            },
+        )?;
+        self.mpi.groups.insert(group.clone(), comm);
+        Ok(())
+    }
+
+    /// Set-up and signature exchange of one call; returns every member's signature in group
+    /// order once all agree with `mine`.
+    fn agree(&mut self, call: &Call<'_>, mine: Signature) -> Result<Vec<Signature>> {
+        self.reap();
+        self.ensure_comm(call)?;
+        let n = call.group.len();
+        let gathered =
+            match all_gather_on(self.comm(call.group)?, mine.encode().to_vec(), n, call.deadline) {
+                Ok(words) => words,
+                Err(Abandoned) => {
+                    self.abandoned = true;
+                    return Err(call.timed_out(Vec::new(), UNKNOWN_MISSING.to_string()));
+                }
+            };
+        let sigs = gathered
+            .chunks_exact(Signature::WORDS)
+            .map(Signature::decode)
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                CommError::Internal(format!(
+                    "rank {}: undecodable call signatures {gathered:?} from group {}",
+                    self.rank, call.group
+                ))
+            })?;
+        // Every member sees the same signatures, so either all go on to the data phase or all
+        // fail here, and the group stays in step either way.
+        let ranks = call.group.ranks();
+        if let Some((&other, theirs)) = ranks.iter().zip(&sigs).find(|(_, s)| !s.agrees(&mine)) {
+            return Err(call.mismatch(format!(
+                "rank {other} called {} but rank {} called {}",
+                theirs.describe(),
+                self.rank,
+                mine.describe()
+            )));
+        }
+        Ok(sigs)
+    }
+
+    /// The error for a data phase that timed out (after the signatures were exchanged).
+    fn data_timeout(&mut self, call: &Call<'_>) -> CommError {
+        self.abandoned = true;
+        call.timed_out(
+            Vec::new(),
+            format!("every member had started the call, but the data did not finish moving; {UNKNOWN_MISSING}"),
+        )
+    }
+
+    /// All-gather of the f32 payload over the call's group (the data phase of all-reduce and
+    /// all-gather).
+    fn gather_data(&mut self, call: &Call<'_>, data: &[f32]) -> Result<Vec<f32>> {
+        let gathered =
+            all_gather_on(self.comm(call.group)?, data.to_vec(), call.group.len(), call.deadline);
+        gathered.map_err(|Abandoned| self.data_timeout(call))
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce_sum(&mut self, group: &Group, data: &[f32]) -> Result<Vec<f32>> {
+        let kind = CollectiveKind::AllReduce;
+        self.member_index(kind, group)?;
+        self.check_count(kind, group.ranks(), data.len().checked_mul(group.len()))?;
+        let call = self.open(kind, group);
+        let sig = Signature { kind, seq: call.seq, len: data.len(), root: None };
+        self.agree(&call, sig)?;
+        let out = if data.is_empty() {
+            Vec::new()
+        } else {
+            sum_chunks(&self.gather_data(&call, data)?, group.len())
+        };
+        self.stats.record(kind, f32_bytes(data.len()));
+        Ok(out)
+    }
+
+    fn all_gather(&mut self, group: &Group, data: &[f32]) -> Result<Vec<f32>> {
+        let kind = CollectiveKind::AllGather;
+        self.member_index(kind, group)?;
+        self.check_count(kind, group.ranks(), data.len().checked_mul(group.len()))?;
+        let call = self.open(kind, group);
+        let sig = Signature { kind, seq: call.seq, len: data.len(), root: None };
+        self.agree(&call, sig)?;
+        let out = if data.is_empty() { Vec::new() } else { self.gather_data(&call, data)? };
+        self.stats.record(kind, f32_bytes(data.len()));
+        Ok(out)
+    }
+
+    fn reduce_scatter_sum(&mut self, group: &Group, data: &[f32]) -> Result<Vec<f32>> {
+        let kind = CollectiveKind::ReduceScatter;
+        self.member_index(kind, group)?;
+        self.chunk_len(kind, group, data.len())?;
+        self.check_count(kind, group.ranks(), Some(data.len()))?;
+        let call = self.open(kind, group);
+        let sig = Signature { kind, seq: call.seq, len: data.len(), root: None };
+        self.agree(&call, sig)?;
+        let out = if data.is_empty() {
+            Vec::new()
+        } else {
+            // Member k's chunk for us lands at chunk k: sum them in member order.
+            let received = all_to_all_on(self.comm(group)?, data.to_vec(), call.deadline);
+            let received = received.map_err(|Abandoned| self.data_timeout(&call))?;
+            sum_chunks(&received, group.len())
+        };
+        self.stats.record(kind, f32_bytes(data.len()));
+        Ok(out)
+    }
+
+    fn all_to_all(&mut self, group: &Group, data: &[f32]) -> Result<Vec<f32>> {
+        let kind = CollectiveKind::AllToAll;
+        self.member_index(kind, group)?;
+        self.chunk_len(kind, group, data.len())?;
+        self.check_count(kind, group.ranks(), Some(data.len()))?;
+        let call = self.open(kind, group);
+        let sig = Signature { kind, seq: call.seq, len: data.len(), root: None };
+        self.agree(&call, sig)?;
+        let out = if data.is_empty() {
+            Vec::new()
+        } else {
+            let received = all_to_all_on(self.comm(group)?, data.to_vec(), call.deadline);
+            received.map_err(|Abandoned| self.data_timeout(&call))?
+        };
+        self.stats.record(kind, f32_bytes(data.len()));
+        Ok(out)
+    }
+
+    fn broadcast(&mut self, group: &Group, root: usize, data: &[f32]) -> Result<Vec<f32>> {
+        let kind = CollectiveKind::Broadcast;
+        let idx = self.member_index(kind, group)?;
+        let root_idx = group.index_of(root).ok_or_else(|| {
+            CommError::InvalidArgument(format!(
+                "rank {}: {} has root {root}, which is not a member",
+                self.rank,
+                describe_op(kind, group.ranks())
+            ))
+        })?;
+        self.check_count(kind, group.ranks(), Some(data.len()))?;
+        let call = self.open(kind, group);
+        let sig = Signature { kind, seq: call.seq, len: data.len(), root: Some(root) };
+        let sigs = self.agree(&call, sig)?;
+        // Non-roots learn the length from the root's signature; their own input is ignored.
+        let len = sigs.get(root_idx).map_or(0, |s| s.len);
+        let out = if len == 0 {
+            Vec::new()
+        } else {
+            let buf = if idx == root_idx { data.to_vec() } else { vec![0.0; len] };
+            let received = broadcast_on(self.comm(group)?, to_rank(root_idx)?, buf, call.deadline);
+            received.map_err(|Abandoned| self.data_timeout(&call))?
+        };
+        self.stats.record(kind, f32_bytes(data.len()));
+        Ok(out)
+    }
+
+    fn send(&mut self, to: usize, data: &[f32]) -> Result<()> {
+        let kind = CollectiveKind::Send;
+        self.check_peer(kind, to)?;
+        self.check_count(kind, &[to], Some(data.len()))?;
+        self.reap();
+        // Non-blocking: the copy stays with MPI until the receiver has taken it (`reap`).
+        let send = start_send(&self.mpi.p2p, to_rank(to)?, USER_TAG, data.to_vec());
+        self.mpi.pending.push(send);
+        self.stats.record(kind, f32_bytes(data.len()));
+        Ok(())
+    }
+
+    fn recv(&mut self, from: usize) -> Result<Vec<f32>> {
+        let kind = CollectiveKind::Recv;
+        let me = self.rank;
+        self.check_peer(kind, from)?;
+        // Completing our own sends first makes a message to ourselves visible to the probe.
+        self.reap();
+        let deadline = Instant::now().checked_add(self.timeout);
+        let timed_out = |detail: String| CommError::Timeout {
+            rank: me,
+            kind,
+            group: vec![from],
+            timeout: self.timeout,
+            missing: vec![from],
+            detail,
+        };
+        let source = self.mpi.p2p.process_at_rank(to_rank(from)?);
+        let mut backoff = Backoff(0);
+        loop {
+            if let Some(found) = source.immediate_matched_probe_with_tag(USER_TAG) {
+                let Ok(msg) = receive_matched::<f32>(found, deadline) else {
+                    self.abandoned = true;
+                    return Err(timed_out(format!(
+                        "a message from rank {from} started arriving but did not finish; \
+                         {UNKNOWN_MISSING}"
+                    )));
+                };
+                self.stats.record(kind, f32_bytes(msg.len()));
+                return Ok(msg);
+            }
+            if from == me {
+                return Err(CommError::InvalidArgument(format!(
+                    "rank {me}: recv from itself with no message queued would wait forever"
+                )));
+            }
+            if past(deadline) {
+                return Err(timed_out(format!(
+                    "no message from rank {from} arrived; MPI cannot tell whether rank {from} is \
+                     gone, stuck, or not sending (nothing was abandoned: this rank may go on)"
+                )));
+            }
+            backoff.pause();
+        }
+    }
+
+    fn barrier(&mut self, group: &Group) -> Result<()> {
+        let kind = CollectiveKind::Barrier;
+        self.member_index(kind, group)?;
+        let call = self.open(kind, group);
+        let sig = Signature { kind, seq: call.seq, len: 0, root: None };
+        // The signature all-gather completes only once every member has entered the call.
+        self.agree(&call, sig)?;
+        self.stats.record(kind, 0);
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.clone()
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        // Give queued sends up to one timeout to be received: MPI_Finalize with sends still
+        // pending is erroneous, and freeing their buffers early would be unsound.
+        let deadline = Instant::now().checked_add(self.timeout);
+        let mut backoff = Backoff(0);
+        while !self.mpi.pending.is_empty() && !past(deadline) {
+            self.reap();
+            backoff.pause();
+        }
+        if self.abandoned || !self.mpi.pending.is_empty() {
+            // An abandoned operation can never complete, and MPI_Finalize could wait on it
+            // forever: leave MPI unfinalised (and every buffer leaked). The launcher then sees
+            // this rank exit without finalising and ends the job, which is what we want.
+            eprintln!(
+                "tessera-comm: rank {}: leaving MPI unfinalised because {}; the launcher will end \
+                 the job",
+                self.rank,
+                if self.abandoned {
+                    "an operation was abandoned after a timeout"
+                } else {
+                    "sends were never received"
+                }
+            );
+            return;
+        }
+        // SAFETY: `self.mpi` is dropped exactly once, here, and not used afterwards. Its fields
+        // drop in declaration order: communicators are freed before the universe finalises MPI.
+        unsafe { ManuallyDrop::drop(&mut self.mpi) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signatures_round_trip_and_compare() {
+        let s = Signature { kind: CollectiveKind::Broadcast, seq: 7, len: 3, root: Some(2) };
+        assert_eq!(Signature::decode(&s.encode()), Some(s));
+        let t = Signature { kind: CollectiveKind::AllReduce, seq: 0, len: 5, root: None };
+        assert_eq!(Signature::decode(&t.encode()), Some(t));
+        // A broadcast's length only matters at the root; other kinds must agree on it.
+        assert!(s.agrees(&Signature { len: 0, ..s }));
+        assert!(!s.agrees(&Signature { root: Some(1), ..s }));
+        assert!(!t.agrees(&Signature { len: 4, ..t }));
+        assert!(!t.agrees(&Signature { seq: 1, ..t }));
+        assert!(!t.agrees(&Signature { kind: CollectiveKind::AllGather, ..t }));
+        assert_eq!(t.describe(), "all_reduce with 5 elements as its call #0 in this group");
+        assert_eq!(Signature::decode(&[99, 0, 0, 0]), None);
+        assert_eq!(Signature::decode(&[0, 0, 0]), None);
+    }
+
+    #[test]
+    fn chunks_sum_in_member_order() {
+        assert_eq!(sum_chunks(&[1.0, 2.0, 10.0, 20.0, 100.0, 200.0], 3), vec![111.0, 222.0]);
+        assert_eq!(sum_chunks(&[], 3), Vec::<f32>::new());
+        // Order matters for rounding: (1e8 + 1) - 1e8 is 0 in f32, whereas 1e8 - 1e8 + 1 is 1.
+        assert_eq!(sum_chunks(&[1e8, 1.0, -1e8], 3), vec![0.0]);
+    }
+}
