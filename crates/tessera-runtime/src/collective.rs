@@ -35,11 +35,6 @@ impl DeviceMesh {
         Ok(DeviceMesh { shape: shape.to_vec(), rank, coords })
     }
 
-    /// A one-device mesh (the single-device run).
-    pub fn single() -> DeviceMesh {
-        DeviceMesh { shape: vec![1], rank: 0, coords: vec![0] }
-    }
-
     pub fn size(&self) -> usize {
         self.shape.iter().product()
     }

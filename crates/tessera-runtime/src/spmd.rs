@@ -81,6 +81,7 @@ impl<B: Backend> SpmdTrainer<B> {
         seed: u64,
         state: GlobalState<'_>,
     ) -> Result<SpmdTrainer<B>> {
+        check_trainable(&train)?;
         let g = &train.graph;
         if train.loss_scale.is_some() {
             return Err(RuntimeError::Unsupported {
@@ -373,7 +374,7 @@ pub fn gather_global<B: Backend>(trainer: &mut SpmdTrainer<B>) -> Result<HashMap
 }
 
 /// Whether a graph's parameters are all fp32 or have fp32 masters (what `train` supports).
-pub fn check_trainable(train: &TrainingGraph) -> Result<()> {
+fn check_trainable(train: &TrainingGraph) -> Result<()> {
     let g = &train.graph;
     for slot in &train.params {
         let dtype = g.meta(slot.param).dtype;
