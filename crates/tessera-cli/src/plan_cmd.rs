@@ -4,6 +4,7 @@ use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
+use tessera_ir::CkptMode;
 use tessera_ir::{build_training_graph, TrainConfig};
 use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_plan::config::ParallelConfig;
@@ -17,6 +18,12 @@ use tessera_plan::{Cluster, PlanError};
 pub enum Baseline {
     /// Megatron-LM-style configurations: dp × tp, sequence parallel, ZeRO, micro-batches.
     Megatron,
+    /// Chen et al.'s √n checkpoint segments on every block, with the best sharding for them.
+    Chen,
+    /// `full` recompute on every block, with the best sharding for it.
+    FullRecompute,
+    /// All of the above.
+    All,
 }
 
 #[derive(Args, Debug)]
@@ -43,8 +50,9 @@ pub struct PlanArgs {
     /// `auto`, a config string (`"dp2 tp4 sp zero1 mb2"`), or a plan JSON file.
     #[arg(long, default_value = "auto")]
     pub plan: String,
+    /// Compare with a baseline search (repeatable: `--baseline chen --baseline megatron`).
     #[arg(long, value_enum)]
-    pub baseline: Option<Baseline>,
+    pub baseline: Vec<Baseline>,
     /// Print the per-op strategies of one block and the collectives of a step.
     #[arg(long)]
     pub explain: bool,
@@ -98,12 +106,18 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         budget,
         train,
         model_flops,
+        ckpt: tessera_plan::search::CkptSearch::Joint,
     };
     let mut plan = choose_plan(&req, &args.plan)?;
-    if args.baseline == Some(Baseline::Megatron) {
+    let wants = |b: Baseline| args.baseline.contains(&b) || args.baseline.contains(&Baseline::All);
+    if wants(Baseline::Megatron) {
         planner::attach_megatron(&req, &mut plan).map_err(plan_err)?;
     } else {
         plan.baselines.megatron = None;
+    }
+    let (chen, full) = (wants(Baseline::Chen), wants(Baseline::FullRecompute));
+    if chen || full {
+        planner::attach_ckpt_baselines(&req, &mut plan, chen, full).map_err(plan_err)?;
     }
     let json = serde_json::to_string_pretty(&plan)?;
     if let Some(out) = &args.out {
@@ -189,6 +203,33 @@ fn table(p: &Plan, explain: bool) -> String {
             m.configurations_tried,
             m.step_time_s / pr.step_time_s
         );
+    }
+    if let Some(first) = p.checkpoint.first() {
+        let count = |m: CkptMode| p.checkpoint.iter().filter(|c| c.mode == m).count();
+        let all_same = p.checkpoint.iter().all(|c| c.mode == first.mode);
+        let modes = if all_same {
+            format!("{} on all {} blocks", first.mode, p.checkpoint.len())
+        } else {
+            CkptMode::ALL
+                .iter()
+                .map(|&m| format!("{} {}", count(m), m))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        s += &format!("checkpoint {modes}; recompute {:.4} s per step\n", pr.recompute_s);
+    }
+    for (name, b) in [("chen", &p.baselines.chen), ("full recompute", &p.baselines.full_recompute)]
+    {
+        if let Some(b) = b {
+            s += &match b.step_time_s {
+                Some(t) => format!(
+                    "{name:<9} best {t:.4} s (recompute {:.4} s): plan is {:.2}× its speed\n",
+                    b.recompute_s,
+                    t / pr.step_time_s
+                ),
+                None => format!("{name:<9} does not fit the budget\n"),
+            };
+        }
     }
     if explain {
         s += &p.explain();

@@ -19,6 +19,7 @@ use std::io::Write as _;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tessera_comm::{CommError, CommStats, Communicator, Group, ThreadComm};
+use tessera_ir::CkptMode;
 use tessera_ir::{build_training_graph, Op, TrainConfig, TrainingGraph};
 use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_plan::plan::Plan;
@@ -29,7 +30,7 @@ use tessera_runtime::checkpoint::{load_checkpoint, Checkpoint, Manifest};
 use tessera_runtime::collective::{CommRunner, DeviceMesh, Placement};
 use tessera_runtime::data::Dataset;
 use tessera_runtime::dist_checkpoint::save_sharded;
-use tessera_runtime::spmd::{gather_global, DeviceSetup, GlobalState, SpmdTrainer};
+use tessera_runtime::spmd::{gather_params_to, DeviceSetup, GlobalState, SpmdTrainer};
 use tessera_runtime::{
     alloc, init::init_parameters, CpuBackend, LrSchedule, RuntimeError, StepStats,
 };
@@ -260,6 +261,7 @@ pub fn prepare(args: &TrainArgs, devices: usize, rank: usize) -> Result<RunConte
         budget,
         train: train_cfg.clone(),
         model_flops,
+        ckpt: tessera_plan::search::CkptSearch::Joint,
     };
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
@@ -447,11 +449,9 @@ pub fn run_rank(ctx: &RunContext, comm: Box<dyn Communicator>, rank: usize) -> R
     let measured_comm: Vec<u64> = all.iter().skip(1).step_by(2).copied().collect();
 
     let eval_loss = if args.eval_batches > 0 {
-        let global = gather_global(&mut trainer)?;
-        if rank == 0 {
-            Some(evaluate(ctx, &global)?)
-        } else {
-            None
+        match gather_params_to(&mut trainer, 0)? {
+            Some(params) => Some(evaluate(ctx, &params)?),
+            None => None,
         }
     } else {
         None
@@ -614,6 +614,8 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                 "mesh": plan.mesh.shape,
                 "zero_stage": plan.zero_stage,
                 "micro_batches": plan.micro_batches,
+                "checkpoint": plan.checkpoint,
+                "recompute_s": plan.predicted.recompute_s,
                 "steps": steps_run,
                 "last_step": last.step,
                 "batch": args.batch,
@@ -659,6 +661,17 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                 s += &format!(", {e:.4} (held-out)");
             }
             s += "\n";
+            let recomputed = plan.checkpoint.iter().filter(|c| c.mode != CkptMode::None).count();
+            if recomputed > 0 {
+                let mode = |m: CkptMode| plan.checkpoint.iter().filter(|c| c.mode == m).count();
+                s += &format!(
+                    "checkpoint {} selective, {} full of {} blocks (recompute {:.4} s predicted)\n",
+                    mode(CkptMode::Selective),
+                    mode(CkptMode::Full),
+                    plan.checkpoint.len(),
+                    plan.predicted.recompute_s
+                );
+            }
             s += "device    peak predicted   peak measured   comm/step predicted   measured\n";
             for (d, (measured, comm)) in o.measured_peak.iter().zip(&o.measured_comm).enumerate() {
                 s += &format!(

@@ -11,7 +11,7 @@ use serde_json::json;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
-use tessera_ir::{build_training_graph, TrainConfig};
+use tessera_ir::{build_training_graph, Program, TrainConfig, TrainingGraph};
 use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_profile::simulate_memory;
 use tessera_runtime::checkpoint::{load_checkpoint, save_checkpoint, Manifest};
@@ -180,6 +180,44 @@ pub fn run_facts(args: &TrainArgs) -> serde_json::Value {
            "dtype": format!("{:?}", args.dtype).to_lowercase()})
 }
 
+/// On one device: the training graph checkpointed (modes chosen per block by the planner's
+/// DP) so its Program fits `budget`; unchanged when it fits as it is.
+pub fn checkpoint_to_fit(train: TrainingGraph, budget: u64) -> Result<TrainingGraph> {
+    let peak = simulate_memory(&Program::lower_training(&train)).report.peak_bytes;
+    if peak <= budget {
+        return Ok(train);
+    }
+    let cluster = tessera_plan::Cluster::parse("1xcpu").map_err(crate::plan_cmd::plan_err)?;
+    let mesh = tessera_plan::Mesh::new(&cluster, &[1], &[]).map_err(crate::plan_cmd::plan_err)?;
+    let cost = tessera_plan::cost::CostModel::new(cluster.device.clone());
+    let u = tessera_plan::lower::Unfinished {
+        training: train,
+        leaf_specs: Vec::new(),
+        micro_batches: 1,
+    };
+    let Some(measured) =
+        tessera_plan::ckpt::measure(&u, &mesh, &cost).map_err(crate::plan_cmd::plan_err)?
+    else {
+        bail!(
+            "the step needs {} but --memory-budget is {}, and the model has no repeated blocks \
+             to checkpoint: raise the budget or lower --batch/--seq",
+            bytes(peak),
+            bytes(budget)
+        );
+    };
+    match tessera_plan::ckpt::choose_measured(&u, &mesh, &cost, budget, &measured)
+        .map_err(crate::plan_cmd::plan_err)?
+    {
+        Some(l) => Ok(l.training),
+        None => bail!(
+            "the step needs at least {} even recomputing every block, but --memory-budget is {}: \
+             raise the budget to at least that, or lower --batch/--seq",
+            bytes(tessera_plan::ckpt::min_peak(&measured)),
+            bytes(budget)
+        ),
+    }
+}
+
 pub fn run(args: &TrainArgs) -> Result<()> {
     if args.devices == 0 {
         bail!("--devices must be at least 1");
@@ -209,6 +247,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     };
     let train = build_training_graph(model.builder, model.loss, &train_cfg)
         .context("building the training graph")?;
+    let train = match args.memory_budget {
+        Some(budget) => checkpoint_to_fit(train, budget)?,
+        None => train,
+    };
     let schedule = make_schedule(args);
     let run_facts = run_facts(args);
     let resume = match &args.resume {

@@ -23,7 +23,7 @@ use tessera_plan::search::Forward;
 use tessera_plan::{Cluster, PlanError};
 use tessera_runtime::collective::{CommRunner, DeviceMesh, Placement};
 use tessera_runtime::init::init_parameters;
-use tessera_runtime::spmd::{gather_global, DeviceSetup, GlobalState, SpmdTrainer};
+use tessera_runtime::spmd::{gather_params_to, DeviceSetup, GlobalState, SpmdTrainer};
 use tessera_runtime::{CpuBackend, LrSchedule, Trainer};
 
 const STEPS: u64 = 20;
@@ -90,6 +90,7 @@ fn request<'a>(
         budget: 1 << 40,
         train: train_cfg(),
         model_flops: 1.0,
+        ckpt: tessera_plan::search::CkptSearch::Joint,
     }
 }
 
@@ -194,8 +195,8 @@ fn parallel(exe: &Executable, init: &HashMap<String, Tensor>) -> ParallelRun {
                         .into_iter()
                         .map(|(k, v, _)| (k, v.dims().to_vec()))
                         .collect();
-                    let params = gather_global(&mut t).unwrap();
-                    let run = (rank == 0).then_some(Run { steps, params });
+                    let run =
+                        gather_params_to(&mut t, 0).unwrap().map(|params| Run { steps, params });
                     (run, DeviceReport { peak, calls, bytes, shapes })
                 })
             })

@@ -39,6 +39,9 @@ impl NodeId {
 pub enum Phase {
     Forward,
     Backward,
+    /// Forward work re-run during the backward pass (activation checkpointing, see
+    /// [`crate::remat`]): the values it produces replace saved activations.
+    Recompute,
     Optimizer,
 }
 
@@ -47,6 +50,7 @@ impl Phase {
         match self {
             Phase::Forward => "forward",
             Phase::Backward => "backward",
+            Phase::Recompute => "recompute",
             Phase::Optimizer => "optimizer",
         }
     }

@@ -7,6 +7,7 @@
 //! - [`Graph`] + [`Builder`]: models are written against the builder; nodes carry scope paths
 //!   (Hugging Face names), repeated-block indices and phases.
 //! - [`autodiff`]: forward graph + loss → [`TrainingGraph`] (backward + AdamW).
+//! - [`remat`]: activation checkpointing as a rewrite of the training graph (recompute nodes).
 //! - [`Program`]: the training graph lowered to ordered instructions with explicit frees —
 //!   what the profiler simulates and the runtime executes.
 //! - [`interp`]: a plain-loop f64 reference interpreter, the oracle for tests.
@@ -19,6 +20,7 @@ mod graph;
 pub mod interp;
 pub mod ops;
 mod program;
+pub mod remat;
 pub mod rng;
 mod shape;
 
@@ -35,4 +37,5 @@ pub use ops::{
     StateKind, UnaryOp,
 };
 pub use program::{Instr, Program, Role};
+pub use remat::{rematerialize, Checkpointing, CkptMode};
 pub use shape::{Shape, TensorMeta};

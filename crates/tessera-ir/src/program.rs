@@ -126,7 +126,8 @@ impl Program {
             }
         }
         for node in &g.nodes {
-            if node.phase != Phase::Backward {
+            // Recomputation reads the kept values it starts from, like the backward pass.
+            if !matches!(node.phase, Phase::Backward | Phase::Recompute) {
                 continue;
             }
             for &t in &node.inputs {

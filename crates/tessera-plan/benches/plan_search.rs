@@ -45,6 +45,7 @@ fn search(case: &Case) -> String {
         cluster,
         train: TrainConfig::default(),
         model_flops: 1.0,
+        ckpt: tessera_plan::search::CkptSearch::Joint,
     };
     plan_auto(&req).expect("a plan").config
 }

@@ -3,18 +3,21 @@
 //!
 //! ```text
 //! config := token ((' ' | '+')+ token)*          case-insensitive
-//! token  := dpN | tpN | zeroK | mbN | sp         N >= 1, K in 0..=3
+//! token  := dpN | tpN | zeroK | mbN | sp | ckpt=MODE   N >= 1, K in 0..=3
+//! MODE   := none | selective | full
 //! ```
 //!
-//! Defaults: `dp1 tp1 zero0 mb1`, no `sp`. Canonical form: `dp{dp} tp{tp}` always, then `sp`,
-//! `zero{k}` if k > 0 and `mb{n}` if n > 1 — e.g. `dp2 tp4 sp zero1 mb4`, or `dp8 tp1` for
-//! pure data parallelism. `ppN`, `sched=...` and `ckpt=...` are reserved for pipeline
-//! parallelism and checkpointing, and rejected until those land.
+//! Defaults: `dp1 tp1 zero0 mb1`, no `sp`, checkpointing searched (no `ckpt=`: the planner
+//! picks a mode per block under the budget). Canonical form: `dp{dp} tp{tp}` always, then
+//! `sp`, `zero{k}` if k > 0, `mb{n}` if n > 1 and `ckpt={mode}` if given — e.g.
+//! `dp2 tp4 sp zero1 mb4 ckpt=selective`, or `dp8 tp1` for pure data parallelism. `ppN` and
+//! `sched=...` are reserved for pipeline parallelism and rejected until it lands.
 
 use crate::{PlanError, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
+use tessera_ir::CkptMode;
 
 /// How one training step is split: data-parallel and tensor-parallel degrees, ZeRO stage,
 /// micro-batches (gradient accumulation) and sequence parallelism.
@@ -31,14 +34,18 @@ pub struct ParallelConfig {
     pub micro_batches: usize,
     /// Sequence parallelism: norms and dropout sharded over the sequence on the tp axis.
     pub sp: bool,
+    /// Activation checkpointing on every block; `None`: chosen per block by the planner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ckpt: Option<CkptMode>,
 }
 
-const GRAMMAR: &str = "a config is tokens dpN, tpN, zeroK (K = 0..3), mbN and sp, separated by \
-                       spaces or +, e.g. `dp2 tp4 sp zero1 mb4`";
+const GRAMMAR: &str = "a config is tokens dpN, tpN, zeroK (K = 0..3), mbN, sp and \
+                       ckpt=none|selective|full, separated by spaces or +, e.g. \
+                       `dp2 tp4 sp zero1 mb4 ckpt=selective`";
 
 impl Default for ParallelConfig {
     fn default() -> ParallelConfig {
-        ParallelConfig { dp: 1, tp: 1, zero: 0, micro_batches: 1, sp: false }
+        ParallelConfig { dp: 1, tp: 1, zero: 0, micro_batches: 1, sp: false, ckpt: None }
     }
 }
 
@@ -65,6 +72,13 @@ impl ParallelConfig {
             let kind: &'static str = if tok == "sp" {
                 cfg.sp = true;
                 "sp"
+            } else if let Some(mode) = tok.strip_prefix("ckpt=") {
+                cfg.ckpt = Some(CkptMode::parse(mode).ok_or_else(|| {
+                    invalid(format!(
+                        "`{raw}`: checkpoint modes are none, selective and full, e.g. ckpt=full"
+                    ))
+                })?);
+                "ckpt"
             } else if let Some(k) = tok.strip_prefix("zero") {
                 let stage = count(raw, k, "zero", "zero1").map_err(&invalid)?;
                 if stage > 3 {
@@ -131,6 +145,9 @@ impl ParallelConfig {
         if self.micro_batches > 1 {
             s.push_str(&format!(" mb{}", self.micro_batches));
         }
+        if let Some(m) = self.ckpt {
+            s.push_str(&format!(" ckpt={m}"));
+        }
         s
     }
 
@@ -188,11 +205,8 @@ fn reserved(raw: &str, tok: &str) -> Option<String> {
             "`{raw}`: pipeline schedules are not supported yet (planned, with pipeline \
              parallelism); remove it"
         ))
-    } else if tok.starts_with("ckpt=") || tok == "ckpt" {
-        Some(format!(
-            "`{raw}`: choosing activation checkpointing in a config is not supported yet \
-             (planned); remove it"
-        ))
+    } else if tok == "ckpt" {
+        Some(format!("`{raw}`: write ckpt=none, ckpt=selective or ckpt=full"))
     } else if tok.strip_prefix("pp").is_some_and(|n| n.chars().all(|c| c.is_ascii_digit())) {
         Some(format!("`{raw}`: pipeline parallelism is not supported yet (planned); remove it"))
     } else {
@@ -235,7 +249,7 @@ mod tests {
     use super::*;
 
     fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> ParallelConfig {
-        ParallelConfig { dp, tp, zero, micro_batches, sp }
+        ParallelConfig { dp, tp, zero, micro_batches, sp, ckpt: None }
     }
 
     fn err(s: &str) -> String {
@@ -290,8 +304,26 @@ mod tests {
         assert!(e.contains("remove it"), "{e}");
         let e = err("dp2 sched=1f1b");
         assert!(e.contains("`sched=1f1b`") && e.contains("schedules"), "{e}");
-        let e = err("dp2 ckpt=full");
-        assert!(e.contains("`ckpt=full`") && e.contains("checkpointing"), "{e}");
+    }
+
+    #[test]
+    fn ckpt_modes_parse_and_round_trip() {
+        for (s, mode) in [
+            ("dp2 ckpt=none", CkptMode::None),
+            ("dp2 tp2 ckpt=Selective", CkptMode::Selective),
+            ("dp2+ckpt=full", CkptMode::Full),
+        ] {
+            let c = ParallelConfig::parse(s).unwrap();
+            assert_eq!(c.ckpt, Some(mode), "{s}");
+            assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c, "{s}");
+        }
+        assert_eq!(ParallelConfig::parse("dp2").unwrap().ckpt, None);
+        let e = err("dp2 ckpt=some");
+        assert!(e.contains("none, selective and full"), "{e}");
+        let e = err("dp2 ckpt");
+        assert!(e.contains("ckpt=full"), "{e}");
+        let e = err("ckpt=full ckpt=none");
+        assert!(e.contains("`ckpt` is given twice"), "{e}");
     }
 
     #[test]

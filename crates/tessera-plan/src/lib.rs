@@ -11,6 +11,8 @@
 //!
 //! One time unit (seconds, f64) and one memory unit (bytes, u64) everywhere.
 
+pub mod ckpt;
+pub mod ckpt_dp;
 pub mod cluster;
 pub mod config;
 pub mod cost;

@@ -25,8 +25,9 @@ use crate::rules::{local_meta, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
 use std::collections::{BTreeSet, HashMap};
 use tessera_ir::{
-    build_training_graph_with, Builder, Collective, CommStep, Graph, Instr, NodeId, Op, Phase,
-    Program, ReshardSpec, TensorId, TensorMeta, TrainConfig, TrainingGraph, UpdateHooks,
+    build_training_graph_with, rematerialize, Builder, Checkpointing, Collective, CommStep, Graph,
+    Instr, NodeId, Op, Phase, Program, ReshardSpec, TensorId, TensorMeta, TrainConfig,
+    TrainingGraph, UpdateHooks,
 };
 use tessera_profile::{simulate_memory, MemoryReport};
 
@@ -35,6 +36,9 @@ pub struct LowerOptions {
     pub zero: u8,
     pub micro_batches: usize,
     pub train: TrainConfig,
+    /// Activation checkpointing of the repeated blocks (applied after the micro-batch replay,
+    /// so every micro-batch recomputes its own blocks).
+    pub ckpt: Checkpointing,
 }
 
 /// The lowered plan and everything predicted from it.
@@ -49,6 +53,17 @@ pub struct Lowered {
     /// The stored spec of each parameter, its optimizer state (`<param>.adam_m`, `.adam_v`,
     /// `.master`) and each input, by name.
     pub leaf_specs: Vec<(String, Spec)>,
+    /// The checkpoint decisions the Program carries out.
+    pub ckpt: Checkpointing,
+}
+
+/// A lowered training graph before checkpointing: what [`finish`] turns into Programs, once
+/// per checkpoint choice, without re-running the sharding, autodiff and replay passes.
+#[derive(Clone, Debug)]
+pub struct Unfinished {
+    pub training: TrainingGraph,
+    pub leaf_specs: Vec<(String, Spec)>,
+    pub micro_batches: usize,
 }
 
 /// Predicted time of one step, from walking the Program with the cost model.
@@ -57,6 +72,11 @@ pub struct StepTime {
     pub forward_compute_s: f64,
     pub backward_compute_s: f64,
     pub optimizer_compute_s: f64,
+    /// Forward work re-run in the backward pass (activation checkpointing): compute and the
+    /// collectives it repeats.
+    pub recompute_s: f64,
+    /// `recompute_s` by block index.
+    pub recompute_by_block_s: Vec<f64>,
     /// Collectives on the critical path (tensor/sequence parallel activations).
     pub blocking_comm_s: f64,
     /// Collectives on parameters and gradients (data parallel, ZeRO), which run beside the
@@ -118,6 +138,18 @@ pub fn lower(
     cost: &CostModel,
     opts: &LowerOptions,
 ) -> Result<Lowered> {
+    let u = lower_unfinished(forward, loss, strategy, mesh, opts)?;
+    finish(&u, &opts.ckpt, mesh, cost)
+}
+
+/// Steps 1–3 of the lowering: the replayed per-device training graph, not yet checkpointed.
+pub fn lower_unfinished(
+    forward: &Graph,
+    loss: TensorId,
+    strategy: &[Option<Strategy>],
+    mesh: &Mesh,
+    opts: &LowerOptions,
+) -> Result<Unfinished> {
     let mut lw = LocalForward::new(forward, strategy, mesh, opts)?;
     let local_loss = lw.build(loss)?;
     let leaf_specs = lw.leaf_specs.clone();
@@ -125,12 +157,32 @@ pub fn lower(
         DistHooks { mesh, zero: opts.zero, params: lw.local_params, synced: HashMap::new() };
     let tg = build_training_graph_with(lw.b, local_loss, &opts.train, &mut hooks)
         .map_err(|e| PlanError::Internal(format!("differentiating the sharded graph: {e}")))?;
-    let tg = replay(&tg, opts.micro_batches)?;
+    let training = replay(&tg, opts.micro_batches)?;
+    Ok(Unfinished { training, leaf_specs, micro_batches: opts.micro_batches.max(1) })
+}
+
+/// Applies checkpoint decisions, lowers to the Program and predicts its memory and time.
+pub fn finish(
+    u: &Unfinished,
+    ckpt: &Checkpointing,
+    mesh: &Mesh,
+    cost: &CostModel,
+) -> Result<Lowered> {
+    let tg = rematerialize(&u.training, ckpt)
+        .map_err(|e| PlanError::Internal(format!("checkpointing the sharded graph: {e}")))?;
     let grads: Vec<TensorId> = tg.params.iter().map(|s| s.grad).collect();
     let program = Program::lower_graph(tg.graph.clone(), vec![tg.loss, tg.grad_norm], &grads);
     let memory = simulate_memory(&program).report;
     let (time, collectives) = simulate_time(&program, mesh, cost);
-    Ok(Lowered { program, training: tg, memory, time, collectives, leaf_specs })
+    Ok(Lowered {
+        program,
+        training: tg,
+        memory,
+        time,
+        collectives,
+        leaf_specs: u.leaf_specs.clone(),
+        ckpt: ckpt.clone(),
+    })
 }
 
 /// Builds the local forward graph.
@@ -714,6 +766,17 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
     })
 }
 
+fn recompute(t: &mut StepTime, block: Option<u32>, secs: f64) {
+    t.recompute_s += secs;
+    if let Some(b) = block {
+        let b = b as usize;
+        if t.recompute_by_block_s.len() <= b {
+            t.recompute_by_block_s.resize(b + 1, 0.0);
+        }
+        t.recompute_by_block_s[b] += secs;
+    }
+}
+
 /// Walks the Program with the cost model: compute per phase, collectives split into blocking
 /// ones and parameter/gradient ones that overlap the compute of their pass.
 pub fn simulate_time(
@@ -767,6 +830,8 @@ pub fn simulate_time(
             match (n.phase, on_param) {
                 (Phase::Forward, true) => ov_fwd += secs,
                 (Phase::Backward, true) | (Phase::Optimizer, _) => ov_bwd += secs,
+                // A recomputed block repeats its activation collectives on the critical path.
+                (Phase::Recompute, _) => recompute(&mut t, n.block, secs),
                 _ => t.blocking_comm_s += secs,
             }
             continue;
@@ -782,14 +847,17 @@ pub fn simulate_time(
         match n.phase {
             Phase::Forward => t.forward_compute_s += secs,
             Phase::Backward => t.backward_compute_s += secs,
+            Phase::Recompute => recompute(&mut t, n.block, secs),
             Phase::Optimizer => t.optimizer_compute_s += secs,
         }
     }
     t.overlapped_comm_s = ov_fwd + ov_bwd;
-    t.exposed_comm_s =
-        (ov_fwd - t.forward_compute_s).max(0.0) + (ov_bwd - t.backward_compute_s).max(0.0);
+    // Recomputation runs inside the backward pass, so gradient reductions hide behind it too.
+    t.exposed_comm_s = (ov_fwd - t.forward_compute_s).max(0.0)
+        + (ov_bwd - t.backward_compute_s - t.recompute_s).max(0.0);
     t.step_time_s = t.forward_compute_s
         + t.backward_compute_s
+        + t.recompute_s
         + t.optimizer_compute_s
         + t.blocking_comm_s
         + t.exposed_comm_s;

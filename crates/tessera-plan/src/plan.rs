@@ -8,7 +8,7 @@ use crate::rules::Strategy;
 use crate::search::Evaluated;
 use crate::{Mesh, PlanError, Result, Spec};
 use serde::{Deserialize, Serialize};
-use tessera_ir::{Graph, Op};
+use tessera_ir::{Checkpointing, CkptMode, Graph, Op};
 
 pub const PLAN_VERSION: u32 = 1;
 
@@ -65,6 +65,10 @@ pub struct Predicted {
     pub blocking_comm_s: f64,
     pub overlapped_comm_s: f64,
     pub exposed_comm_s: f64,
+    /// Forward work re-run in the backward pass by activation checkpointing (compute and the
+    /// collectives it repeats); part of `step_time_s`.
+    #[serde(default)]
+    pub recompute_s: f64,
     /// Bytes each device contributes to collectives in one step.
     pub comm_bytes_per_device: u64,
     pub params_bytes: u64,
@@ -85,10 +89,34 @@ pub struct BaselineJson {
     pub configurations_fitting: usize,
 }
 
+/// A checkpointing baseline on the plan's own sharding.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CkptBaselineJson {
+    /// `None` (JSON null) when the schedule does not fit the budget on this sharding.
+    pub step_time_s: Option<f64>,
+    pub peak_bytes_per_device: Vec<u64>,
+    pub recompute_s: f64,
+    /// The best plan's step time over this baseline's (≤ 1: the plan is no slower).
+    pub plan_over_baseline: Option<f64>,
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Baselines {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub megatron: Option<BaselineJson>,
+    /// Chen et al.'s √n segments (keep every k-th block input, k ≈ √L).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chen: Option<CkptBaselineJson>,
+    /// `full` recompute on every block.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub full_recompute: Option<CkptBaselineJson>,
+}
+
+/// One block's checkpoint mode.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct BlockCkpt {
+    pub block: u32,
+    pub mode: CkptMode,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -111,6 +139,10 @@ pub struct Plan {
     pub layout: String,
     pub zero_stage: u8,
     pub micro_batches: usize,
+    /// Activation checkpointing, one entry per repeated block (empty for a model without
+    /// blocks). Chosen with the sharding; a hand edit is carried out as written.
+    #[serde(default)]
+    pub checkpoint: Vec<BlockCkpt>,
     /// How the plan was found: `auto`, `fixed`, `file`.
     pub source: String,
     pub predicted: Predicted,
@@ -162,7 +194,7 @@ pub fn describe(
                     s.inputs[0].dims.get(1).is_some_and(|d| d.iter().any(|a| !dp_axes.contains(a)))
                 })
         });
-    ParallelConfig { dp: dp.max(1), tp: tp.max(1), zero, micro_batches: mb, sp }
+    ParallelConfig { dp: dp.max(1), tp: tp.max(1), zero, micro_batches: mb, sp, ckpt: None }
 }
 
 pub struct PlanContext<'a> {
@@ -191,7 +223,20 @@ impl Plan {
         let t = &e.lowered.time;
         let peak = e.lowered.memory.peak_bytes;
         let g = cx.forward;
-        let cfg = describe(g, &e.strategies, mesh, e.candidate.zero, e.candidate.micro_batches);
+        let mut cfg = describe(g, &e.strategies, mesh, e.candidate.zero, e.candidate.micro_batches);
+        let nb = tessera_ir::remat::num_blocks(g);
+        let checkpoint: Vec<BlockCkpt> =
+            (0..nb).map(|b| BlockCkpt { block: b, mode: e.lowered.ckpt.mode(b) }).collect();
+        // The config string names a checkpoint mode when every block has the same one.
+        cfg.ckpt = match checkpoint.first() {
+            Some(first)
+                if first.mode != CkptMode::None
+                    && checkpoint.iter().all(|c| c.mode == first.mode) =>
+            {
+                Some(first.mode)
+            }
+            _ => None,
+        };
         let comm: u64 = e.lowered.collectives.iter().map(|c| c.bytes).sum();
         let m = &e.lowered.memory;
         let predicted = Predicted {
@@ -205,6 +250,7 @@ impl Plan {
             blocking_comm_s: t.blocking_comm_s,
             overlapped_comm_s: t.overlapped_comm_s,
             exposed_comm_s: t.exposed_comm_s,
+            recompute_s: t.recompute_s,
             comm_bytes_per_device: comm,
             params_bytes: m.params_bytes,
             grads_bytes: m.grads_bytes,
@@ -261,6 +307,7 @@ impl Plan {
             },
             zero_stage: e.candidate.zero,
             micro_batches: e.candidate.micro_batches,
+            checkpoint,
             source: source.to_string(),
             predicted,
             search_ms,
@@ -268,6 +315,14 @@ impl Plan {
             tensors,
             collectives: e.lowered.collectives.iter().map(collective_json).collect(),
             strategies,
+        }
+    }
+
+    /// The checkpoint decisions as written (blocks not listed keep everything).
+    pub fn checkpointing(&self) -> Checkpointing {
+        Checkpointing {
+            modes: self.checkpoint.iter().map(|c| (c.block, c.mode)).collect(),
+            segments: Default::default(),
         }
     }
 

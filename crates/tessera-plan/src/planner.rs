@@ -12,7 +12,7 @@
 
 use crate::config::ParallelConfig;
 use crate::plan::{BaselineJson, Plan, PlanContext};
-use crate::search::{self, AxisRule, Candidate, Evaluated, Forward, Problem0};
+use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Forward, Problem0};
 use crate::{Cluster, Mesh, PlanError, Result};
 use std::time::Instant;
 use tessera_ir::{DType, TrainConfig};
@@ -30,6 +30,8 @@ pub struct Request<'a> {
     pub train: TrainConfig,
     /// Matmul FLOPs of one global step (for MFU).
     pub model_flops: f64,
+    /// Activation checkpointing: searched jointly (default), fixed, or off.
+    pub ckpt: CkptSearch,
 }
 
 impl Request<'_> {
@@ -40,6 +42,7 @@ impl Request<'_> {
             cost: crate::cost::CostModel::new(self.cluster.device.clone()),
             train: self.train.clone(),
             solve: crate::ilp::SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
+            ckpt: self.ckpt.clone(),
             graphs: Default::default(),
         }
     }
@@ -76,7 +79,9 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     Mesh::new(cluster, &[cfg.dp, cfg.tp], &["dp", "tp"])
 }
 
-/// The smallest fitting micro-batch count for one (mesh, rule, zero).
+/// The smallest fitting micro-batch count for one (mesh, rule, zero). A fit that needs
+/// recomputation does not end the scan: more micro-batches may fit without it and be faster,
+/// so the scan goes on to the first fit without recomputation and keeps the fastest.
 fn first_fit(
     req: &Request<'_>,
     p: &Problem0<'_>,
@@ -86,14 +91,27 @@ fn first_fit(
     mbs: &[usize],
 ) -> Result<(usize, Option<Evaluated>)> {
     let mut tried = 0;
+    let mut best: Option<Evaluated> = None;
     for &mb in mbs {
         tried += 1;
         let cand = Candidate { mesh: mesh.clone(), rule: rule.clone(), zero, micro_batches: mb };
+        let recomputing_fit = best.is_some();
         if let Some(e) = search::evaluate(p, &cand, req.budget as f64)? {
-            return Ok((tried, Some(e)));
+            let recomputes = e.lowered.time.recompute_s > 0.0;
+            if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
+                best = Some(e);
+            }
+            if !recomputes {
+                break;
+            }
+        }
+        // One doubling past a recomputing fit: halving the activations again rarely beats
+        // recomputing a few blocks, and every count costs a full evaluation.
+        if recomputing_fit {
+            break;
         }
     }
-    Ok((tried, None))
+    Ok((tried, best))
 }
 
 /// Evaluates a fixed configuration (the best plan within it).
@@ -110,7 +128,10 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
             cfg.dp * cfg.micro_batches
         )));
     }
-    let p = req.problem();
+    let mut p = req.problem();
+    if let Some(m) = cfg.ckpt {
+        p.ckpt = CkptSearch::Uniform(m);
+    }
     let cand = Candidate {
         mesh,
         rule: AxisRule::Megatron { sp: cfg.sp },
@@ -165,7 +186,8 @@ fn run_job(req: &Request<'_>, p: &Problem0<'_>, job: &Job, mbs: &[usize]) -> Res
     let (mesh, rule, mbs) = match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
         Job::Megatron { dp, tp, sp } => {
-            let cfg = ParallelConfig { dp: *dp, tp: *tp, zero: 0, micro_batches: 1, sp: *sp };
+            let cfg =
+                ParallelConfig { dp: *dp, tp: *tp, zero: 0, micro_batches: 1, sp: *sp, ckpt: None };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
         }
@@ -174,7 +196,11 @@ fn run_job(req: &Request<'_>, p: &Problem0<'_>, job: &Job, mbs: &[usize]) -> Res
     for zero in 0..=3u8 {
         let (tried, e) = first_fit(req, p, &mesh, &rule, zero, &mbs)?;
         out.tried += tried;
-        let needs_mb = e.as_ref().is_none_or(|e| e.candidate.micro_batches > 1);
+        // A plan that needs micro-batches or recomputation may be beaten by a higher stage
+        // that fits without them.
+        let needs_mb = e
+            .as_ref()
+            .is_none_or(|e| e.candidate.micro_batches > 1 || e.lowered.time.recompute_s > 0.0);
         out.fits.extend(e);
         if zero >= 1 && !needs_mb {
             break;
@@ -215,6 +241,7 @@ fn best_megatron(
                     zero: e.candidate.zero,
                     micro_batches: e.candidate.micro_batches,
                     sp,
+                    ckpt: None,
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -234,12 +261,9 @@ pub fn megatron(req: &Request<'_>) -> Result<Option<(Evaluated, ParallelConfig, 
     Ok(best_megatron(&jobs, &results))
 }
 
-/// The automatic plan: the fastest fitting candidate of the whole space.
-pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
-    let t0 = Instant::now();
+/// Every job of the automatic search: the free ILP on each mesh, then every Megatron layout.
+fn auto_jobs(req: &Request<'_>) -> Result<Vec<Job>> {
     let n = req.cluster.num_devices();
-    let p = req.problem();
-    let mbs = req.micro_batch_options();
     let mut meshes: Vec<Mesh> = vec![Mesh::new(&req.cluster, &[n], &[])?];
     for t in 2..=req.cluster.gpus_per_node.min(n) {
         if n.is_multiple_of(t) && req.cluster.gpus_per_node.is_multiple_of(t) && t < n {
@@ -254,24 +278,37 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     // The free 2-D meshes are the slowest jobs: they go first so the threads stay busy.
     let mut jobs: Vec<Job> = meshes.into_iter().rev().map(Job::Free).collect();
     jobs.extend(megatron_jobs(req));
-    let results: Vec<JobResult> =
-        parallel_map(&jobs, |j| run_job(req, &p, j, &mbs)).into_iter().collect::<Result<_>>()?;
-    let fastest = |free: bool| {
+    Ok(jobs)
+}
+
+/// The fastest fitting candidate of the jobs' results (a per-op layout must beat the best
+/// Megatron-style one by more than 0.1%: that one is reproducible from its config string and
+/// familiar).
+fn fastest<'r>(jobs: &[Job], results: &'r [JobResult]) -> Option<&'r Evaluated> {
+    let best = |free: bool| {
         jobs.iter()
-            .zip(&results)
+            .zip(results)
             .filter(|(j, _)| matches!(j, Job::Free(_)) == free)
             .flat_map(|(_, r)| &r.fits)
             .min_by(|a, b| a.step_time_s().total_cmp(&b.step_time_s()))
     };
-    // A Megatron-style layout is reproducible from its config string and familiar: the per-op
-    // layout must beat it by more than 0.1% to be preferred.
-    let best = match (fastest(true), fastest(false)) {
+    match (best(true), best(false)) {
         (Some(f), Some(m)) => {
             Some(if f.step_time_s() < m.step_time_s() * (1.0 - 1e-3) { f } else { m })
         }
         (f, m) => f.or(m),
-    };
-    match best {
+    }
+}
+
+/// The automatic plan: the fastest fitting candidate of the whole space.
+pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
+    let t0 = Instant::now();
+    let p = req.problem();
+    let mbs = req.micro_batch_options();
+    let jobs = auto_jobs(req)?;
+    let results: Vec<JobResult> =
+        parallel_map(&jobs, |j| run_job(req, &p, j, &mbs)).into_iter().collect::<Result<_>>()?;
+    match fastest(&jobs, &results) {
         Some(e) => {
             let mut plan = req.to_plan(e, "auto", t0.elapsed().as_secs_f64() * 1e3)?;
             // The search priced every Megatron configuration anyway: keep the best as baseline.
@@ -281,6 +318,43 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
         }
         None => Err(infeasible(req, &p, &mbs)?),
     }
+}
+
+/// The automatic search with checkpointing fixed to `ckpt` (the `chen` and `full_recompute`
+/// baselines): the fastest fitting candidate, if any.
+pub fn auto_with(req: &Request<'_>, ckpt: CkptSearch) -> Result<Option<Evaluated>> {
+    let mut p = req.problem();
+    p.ckpt = ckpt;
+    let mbs = req.micro_batch_options();
+    let jobs = auto_jobs(req)?;
+    let results: Vec<JobResult> =
+        parallel_map(&jobs, |j| run_job(req, &p, j, &mbs)).into_iter().collect::<Result<_>>()?;
+    Ok(fastest(&jobs, &results).cloned())
+}
+
+/// Fills the `chen` and/or `full_recompute` baselines: the automatic search with that
+/// schedule on every block, against the plan's step time.
+pub fn attach_ckpt_baselines(
+    req: &Request<'_>,
+    plan: &mut Plan,
+    chen: bool,
+    full: bool,
+) -> Result<()> {
+    let n = req.cluster.num_devices();
+    let json = |e: Option<Evaluated>| crate::plan::CkptBaselineJson {
+        step_time_s: e.as_ref().map(|e| e.step_time_s()),
+        peak_bytes_per_device: e.as_ref().map_or_else(Vec::new, |e| vec![e.peak_bytes(); n]),
+        recompute_s: e.as_ref().map_or(0.0, |e| e.lowered.time.recompute_s),
+        plan_over_baseline: e.as_ref().map(|e| plan.predicted.step_time_s / e.step_time_s()),
+    };
+    if chen {
+        plan.baselines.chen = Some(json(auto_with(req, CkptSearch::Chen)?));
+    }
+    if full {
+        plan.baselines.full_recompute =
+            Some(json(auto_with(req, CkptSearch::Uniform(tessera_ir::CkptMode::Full))?));
+    }
+    Ok(())
 }
 
 /// A plan lowered to the Program every device runs, ready for the SPMD runtime.
@@ -321,6 +395,7 @@ pub fn lower_plan(req: &Request<'_>, file: &Plan) -> Result<Executable> {
         zero: file.zero_stage,
         micro_batches: mb,
         train: req.train.clone(),
+        ckpt: file.checkpointing(),
     };
     let lowered = crate::lower::lower(&fwd.graph, fwd.loss, &strategies, &mesh, &p.cost, &opts)?;
     Ok(Executable { mesh, lowered, zero_stage: file.zero_stage, micro_batches: mb, strategies })

@@ -20,12 +20,14 @@
 
 use crate::cost::CostModel;
 use crate::ilp::{self, Choice, Edge, MemRow, Problem, SolveOptions};
-use crate::lower::{lower, LowerOptions, Lowered};
+use crate::lower::{finish, lower, lower_unfinished, LowerOptions, Lowered};
 use crate::reshard::ReshardCache;
 use crate::rules::{labeling, local_meta, strategies, DimRole, Labeling, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
 use std::collections::HashMap;
-use tessera_ir::{DType, Graph, NodeId, Op, Program, TensorId, TensorMeta};
+use tessera_ir::{
+    Checkpointing, CkptMode, DType, Graph, NodeId, Op, Program, TensorId, TensorMeta,
+};
 
 /// Which labels each mesh axis may split.
 #[derive(Clone, Debug, PartialEq)]
@@ -88,6 +90,8 @@ pub struct Problem0<'a> {
     pub cost: CostModel,
     pub train: tessera_ir::TrainConfig,
     pub solve: SolveOptions,
+    /// Whether and how activation checkpointing is searched.
+    pub ckpt: CkptSearch,
     /// Forward graphs and their saved-activation sets, per micro-batch size.
     pub graphs: std::sync::Mutex<HashMap<usize, SharedForward>>,
 }
@@ -353,8 +357,39 @@ fn optimizer_bytes_per_elem(dtype: DType) -> f64 {
     }
 }
 
+/// Chen et al.'s √n schedule: segments of round(√L) blocks.
+pub fn chen_schedule(num_blocks: u32) -> Checkpointing {
+    let k = (num_blocks as f64).sqrt().round().max(1.0) as u32;
+    Checkpointing::chen(num_blocks, k)
+}
+
+/// How activation checkpointing enters a search.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum CkptSearch {
+    /// None: the sharding-only plan.
+    Off,
+    /// The same mode on every block (a fixed `ckpt=` config).
+    Uniform(CkptMode),
+    /// Chen et al.'s √n segments on every sharding (the `--baseline chen` search).
+    Chen,
+    /// Searched jointly with the sharding (the default): see [`evaluate`].
+    #[default]
+    Joint,
+}
+
+/// Budget multipliers the sharding ILP is solved under when checkpointing may pay for the
+/// difference: the ILP then picks faster layouts that hold more activations, and the
+/// checkpoint DP brings the peak back under the real budget.
+const SLACKS: [f64; 4] = [1.5, 2.5, 4.0, 8.0];
+
 /// Builds and solves the ILP of one candidate, then lowers the solution. `Ok(None)` when no
 /// plan of this candidate fits `budget`.
+///
+/// The joint search ([`CkptSearch::Joint`]): the sharding-only plan (the ILP under the budget,
+/// tightened until the lowered Program fits), then the ILP under `budget × slack` for growing
+/// slacks, each solution checkpointed by the DP under the real budget ([`crate::ckpt`]); the
+/// fastest fitting Program wins. Slacks stop once the ILP's objective stops improving (memory
+/// no longer binds it), so an unconstrained candidate costs one extra solve.
 pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Option<Evaluated>> {
     let mb = cand.micro_batches.max(1);
     if !p.batch.is_multiple_of(mb) {
@@ -373,49 +408,142 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
     let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, budget)?;
     let t_build = t0.elapsed();
 
-    let lopts = LowerOptions { zero: cand.zero, micro_batches: mb, train: p.train.clone() };
+    let lopts = LowerOptions {
+        zero: cand.zero,
+        micro_batches: mb,
+        train: p.train.clone(),
+        ckpt: Checkpointing::default(),
+    };
+    let found = |strategies: Vec<Option<Strategy>>, lowered: Lowered, objective: f64| Evaluated {
+        candidate: cand.clone(),
+        strategies,
+        lowered,
+        ilp_objective_s: objective,
+    };
+    let nb = tessera_ir::remat::num_blocks(g);
+    // A schedule fixed in advance (the ILP does not model it, so it is applied afterwards).
+    let fixed_mode = match &p.ckpt {
+        CkptSearch::Uniform(m) if *m != CkptMode::None => Some(Checkpointing::uniform(nb, *m)),
+        CkptSearch::Chen => Some(chen_schedule(nb)),
+        _ => None,
+    };
+    // Lowers one ILP solution under the policy: `None` when it does not fit.
+    let finish_policy = |strategies: &[Option<Strategy>]| -> Result<Option<Lowered>> {
+        let u = lower_unfinished(g, fwd.loss, strategies, mesh, &lopts)?;
+        match (&p.ckpt, &fixed_mode) {
+            (_, Some(schedule)) => {
+                let l = finish(&u, schedule, mesh, &p.cost)?;
+                Ok((l.memory.peak_bytes as f64 <= budget || !budget.is_finite()).then_some(l))
+            }
+            (CkptSearch::Joint, None) if budget.is_finite() => {
+                crate::ckpt::choose(&u, mesh, &p.cost, budget as u64)
+            }
+            _ => {
+                let l = finish(&u, &Checkpointing::default(), mesh, &p.cost)?;
+                Ok((l.memory.peak_bytes as f64 <= budget || !budget.is_finite()).then_some(l))
+            }
+        }
+    };
+
+    // 1. The sharding-only plan: the ILP under the budget, tightened by each miss.
+    let mut best: Option<Evaluated> = None;
     let mut target = budget;
-    for _ in 0..4 {
-        let mut pr = problem.clone();
-        pr.budget = target;
-        let t1 = std::time::Instant::now();
-        let Some(sol) = ilp::solve(&pr, &p.solve)? else { return Ok(None) };
-        let t_solve = t1.elapsed();
-        let strategies = space.assignment(&sol.picks);
-        let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts)?;
-        if std::env::var_os("TESSERA_TRACE").is_some() {
-            eprintln!(
-                "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?} ilp {:.4} lowered {:.4} peak {:.2}/{:.2} GiB",
-                mesh.shape,
-                cand.rule,
-                cand.zero,
-                mb,
-                problem.choices.len(),
-                t_build,
-                t_solve,
-                t1.elapsed() - t_solve,
-                sol.objective,
-                lowered.time.step_time_s,
-                lowered.memory.peak_bytes as f64 / (1u64 << 30) as f64,
-                budget / (1u64 << 30) as f64,
-            );
+    let mut plain_objective = None;
+    if fixed_mode.is_none() {
+        for _ in 0..4 {
+            let mut pr = problem.clone();
+            pr.budget = target;
+            let t1 = std::time::Instant::now();
+            let Some(sol) = ilp::solve(&pr, &p.solve)? else { break };
+            let t_solve = t1.elapsed();
+            let strategies = space.assignment(&sol.picks);
+            let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts)?;
+            if std::env::var_os("TESSERA_TRACE").is_some() {
+                eprintln!(
+                    "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?} ilp {:.4} lowered {:.4} peak {:.2}/{:.2} GiB",
+                    mesh.shape,
+                    cand.rule,
+                    cand.zero,
+                    mb,
+                    problem.choices.len(),
+                    t_build,
+                    t_solve,
+                    t1.elapsed() - t_solve,
+                    sol.objective,
+                    lowered.time.step_time_s,
+                    lowered.memory.peak_bytes as f64 / (1u64 << 30) as f64,
+                    budget / (1u64 << 30) as f64,
+                );
+            }
+            plain_objective.get_or_insert(sol.objective);
+            let peak = lowered.memory.peak_bytes as f64;
+            if peak <= budget || !budget.is_finite() {
+                best = Some(found(strategies, lowered, sol.objective));
+                break;
+            }
+            // The ILP's estimate missed the simulated peak: tighten its budget by the miss.
+            target *= (budget / peak) * 0.98;
         }
-        let peak = lowered.memory.peak_bytes as f64;
-        if peak <= budget || !budget.is_finite() {
-            return Ok(Some(Evaluated {
-                candidate: cand.clone(),
-                strategies,
-                lowered,
-                ilp_objective_s: sol.objective,
-            }));
-        }
-        // The ILP's estimate missed the simulated peak: tighten its budget by the miss.
-        target *= (budget / peak) * 0.98;
     }
-    Ok(None)
+    if matches!(p.ckpt, CkptSearch::Off | CkptSearch::Uniform(CkptMode::None))
+        || !budget.is_finite()
+        || nb == 0
+    {
+        return Ok(best);
+    }
+
+    // 2. Checkpointing buys memory back: the ILP under growing slack, each solution
+    //    checkpointed to fit. The unconstrained objective says when to stop.
+    let mut pr = problem.clone();
+    pr.budget = f64::INFINITY;
+    let Some(free) = ilp::solve(&pr, &p.solve)? else { return Ok(best) };
+    let unconstrained = free.objective;
+    if best.is_some() && plain_objective.is_some_and(|o| o <= unconstrained * (1.0 + 1e-3)) {
+        // Memory never bound the sharding: recomputation could only slow it down.
+        return Ok(best);
+    }
+    // Without a sharding-only fit (or with a fixed mode, which the ILP does not model) the
+    // budget's own layout is the first to checkpoint.
+    let from_budget = fixed_mode.is_some() || best.is_none();
+    let slacks: Vec<f64> = match from_budget {
+        true => [1.0].into_iter().chain(SLACKS).collect(),
+        false => SLACKS.to_vec(),
+    };
+    let mut last = if from_budget { None } else { plain_objective };
+    for slack in slacks {
+        let mut pr = problem.clone();
+        pr.budget = budget * slack;
+        let Some(sol) = ilp::solve(&pr, &p.solve)? else { continue };
+        if last.is_some_and(|o| sol.objective >= o * (1.0 - 1e-3)) {
+            // The same layout as the tighter budget gave (or no faster): nothing new to try.
+            if sol.objective <= unconstrained * (1.0 + 1e-3) {
+                break;
+            }
+            continue;
+        }
+        last = Some(sol.objective);
+        let strategies = space.assignment(&sol.picks);
+        if let Some(lowered) = finish_policy(&strategies)? {
+            if best.as_ref().is_none_or(|b| lowered.time.step_time_s < b.step_time_s()) {
+                best = Some(found(strategies, lowered, sol.objective));
+            }
+        }
+        if sol.objective <= unconstrained * (1.0 + 1e-3) {
+            break;
+        }
+    }
+    // The unconstrained layout may fit once checkpointed even where no budget's did.
+    if best.is_none() {
+        let strategies = space.assignment(&free.picks);
+        if let Some(lowered) = finish_policy(&strategies)? {
+            best = Some(found(strategies, lowered, free.objective));
+        }
+    }
+    Ok(best)
 }
 
-/// The smallest simulated peak this candidate reaches (ILP minimising its memory rows).
+/// The smallest simulated peak this candidate reaches (ILP minimising its memory rows, then
+/// the most frugal checkpointing the search may use).
 pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let mb = cand.micro_batches.max(1);
     if !p.batch.is_multiple_of(mb) {
@@ -431,7 +559,14 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, f64::INFINITY)?;
     let Some(sol) = ilp::min_peak(&problem, &p.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
-    let lopts = LowerOptions { zero: cand.zero, micro_batches: mb, train: p.train.clone() };
+    let nb = tessera_ir::remat::num_blocks(&fwd.graph);
+    let ckpt = match &p.ckpt {
+        CkptSearch::Off => Checkpointing::default(),
+        CkptSearch::Uniform(m) => Checkpointing::uniform(nb, *m),
+        CkptSearch::Chen => chen_schedule(nb),
+        CkptSearch::Joint => Checkpointing::uniform(nb, CkptMode::Full),
+    };
+    let lopts = LowerOptions { zero: cand.zero, micro_batches: mb, train: p.train.clone(), ckpt };
     let lowered = lower(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &p.cost, &lopts)?;
     Ok(Some(lowered.memory.peak_bytes))
 }

@@ -44,6 +44,7 @@ fn plan_with(
         cluster,
         train: TrainConfig::default(),
         model_flops: 1e12,
+        ckpt: tessera_plan::search::CkptSearch::Joint,
     };
     match fixed {
         Some(c) => plan_fixed(&req, &ParallelConfig::parse(c)?),

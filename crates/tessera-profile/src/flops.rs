@@ -10,11 +10,14 @@ pub struct FlopReport {
     pub forward: u64,
     /// Every backward op.
     pub backward: u64,
+    /// Forward ops re-run in the backward pass (activation checkpointing).
+    pub recompute: u64,
     /// Gradient norm, clipping and AdamW.
     pub optimizer: u64,
-    /// forward + backward + optimizer.
+    /// forward + backward + recompute + optimizer.
     pub total: u64,
-    /// Matmuls and attention products, forward + backward (the MFU numerator).
+    /// Matmuls and attention products, forward + backward (the MFU numerator: recomputation
+    /// is overhead, not model FLOPs).
     pub matmul: u64,
     pub matmul_forward: u64,
     pub matmul_backward: u64,
@@ -40,10 +43,11 @@ pub fn count_flops(graph: &Graph) -> FlopReport {
                 r.backward += f.total();
                 r.matmul_backward += f.matmul;
             }
+            Phase::Recompute => r.recompute += f.total(),
             Phase::Optimizer => r.optimizer += f.total(),
         }
     }
-    r.total = r.forward + r.backward + r.optimizer;
+    r.total = r.forward + r.backward + r.recompute + r.optimizer;
     r.matmul = r.matmul_forward + r.matmul_backward;
     r
 }

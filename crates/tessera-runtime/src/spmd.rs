@@ -346,31 +346,62 @@ impl<B: Backend> SpmdTrainer<B> {
     }
 }
 
-/// Every parameter and optimizer state as a *global* tensor, on every rank (an all-gather over
-/// the world per tensor: for evaluation, export and tests, not for the training loop).
-pub fn gather_global<B: Backend>(trainer: &mut SpmdTrainer<B>) -> Result<HashMap<String, Tensor>> {
-    let local = trainer.local_state()?;
+/// Every *parameter* (no optimizer state) as a global tensor on `root` only; `None` on the
+/// other ranks. Replicated parameters need no traffic; a sharded one travels once per distinct
+/// chunk, point to point from its writer to `root`, so the extra memory is one copy of the
+/// model on one rank (what evaluation after training needs), not the whole state on every rank.
+pub fn gather_params_to<B: Backend>(
+    trainer: &mut SpmdTrainer<B>,
+    root: usize,
+) -> Result<Option<HashMap<String, Tensor>>> {
     let shape = trainer.mesh.shape.clone();
-    let world = tessera_comm::Group::world(trainer.mesh.size())?;
     let n = trainer.mesh.size();
-    let mut out = HashMap::with_capacity(local.len());
-    for (name, t, placement) in local {
-        let parts = if n == 1 {
-            vec![t.clone()]
-        } else {
+    let me = trainer.mesh.rank;
+    let g = &trainer.train.graph;
+    let mut params = Vec::with_capacity(trainer.train.params.len());
+    for slot in &trainer.train.params {
+        let name = g.tensor_scope(slot.param).to_string();
+        let value = trainer
+            .exec
+            .get(slot.param)
+            .ok_or_else(|| binding(format!("{name} is not bound")))?
+            .clone();
+        let placement = trainer.placement(&name)?.clone();
+        params.push((name, value, placement));
+    }
+    let mut out = HashMap::with_capacity(params.len());
+    for (name, t, placement) in params {
+        if placement.iter().all(|axes| axes.is_empty()) {
+            if me == root {
+                out.insert(name, t);
+            }
+            continue;
+        }
+        let writers: Vec<usize> = (0..n)
+            .filter(|&r| DeviceMesh::new(&shape, r).is_ok_and(|m| m.is_writer(&placement)))
+            .collect();
+        if me != root {
+            if writers.contains(&me) {
+                let comm = trainer
+                    .communicator()
+                    .ok_or_else(|| binding("gathering needs a communicator".into()))?;
+                let flat = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+                comm.send(root, &flat)?;
+            }
+            continue;
+        }
+        // `assemble` reads only the writers' parts; the others stand in with root's own shard.
+        let mut parts = vec![t.clone(); n];
+        for &r in writers.iter().filter(|&&r| r != root) {
             let comm = trainer
                 .communicator()
                 .ok_or_else(|| binding("gathering needs a communicator".into()))?;
-            let flat = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
-            let all = comm.all_gather(&world, &flat)?;
-            all.chunks(flat.len().max(1))
-                .take(n)
-                .map(|c| Ok(from_vec(c.to_vec(), t.dims())?.to_dtype(t.dtype())?))
-                .collect::<Result<Vec<_>>>()?
-        };
+            let flat = comm.recv(r)?;
+            parts[r] = from_vec(flat, t.dims())?.to_dtype(t.dtype())?;
+        }
         out.insert(name, crate::collective::assemble(&shape, &parts, &placement)?);
     }
-    Ok(out)
+    Ok((me == root).then_some(out))
 }
 
 /// Whether a graph's parameters are all fp32 or have fp32 masters (what `train` supports).

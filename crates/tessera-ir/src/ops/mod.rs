@@ -341,6 +341,49 @@ impl Op {
         )
     }
 
+    /// Whether `selective` activation checkpointing keeps this op's outputs: matmuls, fused
+    /// attention and collectives are expensive to re-run (FLOPs or a network round), so their
+    /// outputs stay saved; elementwise ops, norms, activation functions and layout copies are
+    /// cheap and are recomputed from them in the backward pass.
+    pub fn kept_by_selective(&self) -> bool {
+        match self {
+            Op::MatMul { .. }
+            | Op::Attention(_)
+            | Op::Reshard(_)
+            | Op::Embedding
+            | Op::CrossEntropy { .. }
+            | Op::Parameter(_)
+            | Op::Input(_)
+            | Op::OptimizerState { .. }
+            | Op::AdamW(_) => true,
+            Op::Fill { .. }
+            | Op::Unary(_)
+            | Op::UnaryBackward(_)
+            | Op::Binary(_)
+            | Op::BinaryBackward { .. }
+            | Op::Cast(_)
+            | Op::Dropout { .. }
+            | Op::Reduce { .. }
+            | Op::ReduceBackward { .. }
+            | Op::Softmax
+            | Op::SoftmaxBackward
+            | Op::Reshape(_)
+            | Op::Permute(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::Expand(_)
+            | Op::LayerNorm { .. }
+            | Op::LayerNormBackward { .. }
+            | Op::RmsNorm { .. }
+            | Op::RmsNormBackward { .. }
+            | Op::EmbeddingBackward { .. }
+            | Op::CrossEntropyBackward { .. }
+            | Op::AttentionBackward(_)
+            | Op::Rope { .. } => false,
+        }
+    }
+
     /// Output metas for the given input metas, or the reason they do not fit.
     pub fn infer(&self, x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
         match self {

@@ -1,0 +1,232 @@
+//! Activation checkpointing end to end through the binary: a memory budget that only fits
+//! with recomputation makes the planner checkpoint blocks, the runtime carries the recompute
+//! instructions out, every device's measured peak equals the predicted one and stays under the
+//! budget, and the losses equal those of the run without checkpointing (recomputed values are
+//! the originals bit for bit, so the tolerance 1e-6 is slack). Also: a budget too small even
+//! for full recomputation names the minimum, and `tessera plan` reports per-block modes,
+//! recompute time and the Chen / full-recompute baselines.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn tessera(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("tessera runs")
+}
+
+fn ok(out: &Output, what: &str) -> Value {
+    assert!(out.status.success(), "{what} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: not JSON: {e}"))
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Per-step losses of a `--log-json` file.
+fn losses(path: &PathBuf) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect()
+}
+
+fn peaks(doc: &Value, key: &str) -> Vec<u64> {
+    doc["memory"][key].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect()
+}
+
+/// Trains `model` on `devices` for a few steps, without a budget and with one at `fraction`
+/// of the unconstrained peak; returns the budgeted run's report.
+fn budgeted_run(model: &str, devices: usize, fraction: f64) -> Value {
+    let dir = temp(&format!("{model}-{devices}-{fraction}"));
+    let d = devices.to_string();
+    let base = [
+        "train",
+        "--model",
+        model,
+        "--devices",
+        &d,
+        "--steps",
+        "4",
+        "--batch",
+        "8",
+        "--seq",
+        "64",
+        "--eval-batches",
+        "0",
+        "--format",
+        "json",
+    ];
+    let free_log = dir.join("free.jsonl");
+    let mut args: Vec<&str> = base.to_vec();
+    let free_log_s = free_log.to_str().unwrap().to_string();
+    args.extend(["--log-json", &free_log_s]);
+    let free = ok(&tessera(&args), "unconstrained run");
+    let free_peak = *peaks(&free, "predicted_peak_bytes").iter().max().unwrap();
+    if devices > 1 {
+        let blocks = free["checkpoint"].as_array().unwrap();
+        assert!(blocks.iter().all(|b| b["mode"] == "none"), "no budget, no recompute: {blocks:?}");
+    }
+
+    let budget = (free_peak as f64 * fraction) as u64;
+    let budget_s = budget.to_string();
+    let ckpt_log = dir.join("ckpt.jsonl");
+    let ckpt_log_s = ckpt_log.to_str().unwrap().to_string();
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--log-json", &ckpt_log_s, "--memory-budget", &budget_s]);
+    let run = ok(&tessera(&args), "budgeted run");
+    let predicted = peaks(&run, "predicted_peak_bytes");
+    let measured = peaks(&run, "measured_peak_bytes");
+    assert_eq!(predicted, measured, "{model} on {devices}: measured peak == predicted");
+    for p in &predicted {
+        assert!(*p <= budget, "{model} on {devices}: peak {p} over the budget {budget}");
+    }
+    let (a, b) = (losses(&free_log), losses(&ckpt_log));
+    assert_eq!(a.len(), 4);
+    assert_eq!(a.len(), b.len());
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        let rel = (x - y).abs() / x.abs().max(1e-12);
+        assert!(rel <= 1e-6, "{model} on {devices}, step {}: {x} vs {y}", step + 1);
+    }
+    run
+}
+
+#[test]
+fn one_device_budget_forces_recompute_with_equal_losses() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        // One device holds the whole model state (16 B per parameter), so less room to win.
+        budgeted_run(model, 1, 0.85);
+    }
+}
+
+#[test]
+fn four_devices_budget_forces_recompute_with_equal_losses() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let run = budgeted_run(model, 4, 0.6);
+        let blocks = run["checkpoint"].as_array().expect("checkpoint per block");
+        assert!(!blocks.is_empty());
+        assert!(
+            blocks.iter().any(|b| b["mode"] != "none"),
+            "{model}: a budget at 60% of the unconstrained peak needs recomputation: {blocks:?}"
+        );
+        assert!(run["recompute_s"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn a_budget_below_full_recompute_names_the_minimum() {
+    for devices in ["1", "4"] {
+        let out = tessera(&[
+            "train",
+            "--devices",
+            devices,
+            "--steps",
+            "2",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--memory-budget",
+            "4MiB",
+        ]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("4.00 MiB"), "{devices}: {err}");
+        assert!(
+            err.contains("least") && err.contains("MiB"),
+            "{devices}: names the minimum: {err}"
+        );
+    }
+}
+
+#[test]
+fn plan_reports_modes_recompute_and_baselines() {
+    let free = ok(
+        &tessera(&[
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--cluster",
+            "4xcpu",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--dtype",
+            "fp32",
+            "--format",
+            "json",
+        ]),
+        "plan without a budget",
+    );
+    let peak = free["predicted"]["peak_bytes_per_device"][0].as_u64().unwrap();
+    let budget = (peak as f64 * 0.6) as u64;
+    let plan = ok(
+        &tessera(&[
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--cluster",
+            "4xcpu",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--dtype",
+            "fp32",
+            "--memory-budget",
+            &budget.to_string(),
+            "--baseline",
+            "all",
+            "--format",
+            "json",
+        ]),
+        "plan under a tight budget",
+    );
+    let blocks = plan["checkpoint"].as_array().unwrap();
+    assert_eq!(blocks.len(), 8, "gpt2-tiny has 8 blocks: {blocks:?}");
+    for (i, b) in blocks.iter().enumerate() {
+        assert_eq!(b["block"].as_u64(), Some(i as u64));
+        assert!(["none", "selective", "full"].contains(&b["mode"].as_str().unwrap()));
+    }
+    let pred = &plan["predicted"];
+    assert!(pred["peak_bytes_per_device"][0].as_u64().unwrap() <= budget);
+    assert!(pred["recompute_s"].as_f64().unwrap() >= 0.0);
+    let step = pred["step_time_s"].as_f64().unwrap();
+    for key in ["chen", "full_recompute"] {
+        let b = &plan["baselines"][key];
+        if let Some(t) = b["step_time_s"].as_f64() {
+            assert!(step <= t * (1.0 + 1e-9), "{key}: joint plan {step} slower than {t}");
+        }
+    }
+    assert!(plan["baselines"]["megatron"].is_object());
+    // A fixed config with a checkpoint mode is carried out on every block.
+    let fixed = ok(
+        &tessera(&[
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--cluster",
+            "4xcpu",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--dtype",
+            "fp32",
+            "--plan",
+            "dp4 ckpt=full",
+            "--format",
+            "json",
+        ]),
+        "fixed ckpt=full",
+    );
+    assert_eq!(fixed["config"], "dp4 tp1 ckpt=full");
+    assert!(fixed["checkpoint"].as_array().unwrap().iter().all(|b| b["mode"] == "full"));
+    assert!(fixed["predicted"]["recompute_s"].as_f64().unwrap() > 0.0);
+}

@@ -1,0 +1,170 @@
+//! Activation checkpointing on a lowered (sharded, replayed) training graph: the per-block
+//! costs the dynamic program needs, the choice under a budget, and the baselines.
+//!
+//! The costs are *measured on Programs*, not modelled: the graph is lowered three times with
+//! one mode on every block (`none`, `selective`, `full`), and each Program's memory timeline
+//! and cost-model walk give, per block and mode,
+//! - `kept`: the saved-activation bytes the block's forward pass leaves for its backward
+//!   pass (per micro-batch: micro-batches run one after another);
+//! - `recompute_s`: the seconds its recomputation costs (compute and repeated collectives);
+//! - `backward_peak`: the highest live bytes while any of the block's instructions run, minus
+//!   the kept bytes of the blocks before it — so parameters, gradients, optimizer state,
+//!   workspace and the block's own recomputed values are all in it, exactly as simulated.
+//!
+//! The DP ([`crate::ckpt_dp`]) combines these per block; the combination it picks is lowered
+//! and simulated once more, and if the exact peak still misses the budget (a block's peak
+//! moved with its neighbours' modes), the DP is re-run with the budget lowered by the miss.
+//! So a returned plan always fits by simulation, never by estimate alone.
+
+use crate::ckpt_dp::{self, BlockCost, Chain};
+use crate::cost::CostModel;
+use crate::lower::{finish, Lowered, Unfinished};
+use crate::{Mesh, Result};
+use tessera_ir::{Checkpointing, CkptMode, Instr, Phase, Role};
+use tessera_profile::simulate_memory;
+
+/// Memory resolution of the DP: slots of the budget. Rounding each block's bytes up to a slot
+/// costs at most `blocks / SLOTS` of the budget; 4096 keeps that under 3% for 100 blocks.
+const SLOTS: usize = 4096;
+
+/// The chain model of a lowered graph and its three uniform lowerings (`none`, `selective`,
+/// `full`, by [`CkptMode::index`]).
+pub struct Measured {
+    pub chain: Chain,
+    pub uniform: Vec<Lowered>,
+    /// The highest live bytes outside every block and the forward→backward turn (embedding,
+    /// loss head before the first block, optimizer): no checkpoint decision changes it.
+    pub floor: u64,
+}
+
+/// Measures the chain of `u`'s repeated blocks. `None` when the graph has no blocks.
+pub fn measure(u: &Unfinished, mesh: &Mesh, cost: &CostModel) -> Result<Option<Measured>> {
+    let nb = tessera_ir::remat::num_blocks(&u.training.graph);
+    if nb == 0 {
+        return Ok(None);
+    }
+    let l = nb as usize;
+    let mb = u.micro_batches.max(1) as u64;
+    let mut blocks =
+        vec![BlockCost { kept: [0; 3], recompute_s: [0.0; 3], backward_peak: [0; 3] }; l];
+    let mut top_extra = 0u64;
+    let mut floor = 0u64;
+    let mut uniform = Vec::with_capacity(3);
+    for mode in CkptMode::ALL {
+        let m = mode.index();
+        let lowered = finish(u, &Checkpointing::uniform(nb, mode), mesh, cost)?;
+        let p = &lowered.program;
+        let g = p.graph();
+        // Kept bytes per block: saved activations made by the block's forward pass.
+        let mut kept = vec![0u64; l];
+        for (t, &root) in p.buffer_of.iter().enumerate() {
+            if root.index() != t || p.role[t] != Role::SavedActivation {
+                continue;
+            }
+            let n = g.producer(root);
+            if let (Phase::Forward, Some(b)) = (n.phase, n.block) {
+                kept[b as usize] += g.meta(root).size_bytes();
+            }
+        }
+        for (b, k) in kept.iter().enumerate() {
+            blocks[b].kept[m] = k / mb;
+        }
+        let mut prefix = vec![0u64; l + 1];
+        for b in 0..l {
+            prefix[b + 1] = prefix[b] + blocks[b].kept[m];
+        }
+        for (b, s) in lowered.time.recompute_by_block_s.iter().enumerate().take(l) {
+            blocks[b].recompute_s[m] = *s;
+        }
+        // Peaks by region of the timeline.
+        let trace = simulate_memory(p);
+        let mut current: Option<u32> = None;
+        let mut after_forward_block = false;
+        for point in &trace.timeline {
+            let live = point.live_bytes;
+            if let Instr::Run(n) = p.instrs[point.instr as usize] {
+                let node = g.node(n);
+                current = node.block;
+                if node.block.is_some() {
+                    after_forward_block = node.phase == Phase::Forward;
+                }
+            }
+            match current {
+                Some(b) => {
+                    let b = b as usize;
+                    let over = live.saturating_sub(prefix[b]);
+                    blocks[b].backward_peak[m] = blocks[b].backward_peak[m].max(over);
+                }
+                None if after_forward_block => {
+                    top_extra = top_extra.max(live.saturating_sub(prefix[l]));
+                }
+                None => floor = floor.max(live),
+            }
+        }
+        uniform.push(lowered);
+    }
+    // Selective or full may keep *more* on a block than none where a recomputed value's
+    // sibling output stays saved; the DP needs no monotonicity, so the measured values stand.
+    Ok(Some(Measured { chain: Chain { blocks, base: 0, top_extra }, uniform, floor }))
+}
+
+/// The fastest checkpointing of `u` whose simulated peak fits `budget`, lowered; `None` when
+/// even recomputing every block does not fit.
+pub fn choose(
+    u: &Unfinished,
+    mesh: &Mesh,
+    cost: &CostModel,
+    budget: u64,
+) -> Result<Option<Lowered>> {
+    let Some(measured) = measure(u, mesh, cost)? else {
+        let plain = finish(u, &Checkpointing::default(), mesh, cost)?;
+        return Ok((plain.memory.peak_bytes <= budget).then_some(plain));
+    };
+    choose_measured(u, mesh, cost, budget, &measured)
+}
+
+/// [`choose`] with the chain already measured.
+pub fn choose_measured(
+    u: &Unfinished,
+    mesh: &Mesh,
+    cost: &CostModel,
+    budget: u64,
+    measured: &Measured,
+) -> Result<Option<Lowered>> {
+    let none = &measured.uniform[CkptMode::None.index()];
+    if none.memory.peak_bytes <= budget {
+        return Ok(Some(none.clone()));
+    }
+    if measured.floor > budget {
+        return Ok(None);
+    }
+    let mut best: Option<Lowered> = None;
+    let mut target = budget;
+    for _ in 0..4 {
+        let Some(sol) = ckpt_dp::solve(&measured.chain, target, SLOTS) else { break };
+        let modes: Vec<CkptMode> = sol.modes.clone();
+        let lowered = finish(u, &Checkpointing::per_block(&modes), mesh, cost)?;
+        let peak = lowered.memory.peak_bytes;
+        if peak <= budget {
+            best = Some(lowered);
+            break;
+        }
+        // The exact peak missed: ask the DP for the miss (and a little) less.
+        target = target.saturating_sub(peak - budget + budget / 512);
+    }
+    // Uniform choices the DP may have ruled out by rounding: keep the fastest that fits.
+    for l in &measured.uniform[1..] {
+        if l.memory.peak_bytes <= budget
+            && best.as_ref().is_none_or(|b| l.time.step_time_s < b.time.step_time_s)
+        {
+            best = Some(l.clone());
+        }
+    }
+    Ok(best)
+}
+
+/// Smallest peak any per-block choice reaches on `u` (by simulation of full recompute, and
+/// of the DP's own minimum).
+pub fn min_peak(measured: &Measured) -> u64 {
+    measured.uniform.iter().map(|l| l.memory.peak_bytes).min().unwrap_or(u64::MAX)
+}
