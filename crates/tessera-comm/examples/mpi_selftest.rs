@@ -21,6 +21,7 @@ use std::error::Error;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use tessera_comm::communicator::ChunkLayout;
 use tessera_comm::{CollectiveKind, CommError, CommStats, Communicator, Group, MpiComm};
 
 type Res<T = ()> = Result<T, Box<dyn Error>>;
@@ -117,6 +118,39 @@ fn check_group(comm: &mut MpiComm, expected: &mut CommStats, group: &Group, salt
         .flat_map(|&m| input(m, chunk * n, salt + 3)[idx * chunk..(idx + 1) * chunk].to_vec())
         .collect();
     check!(bits(&got) == bits(&want), "all_to_all over {group}: got {got:?}, want {want:?}");
+
+    // The layout-aware variants (the trait's default implementations, around the calls above):
+    // chunks of 4 in 2 interleaved blocks of 2, member k's block b at (b·n + k)·2.
+    let (chunk, inner) = (4, 2);
+    let at = |k: usize, j: usize| (j / inner * n + k) * inner + j % inner;
+    let layout = ChunkLayout::interleaved(chunk / inner);
+    let got = comm.reduce_scatter_sum_strided(group, &input(me, chunk * n, salt + 5), layout)?;
+    expected.record(CollectiveKind::ReduceScatter, bytes(chunk * n));
+    let sum = reference_sum(members, chunk * n, salt + 5);
+    let want: Vec<f32> = (0..chunk).map(|j| sum[at(idx, j)]).collect();
+    check!(bits(&got) == bits(&want), "strided reduce_scatter over {group}: got {got:?}");
+    let contiguous = ChunkLayout::CONTIGUOUS;
+    let data = input(me, chunk * n, salt + 6);
+    let got = comm.all_to_all_strided(group, &data, layout, contiguous)?;
+    expected.record(CollectiveKind::AllToAll, bytes(chunk * n));
+    let want: Vec<f32> = members
+        .iter()
+        .flat_map(|&m| (0..chunk).map(move |j| input(m, chunk * n, salt + 6)[at(idx, j)]))
+        .collect();
+    check!(bits(&got) == bits(&want), "strided all_to_all over {group}: got {got:?}");
+    let mut buf = vec![f32::NAN; chunk * n];
+    for (j, x) in input(me, chunk, salt + 7).into_iter().enumerate() {
+        buf[at(idx, j)] = x;
+    }
+    comm.all_gather_in_place(group, &mut buf, chunk, layout)?;
+    expected.record(CollectiveKind::AllGather, bytes(chunk));
+    let mut want = vec![0.0; chunk * n];
+    for (k, &m) in members.iter().enumerate() {
+        for (j, x) in input(m, chunk, salt + 7).into_iter().enumerate() {
+            want[at(k, j)] = x;
+        }
+    }
+    check!(bits(&buf) == bits(&want), "in-place all_gather over {group}: got {buf:?}");
 
     // A broadcast from every member; non-roots pass nothing (their input is ignored).
     for &root in members {

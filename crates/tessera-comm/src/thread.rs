@@ -4,41 +4,64 @@
 //!
 //! All ranks share one `Shared` (a `Mutex<State>` and one `Condvar`). Each communicator keeps,
 //! per group, the number of calls it has made on that group; the n-th call of every member of a
-//! group meets in the same *slot*, keyed by (group, n). A member deposits its input in the slot
-//! (an `Arc<[f32]>`, so nothing is copied under the lock), wakes everyone, and waits until all
-//! members have deposited. Each member then computes its own result from the shared inputs
-//! outside the lock; sums run in group order, so every member gets the same bits whatever the
-//! arrival order. The last member to pick up the inputs removes the slot.
+//! group is the same call. A call moves its data in *pieces* of at most `piece` elements per
+//! member (1 Mi f32, 4 MiB, by default; see [`ThreadComm::world_with_piece`]), and every piece
+//! is one rendezvous in its own *slot*, keyed by (group, call number, piece number). A member
+//! deposits its part of the piece in the slot (an `Arc`, so nothing is copied under the lock),
+//! wakes everyone, and waits until all members have deposited. Each member then takes its share
+//! of the result from the shared parts outside the lock and writes it straight into its output
+//! buffer; sums run in group order, so every member gets the same bits whatever the arrival
+//! order (and the same bits however the call is cut into pieces). The last member to pick up
+//! a piece's parts removes its slot. Statistics count the call once, with its whole payload.
+//!
+//! Streaming bounds what a call holds besides the caller's input and output: a member can be
+//! at most one piece ahead of the slowest (it cannot finish piece p before everyone has
+//! deposited piece p), so at most about 2 × members × piece elements per group are in flight,
+//! however large the tensor. All-reduce, all-gather and broadcast cut their input into
+//! consecutive ranges; reduce-scatter and all-to-all cut every member's chunk at the same
+//! offsets (piece / members elements of each), so every member has work in every piece. Inputs
+//! and outputs whose chunks are interleaved ([`ChunkLayout`]) are read and written where they
+//! lie, run by run; an in-place all-gather deposits its pieces from, and writes the others'
+//! into, the caller's own buffer. A broadcast's non-roots do not know its length: the root's
+//! part of the first piece tells them how many pieces follow.
 //!
 //! The first member to reach a slot records the call's signature (kind, length, root); a later
 //! member whose signature differs marks the slot failed, so every member of that call fails
-//! with a [`CommError::Mismatch`] naming both sides instead of hanging or mixing up data.
+//! with a [`CommError::Mismatch`] naming both sides instead of hanging or mixing up data. Every
+//! piece of a call carries the same signature, so a disagreement shows at the first piece.
 //!
 //! # Failure detection
 //!
-//! Every wait is bounded by the world's timeout. Dropping a communicator (the rank returned, or
-//! its thread is unwinding from a panic) marks the rank departed and wakes every waiter; a wait
-//! that still needs input from a departed rank fails at once with [`CommError::RankDied`].
-//! Inputs a rank deposited before leaving stay valid, so a rank that finished normally never
-//! fails its peers. Each rank also records which call it is blocked in, so a timeout can say
-//! what the missing ranks were doing.
+//! Every wait (one per piece) is bounded by the world's timeout. Dropping a communicator (the
+//! rank returned, or its thread is unwinding from a panic) marks the rank departed and wakes
+//! every waiter; a wait that still needs input from a departed rank fails at once with
+//! [`CommError::RankDied`]. Inputs a rank deposited before leaving stay valid, and a rank
+//! finishes a call only once every member has deposited every piece of it, so a rank that
+//! finished normally never fails its peers. Each rank also records which call it is in, so a
+//! timeout can say what the missing ranks were doing.
 //!
 //! One mutex for the whole world is deliberate: it guards only bookkeeping (the data moves
 //! outside it), and a single condvar makes "wake every waiter when a rank dies" trivial.
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::communicator::Communicator;
+use crate::communicator::{check_layout, ChunkLayout, Communicator};
 use crate::error::{describe_op, CommError, Departure, Result};
 use crate::group::Group;
 use crate::stats::{f32_bytes, CollectiveKind, CommStats};
+
+/// The default most elements one member moves per rendezvous: 1 Mi f32, 4 MiB.
+pub const DEFAULT_PIECE: usize = 1 << 20;
 
 /// State shared by every rank of one world.
 struct Shared {
     world_size: usize,
     timeout: Duration,
+    /// The most elements one member deposits per rendezvous (at least 1).
+    piece: usize,
     state: Mutex<State>,
     /// Notified on every deposit, message, slot failure and departure.
     changed: Condvar,
@@ -47,10 +70,11 @@ struct Shared {
 struct State {
     /// Per rank: `Some` once its communicator has been dropped.
     departed: Vec<Option<Departure>>,
-    /// Per rank: the call it is blocked in, for timeout diagnostics.
+    /// Per rank: the call it is in (blocked, or between two of its pieces), for timeout
+    /// diagnostics.
     blocked_in: Vec<Option<Activity>>,
-    /// Open collective calls, per group then per call number.
-    slots: HashMap<Group, HashMap<u64, Slot>>,
+    /// Open rendezvous, per group then per (call number, piece number).
+    slots: HashMap<Group, HashMap<SlotKey, Slot>>,
     /// Point-to-point messages, per (from, to), oldest first.
     mailboxes: HashMap<(usize, usize), VecDeque<Vec<f32>>>,
 }
@@ -81,11 +105,22 @@ impl Signature {
     }
 }
 
-/// One collective call of one group: the members' inputs, by member index.
+/// A slot's key within its group: (call number, piece number).
+type SlotKey = (u64, usize);
+
+/// One member's part of one piece of a call.
+struct Part {
+    data: Vec<f32>,
+    /// The length of the depositor's whole input to the call (what a broadcast's non-roots
+    /// read from the root's first part: how many pieces follow, how much to reserve).
+    len: usize,
+}
+
+/// One piece of one collective call of one group: the members' parts, by member index.
 struct Slot {
     first_rank: usize,
     first: Signature,
-    parts: Vec<Option<Arc<[f32]>>>,
+    parts: Vec<Option<Arc<Part>>>,
     arrived: usize,
     taken: usize,
     /// Set when members disagreed: the description of both sides.
@@ -94,20 +129,21 @@ struct Slot {
 
 /// What a waiting member should do next.
 enum Step {
-    Done(Vec<Arc<[f32]>>),
+    Done(Vec<Arc<Part>>),
     Fail(CommError),
     Wait { missing: Vec<usize> },
 }
 
 impl State {
-    /// Checks the slot of call `seq` of `group` on behalf of member `me`; takes the inputs
-    /// when everyone is in.
-    fn poll_slot(&mut self, group: &Group, seq: u64, me: usize, kind: CollectiveKind) -> Step {
+    /// Checks the slot `key` of `group` on behalf of member `me`; takes the parts when
+    /// everyone is in.
+    fn poll_slot(&mut self, group: &Group, key: SlotKey, me: usize, kind: CollectiveKind) -> Step {
+        let seq = key.0;
         let Some(slots) = self.slots.get_mut(group) else {
-            return Step::Fail(vanished(group, seq));
+            return Step::Fail(vanished(group, key));
         };
-        let Some(slot) = slots.get_mut(&seq) else {
-            return Step::Fail(vanished(group, seq));
+        let Some(slot) = slots.get_mut(&key) else {
+            return Step::Fail(vanished(group, key));
         };
         if let Some(detail) = &slot.failed {
             return Step::Fail(CommError::Mismatch {
@@ -121,12 +157,12 @@ impl State {
         if slot.arrived == slot.parts.len() {
             let Some(parts) = slot.parts.iter().cloned().collect::<Option<Vec<_>>>() else {
                 return Step::Fail(CommError::Internal(format!(
-                    "slot {seq} of group {group} counts every member but lacks an input"
+                    "slot {key:?} of group {group} counts every member but lacks an input"
                 )));
             };
             slot.taken += 1;
             if slot.taken == slot.parts.len() {
-                slots.remove(&seq);
+                slots.remove(&key);
                 if slots.is_empty() {
                     self.slots.remove(group);
                 }
@@ -173,8 +209,10 @@ impl State {
     }
 }
 
-fn vanished(group: &Group, seq: u64) -> CommError {
-    CommError::Internal(format!("slot {seq} of group {group} vanished while a member waited"))
+fn vanished(group: &Group, key: SlotKey) -> CommError {
+    CommError::Internal(format!(
+        "slot (call, piece) {key:?} of group {group} vanished while a member waited"
+    ))
 }
 
 /// One rank's communicator in a thread world. Dropping it tells the other ranks this rank is
@@ -201,12 +239,23 @@ impl ThreadComm {
     /// A world of `n` ranks whose every wait gives up after `timeout`: one communicator per
     /// rank, index = rank. Move each to its own thread. Fails if `n == 0`.
     pub fn world(n: usize, timeout: Duration) -> Result<Vec<ThreadComm>> {
+        ThreadComm::world_with_piece(n, timeout, DEFAULT_PIECE)
+    }
+
+    /// [`ThreadComm::world`] whose collectives move at most `piece` elements per member per
+    /// rendezvous (see the module docs). Results and statistics do not depend on it; a small
+    /// one exercises streaming in tests. Fails if `n == 0` or `piece == 0`.
+    pub fn world_with_piece(n: usize, timeout: Duration, piece: usize) -> Result<Vec<ThreadComm>> {
         if n == 0 {
             return Err(CommError::InvalidArgument("a world needs at least one rank".into()));
+        }
+        if piece == 0 {
+            return Err(CommError::InvalidArgument("a piece needs at least one element".into()));
         }
         let shared = Arc::new(Shared {
             world_size: n,
             timeout,
+            piece,
             state: Mutex::new(State {
                 departed: vec![None; n],
                 blocked_in: vec![None; n],
@@ -228,6 +277,11 @@ impl ThreadComm {
     /// How long any one wait may take before it fails.
     pub fn timeout(&self) -> Duration {
         self.shared.timeout
+    }
+
+    /// The most elements one member moves per rendezvous.
+    pub fn piece(&self) -> usize {
+        self.shared.piece
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, State>> {
@@ -306,28 +360,108 @@ impl ThreadComm {
         Ok(())
     }
 
-    /// Deposits `part` as member `idx` of the next call on `group` and waits for every
-    /// member's input; returns all inputs in group order.
-    fn rendezvous(
+    /// This rank's next call number on `group`.
+    fn next_seq(&mut self, group: &Group) -> u64 {
+        let next = self.seqs.entry(group.clone()).or_insert(0);
+        let seq = *next;
+        *next += 1;
+        seq
+    }
+
+    /// Runs `call` as the next call on its group, piece by piece: `fill(state, p, buf)`
+    /// appends this member's part of piece p to the empty `buf`, and `take(state, p, parts)`
+    /// reads every member's part of piece p (in group order) once all have deposited. (The
+    /// state, typically the output, is passed to both so that both may use it.)
+    fn stream<S: ?Sized>(
+        &mut self,
+        call: Call<'_>,
+        state: &mut S,
+        mut fill: impl FnMut(&S, usize, &mut Vec<f32>),
+        mut take: impl FnMut(&mut S, usize, &[Arc<Part>]),
+    ) -> Result<()> {
+        let Call { group, idx, sig, pieces } = call;
+        let seq = self.next_seq(group);
+        let (mut total, len) = match pieces {
+            Pieces::Known { len, per } => (piece_count(len, per), len),
+            // Told at the first piece; until then this member knows of that one only.
+            Pieces::FromMember { .. } => (1, 0),
+        };
+        let mut p = 0;
+        while p < total {
+            let mut data = Vec::new();
+            fill(state, p, &mut data);
+            let parts = self.exchange(group, idx, sig, (seq, p), Arc::new(Part { data, len }))?;
+            if let (0, Pieces::FromMember { lead, per }) = (p, pieces) {
+                total = parts.get(lead).map_or(1, |part| piece_count(part.len, per));
+            }
+            take(state, p, &parts);
+            p += 1;
+        }
+        // Out of the call: a timeout elsewhere must not say this rank is still in it.
+        self.lock()?.blocked_in[self.rank] = None;
+        Ok(())
+    }
+
+    /// The all-gather of `chunk` elements per member into `buf`, laid out by `layout` (checked
+    /// by the caller), as member `idx`: this member's chunk is `mine`, or (if `None`) already
+    /// in `buf`.
+    fn gather(
         &mut self,
         group: &Group,
         idx: usize,
+        mine: Option<&[f32]>,
+        buf: &mut [f32],
+        chunk: usize,
+        layout: ChunkLayout,
+    ) -> Result<()> {
+        let kind = CollectiveKind::AllGather;
+        let sig = Signature { kind, len: Some(chunk), root: None };
+        let (piece, n) = (self.shared.piece, group.len());
+        self.stream(
+            Call { group, idx, sig, pieces: Pieces::Known { len: chunk, per: piece } },
+            buf,
+            |buf, p, part| {
+                let range = piece_range(p, piece, chunk);
+                match mine {
+                    Some(data) => part.extend_from_slice(&data[range]),
+                    None => layout.for_each_run(n, chunk, idx, range, |_, at, len| {
+                        part.extend_from_slice(&buf[at..at + len]);
+                    }),
+                }
+            },
+            |buf, p, parts| {
+                let range = piece_range(p, piece, chunk);
+                for (m, part) in parts.iter().enumerate() {
+                    // In place, our own chunk is there already.
+                    if m != idx || mine.is_some() {
+                        write_chunk_range(buf, &part.data, layout, n, chunk, m, range.clone());
+                    }
+                }
+            },
+        )?;
+        self.stats.record(kind, f32_bytes(chunk));
+        Ok(())
+    }
+
+    /// Deposits `part` as member `idx` in slot `key` of `group` and waits for every member's
+    /// part; returns all parts in group order. Leaves the rank marked as in the call unless it
+    /// fails.
+    fn exchange(
+        &self,
+        group: &Group,
+        idx: usize,
         sig: Signature,
-        part: Arc<[f32]>,
-    ) -> Result<Vec<Arc<[f32]>>> {
+        key: SlotKey,
+        part: Arc<Part>,
+    ) -> Result<Vec<Arc<Part>>> {
         let me = self.rank;
         let kind = sig.kind;
-        let seq = {
-            let next = self.seqs.entry(group.clone()).or_insert(0);
-            let seq = *next;
-            *next += 1;
-            seq
-        };
+        let seq = key.0;
         let deadline = Instant::now().checked_add(self.shared.timeout);
         let mut st = self.lock()?;
-        {
+        let disagreement = {
             let slot =
-                st.slots.entry(group.clone()).or_default().entry(seq).or_insert_with(|| Slot {
+                st.slots.entry(group.clone()).or_default().entry(key).or_insert_with(|| Slot {
                     first_rank: me,
                     first: sig,
                     parts: vec![None; group.len()],
@@ -335,17 +469,9 @@ impl ThreadComm {
                     taken: 0,
                     failed: None,
                 });
-            let mismatch = |detail: String| CommError::Mismatch {
-                rank: me,
-                kind,
-                group: group.ranks().to_vec(),
-                seq,
-                detail,
-            };
             if let Some(detail) = &slot.failed {
-                return Err(mismatch(detail.clone()));
-            }
-            if slot.first != sig {
+                Some(detail.clone())
+            } else if slot.first != sig {
                 let detail = format!(
                     "rank {} called {} but rank {me} called {}",
                     slot.first_rank,
@@ -354,20 +480,29 @@ impl ThreadComm {
                 );
                 // Fail the slot so the members already waiting in it fail too, now.
                 slot.failed = Some(detail.clone());
-                self.shared.changed.notify_all();
-                return Err(mismatch(detail));
+                Some(detail)
+            } else {
+                slot.parts[idx] = Some(part);
+                slot.arrived += 1;
+                None
             }
-            slot.parts[idx] = Some(part);
-            slot.arrived += 1;
-        }
+        };
         self.shared.changed.notify_all();
+        if let Some(detail) = disagreement {
+            // Out of the call (this rank may have been marked in it at an earlier piece).
+            st.blocked_in[me] = None;
+            return Err(CommError::Mismatch {
+                rank: me,
+                kind,
+                group: group.ranks().to_vec(),
+                seq,
+                detail,
+            });
+        }
         st.blocked_in[me] = Some(Activity::Collective { kind, group: group.clone(), seq });
         loop {
-            let missing = match st.poll_slot(group, seq, me, kind) {
-                Step::Done(parts) => {
-                    st.blocked_in[me] = None;
-                    return Ok(parts);
-                }
+            let missing = match st.poll_slot(group, key, me, kind) {
+                Step::Done(parts) => return Ok(parts),
                 Step::Fail(e) => {
                     st.blocked_in[me] = None;
                     return Err(e);
@@ -391,16 +526,84 @@ impl ThreadComm {
     }
 }
 
-/// Element-wise sum of `parts[..][range]`, in part order (so every caller gets the same bits).
-fn sum_in_order(parts: &[Arc<[f32]>], range: std::ops::Range<usize>) -> Vec<f32> {
-    let mut iter = parts.iter();
-    let mut out = iter.next().map(|p| p[range.clone()].to_vec()).unwrap_or_default();
-    for p in iter {
-        for (o, x) in out.iter_mut().zip(&p[range.clone()]) {
+/// One streamed call: its group, the caller's index in it, what it asks for, and how it is
+/// cut into pieces.
+struct Call<'g> {
+    group: &'g Group,
+    idx: usize,
+    sig: Signature,
+    pieces: Pieces,
+}
+
+/// How a streamed call is cut into pieces: `len` elements, `per` at a time.
+#[derive(Clone, Copy)]
+enum Pieces {
+    /// Every member knows `len` (members agree on it: it is in the signature).
+    Known { len: usize, per: usize },
+    /// Only member `lead` (a broadcast's root) knows `len`; it tells the others in the first
+    /// piece.
+    FromMember { lead: usize, per: usize },
+}
+
+/// Pieces needed to move `len` elements at most `piece` at a time; at least one, so that
+/// every call (even an empty one) meets.
+fn piece_count(len: usize, piece: usize) -> usize {
+    len.div_ceil(piece.max(1)).max(1)
+}
+
+/// Piece `p` of `0..len` cut `piece` elements at a time (empty past the end).
+fn piece_range(p: usize, piece: usize, len: usize) -> Range<usize> {
+    let start = p.saturating_mul(piece).min(len);
+    start..start.saturating_add(piece).min(len)
+}
+
+/// Appends to `out` the element-wise sum of the equally long `segments`, in their order (so
+/// every member gets the same bits, however the call was cut).
+fn push_sum<'a>(out: &mut Vec<f32>, mut segments: impl Iterator<Item = &'a [f32]>) {
+    let start = out.len();
+    if let Some(first) = segments.next() {
+        out.extend_from_slice(first);
+    }
+    for s in segments {
+        for (o, x) in out[start..].iter_mut().zip(s) {
             *o += *x;
         }
     }
-    out
+}
+
+/// Appends to `buf`, for each of the `members` chunks of `data` (laid out by `layout`, chunks
+/// of `chunk` elements), its elements `range`: a member's part of one reduce-scatter or
+/// all-to-all piece, destination-major.
+fn push_chunk_ranges(
+    buf: &mut Vec<f32>,
+    data: &[f32],
+    layout: ChunkLayout,
+    members: usize,
+    chunk: usize,
+    range: Range<usize>,
+) {
+    buf.reserve(members * range.len());
+    for k in 0..members {
+        layout.for_each_run(members, chunk, k, range.clone(), |_, at, len| {
+            buf.extend_from_slice(&data[at..at + len]);
+        });
+    }
+}
+
+/// Writes `src` (elements `range` of member `k`'s chunk) into `out`, laid out by `layout`.
+fn write_chunk_range(
+    out: &mut [f32],
+    src: &[f32],
+    layout: ChunkLayout,
+    members: usize,
+    chunk: usize,
+    k: usize,
+    range: Range<usize>,
+) {
+    let first = range.start;
+    layout.for_each_run(members, chunk, k, range, |j, at, len| {
+        out[at..at + len].copy_from_slice(&src[j - first..j - first + len]);
+    });
 }
 
 impl Communicator for ThreadComm {
@@ -416,41 +619,107 @@ impl Communicator for ThreadComm {
         let kind = CollectiveKind::AllReduce;
         let idx = self.member_index(kind, group)?;
         let sig = Signature { kind, len: Some(data.len()), root: None };
-        let parts = self.rendezvous(group, idx, sig, data.into())?;
-        self.stats.record(kind, f32_bytes(data.len()));
-        Ok(sum_in_order(&parts, 0..data.len()))
+        let (piece, len) = (self.shared.piece, data.len());
+        let mut out = Vec::with_capacity(len);
+        self.stream(
+            Call { group, idx, sig, pieces: Pieces::Known { len, per: piece } },
+            &mut out,
+            |_, p, buf| buf.extend_from_slice(&data[piece_range(p, piece, len)]),
+            |out, _, parts| push_sum(out, parts.iter().map(|part| &part.data[..])),
+        )?;
+        self.stats.record(kind, f32_bytes(len));
+        Ok(out)
     }
 
     fn all_gather(&mut self, group: &Group, data: &[f32]) -> Result<Vec<f32>> {
         let kind = CollectiveKind::AllGather;
         let idx = self.member_index(kind, group)?;
-        let sig = Signature { kind, len: Some(data.len()), root: None };
-        let parts = self.rendezvous(group, idx, sig, data.into())?;
-        self.stats.record(kind, f32_bytes(data.len()));
-        Ok(parts.concat())
+        let mut out = vec![0.0f32; data.len() * group.len()];
+        self.gather(group, idx, Some(data), &mut out, data.len(), ChunkLayout::CONTIGUOUS)?;
+        Ok(out)
+    }
+
+    fn all_gather_in_place(
+        &mut self,
+        group: &Group,
+        buf: &mut [f32],
+        chunk: usize,
+        layout: ChunkLayout,
+    ) -> Result<()> {
+        let kind = CollectiveKind::AllGather;
+        let idx = self.member_index(kind, group)?;
+        check_layout(self.rank, kind, group, layout, chunk, buf.len())?;
+        self.gather(group, idx, None, buf, chunk, layout)
     }
 
     fn reduce_scatter_sum(&mut self, group: &Group, data: &[f32]) -> Result<Vec<f32>> {
+        self.reduce_scatter_sum_strided(group, data, ChunkLayout::CONTIGUOUS)
+    }
+
+    fn reduce_scatter_sum_strided(
+        &mut self,
+        group: &Group,
+        data: &[f32],
+        layout: ChunkLayout,
+    ) -> Result<Vec<f32>> {
         let kind = CollectiveKind::ReduceScatter;
         let idx = self.member_index(kind, group)?;
         let chunk = self.chunk_len(kind, group, data.len())?;
+        check_layout(self.rank, kind, group, layout, chunk, data.len())?;
         let sig = Signature { kind, len: Some(data.len()), root: None };
-        let parts = self.rendezvous(group, idx, sig, data.into())?;
+        let n = group.len();
+        // Each piece takes the same range of every chunk, `piece` elements in all.
+        let per = (self.shared.piece / n).max(1);
+        let mut out = Vec::with_capacity(chunk);
+        self.stream(
+            Call { group, idx, sig, pieces: Pieces::Known { len: chunk, per } },
+            &mut out,
+            |_, p, buf| push_chunk_ranges(buf, data, layout, n, chunk, piece_range(p, per, chunk)),
+            |out, p, parts| {
+                let w = piece_range(p, per, chunk).len();
+                push_sum(out, parts.iter().map(|part| &part.data[idx * w..(idx + 1) * w]));
+            },
+        )?;
         self.stats.record(kind, f32_bytes(data.len()));
-        Ok(sum_in_order(&parts, idx * chunk..(idx + 1) * chunk))
+        Ok(out)
     }
 
     fn all_to_all(&mut self, group: &Group, data: &[f32]) -> Result<Vec<f32>> {
+        self.all_to_all_strided(group, data, ChunkLayout::CONTIGUOUS, ChunkLayout::CONTIGUOUS)
+    }
+
+    fn all_to_all_strided(
+        &mut self,
+        group: &Group,
+        data: &[f32],
+        input: ChunkLayout,
+        output: ChunkLayout,
+    ) -> Result<Vec<f32>> {
         let kind = CollectiveKind::AllToAll;
         let idx = self.member_index(kind, group)?;
         let chunk = self.chunk_len(kind, group, data.len())?;
+        check_layout(self.rank, kind, group, input, chunk, data.len())?;
+        check_layout(self.rank, kind, group, output, chunk, data.len())?;
         let sig = Signature { kind, len: Some(data.len()), root: None };
-        let parts = self.rendezvous(group, idx, sig, data.into())?;
+        let n = group.len();
+        // Each piece takes the same range of every chunk, `piece` elements in all.
+        let per = (self.shared.piece / n).max(1);
+        let mut out = vec![0.0f32; data.len()];
+        self.stream(
+            Call { group, idx, sig, pieces: Pieces::Known { len: chunk, per } },
+            &mut out[..],
+            |_, p, buf| push_chunk_ranges(buf, data, input, n, chunk, piece_range(p, per, chunk)),
+            |out, p, parts| {
+                let range = piece_range(p, per, chunk);
+                let w = range.len();
+                // Member m's part holds its chunk for us at segment `idx`: our chunk m.
+                for (m, part) in parts.iter().enumerate() {
+                    let src = &part.data[idx * w..(idx + 1) * w];
+                    write_chunk_range(out, src, output, n, chunk, m, range.clone());
+                }
+            },
+        )?;
         self.stats.record(kind, f32_bytes(data.len()));
-        let mut out = Vec::with_capacity(data.len());
-        for p in &parts {
-            out.extend_from_slice(&p[idx * chunk..(idx + 1) * chunk]);
-        }
         Ok(out)
     }
 
@@ -464,12 +733,36 @@ impl Communicator for ThreadComm {
                 describe_op(kind, group.ranks())
             ))
         })?;
-        // Only the root's input travels; the others' is ignored (not even copied).
-        let part: Arc<[f32]> = if idx == root_idx { data.into() } else { Arc::from([]) };
         let sig = Signature { kind, len: None, root: Some(root) };
-        let parts = self.rendezvous(group, idx, sig, part)?;
+        let piece = self.shared.piece;
+        let is_root = idx == root_idx;
+        // Only the root's input travels; the others' is ignored (not even copied), and they
+        // learn the length (the number of pieces) from the root's first part.
+        let pieces = if is_root {
+            Pieces::Known { len: data.len(), per: piece }
+        } else {
+            Pieces::FromMember { lead: root_idx, per: piece }
+        };
+        let mut out = Vec::new();
+        self.stream(
+            Call { group, idx, sig, pieces },
+            &mut out,
+            |_, p, buf| {
+                if is_root {
+                    buf.extend_from_slice(&data[piece_range(p, piece, data.len())]);
+                }
+            },
+            |out, p, parts| {
+                if let Some(part) = parts.get(root_idx) {
+                    if p == 0 {
+                        out.reserve_exact(part.len);
+                    }
+                    out.extend_from_slice(&part.data);
+                }
+            },
+        )?;
         self.stats.record(kind, f32_bytes(data.len()));
-        Ok(parts[root_idx].to_vec())
+        Ok(out)
     }
 
     fn send(&mut self, to: usize, data: &[f32]) -> Result<()> {
@@ -543,7 +836,8 @@ impl Communicator for ThreadComm {
         let kind = CollectiveKind::Barrier;
         let idx = self.member_index(kind, group)?;
         let sig = Signature { kind, len: None, root: None };
-        self.rendezvous(group, idx, sig, Arc::from([]))?;
+        let pieces = Pieces::Known { len: 0, per: 1 };
+        self.stream(Call { group, idx, sig, pieces }, &mut (), |_, _, _| {}, |_, _, _| {})?;
         self.stats.record(kind, 0);
         Ok(())
     }

@@ -602,3 +602,327 @@ fn large_all_reduce_on_eight_ranks() {
         assert!(got.iter().enumerate().all(|(i, &x)| x == 8.0 * (i % 97) as f32 + 28.0));
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Streaming: a call cut into many pieces, and chunks laid out interleaved (`ChunkLayout`).
+
+/// Runs `f` on one thread per rank of a world of `n` whose calls move at most `piece` elements
+/// per member per rendezvous.
+fn run_with_piece<F, R>(n: usize, piece: usize, f: F) -> Vec<tessera_comm::Result<R>>
+where
+    F: Fn(&mut dyn Communicator) -> tessera_comm::Result<R> + Sync,
+    R: Send,
+{
+    run_with_piece_as(n, piece, false, f)
+}
+
+/// [`run_with_piece`], each communicator wrapped in [`PlainOnly`] if `plain`.
+fn run_with_piece_as<F, R>(
+    n: usize,
+    piece: usize,
+    plain: bool,
+    f: F,
+) -> Vec<tessera_comm::Result<R>>
+where
+    F: Fn(&mut dyn Communicator) -> tessera_comm::Result<R> + Sync,
+    R: Send,
+{
+    let comms = ThreadComm::world_with_piece(n, SLOW, piece).expect("n > 0, piece > 0");
+    let f = &f;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let mut c: Box<dyn Communicator> =
+                    if plain { Box::new(PlainOnly(c)) } else { Box::new(c) };
+                scope.spawn(move || f(c.as_mut()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+    })
+}
+
+#[test]
+fn streamed_calls_match_the_sequential_reference_bit_for_bit() {
+    for n in [2, 3, 4] {
+        for piece in [1, 2, 5, 7] {
+            let results = run_with_piece(n, piece, |c| all_collectives(c, &Group::world(n)?));
+            let members: Vec<usize> = (0..n).collect();
+            for (r, res) in results.into_iter().enumerate() {
+                let got = res.unwrap_or_else(|e| panic!("n {n} piece {piece} rank {r}: {e}"));
+                assert_bitwise_eq(
+                    &got,
+                    &expected_outputs(r, &members),
+                    &format!("n {n}, piece {piece}, rank {r}"),
+                );
+            }
+        }
+    }
+    assert!(ThreadComm::world_with_piece(2, SLOW, 0).is_err());
+}
+
+#[test]
+fn a_streamed_call_counts_once_with_its_whole_payload() {
+    let (n, piece) = (4, 3);
+    let results = run_with_piece(n, piece, |c| {
+        let r = c.rank();
+        let world = Group::world(n)?;
+        let all_reduce = c.all_reduce_sum(&world, &input(r, 1000, 20))?;
+        let all_gather = c.all_gather(&world, &input(r, 101, 21))?;
+        let reduce_scatter = c.reduce_scatter_sum(&world, &input(r, 4 * 53, 22))?;
+        let all_to_all = c.all_to_all(&world, &input(r, 4 * 37, 23))?;
+        let data = if r == 2 { input(r, 29, 24) } else { vec![f32::NAN; r] };
+        let broadcast = c.broadcast(&world, 2, &data)?;
+        c.barrier(&world)?;
+        Ok((c.stats(), [all_reduce, all_gather, reduce_scatter, all_to_all, broadcast]))
+    });
+    let members: Vec<usize> = (0..n).collect();
+    for (r, res) in results.into_iter().enumerate() {
+        let (s, got) = res.expect("ok");
+        let want = [
+            reference_sum(&members, 1000, 20),
+            members.iter().flat_map(|&m| input(m, 101, 21)).collect(),
+            reference_sum(&members, 4 * 53, 22)[r * 53..(r + 1) * 53].to_vec(),
+            members
+                .iter()
+                .flat_map(|&m| input(m, 4 * 37, 23)[r * 37..(r + 1) * 37].to_vec())
+                .collect(),
+            input(2, 29, 24),
+        ];
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(bits(g), bits(w), "rank {r}, result {i}");
+        }
+        let k = |calls, elems: u64| KindStats { calls, bytes: elems * 4 };
+        assert_eq!(s.get(CollectiveKind::AllReduce), k(1, 1000), "rank {r}");
+        assert_eq!(s.get(CollectiveKind::AllGather), k(1, 101), "rank {r}");
+        assert_eq!(s.get(CollectiveKind::ReduceScatter), k(1, 4 * 53), "rank {r}");
+        assert_eq!(s.get(CollectiveKind::AllToAll), k(1, 4 * 37), "rank {r}");
+        assert_eq!(s.get(CollectiveKind::Broadcast), k(1, if r == 2 { 29 } else { r as u64 }));
+        assert_eq!(s.get(CollectiveKind::Barrier), k(1, 0), "rank {r}");
+        assert_eq!(s.total_calls(), 6, "rank {r}");
+    }
+}
+
+/// Delegates the plain collectives only, so the strided ones are the trait's defaults (what
+/// the MPI backend gets).
+struct PlainOnly(ThreadComm);
+
+impl Communicator for PlainOnly {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce_sum(&mut self, g: &Group, d: &[f32]) -> tessera_comm::Result<Vec<f32>> {
+        self.0.all_reduce_sum(g, d)
+    }
+    fn all_gather(&mut self, g: &Group, d: &[f32]) -> tessera_comm::Result<Vec<f32>> {
+        self.0.all_gather(g, d)
+    }
+    fn reduce_scatter_sum(&mut self, g: &Group, d: &[f32]) -> tessera_comm::Result<Vec<f32>> {
+        self.0.reduce_scatter_sum(g, d)
+    }
+    fn all_to_all(&mut self, g: &Group, d: &[f32]) -> tessera_comm::Result<Vec<f32>> {
+        self.0.all_to_all(g, d)
+    }
+    fn broadcast(&mut self, g: &Group, root: usize, d: &[f32]) -> tessera_comm::Result<Vec<f32>> {
+        self.0.broadcast(g, root, d)
+    }
+    fn send(&mut self, to: usize, d: &[f32]) -> tessera_comm::Result<()> {
+        self.0.send(to, d)
+    }
+    fn recv(&mut self, from: usize) -> tessera_comm::Result<Vec<f32>> {
+        self.0.recv(from)
+    }
+    fn barrier(&mut self, g: &Group) -> tessera_comm::Result<()> {
+        self.0.barrier(g)
+    }
+    fn stats(&self) -> tessera_comm::CommStats {
+        self.0.stats()
+    }
+}
+
+/// Index in a `[outer, n, chunk / outer]` buffer of element `j` of chunk `k`.
+fn interleaved_index(n: usize, chunk: usize, outer: usize, k: usize, j: usize) -> usize {
+    let inner = chunk / outer;
+    (j / inner) * n * inner + k * inner + j % inner
+}
+
+/// An all-gather of `data` (chunks cut into `outer` blocks) through
+/// [`Communicator::all_gather_in_place`], in a packed buffer or (if `padded`) one with room
+/// around and between the blocks, whose padding must be left alone; returns the packed result.
+fn gather_in_place(
+    c: &mut dyn Communicator,
+    group: &Group,
+    data: &[f32],
+    outer: usize,
+    padded: bool,
+) -> tessera_comm::Result<Vec<f32>> {
+    use tessera_comm::communicator::ChunkLayout;
+    const PAD: f32 = -7.0;
+    let (n, chunk) = (group.len(), data.len());
+    let me = group.index_of(c.rank()).expect("member");
+    let packed = ChunkLayout::interleaved(outer);
+    let layout = if padded { ChunkLayout::placed(outer, n * chunk / outer + 3, 2) } else { packed };
+    let span = layout.span(n, chunk).expect("fits");
+    let mut buf = vec![PAD; span + usize::from(padded)];
+    layout.for_each_run(n, chunk, me, 0..chunk, |j, at, len| {
+        buf[at..at + len].copy_from_slice(&data[j..j + len]);
+    });
+    c.all_gather_in_place(group, &mut buf, chunk, layout)?;
+    let mut out = vec![0.0; n * chunk];
+    let mut covered = vec![false; buf.len()];
+    for m in 0..n {
+        layout.for_each_run(n, chunk, m, 0..chunk, |j, at, len| {
+            covered[at..at + len].iter_mut().for_each(|x| *x = true);
+            packed.for_each_run(n, chunk, m, j..j + len, |j2, to, len2| {
+                let from = at + (j2 - j);
+                out[to..to + len2].copy_from_slice(&buf[from..from + len2]);
+            });
+        });
+    }
+    let untouched = buf.iter().zip(&covered).all(|(x, &c)| c || x.to_bits() == PAD.to_bits());
+    assert!(untouched, "the padding of the buffer was written");
+    Ok(out)
+}
+
+#[test]
+fn strided_collectives_match_a_direct_reference_natively_and_by_default() {
+    use tessera_comm::communicator::ChunkLayout;
+    let n = 3;
+    // Chunks of 12 elements, cut into 1, 2, 3, 4 and 12 blocks.
+    let chunk = 12;
+    let outers = [1, 2, 3, 4, 12];
+    for piece in [2, 5, 1 << 20] {
+        for plain in [false, true] {
+            let results = run_with_piece_as(n, piece, plain, |c| {
+                let r = c.rank();
+                let world = Group::world(n)?;
+                let mut out = Vec::new();
+                for (i, &o) in outers.iter().enumerate() {
+                    let o2 = outers[(i + 1) % outers.len()];
+                    let (a, b) = (ChunkLayout::interleaved(o), ChunkLayout::interleaved(o2));
+                    // Every other one inside a larger buffer (ChunkLayout::placed).
+                    let d = input(r, chunk, 30 + i);
+                    out.push(gather_in_place(c, &world, &d, o, i % 2 == 1)?);
+                    let d = input(r, n * chunk, 40 + i);
+                    out.push(c.reduce_scatter_sum_strided(&world, &d, a)?);
+                    let d = input(r, n * chunk, 50 + i);
+                    out.push(c.all_to_all_strided(&world, &d, a, b)?);
+                }
+                Ok((out, c.stats()))
+            });
+            for (r, res) in results.into_iter().enumerate() {
+                let (got, stats) = res.expect("ok");
+                let mut want = Vec::new();
+                for (i, &o) in outers.iter().enumerate() {
+                    let o2 = outers[(i + 1) % outers.len()];
+                    let mut gathered = vec![0.0; n * chunk];
+                    for m in 0..n {
+                        for (j, x) in input(m, chunk, 30 + i).into_iter().enumerate() {
+                            gathered[interleaved_index(n, chunk, o, m, j)] = x;
+                        }
+                    }
+                    want.push(gathered);
+                    let mut sum = vec![0.0f32; chunk];
+                    for (j, s) in sum.iter_mut().enumerate() {
+                        let at = interleaved_index(n, chunk, o, r, j);
+                        let mut acc = input(0, n * chunk, 40 + i)[at];
+                        for m in 1..n {
+                            acc += input(m, n * chunk, 40 + i)[at];
+                        }
+                        *s = acc;
+                    }
+                    want.push(sum);
+                    let mut received = vec![0.0; n * chunk];
+                    for m in 0..n {
+                        let data = input(m, n * chunk, 50 + i);
+                        for j in 0..chunk {
+                            received[interleaved_index(n, chunk, o2, m, j)] =
+                                data[interleaved_index(n, chunk, o, r, j)];
+                        }
+                    }
+                    want.push(received);
+                }
+                assert_eq!(got.len(), want.len());
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(bits(g), bits(w), "piece {piece}, plain {plain}, rank {r}, #{i}");
+                }
+                let calls = outers.len() as u64;
+                assert_eq!(stats.get(CollectiveKind::AllGather).calls, calls);
+                assert_eq!(stats.get(CollectiveKind::ReduceScatter).calls, calls);
+                assert_eq!(stats.get(CollectiveKind::AllToAll).calls, calls);
+                assert_eq!(stats.total_bytes(), calls * 4 * (chunk + 2 * n * chunk) as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_layout_that_does_not_fit_is_a_local_error() {
+    use tessera_comm::communicator::ChunkLayout;
+    for plain in [false, true] {
+        let comms = ThreadComm::world(2, SLOW).expect("n > 0");
+        for c in comms {
+            let mut c: Box<dyn Communicator> =
+                if plain { Box::new(PlainOnly(c)) } else { Box::new(c) };
+            let world = Group::world(2).expect("n > 0");
+            let bad = ChunkLayout::interleaved(3);
+            let errs = [
+                c.all_gather_in_place(&world, &mut [0.0; 8], 4, bad),
+                c.reduce_scatter_sum_strided(&world, &[0.0; 8], bad).map(drop),
+                c.all_to_all_strided(&world, &[0.0; 8], bad, ChunkLayout::CONTIGUOUS).map(drop),
+                c.all_to_all_strided(&world, &[0.0; 8], ChunkLayout::CONTIGUOUS, bad).map(drop),
+                c.all_gather_in_place(&world, &mut [0.0; 8], 4, ChunkLayout::interleaved(0)),
+                // Does not fit in the buffer, or blocks would overlap.
+                c.all_gather_in_place(&world, &mut [0.0; 7], 4, ChunkLayout::CONTIGUOUS),
+                c.all_gather_in_place(&world, &mut [0.0; 9], 4, ChunkLayout::placed(1, 8, 2)),
+                c.all_gather_in_place(&world, &mut [0.0; 16], 4, ChunkLayout::placed(2, 3, 0)),
+            ];
+            for (i, e) in errs.into_iter().enumerate() {
+                assert!(
+                    matches!(e, Err(CommError::InvalidArgument(_))),
+                    "plain {plain} #{i}: {e:?}"
+                );
+            }
+            // Nothing was sent: no call counted.
+            assert_eq!(c.stats().total_calls(), 0);
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_finished_a_streamed_call_does_not_fail_the_others() {
+    for _ in 0..20 {
+        let results = run_with_piece(4, 2, |c| {
+            let out = c.all_reduce_sum(&Group::world(4)?, &[c.rank() as f32; 9])?;
+            if c.rank() != 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(out)
+        });
+        for res in results {
+            assert_eq!(res.expect("ok"), vec![6.0; 9]);
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_leaves_fails_a_streamed_call_promptly() {
+    let start = Instant::now();
+    let results = run_with_piece(3, 2, |c| {
+        if c.rank() == 1 {
+            return Ok(Vec::new());
+        }
+        c.all_gather(&Group::world(3)?, &[1.0; 11])
+    });
+    assert!(start.elapsed() < SLOW, "a departure must not wait for the timeout");
+    for r in [0, 2] {
+        assert!(
+            matches!(&results[r], Err(CommError::RankDied { dead: 1, .. })),
+            "rank {r}: {:?}",
+            results[r]
+        );
+    }
+}
