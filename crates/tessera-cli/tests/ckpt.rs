@@ -198,11 +198,12 @@ fn plan_reports_modes_recompute_and_baselines() {
     assert!(pred["peak_bytes_per_device"][0].as_u64().unwrap() <= budget);
     assert!(pred["recompute_s"].as_f64().unwrap() >= 0.0);
     let step = pred["step_time_s"].as_f64().unwrap();
-    for key in ["chen", "full_recompute"] {
-        let b = &plan["baselines"][key];
-        if let Some(t) = b["step_time_s"].as_f64() {
-            assert!(step <= t * (1.0 + 1e-9), "{key}: joint plan {step} slower than {t}");
-        }
+    // Full recompute fits wherever the joint plan does (it keeps the least); Chen may not.
+    let full = plan["baselines"]["full_recompute"]["step_time_s"].as_f64();
+    let full = full.expect("full recompute fits at 60% of the unconstrained peak");
+    assert!(step <= full * (1.0 + 1e-9), "joint plan {step} slower than full recompute {full}");
+    if let Some(t) = plan["baselines"]["chen"]["step_time_s"].as_f64() {
+        assert!(step <= t * (1.0 + 1e-9), "joint plan {step} slower than Chen {t}");
     }
     assert!(plan["baselines"]["megatron"].is_object());
     // A fixed config with a checkpoint mode is carried out on every block.
