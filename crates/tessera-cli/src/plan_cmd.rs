@@ -22,6 +22,8 @@ pub enum Baseline {
     Chen,
     /// `full` recompute on every block, with the best sharding for it.
     FullRecompute,
+    /// No checkpointing: the best sharding alone (what checkpointing buys).
+    ShardingOnly,
     /// All of the above.
     All,
 }
@@ -115,9 +117,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     } else {
         plan.baselines.megatron = None;
     }
-    let (chen, full) = (wants(Baseline::Chen), wants(Baseline::FullRecompute));
-    if chen || full {
-        planner::attach_ckpt_baselines(&req, &mut plan, chen, full).map_err(plan_err)?;
+    let ckpt = planner::CkptBaselines {
+        chen: wants(Baseline::Chen),
+        full_recompute: wants(Baseline::FullRecompute),
+        sharding_only: wants(Baseline::ShardingOnly),
+    };
+    if ckpt.chen || ckpt.full_recompute || ckpt.sharding_only {
+        planner::attach_ckpt_baselines(&req, &mut plan, ckpt).map_err(plan_err)?;
     }
     let json = serde_json::to_string_pretty(&plan)?;
     if let Some(out) = &args.out {
@@ -218,17 +224,24 @@ fn table(p: &Plan, explain: bool) -> String {
         };
         s += &format!("checkpoint {modes}; recompute {:.4} s per step\n", pr.recompute_s);
     }
-    for (name, b) in [("chen", &p.baselines.chen), ("full recompute", &p.baselines.full_recompute)]
-    {
+    for (name, b) in [
+        ("chen", &p.baselines.chen),
+        ("full recompute", &p.baselines.full_recompute),
+        ("sharding only", &p.baselines.sharding_only),
+    ] {
         if let Some(b) = b {
             s += &match b.step_time_s {
                 Some(t) => format!(
-                    "{name:<9} best {t:.4} s (recompute {:.4} s): plan is {:.2}× its speed\n",
+                    "{name:<9} best {t:.4} s (recompute {:.4} s): plan is {:.2}× its speed",
                     b.recompute_s,
                     t / pr.step_time_s
                 ),
-                None => format!("{name:<9} does not fit the budget\n"),
+                None => format!("{name:<9} does not fit the budget"),
             };
+            if let Some(t) = b.same_sharding_step_time_s {
+                s += &format!("; on the plan's sharding {t:.4} s");
+            }
+            s += "\n";
         }
     }
     if explain {

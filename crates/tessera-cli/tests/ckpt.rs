@@ -205,6 +205,21 @@ fn plan_reports_modes_recompute_and_baselines() {
     if let Some(t) = plan["baselines"]["chen"]["step_time_s"].as_f64() {
         assert!(step <= t * (1.0 + 1e-9), "joint plan {step} slower than Chen {t}");
     }
+    // The policies applied to the joint plan's own sharding: full recompute keeps the least,
+    // so it fits there too; neither beats the joint choice on its own sharding.
+    let same = |k: &str| plan["baselines"][k]["same_sharding_step_time_s"].as_f64();
+    let full_same = same("full_recompute").expect("full recompute fits on the plan's sharding");
+    assert!(step <= full_same * (1.0 + 1e-9), "joint {step} vs full on its sharding {full_same}");
+    if let Some(t) = same("chen") {
+        assert!(step <= t * (1.0 + 1e-9), "joint {step} vs Chen on its sharding {t}");
+    }
+    // Checkpointing off: the search either finds a slower (or equal) plan or none at all.
+    let only = &plan["baselines"]["sharding_only"];
+    assert!(only.is_object(), "--baseline all includes sharding-only: {only}");
+    if let Some(t) = only["step_time_s"].as_f64() {
+        assert!(step <= t * (1.0 + 1e-9), "joint plan {step} slower than sharding only {t}");
+        assert_eq!(only["recompute_s"].as_f64(), Some(0.0));
+    }
     assert!(plan["baselines"]["megatron"].is_object());
     // A fixed config with a checkpoint mode is carried out on every block.
     let fixed = ok(

@@ -44,16 +44,22 @@ pub fn measure(u: &Unfinished, mesh: &Mesh, cost: &CostModel) -> Result<Option<M
     if nb == 0 {
         return Ok(None);
     }
-    let l = nb as usize;
+    let uniform = CkptMode::ALL
+        .iter()
+        .map(|&mode| finish(u, &Checkpointing::uniform(nb, mode), mesh, cost))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(measure_lowered(u, uniform)))
+}
+
+/// The chain model from the three uniform lowerings of `u` (by [`CkptMode::index`]).
+fn measure_lowered(u: &Unfinished, uniform: Vec<Lowered>) -> Measured {
+    let l = tessera_ir::remat::num_blocks(&u.training.graph) as usize;
     let mb = u.micro_batches.max(1) as u64;
     let mut blocks =
         vec![BlockCost { kept: [0; 3], recompute_s: [0.0; 3], backward_peak: [0; 3] }; l];
     let mut top_extra = 0u64;
     let mut floor = 0u64;
-    let mut uniform = Vec::with_capacity(3);
-    for mode in CkptMode::ALL {
-        let m = mode.index();
-        let lowered = finish(u, &Checkpointing::uniform(nb, mode), mesh, cost)?;
+    for (m, lowered) in uniform.iter().enumerate() {
         let p = &lowered.program;
         let g = p.graph();
         // Kept bytes per block: saved activations made by the block's forward pass.
@@ -102,26 +108,67 @@ pub fn measure(u: &Unfinished, mesh: &Mesh, cost: &CostModel) -> Result<Option<M
                 None => floor = floor.max(live),
             }
         }
-        uniform.push(lowered);
     }
     // Selective or full may keep *more* on a block than none where a recomputed value's
     // sibling output stays saved; the DP needs no monotonicity, so the measured values stand.
-    Ok(Some(Measured { chain: Chain { blocks, base: 0, top_extra }, uniform, floor }))
+    Measured { chain: Chain { blocks, base: 0, top_extra }, uniform, floor }
 }
 
 /// The fastest checkpointing of `u` whose simulated peak fits `budget`, lowered; `None` when
 /// even recomputing every block does not fit.
+///
+/// `bound_s` is the step time of the fastest plan found elsewhere (`f64::INFINITY` for
+/// none). When no checkpointing of `u` can beat it, the answer is full recompute: a plan
+/// that fits, so callers still learn that the layout fits, but without the DP's cost.
+///
+/// Lowerings are the search's main cost, so the cheap verdicts come first: the plain
+/// Program (returned when it fits; recomputation only adds time, so its step time bounds
+/// every checkpointed one from below), then full recompute on every block (the least memory
+/// the chain reaches: when it misses the budget no per-block mix fits), and only then the
+/// selective lowering and the DP.
 pub fn choose(
     u: &Unfinished,
     mesh: &Mesh,
     cost: &CostModel,
     budget: u64,
+    bound_s: f64,
 ) -> Result<Option<Lowered>> {
-    let Some(measured) = measure(u, mesh, cost)? else {
-        let plain = finish(u, &Checkpointing::default(), mesh, cost)?;
-        return Ok((plain.memory.peak_bytes <= budget).then_some(plain));
-    };
-    choose_measured(u, mesh, cost, budget, &measured)
+    Ok(choose_or_resting(u, mesh, cost, budget, bound_s)?.ok())
+}
+
+/// [`choose`], saying on a miss how many bytes rest on each device before a step begins
+/// (parameters, optimizer state): when those alone exceed the budget, no micro-batching or
+/// checkpointing of this layout can fit.
+pub fn choose_or_resting(
+    u: &Unfinished,
+    mesh: &Mesh,
+    cost: &CostModel,
+    budget: u64,
+    bound_s: f64,
+) -> Result<std::result::Result<Lowered, u64>> {
+    let nb = tessera_ir::remat::num_blocks(&u.training.graph);
+    let none = finish(u, &Checkpointing::uniform(nb, CkptMode::None), mesh, cost)?;
+    if none.memory.peak_bytes <= budget {
+        return Ok(Ok(none));
+    }
+    if nb == 0 {
+        return Ok(Err(none.memory.resting_bytes));
+    }
+    let full = finish(u, &Checkpointing::uniform(nb, CkptMode::Full), mesh, cost)?;
+    if full.memory.peak_bytes > budget {
+        return Ok(Err(full.memory.resting_bytes));
+    }
+    if none.time.step_time_s > bound_s {
+        // A fitting plan, but none of this layout's checkpointings can win: skip the DP.
+        return Ok(Ok(full));
+    }
+    let selective = finish(u, &Checkpointing::uniform(nb, CkptMode::Selective), mesh, cost)?;
+    // In [`CkptMode::ALL`]'s order, which [`CkptMode::index`] follows.
+    let uniform = vec![none, selective, full];
+    let measured = measure_lowered(u, uniform);
+    // Full recompute fits, so the DP (or full itself) always finds a plan.
+    let resting = measured.uniform[0].memory.resting_bytes;
+    Ok(choose_measured(u, mesh, cost, budget, &measured)?.ok_or(resting))
 }
 
 /// [`choose`] with the chain already measured.

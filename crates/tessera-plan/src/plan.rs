@@ -89,15 +89,20 @@ pub struct BaselineJson {
     pub configurations_fitting: usize,
 }
 
-/// A checkpointing baseline on the plan's own sharding.
+/// A checkpointing baseline: the automatic search with one fixed checkpointing policy (and
+/// the best sharding for it).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct CkptBaselineJson {
-    /// `None` (JSON null) when the schedule does not fit the budget on this sharding.
+    /// `None` (JSON null) when no sharding fits the budget under this policy.
     pub step_time_s: Option<f64>,
     pub peak_bytes_per_device: Vec<u64>,
     pub recompute_s: f64,
     /// The best plan's step time over this baseline's (≤ 1: the plan is no slower).
     pub plan_over_baseline: Option<f64>,
+    /// The policy applied to the plan's own sharding instead (`None`: it does not fit the
+    /// budget there, or the policy is the sharding-only one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_sharding_step_time_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -110,6 +115,9 @@ pub struct Baselines {
     /// `full` recompute on every block.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub full_recompute: Option<CkptBaselineJson>,
+    /// No checkpointing: the best sharding alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharding_only: Option<CkptBaselineJson>,
 }
 
 /// One block's checkpoint mode.

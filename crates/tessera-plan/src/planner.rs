@@ -5,9 +5,12 @@
 //! divides a node (so the inner axis stays on the fast link; meshes equal up to axis order,
 //! like `[2, 4]` and `[4, 2]` inside one node, are searched once), each with the free per-op
 //! ILP, plus every Megatron-style configuration (the ILP constrained to `dp` on the batch).
-//! Per mesh, ZeRO stages in order, each at the smallest micro-batch count that fits (more
+//! Per mesh, ZeRO stages, each at the smallest micro-batch count that fits (more
 //! micro-batches only add per-kernel overhead and ZeRO-3 gathers); see [`run_job`] for which
-//! stages can win. Jobs (one mesh or Megatron `dp × tp × sp` each) run on all cores, and the
+//! stages can win. Jobs (one mesh or Megatron `dp × tp × sp` each) run on all cores, ZeRO-3
+//! for every job first: it is the stage most likely to fit, and the fastest fit found so far
+//! lets the checkpoint search skip layouts that cannot win (branch and bound; pruning never
+//! drops a candidate that could be the answer, so the result does not depend on timing). The
 //! Megatron results double as the `--baseline megatron` answer.
 
 use crate::config::ParallelConfig;
@@ -44,6 +47,8 @@ impl Request<'_> {
             solve: crate::ilp::SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
             ckpt: self.ckpt.clone(),
             graphs: Default::default(),
+            fastest: Default::default(),
+            hopeless: Default::default(),
         }
     }
 
@@ -98,10 +103,13 @@ fn first_fit(
         let recomputing_fit = best.is_some();
         if let Some(e) = search::evaluate(p, &cand, req.budget as f64)? {
             let recomputes = e.lowered.time.recompute_s > 0.0;
+            // More micro-batches can save the recomputation at most; when the step without it
+            // is already slower than the fastest fit found so far, they cannot win.
+            let hopeless = e.step_time_s() - e.lowered.time.recompute_s > p.fastest.bound(rule);
             if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
                 best = Some(e);
             }
-            if !recomputes {
+            if !recomputes || hopeless {
                 break;
             }
         }
@@ -177,13 +185,9 @@ struct JobResult {
     fits: Vec<Evaluated>,
 }
 
-/// ZeRO stages in order, each at its smallest fitting micro-batch count. Under this cost model
-/// a higher stage never speeds up a step at the same micro-batch count, except 0 → 1 (the
-/// optimizer update runs on a 1/dp shard): stage 2 is tried only when stage 1 needs
-/// micro-batching (or does not fit), stage 3 only when stage 2 does — a higher stage can only
-/// win by fitting with fewer micro-batches.
-fn run_job(req: &Request<'_>, p: &Problem0<'_>, job: &Job, mbs: &[usize]) -> Result<JobResult> {
-    let (mesh, rule, mbs) = match job {
+/// The job's mesh, axis rule and the micro-batch counts its rule allows.
+fn job_space(req: &Request<'_>, job: &Job, mbs: &[usize]) -> Result<(Mesh, AxisRule, Vec<usize>)> {
+    Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
         Job::Megatron { dp, tp, sp } => {
             let cfg =
@@ -191,22 +195,73 @@ fn run_job(req: &Request<'_>, p: &Problem0<'_>, job: &Job, mbs: &[usize]) -> Res
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
         }
-    };
+    })
+}
+
+/// ZeRO-3 at its smallest fitting micro-batch count: the most memory-frugal stage, so the one
+/// most likely to fit a tight budget. The search runs it for every job first, so that the
+/// fastest fit so far ([`search::FastestSoFar`]) bounds the rest of the search early.
+fn run_job_zero3(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    job: &Job,
+    mbs: &[usize],
+) -> Result<JobResult> {
+    let (mesh, rule, mbs) = job_space(req, job, mbs)?;
+    let (tried, e) = first_fit(req, p, &mesh, &rule, 3, &mbs)?;
+    Ok(JobResult { tried, fits: e.into_iter().collect() })
+}
+
+/// ZeRO stages 0–2 in order, each at its smallest fitting micro-batch count. A higher stage goes
+/// on being tried while it pays: when the stage before needed micro-batches or recomputation
+/// (or did not fit), a higher one may fit without them; and when the stage before was faster
+/// than its own predecessor, the next may be faster again — the optimizer update runs on a
+/// 1/dp shard from stage 1, and from stage 2 gradients are reduce-scattered (half an
+/// all-reduce's traffic, so more of it hides under the backward pass). The scan stops at the
+/// first stage that fits plainly and gains nothing over the one before. (Stage 3 is
+/// [`run_job_zero3`]'s.)
+fn run_job(req: &Request<'_>, p: &Problem0<'_>, job: &Job, mbs: &[usize]) -> Result<JobResult> {
+    let (mesh, rule, mbs) = job_space(req, job, mbs)?;
     let mut out = JobResult { tried: 0, fits: Vec::new() };
-    for zero in 0..=3u8 {
+    let mut previous: Option<f64> = None;
+    for zero in 0..=2u8 {
         let (tried, e) = first_fit(req, p, &mesh, &rule, zero, &mbs)?;
         out.tried += tried;
-        // A plan that needs micro-batches or recomputation may be beaten by a higher stage
-        // that fits without them.
-        let needs_mb = e
+        let needs_more = e
             .as_ref()
             .is_none_or(|e| e.candidate.micro_batches > 1 || e.lowered.time.recompute_s > 0.0);
+        let time = e.as_ref().map(Evaluated::step_time_s);
+        let gained = matches!((previous, time), (Some(a), Some(b)) if b < a * (1.0 - 1e-6));
+        previous = time.or(previous);
         out.fits.extend(e);
-        if zero >= 1 && !needs_mb {
+        if zero >= 1 && !needs_more && !gained {
             break;
         }
     }
     Ok(out)
+}
+
+/// Runs every job: ZeRO-3 for all of them first (see [`run_job_zero3`]), then the lower
+/// stages. Results in job order.
+fn run_jobs(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+) -> Result<Vec<JobResult>> {
+    let first: Vec<JobResult> =
+        parallel_map(jobs, |j| run_job_zero3(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
+    let rest: Vec<JobResult> =
+        parallel_map(jobs, |j| run_job(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
+    Ok(rest
+        .into_iter()
+        .zip(first)
+        .map(|(mut r, z3)| {
+            r.tried += z3.tried;
+            r.fits.extend(z3.fits);
+            r
+        })
+        .collect())
 }
 
 fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
@@ -256,8 +311,7 @@ pub fn megatron(req: &Request<'_>) -> Result<Option<(Evaluated, ParallelConfig, 
     let p = req.problem();
     let mbs = req.micro_batch_options();
     let jobs = megatron_jobs(req);
-    let results: Vec<JobResult> =
-        parallel_map(&jobs, |j| run_job(req, &p, j, &mbs)).into_iter().collect::<Result<_>>()?;
+    let results = run_jobs(req, &p, &jobs, &mbs)?;
     Ok(best_megatron(&jobs, &results))
 }
 
@@ -306,8 +360,7 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let p = req.problem();
     let mbs = req.micro_batch_options();
     let jobs = auto_jobs(req)?;
-    let results: Vec<JobResult> =
-        parallel_map(&jobs, |j| run_job(req, &p, j, &mbs)).into_iter().collect::<Result<_>>()?;
+    let results = run_jobs(req, &p, &jobs, &mbs)?;
     match fastest(&jobs, &results) {
         Some(e) => {
             let mut plan = req.to_plan(e, "auto", t0.elapsed().as_secs_f64() * 1e3)?;
@@ -327,32 +380,60 @@ pub fn auto_with(req: &Request<'_>, ckpt: CkptSearch) -> Result<Option<Evaluated
     p.ckpt = ckpt;
     let mbs = req.micro_batch_options();
     let jobs = auto_jobs(req)?;
-    let results: Vec<JobResult> =
-        parallel_map(&jobs, |j| run_job(req, &p, j, &mbs)).into_iter().collect::<Result<_>>()?;
+    let results = run_jobs(req, &p, &jobs, &mbs)?;
     Ok(fastest(&jobs, &results).cloned())
 }
 
-/// Fills the `chen` and/or `full_recompute` baselines: the automatic search with that
-/// schedule on every block, against the plan's step time.
+/// Which checkpointing baselines to search for ([`attach_ckpt_baselines`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CkptBaselines {
+    /// Chen et al.'s √n segments on every block.
+    pub chen: bool,
+    /// `full` recompute on every block.
+    pub full_recompute: bool,
+    /// No checkpointing (what the plan would be without it).
+    pub sharding_only: bool,
+}
+
+/// Fills the requested checkpointing baselines: each is the automatic search under that
+/// policy, set against the plan's step time. Chen and full recompute are also applied to the
+/// plan's own sharding (`same_sharding_step_time_s`).
 pub fn attach_ckpt_baselines(
     req: &Request<'_>,
     plan: &mut Plan,
-    chen: bool,
-    full: bool,
+    which: CkptBaselines,
 ) -> Result<()> {
     let n = req.cluster.num_devices();
-    let json = |e: Option<Evaluated>| crate::plan::CkptBaselineJson {
+    let plan_s = plan.predicted.step_time_s;
+    let json = |e: Option<Evaluated>, same: Option<f64>| crate::plan::CkptBaselineJson {
         step_time_s: e.as_ref().map(|e| e.step_time_s()),
         peak_bytes_per_device: e.as_ref().map_or_else(Vec::new, |e| vec![e.peak_bytes(); n]),
         recompute_s: e.as_ref().map_or(0.0, |e| e.lowered.time.recompute_s),
-        plan_over_baseline: e.as_ref().map(|e| plan.predicted.step_time_s / e.step_time_s()),
+        plan_over_baseline: e.as_ref().map(|e| plan_s / e.step_time_s()),
+        same_sharding_step_time_s: same,
     };
-    if chen {
-        plan.baselines.chen = Some(json(auto_with(req, CkptSearch::Chen)?));
+    // The policy on the plan's own sharding: `None` when it does not fit the budget there.
+    let own = plan.clone();
+    let on_plan = |ckpt: tessera_ir::Checkpointing| -> Result<Option<f64>> {
+        let exe = lower_plan_with(req, &own, ckpt)?;
+        Ok((exe.lowered.memory.peak_bytes <= req.budget).then_some(exe.lowered.time.step_time_s))
+    };
+    let blocks = plan.checkpoint.len() as u32;
+    if which.chen {
+        let same = if blocks > 0 { on_plan(search::chen_schedule(blocks))? } else { None };
+        plan.baselines.chen = Some(json(auto_with(req, CkptSearch::Chen)?, same));
     }
-    if full {
+    if which.full_recompute {
+        let full = tessera_ir::CkptMode::Full;
+        let same = match blocks {
+            0 => None,
+            _ => on_plan(tessera_ir::Checkpointing::uniform(blocks, full))?,
+        };
         plan.baselines.full_recompute =
-            Some(json(auto_with(req, CkptSearch::Uniform(tessera_ir::CkptMode::Full))?));
+            Some(json(auto_with(req, CkptSearch::Uniform(full))?, same));
+    }
+    if which.sharding_only {
+        plan.baselines.sharding_only = Some(json(auto_with(req, CkptSearch::Off)?, None));
     }
     Ok(())
 }
@@ -369,6 +450,15 @@ pub struct Executable {
 
 /// Lowers a plan's strategies (hand edits included) on the request's model and cluster.
 pub fn lower_plan(req: &Request<'_>, file: &Plan) -> Result<Executable> {
+    lower_plan_with(req, file, file.checkpointing())
+}
+
+/// [`lower_plan`] with another checkpointing than the plan's own.
+pub fn lower_plan_with(
+    req: &Request<'_>,
+    file: &Plan,
+    ckpt: tessera_ir::Checkpointing,
+) -> Result<Executable> {
     if file.version != crate::plan::PLAN_VERSION {
         return Err(PlanError::Invalid(format!(
             "plan file version {} is not supported (this tessera writes version {})",
@@ -395,7 +485,7 @@ pub fn lower_plan(req: &Request<'_>, file: &Plan) -> Result<Executable> {
         zero: file.zero_stage,
         micro_batches: mb,
         train: req.train.clone(),
-        ckpt: file.checkpointing(),
+        ckpt,
     };
     let lowered = crate::lower::lower(&fwd.graph, fwd.loss, &strategies, &mesh, &p.cost, &opts)?;
     Ok(Executable { mesh, lowered, zero_stage: file.zero_stage, micro_batches: mb, strategies })

@@ -94,6 +94,58 @@ pub struct Problem0<'a> {
     pub ckpt: CkptSearch,
     /// Forward graphs and their saved-activation sets, per micro-batch size.
     pub graphs: std::sync::Mutex<HashMap<usize, SharedForward>>,
+    /// Step times (f64 bits) of the fastest fitting plans found so far by any job, per axis
+    /// rule: the bound that lets the checkpoint search skip layouts that cannot win.
+    pub fastest: FastestSoFar,
+    /// (mesh, rule, ZeRO stage) whose model state alone (parameters, optimizer state: what
+    /// is resting before a step) exceeds the budget at the most frugal layout: no micro-batch
+    /// count can make them fit, so their candidates are not evaluated again.
+    pub hopeless: std::sync::Mutex<Vec<(Mesh, AxisRule, u8)>>,
+}
+
+/// The fastest fitting step time found so far, shared by the search's threads. A free
+/// per-op plan only wins by beating the best Megatron-style one by 0.1% (see
+/// `planner::fastest`), and the Megatron results double as a baseline, so each rule keeps
+/// its own record and is bounded by what can still change the answer.
+#[derive(Debug)]
+pub struct FastestSoFar {
+    free: std::sync::atomic::AtomicU64,
+    megatron: std::sync::atomic::AtomicU64,
+}
+
+impl Default for FastestSoFar {
+    fn default() -> Self {
+        let inf = f64::INFINITY.to_bits();
+        FastestSoFar {
+            free: std::sync::atomic::AtomicU64::new(inf),
+            megatron: std::sync::atomic::AtomicU64::new(inf),
+        }
+    }
+}
+
+impl FastestSoFar {
+    fn cell(&self, rule: &AxisRule) -> &std::sync::atomic::AtomicU64 {
+        match rule {
+            AxisRule::Free => &self.free,
+            AxisRule::Megatron { .. } => &self.megatron,
+        }
+    }
+
+    /// Records a fitting plan's step time. Non-negative floats order like their bits.
+    fn record(&self, rule: &AxisRule, step_time_s: f64) {
+        self.cell(rule).fetch_min(step_time_s.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A step time a plan of `rule` must beat to change the search's answer.
+    pub(crate) fn bound(&self, rule: &AxisRule) -> f64 {
+        let load = |c: &std::sync::atomic::AtomicU64| {
+            f64::from_bits(c.load(std::sync::atomic::Ordering::Relaxed))
+        };
+        match rule {
+            AxisRule::Megatron { .. } => load(&self.megatron),
+            AxisRule::Free => load(&self.free).min(load(&self.megatron) * (1.0 - 1e-3)),
+        }
+    }
 }
 
 impl Problem0<'_> {
@@ -389,10 +441,45 @@ const SLACKS: [f64; 4] = [1.5, 2.5, 4.0, 8.0];
 /// tightened until the lowered Program fits), then the ILP under `budget × slack` for growing
 /// slacks, each solution checkpointed by the DP under the real budget ([`crate::ckpt`]); the
 /// fastest fitting Program wins. Slacks stop once the ILP's objective stops improving (memory
-/// no longer binds it), so an unconstrained candidate costs one extra solve.
+/// no longer binds it), so an unconstrained candidate costs one extra solve. The
+/// sharding-only search ([`CkptSearch::Off`]) walks the same slacks and keeps a layout when it
+/// fits as it is; a fixed schedule (`Uniform`, `Chen`) is applied to each slack's layout.
 pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Option<Evaluated>> {
+    let t0 = std::time::Instant::now();
+    let e = evaluate_candidate(p, cand, budget)?;
+    if std::env::var_os("TESSERA_TRACE").is_some() {
+        eprintln!(
+            "trace: evaluated mesh {:?} {:?} zero {} mb {} in {:?}: {}",
+            cand.mesh.shape,
+            cand.rule,
+            cand.zero,
+            cand.micro_batches,
+            t0.elapsed(),
+            e.as_ref().map_or("no fit".to_string(), |e| format!(
+                "{:.4} s, recompute {:.4} s, peak {:.2} GiB",
+                e.step_time_s(),
+                e.lowered.time.recompute_s,
+                e.peak_bytes() as f64 / (1u64 << 30) as f64
+            )),
+        );
+    }
+    if let Some(e) = &e {
+        p.fastest.record(&cand.rule, e.step_time_s());
+    }
+    Ok(e)
+}
+
+fn evaluate_candidate(
+    p: &Problem0<'_>,
+    cand: &Candidate,
+    budget: f64,
+) -> Result<Option<Evaluated>> {
     let mb = cand.micro_batches.max(1);
     if !p.batch.is_multiple_of(mb) {
+        return Ok(None);
+    }
+    let key = (cand.mesh.clone(), cand.rule.clone(), cand.zero);
+    if p.hopeless.lock().is_ok_and(|h| h.contains(&key)) {
         return Ok(None);
     }
     let shared = p.forward(p.batch / mb)?;
@@ -427,6 +514,9 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
         CkptSearch::Chen => Some(chen_schedule(nb)),
         _ => None,
     };
+    // This candidate's fastest fit so far (a bound for the checkpoint search, like
+    // `p.fastest` across candidates).
+    let local_best = std::cell::Cell::new(f64::INFINITY);
     // Lowers one ILP solution under the policy: `None` when it does not fit.
     let finish_policy = |strategies: &[Option<Strategy>]| -> Result<Option<Lowered>> {
         let u = lower_unfinished(g, fwd.loss, strategies, mesh, &lopts)?;
@@ -436,7 +526,8 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
                 Ok((l.memory.peak_bytes as f64 <= budget || !budget.is_finite()).then_some(l))
             }
             (CkptSearch::Joint, None) if budget.is_finite() => {
-                crate::ckpt::choose(&u, mesh, &p.cost, budget as u64)
+                let bound = p.fastest.bound(&cand.rule).min(local_best.get());
+                crate::ckpt::choose(&u, mesh, &p.cost, budget as u64, bound)
             }
             _ => {
                 let l = finish(&u, &Checkpointing::default(), mesh, &p.cost)?;
@@ -478,6 +569,7 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
             plain_objective.get_or_insert(sol.objective);
             let peak = lowered.memory.peak_bytes as f64;
             if peak <= budget || !budget.is_finite() {
+                local_best.set(lowered.time.step_time_s);
                 best = Some(found(strategies, lowered, sol.objective));
                 break;
             }
@@ -485,15 +577,72 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
             target *= (budget / peak) * 0.98;
         }
     }
-    if matches!(p.ckpt, CkptSearch::Off | CkptSearch::Uniform(CkptMode::None))
-        || !budget.is_finite()
-        || nb == 0
-    {
+    let joint = matches!(p.ckpt, CkptSearch::Joint);
+    if !budget.is_finite() || (nb == 0 && joint) {
         return Ok(best);
+    }
+    let frugal_may_win = cand.zero == 3 && cand.rule == AxisRule::Free;
+    if let (Some(b), Some(_), true) = (&best, plain_objective, frugal_may_win) {
+        // The ILP's cost is an estimate (it does not see how a lowered step overlaps
+        // collectives with compute), and under ZeRO-3 on a free mesh its most memory-frugal
+        // layout — parameters sharded over every axis, gathered hierarchically — can be faster
+        // once lowered than the layout it thinks fastest. It costs one more lowering.
+        if let Some(sol) = ilp::min_peak(&problem, &p.solve)? {
+            let strategies = space.assignment(&sol.picks);
+            if strategies != b.strategies {
+                if let Some(l) = finish_policy(&strategies)? {
+                    if l.time.step_time_s < b.step_time_s() {
+                        local_best.set(l.time.step_time_s);
+                        best = Some(found(strategies, l, sol.objective));
+                    }
+                }
+            }
+        }
+    }
+    if best.is_none() {
+        // Nothing fits without checkpointing (or a fixed schedule was asked for). Whether
+        // anything can: the ILP's most memory-frugal layout under the most frugal
+        // checkpointing the policy allows. One lowering answers for the whole candidate, where
+        // walking the slacks would lower each of their layouts for nothing.
+        let Some(sol) = ilp::min_peak(&problem, &p.solve)? else { return Ok(None) };
+        let strategies = space.assignment(&sol.picks);
+        let u = lower_unfinished(g, fwd.loss, &strategies, mesh, &lopts)?;
+        let fit = match (&p.ckpt, &fixed_mode) {
+            // The DP on the frugal layout (it tries full recompute before anything else).
+            (CkptSearch::Joint, None) => {
+                let bound = p.fastest.bound(&cand.rule);
+                crate::ckpt::choose_or_resting(&u, mesh, &p.cost, budget as u64, bound)?
+            }
+            _ => {
+                let l = finish(&u, &frugal_checkpointing(&p.ckpt, nb), mesh, &p.cost)?;
+                match l.memory.peak_bytes as f64 <= budget {
+                    true => Ok(l),
+                    false => Err(l.memory.resting_bytes),
+                }
+            }
+        };
+        let l = match fit {
+            Ok(l) => l,
+            Err(resting) => {
+                if resting as f64 > budget {
+                    if let Ok(mut h) = p.hopeless.lock() {
+                        h.push(key);
+                    }
+                }
+                return Ok(None);
+            }
+        };
+        // A fitting plan: the slacks below look for faster ones.
+        local_best.set(l.time.step_time_s);
+        best = Some(found(strategies, l, sol.objective));
+        plain_objective = None;
     }
 
     // 2. Checkpointing buys memory back: the ILP under growing slack, each solution
-    //    checkpointed to fit. The unconstrained objective says when to stop.
+    //    checkpointed to fit. The unconstrained objective says when to stop. Without
+    //    checkpointing (`Off`) the same layouts are lowered as they are: the ILP's memory rows
+    //    are conservative, so a layout solved under a looser budget can still fit this one
+    //    (and be faster than the one solved under it).
     let mut pr = problem.clone();
     pr.budget = f64::INFINITY;
     let Some(free) = ilp::solve(&pr, &p.solve)? else { return Ok(best) };
@@ -502,9 +651,19 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
         // Memory never bound the sharding: recomputation could only slow it down.
         return Ok(best);
     }
+    let bound = p.fastest.bound(&cand.rule);
+    if bound.is_finite() {
+        // The ILP's fastest layout, without recomputation, is as fast as this candidate gets
+        // (recomputation only adds time; the slacks' layouts are slower by the ILP's own
+        // measure). When another candidate already beats it, the slacks cannot win.
+        let l = lower(g, fwd.loss, &space.assignment(&free.picks), mesh, &p.cost, &lopts)?;
+        if l.time.step_time_s > bound {
+            return Ok(best);
+        }
+    }
     // Without a sharding-only fit (or with a fixed mode, which the ILP does not model) the
     // budget's own layout is the first to checkpoint.
-    let from_budget = fixed_mode.is_some() || best.is_none();
+    let from_budget = fixed_mode.is_some() || (plain_objective.is_none() && joint);
     let slacks: Vec<f64> = match from_budget {
         true => [1.0].into_iter().chain(SLACKS).collect(),
         false => SLACKS.to_vec(),
@@ -523,23 +682,31 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
         }
         last = Some(sol.objective);
         let strategies = space.assignment(&sol.picks);
-        if let Some(lowered) = finish_policy(&strategies)? {
-            if best.as_ref().is_none_or(|b| lowered.time.step_time_s < b.step_time_s()) {
-                best = Some(found(strategies, lowered, sol.objective));
+        match finish_policy(&strategies)? {
+            Some(lowered) => {
+                if best.as_ref().is_none_or(|b| lowered.time.step_time_s < b.step_time_s()) {
+                    local_best.set(lowered.time.step_time_s);
+                    best = Some(found(strategies, lowered, sol.objective));
+                }
             }
+            // A looser budget's layout holds more, so it would not fit either.
+            None => break,
         }
         if sol.objective <= unconstrained * (1.0 + 1e-3) {
             break;
         }
     }
-    // The unconstrained layout may fit once checkpointed even where no budget's did.
-    if best.is_none() {
-        let strategies = space.assignment(&free.picks);
-        if let Some(lowered) = finish_policy(&strategies)? {
-            best = Some(found(strategies, lowered, free.objective));
-        }
-    }
     Ok(best)
+}
+
+/// The checkpointing that keeps the least under a policy: full recompute for the joint search.
+fn frugal_checkpointing(policy: &CkptSearch, num_blocks: u32) -> Checkpointing {
+    match policy {
+        CkptSearch::Off => Checkpointing::default(),
+        CkptSearch::Uniform(m) => Checkpointing::uniform(num_blocks, *m),
+        CkptSearch::Chen => chen_schedule(num_blocks),
+        CkptSearch::Joint => Checkpointing::uniform(num_blocks, CkptMode::Full),
+    }
 }
 
 /// The smallest simulated peak this candidate reaches (ILP minimising its memory rows, then
@@ -559,13 +726,7 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, f64::INFINITY)?;
     let Some(sol) = ilp::min_peak(&problem, &p.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
-    let nb = tessera_ir::remat::num_blocks(&fwd.graph);
-    let ckpt = match &p.ckpt {
-        CkptSearch::Off => Checkpointing::default(),
-        CkptSearch::Uniform(m) => Checkpointing::uniform(nb, *m),
-        CkptSearch::Chen => chen_schedule(nb),
-        CkptSearch::Joint => Checkpointing::uniform(nb, CkptMode::Full),
-    };
+    let ckpt = frugal_checkpointing(&p.ckpt, tessera_ir::remat::num_blocks(&fwd.graph));
     let lopts = LowerOptions { zero: cand.zero, micro_batches: mb, train: p.train.clone(), ckpt };
     let lowered = lower(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &p.cost, &lopts)?;
     Ok(Some(lowered.memory.peak_bytes))

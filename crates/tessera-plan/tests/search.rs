@@ -134,3 +134,43 @@ fn reshards_in_lowered_programs_carry_collectives_of_the_plan() {
     assert_eq!(p.mesh.shape, vec![2, 2]);
     assert!(p.collectives.iter().all(|c| c.group == 2 && c.bytes > 0));
 }
+
+/// The automatic search prunes with the fastest fit found so far (branch and bound) and runs
+/// ZeRO-3 first; none of that may lose a plan: under a budget that forces checkpointing, no
+/// fixed configuration — each searched on its own, with nothing to prune against — is faster.
+#[test]
+fn pruned_search_is_no_slower_than_any_fixed_configuration_under_a_tight_budget() {
+    let cfg = llama(512, 1408, 8);
+    let (batch, seq) = (8, 512);
+    let free = plan_with(&cfg, "4xRTX3060", batch, seq, None, None).unwrap();
+    let budget = (free.predicted.peak_bytes_per_device[0] as f64 * 0.6) as u64;
+    let auto = plan_with(&cfg, "4xRTX3060", batch, seq, Some(budget), None).unwrap();
+    assert!(auto.predicted.peak_bytes_per_device[0] <= budget);
+    assert!(auto.predicted.recompute_s > 0.0, "the budget must force recomputation");
+    let mut fitting = 0;
+    for (dp, tp) in [(4, 1), (2, 2), (1, 4)] {
+        for zero in 0..=3 {
+            for mb in [1, 2] {
+                for ckpt in ["", " ckpt=selective", " ckpt=full"] {
+                    let c = format!("dp{dp} tp{tp} zero{zero} mb{mb}{ckpt}");
+                    let Ok(fixed) =
+                        plan_with(&cfg, "4xRTX3060", batch, seq, Some(budget), Some(&c))
+                    else {
+                        continue;
+                    };
+                    fitting += 1;
+                    let (a, f) = (auto.predicted.step_time_s, fixed.predicted.step_time_s);
+                    assert!(
+                        a <= f * (1.0 + 1e-9),
+                        "auto {} ({a} s) slower than `{c}` ({f} s)",
+                        auto.config
+                    );
+                }
+            }
+        }
+    }
+    assert!(
+        fitting >= 4,
+        "only {fitting} fixed configurations fit: the budget is too tight to test"
+    );
+}
