@@ -8,10 +8,10 @@
 //! Per mesh, ZeRO stages, each at the smallest micro-batch count that fits (more
 //! micro-batches only add per-kernel overhead and ZeRO-3 gathers); see [`run_job`] for which
 //! stages can win. Jobs (one mesh or Megatron `dp × tp × sp` each) run on all cores, ZeRO-3
-//! for every job first: it is the stage most likely to fit, and the fastest fit found so far
-//! lets the checkpoint search skip layouts that cannot win (branch and bound; pruning never
-//! drops a candidate that could be the answer, so the result does not depend on timing). The
-//! Megatron results double as the `--baseline megatron` answer.
+//! for every job first: it is the stage most likely to fit, and the fastest of those fits then
+//! bounds the rest of the search (branch and bound, see [`search::evaluate`]). The bound is
+//! fixed between phases, so the plan does not depend on thread timing. The Megatron results
+//! double as the `--baseline megatron` answer.
 
 use crate::config::ParallelConfig;
 use crate::plan::{BaselineJson, Plan, PlanContext};
@@ -251,6 +251,8 @@ fn run_jobs(
 ) -> Result<Vec<JobResult>> {
     let first: Vec<JobResult> =
         parallel_map(jobs, |j| run_job_zero3(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
+    // The second phase is bounded by the first one's fits, the same whatever the timing.
+    p.fastest.publish();
     let rest: Vec<JobResult> =
         parallel_map(jobs, |j| run_job(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
     Ok(rest

@@ -103,47 +103,60 @@ pub struct Problem0<'a> {
     pub hopeless: std::sync::Mutex<Vec<(Mesh, AxisRule, u8)>>,
 }
 
-/// The fastest fitting step time found so far, shared by the search's threads. A free
-/// per-op plan only wins by beating the best Megatron-style one by 0.1% (see
-/// `planner::fastest`), and the Megatron results double as a baseline, so each rule keeps
-/// its own record and is bounded by what can still change the answer.
+/// The fastest fitting step times found so far, shared by the search's threads: the bound of
+/// its branch and bound. A free per-op plan only wins by beating the best Megatron-style one
+/// by 0.1% (see `planner::fastest`), and the Megatron results double as a baseline, so each
+/// rule keeps its own record and is bounded by what can still change the answer.
+///
+/// Fits are recorded as they come, but bounds read the record as of the last
+/// [`FastestSoFar::publish`] (the planner publishes between its phases). Bounds therefore do
+/// not depend on which thread finished first, and neither does the plan.
 #[derive(Debug)]
 pub struct FastestSoFar {
-    free: std::sync::atomic::AtomicU64,
-    megatron: std::sync::atomic::AtomicU64,
+    /// Recorded: [free, megatron].
+    recorded: [std::sync::atomic::AtomicU64; 2],
+    /// As of the last `publish`: what bounds read.
+    published: [std::sync::atomic::AtomicU64; 2],
 }
 
 impl Default for FastestSoFar {
     fn default() -> Self {
-        let inf = f64::INFINITY.to_bits();
-        FastestSoFar {
-            free: std::sync::atomic::AtomicU64::new(inf),
-            megatron: std::sync::atomic::AtomicU64::new(inf),
-        }
+        let inf = || std::sync::atomic::AtomicU64::new(f64::INFINITY.to_bits());
+        FastestSoFar { recorded: [inf(), inf()], published: [inf(), inf()] }
     }
 }
 
 impl FastestSoFar {
-    fn cell(&self, rule: &AxisRule) -> &std::sync::atomic::AtomicU64 {
+    fn index(rule: &AxisRule) -> usize {
         match rule {
-            AxisRule::Free => &self.free,
-            AxisRule::Megatron { .. } => &self.megatron,
+            AxisRule::Free => 0,
+            AxisRule::Megatron { .. } => 1,
         }
     }
 
     /// Records a fitting plan's step time. Non-negative floats order like their bits.
     fn record(&self, rule: &AxisRule, step_time_s: f64) {
-        self.cell(rule).fetch_min(step_time_s.to_bits(), std::sync::atomic::Ordering::Relaxed);
+        self.recorded[Self::index(rule)]
+            .fetch_min(step_time_s.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Makes everything recorded so far the bound (call with no search thread running).
+    pub fn publish(&self) {
+        for (r, p) in self.recorded.iter().zip(&self.published) {
+            p.store(
+                r.load(std::sync::atomic::Ordering::Relaxed),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
     }
 
     /// A step time a plan of `rule` must beat to change the search's answer.
     pub(crate) fn bound(&self, rule: &AxisRule) -> f64 {
-        let load = |c: &std::sync::atomic::AtomicU64| {
-            f64::from_bits(c.load(std::sync::atomic::Ordering::Relaxed))
-        };
+        let load =
+            |i: usize| f64::from_bits(self.published[i].load(std::sync::atomic::Ordering::Relaxed));
         match rule {
-            AxisRule::Megatron { .. } => load(&self.megatron),
-            AxisRule::Free => load(&self.free).min(load(&self.megatron) * (1.0 - 1e-3)),
+            AxisRule::Megatron { .. } => load(1),
+            AxisRule::Free => load(0).min(load(1) * (1.0 - 1e-3)),
         }
     }
 }
@@ -444,6 +457,14 @@ const SLACKS: [f64; 4] = [1.5, 2.5, 4.0, 8.0];
 /// no longer binds it), so an unconstrained candidate costs one extra solve. The
 /// sharding-only search ([`CkptSearch::Off`]) walks the same slacks and keeps a layout when it
 /// fits as it is; a fixed schedule (`Uniform`, `Chen`) is applied to each slack's layout.
+///
+/// Branch and bound with [`Problem0::fastest`] (the fastest fit of the search's previous
+/// phase): a layout whose plain Program is slower than the bound skips the checkpoint DP
+/// (exact: recomputation only adds time), and a candidate whose ILP-fastest layout, lowered,
+/// is slower skips its slacks (heuristic: it trusts the ILP's ranking of layouts). When
+/// nothing fits plainly, one lowering of the ILP's most frugal layout under the most frugal
+/// checkpointing decides whether anything can; when the resting model state alone misses the
+/// budget, the (mesh, rule, ZeRO stage) is never evaluated again ([`Problem0::hopeless`]).
 pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Option<Evaluated>> {
     let t0 = std::time::Instant::now();
     let e = evaluate_candidate(p, cand, budget)?;
@@ -653,9 +674,10 @@ fn evaluate_candidate(
     }
     let bound = p.fastest.bound(&cand.rule);
     if bound.is_finite() {
-        // The ILP's fastest layout, without recomputation, is as fast as this candidate gets
-        // (recomputation only adds time; the slacks' layouts are slower by the ILP's own
-        // measure). When another candidate already beats it, the slacks cannot win.
+        // By the ILP's ranking, its fastest layout without recomputation is as fast as this
+        // candidate gets (recomputation only adds time; the slacks' layouts rank slower).
+        // When another candidate already beats it, the slacks are skipped. (A heuristic bound,
+        // unlike the others: it trusts the ILP's ranking, which the lowering refines.)
         let l = lower(g, fwd.loss, &space.assignment(&free.picks), mesh, &p.cost, &lopts)?;
         if l.time.step_time_s > bound {
             return Ok(best);
