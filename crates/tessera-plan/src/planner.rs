@@ -105,11 +105,11 @@ fn first_fit(
             let recomputes = e.lowered.time.recompute_s > 0.0;
             // More micro-batches can save the recomputation at most; when the step without it
             // is already slower than the fastest fit found so far, they cannot win.
-            let hopeless = e.step_time_s() - e.lowered.time.recompute_s > p.fastest.bound(rule);
+            let cannot_win = e.step_time_s() - e.lowered.time.recompute_s > p.fastest.bound(rule);
             if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
                 best = Some(e);
             }
-            if !recomputes || hopeless {
+            if !recomputes || cannot_win {
                 break;
             }
         }
