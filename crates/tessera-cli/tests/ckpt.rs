@@ -152,51 +152,23 @@ fn a_budget_below_full_recompute_names_the_minimum() {
     }
 }
 
+/// `tessera plan` for gpt2-tiny on 4 simulated devices (fp32, batch 8 × seq 64) with `extra`
+/// arguments; its JSON.
+fn plan_gpt2_tiny(extra: &[&str], what: &str) -> Value {
+    let mut args = vec!["plan", "--model", "gpt2-tiny", "--cluster", "4xcpu", "--batch", "8"];
+    args.extend(["--seq", "64", "--dtype", "fp32", "--format", "json"]);
+    args.extend(extra);
+    ok(&tessera(&args), what)
+}
+
 #[test]
 fn plan_reports_modes_recompute_and_baselines() {
-    let free = ok(
-        &tessera(&[
-            "plan",
-            "--model",
-            "gpt2-tiny",
-            "--cluster",
-            "4xcpu",
-            "--batch",
-            "8",
-            "--seq",
-            "64",
-            "--dtype",
-            "fp32",
-            "--plan",
-            "dp4 zero3",
-            "--format",
-            "json",
-        ]),
-        "ZeRO-3 data parallelism without a budget",
-    );
+    let free = plan_gpt2_tiny(&["--plan", "dp4 zero3"], "ZeRO-3 data parallelism without a budget");
     // 80% of the most memory-frugal plain layout's peak: only checkpointing fits.
     let peak = free["predicted"]["peak_bytes_per_device"][0].as_u64().unwrap();
     let budget = (peak as f64 * 0.8) as u64;
-    let plan = ok(
-        &tessera(&[
-            "plan",
-            "--model",
-            "gpt2-tiny",
-            "--cluster",
-            "4xcpu",
-            "--batch",
-            "8",
-            "--seq",
-            "64",
-            "--dtype",
-            "fp32",
-            "--memory-budget",
-            &budget.to_string(),
-            "--baseline",
-            "all",
-            "--format",
-            "json",
-        ]),
+    let plan = plan_gpt2_tiny(
+        &["--memory-budget", &budget.to_string(), "--baseline", "all"],
         "plan under a tight budget",
     );
     let blocks = plan["checkpoint"].as_array().unwrap();
@@ -233,26 +205,7 @@ fn plan_reports_modes_recompute_and_baselines() {
     }
     assert!(plan["baselines"]["megatron"].is_object());
     // A fixed config with a checkpoint mode is carried out on every block.
-    let fixed = ok(
-        &tessera(&[
-            "plan",
-            "--model",
-            "gpt2-tiny",
-            "--cluster",
-            "4xcpu",
-            "--batch",
-            "8",
-            "--seq",
-            "64",
-            "--dtype",
-            "fp32",
-            "--plan",
-            "dp4 ckpt=full",
-            "--format",
-            "json",
-        ]),
-        "fixed ckpt=full",
-    );
+    let fixed = plan_gpt2_tiny(&["--plan", "dp4 ckpt=full"], "fixed ckpt=full");
     assert_eq!(fixed["config"], "dp4 tp1 ckpt=full");
     assert!(fixed["checkpoint"].as_array().unwrap().iter().all(|b| b["mode"] == "full"));
     assert!(fixed["predicted"]["recompute_s"].as_f64().unwrap() > 0.0);
