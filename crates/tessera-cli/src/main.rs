@@ -8,8 +8,8 @@ mod export_cmd;
 mod format;
 mod plan_cmd;
 mod profile_cmd;
-mod spmd_train;
 mod train_cmd;
+mod train_launch;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -1,22 +1,32 @@
-//! `tessera train`: train a model on real text — on N simulated devices under a parallel plan
-//! (the default: 4, automatic plan; see [`crate::spmd_train`]) or on one device — and check the
-//! predicted memory (and traffic) against the runtime's accountant and the process heap.
+//! `tessera train`: one path for every model, precision and plan. The command parses, plans —
+//! a single device is a 1-device mesh, planned like any other (its `--memory-budget` is the
+//! planner's joint checkpointing search) — and hands the plan's Program to the runtime's one
+//! training loop ([`tessera_runtime::run`]) on every device: simulated devices as threads
+//! ([`crate::train_launch`]), or one rank per process under `mpirun`/`srun`/`torchrun`. It
+//! then reports, per device, the predicted against the measured memory and traffic.
 
 use crate::format::bytes;
-use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
+use crate::plan_cmd::{choose_plan, plan_err};
+use crate::profile_cmd::{OutputFormat, Precision};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use std::io::Write as _;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::time::Instant;
-use tessera_ir::{build_training_graph, Program, TrainConfig, TrainingGraph};
+use std::sync::Mutex;
+use tessera_ir::{build_training_graph, Graph, TensorId, TrainConfig, TrainingGraph};
 use tessera_models::{build, BuildOptions, ModelConfig};
-use tessera_profile::simulate_memory;
-use tessera_runtime::checkpoint::{load_checkpoint, save_checkpoint, Manifest};
+use tessera_plan::plan::Plan;
+use tessera_plan::planner::{self, Request};
+use tessera_plan::search::Forward;
+use tessera_plan::{Cluster, PlanError};
+use tessera_runtime::checkpoint::{load_checkpoint, Checkpoint, Manifest};
+use tessera_runtime::collective::Placement;
 use tessera_runtime::data::{DataOptions, Dataset, TokenDType, Tokenizer};
-use tessera_runtime::{alloc, CpuBackend, LossScaleConfig, LossScaleState, LrSchedule, Trainer};
+use tessera_runtime::init::{init_rules_by_name, InitRule};
+use tessera_runtime::run::SaveSpec;
+use tessera_runtime::LrSchedule;
 
 /// The shipped corpus (public-domain Shakespeare, see data/README.md), embedded so the default
 /// run works from any directory.
@@ -41,6 +51,11 @@ pub struct TrainArgs {
     /// A preset, a Hugging Face config.json, or a directory holding one (causal LMs).
     #[arg(long, default_value = "gpt2-tiny")]
     pub model: String,
+    /// Fine-tune: start from the weights of a Hugging Face checkpoint directory (its
+    /// config.json is the model; `model.safetensors` or a sharded index), with fresh optimizer
+    /// state, on any plan. Takes the place of --model.
+    #[arg(long, value_name = "DIR")]
+    pub init: Option<PathBuf>,
     /// Text file (byte-level tokens, or --tokenizer), nanoGPT token file (.bin), or a directory
     /// with train.bin and val.bin. Default: the shipped Shakespeare corpus.
     #[arg(long)]
@@ -103,7 +118,9 @@ pub struct TrainArgs {
     /// Also save every N steps.
     #[arg(long, requires = "save")]
     pub save_every: Option<u64>,
-    /// Resume from a checkpoint saved by `--save`, continuing to the same --steps horizon.
+    /// Resume from a checkpoint saved by `--save` (under any plan or device count). A
+    /// `--steps` other than the saved run's extends it, the learning-rate schedule following
+    /// the new horizon from the saved step.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Stop after this step (the schedule still spans --steps); for tests and preemption.
@@ -116,9 +133,6 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 2000)]
     pub loss_scale_window: u64,
 }
-
-/// Key of the loss scaler's state in a checkpoint manifest's `extra`.
-pub const SCALER_KEY: &str = "loss_scaler";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum TokenBits {
@@ -174,320 +188,287 @@ pub fn make_schedule(args: &TrainArgs) -> LrSchedule {
     }
 }
 
-/// The settings a resumed run must share with the saved one (besides steps and seed).
+/// The settings a resumed run must share with the saved one (besides the seed).
 pub fn run_facts(args: &TrainArgs) -> serde_json::Value {
     json!({"batch": args.batch, "seq": args.seq,
            "dtype": format!("{:?}", args.dtype).to_lowercase()})
 }
 
-/// On one device: the training graph checkpointed (modes chosen per block by the planner's
-/// DP) so its Program fits `budget`; unchanged when it fits as it is.
-pub fn checkpoint_to_fit(train: TrainingGraph, budget: u64) -> Result<TrainingGraph> {
-    let peak = simulate_memory(&Program::lower_training(&train)).report.peak_bytes;
-    if peak <= budget {
-        return Ok(train);
-    }
-    let cluster = tessera_plan::Cluster::parse("1xcpu").map_err(crate::plan_cmd::plan_err)?;
-    let mesh = tessera_plan::Mesh::new(&cluster, &[1], &[]).map_err(crate::plan_cmd::plan_err)?;
-    let cost = tessera_plan::cost::CostModel::new(cluster.device.clone());
-    let u = tessera_plan::lower::Unfinished {
-        training: train,
-        leaf_specs: Vec::new(),
-        micro_batches: 1,
-    };
-    let Some(measured) =
-        tessera_plan::ckpt::measure(&u, &mesh, &cost).map_err(crate::plan_cmd::plan_err)?
-    else {
-        bail!(
-            "the step needs {} but --memory-budget is {}, and the model has no repeated blocks \
-             to checkpoint: raise the budget or lower --batch/--seq",
-            bytes(peak),
-            bytes(budget)
-        );
-    };
-    match tessera_plan::ckpt::choose_measured(&u, &mesh, &cost, budget, &measured)
-        .map_err(crate::plan_cmd::plan_err)?
-    {
-        Some(l) => Ok(l.training),
-        None => bail!(
-            "the step needs at least {} even recomputing every block, but --memory-budget is {}: \
-             raise the budget to at least that, or lower --batch/--seq",
-            bytes(tessera_plan::ckpt::min_peak(&measured)),
-            bytes(budget)
-        ),
-    }
+/// Where a run's parameters come from.
+pub enum Start {
+    /// A fresh init: the rules by parameter name (each device draws its own shards).
+    Fresh(HashMap<String, InitRule>),
+    /// A checkpoint to resume (global tensors; each device slices its shards).
+    Resume(Box<Checkpoint>),
+    /// Fine-tuning: Hugging Face weights by name (each device slices its shards), fresh AdamW
+    /// state.
+    Weights(HashMap<String, candle_core::Tensor>),
 }
 
-pub fn run(args: &TrainArgs) -> Result<()> {
+/// A resumed run whose `--steps` differs from the saved horizon.
+#[derive(Clone, Copy, Debug)]
+pub struct Extended {
+    pub saved_total: u64,
+    pub total: u64,
+}
+
+/// Everything a device needs, shared read-only by the threads of a simulated run.
+pub struct RunContext {
+    pub args: TrainArgs,
+    pub cfg: ModelConfig,
+    pub plan: Plan,
+    pub training: TrainingGraph,
+    pub placements: HashMap<String, Placement>,
+    pub mesh_shape: Vec<usize>,
+    pub micro_batches: usize,
+    pub budget: u64,
+    pub schedule: LrSchedule,
+    pub dataset: Dataset,
+    pub start: Start,
+    pub steps_done: u64,
+    pub first: u64,
+    pub last_step: u64,
+    pub extended: Option<Extended>,
+    /// Predicted bytes one device contributes to collectives per step, and calls per kind.
+    pub predicted_comm_bytes: u64,
+    pub predicted_calls: BTreeMap<String, u64>,
+    pub predicted_peak: Vec<u64>,
+    /// The single-device model without dropout, for the held-out loss.
+    pub eval_model: (Graph, TensorId),
+    pub save: Option<SaveSpec>,
+    pub log: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
+    pub bar: ProgressBar,
+}
+
+/// Checks the numeric flags before anything is built.
+fn validate(args: &TrainArgs) -> Result<()> {
     if args.devices == 0 {
         bail!("--devices must be at least 1");
-    }
-    if let Some(env) = tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))? {
-        if env.world_size > 1 {
-            return crate::spmd_train::run_launched(args, &env);
-        }
-    }
-    if args.devices > 1 {
-        return crate::spmd_train::run(args, args.devices);
     }
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let cfg = ModelConfig::resolve(&args.model)?;
-    let opts = BuildOptions { batch: args.batch, seq: args.seq, dtype: args.dtype.dtype() };
-    let model = build(&cfg, &opts)?;
-    let eval_model = build(&cfg.without_dropout(), &opts)?;
+    if args.batch == 0 || args.seq == 0 {
+        bail!("--batch and --seq must be at least 1");
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        bail!("--lr {} must be a positive number, like 1e-3", args.lr);
+    }
+    if !(args.weight_decay.is_finite() && args.weight_decay >= 0.0) {
+        bail!("--weight-decay {} must be 0 or more", args.weight_decay);
+    }
+    if !(args.max_grad_norm.is_finite() && args.max_grad_norm >= 0.0) {
+        bail!("--max-grad-norm {} must be 0 (off) or more", args.max_grad_norm);
+    }
+    if let Some(w) = args.warmup.filter(|&w| w > args.steps) {
+        bail!("--warmup {w} is longer than the run (--steps {}): lower it", args.steps);
+    }
+    if !(args.comm_timeout.is_finite() && args.comm_timeout > 0.0) {
+        bail!("--comm-timeout {} must be a positive number of seconds", args.comm_timeout);
+    }
+    Ok(())
+}
+
+pub fn run(args: &TrainArgs) -> Result<()> {
+    validate(args)?;
+    if let Some(env) = tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))? {
+        if env.world_size > 1 {
+            return crate::train_launch::run_launched(args, &env);
+        }
+    }
+    crate::train_launch::run_local(args, args.devices)
+}
+
+/// The resumed checkpoint's steps, schedule and horizon: the seed, batch, sequence length and
+/// precision must be the saved run's; a different `--steps` extends (or shortens) the run, the
+/// learning-rate schedule following the new horizon from the saved step.
+fn check_resume(args: &TrainArgs, ckpt: &Checkpoint) -> Result<(LrSchedule, Option<Extended>)> {
+    let m = &ckpt.manifest;
+    let mut facts = m.extra.clone();
+    if let Some(map) = facts.as_object_mut() {
+        map.remove(tessera_runtime::loss_scale::SCALER_KEY);
+    }
+    let want = run_facts(args);
+    if m.seed != args.seed || facts != want {
+        bail!(
+            "{} was saved by a run with --seed {} {}; resume with the same settings (got --seed \
+             {} {want})",
+            ckpt.dir.display(),
+            m.seed,
+            facts,
+            args.seed
+        );
+    }
+    if args.steps <= m.step {
+        bail!(
+            "{} is at step {} already; to train on, resume with --steps above {} (it was saved \
+             by a run of --steps {})",
+            ckpt.dir.display(),
+            m.step,
+            m.step,
+            m.total_steps
+        );
+    }
+    if args.steps == m.total_steps {
+        return Ok((m.schedule.clone(), None));
+    }
+    let extended = Extended { saved_total: m.total_steps, total: args.steps };
+    Ok((m.schedule.with_horizon(args.steps), Some(extended)))
+}
+
+/// Plans the run and builds what every device shares. Only `rank` 0 writes the step log and
+/// draws the progress bar.
+pub fn prepare(args: &TrainArgs, devices: usize, rank: usize) -> Result<RunContext> {
+    let cfg = match &args.init {
+        Some(dir) => ModelConfig::from_path(dir)
+            .with_context(|| format!("--init {}: reading its config.json", dir.display()))?,
+        None => ModelConfig::resolve(&args.model)?,
+    };
+    let dtype = args.dtype.dtype();
     let vocab = cfg.vocab_size().unwrap_or(0);
     let dataset = load_dataset(args, vocab)?;
-
     let train_cfg = TrainConfig {
         weight_decay: args.weight_decay,
         max_grad_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),
         ..TrainConfig::default()
     };
-    let train = build_training_graph(model.builder, model.loss, &train_cfg)
-        .context("building the training graph")?;
-    let train = match args.memory_budget {
-        Some(budget) => checkpoint_to_fit(train, budget)?,
-        None => train,
+    let cluster_str = args.cluster.clone().unwrap_or_else(|| format!("{devices}xcpu"));
+    let cluster = Cluster::parse(&cluster_str).map_err(plan_err)?;
+    if cluster.num_devices() != devices {
+        bail!(
+            "--cluster {cluster_str} has {} devices but --devices is {devices}: make them agree",
+            cluster.num_devices()
+        );
+    }
+    let budget = args.memory_budget.unwrap_or_else(|| cluster.device.usable_bytes());
+    let full = build(&cfg, &BuildOptions { batch: args.batch, seq: args.seq, dtype })?;
+    let global_train = build_training_graph(full.builder, full.loss, &train_cfg)?;
+    let model_flops = tessera_profile::count_flops(&global_train.graph).matmul as f64;
+    let model_cfg = cfg.clone();
+    let seq = args.seq;
+    let builder = move |mb: usize| -> tessera_plan::Result<Forward> {
+        let m = build(&model_cfg, &BuildOptions { batch: mb, seq, dtype })
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
     };
-    let schedule = make_schedule(args);
-    let run_facts = run_facts(args);
-    let resume = match &args.resume {
+    let req = Request {
+        build: &builder,
+        model: cfg.name().to_string(),
+        batch: args.batch,
+        seq,
+        dtype,
+        cluster,
+        budget,
+        train: train_cfg.clone(),
+        model_flops,
+        ckpt: tessera_plan::search::CkptSearch::Joint,
+    };
+    let plan = choose_plan(&req, &args.plan).context("planning the run")?;
+    let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
+    let placements: HashMap<String, Placement> =
+        exe.lowered.leaf_specs.iter().map(|(n, s)| (n.clone(), s.dims.clone())).collect();
+    let predicted_comm_bytes: u64 = exe.lowered.collectives.iter().map(|c| c.bytes).sum();
+    let mut predicted_calls = BTreeMap::new();
+    for c in &exe.lowered.collectives {
+        *predicted_calls.entry(c.op.to_string()).or_insert(0) += 1;
+    }
+
+    let (start, steps_done, schedule, extended) = match &args.resume {
         Some(dir) => {
             let ckpt = load_checkpoint(dir)?;
-            let m = &ckpt.manifest;
-            let mut facts = m.extra.clone();
-            if let Some(map) = facts.as_object_mut() {
-                map.remove(SCALER_KEY);
-            }
-            if m.total_steps != args.steps || m.seed != args.seed || facts != run_facts {
-                bail!(
-                    "{} was saved by a run with --steps {} --seed {} {}; resume with the same \
-                     settings (got --steps {} --seed {} {run_facts})",
-                    dir.display(),
-                    m.total_steps,
-                    m.seed,
-                    m.extra,
-                    args.steps,
-                    args.seed
-                );
-            }
-            Some(ckpt)
+            let (schedule, extended) = check_resume(args, &ckpt)?;
+            let step = ckpt.manifest.step;
+            (Start::Resume(Box::new(ckpt)), step, schedule, extended)
         }
-        None => None,
+        None => match &args.init {
+            Some(dir) => {
+                let g = &global_train.graph;
+                let weights = tessera_runtime::checkpoint::load_hf_weights(dir, g)
+                    .with_context(|| format!("--init {}", dir.display()))?;
+                let by_name =
+                    weights.into_iter().map(|(t, v)| (g.tensor_scope(t).to_string(), v)).collect();
+                (Start::Weights(by_name), 0, make_schedule(args), None)
+            }
+            None => {
+                let rules = init_rules_by_name(&global_train.graph);
+                (Start::Fresh(rules), 0, make_schedule(args), None)
+            }
+        },
     };
-
-    let heap_baseline = alloc::current_bytes();
-    let scaled = train.loss_scale.is_some();
-    let mut trainer =
-        Trainer::new(train, CpuBackend::new(0), schedule.clone(), args.seed, args.memory_budget)?
-            .with_eval(eval_model.builder.finish(), eval_model.loss, CpuBackend::new(0))?;
-    if scaled {
-        let scale_cfg = LossScaleConfig {
-            init_scale: args.loss_scale,
-            growth_interval: args.loss_scale_window,
-            ..LossScaleConfig::default()
-        };
-        trainer = trainer.with_loss_scale(scale_cfg).context("--loss-scale")?;
-    }
-    if let Some(ckpt) = &resume {
-        trainer
-            .restore(&ckpt.params, &ckpt.optimizer, ckpt.manifest.step)
-            .with_context(|| format!("resuming from {}", ckpt.dir.display()))?;
-        if let Some(state) = ckpt.manifest.extra.get(SCALER_KEY) {
-            let state: LossScaleState = serde_json::from_value(state.clone())
-                .with_context(|| format!("{}: bad {SCALER_KEY}", ckpt.dir.display()))?;
-            trainer.set_loss_scale_state(state)?;
-        }
-    }
-    let first = trainer.steps_done() + 1;
+    let first = steps_done + 1;
     let last_step = args.stop_after.map_or(args.steps, |k| k.min(args.steps));
     if first > last_step {
-        bail!("nothing to do: the run is already at step {} of {last_step}", first - 1);
+        bail!("nothing to do: the run is already at step {steps_done} of {last_step}");
     }
-    let save = |trainer: &Trainer<CpuBackend>| -> Result<()> {
-        let Some(dir) = &args.save else { return Ok(()) };
-        let mut manifest = Manifest::new(
-            trainer.steps_done(),
-            args.steps,
-            args.seed,
-            &args.model,
-            schedule.clone(),
-        );
-        manifest.extra = run_facts.clone();
-        if let Some(state) = trainer.loss_scale_state() {
-            manifest.extra[SCALER_KEY] = serde_json::to_value(state)?;
-        }
-        save_checkpoint(
-            dir,
-            &cfg.to_hf_json(),
-            &trainer.parameters(),
-            &trainer.optimizer_state()?,
-            &manifest,
-        )
-        .with_context(|| format!("saving a checkpoint to {}", dir.display()))?;
-        Ok(())
-    };
-    let predicted = simulate_memory(trainer.program()).report.peak_bytes;
-    trainer.record_timings(args.op_times);
-
-    let mut log = match &args.log_json {
-        Some(p) => Some(std::io::BufWriter::new(
+    let eval = build(&cfg.without_dropout(), &BuildOptions { batch: args.batch, seq, dtype })?;
+    let log = match &args.log_json {
+        Some(p) if rank == 0 => Some(Mutex::new(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => None,
+        ))),
+        _ => None,
     };
-    let bar = ProgressBar::new(last_step);
+    let save = args.save.as_ref().map(|dir| {
+        let model = args.init.as_ref().map_or(args.model.clone(), |d| d.display().to_string());
+        let mut manifest = Manifest::new(0, args.steps, args.seed, model, schedule.clone());
+        manifest.extra = run_facts(args);
+        SaveSpec {
+            dir: dir.clone(),
+            every: args.save_every,
+            config_json: cfg.to_hf_json(),
+            manifest,
+            layout: json!({"config": plan.config, "mesh": plan.mesh.shape,
+                           "zero_stage": plan.zero_stage, "micro_batches": plan.micro_batches}),
+        }
+    });
+    let bar = if rank == 0 { ProgressBar::new(last_step) } else { ProgressBar::hidden() };
     bar.set_position(first - 1);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let tokens_per_step = (args.batch * args.seq) as f64;
-    let mut initial_loss = f64::NAN;
-    let mut last = None;
-    let mut measured = 0u64;
-    let mut skipped_steps = 0u64;
-    alloc::reset_peak();
-    let start = Instant::now();
-    for step in first..=last_step {
-        let b = dataset.train_batch(args.seed, step, args.batch, args.seq)?;
-        let t0 = Instant::now();
-        let stats = trainer.step(&b.inputs, &b.targets)?;
-        let dt = t0.elapsed().as_secs_f64();
-        if step == first {
-            initial_loss = stats.loss;
-        }
-        measured = measured.max(stats.peak_bytes);
-        skipped_steps += u64::from(stats.skipped);
-        let tps = tokens_per_step / dt;
-        if let Some(w) = log.as_mut() {
-            // A skipped step's norm is inf or NaN, which JSON cannot hold: it is written null.
-            let grad_norm = stats.grad_norm.is_finite().then_some(stats.grad_norm);
-            let mut line = json!({"step": step, "loss": stats.loss, "grad_norm": grad_norm,
-                              "lr": stats.lr, "tokens_per_s": tps, "peak_bytes": stats.peak_bytes});
-            if scaled {
-                line["loss_scale"] = json!(stats.loss_scale);
-                line["skipped"] = json!(stats.skipped);
-            }
-            writeln!(w, "{line}").context("writing the step log")?;
-        }
-        bar.set_position(step);
-        bar.set_message(format!(
-            "loss {:.4} | {:.0} tok/s | mem {} (predicted {})",
-            stats.loss,
-            tps,
-            bytes(stats.peak_bytes),
-            bytes(predicted)
-        ));
-        last = Some(stats);
-        if args.save_every.is_some_and(|n| n > 0 && step % n == 0) && step != last_step {
-            save(&trainer)?;
-        }
+    if let (Some(e), 0) = (extended, rank) {
+        bar.suspend(|| {
+            eprintln!(
+                "resuming at step {steps_done} of a run saved with --steps {}: the run now ends \
+                 at step {} and the learning-rate schedule follows the new horizon",
+                e.saved_total, e.total
+            )
+        });
     }
-    save(&trainer)?;
-    let elapsed = start.elapsed().as_secs_f64();
-    bar.finish_and_clear();
-    if let Some(mut w) = log {
-        w.flush().context("writing the step log")?;
-    }
-    let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
-    let last = last.context("no step ran")?;
-    let val: Vec<(Vec<i64>, Vec<i64>)> = if args.eval_batches == 0 {
-        Vec::new()
-    } else {
-        dataset
-            .val_batches(args.batch, args.seq, args.eval_batches)?
-            .into_iter()
-            .map(|b| (b.inputs, b.targets))
-            .collect()
-    };
-    // `--eval-batches 0` skips the held-out evaluation.
-    let eval_loss = if val.is_empty() { None } else { Some(trainer.eval(&val)?) };
-    let steps_run = last_step + 1 - first;
-    let tokens_per_s = tokens_per_step * steps_run as f64 / elapsed;
-    let unigram = tessera_runtime::data::unigram_entropy_nats(&dataset.train, dataset.vocab_size);
+    Ok(RunContext {
+        args: args.clone(),
+        cfg,
+        predicted_peak: plan.predicted.peak_bytes_per_device.clone(),
+        plan,
+        training: exe.lowered.training,
+        placements,
+        mesh_shape: exe.mesh.shape.clone(),
+        micro_batches: exe.micro_batches,
+        budget,
+        schedule,
+        dataset,
+        start,
+        steps_done,
+        first,
+        last_step,
+        extended,
+        predicted_comm_bytes,
+        predicted_calls,
+        eval_model: (eval.builder.finish(), eval.loss),
+        save,
+        log,
+        bar,
+    })
+}
 
-    let op_times: Vec<(&str, u64, f64)> = {
-        let mut v: Vec<_> = trainer
-            .timings()
-            .map(|t| t.iter().map(|(k, o)| (*k, o.calls, o.seconds)).collect())
-            .unwrap_or_default();
-        v.sort_by(|a, b| b.2.total_cmp(&a.2));
-        v
-    };
-    let op_total: f64 = op_times.iter().map(|o| o.2).sum();
-    match args.format {
-        OutputFormat::Json => {
-            let mut doc = json!({
-                "model": cfg.name(),
-                "devices": 1,
-                "steps": steps_run,
-                "last_step": last_step,
-                "batch": args.batch,
-                "seq": args.seq,
-                "initial_loss": initial_loss,
-                "final_loss": last.loss,
-                "eval_loss": eval_loss,
-                "unigram_entropy": unigram,
-                "tokens_per_s": tokens_per_s,
-                "elapsed_s": elapsed,
-                "memory": {
-                    "predicted_peak_bytes": [predicted],
-                    "measured_peak_bytes": [measured],
-                    "heap_peak_bytes": heap_peak,
-                },
-            });
-            if scaled {
-                doc["skipped_steps"] = json!(skipped_steps);
-                doc["loss_scale"] = json!(trainer.loss_scale_state().map(|s| s.scale));
-            }
-            if args.op_times {
-                doc["op_times"] = op_times
-                    .iter()
-                    .map(|(k, calls, s)| (k.to_string(), json!({"calls": calls, "seconds": s})))
-                    .collect::<serde_json::Map<_, _>>()
-                    .into();
-            }
-            print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
-        }
-        OutputFormat::Table => {
-            let text = format!(
-                "{model} · {steps} steps · batch {b} × seq {s} · {tps:.0} tokens/s\n\
-                 loss        {l0:.4} → {l1:.4} (train), {le} (held-out); unigram entropy {u:.4}\n\
-                 memory      predicted peak {p}, measured peak {m}, process heap peak {h}\n",
-                model = cfg.name(),
-                steps = steps_run,
-                b = args.batch,
-                s = args.seq,
-                tps = tokens_per_s,
-                l0 = initial_loss,
-                l1 = last.loss,
-                le = eval_loss.map_or("not evaluated".to_string(), |e| format!("{e:.4}")),
-                u = unigram,
-                p = bytes(predicted),
-                m = bytes(measured),
-                h = bytes(heap_peak),
-            );
-            let mut text = text;
-            if let (true, Some(state)) = (scaled, trainer.loss_scale_state()) {
-                text.push_str(&format!(
-                    "fp16        {skipped_steps} skipped steps (overflow); loss scale now {}\n",
-                    state.scale
-                ));
-            }
-            if args.op_times {
-                text.push_str("where the time goes (all steps):\n");
-                for (k, calls, secs) in &op_times {
-                    text.push_str(&format!(
-                        "  {k:<24} {secs:>8.2} s  {:>5.1}%  {calls} calls\n",
-                        100.0 * secs / op_total.max(1e-12)
-                    ));
-                }
-            }
-            print_stdout(&text)?;
-        }
-    }
-    Ok(())
+/// The progress line's message after a step.
+pub fn progress(ctx: &RunContext, stats: &tessera_runtime::StepStats, seconds: f64) -> String {
+    let tps = (ctx.args.batch * ctx.args.seq) as f64 / seconds;
+    format!(
+        "loss {:.4} | {:.0} tok/s | mem {} (predicted {})",
+        stats.loss,
+        tps,
+        bytes(stats.peak_bytes),
+        bytes(ctx.predicted_peak.first().copied().unwrap_or(0))
+    )
 }

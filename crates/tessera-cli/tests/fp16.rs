@@ -18,7 +18,7 @@ fn trainer(dtype: DType, schedule: LrSchedule, scale: Option<f64>) -> Trainer<Cp
     let fm = build(&cfg, &BuildOptions { batch: BATCH, seq: SEQ, dtype }).unwrap();
     let tg = build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).unwrap();
     assert_eq!(tg.loss_scale.is_some(), dtype == DType::F16, "only fp16 graphs scale the loss");
-    let t = Trainer::new(tg, CpuBackend::new(0), schedule, 7, None).unwrap();
+    let t = Trainer::single(tg, CpuBackend::new(0), schedule, 7, None).unwrap();
     match scale {
         Some(s) => t
             .with_loss_scale(LossScaleConfig { init_scale: s, ..LossScaleConfig::default() })
@@ -33,7 +33,7 @@ fn data() -> Dataset {
 
 /// Parameters and optimizer state, as f64.
 fn snapshot(t: &Trainer<CpuBackend>) -> Vec<Vec<f64>> {
-    let mut all = t.parameters();
+    let mut all = t.parameters().unwrap();
     all.extend(t.optimizer_state().unwrap());
     all.iter().map(|(_, v)| to_f64_vec(v).unwrap()).collect()
 }
@@ -132,7 +132,7 @@ fn the_scale_grows_after_the_configured_number_of_good_steps() {
     let fm = build(&cfg, &BuildOptions { batch: BATCH, seq: SEQ, dtype: DType::F16 }).unwrap();
     let tg = build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).unwrap();
     let scale = LossScaleConfig { init_scale: 256.0, growth_interval: 3, ..Default::default() };
-    let mut t = Trainer::new(tg, CpuBackend::new(0), LrSchedule::Constant { lr: 1e-4 }, 7, None)
+    let mut t = Trainer::single(tg, CpuBackend::new(0), LrSchedule::Constant { lr: 1e-4 }, 7, None)
         .unwrap()
         .with_loss_scale(scale)
         .unwrap();
@@ -153,7 +153,7 @@ fn fp16_predicted_peak_equals_the_accountants() {
         let fm = build(&cfg, &BuildOptions { batch, seq, dtype: DType::F16 }).unwrap();
         let tg = build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).unwrap();
         let mut t =
-            Trainer::new(tg, CpuBackend::new(0), LrSchedule::Constant { lr: 1e-3 }, 7, None)
+            Trainer::single(tg, CpuBackend::new(0), LrSchedule::Constant { lr: 1e-3 }, 7, None)
                 .unwrap();
         let predicted = simulate_memory(t.program()).report.peak_bytes;
         for step in 1..=2 {

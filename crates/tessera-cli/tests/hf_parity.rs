@@ -252,3 +252,79 @@ fn token_outside_the_vocabulary_is_a_clean_error() {
     let e = eval_error_line(&fixtures().join("llama"), "1,96,3");
     assert!(e.contains("96") && e.contains("vocabulary"), "{e}");
 }
+
+/// Fine-tuning starts from a `transformers` checkpoint's weights on any plan: `train --init`
+/// on 1 device and on 4 (the automatic plan and `dp2 tp2`) reports a first-step loss equal to
+/// `tessera eval`'s on the same tokens — every row of the batch is the one window of the
+/// data — and the plans then take the same steps.
+#[test]
+fn init_fine_tunes_a_transformers_checkpoint_on_any_plan() {
+    let dir = scratch("init");
+    let model = fixtures().join("llama");
+    let seq = 16usize;
+    let ids: Vec<u16> = (0..=seq).map(|i| ((i * 37 + 11) % 96) as u16).collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+    // One window of seq+1 tokens: every batch row is it.
+    std::fs::write(dir.join("train.bin"), &bytes).unwrap();
+    let val: Vec<u8> = (0..4 * seq + 1).flat_map(|i| ((i * 7 % 96) as u16).to_le_bytes()).collect();
+    std::fs::write(dir.join("val.bin"), val).unwrap();
+    let tokens = ids.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
+    let out = tessera(&[
+        "eval",
+        "--model-dir",
+        model.to_str().unwrap(),
+        "--tokens",
+        &tokens,
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "eval: {}", String::from_utf8_lossy(&out.stderr));
+    let want = serde_json::from_slice::<Value>(&out.stdout).unwrap()["loss"].as_f64().unwrap();
+    let mut logs = Vec::new();
+    for (devices, plan) in [("1", "auto"), ("4", "auto"), ("4", "dp2 tp2")] {
+        let log = dir.join(format!("{devices}-{}.jsonl", plan.replace(' ', "_")));
+        let out = tessera(&[
+            "train",
+            "--init",
+            model.to_str().unwrap(),
+            "--data",
+            dir.to_str().unwrap(),
+            "--devices",
+            devices,
+            "--plan",
+            plan,
+            "--batch",
+            "4",
+            "--seq",
+            &seq.to_string(),
+            "--steps",
+            "3",
+            "--lr",
+            "1e-3",
+            "--eval-batches",
+            "1",
+            "--format",
+            "json",
+            "--log-json",
+            log.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let first = doc["initial_loss"].as_f64().unwrap();
+        assert!((first - want).abs() <= LOSS_REL_TOL * want, "{plan}: {first} vs eval {want}");
+        logs.push(std::fs::read_to_string(&log).unwrap());
+    }
+    let losses = |text: &str| -> Vec<f64> {
+        text.lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap()["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let reference = losses(&logs[0]);
+    assert_eq!(reference.len(), 3);
+    assert!(reference[2] < reference[0], "fine-tuning lowers the loss: {reference:?}");
+    for log in &logs[1..] {
+        for (a, b) in losses(log).iter().zip(&reference) {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{a} vs {b}");
+        }
+    }
+}

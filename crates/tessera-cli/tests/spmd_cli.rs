@@ -32,18 +32,7 @@ fn ok(out: &Output, what: &str) -> Value {
 
 /// `(step, loss, grad_norm)` of a `--log-json` file.
 fn log(path: &PathBuf) -> Vec<(u64, f64, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            (
-                v["step"].as_u64().unwrap(),
-                v["loss"].as_f64().unwrap(),
-                v["grad_norm"].as_f64().unwrap(),
-            )
-        })
-        .collect()
+    log_of(&std::fs::read_to_string(path).unwrap())
 }
 
 const SMALL: [&str; 8] = ["--batch", "8", "--seq", "32", "--lr", "1e-4", "--warmup", "1"];
@@ -187,31 +176,58 @@ fn a_failing_or_stuck_rank_ends_the_run_with_a_clear_error() {
     }
 }
 
+/// One training path: a GPT-2 with dropout and an fp16 model train on several devices
+/// through the binary, step for step as on one device (dropout masks keyed by the global
+/// element index; fp16 loss scaling with the same skipped steps).
 #[test]
-fn models_with_dropout_are_refused_on_several_devices() {
-    let dir = temp("dropout");
+fn dropout_and_fp16_runs_match_one_device_through_the_cli() {
+    let dir = temp("one-path");
     let cfg = dir.join("config.json");
     std::fs::write(
         &cfg,
-        r#"{"model_type":"gpt2","vocab_size":256,"n_positions":64,"n_embd":32,"n_layer":1,
+        r#"{"model_type":"gpt2","vocab_size":256,"n_positions":64,"n_embd":32,"n_layer":2,
             "n_head":2,"resid_pdrop":0.1,"embd_pdrop":0.1,"attn_pdrop":0.1}"#,
     )
     .unwrap();
-    let out = tessera(
-        &[
-            "train",
-            "--model",
-            cfg.to_str().unwrap(),
-            "--devices",
-            "2",
-            "--steps",
-            "1",
-            "--seq",
-            "32",
-        ],
-        &[],
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(err.contains("dropout") && err.contains("--devices 1"), "{err}");
+    let run = |model: &str, extra: &[&str], devices: &str, name: &str| {
+        let log = dir.join(format!("{name}-{devices}.jsonl"));
+        let mut args = vec!["train", "--model", model, "--devices", devices, "--steps", "4"];
+        args.extend(["--eval-batches", "0", "--format", "json", "--log-json"]);
+        args.push(log.to_str().unwrap());
+        args.extend(SMALL);
+        args.extend(extra);
+        let doc = ok(&tessera(&args, &[]), name);
+        (doc, std::fs::read_to_string(&log).unwrap())
+    };
+    let (one, one_log) = run(cfg.to_str().unwrap(), &[], "1", "dropout");
+    let (two, two_log) = run(cfg.to_str().unwrap(), &["--plan", "dp2"], "2", "dropout");
+    assert_eq!(two["devices"], 2);
+    let (a, b) = (log_of(&one_log), log_of(&two_log));
+    assert_eq!(a.len(), 4);
+    for ((s, l1, g1), (_, l2, g2)) in a.iter().zip(&b) {
+        assert!((l1 - l2).abs() <= 1e-5 * l1.abs(), "dropout step {s}: loss {l1} vs {l2}");
+        assert!((g1 - g2).abs() <= 1e-5 * g1.abs(), "dropout step {s}: norm {g1} vs {g2}");
+    }
+    assert_eq!(one["final_loss"].as_f64().map(|x| x > 0.0), Some(true));
+
+    let fp16 = ["--dtype", "fp16", "--loss-scale", "2097152"];
+    let (one, _) = run("gpt2-tiny", &fp16, "1", "fp16");
+    let (two, _) = run("gpt2-tiny", &[&fp16[..], &["--plan", "tp2"]].concat(), "2", "fp16");
+    assert!(one["skipped_steps"].as_u64().is_some_and(|k| k > 0), "{one}");
+    assert_eq!(one["skipped_steps"], two["skipped_steps"], "{one}\n{two}");
+    assert_eq!(one["loss_scale"], two["loss_scale"]);
+}
+
+/// `(step, loss, grad_norm)` of the lines of a `--log-json` file's text.
+fn log_of(text: &str) -> Vec<(u64, f64, f64)> {
+    text.lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap(),
+                v["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
 }

@@ -114,3 +114,37 @@ fn every_source_file_opens_with_a_module_doc() {
         .collect();
     assert!(missing.is_empty(), "files without a `//!` module doc: {missing:?}");
 }
+
+/// The matches that define an op — its shape inference, FLOPs, bytes, aliasing, workspace and
+/// VJP (`ops/mod.rs`), its reference semantics (`interp.rs`), its sharding rule (`rules.rs`),
+/// its FLOP profile (`flops.rs`) and its kernel (`kernels/mod.rs`) — have no wildcard arm (`_`
+/// or a bare binding), so a new op does not compile until each exists. Passes that rewrite a
+/// few ops and keep the rest (the lowering's `localize`, say) may use one.
+#[test]
+fn op_definitions_have_no_wildcard_arm() {
+    let root = workspace_root().join("crates");
+    let files = [
+        "tessera-ir/src/ops/mod.rs",
+        "tessera-ir/src/interp.rs",
+        "tessera-plan/src/rules.rs",
+        "tessera-profile/src/flops.rs",
+        "tessera-runtime/src/kernels/mod.rs",
+    ];
+    let mut found = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(root.join(f)).expect("source file");
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("").trim_start();
+            let Some((pattern, _)) = code.split_once("=>") else { continue };
+            let pattern = pattern.split(" if ").next().unwrap_or("").trim();
+            let bare = !pattern.is_empty()
+                && pattern
+                    .chars()
+                    .all(|c| c == '_' || c.is_ascii_lowercase() || c.is_ascii_digit());
+            if bare && !["true", "false"].contains(&pattern) && !code.starts_with('|') {
+                found.push(format!("{f}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "wildcard arms in op definitions:\n{}", found.join("\n"));
+}

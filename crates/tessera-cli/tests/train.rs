@@ -23,7 +23,7 @@ fn trainer_in(
     let cfg = ModelConfig::resolve(model).expect("model");
     let fm = build(&cfg, &BuildOptions { batch, seq, dtype }).expect("builds");
     let tg = build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).expect("graph");
-    Trainer::new(tg, CpuBackend::new(0), LrSchedule::Constant { lr: 1e-3 }, 7, budget)
+    Trainer::single(tg, CpuBackend::new(0), LrSchedule::Constant { lr: 1e-3 }, 7, budget)
         .expect("trainer")
 }
 
@@ -89,7 +89,7 @@ fn learns_a_repetitive_text_beyond_any_unigram_model() {
     let fm = build(&cfg, &BuildOptions { batch, seq, dtype: DType::F32 }).unwrap();
     let tg = build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).unwrap();
     let schedule = LrSchedule::WarmupCosine { peak: 3e-3, min_lr: 3e-4, warmup: 10, total: 150 };
-    let mut t = Trainer::new(tg, CpuBackend::new(0), schedule, 1, None).unwrap();
+    let mut t = Trainer::single(tg, CpuBackend::new(0), schedule, 1, None).unwrap();
     let mut last = f64::INFINITY;
     for step in 0..150u64 {
         let mut x = Vec::with_capacity(batch * seq);
@@ -191,9 +191,10 @@ fn bad_data_and_budgets_are_clear_errors() {
     let e = train_error(&["--data", bin.to_str().unwrap(), "--seq", "32"]);
     assert!(e.contains("256") && e.contains("300") || e.contains("256"), "{e}");
 
-    // A budget below what even full recomputation needs names the minimum before any step.
+    // A budget below what any plan needs (recomputation included) names the minimum before
+    // any step: one device is planned like any other.
     let e = train_error(&["--memory-budget", "1MiB"]);
-    assert!(e.contains("at least") && e.contains("recomputing every block"), "{e}");
+    assert!(e.contains("the least any plan needs is") && e.contains("on 1 device;"), "{e}");
     assert!(e.contains("1.00 MiB"), "{e}");
 }
 
@@ -210,7 +211,7 @@ fn loss_curve(dtype: DType, steps: u64) -> Vec<f64> {
     // With warmup, as `tessera train` runs it: without, Adam's first full-size steps spike
     // the loss and the two runs' trajectories decorrelate.
     let schedule = LrSchedule::WarmupCosine { peak: 1e-3, min_lr: 1e-4, warmup: 20, total: steps };
-    let mut t = Trainer::new(tg, CpuBackend::new(0), schedule, 7, None).unwrap();
+    let mut t = Trainer::single(tg, CpuBackend::new(0), schedule, 7, None).unwrap();
     (1..=steps)
         .map(|step| {
             let b = data.train_batch(3, step, batch, seq).unwrap();
@@ -234,6 +235,17 @@ fn bf16_mixed_precision_tracks_the_fp32_loss_curve() {
     let worst = gaps.iter().copied().fold(0.0, f64::max);
     assert!(worst < 0.02, "bf16 strays {:.2}% from fp32; 10-step gaps {gaps:.3?}", worst * 100.0);
     assert!(fp32[steps as usize - 1] < fp32[0] * 0.6, "the run must actually learn");
+}
+
+/// The learning rate a `--log-json` file records for `step`.
+fn straight_lr(path: &std::path::Path, step: u64) -> f64 {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["step"].as_u64() == Some(step))
+        .and_then(|v| v["lr"].as_f64())
+        .unwrap()
 }
 
 fn losses(path: &std::path::Path) -> Vec<f64> {
@@ -279,15 +291,45 @@ fn resume_is_bit_exact_with_the_cosine_schedule() {
     // Bit for bit: same batches (keyed by seed and step), same schedule position, same state.
     assert_eq!(resumed, straight);
 
-    // Resuming with other settings is refused with a clear message.
+    // A larger --steps extends the run: the steps before the save are the same, the schedule
+    // re-spreads its decay over the new horizon from the saved step, and the run says so.
+    let ext_log = dir.join("extended.jsonl");
+    let mut args = common.to_vec();
+    args[4] = "40";
+    args.extend_from_slice(&["--resume", ck.to_str().unwrap(), "--format", "json"]);
+    args.extend_from_slice(&["--log-json", ext_log.to_str().unwrap()]);
+    let out = tessera(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--steps 30") && err.contains("step 40"), "says so: {err}");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["resumed"]["from_step"], 20, "{doc}");
+    assert_eq!(doc["last_step"], 40);
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&ext_log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 20);
+    // The extended schedule: warmup 5 and peak 1e-3 as saved, cosine to 1e-4 at step 40.
+    let want = LrSchedule::WarmupCosine { peak: 1e-3, min_lr: 1e-4, warmup: 5, total: 40 };
+    for r in &rows {
+        let step = r["step"].as_u64().unwrap();
+        let lr = r["lr"].as_f64().unwrap();
+        assert!((lr - want.lr_at(step)).abs() < 1e-12, "step {step}: lr {lr}");
+    }
+    // The first extended step is the saved run's step 21 in all but the learning rate.
+    assert!(rows[0]["lr"].as_f64().unwrap() > straight_lr(&dir.join("straight.jsonl"), 21));
+
+    // Resuming with other data settings is refused with a clear message.
     let out = tessera(&[
         "train",
         "--devices",
         "1",
         "--steps",
-        "40",
+        "30",
         "--batch",
-        "2",
+        "4",
         "--seq",
         "32",
         "--resume",
@@ -295,5 +337,5 @@ fn resume_is_bit_exact_with_the_cosine_schedule() {
     ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--steps 30") && !err.contains("panicked"), "{err}");
+    assert!(err.contains("\"batch\":2") && !err.contains("panicked"), "{err}");
 }

@@ -437,13 +437,13 @@ pub fn build_training_graph_with(
         b.set_block(block);
         b.set_scope_id(scope);
         let target = hooks.update_target(&mut b, p)?;
-        let state = |b: &mut Builder, suffix: &str, kind| {
-            b.optimizer_state(&format!("{name}.{suffix}"), kind, p, target, DType::F32)
+        let state = |b: &mut Builder, kind| {
+            b.optimizer_state(&crate::dist::state_key(&name, kind), kind, p, target, DType::F32)
         };
-        slot.m = state(&mut b, "adam_m", StateKind::AdamM);
-        slot.v = state(&mut b, "adam_v", StateKind::AdamV);
+        slot.m = state(&mut b, StateKind::AdamM);
+        slot.v = state(&mut b, StateKind::AdamV);
         if b.dtype(p) != DType::F32 {
-            slot.master = Some(state(&mut b, "master", StateKind::Master));
+            slot.master = Some(state(&mut b, StateKind::Master));
         }
         b.set_scope_id(scope);
         let weight_decay = if b.shape(p).rank() >= 2 { cfg.weight_decay } else { 0.0 };

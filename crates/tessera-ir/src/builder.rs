@@ -224,7 +224,7 @@ impl Builder {
         seed: TensorId,
         stream: u64,
     ) -> Result<TensorId> {
-        self.push1(Op::Dropout { p, stream }, &[x, seed])
+        self.push1(Op::Dropout { p, stream, shard: None }, &[x, seed])
     }
 
     // ---- linear algebra -----------------------------------------------------------------

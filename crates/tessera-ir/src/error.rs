@@ -16,6 +16,9 @@ pub enum IrError {
     /// A graph-level problem (unknown tensor, non-scalar loss, ...).
     #[error("{0}")]
     Graph(String),
+    /// A mesh position or placement that does not fit a mesh or a tensor ([`crate::dist`]).
+    #[error("{0}")]
+    Layout(String),
 }
 
 pub type Result<T, E = IrError> = std::result::Result<T, E>;

@@ -518,7 +518,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::Binary(b) => one(broadcast_binary(x[0], x[1], |p, q| binary(*b, p, q))?),
         Op::BinaryBackward { op, wrt } => one(binary_backward(*op, *wrt, x[0], x[1], x[2])?),
         Op::Cast(to) => one(map(x[0], |v| cast(*to, v))),
-        Op::Dropout { p, stream } => one(dropout(x[0], x[1], *p, *stream)?),
+        Op::Dropout { p, stream, shard } => one(dropout(x[0], x[1], *p, *stream, shard.as_ref())?),
         Op::MatMul { trans_a, trans_b } => one(matmul(x[0], x[1], *trans_a, *trans_b)?),
         Op::Reduce { op, dims, keepdim } => one(reduce(x[0], *op, dims, *keepdim)?),
         Op::ReduceBackward { op, dims, keepdim } => {
@@ -846,16 +846,36 @@ fn cast(to: DType, x: f64) -> f64 {
     }
 }
 
-fn dropout(x: &Value, seed: &Value, p: f64, stream: u64) -> Result<Value, String> {
+fn dropout(
+    x: &Value,
+    seed: &Value,
+    p: f64,
+    stream: u64,
+    shard: Option<&crate::dist::ShardOf>,
+) -> Result<Value, String> {
     ensure!(seed.numel() == 1, "seed must be a scalar, got {}", seed.shape);
     ensure!((0.0..1.0).contains(&p), "dropout probability {p} must be in [0, 1)");
     let seed = seed.data[0] as i64 as u64;
     let scale = 1.0 / (1.0 - p);
+    // The interpreter is one device at the mesh origin (coordinate 0 on every axis).
+    let dims = x.shape.dims().to_vec();
+    let (base, strides) = match shard {
+        Some(s) => s.index_map(None).map_err(|e| e.to_string())?,
+        None => (0, crate::dist::row_major_strides(&dims)),
+    };
+    let local = crate::dist::row_major_strides(&dims);
     let data = x
         .data
         .iter()
         .enumerate()
-        .map(|(k, &v)| if dropout_keep(seed, stream, k as u64, p) { v * scale } else { 0.0 })
+        .map(|(k, &v)| {
+            let g = crate::dist::global_index(k as u64, &local, base, &strides);
+            if dropout_keep(seed, stream, g, p) {
+                v * scale
+            } else {
+                0.0
+            }
+        })
         .collect();
     Ok(Value { shape: x.shape.clone(), data })
 }

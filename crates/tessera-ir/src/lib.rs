@@ -10,10 +10,13 @@
 //! - [`remat`]: activation checkpointing as a rewrite of the training graph (recompute nodes).
 //! - [`Program`]: the training graph lowered to ordered instructions with explicit frees —
 //!   what the profiler simulates and the runtime executes.
+//! - [`dist`]: the distributed-tensor vocabulary (mesh positions, placements, shard math,
+//!   leaf names) that the planner and the runtime share.
 //! - [`interp`]: a plain-loop f64 reference interpreter, the oracle for tests.
 
 pub mod autodiff;
 mod builder;
+pub mod dist;
 mod dtype;
 mod error;
 mod graph;

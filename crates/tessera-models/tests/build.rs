@@ -323,7 +323,7 @@ fn dropout_only_where_probability_is_positive_each_site_its_own_stream() {
         let m = model(name, 1, 8, DType::F32);
         let streams: Vec<(u64, f64)> = ops_named(&m.builder.graph, "dropout")
             .map(|n| match n.op {
-                Op::Dropout { p, stream } => (stream, p),
+                Op::Dropout { p, stream, .. } => (stream, p),
                 _ => unreachable!(),
             })
             .collect();

@@ -24,6 +24,8 @@ use crate::reshard::cheapest_path;
 use crate::rules::{local_meta, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
 use std::collections::{BTreeSet, HashMap};
+use tessera_ir::dist::{micro_batch_input, state_key, ShardOf};
+use tessera_ir::StateKind;
 use tessera_ir::{
     build_training_graph_with, rematerialize, Builder, Checkpointing, Collective, CommStep, Graph,
     Instr, NodeId, Op, Phase, Program, ReshardSpec, TensorId, TensorMeta, TrainConfig,
@@ -328,8 +330,8 @@ impl<'a> LocalForward<'a> {
                     if matches!(self.zero, 1 | 2) && !info.zero_axes.is_empty() {
                         state.dims[info.zero_dim].extend(info.zero_axes.iter().copied());
                     }
-                    for suffix in ["adam_m", "adam_v", "master"] {
-                        self.leaf_specs.push((format!("{name}.{suffix}"), state.clone()));
+                    for kind in StateKind::ALL {
+                        self.leaf_specs.push((state_key(&name, kind), state.clone()));
                     }
                     self.leaf_specs.push((name, spec.clone()));
                     self.local_params.insert(lp, self.params[&p].clone());
@@ -362,7 +364,8 @@ impl<'a> LocalForward<'a> {
                         .zip(&st.outputs)
                         .map(|(&o, s)| self.local(o, s))
                         .collect::<Result<_>>()?;
-                    let local_op = localize(op, &want);
+                    let local_op =
+                        localize(op, &want, self.g.meta(node.outputs[0]), &st.outputs[0]);
                     let outs = self.b.push(local_op, &inputs).map_err(|e| {
                         PlanError::Internal(format!(
                             "{name}: sharded {} does not type-check: {e}",
@@ -473,10 +476,34 @@ fn internal(e: impl std::fmt::Display) -> PlanError {
 }
 
 /// The op with attributes that name global sizes rewritten to local ones.
-fn localize(op: &Op, out: &[TensorMeta]) -> Op {
+/// The op a device runs for `op` with local outputs `out`; `global` and `spec` are the
+/// first output's single-device meta and its spec (a dropout keys its mask by the global
+/// element index, so it records where its shard sits; the replay sets the micro-batch).
+fn localize(op: &Op, out: &[TensorMeta], global: &TensorMeta, spec: &Spec) -> Op {
     match op {
         Op::Reshape(_) => Op::Reshape(out[0].shape.clone()),
         Op::Expand(_) => Op::Expand(out[0].shape.clone()),
+        Op::Dropout { p, stream, .. } => Op::Dropout {
+            p: *p,
+            stream: *stream,
+            shard: Some(ShardOf {
+                global: global.shape.dims().to_vec(),
+                placement: spec.dims.clone(),
+                micro_batch: 0,
+            }),
+        },
+        other => other.clone(),
+    }
+}
+
+/// `op` as micro-batch `k` of an unrolled step runs it.
+fn in_micro_batch(op: &Op, k: usize) -> Op {
+    match op {
+        Op::Dropout { p, stream, shard: Some(s) } => Op::Dropout {
+            p: *p,
+            stream: *stream,
+            shard: Some(ShardOf { micro_batch: k, ..s.clone() }),
+        },
         other => other.clone(),
     }
 }
@@ -621,13 +648,18 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
     let mut losses = Vec::new();
     let mut emitted_sync: HashMap<NodeId, ()> = HashMap::new();
 
+    let push_in = |b: &mut Builder,
+                   n: &tessera_ir::Node,
+                   inputs: &[TensorId],
+                   k: usize|
+     -> Result<Vec<TensorId>> {
+        b.set_scope_id(n.scope);
+        b.set_block(n.block);
+        b.set_phase(n.phase);
+        b.push(in_micro_batch(&n.op, k), inputs).map_err(internal)
+    };
     let push =
-        |b: &mut Builder, n: &tessera_ir::Node, inputs: &[TensorId]| -> Result<Vec<TensorId>> {
-            b.set_scope_id(n.scope);
-            b.set_block(n.block);
-            b.set_phase(n.phase);
-            b.push(n.op.clone(), inputs).map_err(internal)
-        };
+        |b: &mut Builder, n: &tessera_ir::Node, inputs: &[TensorId]| push_in(b, n, inputs, 0);
 
     for k in 0..mb {
         let mut map: HashMap<TensorId, TensorId> = HashMap::new();
@@ -657,7 +689,7 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
                 }
                 Op::Input(m) if k > 0 => {
                     // Each micro-batch reads its own data.
-                    let name = format!("{}@mb{k}", g.scope_name(n.scope));
+                    let name = micro_batch_input(g.scope_name(n.scope), k);
                     b.set_block(n.block);
                     b.set_phase(n.phase);
                     vec![b.input(&name, m.shape.clone(), m.dtype)]
@@ -686,7 +718,7 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
                             ins.push(look(t, &map));
                         }
                     }
-                    push(&mut b, n, &ins)?
+                    push_in(&mut b, n, &ins, k)?
                 }
             };
             for (o, &lo) in n.outputs.iter().zip(&outs) {

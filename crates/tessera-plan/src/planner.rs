@@ -539,9 +539,17 @@ fn infeasible(req: &Request<'_>, p: &Problem0<'_>, mbs: &[usize]) -> Result<Plan
     Ok(PlanError::Infeasible {
         budget: req.budget,
         needed: needed.unwrap_or(u64::MAX),
-        hint: format!(
-            "with ZeRO-3 and {mb} micro-batches on {n} devices; add devices or memory, or shorten the sequence"
-        ),
+        hint: if n == 1 {
+            format!(
+                "with {mb} micro-batches on 1 device; add devices or memory, or shorten the \
+                 sequence"
+            )
+        } else {
+            format!(
+                "with ZeRO-3 and {mb} micro-batches on {n} devices; add devices or memory, or \
+                 shorten the sequence"
+            )
+        },
     })
 }
 

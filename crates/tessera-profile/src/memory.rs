@@ -170,10 +170,7 @@ fn live_at(p: &Program, at: usize, workspace: u64) -> (Vec<(Role, u64)>, Vec<Liv
 fn group_scope(scope: &str, role: Role) -> String {
     match role {
         Role::Parameter | Role::Gradient | Role::OptimizerState => {
-            let mut s = scope;
-            for suffix in [".adam_m", ".adam_v", ".master"] {
-                s = s.strip_suffix(suffix).unwrap_or(s);
-            }
+            let s = tessera_ir::dist::split_state_key(scope).map_or(scope, |(param, _)| param);
             s.rsplit_once('.').map_or(s, |(head, _)| head).to_string()
         }
         Role::Input | Role::SavedActivation | Role::Temporary => scope.to_string(),

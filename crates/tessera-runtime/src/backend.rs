@@ -7,6 +7,7 @@ use crate::kernels;
 use crate::tensor::candle_dtype;
 use crate::Result;
 use candle_core::{DType, Device, Tensor};
+use tessera_ir::dist::MeshPos;
 use tessera_ir::{DType as IrDType, Op, TensorMeta};
 
 pub trait Backend: Send + Sync {
@@ -15,8 +16,15 @@ pub trait Backend: Send + Sync {
     fn device(&self) -> &Device;
     /// Executes `op` on `inputs`, returning one tensor per output with exactly the metas
     /// `outputs`. Outputs the IR declares as aliases (views, in-place updates) share their
-    /// input's storage.
-    fn execute(&self, op: &Op, inputs: &[&Tensor], outputs: &[TensorMeta]) -> Result<Vec<Tensor>>;
+    /// input's storage. `at` is the device's place in its mesh (a single device: the only
+    /// device of a 1-device mesh).
+    fn execute(
+        &self,
+        op: &Op,
+        inputs: &[&Tensor],
+        outputs: &[TensorMeta],
+        at: &MeshPos,
+    ) -> Result<Vec<Tensor>>;
 }
 
 /// Host CPU: candle tensors on `Device::Cpu`, kernels in [`crate::kernels`].
@@ -44,9 +52,15 @@ impl Backend for CpuBackend {
     fn device(&self) -> &Device {
         &self.device
     }
-    fn execute(&self, op: &Op, inputs: &[&Tensor], outputs: &[TensorMeta]) -> Result<Vec<Tensor>> {
+    fn execute(
+        &self,
+        op: &Op,
+        inputs: &[&Tensor],
+        outputs: &[TensorMeta],
+        at: &MeshPos,
+    ) -> Result<Vec<Tensor>> {
         if !needs_upcast(op, inputs) {
-            return kernels::execute(op, inputs, outputs);
+            return kernels::execute_at(op, inputs, outputs, at);
         }
         // Mixed precision on the CPU: bf16/f16 tensors are stored as such, and arithmetic
         // runs in f32 (the usual autocast semantics): upcast the inputs, compute, round the
@@ -68,7 +82,7 @@ impl Backend for CpuBackend {
                 _ => m.clone(),
             })
             .collect();
-        let outs = kernels::execute(op, &up_refs, &f32_outputs)?;
+        let outs = kernels::execute_at(op, &up_refs, &f32_outputs, at)?;
         outs.into_iter()
             .zip(outputs)
             .map(|(t, m)| {

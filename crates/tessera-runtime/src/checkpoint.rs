@@ -153,15 +153,7 @@ pub struct Checkpoint {
 /// The key of a parameter's optimizer state: `<param>.adam_m`, `.adam_v`, `.master` (the
 /// scope names `build_training_graph` gives these tensors).
 pub fn optimizer_key(param: &str, kind: StateKind) -> String {
-    format!("{param}.{}", state_suffix(kind))
-}
-
-fn state_suffix(kind: StateKind) -> &'static str {
-    match kind {
-        StateKind::AdamM => "adam_m",
-        StateKind::AdamV => "adam_v",
-        StateKind::Master => "master",
-    }
+    tessera_ir::dist::state_key(param, kind)
 }
 
 pub(crate) fn err(msg: impl Into<String>) -> RuntimeError {
@@ -590,10 +582,7 @@ pub(crate) fn check_tensor_sets<'a>(
             problems.push(format!("optimizer state {key} is given twice"));
             continue;
         }
-        let split = [StateKind::AdamM, StateKind::AdamV, StateKind::Master]
-            .into_iter()
-            .find_map(|k| key.strip_suffix(state_suffix(k))?.strip_suffix('.'));
-        let Some(param) = split else {
+        let Some((param, _)) = tessera_ir::dist::split_state_key(key) else {
             problems.push(format!(
                 "optimizer state {key}: the key must be <parameter>.adam_m, .adam_v or .master"
             ));

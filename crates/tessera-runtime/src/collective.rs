@@ -31,75 +31,31 @@ use tessera_comm::communicator::ChunkLayout;
 use tessera_comm::{CommStats, Communicator, Group};
 use tessera_ir::{Collective, CommStep, ReshardSpec};
 
-/// Per-dim mesh axes (major to minor) a tensor is split over; `[]` for a replicated dim.
-pub type Placement = Vec<Vec<usize>>;
+/// A device's place in its mesh: the planner's and the runtime's one type
+/// ([`tessera_ir::dist::MeshPos`]).
+pub use tessera_ir::dist::{MeshPos as DeviceMesh, Placement};
 
-/// A device's rank and coordinates in a row-major mesh (last axis fastest).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceMesh {
-    pub shape: Vec<usize>,
-    pub rank: usize,
-    pub coords: Vec<usize>,
-}
-
-impl DeviceMesh {
-    pub fn new(shape: &[usize], rank: usize) -> Result<DeviceMesh> {
-        let coords = tessera_comm::mesh_coords(shape, rank)?;
-        Ok(DeviceMesh { shape: shape.to_vec(), rank, coords })
-    }
-
-    pub fn size(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    /// How many chunks `axes` cut a dim into, and which one this device holds.
-    pub fn chunk(&self, axes: &[usize]) -> Result<(usize, usize)> {
-        let (mut n, mut index) = (1, 0);
-        for &a in axes {
-            let size = *self.shape.get(a).ok_or_else(|| {
-                RuntimeError::Binding(format!("mesh axis {a} is not in mesh {:?}", self.shape))
-            })?;
-            n *= size;
-            index = index * size + self.coords[a];
+/// This device's shard of global tensor `global` under `placement` (a fresh contiguous tensor;
+/// `what` names it in errors).
+pub fn shard(
+    at: &DeviceMesh,
+    global: &Tensor,
+    placement: &[Vec<usize>],
+    what: &str,
+) -> Result<Tensor> {
+    let dims = global.dims().to_vec();
+    let origin = at
+        .shard_origin(&dims, placement)
+        .map_err(|e| RuntimeError::Binding(format!("{what}: {e}")))?;
+    let mut t = global.clone();
+    for (d, axes) in placement.iter().enumerate() {
+        let (n, _) = at.chunk(axes)?;
+        if n > 1 {
+            t = t.narrow(d, origin[d], dims[d] / n)?;
         }
-        Ok((n, index))
     }
-
-    /// This device's shard of `global` under `placement` (a fresh contiguous tensor).
-    pub fn shard(&self, global: &Tensor, placement: &[Vec<usize>], what: &str) -> Result<Tensor> {
-        let dims = global.dims().to_vec();
-        if placement.len() != dims.len() {
-            return Err(RuntimeError::Binding(format!(
-                "{what}: placement has {} dims, the tensor {:?} has {}",
-                placement.len(),
-                dims,
-                dims.len()
-            )));
-        }
-        let mut t = global.clone();
-        for (d, axes) in placement.iter().enumerate() {
-            let (n, index) = self.chunk(axes)?;
-            if n == 1 {
-                continue;
-            }
-            if !dims[d].is_multiple_of(n) {
-                return Err(RuntimeError::Binding(format!(
-                    "{what}: dim {d} of {dims:?} does not split into {n} shards"
-                )));
-            }
-            let len = dims[d] / n;
-            t = t.narrow(d, index * len, len)?;
-        }
-        // Always a fresh buffer: a shard must never alias the global tensor (in-place updates).
-        Ok(t.force_contiguous()?)
-    }
-
-    /// Whether this device's copy of a tensor under `placement` is the one to write when
-    /// replicas are deduplicated: coordinate 0 on every axis the placement does not split.
-    pub fn is_writer(&self, placement: &[Vec<usize>]) -> bool {
-        (0..self.shape.len())
-            .all(|a| placement.iter().any(|d| d.contains(&a)) || self.coords[a] == 0)
-    }
+    // Always a fresh buffer: a shard must never alias the global tensor (in-place updates).
+    Ok(t.force_contiguous()?)
 }
 
 /// The global tensor from every rank's shard (`parts[r]` from rank `r` of a mesh of `shape`):
@@ -139,6 +95,8 @@ pub fn assemble(shape: &[usize], parts: &[Tensor], placement: &[Vec<usize>]) -> 
 /// Executes [`Op::Reshard`](tessera_ir::Op::Reshard) nodes for the executor.
 pub trait ReshardRunner: Send {
     fn reshard(&mut self, spec: &ReshardSpec, x: &Tensor) -> Result<Tensor>;
+    /// The device this runner moves data for.
+    fn mesh(&self) -> &DeviceMesh;
     /// Traffic so far.
     fn stats(&self) -> CommStats;
     /// The transport, for calls outside the Program (barriers around checkpoints).
@@ -165,10 +123,6 @@ impl CommRunner {
             )));
         }
         Ok(CommRunner { comm, mesh, groups: HashMap::new() })
-    }
-
-    pub fn mesh(&self) -> &DeviceMesh {
-        &self.mesh
     }
 
     fn group(&mut self, axis: usize) -> Result<Group> {
@@ -295,6 +249,10 @@ impl CommRunner {
 }
 
 impl ReshardRunner for CommRunner {
+    fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
     fn reshard(&mut self, spec: &ReshardSpec, x: &Tensor) -> Result<Tensor> {
         if spec.is_view() {
             // The Program aliases the output to the input (`Op::output_alias`) and charges no

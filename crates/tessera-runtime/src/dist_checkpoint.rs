@@ -74,7 +74,7 @@ use crate::checkpoint::{
     CONFIG_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_FILE,
 };
 use crate::collective::{DeviceMesh, Placement};
-use crate::Result;
+use crate::{Result, RuntimeError};
 use candle_core::{DType, Device, Tensor};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
@@ -85,9 +85,6 @@ use tessera_comm::{Communicator, Group};
 
 /// The sub-directory of a sharded checkpoint holding the rank files.
 pub const SHARDS_DIR: &str = "shards";
-
-/// Suffixes of optimizer-state keys (`checkpoint::optimizer_key`).
-const OPTIMIZER_SUFFIXES: &[&str] = &[".adam_m", ".adam_v", ".master"];
 
 /// The file name (under [`SHARDS_DIR`]) of rank `rank`'s shards.
 pub fn rank_file_name(rank: usize) -> String {
@@ -216,7 +213,7 @@ fn chunk_owners(shape: &[usize], placement: &[Vec<usize>]) -> Result<Vec<ChunkLo
 
 /// `param` when `name` is `<param>.adam_m|adam_v|master` of a name in `names`.
 fn optimizer_base<'a>(name: &'a str, names: &BTreeSet<&str>) -> Option<&'a str> {
-    OPTIMIZER_SUFFIXES.iter().find_map(|s| name.strip_suffix(s)).filter(|base| names.contains(base))
+    tessera_ir::dist::split_state_key(name).map(|(base, _)| base).filter(|b| names.contains(b))
 }
 
 // ---- save ------------------------------------------------------------------------------------------
@@ -607,22 +604,23 @@ pub fn save_sharded(
     let lead = mesh.rank == 0;
 
     // Round 1: every rank's tensors, and agreement on the table.
-    let checked = DeviceMesh::new(&mesh.shape, mesh.rank).and_then(|m| {
-        if m.coords != mesh.coords {
-            return Err(err(format!(
-                "mesh {:?}: rank {} has coordinates {:?}, not {:?}",
-                mesh.shape, mesh.rank, m.coords, mesh.coords
-            )));
-        }
-        if !config_json.is_object() {
-            return Err(err(
-                "the checkpoint's config.json must be a JSON object (ModelConfig::to_hf_json)",
-            ));
-        }
-        // Every rank needs the temporary directory's name: a bad path fails all of them.
-        let (parent, name) = split_dir(dir)?;
-        Ok((prepare(mesh, local, manifest, layout)?, parent, name))
-    });
+    let checked =
+        DeviceMesh::new(&mesh.shape, mesh.rank).map_err(RuntimeError::from).and_then(|m| {
+            if m.coords != mesh.coords {
+                return Err(err(format!(
+                    "mesh {:?}: rank {} has coordinates {:?}, not {:?}",
+                    mesh.shape, mesh.rank, m.coords, mesh.coords
+                )));
+            }
+            if !config_json.is_object() {
+                return Err(err(
+                    "the checkpoint's config.json must be a JSON object (ModelConfig::to_hf_json)",
+                ));
+            }
+            // Every rank needs the temporary directory's name: a bad path fails all of them.
+            let (parent, name) = split_dir(dir)?;
+            Ok((prepare(mesh, local, manifest, layout)?, parent, name))
+        });
     let fingerprint = checked.as_ref().map(|(p, _, _)| p.fingerprint).unwrap_or(0);
     let ((prepared, parent, name), fingerprints) =
         round(comm, &world, dir, "checking the tensors", checked, fingerprint)?;

@@ -17,6 +17,7 @@ use crate::{Backend, MemoryAccountant, Result, RuntimeError};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::time::Instant;
+use tessera_ir::dist::MeshPos;
 use tessera_ir::{Instr, Op, Program, TensorId, TensorMeta};
 
 /// Wall time spent in one op kind (`matmul`, `attention_backward`, ...).
@@ -39,6 +40,8 @@ pub struct Executor<B: Backend> {
     collectives: Option<Box<dyn ReshardRunner>>,
     /// Produced tensor → leaf whose value it becomes (ZeRO-1/2 gathered parameters).
     write_back: BTreeMap<TensorId, TensorId>,
+    /// The device's place in its mesh (kernels that depend on it: sharded dropout masks).
+    at: MeshPos,
 }
 
 impl<B: Backend> Executor<B> {
@@ -58,13 +61,21 @@ impl<B: Backend> Executor<B> {
             timings: None,
             collectives: None,
             write_back: BTreeMap::new(),
+            at: MeshPos::single(),
         }
     }
 
-    /// Runs `Reshard` nodes through `runner` (one device of a parallel plan).
+    /// Runs `Reshard` nodes through `runner` (one device of a parallel plan, placed where the
+    /// runner's mesh says).
     pub fn with_collectives(mut self, runner: Box<dyn ReshardRunner>) -> Executor<B> {
+        self.at = runner.mesh().clone();
         self.collectives = Some(runner);
         self
+    }
+
+    /// The device's place in its mesh.
+    pub fn at(&self) -> &MeshPos {
+        &self.at
     }
 
     pub fn collectives(&self) -> Option<&dyn ReshardRunner> {
@@ -225,7 +236,7 @@ impl<B: Backend> Executor<B> {
         let started = self.timings.is_some().then(Instant::now);
         let outs = match (&node.op, self.collectives.as_mut()) {
             (Op::Reshard(spec), Some(runner)) => vec![runner.reshard(spec, inputs[0])?],
-            _ => self.backend.execute(&node.op, &inputs, metas)?,
+            _ => self.backend.execute(&node.op, &inputs, metas, &self.at)?,
         };
         if let (Some(t0), Some(timings)) = (started, self.timings.as_mut()) {
             let e = timings.entry(what).or_default();

@@ -10,6 +10,8 @@
 use crate::tensor::from_vec;
 use crate::Result;
 use candle_core::Tensor;
+use std::collections::HashMap;
+use tessera_ir::dist::{global_index, row_major_strides, MeshPos, ShardOf};
 use tessera_ir::{Graph, Op, TensorId};
 
 /// Standard deviation of matrices and embeddings (GPT-2, BERT, LLaMA reference inits).
@@ -106,4 +108,47 @@ pub fn init_parameters(graph: &Graph, seed: u64) -> Result<Vec<(TensorId, Tensor
             Ok((p, from_vec(data, &shape)?))
         })
         .collect()
+}
+
+/// The rule of every parameter of `graph` by name. Rules read the parameter's role in the
+/// *single-device* graph (a sharded graph may reach a norm through a gather), so callers
+/// compute them there and hand them to every device ([`init_shard`]).
+pub fn init_rules_by_name(graph: &Graph) -> HashMap<String, InitRule> {
+    init_rules(graph).into_iter().map(|(p, r)| (graph.tensor_scope(p).to_string(), r)).collect()
+}
+
+/// One device's shard of a parameter's initial value, as an f32 tensor: only the shard's
+/// elements are drawn, each keyed by its index in the whole (`global`-shaped) parameter, so
+/// the shards of every plan tile exactly the tensor [`init_parameters`] makes on one device
+/// and no device ever holds more than its shard.
+pub fn init_shard(
+    name: &str,
+    rule: InitRule,
+    global: &[usize],
+    placement: &[Vec<usize>],
+    at: &MeshPos,
+    seed: u64,
+) -> Result<Tensor> {
+    let shard = ShardOf { global: global.to_vec(), placement: placement.to_vec(), micro_batch: 0 };
+    let (base, strides) = shard.index_map(Some(at))?;
+    let mut local = global.to_vec();
+    for (d, axes) in placement.iter().enumerate() {
+        local[d] /= at.chunk(axes)?.0;
+    }
+    let numel: usize = local.iter().product();
+    let data = match rule {
+        InitRule::Zeros => vec![0.0; numel],
+        InitRule::Ones => vec![1.0; numel],
+        InitRule::Normal { std } => {
+            let key = name_key(name);
+            let lstrides = row_major_strides(&local);
+            (0..numel as u64)
+                .map(|k| {
+                    let g = global_index(k, &lstrides, base, &strides);
+                    (std * normal(seed, key, g)) as f32
+                })
+                .collect()
+        }
+    };
+    from_vec(data, &local)
 }

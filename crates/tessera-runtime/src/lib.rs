@@ -9,9 +9,11 @@
 //! - [`kernels`]: one module per op family, an exhaustive dispatch over `Op`;
 //! - [`executor`]: the Program interpreter;
 //! - [`memory`] / [`alloc`]: the accountant and a counting global allocator to check it;
-//! - [`init`], [`schedule`], [`data`], [`trainer`]: everything a training run needs.
-//! - [`collective`], [`spmd`]: one device of a parallel plan — its shards, its collectives
-//!   (through a `tessera_comm::Communicator`) and its training loop.
+//! - [`init`], [`schedule`], [`data`], [`loss_scale`]: what a training run needs;
+//! - [`trainer`]: the one trainer — a device of a mesh (a single device is a 1-device mesh)
+//!   running the plan's Program on its shards; [`collective`]: its shards and collectives
+//!   (through a `tessera_comm::Communicator`); [`run`]: the one training loop (steps, logs,
+//!   checkpoints, evaluation) that every device of every plan runs.
 //! - [`checkpoint`]: Hugging Face weight import and atomic save/resume checkpoints.
 //! - [`dist_checkpoint`]: sharded checkpoints of a parallel run (one file per rank, loaded
 //!   back as global tensors under any device count) and Hugging Face export.
@@ -26,15 +28,17 @@ mod error;
 pub mod executor;
 pub mod init;
 pub mod kernels;
+pub mod loss_scale;
 pub mod memory;
+pub mod run;
 pub mod schedule;
-pub mod spmd;
 pub mod tensor;
 pub mod trainer;
 
 pub use backend::{Backend, CpuBackend};
 pub use error::{Result, RuntimeError};
 pub use executor::Executor;
+pub use loss_scale::{LossScaleConfig, LossScaleState};
 pub use memory::MemoryAccountant;
 pub use schedule::LrSchedule;
-pub use trainer::{LossScaleConfig, LossScaleState, StepStats, Trainer};
+pub use trainer::{DeviceSetup, StartState, StepStats, Trainer};

@@ -36,6 +36,17 @@ impl LrSchedule {
             }
         }
     }
+
+    /// The same schedule over a new horizon of `total` steps (a resumed run extended or
+    /// shortened): warmup and rates unchanged, the decay re-spread to end at `total`.
+    pub fn with_horizon(&self, total: u64) -> LrSchedule {
+        match *self {
+            LrSchedule::Constant { lr } => LrSchedule::Constant { lr },
+            LrSchedule::WarmupCosine { peak, min_lr, warmup, .. } => {
+                LrSchedule::WarmupCosine { peak, min_lr, warmup, total }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

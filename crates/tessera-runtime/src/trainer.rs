@@ -1,28 +1,34 @@
-//! A single-device training loop over a [`TrainingGraph`]: initialise parameters and AdamW
-//! state, then per step bind the batch, learning rate, step counter and dropout seed and run
-//! the Program. Evaluation runs a forward-only Program that shares the parameter tensors.
+//! The one trainer: a device of a mesh running a training Program on its shards. A single
+//! device is the only device of a 1-device mesh ([`DeviceSetup::single`]); nothing below
+//! distinguishes it.
 //!
-//! The trainer finds the model's data inputs by their names (`input_ids`, `labels`, optional
-//! `seed` and `token_type_ids`), so it needs no knowledge of model families.
+//! The planner lowers a plan to one Program for all devices (all splits are even); what makes
+//! a device *this* device is its mesh coordinate, which picks its shard of every leaf
+//! ([`crate::collective::shard`]), its place in every collective ([`CommRunner`]) and its slice
+//! of every dropout mask. So a device:
 //!
-//! **fp16 dynamic loss scaling** (graphs with [`TrainingGraph::loss_scale`]) follows PyTorch's
-//! `GradScaler`: the scale starts at [`LossScaleConfig::init_scale`] (2^16); a step whose
-//! unscaled gradient norm is not finite is *skipped* (the AdamW nodes leave parameters and
-//! state untouched) and halves the scale; [`LossScaleConfig::growth_interval`] (2000)
-//! consecutive good steps double it. As in PyTorch, a skipped step still counts as an
-//! iteration — the step counter, learning-rate schedule, batch order and dropout seed advance
-//! — but not as an optimizer step: AdamW's bias-correction `step` input is the number of
-//! updates actually applied plus one (PyTorch's Adam does not advance its `step` state when
-//! `GradScaler` skips `optimizer.step()`).
+//! 1. binds its shard of every parameter and optimizer state ([`StartState`]): a fresh init
+//!    draws only the shard's elements, keyed by their global index; a checkpoint saved under
+//!    any plan is sliced (resharding on load is just this slicing);
+//! 2. per step, cuts the global batch into micro-batches (`input_ids`, `input_ids@mb1`, ..)
+//!    and binds its shard of each, binds the scalars (learning rate, AdamW step, dropout seed,
+//!    fp16 loss scale) and runs the Program — collectives included;
+//! 3. reads the loss and gradient norm, which the Program all-reduces, so every rank reports
+//!    the same numbers as a single device would.
+//!
+//! ZeRO-1/2 parameters are updated on shards and gathered back: the gathered tensor becomes
+//! the parameter ([`crate::Executor::write_back`]). fp16 loss scaling: [`crate::loss_scale`].
 
-use crate::init::init_parameters;
-use crate::schedule::LrSchedule;
+use crate::collective::{shard, CommRunner, DeviceMesh, Placement, ReshardRunner};
+use crate::init::{init_shard, InitRule};
+use crate::loss_scale::{check_scale_config, LossScaleConfig, LossScaleState, LossScaler};
 use crate::tensor::{candle_dtype, from_vec};
-use crate::{Backend, Executor, Result, RuntimeError};
+use crate::{Backend, Executor, LrSchedule, Result, RuntimeError};
 use candle_core::Tensor;
-use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use tessera_ir::{DType, Graph, Program, TensorId, TrainingGraph};
+use tessera_comm::CommStats;
+use tessera_ir::dist::{micro_batch_input, state_key};
+use tessera_ir::{DType, Graph, Program, StateKind, TensorId, TrainingGraph};
 
 /// What one step reports.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -41,209 +47,303 @@ pub struct StepStats {
     pub loss_scale: f64,
 }
 
-/// Dynamic loss scaling settings (PyTorch `GradScaler`'s defaults).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct LossScaleConfig {
-    pub init_scale: f64,
-    /// Multiplies the scale after `growth_interval` consecutive good steps.
-    pub growth_factor: f64,
-    /// Multiplies the scale after a step whose gradients overflowed.
-    pub backoff_factor: f64,
-    pub growth_interval: u64,
-}
-
-impl Default for LossScaleConfig {
-    fn default() -> Self {
-        LossScaleConfig {
-            init_scale: 65536.0,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-            growth_interval: 2000,
-        }
-    }
-}
-
-/// The loss scaler's state, saved with a checkpoint to resume exactly.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct LossScaleState {
-    /// The scale the next step runs with.
-    pub scale: f64,
-    /// Consecutive good steps since the last growth or backoff.
-    pub good_steps: u64,
-    /// Skipped steps since the start of the run (AdamW's step is `steps − skipped + 1`).
-    pub skipped_steps: u64,
-}
-
-/// The scaler of an fp16 training graph: its input, settings and state.
-#[derive(Clone, Copy, Debug)]
-struct LossScaler {
-    input: TensorId,
-    cfg: LossScaleConfig,
-    state: LossScaleState,
-}
-
-impl LossScaler {
-    fn new(input: TensorId, cfg: LossScaleConfig) -> LossScaler {
-        let state = LossScaleState { scale: cfg.init_scale, good_steps: 0, skipped_steps: 0 };
-        LossScaler { input, cfg, state }
-    }
-
-    /// Records a step's outcome and adjusts the scale.
-    fn update(&mut self, overflow: bool) {
-        let s = &mut self.state;
-        if overflow {
-            s.scale *= self.cfg.backoff_factor;
-            s.good_steps = 0;
-            s.skipped_steps += 1;
-        } else {
-            s.good_steps += 1;
-            if s.good_steps >= self.cfg.growth_interval {
-                s.scale *= self.cfg.growth_factor;
-                s.good_steps = 0;
-            }
-        }
-    }
-}
-
-fn check_scale_config(cfg: &LossScaleConfig) -> Result<()> {
-    let ok = cfg.init_scale.is_finite()
-        && cfg.init_scale > 0.0
-        && cfg.init_scale <= f64::from(f32::MAX)
-        && cfg.growth_factor >= 1.0
-        && cfg.growth_factor.is_finite()
-        && cfg.backoff_factor > 0.0
-        && cfg.backoff_factor < 1.0
-        && cfg.growth_interval >= 1;
-    if ok {
-        Ok(())
-    } else {
-        Err(RuntimeError::Binding(format!(
-            "invalid loss scaling {cfg:?}: need 0 < init_scale ≤ f32::MAX, growth_factor ≥ 1, \
-             0 < backoff_factor < 1 and growth_interval ≥ 1"
-        )))
-    }
-}
-
-/// Leaves that carry a step's data.
-#[derive(Clone, Copy, Debug)]
-struct DataLeaves {
-    ids: TensorId,
-    labels: TensorId,
-    token_types: Option<TensorId>,
-    seed: Option<TensorId>,
-    batch: usize,
-    seq: usize,
-}
-
-impl DataLeaves {
-    fn find(graph: &Graph) -> Result<DataLeaves> {
-        let ids = graph.find_leaf("input_ids").ok_or_else(|| {
-            RuntimeError::Binding(
-                "the model has no `input_ids` input: `train` supports token models".into(),
-            )
-        })?;
-        let labels = graph
-            .find_leaf("labels")
-            .ok_or_else(|| RuntimeError::Binding("the model has no `labels` input".into()))?;
-        let dims = graph.shape(ids).dims();
-        if dims.len() != 2 || graph.shape(labels).dims() != dims {
-            return Err(RuntimeError::Binding(format!(
-                "`train` needs causal-LM inputs `input_ids` and `labels` of shape [batch, seq], \
-                 got {} and {}",
-                graph.meta(ids),
-                graph.meta(labels)
-            )));
-        }
-        Ok(DataLeaves {
-            ids,
-            labels,
-            token_types: graph.find_leaf("token_type_ids"),
-            seed: graph.find_leaf("seed"),
-            batch: dims[0],
-            seq: dims[1],
-        })
-    }
-}
-
 /// The dropout seed of a step: distinct per (run seed, step), identical on every device.
 pub fn step_seed(seed: u64, step: u64) -> i64 {
     (tessera_ir::rng::splitmix64(seed ^ tessera_ir::rng::splitmix64(step)) >> 1) as i64
 }
 
+/// A micro-batch's data leaves.
+#[derive(Clone, Copy, Debug)]
+struct MicroLeaves {
+    ids: TensorId,
+    labels: TensorId,
+    token_types: Option<TensorId>,
+    seed: Option<TensorId>,
+}
+
+impl MicroLeaves {
+    /// Micro-batch `k`'s leaves (found by their base names, [`micro_batch_input`]).
+    fn find(g: &Graph, k: usize) -> Result<MicroLeaves> {
+        let find = |base: &str| g.find_leaf(&micro_batch_input(base, k));
+        let ids = find("input_ids").ok_or_else(|| {
+            binding(format!(
+                "the program has no `{}` input: `train` supports token models",
+                micro_batch_input("input_ids", k)
+            ))
+        })?;
+        let labels = find("labels").ok_or_else(|| {
+            binding(format!("the program has no `{}` input", micro_batch_input("labels", k)))
+        })?;
+        // Local shapes may differ (a plan may split the labels and not the ids).
+        if g.shape(ids).rank() != 2 || g.shape(labels).rank() != 2 {
+            return Err(binding(format!(
+                "`train` needs inputs `input_ids` and `labels` of shape [batch, seq], got {} and {}",
+                g.meta(ids),
+                g.meta(labels)
+            )));
+        }
+        Ok(MicroLeaves { ids, labels, token_types: find("token_type_ids"), seed: find("seed") })
+    }
+}
+
+/// The plan-side facts a device needs besides its Program.
+#[derive(Clone, Debug)]
+pub struct DeviceSetup {
+    pub mesh: DeviceMesh,
+    /// Placement of every leaf by name: parameters, their optimizer state
+    /// (`<param>.adam_m`, `.adam_v`, `.master`) and the data inputs (`input_ids`, `labels`).
+    /// On a 1-device mesh a missing entry means whole.
+    pub placements: HashMap<String, Placement>,
+    pub micro_batches: usize,
+    /// This device's memory budget (bytes); exceeding it is a clear error.
+    pub budget: Option<u64>,
+}
+
+impl DeviceSetup {
+    /// One device: the only device of a 1-device mesh, every leaf whole, one micro-batch.
+    pub fn single(budget: Option<u64>) -> DeviceSetup {
+        DeviceSetup {
+            mesh: DeviceMesh::single(),
+            placements: HashMap::new(),
+            micro_batches: 1,
+            budget,
+        }
+    }
+}
+
+/// Where the parameters and optimizer state come from.
+pub enum StartState<'a> {
+    /// A fresh run: each device draws only its shards of the initial parameters (keyed by
+    /// element index, [`init_shard`]) and zeroes its AdamW state; masters are the fp32 draws.
+    /// Rules by parameter name, computed on the single-device graph
+    /// ([`crate::init::init_rules_by_name`]).
+    Fresh { rules: &'a HashMap<String, InitRule> },
+    /// Global tensors to slice: parameters by HF name and optionally optimizer state by
+    /// `<param>.adam_m` / `.adam_v` / `.master` (absent: zeros, and masters from the
+    /// parameters); `steps_done` steps are done.
+    Global {
+        params: &'a HashMap<String, Tensor>,
+        optimizer: Option<&'a HashMap<String, Tensor>>,
+        steps_done: u64,
+    },
+}
+
 pub struct Trainer<B: Backend> {
     train: TrainingGraph,
     exec: Executor<B>,
-    eval: Option<(Executor<B>, DataLeaves, TensorId)>,
-    leaves: DataLeaves,
+    mesh: DeviceMesh,
+    placements: HashMap<String, Placement>,
+    micro: Vec<MicroLeaves>,
+    /// Global batch and sequence length of a step.
+    batch: usize,
+    seq: usize,
     schedule: LrSchedule,
     seed: u64,
     /// Steps completed.
     step: u64,
-    /// Parameter tensors by name, shared with the eval program.
-    params_by_name: HashMap<String, Tensor>,
     /// fp16 graphs only.
     scaler: Option<LossScaler>,
+    /// The forward-only graph `eval` runs (on rank 0, on gathered parameters).
+    eval: Option<(Graph, TensorId)>,
+}
+
+fn binding(msg: String) -> RuntimeError {
+    RuntimeError::Binding(msg)
 }
 
 impl<B: Backend> Trainer<B> {
-    /// Lowers `train`, initialises parameters from `seed` and zeroes the AdamW state.
-    /// `budget` limits the device's live bytes (a clear error names the tensor that breaks it).
+    /// A device of a plan: `train` is the plan's per-device training graph, `runner` its
+    /// communicator (`None` only on a 1-device mesh).
     pub fn new(
+        train: TrainingGraph,
+        backend: B,
+        runner: Option<CommRunner>,
+        setup: DeviceSetup,
+        schedule: LrSchedule,
+        seed: u64,
+        state: StartState<'_>,
+    ) -> Result<Trainer<B>> {
+        check_trainable(&train, backend.name())?;
+        let g = &train.graph;
+        let mb = setup.micro_batches.max(1);
+        let micro = (0..mb).map(|k| MicroLeaves::find(g, k)).collect::<Result<Vec<_>>>()?;
+        if g.find_leaf(&micro_batch_input("input_ids", mb)).is_some() {
+            return Err(binding(format!(
+                "the program has more than {mb} micro-batches: pass the plan's micro-batch count"
+            )));
+        }
+        let local = g.shape(micro[0].ids).dims().to_vec();
+        let mut global = local.clone();
+        let placement = match setup.placements.get("input_ids") {
+            Some(p) => p.clone(),
+            None if setup.mesh.size() == 1 => vec![Vec::new(); local.len()],
+            None => return Err(binding("the plan gives no placement for `input_ids`".into())),
+        };
+        for (d, axes) in placement.iter().enumerate() {
+            global[d] *= setup.mesh.chunk(axes)?.0;
+        }
+        let (batch, seq) = (global[0] * mb, global[1]);
+
+        let program = Program::lower_training(&train);
+        let mut exec = Executor::new(program, backend, setup.budget);
+        match runner {
+            Some(r) => {
+                if r.mesh() != &setup.mesh {
+                    return Err(binding(format!(
+                        "the communicator is for {:?} rank {}, the setup for {:?} rank {}",
+                        r.mesh().shape,
+                        r.mesh().rank,
+                        setup.mesh.shape,
+                        setup.mesh.rank
+                    )));
+                }
+                exec = exec.with_collectives(Box::new(r));
+            }
+            None if setup.mesh.size() > 1 => {
+                return Err(binding(format!(
+                    "a device of mesh {:?} needs a communicator",
+                    setup.mesh.shape
+                )))
+            }
+            None => {}
+        }
+        let steps_done = match state {
+            StartState::Global { steps_done, .. } => steps_done,
+            StartState::Fresh { .. } => 0,
+        };
+        let scaler = train.loss_scale.map(|t| LossScaler::new(t, LossScaleConfig::default()));
+        let mut trainer = Trainer {
+            train,
+            exec,
+            mesh: setup.mesh,
+            placements: setup.placements,
+            micro,
+            batch,
+            seq,
+            schedule,
+            seed,
+            step: steps_done,
+            scaler,
+            eval: None,
+        };
+        trainer.bind_state(&state)?;
+        Ok(trainer)
+    }
+
+    /// A single device training `train` from a fresh init of `seed` (the rules read from
+    /// `train`'s own graph).
+    pub fn single(
         train: TrainingGraph,
         backend: B,
         schedule: LrSchedule,
         seed: u64,
         budget: Option<u64>,
     ) -> Result<Trainer<B>> {
-        let g = &train.graph;
-        for slot in &train.params {
-            let dtype = g.meta(slot.param).dtype;
-            let ok = dtype == DType::F32 || (dtype.is_float() && slot.master.is_some());
-            if !ok {
-                return Err(RuntimeError::Unsupported {
-                    backend: backend.name().to_string(),
-                    op: "train".into(),
-                    reason: format!(
-                        "{} is {dtype} without an fp32 master copy; train in fp32 or bf16",
-                        g.tensor_scope(slot.param),
-                    ),
-                });
+        let rules = crate::init::init_rules_by_name(&train.graph);
+        let state = StartState::Fresh { rules: &rules };
+        Trainer::new(train, backend, None, DeviceSetup::single(budget), schedule, seed, state)
+    }
+
+    fn placement(&self, name: &str, t: TensorId) -> Result<Placement> {
+        match self.placements.get(name) {
+            Some(p) => Ok(p.clone()),
+            None if self.mesh.size() == 1 => Ok(vec![Vec::new(); self.train.graph.shape(t).rank()]),
+            None => Err(binding(format!("the plan gives no placement for `{name}`"))),
+        }
+    }
+
+    /// This device's shard of global tensor `value` (named `name`) for leaf `t`.
+    fn local(&self, t: TensorId, name: &str, value: &Tensor) -> Result<Tensor> {
+        let g = &self.train.graph;
+        let want = candle_dtype(g.meta(t).dtype);
+        let placement = self.placement(name, t)?;
+        let local = shard(&self.mesh, &value.to_dtype(want)?, &placement, name)?;
+        if local.dims() != g.shape(t).dims() {
+            return Err(binding(format!(
+                "{name}: the global tensor {:?} gives a {:?} shard under {placement:?}, the \
+                 program holds {}",
+                value.dims(),
+                local.dims(),
+                g.meta(t)
+            )));
+        }
+        Ok(local)
+    }
+
+    /// The global shape of leaf `t` (its local shape times the chunks of its placement).
+    fn global_dims(&self, t: TensorId, name: &str) -> Result<Vec<usize>> {
+        let mut dims = self.train.graph.shape(t).dims().to_vec();
+        for (d, axes) in self.placement(name, t)?.iter().enumerate() {
+            dims[d] *= self.mesh.chunk(axes)?.0;
+        }
+        Ok(dims)
+    }
+
+    /// Binds parameters and optimizer state.
+    fn bind_state(&mut self, state: &StartState<'_>) -> Result<()> {
+        let slots = self.train.params.clone();
+        let zeros = |dims: &[usize]| {
+            Tensor::zeros(dims, candle_core::DType::F32, &candle_core::Device::Cpu)
+        };
+        for slot in &slots {
+            let name = self.train.graph.tensor_scope(slot.param).to_string();
+            let states = [(Some(slot.m), StateKind::AdamM), (Some(slot.v), StateKind::AdamV)]
+                .into_iter()
+                .chain([(slot.master, StateKind::Master)]);
+            match state {
+                StartState::Fresh { rules } => {
+                    let rule = *rules
+                        .get(&name)
+                        .ok_or_else(|| binding(format!("no init rule for parameter `{name}`")))?;
+                    let placement = self.placement(&name, slot.param)?;
+                    let global = self.global_dims(slot.param, &name)?;
+                    let draw = init_shard(&name, rule, &global, &placement, &self.mesh, self.seed)?;
+                    let want = candle_dtype(self.train.graph.meta(slot.param).dtype);
+                    self.exec.bind(slot.param, draw.to_dtype(want)?)?;
+                    for (t, kind) in states {
+                        let Some(t) = t else { continue };
+                        let value = if kind == StateKind::Master {
+                            // The master is the fp32 draw, on the optimizer's (ZeRO) shard.
+                            let key = state_key(&name, kind);
+                            let p = self.placement(&key, t)?;
+                            let g = self.global_dims(t, &key)?;
+                            init_shard(&name, rule, &g, &p, &self.mesh, self.seed)?
+                        } else {
+                            zeros(self.train.graph.shape(t).dims())?
+                        };
+                        self.exec.bind(t, value)?;
+                    }
+                }
+                StartState::Global { params, optimizer, .. } => {
+                    let global = params.get(&name).ok_or_else(|| {
+                        binding(format!("no value for parameter `{name}` (checkpoint or init)"))
+                    })?;
+                    let value = self.local(slot.param, &name, global)?;
+                    self.exec.bind(slot.param, value)?;
+                    for (t, kind) in states {
+                        let Some(t) = t else { continue };
+                        let key = state_key(&name, kind);
+                        let value = match (optimizer.and_then(|o| o.get(&key)), optimizer) {
+                            (Some(v), _) => self.local(t, &key, v)?,
+                            (None, None) if kind == StateKind::Master => {
+                                self.local(t, &key, &global.to_dtype(candle_core::DType::F32)?)?
+                            }
+                            (None, None) => zeros(self.train.graph.shape(t).dims())?,
+                            (None, Some(_)) => {
+                                return Err(RuntimeError::Checkpoint(format!(
+                                    "the checkpoint has no optimizer state `{key}`"
+                                )))
+                            }
+                        };
+                        self.exec.bind(t, value)?;
+                    }
+                }
+            }
+            if let Some(gathered) = slot.gathered {
+                self.exec.write_back(gathered, slot.param)?;
             }
         }
-        let leaves = DataLeaves::find(g)?;
-        let program = Program::lower_training(&train);
-        let mut exec = Executor::new(program, backend, budget);
-        let mut params_by_name = HashMap::new();
-        let initial: HashMap<TensorId, Tensor> =
-            init_parameters(&train.graph, seed)?.into_iter().collect();
-        for slot in &train.params {
-            let f32_init = &initial[&slot.param];
-            // Low-precision weights are the rounded fp32 master copy.
-            let value = f32_init.to_dtype(candle_dtype(train.graph.meta(slot.param).dtype))?;
-            params_by_name.insert(train.graph.tensor_scope(slot.param).to_string(), value.clone());
-            exec.bind(slot.param, value)?;
-            if let Some(master) = slot.master {
-                exec.bind(master, f32_init.copy()?)?;
-            }
-            let dims = train.graph.shape(slot.param).dims().to_vec();
-            for s in [slot.m, slot.v] {
-                let device = exec.backend().device();
-                let zeros = Tensor::zeros(dims.as_slice(), candle_core::DType::F32, device)?;
-                exec.bind(s, zeros)?;
-            }
-        }
-        let scaler = train.loss_scale.map(|t| LossScaler::new(t, LossScaleConfig::default()));
-        Ok(Trainer {
-            train,
-            exec,
-            eval: None,
-            leaves,
-            schedule,
-            seed,
-            step: 0,
-            params_by_name,
-            scaler,
-        })
+        Ok(())
     }
 
     /// Sets the dynamic loss scaling of an fp16 graph (and restarts its state from
@@ -251,7 +351,7 @@ impl<B: Backend> Trainer<B> {
     pub fn with_loss_scale(mut self, cfg: LossScaleConfig) -> Result<Trainer<B>> {
         check_scale_config(&cfg)?;
         let Some(input) = self.train.loss_scale else {
-            return Err(RuntimeError::Binding(
+            return Err(binding(
                 "the training graph has no loss scale (only fp16 parameters use one)".into(),
             ));
         };
@@ -267,18 +367,17 @@ impl<B: Backend> Trainer<B> {
         self.scaler.map(|s| s.state)
     }
 
-    /// Restores the loss scaler's state from a checkpoint (after [`Trainer::restore`], which
-    /// leaves the scaler alone).
+    /// Restores the loss scaler's state from a checkpoint.
     pub fn set_loss_scale_state(&mut self, state: LossScaleState) -> Result<()> {
         let steps = self.step;
         let Some(scaler) = self.scaler.as_mut() else {
-            return Err(RuntimeError::Binding(
+            return Err(binding(
                 "the training graph has no loss scale (only fp16 parameters use one)".into(),
             ));
         };
         check_scale_config(&LossScaleConfig { init_scale: state.scale, ..scaler.cfg })?;
         if state.skipped_steps > steps {
-            return Err(RuntimeError::Binding(format!(
+            return Err(binding(format!(
                 "{} skipped steps, but only {steps} steps are done",
                 state.skipped_steps
             )));
@@ -287,21 +386,11 @@ impl<B: Backend> Trainer<B> {
         Ok(())
     }
 
-    /// Adds a forward-only evaluation graph (same model, same parameter names) with scalar
-    /// `loss`; its parameters are the training tensors themselves, not copies.
-    pub fn with_eval(mut self, graph: Graph, loss: TensorId, backend: B) -> Result<Trainer<B>> {
-        let leaves = DataLeaves::find(&graph)?;
-        let params = graph.parameters();
-        let program = Program::lower_graph(graph, vec![loss], &[]);
-        let mut exec = Executor::new(program, backend, None);
-        for p in params {
-            let name = exec.program().graph.tensor_scope(p).to_string();
-            let value = self.params_by_name.get(&name).ok_or_else(|| {
-                RuntimeError::Binding(format!("eval graph parameter {name} is not trained"))
-            })?;
-            exec.bind(p, value.clone())?;
-        }
-        self.eval = Some((exec, leaves, loss));
+    /// Adds the forward-only evaluation graph [`Trainer::eval`] runs: the single-device model
+    /// (same parameter names) with a scalar `loss`, built without dropout.
+    pub fn with_eval(mut self, graph: Graph, loss: TensorId) -> Result<Trainer<B>> {
+        MicroLeaves::find(&graph, 0)?;
+        self.eval = Some((graph, loss));
         Ok(self)
     }
 
@@ -311,64 +400,76 @@ impl<B: Backend> Trainer<B> {
     pub fn program(&self) -> &Program {
         self.exec.program()
     }
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
     pub fn steps_done(&self) -> u64 {
         self.step
     }
+    /// Global `(batch, seq)` of a step.
     pub fn batch_shape(&self) -> (usize, usize) {
-        (self.leaves.batch, self.leaves.seq)
+        (self.batch, self.seq)
     }
-    /// The current value of a named parameter.
+    /// The accountant's peak during the last step.
+    pub fn measured_peak_bytes(&self) -> u64 {
+        self.exec.accountant().peak_bytes()
+    }
+    /// This device's collective traffic so far.
+    pub fn comm_stats(&self) -> CommStats {
+        self.exec.collectives().map(|r| r.stats()).unwrap_or_default()
+    }
+    /// The communicator (for barriers around checkpoints; `None` on a lone device).
+    pub fn communicator(&mut self) -> Option<&mut dyn tessera_comm::Communicator> {
+        self.exec.collectives_mut().map(|r| r.communicator())
+    }
+    /// This device's value of a named parameter (the whole parameter on one device).
     pub fn parameter(&self, name: &str) -> Option<&Tensor> {
-        self.params_by_name.get(name)
+        self.exec.get(self.train.graph.find_leaf(name)?)
     }
 
-    fn bind_batch(
-        exec: &mut Executor<B>,
-        leaves: &DataLeaves,
-        inputs: &[i64],
-        targets: &[i64],
-    ) -> Result<()> {
-        let n = leaves.batch * leaves.seq;
+    /// Runs one step on the *global* `[batch, seq]` batch (every rank passes the same one).
+    pub fn step(&mut self, inputs: &[i64], targets: &[i64]) -> Result<StepStats> {
+        let n = self.batch * self.seq;
         if inputs.len() != n || targets.len() != n {
             return Err(RuntimeError::Data(format!(
                 "batch has {} inputs and {} targets; the program expects {} × {} = {n}",
                 inputs.len(),
                 targets.len(),
-                leaves.batch,
-                leaves.seq
+                self.batch,
+                self.seq
             )));
         }
-        let dims = [leaves.batch, leaves.seq];
-        exec.bind(leaves.ids, from_vec(inputs.to_vec(), &dims)?)?;
-        exec.bind(leaves.labels, from_vec(targets.to_vec(), &dims)?)?;
-        if let Some(tt) = leaves.token_types {
-            exec.bind(tt, from_vec(vec![0i64; n], &dims)?)?;
-        }
-        Ok(())
-    }
-
-    /// Runs one optimizer step on a `[batch, seq]` batch of inputs and next-token targets.
-    pub fn step(&mut self, inputs: &[i64], targets: &[i64]) -> Result<StepStats> {
         let step = self.step + 1;
         let lr = self.schedule.lr_at(step);
-        Self::bind_batch(&mut self.exec, &self.leaves, inputs, targets)?;
-        if let Some(s) = self.leaves.seed {
-            self.exec
-                .bind(s, Tensor::new(step_seed(self.seed, step), self.exec.backend().device())?)?;
+        let rows = self.batch / self.micro.len();
+        let per = rows * self.seq;
+        let device = candle_core::Device::Cpu;
+        for (k, leaves) in self.micro.clone().iter().enumerate() {
+            let part = |v: &[i64]| from_vec(v[k * per..(k + 1) * per].to_vec(), &[rows, self.seq]);
+            let ids = self.local(leaves.ids, "input_ids", &part(inputs)?)?;
+            self.exec.bind(leaves.ids, ids)?;
+            let labels = self.local(leaves.labels, "labels", &part(targets)?)?;
+            self.exec.bind(leaves.labels, labels)?;
+            if let Some(tt) = leaves.token_types {
+                let zeros = from_vec(vec![0i64; per], &[rows, self.seq])?;
+                let local = self.local(tt, "token_type_ids", &zeros)?;
+                self.exec.bind(tt, local)?;
+            }
+            if let Some(s) = leaves.seed {
+                self.exec.bind(s, Tensor::new(step_seed(self.seed, step), &device)?)?;
+            }
         }
-        let device = self.exec.backend().device().clone();
         self.exec.bind(self.train.lr, Tensor::new(lr as f32, &device)?)?;
         // AdamW's step counts applied updates (skipped fp16 steps excluded), 1-based.
         let skipped = self.scaler.map_or(0, |s| s.state.skipped_steps);
-        let adam_step = step - skipped;
-        self.exec.bind(self.train.step, Tensor::new(adam_step as i64, &device)?)?;
+        self.exec.bind(self.train.step, Tensor::new((step - skipped) as i64, &device)?)?;
         let loss_scale = self.scaler.map_or(1.0, |s| s.state.scale);
         if let Some(scaler) = &self.scaler {
             self.exec.bind(scaler.input, Tensor::new(loss_scale as f32, &device)?)?;
         }
         self.exec.run()?;
-        let loss = scalar(&self.exec, self.train.loss)?;
-        let mut grad_norm = scalar(&self.exec, self.train.grad_norm)?;
+        let loss = self.scalar(self.train.loss)?;
+        let mut grad_norm = self.scalar(self.train.grad_norm)?;
         if !loss.is_finite() {
             return Err(RuntimeError::Data(format!(
                 "step {step}: the loss is {loss}; lower the learning rate (now {lr:.2e})"
@@ -393,98 +494,105 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
-    /// Mean loss of the eval program over the given batches. Callers build the eval graph
-    /// without dropout (`ModelConfig::without_dropout`); if it has a seed input anyway, each
-    /// batch gets a fixed one so evaluation stays deterministic.
-    pub fn eval(&mut self, batches: &[(Vec<i64>, Vec<i64>)]) -> Result<f64> {
-        let seed = self.seed;
-        let Some((exec, leaves, loss)) = self.eval.as_mut() else {
-            return Err(RuntimeError::Binding("no eval graph was given (with_eval)".into()));
+    fn scalar(&self, t: TensorId) -> Result<f64> {
+        let v = self.exec.get(t).ok_or_else(|| binding("step output was not kept".into()))?;
+        Ok(v.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?)
+    }
+
+    /// Mean loss of the eval graph ([`Trainer::with_eval`]) over `[batch, seq]` batches of
+    /// the eval graph's shape, on parameters gathered to rank 0: `Some` there, `None` on the
+    /// other ranks (every rank must call it). A seed input, if any, gets a fixed value per
+    /// batch so evaluation stays deterministic.
+    pub fn eval(&mut self, batches: &[(Vec<i64>, Vec<i64>)]) -> Result<Option<f64>> {
+        let Some((graph, loss)) = self.eval.clone() else {
+            return Err(binding("no eval graph was given (with_eval)".into()));
         };
         if batches.is_empty() {
             return Err(RuntimeError::Data("no held-out batches to evaluate".into()));
         }
+        let Some(params) = gather_params_to(self, 0)? else { return Ok(None) };
+        let leaves = MicroLeaves::find(&graph, 0)?;
+        let dims = graph.shape(leaves.ids).dims().to_vec();
+        let program = Program::lower_graph(graph.clone(), vec![loss], &[]);
+        let mut exec = Executor::new(program, crate::CpuBackend::new(0), None);
+        for p in graph.parameters() {
+            let name = graph.tensor_scope(p);
+            let v = params
+                .get(name)
+                .ok_or_else(|| binding(format!("eval graph parameter {name} is not trained")))?;
+            exec.bind(p, v.clone())?;
+        }
         let mut total = 0.0;
         for (i, (x, y)) in batches.iter().enumerate() {
-            Self::bind_batch(exec, leaves, x, y)?;
+            let n = dims.iter().product::<usize>();
+            if x.len() != n || y.len() != n {
+                return Err(RuntimeError::Data(format!(
+                    "eval batch has {} inputs and {} targets; the eval graph expects {dims:?}",
+                    x.len(),
+                    y.len()
+                )));
+            }
+            exec.bind(leaves.ids, from_vec(x.clone(), &dims)?)?;
+            exec.bind(leaves.labels, from_vec(y.clone(), &dims)?)?;
+            if let Some(tt) = leaves.token_types {
+                exec.bind(tt, from_vec(vec![0i64; n], &dims)?)?;
+            }
             if let Some(s) = leaves.seed {
-                exec.bind(
-                    s,
-                    Tensor::new(step_seed(seed, u64::MAX - i as u64), exec.backend().device())?,
-                )?;
+                let seed = step_seed(self.seed, u64::MAX - i as u64);
+                exec.bind(s, Tensor::new(seed, &candle_core::Device::Cpu)?)?;
             }
             exec.run()?;
-            total += scalar(exec, *loss)?;
+            let v = exec.get(loss).ok_or_else(|| binding("eval loss not kept".into()))?;
+            total += v.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         }
-        Ok(total / batches.len() as f64)
+        Ok(Some(total / batches.len() as f64))
     }
 
-    /// Parameters by Hugging Face name, in graph order (live handles: copy before mutating).
-    pub fn parameters(&self) -> Vec<(String, Tensor)> {
-        let g = &self.train.graph;
-        self.train
-            .params
-            .iter()
-            .map(|s| {
-                let name = g.tensor_scope(s.param).to_string();
-                let t = self.params_by_name[&name].clone();
-                (name, t)
-            })
-            .collect()
+    /// This device's parameters by Hugging Face name, in graph order (live handles: copy
+    /// before mutating); on one device these are the whole parameters.
+    pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .local_state()?
+            .into_iter()
+            .filter(|(_, _, _, kind)| kind.is_none())
+            .map(|(name, t, _, _)| (name, t))
+            .collect())
     }
 
-    /// AdamW state keyed `<parameter>.adam_m`, `.adam_v` and (mixed precision) `.master`.
+    /// This device's AdamW state keyed `<parameter>.adam_m`, `.adam_v` and (mixed precision)
+    /// `.master`.
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .local_state()?
+            .into_iter()
+            .filter(|(_, _, _, kind)| kind.is_some())
+            .map(|(name, t, _, _)| (name, t))
+            .collect())
+    }
+
+    /// This device's parameters and optimizer state: `(name, local tensor, placement, state
+    /// kind)` (`None` for a parameter).
+    #[allow(clippy::type_complexity)]
+    pub fn local_state(&self) -> Result<Vec<(String, Tensor, Placement, Option<StateKind>)>> {
         let g = &self.train.graph;
         let mut out = Vec::new();
         for slot in &self.train.params {
-            for t in [Some(slot.m), Some(slot.v), slot.master].into_iter().flatten() {
-                let value = self.exec.get(t).ok_or_else(|| {
-                    RuntimeError::Binding(format!("{} is not bound", g.tensor_scope(t)))
-                })?;
-                out.push((g.tensor_scope(t).to_string(), value.clone()));
+            let name = g.tensor_scope(slot.param);
+            let tensors = [(Some(slot.param), name.to_string(), None)].into_iter().chain(
+                [(Some(slot.m), StateKind::AdamM), (Some(slot.v), StateKind::AdamV)]
+                    .into_iter()
+                    .chain([(slot.master, StateKind::Master)])
+                    .map(|(t, k)| (t, state_key(name, k), Some(k))),
+            );
+            for (t, key, kind) in tensors {
+                let Some(t) = t else { continue };
+                let value =
+                    self.exec.get(t).ok_or_else(|| binding(format!("{key} is not bound")))?;
+                let placement = self.placement(&key, t)?;
+                out.push((key, value.clone(), placement, kind));
             }
         }
         Ok(out)
-    }
-
-    /// Restores parameters, optimizer state and the step counter (from a checkpoint), so the
-    /// next [`Trainer::step`] continues exactly where the saved run stopped (for fp16, after
-    /// [`Trainer::set_loss_scale_state`] too: this leaves the loss scaler alone). Every tensor must
-    /// be present with the right shape; values are copied into fresh buffers.
-    pub fn restore(
-        &mut self,
-        params: &HashMap<String, Tensor>,
-        optimizer: &HashMap<String, Tensor>,
-        steps_done: u64,
-    ) -> Result<()> {
-        let g = self.train.graph.clone();
-        let fetch = |map: &HashMap<String, Tensor>, name: &str, what: &str| {
-            map.get(name).cloned().ok_or_else(|| {
-                RuntimeError::Binding(format!("the checkpoint has no {what} `{name}`"))
-            })
-        };
-        for slot in &self.train.params {
-            let name = g.tensor_scope(slot.param).to_string();
-            let want = candle_dtype(g.meta(slot.param).dtype);
-            let value = fetch(params, &name, "parameter")?.to_dtype(want)?.copy()?;
-            self.exec.bind(slot.param, value.clone())?;
-            if let Some((eval, _, _)) = self.eval.as_mut() {
-                if let Some(p) = eval.program().graph.find_leaf(&name) {
-                    eval.bind(p, value.clone())?;
-                }
-            }
-            self.params_by_name.insert(name, value);
-            for t in [Some(slot.m), Some(slot.v), slot.master].into_iter().flatten() {
-                let state_name = g.tensor_scope(t);
-                let value = fetch(optimizer, state_name, "optimizer state")?
-                    .to_dtype(candle_core::DType::F32)?
-                    .copy()?;
-                self.exec.bind(t, value)?;
-            }
-        }
-        self.step = steps_done;
-        Ok(())
     }
 
     /// Records wall time per op kind in the training step from now on.
@@ -498,14 +606,73 @@ impl<B: Backend> Trainer<B> {
     ) -> Option<&std::collections::BTreeMap<&'static str, crate::executor::OpTime>> {
         self.exec.timings()
     }
-
-    /// The accountant's peak during the last step.
-    pub fn measured_peak_bytes(&self) -> u64 {
-        self.exec.accountant().peak_bytes()
-    }
 }
 
-fn scalar<B: Backend>(exec: &Executor<B>, t: TensorId) -> Result<f64> {
-    let v = exec.get(t).ok_or_else(|| RuntimeError::Binding("step output was not kept".into()))?;
-    Ok(v.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?)
+/// Every *parameter* (no optimizer state) as a global tensor on `root` only; `None` on the
+/// other ranks. Replicated parameters need no traffic; a sharded one travels once per distinct
+/// chunk, point to point from its writer to `root`, so the extra memory is one copy of the
+/// model on one rank (what evaluation after training needs), not the whole state on every rank.
+pub fn gather_params_to<B: Backend>(
+    trainer: &mut Trainer<B>,
+    root: usize,
+) -> Result<Option<HashMap<String, Tensor>>> {
+    let shape = trainer.mesh.shape.clone();
+    let n = trainer.mesh.size();
+    let me = trainer.mesh.rank;
+    let params = trainer.parameters()?;
+    let mut out = HashMap::with_capacity(params.len());
+    for (name, t) in params {
+        let leaf = trainer
+            .train
+            .graph
+            .find_leaf(&name)
+            .ok_or_else(|| binding(format!("parameter {name} is not a leaf of the program")))?;
+        let placement = trainer.placement(&name, leaf)?;
+        if placement.iter().all(|axes| axes.is_empty()) {
+            if me == root {
+                out.insert(name, t);
+            }
+            continue;
+        }
+        let writers: Vec<usize> = (0..n)
+            .filter(|&r| DeviceMesh::new(&shape, r).is_ok_and(|m| m.is_writer(&placement)))
+            .collect();
+        let comm = trainer
+            .communicator()
+            .ok_or_else(|| binding("gathering sharded parameters needs a communicator".into()))?;
+        if me != root {
+            if writers.contains(&me) {
+                let flat = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+                comm.send(root, &flat)?;
+            }
+            continue;
+        }
+        // `assemble` reads only the writers' parts; the others stand in with root's own shard.
+        let mut parts = vec![t.clone(); n];
+        for &r in writers.iter().filter(|&&r| r != root) {
+            let flat = comm.recv(r)?;
+            parts[r] = from_vec(flat, t.dims())?.to_dtype(t.dtype())?;
+        }
+        out.insert(name, crate::collective::assemble(&shape, &parts, &placement)?);
+    }
+    Ok((me == root).then_some(out))
+}
+
+/// Whether a graph's parameters are all fp32 or have fp32 masters (what `train` supports).
+fn check_trainable(train: &TrainingGraph, backend: &str) -> Result<()> {
+    let g = &train.graph;
+    for slot in &train.params {
+        let dtype = g.meta(slot.param).dtype;
+        if !(dtype == DType::F32 || (dtype.is_float() && slot.master.is_some())) {
+            return Err(RuntimeError::Unsupported {
+                backend: backend.to_string(),
+                op: "train".into(),
+                reason: format!(
+                    "{} is {dtype} without an fp32 master copy; train in fp32, bf16 or fp16",
+                    g.tensor_scope(slot.param)
+                ),
+            });
+        }
+    }
+    Ok(())
 }

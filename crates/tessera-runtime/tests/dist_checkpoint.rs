@@ -13,7 +13,7 @@ use tessera_comm::{run_on_threads, CommStats, Communicator, Group};
 use tessera_ir::DType;
 use tessera_models::{build, BuildOptions, Gpt2Params, ModelConfig};
 use tessera_runtime::checkpoint::{load_checkpoint, load_hf_weights, Manifest};
-use tessera_runtime::collective::{DeviceMesh, Placement};
+use tessera_runtime::collective::{shard, DeviceMesh, Placement};
 use tessera_runtime::dist_checkpoint::{
     export_hf, is_sharded, load_sharded, rank_file_name, read_sharded_manifest, save_sharded,
     TensorRole,
@@ -135,7 +135,7 @@ fn state_1d(seed: u64) -> State {
 
 /// This rank's `(name, local shard, placement)`, as `SpmdTrainer::local_state` gives them.
 fn local_state(mesh: &DeviceMesh, state: &State) -> State {
-    state.iter().map(|(n, g, p)| (n.clone(), mesh.shard(g, p, n).unwrap(), p.clone())).collect()
+    state.iter().map(|(n, g, p)| (n.clone(), shard(mesh, g, p, n).unwrap(), p.clone())).collect()
 }
 
 /// One rank's save; errors as text (they cross threads and are compared as text).
@@ -331,7 +331,7 @@ fn a_2x2_checkpoint_reshards_for_a_mesh_of_2() {
             if global.dims()[0] % 2 != 0 {
                 placement[0].clear();
             }
-            let got = mesh.shard(loaded, &placement, name).unwrap();
+            let got = shard(&mesh, loaded, &placement, name).unwrap();
             let len = if placement[0].is_empty() { global.dims()[0] } else { global.dims()[0] / 2 };
             let start = if placement[0].is_empty() { 0 } else { rank * len };
             let want = global.narrow(0, start, len).unwrap();
@@ -484,7 +484,7 @@ fn ranks_that_disagree_on_the_step_or_tensors_save_nothing() {
             .iter()
             .map(|(n, g, p)| {
                 // The bad placement cannot shard; pass the whole tensor.
-                let t = mesh.shard(g, p, n).unwrap_or_else(|_| g.clone());
+                let t = shard(&mesh, g, p, n).unwrap_or_else(|_| g.clone());
                 (n.clone(), t, p.clone())
             })
             .collect();

@@ -420,7 +420,7 @@ fn dropout_matches_the_shared_mask() {
         let x = randn(&mut r, dims);
         for (p, s) in [(0.0, 7), (0.1, 1234), (0.5, -5)] {
             for stream in [0u64, 3] {
-                let op = Op::Dropout { p, stream };
+                let op = Op::Dropout { p, stream, shard: None };
                 let what = format!("dropout p={p} seed={s} stream={stream} {dims:?}");
                 check_layouts(&op, &[x.clone(), seed(s)], &what);
             }
@@ -428,12 +428,45 @@ fn dropout_matches_the_shared_mask() {
     }
     // The kept fraction is about 1 − p.
     let x = tensor_f32(vec![1.0; 200_000], &[200_000]);
-    let op = Op::Dropout { p: 0.25, stream: 1 };
+    let op = Op::Dropout { p: 0.25, stream: 1, shard: None };
     let m = op.infer(&[&meta_of(&x).unwrap(), &meta_of(&seed(9)).unwrap()]).unwrap();
     let y = kernels::execute(&op, &[&x, &seed(9)], &m).unwrap();
     let kept = to_f64_vec(&y[0]).unwrap().iter().filter(|&&v| v != 0.0).count();
     let frac = kept as f64 / 200_000.0;
     assert!((frac - 0.75).abs() < 0.01, "kept fraction {frac}");
+}
+
+/// A shard's mask is its slice of the single-device mask: on a 2×2 mesh, for a tensor split
+/// over both axes (and for a second micro-batch of it), every device's dropout output equals
+/// the matching block of the whole tensor's output, so every plan drops what one device drops.
+#[test]
+fn sharded_dropout_is_the_slice_of_the_single_device_mask() {
+    use tessera_ir::dist::{MeshPos, ShardOf};
+    let mut r = rng(11);
+    let global = [2 * 4, 6, 2 * 5];
+    // Two micro-batches: the second one's rows follow the first's in the whole batch.
+    let whole = randn(&mut r, &[2 * global[0], global[1], global[2]]);
+    let op = Op::Dropout { p: 0.3, stream: 2, shard: None };
+    let m = op.infer(&[&meta_of(&whole).unwrap(), &meta_of(&seed(4)).unwrap()]).unwrap();
+    let want = kernels::execute(&op, &[&whole, &seed(4)], &m).unwrap().remove(0);
+    let placement = vec![vec![0], vec![], vec![1]];
+    for micro_batch in 0..2 {
+        let shard = ShardOf { global: global.to_vec(), placement: placement.clone(), micro_batch };
+        let op = Op::Dropout { p: 0.3, stream: 2, shard: Some(shard) };
+        for rank in 0..4 {
+            let at = MeshPos::new(&[2, 2], rank).unwrap();
+            let (r0, c0) = (at.coords[0] * 4 + micro_batch * global[0], at.coords[1] * 5);
+            let x = whole.narrow(0, r0, 4).unwrap().narrow(2, c0, 5).unwrap().contiguous().unwrap();
+            let m = op.infer(&[&meta_of(&x).unwrap(), &meta_of(&seed(4)).unwrap()]).unwrap();
+            let got = kernels::execute_at(&op, &[&x, &seed(4)], &m, &at).unwrap().remove(0);
+            let expect = want.narrow(0, r0, 4).unwrap().narrow(2, c0, 5).unwrap();
+            assert_eq!(
+                to_f64_vec(&got).unwrap(),
+                to_f64_vec(&expect.contiguous().unwrap()).unwrap(),
+                "micro-batch {micro_batch}, rank {rank}"
+            );
+        }
+    }
 }
 
 // ---- reductions -----------------------------------------------------------------------------

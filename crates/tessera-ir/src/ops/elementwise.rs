@@ -125,10 +125,16 @@ pub(crate) fn vjp_cast(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Grad>>> {
     Ok(vec![Some(Grad::Full(dx))])
 }
 
-pub(crate) fn vjp_dropout(cx: &mut VjpCtx<'_>, p: f64, stream: u64) -> Result<Vec<Option<Grad>>> {
+pub(crate) fn vjp_dropout(
+    cx: &mut VjpCtx<'_>,
+    p: f64,
+    stream: u64,
+    shard: &Option<crate::dist::ShardOf>,
+) -> Result<Vec<Option<Grad>>> {
     let dy = cx.dy(0)?;
-    // Same (seed, stream, element) → same mask: the gradient passes where the input did.
-    let dx = cx.b.push1(Op::Dropout { p, stream }, &[dy, cx.x(1)])?;
+    // Same (seed, stream, element) → same mask: the gradient passes where the input did (the
+    // gradient is laid out as the input is, so the shard's index map is the same).
+    let dx = cx.b.push1(Op::Dropout { p, stream, shard: shard.clone() }, &[dy, cx.x(1)])?;
     Ok(vec![Some(Grad::Full(dx)), None])
 }
 

@@ -76,6 +76,19 @@ pub enum StateKind {
     Master,
 }
 
+impl StateKind {
+    pub const ALL: [StateKind; 3] = [StateKind::AdamM, StateKind::AdamV, StateKind::Master];
+
+    /// The suffix of the state's name (`<param>.<suffix>`, [`crate::dist::state_key`]).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            StateKind::AdamM => "adam_m",
+            StateKind::AdamV => "adam_v",
+            StateKind::Master => "master",
+        }
+    }
+}
+
 /// Hyper-parameters of the attention op.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AttentionSpec {
@@ -148,10 +161,13 @@ pub enum Op {
     Cast(DType),
     /// Inputs `[x, seed]` (seed an i64 scalar). Zeroes each element with probability `p` by a
     /// counter-based hash of (seed, stream, element index), scaling the rest by 1/(1-p): nothing
-    /// is stored for backward, which re-applies the same mask to the gradient.
+    /// is stored for backward, which re-applies the same mask to the gradient. `shard` says
+    /// where a sharded tensor sits in the single-device one, so the index is the global one
+    /// and every plan draws the single-device mask (`None`: the local index is global).
     Dropout {
         p: f64,
         stream: u64,
+        shard: Option<crate::dist::ShardOf>,
     },
 
     // ---- linear algebra -----------------------------------------------------------------
@@ -641,7 +657,7 @@ impl Op {
             Op::Unary(u) => elementwise::vjp_unary(cx, *u),
             Op::Binary(b) => elementwise::vjp_binary(cx, *b),
             Op::Cast(_) => elementwise::vjp_cast(cx),
-            Op::Dropout { p, stream } => elementwise::vjp_dropout(cx, *p, *stream),
+            Op::Dropout { p, stream, shard } => elementwise::vjp_dropout(cx, *p, *stream, shard),
             Op::MatMul { trans_a, trans_b } => matmul::vjp(cx, *trans_a, *trans_b),
             Op::Reduce { op, dims, keepdim } => reduce::vjp_reduce(cx, *op, dims, *keepdim),
             Op::Softmax => reduce::vjp_softmax(cx),

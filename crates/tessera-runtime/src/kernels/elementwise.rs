@@ -750,9 +750,17 @@ impl DropoutMask {
     }
 }
 
-/// Zeroes element `k` (flat row-major index) unless `dropout_keep(seed, stream, k, p)`, and
-/// scales the kept ones by 1/(1 − p).
-pub fn dropout(x: &Tensor, seed: &Tensor, p: f64, stream: u64) -> Result<Tensor> {
+/// Zeroes element `k` unless `dropout_keep(seed, stream, g(k), p)`, and scales the kept ones
+/// by 1/(1 − p). `g(k)` is the flat row-major index `k` itself, or, for a shard
+/// (`index_map` = [`tessera_ir::dist::ShardOf::index_map`] at this device), the element's index
+/// in the single-device tensor, so every plan draws the single-device mask.
+pub fn dropout(
+    x: &Tensor,
+    seed: &Tensor,
+    p: f64,
+    stream: u64,
+    index_map: Option<(u64, Vec<u64>)>,
+) -> Result<Tensor> {
     expect_f32(x, "dropout", "x")?;
     expect_i64(seed, "dropout", "seed")?;
     if seed.elem_count() != 1 {
@@ -772,13 +780,20 @@ pub fn dropout(x: &Tensor, seed: &Tensor, p: f64, stream: u64) -> Result<Tensor>
     let mask = DropoutMask::new(seed, stream, p);
     debug_assert!((0..64).all(|k| mask.keep(k) == dropout_keep(seed, stream, k, p)));
     let dims = x.dims().to_vec();
+    let local = tessera_ir::dist::row_major_strides(&dims);
     let vx = View::new(x)?;
     let sx = vx.strides_for(&dims)?;
     let dx = vx.data::<f32>()?;
     let mut out = vec![0f32; numel(&dims)];
     walk(&mut out, &dims, [&sx], [vx.offset()], |o, flat, [i], [s]| {
         for (k, o) in o.iter_mut().enumerate() {
-            *o = if mask.keep((flat + k) as u64) { dx[i + k * s] * scale } else { 0.0 };
+            let index = match &index_map {
+                None => (flat + k) as u64,
+                Some((base, strides)) => {
+                    tessera_ir::dist::global_index((flat + k) as u64, &local, *base, strides)
+                }
+            };
+            *o = if mask.keep(index) { dx[i + k * s] * scale } else { 0.0 };
         }
     });
     from_vec(out, &dims)

@@ -22,10 +22,18 @@ mod reduce;
 
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
+use tessera_ir::dist::MeshPos;
 use tessera_ir::{Op, TensorMeta};
 
-/// Runs one op. `out` are the IR's output metas (shapes, dtypes) for this node.
+/// Runs one op on the only device of a 1-device mesh. `out` are the IR's output metas
+/// (shapes, dtypes) for this node.
 pub fn execute(op: &Op, x: &[&Tensor], out: &[TensorMeta]) -> Result<Vec<Tensor>> {
+    execute_at(op, x, out, &MeshPos::single())
+}
+
+/// Runs one op on the device at `at` in its mesh (which picks the device's slice of a sharded
+/// dropout mask).
+pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> Result<Vec<Tensor>> {
     let one = |t: Tensor| Ok(vec![t]);
     match op {
         Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => Err(RuntimeError::Binding(
@@ -39,7 +47,13 @@ pub fn execute(op: &Op, x: &[&Tensor], out: &[TensorMeta]) -> Result<Vec<Tensor>
             one(elementwise::binary_backward(*op, *wrt, x[0], x[1], x[2], &out[0])?)
         }
         Op::Cast(d) => one(elementwise::cast(x[0], *d)?),
-        Op::Dropout { p, stream } => one(elementwise::dropout(x[0], x[1], *p, *stream)?),
+        Op::Dropout { p, stream, shard } => {
+            let map = match shard {
+                Some(s) => Some(s.index_map(Some(at))?),
+                None => None,
+            };
+            one(elementwise::dropout(x[0], x[1], *p, *stream, map)?)
+        }
         Op::MatMul { trans_a, trans_b } => {
             one(matmul::matmul(x[0], x[1], *trans_a, *trans_b, &out[0])?)
         }

@@ -1,0 +1,448 @@
+//! Running a planned `tessera train` on its devices: N simulated devices as threads (one
+//! [`ThreadComm`] each; a single device needs none) or, under `mpirun`/`srun`/`torchrun`, one
+//! process per rank. Every device runs [`run_rank`]: the one [`Trainer`] on its shards and the
+//! runtime's one loop ([`run_device`]). Rank 0 reports; at the end every rank's peak memory
+//! and traffic are gathered so the summary shows, per device, predicted against measured.
+
+use crate::format::bytes;
+use crate::profile_cmd::{print_stdout, OutputFormat};
+use crate::train_cmd::{prepare, progress, RunContext, Start, TrainArgs};
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::json;
+use std::time::Duration;
+use tessera_comm::{CommError, Communicator, ThreadComm};
+use tessera_ir::CkptMode;
+use tessera_runtime::collective::{CommRunner, DeviceMesh};
+use tessera_runtime::run::{restore_extra, run_device, Observer, RankOutcome, RunSpec};
+use tessera_runtime::{
+    alloc, CpuBackend, DeviceSetup, LossScaleConfig, RuntimeError, StartState, StepStats, Trainer,
+};
+
+/// Plans the run and trains on `devices` devices of this process: one device directly, more as
+/// threads with a communicator each.
+pub fn run_local(args: &TrainArgs, devices: usize) -> Result<()> {
+    let ctx = prepare(args, devices, 0)?;
+    // The run's heap: from here, what the devices hold (the planner's work is done).
+    alloc::reset_peak();
+    let heap_baseline = alloc::current_bytes();
+    if devices == 1 {
+        let outcome = run_rank(&ctx, None, 0)?;
+        let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
+        ctx.bar.finish_and_clear();
+        return report(&ctx, &outcome, Some(heap_peak));
+    }
+    let timeout = Duration::from_secs_f64(args.comm_timeout);
+    let comms = ThreadComm::world(devices, timeout).map_err(|e| anyhow!(e))?;
+    let outcomes: Vec<Result<RankOutcome>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let ctx = &ctx;
+                std::thread::Builder::new()
+                    .name(format!("rank{rank}"))
+                    .spawn_scoped(s, move || run_rank(ctx, Some(Box::new(comm)), rank))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(anyhow!("rank {rank} panicked"))),
+                Err(e) => Err(anyhow!("starting the thread of rank {rank}: {e}")),
+            })
+            .collect()
+    });
+    let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
+    let outcome = first_failure(outcomes)?;
+    ctx.bar.finish_and_clear();
+    report(&ctx, &outcome, Some(heap_peak))
+}
+
+/// Under `mpirun`/`srun`/`torchrun`: this process is one rank of the launcher's world.
+/// Every rank plans (the planner is deterministic; the ranks check they agree), trains its
+/// shards through MPI, and rank 0 reports. A failing rank prints its error and exits non-zero,
+/// which makes the launcher end the others; a rank stuck past `--comm-timeout` does the same.
+#[cfg(feature = "mpi")]
+pub fn run_launched(args: &TrainArgs, env: &tessera_comm::LaunchEnv) -> Result<()> {
+    let timeout = Duration::from_secs_f64(args.comm_timeout);
+    let mut comm = tessera_comm::MpiComm::init(timeout).map_err(|e| anyhow!(e))?;
+    let rank = comm.rank();
+    if comm.world_size() != env.world_size || rank != env.rank {
+        bail!(
+            "{} says rank {} of {}, MPI says rank {rank} of {}: launch with mpirun, or unset \
+             the other launchers' variables",
+            env.launcher,
+            env.rank,
+            env.world_size,
+            comm.world_size()
+        );
+    }
+    let result = (|| -> Result<Option<RankOutcome>> {
+        let ctx = prepare(args, env.world_size, rank)?;
+        // Every rank must run the same Program: compare a fingerprint of the plan.
+        let fp = fingerprint(&serde_json::to_string(&ctx.plan.strategies)?);
+        let world = tessera_comm::Group::world(env.world_size)?;
+        use tessera_runtime::run::{pack, unpack};
+        let all = unpack(&comm.all_gather(&world, &pack(&[fp, ctx.plan.zero_stage as u64]))?);
+        if all.chunks(2).any(|c| c != [fp, ctx.plan.zero_stage as u64]) {
+            bail!("the ranks planned different runs (a time-limited search?): pass --plan");
+        }
+        let outcome = run_rank(&ctx, Some(Box::new(comm)), rank)?;
+        if rank == 0 {
+            ctx.bar.finish_and_clear();
+            report(&ctx, &outcome, None)?;
+        }
+        Ok(Some(outcome))
+    })();
+    match result {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            // The other ranks are blocked in a collective: end the job now, with the reason.
+            let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            eprintln!("error: rank {rank}: {msg}");
+            std::process::exit(1);
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+pub fn run_launched(_args: &TrainArgs, env: &tessera_comm::LaunchEnv) -> Result<()> {
+    bail!(
+        "launched by {} as rank {} of {}, but this tessera was built without MPI: rebuild with \
+         `cargo build --release --features mpi` (scripts/setup.sh installs OpenMPI), or run \
+         `tessera train --devices N` for simulated devices",
+        env.launcher,
+        env.rank,
+        env.world_size
+    )
+}
+
+/// FNV-1a of a string (the plan's identity across ranks).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+fn fingerprint(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// The root cause among the ranks' results: a rank's own error before the "peer died" errors
+/// it caused elsewhere.
+fn first_failure(outcomes: Vec<Result<RankOutcome>>) -> Result<RankOutcome> {
+    let mut errors = Vec::new();
+    let mut zero = None;
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        match o {
+            Ok(o) if rank == 0 => zero = Some(o),
+            Ok(_) => {}
+            Err(e) => errors.push((rank, e)),
+        }
+    }
+    let secondary = |e: &anyhow::Error| {
+        e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<RuntimeError>(),
+                Some(RuntimeError::Comm(CommError::RankDied { .. } | CommError::Poisoned { .. }))
+            ) || matches!(
+                c.downcast_ref::<CommError>(),
+                Some(CommError::RankDied { .. } | CommError::Poisoned { .. })
+            )
+        })
+    };
+    let pick = errors.iter().position(|(_, e)| !secondary(e)).or(if errors.is_empty() {
+        None
+    } else {
+        Some(0)
+    });
+    if let Some(i) = pick {
+        let (rank, e) = errors.swap_remove(i);
+        return Err(e.context(format!("rank {rank} failed")));
+    }
+    zero.ok_or_else(|| anyhow!("rank 0 returned nothing"))
+}
+
+/// One device's whole run: its trainer on its shards, the runtime's loop, the report.
+pub fn run_rank(
+    ctx: &RunContext,
+    comm: Option<Box<dyn Communicator>>,
+    rank: usize,
+) -> Result<RankOutcome> {
+    let mesh = DeviceMesh::new(&ctx.mesh_shape, rank)?;
+    let runner = match comm {
+        Some(c) => Some(CommRunner::new(c, mesh.clone())?),
+        None => None,
+    };
+    let setup = DeviceSetup {
+        mesh,
+        placements: ctx.placements.clone(),
+        micro_batches: ctx.micro_batches,
+        budget: Some(ctx.budget),
+    };
+    let state = match &ctx.start {
+        Start::Fresh(rules) => StartState::Fresh { rules },
+        Start::Resume(ckpt) => StartState::Global {
+            params: &ckpt.params,
+            optimizer: Some(&ckpt.optimizer),
+            steps_done: ckpt.manifest.step,
+        },
+        Start::Weights(params) => StartState::Global { params, optimizer: None, steps_done: 0 },
+    };
+    let args = &ctx.args;
+    let mut trainer = Trainer::new(
+        ctx.training.clone(),
+        CpuBackend::new(rank),
+        runner,
+        setup,
+        ctx.schedule.clone(),
+        args.seed,
+        state,
+    )?;
+    if ctx.training.loss_scale.is_some() {
+        let cfg = LossScaleConfig {
+            init_scale: args.loss_scale,
+            growth_interval: args.loss_scale_window,
+            ..LossScaleConfig::default()
+        };
+        trainer = trainer.with_loss_scale(cfg).context("--loss-scale")?;
+    }
+    if let Start::Resume(ckpt) = &ctx.start {
+        restore_extra(&mut trainer, &ckpt.manifest)
+            .with_context(|| format!("resuming from {}", ckpt.dir.display()))?;
+    }
+    if args.eval_batches > 0 {
+        let (graph, loss) = &ctx.eval_model;
+        trainer = trainer.with_eval(graph.clone(), *loss)?;
+    }
+    trainer.record_timings(args.op_times && rank == 0);
+    let spec = RunSpec {
+        dataset: &ctx.dataset,
+        batch: args.batch,
+        seq: args.seq,
+        seed: args.seed,
+        first: ctx.first,
+        last: ctx.last_step,
+        save: ctx.save.clone(),
+        eval_batches: args.eval_batches,
+        log: ctx.log.as_ref(),
+    };
+    let watch = Watch { ctx, fault: Fault::from_env()? };
+    let mut outcome = run_device(&mut trainer, &spec, &watch)?;
+    if rank == 0 {
+        outcome.op_times = trainer
+            .timings()
+            .map(|t| t.iter().map(|(k, o)| (k.to_string(), o.calls, o.seconds)).collect())
+            .unwrap_or_default();
+        outcome.loss_scale = trainer.loss_scale_state().map(|s| s.scale);
+    }
+    Ok(outcome)
+}
+
+/// The run's observer: the progress bar (rank 0) and `TESSERA_FAULT` injection.
+struct Watch<'a> {
+    ctx: &'a RunContext,
+    fault: Option<Fault>,
+}
+
+impl Observer for Watch<'_> {
+    fn before_step(&self, rank: usize, step: u64) -> tessera_runtime::Result<()> {
+        match self.fault.filter(|f| f.rank == rank && f.step == step) {
+            Some(f) => Err(RuntimeError::Data(f.trigger(self.ctx.args.comm_timeout))),
+            None => Ok(()),
+        }
+    }
+
+    fn after_step(&self, stats: &StepStats, seconds: f64) {
+        self.ctx.bar.set_position(stats.step);
+        self.ctx.bar.set_message(progress(self.ctx, stats, seconds));
+    }
+}
+
+/// Fault injection for the failure tests: `TESSERA_FAULT=rank=R,step=S,kind=K` makes rank R,
+/// before step S, fail with an error (`error`), stall for three collective timeouts (`hang`,
+/// what a stuck device looks like to its peers) or end its process at once (`kill`).
+#[derive(Clone, Copy, Debug)]
+struct Fault {
+    rank: usize,
+    step: u64,
+    kind: FaultKind,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum FaultKind {
+    Error,
+    Hang,
+    Kill,
+}
+
+impl Fault {
+    fn from_env() -> Result<Option<Fault>> {
+        let Ok(spec) = std::env::var("TESSERA_FAULT") else { return Ok(None) };
+        let bad = || anyhow!("TESSERA_FAULT={spec}: expected rank=R,step=S,kind=error|hang|kill");
+        let (mut rank, mut step, mut kind) = (None, None, None);
+        for part in spec.split(',') {
+            let (k, v) = part.split_once('=').ok_or_else(bad)?;
+            match k.trim() {
+                "rank" => rank = Some(v.trim().parse().map_err(|_| bad())?),
+                "step" => step = Some(v.trim().parse().map_err(|_| bad())?),
+                "kind" => {
+                    kind = Some(match v.trim() {
+                        "error" => FaultKind::Error,
+                        "hang" => FaultKind::Hang,
+                        "kill" => FaultKind::Kill,
+                        _ => return Err(bad()),
+                    })
+                }
+                _ => return Err(bad()),
+            }
+        }
+        match (rank, step, kind) {
+            (Some(rank), Some(step), Some(kind)) => Ok(Some(Fault { rank, step, kind })),
+            _ => Err(bad()),
+        }
+    }
+
+    /// Carries the fault out; the error to end the rank with.
+    fn trigger(self, timeout_s: f64) -> String {
+        match self.kind {
+            FaultKind::Error => {}
+            FaultKind::Hang => std::thread::sleep(Duration::from_secs_f64(3.0 * timeout_s)),
+            FaultKind::Kill => std::process::exit(137),
+        }
+        format!("fault injected by TESSERA_FAULT before step {}", self.step)
+    }
+}
+
+/// Prints the run's summary (rank 0): losses, speed, and per device the predicted against the
+/// measured peak memory and collective traffic.
+pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Result<()> {
+    let args = &ctx.args;
+    let n = o.measured_peak.len();
+    let (first, last) = match (o.steps.first(), o.steps.last()) {
+        (Some(f), Some(l)) => (f.0, l.0),
+        _ => bail!("no step ran"),
+    };
+    let steps_run = o.steps.len() as u64;
+    let tokens_per_s = (args.batch * args.seq) as f64 * steps_run as f64 / o.elapsed_s;
+    let predicted_comm = vec![ctx.predicted_comm_bytes; n];
+    let skipped: u64 = o.steps.iter().map(|(s, _)| u64::from(s.skipped)).sum();
+    let unigram =
+        tessera_runtime::data::unigram_entropy_nats(&ctx.dataset.train, ctx.dataset.vocab_size);
+    let mut op_times = o.op_times.clone();
+    op_times.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let plan = &ctx.plan;
+    match args.format {
+        OutputFormat::Json => {
+            let mut doc = json!({
+                "model": ctx.cfg.name(),
+                "devices": n,
+                "config": plan.config,
+                "layout": plan.layout,
+                "mesh": plan.mesh.shape,
+                "zero_stage": plan.zero_stage,
+                "micro_batches": plan.micro_batches,
+                "checkpoint": plan.checkpoint,
+                "recompute_s": plan.predicted.recompute_s,
+                "steps": steps_run,
+                "last_step": last.step,
+                "total_steps": args.steps,
+                "batch": args.batch,
+                "seq": args.seq,
+                "initial_loss": first.loss,
+                "final_loss": last.loss,
+                "final_grad_norm": last.grad_norm.is_finite().then_some(last.grad_norm),
+                "eval_loss": o.eval_loss,
+                "unigram_entropy": unigram,
+                "tokens_per_s": tokens_per_s,
+                "elapsed_s": o.elapsed_s,
+                "memory": {
+                    "predicted_peak_bytes": ctx.predicted_peak,
+                    "measured_peak_bytes": o.measured_peak,
+                },
+                "comm": {
+                    "predicted_bytes": predicted_comm,
+                    "measured_bytes": o.measured_comm,
+                    "predicted_calls": ctx.predicted_calls,
+                    "measured_calls": o.calls,
+                },
+            });
+            if let Some(h) = heap_peak {
+                doc["memory"]["heap_peak_bytes"] = json!(h);
+            }
+            if let Some(e) = ctx.extended {
+                doc["resumed"] = json!({"from_step": ctx.steps_done,
+                                        "saved_total_steps": e.saved_total});
+            }
+            if let Some(scale) = o.loss_scale {
+                doc["skipped_steps"] = json!(skipped);
+                doc["loss_scale"] = json!(scale);
+            }
+            if args.op_times {
+                doc["op_times"] = op_times
+                    .iter()
+                    .map(|(k, calls, s)| (k.clone(), json!({"calls": calls, "seconds": s})))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
+            }
+            print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?))
+        }
+        OutputFormat::Table => {
+            let mut s = format!(
+                "{} · {} device{} · plan {} (mesh {:?}, {} layout) · {} steps · batch {} × seq {} \
+                 · {:.0} tokens/s\n",
+                ctx.cfg.name(),
+                n,
+                if n == 1 { "" } else { "s" },
+                plan.config,
+                plan.mesh.shape,
+                plan.layout,
+                steps_run,
+                args.batch,
+                args.seq,
+                tokens_per_s
+            );
+            s += &format!("loss      {:.4} → {:.4} (train)", first.loss, last.loss);
+            if let Some(e) = o.eval_loss {
+                s += &format!(", {e:.4} (held-out)");
+            }
+            s += &format!("; unigram entropy {unigram:.4}\n");
+            let recomputed = plan.checkpoint.iter().filter(|c| c.mode != CkptMode::None).count();
+            if recomputed > 0 {
+                let mode = |m: CkptMode| plan.checkpoint.iter().filter(|c| c.mode == m).count();
+                s += &format!(
+                    "checkpoint {} selective, {} full of {} blocks (recompute {:.4} s predicted)\n",
+                    mode(CkptMode::Selective),
+                    mode(CkptMode::Full),
+                    plan.checkpoint.len(),
+                    plan.predicted.recompute_s
+                );
+            }
+            if let Some(scale) = o.loss_scale {
+                s += &format!(
+                    "fp16      {skipped} skipped steps (overflow); loss scale now {scale}\n"
+                );
+            }
+            s += "device    peak predicted   peak measured   comm/step predicted   measured\n";
+            for (d, (measured, comm)) in o.measured_peak.iter().zip(&o.measured_comm).enumerate() {
+                s += &format!(
+                    "{d:>6}    {:>14}   {:>13}   {:>19}   {:>8}\n",
+                    bytes(ctx.predicted_peak.get(d).copied().unwrap_or(0)),
+                    bytes(*measured),
+                    bytes(ctx.predicted_comm_bytes),
+                    bytes(*comm)
+                );
+            }
+            if let Some(h) = heap_peak {
+                s += &format!("process heap peak {} (all devices)\n", bytes(h));
+            }
+            if args.op_times {
+                let total: f64 = op_times.iter().map(|o| o.2).sum();
+                s += "where the time goes (rank 0, all steps):\n";
+                for (k, calls, secs) in &op_times {
+                    s += &format!(
+                        "  {k:<24} {secs:>8.2} s  {:>5.1}%  {calls} calls\n",
+                        100.0 * secs / total.max(1e-12)
+                    );
+                }
+            }
+            print_stdout(&s)
+        }
+    }
+}
