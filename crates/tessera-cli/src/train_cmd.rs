@@ -22,8 +22,7 @@ use tessera_plan::planner::{self, Request};
 use tessera_plan::search::Forward;
 use tessera_plan::{Cluster, PlanError};
 use tessera_runtime::checkpoint::{load_checkpoint, Checkpoint, Manifest};
-use tessera_runtime::collective::Placement;
-use tessera_runtime::data::{DataOptions, Dataset, TokenDType, Tokenizer};
+use tessera_runtime::data::{DataOptions, Dataset, MaskedLm, Objective, TokenDType, Tokenizer};
 use tessera_runtime::init::{init_rules_by_name, InitRule};
 use tessera_runtime::run::SaveSpec;
 use tessera_runtime::LrSchedule;
@@ -151,12 +150,30 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     tessera_plan::units::parse_bytes(s).map_err(|e| e.to_string())
 }
 
-/// The corpus `--data`/`--tokenizer` name (default: the shipped one), validated for the model.
-pub fn load_dataset(args: &TrainArgs, vocab: usize) -> Result<Dataset> {
-    let tokenizer = match &args.tokenizer {
+/// The tokenizer `--tokenizer` names (default: bytes).
+fn tokenizer(args: &TrainArgs) -> Result<Tokenizer> {
+    Ok(match &args.tokenizer {
         Some(path) => Tokenizer::from_file(path)?,
         None => Tokenizer::Byte,
-    };
+    })
+}
+
+/// What the model learns from the corpus: BERT masked positions (15%), the others the next
+/// token.
+pub fn objective(args: &TrainArgs, cfg: &ModelConfig) -> Result<Objective> {
+    Ok(match cfg {
+        ModelConfig::Bert(c) => Objective::MaskedLm(MaskedLm {
+            mask_id: tokenizer(args)?.mask_id(c.vocab_size)?,
+            vocab_size: c.vocab_size,
+            prob: 0.15,
+        }),
+        _ => Objective::CausalLm,
+    })
+}
+
+/// The corpus `--data`/`--tokenizer` name (default: the shipped one), validated for the model.
+pub fn load_dataset(args: &TrainArgs, vocab: usize) -> Result<Dataset> {
+    let tokenizer = tokenizer(args)?;
     let dataset = match &args.data {
         Some(path) => {
             let data_opts = DataOptions {
@@ -218,13 +235,16 @@ pub struct RunContext {
     pub cfg: ModelConfig,
     pub plan: Plan,
     pub training: TrainingGraph,
-    pub placements: HashMap<String, Placement>,
     pub mesh_shape: Vec<usize>,
-    pub micro_batches: usize,
     pub budget: u64,
     pub schedule: LrSchedule,
     pub dataset: Dataset,
-    pub start: Start,
+    pub objective: Objective,
+    /// Until every device of this process holds its shards; then dropped.
+    pub start: std::sync::RwLock<Option<Start>>,
+    /// Devices of this process that hold their shards, of `local_devices`.
+    pub bound: std::sync::atomic::AtomicUsize,
+    pub local_devices: usize,
     pub steps_done: u64,
     pub first: u64,
     pub last_step: u64,
@@ -316,9 +336,14 @@ fn check_resume(args: &TrainArgs, ckpt: &Checkpoint) -> Result<(LrSchedule, Opti
     Ok((m.schedule.with_horizon(args.steps), Some(extended)))
 }
 
-/// Plans the run and builds what every device shares. Only `rank` 0 writes the step log and
-/// draws the progress bar.
-pub fn prepare(args: &TrainArgs, devices: usize, rank: usize) -> Result<RunContext> {
+/// Plans the run and builds what every device shares, for `local_devices` devices in this
+/// process. Only `rank` 0 writes the step log and draws the progress bar.
+pub fn prepare(
+    args: &TrainArgs,
+    devices: usize,
+    local_devices: usize,
+    rank: usize,
+) -> Result<RunContext> {
     let cfg = match &args.init {
         Some(dir) => ModelConfig::from_path(dir)
             .with_context(|| format!("--init {}: reading its config.json", dir.display()))?,
@@ -327,6 +352,7 @@ pub fn prepare(args: &TrainArgs, devices: usize, rank: usize) -> Result<RunConte
     let dtype = args.dtype.dtype();
     let vocab = cfg.vocab_size().unwrap_or(0);
     let dataset = load_dataset(args, vocab)?;
+    let objective = objective(args, &cfg)?;
     let train_cfg = TrainConfig {
         weight_decay: args.weight_decay,
         max_grad_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),
@@ -365,8 +391,6 @@ pub fn prepare(args: &TrainArgs, devices: usize, rank: usize) -> Result<RunConte
     };
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
-    let placements: HashMap<String, Placement> =
-        exe.lowered.leaf_specs.iter().map(|(n, s)| (n.clone(), s.dims.clone())).collect();
     let predicted_comm_bytes: u64 = exe.lowered.collectives.iter().map(|c| c.bytes).sum();
     let mut predicted_calls = BTreeMap::new();
     for c in &exe.lowered.collectives {
@@ -441,13 +465,14 @@ pub fn prepare(args: &TrainArgs, devices: usize, rank: usize) -> Result<RunConte
         predicted_peak: plan.predicted.peak_bytes_per_device.clone(),
         plan,
         training: exe.lowered.training,
-        placements,
         mesh_shape: exe.mesh.shape.clone(),
-        micro_batches: exe.micro_batches,
         budget,
         schedule,
         dataset,
-        start,
+        objective,
+        start: std::sync::RwLock::new(Some(start)),
+        bound: std::sync::atomic::AtomicUsize::new(0),
+        local_devices,
         steps_done,
         first,
         last_step,

@@ -21,7 +21,7 @@ use tessera_runtime::{
 /// Plans the run and trains on `devices` devices of this process: one device directly, more as
 /// threads with a communicator each.
 pub fn run_local(args: &TrainArgs, devices: usize) -> Result<()> {
-    let ctx = prepare(args, devices, 0)?;
+    let ctx = prepare(args, devices, devices, 0)?;
     // The run's heap: from here, what the devices hold (the planner's work is done).
     alloc::reset_peak();
     let heap_baseline = alloc::current_bytes();
@@ -79,7 +79,7 @@ pub fn run_launched(args: &TrainArgs, env: &tessera_comm::LaunchEnv) -> Result<(
         );
     }
     let result = (|| -> Result<Option<RankOutcome>> {
-        let ctx = prepare(args, env.world_size, rank)?;
+        let ctx = prepare(args, env.world_size, 1, rank)?;
         // Every rank must run the same Program: compare a fingerprint of the plan.
         let fp = fingerprint(&serde_json::to_string(&ctx.plan.strategies)?);
         let world = tessera_comm::Group::world(env.world_size)?;
@@ -170,42 +170,49 @@ pub fn run_rank(
         Some(c) => Some(CommRunner::new(c, mesh.clone())?),
         None => None,
     };
-    let setup = DeviceSetup {
-        mesh,
-        placements: ctx.placements.clone(),
-        micro_batches: ctx.micro_batches,
-        budget: Some(ctx.budget),
-    };
-    let state = match &ctx.start {
-        Start::Fresh(rules) => StartState::Fresh { rules },
-        Start::Resume(ckpt) => StartState::Global {
-            params: &ckpt.params,
-            optimizer: Some(&ckpt.optimizer),
-            steps_done: ckpt.manifest.step,
-        },
-        Start::Weights(params) => StartState::Global { params, optimizer: None, steps_done: 0 },
-    };
+    let setup = DeviceSetup { mesh, budget: Some(ctx.budget) };
     let args = &ctx.args;
-    let mut trainer = Trainer::new(
-        ctx.training.clone(),
-        CpuBackend::new(rank),
-        runner,
-        setup,
-        ctx.schedule.clone(),
-        args.seed,
-        state,
-    )?;
-    if ctx.training.loss_scale.is_some() {
-        let cfg = LossScaleConfig {
-            init_scale: args.loss_scale,
-            growth_interval: args.loss_scale_window,
-            ..LossScaleConfig::default()
+    let mut trainer = {
+        let guard = ctx.start.read().map_err(|_| anyhow!("a rank panicked while binding"))?;
+        let start = guard.as_ref().ok_or_else(|| anyhow!("the starting state was dropped"))?;
+        let state = match start {
+            Start::Fresh(rules) => StartState::Fresh { rules },
+            Start::Resume(ckpt) => StartState::Global {
+                params: &ckpt.params,
+                optimizer: Some(&ckpt.optimizer),
+                steps_done: ckpt.manifest.step,
+            },
+            Start::Weights(params) => StartState::Global { params, optimizer: None, steps_done: 0 },
         };
-        trainer = trainer.with_loss_scale(cfg).context("--loss-scale")?;
-    }
-    if let Start::Resume(ckpt) = &ctx.start {
-        restore_extra(&mut trainer, &ckpt.manifest)
-            .with_context(|| format!("resuming from {}", ckpt.dir.display()))?;
+        let mut trainer = Trainer::new(
+            ctx.training.clone(),
+            CpuBackend::new(rank),
+            runner,
+            setup,
+            ctx.schedule.clone(),
+            args.seed,
+            state,
+        )?;
+        if ctx.training.loss_scale.is_some() {
+            let cfg = LossScaleConfig {
+                init_scale: args.loss_scale,
+                growth_interval: args.loss_scale_window,
+                ..LossScaleConfig::default()
+            };
+            trainer = trainer.with_loss_scale(cfg).context("--loss-scale")?;
+        }
+        if let Start::Resume(ckpt) = start {
+            restore_extra(&mut trainer, &ckpt.manifest)
+                .with_context(|| format!("resuming from {}", ckpt.dir.display()))?;
+        }
+        trainer
+    };
+    // The global tensors (a checkpoint, --init weights) go once this process's devices hold
+    // their shards: no device keeps a whole model the plan does not give it.
+    if ctx.bound.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == ctx.local_devices {
+        if let Ok(mut start) = ctx.start.write() {
+            *start = None;
+        }
     }
     if args.eval_batches > 0 {
         let (graph, loss) = &ctx.eval_model;
@@ -214,6 +221,7 @@ pub fn run_rank(
     trainer.record_timings(args.op_times && rank == 0);
     let spec = RunSpec {
         dataset: &ctx.dataset,
+        objective: ctx.objective,
         batch: args.batch,
         seq: args.seq,
         seed: args.seed,

@@ -66,6 +66,22 @@ fn check(name: &str, cfg: &ModelConfig, batch: usize, seq: usize) {
                 })
                 .collect(),
             InputKind::Seed => vec![12345],
+            // An f32 scalar: the labels (bound before it) that are not ignored.
+            InputKind::TargetCount => {
+                let (labels, ignore) = fm
+                    .inputs
+                    .iter()
+                    .find_map(|i| match i.kind {
+                        InputKind::Labels { ignore_index, .. } => {
+                            Some((&int_values[&i.tensor], ignore_index))
+                        }
+                        _ => None,
+                    })
+                    .expect("a model with a target count has labels");
+                let n = labels.iter().filter(|&&l| Some(l) != ignore).count();
+                f32_values.insert(input.tensor, vec![n as f32]);
+                continue;
+            }
             InputKind::Pixels | InputKind::Features => panic!("{name}: token models only"),
         };
         int_values.insert(input.tensor, data);

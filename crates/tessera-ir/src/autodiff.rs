@@ -332,6 +332,22 @@ pub struct TrainingGraph {
     #[serde(default)]
     pub loss_scale: Option<TensorId>,
     pub params: Vec<ParamSlot>,
+    /// How a device's leaves lie in the global tensors and which inputs feed which
+    /// micro-batch: set by the planner's lowering, empty on a single-device graph.
+    #[serde(default)]
+    pub layout: LeafLayout,
+}
+
+/// The plan's facts about a per-device training graph's leaves, as data the runtime reads
+/// (no name is parsed on the way): set by the planner's lowering.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LeafLayout {
+    /// Each sharded leaf's placement (parameters, optimizer state, data inputs); a leaf not
+    /// listed is whole on every device.
+    pub placements: std::collections::BTreeMap<TensorId, crate::dist::Placement>,
+    /// Per micro-batch of an unrolled step, its data inputs by base name (`input_ids`,
+    /// `labels`, `seed`, ...). Empty: one micro-batch whose inputs carry the base names.
+    pub micro_batches: Vec<std::collections::BTreeMap<String, TensorId>>,
 }
 
 /// Builds the training graph of a forward graph whose scalar `loss` is given.
@@ -464,5 +480,14 @@ pub fn build_training_graph_with(
         slot.gathered = hooks.after_update(&mut b, p, target)?;
     }
     b.set_phase(Phase::Forward);
-    Ok(TrainingGraph { graph: b.finish(), loss, grad_norm, lr, step, loss_scale, params: slots })
+    Ok(TrainingGraph {
+        graph: b.finish(),
+        loss,
+        grad_norm,
+        lr,
+        step,
+        loss_scale,
+        params: slots,
+        layout: LeafLayout::default(),
+    })
 }

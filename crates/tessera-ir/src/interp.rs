@@ -543,9 +543,9 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::EmbeddingBackward { num_embeddings } => {
             one(embedding_backward(x[0], x[1], *num_embeddings)?)
         }
-        Op::CrossEntropy { ignore_index } => cross_entropy(x[0], x[1], *ignore_index),
-        Op::CrossEntropyBackward { ignore_index } => {
-            one(cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index)?)
+        Op::CrossEntropy { ignore_index, sum } => cross_entropy(x[0], x[1], *ignore_index, *sum),
+        Op::CrossEntropyBackward { ignore_index, sum } => {
+            one(cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index, *sum)?)
         }
         Op::Attention(spec) => attention(x[0], x[1], x[2], spec),
         Op::AttentionBackward(spec) => attention_backward(x, spec),
@@ -1324,10 +1324,12 @@ fn logsumexp(row: &[f64]) -> f64 {
     m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln()
 }
 
+/// The mean (or, `sum`, the sum) over the non-ignored rows.
 fn cross_entropy(
     logits: &Value,
     targets: &Value,
     ignore_index: Option<i64>,
+    sum: bool,
 ) -> Result<Vec<Value>, String> {
     let v = check_logits(logits, targets)?;
     let mut lse = vec![0.0; targets.numel()];
@@ -1340,8 +1342,9 @@ fn cross_entropy(
             count += 1;
         }
     }
+    let denominator = if sum { 1 } else { count.max(1) };
     Ok(vec![
-        Value::scalar(total / count.max(1) as f64),
+        Value::scalar(total / denominator as f64),
         Value { shape: targets.shape.clone(), data: lse },
     ])
 }
@@ -1352,6 +1355,7 @@ fn cross_entropy_backward(
     lse: &Value,
     dloss: &Value,
     ignore_index: Option<i64>,
+    sum: bool,
 ) -> Result<Value, String> {
     let v = check_logits(logits, targets)?;
     ensure!(lse.shape == targets.shape, "logsumexp {} must have targets' shape", lse.shape);
@@ -1361,7 +1365,7 @@ fn cross_entropy_backward(
         classes.push(target_class(t, v, ignore_index)?);
     }
     let count = classes.iter().filter(|c| c.is_some()).count();
-    let g = dloss.data[0] / count.max(1) as f64;
+    let g = dloss.data[0] / if sum { 1 } else { count.max(1) } as f64;
     let mut out = vec![0.0; logits.numel()];
     for (r, c) in classes.into_iter().enumerate() {
         let Some(c) = c else { continue };

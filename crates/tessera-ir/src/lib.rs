@@ -28,8 +28,8 @@ pub mod rng;
 mod shape;
 
 pub use autodiff::{
-    build_training_graph, build_training_graph_with, gradients, ParamSlot, SingleDevice,
-    TrainConfig, TrainingGraph, UpdateHooks,
+    build_training_graph, build_training_graph_with, gradients, LeafLayout, ParamSlot,
+    SingleDevice, TrainConfig, TrainingGraph, UpdateHooks,
 };
 pub use builder::Builder;
 pub use dtype::DType;

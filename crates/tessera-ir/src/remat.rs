@@ -251,6 +251,20 @@ pub fn rematerialize(tg: &TrainingGraph, ckpt: &Checkpointing) -> Result<Trainin
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    let layout = crate::autodiff::LeafLayout {
+        placements: tg
+            .layout
+            .placements
+            .iter()
+            .map(|(&t, p)| Ok((m(t)?, p.clone())))
+            .collect::<Result<_>>()?,
+        micro_batches: tg
+            .layout
+            .micro_batches
+            .iter()
+            .map(|g| g.iter().map(|(k, &t)| Ok((k.clone(), m(t)?))).collect::<Result<_>>())
+            .collect::<Result<_>>()?,
+    };
     Ok(TrainingGraph {
         loss: m(tg.loss)?,
         grad_norm: m(tg.grad_norm)?,
@@ -258,6 +272,7 @@ pub fn rematerialize(tg: &TrainingGraph, ckpt: &Checkpointing) -> Result<Trainin
         step: m(tg.step)?,
         loss_scale: tg.loss_scale.map(m).transpose()?,
         params,
+        layout,
         graph: r.b.finish(),
     })
 }

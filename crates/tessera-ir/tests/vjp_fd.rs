@@ -473,6 +473,12 @@ fn embedding_and_cross_entropy() {
             let scaled = cx.b.scale(logits, 3.0)?;
             Ok(vec![cx.b.cross_entropy(scaled, t, ignore)?])
         });
+        check_vjp(&format!("cross_entropy_sum {logits_shape:?} ignore={ignore:?}"), |cx| {
+            let logits = cx.param(logits_shape);
+            let t = cx.ids(&logits_shape[..logits_shape.len() - 1], targets);
+            let scaled = cx.b.scale(logits, 3.0)?;
+            Ok(vec![cx.b.cross_entropy_sum(scaled, t, ignore)?])
+        });
     }
 }
 
@@ -481,7 +487,7 @@ fn cross_entropy_logsumexp_is_not_differentiable() {
     let mut b = Builder::new();
     let logits = b.parameter("logits", [3, 4], DType::F32);
     let t = b.input("t", [3], DType::I64);
-    let out = b.push(Op::CrossEntropy { ignore_index: None }, &[logits, t]).unwrap();
+    let out = b.push(Op::CrossEntropy { ignore_index: None, sum: false }, &[logits, t]).unwrap();
     let z = b.reduce(R::SumSquares, out[1], &[0], false).unwrap();
     let loss = b.add(out[0], z).unwrap();
     let err = tessera_ir::gradients(&mut b, loss, &[logits]).unwrap_err();

@@ -13,7 +13,8 @@
 //! ```
 //! Attention is bidirectional (no causal mask); padding masks are not modelled (every
 //! position attends to every other). Labels use −100 for positions without a target, as in
-//! HF. `attention_probs_dropout_prob` is not applied (fused attention).
+//! HF; the loss is the mean over the step's targets, as the sum of cross-entropies divided by
+//! the input `num_targets` (their count over the whole step). `attention_probs_dropout_prob` is not applied (fused attention).
 //!
 //! Shape suffixes: `b` batch, `s` sequence, `d` hidden, `h` heads, `e` head dim, `i`
 //! intermediate, `v` vocabulary.
@@ -25,7 +26,7 @@ use crate::config::BertConfig;
 use crate::error::Result;
 use crate::nn::{self, Dropout, Inputs, IrResult};
 use crate::{BuildOptions, ForwardModel, InputKind};
-use tessera_ir::{AttentionSpec, Builder, DType, TensorId};
+use tessera_ir::{AttentionSpec, Builder, DType, Shape, TensorId};
 
 /// HF's `CrossEntropyLoss` default `ignore_index`.
 pub(crate) const IGNORE_INDEX: i64 = -100;
@@ -57,6 +58,8 @@ pub(crate) fn build(cfg: &BertConfig, opts: &BuildOptions) -> Result<ForwardMode
         DType::I64,
         InputKind::Labels { num_classes: v, ignore_index: Some(IGNORE_INDEX) },
     );
+    let num_targets =
+        inputs.add(&mut b, "num_targets", Shape::scalar(), DType::F32, InputKind::TargetCount);
     let mut drop = inputs.dropout(&mut b, &[p]);
 
     b.push_scope("bert");
@@ -105,7 +108,11 @@ pub(crate) fn build(cfg: &BertConfig, opts: &BuildOptions) -> Result<ForwardMode
     b.pop_scope();
     b.pop_scope();
 
-    let loss = b.cross_entropy(logits_bsv, labels, Some(IGNORE_INDEX))?;
+    // The mean over the step's masked positions: a sum here, divided by the count of targets
+    // over the whole step (an input), so every micro-batch and shard of every plan adds up to
+    // exactly the single-device mean.
+    let loss_sum = b.cross_entropy_sum(logits_bsv, labels, Some(IGNORE_INDEX))?;
+    let loss = b.div(loss_sum, num_targets)?;
     Ok(ForwardModel { builder: b, loss, logits: logits_bsv, batch, seq, inputs: inputs.list })
 }
 

@@ -305,6 +305,9 @@ pub enum InputKind {
     Features,
     /// The step's i64 RNG seed for dropout.
     Seed,
+    /// An f32 scalar: how many targets of the whole step (every micro-batch and shard) are not
+    /// ignored — the denominator of a mean loss over them, the same on every plan.
+    TargetCount,
 }
 
 /// One data input of a built model.

@@ -24,6 +24,7 @@ pub const PRESETS: &[&str] = &[
     "llama-1.3b",
     "llama-tiny",
     "bert-large",
+    "bert-tiny",
     "vit-base",
     "mlp",
 ];
@@ -77,6 +78,12 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
             p.max_position_embeddings = 256;
             p.rms_norm_eps = 1e-5;
             llama_cfg(p)
+        }
+        "bert-tiny" => {
+            // Byte-level: ids 0..=255 are bytes, 256 is [MASK] (257..=259 reserved, so the
+            // vocabulary splits over 2 and 4 devices).
+            let p = BertParams::new(name, 260, 128, 4, 4, 512, 256);
+            Ok(ModelConfig::Bert(BertConfig::new(p)?))
         }
         "bert-large" => {
             let p = BertParams::new(name, 30522, 1024, 24, 16, 4096, 512);

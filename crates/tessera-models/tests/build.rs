@@ -242,8 +242,12 @@ fn bert_large_parameters_have_hf_names() {
     let g = &m.builder.graph;
     assert_eq!(params(g), table(want));
     assert!(ops_named(g, "attention").all(|n| matches!(&n.op, Op::Attention(s) if !s.causal)));
+    // The mean over the step's targets: their summed cross-entropy over `num_targets`.
     let loss = g.producer(m.loss);
-    assert_eq!(loss.op, Op::CrossEntropy { ignore_index: Some(-100) });
+    assert_eq!(loss.op, Op::Binary(tessera_ir::BinaryOp::Div));
+    let sum = g.producer(loss.inputs[0]);
+    assert_eq!(sum.op, Op::CrossEntropy { ignore_index: Some(-100), sum: true });
+    assert_eq!(g.find_leaf("num_targets"), Some(loss.inputs[1]));
 }
 
 #[test]
@@ -302,12 +306,13 @@ fn inputs_are_named_and_described() {
     assert_eq!(names(&model("gpt2-tiny", 1, 8, DType::F32)), ["input_ids", "labels"]);
     assert_eq!(names(&model("llama-tiny", 1, 8, DType::F32)), ["input_ids", "labels"]);
     let bert = model("bert-large", 1, 8, DType::F32);
-    assert_eq!(names(&bert), ["input_ids", "token_type_ids", "labels", "seed"]);
+    assert_eq!(names(&bert), ["input_ids", "token_type_ids", "labels", "num_targets", "seed"]);
     assert_eq!(bert.inputs[1].kind, InputKind::TokenTypeIds { type_vocab_size: 2 });
     assert_eq!(
         bert.inputs[2].kind,
         InputKind::Labels { num_classes: 30522, ignore_index: Some(-100) }
     );
+    assert_eq!(bert.inputs[3].kind, InputKind::TargetCount);
     assert_eq!(names(&model("vit-base", 1, 8, DType::F32)), ["pixel_values", "labels"]);
     let mlp = model("mlp", 4, 8, DType::F32);
     assert_eq!(names(&mlp), ["inputs", "labels"]);

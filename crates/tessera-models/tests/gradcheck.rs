@@ -101,6 +101,21 @@ impl Model {
                 }
                 InputKind::Pixels | InputKind::Features => uniform(&mut rng, n, 1.0),
                 InputKind::Seed => vec![0x5eed_1234 as f64],
+                // The labels come first: count the ones that are not ignored.
+                InputKind::TargetCount => {
+                    let (labels, ignore) = fm
+                        .inputs
+                        .iter()
+                        .find_map(|i| match i.kind {
+                            InputKind::Labels { ignore_index, .. } => {
+                                Some((&bindings[&i.tensor], ignore_index))
+                            }
+                            _ => None,
+                        })
+                        .expect("a model with a target count has labels");
+                    let n = labels.data.iter().filter(|&&l| Some(l as i64) != ignore).count();
+                    vec![n as f64]
+                }
             };
             bindings.insert(input.tensor, Value::new(shape, data));
         }

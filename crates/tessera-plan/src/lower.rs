@@ -28,7 +28,7 @@ use tessera_ir::dist::{micro_batch_input, state_key, ShardOf};
 use tessera_ir::StateKind;
 use tessera_ir::{
     build_training_graph_with, rematerialize, Builder, Checkpointing, Collective, CommStep, Graph,
-    Instr, NodeId, Op, Phase, Program, ReshardSpec, TensorId, TensorMeta, TrainConfig,
+    Instr, LeafLayout, NodeId, Op, Phase, Program, ReshardSpec, TensorId, TensorMeta, TrainConfig,
     TrainingGraph, UpdateHooks,
 };
 use tessera_profile::{simulate_memory, MemoryReport};
@@ -170,8 +170,9 @@ pub fn finish(
     mesh: &Mesh,
     cost: &CostModel,
 ) -> Result<Lowered> {
-    let tg = rematerialize(&u.training, ckpt)
+    let mut tg = rematerialize(&u.training, ckpt)
         .map_err(|e| PlanError::Internal(format!("checkpointing the sharded graph: {e}")))?;
+    tg.layout = leaf_layout(&tg.graph, &u.leaf_specs, u.micro_batches);
     let grads: Vec<TensorId> = tg.params.iter().map(|s| s.grad).collect();
     let program = Program::lower_graph(tg.graph.clone(), vec![tg.loss, tg.grad_norm], &grads);
     let memory = simulate_memory(&program).report;
@@ -185,6 +186,38 @@ pub fn finish(
         leaf_specs: u.leaf_specs.clone(),
         ckpt: ckpt.clone(),
     })
+}
+
+/// The leaf layout the runtime reads: each named leaf's placement (by tensor) and each
+/// micro-batch's data inputs. The one place where a leaf's name is looked up for the runtime.
+fn leaf_layout(g: &Graph, leaf_specs: &[(String, Spec)], micro_batches: usize) -> LeafLayout {
+    let mut layout = LeafLayout::default();
+    let mut data = Vec::new();
+    for (name, spec) in leaf_specs {
+        // fp32 parameters have no master: its spec names no leaf.
+        let Some(t) = g.find_leaf(name) else { continue };
+        if spec.dims.iter().any(|axes| !axes.is_empty()) {
+            layout.placements.insert(t, spec.dims.clone());
+        }
+        if matches!(g.producer(t).op, Op::Input(_)) {
+            data.push(name.as_str());
+        }
+    }
+    for k in 0..micro_batches.max(1) {
+        let mut group = std::collections::BTreeMap::new();
+        for &base in &data {
+            let Some(t) = g.find_leaf(&micro_batch_input(base, k)) else { continue };
+            if k > 0 {
+                // Micro-batch k's copy of an input is laid out as the first one.
+                if let Some(p) = layout.placements.get(&g.find_leaf(base).unwrap_or(t)).cloned() {
+                    layout.placements.insert(t, p);
+                }
+            }
+            group.insert(base.to_string(), t);
+        }
+        layout.micro_batches.push(group);
+    }
+    layout
 }
 
 /// Builds the local forward graph.
@@ -383,9 +416,10 @@ impl<'a> LocalForward<'a> {
                         }
                     }
                     let mut outs = outs;
-                    if let Op::CrossEntropy { .. } = op {
+                    if let Op::CrossEntropy { sum: false, .. } = op {
                         // A mean over local rows: scale to this device's share of the global
-                        // mean over all rows of all micro-batches, a pending sum.
+                        // mean over all rows of all micro-batches, a pending sum. (A sum needs
+                        // nothing: its shards and micro-batches add up to the whole.)
                         let shards: usize =
                             st.outputs[0].partial.iter().map(|&a| self.mesh.shape[a]).product();
                         let k = shards * self.micro_batches;
@@ -789,6 +823,7 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
         .collect();
     Ok(TrainingGraph {
         graph: b.finish(),
+        layout: tessera_ir::LeafLayout::default(),
         loss,
         grad_norm: m(tg.grad_norm),
         lr: m(tg.lr),

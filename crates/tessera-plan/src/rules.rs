@@ -447,7 +447,7 @@ mod tests {
     fn cross_entropy_loss_is_a_pending_sum_over_split_rows() {
         let (lg, t) = (meta(&[4, 8, 10]), TensorMeta::new(vec![4, 8], DType::I64));
         let (loss, lse) = (meta(&[]), meta(&[4, 8]));
-        let op = Op::CrossEntropy { ignore_index: None };
+        let op = Op::CrossEntropy { ignore_index: None, sum: false };
         let l = labeling(&op, &[&lg, &t], &[&loss, &lse]).unwrap();
         let all = strategies(&l, &[&lg, &t], &[&loss, &lse], &mesh(&[2, 2]), &|_, _| true);
         let s = all.iter().find(|s| s.inputs[1].to_string() == "[S0, S1]").unwrap();

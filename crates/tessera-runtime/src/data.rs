@@ -178,6 +178,29 @@ impl Tokenizer {
         }
     }
 
+    /// The id of BERT's `[MASK]`: the tokenizer's own token, or for bytes the first id past
+    /// them (256), which the model's vocabulary must hold (`bert-tiny` does).
+    pub fn mask_id(&self, model_vocab: usize) -> Result<i64> {
+        let id = match self {
+            Tokenizer::Byte => Some(ByteTokenizer::VOCAB_SIZE as i64),
+            Tokenizer::Hf(t) => t.inner().token_to_id("[MASK]").map(i64::from),
+        };
+        match id {
+            Some(id) if (id as usize) < model_vocab => Ok(id),
+            Some(id) => Err(data_err(format!(
+                "masked-LM training needs a [MASK] token: {} gives it id {id}, outside the \
+                 model's vocabulary of {model_vocab}; use a model whose vocabulary holds it \
+                 (bert-tiny for bytes) or a --tokenizer with a [MASK] token",
+                self.describe()
+            ))),
+            None => Err(data_err(format!(
+                "masked-LM training needs a [MASK] token and {} has none: pass the BERT \
+                 tokenizer.json",
+                self.describe()
+            ))),
+        }
+    }
+
     /// A short name for messages: `bytes` or the tokenizer file.
     pub fn describe(&self) -> String {
         match self {
@@ -608,4 +631,91 @@ pub fn unigram_entropy_nats(tokens: &[u32], vocab: usize) -> f64 {
             p * p.ln()
         })
         .sum::<f64>()
+}
+
+/// What a model learns from a window of tokens: the next token at every position (causal
+/// LMs), or masked positions from both sides (BERT's masked-LM).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Objective {
+    CausalLm,
+    MaskedLm(MaskedLm),
+}
+
+impl Objective {
+    /// The `(inputs, labels)` of training step `step` (global `[batch, seq]`, row-major).
+    pub fn train_batch(
+        &self,
+        data: &Dataset,
+        seed: u64,
+        step: u64,
+        batch: usize,
+        seq: usize,
+    ) -> Result<(Vec<i64>, Vec<i64>)> {
+        let b = data.train_batch(seed, step, batch, seq)?;
+        Ok(match self {
+            Objective::CausalLm => (b.inputs, b.targets),
+            Objective::MaskedLm(m) => m.apply(&b.inputs, seed, step),
+        })
+    }
+
+    /// Up to `max_batches` held-out `(inputs, labels)` batches (masks keyed apart from every
+    /// training step's).
+    pub fn val_batches(
+        &self,
+        data: &Dataset,
+        seed: u64,
+        batch: usize,
+        seq: usize,
+        max_batches: usize,
+    ) -> Result<Vec<(Vec<i64>, Vec<i64>)>> {
+        let batches = data.val_batches(batch, seq, max_batches)?;
+        Ok(batches
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| match self {
+                Objective::CausalLm => (b.inputs, b.targets),
+                Objective::MaskedLm(m) => m.apply(&b.inputs, seed, u64::MAX - i as u64),
+            })
+            .collect())
+    }
+}
+
+/// BERT's masked-LM targets (Devlin et al. 2019, as `transformers`' data collator draws them):
+/// each position is chosen with probability `prob` (0.15); a chosen position is labelled with
+/// its token, and its input becomes `mask_id` 80% of the time, a random token 10%, and stays
+/// 10%; every other position is labelled −100 (ignored by the loss). Draws are keyed by (seed,
+/// step, element index), so every device of every plan builds the same batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MaskedLm {
+    pub mask_id: i64,
+    pub vocab_size: usize,
+    pub prob: f64,
+}
+
+/// The label of a position the loss ignores (HF's `ignore_index`).
+pub const IGNORED: i64 = -100;
+
+impl MaskedLm {
+    /// `(inputs, labels)` for `tokens` at `step`.
+    pub fn apply(&self, tokens: &[i64], seed: u64, step: u64) -> (Vec<i64>, Vec<i64>) {
+        use tessera_ir::rng::splitmix64 as mix;
+        let unit = |h: u64| (h >> 11) as f64 / (1u64 << 53) as f64;
+        let base = mix(seed ^ mix(step ^ 0x4D4C_4D5F_4D41_534B));
+        let mut inputs = tokens.to_vec();
+        let mut labels = vec![IGNORED; tokens.len()];
+        for (i, (&t, (x, l))) in tokens.iter().zip(inputs.iter_mut().zip(&mut labels)).enumerate() {
+            let h = mix(base.wrapping_add(3 * i as u64));
+            if unit(h) >= self.prob {
+                continue;
+            }
+            *l = t;
+            let how = unit(mix(base.wrapping_add(3 * i as u64 + 1)));
+            if how < 0.8 {
+                *x = self.mask_id;
+            } else if how < 0.9 {
+                *x = (mix(base.wrapping_add(3 * i as u64 + 2)) % self.vocab_size as u64) as i64;
+            }
+        }
+        (inputs, labels)
+    }
 }

@@ -9,7 +9,7 @@
 //! [`crate::checkpoint::load_checkpoint`] reads both, so either resumes under any plan.
 
 use crate::checkpoint::{save_checkpoint, Manifest};
-use crate::data::Dataset;
+use crate::data::{Dataset, Objective};
 use crate::dist_checkpoint::save_sharded;
 use crate::loss_scale::{LossScaleState, SCALER_KEY};
 use crate::trainer::{StepStats, Trainer};
@@ -39,6 +39,8 @@ pub struct SaveSpec {
 /// What a run does, the same on every device.
 pub struct RunSpec<'a> {
     pub dataset: &'a Dataset,
+    /// What the model learns from the data (next tokens, masked tokens).
+    pub objective: Objective,
     /// Global batch (sequences per step) and sequence length.
     pub batch: usize,
     pub seq: usize,
@@ -100,10 +102,11 @@ pub fn run_device<B: Backend>(
     let start = Instant::now();
     for step in spec.first..=spec.last {
         observer.before_step(rank, step)?;
-        let b = spec.dataset.train_batch(spec.seed, step, spec.batch, spec.seq)?;
+        let (inputs, labels) =
+            spec.objective.train_batch(spec.dataset, spec.seed, step, spec.batch, spec.seq)?;
         let before = trainer.comm_stats();
         let t0 = Instant::now();
-        let stats = trainer.step(&b.inputs, &b.targets)?;
+        let stats = trainer.step(&inputs, &labels)?;
         let dt = t0.elapsed().as_secs_f64();
         let after = trainer.comm_stats();
         last_bytes = after.total_bytes() - before.total_bytes();
@@ -134,12 +137,13 @@ pub fn run_device<B: Backend>(
     out.measured_comm = all.iter().skip(1).step_by(2).copied().collect();
 
     if spec.eval_batches > 0 {
-        let val: Vec<(Vec<i64>, Vec<i64>)> = spec
-            .dataset
-            .val_batches(spec.batch, spec.seq, spec.eval_batches)?
-            .into_iter()
-            .map(|b| (b.inputs, b.targets))
-            .collect();
+        let val = spec.objective.val_batches(
+            spec.dataset,
+            spec.seed,
+            spec.batch,
+            spec.seq,
+            spec.eval_batches,
+        )?;
         out.eval_loss = trainer.eval(&val)?;
     }
     Ok(out)

@@ -27,8 +27,8 @@ use crate::{Backend, Executor, LrSchedule, Result, RuntimeError};
 use candle_core::Tensor;
 use std::collections::HashMap;
 use tessera_comm::CommStats;
-use tessera_ir::dist::{micro_batch_input, state_key};
-use tessera_ir::{DType, Graph, Program, StateKind, TensorId, TrainingGraph};
+use tessera_ir::dist::state_key;
+use tessera_ir::{DType, Graph, LeafLayout, Program, StateKind, TensorId, TrainingGraph};
 
 /// What one step reports.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -59,20 +59,27 @@ struct MicroLeaves {
     labels: TensorId,
     token_types: Option<TensorId>,
     seed: Option<TensorId>,
+    /// The count of the step's targets that are not ignored (a mean-over-targets loss).
+    num_targets: Option<TensorId>,
 }
 
 impl MicroLeaves {
-    /// Micro-batch `k`'s leaves (found by their base names, [`micro_batch_input`]).
-    fn find(g: &Graph, k: usize) -> Result<MicroLeaves> {
-        let find = |base: &str| g.find_leaf(&micro_batch_input(base, k));
+    /// Micro-batch `k`'s leaves: from the plan's layout, or on a single-device graph the
+    /// model's inputs by name (`input_ids`, `labels`, `token_type_ids`, `seed`).
+    fn find(g: &Graph, layout: &LeafLayout, k: usize) -> Result<MicroLeaves> {
+        let find = |base: &str| match layout.micro_batches.get(k) {
+            Some(group) => group.get(base).copied(),
+            None if k == 0 && layout.micro_batches.is_empty() => g.find_leaf(base),
+            None => None,
+        };
         let ids = find("input_ids").ok_or_else(|| {
             binding(format!(
-                "the program has no `{}` input: `train` supports token models",
-                micro_batch_input("input_ids", k)
+                "the program has no `input_ids` input for micro-batch {k}: `train` supports \
+                 token models"
             ))
         })?;
         let labels = find("labels").ok_or_else(|| {
-            binding(format!("the program has no `{}` input", micro_batch_input("labels", k)))
+            binding(format!("the program has no `labels` input for micro-batch {k}"))
         })?;
         // Local shapes may differ (a plan may split the labels and not the ids).
         if g.shape(ids).rank() != 2 || g.shape(labels).rank() != 2 {
@@ -82,32 +89,29 @@ impl MicroLeaves {
                 g.meta(labels)
             )));
         }
-        Ok(MicroLeaves { ids, labels, token_types: find("token_type_ids"), seed: find("seed") })
+        Ok(MicroLeaves {
+            ids,
+            labels,
+            token_types: find("token_type_ids"),
+            seed: find("seed"),
+            num_targets: find("num_targets"),
+        })
     }
 }
 
-/// The plan-side facts a device needs besides its Program.
+/// Which device this is and what it may hold (the plan's leaf placements and micro-batches
+/// travel in the training graph's [`LeafLayout`]).
 #[derive(Clone, Debug)]
 pub struct DeviceSetup {
     pub mesh: DeviceMesh,
-    /// Placement of every leaf by name: parameters, their optimizer state
-    /// (`<param>.adam_m`, `.adam_v`, `.master`) and the data inputs (`input_ids`, `labels`).
-    /// On a 1-device mesh a missing entry means whole.
-    pub placements: HashMap<String, Placement>,
-    pub micro_batches: usize,
     /// This device's memory budget (bytes); exceeding it is a clear error.
     pub budget: Option<u64>,
 }
 
 impl DeviceSetup {
-    /// One device: the only device of a 1-device mesh, every leaf whole, one micro-batch.
+    /// One device: the only device of a 1-device mesh.
     pub fn single(budget: Option<u64>) -> DeviceSetup {
-        DeviceSetup {
-            mesh: DeviceMesh::single(),
-            placements: HashMap::new(),
-            micro_batches: 1,
-            budget,
-        }
+        DeviceSetup { mesh: DeviceMesh::single(), budget }
     }
 }
 
@@ -132,7 +136,6 @@ pub struct Trainer<B: Backend> {
     train: TrainingGraph,
     exec: Executor<B>,
     mesh: DeviceMesh,
-    placements: HashMap<String, Placement>,
     micro: Vec<MicroLeaves>,
     /// Global batch and sequence length of a step.
     batch: usize,
@@ -165,22 +168,14 @@ impl<B: Backend> Trainer<B> {
     ) -> Result<Trainer<B>> {
         check_trainable(&train, backend.name())?;
         let g = &train.graph;
-        let mb = setup.micro_batches.max(1);
-        let micro = (0..mb).map(|k| MicroLeaves::find(g, k)).collect::<Result<Vec<_>>>()?;
-        if g.find_leaf(&micro_batch_input("input_ids", mb)).is_some() {
-            return Err(binding(format!(
-                "the program has more than {mb} micro-batches: pass the plan's micro-batch count"
-            )));
-        }
-        let local = g.shape(micro[0].ids).dims().to_vec();
-        let mut global = local.clone();
-        let placement = match setup.placements.get("input_ids") {
-            Some(p) => p.clone(),
-            None if setup.mesh.size() == 1 => vec![Vec::new(); local.len()],
-            None => return Err(binding("the plan gives no placement for `input_ids`".into())),
-        };
-        for (d, axes) in placement.iter().enumerate() {
-            global[d] *= setup.mesh.chunk(axes)?.0;
+        let layout = &train.layout;
+        let mb = layout.micro_batches.len().max(1);
+        let micro = (0..mb).map(|k| MicroLeaves::find(g, layout, k)).collect::<Result<Vec<_>>>()?;
+        let mut global = g.shape(micro[0].ids).dims().to_vec();
+        if let Some(placement) = layout.placements.get(&micro[0].ids) {
+            for (d, axes) in placement.iter().enumerate() {
+                global[d] *= setup.mesh.chunk(axes)?.0;
+            }
         }
         let (batch, seq) = (global[0] * mb, global[1]);
 
@@ -216,7 +211,6 @@ impl<B: Backend> Trainer<B> {
             train,
             exec,
             mesh: setup.mesh,
-            placements: setup.placements,
             micro,
             batch,
             seq,
@@ -244,11 +238,11 @@ impl<B: Backend> Trainer<B> {
         Trainer::new(train, backend, None, DeviceSetup::single(budget), schedule, seed, state)
     }
 
-    fn placement(&self, name: &str, t: TensorId) -> Result<Placement> {
-        match self.placements.get(name) {
-            Some(p) => Ok(p.clone()),
-            None if self.mesh.size() == 1 => Ok(vec![Vec::new(); self.train.graph.shape(t).rank()]),
-            None => Err(binding(format!("the plan gives no placement for `{name}`"))),
+    /// Leaf `t`'s placement (whole when the layout does not list it).
+    fn placement(&self, t: TensorId) -> Placement {
+        match self.train.layout.placements.get(&t) {
+            Some(p) => p.clone(),
+            None => vec![Vec::new(); self.train.graph.shape(t).rank()],
         }
     }
 
@@ -256,7 +250,7 @@ impl<B: Backend> Trainer<B> {
     fn local(&self, t: TensorId, name: &str, value: &Tensor) -> Result<Tensor> {
         let g = &self.train.graph;
         let want = candle_dtype(g.meta(t).dtype);
-        let placement = self.placement(name, t)?;
+        let placement = self.placement(t);
         let local = shard(&self.mesh, &value.to_dtype(want)?, &placement, name)?;
         if local.dims() != g.shape(t).dims() {
             return Err(binding(format!(
@@ -271,9 +265,9 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// The global shape of leaf `t` (its local shape times the chunks of its placement).
-    fn global_dims(&self, t: TensorId, name: &str) -> Result<Vec<usize>> {
+    fn global_dims(&self, t: TensorId) -> Result<Vec<usize>> {
         let mut dims = self.train.graph.shape(t).dims().to_vec();
-        for (d, axes) in self.placement(name, t)?.iter().enumerate() {
+        for (d, axes) in self.placement(t).iter().enumerate() {
             dims[d] *= self.mesh.chunk(axes)?.0;
         }
         Ok(dims)
@@ -295,8 +289,8 @@ impl<B: Backend> Trainer<B> {
                     let rule = *rules
                         .get(&name)
                         .ok_or_else(|| binding(format!("no init rule for parameter `{name}`")))?;
-                    let placement = self.placement(&name, slot.param)?;
-                    let global = self.global_dims(slot.param, &name)?;
+                    let placement = self.placement(slot.param);
+                    let global = self.global_dims(slot.param)?;
                     let draw = init_shard(&name, rule, &global, &placement, &self.mesh, self.seed)?;
                     let want = candle_dtype(self.train.graph.meta(slot.param).dtype);
                     self.exec.bind(slot.param, draw.to_dtype(want)?)?;
@@ -304,9 +298,7 @@ impl<B: Backend> Trainer<B> {
                         let Some(t) = t else { continue };
                         let value = if kind == StateKind::Master {
                             // The master is the fp32 draw, on the optimizer's (ZeRO) shard.
-                            let key = state_key(&name, kind);
-                            let p = self.placement(&key, t)?;
-                            let g = self.global_dims(t, &key)?;
+                            let (p, g) = (self.placement(t), self.global_dims(t)?);
                             init_shard(&name, rule, &g, &p, &self.mesh, self.seed)?
                         } else {
                             zeros(self.train.graph.shape(t).dims())?
@@ -389,7 +381,7 @@ impl<B: Backend> Trainer<B> {
     /// Adds the forward-only evaluation graph [`Trainer::eval`] runs: the single-device model
     /// (same parameter names) with a scalar `loss`, built without dropout.
     pub fn with_eval(mut self, graph: Graph, loss: TensorId) -> Result<Trainer<B>> {
-        MicroLeaves::find(&graph, 0)?;
+        MicroLeaves::find(&graph, &LeafLayout::default(), 0)?;
         self.eval = Some((graph, loss));
         Ok(self)
     }
@@ -458,6 +450,10 @@ impl<B: Backend> Trainer<B> {
             if let Some(s) = leaves.seed {
                 self.exec.bind(s, Tensor::new(step_seed(self.seed, step), &device)?)?;
             }
+            if let Some(n) = leaves.num_targets {
+                // Over the whole step, so every micro-batch and shard divides alike.
+                self.exec.bind(n, Tensor::new(num_targets(targets), &device)?)?;
+            }
         }
         self.exec.bind(self.train.lr, Tensor::new(lr as f32, &device)?)?;
         // AdamW's step counts applied updates (skipped fp16 steps excluded), 1-based.
@@ -511,7 +507,7 @@ impl<B: Backend> Trainer<B> {
             return Err(RuntimeError::Data("no held-out batches to evaluate".into()));
         }
         let Some(params) = gather_params_to(self, 0)? else { return Ok(None) };
-        let leaves = MicroLeaves::find(&graph, 0)?;
+        let leaves = MicroLeaves::find(&graph, &LeafLayout::default(), 0)?;
         let dims = graph.shape(leaves.ids).dims().to_vec();
         let program = Program::lower_graph(graph.clone(), vec![loss], &[]);
         let mut exec = Executor::new(program, crate::CpuBackend::new(0), None);
@@ -540,6 +536,9 @@ impl<B: Backend> Trainer<B> {
             if let Some(s) = leaves.seed {
                 let seed = step_seed(self.seed, u64::MAX - i as u64);
                 exec.bind(s, Tensor::new(seed, &candle_core::Device::Cpu)?)?;
+            }
+            if let Some(t) = leaves.num_targets {
+                exec.bind(t, Tensor::new(num_targets(y), &candle_core::Device::Cpu)?)?;
             }
             exec.run()?;
             let v = exec.get(loss).ok_or_else(|| binding("eval loss not kept".into()))?;
@@ -588,8 +587,7 @@ impl<B: Backend> Trainer<B> {
                 let Some(t) = t else { continue };
                 let value =
                     self.exec.get(t).ok_or_else(|| binding(format!("{key} is not bound")))?;
-                let placement = self.placement(&key, t)?;
-                out.push((key, value.clone(), placement, kind));
+                out.push((key, value.clone(), self.placement(t), kind));
             }
         }
         Ok(out)
@@ -606,6 +604,12 @@ impl<B: Backend> Trainer<B> {
     ) -> Option<&std::collections::BTreeMap<&'static str, crate::executor::OpTime>> {
         self.exec.timings()
     }
+}
+
+/// How many of a batch's targets count: labels below 0 (HF's −100) are ignored. At least 1,
+/// so a batch without targets has loss 0.
+fn num_targets(targets: &[i64]) -> f32 {
+    targets.iter().filter(|&&t| t >= 0).count().max(1) as f32
 }
 
 /// Every *parameter* (no optimizer state) as a global tensor on `root` only; `None` on the
@@ -627,7 +631,7 @@ pub fn gather_params_to<B: Backend>(
             .graph
             .find_leaf(&name)
             .ok_or_else(|| binding(format!("parameter {name} is not a leaf of the program")))?;
-        let placement = trainer.placement(&name, leaf)?;
+        let placement = trainer.placement(leaf);
         if placement.iter().all(|axes| axes.is_empty()) {
             if me == root {
                 out.insert(name, t);

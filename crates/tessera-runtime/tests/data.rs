@@ -446,3 +446,36 @@ fn token_id_beyond_model_vocab_names_id_position_and_vocab() {
     assert!(msg.contains("token id 195") && msg.contains("position 1"), "{msg}");
     assert!(msg.contains("vocabulary of 128") && msg.contains("byte tokenizer"), "{msg}");
 }
+
+/// BERT's masking: about 15% of positions are targets (labelled with their token), of which
+/// about 80% read [MASK], 10% a random token and 10% themselves; every other position is
+/// labelled −100 and reads itself; the same (seed, step) gives the same batch.
+#[test]
+fn masked_lm_draws_the_bert_proportions_deterministically() {
+    use tessera_runtime::data::{MaskedLm, IGNORED};
+    let m = MaskedLm { mask_id: 256, vocab_size: 260, prob: 0.15 };
+    let tokens: Vec<i64> = (0..200_000).map(|i| (i * 7 % 256) as i64).collect();
+    let (x, y) = m.apply(&tokens, 3, 9);
+    assert_eq!((x.clone(), y.clone()), m.apply(&tokens, 3, 9));
+    assert_ne!(y, m.apply(&tokens, 3, 10).1, "another step masks other positions");
+    let (mut chosen, mut masked, mut kept, mut random) = (0, 0, 0, 0);
+    for ((&t, &xi), &yi) in tokens.iter().zip(&x).zip(&y) {
+        if yi == IGNORED {
+            assert_eq!(xi, t, "an unchosen position reads itself");
+            continue;
+        }
+        assert_eq!(yi, t, "a target is the original token");
+        chosen += 1;
+        match xi {
+            256 => masked += 1,
+            _ if xi == t => kept += 1,
+            _ => random += 1,
+        }
+    }
+    let frac = |k: usize, n: usize| k as f64 / n as f64;
+    assert!((frac(chosen, tokens.len()) - 0.15).abs() < 0.005, "chosen {chosen}");
+    assert!((frac(masked, chosen) - 0.8).abs() < 0.01, "masked {masked} of {chosen}");
+    // A random draw equals the token 1 time in 260: the "kept" share is 10% plus that.
+    assert!((frac(kept, chosen) - 0.1).abs() < 0.01, "kept {kept} of {chosen}");
+    assert!((frac(random, chosen) - 0.1).abs() < 0.01, "random {random} of {chosen}");
+}

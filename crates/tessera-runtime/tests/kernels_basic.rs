@@ -778,28 +778,31 @@ fn cross_entropy_forward_and_backward() {
                 })
                 .collect();
             let targets = ids_from(t, tdims);
-            let what = format!("cross_entropy {ldims:?} ignore={ignore:?}");
-            let out = check_layouts(
-                &Op::CrossEntropy { ignore_index: ignore },
-                &[logits.clone(), targets.clone()],
-                &what,
-            );
-            let dloss = Tensor::new(1.7f32, &Device::Cpu).unwrap();
-            let op = Op::CrossEntropyBackward { ignore_index: ignore };
-            check_layouts(&op, &[logits, targets, out[1].clone(), dloss], &what);
+            for sum in [false, true] {
+                let what = format!("cross_entropy {ldims:?} ignore={ignore:?} sum={sum}");
+                let out = check_layouts(
+                    &Op::CrossEntropy { ignore_index: ignore, sum },
+                    &[logits.clone(), targets.clone()],
+                    &what,
+                );
+                let dloss = Tensor::new(1.7f32, &Device::Cpu).unwrap();
+                let op = Op::CrossEntropyBackward { ignore_index: ignore, sum };
+                let inputs = [logits.clone(), targets.clone(), out[1].clone(), dloss];
+                check_layouts(&op, &inputs, &what);
+            }
         }
     }
     // Every row ignored: the loss and its gradient are 0.
     let logits = randn(&mut r, &[4, 6]);
     let targets = ids_from(vec![-1; 4], &[4]);
     let out = check_kernel(
-        &Op::CrossEntropy { ignore_index: Some(-1) },
+        &Op::CrossEntropy { ignore_index: Some(-1), sum: false },
         &[logits.clone(), targets.clone()],
         "all ignored",
     );
     assert_eq!(out[0].to_scalar::<f32>().unwrap(), 0.0);
     let dloss = Tensor::new(1f32, &Device::Cpu).unwrap();
-    let op = Op::CrossEntropyBackward { ignore_index: Some(-1) };
+    let op = Op::CrossEntropyBackward { ignore_index: Some(-1), sum: false };
     let g = check_kernel(&op, &[logits, targets, out[1].clone(), dloss], "all ignored backward");
     assert!(to_f64_vec(&g[0]).unwrap().iter().all(|&v| v == 0.0));
 }
@@ -836,14 +839,14 @@ fn out_of_range_ids_and_targets_are_clear_errors() {
     let logits = randn(&mut r, &[3, 5]);
     for (bad, ignore) in [(5i64, None), (-100, None), (-1, Some(-100)), (7, Some(-100))] {
         let t = ids_from(vec![0, bad, 4], &[3]);
-        let e = run_err(&Op::CrossEntropy { ignore_index: ignore }, &[&logits, &t]);
+        let e = run_err(&Op::CrossEntropy { ignore_index: ignore, sum: false }, &[&logits, &t]);
         let msg = e.to_string();
         assert!(matches!(e, RuntimeError::Data(_)), "{msg}");
         assert!(msg.contains(&format!("target {bad}")) && msg.contains("5 classes"), "{msg}");
         let lse = randn(&mut r, &[3]);
         let dloss = Tensor::new(1f32, &Device::Cpu).unwrap();
         let e = run_err(
-            &Op::CrossEntropyBackward { ignore_index: ignore },
+            &Op::CrossEntropyBackward { ignore_index: ignore, sum: false },
             &[&logits, &t, &lse, &dloss],
         );
         assert!(

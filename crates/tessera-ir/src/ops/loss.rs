@@ -37,7 +37,11 @@ pub(crate) fn flops_backward(x: &[&TensorMeta]) -> Flops {
     Flops::other(4 * x[0].numel())
 }
 
-pub(crate) fn vjp(cx: &mut VjpCtx<'_>, ignore_index: Option<i64>) -> Result<Vec<Option<Grad>>> {
+pub(crate) fn vjp(
+    cx: &mut VjpCtx<'_>,
+    ignore_index: Option<i64>,
+    sum: bool,
+) -> Result<Vec<Option<Grad>>> {
     if cx.dout[1].is_some() {
         return Err(crate::IrError::Graph(
             "cross_entropy's logsumexp output is saved for the backward pass and has no VJP; \
@@ -46,7 +50,9 @@ pub(crate) fn vjp(cx: &mut VjpCtx<'_>, ignore_index: Option<i64>) -> Result<Vec<
         ));
     }
     let dloss = cx.dy(0)?;
-    let g =
-        cx.b.push1(Op::CrossEntropyBackward { ignore_index }, &[cx.x(0), cx.x(1), cx.y(1), dloss])?;
+    let g = cx.b.push1(
+        Op::CrossEntropyBackward { ignore_index, sum },
+        &[cx.x(0), cx.x(1), cx.y(1), dloss],
+    )?;
     Ok(vec![Some(Grad::Full(g)), None])
 }

@@ -239,14 +239,19 @@ pub enum Op {
     EmbeddingBackward {
         num_embeddings: usize,
     },
-    /// Inputs `[logits [.., V], targets [..]]` → `[mean loss [] f32, logsumexp [..] f32]`.
-    /// Targets equal to `ignore_index` are left out of the mean.
+    /// Inputs `[logits [.., V], targets [..]]` → `[loss [] f32, logsumexp [..] f32]`: the mean
+    /// over the rows whose target is not `ignore_index`, or with `sum` their sum (a loss
+    /// normalised by a count the caller supplies, the same on every shard of every plan).
     CrossEntropy {
         ignore_index: Option<i64>,
+        #[serde(default)]
+        sum: bool,
     },
     /// Inputs `[logits, targets, logsumexp, dloss]` → dlogits.
     CrossEntropyBackward {
         ignore_index: Option<i64>,
+        #[serde(default)]
+        sum: bool,
     },
     /// Fused attention. Inputs `q [B,S,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D]` with H a multiple
     /// of Hkv (GQA) → `[out [B,S,H,D], logsumexp [B,H,S] f32]`. No S×T matrix is saved.
@@ -670,7 +675,7 @@ impl Op {
             Op::LayerNorm { eps } => norm::vjp_layer_norm(cx, *eps),
             Op::RmsNorm { eps } => norm::vjp_rms_norm(cx, *eps),
             Op::Embedding => embedding::vjp(cx),
-            Op::CrossEntropy { ignore_index } => loss::vjp(cx, *ignore_index),
+            Op::CrossEntropy { ignore_index, sum } => loss::vjp(cx, *ignore_index, *sum),
             Op::Attention(spec) => attention::vjp(cx, spec),
             Op::Rope { inv_freq, inverse } => attention::vjp_rope(cx, inv_freq, *inverse),
             Op::Reshard(spec) => comm::vjp(cx, spec),

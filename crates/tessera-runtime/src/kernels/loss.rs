@@ -56,11 +56,13 @@ fn logsumexp(row: &[f32]) -> f64 {
     m as f64 + sum_exp(row, m).ln()
 }
 
-/// `[mean loss over non-ignored rows (0 if none), logsumexp per row]`, both f32.
+/// `[mean loss over non-ignored rows (0 if none) — or with `sum` their sum —, logsumexp per
+/// row]`, both f32.
 pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
     ignore_index: Option<i64>,
+    sum: bool,
 ) -> Result<Vec<Tensor>> {
     let v = check("cross_entropy", logits, targets)?;
     let (lc, tc) = (contiguous(logits)?, contiguous(targets)?);
@@ -94,18 +96,19 @@ pub fn cross_entropy(
         };
         partials.iter().sum()
     };
-    let loss = (total / count.max(1) as f64) as f32;
+    let loss = (total / if sum { 1 } else { count.max(1) } as f64) as f32;
     Ok(vec![from_vec(vec![loss], &[])?, from_vec(lse, targets.dims())?])
 }
 
 /// dlogits = dloss/N · (softmax(logits) − onehot(target)) on non-ignored rows, 0 on ignored
-/// ones, with N the number of non-ignored rows (at least 1).
+/// ones, with N the number of non-ignored rows (at least 1), or 1 with `sum`.
 pub fn cross_entropy_backward(
     logits: &Tensor,
     targets: &Tensor,
     lse: &Tensor,
     dloss: &Tensor,
     ignore_index: Option<i64>,
+    sum: bool,
 ) -> Result<Tensor> {
     let v = check("cross_entropy_backward", logits, targets)?;
     expect_f32(lse, "cross_entropy_backward", "logsumexp")?;
@@ -123,7 +126,7 @@ pub fn cross_entropy_backward(
     let (ls, ts, ss) = (read::<f32>(&lc)?, read::<i64>(&tc)?, read::<f32>(&sc)?);
     let count = check_targets("cross_entropy_backward", &ts, v, ignore_index)?;
     let dl = dloss.flatten_all()?.to_vec1::<f32>()?[0];
-    let g = (dl as f64 / count.max(1) as f64) as f32;
+    let g = (dl as f64 / if sum { 1 } else { count.max(1) } as f64) as f32;
     let mut out = vec![0f32; ls.len()];
     if v > 0 {
         par_rows(&mut out, v, |r, orow| {

@@ -79,9 +79,11 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::EmbeddingBackward { num_embeddings } => {
             one(embedding::embedding_backward(x[0], x[1], *num_embeddings)?)
         }
-        Op::CrossEntropy { ignore_index } => loss::cross_entropy(x[0], x[1], *ignore_index),
-        Op::CrossEntropyBackward { ignore_index } => {
-            one(loss::cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index)?)
+        Op::CrossEntropy { ignore_index, sum } => {
+            loss::cross_entropy(x[0], x[1], *ignore_index, *sum)
+        }
+        Op::CrossEntropyBackward { ignore_index, sum } => {
+            one(loss::cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index, *sum)?)
         }
         Op::Attention(spec) => attention::attention(x[0], x[1], x[2], spec),
         Op::AttentionBackward(spec) => {
