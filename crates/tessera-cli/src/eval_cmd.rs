@@ -53,8 +53,14 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let model = build(&cfg, &BuildOptions { batch: 1, seq: n, dtype: DType::F32 })?;
     let (loss, logits) = (model.loss, model.logits);
     let find = |name: &str| model.inputs.iter().find(|i| i.name == name).map(|i| i.tensor);
-    let (Some(input_ids), Some(labels)) = (find("input_ids"), find("labels")) else {
-        bail!("eval supports causal language models (gpt2, llama, mistral, qwen2)");
+    let (Some(input_ids), Some(labels), None) =
+        (find("input_ids"), find("labels"), find("num_targets"))
+    else {
+        bail!(
+            "eval computes the next-token loss of causal language models (gpt2, llama, \
+             mistral, qwen2); a masked LM's held-out loss is in `tessera train`'s report \
+             (eval_loss)"
+        );
     };
     let graph = model.builder.finish();
     let weights = load_hf_weights(&args.model_dir, &graph)?;

@@ -47,7 +47,8 @@ pub struct TrainArgs {
     /// naming the rank and the collective.
     #[arg(long, default_value_t = 30.0)]
     pub comm_timeout: f64,
-    /// A preset, a Hugging Face config.json, or a directory holding one (causal LMs).
+    /// A preset, a Hugging Face config.json, or a directory holding one: causal LMs learn the
+    /// next token, BERT masked positions.
     #[arg(long, default_value = "gpt2-tiny")]
     pub model: String,
     /// Fine-tune: start from the weights of a Hugging Face checkpoint directory (its
