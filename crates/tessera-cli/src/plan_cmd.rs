@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 use tessera_ir::CkptMode;
-use tessera_ir::{build_training_graph, TrainConfig};
+use tessera_ir::{build_training_graph, DType, TrainConfig, TrainingGraph};
 use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_plan::config::ParallelConfig;
 use tessera_plan::plan::Plan;
@@ -87,29 +87,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     }
     let dtype = args.dtype.dtype();
     let seq = cfg.effective_seq(args.seq);
-    let train = TrainConfig::default();
-    // Model FLOPs of one global step (the MFU numerator), from the symbolic profile.
-    let full = build(&cfg, &BuildOptions { batch: args.batch, seq, dtype })?;
-    let tg = build_training_graph(full.builder, full.loss, &train)?;
-    let model_flops = tessera_profile::count_flops(&tg.graph).matmul as f64;
-    let model_cfg = cfg.clone();
-    let builder = move |mb: usize| -> tessera_plan::Result<Forward> {
-        let m = build(&model_cfg, &BuildOptions { batch: mb, seq, dtype })
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    };
-    let req = Request {
-        build: &builder,
-        model: cfg.name().to_string(),
-        batch: args.batch,
-        seq,
-        dtype,
-        cluster,
-        budget,
-        train,
-        model_flops,
-        ckpt: tessera_plan::search::CkptSearch::Joint,
-    };
+    let model = PlanModel::new(&cfg, args.batch, seq, dtype, &TrainConfig::default())?;
+    let req = model.request(cluster, budget);
     let mut plan = choose_plan(&req, &args.plan)?;
     let wants = |b: Baseline| args.baseline.contains(&b) || args.baseline.contains(&Baseline::All);
     if wants(Baseline::Megatron) {
@@ -132,6 +111,68 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     match args.format {
         OutputFormat::Json => print_stdout(&(json + "\n")),
         OutputFormat::Table => print_stdout(&table(&plan, args.explain)),
+    }
+}
+
+/// A model as the planner needs it: its forward graph for any micro-batch size, and the
+/// single-device training graph of one global step (its FLOPs are the MFU numerator). `plan`
+/// and `train` both plan through it.
+pub struct PlanModel {
+    name: String,
+    batch: usize,
+    seq: usize,
+    dtype: DType,
+    train: TrainConfig,
+    build: Box<dyn Fn(usize) -> tessera_plan::Result<Forward> + Sync>,
+    /// The single-device training graph of one global step.
+    pub global: TrainingGraph,
+    model_flops: f64,
+}
+
+impl PlanModel {
+    pub fn new(
+        cfg: &ModelConfig,
+        batch: usize,
+        seq: usize,
+        dtype: DType,
+        train: &TrainConfig,
+    ) -> Result<PlanModel> {
+        let full = build(cfg, &BuildOptions { batch, seq, dtype })?;
+        let global = build_training_graph(full.builder, full.loss, train)?;
+        let model_flops = tessera_profile::count_flops(&global.graph).matmul as f64;
+        let model_cfg = cfg.clone();
+        let forward = move |mb: usize| -> tessera_plan::Result<Forward> {
+            let m = build(&model_cfg, &BuildOptions { batch: mb, seq, dtype })
+                .map_err(|e| PlanError::Invalid(e.to_string()))?;
+            Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+        };
+        Ok(PlanModel {
+            name: cfg.name().to_string(),
+            batch,
+            seq,
+            dtype,
+            train: train.clone(),
+            build: Box::new(forward),
+            global,
+            model_flops,
+        })
+    }
+
+    /// The planner's request for this model on `cluster` under a per-device `budget`, with
+    /// activation checkpointing searched jointly.
+    pub fn request(&self, cluster: Cluster, budget: u64) -> Request<'_> {
+        Request {
+            build: &*self.build,
+            model: self.name.clone(),
+            batch: self.batch,
+            seq: self.seq,
+            dtype: self.dtype,
+            cluster,
+            budget,
+            train: self.train.clone(),
+            model_flops: self.model_flops,
+            ckpt: tessera_plan::search::CkptSearch::Joint,
+        }
     }
 }
 

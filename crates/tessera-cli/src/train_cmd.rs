@@ -6,7 +6,7 @@
 //! then reports, per device, the predicted against the measured memory and traffic.
 
 use crate::format::bytes;
-use crate::plan_cmd::{choose_plan, plan_err};
+use crate::plan_cmd::{choose_plan, plan_err, PlanModel};
 use crate::profile_cmd::{OutputFormat, Precision};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -15,12 +15,11 @@ use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Mutex;
-use tessera_ir::{build_training_graph, Graph, TensorId, TrainConfig, TrainingGraph};
+use tessera_ir::{Graph, TensorId, TrainConfig, TrainingGraph};
 use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_plan::plan::Plan;
-use tessera_plan::planner::{self, Request};
-use tessera_plan::search::Forward;
-use tessera_plan::{Cluster, PlanError};
+use tessera_plan::planner;
+use tessera_plan::Cluster;
 use tessera_runtime::checkpoint::{load_checkpoint, Checkpoint, Manifest};
 use tessera_runtime::data::{DataOptions, Dataset, MaskedLm, Objective, TokenDType, Tokenizer};
 use tessera_runtime::init::{init_rules_by_name, InitRule};
@@ -368,28 +367,9 @@ pub fn prepare(
         );
     }
     let budget = args.memory_budget.unwrap_or_else(|| cluster.device.usable_bytes());
-    let full = build(&cfg, &BuildOptions { batch: args.batch, seq: args.seq, dtype })?;
-    let global_train = build_training_graph(full.builder, full.loss, &train_cfg)?;
-    let model_flops = tessera_profile::count_flops(&global_train.graph).matmul as f64;
-    let model_cfg = cfg.clone();
-    let seq = args.seq;
-    let builder = move |mb: usize| -> tessera_plan::Result<Forward> {
-        let m = build(&model_cfg, &BuildOptions { batch: mb, seq, dtype })
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    };
-    let req = Request {
-        build: &builder,
-        model: cfg.name().to_string(),
-        batch: args.batch,
-        seq,
-        dtype,
-        cluster,
-        budget,
-        train: train_cfg.clone(),
-        model_flops,
-        ckpt: tessera_plan::search::CkptSearch::Joint,
-    };
+    let model = PlanModel::new(&cfg, args.batch, args.seq, dtype, &train_cfg)?;
+    let global_train = &model.global;
+    let req = model.request(cluster, budget);
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
     let predicted_comm_bytes: u64 = exe.lowered.collectives.iter().map(|c| c.bytes).sum();
@@ -425,7 +405,8 @@ pub fn prepare(
     if first > last_step {
         bail!("nothing to do: the run is already at step {steps_done} of {last_step}");
     }
-    let eval = build(&cfg.without_dropout(), &BuildOptions { batch: args.batch, seq, dtype })?;
+    let eval_opts = BuildOptions { batch: args.batch, seq: args.seq, dtype };
+    let eval = build(&cfg.without_dropout(), &eval_opts)?;
     let log = match &args.log_json {
         Some(p) if rank == 0 => Some(Mutex::new(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,

@@ -23,6 +23,7 @@ fn uniform(seed: u64, i: u64) -> f64 {
 
 fn check(name: &str, cfg: &ModelConfig, batch: usize, seq: usize) {
     let fm = build(cfg, &BuildOptions { batch, seq, dtype: DType::F32 }).expect("builds");
+    let labels = fm.labels();
     let mut b = fm.builder;
     let params = b.graph.parameters();
     let grads: Vec<TensorId> = gradients(&mut b, fm.loss, &params)
@@ -68,17 +69,8 @@ fn check(name: &str, cfg: &ModelConfig, batch: usize, seq: usize) {
             InputKind::Seed => vec![12345],
             // An f32 scalar: the labels (bound before it) that are not ignored.
             InputKind::TargetCount => {
-                let (labels, ignore) = fm
-                    .inputs
-                    .iter()
-                    .find_map(|i| match i.kind {
-                        InputKind::Labels { ignore_index, .. } => {
-                            Some((&int_values[&i.tensor], ignore_index))
-                        }
-                        _ => None,
-                    })
-                    .expect("a model with a target count has labels");
-                let n = labels.iter().filter(|&&l| Some(l) != ignore).count();
+                let (labels, ignore) = labels.expect("a target count needs labels");
+                let n = int_values[&labels].iter().filter(|&&l| Some(l) != ignore).count();
                 f32_values.insert(input.tensor, vec![n as f32]);
                 continue;
             }

@@ -338,6 +338,14 @@ impl ForwardModel {
     pub fn input(&self, name: &str) -> Option<TensorId> {
         self.inputs.iter().find(|i| i.name == name).map(|i| i.tensor)
     }
+
+    /// The labels input and the label value its loss ignores, if any.
+    pub fn labels(&self) -> Option<(TensorId, Option<i64>)> {
+        self.inputs.iter().find_map(|i| match i.kind {
+            InputKind::Labels { ignore_index, .. } => Some((i.tensor, ignore_index)),
+            _ => None,
+        })
+    }
 }
 
 /// Activation elements per tensor stay below 2^50 and attention's B·S²·H·D below 2^56, so no

@@ -70,6 +70,7 @@ impl Model {
         let name = cfg.name().to_string();
         let fm = build(cfg, &BuildOptions::new(batch, seq, DType::F64))
             .unwrap_or_else(|e| panic!("{name}: build: {e}"));
+        let labels = fm.labels();
         let graph = fm.builder.finish();
         let mut rng = StdRng::seed_from_u64(seed);
         let mut bindings = HashMap::new();
@@ -103,18 +104,9 @@ impl Model {
                 InputKind::Seed => vec![0x5eed_1234 as f64],
                 // The labels come first: count the ones that are not ignored.
                 InputKind::TargetCount => {
-                    let (labels, ignore) = fm
-                        .inputs
-                        .iter()
-                        .find_map(|i| match i.kind {
-                            InputKind::Labels { ignore_index, .. } => {
-                                Some((&bindings[&i.tensor], ignore_index))
-                            }
-                            _ => None,
-                        })
-                        .expect("a model with a target count has labels");
-                    let n = labels.data.iter().filter(|&&l| Some(l as i64) != ignore).count();
-                    vec![n as f64]
+                    let (labels, ignore) = labels.expect("a target count needs labels");
+                    let n = bindings[&labels].data.iter().filter(|&&l| Some(l as i64) != ignore);
+                    vec![n.count() as f64]
                 }
             };
             bindings.insert(input.tensor, Value::new(shape, data));

@@ -550,23 +550,19 @@ impl<B: Backend> Trainer<B> {
     /// This device's parameters by Hugging Face name, in graph order (live handles: copy
     /// before mutating); on one device these are the whole parameters.
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(self
-            .local_state()?
-            .into_iter()
-            .filter(|(_, _, _, kind)| kind.is_none())
-            .map(|(name, t, _, _)| (name, t))
-            .collect())
+        self.state_of(false)
     }
 
     /// This device's AdamW state keyed `<parameter>.adam_m`, `.adam_v` and (mixed precision)
     /// `.master`.
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(self
-            .local_state()?
-            .into_iter()
-            .filter(|(_, _, _, kind)| kind.is_some())
-            .map(|(name, t, _, _)| (name, t))
-            .collect())
+        self.state_of(true)
+    }
+
+    /// The parameters (`optimizer: false`) or the optimizer state of [`Trainer::local_state`].
+    fn state_of(&self, optimizer: bool) -> Result<Vec<(String, Tensor)>> {
+        let state = self.local_state()?.into_iter();
+        Ok(state.filter(|s| s.3.is_some() == optimizer).map(|(name, t, _, _)| (name, t)).collect())
     }
 
     /// This device's parameters and optimizer state: `(name, local tensor, placement, state
