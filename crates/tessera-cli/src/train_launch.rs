@@ -231,7 +231,9 @@ pub fn run_rank(
         eval_batches: args.eval_batches,
         log: ctx.log.as_ref(),
     };
-    let watch = Watch { ctx, fault: Fault::from_env()? };
+    use std::io::IsTerminal as _;
+    let plain = (rank == 0 && !std::io::stderr().is_terminal()).then(|| Default::default());
+    let watch = Watch { ctx, fault: Fault::from_env()?, plain };
     let mut outcome = run_device(&mut trainer, &spec, &watch)?;
     if rank == 0 {
         outcome.op_times = trainer
@@ -247,7 +249,13 @@ pub fn run_rank(
 struct Watch<'a> {
     ctx: &'a RunContext,
     fault: Option<Fault>,
+    /// When stderr is not a terminal (the bar draws nothing): when the last progress line was
+    /// printed, so a log gets one every few seconds.
+    plain: Option<std::sync::Mutex<Option<std::time::Instant>>>,
 }
+
+/// Seconds between progress lines when stderr is not a terminal.
+const PLAIN_PROGRESS_EVERY_S: f64 = 5.0;
 
 impl Observer for Watch<'_> {
     fn before_step(&self, rank: usize, step: u64) -> tessera_runtime::Result<()> {
@@ -258,8 +266,16 @@ impl Observer for Watch<'_> {
     }
 
     fn after_step(&self, stats: &StepStats, seconds: f64) {
+        let msg = progress(self.ctx, stats, seconds);
+        if let Some(Ok(mut last)) = self.plain.as_ref().map(|m| m.lock()) {
+            let due = last.is_none_or(|t| t.elapsed().as_secs_f64() >= PLAIN_PROGRESS_EVERY_S);
+            if due || stats.step == self.ctx.last_step {
+                eprintln!("step {}/{} | {msg}", stats.step, self.ctx.last_step);
+                *last = Some(std::time::Instant::now());
+            }
+        }
         self.ctx.bar.set_position(stats.step);
-        self.ctx.bar.set_message(progress(self.ctx, stats, seconds));
+        self.ctx.bar.set_message(msg);
     }
 }
 

@@ -133,6 +133,10 @@ fn train_json_log_and_heap_follow_the_prediction() {
         log.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    // stderr is not a terminal here: the run still leaves progress lines (the first step, the
+    // last, and one every few seconds between).
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("step 1/3 | loss") && err.contains("step 3/3 | loss"), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
     for key in ["initial_loss", "final_loss", "eval_loss", "steps", "tokens_per_s"] {
         assert!(v[key].is_number(), "{key}: {}", v[key]);
