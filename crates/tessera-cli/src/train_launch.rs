@@ -232,7 +232,7 @@ pub fn run_rank(
         log: ctx.log.as_ref(),
     };
     use std::io::IsTerminal as _;
-    let plain = (rank == 0 && !std::io::stderr().is_terminal()).then(|| Default::default());
+    let plain = (rank == 0 && !std::io::stderr().is_terminal()).then(Default::default);
     let watch = Watch { ctx, fault: Fault::from_env()?, plain };
     let mut outcome = run_device(&mut trainer, &spec, &watch)?;
     if rank == 0 {
