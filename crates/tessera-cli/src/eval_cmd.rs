@@ -1,26 +1,38 @@
-//! `tessera eval`: the mean next-token cross-entropy of a checkpoint (a directory with
-//! `config.json` and safetensors weights with Hugging Face names) over given token ids, with
-//! the per-position logits on request — the parity check against `transformers`.
+//! `tessera eval`: a checkpoint (a directory with `config.json` and safetensors weights with
+//! Hugging Face names) on data, single-device: a language model's mean next-token
+//! cross-entropy and top-1 accuracy over given token ids, with the per-position logits on
+//! request (the parity check against `transformers`); a ViT's cross-entropy and top-1
+//! accuracy over the held-out images of a data set (the split `train` holds out).
 
 use crate::profile_cmd::{print_stdout, write_atomic, OutputFormat};
+use crate::train_cmd::DEFAULT_IMAGES;
 use anyhow::{bail, Context, Result};
+use candle_core::Tensor;
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use tessera_ir::{DType, Program};
+use tessera_ir::{DType, Program, TensorId};
 use tessera_models::{build, BuildOptions, ModelConfig};
-use tessera_runtime::checkpoint::load_hf_weights;
-use tessera_runtime::tensor::{from_vec, to_f64_vec};
+use tessera_runtime::collective::DeviceMesh;
+use tessera_runtime::hf_weights::open_weights;
+use tessera_runtime::images::ImageSet;
+use tessera_runtime::tensor::{candle_dtype, from_vec, to_f64_vec};
+use tessera_runtime::trainer::top1_hits;
 use tessera_runtime::{CpuBackend, Executor};
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    /// Directory with config.json and model.safetensors (or a sharded index).
+    /// Directory with config.json and model.safetensors (or a sharded index), or a sharded
+    /// checkpoint `train` saved on several devices.
     #[arg(long)]
     pub model_dir: PathBuf,
-    /// Comma-separated token ids; the loss predicts ids[1..] from ids[..n-1].
+    /// Language models: comma-separated token ids; the loss predicts ids[1..] from ids[..n-1].
     #[arg(long)]
-    pub tokens: String,
+    pub tokens: Option<String>,
+    /// ViT: a CSV of images (pixels, then the class), evaluated on its held-out split (the
+    /// last 20%, as `train` holds out). Default: data/digits.csv.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
     /// Write the per-position logits ([n-1, vocab], JSON) to this file.
     #[arg(long)]
     pub logits: Option<PathBuf>,
@@ -42,50 +54,127 @@ fn parse_tokens(s: &str) -> Result<Vec<i64>> {
 }
 
 pub fn run(args: &EvalArgs) -> Result<()> {
-    let ids = parse_tokens(&args.tokens)?;
     let cfg = ModelConfig::from_path(&args.model_dir)?.without_dropout();
+    match (&cfg, &args.tokens) {
+        (ModelConfig::Vit(_), _) => eval_images(args, &cfg),
+        (ModelConfig::Bert(_), _) => bail!(
+            "eval computes the next-token loss of causal language models (gpt2, llama, mistral, \
+             qwen2) and the accuracy of image classifiers (vit); a masked LM's held-out loss is \
+             in `tessera train`'s report (eval_loss)"
+        ),
+        (ModelConfig::Mlp(_), _) => bail!("eval has no data loader for the mlp model"),
+        (_, None) => bail!("--tokens is required for a language model: comma-separated ids"),
+        (_, Some(tokens)) => eval_tokens(args, &cfg, &parse_tokens(tokens)?),
+    }
+}
+
+/// A forward graph with its checkpoint weights bound, ready for its inputs.
+struct Loaded {
+    exec: Executor<CpuBackend>,
+    loss: TensorId,
+    logits: TensorId,
+    inputs: Vec<(&'static str, TensorId)>,
+}
+
+impl Loaded {
+    fn new(args: &EvalArgs, cfg: &ModelConfig, batch: usize, seq: usize) -> Result<Loaded> {
+        let model = build(cfg, &BuildOptions { batch, seq, dtype: DType::F32 })?;
+        let (loss, logits) = (model.loss, model.logits);
+        let inputs = model.inputs.iter().map(|i| (i.name, i.tensor)).collect();
+        let graph = model.builder.finish();
+        let weights = open_weights(&args.model_dir, &graph)?;
+        let whole = |t: TensorId| vec![Vec::new(); graph.shape(t).rank()];
+        let mut values = Vec::new();
+        for p in graph.parameters() {
+            let name = graph.tensor_scope(p);
+            let dtype = candle_dtype(graph.meta(p).dtype);
+            let v = weights.shard_of(name, &whole(p), &DeviceMesh::single(), dtype)?;
+            values.push((p, v.with_context(|| format!("no value for parameter {name}"))?));
+        }
+        let program = Program::lower_graph(graph, vec![loss, logits], &[]);
+        let mut exec = Executor::new(program, CpuBackend::new(0), None);
+        for (t, value) in values {
+            exec.bind(t, value)?;
+        }
+        Ok(Loaded { exec, loss, logits, inputs })
+    }
+
+    /// Binds the named inputs (the target count from `labels`), runs, and returns the loss
+    /// and `(correct, counted)` top-1 hits.
+    fn run(&mut self, values: &[(&str, Tensor)], labels: &[i64]) -> Result<(f64, (usize, usize))> {
+        for (name, t) in self.inputs.clone() {
+            let value = match (name, values.iter().find(|(n, _)| *n == name)) {
+                (_, Some((_, v))) => v.clone(),
+                ("num_targets", None) => {
+                    let n = labels.iter().filter(|&&l| l >= 0).count().max(1);
+                    Tensor::new(n as f32, &candle_core::Device::Cpu)?
+                }
+                (other, None) => bail!("the model takes input `{other}`, which eval cannot fill"),
+            };
+            self.exec.bind(t, value)?;
+        }
+        self.exec.run()?;
+        let loss = to_f64_vec(self.exec.get(self.loss).context("loss was not kept")?)?[0];
+        let logits = self.exec.get(self.logits).context("logits were not kept")?;
+        Ok((loss, top1_hits(logits, labels)?))
+    }
+}
+
+fn eval_tokens(args: &EvalArgs, cfg: &ModelConfig, ids: &[i64]) -> Result<()> {
     let vocab = cfg.vocab_size().context("eval needs a language model (one with a vocabulary)")?;
     if let Some((pos, id)) = ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= vocab)
     {
         bail!("token id {id} at position {pos} is outside the model's vocabulary of {vocab}");
     }
     let n = ids.len() - 1;
-    let model = build(&cfg, &BuildOptions { batch: 1, seq: n, dtype: DType::F32 })?;
-    let (loss, logits) = (model.loss, model.logits);
-    let find = |name: &str| model.inputs.iter().find(|i| i.name == name).map(|i| i.tensor);
-    let (Some(input_ids), Some(labels), None) =
-        (find("input_ids"), find("labels"), find("num_targets"))
-    else {
-        bail!(
-            "eval computes the next-token loss of causal language models (gpt2, llama, \
-             mistral, qwen2); a masked LM's held-out loss is in `tessera train`'s report \
-             (eval_loss)"
-        );
-    };
-    let graph = model.builder.finish();
-    let weights = load_hf_weights(&args.model_dir, &graph)?;
-    let program = Program::lower_graph(graph, vec![loss, logits], &[]);
-    let mut exec = Executor::new(program, CpuBackend::new(0), None);
-    for (t, value) in weights {
-        exec.bind(t, value)?;
-    }
-    exec.bind(input_ids, from_vec(ids[..n].to_vec(), &[1, n])?)?;
-    exec.bind(labels, from_vec(ids[1..].to_vec(), &[1, n])?)?;
-    exec.run()?;
-    let loss_value = to_f64_vec(exec.get(loss).context("loss was not kept")?)?[0];
+    let mut m = Loaded::new(args, cfg, 1, n)?;
+    let x = from_vec(ids[..n].to_vec(), &[1, n])?;
+    let y = from_vec(ids[1..].to_vec(), &[1, n])?;
+    let (loss_value, (hits, _)) = m.run(&[("input_ids", x), ("labels", y)], &ids[1..])?;
+    let accuracy = hits as f64 / n as f64;
 
     if let Some(path) = &args.logits {
-        let flat = to_f64_vec(exec.get(logits).context("logits were not kept")?)?;
+        let flat = to_f64_vec(m.exec.get(m.logits).context("logits were not kept")?)?;
         let rows: Vec<&[f64]> = flat.chunks(vocab).collect();
         let doc = json!({"shape": [n, vocab], "tokens": ids, "logits": rows});
         write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
     }
     match args.format {
-        OutputFormat::Json => print_stdout(&format!("{}\n", json!({"loss": loss_value})))?,
+        OutputFormat::Json => {
+            print_stdout(&format!("{}\n", json!({"loss": loss_value, "accuracy": accuracy})))
+        }
         OutputFormat::Table => print_stdout(&format!(
-            "{}: mean next-token cross-entropy {loss_value:.6} over {n} predictions\n",
-            cfg.name()
-        ))?,
+            "{}: mean next-token cross-entropy {loss_value:.6}, top-1 accuracy {:.2}% over {n} \
+             predictions\n",
+            cfg.name(),
+            100.0 * accuracy
+        )),
     }
-    Ok(())
+}
+
+fn eval_images(args: &EvalArgs, cfg: &ModelConfig) -> Result<()> {
+    let ModelConfig::Vit(c) = cfg else { bail!("not an image classifier") };
+    let path = args.data.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_IMAGES));
+    let shape = [c.num_channels, c.image_size[0], c.image_size[1]];
+    let images = ImageSet::load_csv(&path, shape, 0.2)?;
+    images.validate(c.num_labels)?;
+    let n = images.val_labels.len();
+    let mut m = Loaded::new(args, cfg, n, 1)?;
+    let x = from_vec(images.val.clone(), &[n, shape[0], shape[1], shape[2]])?;
+    let y = from_vec(images.val_labels.clone(), &[n])?;
+    let (loss, (hits, _)) = m.run(&[("pixel_values", x), ("labels", y)], &images.val_labels)?;
+    let accuracy = hits as f64 / n as f64;
+    match args.format {
+        OutputFormat::Json => print_stdout(&format!(
+            "{}\n",
+            json!({"loss": loss, "accuracy": accuracy, "examples": n})
+        )),
+        OutputFormat::Table => print_stdout(&format!(
+            "{}: cross-entropy {loss:.6}, top-1 accuracy {:.2}% over the {n} held-out images of \
+             {}\n",
+            cfg.name(),
+            100.0 * accuracy,
+            path.display()
+        )),
+    }
 }

@@ -22,9 +22,14 @@ use tessera_plan::planner;
 use tessera_plan::Cluster;
 use tessera_runtime::checkpoint::{load_checkpoint, Checkpoint, Manifest};
 use tessera_runtime::data::{DataOptions, Dataset, MaskedLm, Objective, TokenDType, Tokenizer};
+use tessera_runtime::examples::{is_jsonl, ExampleSet};
+use tessera_runtime::hf_weights::open_weights;
+use tessera_runtime::images::ImageSet;
 use tessera_runtime::init::{init_rules_by_name, InitRule};
 use tessera_runtime::run::SaveSpec;
+use tessera_runtime::trainer::ShardSource;
 use tessera_runtime::LrSchedule;
+use tessera_runtime::TrainData;
 
 /// The shipped corpus (public-domain Shakespeare, see data/README.md), embedded so the default
 /// run works from any directory.
@@ -51,12 +56,16 @@ pub struct TrainArgs {
     #[arg(long, default_value = "gpt2-tiny")]
     pub model: String,
     /// Fine-tune: start from the weights of a Hugging Face checkpoint directory (its
-    /// config.json is the model; `model.safetensors` or a sharded index), with fresh optimizer
-    /// state, on any plan. Takes the place of --model.
+    /// config.json is the model; `model.safetensors` or a sharded index; or a sharded
+    /// checkpoint of `train`), with fresh optimizer state, on any plan; each device reads only
+    /// its slices of the files. Takes the place of --model.
     #[arg(long, value_name = "DIR")]
     pub init: Option<PathBuf>,
-    /// Text file (byte-level tokens, or --tokenizer), nanoGPT token file (.bin), or a directory
-    /// with train.bin and val.bin. Default: the shipped Shakespeare corpus.
+    /// Language models: a text file (byte-level tokens, or --tokenizer), a nanoGPT token file
+    /// (.bin), a directory with train.bin and val.bin, or fine-tuning examples (.jsonl: one
+    /// {"text"} or {"prompt", "completion"} object per line; the loss counts completion tokens
+    /// only). Default: the shipped Shakespeare corpus. ViT: a CSV of images (pixels, then the
+    /// class); default data/digits.csv, which scripts/setup.sh installs.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Hugging Face tokenizer.json to encode a text corpus (default: bytes).
@@ -171,6 +180,9 @@ pub fn objective(args: &TrainArgs, cfg: &ModelConfig) -> Result<Objective> {
     })
 }
 
+/// Where ViT's images are when `--data` is not given (installed by scripts/setup.sh).
+pub const DEFAULT_IMAGES: &str = "data/digits.csv";
+
 /// The corpus `--data`/`--tokenizer` name (default: the shipped one), validated for the model.
 pub fn load_dataset(args: &TrainArgs, vocab: usize) -> Result<Dataset> {
     let tokenizer = tokenizer(args)?;
@@ -190,6 +202,40 @@ pub fn load_dataset(args: &TrainArgs, vocab: usize) -> Result<Dataset> {
     };
     dataset.validate(vocab, args.seq)?;
     Ok(dataset)
+}
+
+/// What the model trains on, by family: images for ViT, fine-tuning examples for a `.jsonl`
+/// file, otherwise a token stream (next tokens, or BERT's masked positions).
+pub fn load_data(args: &TrainArgs, cfg: &ModelConfig) -> Result<TrainData> {
+    match cfg {
+        ModelConfig::Vit(c) => {
+            let path = args.data.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_IMAGES));
+            let shape = [c.num_channels, c.image_size[0], c.image_size[1]];
+            let images = ImageSet::load_csv(&path, shape, 0.2)?;
+            images.validate(c.num_labels)?;
+            return Ok(TrainData::Images(images));
+        }
+        ModelConfig::Mlp(_) => bail!(
+            "`train` has no data loader for the mlp model's feature vectors; train a language \
+             model or ViT, or profile and plan the mlp"
+        ),
+        _ => {}
+    }
+    let vocab = cfg.vocab_size().unwrap_or(0);
+    if let Some(path) = args.data.as_ref().filter(|p| is_jsonl(p)) {
+        if matches!(cfg, ModelConfig::Bert(_)) {
+            bail!(
+                "{}: JSONL examples fine-tune causal language models; BERT trains masked-LM on a \
+                 text corpus (pass a .txt file)",
+                path.display()
+            );
+        }
+        let examples = ExampleSet::load(path, &tokenizer(args)?)?;
+        examples.validate(vocab, args.seq)?;
+        return Ok(TrainData::Examples(examples));
+    }
+    let data = load_dataset(args, vocab)?;
+    Ok(TrainData::Stream { data, objective: objective(args, cfg)? })
 }
 
 /// The learning-rate schedule of `--schedule` over `--steps`.
@@ -217,9 +263,9 @@ pub enum Start {
     Fresh(HashMap<String, InitRule>),
     /// A checkpoint to resume (global tensors; each device slices its shards).
     Resume(Box<Checkpoint>),
-    /// Fine-tuning: Hugging Face weights by name (each device slices its shards), fresh AdamW
-    /// state.
-    Weights(HashMap<String, candle_core::Tensor>),
+    /// Fine-tuning: a mapped Hugging Face checkpoint (or a sharded Tessera one), checked
+    /// against the model; each device reads only its shards; fresh AdamW state.
+    Weights(Box<dyn ShardSource + Send>),
 }
 
 /// A resumed run whose `--steps` differs from the saved horizon.
@@ -238,8 +284,9 @@ pub struct RunContext {
     pub mesh_shape: Vec<usize>,
     pub budget: u64,
     pub schedule: LrSchedule,
-    pub dataset: Dataset,
-    pub objective: Objective,
+    pub data: TrainData,
+    /// The model's sequence length (`--seq`, or ViT's patches + 1).
+    pub seq: usize,
     /// Until every device of this process holds its shards; then dropped.
     pub start: std::sync::RwLock<Option<Start>>,
     /// Devices of this process that hold their shards, of `local_devices`.
@@ -253,8 +300,9 @@ pub struct RunContext {
     pub predicted_comm_bytes: u64,
     pub predicted_calls: BTreeMap<String, u64>,
     pub predicted_peak: Vec<u64>,
-    /// The single-device model without dropout, for the held-out loss.
-    pub eval_model: (Graph, TensorId),
+    /// The single-device model without dropout, for the held-out loss and accuracy: graph,
+    /// loss, logits.
+    pub eval_model: (Graph, TensorId, TensorId),
     pub save: Option<SaveSpec>,
     pub log: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
     pub bar: ProgressBar,
@@ -350,9 +398,8 @@ pub fn prepare(
         None => ModelConfig::resolve(&args.model)?,
     };
     let dtype = args.dtype.dtype();
-    let vocab = cfg.vocab_size().unwrap_or(0);
-    let dataset = load_dataset(args, vocab)?;
-    let objective = objective(args, &cfg)?;
+    let data = load_data(args, &cfg)?;
+    let seq = cfg.effective_seq(args.seq);
     let train_cfg = TrainConfig {
         weight_decay: args.weight_decay,
         max_grad_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),
@@ -387,12 +434,9 @@ pub fn prepare(
         }
         None => match &args.init {
             Some(dir) => {
-                let g = &global_train.graph;
-                let weights = tessera_runtime::checkpoint::load_hf_weights(dir, g)
+                let weights = open_weights(dir, &global_train.graph)
                     .with_context(|| format!("--init {}", dir.display()))?;
-                let by_name =
-                    weights.into_iter().map(|(t, v)| (g.tensor_scope(t).to_string(), v)).collect();
-                (Start::Weights(by_name), 0, make_schedule(args), None)
+                (Start::Weights(weights), 0, make_schedule(args), None)
             }
             None => {
                 let rules = init_rules_by_name(&global_train.graph);
@@ -450,8 +494,8 @@ pub fn prepare(
         mesh_shape: exe.mesh.shape.clone(),
         budget,
         schedule,
-        dataset,
-        objective,
+        data,
+        seq,
         start: std::sync::RwLock::new(Some(start)),
         bound: std::sync::atomic::AtomicUsize::new(0),
         local_devices,
@@ -461,7 +505,7 @@ pub fn prepare(
         extended,
         predicted_comm_bytes,
         predicted_calls,
-        eval_model: (eval.builder.finish(), eval.loss),
+        eval_model: (eval.builder.finish(), eval.loss, eval.logits),
         save,
         log,
         bar,
@@ -470,7 +514,7 @@ pub fn prepare(
 
 /// The progress line's message after a step.
 pub fn progress(ctx: &RunContext, stats: &tessera_runtime::StepStats, seconds: f64) -> String {
-    let tps = (ctx.args.batch * ctx.args.seq) as f64 / seconds;
+    let tps = (ctx.args.batch * ctx.seq) as f64 / seconds;
     format!(
         "loss {:.4} | {:.0} tok/s | mem {} (predicted {})",
         stats.loss,

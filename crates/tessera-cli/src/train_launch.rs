@@ -182,7 +182,9 @@ pub fn run_rank(
                 optimizer: Some(&ckpt.optimizer),
                 steps_done: ckpt.manifest.step,
             },
-            Start::Weights(params) => StartState::Global { params, optimizer: None, steps_done: 0 },
+            Start::Weights(weights) => {
+                StartState::Global { params: weights.as_ref(), optimizer: None, steps_done: 0 }
+            }
         };
         let mut trainer = Trainer::new(
             ctx.training.clone(),
@@ -215,15 +217,14 @@ pub fn run_rank(
         }
     }
     if args.eval_batches > 0 {
-        let (graph, loss) = &ctx.eval_model;
-        trainer = trainer.with_eval(graph.clone(), *loss)?;
+        let (graph, loss, logits) = &ctx.eval_model;
+        trainer = trainer.with_eval(graph.clone(), *loss, *logits)?;
     }
     trainer.record_timings(args.op_times && rank == 0);
     let spec = RunSpec {
-        dataset: &ctx.dataset,
-        objective: ctx.objective,
+        data: &ctx.data,
         batch: args.batch,
-        seq: args.seq,
+        seq: ctx.seq,
         seed: args.seed,
         first: ctx.first,
         last: ctx.last_step,
@@ -344,11 +345,10 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
         _ => bail!("no step ran"),
     };
     let steps_run = o.steps.len() as u64;
-    let tokens_per_s = (args.batch * args.seq) as f64 * steps_run as f64 / o.elapsed_s;
+    let tokens_per_s = (args.batch * ctx.seq) as f64 * steps_run as f64 / o.elapsed_s;
     let predicted_comm = vec![ctx.predicted_comm_bytes; n];
     let skipped: u64 = o.steps.iter().map(|(s, _)| u64::from(s.skipped)).sum();
-    let unigram =
-        tessera_runtime::data::unigram_entropy_nats(&ctx.dataset.train, ctx.dataset.vocab_size);
+    let (baseline, unigram) = ctx.data.baseline();
     let mut op_times = o.op_times.clone();
     op_times.sort_by(|a, b| b.2.total_cmp(&a.2));
     let plan = &ctx.plan;
@@ -368,11 +368,12 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                 "last_step": last.step,
                 "total_steps": args.steps,
                 "batch": args.batch,
-                "seq": args.seq,
+                "seq": ctx.seq,
                 "initial_loss": first.loss,
                 "final_loss": last.loss,
                 "final_grad_norm": last.grad_norm.is_finite().then_some(last.grad_norm),
-                "eval_loss": o.eval_loss,
+                "eval_loss": o.eval.map(|e| e.loss),
+                "eval_accuracy": o.eval.map(|e| e.accuracy),
                 "unigram_entropy": unigram,
                 "tokens_per_s": tokens_per_s,
                 "elapsed_s": o.elapsed_s,
@@ -419,14 +420,17 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                 plan.layout,
                 steps_run,
                 args.batch,
-                args.seq,
+                ctx.seq,
                 tokens_per_s
             );
             s += &format!("loss      {:.4} → {:.4} (train)", first.loss, last.loss);
-            if let Some(e) = o.eval_loss {
-                s += &format!(", {e:.4} (held-out)");
+            if let Some(e) = o.eval {
+                s += &format!(", {:.4} (held-out)", e.loss);
             }
-            s += &format!("; unigram entropy {unigram:.4}\n");
+            s += &format!("; {baseline} {unigram:.4}\n");
+            if let Some(e) = o.eval {
+                s += &format!("accuracy  {:.2}% top-1 (held-out)\n", 100.0 * e.accuracy);
+            }
             let recomputed = plan.checkpoint.iter().filter(|c| c.mode != CkptMode::None).count();
             if recomputed > 0 {
                 let mode = |m: CkptMode| plan.checkpoint.iter().filter(|c| c.mode == m).count();

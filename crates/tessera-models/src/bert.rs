@@ -26,10 +26,7 @@ use crate::config::BertConfig;
 use crate::error::Result;
 use crate::nn::{self, Dropout, Inputs, IrResult};
 use crate::{BuildOptions, ForwardModel, InputKind};
-use tessera_ir::{AttentionSpec, Builder, DType, Shape, TensorId};
-
-/// HF's `CrossEntropyLoss` default `ignore_index`.
-pub(crate) const IGNORE_INDEX: i64 = -100;
+use tessera_ir::{AttentionSpec, Builder, DType, TensorId};
 
 pub(crate) fn build(cfg: &BertConfig, opts: &BuildOptions) -> Result<ForwardModel> {
     let (batch, seq, dtype) = (opts.batch, opts.seq, opts.dtype);
@@ -51,15 +48,7 @@ pub(crate) fn build(cfg: &BertConfig, opts: &BuildOptions) -> Result<ForwardMode
         DType::I64,
         InputKind::TokenTypeIds { type_vocab_size: cfg.type_vocab_size },
     );
-    let labels = inputs.add(
-        &mut b,
-        "labels",
-        [batch, seq],
-        DType::I64,
-        InputKind::Labels { num_classes: v, ignore_index: Some(IGNORE_INDEX) },
-    );
-    let num_targets =
-        inputs.add(&mut b, "num_targets", Shape::scalar(), DType::F32, InputKind::TargetCount);
+    let (labels, num_targets) = inputs.counted_targets(&mut b, batch, seq, v);
     let mut drop = inputs.dropout(&mut b, &[p]);
 
     b.push_scope("bert");
@@ -108,11 +97,8 @@ pub(crate) fn build(cfg: &BertConfig, opts: &BuildOptions) -> Result<ForwardMode
     b.pop_scope();
     b.pop_scope();
 
-    // The mean over the step's masked positions: a sum here, divided by the count of targets
-    // over the whole step (an input), so every micro-batch and shard of every plan adds up to
-    // exactly the single-device mean.
-    let loss_sum = b.cross_entropy_sum(logits_bsv, labels, Some(IGNORE_INDEX))?;
-    let loss = b.div(loss_sum, num_targets)?;
+    // The mean over the step's masked positions.
+    let loss = nn::mean_over_targets(&mut b, logits_bsv, labels, num_targets)?;
     Ok(ForwardModel { builder: b, loss, logits: logits_bsv, batch, seq, inputs: inputs.list })
 }
 

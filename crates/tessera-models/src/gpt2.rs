@@ -43,13 +43,7 @@ pub(crate) fn build(cfg: &Gpt2Config, opts: &BuildOptions) -> Result<ForwardMode
         DType::I64,
         InputKind::TokenIds { vocab_size: v },
     );
-    let labels = inputs.add(
-        &mut b,
-        "labels",
-        [batch, seq],
-        DType::I64,
-        InputKind::Labels { num_classes: v, ignore_index: None },
-    );
+    let (labels, num_targets) = inputs.counted_targets(&mut b, batch, seq, v);
     let mut drop = inputs.dropout(&mut b, &[cfg.embd_pdrop, cfg.resid_pdrop]);
 
     b.push_scope("transformer");
@@ -73,7 +67,7 @@ pub(crate) fn build(cfg: &Gpt2Config, opts: &BuildOptions) -> Result<ForwardMode
 
     let tied = cfg.tie_word_embeddings.then_some(wte_vd);
     let logits_bsv = nn::lm_head(&mut b, x_bsd, tied, v)?;
-    let loss = b.cross_entropy(logits_bsv, labels, None)?;
+    let loss = nn::mean_over_targets(&mut b, logits_bsv, labels, num_targets)?;
     Ok(ForwardModel { builder: b, loss, logits: logits_bsv, batch, seq, inputs: inputs.list })
 }
 

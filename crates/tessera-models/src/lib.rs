@@ -40,6 +40,7 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;
+pub use nn::IGNORE_INDEX;
 pub use presets::PRESETS;
 pub use rope::RopeScaling;
 

@@ -156,6 +156,21 @@ impl Inputs {
         tensor
     }
 
+    /// Token targets `labels [batch, seq]` (HF's −100 ignored) and the step's count of the
+    /// targets that are not, `num_targets` (f32 scalar): the inputs of [`mean_over_targets`].
+    pub(crate) fn counted_targets(
+        &mut self,
+        b: &mut Builder,
+        batch: usize,
+        seq: usize,
+        vocab: usize,
+    ) -> (TensorId, TensorId) {
+        let kind = InputKind::Labels { num_classes: vocab, ignore_index: Some(IGNORE_INDEX) };
+        let labels = self.add(b, "labels", [batch, seq], DType::I64, kind);
+        let count = self.add(b, "num_targets", Shape::scalar(), DType::F32, InputKind::TargetCount);
+        (labels, count)
+    }
+
     /// Declares the dropout `seed` (an i64 scalar) when any dropout probability is positive.
     pub(crate) fn dropout(&mut self, b: &mut Builder, probs: &[f64]) -> Dropout {
         let seed = probs
@@ -194,4 +209,22 @@ impl Dropout {
         self.next_stream += 1;
         b.scoped(name, |b| b.dropout(x, p, seed, stream))
     }
+}
+
+/// HF's `CrossEntropyLoss` default `ignore_index`: a target the loss skips (prompt tokens,
+/// padding, unmasked positions).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// The mean cross-entropy over a step's counted targets ([`Inputs::counted_targets`]): the
+/// sum over this graph's targets divided by the count over the whole step (an input), so
+/// every micro-batch and shard of every plan adds up to exactly the single-device mean, and
+/// ignored targets (−100) count nowhere.
+pub(crate) fn mean_over_targets(
+    b: &mut Builder,
+    logits: TensorId,
+    labels: TensorId,
+    num_targets: TensorId,
+) -> IrResult<TensorId> {
+    let sum = b.cross_entropy_sum(logits, labels, Some(IGNORE_INDEX))?;
+    b.div(sum, num_targets)
 }

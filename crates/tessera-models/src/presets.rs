@@ -26,6 +26,7 @@ pub const PRESETS: &[&str] = &[
     "bert-large",
     "bert-tiny",
     "vit-base",
+    "vit-tiny",
     "mlp",
 ];
 
@@ -92,6 +93,16 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         "vit-base" => {
             let mut p = VitParams::new(name, 768, 12, 12, 3072);
             p.num_labels = 1000;
+            Ok(ModelConfig::Vit(VitConfig::new(p)?))
+        }
+        "vit-tiny" => {
+            // 8×8 grey images in 2×2 patches (16 patches + [CLS]), 10 classes: the handwritten
+            // digits data set `scripts/setup.sh` installs (data/README.md).
+            let mut p = VitParams::new(name, 64, 3, 4, 128);
+            p.image_size = [8, 8];
+            p.patch_size = [2, 2];
+            p.num_channels = 1;
+            p.num_labels = 10;
             Ok(ModelConfig::Vit(VitConfig::new(p)?))
         }
         "mlp" => {

@@ -32,6 +32,7 @@ fn every_preset_builds_and_differentiates() {
             .unwrap_or_else(|e| panic!("{name}: build: {e}"));
         let expected_seq = match name {
             "vit-base" => 197, // 14·14 patches + [CLS]
+            "vit-tiny" => 17,  // 4·4 patches + [CLS]
             "mlp" => 1,
             _ => 16,
         };
@@ -302,9 +303,12 @@ fn vit_base_parameters_inputs_and_sequence() {
 #[test]
 fn inputs_are_named_and_described() {
     let names = |m: &ForwardModel| m.inputs.iter().map(|i| i.name).collect::<Vec<_>>();
-    assert_eq!(names(&model("gpt2", 1, 8, DType::F32)), ["input_ids", "labels", "seed"]);
-    assert_eq!(names(&model("gpt2-tiny", 1, 8, DType::F32)), ["input_ids", "labels"]);
-    assert_eq!(names(&model("llama-tiny", 1, 8, DType::F32)), ["input_ids", "labels"]);
+    // Causal LMs count their targets as BERT does: prompt tokens and padding are ignored
+    // (−100) in fine-tuning data, and the mean stays the single-device one on every plan.
+    let lm = ["input_ids", "labels", "num_targets"];
+    assert_eq!(names(&model("gpt2", 1, 8, DType::F32)), [&lm[..], &["seed"]].concat());
+    assert_eq!(names(&model("gpt2-tiny", 1, 8, DType::F32)), lm);
+    assert_eq!(names(&model("llama-tiny", 1, 8, DType::F32)), lm);
     let bert = model("bert-large", 1, 8, DType::F32);
     assert_eq!(names(&bert), ["input_ids", "token_type_ids", "labels", "num_targets", "seed"]);
     assert_eq!(bert.inputs[1].kind, InputKind::TokenTypeIds { type_vocab_size: 2 });

@@ -1,27 +1,5 @@
-//! Checkpoints: Hugging Face weight import ([`load_hf_weights`]) and Tessera's own
-//! save/resume directory ([`save_checkpoint`], [`load_checkpoint`]).
-//!
-//! # Hugging Face weights
-//! [`load_hf_weights`] reads `model.safetensors`, a sharded `model.safetensors.index.json`
-//! (+ its shards) or one `.safetensors` file, and maps every tensor to the graph parameter
-//! of the same name (parameters carry their Hugging Face names). It also accepts:
-//! - base-model checkpoints whose names lack the head model's prefix (`transformer.`,
-//!   `model.`, `bert.`, `vit.`), such as the original `gpt2` one (`h.0.attn.c_attn.weight`);
-//! - legacy LayerNorm names `*.gamma` / `*.beta` (old BERT checkpoints);
-//! - for tied weights, the redundant second name `transformers` may store (`lm_head.weight`,
-//!   `cls.predictions.decoder.weight`, `cls.predictions.decoder.bias`): it fills the tied
-//!   parameter when that is absent, and must equal it when both are present (a difference
-//!   means the weights were not tied: `tie_word_embeddings` in config.json is wrong);
-//! - and skips non-parameter buffers (`.attn.bias`, `.attn.masked_bias`,
-//!   `rotary_emb.inv_freq`, `position_ids`) and the heads our models do not build, which
-//!   `transformers`' own `BertForMaskedLM` / `ViTForImageClassification` drop as well
-//!   (`bert.pooler.*`, `cls.seq_relationship.*`, `vit.pooler.*`).
-//!
-//! f16 / bf16 / f32 / f64 tensors are converted to the parameter's dtype (bit-exact when
-//! they already have it). Every mismatch — missing, unexpected or duplicated tensors, wrong
-//! shapes (both shown), non-float dtypes — is reported by name in one
-//! [`RuntimeError::Checkpoint`]. Files are read one at a time: the peak is the converted
-//! weights plus the largest file.
+//! Checkpoints: Tessera's own save/resume directory ([`save_checkpoint`],
+//! [`load_checkpoint`]); Hugging Face weight import is [`crate::hf_weights`].
 //!
 //! # Checkpoint directory (format_version 1)
 //! ```text
@@ -37,7 +15,7 @@
 //! `DIR` is laid out as a Hugging Face model directory (what `save_pretrained` writes, plus
 //! two files `transformers` ignores), so `AutoModelForCausalLM.from_pretrained(DIR)` (or
 //! `AutoModelForMaskedLM` / `AutoModelForImageClassification`) can load it, and so does
-//! [`load_hf_weights`].
+//! [`crate::hf_weights::load_hf_weights`].
 //!
 //! # Atomicity
 //! A save never modifies the previous checkpoint in place. [`save_checkpoint`]:
@@ -57,17 +35,17 @@
 //! (files added to it by hand are not kept), so a save refuses an existing `DIR` that is
 //! neither empty nor a checkpoint.
 
+pub use crate::hf_weights::load_hf_weights;
 use crate::schedule::LrSchedule;
-use crate::tensor::candle_dtype;
 use crate::{Result, RuntimeError};
 use candle_core::safetensors::Load;
 use candle_core::{Device, Tensor};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use tessera_ir::{Graph, StateKind, TensorId};
+use tessera_ir::StateKind;
 
 /// The checkpoint format this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -76,25 +54,6 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const MODEL_INDEX_FILE: &str = "model.safetensors.index.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const MANIFEST_FILE: &str = "manifest.json";
-
-/// Prefixes of the head models' base model (`GPT2LMHeadModel.transformer`, ...), absent from
-/// base-model checkpoints.
-const BASE_PREFIXES: &[&str] = &["transformer.", "model.", "bert.", "vit."];
-
-/// `(alias, parameter)`: names `transformers` may store for a tied parameter.
-const TIED_ALIASES: &[(&str, &str)] = &[
-    ("lm_head.weight", "transformer.wte.weight"),
-    ("lm_head.weight", "model.embed_tokens.weight"),
-    ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"),
-    ("cls.predictions.decoder.bias", "cls.predictions.bias"),
-];
-
-/// Suffixes of buffers that are not parameters (causal masks, RoPE tables, position ids).
-const BUFFER_SUFFIXES: &[&str] =
-    &[".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "position_ids"];
-
-/// Prefixes of heads our models do not build (transformers' MaskedLM / classifier drop them).
-const UNBUILT_HEADS: &[&str] = &["bert.pooler.", "pooler.", "cls.seq_relationship.", "vit.pooler."];
 
 /// What a training run needs besides the tensors to resume exactly.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -164,97 +123,6 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError
     move |source| RuntimeError::Io { path: path.display().to_string(), source }
 }
 
-// ---- Hugging Face weights ------------------------------------------------------------------
-
-/// The safetensors files of the weights at `path`, and the index file if sharded.
-fn weight_files(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
-    let is_index = |p: &Path| p.to_string_lossy().ends_with(".index.json");
-    if path.is_file() {
-        if is_index(path) {
-            return Ok((index_shards(path)?, Some(path.to_path_buf())));
-        }
-        return Ok((vec![path.to_path_buf()], None));
-    }
-    if !path.is_dir() {
-        return Err(err(format!(
-            "{}: no such file or directory; pass a directory holding {MODEL_FILE} (or \
-             {MODEL_INDEX_FILE} and its shards), or a .safetensors file",
-            path.display()
-        )));
-    }
-    let single = path.join(MODEL_FILE);
-    if single.is_file() {
-        return Ok((vec![single], None));
-    }
-    let index = path.join(MODEL_INDEX_FILE);
-    if index.is_file() {
-        return Ok((index_shards(&index)?, Some(index)));
-    }
-    let hint = if path.join("pytorch_model.bin").exists()
-        || path.join("pytorch_model.bin.index.json").exists()
-    {
-        " (it has PyTorch .bin weights only: convert them with transformers' \
-         `model.save_pretrained(dir, safe_serialization=True)`)"
-    } else {
-        ""
-    };
-    Err(err(format!(
-        "{}: no {MODEL_FILE} or {MODEL_INDEX_FILE} in this directory{hint}",
-        path.display()
-    )))
-}
-
-/// The distinct shard files an index's `weight_map` names, each of which must exist.
-fn index_shards(index: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index).map_err(io_err(index))?;
-    let value: Value = serde_json::from_str(&text).map_err(|e| {
-        err(format!("{}: malformed JSON ({e}); re-download the index", index.display()))
-    })?;
-    let Some(map) = value.get("weight_map").and_then(Value::as_object) else {
-        return Err(err(format!(
-            "{}: no \"weight_map\" object; a safetensors index maps tensor names to shard files",
-            index.display()
-        )));
-    };
-    if map.is_empty() {
-        return Err(err(format!(
-            "{}: the weight_map is empty; re-download the index",
-            index.display()
-        )));
-    }
-    let dir = index.parent().unwrap_or(Path::new("."));
-    let mut shards = BTreeSet::new();
-    for (name, file) in map {
-        let Some(file) = file.as_str() else {
-            return Err(err(format!(
-                "{}: weight_map[\"{name}\"] must be a file name, got {file}",
-                index.display()
-            )));
-        };
-        shards.insert(file.to_string());
-    }
-    let mut files = Vec::new();
-    let mut absent = Vec::new();
-    for s in shards {
-        let p = dir.join(&s);
-        if p.is_file() {
-            files.push(p);
-        } else {
-            absent.push(s);
-        }
-    }
-    if !absent.is_empty() {
-        return Err(err(format!(
-            "{}: shard(s) {} listed in the index are missing from {}; the download is \
-             incomplete",
-            index.display(),
-            absent.join(", "),
-            dir.display()
-        )));
-    }
-    Ok(files)
-}
-
 /// Reads and parses one safetensors file; corruption is reported with the file's name.
 pub(crate) fn read_safetensors(path: &Path) -> Result<Vec<u8>> {
     let bytes = std::fs::read(path).map_err(io_err(path))?;
@@ -266,232 +134,6 @@ pub(crate) fn read_safetensors(path: &Path) -> Result<Vec<u8>> {
         )));
     }
     Ok(bytes)
-}
-
-fn is_float(d: Dtype) -> bool {
-    matches!(d, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
-}
-
-/// What a checkpoint name refers to.
-enum Target {
-    Param(TensorId),
-    /// A redundant name of a tied parameter.
-    Alias(TensorId),
-    Skipped,
-    Unexpected,
-}
-
-fn resolve(name: &str, by_name: &HashMap<&str, TensorId>) -> Target {
-    let legacy = name
-        .strip_suffix(".gamma")
-        .map(|s| format!("{s}.weight"))
-        .or_else(|| name.strip_suffix(".beta").map(|s| format!("{s}.bias")));
-    for n in std::iter::once(name.to_string()).chain(legacy) {
-        if let Some(&p) = by_name.get(n.as_str()) {
-            return Target::Param(p);
-        }
-        for prefix in BASE_PREFIXES {
-            if let Some(&p) = by_name.get(format!("{prefix}{n}").as_str()) {
-                return Target::Param(p);
-            }
-        }
-    }
-    for (alias, param) in TIED_ALIASES {
-        if name == *alias {
-            if let Some(&p) = by_name.get(param) {
-                return Target::Alias(p);
-            }
-        }
-    }
-    if BUFFER_SUFFIXES.iter().any(|s| name.ends_with(s))
-        || UNBUILT_HEADS.iter().any(|h| name.starts_with(h))
-    {
-        return Target::Skipped;
-    }
-    Target::Unexpected
-}
-
-/// Everything wrong with a set of weights, reported at once.
-#[derive(Default)]
-struct Problems {
-    missing: Vec<String>,
-    unexpected: Vec<String>,
-    duplicate: Vec<String>,
-    shape: Vec<String>,
-    dtype: Vec<String>,
-    tied: Vec<String>,
-}
-
-impl Problems {
-    fn count(&self) -> usize {
-        [&self.missing, &self.unexpected, &self.duplicate, &self.shape, &self.dtype, &self.tied]
-            .iter()
-            .map(|v| v.len())
-            .sum()
-    }
-
-    fn into_error(self, path: &Path) -> RuntimeError {
-        let n = self.count();
-        let mut msg = format!(
-            "{}: the weights do not fit the model ({n} problem{}):",
-            path.display(),
-            if n == 1 { "" } else { "s" }
-        );
-        let sections = [
-            ("missing from the checkpoint", self.missing),
-            ("in the checkpoint but not in the model", self.unexpected),
-            ("given twice", self.duplicate),
-            ("wrong shape", self.shape),
-            ("unsupported dtype (f16, bf16, f32 or f64 only)", self.dtype),
-            ("tied in the model but different in the checkpoint", self.tied),
-        ];
-        for (title, mut items) in sections {
-            if items.is_empty() {
-                continue;
-            }
-            items.sort();
-            msg.push_str(&format!("\n  {title} ({}):", items.len()));
-            for i in items {
-                msg.push_str(&format!("\n    {i}"));
-            }
-        }
-        msg.push_str(
-            "\ndoes config.json match these weights? The model is built from the config: a \
-             different family, size, vocabulary or tie_word_embeddings gives these errors",
-        );
-        err(msg)
-    }
-}
-
-/// A safetensors view converted to `dtype` (bit-exact when it already is).
-fn to_tensor(
-    view: &safetensors::tensor::TensorView<'_>,
-    dtype: candle_core::DType,
-) -> Result<Tensor> {
-    let t = view.load(&Device::Cpu)?;
-    Ok(if t.dtype() == dtype { t } else { t.to_dtype(dtype)? })
-}
-
-/// Whether two tensors of one dtype hold the same elements.
-fn same_values(a: &Tensor, b: &Tensor) -> Result<bool> {
-    if a.dims() != b.dims() || a.dtype() != b.dtype() {
-        return Ok(false);
-    }
-    if a.elem_count() == 0 {
-        return Ok(true);
-    }
-    Ok(a.flatten_all()?.eq(&b.flatten_all()?)?.min(0)?.to_scalar::<u8>()? == 1)
-}
-
-/// Loads Hugging Face weights for `graph`'s parameters: `path` is a directory holding
-/// `model.safetensors` or `model.safetensors.index.json` + shards, an index file, or one
-/// `.safetensors` file. Returns one tensor per parameter, in `graph.parameters()` order, in
-/// the parameter's dtype. See the module docs for the names accepted.
-pub fn load_hf_weights(path: &Path, graph: &Graph) -> Result<Vec<(TensorId, Tensor)>> {
-    let (files, index) = weight_files(path)?;
-    // Errors name the file read (the index when sharded), not just the directory.
-    let source = index.unwrap_or_else(|| files[0].clone());
-    let params = graph.parameters();
-    let by_name: HashMap<&str, TensorId> =
-        params.iter().map(|&p| (graph.tensor_scope(p), p)).collect();
-    let mut problems = Problems::default();
-    // Which checkpoint name supplied each parameter (and each tied alias), and the converted
-    // values; conversions stop at the first problem (the load fails anyway), checks do not.
-    let mut supplied: HashMap<TensorId, String> = HashMap::new();
-    let mut values: HashMap<TensorId, Tensor> = HashMap::new();
-    let mut aliases: BTreeMap<String, (TensorId, Option<Tensor>)> = BTreeMap::new();
-    let sharded = files.len() > 1;
-    for file in &files {
-        let bytes = read_safetensors(file)?;
-        let st = SafeTensors::deserialize(&bytes).expect("validated by read_safetensors");
-        let mut tensors = st.tensors();
-        tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        let shard = file.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-        let at = |name: &str| {
-            if sharded {
-                format!("{name} (in {shard})")
-            } else {
-                name.to_string()
-            }
-        };
-        for (name, view) in tensors {
-            let (p, alias) = match resolve(&name, &by_name) {
-                Target::Skipped => continue,
-                Target::Unexpected => {
-                    problems.unexpected.push(format!("{} {:?}", at(&name), view.shape()));
-                    continue;
-                }
-                Target::Param(p) => (p, false),
-                Target::Alias(p) => (p, true),
-            };
-            let param = graph.tensor_scope(p);
-            let shown = if name == param { at(&name) } else { at(&format!("{name} (as {param})")) };
-            // Registered before the checks, so a tensor of the wrong shape or dtype is
-            // reported as such, not also as missing.
-            if alias {
-                aliases.insert(name.clone(), (p, None));
-            } else if let Some(first) = supplied.get(&p) {
-                problems.duplicate.push(format!("{param}: as {first} and as {name}"));
-                continue;
-            } else {
-                supplied.insert(p, name.clone());
-            }
-            if !is_float(view.dtype()) {
-                problems.dtype.push(format!("{shown}: {:?}", view.dtype()));
-                continue;
-            }
-            let want = graph.shape(p).dims();
-            if view.shape() != want {
-                problems
-                    .shape
-                    .push(format!("{shown}: checkpoint {:?}, model {want:?}", view.shape()));
-                continue;
-            }
-            if problems.count() > 0 {
-                continue;
-            }
-            let value = to_tensor(&view, candle_dtype(graph.meta(p).dtype))?;
-            if alias {
-                aliases.insert(name, (p, Some(value)));
-            } else {
-                values.insert(p, value);
-            }
-        }
-    }
-    for (name, (p, value)) in aliases {
-        let param = graph.tensor_scope(p);
-        match supplied.entry(p) {
-            std::collections::hash_map::Entry::Vacant(slot) => {
-                // Only the alias was stored: it is the parameter.
-                slot.insert(name);
-                if let Some(v) = value {
-                    values.insert(p, v);
-                }
-            }
-            std::collections::hash_map::Entry::Occupied(_) => {
-                if let (Some(kept), Some(v)) = (values.get(&p), value) {
-                    if !same_values(kept, &v)? {
-                        problems.tied.push(format!(
-                            "{name} differs from {param}; if the checkpoint's head is its own \
-                             matrix, set \"tie_word_embeddings\": false in config.json"
-                        ));
-                    }
-                }
-            }
-        }
-    }
-    for &p in &params {
-        if !supplied.contains_key(&p) {
-            problems.missing.push(format!("{} {:?}", graph.tensor_scope(p), graph.shape(p).dims()));
-        }
-    }
-    if problems.count() > 0 {
-        return Err(problems.into_error(&source));
-    }
-    Ok(params
-        .into_iter()
-        .map(|p| (p, values.remove(&p).expect("no problems: every parameter was converted")))
-        .collect())
 }
 
 // ---- checkpoint directories ----------------------------------------------------------------

@@ -394,7 +394,7 @@ impl Batch {
 }
 
 /// A uniform draw in `0..n` (n ≥ 1) that depends only on `(seed, step, row)`.
-fn counter_draw(seed: u64, step: u64, row: u64, n: usize) -> usize {
+pub(crate) fn counter_draw(seed: u64, step: u64, row: u64, n: usize) -> usize {
     let key = splitmix64(splitmix64(splitmix64(seed) ^ step) ^ row);
     // Lemire's multiply-high: bias below 2^-40 for any corpus that fits in memory.
     ((u128::from(key) * n as u128) >> 64) as usize

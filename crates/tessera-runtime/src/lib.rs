@@ -9,7 +9,9 @@
 //! - [`kernels`]: one module per op family, an exhaustive dispatch over `Op`;
 //! - [`executor`]: the Program interpreter;
 //! - [`memory`] / [`alloc`]: the accountant and a counting global allocator to check it;
-//! - [`init`], [`schedule`], [`data`], [`loss_scale`]: what a training run needs;
+//! - [`init`], [`schedule`], [`loss_scale`]: what a training run needs; [`batch`]: a step's
+//!   data by input name and the data sets that make it ([`data`] token streams, [`examples`]
+//!   JSONL fine-tuning examples, [`images`] labelled images);
 //! - [`trainer`]: the one trainer — a device of a mesh (a single device is a 1-device mesh)
 //!   running the plan's Program on its shards; [`collective`]: its shards and collectives
 //!   (through a `tessera_comm::Communicator`); [`run`]: the one training loop (steps, logs,
@@ -20,12 +22,16 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod batch;
 pub mod checkpoint;
 pub mod collective;
 pub mod data;
 pub mod dist_checkpoint;
 mod error;
+pub mod examples;
 pub mod executor;
+pub mod hf_weights;
+pub mod images;
 pub mod init;
 pub mod kernels;
 pub mod loss_scale;
@@ -36,9 +42,10 @@ pub mod tensor;
 pub mod trainer;
 
 pub use backend::{Backend, CpuBackend};
+pub use batch::{StepBatch, TrainData};
 pub use error::{Result, RuntimeError};
 pub use executor::Executor;
 pub use loss_scale::{LossScaleConfig, LossScaleState};
 pub use memory::MemoryAccountant;
 pub use schedule::LrSchedule;
-pub use trainer::{DeviceSetup, StartState, StepStats, Trainer};
+pub use trainer::{DeviceSetup, EvalStats, StartState, StepStats, Trainer};

@@ -8,11 +8,11 @@
 //! run on several devices the sharded one of [`save_sharded`] (each rank its own shards);
 //! [`crate::checkpoint::load_checkpoint`] reads both, so either resumes under any plan.
 
+use crate::batch::TrainData;
 use crate::checkpoint::{save_checkpoint, Manifest};
-use crate::data::{Dataset, Objective};
 use crate::dist_checkpoint::save_sharded;
 use crate::loss_scale::{LossScaleState, SCALER_KEY};
-use crate::trainer::{StepStats, Trainer};
+use crate::trainer::{EvalStats, StepStats, Trainer};
 use crate::{Backend, Result, RuntimeError};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -38,10 +38,9 @@ pub struct SaveSpec {
 
 /// What a run does, the same on every device.
 pub struct RunSpec<'a> {
-    pub dataset: &'a Dataset,
-    /// What the model learns from the data (next tokens, masked tokens).
-    pub objective: Objective,
-    /// Global batch (sequences per step) and sequence length.
+    /// Where the batches come from (token stream, fine-tuning examples, images).
+    pub data: &'a TrainData,
+    /// Global batch (rows per step) and sequence length (the model's: patches + 1 for ViT).
     pub batch: usize,
     pub seq: usize,
     /// The run seed (batch order).
@@ -80,8 +79,8 @@ pub struct RankOutcome {
     pub measured_comm: Vec<u64>,
     /// This rank's collective calls per kind in the last step.
     pub calls: BTreeMap<String, u64>,
-    /// Rank 0 only.
-    pub eval_loss: Option<f64>,
+    /// Rank 0 only: the held-out loss and top-1 accuracy.
+    pub eval: Option<EvalStats>,
     pub elapsed_s: f64,
     /// Rank 0, when its trainer recorded them: wall time per op kind `(kind, calls, seconds)`.
     pub op_times: Vec<(String, u64, f64)>,
@@ -102,11 +101,10 @@ pub fn run_device<B: Backend>(
     let start = Instant::now();
     for step in spec.first..=spec.last {
         observer.before_step(rank, step)?;
-        let (inputs, labels) =
-            spec.objective.train_batch(spec.dataset, spec.seed, step, spec.batch, spec.seq)?;
+        let batch = spec.data.train_batch(spec.seed, step, spec.batch, spec.seq)?;
         let before = trainer.comm_stats();
         let t0 = Instant::now();
-        let stats = trainer.step(&inputs, &labels)?;
+        let stats = trainer.step_batch(&batch)?;
         let dt = t0.elapsed().as_secs_f64();
         let after = trainer.comm_stats();
         last_bytes = after.total_bytes() - before.total_bytes();
@@ -137,14 +135,8 @@ pub fn run_device<B: Backend>(
     out.measured_comm = all.iter().skip(1).step_by(2).copied().collect();
 
     if spec.eval_batches > 0 {
-        let val = spec.objective.val_batches(
-            spec.dataset,
-            spec.seed,
-            spec.batch,
-            spec.seq,
-            spec.eval_batches,
-        )?;
-        out.eval_loss = trainer.eval(&val)?;
+        let val = spec.data.val_batches(spec.seed, spec.batch, spec.seq, spec.eval_batches)?;
+        out.eval = trainer.eval(&val)?;
     }
     Ok(out)
 }
@@ -155,7 +147,9 @@ fn log_step(spec: &RunSpec<'_>, stats: &StepStats, dt: f64, scaled: bool) -> Res
     // A skipped step's norm is inf or NaN, which JSON cannot hold: it is written null.
     let grad_norm = stats.grad_norm.is_finite().then_some(stats.grad_norm);
     let mut line = json!({"step": stats.step, "loss": stats.loss, "grad_norm": grad_norm,
-                          "lr": stats.lr, "tokens_per_s": tps, "peak_bytes": stats.peak_bytes});
+                          "lr": stats.lr, "tokens_per_s": tps,
+                          "samples_per_s": spec.batch as f64 / dt,
+                          "peak_bytes": stats.peak_bytes});
     if scaled {
         line["loss_scale"] = json!(stats.loss_scale);
         line["skipped"] = json!(stats.skipped);

@@ -19,6 +19,7 @@
 //! ZeRO-1/2 parameters are updated on shards and gathered back: the gathered tensor becomes
 //! the parameter ([`crate::Executor::write_back`]). fp16 loss scaling: [`crate::loss_scale`].
 
+use crate::batch::StepBatch;
 use crate::collective::{shard, CommRunner, DeviceMesh, Placement, ReshardRunner};
 use crate::init::{init_shard, InitRule};
 use crate::loss_scale::{check_scale_config, LossScaleConfig, LossScaleState, LossScaler};
@@ -53,50 +54,59 @@ pub fn step_seed(seed: u64, step: u64) -> i64 {
 }
 
 /// A micro-batch's data leaves.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct MicroLeaves {
-    ids: TensorId,
-    labels: TensorId,
-    token_types: Option<TensorId>,
+    /// The data inputs a [`StepBatch`] fills, by name (`input_ids`, `labels`,
+    /// `pixel_values`, `token_type_ids`, ...): every micro-batch input but the two below.
+    data: Vec<(String, TensorId)>,
     seed: Option<TensorId>,
     /// The count of the step's targets that are not ignored (a mean-over-targets loss).
     num_targets: Option<TensorId>,
 }
 
 impl MicroLeaves {
-    /// Micro-batch `k`'s leaves: from the plan's layout, or on a single-device graph the
-    /// model's inputs by name (`input_ids`, `labels`, `token_type_ids`, `seed`).
-    fn find(g: &Graph, layout: &LeafLayout, k: usize) -> Result<MicroLeaves> {
-        let find = |base: &str| match layout.micro_batches.get(k) {
-            Some(group) => group.get(base).copied(),
-            None if k == 0 && layout.micro_batches.is_empty() => g.find_leaf(base),
-            None => None,
+    /// Micro-batch `k`'s leaves: from the plan's layout, or on a single-device graph its
+    /// inputs but `scalars` (the learning rate, AdamW step and loss scale) by name.
+    fn find(g: &Graph, layout: &LeafLayout, k: usize, scalars: &[TensorId]) -> Result<MicroLeaves> {
+        let group: Vec<(String, TensorId)> = match layout.micro_batches.get(k) {
+            Some(group) => group.iter().map(|(n, &t)| (n.clone(), t)).collect(),
+            None if k == 0 && layout.micro_batches.is_empty() => g
+                .inputs()
+                .into_iter()
+                .filter(|t| !scalars.contains(t))
+                .map(|t| (g.tensor_scope(t).to_string(), t))
+                .collect(),
+            None => return Err(binding(format!("the program has no inputs for micro-batch {k}"))),
         };
-        let ids = find("input_ids").ok_or_else(|| {
-            binding(format!(
-                "the program has no `input_ids` input for micro-batch {k}: `train` supports \
-                 token models"
-            ))
-        })?;
-        let labels = find("labels").ok_or_else(|| {
-            binding(format!("the program has no `labels` input for micro-batch {k}"))
-        })?;
-        // Local shapes may differ (a plan may split the labels and not the ids).
-        if g.shape(ids).rank() != 2 || g.shape(labels).rank() != 2 {
+        let mut leaves = MicroLeaves { data: Vec::new(), seed: None, num_targets: None };
+        for (name, t) in group {
+            match name.as_str() {
+                "seed" => leaves.seed = Some(t),
+                "num_targets" => leaves.num_targets = Some(t),
+                _ => leaves.data.push((name, t)),
+            }
+        }
+        if !leaves.data.iter().any(|(n, _)| n == "labels") {
             return Err(binding(format!(
-                "`train` needs inputs `input_ids` and `labels` of shape [batch, seq], got {} and {}",
-                g.meta(ids),
-                g.meta(labels)
+                "the program has no `labels` input for micro-batch {k}: `train` needs a model \
+                 with a loss over labels"
             )));
         }
-        Ok(MicroLeaves {
-            ids,
-            labels,
-            token_types: find("token_type_ids"),
-            seed: find("seed"),
-            num_targets: find("num_targets"),
-        })
+        Ok(leaves)
     }
+
+    fn get(&self, name: &str) -> Option<TensorId> {
+        self.data.iter().find(|(n, _)| n == name).map(|(_, t)| *t)
+    }
+}
+
+/// What [`Trainer::eval`] reports: the mean loss over the held-out batches and the top-1
+/// accuracy over their labels that count (class for classifiers, next or masked token for
+/// language models).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvalStats {
+    pub loss: f64,
+    pub accuracy: f64,
 }
 
 /// Which device this is and what it may hold (the plan's leaf placements and micro-batches
@@ -124,12 +134,52 @@ pub enum StartState<'a> {
     Fresh { rules: &'a HashMap<String, InitRule> },
     /// Global tensors to slice: parameters by HF name and optionally optimizer state by
     /// `<param>.adam_m` / `.adam_v` / `.master` (absent: zeros, and masters from the
-    /// parameters); `steps_done` steps are done.
-    Global {
-        params: &'a HashMap<String, Tensor>,
-        optimizer: Option<&'a HashMap<String, Tensor>>,
-        steps_done: u64,
-    },
+    /// parameters); `steps_done` steps are done. Each device reads only its shards from the
+    /// sources ([`ShardSource`]: tensors in memory, or a mapped Hugging Face checkpoint).
+    Global { params: &'a dyn ShardSource, optimizer: Option<&'a dyn ShardSource>, steps_done: u64 },
+}
+
+/// Global tensors by name that a device takes its shards from.
+pub trait ShardSource: Sync {
+    /// This device's shard of tensor `name` under `placement` as `dtype`; `None` when the
+    /// source has no tensor of that name.
+    fn shard_of(
+        &self,
+        name: &str,
+        placement: &Placement,
+        mesh: &DeviceMesh,
+        dtype: candle_core::DType,
+    ) -> Result<Option<Tensor>>;
+}
+
+/// Whole tensors in memory: each device slices its shard out of them.
+impl ShardSource for HashMap<String, Tensor> {
+    fn shard_of(
+        &self,
+        name: &str,
+        placement: &Placement,
+        mesh: &DeviceMesh,
+        dtype: candle_core::DType,
+    ) -> Result<Option<Tensor>> {
+        let Some(global) = self.get(name) else { return Ok(None) };
+        Ok(Some(shard(mesh, global, placement, name)?.to_dtype(dtype)?))
+    }
+}
+
+/// A mapped Hugging Face checkpoint: each device reads only its shard's elements.
+impl ShardSource for crate::hf_weights::HfWeights {
+    fn shard_of(
+        &self,
+        name: &str,
+        placement: &Placement,
+        mesh: &DeviceMesh,
+        dtype: candle_core::DType,
+    ) -> Result<Option<Tensor>> {
+        if !self.contains(name) {
+            return Ok(None);
+        }
+        Ok(Some(self.shard(name, placement, mesh, dtype)?))
+    }
 }
 
 pub struct Trainer<B: Backend> {
@@ -137,7 +187,7 @@ pub struct Trainer<B: Backend> {
     exec: Executor<B>,
     mesh: DeviceMesh,
     micro: Vec<MicroLeaves>,
-    /// Global batch and sequence length of a step.
+    /// Global batch (rows) of a step, and the token models' sequence length (1 otherwise).
     batch: usize,
     seq: usize,
     schedule: LrSchedule,
@@ -146,8 +196,9 @@ pub struct Trainer<B: Backend> {
     step: u64,
     /// fp16 graphs only.
     scaler: Option<LossScaler>,
-    /// The forward-only graph `eval` runs (on rank 0, on gathered parameters).
-    eval: Option<(Graph, TensorId)>,
+    /// The forward-only graph `eval` runs (on rank 0, on gathered parameters): graph, loss,
+    /// logits.
+    eval: Option<(Graph, TensorId, TensorId)>,
 }
 
 fn binding(msg: String) -> RuntimeError {
@@ -170,14 +221,26 @@ impl<B: Backend> Trainer<B> {
         let g = &train.graph;
         let layout = &train.layout;
         let mb = layout.micro_batches.len().max(1);
-        let micro = (0..mb).map(|k| MicroLeaves::find(g, layout, k)).collect::<Result<Vec<_>>>()?;
-        let mut global = g.shape(micro[0].ids).dims().to_vec();
-        if let Some(placement) = layout.placements.get(&micro[0].ids) {
-            for (d, axes) in placement.iter().enumerate() {
-                global[d] *= setup.mesh.chunk(axes)?.0;
+        let scalars: Vec<TensorId> =
+            [train.lr, train.step].into_iter().chain(train.loss_scale).collect();
+        let micro = (0..mb)
+            .map(|k| MicroLeaves::find(g, layout, k, &scalars))
+            .collect::<Result<Vec<_>>>()?;
+        let global = |t: TensorId| -> Result<Vec<usize>> {
+            let mut dims = g.shape(t).dims().to_vec();
+            if let Some(placement) = layout.placements.get(&t) {
+                for (d, axes) in placement.iter().enumerate() {
+                    dims[d] *= setup.mesh.chunk(axes)?.0;
+                }
             }
-        }
-        let (batch, seq) = (global[0] * mb, global[1]);
+            Ok(dims)
+        };
+        let labels = micro[0].get("labels").expect("found above");
+        let batch = global(labels)?.first().copied().unwrap_or(1) * mb;
+        let seq = match micro[0].get("input_ids") {
+            Some(ids) => global(ids)?.get(1).copied().unwrap_or(1),
+            None => 1,
+        };
 
         let program = Program::lower_training(&train);
         let mut exec = Executor::new(program, backend, setup.budget);
@@ -264,6 +327,30 @@ impl<B: Backend> Trainer<B> {
         Ok(local)
     }
 
+    /// This device's shard of `name` from `source` for leaf `t` (its placement and dtype),
+    /// checked against the leaf's local shape.
+    fn source_shard(
+        &self,
+        source: &dyn ShardSource,
+        name: &str,
+        t: TensorId,
+    ) -> Result<Option<Tensor>> {
+        let g = &self.train.graph;
+        let placement = self.placement(t);
+        let dtype = candle_dtype(g.meta(t).dtype);
+        let Some(local) = source.shard_of(name, &placement, &self.mesh, dtype)? else {
+            return Ok(None);
+        };
+        if local.dims() != g.shape(t).dims() {
+            return Err(binding(format!(
+                "{name}: the source gives a {:?} shard under {placement:?}, the program holds {}",
+                local.dims(),
+                g.meta(t)
+            )));
+        }
+        Ok(Some(local))
+    }
+
     /// The global shape of leaf `t` (its local shape times the chunks of its placement).
     fn global_dims(&self, t: TensorId) -> Result<Vec<usize>> {
         let mut dims = self.train.graph.shape(t).dims().to_vec();
@@ -307,25 +394,27 @@ impl<B: Backend> Trainer<B> {
                     }
                 }
                 StartState::Global { params, optimizer, .. } => {
-                    let global = params.get(&name).ok_or_else(|| {
-                        binding(format!("no value for parameter `{name}` (checkpoint or init)"))
-                    })?;
-                    let value = self.local(slot.param, &name, global)?;
+                    let value =
+                        self.source_shard(*params, &name, slot.param)?.ok_or_else(|| {
+                            binding(format!("no value for parameter `{name}` (checkpoint or init)"))
+                        })?;
                     self.exec.bind(slot.param, value)?;
                     for (t, kind) in states {
                         let Some(t) = t else { continue };
                         let key = state_key(&name, kind);
-                        let value = match (optimizer.and_then(|o| o.get(&key)), optimizer) {
-                            (Some(v), _) => self.local(t, &key, v)?,
-                            (None, None) if kind == StateKind::Master => {
-                                self.local(t, &key, &global.to_dtype(candle_core::DType::F32)?)?
-                            }
-                            (None, None) => zeros(self.train.graph.shape(t).dims())?,
-                            (None, Some(_)) => {
-                                return Err(RuntimeError::Checkpoint(format!(
+                        let value = match optimizer {
+                            Some(o) => self.source_shard(*o, &key, t)?.ok_or_else(|| {
+                                RuntimeError::Checkpoint(format!(
                                     "the checkpoint has no optimizer state `{key}`"
-                                )))
+                                ))
+                            })?,
+                            // The master is the parameter in fp32, on the optimizer's shard.
+                            None if kind == StateKind::Master => {
+                                self.source_shard(*params, &name, t)?.ok_or_else(|| {
+                                    binding(format!("no value for parameter `{name}`"))
+                                })?
                             }
+                            None => zeros(self.train.graph.shape(t).dims())?,
                         };
                         self.exec.bind(t, value)?;
                     }
@@ -379,10 +468,15 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Adds the forward-only evaluation graph [`Trainer::eval`] runs: the single-device model
-    /// (same parameter names) with a scalar `loss`, built without dropout.
-    pub fn with_eval(mut self, graph: Graph, loss: TensorId) -> Result<Trainer<B>> {
-        MicroLeaves::find(&graph, &LeafLayout::default(), 0)?;
-        self.eval = Some((graph, loss));
+    /// (same parameter names) with a scalar `loss` and its `logits`, built without dropout.
+    pub fn with_eval(
+        mut self,
+        graph: Graph,
+        loss: TensorId,
+        logits: TensorId,
+    ) -> Result<Trainer<B>> {
+        MicroLeaves::find(&graph, &LeafLayout::default(), 0, &[])?;
+        self.eval = Some((graph, loss, logits));
         Ok(self)
     }
 
@@ -398,7 +492,7 @@ impl<B: Backend> Trainer<B> {
     pub fn steps_done(&self) -> u64 {
         self.step
     }
-    /// Global `(batch, seq)` of a step.
+    /// Global `(batch, seq)` of a step (`seq` 1 for models without token inputs).
     pub fn batch_shape(&self) -> (usize, usize) {
         (self.batch, self.seq)
     }
@@ -419,40 +513,40 @@ impl<B: Backend> Trainer<B> {
         self.exec.get(self.train.graph.find_leaf(name)?)
     }
 
-    /// Runs one step on the *global* `[batch, seq]` batch (every rank passes the same one).
+    /// Runs one step of a token model on the *global* `[batch, seq]` inputs and labels (every
+    /// rank passes the same ones): [`Trainer::step_batch`] on [`StepBatch::tokens`].
     pub fn step(&mut self, inputs: &[i64], targets: &[i64]) -> Result<StepStats> {
-        let n = self.batch * self.seq;
-        if inputs.len() != n || targets.len() != n {
+        let batch = StepBatch::tokens(inputs.to_vec(), targets.to_vec(), self.batch, self.seq)?;
+        self.step_batch(&batch)
+    }
+
+    /// Runs one step on the *global* batch (every rank passes the same one): each micro-batch's
+    /// rows of every field, this device's shard of them.
+    pub fn step_batch(&mut self, batch: &StepBatch) -> Result<StepStats> {
+        if batch.rows() != self.batch {
             return Err(RuntimeError::Data(format!(
-                "batch has {} inputs and {} targets; the program expects {} × {} = {n}",
-                inputs.len(),
-                targets.len(),
-                self.batch,
-                self.seq
+                "the batch has {} rows; the program takes {} per step",
+                batch.rows(),
+                self.batch
             )));
         }
         let step = self.step + 1;
         let lr = self.schedule.lr_at(step);
         let rows = self.batch / self.micro.len();
-        let per = rows * self.seq;
         let device = candle_core::Device::Cpu;
+        // Over the whole step, so every micro-batch and shard divides alike.
+        let num_targets = batch.num_targets()?;
         for (k, leaves) in self.micro.clone().iter().enumerate() {
-            let part = |v: &[i64]| from_vec(v[k * per..(k + 1) * per].to_vec(), &[rows, self.seq]);
-            let ids = self.local(leaves.ids, "input_ids", &part(inputs)?)?;
-            self.exec.bind(leaves.ids, ids)?;
-            let labels = self.local(leaves.labels, "labels", &part(targets)?)?;
-            self.exec.bind(leaves.labels, labels)?;
-            if let Some(tt) = leaves.token_types {
-                let zeros = from_vec(vec![0i64; per], &[rows, self.seq])?;
-                let local = self.local(tt, "token_type_ids", &zeros)?;
-                self.exec.bind(tt, local)?;
+            for (name, t) in &leaves.data {
+                let part = field(batch, name)?.narrow(0, k * rows, rows)?;
+                let local = self.local(*t, name, &part)?;
+                self.exec.bind(*t, local)?;
             }
             if let Some(s) = leaves.seed {
                 self.exec.bind(s, Tensor::new(step_seed(self.seed, step), &device)?)?;
             }
             if let Some(n) = leaves.num_targets {
-                // Over the whole step, so every micro-batch and shard divides alike.
-                self.exec.bind(n, Tensor::new(num_targets(targets), &device)?)?;
+                self.exec.bind(n, Tensor::new(num_targets, &device)?)?;
             }
         }
         self.exec.bind(self.train.lr, Tensor::new(lr as f32, &device)?)?;
@@ -495,21 +589,21 @@ impl<B: Backend> Trainer<B> {
         Ok(v.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?)
     }
 
-    /// Mean loss of the eval graph ([`Trainer::with_eval`]) over `[batch, seq]` batches of
-    /// the eval graph's shape, on parameters gathered to rank 0: `Some` there, `None` on the
-    /// other ranks (every rank must call it). A seed input, if any, gets a fixed value per
+    /// Loss and top-1 accuracy of the eval graph ([`Trainer::with_eval`]) over batches of the
+    /// eval graph's shape, on parameters gathered to rank 0: `Some` there, `None` on the other
+    /// ranks (every rank must call it). The loss is the mean of the batches' losses; the
+    /// accuracy is over every label that counts. A seed input, if any, gets a fixed value per
     /// batch so evaluation stays deterministic.
-    pub fn eval(&mut self, batches: &[(Vec<i64>, Vec<i64>)]) -> Result<Option<f64>> {
-        let Some((graph, loss)) = self.eval.clone() else {
+    pub fn eval(&mut self, batches: &[StepBatch]) -> Result<Option<EvalStats>> {
+        let Some((graph, loss, logits)) = self.eval.clone() else {
             return Err(binding("no eval graph was given (with_eval)".into()));
         };
         if batches.is_empty() {
             return Err(RuntimeError::Data("no held-out batches to evaluate".into()));
         }
         let Some(params) = gather_params_to(self, 0)? else { return Ok(None) };
-        let leaves = MicroLeaves::find(&graph, &LeafLayout::default(), 0)?;
-        let dims = graph.shape(leaves.ids).dims().to_vec();
-        let program = Program::lower_graph(graph.clone(), vec![loss], &[]);
+        let leaves = MicroLeaves::find(&graph, &LeafLayout::default(), 0, &[])?;
+        let program = Program::lower_graph(graph.clone(), vec![loss, logits], &[]);
         let mut exec = Executor::new(program, crate::CpuBackend::new(0), None);
         for p in graph.parameters() {
             let name = graph.tensor_scope(p);
@@ -518,33 +612,36 @@ impl<B: Backend> Trainer<B> {
                 .ok_or_else(|| binding(format!("eval graph parameter {name} is not trained")))?;
             exec.bind(p, v.clone())?;
         }
-        let mut total = 0.0;
-        for (i, (x, y)) in batches.iter().enumerate() {
-            let n = dims.iter().product::<usize>();
-            if x.len() != n || y.len() != n {
-                return Err(RuntimeError::Data(format!(
-                    "eval batch has {} inputs and {} targets; the eval graph expects {dims:?}",
-                    x.len(),
-                    y.len()
-                )));
-            }
-            exec.bind(leaves.ids, from_vec(x.clone(), &dims)?)?;
-            exec.bind(leaves.labels, from_vec(y.clone(), &dims)?)?;
-            if let Some(tt) = leaves.token_types {
-                exec.bind(tt, from_vec(vec![0i64; n], &dims)?)?;
+        let device = candle_core::Device::Cpu;
+        let (mut total, mut hits, mut counted) = (0.0, 0usize, 0usize);
+        for (i, batch) in batches.iter().enumerate() {
+            for (name, t) in &leaves.data {
+                let value = field(batch, name)?;
+                let want = graph.meta(*t);
+                if value.dims() != want.shape.dims() {
+                    return Err(RuntimeError::Data(format!(
+                        "eval batch field `{name}` is {:?}; the eval graph takes {want}",
+                        value.dims()
+                    )));
+                }
+                exec.bind(*t, value.to_dtype(candle_dtype(want.dtype))?)?;
             }
             if let Some(s) = leaves.seed {
-                let seed = step_seed(self.seed, u64::MAX - i as u64);
-                exec.bind(s, Tensor::new(seed, &candle_core::Device::Cpu)?)?;
+                exec.bind(s, Tensor::new(step_seed(self.seed, u64::MAX - i as u64), &device)?)?;
             }
             if let Some(t) = leaves.num_targets {
-                exec.bind(t, Tensor::new(num_targets(y), &candle_core::Device::Cpu)?)?;
+                exec.bind(t, Tensor::new(batch.num_targets()?, &device)?)?;
             }
             exec.run()?;
             let v = exec.get(loss).ok_or_else(|| binding("eval loss not kept".into()))?;
             total += v.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            let z = exec.get(logits).ok_or_else(|| binding("eval logits not kept".into()))?;
+            let (h, c) = top1_hits(z, &batch.labels()?)?;
+            hits += h;
+            counted += c;
         }
-        Ok(Some(total / batches.len() as f64))
+        let accuracy = hits as f64 / counted.max(1) as f64;
+        Ok(Some(EvalStats { loss: total / batches.len() as f64, accuracy }))
     }
 
     /// This device's parameters by Hugging Face name, in graph order (live handles: copy
@@ -602,10 +699,45 @@ impl<B: Backend> Trainer<B> {
     }
 }
 
-/// How many of a batch's targets count: labels below 0 (HF's −100) are ignored. At least 1,
-/// so a batch without targets has loss 0.
-fn num_targets(targets: &[i64]) -> f32 {
-    targets.iter().filter(|&&t| t >= 0).count().max(1) as f32
+/// Batch field `name`; BERT's `token_type_ids` default to zeros (one segment).
+fn field(batch: &StepBatch, name: &str) -> Result<Tensor> {
+    match (batch.get(name), batch.get("input_ids")) {
+        (Some(v), _) => Ok(v.clone()),
+        (None, Some(ids)) if name == "token_type_ids" => Ok(ids.zeros_like()?),
+        (None, _) => Err(RuntimeError::Data(format!(
+            "the model takes input `{name}`, the batch has {:?}: the data does not fit this \
+             model (images for ViT, tokens for language models)",
+            batch.names()
+        ))),
+    }
+}
+
+/// `(correct, counted)`: how many of `labels` (≥ 0; the others are ignored) are the argmax of
+/// their row of `logits` (`[.., classes]`, one row per label).
+pub fn top1_hits(logits: &Tensor, labels: &[i64]) -> Result<(usize, usize)> {
+    let classes = logits.dims().last().copied().unwrap_or(1);
+    let rows = logits.elem_count() / classes.max(1);
+    if rows != labels.len() {
+        return Err(binding(format!(
+            "{} labels for logits {:?}: one label per row of classes",
+            labels.len(),
+            logits.dims()
+        )));
+    }
+    let z = logits.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let (mut hits, mut counted) = (0, 0);
+    for (row, &label) in z.chunks(classes).zip(labels) {
+        if label < 0 {
+            continue;
+        }
+        counted += 1;
+        let best =
+            row.iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
+        hits += usize::from(best.0 as i64 == label);
+    }
+    Ok((hits, counted))
 }
 
 /// Every *parameter* (no optimizer state) as a global tensor on `root` only; `None` on the

@@ -646,3 +646,73 @@ fn saving_over_a_directory_that_is_not_a_checkpoint_is_refused() {
     assert!(ck.optimizer.is_empty());
     assert_same_tensors(&ck.params, &params, "params");
 }
+
+/// A device reads its shard of a mapped checkpoint: equal, bit for bit, to slicing the whole
+/// tensor, for every parameter under row, column and 2-axis splits and in another dtype; a
+/// tied alias that differs is caught on the slice read.
+#[test]
+fn shards_read_from_the_file_equal_slices_of_the_whole_tensors() {
+    use tessera_runtime::collective::{shard, DeviceMesh};
+    use tessera_runtime::hf_weights::HfWeights;
+    let dir = scratch("hf-shards");
+    let graph = graph_of(&llama_tied(), DType::F32);
+    let params = random_params(&graph, 11);
+    let embed = params.iter().find(|(n, _)| n == "model.embed_tokens.weight").unwrap().1.clone();
+    let mut stored = params.clone();
+    stored.push(("lm_head.weight".into(), embed.clone()));
+    write_st(&dir.join("model.safetensors"), &stored);
+    let weights = HfWeights::open(&dir, &graph).unwrap();
+    let whole: HashMap<String, Tensor> = params.into_iter().collect();
+    let mut checked = 0;
+    for (name, global) in &whole {
+        let rank = global.dims().len();
+        let mut placements = vec![vec![Vec::new(); rank]];
+        placements.push((0..rank).map(|d| if d == 0 { vec![0] } else { vec![] }).collect());
+        placements.push((0..rank).map(|d| if d + 1 == rank { vec![1] } else { vec![] }).collect());
+        if rank == 2 {
+            placements.push(vec![vec![1], vec![0]]);
+        }
+        for placement in &placements {
+            for r in 0..4 {
+                let mesh = DeviceMesh::new(&[2, 2], r).unwrap();
+                let want = shard(&mesh, global, placement, name).unwrap();
+                let got = weights.shard(name, placement, &mesh, CDType::F32).unwrap();
+                assert_eq!(got.dims(), want.dims(), "{name} {placement:?} rank {r}");
+                let (g, w) = (got.flatten_all().unwrap(), want.flatten_all().unwrap());
+                assert_eq!(g.to_vec1::<f32>().unwrap(), w.to_vec1::<f32>().unwrap(), "{name}");
+                let half = weights.shard(name, placement, &mesh, CDType::BF16).unwrap();
+                assert_eq!(
+                    half.to_dtype(CDType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap(),
+                    w.to_dtype(CDType::BF16)
+                        .unwrap()
+                        .to_dtype(CDType::F32)
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 50, "{checked}");
+
+    // Untied values: the rank whose slice differs reports it.
+    let mut stored = whole.clone().into_iter().collect::<Vec<_>>();
+    let mut head = embed.to_vec2::<f32>().unwrap();
+    head[63][31] += 1.0;
+    stored.push(("lm_head.weight".into(), Tensor::new(head, &Device::Cpu).unwrap()));
+    write_st(&dir.join("model.safetensors"), &stored);
+    let weights = HfWeights::open(&dir, &graph).unwrap();
+    let rows = vec![vec![0], vec![]];
+    let first = DeviceMesh::new(&[2, 2], 0).unwrap();
+    let last = DeviceMesh::new(&[2, 2], 3).unwrap();
+    let name = "model.embed_tokens.weight";
+    assert!(weights.shard(name, &rows, &first, CDType::F32).is_ok(), "rows 0..32 agree");
+    let msg = weights.shard(name, &rows, &last, CDType::F32).unwrap_err().to_string();
+    assert!(msg.contains("lm_head.weight differs from model.embed_tokens.weight"), "{msg}");
+}

@@ -1,0 +1,165 @@
+//! What a training step eats: [`StepBatch`], the model's data inputs by name as global
+//! tensors, and [`TrainData`], the data sets that make them — a token stream (causal or
+//! masked LM), fine-tuning examples (one padded row each, prompt tokens ignored) or labelled
+//! images. The trainer splits a batch into micro-batches along its first dimension and each
+//! device binds its shard of each ([`crate::Trainer::step_batch`]), whatever the model family.
+
+use crate::data::{unigram_entropy_nats, Dataset, Objective};
+use crate::examples::ExampleSet;
+use crate::images::ImageSet;
+use crate::tensor::from_vec;
+use crate::{Result, RuntimeError};
+use candle_core::Tensor;
+
+/// One step's global data: the model's inputs by name (`input_ids`, `pixel_values`,
+/// `labels`, ...), each with the batch as its first dimension.
+#[derive(Clone, Debug)]
+pub struct StepBatch {
+    fields: Vec<(String, Tensor)>,
+}
+
+impl StepBatch {
+    /// A batch of named tensors that agree on their first dimension (≥ 1 row).
+    pub fn new(fields: Vec<(String, Tensor)>) -> Result<StepBatch> {
+        let rows = fields.first().map(|(_, t)| t.dims().first().copied().unwrap_or(0));
+        for (name, t) in &fields {
+            if t.dims().first().copied() != rows || rows == Some(0) {
+                return Err(RuntimeError::Data(format!(
+                    "batch field `{name}` is {:?}; every field needs the same number of rows \
+                     (≥ 1) as its first dimension ({rows:?})",
+                    t.dims()
+                )));
+            }
+        }
+        Ok(StepBatch { fields })
+    }
+
+    /// Token rows: `input_ids` and `labels`, both `[batch, seq]` row-major.
+    pub fn tokens(inputs: Vec<i64>, labels: Vec<i64>, batch: usize, seq: usize) -> Result<Self> {
+        if inputs.len() != batch * seq || labels.len() != batch * seq {
+            return Err(RuntimeError::Data(format!(
+                "batch has {} inputs and {} labels; [{batch}, {seq}] needs {}",
+                inputs.len(),
+                labels.len(),
+                batch * seq
+            )));
+        }
+        StepBatch::new(vec![
+            ("input_ids".into(), from_vec(inputs, &[batch, seq])?),
+            ("labels".into(), from_vec(labels, &[batch, seq])?),
+        ])
+    }
+
+    /// Images `pixel_values [batch, c, h, w]` and their class `labels [batch]`.
+    pub fn images(pixels: Vec<f32>, dims: [usize; 4], labels: Vec<i64>) -> Result<StepBatch> {
+        StepBatch::new(vec![
+            ("pixel_values".into(), from_vec(pixels, &dims)?),
+            ("labels".into(), from_vec(labels, &[dims[0]])?),
+        ])
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.fields.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+
+    /// The field names, in order.
+    pub fn names(&self) -> Vec<&str> {
+        self.fields.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// Rows (the first dimension every field shares).
+    pub fn rows(&self) -> usize {
+        self.fields.first().map_or(0, |(_, t)| t.dims()[0])
+    }
+
+    /// The labels, flattened (empty without a `labels` field).
+    pub fn labels(&self) -> Result<Vec<i64>> {
+        match self.get("labels") {
+            Some(t) => Ok(t.flatten_all()?.to_dtype(candle_core::DType::I64)?.to_vec1::<i64>()?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// How many labels count: those below 0 (HF's −100) are ignored. At least 1, so a batch
+    /// without targets has loss 0 rather than 0/0.
+    pub fn num_targets(&self) -> Result<f32> {
+        Ok(self.labels()?.iter().filter(|&&t| t >= 0).count().max(1) as f32)
+    }
+}
+
+/// Where a run's batches come from.
+#[derive(Clone, Debug)]
+pub enum TrainData {
+    /// A token stream, cut into random windows: the next token (causal LMs) or masked
+    /// positions (BERT).
+    Stream { data: Dataset, objective: Objective },
+    /// Fine-tuning examples (JSONL), one padded row each; the loss counts the completion.
+    Examples(ExampleSet),
+    /// Labelled images for classification (ViT).
+    Images(ImageSet),
+}
+
+impl TrainData {
+    /// The global batch of training step `step` (the same on every device of every plan).
+    pub fn train_batch(&self, seed: u64, step: u64, batch: usize, seq: usize) -> Result<StepBatch> {
+        match self {
+            TrainData::Stream { data, objective } => {
+                let (x, y) = objective.train_batch(data, seed, step, batch, seq)?;
+                StepBatch::tokens(x, y, batch, seq)
+            }
+            TrainData::Examples(e) => e.train_batch(seed, step, batch, seq),
+            TrainData::Images(i) => i.train_batch(seed, step, batch),
+        }
+    }
+
+    /// Up to `max_batches` held-out batches, the same on every call.
+    pub fn val_batches(
+        &self,
+        seed: u64,
+        batch: usize,
+        seq: usize,
+        max_batches: usize,
+    ) -> Result<Vec<StepBatch>> {
+        match self {
+            TrainData::Stream { data, objective } => objective
+                .val_batches(data, seed, batch, seq, max_batches)?
+                .into_iter()
+                .map(|(x, y)| StepBatch::tokens(x, y, batch, seq))
+                .collect(),
+            TrainData::Examples(e) => e.val_batches(batch, seq, max_batches),
+            TrainData::Images(i) => i.val_batches(batch, max_batches),
+        }
+    }
+
+    /// The loss of the best context-free guess, in nats, and what it is: the entropy of the
+    /// train split's tokens (or, for examples, of their counted targets), or of its classes.
+    /// A model that learnt anything ends below it.
+    pub fn baseline(&self) -> (&'static str, f64) {
+        match self {
+            TrainData::Stream { data, .. } => {
+                ("unigram entropy", unigram_entropy_nats(&data.train, data.vocab_size))
+            }
+            TrainData::Examples(e) => {
+                let targets: Vec<u32> = e
+                    .train
+                    .iter()
+                    .flat_map(|x| x.tokens.iter().skip(x.first_target).copied())
+                    .collect();
+                ("unigram entropy of the targets", unigram_entropy_nats(&targets, 0))
+            }
+            TrainData::Images(i) => {
+                let labels: Vec<u32> = i.train_labels.iter().map(|&l| l as u32).collect();
+                ("class entropy", unigram_entropy_nats(&labels, i.num_classes))
+            }
+        }
+    }
+
+    /// Where the data came from, for messages.
+    pub fn source(&self) -> &str {
+        match self {
+            TrainData::Stream { data, .. } => &data.source,
+            TrainData::Examples(e) => &e.source,
+            TrainData::Images(i) => &i.source,
+        }
+    }
+}
