@@ -20,12 +20,13 @@ use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_plan::plan::Plan;
 use tessera_plan::planner;
 use tessera_plan::Cluster;
-use tessera_runtime::checkpoint::{load_checkpoint, Checkpoint, Manifest};
+use tessera_runtime::checkpoint::Manifest;
 use tessera_runtime::data::{DataOptions, Dataset, MaskedLm, Objective, TokenDType, Tokenizer};
 use tessera_runtime::examples::{is_jsonl, ExampleSet};
 use tessera_runtime::hf_weights::open_weights;
 use tessera_runtime::images::ImageSet;
 use tessera_runtime::init::{init_rules_by_name, InitRule};
+use tessera_runtime::mapped::MappedCheckpoint;
 use tessera_runtime::run::SaveSpec;
 use tessera_runtime::trainer::ShardSource;
 use tessera_runtime::LrSchedule;
@@ -261,8 +262,8 @@ pub fn run_facts(args: &TrainArgs) -> serde_json::Value {
 pub enum Start {
     /// A fresh init: the rules by parameter name (each device draws its own shards).
     Fresh(HashMap<String, InitRule>),
-    /// A checkpoint to resume (global tensors; each device slices its shards).
-    Resume(Box<Checkpoint>),
+    /// A checkpoint to resume, mapped (each device reads only its shards).
+    Resume(Box<MappedCheckpoint>),
     /// Fine-tuning: a mapped Hugging Face checkpoint (or a sharded Tessera one), checked
     /// against the model; each device reads only its shards; fresh AdamW state.
     Weights(Box<dyn ShardSource + Send>),
@@ -350,7 +351,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 /// The resumed checkpoint's steps, schedule and horizon: the seed, batch, sequence length and
 /// precision must be the saved run's; a different `--steps` extends (or shortens) the run, the
 /// learning-rate schedule following the new horizon from the saved step.
-fn check_resume(args: &TrainArgs, ckpt: &Checkpoint) -> Result<(LrSchedule, Option<Extended>)> {
+fn check_resume(
+    args: &TrainArgs,
+    ckpt: &MappedCheckpoint,
+) -> Result<(LrSchedule, Option<Extended>)> {
     let m = &ckpt.manifest;
     let mut facts = m.extra.clone();
     if let Some(map) = facts.as_object_mut() {
@@ -427,7 +431,7 @@ pub fn prepare(
 
     let (start, steps_done, schedule, extended) = match &args.resume {
         Some(dir) => {
-            let ckpt = load_checkpoint(dir)?;
+            let ckpt = MappedCheckpoint::open(dir)?;
             let (schedule, extended) = check_resume(args, &ckpt)?;
             let step = ckpt.manifest.step;
             (Start::Resume(Box::new(ckpt)), step, schedule, extended)

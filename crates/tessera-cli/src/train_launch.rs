@@ -21,10 +21,11 @@ use tessera_runtime::{
 /// Plans the run and trains on `devices` devices of this process: one device directly, more as
 /// threads with a communicator each.
 pub fn run_local(args: &TrainArgs, devices: usize) -> Result<()> {
-    let ctx = prepare(args, devices, devices, 0)?;
-    // The run's heap: from here, what the devices hold (the planner's work is done).
-    alloc::reset_peak();
+    // The run's heap: what the devices hold, and what loading their state holds (a checkpoint
+    // read in `prepare` counts), but not the planner's scratch, freed by then.
     let heap_baseline = alloc::current_bytes();
+    let ctx = prepare(args, devices, devices, 0)?;
+    alloc::reset_peak();
     if devices == 1 {
         let outcome = run_rank(&ctx, None, 0)?;
         let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);

@@ -62,8 +62,9 @@
 //! global tensor: bit-exact, in the saved dtype, whatever mesh wrote it. Missing or corrupt
 //! rank files, missing or unexpected tensors, wrong shapes or dtypes and files written by
 //! another rank or step are errors naming the file and the tensor. The peak is the global
-//! tensors plus the largest rank file. A caller resuming under another plan or device count
-//! slices the global tensors with [`DeviceMesh::shard`].
+//! tensors plus the largest rank file (`export` uses it). A run resuming under another plan
+//! or device count reads only its shards instead, through
+//! [`crate::mapped::MappedCheckpoint`].
 //!
 //! [`load_checkpoint`]: crate::checkpoint::load_checkpoint
 //! [`save_checkpoint`]: crate::checkpoint::save_checkpoint

@@ -29,10 +29,10 @@
 
 use crate::checkpoint::{err, io_err, MODEL_FILE, MODEL_INDEX_FILE};
 use crate::collective::{DeviceMesh, Placement};
+use crate::mapped::{MappedFile, MappedTensors};
 use crate::tensor::candle_dtype;
 use crate::{Result, RuntimeError};
-use candle_core::{Device, Tensor};
-use safetensors::{Dtype, SafeTensors};
+use candle_core::Tensor;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -146,8 +146,8 @@ fn index_shards(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-fn is_float(d: Dtype) -> bool {
-    matches!(d, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
+fn is_float(d: candle_core::DType) -> bool {
+    d.is_float()
 }
 
 /// What a checkpoint name refers to.
@@ -241,62 +241,15 @@ impl Problems {
     }
 }
 
-/// Where one tensor lies in a mapped file.
-#[derive(Clone, Debug)]
-struct Located {
-    file: usize,
-    /// The checkpoint's name for it.
-    name: String,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    /// Byte offset of its data in the file.
-    start: usize,
-}
-
 /// A checkpoint's weights, mapped and checked against a graph, read slice by slice.
+#[derive(Debug)]
 pub struct HfWeights {
-    files: Vec<(PathBuf, memmap2::Mmap)>,
-    /// Parameter name → where its value lies, and where a tied alias of it lies too (the two
-    /// must agree).
-    entries: HashMap<String, (Located, Option<Located>)>,
-}
-
-impl std::fmt::Debug for HfWeights {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let files: Vec<_> = self.files.iter().map(|(p, _)| p).collect();
-        f.debug_struct("HfWeights").field("files", &files).finish_non_exhaustive()
-    }
-}
-
-/// Maps one safetensors file and checks its header; corruption is named with the file.
-fn map_file(path: &Path) -> Result<(memmap2::Mmap, Vec<Located>, usize)> {
-    let file = std::fs::File::open(path).map_err(io_err(path))?;
-    // SAFETY: the map is read-only; a checkpoint rewritten while it is read is the same
-    // hazard as for `std::fs::read` of a file being written, and saves replace directories
-    // by rename rather than rewrite files in place.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
-    let (header, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
-        err(format!(
-            "{}: not a valid safetensors file ({e}); it is corrupt or truncated: re-download or \
-             re-save it",
-            path.display()
-        ))
-    })?;
-    let base = 8 + header;
-    let mut tensors: Vec<Located> = metadata
-        .tensors()
-        .into_iter()
-        .map(|(name, info)| Located {
-            file: 0,
-            name,
-            dtype: info.dtype,
-            shape: info.shape.clone(),
-            start: base + info.data_offsets.0,
-        })
-        .collect();
-    tensors.sort_by(|a, b| a.name.cmp(&b.name));
-    let len = map.len();
-    Ok((map, tensors, len))
+    /// By parameter name (each stored whole under the checkpoint's name for it).
+    params: MappedTensors,
+    /// A tied alias stored besides its parameter, by the parameter's name: the two must agree.
+    aliases: MappedTensors,
+    /// The checkpoint's name of each alias, for messages.
+    alias_names: HashMap<String, String>,
 }
 
 impl HfWeights {
@@ -311,76 +264,64 @@ impl HfWeights {
         let by_name: HashMap<&str, TensorId> =
             params.iter().map(|&p| (graph.tensor_scope(p), p)).collect();
         let mut problems = Problems::default();
-        let mut supplied: HashMap<TensorId, Located> = HashMap::new();
-        let mut aliases: BTreeMap<String, (TensorId, Located)> = BTreeMap::new();
+        // Parameter → (file, checkpoint name), for the parameter itself and for an alias.
+        let mut supplied: HashMap<TensorId, (usize, String)> = HashMap::new();
+        let mut aliases: BTreeMap<String, (TensorId, usize)> = BTreeMap::new();
         let sharded = paths.len() > 1;
-        let mut files = Vec::new();
-        for (k, path) in paths.iter().enumerate() {
-            let (map, tensors, _) = map_file(path)?;
-            files.push((path.clone(), map));
-            let shard =
-                path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-            let at = |name: &str| {
-                if sharded {
-                    format!("{name} (in {shard})")
-                } else {
-                    name.to_string()
-                }
+        let files = paths.iter().map(|p| MappedFile::open(p)).collect::<Result<Vec<_>>>()?;
+        for (k, file) in files.iter().enumerate() {
+            let shard = file.path.file_name().map(|f| f.to_string_lossy().into_owned());
+            let at = |name: &str| match (&shard, sharded) {
+                (Some(shard), true) => format!("{name} (in {shard})"),
+                _ => name.to_string(),
             };
-            for mut t in tensors {
-                t.file = k;
-                let (p, alias) = match resolve(&t.name, &by_name) {
+            let mut names: Vec<&String> = file.tensors.keys().collect();
+            names.sort();
+            for name in names {
+                let (dtype, shape, _) = &file.tensors[name];
+                let (p, alias) = match resolve(name, &by_name) {
                     Target::Skipped => continue,
                     Target::Unexpected => {
-                        problems.unexpected.push(format!("{} {:?}", at(&t.name), t.shape));
+                        problems.unexpected.push(format!("{} {shape:?}", at(name)));
                         continue;
                     }
                     Target::Param(p) => (p, false),
                     Target::Alias(p) => (p, true),
                 };
                 let param = graph.tensor_scope(p);
-                let shown = if t.name == param {
-                    at(&t.name)
-                } else {
-                    at(&format!("{} (as {param})", t.name))
-                };
-                if !is_float(t.dtype) {
-                    problems.dtype.push(format!("{shown}: {:?}", t.dtype));
-                } else if t.shape != graph.shape(p).dims() {
+                let shown =
+                    if name == param { at(name) } else { at(&format!("{name} (as {param})")) };
+                if !is_float(*dtype) {
+                    problems.dtype.push(format!("{shown}: {dtype:?}"));
+                } else if shape.as_slice() != graph.shape(p).dims() {
                     let want = graph.shape(p).dims();
-                    problems
-                        .shape
-                        .push(format!("{shown}: checkpoint {:?}, model {want:?}", t.shape));
+                    problems.shape.push(format!("{shown}: checkpoint {shape:?}, model {want:?}"));
                 }
                 // Registered even when wrong, so a tensor of the wrong shape or dtype is
                 // reported as such, not also as missing.
                 if alias {
-                    aliases.insert(t.name.clone(), (p, t));
-                } else if let Some(first) = supplied.get(&p) {
-                    problems
-                        .duplicate
-                        .push(format!("{param}: as {} and as {}", first.name, t.name));
+                    aliases.insert(name.clone(), (p, k));
+                } else if let Some((_, first)) = supplied.get(&p) {
+                    problems.duplicate.push(format!("{param}: as {first} and as {name}"));
                 } else {
-                    supplied.insert(p, t);
+                    supplied.insert(p, (k, name.clone()));
                 }
             }
         }
-        let mut entries = HashMap::new();
-        for (p, t) in supplied {
-            entries.insert(graph.tensor_scope(p).to_string(), (t, None));
-        }
-        for (_, (p, t)) in aliases {
-            let param = graph.tensor_scope(p).to_string();
-            match entries.get_mut(&param) {
+        let mut alias_of: Vec<(String, usize, String)> = Vec::new();
+        for (name, (p, k)) in aliases {
+            match supplied.entry(p) {
                 // Only the alias was stored: it is the parameter.
-                None => {
-                    entries.insert(param, (t, None));
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert((k, name));
                 }
-                Some(entry) => entry.1 = Some(t),
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    alias_of.push((graph.tensor_scope(p).to_string(), k, name));
+                }
             }
         }
         for &p in &params {
-            if !entries.contains_key(graph.tensor_scope(p)) {
+            if !supplied.contains_key(&p) {
                 problems.missing.push(format!(
                     "{} {:?}",
                     graph.tensor_scope(p),
@@ -391,62 +332,23 @@ impl HfWeights {
         if problems.count() > 0 {
             return Err(problems.into_error(&source));
         }
-        Ok(HfWeights { files, entries })
-    }
-
-    /// The checkpoint's files.
-    pub fn files(&self) -> Vec<&Path> {
-        self.files.iter().map(|(p, _)| p.as_path()).collect()
+        let files = std::sync::Arc::new(files);
+        let entries = supplied
+            .into_iter()
+            .map(|(p, (k, name))| (graph.tensor_scope(p).to_string(), k, name))
+            .collect();
+        let alias_names =
+            alias_of.iter().map(|(param, _, name)| (param.clone(), name.clone())).collect();
+        Ok(HfWeights {
+            params: MappedTensors::renamed(files.clone(), entries),
+            aliases: MappedTensors::renamed(files, alias_of),
+            alias_names,
+        })
     }
 
     /// Whether parameter `name` is in the checkpoint.
     pub fn contains(&self, name: &str) -> bool {
-        self.entries.contains_key(name)
-    }
-
-    /// The elements of `t` in the block starting at `origin` of extent `extent`, as a tensor
-    /// of `dtype`: only those bytes are read from the file.
-    fn read_block(
-        &self,
-        t: &Located,
-        origin: &[usize],
-        extent: &[usize],
-        dtype: candle_core::DType,
-    ) -> Result<Tensor> {
-        let bytes = &self.files[t.file].1;
-        let width = t.dtype.bitsize() / 8;
-        let strides = tessera_ir::dist::row_major_strides(&t.shape);
-        let rank = t.shape.len();
-        // The innermost dimension's run is contiguous; iterate over the outer indices.
-        let run = extent.last().copied().unwrap_or(1) * width;
-        let outer: usize = extent[..rank.saturating_sub(1)].iter().product();
-        let mut out = Vec::with_capacity(outer * run);
-        let mut index = vec![0usize; rank.saturating_sub(1)];
-        for _ in 0..outer {
-            let mut offset = 0;
-            for d in 0..rank {
-                let i = origin[d] + if d + 1 < rank { index[d] } else { 0 };
-                offset += i * strides[d] as usize;
-            }
-            let at = t.start + offset * width;
-            out.extend_from_slice(&bytes[at..at + run]);
-            for d in (0..index.len()).rev() {
-                index[d] += 1;
-                if index[d] < extent[d] {
-                    break;
-                }
-                index[d] = 0;
-            }
-        }
-        let src = match t.dtype {
-            Dtype::F16 => candle_core::DType::F16,
-            Dtype::BF16 => candle_core::DType::BF16,
-            Dtype::F32 => candle_core::DType::F32,
-            Dtype::F64 => candle_core::DType::F64,
-            other => return Err(err(format!("{}: unsupported dtype {other:?}", t.name))),
-        };
-        let value = Tensor::from_raw_buffer(&out, src, extent, &Device::Cpu)?;
-        Ok(if src == dtype { value } else { value.to_dtype(dtype)? })
+        self.params.contains(name)
     }
 
     /// This device's shard of parameter `name` under `placement`, as `dtype`, reading only
@@ -458,30 +360,14 @@ impl HfWeights {
         mesh: &DeviceMesh,
         dtype: candle_core::DType,
     ) -> Result<Tensor> {
-        let (t, alias) = self
-            .entries
-            .get(name)
-            .ok_or_else(|| err(format!("no tensor for parameter `{name}` in the checkpoint")))?;
-        let layout = |e: tessera_ir::IrError| RuntimeError::Binding(format!("{name}: {e}"));
-        let origin = if placement.is_empty() {
-            vec![0; t.shape.len()]
-        } else {
-            mesh.shard_origin(&t.shape, placement).map_err(layout)?
-        };
-        let mut extent = t.shape.clone();
-        for (d, axes) in placement.iter().enumerate() {
-            extent[d] /= mesh.chunk(axes).map_err(layout)?.0;
-        }
-        let value = self.read_block(t, &origin, &extent, dtype)?;
-        if let Some(a) = alias {
-            let other = self.read_block(a, &origin, &extent, dtype)?;
+        let value = self.params.shard(name, placement, mesh, dtype)?;
+        if let Some(alias) = self.alias_names.get(name) {
+            let other = self.aliases.shard(name, placement, mesh, dtype)?;
             if !same_values(&value, &other)? {
                 return Err(err(format!(
-                    "{}: the weights do not fit the model: {} differs from {name}; if the \
+                    "the weights do not fit the model: {alias} differs from {name}; if the \
                      checkpoint's head is its own matrix, set \"tie_word_embeddings\": false \
-                     in config.json",
-                    self.files[t.file].0.display(),
-                    a.name
+                     in config.json"
                 )));
             }
         }
@@ -523,9 +409,8 @@ pub fn load_hf_weights(path: &Path, graph: &Graph) -> Result<Vec<(TensorId, Tens
 }
 
 /// The model weights in any directory `train` or `transformers` writes, as a source each
-/// device reads its shards from: Hugging Face weights (`model.safetensors` or an index,
-/// mapped and checked against `graph`), or a sharded Tessera checkpoint (its parameters
-/// assembled whole, checked by name and shape against `graph`).
+/// device reads its shards from: Hugging Face weights (`model.safetensors` or an index) or a
+/// sharded Tessera checkpoint, mapped and checked against `graph` by name and shape.
 pub fn open_weights(
     dir: &Path,
     graph: &Graph,
@@ -533,17 +418,16 @@ pub fn open_weights(
     if !crate::dist_checkpoint::is_sharded(dir) {
         return Ok(Box::new(HfWeights::open(dir, graph)?));
     }
-    let ckpt = crate::checkpoint::load_checkpoint(dir)?;
+    let ckpt = crate::mapped::MappedCheckpoint::open(dir)?;
+    let shapes: HashMap<&str, &[usize]> = ckpt.params.shapes().map(|(n, s, _)| (n, s)).collect();
     let mut problems = Problems::default();
     for p in graph.parameters() {
-        let name = graph.tensor_scope(p);
-        match ckpt.params.get(name) {
-            None => problems.missing.push(format!("{name} {:?}", graph.shape(p).dims())),
-            Some(t) if t.dims() != graph.shape(p).dims() => problems.shape.push(format!(
-                "{name}: checkpoint {:?}, model {:?}",
-                t.dims(),
-                graph.shape(p).dims()
-            )),
+        let (name, want) = (graph.tensor_scope(p), graph.shape(p).dims());
+        match shapes.get(name) {
+            None => problems.missing.push(format!("{name} {want:?}")),
+            Some(&got) if got != want => {
+                problems.shape.push(format!("{name}: checkpoint {got:?}, model {want:?}"))
+            }
             Some(_) => {}
         }
     }

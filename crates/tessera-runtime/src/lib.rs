@@ -35,6 +35,7 @@ pub mod images;
 pub mod init;
 pub mod kernels;
 pub mod loss_scale;
+pub mod mapped;
 pub mod memory;
 pub mod run;
 pub mod schedule;

@@ -675,3 +675,64 @@ fn export_hf_writes_config_and_global_weights_that_load_into_the_model() {
     assert!(e.contains("mine") && e.contains("neither a Tessera checkpoint"), "{e}");
     assert_eq!(entries(&foreign), ["tokenizer.json"]);
 }
+
+/// A checkpoint opened for slice reads gives every device of another mesh exactly its shard
+/// of the saved global tensors, bit for bit and in any dtype, for a sharded checkpoint (saved
+/// on a 2×2 mesh, read on a line of 4 and on 2×2 under other placements) and for the
+/// single-device one; nothing reads a whole tensor but a device whose shard it is.
+#[test]
+fn mapped_checkpoints_give_each_device_its_shard_of_the_saved_tensors() {
+    use tessera_runtime::checkpoint::save_checkpoint;
+    use tessera_runtime::mapped::MappedCheckpoint;
+    let root = scratch("mapped");
+    let sharded = root.join("sharded");
+    let state = state_2d(7);
+    save_ok(&sharded, &[2, 2], &state, 3);
+    let single = root.join("single");
+    let (params, optimizer): (Vec<_>, Vec<_>) = state
+        .iter()
+        .map(|(n, t, _)| (n.clone(), t.clone()))
+        .partition(|(n, _)| ![".adam_m", ".adam_v", ".master"].iter().any(|s| n.ends_with(s)));
+    save_checkpoint(&single, &config_json(), &params, &optimizer, &manifest(3)).unwrap();
+    for dir in [&sharded, &single] {
+        let ck = MappedCheckpoint::open(dir).unwrap();
+        assert_eq!(ck.manifest, manifest(3));
+        for (name, global, _) in &state {
+            let is_opt = [".adam_m", ".adam_v", ".master"].iter().any(|s| name.ends_with(s));
+            let source = if is_opt { &ck.optimizer } else { &ck.params };
+            let rank = global.dims().len();
+            let mut placements: Vec<Vec<Vec<usize>>> = vec![vec![vec![]; rank]];
+            if rank >= 1 && global.dims()[0] % 4 == 0 {
+                let mut p = vec![vec![]; rank];
+                p[0] = vec![0, 1];
+                placements.push(p);
+            }
+            if rank == 2 && global.dims()[0] % 2 == 0 && global.dims()[1] % 2 == 0 {
+                placements.push(vec![vec![1], vec![0]]);
+            }
+            for placement in &placements {
+                for r in 0..4 {
+                    let mesh = DeviceMesh::new(&[2, 2], r).unwrap();
+                    let want = shard(&mesh, global, placement, name).unwrap();
+                    let got = source.shard(name, placement, &mesh, global.dtype()).unwrap();
+                    assert!(
+                        bits(&got) == bits(&want),
+                        "{name} {placement:?} rank {r} ({})",
+                        dir.display()
+                    );
+                    let f32 = source.shard(name, placement, &mesh, CDType::F32).unwrap();
+                    assert!(
+                        bits(&f32) == bits(&want.to_dtype(CDType::F32).unwrap()),
+                        "{name} as f32"
+                    );
+                }
+            }
+        }
+    }
+    // A rank file of another step is refused, naming it.
+    let other = root.join("other");
+    save_ok(&other, &[2, 2], &state, 4);
+    std::fs::copy(rank_file(&other, 1), rank_file(&sharded, 1)).unwrap();
+    let msg = MappedCheckpoint::open(&sharded).unwrap_err().to_string();
+    assert!(msg.contains("rank-00001") && msg.contains("step 4"), "{msg}");
+}
