@@ -404,6 +404,11 @@ pub fn prepare(
     let dtype = args.dtype.dtype();
     let data = load_data(args, &cfg)?;
     let seq = cfg.effective_seq(args.seq);
+    if args.eval_batches > 0 {
+        // Before training, not after it: a held-out split too small for one batch.
+        data.val_batches(args.seed, args.batch, seq, 1)
+            .context("the held-out evaluation at the end (--eval-batches 0 skips it)")?;
+    }
     let train_cfg = TrainConfig {
         weight_decay: args.weight_decay,
         max_grad_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),

@@ -188,6 +188,17 @@ fn bad_data_and_budgets_are_clear_errors() {
     let e = train_error(&["--data", short.to_str().unwrap(), "--seq", "128"]);
     assert!(e.contains("128") || e.contains("129"), "{e}");
 
+    // Enough text to train on, but a held-out split (the last 10%: 200 bytes) too small for
+    // one evaluation batch: refused before the first step, not after the training.
+    let small = dir.join("small.txt");
+    std::fs::write(&small, "abcdefghij".repeat(200)).unwrap();
+    let mut all = vec!["train", "--devices", "1", "--steps", "1", "--data"];
+    all.extend([small.to_str().unwrap(), "--seq", "64", "--batch", "16"]);
+    let out = tessera(&all);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(!out.status.success() && !err.contains("step 1/1"), "{err}");
+    assert!(err.contains("held-out evaluation") && err.contains("--eval-batches 0"), "{err}");
+
     // A nanoGPT u16 token file with an id beyond gpt2-tiny's 256-entry vocabulary.
     let bin = dir.join("tokens.bin");
     let ids: Vec<u8> = (0..4000u16).flat_map(|i| (i % 300).to_le_bytes()).collect();

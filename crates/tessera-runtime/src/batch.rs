@@ -163,3 +163,31 @@ impl TrainData {
         }
     }
 }
+
+/// `(correct, counted)`: how many of `labels` (≥ 0; the others are ignored) are the argmax of
+/// their row of `logits` (`[.., classes]`, one row per label).
+pub fn top1_hits(logits: &Tensor, labels: &[i64]) -> Result<(usize, usize)> {
+    let classes = logits.dims().last().copied().unwrap_or(1);
+    let rows = logits.elem_count() / classes.max(1);
+    if rows != labels.len() {
+        return Err(RuntimeError::Data(format!(
+            "{} labels for logits {:?}: one label per row of classes",
+            labels.len(),
+            logits.dims()
+        )));
+    }
+    let z = logits.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let (mut hits, mut counted) = (0, 0);
+    for (row, &label) in z.chunks(classes).zip(labels) {
+        if label < 0 {
+            continue;
+        }
+        counted += 1;
+        let best =
+            row.iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
+        hits += usize::from(best.0 as i64 == label);
+    }
+    Ok((hits, counted))
+}

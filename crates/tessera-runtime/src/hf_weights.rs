@@ -380,6 +380,22 @@ impl HfWeights {
     }
 }
 
+/// A mapped Hugging Face checkpoint: each device reads only its shard's elements.
+impl crate::mapped::ShardSource for HfWeights {
+    fn shard_of(
+        &self,
+        name: &str,
+        placement: &Placement,
+        mesh: &DeviceMesh,
+        dtype: candle_core::DType,
+    ) -> Result<Option<Tensor>> {
+        if !self.contains(name) {
+            return Ok(None);
+        }
+        Ok(Some(self.shard(name, placement, mesh, dtype)?))
+    }
+}
+
 /// Whether two tensors of one dtype hold the same elements.
 fn same_values(a: &Tensor, b: &Tensor) -> Result<bool> {
     if a.dims() != b.dims() || a.dtype() != b.dtype() {
@@ -414,7 +430,7 @@ pub fn load_hf_weights(path: &Path, graph: &Graph) -> Result<Vec<(TensorId, Tens
 pub fn open_weights(
     dir: &Path,
     graph: &Graph,
-) -> Result<Box<dyn crate::trainer::ShardSource + Send>> {
+) -> Result<Box<dyn crate::mapped::ShardSource + Send>> {
     if !crate::dist_checkpoint::is_sharded(dir) {
         return Ok(Box::new(HfWeights::open(dir, graph)?));
     }

@@ -47,6 +47,7 @@ pub use batch::{StepBatch, TrainData};
 pub use error::{Result, RuntimeError};
 pub use executor::Executor;
 pub use loss_scale::{LossScaleConfig, LossScaleState};
+pub use mapped::ShardSource;
 pub use memory::MemoryAccountant;
 pub use schedule::LrSchedule;
 pub use trainer::{DeviceSetup, EvalStats, StartState, StepStats, Trainer};

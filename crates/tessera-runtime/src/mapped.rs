@@ -1,6 +1,7 @@
-//! Checkpoints read slice by slice: safetensors files mapped into memory, and tensors stored
-//! whole or as chunks across files, from which a device copies out exactly the elements of its
-//! own shard ([`MappedTensors`], a [`ShardSource`]). [`MappedCheckpoint`] opens either kind of
+//! Where a device's starting state comes from ([`ShardSource`]: global tensors by name, of
+//! which a device asks only its shard), and checkpoints read slice by slice: safetensors files
+//! mapped into memory, and tensors stored whole or as chunks across files, from which a device
+//! copies out exactly the elements of its own shard ([`MappedTensors`], a [`ShardSource`]). [`MappedCheckpoint`] opens either kind of
 //! checkpoint `train` saves — the single-device directory (`model.safetensors` +
 //! `optimizer.safetensors`) or the sharded one (`shards/rank-*.safetensors`, any mesh) — so a
 //! run resumes under any plan without any process holding a global copy of the state.
@@ -19,7 +20,6 @@ use crate::collective::{DeviceMesh, Placement};
 use crate::dist_checkpoint::{
     is_sharded, rank_file_name, read_sharded_manifest, TensorRole, SHARDS_DIR,
 };
-use crate::trainer::ShardSource;
 use crate::{Result, RuntimeError};
 use candle_core::{DType, Device, Tensor};
 use safetensors::SafeTensors;
@@ -27,6 +27,33 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// Global tensors by name that a device takes its shards from.
+pub trait ShardSource: Sync {
+    /// This device's shard of tensor `name` under `placement` as `dtype`; `None` when the
+    /// source has no tensor of that name.
+    fn shard_of(
+        &self,
+        name: &str,
+        placement: &Placement,
+        mesh: &DeviceMesh,
+        dtype: candle_core::DType,
+    ) -> Result<Option<Tensor>>;
+}
+
+/// Whole tensors in memory: each device slices its shard out of them.
+impl ShardSource for HashMap<String, Tensor> {
+    fn shard_of(
+        &self,
+        name: &str,
+        placement: &Placement,
+        mesh: &DeviceMesh,
+        dtype: candle_core::DType,
+    ) -> Result<Option<Tensor>> {
+        let Some(global) = self.get(name) else { return Ok(None) };
+        Ok(Some(crate::collective::shard(mesh, global, placement, name)?.to_dtype(dtype)?))
+    }
+}
 
 /// One mapped safetensors file: its tensors (name → dtype, shape, byte offset of the data)
 /// and its header metadata.

@@ -19,10 +19,12 @@
 //! ZeRO-1/2 parameters are updated on shards and gathered back: the gathered tensor becomes
 //! the parameter ([`crate::Executor::write_back`]). fp16 loss scaling: [`crate::loss_scale`].
 
+pub use crate::batch::top1_hits;
 use crate::batch::StepBatch;
 use crate::collective::{shard, CommRunner, DeviceMesh, Placement, ReshardRunner};
 use crate::init::{init_shard, InitRule};
 use crate::loss_scale::{check_scale_config, LossScaleConfig, LossScaleState, LossScaler};
+pub use crate::mapped::ShardSource;
 use crate::tensor::{candle_dtype, from_vec};
 use crate::{Backend, Executor, LrSchedule, Result, RuntimeError};
 use candle_core::Tensor;
@@ -137,49 +139,6 @@ pub enum StartState<'a> {
     /// parameters); `steps_done` steps are done. Each device reads only its shards from the
     /// sources ([`ShardSource`]: tensors in memory, or a mapped Hugging Face checkpoint).
     Global { params: &'a dyn ShardSource, optimizer: Option<&'a dyn ShardSource>, steps_done: u64 },
-}
-
-/// Global tensors by name that a device takes its shards from.
-pub trait ShardSource: Sync {
-    /// This device's shard of tensor `name` under `placement` as `dtype`; `None` when the
-    /// source has no tensor of that name.
-    fn shard_of(
-        &self,
-        name: &str,
-        placement: &Placement,
-        mesh: &DeviceMesh,
-        dtype: candle_core::DType,
-    ) -> Result<Option<Tensor>>;
-}
-
-/// Whole tensors in memory: each device slices its shard out of them.
-impl ShardSource for HashMap<String, Tensor> {
-    fn shard_of(
-        &self,
-        name: &str,
-        placement: &Placement,
-        mesh: &DeviceMesh,
-        dtype: candle_core::DType,
-    ) -> Result<Option<Tensor>> {
-        let Some(global) = self.get(name) else { return Ok(None) };
-        Ok(Some(shard(mesh, global, placement, name)?.to_dtype(dtype)?))
-    }
-}
-
-/// A mapped Hugging Face checkpoint: each device reads only its shard's elements.
-impl ShardSource for crate::hf_weights::HfWeights {
-    fn shard_of(
-        &self,
-        name: &str,
-        placement: &Placement,
-        mesh: &DeviceMesh,
-        dtype: candle_core::DType,
-    ) -> Result<Option<Tensor>> {
-        if !self.contains(name) {
-            return Ok(None);
-        }
-        Ok(Some(self.shard(name, placement, mesh, dtype)?))
-    }
 }
 
 pub struct Trainer<B: Backend> {
@@ -710,34 +669,6 @@ fn field(batch: &StepBatch, name: &str) -> Result<Tensor> {
             batch.names()
         ))),
     }
-}
-
-/// `(correct, counted)`: how many of `labels` (≥ 0; the others are ignored) are the argmax of
-/// their row of `logits` (`[.., classes]`, one row per label).
-pub fn top1_hits(logits: &Tensor, labels: &[i64]) -> Result<(usize, usize)> {
-    let classes = logits.dims().last().copied().unwrap_or(1);
-    let rows = logits.elem_count() / classes.max(1);
-    if rows != labels.len() {
-        return Err(binding(format!(
-            "{} labels for logits {:?}: one label per row of classes",
-            labels.len(),
-            logits.dims()
-        )));
-    }
-    let z = logits.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let (mut hits, mut counted) = (0, 0);
-    for (row, &label) in z.chunks(classes).zip(labels) {
-        if label < 0 {
-            continue;
-        }
-        counted += 1;
-        let best =
-            row.iter()
-                .enumerate()
-                .fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
-        hits += usize::from(best.0 as i64 == label);
-    }
-    Ok((hits, counted))
 }
 
 /// Every *parameter* (no optimizer state) as a global tensor on `root` only; `None` on the
