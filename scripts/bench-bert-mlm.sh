@@ -19,7 +19,7 @@ bin=${CARGO_TARGET_DIR:-target}/release/tessera
 
 tessera=$("$bin" train --model bert-tiny --devices 1 --steps "$steps" --batch "$batch" \
   --seq "$seq" --lr "$lr" --eval-batches 16 --format json 2>/dev/null |
-  python3 -c 'import json,sys; d=json.load(sys.stdin); print(f"{d[\"eval_loss\"]:.4f} {d[\"unigram_entropy\"]:.4f}")')
+  python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.4f %.4f" % (d["eval_loss"], d["unigram_entropy"]))')
 torch=$(.venv-bench/bin/python scripts/bert_mlm_torch.py data/shakespeare.txt "$steps" "$batch" "$seq" "$lr")
 echo "steps $steps batch $batch seq $seq lr $lr"
 echo "held-out masked-LM loss: tessera ${tessera% *}, transformers $torch; unigram entropy ${tessera#* }"
