@@ -100,6 +100,12 @@ fn tp4_checkpoint_resumes_under_dp2_and_exports() {
         &[],
     );
     assert!(out.status.success(), "export: {}", String::from_utf8_lossy(&out.stderr));
+    // Exporting onto the checkpoint itself is refused and leaves it whole (it resumes below).
+    let onto = ck.to_str().unwrap();
+    let out = tessera(&["export", "--checkpoint", onto, "--hf", onto], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("a Tessera checkpoint"), "{err}");
+    assert!(err.contains("--force"), "{err}");
     let b = log(&run(
         &["--devices", "2", "--plan", "dp2", "--resume", ck.to_str().unwrap()],
         "b.jsonl",

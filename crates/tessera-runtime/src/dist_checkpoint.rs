@@ -400,43 +400,59 @@ fn round<T>(
     Ok((mine, fingerprints))
 }
 
-/// Refuses to replace an existing `dir` unless it is empty, a Tessera checkpoint (it has a
-/// manifest) or, when `allow_export`, a previous [`export_hf`] (nothing but `config.json` and
-/// `model.safetensors`): the swap replaces `dir` whole.
-fn refuse_foreign(dir: &Path, allow_export: bool) -> Result<()> {
+/// What a writer may replace at its destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Replaces {
+    /// A save: an empty directory or a Tessera checkpoint (the previous save of the run).
+    Checkpoint,
+    /// An export: an empty directory or a previous export (nothing but `config.json` and
+    /// `model.safetensors`) — never a checkpoint, whose optimizer state and shards it would
+    /// destroy.
+    Export,
+}
+
+/// Refuses to replace an existing `dir` that is not what `kind` may replace: the swap replaces
+/// `dir` whole.
+fn refuse_foreign(dir: &Path, kind: Replaces) -> Result<()> {
     if !dir.exists() {
         return Ok(());
     }
+    let mut names = Vec::new();
     if dir.is_dir() {
-        let mut names = Vec::new();
         for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
             names.push(e.map_err(io_err(dir))?.file_name().to_string_lossy().into_owned());
         }
         let export = |n: &String| n == CONFIG_FILE || n == MODEL_FILE;
-        if names.is_empty()
-            || names.iter().any(|n| n == MANIFEST_FILE)
-            || (allow_export && names.iter().all(export))
-        {
+        let checkpoint = names.iter().any(|n| n == MANIFEST_FILE);
+        let ok = match kind {
+            Replaces::Checkpoint => checkpoint,
+            Replaces::Export => names.iter().all(export),
+        };
+        if names.is_empty() || ok {
             return Ok(());
         }
     }
-    let what = if allow_export {
-        format!(
-            "neither a Tessera checkpoint (no {MANIFEST_FILE}) nor a previous export (only \
-             {CONFIG_FILE} and {MODEL_FILE})"
-        )
-    } else {
-        format!("not a Tessera checkpoint (no {MANIFEST_FILE})")
+    let what = match kind {
+        Replaces::Checkpoint => format!("not a Tessera checkpoint (no {MANIFEST_FILE})"),
+        Replaces::Export if names.iter().any(|n| n == MANIFEST_FILE) => format!(
+            "a Tessera checkpoint ({MANIFEST_FILE}, optimizer state{}), which an export would \
+             destroy",
+            if names.iter().any(|n| n == SHARDS_DIR) { ", shards" } else { "" }
+        ),
+        Replaces::Export => {
+            format!("neither empty nor a previous export (only {CONFIG_FILE} and {MODEL_FILE})")
+        }
     };
-    Err(err(format!(
-        "{} exists and is {what}; writing would replace it: choose another path",
-        dir.display()
-    )))
+    let hint = match kind {
+        Replaces::Checkpoint => "choose another path",
+        Replaces::Export => "choose another path, or pass --force to replace it",
+    };
+    Err(err(format!("{} exists and is {what}; writing would replace it: {hint}", dir.display())))
 }
 
 /// Round 2 (rank 0): a clean `DIR.tmp-<step>/shards`.
 fn create_tmp(dir: &Path, parent: &Path, name: &str, tmp: &Path) -> Result<()> {
-    refuse_foreign(dir, false)?;
+    refuse_foreign(dir, Replaces::Checkpoint)?;
     std::fs::create_dir_all(parent).map_err(io_err(parent))?;
     for stale in leftovers(parent, name, "tmp") {
         let _ = std::fs::remove_dir_all(stale);
@@ -960,9 +976,9 @@ pub(crate) fn load_sharded_from(dir: PathBuf) -> Result<Checkpoint> {
 /// and `model.safetensors` (the global parameters under their HF names, tied tensors once,
 /// `{"format": "pt"}`: what `save_checkpoint` writes there and `save_pretrained` would), so
 /// `AutoModelFor*.from_pretrained(out)` loads it. Atomic like a checkpoint save (a sibling
-/// `out.tmp-<pid>` swapped in); refuses an existing `out` that is neither empty, a previous
-/// export nor a checkpoint. The optimizer state is not exported.
-pub fn export_hf(ckpt: &Checkpoint, out: &Path) -> Result<()> {
+/// `out.tmp-<pid>` swapped in); refuses an existing `out` that is neither empty nor a previous
+/// export — a checkpoint above all — unless `replace`. The optimizer state is not exported.
+pub fn export_hf(ckpt: &Checkpoint, out: &Path, replace: bool) -> Result<()> {
     let mut params: Vec<(String, Tensor)> =
         ckpt.params.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
     if params.is_empty() {
@@ -976,7 +992,9 @@ pub fn export_hf(ckpt: &Checkpoint, out: &Path) -> Result<()> {
     let config =
         config_with_dtype(&ckpt.config_json, params.iter().map(|(_, t)| t.dtype().as_str()))?;
     let (parent, name) = split_dir(out)?;
-    refuse_foreign(out, true)?;
+    if !replace {
+        refuse_foreign(out, Replaces::Export)?;
+    }
     std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
     for stale in leftovers(&parent, &name, "tmp") {
         let _ = std::fs::remove_dir_all(stale);

@@ -641,7 +641,7 @@ fn export_hf_writes_config_and_global_weights_that_load_into_the_model() {
     }
     let ck = load_checkpoint(&dir).unwrap();
     let out = root.join("hf");
-    export_hf(&ck, &out).unwrap();
+    export_hf(&ck, &out, false).unwrap();
     assert_eq!(entries(&out), ["config.json", "model.safetensors"]);
     assert_eq!(entries(&root), ["ckpt", "hf"]);
     let config: serde_json::Value =
@@ -665,15 +665,24 @@ fn export_hf_writes_config_and_global_weights_that_load_into_the_model() {
     }
 
     // Exporting again replaces the previous export.
-    export_hf(&ck, &out).unwrap();
+    export_hf(&ck, &out, false).unwrap();
     assert_eq!(entries(&root), ["ckpt", "hf"]);
     // Another directory is not replaced.
     let foreign = root.join("mine");
     std::fs::create_dir(&foreign).unwrap();
     std::fs::write(foreign.join("tokenizer.json"), "{}").unwrap();
-    let e = error_text(export_hf(&ck, &foreign));
-    assert!(e.contains("mine") && e.contains("neither a Tessera checkpoint"), "{e}");
+    let e = error_text(export_hf(&ck, &foreign, false));
+    assert!(e.contains("mine") && e.contains("neither empty nor a previous export"), "{e}");
+    assert!(e.contains("--force"), "{e}");
     assert_eq!(entries(&foreign), ["tokenizer.json"]);
+    // Nor is a checkpoint (issue 17: `export --checkpoint ck --hf ck` destroyed ck): not even
+    // the one being exported; asked to, it is replaced.
+    let e = error_text(export_hf(&ck, &dir, false));
+    assert!(e.contains("a Tessera checkpoint") && e.contains("shards"), "{e}");
+    assert_eq!(entries(&dir), ["config.json", "manifest.json", "shards"]);
+    assert!(load_checkpoint(&dir).is_ok(), "the checkpoint is intact");
+    export_hf(&ck, &foreign, true).unwrap();
+    assert_eq!(entries(&foreign), ["config.json", "model.safetensors"]);
 }
 
 /// A checkpoint opened for slice reads gives every device of another mesh exactly its shard
