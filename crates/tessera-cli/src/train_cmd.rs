@@ -252,10 +252,12 @@ pub fn make_schedule(args: &TrainArgs) -> LrSchedule {
     }
 }
 
-/// The settings a resumed run must share with the saved one (besides the seed).
-pub fn run_facts(args: &TrainArgs) -> serde_json::Value {
+/// The settings a resumed run must share with the saved one (besides the seed and the
+/// learning rate): batch, sequence, precision and a fingerprint of the training data.
+pub fn run_facts(args: &TrainArgs, data: &TrainData) -> serde_json::Value {
     json!({"batch": args.batch, "seq": args.seq,
-           "dtype": format!("{:?}", args.dtype).to_lowercase()})
+           "dtype": format!("{:?}", args.dtype).to_lowercase(),
+           "data": data.fingerprint()})
 }
 
 /// Where a run's parameters come from.
@@ -354,21 +356,43 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 fn check_resume(
     args: &TrainArgs,
     ckpt: &MappedCheckpoint,
+    data: &TrainData,
 ) -> Result<(LrSchedule, Option<Extended>)> {
     let m = &ckpt.manifest;
     let mut facts = m.extra.clone();
     if let Some(map) = facts.as_object_mut() {
         map.remove(tessera_runtime::loss_scale::SCALER_KEY);
     }
-    let want = run_facts(args);
+    let mut want = run_facts(args, data);
+    // Checkpoints saved before the data fingerprint was recorded are compared without it.
+    if facts.get("data").is_none() {
+        if let Some(map) = want.as_object_mut() {
+            map.remove("data");
+        }
+    }
     if m.seed != args.seed || facts != want {
+        let data_differs = facts.get("data").is_some() && facts.get("data") != want.get("data");
         bail!(
             "{} was saved by a run with --seed {} {}; resume with the same settings (got --seed \
-             {} {want})",
+             {} {want}){}",
             ckpt.dir.display(),
             m.seed,
             facts,
-            args.seed
+            args.seed,
+            if data_differs { "; the training data differs (--data, --tokenizer)" } else { "" }
+        );
+    }
+    let saved_peak = match m.schedule {
+        LrSchedule::Constant { lr } => lr,
+        LrSchedule::WarmupCosine { peak, .. } => peak,
+    };
+    if args.lr != saved_peak {
+        bail!(
+            "--lr {} differs from the learning rate {} of the run saved in {}; a resumed run \
+             keeps its schedule: resume with --lr {saved_peak}",
+            args.lr,
+            saved_peak,
+            ckpt.dir.display()
         );
     }
     if args.steps <= m.step {
@@ -437,7 +461,7 @@ pub fn prepare(
     let (start, steps_done, schedule, extended) = match &args.resume {
         Some(dir) => {
             let ckpt = MappedCheckpoint::open(dir)?;
-            let (schedule, extended) = check_resume(args, &ckpt)?;
+            let (schedule, extended) = check_resume(args, &ckpt, &data)?;
             let step = ckpt.manifest.step;
             (Start::Resume(Box::new(ckpt)), step, schedule, extended)
         }
@@ -453,6 +477,10 @@ pub fn prepare(
             }
         },
     };
+    if let Some(dir) = &args.save {
+        // Before step 1: a save that cannot happen must not cost the training it was for.
+        tessera_runtime::checkpoint::preflight_save(dir).context("--save")?;
+    }
     let first = steps_done + 1;
     let last_step = args.stop_after.map_or(args.steps, |k| k.min(args.steps));
     if first > last_step {
@@ -469,7 +497,7 @@ pub fn prepare(
     let save = args.save.as_ref().map(|dir| {
         let model = args.init.as_ref().map_or(args.model.clone(), |d| d.display().to_string());
         let mut manifest = Manifest::new(0, args.steps, args.seed, model, schedule.clone());
-        manifest.extra = run_facts(args);
+        manifest.extra = run_facts(args, &data);
         SaveSpec {
             dir: dir.clone(),
             every: args.save_every,

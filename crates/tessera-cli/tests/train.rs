@@ -199,6 +199,22 @@ fn bad_data_and_budgets_are_clear_errors() {
     assert!(!out.status.success() && !err.contains("step 1/1"), "{err}");
     assert!(err.contains("held-out evaluation") && err.contains("--eval-batches 0"), "{err}");
 
+    // `--save` that cannot happen is refused before step 1 (issue 17: it failed when the first
+    // save was due, after the training): onto an existing file, or under one.
+    let file = dir.join("a-file");
+    std::fs::write(&file, "keep me").unwrap();
+    for (save, want) in
+        [(file.clone(), "not a Tessera checkpoint"), (file.join("ck"), "cannot create")]
+    {
+        let mut all = vec!["train", "--devices", "1", "--steps", "1", "--save"];
+        all.push(save.to_str().unwrap());
+        let out = tessera(&all);
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(!out.status.success() && !err.contains("step 1/1"), "{err}");
+        assert!(err.contains("--save") && err.contains(want), "{err}");
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
+
     // A nanoGPT u16 token file with an id beyond gpt2-tiny's 256-entry vocabulary.
     let bin = dir.join("tokens.bin");
     let ids: Vec<u8> = (0..4000u16).flat_map(|i| (i % 300).to_le_bytes()).collect();
@@ -353,6 +369,22 @@ fn resume_is_bit_exact_with_the_cosine_schedule() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("\"batch\":2") && !err.contains("panicked"), "{err}");
+
+    // Another learning rate, or other data, is refused (issue 17: both were silently taken).
+    let refused = |extra: &[&str]| {
+        let mut args = common.to_vec();
+        args.extend_from_slice(&["--resume", ck.to_str().unwrap()]);
+        args.extend_from_slice(extra);
+        let out = tessera(&args);
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused(&["--lr", "3e-3"]);
+    assert!(err.contains("--lr 0.003 differs") && err.contains("--lr 0.001"), "{err}");
+    let other = dir.join("other.txt");
+    std::fs::write(&other, "other words entirely. ".repeat(400)).unwrap();
+    let err = refused(&["--data", other.to_str().unwrap()]);
+    assert!(err.contains("the training data differs"), "{err}");
 }
 
 /// BERT learns its own objective: masked-LM on a repetitive text (where both sides of a masked

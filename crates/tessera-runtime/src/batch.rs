@@ -154,6 +154,31 @@ impl TrainData {
         }
     }
 
+    /// A fingerprint of the training data (FNV-1a over its split's ids, pixels, labels and
+    /// targets), recorded in checkpoints so a resume on other data is caught.
+    pub fn fingerprint(&self) -> String {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let mut eat = |x: u64| {
+            for b in x.to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x1000_0000_01b3);
+            }
+        };
+        match self {
+            TrainData::Stream { data, .. } => data.train.iter().for_each(|&t| eat(u64::from(t))),
+            TrainData::Examples(e) => {
+                for x in &e.train {
+                    x.tokens.iter().for_each(|&t| eat(u64::from(t)));
+                    eat(x.first_target as u64 | 1 << 63);
+                }
+            }
+            TrainData::Images(i) => {
+                i.train.iter().for_each(|&p| eat(u64::from(p.to_bits())));
+                i.train_labels.iter().for_each(|&l| eat(l as u64));
+            }
+        }
+        format!("{h:016x}")
+    }
+
     /// Where the data came from, for messages.
     pub fn source(&self) -> &str {
         match self {

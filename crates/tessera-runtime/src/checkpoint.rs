@@ -296,21 +296,7 @@ pub fn save_checkpoint(
     }
 
     let (parent, name) = split_dir(dir)?;
-    // DIR is replaced whole, so it must be a checkpoint (or empty): never another directory.
-    if dir.exists() {
-        let foreign = if dir.is_dir() {
-            let empty = std::fs::read_dir(dir).map_err(io_err(dir))?.next().is_none();
-            !empty && !dir.join(MANIFEST_FILE).is_file()
-        } else {
-            true
-        };
-        if foreign {
-            return Err(err(format!(
-                "{} exists and is not a Tessera checkpoint (no {MANIFEST_FILE}); saving would                  replace it: choose another checkpoint path",
-                dir.display()
-            )));
-        }
-    }
+    refuse_non_checkpoint(dir)?;
     std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
     // 1. Leftovers of interrupted saves; `DIR.old-*` only when DIR is complete.
     for stale in leftovers(&parent, &name, "tmp") {
@@ -430,6 +416,49 @@ pub(crate) fn recover_dir(dir: &Path) -> Result<PathBuf> {
             )))
         }
     }
+}
+
+/// DIR is replaced whole by a save, so it must be a checkpoint (or empty, or absent): never
+/// another directory or a file.
+fn refuse_non_checkpoint(dir: &Path) -> Result<()> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    let foreign = if dir.is_dir() {
+        let empty = std::fs::read_dir(dir).map_err(io_err(dir))?.next().is_none();
+        !empty && !dir.join(MANIFEST_FILE).is_file()
+    } else {
+        true
+    };
+    if foreign {
+        return Err(err(format!(
+            "{} exists and is not a Tessera checkpoint (no {MANIFEST_FILE}); saving would \
+             replace it: choose another checkpoint path",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks, before any training, that a checkpoint can be saved at `dir`: it is absent, empty
+/// or a checkpoint (what a save may replace), its parent exists or can be created, and a file
+/// can be written there (a read-only or full file system fails here, not when the first save
+/// is due).
+pub fn preflight_save(dir: &Path) -> Result<()> {
+    refuse_non_checkpoint(dir)?;
+    let (parent, name) = split_dir(dir)?;
+    std::fs::create_dir_all(&parent).map_err(|e| {
+        err(format!("cannot create {} to save checkpoints in: {e}", parent.display()))
+    })?;
+    let probe = parent.join(format!(".{name}.probe-{}", std::process::id()));
+    let written = std::fs::write(&probe, b"tessera");
+    let _ = std::fs::remove_file(&probe);
+    written.map_err(|e| {
+        err(format!(
+            "cannot write in {} to save checkpoints there: {e}; choose a writable path",
+            parent.display()
+        ))
+    })
 }
 
 /// Loads a checkpoint directory written by [`save_checkpoint`], recovering the previous
