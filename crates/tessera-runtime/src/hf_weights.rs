@@ -146,10 +146,6 @@ fn index_shards(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-fn is_float(d: candle_core::DType) -> bool {
-    d.is_float()
-}
-
 /// What a checkpoint name refers to.
 enum Target {
     Param(TensorId),
@@ -291,8 +287,12 @@ impl HfWeights {
                 let param = graph.tensor_scope(p);
                 let shown =
                     if name == param { at(name) } else { at(&format!("{name} (as {param})")) };
-                if !is_float(*dtype) {
-                    problems.dtype.push(format!("{shown}: {dtype:?}"));
+                if !dtype.is_ok_and(|d| d.is_float()) {
+                    let d = match dtype {
+                        Ok(d) => format!("{d:?}"),
+                        Err(raw) => format!("{raw:?}"),
+                    };
+                    problems.dtype.push(format!("{shown}: {d}"));
                 } else if shape.as_slice() != graph.shape(p).dims() {
                     let want = graph.shape(p).dims();
                     problems.shape.push(format!("{shown}: checkpoint {shape:?}, model {want:?}"));
@@ -340,8 +340,8 @@ impl HfWeights {
         let alias_names =
             alias_of.iter().map(|(param, _, name)| (param.clone(), name.clone())).collect();
         Ok(HfWeights {
-            params: MappedTensors::renamed(files.clone(), entries),
-            aliases: MappedTensors::renamed(files, alias_of),
+            params: MappedTensors::renamed(files.clone(), entries)?,
+            aliases: MappedTensors::renamed(files, alias_of)?,
             alias_names,
         })
     }

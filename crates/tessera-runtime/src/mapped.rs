@@ -55,12 +55,16 @@ impl ShardSource for HashMap<String, Tensor> {
     }
 }
 
+/// A tensor's dtype in a file: candle's, or the file's own when candle has no such dtype (an
+/// error only if the tensor is read).
+pub(crate) type FileDtype = std::result::Result<DType, safetensors::Dtype>;
+
 /// One mapped safetensors file: its tensors (name → dtype, shape, byte offset of the data)
 /// and its header metadata.
 pub(crate) struct MappedFile {
     pub(crate) path: PathBuf,
     map: memmap2::Mmap,
-    pub(crate) tensors: HashMap<String, (DType, Vec<usize>, usize)>,
+    pub(crate) tensors: HashMap<String, (FileDtype, Vec<usize>, usize)>,
     pub(crate) metadata: HashMap<String, String>,
 }
 
@@ -81,9 +85,8 @@ impl MappedFile {
         })?;
         let mut tensors = HashMap::new();
         for (name, info) in metadata.tensors() {
-            let dtype = DType::try_from(info.dtype).map_err(|_| {
-                err(format!("{}: {name} has unsupported dtype {:?}", path.display(), info.dtype))
-            })?;
+            // A dtype candle lacks (bool masks, 8-bit floats) is an error only if it is read.
+            let dtype = DType::try_from(info.dtype).map_err(|_| info.dtype);
             tensors.insert(name, (dtype, info.shape.clone(), 8 + header + info.data_offsets.0));
         }
         let meta = metadata.metadata().clone().unwrap_or_default();
@@ -180,38 +183,30 @@ impl std::fmt::Debug for MappedTensors {
 
 impl MappedTensors {
     /// Every tensor of `file` (index `k` of `files`), stored whole, by its name.
-    pub(crate) fn whole(files: Arc<Vec<MappedFile>>, k: usize) -> MappedTensors {
-        let tensors = files[k]
-            .tensors
-            .iter()
-            .map(|(name, (dtype, shape, _))| {
-                let piece = Piece {
-                    file: k,
-                    name: name.clone(),
-                    origin: vec![0; shape.len()],
-                    shape: shape.clone(),
-                };
-                (name.clone(), Stored { shape: shape.clone(), dtype: *dtype, pieces: vec![piece] })
-            })
-            .collect();
-        MappedTensors { files, tensors }
+    pub(crate) fn whole(files: Arc<Vec<MappedFile>>, k: usize) -> Result<MappedTensors> {
+        let names: Vec<String> = files[k].tensors.keys().cloned().collect();
+        let entries = names.into_iter().map(|n| (n.clone(), k, n)).collect();
+        MappedTensors::renamed(files, entries)
     }
 
     /// Tensors stored whole under another name: `(key, file, name in the file)`.
     pub(crate) fn renamed(
         files: Arc<Vec<MappedFile>>,
         entries: Vec<(String, usize, String)>,
-    ) -> MappedTensors {
-        let tensors = entries
-            .into_iter()
-            .map(|(key, k, name)| {
-                let (dtype, shape, _) = files[k].tensors[&name].clone();
-                let piece =
-                    Piece { file: k, name, origin: vec![0; shape.len()], shape: shape.clone() };
-                (key, Stored { shape, dtype, pieces: vec![piece] })
-            })
-            .collect();
-        MappedTensors { files, tensors }
+    ) -> Result<MappedTensors> {
+        let mut tensors = HashMap::with_capacity(entries.len());
+        for (key, k, name) in entries {
+            let (dtype, shape, _) = files[k].tensors[&name].clone();
+            let dtype = dtype.map_err(|d| {
+                err(format!(
+                    "{}: {name} has dtype {d:?}, which Tessera cannot read",
+                    files[k].path.display()
+                ))
+            })?;
+            let piece = Piece { file: k, name, origin: vec![0; shape.len()], shape: shape.clone() };
+            tensors.insert(key, Stored { shape, dtype, pieces: vec![piece] });
+        }
+        Ok(MappedTensors { files, tensors })
     }
 
     /// The names and (shape, dtype) of the tensors.
@@ -339,8 +334,8 @@ impl MappedCheckpoint {
             MappedFile::open(&dir.join(MODEL_FILE))?,
             MappedFile::open(&dir.join(OPTIMIZER_FILE))?,
         ]);
-        let params = MappedTensors::whole(files.clone(), 0);
-        let optimizer = MappedTensors::whole(files, 1);
+        let params = MappedTensors::whole(files.clone(), 0)?;
+        let optimizer = MappedTensors::whole(files, 1)?;
         check_optimizer(&params, &optimizer, &dir)?;
         Ok(MappedCheckpoint { manifest, config_json: config_json()?, params, optimizer, dir })
     }
@@ -429,7 +424,7 @@ fn open_sharded(dir: PathBuf, config_json: Value) -> Result<MappedCheckpoint> {
                 ))
             })?;
             match file.tensors.get(&t.name) {
-                Some((d, s, _)) if *d == dtype && *s == local => {}
+                Some((d, s, _)) if *d == Ok(dtype) && *s == local => {}
                 got => {
                     return Err(err(format!(
                         "{}: {} should be a {dtype:?} chunk {local:?}, found {:?}",

@@ -716,3 +716,51 @@ fn shards_read_from_the_file_equal_slices_of_the_whole_tensors() {
     let msg = weights.shard(name, &rows, &last, CDType::F32).unwrap_err().to_string();
     assert!(msg.contains("lm_head.weight differs from model.embed_tokens.weight"), "{msg}");
 }
+
+/// A buffer the model skips may have a dtype Tessera cannot read (a bool causal mask, as some
+/// `transformers` versions store): the weights still load; a parameter of such a dtype is named.
+#[test]
+fn hf_skipped_buffers_of_unreadable_dtypes_do_not_stop_a_load() {
+    struct Raw(safetensors::Dtype, Vec<usize>, Vec<u8>);
+    impl safetensors::View for &Raw {
+        fn dtype(&self) -> safetensors::Dtype {
+            self.0
+        }
+        fn shape(&self) -> &[usize] {
+            &self.1
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            std::borrow::Cow::Borrowed(&self.2)
+        }
+        fn data_len(&self) -> usize {
+            self.2.len()
+        }
+    }
+    let raw = |t: &Tensor| {
+        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        Raw(
+            safetensors::Dtype::F32,
+            t.dims().to_vec(),
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )
+    };
+    let dir = scratch("hf-bool-buffer");
+    let graph = graph_of(&gpt2_small(), DType::F32);
+    let params = random_params(&graph, 3);
+    let mask = Raw(safetensors::Dtype::BOOL, vec![1, 1, 4, 4], vec![1; 16]);
+    let mut views: Vec<(String, Raw)> = params.iter().map(|(n, t)| (n.clone(), raw(t))).collect();
+    views.push(("transformer.h.0.attn.bias".into(), mask));
+    let path = dir.join("model.safetensors");
+    safetensors::serialize_to_file(views.iter().map(|(n, r)| (n.as_str(), r)), None, &path)
+        .unwrap();
+    assert_loaded(&graph, &load_hf_weights(&dir, &graph).unwrap(), &params);
+
+    // A parameter stored as bool is named with its dtype.
+    let wte = views.iter().position(|(n, _)| n == "transformer.wte.weight").unwrap();
+    let dims = views[wte].1 .1.clone();
+    views[wte].1 = Raw(safetensors::Dtype::BOOL, dims.clone(), vec![0; dims.iter().product()]);
+    safetensors::serialize_to_file(views.iter().map(|(n, r)| (n.as_str(), r)), None, &path)
+        .unwrap();
+    let msg = error_text(load_hf_weights(&dir, &graph));
+    assert!(msg.contains("transformer.wte.weight: BOOL"), "{msg}");
+}
