@@ -3,6 +3,7 @@
 //! output (`--format json`) is the only thing written to stdout.
 
 mod calibrate_cmd;
+mod checkpoint_cmd;
 mod eval_cmd;
 mod export_cmd;
 mod format;
@@ -36,6 +37,8 @@ enum Command {
     Eval(eval_cmd::EvalArgs),
     /// Gather a checkpoint (sharded or not) into a Hugging Face model directory.
     Export(export_cmd::ExportArgs),
+    /// Check a checkpoint: `tessera checkpoint verify DIR`.
+    Checkpoint(checkpoint_cmd::CheckpointArgs),
     /// Find the fastest parallel plan that fits (or evaluate a given one) for a model on a cluster.
     Plan(Box<plan_cmd::PlanArgs>),
     /// Measure this CPU (matmul FLOP/s, memory and thread-to-thread bandwidth) and save it as
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train_cmd::run(&args),
         Command::Eval(args) => eval_cmd::run(&args),
         Command::Export(args) => export_cmd::run(&args),
+        Command::Checkpoint(args) => checkpoint_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Calibrate(args) => calibrate_cmd::run(&args),
     };

@@ -307,6 +307,8 @@ pub struct RunContext {
     /// loss, logits.
     pub eval_model: (Graph, TensorId, TensorId),
     pub save: Option<SaveSpec>,
+    /// Rank 0's lock on the `--save` directory, held for the run.
+    _save_lock: Option<tessera_runtime::host::DirLock>,
     pub log: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
     pub bar: ProgressBar,
 }
@@ -452,6 +454,7 @@ pub fn prepare(
     let req = model.request(cluster, budget);
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
+    check_host_memory(&plan.predicted.peak_bytes_per_device, rank, local_devices)?;
     let predicted_comm_bytes: u64 = exe.lowered.collectives.iter().map(|c| c.bytes).sum();
     let mut predicted_calls = BTreeMap::new();
     for c in &exe.lowered.collectives {
@@ -477,9 +480,20 @@ pub fn prepare(
             }
         },
     };
+    // One run writes a checkpoint directory at a time: rank 0 holds its lock to the end.
+    let save_lock = match (&args.save, rank) {
+        (Some(dir), 0) => Some(tessera_runtime::host::lock_dir(dir).context("--save")?),
+        _ => None,
+    };
     if let Some(dir) = &args.save {
         // Before step 1: a save that cannot happen must not cost the training it was for.
-        tessera_runtime::checkpoint::preflight_save(dir).context("--save")?;
+        // A save writes the new checkpoint beside the previous one: once one exists, every
+        // later save needs room for a second.
+        let saves_to_come = args.save_every.is_some_and(|k| k > 0 && k < args.steps);
+        let holds_one = dir.join(tessera_runtime::checkpoint::MANIFEST_FILE).is_file();
+        let copies = if saves_to_come && !holds_one { 2 } else { 1 };
+        let bytes = checkpoint_bytes(global_train) * copies;
+        tessera_runtime::checkpoint::preflight_save(dir, bytes).context("--save")?;
     }
     let first = steps_done + 1;
     let last_step = args.stop_after.map_or(args.steps, |k| k.min(args.steps));
@@ -544,9 +558,46 @@ pub fn prepare(
         predicted_calls,
         eval_model: (eval.builder.finish(), eval.loss, eval.logits),
         save,
+        _save_lock: save_lock,
         log,
         bar,
     })
+}
+
+/// Before any device allocates: the simulated devices of this process (`local` of them from
+/// `rank` on) at their predicted peaks, plus what the process already holds, must fit in the
+/// host memory the kernel can still give, or the run would be killed by the OOM killer with no
+/// message (or abort on a failed allocation) partway through.
+fn check_host_memory(peaks: &[u64], rank: usize, local: usize) -> Result<()> {
+    let Some(available) = tessera_runtime::host::available_memory() else { return Ok(()) };
+    let devices: u64 = peaks.iter().skip(rank).take(local).sum();
+    let held = tessera_runtime::alloc::current_bytes();
+    let need = devices.saturating_add(held);
+    if need > available {
+        bail!(
+            "this run needs about {} of host memory ({local} simulated device(s) at their \
+             predicted peaks, {} together, plus {} this process holds) but the machine has {} \
+             available: train on fewer devices (--devices), with a smaller --batch or --seq or \
+             a smaller model, or free memory",
+            bytes(need),
+            bytes(devices),
+            bytes(held),
+            bytes(available)
+        );
+    }
+    Ok(())
+}
+
+/// About the bytes one checkpoint of this run takes on disk: every parameter and its AdamW
+/// state (moments, and the fp32 master of a low-precision weight), plus headers and JSON.
+fn checkpoint_bytes(t: &tessera_ir::TrainingGraph) -> u64 {
+    let bytes = |id| t.graph.meta(id).size_bytes();
+    let state: u64 = t
+        .params
+        .iter()
+        .map(|s| bytes(s.param) + bytes(s.m) + bytes(s.v) + s.master.map_or(0, bytes))
+        .sum();
+    state + state / 100 + (1 << 20)
 }
 
 /// The progress line's message after a step.

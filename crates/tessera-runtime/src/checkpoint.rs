@@ -36,6 +36,7 @@
 //! neither empty nor a checkpoint.
 
 pub use crate::hf_weights::load_hf_weights;
+use crate::integrity::{check_finite, check_seal, digest_file, seal, verify_bytes, Checksums};
 use crate::schedule::LrSchedule;
 use crate::{Result, RuntimeError};
 use candle_core::safetensors::Load;
@@ -43,7 +44,7 @@ use candle_core::{Device, Tensor};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use tessera_ir::StateKind;
 
@@ -72,6 +73,9 @@ pub struct Manifest {
     /// Anything else the caller wants back (data position, CLI flags, metrics).
     #[serde(default)]
     pub extra: Value,
+    /// Checksums of the checkpoint's files ([`crate::integrity`]); a save fills them in.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub checksums: Checksums,
 }
 
 impl Manifest {
@@ -91,6 +95,7 @@ impl Manifest {
             model: model.into(),
             schedule,
             extra: Value::Null,
+            checksums: Checksums::new(),
         }
     }
 }
@@ -134,6 +139,18 @@ pub(crate) fn read_safetensors(path: &Path) -> Result<Vec<u8>> {
         )));
     }
     Ok(bytes)
+}
+
+/// The manifest's checksums of the file at `path` (named relative to the checkpoint: its
+/// file name, or `shards/<name>` for a rank file).
+pub(crate) fn checksum_of<'a>(
+    path: &Path,
+    manifest: &'a Manifest,
+) -> Option<&'a crate::integrity::FileDigest> {
+    let name = path.file_name()?.to_string_lossy();
+    let in_shards = path.parent()?.file_name().is_some_and(|p| p == "shards");
+    let key = if in_shards { format!("shards/{name}") } else { name.into_owned() };
+    manifest.checksums.get(&key)
 }
 
 // ---- checkpoint directories ----------------------------------------------------------------
@@ -192,6 +209,21 @@ pub(crate) fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
     write_synced(path, text.as_bytes())
 }
 
+/// Writes a manifest (`doc`: a [`Manifest`], possibly with more keys) sealed with the
+/// checksum of its text ([`crate::integrity`]).
+pub(crate) fn write_manifest(path: &Path, doc: &impl Serialize) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(doc)
+        .map_err(|e| err(format!("{}: cannot serialise: {e}", path.display())))?;
+    text.push('\n');
+    write_synced(path, seal(&text)?.as_bytes())
+}
+
+/// The checksums of the files `names` of directory `dir`, keyed by name.
+pub(crate) fn digest_files(dir: &Path, names: &[String]) -> Result<Checksums> {
+    let digest = |n: &String| digest_file(&dir.join(n), n.ends_with(".safetensors"));
+    names.iter().map(|n| Ok((n.clone(), digest(n)?))).collect()
+}
+
 /// Writes `tensors` as a safetensors file with transformers' `{"format": "pt"}` metadata.
 pub(crate) fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let contiguous = tensors
@@ -201,6 +233,7 @@ pub(crate) fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Re
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(contiguous, Some(metadata), path)
         .map_err(|e| err(format!("{}: cannot write safetensors: {e}", path.display())))?;
+    crate::host::follow_umask(path)?;
     std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(io_err(path))
 }
 
@@ -311,11 +344,21 @@ pub fn save_checkpoint(
     let pid = std::process::id();
     let tmp = parent.join(format!("{name}.tmp-{pid}"));
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
-    write_safetensors(&tmp.join(MODEL_FILE), params)?;
-    write_safetensors(&tmp.join(OPTIMIZER_FILE), optimizer)?;
-    write_json(&tmp.join(CONFIG_FILE), &config)?;
-    write_json(&tmp.join(MANIFEST_FILE), manifest)?;
-    sync_dir(&tmp)?;
+    let written = (|| {
+        write_safetensors(&tmp.join(MODEL_FILE), params)?;
+        write_safetensors(&tmp.join(OPTIMIZER_FILE), optimizer)?;
+        write_json(&tmp.join(CONFIG_FILE), &config)?;
+        let mut manifest = manifest.clone();
+        let files = [MODEL_FILE, OPTIMIZER_FILE, CONFIG_FILE].map(String::from);
+        manifest.checksums = digest_files(&tmp, &files)?;
+        write_manifest(&tmp.join(MANIFEST_FILE), &manifest)?;
+        sync_dir(&tmp)
+    })();
+    if let Err(e) = written {
+        // A full disk must not stay full of a half-written save.
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
     // 3. Swap: DIR → DIR.old-<pid>, DIR.tmp-<pid> → DIR.
     let old = parent.join(format!("{name}.old-{pid}"));
     let had_previous = dir.exists();
@@ -334,8 +377,13 @@ pub fn save_checkpoint(
     Ok(())
 }
 
-/// Reads a manifest, checking its version before its fields.
+/// Reads a manifest, checking its seal, then its version before its fields.
 pub(crate) fn read_manifest(path: &Path) -> Result<Manifest> {
+    Ok(read_manifest_value(path)?.0)
+}
+
+/// [`read_manifest`], with the whole document (a sharded manifest has more keys).
+pub(crate) fn read_manifest_value(path: &Path) -> Result<(Manifest, Value)> {
     let text = std::fs::read_to_string(path).map_err(io_err(path))?;
     let value: Value = serde_json::from_str(&text)
         .map_err(|e| err(format!("{}: malformed JSON ({e})", path.display())))?;
@@ -355,17 +403,43 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest> {
             )))
         }
     }
-    serde_json::from_value(value)
-        .map_err(|e| err(format!("{}: invalid manifest: {e}", path.display())))
+    // After the version: a manifest of another format is named as such, not as corrupt.
+    check_seal(path, &text)?;
+    let manifest = serde_json::from_value(value.clone())
+        .map_err(|e| err(format!("{}: invalid manifest: {e}", path.display())))?;
+    Ok((manifest, value))
 }
 
-/// All tensors of one safetensors file, as stored.
-fn read_all_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+/// A checkpoint's `config.json`, checked against the manifest's checksum when it has one.
+pub(crate) fn read_config(dir: &Path, manifest: &Manifest) -> Result<Value> {
+    let path = dir.join(CONFIG_FILE);
+    let bytes = std::fs::read(&path).map_err(io_err(&path))?;
+    if let Some(want) = manifest.checksums.get(CONFIG_FILE) {
+        verify_bytes(&path.display().to_string(), &bytes, want)?;
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| err(format!("{}: malformed JSON ({e})", path.display())))
+}
+
+/// All tensors of one safetensors file, as stored, checked against its checksums (when the
+/// manifest has them) and for non-finite values.
+pub(crate) fn read_all_tensors(
+    path: &Path,
+    manifest: &Manifest,
+) -> Result<HashMap<String, Tensor>> {
     let bytes = read_safetensors(path)?;
-    let st = SafeTensors::deserialize(&bytes).expect("validated by read_safetensors");
+    let label = path.display().to_string();
+    if let Some(want) = checksum_of(path, manifest) {
+        verify_bytes(&label, &bytes, want)?;
+    }
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| err(format!("{label}: not a valid safetensors file ({e})")))?;
     st.tensors()
         .into_iter()
         .map(|(name, view)| {
+            if let Ok(dtype) = candle_core::DType::try_from(view.dtype()) {
+                check_finite(&label, &name, view.data(), dtype)?;
+            }
             let t = view.load(&Device::Cpu).map_err(|e| {
                 err(format!("{}: tensor {name} cannot be read: {e}", path.display()))
             })?;
@@ -440,11 +514,13 @@ fn refuse_non_checkpoint(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Checks, before any training, that a checkpoint can be saved at `dir`: it is absent, empty
-/// or a checkpoint (what a save may replace), its parent exists or can be created, and a file
-/// can be written there (a read-only or full file system fails here, not when the first save
-/// is due).
-pub fn preflight_save(dir: &Path) -> Result<()> {
+/// Checks, before any training, that a checkpoint of about `bytes` can be saved at `dir`
+/// (the run should also hold the directory's [`crate::host::lock_dir`]). `dir` must be absent, empty or a
+/// checkpoint (what a save may replace); its parent must exist or be creatable and writable
+/// (a read-only file system fails here, not when the first save is due); and its file system
+/// must have room for one more checkpoint, since a save writes the new one beside the old
+/// before replacing it.
+pub fn preflight_save(dir: &Path, bytes: u64) -> Result<()> {
     refuse_non_checkpoint(dir)?;
     let (parent, name) = split_dir(dir)?;
     std::fs::create_dir_all(&parent).map_err(|e| {
@@ -458,7 +534,32 @@ pub fn preflight_save(dir: &Path) -> Result<()> {
             "cannot write in {} to save checkpoints there: {e}; choose a writable path",
             parent.display()
         ))
-    })
+    })?;
+    // Leftovers of killed saves are removed by the next save; they do not count against it.
+    let stale: u64 = leftovers(&parent, &name, "tmp").iter().map(|p| tree_bytes(p)).sum();
+    if let Some(free) = crate::host::available_disk(&parent) {
+        if free.saturating_add(stale) < bytes {
+            return Err(err(format!(
+                "{} has {} free but one checkpoint of this run needs about {}: free space \
+                 there or choose another --save",
+                parent.display(),
+                crate::host::human(free),
+                crate::host::human(bytes)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of the files under `path`.
+fn tree_bytes(path: &Path) -> u64 {
+    let Ok(meta) = std::fs::symlink_metadata(path) else { return 0 };
+    if !meta.is_dir() {
+        return meta.len();
+    }
+    std::fs::read_dir(path)
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| tree_bytes(&e.path())).sum())
+        .unwrap_or(0)
 }
 
 /// Loads a checkpoint directory written by [`save_checkpoint`], recovering the previous
@@ -486,12 +587,9 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
         )));
     }
     let manifest = read_manifest(&manifest_path)?;
-    let config_path = dir.join(CONFIG_FILE);
-    let config_text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
-    let config_json: Value = serde_json::from_str(&config_text)
-        .map_err(|e| err(format!("{}: malformed JSON ({e})", config_path.display())))?;
-    let params = read_all_tensors(&dir.join(MODEL_FILE))?;
-    let optimizer = read_all_tensors(&dir.join(OPTIMIZER_FILE))?;
+    let config_json = read_config(&dir, &manifest)?;
+    let params = read_all_tensors(&dir.join(MODEL_FILE), &manifest)?;
+    let optimizer = read_all_tensors(&dir.join(OPTIMIZER_FILE), &manifest)?;
     check_tensor_sets(
         params.iter().map(|(n, t)| (n.as_str(), t)),
         optimizer.iter().map(|(n, t)| (n.as_str(), t)),

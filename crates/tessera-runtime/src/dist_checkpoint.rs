@@ -70,11 +70,13 @@
 //! [`save_checkpoint`]: crate::checkpoint::save_checkpoint
 
 use crate::checkpoint::{
-    check_tensor_sets, err, io_err, leftovers, read_manifest, read_safetensors, recover_dir,
-    split_dir, sync_dir, torch_dtype, write_json, write_safetensors, Checkpoint, Manifest,
-    CONFIG_FILE, FORMAT_VERSION, MANIFEST_FILE, MODEL_FILE,
+    check_tensor_sets, checksum_of, err, io_err, leftovers, read_config, read_manifest_value,
+    read_safetensors, recover_dir, split_dir, sync_dir, torch_dtype, write_json, write_manifest,
+    write_safetensors, Checkpoint, Manifest, CONFIG_FILE, FORMAT_VERSION, MANIFEST_FILE,
+    MODEL_FILE,
 };
 use crate::collective::{DeviceMesh, Placement};
+use crate::integrity::{check_finite, digest_file, verify_bytes, Checksums, FileDigest};
 use crate::{Result, RuntimeError};
 use candle_core::{DType, Device, Tensor};
 use safetensors::SafeTensors;
@@ -154,10 +156,7 @@ pub fn is_sharded(dir: &Path) -> bool {
 /// read): for a caller that wants the saved `layout` or the writing mesh.
 pub fn read_sharded_manifest(dir: &Path) -> Result<(Manifest, ShardedSection)> {
     let path = dir.join(MANIFEST_FILE);
-    let manifest = read_manifest(&path)?;
-    let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
-    let value: Value = serde_json::from_str(&text)
-        .map_err(|e| err(format!("{}: malformed JSON ({e})", path.display())))?;
+    let (manifest, value) = read_manifest_value(&path)?;
     let Some(section) = value.get("sharded") else {
         return Err(err(format!(
             "{}: no \"sharded\" section: {} is a single-device checkpoint; load it with \
@@ -489,10 +488,34 @@ fn write_rank_file(tmp: &Path, mesh: &DeviceMesh, step: u64, entries: &[Entry<'_
     ]);
     safetensors::serialize_to_file(tensors, Some(metadata), &partial)
         .map_err(|e| err(format!("{}: cannot write safetensors: {e}", partial.display())))?;
+    crate::host::follow_umask(&partial)?;
     std::fs::File::open(&partial).and_then(|f| f.sync_all()).map_err(io_err(&partial))?;
+    // The file's checksums, for rank 0 to put in the manifest (and remove).
+    write_json(&digest_path(&shards, mesh.rank), &digest_file(&partial, true)?)?;
     std::fs::rename(&partial, &path).map_err(|e| {
         err(format!("{}: cannot rename into {}: {e}", partial.display(), path.display()))
     })
+}
+
+/// Where rank `rank` leaves its file's checksums for rank 0 during a save.
+fn digest_path(shards: &Path, rank: usize) -> PathBuf {
+    shards.join(format!("{}.xxh3.json", rank_file_name(rank)))
+}
+
+/// Rank 0: every rank's checksums (removing the files they came in) and `config.json`'s.
+fn gather_digests(tmp: &Path, world_size: usize) -> Result<Checksums> {
+    let shards = tmp.join(SHARDS_DIR);
+    let mut sums = Checksums::new();
+    for rank in 0..world_size {
+        let path = digest_path(&shards, rank);
+        let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+        let digest: FileDigest = serde_json::from_str(&text)
+            .map_err(|e| err(format!("{}: malformed checksums ({e})", path.display())))?;
+        sums.insert(format!("{SHARDS_DIR}/{}", rank_file_name(rank)), digest);
+        std::fs::remove_file(&path).map_err(io_err(&path))?;
+    }
+    sums.insert(CONFIG_FILE.to_string(), digest_file(&tmp.join(CONFIG_FILE), false)?);
+    Ok(sums)
 }
 
 /// The config `checkpoint::save_checkpoint` writes: `torch_dtype` (and `dtype`, if present)
@@ -575,7 +598,9 @@ fn commit(
             .map(|t| t.dtype.as_str()),
     )?;
     write_json(&tmp.join(CONFIG_FILE), &config)?;
-    let Value::Object(mut doc) = serde_json::to_value(manifest)
+    let mut manifest = manifest.clone();
+    manifest.checksums = gather_digests(tmp, prepared.section.world_size)?;
+    let Value::Object(mut doc) = serde_json::to_value(&manifest)
         .map_err(|e| err(format!("cannot serialise the manifest: {e}")))?
     else {
         return Err(err("the manifest does not serialise to a JSON object"));
@@ -585,7 +610,7 @@ fn commit(
         serde_json::to_value(&prepared.section)
             .map_err(|e| err(format!("cannot serialise the sharded section: {e}")))?,
     );
-    write_json(&tmp.join(MANIFEST_FILE), &doc)?;
+    write_manifest(&tmp.join(MANIFEST_FILE), &doc)?;
     swap_in(tmp, dir, parent, name)
 }
 
@@ -829,7 +854,7 @@ fn plan_assembly(
 fn read_rank_file(
     path: &Path,
     rank: usize,
-    step: u64,
+    manifest: &Manifest,
     wanted: &[(usize, Vec<usize>)],
     section: &ShardedSection,
     assemblies: &mut [Assembly],
@@ -847,6 +872,10 @@ fn read_rank_file(
         )));
     }
     let bytes = read_safetensors(path)?;
+    if let Some(want) = checksum_of(path, manifest) {
+        verify_bytes(&path.display().to_string(), &bytes, want)?;
+    }
+    let step = manifest.step;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| err(format!("{}: not a valid safetensors file ({e})", path.display())))?;
     // A file copied from another rank or save would pass the shape checks: its header says
@@ -920,6 +949,7 @@ fn read_rank_file(
                 a.chunk.iter().product::<usize>() * elem
             )));
         }
+        check_finite(&path.display().to_string(), &t.name, view.data(), a.dtype)?;
         copy_chunk(&mut a.bytes, &t.shape, view.data(), &a.chunk, index, elem);
     }
     Ok(())
@@ -942,16 +972,13 @@ pub(crate) fn load_sharded_from(dir: PathBuf) -> Result<Checkpoint> {
         )));
     }
     let (manifest, section) = read_sharded_manifest(&dir)?;
-    let config_path = dir.join(CONFIG_FILE);
-    let config_text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
-    let config_json: Value = serde_json::from_str(&config_text)
-        .map_err(|e| err(format!("{}: malformed JSON ({e})", config_path.display())))?;
+    let config_json = read_config(&dir, &manifest)?;
 
     let (mut assemblies, by_rank) = plan_assembly(&section, &manifest_path)?;
     let shards = dir.join(SHARDS_DIR);
     for (rank, wanted) in &by_rank {
         let path = shards.join(rank_file_name(*rank));
-        read_rank_file(&path, *rank, manifest.step, wanted, &section, &mut assemblies)?;
+        read_rank_file(&path, *rank, &manifest, wanted, &section, &mut assemblies)?;
     }
     let mut params = HashMap::new();
     let mut optimizer = HashMap::new();

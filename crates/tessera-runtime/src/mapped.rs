@@ -13,20 +13,21 @@
 //! one).
 
 use crate::checkpoint::{
-    err, io_err, read_manifest, recover_dir, Manifest, CONFIG_FILE, MANIFEST_FILE, MODEL_FILE,
-    OPTIMIZER_FILE,
+    checksum_of, err, io_err, read_config, read_manifest, recover_dir, Manifest, MANIFEST_FILE,
+    MODEL_FILE, OPTIMIZER_FILE,
 };
 use crate::collective::{DeviceMesh, Placement};
 use crate::dist_checkpoint::{
     is_sharded, rank_file_name, read_sharded_manifest, TensorRole, SHARDS_DIR,
 };
+use crate::integrity::{check_finite, verify_part, FileDigest};
 use crate::{Result, RuntimeError};
 use candle_core::{DType, Device, Tensor};
 use safetensors::SafeTensors;
 use serde_json::Value;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Global tensors by name that a device takes its shards from.
 pub trait ShardSource: Sync {
@@ -59,19 +60,23 @@ impl ShardSource for HashMap<String, Tensor> {
 /// error only if the tensor is read).
 pub(crate) type FileDtype = std::result::Result<DType, safetensors::Dtype>;
 
-/// One mapped safetensors file: its tensors (name → dtype, shape, byte offset of the data)
-/// and its header metadata.
+/// One mapped safetensors file: its tensors (name → dtype, shape, byte range of the data),
+/// its header metadata, and the checksums it was saved with, if known.
 pub(crate) struct MappedFile {
     pub(crate) path: PathBuf,
     map: memmap2::Mmap,
-    pub(crate) tensors: HashMap<String, (FileDtype, Vec<usize>, usize)>,
+    pub(crate) tensors: HashMap<String, (FileDtype, Vec<usize>, std::ops::Range<usize>)>,
     pub(crate) metadata: HashMap<String, String>,
+    digest: Option<FileDigest>,
+    /// Tensors already checked (checksum, finite values) by a read.
+    checked: Mutex<HashSet<String>>,
 }
 
 impl MappedFile {
     /// Maps `path` and parses its header; corruption and unsupported dtypes are named with
-    /// the file.
-    pub(crate) fn open(path: &Path) -> Result<MappedFile> {
+    /// the file. With `digest` (the manifest's checksums of the file), the length and header
+    /// are checked now and each tensor's bytes when it is first read.
+    pub(crate) fn open(path: &Path, digest: Option<&FileDigest>) -> Result<MappedFile> {
         let file = std::fs::File::open(path).map_err(io_err(path))?;
         // SAFETY: the map is read-only; saves replace checkpoint directories by rename and
         // never rewrite a file in place, so a mapped file does not change under the reader.
@@ -83,14 +88,68 @@ impl MappedFile {
                 path.display()
             ))
         })?;
+        let label = path.display().to_string();
+        if let Some(d) = digest {
+            if map.len() as u64 != d.bytes {
+                return Err(err(format!(
+                    "{label}: {} bytes, but {} were saved: the file is truncated or was \
+                     replaced; resume from another checkpoint or re-save it",
+                    map.len(),
+                    d.bytes
+                )));
+            }
+            if let Some(want) = &d.header_xxh3 {
+                verify_part(&label, "its header", &map[..8 + header], want)?;
+            }
+        }
         let mut tensors = HashMap::new();
         for (name, info) in metadata.tensors() {
             // A dtype candle lacks (bool masks, 8-bit floats) is an error only if it is read.
             let dtype = DType::try_from(info.dtype).map_err(|_| info.dtype);
-            tensors.insert(name, (dtype, info.shape.clone(), 8 + header + info.data_offsets.0));
+            let (a, b) = info.data_offsets;
+            let range = (8 + header + a)..(8 + header + b);
+            if range.end > map.len() {
+                return Err(err(format!(
+                    "{label}: tensor {name}'s bytes lie beyond the end of the file: it is \
+                     truncated; re-download or re-save it"
+                )));
+            }
+            tensors.insert(name, (dtype, info.shape.clone(), range));
         }
         let meta = metadata.metadata().clone().unwrap_or_default();
-        Ok(MappedFile { path: path.to_path_buf(), map, tensors, metadata: meta })
+        Ok(MappedFile {
+            path: path.to_path_buf(),
+            map,
+            tensors,
+            metadata: meta,
+            digest: digest.cloned(),
+            checked: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// Checks tensor `name` before its first read: its checksum (when the file's are known)
+    /// and that it holds no NaN or infinity.
+    fn check(&self, name: &str) -> Result<()> {
+        let seen = |c: &Mutex<HashSet<String>>| c.lock().map(|s| s.contains(name)).unwrap_or(false);
+        if seen(&self.checked) {
+            return Ok(());
+        }
+        let Some((dtype, _, range)) = self.tensors.get(name) else { return Ok(()) };
+        let label = self.path.display().to_string();
+        let data = &self.bytes()[range.clone()];
+        if let Some(d) = &self.digest {
+            let want = d.tensors.get(name).ok_or_else(|| {
+                err(format!("{label}: tensor {name} has no saved checksum: the file was replaced"))
+            })?;
+            verify_part(&label, &format!("tensor {name}"), data, want)?;
+        }
+        if let Ok(dtype) = dtype {
+            check_finite(&label, name, data, *dtype)?;
+        }
+        if let Ok(mut c) = self.checked.lock() {
+            c.insert(name.to_string());
+        }
+        Ok(())
     }
 
     fn bytes(&self) -> &[u8] {
@@ -242,7 +301,8 @@ impl MappedTensors {
                 continue;
             }
             let file = &self.files[p.file];
-            let start = file.tensors[&p.name].2;
+            file.check(&p.name)?;
+            let start = file.tensors[&p.name].2.start;
             let src = &file.bytes()[start..];
             let inter: Vec<usize> = lo.iter().zip(&hi).map(|(l, h)| h - l).collect();
             let src_origin: Vec<usize> = lo.iter().zip(&p.origin).map(|(l, o)| l - o).collect();
@@ -312,14 +372,8 @@ impl MappedCheckpoint {
     /// Opens the checkpoint at `dir` (single-device or sharded), checking every header.
     pub fn open(dir: &Path) -> Result<MappedCheckpoint> {
         let dir = recover_dir(dir)?;
-        let config_path = dir.join(CONFIG_FILE);
-        let config_json = || -> Result<Value> {
-            let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
-            serde_json::from_str(&text)
-                .map_err(|e| err(format!("{}: malformed JSON ({e})", config_path.display())))
-        };
         if is_sharded(&dir) {
-            return open_sharded(dir.clone(), config_json()?);
+            return open_sharded(dir.clone());
         }
         let manifest_path = dir.join(MANIFEST_FILE);
         if !manifest_path.is_file() {
@@ -330,14 +384,16 @@ impl MappedCheckpoint {
             )));
         }
         let manifest = read_manifest(&manifest_path)?;
-        let files = Arc::new(vec![
-            MappedFile::open(&dir.join(MODEL_FILE))?,
-            MappedFile::open(&dir.join(OPTIMIZER_FILE))?,
-        ]);
+        let config_json = read_config(&dir, &manifest)?;
+        let open = |name: &str| {
+            let path = dir.join(name);
+            MappedFile::open(&path, checksum_of(&path, &manifest))
+        };
+        let files = Arc::new(vec![open(MODEL_FILE)?, open(OPTIMIZER_FILE)?]);
         let params = MappedTensors::whole(files.clone(), 0)?;
         let optimizer = MappedTensors::whole(files, 1)?;
         check_optimizer(&params, &optimizer, &dir)?;
-        Ok(MappedCheckpoint { manifest, config_json: config_json()?, params, optimizer, dir })
+        Ok(MappedCheckpoint { manifest, config_json, params, optimizer, dir })
     }
 }
 
@@ -360,12 +416,13 @@ fn check_optimizer(params: &MappedTensors, optimizer: &MappedTensors, dir: &Path
 }
 
 /// A sharded checkpoint: every rank file mapped, every chunk checked against its header.
-fn open_sharded(dir: PathBuf, config_json: Value) -> Result<MappedCheckpoint> {
+fn open_sharded(dir: PathBuf) -> Result<MappedCheckpoint> {
     let (manifest, section) = read_sharded_manifest(&dir)?;
+    let config_json = read_config(&dir, &manifest)?;
     let mut files = Vec::with_capacity(section.world_size);
     for rank in 0..section.world_size {
         let path = dir.join(SHARDS_DIR).join(rank_file_name(rank));
-        let file = MappedFile::open(&path)?;
+        let file = MappedFile::open(&path, checksum_of(&path, &manifest))?;
         let said = |k: &str| file.metadata.get(k).cloned().unwrap_or_default();
         if said("rank") != rank.to_string() || said("step") != manifest.step.to_string() {
             return Err(err(format!(

@@ -57,6 +57,30 @@ fn bits(t: &Tensor) -> (CDType, Vec<usize>, Vec<u64>) {
     (t.dtype(), t.dims().to_vec(), words)
 }
 
+/// A loaded manifest without the checksums its save added (checking they are there: every
+/// file the checkpoint holds but the manifest itself).
+fn without_checksums(m: &Manifest) -> Manifest {
+    assert!(m.checksums.contains_key("config.json"), "{:?}", m.checksums.keys());
+    assert!(
+        m.checksums.keys().all(|k| k.ends_with(".safetensors") || k == "config.json"),
+        "{:?}",
+        m.checksums.keys()
+    );
+    let mut m = m.clone();
+    m.checksums.clear();
+    m
+}
+
+/// Makes `dir`'s manifest one written before checksums (none listed, no seal).
+fn drop_checksums(dir: &Path) {
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let doc = m.as_object_mut().unwrap();
+    assert!(doc.remove("checksums").is_some() && doc.remove("manifest_xxh3").is_some());
+    std::fs::write(&path, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+}
+
 fn manifest(step: u64) -> Manifest {
     let schedule = LrSchedule::WarmupCosine { peak: 1e-3, min_lr: 1e-4, warmup: 10, total: 100 };
     let mut m = Manifest::new(step, 100, 1234, "gpt2-small-test", schedule);
@@ -220,13 +244,13 @@ fn round_trip_on_a_2x2_mesh_is_bit_exact() {
     assert_eq!(entries(&root), ["ckpt"], "no temporary directory left behind");
     assert_eq!(entries(&dir), ["config.json", "manifest.json", "shards"]);
     let ck = load_sharded(&dir).unwrap();
-    assert_eq!(ck.manifest, manifest(10));
+    assert_eq!(without_checksums(&ck.manifest), manifest(10));
     assert_eq!(ck.config_json["model_type"], "gpt2");
     assert_eq!(ck.dir, dir);
     assert_global(&ck, &state);
 
     let (m, section) = read_sharded_manifest(&dir).unwrap();
-    assert_eq!(m, manifest(10));
+    assert_eq!(without_checksums(&m), manifest(10));
     assert_eq!(section.mesh, [2, 2]);
     assert_eq!(section.world_size, 4);
     assert_eq!(section.layout, layout(), "the layout is stored verbatim");
@@ -547,6 +571,11 @@ fn a_rank_file_missing_a_tensor_or_with_a_wrong_shape_is_named() {
     let gone = "transformer.h.0.attn.c_attn.weight";
     tensors.remove(gone).unwrap();
     candle_core::safetensors::save(&tensors, &path).unwrap();
+    // The checksums see a replaced file first ...
+    let e = error_text(load_sharded(&dir));
+    assert!(e.contains("rank-00001.safetensors") && e.contains("was replaced"), "{e}");
+    // ... and without them (a checkpoint from before checksums) the contents are checked.
+    drop_checksums(&dir);
     let e = error_text(load_sharded(&dir));
     assert!(
         e.contains("rank-00001.safetensors") && e.contains(gone) && e.contains("missing"),
@@ -575,7 +604,7 @@ fn load_checkpoint_dispatches_to_sharded_checkpoints_and_recovers_them() {
     save_ok(&dir, &[2, 2], &state, 12);
     assert!(is_sharded(&dir));
     let ck = load_checkpoint(&dir).unwrap();
-    assert_eq!(ck.manifest, manifest(12));
+    assert_eq!(without_checksums(&ck.manifest), manifest(12));
     assert_global(&ck, &state);
 
     // A save killed between its renames: DIR is missing, DIR.old-<pid> holds the checkpoint.
@@ -705,7 +734,7 @@ fn mapped_checkpoints_give_each_device_its_shard_of_the_saved_tensors() {
     save_checkpoint(&single, &config_json(), &params, &optimizer, &manifest(3)).unwrap();
     for dir in [&sharded, &single] {
         let ck = MappedCheckpoint::open(dir).unwrap();
-        assert_eq!(ck.manifest, manifest(3));
+        assert_eq!(without_checksums(&ck.manifest), manifest(3));
         for (name, global, _) in &state {
             let is_opt = [".adam_m", ".adam_v", ".master"].iter().any(|s| name.ends_with(s));
             let source = if is_opt { &ck.optimizer } else { &ck.params };
@@ -742,6 +771,9 @@ fn mapped_checkpoints_give_each_device_its_shard_of_the_saved_tensors() {
     let other = root.join("other");
     save_ok(&other, &[2, 2], &state, 4);
     std::fs::copy(rank_file(&other, 1), rank_file(&sharded, 1)).unwrap();
+    let msg = MappedCheckpoint::open(&sharded).unwrap_err().to_string();
+    assert!(msg.contains("rank-00001") && msg.contains("checksum mismatch in its header"), "{msg}");
+    drop_checksums(&sharded);
     let msg = MappedCheckpoint::open(&sharded).unwrap_err().to_string();
     assert!(msg.contains("rank-00001") && msg.contains("step 4"), "{msg}");
 }
