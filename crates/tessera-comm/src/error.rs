@@ -46,7 +46,8 @@ pub enum CommError {
         /// The group's ranks (for send/recv: the peer).
         group: Vec<usize>,
         timeout: Duration,
-        /// Members that had not arrived when the wait gave up.
+        /// Members that had not arrived when the wait gave up (empty only where every member
+        /// had arrived but the exchange itself did not finish: the data phase of an MPI call).
         missing: Vec<usize>,
         /// What each missing rank was doing at that moment (blocked in which call, or not).
         detail: String,

@@ -22,7 +22,18 @@
 //!
 //! # One call
 //!
-//! Every collective first all-gathers a small *signature* (kind, the call's number in this
+//! Every collective first *announces* itself: it sends its number in the group's call sequence
+//! to each other member, as one word on the group's communicator (tag of its own, used for
+//! nothing else), without waiting. Each call then receives, again without waiting, the
+//! announcements that have arrived for it, so a rank knows, per group and member, the last
+//! call that member has entered (see [Timeouts and failure](#timeouts-and-failure)). The
+//! queue stays short: a member can be at most one call ahead of another on a group, so once
+//! they have arrived at most two of its announcements are waiting, and the sends (tiny, so
+//! complete at once) are freed at the next call. This costs n − 1 one-word sends and receives
+//! per call and no wait; dropping the communicator receives the last ones before finalising
+//! MPI.
+//!
+//! Then every collective all-gathers a small *signature* (kind, the call's number in this
 //! group, length, root) on the group's communicator. Members whose calls disagree all fail
 //! with [`CommError::Mismatch`] naming both sides, and since they all saw the same signatures
 //! they all skip the data phase together, so the group stays in step. The signature also tells
@@ -37,16 +48,25 @@
 //! # Timeouts and failure
 //!
 //! Every operation is started non-blocking and polled until it completes or the call's
-//! deadline passes; then the call fails with [`CommError::Timeout`]. MPI does not tell which
-//! members have not arrived at a collective, so `missing` is empty for a timed-out collective
-//! (it is filled in while a group's communicator is being set up, and for `recv` it is the
-//! sender). An MPI collective cannot be cancelled: the timed-out request and its buffers are
+//! deadline passes; then the call fails with [`CommError::Timeout`]. MPI itself does not tell
+//! which members have not arrived at a collective, so `missing` comes from the announcements:
+//! a collective whose signature exchange times out receives the announcements that have
+//! arrived (the members that entered sent theirs before entering, long before the deadline)
+//! and names as missing every member that has not announced this call (`waiting for ranks
+//! [2]`, with the last call each was seen to enter on the group): a rank still computing,
+//! stuck, or waiting in a call on another group. As with the thread backend, a one-rank stall
+//! is named by every other member. A data phase that times out (every member
+//! had entered: their signatures arrived) has nothing to name and leaves `missing` empty.
+//! While a group's communicator is being set up, the hellos name the missing members, and for
+//! `recv` it is the sender.
+//!
+//! An MPI collective cannot be cancelled: the timed-out request and its buffers are
 //! abandoned (leaked; MPI may still write to them), and the rank's MPI state is no longer
 //! usable. **After a `Timeout` the program must end the job**: print the error and call
 //! [`MpiComm::abort`], which calls `MPI_Abort` on the world and ends every rank (what the
-//! runtime's driver is meant to do with any error of this backend). A rank that drops its communicator after an abandoned operation skips
-//! `MPI_Finalize` (which could hang), so the launcher sees it exit without finalising and ends
-//! the job.
+//! runtime's driver is meant to do with any error of this backend). A rank that drops its
+//! communicator after an abandoned operation skips `MPI_Finalize` (which could hang), so the
+//! launcher sees it exit without finalising and ends the job.
 //!
 //! Unlike the thread backend, a rank that has returned is not detected as "gone" (no
 //! [`CommError::RankDied`]): its peers' calls time out instead, or the launcher ends the job when
@@ -79,11 +99,17 @@ const HELLO_TAG: Tag = 1;
 /// Tag given to `MPI_Comm_create_group` on the `create` communicator (only one set-up runs at a
 /// time per rank, so one tag suffices).
 const CREATE_TAG: Tag = 2;
+/// Tag of call announcements, on each group's own communicator (the world's for the world),
+/// where nothing else is sent point to point.
+const ANNOUNCE_TAG: Tag = 3;
 
-/// What a timed-out collective's error says, since MPI cannot say who is missing.
-const UNKNOWN_MISSING: &str = "MPI cannot tell which members are missing (hence the empty \
-     list), and the timed-out MPI operation cannot be cancelled: end the job now (print this \
-     error and call MpiComm::abort)";
+/// How long a timed-out call may spend receiving the announcements already queued for it
+/// (each is one word that has arrived, so receiving it takes microseconds).
+const ANNOUNCE_GRACE: Duration = Duration::from_secs(1);
+
+/// The end of every error after which an MPI operation was abandoned.
+const END_THE_JOB: &str = "the timed-out MPI operation cannot be cancelled: end the job now \
+     (print this error and call MpiComm::abort)";
 
 /// One rank of an MPI job. Create it once per process with [`MpiComm::init`]; dropping it
 /// finalises MPI, which waits for every other rank to finalise too.
@@ -100,12 +126,36 @@ pub struct MpiComm {
     timeout: Duration,
     /// Per group: how many calls this rank has made on it (the next call's number).
     seqs: HashMap<Group, u64>,
+    /// Per group: the calls this rank has announced there and heard announced by the others.
+    tallies: HashMap<Group, Tally>,
     stats: CommStats,
     /// Set once an operation was abandoned after a timeout: MPI may still use its buffers and
     /// its request is never completed, so MPI must not be finalised (see `Drop`).
     abandoned: bool,
     /// Everything that holds MPI handles, dropped (or deliberately not) in `Drop`.
     mpi: ManuallyDrop<MpiState>,
+}
+
+/// What a rank knows of one group's progress from the announcements: every member announces
+/// each of its calls on the group to the others as it enters it.
+struct Tally {
+    /// How many calls this rank has announced here (its last announced call's number + 1).
+    announced: u64,
+    /// Per member, in group order: how many of its calls it has announced to this rank (the
+    /// number of the next call it will enter). This rank's own entry stays 0.
+    heard: Vec<u64>,
+}
+
+/// How much of the backend's own traffic is outstanding on one rank (see
+/// [`MpiComm::backlog`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Sends (user messages, set-up hellos, call announcements) MPI has not completed yet.
+    pub sends_in_flight: usize,
+    /// Announcements of the calls this rank has entered that it has not yet received from the
+    /// other members (not yet sent, in flight, or waiting to be received), summed over groups
+    /// and members.
+    pub announcements_unheard: u64,
 }
 
 /// MPI objects, in the order they must be released: communicators before the universe, whose
@@ -125,6 +175,17 @@ struct MpiState {
     world: SimpleCommunicator,
     #[expect(dead_code, reason = "held only for its Drop, which calls MPI_Finalize")]
     universe: ::mpi::environment::Universe,
+}
+
+impl MpiState {
+    /// The communicator of `group`: the world's, or the one `ensure_comm` made (`None` before).
+    fn comm(&self, group: &Group, world_size: usize) -> Option<&SimpleCommunicator> {
+        if group.len() == world_size {
+            Some(&self.world)
+        } else {
+            self.groups.get(group)
+        }
+    }
 }
 
 // SAFETY: MPI handles are plain integers or pointers that MPI allows any thread to use as long
@@ -422,6 +483,24 @@ fn sum_chunks(parts: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
+/// Receives every announcement already on `comm` into `tally` (see [`MpiComm::drain`]).
+fn drain_on(
+    comm: &SimpleCommunicator,
+    tally: &mut Tally,
+    deadline: Option<Instant>,
+) -> std::result::Result<(), Abandoned> {
+    while let Some(found) = comm.any_process().immediate_matched_probe_with_tag(ANNOUNCE_TAG) {
+        let from = usize::try_from(found.1.source_rank()).ok();
+        let words = receive_matched::<u64>(found, deadline)?;
+        let heard = from.and_then(|idx| tally.heard.get_mut(idx));
+        if let (Some(heard), Some(&seq)) = (heard, words.first()) {
+            // Announcements from one member arrive in order (same communicator and tag).
+            *heard = (*heard).max(seq.saturating_add(1));
+        }
+    }
+    Ok(())
+}
+
 fn to_rank(r: usize) -> Result<Rank> {
     Rank::try_from(r).map_err(|_| CommError::Internal(format!("rank {r} does not fit an MPI rank")))
 }
@@ -465,6 +544,7 @@ impl MpiComm {
             world_size,
             timeout,
             seqs: HashMap::new(),
+            tallies: HashMap::new(),
             stats: CommStats::default(),
             abandoned: false,
             mpi: ManuallyDrop::new(MpiState {
@@ -572,12 +652,117 @@ impl MpiComm {
 
     /// The communicator of `group` (made by `ensure_comm`).
     fn comm(&self, group: &Group) -> Result<&SimpleCommunicator> {
-        if group.len() == self.world_size {
-            return Ok(&self.mpi.world);
-        }
-        self.mpi.groups.get(group).ok_or_else(|| {
+        self.mpi.comm(group, self.world_size).ok_or_else(|| {
             CommError::Internal(format!("group {group} has no MPI communicator after set-up"))
         })
+    }
+
+    /// Tells the other members of the call's group that this rank has entered the call: one
+    /// word (the call's number) to each on the group's communicator, sent without waiting and
+    /// freed by `reap` once MPI is done with it.
+    fn announce(&mut self, call: &Call<'_>) -> Result<()> {
+        let group = call.group;
+        let comm = self.comm(group)?;
+        let mut sends = Vec::with_capacity(group.len().saturating_sub(1));
+        for (idx, &r) in group.ranks().iter().enumerate() {
+            if r != self.rank {
+                sends.push(start_send(comm, to_rank(idx)?, ANNOUNCE_TAG, vec![call.seq]));
+            }
+        }
+        self.mpi.pending.append(&mut sends);
+        let announced = call.seq.saturating_add(1);
+        match self.tallies.get_mut(group) {
+            Some(tally) => tally.announced = announced,
+            None => {
+                let heard = vec![0; group.len()];
+                self.tallies.insert(group.clone(), Tally { announced, heard });
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives the announcements that have arrived on `group`'s communicator, without waiting
+    /// for more. Every call does this, so only a few per member are ever queued.
+    fn drain(&mut self, group: &Group, deadline: Option<Instant>) -> Result<(), Abandoned> {
+        let comm = self.mpi.comm(group, self.world_size);
+        let (Some(comm), Some(tally)) = (comm, self.tallies.get_mut(group)) else { return Ok(()) };
+        drain_on(comm, tally, deadline)
+    }
+
+    /// The error for a call whose signature exchange timed out: the members that have not
+    /// announced entering the call are the missing ones.
+    fn stalled(&mut self, call: &Call<'_>) -> CommError {
+        self.abandoned = true;
+        // The announcements of members that did enter were sent before they did, seconds ago:
+        // they have arrived, and receiving them takes no wait.
+        let grace = Instant::now().checked_add(ANNOUNCE_GRACE.min(self.timeout));
+        let drained = self.drain(call.group, grace).is_ok();
+        let heard = self.tallies.get(call.group).map_or(&[][..], |t| &t.heard[..]);
+        let behind: Vec<(usize, u64)> = call
+            .group
+            .ranks()
+            .iter()
+            .zip(heard)
+            .filter(|&(&r, &h)| r != self.rank && h <= call.seq)
+            .map(|(&r, &h)| (r, h))
+            .collect();
+        if behind.is_empty() {
+            return call.timed_out(
+                Vec::new(),
+                format!(
+                    "every member announced entering this call, yet the exchange of call \
+                     signatures did not finish (a member may have failed inside MPI); {END_THE_JOB}"
+                ),
+            );
+        }
+        let each = behind.iter().map(|&(r, h)| match h.checked_sub(1) {
+            Some(last) => format!("rank {r} (its last call here was #{last})"),
+            None => format!("rank {r} (no call here yet)"),
+        });
+        let mut detail = format!(
+            "{} {} not entered this call, #{} of this group: still computing, stuck, or waiting \
+             in a call on another group",
+            each.collect::<Vec<_>>().join(", "),
+            if behind.len() == 1 { "has" } else { "have" },
+            call.seq,
+        );
+        if !drained {
+            detail.push_str(
+                " (an announcement could not be received, so a rank named here may have entered)",
+            );
+        }
+        call.timed_out(behind.iter().map(|&(r, _)| r).collect(), format!("{detail}; {END_THE_JOB}"))
+    }
+
+    /// What of the backend's own traffic is outstanding on this rank, as the calls made so far
+    /// left it (a snapshot: it completes nothing). For tests and diagnostics: every call frees
+    /// the sends MPI has finished and receives the announcements that have arrived, so both
+    /// counts stay within a few per member of each group however many calls are made; growth
+    /// with the number of calls would mean messages accumulating.
+    pub fn backlog(&self) -> Backlog {
+        let unheard = self.tallies.iter().map(|(group, tally)| {
+            let others = group.ranks().iter().zip(&tally.heard).filter(|&(&r, _)| r != self.rank);
+            others.map(|(_, &h)| tally.announced.saturating_sub(h)).sum::<u64>()
+        });
+        Backlog { sends_in_flight: self.mpi.pending.len(), announcements_unheard: unheard.sum() }
+    }
+
+    /// Frees finished sends and receives every announcement that has arrived, on every group;
+    /// whether nothing is outstanding any more (false too once an operation is abandoned).
+    fn settle(&mut self) -> bool {
+        if self.abandoned {
+            return false;
+        }
+        self.reap();
+        let deadline = Instant::now().checked_add(self.timeout);
+        for (group, tally) in &mut self.tallies {
+            let Some(comm) = self.mpi.comm(group, self.world_size) else { continue };
+            if drain_on(comm, tally, deadline).is_err() {
+                self.abandoned = true;
+                return false;
+            }
+        }
+        self.backlog() == Backlog::default()
     }
 
     /// Makes the sub-communicator of the call's group if this is the rank's first call there:
@@ -610,7 +795,7 @@ impl MpiComm {
                     return Err(call.timed_out(
                         vec![peer],
                         format!(
-                            "the hello from rank {peer} did not finish arriving; {UNKNOWN_MISSING}"
+                            "the hello from rank {peer} did not finish arriving; {END_THE_JOB}"
                         ),
                     ));
                 };
@@ -659,14 +844,15 @@ impl MpiComm {
     fn agree(&mut self, call: &Call<'_>, mine: Signature) -> Result<Vec<Signature>> {
         self.reap();
         self.ensure_comm(call)?;
+        self.announce(call)?;
+        if self.drain(call.group, call.deadline).is_err() {
+            return Err(self.stalled(call));
+        }
         let n = call.group.len();
         let gathered =
             match all_gather_on(self.comm(call.group)?, mine.encode().to_vec(), n, call.deadline) {
                 Ok(words) => words,
-                Err(Abandoned) => {
-                    self.abandoned = true;
-                    return Err(call.timed_out(Vec::new(), UNKNOWN_MISSING.to_string()));
-                }
+                Err(Abandoned) => return Err(self.stalled(call)),
             };
         let sigs = gathered
             .chunks_exact(Signature::WORDS)
@@ -697,7 +883,10 @@ impl MpiComm {
         self.abandoned = true;
         call.timed_out(
             Vec::new(),
-            format!("every member had started the call, but the data did not finish moving; {UNKNOWN_MISSING}"),
+            format!(
+                "every member had entered the call (their signatures arrived), but the data did \
+                 not finish moving; {END_THE_JOB}"
+            ),
         )
     }
 
@@ -847,7 +1036,7 @@ impl Communicator for MpiComm {
                     self.abandoned = true;
                     return Err(timed_out(format!(
                         "a message from rank {from} started arriving but did not finish; \
-                         {UNKNOWN_MISSING}"
+                         {END_THE_JOB}"
                     )));
                 };
                 self.stats.record(kind, f32_bytes(msg.len()));
@@ -886,12 +1075,12 @@ impl Communicator for MpiComm {
 
 impl Drop for MpiComm {
     fn drop(&mut self) {
-        // Give queued sends up to one timeout to be received: MPI_Finalize with sends still
-        // pending is erroneous, and freeing their buffers early would be unsound.
+        // Give queued sends up to one timeout to be received, and the other members' last
+        // call announcements as long to arrive: MPI_Finalize with sends still pending or
+        // messages unreceived is erroneous, and freeing send buffers early would be unsound.
         let deadline = Instant::now().checked_add(self.timeout);
         let mut backoff = Backoff(0);
-        while !self.mpi.pending.is_empty() && !past(deadline) {
-            self.reap();
+        while !self.settle() && !self.abandoned && !past(deadline) {
             backoff.pause();
         }
         if self.abandoned || !self.mpi.pending.is_empty() {
@@ -909,6 +1098,16 @@ impl Drop for MpiComm {
                 }
             );
             return;
+        }
+        let unheard = self.backlog().announcements_unheard;
+        if unheard > 0 {
+            // Other members made fewer calls on a shared group than this rank (after an error):
+            // finalise anyway, as MPI_Finalize waits for them.
+            eprintln!(
+                "tessera-comm: rank {}: finalising MPI with {unheard} call announcements of other \
+                 ranks never received (they made fewer calls on a shared group)",
+                self.rank
+            );
         }
         // SAFETY: `self.mpi` is dropped exactly once, here, and not used afterwards. Its fields
         // drop in declaration order: communicators are freed before the universe finalises MPI.

@@ -1,7 +1,8 @@
 //! The MPI backend under a real launcher: runs the `mpi_selftest` example with OpenMPI's
 //! `mpirun` on 2 and 4 ranks (every collective, on the world and on mesh rows and columns,
-//! checked bit for bit), and checks that a rank that never joins a collective makes the job end
-//! in bounded time with a timeout error naming rank, collective and group.
+//! checked bit for bit; a thousand small calls leaving no messages behind), and checks that a
+//! rank that never joins a collective makes the job end in bounded time with a timeout error
+//! naming rank, collective, group and the rank that stalled.
 //!
 //! Compiled only with the `mpi` feature (`cargo test -p tessera-comm --features mpi`). A
 //! missing `mpirun` fails the tests with a pointer to `scripts/setup.sh`; it never skips them.
@@ -88,7 +89,8 @@ struct Job {
     elapsed: Duration,
 }
 
-/// Runs `mpirun -n ranks mpi_selftest mode`, killing it after [`JOB_LIMIT`].
+/// Runs `mpirun -n ranks mpi_selftest mode` (`mode` may hold arguments after the mode, separated
+/// by spaces), killing it after [`JOB_LIMIT`].
 fn mpirun(ranks: usize, mode: &str) -> Job {
     require_openmpi();
     let binary = selftest_binary();
@@ -109,7 +111,7 @@ fn mpirun(ranks: usize, mode: &str) -> Job {
         .args(["--timeout", &JOB_LIMIT.as_secs().to_string()])
         .args(["-n", &ranks.to_string()])
         .arg(binary)
-        .arg(mode)
+        .args(mode.split_whitespace())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -173,18 +175,74 @@ fn every_collective_on_4_ranks_with_mesh_rows_and_columns() {
     assert_every_rank_ok(4);
 }
 
+/// A thousand one-element all-reduces on the world and the mesh columns: the backend's own
+/// messages (call announcements) must neither pile up during the run (the example checks its
+/// backlog after every call) nor be left unreceived at the end (MPI is finalised cleanly,
+/// without the backend's warning).
+#[test]
+fn a_thousand_small_calls_leave_no_messages_behind() {
+    let job = mpirun(4, "many 1000");
+    assert!(job.status.success(), "mpirun -n 4 failed ({}):\n{}", job.status, job.output);
+    for r in 0..4 {
+        let line = format!("mpi_selftest: rank {r} of 4: ok");
+        assert!(job.output.lines().any(|l| l == line), "no {line:?} in:\n{}", job.output);
+    }
+    assert!(!job.output.contains("tessera-comm:"), "a warning at finalisation:\n{}", job.output);
+}
+
 /// Rank 1 leaves without calling the all-reduce rank 0 waits in (3 s timeout): the job must
-/// end well within a minute, failed, with rank 0's timeout error naming the collective.
+/// end well within a minute, failed, with rank 0's timeout error naming the collective and
+/// rank 1.
 #[test]
 fn a_rank_that_never_arrives_ends_the_job_with_a_timeout() {
     let job = mpirun(2, "stuck");
     assert!(job.elapsed < Duration::from_secs(60), "took {:?}:\n{}", job.elapsed, job.output);
     assert!(!job.status.success(), "the job should fail:\n{}", job.output);
     assert!(
-        job.output.contains("rank 0: all_reduce over ranks [0, 1] timed out after 3s"),
-        "no timeout error from rank 0 in:\n{}",
+        job.output.contains(
+            "rank 0: all_reduce over ranks [0, 1] timed out after 3s waiting for ranks [1]"
+        ) && job.output.contains("rank 1 (no call here yet) has not entered this call, #0"),
+        "no timeout error from rank 0 naming rank 1 in:\n{}",
         job.output
     );
+}
+
+/// Rank `stalled` sleeps before an all-reduce on the world that every other rank calls (2 s
+/// timeout), after `calls_before` calls there: each other rank's error must name it, and it
+/// alone, as missing, with the last call it entered.
+fn assert_stalled_rank_is_named(ranks: usize, stalled: usize, calls_before: u64) {
+    let job = mpirun(ranks, &format!("stall {stalled}"));
+    assert!(job.elapsed < Duration::from_secs(60), "took {:?}:\n{}", job.elapsed, job.output);
+    assert!(!job.status.success(), "the job should fail:\n{}", job.output);
+    let world: Vec<usize> = (0..ranks).collect();
+    for r in (0..ranks).filter(|&r| r != stalled) {
+        let error = format!(
+            "rank {r} of {ranks}: FAILED: rank {r}: all_reduce over ranks {world:?} timed out \
+             after 2s waiting for ranks [{stalled}]"
+        );
+        let why = format!(
+            "rank {stalled} (its last call here was #{}) has not entered this call, \
+             #{calls_before} of this group",
+            calls_before - 1
+        );
+        assert!(
+            job.output.lines().any(|l| l.contains(&error) && l.contains(&why)),
+            "no error from rank {r} naming rank {stalled} ({error:?}, {why:?}) in:\n{}",
+            job.output
+        );
+    }
+}
+
+#[test]
+fn a_stalled_rank_is_named_by_the_other_of_2() {
+    // Six all-reduces (the mesh column is the world) and a barrier before the stall.
+    assert_stalled_rank_is_named(2, 0, 7);
+}
+
+#[test]
+fn a_stalled_middle_rank_is_named_by_every_other_of_4() {
+    // Three all-reduces and a barrier on the world before the stall (and three on the columns).
+    assert_stalled_rank_is_named(4, 2, 4);
 }
 
 /// The same on a sub-group still being set up, where the error can name the missing member.
