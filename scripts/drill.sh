@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# Reliability drill (issue 17): tries to make Tessera lose work, as a careful user would.
+#   1. kill -9 at random moments of a run saving every step (1 device, 4 simulated devices,
+#      and with --mpi 2 MPI ranks), resuming after each kill: after every kill the checkpoint
+#      on disk must verify, and the finished run must equal an uninterrupted one bit for bit
+#      (the per-tensor checksums of their last checkpoints are compared);
+#   2. flipped bytes at a random offset of every file of a 1-device and a sharded checkpoint:
+#      `tessera checkpoint verify` and `tessera train --resume` must both refuse each;
+#   3. a full file system (a small tmpfs, in a user namespace): a run that could not save is
+#      refused before step 1, and a disk filled up during a run fails that save clearly while
+#      the previous checkpoint stays intact (it verifies) and the failed save leaves nothing.
+# Prints one JSON object of figures on stdout (progress on stderr); exits non-zero when any
+# check fails.
+#
+# usage: scripts/drill.sh [--bin PATH] [--kills N] [--steps S] [--mpi] [--seed N]
+#   --bin    the tessera binary (default: target/release/tessera, built if missing)
+#   --kills  kills per configuration (default 4)
+#   --steps  training steps per run (default 8)
+#   --mpi    also drill a 2-rank MPI run (needs mpirun: scripts/setup.sh installs it)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bin=target/release/tessera kills=4 steps=8 mpi=0 seed=$RANDOM
+while [ $# -gt 0 ]; do
+  case $1 in
+    --bin) bin=$2; shift 2 ;;
+    --kills) kills=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --mpi) mpi=1; shift ;;
+    --seed) seed=$2; shift 2 ;;
+    *) echo "drill: unknown argument $1 (see the usage at the top of $0)" >&2; exit 2 ;;
+  esac
+done
+if [ ! -x "$bin" ]; then cargo build --release -q -p tessera-cli; fi
+bin=$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")
+RANDOM=$seed
+work=$(mktemp -d "${TMPDIR:-/tmp}/tessera-drill.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+say() { echo "drill: $*" >&2; }
+fail() { echo "drill: FAILED: $*" >&2; exit 1; }
+
+# A small run: gpt2-tiny, a few steps, a save after every step.
+run_args=(train --model gpt2-tiny --batch 4 --seq 32 --eval-batches 0 --save-every 1
+          --format json)
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_ALLOW_RUN_AS_ROOT=1 \
+       OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+train() { # train CONFIG SAVE_DIR STEPS [extra args...]
+  local cfg=$1 dir=$2 n=$3; shift 3
+  local -a pre dev
+  case $cfg in
+    one) pre=("$bin"); dev=(--devices 1) ;;
+    four) pre=("$bin"); dev=(--devices 4 --plan "dp2 tp2") ;;
+    mpi) pre=(mpirun --allow-run-as-root --oversubscribe --bind-to none -n 2 "$bin")
+         dev=(--plan dp2) ;;
+  esac
+  "${pre[@]}" "${run_args[@]}" "${dev[@]}" --steps "$n" --save "$dir" "$@"
+}
+# The tessera processes of a run saving to DIR (every rank under mpirun, not mpirun itself).
+procs() { pgrep -f -- "^$bin .*--save $1( |\$)" || true; }
+# The step a checkpoint is at (0 when there is none).
+step_of() { python3 -c '
+import json, sys
+try: print(json.load(open(sys.argv[1] + "/manifest.json"))["step"])
+except Exception: print(0)' "$1"; }
+# Per-tensor checksums of a checkpoint, file by file (what bit-exact means here).
+tensor_sums() { python3 -c '
+import json, sys
+m = json.load(open(sys.argv[1] + "/manifest.json"))
+print(json.dumps({f: d.get("tensors", {}) for f, d in m["checksums"].items() if f.endswith(".safetensors")}, sort_keys=True))' "$1"; }
+# Bytes of tensor data that differ between two checkpoints (tensor by tensor, file by file;
+# headers aside, whose metadata order is not fixed).
+differing_bytes() { python3 -c '
+import json, os, struct, sys
+def tensors(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8:8 + n])
+    return {k: data[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]]
+            for k, v in head.items() if k != "__metadata__"}
+a, b = sys.argv[1:3]
+lost = 0
+for root, _, files in os.walk(b):
+    for f in files:
+        if f.endswith(".safetensors"):
+            rel = os.path.relpath(os.path.join(root, f), b)
+            x, y = tensors(os.path.join(a, rel)), tensors(os.path.join(b, rel))
+            for name in set(x) | set(y):
+                p, q = x.get(name, b""), y.get(name, b"")
+                lost += sum(i != j for i, j in zip(p, q)) + abs(len(p) - len(q))
+print(lost)' "$1" "$2"; }
+verify() { "$bin" checkpoint verify "$1" >/dev/null 2>"$work/verify.err"; }
+
+configs=(one four)
+[ "$mpi" = 1 ] && configs+=(mpi)
+kills_done=0 kills_survived=0 verified_after_kill=0 resumes_exact=0 bytes_lost=0
+
+# ---- 1. kill -9 during --save-every 1 ----------------------------------------------------------
+for cfg in "${configs[@]}"; do
+  say "$cfg: reference run"
+  train "$cfg" "$work/ref-$cfg" "$steps" >/dev/null 2>"$work/ref.err" || fail "$cfg reference: $(tail -3 "$work/ref.err")"
+  dir=$work/run-$cfg
+  for ((k = 0; k < kills; k++)); do
+    at=$(step_of "$dir")
+    [ "$at" -ge "$steps" ] && break
+    resume=(); [ "$at" -gt 0 ] && resume=(--resume "$dir")
+    train "$cfg" "$dir" "$steps" "${resume[@]}" >/dev/null 2>"$work/kill.err" &
+    pid=$!
+    # A random moment: start-up, a step, or the middle of a save.
+    # (MPI starts slower: mpirun, then every rank plans.)
+    lo=0.1 hi=2.0; [ "$cfg" = mpi ] && lo=1.5 hi=5.0
+    sleep "$(python3 -c "import random; random.seed($RANDOM); print(round(random.uniform($lo, $hi), 2))")"
+    victims=($(procs "$dir"))
+    landed=0
+    if [ ${#victims[@]} -gt 0 ] && kill -9 "${victims[$((RANDOM % ${#victims[@]}))]}" 2>/dev/null; then
+      landed=1
+    fi
+    wait "$pid" 2>/dev/null || true
+    now=$(step_of "$dir")
+    if [ "$landed" = 0 ]; then
+      say "$cfg: the run had ended (step $now of $steps) before kill $((k + 1))"
+      continue
+    fi
+    kills_done=$((kills_done + 1))
+    # No half-written checkpoint is ever visible: what is there verifies.
+    if [ "$now" -gt 0 ]; then
+      verify "$dir" || fail "$cfg: after kill $((k + 1)) the checkpoint does not verify: $(cat "$work/verify.err")"
+      verified_after_kill=$((verified_after_kill + 1))
+    fi
+    kills_survived=$((kills_survived + 1))
+    say "$cfg: kill $((k + 1)) at step $now of $steps"
+  done
+  at=$(step_of "$dir")
+  if [ "$at" -lt "$steps" ]; then
+    resume=(); [ "$at" -gt 0 ] && resume=(--resume "$dir")
+    train "$cfg" "$dir" "$steps" "${resume[@]}" >/dev/null 2>"$work/finish.err" || fail "$cfg finishing: $(tail -3 "$work/finish.err")"
+  fi
+  lost=$(differing_bytes "$dir" "$work/ref-$cfg")
+  bytes_lost=$((bytes_lost + lost))
+  [ "$lost" = 0 ] && [ "$(tensor_sums "$dir")" = "$(tensor_sums "$work/ref-$cfg")" ] ||
+    fail "$cfg: the resumed run differs from the uninterrupted one in $lost bytes"
+  resumes_exact=$((resumes_exact + 1))
+  rm -rf "$work/ref-$cfg"
+done
+
+# ---- 2. flipped bytes in every file ---------------------------------------------------------
+corruptions=0 detected_verify=0 detected_resume=0
+for cfg in one four; do
+  src=$work/run-$cfg
+  for rel in $(cd "$src" && find . -type f | sed 's|^\./||' | sort); do
+    bad=$work/bad
+    rm -rf "$bad"; cp -r "$src" "$bad"
+    python3 - "$bad/$rel" "$RANDOM" <<'PY'
+import os, random, sys
+path, seed = sys.argv[1], int(sys.argv[2])
+data = bytearray(open(path, "rb").read())
+at = random.Random(seed).randrange(len(data))
+for i in range(at, min(at + 16, len(data))):
+    data[i] ^= 0x5A
+open(path, "wb").write(data)
+PY
+    corruptions=$((corruptions + 1))
+    if verify "$bad"; then fail "$cfg: verify missed flipped bytes in $rel"; fi
+    detected_verify=$((detected_verify + 1))
+    if train "$cfg" "$bad" $((steps + 1)) --resume "$bad" >/dev/null 2>"$work/resume.err"; then
+      fail "$cfg: a resume from a checkpoint with flipped bytes in $rel succeeded"
+    fi
+    grep -q -e "$(basename "$rel")" "$work/resume.err" || fail "$cfg: the resume error does not name $rel: $(tail -2 "$work/resume.err")"
+    detected_resume=$((detected_resume + 1))
+  done
+  say "$cfg: flipped bytes detected in every file"
+done
+rm -rf "$work/bad"
+
+# ---- 3. full file systems ---------------------------------------------------------------------
+ckpt_bytes=$(du -sb "$work/run-one" | cut -f1)
+full_disk_checks=0
+disk_drill() { # runs inside a private mount namespace with a tmpfs at $work/fs
+  local fs=$work/fs
+  # (a) room for one checkpoint but not the two a --save-every run needs: refused at once.
+  mount -t tmpfs -o size=$((ckpt_bytes * 3 / 2)) tmpfs "$fs"
+  if train one "$fs/ck" "$steps" >"$work/out.json" 2>"$work/disk.err"; then echo "a: trained"; return 1; fi
+  grep -q "free but one checkpoint of this run needs" "$work/disk.err" || { echo "a: $(cat "$work/disk.err")"; return 1; }
+  # Only the lock file of the directory may be there (it stays, by design).
+  local left; left=$(ls -A "$fs" | grep -v '^\.ck\.lock$' || true)
+  [ -z "$left" ] || { echo "a: left $left"; return 1; }
+  umount "$fs"
+  # (b) the disk fills up during the run: that save fails, the previous checkpoint stays.
+  mount -t tmpfs -o size=$((ckpt_bytes * 5 / 2 + 4194304)) tmpfs "$fs"
+  train one "$fs/ck" $((steps * 4)) >/dev/null 2>"$work/disk.err" &
+  local pid=$!
+  while [ "$(step_of "$fs/ck")" -lt 1 ] && kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+  dd if=/dev/zero of="$fs/filler" bs=1M status=none 2>/dev/null || true
+  if wait "$pid"; then echo "b: the run did not notice the full disk"; return 1; fi
+  grep -qi "no space left" "$work/disk.err" || { echo "b: $(tail -2 "$work/disk.err")"; return 1; }
+  verify "$fs/ck" || { echo "b: $(cat "$work/verify.err")"; return 1; }
+  rm -f "$fs/filler"
+  left=$(ls -A "$fs" | grep -v '^ck$' | grep -v '^\.ck\.lock$' || true)
+  [ -z "$left" ] || { echo "b: the failed save left $left"; return 1; }
+  return 0
+}
+mkdir -p "$work/fs"
+export -f disk_drill train step_of verify
+export work bin steps ckpt_bytes run_args_s="${run_args[*]}"
+if ! unshare -rm true 2>/dev/null; then
+  fail "unshare -rm (a user and mount namespace, to mount a small tmpfs) is not allowed here: the full-disk drill cannot run"
+fi
+out=$(unshare -rm bash -c 'read -r -a run_args <<<"$run_args_s"; disk_drill' 2>&1) ||
+  fail "full disk: $out"
+full_disk_checks=2
+say "full disks: refused before step 1, and a save that hit a full disk kept the previous checkpoint"
+
+cat <<JSON
+{"seed": $seed, "configurations": "$(IFS=,; echo "${configs[*]}")", "steps": $steps,
+ "kills": $kills_done, "kills_survived": $kills_survived, "verified_after_kill": $verified_after_kill,
+ "resumes_bit_exact": $resumes_exact, "corruptions": $corruptions,
+ "detected_by_verify": $detected_verify, "detected_by_resume": $detected_resume,
+ "full_disk_checks": $full_disk_checks, "bytes_lost": $bytes_lost}
+JSON
