@@ -18,6 +18,10 @@ pub const MAX_PARAMETERS: u128 = 1 << 50;
 /// Upper bound on the number of repeated blocks.
 pub const MAX_LAYERS: usize = 1 << 16;
 
+/// Upper bound on a RoPE model's head dim (released models use 64 to 256). Every rotary op
+/// of the graph holds its `head_dim / 2` frequencies, so this keeps them to a few KiB per op.
+pub const MAX_HEAD_DIM: usize = 1 << 12;
+
 /// Activation functions, by their Hugging Face `ACT2FN` names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -393,6 +397,22 @@ impl LlamaParams {
             return Err(ModelError::invalid(
                 "head_dim",
                 format!("RoPE rotates pairs of dims, so head_dim {head_dim} must be even"),
+            ));
+        }
+        if head_dim > MAX_HEAD_DIM {
+            let source = match self.head_dim {
+                Some(_) => String::new(),
+                None => format!(
+                    " (hidden_size {} / num_attention_heads {})",
+                    self.hidden_size, self.num_attention_heads
+                ),
+            };
+            return Err(ModelError::invalid(
+                "head_dim",
+                format!(
+                    "head_dim {head_dim}{source} exceeds {MAX_HEAD_DIM}; released models use 64 \
+                     to 256: check head_dim, hidden_size and num_attention_heads for a typo"
+                ),
             ));
         }
         epsilon("rms_norm_eps", self.rms_norm_eps)?;

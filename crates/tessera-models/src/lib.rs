@@ -36,7 +36,8 @@ mod vit;
 
 pub use config::{
     Activation, BertConfig, BertParams, Gpt2Config, Gpt2Params, LlamaConfig, LlamaParams,
-    LlamaVariant, MlpConfig, MlpParams, VitConfig, VitParams, MAX_LAYERS, MAX_PARAMETERS,
+    LlamaVariant, MlpConfig, MlpParams, VitConfig, VitParams, MAX_HEAD_DIM, MAX_LAYERS,
+    MAX_PARAMETERS,
 };
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;

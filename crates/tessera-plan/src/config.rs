@@ -119,6 +119,13 @@ impl ParallelConfig {
                 "dp, tp and mb must be at least 1 (1 means not split)".into(),
             ));
         }
+        if self.dp.checked_mul(self.tp).and_then(|n| n.checked_mul(self.micro_batches)).is_none() {
+            return Err(PlanError::Invalid(format!(
+                "dp{} × tp{} × mb{} overflows: no cluster or batch is that large; use smaller \
+                 degrees",
+                self.dp, self.tp, self.micro_batches
+            )));
+        }
         if self.zero > 3 {
             return Err(PlanError::Invalid(format!(
                 "zero{}: ZeRO has stages 0 to 3; write zero1, zero2 or zero3",

@@ -18,8 +18,9 @@ pub struct Mesh {
 impl Mesh {
     /// Lays `shape` over the cluster. The product must equal the device count.
     pub fn new(cluster: &Cluster, shape: &[usize], names: &[&str]) -> Result<Mesh> {
-        let n: usize = shape.iter().product();
-        if n != cluster.num_devices() {
+        let n = shape.iter().try_fold(1usize, |n, &s| n.checked_mul(s));
+        if n != Some(cluster.num_devices()) {
+            let n = n.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string());
             return Err(PlanError::Invalid(format!(
                 "mesh {shape:?} has {n} devices but the cluster has {}: the degrees must \
                  multiply to the device count",

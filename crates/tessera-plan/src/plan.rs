@@ -336,6 +336,12 @@ impl Plan {
 
     /// Reads the per-node strategies back (for lowering a plan file again).
     pub fn node_strategies(&self, g: &Graph, mesh: &Mesh) -> Result<Vec<Option<Strategy>>> {
+        if self.zero_stage > 3 {
+            return Err(PlanError::Invalid(format!(
+                "plan file: zero_stage {}: ZeRO has stages 0 to 3",
+                self.zero_stage
+            )));
+        }
         let mut out: Vec<Option<Strategy>> = vec![None; g.nodes.len()];
         let parse = |s: &str| {
             Spec::parse(s).ok_or_else(|| {
@@ -358,6 +364,32 @@ impl Plan {
             }
             let inputs = ns.inputs.iter().map(|s| parse(s)).collect::<Result<Vec<_>>>()?;
             let outputs = ns.outputs.iter().map(|s| parse(s)).collect::<Result<Vec<_>>>()?;
+            if inputs.len() != node.inputs.len() || outputs.len() != node.outputs.len() {
+                return Err(PlanError::Invalid(format!(
+                    "plan file: node {} ({} {}) has {} input(s) and {} output(s), the plan \
+                     gives {} input and {} output spec(s); give one spec per tensor",
+                    ns.node,
+                    ns.op,
+                    ns.scope,
+                    node.inputs.len(),
+                    node.outputs.len(),
+                    inputs.len(),
+                    outputs.len()
+                )));
+            }
+            let mut seen = vec![false; mesh.ndim()];
+            for &a in &ns.compute_axes {
+                if a >= mesh.ndim() || std::mem::replace(&mut seen[a], true) {
+                    return Err(PlanError::Invalid(format!(
+                        "plan file: node {} ({}) computes over mesh axes {:?}, but the mesh \
+                         has axes 0..{} and each may appear once",
+                        ns.node,
+                        ns.scope,
+                        ns.compute_axes,
+                        mesh.ndim()
+                    )));
+                }
+            }
             for (spec, &t) in
                 inputs.iter().zip(&node.inputs).chain(outputs.iter().zip(&node.outputs))
             {

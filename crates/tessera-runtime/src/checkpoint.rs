@@ -128,10 +128,43 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError
     move |source| RuntimeError::Io { path: path.display().to_string(), source }
 }
 
+/// Checks what the `safetensors` crate and candle take on trust in a file's header: every
+/// tensor's byte range lies inside the file and its shape's element count fits in memory
+/// (they would otherwise overflow, in debug builds a panic).
+pub(crate) fn check_header(bytes: &[u8]) -> std::result::Result<(), String> {
+    let n = bytes.get(..8).ok_or("shorter than its 8-byte header length")?;
+    let n = u64::from_le_bytes(n.try_into().map_err(|_| "no header length")?);
+    let data = (bytes.len() as u64).saturating_sub(8);
+    if n > data {
+        return Err(format!("its header length {n} exceeds the file"));
+    }
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n as usize])
+        .map_err(|e| format!("its header is not JSON ({e})"))?;
+    let entries = header.as_object().ok_or("its header is not a JSON object")?;
+    for (name, t) in entries.iter().filter(|(k, _)| *k != "__metadata__") {
+        let offsets = t.get("data_offsets").and_then(Value::as_array);
+        let in_file = offsets.is_some_and(|o| {
+            o.len() == 2 && o.iter().all(|v| v.as_u64().is_some_and(|x| x <= data - n))
+        });
+        if !in_file {
+            return Err(format!("tensor {name}'s data_offsets lie outside the file"));
+        }
+        let dims =
+            t.get("shape").and_then(Value::as_array).ok_or(format!("tensor {name}: no shape"))?;
+        let fits = dims.iter().try_fold(1u64, |a, d| a.checked_mul(d.as_u64()?.max(1)));
+        if fits.is_none_or(|c| c > isize::MAX as u64 / 8) {
+            return Err(format!("tensor {name}: shape {dims:?} is too large"));
+        }
+    }
+    Ok(())
+}
+
 /// Reads and parses one safetensors file; corruption is reported with the file's name.
 pub(crate) fn read_safetensors(path: &Path) -> Result<Vec<u8>> {
     let bytes = std::fs::read(path).map_err(io_err(path))?;
-    if let Err(e) = SafeTensors::deserialize(&bytes) {
+    let valid = check_header(&bytes)
+        .and_then(|()| SafeTensors::deserialize(&bytes).map(|_| ()).map_err(|e| e.to_string()));
+    if let Err(e) = valid {
         return Err(err(format!(
             "{}: not a valid safetensors file ({e}); it is corrupt or truncated: re-download \
              or re-save it",

@@ -157,7 +157,7 @@ pub fn is_sharded(dir: &Path) -> bool {
 pub fn read_sharded_manifest(dir: &Path) -> Result<(Manifest, ShardedSection)> {
     let path = dir.join(MANIFEST_FILE);
     let (manifest, value) = read_manifest_value(&path)?;
-    let Some(section) = value.get("sharded") else {
+    let Some(section_value) = value.get("sharded") else {
         return Err(err(format!(
             "{}: no \"sharded\" section: {} is a single-device checkpoint; load it with \
              load_checkpoint",
@@ -165,8 +165,9 @@ pub fn read_sharded_manifest(dir: &Path) -> Result<(Manifest, ShardedSection)> {
             dir.display()
         )));
     };
-    let section: ShardedSection = serde_json::from_value(section.clone())
+    let section: ShardedSection = serde_json::from_value(section_value.clone())
         .map_err(|e| err(format!("{}: invalid \"sharded\" section: {e}", path.display())))?;
+    check_section(&section, &path)?;
     Ok((manifest, section))
 }
 
@@ -764,13 +765,15 @@ fn copy_chunk(
 /// The chunks to read from each rank's file: `(tensor index in the section, chunk index)`.
 type ChunksByRank = BTreeMap<usize, Vec<(usize, Vec<usize>)>>;
 
-/// Checks the section and prepares one empty global buffer per tensor, and the chunks to read.
-fn plan_assembly(
+/// Checks the section (every count, shape, placement and chunk index in range, no product
+/// overflowing) and lists, per tensor, its dtype and chunk shape, and the chunks to read from
+/// each rank's file. Every reader of a sharded checkpoint calls it before using the section.
+pub(crate) fn check_section(
     section: &ShardedSection,
     manifest_path: &Path,
-) -> Result<(Vec<Assembly>, ChunksByRank)> {
+) -> Result<(Vec<(DType, Vec<usize>)>, ChunksByRank)> {
     let bad = |msg: String| err(format!("{}: {msg}", manifest_path.display()));
-    let world: usize = section.mesh.iter().product();
+    let world = section.mesh.iter().try_fold(1usize, |a, &b| a.checked_mul(b)).unwrap_or(0);
     if section.mesh.is_empty() || world == 0 || world != section.world_size {
         return Err(bad(format!(
             "sharded.mesh {:?} does not match world_size {}",
@@ -778,7 +781,7 @@ fn plan_assembly(
         )));
     }
     let mut names = BTreeSet::new();
-    let mut assemblies = Vec::with_capacity(section.tensors.len());
+    let mut tensors = Vec::with_capacity(section.tensors.len());
     let mut by_rank = ChunksByRank::new();
     for (i, t) in section.tensors.iter().enumerate() {
         let name = &t.name;
@@ -841,13 +844,26 @@ fn plan_assembly(
                 section.mesh
             )));
         }
-        let count: usize = t.shape.iter().product();
-        let size = count
-            .checked_mul(elem)
-            .ok_or_else(|| bad(format!("tensor {name}: shape {:?} is too large", t.shape)))?;
-        assemblies.push(Assembly { dtype, chunk, bytes: vec![0u8; size] });
+        let size = t.shape.iter().try_fold(elem, |a, &b| a.checked_mul(b.max(1)));
+        if size.is_none_or(|s| s > isize::MAX as usize) {
+            return Err(bad(format!("tensor {name}: shape {:?} is too large", t.shape)));
+        }
+        tensors.push((dtype, chunk));
     }
-    Ok((assemblies, by_rank))
+    Ok((tensors, by_rank))
+}
+
+/// One empty global buffer per tensor (allocated when its first chunk is read, so a manifest
+/// claiming more than its files hold fails on the files, not on the allocation), and the
+/// chunks to read.
+fn plan_assembly(
+    section: &ShardedSection,
+    manifest_path: &Path,
+) -> Result<(Vec<Assembly>, ChunksByRank)> {
+    let (tensors, by_rank) = check_section(section, manifest_path)?;
+    let assemblies =
+        tensors.into_iter().map(|(dtype, chunk)| Assembly { dtype, chunk, bytes: Vec::new() });
+    Ok((assemblies.collect(), by_rank))
 }
 
 /// Reads one rank file and copies the chunks the manifest assigns to it.
@@ -950,6 +966,21 @@ fn read_rank_file(
             )));
         }
         check_finite(&path.display().to_string(), &t.name, view.data(), a.dtype)?;
+        if a.bytes.is_empty() {
+            // Checked by `check_section` not to overflow.
+            let size: usize = t.shape.iter().product::<usize>() * elem;
+            a.bytes.try_reserve_exact(size).map_err(|_| {
+                err(format!(
+                    "{}: not enough memory for tensor {} {:?} ({} bytes): load it on a machine \
+                     with more memory, or resume on more devices, which read only their shards",
+                    path.display(),
+                    t.name,
+                    t.shape,
+                    size
+                ))
+            })?;
+            a.bytes.resize(size, 0);
+        }
         copy_chunk(&mut a.bytes, &t.shape, view.data(), &a.chunk, index, elem);
     }
     Ok(())

@@ -66,6 +66,7 @@ fn corrupt(msg: String) -> RuntimeError {
 type Layout = (usize, Vec<(String, safetensors::Dtype, std::ops::Range<usize>)>);
 
 fn layout(bytes: &[u8]) -> std::result::Result<Layout, String> {
+    crate::checkpoint::check_header(bytes)?;
     let (n, meta) = SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())?;
     let start = 8usize.checked_add(n).filter(|&s| s <= bytes.len()).ok_or("header too long")?;
     let mut tensors = Vec::new();

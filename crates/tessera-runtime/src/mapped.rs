@@ -81,7 +81,9 @@ impl MappedFile {
         // SAFETY: the map is read-only; saves replace checkpoint directories by rename and
         // never rewrite a file in place, so a mapped file does not change under the reader.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
-        let (header, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+        let checked = crate::checkpoint::check_header(&map)
+            .and_then(|()| SafeTensors::read_metadata(&map).map_err(|e| e.to_string()));
+        let (header, metadata) = checked.map_err(|e| {
             err(format!(
                 "{}: not a valid safetensors file ({e}); it is corrupt or truncated: \
                  re-download or re-save it",
@@ -419,7 +421,8 @@ fn check_optimizer(params: &MappedTensors, optimizer: &MappedTensors, dir: &Path
 fn open_sharded(dir: PathBuf) -> Result<MappedCheckpoint> {
     let (manifest, section) = read_sharded_manifest(&dir)?;
     let config_json = read_config(&dir, &manifest)?;
-    let mut files = Vec::with_capacity(section.world_size);
+    // Not `with_capacity(world_size)`: a corrupt count must fail on its first missing file.
+    let mut files = Vec::new();
     for rank in 0..section.world_size {
         let path = dir.join(SHARDS_DIR).join(rank_file_name(rank));
         let file = MappedFile::open(&path, checksum_of(&path, &manifest))?;
