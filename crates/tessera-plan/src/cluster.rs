@@ -621,8 +621,13 @@ impl Cluster {
                 "cluster `{s}`: 0 devices; the device count must be at least 1, e.g. 8xH100"
             )));
         }
-        let (device, links) = named_device(device_name)
+        let (mut device, links) = named_device(device_name)
             .map_err(|e| PlanError::Invalid(format!("cluster `{s}`: {e}")))?;
+        if is_cpu(device_name) {
+            // Simulated devices share this machine's memory: each gets its share at most.
+            let share = host_memory_total().map(|m| cpu_share(m, gpus_per_node));
+            device.memory_bytes = device.memory_bytes.min(share.unwrap_or(u64::MAX));
+        }
         Cluster::new(nodes, gpus_per_node, device, links.intra, links.inter)
     }
 
@@ -677,6 +682,26 @@ impl Cluster {
         self.device.reserve_bytes = bytes;
         self
     }
+}
+
+/// The part of a machine of `total` bytes of memory each of `devices` simulated devices gets:
+/// the machine less a tenth (the OS and the process: data, code, the planner) split evenly.
+/// From the total, not what is free now, so that a plan does not change with the machine's
+/// load; `tessera train` checks the plan's footprint against the free memory before step 1.
+pub fn cpu_share(total: u64, devices: usize) -> u64 {
+    (total - total / 10) / devices.max(1) as u64
+}
+
+/// This machine's memory (Linux `MemTotal`, capped by a cgroup v2 `memory.max`); `None`
+/// where it cannot be read.
+pub fn host_memory_total() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+    let kib: u64 = line.trim().trim_end_matches("kB").trim().parse().ok()?;
+    let limit = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|t| t.trim().parse::<u64>().ok());
+    Some(kib.saturating_mul(1024).min(limit.unwrap_or(u64::MAX)))
 }
 
 /// A preset device and its links; `cpu` reads the calibration.

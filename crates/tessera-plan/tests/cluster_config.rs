@@ -311,6 +311,22 @@ fn cpu_cluster_reads_the_calibration() {
 
     std::env::set_var(CPU_PRESET_ENV, &path);
     let c = check_cluster("4xcpu", 1, 4, "cpu");
+    // Four simulated devices share this machine: together they get at most 90% of it (the
+    // issue: 4 × 16 GiB on a 23.5 GiB machine, killed by the OOM killer), each at most the
+    // calibrated figure.
+    let total = tessera_plan::cluster::host_memory_total().expect("/proc/meminfo");
+    assert!(
+        c.device.memory_bytes * 4 <= total - total / 10,
+        "{} of {total}",
+        c.device.memory_bytes
+    );
+    let share = tessera_plan::cluster::cpu_share(total, 4);
+    assert_eq!(c.device.memory_bytes, share.min(8 * GIB));
+    assert_eq!(
+        check_cluster("1xcpu", 1, 1, "cpu").device.memory_bytes,
+        (8 * GIB).min(total - total / 10)
+    );
+    assert_eq!(check_cluster("2x4xcpu", 2, 4, "cpu").device.memory_bytes, share.min(8 * GIB));
     assert_eq!(c.device.fp32_flops, 123e9);
     assert_eq!(c.intra.bandwidth, 7.5e9);
     assert_eq!(c.to_string(), "4xcpu");
