@@ -237,3 +237,38 @@ fn log_of(text: &str) -> Vec<(u64, f64, f64)> {
         })
         .collect()
 }
+
+/// bf16 across plans has a stated bound (issue 17: 4 devices drifted 4.2e-2 from 1 device by
+/// step 11 with none): the criterion bf16 meets against fp32 — 10-step mean losses within 2%
+/// (`bf16_mixed_precision_tracks_the_fp32_loss_curve`). Single steps are not bounded: at a
+/// loss spike (a batch unlike the others) bf16 rounding of a differently split computation
+/// moves that step's loss by up to ~7% while the next step agrees to 1e-4 again; measured on
+/// 10-step windows: 0.76%.
+#[test]
+fn bf16_on_four_devices_stays_within_the_mixed_precision_bound() {
+    let dir = temp("bf16-bound");
+    let run = |devices: &str, plan: &[&str], name: &str| {
+        let log = dir.join(format!("{name}.jsonl"));
+        let mut args = vec!["train", "--devices", devices, "--steps", "20", "--batch", "8"];
+        args.extend(["--seq", "32", "--dtype", "bf16", "--eval-batches", "0", "--format"]);
+        args.extend(["json", "--log-json", log.to_str().unwrap()]);
+        args.extend(plan);
+        ok(&tessera(&args, &[]), name);
+        log_of(&std::fs::read_to_string(&log).unwrap())
+    };
+    let one = run("1", &[], "one");
+    let four = run("4", &["--plan", "dp2 tp2"], "four");
+    assert_eq!((one.len(), four.len()), (20, 20));
+    let mean = |v: &[(u64, f64, f64)]| v.iter().map(|s| s.1).sum::<f64>() / v.len() as f64;
+    for (a, b) in one.chunks(10).zip(four.chunks(10)) {
+        let gap = (mean(b) - mean(a)).abs() / mean(a);
+        assert!(
+            gap < 0.02,
+            "steps {}-{}: 10-step means differ {:.2}%",
+            a[0].0,
+            a[9].0,
+            gap * 100.0
+        );
+    }
+    assert!(one[19].1 < one[0].1 * 0.8, "the runs must learn: {one:?}");
+}
