@@ -762,6 +762,9 @@ fn copy_chunk(
     }
 }
 
+/// A tensor's dtype and the shape of each of its chunks.
+type ChunkShape = (DType, Vec<usize>);
+
 /// The chunks to read from each rank's file: `(tensor index in the section, chunk index)`.
 type ChunksByRank = BTreeMap<usize, Vec<(usize, Vec<usize>)>>;
 
@@ -771,7 +774,7 @@ type ChunksByRank = BTreeMap<usize, Vec<(usize, Vec<usize>)>>;
 pub(crate) fn check_section(
     section: &ShardedSection,
     manifest_path: &Path,
-) -> Result<(Vec<(DType, Vec<usize>)>, ChunksByRank)> {
+) -> Result<(Vec<ChunkShape>, ChunksByRank)> {
     let bad = |msg: String| err(format!("{}: {msg}", manifest_path.display()));
     let world = section.mesh.iter().try_fold(1usize, |a, &b| a.checked_mul(b)).unwrap_or(0);
     if section.mesh.is_empty() || world == 0 || world != section.world_size {
