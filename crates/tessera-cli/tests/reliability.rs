@@ -129,3 +129,24 @@ fn nan_weights_are_refused_by_name_before_training() {
     assert!(e.contains(victim) && e.contains("NaN") && e.contains("element 5"), "{e}");
     assert!(!e.contains("learning rate"), "{e}");
 }
+
+/// A killed run leaves a trace (issue 17: `--log-json` used to be written at exit only): every
+/// step that ended before the kill is in the log.
+#[test]
+fn a_killed_run_leaves_its_steps_in_the_log() {
+    let dir = temp("trace");
+    let log = dir.join("steps.jsonl");
+    let out = Command::new(BIN)
+        .args(["train", "--devices", "1", "--steps", "5", "--batch", "2", "--seq", "16"])
+        .args(["--eval-batches", "0", "--log-json", log.to_str().unwrap()])
+        .env("TESSERA_FAULT", "rank=0,step=4,kind=kill")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the fault must end the run");
+    let steps: Vec<u64> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3], "{}", stderr(&out));
+}
