@@ -150,3 +150,64 @@ fn a_killed_run_leaves_its_steps_in_the_log() {
         .collect();
     assert_eq!(steps, [1, 2, 3], "{}", stderr(&out));
 }
+
+/// Numeric flags out of range are refused before anything is built (issue 17: `--lr -1`, a
+/// negative weight decay or `--warmup` beyond `--steps` were accepted).
+#[test]
+fn flags_out_of_range_are_refused_naming_the_flag() {
+    for (flags, says) in [
+        (&["--lr=-1"][..], "--lr -1 must be a positive number"),
+        (&["--lr", "NaN"], "--lr NaN must be a positive number"),
+        (&["--weight-decay=-0.1"], "--weight-decay -0.1 must be 0 or more"),
+        (&["--max-grad-norm=-1"], "--max-grad-norm -1 must be 0 (off) or more"),
+        (&["--warmup", "10"], "--warmup 10 is longer than the run (--steps 5)"),
+        (&["--comm-timeout", "0"], "--comm-timeout 0 must be a positive number of seconds"),
+    ] {
+        let mut args = vec!["train", "--steps", "5"];
+        args.extend(flags);
+        let out = tessera(&args);
+        let e = stderr(&out);
+        assert!(!out.status.success() && e.contains(says), "{flags:?}: {e}");
+        assert!(!e.contains("step 1/"), "{flags:?} trained: {e}");
+    }
+}
+
+/// A plan whose simulated devices cannot fit in this machine's memory is refused before any
+/// device allocates (issue 17: such a run was killed by the OOM killer after 80 s with no
+/// message), and a vocabulary of 4e9 entries is a planning error, not an abort.
+#[test]
+fn runs_beyond_the_machines_memory_are_refused_before_step_1() {
+    let out = tessera(&[
+        "train",
+        "--model",
+        "gpt2-xl",
+        "--devices",
+        "4",
+        "--plan",
+        "dp4",
+        "--batch",
+        "64",
+        "--seq",
+        "1024",
+        "--steps",
+        "1",
+        "--memory-budget",
+        "4TiB",
+    ]);
+    let e = stderr(&out);
+    assert!(!out.status.success(), "{e}");
+    assert!(e.contains("of host memory (4 simulated device(s)") && e.contains("available"), "{e}");
+
+    let dir = temp("vocab");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type":"gpt2","vocab_size":4000000000,"n_positions":128,"n_embd":32,
+            "n_layer":1,"n_head":2}"#,
+    )
+    .unwrap();
+    let out =
+        tessera(&["train", "--model", dir.to_str().unwrap(), "--devices", "1", "--steps", "1"]);
+    let e = stderr(&out);
+    assert!(!out.status.success() && e.contains("the least any plan needs is"), "{e}");
+    assert!(!e.contains("panicked") && !e.contains("memory allocation"), "{e}");
+}
