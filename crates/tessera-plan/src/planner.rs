@@ -11,11 +11,15 @@
 //! for every job first: it is the stage most likely to fit, and the fastest of those fits then
 //! bounds the rest of the search (branch and bound, see [`search::evaluate`]). The bound is
 //! fixed between phases, so the plan does not depend on thread timing. The Megatron results
-//! double as the `--baseline megatron` answer.
+//! double as the `--baseline megatron` answer. When nothing fits, the error names the least
+//! peak any candidate of the search reaches ([`search::LeastPeak`]): a budget of exactly that
+//! finds a plan; under one byte less the error reports it again.
 
 use crate::config::ParallelConfig;
 use crate::plan::{BaselineJson, Plan, PlanContext};
-use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Forward, Problem0};
+use crate::search::{
+    self, AxisRule, Candidate, CkptSearch, Evaluated, Forward, LeastPeak, Problem0,
+};
 use crate::{Cluster, Mesh, PlanError, Result};
 use std::time::Instant;
 use tessera_ir::{DType, TrainConfig};
@@ -49,6 +53,8 @@ impl Request<'_> {
             graphs: Default::default(),
             fastest: Default::default(),
             hopeless: Default::default(),
+            least: Default::default(),
+            deferred: Default::default(),
         }
     }
 
@@ -152,20 +158,23 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
             plan.config = cfg.canonical();
             Ok(plan)
         }
-        None => {
-            let needed = search::min_peak(&p, &cand)?;
-            match needed {
-                Some(n) => Err(PlanError::Infeasible {
-                    budget: req.budget,
-                    needed: n,
-                    hint: format!("`{}` at its most memory-frugal layout; raise ZeRO, add micro-batches or devices", cfg.canonical()),
-                }),
-                None => Err(PlanError::Invalid(format!(
-                    "`{}` cannot split this model: a degree does not divide the batch, heads or hidden size",
+        // The candidate's least peak, as the search found it (`None`: it cannot be lowered).
+        None => match p.least.lock().ok().and_then(|l| l.clone()) {
+            Some(least) => Err(PlanError::Infeasible {
+                budget: req.budget,
+                needed: least.peak_bytes,
+                hint: format!(
+                    "`{}` at its most memory-frugal layout; raise ZeRO, add micro-batches or \
+                     devices",
                     cfg.canonical()
-                ))),
-            }
-        }
+                ),
+            }),
+            None => Err(PlanError::Invalid(format!(
+                "`{}` cannot split this model: a degree does not divide the batch, heads or \
+                 hidden size",
+                cfg.canonical()
+            ))),
+        },
     }
 }
 
@@ -255,7 +264,7 @@ fn run_jobs(
     p.fastest.publish();
     let rest: Vec<JobResult> =
         parallel_map(jobs, |j| run_job(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
-    Ok(rest
+    let mut results: Vec<JobResult> = rest
         .into_iter()
         .zip(first)
         .map(|(mut r, z3)| {
@@ -263,7 +272,39 @@ fn run_jobs(
             r.fits.extend(z3.fits);
             r
         })
-        .collect())
+        .collect();
+    if results.iter().all(|r| r.fits.is_empty()) {
+        run_deferred(req, p, jobs, mbs, &mut results)?;
+    }
+    Ok(results)
+}
+
+/// When nothing fitted: the candidates deferred as hopeless ([`Problem0::hopeless`]), whose
+/// model state missed the budget at a smaller micro-batch count's most frugal layout — which
+/// says nothing certain about theirs. Their fits join their jobs' results; either way, every
+/// candidate the search enumerates has then recorded its least peak ([`Problem0::least`]).
+fn run_deferred(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+    results: &mut [JobResult],
+) -> Result<()> {
+    let mut deferred = p.deferred.lock().map(|mut d| std::mem::take(&mut *d)).unwrap_or_default();
+    // In a fixed order: threads deferred them in any.
+    deferred.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
+    let spaces: Vec<(Mesh, AxisRule)> = jobs
+        .iter()
+        .map(|j| job_space(req, j, mbs).map(|(mesh, rule, _)| (mesh, rule)))
+        .collect::<Result<_>>()?;
+    let found = parallel_map(&deferred, |c| search::evaluate_deferred(p, c, req.budget as f64));
+    for (c, e) in deferred.iter().zip(found) {
+        let Some(e) = e? else { continue };
+        if let Some(i) = spaces.iter().position(|(m, r)| *m == c.mesh && *r == c.rule) {
+            results[i].fits.push(e);
+        }
+    }
+    Ok(())
 }
 
 fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
@@ -371,7 +412,7 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
                 best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
             Ok(plan)
         }
-        None => Err(infeasible(req, &p, &mbs)?),
+        None => Err(infeasible(req, &p)),
     }
 }
 
@@ -518,39 +559,60 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
     req.to_plan(&e, "file", t0.elapsed().as_secs_f64() * 1e3)
 }
 
-/// The error when nothing fits: the least memory any candidate needs.
-fn infeasible(req: &Request<'_>, p: &Problem0<'_>, mbs: &[usize]) -> Result<PlanError> {
+/// The error when nothing fits: the least peak any candidate of the search reaches
+/// ([`LeastPeak`]), which every candidate that did not fit recorded as the search went. A
+/// budget of that figure finds a plan; the search explores nothing more to report it.
+fn infeasible(req: &Request<'_>, p: &Problem0<'_>) -> PlanError {
     let n = req.cluster.num_devices();
-    let mut needed: Option<u64> = None;
-    let mb = mbs.last().copied().unwrap_or(1);
-    let mut shapes = vec![vec![n]];
-    for t in 2..=req.cluster.gpus_per_node.min(n) {
-        if n.is_multiple_of(t) && req.cluster.gpus_per_node.is_multiple_of(t) && t < n {
-            shapes.push(vec![n / t, t]);
-        }
-    }
-    for shape in shapes {
-        let mesh = Mesh::new(&req.cluster, &shape, &[])?;
-        let cand = Candidate { mesh, rule: AxisRule::Free, zero: 3, micro_batches: mb };
-        if let Some(b) = search::min_peak(p, &cand)? {
-            needed = Some(needed.map_or(b, |x: u64| x.min(b)));
-        }
-    }
-    Ok(PlanError::Infeasible {
+    let Some(least) = p.least.lock().ok().and_then(|l| l.clone()) else {
+        return PlanError::Invalid(format!(
+            "no layout of the search splits this model over {n} devices: a degree does not \
+             divide the batch, heads or hidden size"
+        ));
+    };
+    PlanError::Infeasible {
         budget: req.budget,
-        needed: needed.unwrap_or(u64::MAX),
-        hint: if n == 1 {
+        needed: least.peak_bytes,
+        hint: format!(
+            "reached by {} on {n} device{}; add devices or memory, or shorten the sequence",
+            describe(&least),
+            if n == 1 { "" } else { "s" }
+        ),
+    }
+}
+
+/// The candidate that reaches a least peak, in words: the config string of a Megatron-style
+/// layout, the mesh and settings of a per-op one.
+fn describe(least: &LeastPeak) -> String {
+    let c = &least.candidate;
+    let ck = &least.ckpt;
+    let first = ck.modes.values().next().copied();
+    let uniform = ck.segments.is_empty() && ck.modes.values().all(|&m| Some(m) == first);
+    match &c.rule {
+        AxisRule::Megatron { sp } if uniform => {
+            let cfg = ParallelConfig {
+                dp: c.mesh.shape[0],
+                tp: c.mesh.shape.get(1).copied().unwrap_or(1),
+                zero: c.zero,
+                micro_batches: c.micro_batches,
+                sp: *sp,
+                ckpt: first,
+            };
+            format!("`{}`", cfg.canonical())
+        }
+        _ => {
+            let ckpt = match first {
+                _ if !ck.segments.is_empty() => ", Chen's √n checkpoint segments".to_string(),
+                Some(m) if uniform => format!(", ckpt={m}"),
+                Some(_) => ", per-block checkpointing".to_string(),
+                None => String::new(),
+            };
             format!(
-                "with {mb} micro-batches on 1 device; add devices or memory, or shorten the \
-                 sequence"
+                "a per-op layout (mesh {:?}, ZeRO-{}, {} micro-batches{ckpt})",
+                c.mesh.shape, c.zero, c.micro_batches
             )
-        } else {
-            format!(
-                "with ZeRO-3 and {mb} micro-batches on {n} devices; add devices or memory, or \
-                 shorten the sequence"
-            )
-        },
-    })
+        }
+    }
 }
 
 /// Runs `f` over `items` on the machine's threads, keeping order.

@@ -49,6 +49,19 @@ pub struct Candidate {
     pub micro_batches: usize,
 }
 
+impl Candidate {
+    /// A total order of candidates, for answers that must not depend on thread timing:
+    /// fewer micro-batches, then lower ZeRO stages, then Megatron-style layouts before per-op
+    /// ones (a config string reproduces them).
+    pub fn order_key(&self) -> (usize, u8, u8, &[usize]) {
+        let rule = match self.rule {
+            AxisRule::Megatron { sp } => sp as u8,
+            AxisRule::Free => 2,
+        };
+        (self.micro_batches, self.zero, rule, &self.mesh.shape)
+    }
+}
+
 /// A solved and lowered candidate.
 #[derive(Clone, Debug)]
 pub struct Evaluated {
@@ -98,9 +111,49 @@ pub struct Problem0<'a> {
     /// rule: the bound that lets the checkpoint search skip layouts that cannot win.
     pub fastest: FastestSoFar,
     /// (mesh, rule, ZeRO stage) whose model state alone (parameters, optimizer state: what
-    /// is resting before a step) exceeds the budget at the most frugal layout: no micro-batch
-    /// count can make them fit, so their candidates are not evaluated again.
+    /// is resting before a step) exceeds the budget at the most frugal layout: more
+    /// micro-batches are unlikely to make them fit, so their further candidates are deferred.
+    /// (Not certain: with more micro-batches, the most frugal layout may trade activations
+    /// for a smaller state.)
     pub hopeless: std::sync::Mutex<Vec<(Mesh, AxisRule, u8)>>,
+    /// Candidates skipped as hopeless: the planner evaluates them ([`evaluate_deferred`]) when
+    /// nothing else fits, so that an infeasible search has seen every candidate's least peak.
+    pub deferred: std::sync::Mutex<Vec<Candidate>>,
+    /// The least peak any candidate that did not fit reaches ([`LeastPeak`]): what an
+    /// infeasible search reports.
+    pub least: std::sync::Mutex<Option<LeastPeak>>,
+}
+
+/// The least per-device peak a candidate reaches under the search's own rules: its most
+/// memory-frugal layout (the ILP minimising its memory rows) with the checkpointing the policy
+/// accepts that keeps the least — for the joint search the plain Program or full recompute,
+/// whichever peaks lower. The search accepts that layout under any budget of at least this
+/// (see [`evaluate`]) and, when nothing fits, evaluates every candidate it enumerates (the
+/// deferred ones included): a budget of the least over a failed search's candidates finds a
+/// plan, and under any smaller one every candidate's most frugal layout misses.
+#[derive(Clone, Debug)]
+pub struct LeastPeak {
+    pub peak_bytes: u64,
+    pub candidate: Candidate,
+    /// The checkpointing that reaches it.
+    pub ckpt: Checkpointing,
+}
+
+impl LeastPeak {
+    /// A total order (ties broken by the candidate), so that the record does not depend on
+    /// which thread finished first.
+    fn key(&self) -> (u64, (usize, u8, u8, &[usize])) {
+        (self.peak_bytes, self.candidate.order_key())
+    }
+
+    /// Keeps `this` in `slot` if it is less than what is there.
+    fn record(slot: &std::sync::Mutex<Option<LeastPeak>>, this: LeastPeak) {
+        if let Ok(mut least) = slot.lock() {
+            if least.as_ref().is_none_or(|l| this.key() < l.key()) {
+                *least = Some(this);
+            }
+        }
+    }
 }
 
 /// The fastest fitting step times found so far, shared by the search's threads: the bound of
@@ -463,11 +516,32 @@ const SLACKS: [f64; 4] = [1.5, 2.5, 4.0, 8.0];
 /// (exact: recomputation only adds time), and a candidate whose ILP-fastest layout, lowered,
 /// is slower skips its slacks (heuristic: it trusts the ILP's ranking of layouts). When
 /// nothing fits plainly, one lowering of the ILP's most frugal layout under the most frugal
-/// checkpointing decides whether anything can; when the resting model state alone misses the
-/// budget, the (mesh, rule, ZeRO stage) is never evaluated again ([`Problem0::hopeless`]).
+/// checkpointing decides whether anything can (and records its least peak in
+/// [`Problem0::least`]); when the resting model state alone misses the budget, the (mesh,
+/// rule, ZeRO stage)'s further candidates are deferred ([`Problem0::hopeless`]).
 pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Option<Evaluated>> {
+    evaluate_traced(p, cand, budget, false)
+}
+
+/// [`evaluate`] for a candidate [`Problem0::deferred`] holds, whatever
+/// [`Problem0::hopeless`] says. Its (mesh, rule, ZeRO stage)'s state missed the budget, so the
+/// sharding-only ILP under the budget is skipped: the most frugal layout decides at once.
+pub fn evaluate_deferred(
+    p: &Problem0<'_>,
+    cand: &Candidate,
+    budget: f64,
+) -> Result<Option<Evaluated>> {
+    evaluate_traced(p, cand, budget, true)
+}
+
+fn evaluate_traced(
+    p: &Problem0<'_>,
+    cand: &Candidate,
+    budget: f64,
+    deferred: bool,
+) -> Result<Option<Evaluated>> {
     let t0 = std::time::Instant::now();
-    let e = evaluate_candidate(p, cand, budget)?;
+    let e = evaluate_candidate(p, cand, budget, deferred)?;
     if std::env::var_os("TESSERA_TRACE").is_some() {
         eprintln!(
             "trace: evaluated mesh {:?} {:?} zero {} mb {} in {:?}: {}",
@@ -494,13 +568,17 @@ fn evaluate_candidate(
     p: &Problem0<'_>,
     cand: &Candidate,
     budget: f64,
+    deferred: bool,
 ) -> Result<Option<Evaluated>> {
     let mb = cand.micro_batches.max(1);
     if !p.batch.is_multiple_of(mb) {
         return Ok(None);
     }
     let key = (cand.mesh.clone(), cand.rule.clone(), cand.zero);
-    if p.hopeless.lock().is_ok_and(|h| h.contains(&key)) {
+    if !deferred && p.hopeless.lock().is_ok_and(|h| h.contains(&key)) {
+        if let Ok(mut d) = p.deferred.lock() {
+            d.push(cand.clone());
+        }
         return Ok(None);
     }
     let shared = p.forward(p.batch / mb)?;
@@ -557,52 +635,24 @@ fn evaluate_candidate(
         }
     };
 
-    // 1. The sharding-only plan: the ILP under the budget, tightened by each miss.
+    // 1. The sharding-only plan (not for a deferred candidate: see `evaluate_deferred`).
     let mut best: Option<Evaluated> = None;
-    let mut target = budget;
     let mut plain_objective = None;
-    if fixed_mode.is_none() {
-        for _ in 0..4 {
-            let mut pr = problem.clone();
-            pr.budget = target;
-            let t1 = std::time::Instant::now();
-            let Some(sol) = ilp::solve(&pr, &p.solve)? else { break };
-            let t_solve = t1.elapsed();
-            let strategies = space.assignment(&sol.picks);
-            let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts)?;
-            if std::env::var_os("TESSERA_TRACE").is_some() {
-                eprintln!(
-                    "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?} ilp {:.4} lowered {:.4} peak {:.2}/{:.2} GiB",
-                    mesh.shape,
-                    cand.rule,
-                    cand.zero,
-                    mb,
-                    problem.choices.len(),
-                    t_build,
-                    t_solve,
-                    t1.elapsed() - t_solve,
-                    sol.objective,
-                    lowered.time.step_time_s,
-                    lowered.memory.peak_bytes as f64 / (1u64 << 30) as f64,
-                    budget / (1u64 << 30) as f64,
-                );
-            }
-            plain_objective.get_or_insert(sol.objective);
-            let peak = lowered.memory.peak_bytes as f64;
-            if peak <= budget || !budget.is_finite() {
-                local_best.set(lowered.time.step_time_s);
-                best = Some(found(strategies, lowered, sol.objective));
-                break;
-            }
-            // The ILP's estimate missed the simulated peak: tighten its budget by the miss.
-            target *= (budget / peak) * 0.98;
+    if fixed_mode.is_none() && !deferred {
+        let (fit, objective) = sharding_only(p, cand, &problem, &space, fwd, budget, t_build)?;
+        plain_objective = objective;
+        if let Some((strategies, lowered, objective)) = fit {
+            local_best.set(lowered.time.step_time_s);
+            best = Some(found(strategies, lowered, objective));
         }
     }
-    let joint = matches!(p.ckpt, CkptSearch::Joint);
-    if !budget.is_finite() || (nb == 0 && joint) {
+    if !budget.is_finite() {
         return Ok(best);
     }
-    let frugal_may_win = cand.zero == 3 && cand.rule == AxisRule::Free;
+    let joint = matches!(p.ckpt, CkptSearch::Joint);
+    // Nothing to checkpoint: no slack can pay for itself.
+    let blockless = nb == 0 && joint;
+    let frugal_may_win = cand.zero == 3 && cand.rule == AxisRule::Free && !blockless;
     if let (Some(b), Some(_), true) = (&best, plain_objective, frugal_may_win) {
         // The ILP's cost is an estimate (it does not see how a lowered step overlaps
         // collectives with compute), and under ZeRO-3 on a free mesh its most memory-frugal
@@ -621,42 +671,15 @@ fn evaluate_candidate(
         }
     }
     if best.is_none() {
-        // Nothing fits without checkpointing (or a fixed schedule was asked for). Whether
-        // anything can: the ILP's most memory-frugal layout under the most frugal
-        // checkpointing the policy allows. One lowering answers for the whole candidate, where
-        // walking the slacks would lower each of their layouts for nothing.
-        let Some(sol) = ilp::min_peak(&problem, &p.solve)? else { return Ok(None) };
-        let strategies = space.assignment(&sol.picks);
-        let u = lower_unfinished(g, fwd.loss, &strategies, mesh, &lopts)?;
-        let fit = match (&p.ckpt, &fixed_mode) {
-            // The DP on the frugal layout (it tries full recompute before anything else).
-            (CkptSearch::Joint, None) => {
-                let bound = p.fastest.bound(&cand.rule);
-                crate::ckpt::choose_or_resting(&u, mesh, &p.cost, budget as u64, bound)?
-            }
-            _ => {
-                let l = finish(&u, &frugal_checkpointing(&p.ckpt, nb), mesh, &p.cost)?;
-                match l.memory.peak_bytes as f64 <= budget {
-                    true => Ok(l),
-                    false => Err(l.memory.resting_bytes),
-                }
-            }
-        };
-        let l = match fit {
-            Ok(l) => l,
-            Err(resting) => {
-                if resting as f64 > budget {
-                    if let Ok(mut h) = p.hopeless.lock() {
-                        h.push(key);
-                    }
-                }
-                return Ok(None);
-            }
-        };
+        let frugal = frugal_candidate(p, cand, &problem, &space, fwd, budget)?;
+        let Some((strategies, l, objective)) = frugal else { return Ok(None) };
         // A fitting plan: the slacks below look for faster ones.
         local_best.set(l.time.step_time_s);
-        best = Some(found(strategies, l, sol.objective));
+        best = Some(found(strategies, l, objective));
         plain_objective = None;
+    }
+    if blockless {
+        return Ok(best);
     }
 
     // 2. Checkpointing buys memory back: the ILP under growing slack, each solution
@@ -721,6 +744,105 @@ fn evaluate_candidate(
     Ok(best)
 }
 
+/// A layout, lowered, with its ILP objective.
+type Fit = (Vec<Option<Strategy>>, Lowered, f64);
+
+/// The sharding-only plan of a candidate: the ILP under the budget, tightened by each miss of
+/// the lowered Program's simulated peak (four tries). Returns the fitting layout, if any, and
+/// the objective of the ILP's first solution (`None`: the ILP has none under the budget).
+fn sharding_only(
+    p: &Problem0<'_>,
+    cand: &Candidate,
+    problem: &Problem,
+    space: &Space<'_>,
+    fwd: &Forward,
+    budget: f64,
+    t_build: std::time::Duration,
+) -> Result<(Option<Fit>, Option<f64>)> {
+    let (g, mesh, mb) = (&fwd.graph, &cand.mesh, cand.micro_batches.max(1));
+    let lopts = LowerOptions {
+        zero: cand.zero,
+        micro_batches: mb,
+        train: p.train.clone(),
+        ckpt: Checkpointing::default(),
+    };
+    let mut target = budget;
+    let mut plain_objective = None;
+    for _ in 0..4 {
+        let mut pr = problem.clone();
+        pr.budget = target;
+        let t1 = std::time::Instant::now();
+        let Some(sol) = ilp::solve(&pr, &p.solve)? else { break };
+        let t_solve = t1.elapsed();
+        let strategies = space.assignment(&sol.picks);
+        let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts)?;
+        if std::env::var_os("TESSERA_TRACE").is_some() {
+            eprintln!(
+                "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?} ilp {:.4} lowered {:.4} peak {:.2}/{:.2} GiB",
+                mesh.shape,
+                cand.rule,
+                cand.zero,
+                mb,
+                problem.choices.len(),
+                t_build,
+                t_solve,
+                t1.elapsed() - t_solve,
+                sol.objective,
+                lowered.time.step_time_s,
+                lowered.memory.peak_bytes as f64 / (1u64 << 30) as f64,
+                budget / (1u64 << 30) as f64,
+            );
+        }
+        plain_objective.get_or_insert(sol.objective);
+        let peak = lowered.memory.peak_bytes as f64;
+        if peak <= budget || !budget.is_finite() {
+            return Ok((Some((strategies, lowered, sol.objective)), plain_objective));
+        }
+        // The ILP's estimate missed the simulated peak: tighten its budget by the miss.
+        target *= (budget / peak) * 0.98;
+    }
+    Ok((None, plain_objective))
+}
+
+/// Whether a candidate fits when nothing does without checkpointing (or a fixed schedule was
+/// asked for): its ILP's most memory-frugal layout under the most frugal checkpointing the
+/// policy allows ([`frugal_fit`]). One lowering answers for the whole candidate, where walking
+/// the slacks would lower each of their layouts for nothing. On a miss the candidate's least
+/// peak is recorded ([`Problem0::least`]), and when the state resting before a step alone
+/// misses the budget, its (mesh, rule, ZeRO stage) is marked hopeless.
+fn frugal_candidate(
+    p: &Problem0<'_>,
+    cand: &Candidate,
+    problem: &Problem,
+    space: &Space<'_>,
+    fwd: &Forward,
+    budget: f64,
+) -> Result<Option<Fit>> {
+    let Some(sol) = ilp::min_peak(problem, &p.solve)? else { return Ok(None) };
+    let strategies = space.assignment(&sol.picks);
+    let lopts = LowerOptions {
+        zero: cand.zero,
+        micro_batches: cand.micro_batches.max(1),
+        train: p.train.clone(),
+        ckpt: Checkpointing::default(),
+    };
+    let u = lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts)?;
+    let bound = p.fastest.bound(&cand.rule);
+    match frugal_fit(p, &u, &cand.mesh, budget, bound)? {
+        Frugal::Fits(l) => Ok(Some((strategies, *l, sol.objective))),
+        Frugal::Misses { resting, least } => {
+            let least = LeastPeak { peak_bytes: least.0, candidate: cand.clone(), ckpt: least.1 };
+            LeastPeak::record(&p.least, least);
+            if resting as f64 > budget {
+                if let Ok(mut h) = p.hopeless.lock() {
+                    h.push((cand.mesh.clone(), cand.rule.clone(), cand.zero));
+                }
+            }
+            Ok(None)
+        }
+    }
+}
+
 /// The checkpointing that keeps the least under a policy: full recompute for the joint search.
 fn frugal_checkpointing(policy: &CkptSearch, num_blocks: u32) -> Checkpointing {
     match policy {
@@ -731,8 +853,68 @@ fn frugal_checkpointing(policy: &CkptSearch, num_blocks: u32) -> Checkpointing {
     }
 }
 
-/// The smallest simulated peak this candidate reaches (ILP minimising its memory rows, then
-/// the most frugal checkpointing the search may use).
+/// How a candidate's most memory-frugal layout fares under a budget.
+enum Frugal {
+    Fits(Box<Lowered>),
+    /// Nothing the policy accepts fits: the bytes resting before a step (parameters, optimizer
+    /// state, inputs), and the least peak reached, with the checkpointing that reaches it.
+    Misses {
+        resting: u64,
+        least: (u64, Checkpointing),
+    },
+}
+
+/// The most frugal layout `u` under the policy: the fixed schedule if one was asked for, else
+/// for the joint search what [`crate::ckpt::choose_or_resting`] finds — the plain Program,
+/// full recompute, or (when the plain step could still win) the DP's mix — with, on a miss,
+/// the lower of the plain and the fully recomputed peaks (the plain one on a tie; recomputing
+/// does not always lower the peak: the recomputed values are live while a block runs
+/// backward). The same lowerings as `choose_or_resting`, but for the DP's:
+/// [`crate::ckpt::choose`] lowers the plain and the fully recomputed Programs again (its API
+/// takes no measured chain).
+fn frugal_fit(
+    p: &Problem0<'_>,
+    u: &crate::lower::Unfinished,
+    mesh: &Mesh,
+    budget: f64,
+    bound: f64,
+) -> Result<Frugal> {
+    let nb = tessera_ir::remat::num_blocks(&u.training.graph);
+    let fits = |l: &Lowered| l.memory.peak_bytes as f64 <= budget;
+    let finish = |ckpt: &Checkpointing| finish(u, ckpt, mesh, &p.cost);
+    let miss = |l: &Lowered, ckpt| Frugal::Misses {
+        resting: l.memory.resting_bytes,
+        least: (l.memory.peak_bytes, ckpt),
+    };
+    if !matches!(p.ckpt, CkptSearch::Joint) || nb == 0 {
+        let ckpt = frugal_checkpointing(&p.ckpt, nb);
+        let l = finish(&ckpt)?;
+        return Ok(if fits(&l) { Frugal::Fits(Box::new(l)) } else { miss(&l, ckpt) });
+    }
+    let plain = Checkpointing::uniform(nb, CkptMode::None);
+    let none = finish(&plain)?;
+    if fits(&none) {
+        return Ok(Frugal::Fits(Box::new(none)));
+    }
+    let recompute = Checkpointing::uniform(nb, CkptMode::Full);
+    let full = finish(&recompute)?;
+    if !fits(&full) {
+        return Ok(match none.memory.peak_bytes <= full.memory.peak_bytes {
+            true => miss(&none, plain),
+            false => miss(&full, recompute),
+        });
+    }
+    if none.time.step_time_s > bound {
+        // A fit, but no checkpointing of this layout can win: skip the DP.
+        return Ok(Frugal::Fits(Box::new(full)));
+    }
+    let chosen = crate::ckpt::choose(u, mesh, &p.cost, budget as u64, bound)?;
+    Ok(Frugal::Fits(Box::new(chosen.unwrap_or(full))))
+}
+
+/// The least peak this candidate reaches in the search ([`LeastPeak`]: the ILP's most
+/// memory-frugal layout under the most frugal checkpointing the policy accepts); `None` when
+/// the model does not split this way.
 pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let mb = cand.micro_batches.max(1);
     if !p.batch.is_multiple_of(mb) {
@@ -748,10 +930,14 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, f64::INFINITY)?;
     let Some(sol) = ilp::min_peak(&problem, &p.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
-    let ckpt = frugal_checkpointing(&p.ckpt, tessera_ir::remat::num_blocks(&fwd.graph));
+    let ckpt = Checkpointing::default();
     let lopts = LowerOptions { zero: cand.zero, micro_batches: mb, train: p.train.clone(), ckpt };
-    let lowered = lower(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &p.cost, &lopts)?;
-    Ok(Some(lowered.memory.peak_bytes))
+    let u = lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts)?;
+    // Nothing fits a negative budget: the answer is the least peak.
+    Ok(Some(match frugal_fit(p, &u, &cand.mesh, -1.0, f64::INFINITY)? {
+        Frugal::Misses { least, .. } => least.0,
+        Frugal::Fits(l) => l.memory.peak_bytes,
+    }))
 }
 
 fn build_problem(
