@@ -16,7 +16,9 @@
 //!   running the plan's Program on its shards; [`collective`]: its shards and collectives
 //!   (through a `tessera_comm::Communicator`); [`run`]: the one training loop (steps, logs,
 //!   checkpoints, evaluation) that every device of every plan runs.
-//! - [`checkpoint`]: Hugging Face weight import and atomic save/resume checkpoints.
+//! - [`checkpoint`]: Hugging Face weight import and atomic save/resume checkpoints;
+//!   [`integrity`]: their checksums and the refusal of non-finite weights; [`host`]: disk
+//!   room, host memory and the lock a run takes on its checkpoint directory.
 //! - [`dist_checkpoint`]: sharded checkpoints of a parallel run (one file per rank, loaded
 //!   back as global tensors under any device count) and Hugging Face export.
 
