@@ -181,8 +181,9 @@ pub(crate) fn checksum_of<'a>(
     manifest: &'a Manifest,
 ) -> Option<&'a crate::integrity::FileDigest> {
     let name = path.file_name()?.to_string_lossy();
-    let in_shards = path.parent()?.file_name().is_some_and(|p| p == "shards");
-    let key = if in_shards { format!("shards/{name}") } else { name.into_owned() };
+    let shards = crate::dist_checkpoint::SHARDS_DIR;
+    let in_shards = path.parent()?.file_name().is_some_and(|p| p == shards);
+    let key = if in_shards { format!("{shards}/{name}") } else { name.into_owned() };
     manifest.checksums.get(&key)
 }
 
