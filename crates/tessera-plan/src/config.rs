@@ -13,6 +13,7 @@
 //! `dp2 tp4 sp zero1 mb4 ckpt=selective`, or `dp8 tp1` for pure data parallelism. `ppN` and
 //! `sched=...` are reserved for pipeline parallelism and rejected until it lands.
 
+use crate::pipeline::ScheduleKind;
 use crate::{PlanError, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -37,6 +38,20 @@ pub struct ParallelConfig {
     /// Activation checkpointing on every block; `None`: chosen per block by the planner.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ckpt: Option<CkptMode>,
+    /// Pipeline stages (devices along the pipeline axis); 1: no pipeline.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub pp: usize,
+    /// The pipeline schedule (`None`: the default, 1F1B, or the planner's choice).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<ScheduleKind>,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 const GRAMMAR: &str = "a config is tokens dpN, tpN, zeroK (K = 0..3), mbN, sp and \
@@ -45,7 +60,16 @@ const GRAMMAR: &str = "a config is tokens dpN, tpN, zeroK (K = 0..3), mbN, sp an
 
 impl Default for ParallelConfig {
     fn default() -> ParallelConfig {
-        ParallelConfig { dp: 1, tp: 1, zero: 0, micro_batches: 1, sp: false, ckpt: None }
+        ParallelConfig {
+            dp: 1,
+            tp: 1,
+            zero: 0,
+            micro_batches: 1,
+            sp: false,
+            ckpt: None,
+            pp: 1,
+            schedule: None,
+        }
     }
 }
 
@@ -256,7 +280,7 @@ mod tests {
     use super::*;
 
     fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> ParallelConfig {
-        ParallelConfig { dp, tp, zero, micro_batches, sp, ckpt: None }
+        ParallelConfig { dp, tp, zero, micro_batches, sp, ckpt: None, pp: 1, schedule: None }
     }
 
     fn err(s: &str) -> String {

@@ -19,6 +19,7 @@ pub mod cost;
 pub mod ilp;
 pub mod lower;
 pub mod mesh;
+pub mod pipeline;
 pub mod plan;
 pub mod planner;
 pub mod reshard;

@@ -202,7 +202,16 @@ pub fn describe(
                     s.inputs[0].dims.get(1).is_some_and(|d| d.iter().any(|a| !dp_axes.contains(a)))
                 })
         });
-    ParallelConfig { dp: dp.max(1), tp: tp.max(1), zero, micro_batches: mb, sp, ckpt: None }
+    ParallelConfig {
+        dp: dp.max(1),
+        tp: tp.max(1),
+        zero,
+        micro_batches: mb,
+        sp,
+        ckpt: None,
+        pp: 1,
+        schedule: None,
+    }
 }
 
 pub struct PlanContext<'a> {

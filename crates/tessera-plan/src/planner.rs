@@ -199,8 +199,16 @@ fn job_space(req: &Request<'_>, job: &Job, mbs: &[usize]) -> Result<(Mesh, AxisR
     Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
         Job::Megatron { dp, tp, sp } => {
-            let cfg =
-                ParallelConfig { dp: *dp, tp: *tp, zero: 0, micro_batches: 1, sp: *sp, ckpt: None };
+            let cfg = ParallelConfig {
+                dp: *dp,
+                tp: *tp,
+                zero: 0,
+                micro_batches: 1,
+                sp: *sp,
+                ckpt: None,
+                pp: 1,
+                schedule: None,
+            };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
         }
@@ -340,6 +348,8 @@ fn best_megatron(
                     micro_batches: e.candidate.micro_batches,
                     sp,
                     ckpt: None,
+                    pp: 1,
+                    schedule: None,
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -597,6 +607,8 @@ fn describe(least: &LeastPeak) -> String {
                 micro_batches: c.micro_batches,
                 sp: *sp,
                 ckpt: first,
+                pp: 1,
+                schedule: None,
             };
             format!("`{}`", cfg.canonical())
         }

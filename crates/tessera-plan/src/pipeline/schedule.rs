@@ -1,0 +1,1 @@
+//! Schedules (filled in).
