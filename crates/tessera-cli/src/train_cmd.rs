@@ -271,6 +271,13 @@ pub enum Start {
     Weights(Box<dyn ShardSource + Send>),
 }
 
+impl RunContext {
+    /// The training graph rank `rank` runs.
+    pub fn training(&self, rank: usize) -> &TrainingGraph {
+        &self.stages[rank % self.stages.len().max(1)]
+    }
+}
+
 /// A resumed run whose `--steps` differs from the saved horizon.
 #[derive(Clone, Copy, Debug)]
 pub struct Extended {
@@ -283,7 +290,9 @@ pub struct RunContext {
     pub args: TrainArgs,
     pub cfg: ModelConfig,
     pub plan: Plan,
-    pub training: TrainingGraph,
+    /// The training graph of each pipeline device (one without a pipeline): rank r runs
+    /// `stages[r % stages.len()]` (the pipeline axis is the mesh's last).
+    pub stages: Vec<TrainingGraph>,
     pub mesh_shape: Vec<usize>,
     pub budget: u64,
     pub schedule: LrSchedule,
@@ -455,7 +464,7 @@ pub fn prepare(
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
     check_host_memory(&plan.predicted.peak_bytes_per_device, rank, local_devices)?;
-    let predicted_comm_bytes: u64 = exe.lowered.collectives.iter().map(|c| c.bytes).sum();
+    let predicted_comm_bytes: u64 = plan.predicted.comm_bytes_per_device;
     let mut predicted_calls = BTreeMap::new();
     for c in &exe.lowered.collectives {
         *predicted_calls.entry(c.op.to_string()).or_insert(0) += 1;
@@ -541,7 +550,10 @@ pub fn prepare(
         cfg,
         predicted_peak: plan.predicted.peak_bytes_per_device.clone(),
         plan,
-        training: exe.lowered.training,
+        stages: match exe.pipeline {
+            Some(p) => p.devices.into_iter().map(|d| d.lowered.training).collect(),
+            None => vec![exe.lowered.training],
+        },
         mesh_shape: exe.mesh.shape.clone(),
         budget,
         schedule,

@@ -188,7 +188,7 @@ pub fn run_rank(
             }
         };
         let mut trainer = Trainer::new(
-            ctx.training.clone(),
+            ctx.training(rank).clone(),
             CpuBackend::new(rank),
             runner,
             setup,
@@ -196,7 +196,7 @@ pub fn run_rank(
             args.seed,
             state,
         )?;
-        if ctx.training.loss_scale.is_some() {
+        if ctx.training(rank).loss_scale.is_some() {
             let cfg = LossScaleConfig {
                 init_scale: args.loss_scale,
                 growth_interval: args.loss_scale_window,

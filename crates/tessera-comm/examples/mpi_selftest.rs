@@ -9,8 +9,9 @@
 //!   exercised), each result compared bit for bit with a reference computed locally from every
 //!   member's input (inputs are a pure function of rank and call); all-reduce results are
 //!   all-gathered again to check every member got the same bits. Then a send/recv ring (FIFO,
-//!   empty and large messages, both neighbours sending before receiving), a mismatched call,
-//!   argument errors, and the traffic counters. Each rank prints `rank R of N: ok` and exits 0,
+//!   empty and large messages, both neighbours sending before receiving), tagged streams
+//!   (received in another order than sent, FIFO per tag, tag 0 being send/recv's), a mismatched
+//!   call, argument errors (a tag above `MAX_TAG` among them), and the traffic counters. Each rank prints `rank R of N: ok` and exits 0,
 //!   or prints what failed and ends the whole job with a non-zero status.
 //! - `stuck`: rank 0 calls an all-reduce over the world with a 3 s timeout while every other
 //!   rank leaves without calling it; rank 0 must report the timeout and end the job.
@@ -20,6 +21,10 @@
 //!   other rank calls an all-reduce on the world with a 2 s timeout; each of them must fail
 //!   with a timeout naming rank R alone, print it, and (after a second, so that all of them
 //!   print) end the job.
+//! - `tag-timeout`: rank 1 sends rank 0 a message on tag 3; rank 0 receives on tag 7 (3 s
+//!   timeout), which must time out naming rank 1 and tag 7 (printed as `rank 0 timed out: ...`),
+//!   then receives the tag-3 message (a recv timeout leaves the rank usable) and acknowledges it
+//!   on tag 1, which rank 1 waits for (retrying its own recv's timeouts); both end `ok`.
 //! - `many K`: K one-element all-reduces alternating between the world and the mesh columns,
 //!   checking after each that the backend's own traffic (`MpiComm::backlog`) stays bounded;
 //!   prints the time taken and ends like `check` (the finalisation must be clean).
@@ -30,7 +35,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tessera_comm::communicator::ChunkLayout;
-use tessera_comm::{CollectiveKind, CommError, CommStats, Communicator, Group, MpiComm};
+use tessera_comm::{CollectiveKind, CommError, CommStats, Communicator, Group, MpiComm, MAX_TAG};
 
 type Res<T = ()> = Result<T, Box<dyn Error>>;
 
@@ -210,6 +215,52 @@ fn check_send_recv(comm: &mut MpiComm, expected: &mut CommStats) -> Res {
     Ok(())
 }
 
+/// Tagged streams between ring neighbours: each rank sends on tags 5, 0 (through `send`) and
+/// `MAX_TAG`, interleaved, a large message among them, and receives them tag by tag in another
+/// order, so every receive passes older messages of other tags (still queued, the large one
+/// unfinished on its sender).
+fn check_tagged(comm: &mut MpiComm, expected: &mut CommStats) -> Res {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let tags = [5, 0, MAX_TAG];
+    let len = |msg: usize, t: usize| if msg == 1 && t == 0 { 1 << 18 } else { msg + t + 1 };
+    for msg in 0..3 {
+        for (t, &tag) in tags.iter().enumerate() {
+            let data = input(me, len(msg, t), 70 + 3 * t + msg);
+            if tag == 0 {
+                comm.send(next, &data)?;
+            } else {
+                comm.send_tagged(next, tag, &data)?;
+            }
+            expected.record(CollectiveKind::Send, bytes(data.len()));
+        }
+    }
+    for (t, &tag) in tags.iter().enumerate().rev() {
+        for msg in 0..3 {
+            let got = comm.recv_tagged(prev, tag)?;
+            let want = input(prev, len(msg, t), 70 + 3 * t + msg);
+            expected.record(CollectiveKind::Recv, bytes(want.len()));
+            check!(
+                bits(&got) == bits(&want),
+                "message {msg} on tag {tag} from rank {prev}: got {} elements, want {} (FIFO \
+                 order per tag, tags independent)",
+                got.len(),
+                want.len()
+            );
+        }
+    }
+    // To self, two tags, received in the opposite order.
+    comm.send_tagged(me, 9, &[9.0])?;
+    comm.send_tagged(me, 8, &[8.0])?;
+    let (eight, nine) = (comm.recv_tagged(me, 8)?, comm.recv_tagged(me, 9)?);
+    for (tag, got) in [(8, eight), (9, nine)] {
+        expected.record(CollectiveKind::Send, bytes(1));
+        expected.record(CollectiveKind::Recv, bytes(1));
+        check!(got == [tag as f32], "message to self on tag {tag}: got {got:?}");
+    }
+    Ok(())
+}
+
 /// Calls that must fail; none of them may count or communicate.
 fn check_errors(comm: &mut MpiComm, expected: &mut CommStats) -> Res {
     let (me, n) = (comm.rank(), comm.world_size());
@@ -253,6 +304,21 @@ fn check_errors(comm: &mut MpiComm, expected: &mut CommStats) -> Res {
         matches!(comm.recv(me), Err(CommError::InvalidArgument(_))),
         "a recv from self with nothing queued must be InvalidArgument"
     );
+    let big = MAX_TAG + 1;
+    for (what, result) in [
+        ("send", comm.send_tagged((me + 1) % n, big, &[1.0])),
+        ("recv", comm.recv_tagged((me + n - 1) % n, big).map(drop)),
+    ] {
+        match result {
+            Err(CommError::InvalidArgument(msg)) => check!(
+                msg.contains(&format!("tag {big}")) && msg.contains(&MAX_TAG.to_string()),
+                "the refused {what} with tag {big} should name the tag and the limit: {msg}"
+            ),
+            other => {
+                return Err(format!("a {what} with tag {big} must be refused, got {other:?}").into())
+            }
+        }
+    }
 
     // A mismatched call: every member fails with Mismatch, and the group stays usable.
     if n > 1 {
@@ -289,6 +355,7 @@ fn check_all(comm: &mut MpiComm) -> Res {
             .map_err(|e| format!("collectives over {group} (round {i}): {e}"))?;
     }
     check_send_recv(comm, &mut expected).map_err(|e| format!("send/recv: {e}"))?;
+    check_tagged(comm, &mut expected).map_err(|e| format!("tagged send/recv: {e}"))?;
     check_errors(comm, &mut expected).map_err(|e| format!("error cases: {e}"))?;
     let stats = comm.stats();
     check!(stats == expected, "stats {stats:?}, want {expected:?}");
@@ -306,6 +373,34 @@ fn stuck(comm: &mut MpiComm, group: &Group) -> Res {
         Ok(v) => Err(format!("the all_reduce should have timed out, returned {v:?}").into()),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Rank 0 receives on a tag rank 1 never sends on (see the module docs); needs 2 ranks.
+fn tag_timeout(comm: &mut MpiComm) -> Res {
+    check!(comm.world_size() == 2, "tag-timeout needs exactly 2 ranks");
+    if comm.rank() == 1 {
+        comm.send_tagged(0, 3, &[3.0, 1.0])?;
+        // Rank 0 acknowledges only after its own timeout: retry ours until it does.
+        for _ in 0..10 {
+            match comm.recv_tagged(0, 1) {
+                Ok(ack) => {
+                    check!(ack == [1.0], "acknowledgement {ack:?}");
+                    return Ok(());
+                }
+                Err(CommError::Timeout { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        return Err("rank 0 never acknowledged".into());
+    }
+    match comm.recv_tagged(1, 7) {
+        Err(e @ CommError::Timeout { .. }) => println!("mpi_selftest: rank 0 timed out: {e}"),
+        other => return Err(format!("the recv on tag 7 should time out, got {other:?}").into()),
+    }
+    let three = comm.recv_tagged(1, 3)?;
+    check!(three == [3.0, 1.0], "message on tag 3: {three:?}");
+    comm.send_tagged(1, 1, &[1.0])?;
+    Ok(())
 }
 
 /// The world and this rank's column of a `[2, N/2]` mesh (the world too when N is 2).
@@ -397,17 +492,19 @@ fn main() -> ExitCode {
             Some(Ok(stalled)) => stall(&mut comm, stalled),
             _ => Err("stall needs the rank to stall".into()),
         },
+        "tag-timeout" => tag_timeout(&mut comm),
         "stuck" => Group::world(n).map_err(Into::into).and_then(|g| stuck(&mut comm, &g)),
         "stuck-group" if n >= 3 => {
             Group::new([0, 1]).map_err(Into::into).and_then(|g| stuck(&mut comm, &g))
         }
         "stuck-group" => Err("stuck-group needs at least 3 ranks".into()),
-        other => {
-            Err(format!("unknown mode {other:?} (check, many, stuck, stuck-group, stall)").into())
-        }
+        other => Err(format!(
+            "unknown mode {other:?} (check, many, tag-timeout, stuck, stuck-group, stall)"
+        )
+        .into()),
     };
     match result {
-        Ok(()) if mode == "check" || mode == "many" => {
+        Ok(()) if matches!(mode.as_str(), "check" | "many" | "tag-timeout") => {
             println!("mpi_selftest: rank {me} of {n}: ok");
             ExitCode::SUCCESS
         }

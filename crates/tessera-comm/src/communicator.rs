@@ -129,6 +129,33 @@ pub(crate) fn check_layout(
     }
 }
 
+/// The largest tag of [`Communicator::send_tagged`] / [`Communicator::recv_tagged`]. MPI
+/// guarantees tags up to 32767 only, and its backend keeps a few below its range of user tags
+/// for itself; every backend refuses a larger tag, so that a program run on threads also runs
+/// on MPI.
+pub const MAX_TAG: u32 = 32_751;
+
+/// Fails with [`CommError::InvalidArgument`] naming [`MAX_TAG`] if `tag` is above it.
+pub(crate) fn check_tag(rank: usize, kind: CollectiveKind, peer: usize, tag: u32) -> Result<()> {
+    if tag > MAX_TAG {
+        return Err(CommError::InvalidArgument(format!(
+            "rank {rank}: {} with tag {tag}: tags go up to {MAX_TAG} (MPI guarantees only 32767, \
+             and keeps a few for the backend's own messages)",
+            describe_op(kind, &[peer])
+        )));
+    }
+    Ok(())
+}
+
+/// The error of the default tagged calls for a tag other than 0.
+fn untagged_only(rank: usize, kind: CollectiveKind, peer: usize, tag: u32) -> CommError {
+    CommError::InvalidArgument(format!(
+        "rank {rank}: {} with tag {tag}: this communicator implements only tag 0 (it does not \
+         override send_tagged / recv_tagged)",
+        describe_op(kind, &[peer])
+    ))
+}
+
 /// A copy of a buffer of `members` equal chunks, converted from packed layout `from` to packed
 /// layout `to` (both must fit the chunk length).
 fn relayout(data: &[f32], members: usize, from: ChunkLayout, to: ChunkLayout) -> Vec<f32> {
@@ -278,10 +305,39 @@ pub trait Communicator: Send {
     fn broadcast(&mut self, group: &Group, root: usize, data: &[f32]) -> Result<Vec<f32>>;
 
     /// Queues `data` for rank `to`; does not wait for the receiver. FIFO per (from, to) pair.
+    /// The same as [`Communicator::send_tagged`] with tag 0.
     fn send(&mut self, to: usize, data: &[f32]) -> Result<()>;
 
-    /// The oldest message from rank `from` not yet received, waiting for one if needed.
+    /// The oldest message from rank `from` not yet received, waiting for one if needed. The
+    /// same as [`Communicator::recv_tagged`] with tag 0.
     fn recv(&mut self, from: usize) -> Result<Vec<f32>>;
+
+    /// Queues `data` for rank `to` under `tag` (at most [`MAX_TAG`]); does not wait for the
+    /// receiver. Messages with the same (from, to, tag) arrive in send order; each tag is its
+    /// own stream, so one pair of ranks can carry several (a pipeline's activations of
+    /// different stage boundaries, its gradients) whose orders differ between the two sides.
+    /// Tag 0 is the stream of [`Communicator::send`] / [`Communicator::recv`]. A tag above
+    /// [`MAX_TAG`] is refused with [`CommError::InvalidArgument`] by every backend.
+    ///
+    /// The default implementation serves tag 0 through [`Communicator::send`] and refuses any
+    /// other tag (for a wrapper that forwards only the untagged calls); the backends of this
+    /// crate implement every tag.
+    fn send_tagged(&mut self, to: usize, tag: u32, data: &[f32]) -> Result<()> {
+        match tag {
+            0 => self.send(to, data),
+            _ => Err(untagged_only(self.rank(), CollectiveKind::Send, to, tag)),
+        }
+    }
+
+    /// The oldest message from rank `from` with `tag` not yet received, waiting for one if
+    /// needed. A message with another tag never blocks it, however long it has been queued.
+    /// A timeout names the peer and the tag. See [`Communicator::send_tagged`].
+    fn recv_tagged(&mut self, from: usize, tag: u32) -> Result<Vec<f32>> {
+        match tag {
+            0 => self.recv(from),
+            _ => Err(untagged_only(self.rank(), CollectiveKind::Recv, from, tag)),
+        }
+    }
 
     /// Returns once every member has called it.
     fn barrier(&mut self, group: &Group) -> Result<()>;

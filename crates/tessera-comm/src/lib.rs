@@ -5,8 +5,9 @@
 //! replicas of a shard, the tensor-parallel shards of a layer). This crate provides:
 //!
 //! - [`Communicator`]: the object-safe trait one rank uses — all-reduce, all-gather,
-//!   reduce-scatter, all-to-all, broadcast, barrier, send/recv — on f32 buffers (the runtime
-//!   converts other dtypes), plus per-kind traffic counters ([`CommStats`]).
+//!   reduce-scatter, all-to-all, broadcast, barrier, send/recv (tagged: independent streams
+//!   per pair of ranks) — on f32 buffers (the runtime converts other dtypes), plus per-kind
+//!   traffic counters ([`CommStats`]).
 //! - [`Group`]: sorted sets of global ranks, including the group along one or more axes of a
 //!   row-major mesh ([`Group::mesh_axis`], [`Group::mesh_axes`]).
 //! - [`ThreadComm`] and [`run_on_threads`]: a backend where each rank is a thread of this
@@ -46,7 +47,7 @@ pub mod thread;
 
 #[cfg(feature = "mpi")]
 pub use crate::mpi::MpiComm;
-pub use communicator::Communicator;
+pub use communicator::{Communicator, MAX_TAG};
 pub use error::{CommError, Departure, Result};
 pub use group::{mesh_coords, mesh_rank, mesh_size, Group};
 pub use launch::{discover, discover_from, LaunchEnv, Launcher};

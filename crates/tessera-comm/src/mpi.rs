@@ -17,8 +17,12 @@
 //!   world): only once every member has said it is setting up this same group is it called, so
 //!   a missing member gives a [`CommError::Timeout`] naming it, and a member setting up a
 //!   different group gives a [`CommError::Mismatch`], instead of a hang.
-//! - `send`/`recv` use another private duplicate of the world (one tag), so user messages never
-//!   match anything else and keep MPI's per-pair FIFO order.
+//! - `send`/`recv` use another private duplicate of the world, so user messages never match
+//!   anything else and keep MPI's per-pair FIFO order. A user tag t (`send_tagged`) travels as
+//!   MPI tag `USER_TAG_BASE + t`: above every tag the backend uses for itself, and at most
+//!   32767 (the upper bound MPI guarantees) for every tag up to [`MAX_TAG`]. MPI orders
+//!   messages per (source, tag), and a receive probes for its own tag only, so each user tag is
+//!   an independent FIFO stream; `send`/`recv` are tag 0.
 //!
 //! # One call
 //!
@@ -87,13 +91,11 @@ use ::mpi::traits::{
 };
 use ::mpi::{Tag, Threading};
 
-use crate::communicator::Communicator;
+use crate::communicator::{check_tag, Communicator, MAX_TAG};
 use crate::error::{describe_op, CommError, Result};
 use crate::group::Group;
 use crate::stats::{f32_bytes, CollectiveKind, CommStats};
 
-/// Tag of user messages, on the `p2p` communicator (alone there, so FIFO per pair holds).
-const USER_TAG: Tag = 0;
 /// Tag of set-up hellos, on the `hello` communicator.
 const HELLO_TAG: Tag = 1;
 /// Tag given to `MPI_Comm_create_group` on the `create` communicator (only one set-up runs at a
@@ -102,6 +104,22 @@ const CREATE_TAG: Tag = 2;
 /// Tag of call announcements, on each group's own communicator (the world's for the world),
 /// where nothing else is sent point to point.
 const ANNOUNCE_TAG: Tag = 3;
+/// MPI tag of user tag 0, on the `p2p` communicator; user tag t is `USER_TAG_BASE + t`. User
+/// messages are alone on `p2p`, but their range is kept clear of the backend's own tags anyway
+/// (with room for more of those), so no user tag can ever match an internal message.
+const USER_TAG_BASE: Tag = 16;
+/// The largest tag every MPI library must accept (the least `MPI_TAG_UB` the standard allows).
+const MPI_GUARANTEED_TAG_UB: Tag = 32_767;
+
+// The user range lies above every internal tag and within MPI's guaranteed bound.
+const _: () = assert!(USER_TAG_BASE > ANNOUNCE_TAG && USER_TAG_BASE > CREATE_TAG);
+const _: () = assert!(USER_TAG_BASE > HELLO_TAG);
+const _: () = assert!(MAX_TAG as i64 + USER_TAG_BASE as i64 == MPI_GUARANTEED_TAG_UB as i64);
+
+/// The MPI tag of user tag `tag` (at most [`MAX_TAG`], checked by the caller with `check_tag`).
+fn user_tag(tag: u32) -> Tag {
+    USER_TAG_BASE + tag.min(MAX_TAG) as Tag
+}
 
 /// How long a timed-out call may spend receiving the announcements already queued for it
 /// (each is one word that has arrived, so receiving it takes microseconds).
@@ -1002,21 +1020,31 @@ impl Communicator for MpiComm {
     }
 
     fn send(&mut self, to: usize, data: &[f32]) -> Result<()> {
+        self.send_tagged(to, 0, data)
+    }
+
+    fn recv(&mut self, from: usize) -> Result<Vec<f32>> {
+        self.recv_tagged(from, 0)
+    }
+
+    fn send_tagged(&mut self, to: usize, tag: u32, data: &[f32]) -> Result<()> {
         let kind = CollectiveKind::Send;
         self.check_peer(kind, to)?;
+        check_tag(self.rank, kind, to, tag)?;
         self.check_count(kind, &[to], Some(data.len()))?;
         self.reap();
         // Non-blocking: the copy stays with MPI until the receiver has taken it (`reap`).
-        let send = start_send(&self.mpi.p2p, to_rank(to)?, USER_TAG, data.to_vec());
+        let send = start_send(&self.mpi.p2p, to_rank(to)?, user_tag(tag), data.to_vec());
         self.mpi.pending.push(send);
         self.stats.record(kind, f32_bytes(data.len()));
         Ok(())
     }
 
-    fn recv(&mut self, from: usize) -> Result<Vec<f32>> {
+    fn recv_tagged(&mut self, from: usize, tag: u32) -> Result<Vec<f32>> {
         let kind = CollectiveKind::Recv;
         let me = self.rank;
         self.check_peer(kind, from)?;
+        check_tag(me, kind, from, tag)?;
         // Completing our own sends first makes a message to ourselves visible to the probe.
         self.reap();
         let deadline = Instant::now().checked_add(self.timeout);
@@ -1031,12 +1059,13 @@ impl Communicator for MpiComm {
         let source = self.mpi.p2p.process_at_rank(to_rank(from)?);
         let mut backoff = Backoff(0);
         loop {
-            if let Some(found) = source.immediate_matched_probe_with_tag(USER_TAG) {
+            // Only this tag matches: messages of other tags stay queued for their own recvs.
+            if let Some(found) = source.immediate_matched_probe_with_tag(user_tag(tag)) {
                 let Ok(msg) = receive_matched::<f32>(found, deadline) else {
                     self.abandoned = true;
                     return Err(timed_out(format!(
-                        "a message from rank {from} started arriving but did not finish; \
-                         {END_THE_JOB}"
+                        "a message with tag {tag} from rank {from} started arriving but did not \
+                         finish; {END_THE_JOB}"
                     )));
                 };
                 self.stats.record(kind, f32_bytes(msg.len()));
@@ -1044,13 +1073,15 @@ impl Communicator for MpiComm {
             }
             if from == me {
                 return Err(CommError::InvalidArgument(format!(
-                    "rank {me}: recv from itself with no message queued would wait forever"
+                    "rank {me}: recv from itself (tag {tag}) with no message queued would wait \
+                     forever"
                 )));
             }
             if past(deadline) {
                 return Err(timed_out(format!(
-                    "no message from rank {from} arrived; MPI cannot tell whether rank {from} is \
-                     gone, stuck, or not sending (nothing was abandoned: this rank may go on)"
+                    "no message with tag {tag} from rank {from} arrived; MPI cannot tell whether \
+                     rank {from} is gone, stuck, or not sending (nothing was abandoned: this rank \
+                     may go on)"
                 )));
             }
             backoff.pause();
@@ -1142,5 +1173,15 @@ mod tests {
         assert_eq!(sum_chunks(&[], 3), Vec::<f32>::new());
         // Order matters for rounding: (1e8 + 1) - 1e8 is 0 in f32, whereas 1e8 - 1e8 + 1 is 1.
         assert_eq!(sum_chunks(&[1e8, 1.0, -1e8], 3), vec![0.0]);
+    }
+
+    #[test]
+    fn user_tags_map_above_internal_tags_and_within_the_guaranteed_bound() {
+        assert_eq!(user_tag(0), USER_TAG_BASE);
+        assert_eq!(user_tag(7), USER_TAG_BASE + 7);
+        assert_eq!(user_tag(MAX_TAG), MPI_GUARANTEED_TAG_UB);
+        for internal in [HELLO_TAG, CREATE_TAG, ANNOUNCE_TAG] {
+            assert!(internal < user_tag(0));
+        }
     }
 }

@@ -48,7 +48,7 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::communicator::{check_layout, ChunkLayout, Communicator};
+use crate::communicator::{check_layout, check_tag, ChunkLayout, Communicator};
 use crate::error::{describe_op, CommError, Departure, Result};
 use crate::group::Group;
 use crate::stats::{f32_bytes, CollectiveKind, CommStats};
@@ -75,14 +75,14 @@ struct State {
     blocked_in: Vec<Option<Activity>>,
     /// Open rendezvous, per group then per (call number, piece number).
     slots: HashMap<Group, HashMap<SlotKey, Slot>>,
-    /// Point-to-point messages, per (from, to), oldest first.
-    mailboxes: HashMap<(usize, usize), VecDeque<Vec<f32>>>,
+    /// Point-to-point messages, per (from, to, tag), oldest first.
+    mailboxes: HashMap<(usize, usize, u32), VecDeque<Vec<f32>>>,
 }
 
 #[derive(Clone)]
 enum Activity {
     Collective { kind: CollectiveKind, group: Group, seq: u64 },
-    Recv { from: usize },
+    Recv { from: usize, tag: u32 },
 }
 
 /// What a member asked for in one call; members of one call must agree on it.
@@ -198,8 +198,8 @@ impl State {
                 "rank {r} is blocked in {}, its call #{seq} there",
                 describe_op(*kind, group.ranks())
             ),
-            (None, Some(Activity::Recv { from })) => {
-                format!("rank {r} is blocked in recv from rank {from}")
+            (None, Some(Activity::Recv { from, tag })) => {
+                format!("rank {r} is blocked in recv from rank {from} (tag {tag})")
             }
             (None, None) => {
                 format!("rank {r} is in no call (still computing, or stuck)")
@@ -766,8 +766,17 @@ impl Communicator for ThreadComm {
     }
 
     fn send(&mut self, to: usize, data: &[f32]) -> Result<()> {
+        self.send_tagged(to, 0, data)
+    }
+
+    fn recv(&mut self, from: usize) -> Result<Vec<f32>> {
+        self.recv_tagged(from, 0)
+    }
+
+    fn send_tagged(&mut self, to: usize, tag: u32, data: &[f32]) -> Result<()> {
         let kind = CollectiveKind::Send;
         self.check_peer(kind, to)?;
+        check_tag(self.rank, kind, to, tag)?;
         let mut st = self.lock()?;
         // A message to a departed rank could never be received: say so now, not never.
         if let Some(how) = st.departed[to] {
@@ -779,27 +788,34 @@ impl Communicator for ThreadComm {
                 how,
             });
         }
-        st.mailboxes.entry((self.rank, to)).or_default().push_back(data.to_vec());
+        st.mailboxes.entry((self.rank, to, tag)).or_default().push_back(data.to_vec());
         drop(st);
         self.shared.changed.notify_all();
         self.stats.record(kind, f32_bytes(data.len()));
         Ok(())
     }
 
-    fn recv(&mut self, from: usize) -> Result<Vec<f32>> {
+    fn recv_tagged(&mut self, from: usize, tag: u32) -> Result<Vec<f32>> {
         let kind = CollectiveKind::Recv;
         let me = self.rank;
         self.check_peer(kind, from)?;
+        check_tag(me, kind, from, tag)?;
         let deadline = Instant::now().checked_add(self.shared.timeout);
         let mut st = self.lock()?;
-        st.blocked_in[me] = Some(Activity::Recv { from });
+        st.blocked_in[me] = Some(Activity::Recv { from, tag });
+        let key = (from, me, tag);
         let outcome = loop {
-            if let Some(msg) = st.mailboxes.get_mut(&(from, me)).and_then(|q| q.pop_front()) {
+            if let Some(msg) = st.mailboxes.get_mut(&key).and_then(|q| q.pop_front()) {
+                if st.mailboxes.get(&key).is_some_and(VecDeque::is_empty) {
+                    // Tags are many and often used once: keep no empty queue behind.
+                    st.mailboxes.remove(&key);
+                }
                 break Ok(msg);
             }
             if from == me {
                 break Err(CommError::InvalidArgument(format!(
-                    "rank {me}: recv from itself with no message queued would wait forever"
+                    "rank {me}: recv from itself (tag {tag}) with no message queued would wait \
+                     forever"
                 )));
             }
             // Messages sent before the sender left were delivered above; none can come now.
@@ -821,7 +837,10 @@ impl Communicator for ThreadComm {
                     group: vec![from],
                     timeout: self.shared.timeout,
                     missing: vec![from],
-                    detail: st.describe_missing(&[from]),
+                    detail: format!(
+                        "no message with tag {tag} from rank {from} arrived; {}",
+                        st.describe_missing(&[from])
+                    ),
                 });
             }
         };
@@ -857,7 +876,7 @@ impl Drop for ThreadComm {
         st.blocked_in[self.rank] = None;
         // Nobody can receive these any more; free them.
         let me = self.rank;
-        st.mailboxes.retain(|&(_, to), _| to != me);
+        st.mailboxes.retain(|&(_, to, _), _| to != me);
         drop(st);
         self.shared.changed.notify_all();
     }

@@ -1,6 +1,7 @@
 //! The MPI backend under a real launcher: runs the `mpi_selftest` example with OpenMPI's
 //! `mpirun` on 2 and 4 ranks (every collective, on the world and on mesh rows and columns,
-//! checked bit for bit; a thousand small calls leaving no messages behind), and checks that a
+//! checked bit for bit; tagged send/recv; a thousand small calls leaving no messages behind; a
+//! recv timing out on a tag nobody sends), and checks that a
 //! rank that never joins a collective makes the job end in bounded time with a timeout error
 //! naming rank, collective, group and the rank that stalled.
 //!
@@ -185,6 +186,27 @@ fn a_thousand_small_calls_leave_no_messages_behind() {
     assert!(job.status.success(), "mpirun -n 4 failed ({}):\n{}", job.status, job.output);
     for r in 0..4 {
         let line = format!("mpi_selftest: rank {r} of 4: ok");
+        assert!(job.output.lines().any(|l| l == line), "no {line:?} in:\n{}", job.output);
+    }
+    assert!(!job.output.contains("tessera-comm:"), "a warning at finalisation:\n{}", job.output);
+}
+
+/// A recv on a tag the peer never sends on (3 s timeout, while a message on another tag
+/// waits) times out naming the peer and the tag, and leaves the rank usable: it then receives
+/// the other tag's message, and both ranks end normally.
+#[test]
+fn a_recv_on_a_tag_nobody_sends_times_out_naming_peer_and_tag() {
+    let job = mpirun(2, "tag-timeout");
+    assert!(job.status.success(), "mpirun -n 2 failed ({}):\n{}", job.status, job.output);
+    assert!(
+        job.output.lines().any(|l| l.starts_with(
+            "mpi_selftest: rank 0 timed out: rank 0: recv from rank 1 timed out after 3s"
+        ) && l.contains("no message with tag 7 from rank 1 arrived")),
+        "no timeout naming rank 1 and tag 7 in:\n{}",
+        job.output
+    );
+    for r in 0..2 {
+        let line = format!("mpi_selftest: rank {r} of 2: ok");
         assert!(job.output.lines().any(|l| l == line), "no {line:?} in:\n{}", job.output);
     }
     assert!(!job.output.contains("tessera-comm:"), "a warning at finalisation:\n{}", job.output);

@@ -569,6 +569,199 @@ fn recv_times_out_naming_the_sender() {
 }
 
 #[test]
+fn tagged_streams_on_one_pair_are_received_in_the_opposite_order_of_sending() {
+    let results = run_on_threads(2, SLOW, |c| {
+        if c.rank() == 0 {
+            // Two messages of stream 3, then two of stream 7, then one untagged (tag 0).
+            c.send_tagged(1, 3, &[3.0, 0.0])?;
+            c.send_tagged(1, 3, &[3.0, 1.0])?;
+            c.send_tagged(1, 7, &[7.0, 0.0])?;
+            c.send_tagged(1, 7, &[7.0, 1.0])?;
+            c.send(1, &[0.5])?;
+            return Ok(Vec::new());
+        }
+        // Wait until everything is queued, so that the later streams are behind the earlier.
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(vec![
+            c.recv(0)?,
+            c.recv_tagged(0, 7)?,
+            c.recv_tagged(0, 7)?,
+            c.recv_tagged(0, 3)?,
+            c.recv_tagged(0, 3)?,
+        ])
+    });
+    let got = results[1].as_ref().expect("rank 1 receives every stream");
+    let want = vec![vec![0.5], vec![7.0, 0.0], vec![7.0, 1.0], vec![3.0, 0.0], vec![3.0, 1.0]];
+    assert_eq!(got, &want);
+}
+
+#[test]
+fn a_recv_on_a_later_stream_is_not_blocked_by_an_unreceived_earlier_one() {
+    // Rank 0 sends on tag 5, then on tag 1, and waits for rank 1's answer to the tag-1 message
+    // before sending on tag 6: rank 1 can only answer (and get tag 6) by receiving tag 1 past
+    // the older tag-5 message, which it takes last.
+    let results = run_on_threads(2, SLOW, |c| {
+        if c.rank() == 0 {
+            c.send_tagged(1, 5, &[5.0])?;
+            c.send_tagged(1, 1, &[1.0])?;
+            let answer = c.recv_tagged(1, 2)?;
+            c.send_tagged(1, 6, &answer)?;
+            return Ok(Vec::new());
+        }
+        let one = c.recv_tagged(0, 1)?;
+        c.send_tagged(0, 2, &[one[0] + 1.0])?;
+        let six = c.recv_tagged(0, 6)?;
+        let five = c.recv_tagged(0, 5)?;
+        Ok(vec![one, six, five])
+    });
+    assert!(results[0].is_ok(), "{:?}", results[0]);
+    assert_eq!(results[1].as_ref().expect("ok"), &vec![vec![1.0], vec![2.0], vec![5.0]]);
+}
+
+#[test]
+fn each_tag_is_fifo_per_pair_and_counts_like_send_and_recv() {
+    // Every rank sends three messages on each of tags 0, 1 and MAX_TAG to the next rank,
+    // interleaving the tags, and receives them tag by tag, the tags in reverse order.
+    let tags = [0, 1, tessera_comm::MAX_TAG];
+    let results = run_on_threads(3, SLOW, |c| {
+        let (r, n) = (c.rank(), c.world_size());
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        for msg in 0..3 {
+            for (t, &tag) in tags.iter().enumerate() {
+                c.send_tagged(next, tag, &input(r, msg + 1, 10 * t + msg))?;
+            }
+        }
+        let mut got = Vec::new();
+        for &tag in tags.iter().rev() {
+            for _ in 0..3 {
+                got.push(c.recv_tagged(prev, tag)?);
+            }
+        }
+        Ok((got, c.stats()))
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        let (got, stats) = res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        let prev = (r + 2) % 3;
+        let want: Vec<Vec<f32>> = (0..tags.len())
+            .rev()
+            .flat_map(|t| (0..3).map(move |msg| input(prev, msg + 1, 10 * t + msg)))
+            .collect();
+        assert_eq!(got, want, "rank {r}: each tag's messages from {prev} in send order");
+        // 9 messages of 1, 2 and 3 elements (three of each) each way.
+        let k = KindStats { calls: 9, bytes: 4 * 3 * (1 + 2 + 3) };
+        assert_eq!(stats.get(CollectiveKind::Send), k, "rank {r}");
+        assert_eq!(stats.get(CollectiveKind::Recv), k, "rank {r}");
+    }
+}
+
+#[test]
+fn a_recv_on_a_tag_nobody_sends_times_out_naming_peer_and_tag() {
+    let results = run_on_threads(2, Duration::from_millis(200), |c| {
+        if c.rank() == 1 {
+            c.send_tagged(0, 3, &[1.0])?;
+            std::thread::sleep(Duration::from_millis(600));
+            return Ok(Vec::<f32>::new());
+        }
+        match c.recv_tagged(1, 7) {
+            Err(e @ CommError::Timeout { .. }) => {
+                // Nothing is out of step after a recv timeout: the other stream still works.
+                let three = c.recv_tagged(1, 3)?;
+                assert_eq!(three, vec![1.0]);
+                Err(e)
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+    });
+    match &results[0] {
+        Err(e @ CommError::Timeout { rank: 0, kind: CollectiveKind::Recv, group, missing, .. }) => {
+            assert_eq!((group, missing), (&vec![1], &vec![1]));
+            let msg = e.to_string();
+            assert!(msg.starts_with("rank 0: recv from rank 1 timed out"), "{msg}");
+            assert!(msg.contains("no message with tag 7 from rank 1 arrived"), "{msg}");
+        }
+        other => panic!("rank 0: expected a timeout, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_timeout_names_the_tag_the_missing_rank_waits_on() {
+    // Rank 1 waits for tag 4 from rank 0 while rank 0 waits for tag 9 from rank 1; rank 1
+    // starts later, so it is still blocked when rank 0 gives up.
+    let results = run_on_threads(2, Duration::from_millis(300), |c| {
+        if c.rank() == 0 {
+            return c.recv_tagged(1, 9);
+        }
+        std::thread::sleep(Duration::from_millis(150));
+        c.recv_tagged(0, 4)
+    });
+    let msg = results[0].as_ref().expect_err("rank 0 times out").to_string();
+    assert!(msg.contains("no message with tag 9 from rank 1"), "{msg}");
+    assert!(msg.contains("rank 1 is blocked in recv from rank 0 (tag 4)"), "{msg}");
+    // Rank 0 left after its timeout: rank 1's recv fails promptly rather than timing out.
+    assert!(
+        matches!(&results[1], Err(CommError::RankDied { dead: 0, kind: CollectiveKind::Recv, .. })),
+        "{:?}",
+        results[1]
+    );
+}
+
+#[test]
+fn tagged_messages_sent_before_the_sender_left_are_still_received() {
+    let results = run_on_threads(2, SLOW, |c| {
+        if c.rank() == 0 {
+            c.send_tagged(1, 2, &[2.0])?;
+            c.send_tagged(1, 1, &[1.0])?;
+            return Ok(Vec::new());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let got = vec![c.recv_tagged(0, 1)?, c.recv_tagged(0, 2)?];
+        match c.recv_tagged(0, 1) {
+            Err(CommError::RankDied { dead: 0, .. }) => Ok(got),
+            other => panic!("expected RankDied, got {other:?}"),
+        }
+    });
+    assert_eq!(results[1].as_ref().expect("ok"), &vec![vec![1.0], vec![2.0]]);
+}
+
+#[test]
+fn a_tag_above_the_limit_is_refused_naming_it() {
+    let results = run_on_threads(2, SLOW, |c| {
+        let (r, big) = (c.rank(), tessera_comm::MAX_TAG + 1);
+        for e in [c.send_tagged(1 - r, big, &[1.0]), c.recv_tagged(1 - r, big).map(drop)] {
+            match e {
+                Err(CommError::InvalidArgument(msg)) => {
+                    assert!(msg.contains(&tessera_comm::MAX_TAG.to_string()), "{msg}");
+                    assert!(msg.contains(&format!("tag {big}")), "{msg}");
+                }
+                other => panic!("expected InvalidArgument, got {other:?}"),
+            }
+        }
+        // Nothing was sent or counted: the pair's streams are untouched.
+        c.send_tagged(1 - r, 0, &[r as f32])?;
+        let got = c.recv(1 - r)?;
+        Ok((got, c.stats().total_calls()))
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        assert_eq!(res.expect("ok"), (vec![(1 - r) as f32], 2), "rank {r}");
+    }
+}
+
+#[test]
+fn the_default_tagged_calls_serve_tag_0_and_refuse_others() {
+    let results = run_with_piece_as(2, 1 << 20, true, |c| {
+        let r = c.rank();
+        c.send_tagged(1 - r, 0, &[r as f32])?;
+        let got = c.recv_tagged(1 - r, 0)?;
+        assert!(matches!(c.send_tagged(1 - r, 1, &[1.0]), Err(CommError::InvalidArgument(_))));
+        assert!(matches!(c.recv_tagged(1 - r, 1), Err(CommError::InvalidArgument(_))));
+        Ok(got)
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        assert_eq!(res.expect("ok"), vec![(1 - r) as f32]);
+    }
+}
+
+#[test]
 fn communicators_work_as_boxed_trait_objects_on_plain_threads() {
     let comms = ThreadComm::world(3, SLOW).expect("n > 0");
     let boxed: Vec<Box<dyn Communicator>> =

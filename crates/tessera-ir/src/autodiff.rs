@@ -134,7 +134,11 @@ pub fn gradients_seeded(
     }
     for node in &b.graph.nodes {
         let diff = node.op.differentiable_inputs(node.inputs.len());
-        if node.inputs.iter().zip(&diff).any(|(t, &d)| d && requires[t.index()]) {
+        // A pipeline transfer pairs with its peer's: its gradient transfer always runs, or the
+        // peer would wait for it.
+        let pairs =
+            is_transfer(&node.op) && node.outputs.iter().all(|&o| b.graph.meta(o).dtype.is_float());
+        if pairs || node.inputs.iter().zip(&diff).any(|(t, &d)| d && requires[t.index()]) {
             for &o in &node.outputs {
                 requires[o.index()] = true;
             }
@@ -178,13 +182,14 @@ pub fn gradients_seeded(
             let p = std::mem::take(&mut pending[o.index()]);
             dout.push(finish(b, o, p)?);
         }
-        if dout.iter().all(Option::is_none) {
+        let transfer = is_transfer(&node.op);
+        if dout.iter().all(Option::is_none) && !transfer {
             continue;
         }
         let diff = node.op.differentiable_inputs(node.inputs.len());
         let needs: Vec<bool> =
             node.inputs.iter().zip(&diff).map(|(t, &d)| d && requires[t.index()]).collect();
-        if !needs.iter().any(|&x| x) {
+        if !needs.iter().any(|&x| x) && !transfer {
             continue;
         }
         let grads = {
@@ -223,6 +228,12 @@ pub fn gradients_seeded(
     b.set_scope_id(saved_scope);
     b.set_block(saved_block);
     Ok(out)
+}
+
+/// Sends and receives between pipeline stages: differentiated even where no gradient reaches
+/// them (the gradient transfer is the peer's counterpart and must happen).
+fn is_transfer(op: &Op) -> bool {
+    matches!(op, Op::Send(_) | Op::Recv(..))
 }
 
 /// Optimizer settings baked into the training graph. The learning rate and step counter are

@@ -182,6 +182,8 @@ fn is_bound_leaf(op: &Op) -> bool {
         Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => true,
         Op::Fill { .. }
         | Op::Reshard(_)
+        | Op::Send(_)
+        | Op::Recv(..)
         | Op::Unary(_)
         | Op::UnaryBackward(_)
         | Op::Binary(_)
@@ -478,6 +480,13 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Softmax => 1,
         Op::Reshape(_) | Op::Permute(_) | Op::Slice { .. } | Op::Pad { .. } | Op::Expand(_) => 1,
         Op::Rope { .. } | Op::Reshard(_) => 1,
+        Op::Send(_) | Op::Recv(..) => {
+            return Err(format!(
+                "{} moves a value between pipeline stages: it runs on a device mesh (the SPMD \
+                 runtime), not in the one-device interpreter",
+                op.name()
+            ))
+        }
         Op::UnaryBackward(_) | Op::Binary(_) | Op::Dropout { .. } | Op::MatMul { .. } => 2,
         Op::ReduceBackward { .. } | Op::SoftmaxBackward | Op::RmsNorm { .. } => 2,
         Op::Embedding | Op::EmbeddingBackward { .. } | Op::CrossEntropy { .. } => 2,
@@ -498,7 +507,11 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
     ensure!(x.len() == n_inputs, "expects {n_inputs} input(s), got {}", x.len());
     let one = |v: Value| Ok(vec![v]);
     match op {
-        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => {
+        Op::Parameter(_)
+        | Op::Input(_)
+        | Op::OptimizerState { .. }
+        | Op::Send(_)
+        | Op::Recv(..) => {
             unreachable!("returned above")
         }
         Op::Fill { value, meta } => one(Value::full(meta.shape.clone(), *value)),

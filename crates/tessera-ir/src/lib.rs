@@ -36,8 +36,8 @@ pub use dtype::DType;
 pub use error::{IrError, Result};
 pub use graph::{Graph, Node, NodeId, Phase, ScopeId, Tensor, TensorId};
 pub use ops::{
-    AdamWSpec, AttentionSpec, BinaryOp, Collective, CommStep, Flops, Op, ReduceOp, ReshardSpec,
-    StateKind, UnaryOp,
+    AdamWSpec, AttentionSpec, BinaryOp, Collective, CommStep, Flops, Op, P2p, ReduceOp,
+    ReshardSpec, StateKind, UnaryOp,
 };
 pub use program::{Instr, Program, Role};
 pub use remat::{rematerialize, Checkpointing, CkptMode};

@@ -104,7 +104,7 @@ pub struct CollectiveRecord {
 }
 
 #[derive(Clone, Debug)]
-struct ParamInfo {
+pub(crate) struct ParamInfo {
     /// Spec the parameter is stored in (includes the ZeRO-3 split).
     stored: Spec,
     /// Axes over which its accumulated gradient is a pending sum (data-parallel axes).
@@ -155,8 +155,13 @@ pub fn lower_unfinished(
     let mut lw = LocalForward::new(forward, strategy, mesh, opts)?;
     let local_loss = lw.build(loss)?;
     let leaf_specs = lw.leaf_specs.clone();
-    let mut hooks =
-        DistHooks { mesh, zero: opts.zero, params: lw.local_params, synced: HashMap::new() };
+    let mut hooks = DistHooks {
+        mesh,
+        pipeline_axis: None,
+        zero: opts.zero,
+        params: lw.local_params,
+        synced: HashMap::new(),
+    };
     let tg = build_training_graph_with(lw.b, local_loss, &opts.train, &mut hooks)
         .map_err(|e| PlanError::Internal(format!("differentiating the sharded graph: {e}")))?;
     let training = replay(&tg, opts.micro_batches)?;
@@ -221,25 +226,25 @@ fn leaf_layout(g: &Graph, leaf_specs: &[(String, Spec)], micro_batches: usize) -
 }
 
 /// Builds the local forward graph.
-struct LocalForward<'a> {
+pub(crate) struct LocalForward<'a> {
     g: &'a Graph,
     strategy: &'a [Option<Strategy>],
     mesh: &'a Mesh,
     micro_batches: usize,
     zero: u8,
-    b: Builder,
+    pub(crate) b: Builder,
     /// Each global tensor's local tensor, in its producer's spec.
     home: Vec<Option<(TensorId, Spec)>>,
     /// Reshards already emitted: (tensor, spec, gradient pending axes) → local tensor.
     moved: HashMap<(TensorId, Spec, Vec<usize>), TensorId>,
     params: HashMap<TensorId, ParamInfo>,
     /// Local parameter → its info (for the optimizer hooks).
-    local_params: HashMap<TensorId, ParamInfo>,
-    leaf_specs: Vec<(String, Spec)>,
+    pub(crate) local_params: HashMap<TensorId, ParamInfo>,
+    pub(crate) leaf_specs: Vec<(String, Spec)>,
 }
 
 impl<'a> LocalForward<'a> {
-    fn new(
+    pub(crate) fn new(
         g: &'a Graph,
         strategy: &'a [Option<Strategy>],
         mesh: &'a Mesh,
@@ -344,7 +349,7 @@ impl<'a> LocalForward<'a> {
         })
     }
 
-    fn build(&mut self, loss: TensorId) -> Result<TensorId> {
+    pub(crate) fn build(&mut self, loss: TensorId) -> Result<TensorId> {
         let consumers = self.g.consumers();
         for (i, node) in self.g.nodes.iter().enumerate() {
             let id = NodeId(i as u32);
@@ -543,12 +548,15 @@ fn in_micro_batch(op: &Op, k: usize) -> Op {
 }
 
 /// Distributed optimizer section: gradient sync, ZeRO shards, global norm.
-struct DistHooks<'a> {
-    mesh: &'a Mesh,
-    zero: u8,
-    params: HashMap<TensorId, ParamInfo>,
+pub(crate) struct DistHooks<'a> {
+    pub(crate) mesh: &'a Mesh,
+    /// The pipeline axis: a stage's parameters live on its devices only, so their norm terms
+    /// are not shared over it (and the total is summed over it like over any other axis).
+    pub(crate) pipeline_axis: Option<usize>,
+    pub(crate) zero: u8,
+    pub(crate) params: HashMap<TensorId, ParamInfo>,
     /// Spec of each parameter's synchronised gradient.
-    synced: HashMap<TensorId, Spec>,
+    pub(crate) synced: HashMap<TensorId, Spec>,
 }
 
 impl DistHooks<'_> {
@@ -616,7 +624,7 @@ impl UpdateHooks for DistHooks<'_> {
         // every device holds the same value: count it once by scaling.
         let Some(spec) = self.synced.get(&param) else { return Ok(sumsq) };
         let k: usize = (0..self.mesh.ndim())
-            .filter(|&a| !spec.uses_axis(a))
+            .filter(|&a| !spec.uses_axis(a) && Some(a) != self.pipeline_axis)
             .map(|a| self.mesh.shape[a])
             .product();
         if k == 1 {
@@ -656,7 +664,25 @@ fn gathers(op: &Op) -> bool {
 /// Micro-batch unrolling, early gradient synchronisation and backward re-gathers (see the
 /// module docs). Returns a new training graph with the same parameters.
 fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
+    replay_tagged(tg, micro_batches).map(|(tg, _)| tg)
+}
+
+/// Where a node of a replayed graph comes from: the node it copies (or the node whose
+/// processing added it) and its micro-batch; `None` for the nodes after the last micro-batch
+/// (the loss sum, the optimizer) and their origin when they copy one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ReplayTag {
+    pub origin: Option<NodeId>,
+    pub micro_batch: Option<usize>,
+}
+
+/// [`replay`], also telling where each node of the result comes from.
+pub(crate) fn replay_tagged(
+    tg: &TrainingGraph,
+    micro_batches: usize,
+) -> Result<(TrainingGraph, Vec<ReplayTag>)> {
     let g = &tg.graph;
+    let mut tags: Vec<ReplayTag> = Vec::new();
     let mb = micro_batches.max(1);
     let mut b = Builder::from_graph(Graph::new());
     for s in 1..g.num_scopes() {
@@ -698,7 +724,8 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
     for k in 0..mb {
         let mut map: HashMap<TensorId, TensorId> = HashMap::new();
         let mut regathered: HashMap<TensorId, TensorId> = HashMap::new();
-        for n in &g.nodes {
+        for (ni, n) in g.nodes.iter().enumerate() {
+            let origin = Some(NodeId(ni as u32));
             if n.phase == Phase::Optimizer {
                 continue;
             }
@@ -779,6 +806,7 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
                     }
                 }
             }
+            tags.resize(b.graph.nodes.len(), ReplayTag { origin, micro_batch: Some(k) });
         }
         losses.push(
             map.get(&tg.loss)
@@ -796,6 +824,7 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
         b.set_phase(Phase::Forward);
         loss = b.add(loss, l).map_err(internal)?;
     }
+    tags.resize(b.graph.nodes.len(), ReplayTag::default());
     for (i, n) in g.nodes.iter().enumerate() {
         if n.phase != Phase::Optimizer || emitted_sync.contains_key(&NodeId(i as u32)) {
             continue;
@@ -806,6 +835,10 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
         for (o, lo) in n.outputs.iter().zip(outs) {
             shared.insert(*o, lo);
         }
+        tags.resize(
+            b.graph.nodes.len(),
+            ReplayTag { origin: Some(NodeId(i as u32)), micro_batch: None },
+        );
     }
     let m = |t: TensorId| shared.get(&t).copied().unwrap_or(t);
     let params = tg
@@ -821,8 +854,10 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
             gathered: s.gathered.map(m),
         })
         .collect();
-    Ok(TrainingGraph {
-        graph: b.finish(),
+    let graph = b.finish();
+    tags.resize(graph.nodes.len(), ReplayTag::default());
+    let out = TrainingGraph {
+        graph,
         layout: tessera_ir::LeafLayout::default(),
         loss,
         grad_norm: m(tg.grad_norm),
@@ -830,7 +865,8 @@ fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
         step: m(tg.step),
         loss_scale: tg.loss_scale.map(m),
         params,
-    })
+    };
+    Ok((out, tags))
 }
 
 fn recompute(t: &mut StepTime, block: Option<u32>, secs: f64) {
@@ -901,6 +937,22 @@ pub fn simulate_time(
                 (Phase::Recompute, _) => recompute(&mut t, n.block, secs),
                 _ => t.blocking_comm_s += secs,
             }
+            continue;
+        }
+        if let Op::Send(pp) | Op::Recv(pp, _) = &n.op {
+            // Priced on the schedule's critical path (`pipeline::lower`), counted here.
+            let meta = match &n.op {
+                Op::Recv(_, m) => m,
+                _ => g.meta(n.inputs[0]),
+            };
+            records.push(CollectiveRecord {
+                scope: g.scope_name(n.scope).to_string(),
+                phase: n.phase,
+                op: n.op.name(),
+                axis: pp.axis,
+                group: 2,
+                bytes: meta.size_bytes(),
+            });
             continue;
         }
         x.clear();

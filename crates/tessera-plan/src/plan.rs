@@ -78,6 +78,9 @@ pub struct Predicted {
     /// Compute seconds per op kind over the whole step (forward, backward, optimizer).
     #[serde(default)]
     pub compute_by_op_s: std::collections::BTreeMap<String, f64>,
+    /// Pipelined plans: the share of the devices' time the schedule leaves idle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bubble_fraction: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -160,6 +163,10 @@ pub struct Plan {
     pub tensors: Vec<TensorPlacement>,
     pub collectives: Vec<CollectiveJson>,
     pub strategies: Vec<NodeStrategy>,
+    /// Pipeline parallelism: stages, schedule. Absent: one stage. `mesh` is then one stage's
+    /// mesh (the strategies' axes); the devices are `mesh × pipeline.devices`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<crate::pipeline::plan::PipelineJson>,
 }
 
 /// What the plan does, as a config string: the axes that split the token ids' batch are data
@@ -274,6 +281,7 @@ impl Plan {
             optimizer_bytes: m.optimizer_bytes,
             activations_bytes: m.activations_bytes,
             compute_by_op_s: t.compute_by_op_s.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            bubble_fraction: None,
         };
         let lg = e.lowered.program.graph();
         let tensors = e
@@ -332,6 +340,7 @@ impl Plan {
             tensors,
             collectives: e.lowered.collectives.iter().map(collective_json).collect(),
             strategies,
+            pipeline: None,
         }
     }
 

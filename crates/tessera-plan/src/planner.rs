@@ -130,6 +130,9 @@ fn first_fit(
 
 /// Evaluates a fixed configuration (the best plan within it).
 pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
+    if cfg.pp > 1 {
+        return plan_fixed_pipelined(req, cfg);
+    }
     let t0 = Instant::now();
     let mesh = megatron_mesh(&req.cluster, cfg)?;
     if !req.batch.is_multiple_of(cfg.dp * cfg.micro_batches) {
@@ -176,6 +179,86 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
             ))),
         },
     }
+}
+
+/// A fixed pipelined configuration: the Megatron layout of one stage's `dp × tp` mesh, the
+/// blocks split evenly, the schedule simulated (see [`crate::pipeline::plan`]).
+fn plan_fixed_pipelined(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
+    use crate::pipeline::plan as pplan;
+    let t0 = Instant::now();
+    cfg.check_devices(req.cluster.num_devices())?;
+    let mb = cfg.micro_batches.max(1);
+    if !req.batch.is_multiple_of(cfg.dp * mb) {
+        return Err(PlanError::Invalid(format!(
+            "batch {} does not split into {} data-parallel replicas × {mb} micro-batches: use a \
+             batch that is a multiple of {}",
+            req.batch,
+            cfg.dp,
+            cfg.dp * mb
+        )));
+    }
+    let fwd = (req.build)(req.batch / mb)?;
+    let nb = tessera_ir::remat::num_blocks(&fwd.graph) as usize;
+    cfg.check_pipeline(nb, Some(mb))?;
+    let (stage, full) = pplan::meshes(&req.cluster, &[cfg.dp, cfg.tp], cfg.pp)?;
+    // The stage's layout: Megatron's on its mesh, whatever the memory (the pipeline is priced
+    // and checked below).
+    let mut p = req.problem();
+    p.ckpt = CkptSearch::Off;
+    let cand = Candidate {
+        mesh: stage.clone(),
+        rule: AxisRule::Megatron { sp: cfg.sp },
+        zero: cfg.zero,
+        micro_batches: mb,
+    };
+    let e = search::evaluate(&p, &cand, f64::INFINITY)?.ok_or_else(|| {
+        PlanError::Invalid(format!(
+            "`{}` cannot split this model: a degree does not divide the batch, heads or hidden \
+             size",
+            cfg.canonical()
+        ))
+    })?;
+    let schedule = cfg.schedule.unwrap_or_default();
+    let map = crate::pipeline::split::StageMap::even(nb, cfg.pp, schedule.chunks(), 2)?;
+    let ckpt = match cfg.ckpt {
+        Some(m) => tessera_ir::Checkpointing::uniform(nb as u32, m),
+        None => tessera_ir::Checkpointing::default(),
+    };
+    let r = pplan::PipelineRequest {
+        forward: &fwd.graph,
+        loss: fwd.loss,
+        strategies: &e.strategies,
+        stage_mesh: &stage,
+        full: &full,
+        zero: cfg.zero,
+        micro_batches: mb,
+        train: &req.train,
+        ckpt,
+        map,
+        schedule,
+    };
+    let l = pplan::lower_pipelined(&r, &p.cost)?;
+    if l.peak_bytes() > req.budget {
+        return Err(PlanError::Infeasible {
+            budget: req.budget,
+            needed: l.peak_bytes(),
+            hint: format!(
+                "`{}`: its worst pipeline stage; add micro-batches, stages or ZeRO",
+                cfg.canonical()
+            ),
+        });
+    }
+    let worst = l
+        .devices
+        .iter()
+        .max_by_key(|d| d.lowered.memory.peak_bytes)
+        .map(|d| d.lowered.clone())
+        .ok_or_else(|| PlanError::Internal("a pipeline without devices".into()))?;
+    let e = Evaluated { lowered: worst, ..e };
+    let mut plan = req.to_plan(&e, "fixed", t0.elapsed().as_secs_f64() * 1e3)?;
+    pplan::attach(&mut plan, &l, &full, req.batch * req.seq);
+    plan.config = cfg.canonical();
+    Ok(plan)
 }
 
 /// One unit of the search, run on one thread: a mesh with its axis rule, over ZeRO stages.
@@ -493,7 +576,11 @@ pub fn attach_ckpt_baselines(
 
 /// A plan lowered to the Program every device runs, ready for the SPMD runtime.
 pub struct Executable {
+    /// The mesh of all devices (a pipelined plan's ends with the pipeline axis).
     pub mesh: Mesh,
+    /// A pipelined plan: each pipeline device's Program (rank r runs `devices[r % pp]`);
+    /// `lowered` is then the worst device's.
+    pub pipeline: Option<crate::pipeline::lower::PipeLowered>,
     pub lowered: crate::lower::Lowered,
     pub zero_stage: u8,
     pub micro_batches: usize,
@@ -519,11 +606,15 @@ pub fn lower_plan_with(
             crate::plan::PLAN_VERSION
         )));
     }
-    let mesh = Mesh::new(
-        &req.cluster,
-        &file.mesh.shape,
-        &file.mesh.axes.iter().map(String::as_str).collect::<Vec<_>>(),
-    )?;
+    let mesh = match &file.pipeline {
+        // One stage's mesh: the strategies' axes.
+        Some(pj) => crate::pipeline::plan::meshes(&req.cluster, &file.mesh.shape, pj.devices)?.0,
+        None => Mesh::new(
+            &req.cluster,
+            &file.mesh.shape,
+            &file.mesh.axes.iter().map(String::as_str).collect::<Vec<_>>(),
+        )?,
+    };
     let mb = file.micro_batches.max(1);
     if !req.batch.is_multiple_of(mb) {
         return Err(PlanError::Invalid(format!(
@@ -534,6 +625,9 @@ pub fn lower_plan_with(
     let fwd = (req.build)(req.batch / mb)?;
     let strategies = file.node_strategies(&fwd.graph, &mesh)?;
     let p = req.problem();
+    if let Some(pj) = &file.pipeline {
+        return lower_pipeline_file(req, file, pj, &fwd, strategies, ckpt);
+    }
     let opts = crate::lower::LowerOptions {
         zero: file.zero_stage,
         micro_batches: mb,
@@ -541,7 +635,56 @@ pub fn lower_plan_with(
         ckpt,
     };
     let lowered = crate::lower::lower(&fwd.graph, fwd.loss, &strategies, &mesh, &p.cost, &opts)?;
-    Ok(Executable { mesh, lowered, zero_stage: file.zero_stage, micro_batches: mb, strategies })
+    Ok(Executable {
+        mesh,
+        pipeline: None,
+        lowered,
+        zero_stage: file.zero_stage,
+        micro_batches: mb,
+        strategies,
+    })
+}
+
+/// [`lower_plan_with`] for a pipelined plan file.
+fn lower_pipeline_file(
+    req: &Request<'_>,
+    file: &Plan,
+    pj: &crate::pipeline::plan::PipelineJson,
+    fwd: &Forward,
+    strategies: Vec<Option<crate::rules::Strategy>>,
+    ckpt: tessera_ir::Checkpointing,
+) -> Result<Executable> {
+    use crate::pipeline::plan as pplan;
+    let (stage, full) = pplan::meshes(&req.cluster, &file.mesh.shape, pj.devices)?;
+    let map = crate::pipeline::split::StageMap::from_sizes(&pj.sizes(), pj.devices, stage.ndim())?;
+    let r = pplan::PipelineRequest {
+        forward: &fwd.graph,
+        loss: fwd.loss,
+        strategies: &strategies,
+        stage_mesh: &stage,
+        full: &full,
+        zero: file.zero_stage,
+        micro_batches: file.micro_batches.max(1),
+        train: &req.train,
+        ckpt,
+        map,
+        schedule: pj.kind()?,
+    };
+    let l = pplan::lower_pipelined(&r, &req.problem().cost)?;
+    let lowered = l
+        .devices
+        .iter()
+        .max_by_key(|d| d.lowered.memory.peak_bytes)
+        .map(|d| d.lowered.clone())
+        .ok_or_else(|| PlanError::Internal("a pipeline without devices".into()))?;
+    Ok(Executable {
+        mesh: full,
+        pipeline: Some(l),
+        lowered,
+        zero_stage: file.zero_stage,
+        micro_batches: file.micro_batches.max(1),
+        strategies,
+    })
 }
 
 /// Re-lowers a plan file's strategies (hand edits included) with the current cost model.
@@ -550,7 +693,15 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
     let exe = lower_plan(req, file)?;
     let e = Evaluated {
         candidate: Candidate {
-            mesh: exe.mesh,
+            // A pipelined plan's strategies are one stage's: its mesh drops the pipeline axis.
+            mesh: match &exe.pipeline {
+                Some(_) => Mesh {
+                    shape: file.mesh.shape.clone(),
+                    axes: exe.mesh.axes[..file.mesh.shape.len()].to_vec(),
+                    links: exe.mesh.links[..file.mesh.shape.len()].to_vec(),
+                },
+                None => exe.mesh.clone(),
+            },
             rule: AxisRule::Free,
             zero: exe.zero_stage,
             micro_batches: exe.micro_batches,
@@ -559,6 +710,19 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
         lowered: exe.lowered,
         ilp_objective_s: f64::NAN,
     };
+    if let Some(l) = &exe.pipeline {
+        let mut plan = req.to_plan(&e, "file", t0.elapsed().as_secs_f64() * 1e3)?;
+        crate::pipeline::plan::attach(&mut plan, l, &exe.mesh, req.batch * req.seq);
+        plan.config = file.config.clone();
+        if l.peak_bytes() > req.budget {
+            return Err(PlanError::Infeasible {
+                budget: req.budget,
+                needed: l.peak_bytes(),
+                hint: "this plan file's worst pipeline stage".into(),
+            });
+        }
+        return Ok(plan);
+    }
     if e.peak_bytes() > req.budget {
         return Err(PlanError::Infeasible {
             budget: req.budget,

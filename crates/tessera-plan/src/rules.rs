@@ -242,7 +242,9 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
         | Op::CrossEntropyBackward { .. }
         | Op::AttentionBackward(_)
         | Op::AdamW(_)
-        | Op::Reshard(_) => {
+        | Op::Reshard(_)
+        | Op::Send(_)
+        | Op::Recv(..) => {
             return Err(format!(
                 "{} has no sharding rule: the planner shards forward graphs and differentiates \
                  the sharded graph",

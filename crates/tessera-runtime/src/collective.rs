@@ -29,7 +29,7 @@ use std::collections::HashMap;
 use std::ops::Deref;
 use tessera_comm::communicator::ChunkLayout;
 use tessera_comm::{CommStats, Communicator, Group};
-use tessera_ir::{Collective, CommStep, ReshardSpec};
+use tessera_ir::{Collective, CommStep, P2p, ReshardSpec, TensorMeta};
 
 /// A device's place in its mesh: the planner's and the runtime's one type
 /// ([`tessera_ir::dist::MeshPos`]).
@@ -99,6 +99,10 @@ pub trait ReshardRunner: Send {
     fn mesh(&self) -> &DeviceMesh;
     /// Traffic so far.
     fn stats(&self) -> CommStats;
+    /// Sends `x` to the pipeline peer `p` names ([`Op::Send`](tessera_ir::Op::Send)).
+    fn send(&mut self, p: &P2p, x: &Tensor) -> Result<()>;
+    /// Receives a tensor of `meta` from the pipeline peer `p` names.
+    fn recv(&mut self, p: &P2p, meta: &TensorMeta) -> Result<Tensor>;
     /// The transport, for calls outside the Program (barriers around checkpoints).
     fn communicator(&mut self) -> &mut dyn Communicator;
 }
@@ -123,6 +127,20 @@ impl CommRunner {
             )));
         }
         Ok(CommRunner { comm, mesh, groups: HashMap::new() })
+    }
+
+    /// The rank at coordinate `p.peer` along `p.axis`, every other coordinate this device's.
+    fn peer(&self, p: &P2p) -> Result<usize> {
+        let shape = &self.mesh.shape;
+        if p.axis >= shape.len() || p.peer >= shape[p.axis] {
+            return Err(RuntimeError::Binding(format!(
+                "a transfer to coordinate {} of axis {}, but the mesh is {shape:?}",
+                p.peer, p.axis
+            )));
+        }
+        let mut coords = self.mesh.coords.clone();
+        coords[p.axis] = p.peer;
+        Ok(coords.iter().zip(shape).fold(0, |r, (&c, &n)| r * n + c))
     }
 
     fn group(&mut self, axis: usize) -> Result<Group> {
@@ -283,6 +301,28 @@ impl ReshardRunner for CommRunner {
 
     fn stats(&self) -> CommStats {
         self.comm.stats()
+    }
+
+    fn send(&mut self, p: &P2p, x: &Tensor) -> Result<()> {
+        let to = self.peer(p)?;
+        let data = F32Data::of(x)?;
+        Ok(self.comm.send_tagged(to, p.tag, &data)?)
+    }
+
+    fn recv(&mut self, p: &P2p, meta: &TensorMeta) -> Result<Tensor> {
+        let from = self.peer(p)?;
+        let v = self.comm.recv_tagged(from, p.tag)?;
+        let n = meta.shape.numel();
+        if v.len() as u64 != n {
+            return Err(RuntimeError::Binding(format!(
+                "received {} values from rank {from} on tag {}, expected {} ({meta}): the \
+                 stages' Programs disagree (a planner bug)",
+                v.len(),
+                p.tag,
+                n
+            )));
+        }
+        from_f32(v, meta.shape.dims(), crate::tensor::candle_dtype(meta.dtype))
     }
 
     fn communicator(&mut self) -> &mut dyn Communicator {

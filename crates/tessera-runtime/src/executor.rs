@@ -236,6 +236,12 @@ impl<B: Backend> Executor<B> {
         let started = self.timings.is_some().then(Instant::now);
         let outs = match (&node.op, self.collectives.as_mut()) {
             (Op::Reshard(spec), Some(runner)) => vec![runner.reshard(spec, inputs[0])?],
+            (Op::Send(p), Some(runner)) => {
+                runner.send(p, inputs[0])?;
+                let token = Tensor::zeros((), candle_core::DType::F32, inputs[0].device())?;
+                vec![token]
+            }
+            (Op::Recv(p, meta), Some(runner)) => vec![runner.recv(p, meta)?],
             _ => self.backend.execute(&node.op, &inputs, metas, &self.at)?,
         };
         if let (Some(t0), Some(timings)) = (started, self.timings.as_mut()) {

@@ -88,7 +88,9 @@ impl MicroLeaves {
                 _ => leaves.data.push((name, t)),
             }
         }
-        if !leaves.data.iter().any(|(n, _)| n == "labels") {
+        // A pipeline stage before the last has no loss, hence no labels.
+        let stage = g.nodes.iter().any(|n| matches!(n.op, tessera_ir::Op::Send(_)));
+        if !stage && !leaves.data.iter().any(|(n, _)| n == "labels") {
             return Err(binding(format!(
                 "the program has no `labels` input for micro-batch {k}: `train` needs a model \
                  with a loss over labels"
@@ -194,8 +196,12 @@ impl<B: Backend> Trainer<B> {
             }
             Ok(dims)
         };
-        let labels = micro[0].get("labels").expect("found above");
-        let batch = global(labels)?.first().copied().unwrap_or(1) * mb;
+        // The global batch from any data input (all have the batch first).
+        let first = micro[0]
+            .get("labels")
+            .or_else(|| micro[0].data.first().map(|(_, t)| *t))
+            .ok_or_else(|| binding("the program has no data inputs".into()))?;
+        let batch = global(first)?.first().copied().unwrap_or(1) * mb;
         let seq = match micro[0].get("input_ids") {
             Some(ids) => global(ids)?.get(1).copied().unwrap_or(1),
             None => 1,

@@ -138,3 +138,51 @@ pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &ReshardSpec) -> Result<Vec<Option<
     let g = cx.b.push1(super::Op::Reshard(back), &[dy])?;
     Ok(vec![Some(Grad::Full(g))])
 }
+
+/// A point-to-point transfer between pipeline stages: an [`Op::Send`](super::Op::Send) or
+/// [`Op::Recv`](super::Op::Recv). The peer is the device at coordinate `peer` along mesh axis
+/// `axis` (the pipeline axis), every other coordinate being this device's. Messages of one
+/// `tag` between one pair arrive in the order sent; a boundary tensor has one tag for its
+/// value and one (`grad_tag`) for its gradient going back, so the streams sharing a pair of
+/// devices (several boundaries under interleaving, a parameter read by a later stage) never
+/// have to agree on an order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct P2p {
+    pub axis: usize,
+    pub peer: usize,
+    pub tag: u32,
+    pub grad_tag: u32,
+}
+
+impl P2p {
+    /// The transfer the gradient takes: the other way, on the gradient's tag.
+    pub fn reversed(self) -> P2p {
+        P2p { axis: self.axis, peer: self.peer, tag: self.grad_tag, grad_tag: self.tag }
+    }
+}
+
+/// A send's output: a scalar f32 zero, the stand-in loss of a stage that ends in sends (its
+/// backward pass starts from the gradients it receives, see [`vjp_send`]).
+pub(crate) fn infer_send(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+    expect_inputs(x, 1)?;
+    Ok(vec![TensorMeta::new(Shape::scalar(), crate::DType::F32)])
+}
+
+pub(crate) fn infer_recv(x: &[&TensorMeta], meta: &TensorMeta) -> Result<Vec<TensorMeta>, String> {
+    expect_inputs(x, 0)?;
+    Ok(vec![meta.clone()])
+}
+
+/// The gradient of a sent value is received from the peer.
+pub(crate) fn vjp_send(cx: &mut VjpCtx<'_>, p: P2p) -> Result<Vec<Option<Grad>>> {
+    let meta = cx.b.meta(cx.inputs[0]).clone();
+    let g = cx.b.push1(super::Op::Recv(p.reversed(), meta), &[])?;
+    Ok(vec![Some(Grad::Full(g))])
+}
+
+/// The gradient of a received value goes back to the peer (zeros if nothing here used it).
+pub(crate) fn vjp_recv(cx: &mut VjpCtx<'_>, p: P2p) -> Result<Vec<Option<Grad>>> {
+    let dy = cx.dy(0)?;
+    cx.b.push(super::Op::Send(p.reversed()), &[dy])?;
+    Ok(vec![])
+}

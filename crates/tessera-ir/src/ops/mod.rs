@@ -22,7 +22,7 @@ pub(crate) mod reduce;
 
 use crate::autodiff::{Grad, VjpCtx};
 use crate::{DType, Result, Shape, TensorMeta};
-pub use comm::{Collective, CommStep, ReshardSpec};
+pub use comm::{Collective, CommStep, P2p, ReshardSpec};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -294,6 +294,13 @@ pub enum Op {
     /// Collectives that move a value between shardings; see [`comm`]. A forward with no steps
     /// is a view (Megatron's "f": identity now, all-reduce of the gradient later).
     Reshard(ReshardSpec),
+    /// Sends its input to another pipeline stage ([`P2p`]); outputs a scalar f32 zero token,
+    /// the stand-in loss of a stage whose backward starts from received gradients. Its VJP
+    /// receives the input's gradient from the peer.
+    Send(P2p),
+    /// Receives a tensor of the given meta from another pipeline stage; its VJP sends the
+    /// gradient back.
+    Recv(P2p, TensorMeta),
 }
 
 /// FLOPs of one node, split as the profiler reports them.
@@ -352,6 +359,8 @@ impl Op {
             Op::Rope { .. } => "rope",
             Op::AdamW(_) => "adamw",
             Op::Reshard(_) => "reshard",
+            Op::Send(_) => "send",
+            Op::Recv(..) => "recv",
         }
     }
 
@@ -371,6 +380,8 @@ impl Op {
             Op::MatMul { .. }
             | Op::Attention(_)
             | Op::Reshard(_)
+            | Op::Send(_)
+            | Op::Recv(..)
             | Op::Embedding
             | Op::CrossEntropy { .. }
             | Op::Parameter(_)
@@ -444,6 +455,8 @@ impl Op {
             Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
             Op::AdamW(spec) => optim::infer(spec, x),
             Op::Reshard(spec) => comm::infer(x, spec),
+            Op::Send(_) => comm::infer_send(x),
+            Op::Recv(_, meta) => comm::infer_recv(x, meta),
         }
     }
 
@@ -483,6 +496,7 @@ impl Op {
             Op::Rope { .. } => attention::flops_rope(y),
             Op::AdamW(_) => optim::flops(x),
             Op::Reshard(spec) => comm::flops(spec, x),
+            Op::Send(_) | Op::Recv(..) => Flops::default(),
         }
     }
 
@@ -494,6 +508,8 @@ impl Op {
         match self {
             Op::Reshape(_) | Op::Expand(_) => 0,
             Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => 0,
+            // Priced on their link by the pipeline's time simulation.
+            Op::Send(_) | Op::Recv(..) => 0,
             Op::Fill { .. } => written,
             Op::Unary(_)
             | Op::UnaryBackward(_)
@@ -539,6 +555,7 @@ impl Op {
             Op::Reshape(_) | Op::Expand(_) => Some(0),
             Op::AdamW(_) => Some(optim::alias(out)),
             Op::Reshard(spec) => spec.is_view().then_some(0),
+            Op::Send(_) | Op::Recv(..) => None,
             Op::Parameter(_)
             | Op::Input(_)
             | Op::OptimizerState { .. }
@@ -576,7 +593,9 @@ impl Op {
     pub fn workspace_bytes(&self, x: &[&TensorMeta]) -> u64 {
         match self {
             Op::Attention(_) | Op::AttentionBackward(_) => attention::workspace_bytes(x),
-            Op::Parameter(_)
+            Op::Send(_)
+            | Op::Recv(..)
+            | Op::Parameter(_)
             | Op::Input(_)
             | Op::OptimizerState { .. }
             | Op::Fill { .. }
@@ -637,7 +656,9 @@ impl Op {
             | Op::RmsNorm { .. }
             | Op::Attention(_)
             | Op::Rope { .. }
-            | Op::Reshard(_) => all(true),
+            | Op::Reshard(_)
+            | Op::Send(_) => all(true),
+            Op::Recv(..) => all(false),
             // Backward ops and the optimizer are not differentiated again.
             Op::UnaryBackward(_)
             | Op::BinaryBackward { .. }
@@ -679,6 +700,8 @@ impl Op {
             Op::Attention(spec) => attention::vjp(cx, spec),
             Op::Rope { inv_freq, inverse } => attention::vjp_rope(cx, inv_freq, *inverse),
             Op::Reshard(spec) => comm::vjp(cx, spec),
+            Op::Send(p) => comm::vjp_send(cx, *p),
+            Op::Recv(p, _) => comm::vjp_recv(cx, *p),
             Op::UnaryBackward(_)
             | Op::BinaryBackward { .. }
             | Op::ReduceBackward { .. }

@@ -13,7 +13,10 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+pub mod lower;
+pub mod plan;
 pub mod schedule;
+pub mod split;
 
 /// Which pipeline schedule a plan runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]

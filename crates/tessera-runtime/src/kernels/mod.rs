@@ -93,6 +93,11 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::AdamW(spec) => optim::adamw(spec, x),
         // Groups of one device move nothing; larger ones need the SPMD runtime's communicator.
         Op::Reshard(spec) if spec.forward.iter().all(|s| s.size == 1) => one(x[0].clone()),
+        Op::Send(_) | Op::Recv(..) => Err(RuntimeError::Binding(
+            "a transfer between pipeline stages needs a communicator: run the plan with the SPMD \
+             runtime (`tessera train --devices N`)"
+                .into(),
+        )),
         Op::Reshard(_) => Err(RuntimeError::Binding(
             "a reshard over several devices needs a communicator: run the plan with the SPMD \
              runtime (`tessera train --devices N`)"

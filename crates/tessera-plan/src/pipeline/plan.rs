@@ -1,0 +1,153 @@
+//! Planning a fixed pipelined configuration (`--plan "dp2 tp2 pp4 zero1"`) and the plan
+//! file's `pipeline` section.
+//!
+//! The stage's layout is the Megatron one on the stage's `dp × tp` mesh (found by the
+//! ordinary evaluation, unbounded); the blocks split as evenly as they go; the stages are
+//! lowered, checkpointed as the config says (or not), and priced by simulating the schedule.
+//! A plan fits when its worst device fits.
+
+use super::lower::{finish_pipeline, full_mesh, lower_unfinished, PipeLowered, PipelineOptions};
+use super::split::StageMap;
+use super::ScheduleKind;
+use crate::cost::CostModel;
+use crate::lower::LowerOptions;
+use crate::rules::Strategy;
+use crate::{Cluster, Mesh, PlanError, Result};
+use serde::{Deserialize, Serialize};
+use tessera_ir::{Checkpointing, Graph, TensorId, TrainConfig};
+
+/// The plan file's `pipeline` section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PipelineJson {
+    /// `gpipe`, `1f1b`, `interleaved:V` or `zb-h1`.
+    pub schedule: String,
+    /// Devices along the pipeline axis.
+    pub devices: usize,
+    /// One entry per virtual stage, in pipeline order.
+    pub stages: Vec<StageJson>,
+}
+
+/// One (virtual) stage.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct StageJson {
+    /// The blocks it runs, `[first, end)`.
+    pub blocks: [usize; 2],
+    /// The ranks that run it (its data/tensor-parallel group).
+    pub devices: Vec<usize>,
+    /// The peak of its devices' Program (under interleaving, of the device holding it).
+    pub peak_bytes: u64,
+}
+
+impl PipelineJson {
+    /// The schedule named by `schedule`.
+    pub fn kind(&self) -> Result<ScheduleKind> {
+        parse_schedule(&self.schedule)
+    }
+
+    /// Blocks per virtual stage.
+    pub fn sizes(&self) -> Vec<usize> {
+        self.stages.iter().map(|s| s.blocks[1].saturating_sub(s.blocks[0])).collect()
+    }
+}
+
+/// `gpipe`, `1f1b`, `interleaved:V`, `zb-h1`.
+pub fn parse_schedule(s: &str) -> Result<ScheduleKind> {
+    let cfg = crate::config::ParallelConfig::parse(&format!("pp2 sched={s}"))?;
+    cfg.schedule.ok_or_else(|| PlanError::Invalid(format!("unknown pipeline schedule `{s}`")))
+}
+
+/// The full mesh `[stage axes.., pp]`, with links laid out Megatron's way: the pipeline axis
+/// varies slowest over the devices (across nodes first), the tensor axis fastest.
+pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Mesh, Mesh)> {
+    let mut physical = vec![pp];
+    physical.extend_from_slice(stage_shape);
+    let names: Vec<&str> = ["pp", "dp", "tp"].into_iter().take(physical.len()).collect();
+    let laid = Mesh::new(cluster, &physical, &names)?;
+    let stage = Mesh {
+        shape: stage_shape.to_vec(),
+        axes: laid.axes[1..].to_vec(),
+        links: laid.links[1..].to_vec(),
+    };
+    let mut full = full_mesh(&stage, pp, laid.links[0]);
+    full.axes = stage.axes.iter().cloned().chain(["pp".to_string()]).collect();
+    Ok((stage, full))
+}
+
+/// Everything a pipelined lowering needs.
+pub struct PipelineRequest<'a> {
+    pub forward: &'a Graph,
+    pub loss: TensorId,
+    pub strategies: &'a [Option<Strategy>],
+    pub stage_mesh: &'a Mesh,
+    pub full: &'a Mesh,
+    pub zero: u8,
+    pub micro_batches: usize,
+    pub train: &'a TrainConfig,
+    pub ckpt: Checkpointing,
+    pub map: StageMap,
+    pub schedule: ScheduleKind,
+}
+
+/// Lowers and prices a pipelined plan.
+pub fn lower_pipelined(r: &PipelineRequest<'_>, cost: &CostModel) -> Result<PipeLowered> {
+    let opts = LowerOptions {
+        zero: r.zero,
+        micro_batches: r.micro_batches,
+        train: r.train.clone(),
+        ckpt: r.ckpt.clone(),
+    };
+    let pipe = PipelineOptions { map: r.map.clone(), schedule: r.schedule };
+    let u = lower_unfinished(r.forward, r.loss, r.strategies, r.stage_mesh, r.full, &opts, &pipe)?;
+    finish_pipeline(&u, &r.ckpt, r.full, cost)
+}
+
+/// The plan file's section for a lowered pipeline.
+pub fn pipeline_json(l: &PipeLowered, full: &Mesh) -> PipelineJson {
+    let map = &l.options.map;
+    let ranks = full.num_devices();
+    let stages = map
+        .block_ranges()
+        .into_iter()
+        .enumerate()
+        .map(|(vs, (first, end))| {
+            let (d, _) = map.device_of(vs);
+            StageJson {
+                blocks: [first, end],
+                // The pipeline axis is the mesh's last: rank r runs pipeline device r mod pp.
+                devices: (0..ranks).filter(|r| r % map.devices == d).collect(),
+                peak_bytes: l.devices[d].lowered.memory.peak_bytes,
+            }
+        })
+        .collect();
+    PipelineJson { schedule: l.options.schedule.to_string(), devices: map.devices, stages }
+}
+
+/// Per-rank peaks (rank r runs pipeline device r mod pp).
+pub fn peaks_per_rank(l: &PipeLowered, ranks: usize) -> Vec<u64> {
+    let p = l.devices.len().max(1);
+    (0..ranks).map(|r| l.devices[r % p].lowered.memory.peak_bytes).collect()
+}
+
+/// Rewrites a plan made from one pipeline device's lowering ([`crate::plan::Plan::from_evaluated`])
+/// into the pipelined plan's: every device, the schedule's step time and bubble, the per-rank
+/// peaks, the `pipeline` section.
+pub fn attach(plan: &mut crate::plan::Plan, l: &PipeLowered, full: &Mesh, tokens: usize) {
+    let ranks = full.num_devices();
+    let p = &mut plan.predicted;
+    let (old_t, old_n) = (p.step_time_s, plan.devices as f64);
+    p.step_time_s = l.step_time_s;
+    if l.step_time_s > 0.0 {
+        p.mfu *= old_t * old_n / (l.step_time_s * ranks as f64);
+        p.tokens_per_s = tokens as f64 / l.step_time_s;
+    }
+    p.peak_bytes_per_device = peaks_per_rank(l, ranks);
+    p.bubble_fraction = Some(l.timeline.bubble_fraction());
+    p.comm_bytes_per_device = l
+        .devices
+        .iter()
+        .map(|d| d.lowered.collectives.iter().map(|c| c.bytes).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    plan.devices = ranks;
+    plan.pipeline = Some(pipeline_json(l, full));
+}
