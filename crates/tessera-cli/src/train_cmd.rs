@@ -309,7 +309,9 @@ pub struct RunContext {
     pub last_step: u64,
     pub extended: Option<Extended>,
     /// Predicted bytes one device contributes to collectives per step, and calls per kind.
-    pub predicted_comm_bytes: u64,
+    /// Bytes each pipeline device (one without a pipeline) contributes to collectives and
+    /// transfers per step; rank r is `[r % len]`.
+    pub predicted_comm_bytes: Vec<u64>,
     pub predicted_calls: BTreeMap<String, u64>,
     pub predicted_peak: Vec<u64>,
     /// The single-device model without dropout, for the held-out loss and accuracy: graph,
@@ -464,7 +466,12 @@ pub fn prepare(
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
     check_host_memory(&plan.predicted.peak_bytes_per_device, rank, local_devices)?;
-    let predicted_comm_bytes: u64 = plan.predicted.comm_bytes_per_device;
+    let predicted_comm_bytes: Vec<u64> = match &exe.pipeline {
+        Some(p) => {
+            p.devices.iter().map(|d| d.lowered.collectives.iter().map(|c| c.bytes).sum()).collect()
+        }
+        None => vec![exe.lowered.collectives.iter().map(|c| c.bytes).sum()],
+    };
     let mut predicted_calls = BTreeMap::new();
     for c in &exe.lowered.collectives {
         *predicted_calls.entry(c.op.to_string()).or_insert(0) += 1;

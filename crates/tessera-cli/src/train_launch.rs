@@ -347,7 +347,8 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
     };
     let steps_run = o.steps.len() as u64;
     let tokens_per_s = (args.batch * ctx.seq) as f64 * steps_run as f64 / o.elapsed_s;
-    let predicted_comm = vec![ctx.predicted_comm_bytes; n];
+    let pc = &ctx.predicted_comm_bytes;
+    let predicted_comm: Vec<u64> = (0..n).map(|r| pc[r % pc.len().max(1)]).collect();
     let skipped: u64 = o.steps.iter().map(|(s, _)| u64::from(s.skipped)).sum();
     let (baseline, unigram) = ctx.data.baseline();
     let mut op_times = o.op_times.clone();
@@ -448,13 +449,14 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                     "fp16      {skipped} skipped steps (overflow); loss scale now {scale}\n"
                 );
             }
+            let pc = &ctx.predicted_comm_bytes;
             s += "device    peak predicted   peak measured   comm/step predicted   measured\n";
             for (d, (measured, comm)) in o.measured_peak.iter().zip(&o.measured_comm).enumerate() {
                 s += &format!(
                     "{d:>6}    {:>14}   {:>13}   {:>19}   {:>8}\n",
                     bytes(ctx.predicted_peak.get(d).copied().unwrap_or(0)),
                     bytes(*measured),
-                    bytes(ctx.predicted_comm_bytes),
+                    bytes(pc.get(d % pc.len().max(1)).copied().unwrap_or(0)),
                     bytes(*comm)
                 );
             }

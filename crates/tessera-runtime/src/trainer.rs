@@ -196,12 +196,12 @@ impl<B: Backend> Trainer<B> {
             }
             Ok(dims)
         };
-        // The global batch from any data input (all have the batch first).
-        let first = micro[0]
-            .get("labels")
-            .or_else(|| micro[0].data.first().map(|(_, t)| *t))
-            .ok_or_else(|| binding("the program has no data inputs".into()))?;
-        let batch = global(first)?.first().copied().unwrap_or(1) * mb;
+        // The global batch from any data input (all have the batch first); a pipeline stage
+        // in the middle reads none (0: whatever the step brings).
+        let batch = match micro[0].get("labels").or_else(|| micro[0].data.first().map(|d| d.1)) {
+            Some(first) => global(first)?.first().copied().unwrap_or(1) * mb,
+            None => 0,
+        };
         let seq = match micro[0].get("input_ids") {
             Some(ids) => global(ids)?.get(1).copied().unwrap_or(1),
             None => 1,
@@ -488,7 +488,7 @@ impl<B: Backend> Trainer<B> {
     /// Runs one step on the *global* batch (every rank passes the same one): each micro-batch's
     /// rows of every field, this device's shard of them.
     pub fn step_batch(&mut self, batch: &StepBatch) -> Result<StepStats> {
-        if batch.rows() != self.batch {
+        if self.batch != 0 && batch.rows() != self.batch {
             return Err(RuntimeError::Data(format!(
                 "the batch has {} rows; the program takes {} per step",
                 batch.rows(),
@@ -497,7 +497,7 @@ impl<B: Backend> Trainer<B> {
         }
         let step = self.step + 1;
         let lr = self.schedule.lr_at(step);
-        let rows = self.batch / self.micro.len();
+        let rows = batch.rows() / self.micro.len();
         let device = candle_core::Device::Cpu;
         // Over the whole step, so every micro-batch and shard divides alike.
         let num_targets = batch.num_targets()?;
