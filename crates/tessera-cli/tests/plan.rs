@@ -73,7 +73,7 @@ fn bad_input_is_one_clear_error() {
     fails(&["--cluster", "8xH1000"], "H100");
     fails(&["--cluster", "4xH100", "--plan", "dp2 tq2"], "tq2");
     fails(&["--cluster", "4xH100", "--plan", "dp2 tp4"], "8");
-    fails(&["--cluster", "4xH100", "--plan", "dp2 pp2"], "not supported yet");
+    fails(&["--cluster", "4xH100", "--plan", "dp2 pp4"], "8 devices");
     fails(&["--cluster", "4xH100", "--plan", "dp4 mb4"], "batch");
     fails(&["--cluster", "4xH100", "--memory-budget", "1MiB"], "least any plan needs");
     fails(&["--cluster", "4xH100", "--memory-budget", "lots"], "invalid memory size");
