@@ -96,6 +96,7 @@ fn gpt2_pipelines_train_like_one_device() {
             (4, "tp2 pp2 mb4"),
             (2, "pp2 mb4 sched=interleaved:2"),
             (2, "pp2 mb4 sched=zb-h1"),
+            (4, "tp2 pp2 mb4 sched=zb-h1"),
             (8, "dp2 tp2 pp2 mb4 zero1"),
         ],
     );
@@ -141,4 +142,43 @@ fn a_pipelined_save_is_refused_before_step_one() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("pipelined") && err.contains("--save"), "{err}");
     assert!(!err.contains("step 1/"), "refused only after training: {err}");
+}
+
+#[test]
+fn a_pipelined_plan_lists_its_stages_and_bubble() {
+    let out = tessera(&[
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--cluster",
+        "4xcpu",
+        "--batch",
+        "8",
+        "--seq",
+        "32",
+        "--plan",
+        "dp2 pp2 mb4",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON plan");
+    assert_eq!(doc["config"], "dp2 tp1 pp2 mb4", "{doc}");
+    assert_eq!(doc["devices"], 4);
+    let p = &doc["pipeline"];
+    assert_eq!(p["schedule"], "1f1b", "{p}");
+    let stages = p["stages"].as_array().expect("stages");
+    assert_eq!(stages.len(), 2);
+    // gpt2-tiny's 8 blocks, evenly; the pipeline axis is the mesh's last.
+    assert_eq!(stages[0]["blocks"], serde_json::json!([0, 4]));
+    assert_eq!(stages[1]["blocks"], serde_json::json!([4, 8]));
+    assert_eq!(stages[0]["devices"], serde_json::json!([0, 2]));
+    assert_eq!(stages[1]["devices"], serde_json::json!([1, 3]));
+    let peaks = doc["predicted"]["peak_bytes_per_device"].as_array().unwrap();
+    assert_eq!(peaks[0], stages[0]["peak_bytes"]);
+    assert_eq!(peaks[1], stages[1]["peak_bytes"]);
+    // 1F1B's bubble with equal stages: (p - 1) / (m + p - 1) = 1/5, give or take the
+    // stages' unequal work (embedding, head) and transfers.
+    let bubble = doc["predicted"]["bubble_fraction"].as_f64().expect("bubble_fraction");
+    assert!((0.1..0.45).contains(&bubble), "bubble {bubble}");
 }
