@@ -279,6 +279,32 @@ pub struct ParamSlot {
     pub gathered: Option<TensorId>,
 }
 
+impl ParamSlot {
+    /// The slot with every tensor mapped by `f` (a graph rewrite renumbering tensors).
+    pub fn try_map<E>(
+        &self,
+        mut f: impl FnMut(TensorId) -> Result<TensorId, E>,
+    ) -> Result<ParamSlot, E> {
+        Ok(ParamSlot {
+            param: f(self.param)?,
+            grad: f(self.grad)?,
+            m: f(self.m)?,
+            v: f(self.v)?,
+            master: self.master.map(&mut f).transpose()?,
+            update: self.update.map(&mut f).transpose()?,
+            gathered: self.gathered.map(&mut f).transpose()?,
+        })
+    }
+
+    /// [`ParamSlot::try_map`] with a mapping that cannot fail.
+    pub fn map(&self, mut f: impl FnMut(TensorId) -> TensorId) -> ParamSlot {
+        match self.try_map(|t| Ok::<_, std::convert::Infallible>(f(t))) {
+            Ok(s) => s,
+            Err(never) => match never {},
+        }
+    }
+}
+
 /// How the optimizer section treats each parameter. The defaults are one device: the gradient
 /// is already complete, AdamW updates the parameter itself, the norm is a plain sum. The
 /// planner's lowering overrides them to synchronise gradients, shard optimizer state (ZeRO) and

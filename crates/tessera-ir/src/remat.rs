@@ -32,7 +32,7 @@
 //! keyed by seed, stream and element index) and every kernel is deterministic, so recomputed
 //! values equal the originals bit for bit.
 
-use crate::{Builder, Graph, IrError, ParamSlot, Phase, Result, ScopeId, TensorId};
+use crate::{Builder, Graph, IrError, Phase, Result, ScopeId, TensorId};
 use crate::{Node, TrainingGraph};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -236,21 +236,7 @@ pub fn rematerialize(tg: &TrainingGraph, ckpt: &Checkpointing) -> Result<Trainin
         }
     }
     let m = |t: TensorId| r.mapped(t);
-    let params = tg
-        .params
-        .iter()
-        .map(|s| {
-            Ok(ParamSlot {
-                param: m(s.param)?,
-                grad: m(s.grad)?,
-                m: m(s.m)?,
-                v: m(s.v)?,
-                master: s.master.map(m).transpose()?,
-                update: s.update.map(m).transpose()?,
-                gathered: s.gathered.map(m).transpose()?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let params = tg.params.iter().map(|s| s.try_map(m)).collect::<Result<Vec<_>>>()?;
     let layout = crate::autodiff::LeafLayout {
         placements: tg
             .layout

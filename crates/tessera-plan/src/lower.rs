@@ -841,19 +841,7 @@ pub(crate) fn replay_tagged(
         );
     }
     let m = |t: TensorId| shared.get(&t).copied().unwrap_or(t);
-    let params = tg
-        .params
-        .iter()
-        .map(|s| tessera_ir::ParamSlot {
-            param: m(s.param),
-            grad: m(s.grad),
-            m: m(s.m),
-            v: m(s.v),
-            master: s.master.map(m),
-            update: s.update.map(m),
-            gathered: s.gathered.map(m),
-        })
-        .collect();
+    let params = tg.params.iter().map(|s| s.map(m)).collect();
     let graph = b.finish();
     tags.resize(graph.nodes.len(), ReplayTag::default());
     let out = TrainingGraph {

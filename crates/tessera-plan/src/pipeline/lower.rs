@@ -18,7 +18,7 @@ use super::split::{self, Boundary, StageMap};
 use super::{Pass, ScheduleKind, Slot};
 use crate::cost::CostModel;
 use crate::lower::{
-    finish, replay_tagged, DistHooks, LocalForward, LowerOptions, Lowered, Unfinished,
+    finish, replay_tagged, DistHooks, LocalForward, LowerOptions, Lowered, ReplayTag, Unfinished,
 };
 use crate::rules::Strategy;
 use crate::{Mesh, PlanError, Result};
@@ -156,7 +156,7 @@ fn chunks_of(g: &Graph, forward: &[usize], map: &StageMap, device: usize) -> Vec
 /// The slot of each node of a replayed graph.
 fn slots_of(
     g: &Graph,
-    tags: &[split_tag::Tag],
+    tags: &[ReplayTag],
     chunks: &[usize],
     kind: ScheduleKind,
 ) -> Vec<Option<Slot>> {
@@ -176,11 +176,6 @@ fn slots_of(
         split_weight_gradients(g, &mut slot);
     }
     slot
-}
-
-/// Tags of the replay, re-exported for [`slots_of`].
-mod split_tag {
-    pub(crate) use crate::lower::ReplayTag as Tag;
 }
 
 /// ZB-H1: a backward node that no gradient send of its slot depends on computes weight
@@ -284,21 +279,7 @@ fn reorder(
         }
     }
     let m = |t: TensorId| map[t.index()].ok_or_else(|| internal("a step tensor was lost"));
-    let params = tg
-        .params
-        .iter()
-        .map(|s| {
-            Ok(tessera_ir::ParamSlot {
-                param: m(s.param)?,
-                grad: m(s.grad)?,
-                m: m(s.m)?,
-                v: m(s.v)?,
-                master: s.master.map(m).transpose()?,
-                update: s.update.map(m).transpose()?,
-                gathered: s.gathered.map(m).transpose()?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let params = tg.params.iter().map(|s| s.try_map(m)).collect::<Result<Vec<_>>>()?;
     let out = TrainingGraph {
         graph: b.finish(),
         layout: tessera_ir::LeafLayout::default(),
@@ -422,12 +403,10 @@ fn slot_seconds(
     for instr in &p.instrs {
         let tessera_ir::Instr::Run(id) = *instr else { continue };
         let Some(s) = slot_of.get(id.index()).copied().flatten() else { continue };
-        let n = g.node(id);
-        let secs = node_seconds(p, id, full, cost);
-        if n.phase == Phase::Optimizer {
+        if g.node(id).phase == Phase::Optimizer {
             continue;
         }
-        *out.entry(s).or_default() += secs;
+        *out.entry(s).or_default() += node_seconds(p, id, full, cost);
     }
     out
 }
