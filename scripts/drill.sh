@@ -105,10 +105,16 @@ for cfg in "${configs[@]}"; do
     resume=(); [ "$at" -gt 0 ] && resume=(--resume "$dir")
     train "$cfg" "$dir" "$steps" "${resume[@]}" >/dev/null 2>"$work/kill.err" &
     pid=$!
-    # A random moment: start-up, a step, or the middle of a save.
-    # (MPI starts slower: mpirun, then every rank plans.)
-    lo=0.1 hi=2.0; [ "$cfg" = mpi ] && lo=1.5 hi=5.0
-    sleep "$(python3 -c "import random; random.seed($RANDOM); print(round(random.uniform($lo, $hi), 2))")"
+    # A random moment: start-up, a step, or the middle of a save. Moments are chosen by the
+    # run's progress, not by the clock, so they land before the run ends on any machine: a
+    # third at start-up, the rest a few milliseconds after a random saved step short of the last.
+    if [ $((RANDOM % 3)) = 0 ]; then
+      sleep "0.0$((RANDOM % 9 + 1))"
+    else
+      target=$((at + RANDOM % (steps - at)))
+      while [ "$(step_of "$dir")" -lt "$target" ] && kill -0 "$pid" 2>/dev/null; do sleep 0.02; done
+      sleep "0.0$((RANDOM % 6))"
+    fi
     victims=($(procs "$dir"))
     landed=0
     if [ ${#victims[@]} -gt 0 ] && kill -9 "${victims[$((RANDOM % ${#victims[@]}))]}" 2>/dev/null; then
