@@ -9,5 +9,6 @@ demo: setup
 	cargo run --release -q --bin tessera -- train
 
 # Every test of the workspace.
+# Non-incremental: CI builds once, and incremental state would add ~1.6 GB.
 test: setup
-	cargo test --workspace --features tessera-cli/mpi
+	CARGO_INCREMENTAL=0 cargo test --workspace --features tessera-cli/mpi
