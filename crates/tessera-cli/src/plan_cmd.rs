@@ -58,6 +58,9 @@ pub struct PlanArgs {
     /// Print the per-op strategies of one block and the collectives of a step.
     #[arg(long)]
     pub explain: bool,
+    /// Draw a pipelined plan's schedule (one row per pipeline device) as an SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub schedule_svg: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
     /// Also write the plan JSON here (atomically).
@@ -105,13 +108,51 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         planner::attach_ckpt_baselines(&req, &mut plan, ckpt).map_err(plan_err)?;
     }
     let json = serde_json::to_string_pretty(&plan)?;
+    // The schedule's timeline, simulated on the plan's own Programs, for the pictures.
+    let wants_timeline = args.schedule_svg.is_some() || (args.explain && plan.pipeline.is_some());
+    let timeline = if wants_timeline { schedule_timeline(&req, &plan)? } else { None };
+    if let Some(path) = &args.schedule_svg {
+        let Some(t) = &timeline else {
+            bail!(
+                "--schedule-svg draws a pipeline schedule, but the plan `{}` has no pipeline: \
+                 give --plan a config with ppN (\"dp2 pp4\") or drop --schedule-svg",
+                plan.config
+            );
+        };
+        let title = format!("{} on {}: `{}`", plan.model, plan.cluster, plan.config);
+        let svg = t.svg(&title).map_err(|e| anyhow::anyhow!(e))?;
+        write_atomic(path, svg.as_bytes())?;
+    }
     if let Some(out) = &args.out {
         write_atomic(out, json.as_bytes())?;
     }
     match args.format {
         OutputFormat::Json => print_stdout(&(json + "\n")),
-        OutputFormat::Table => print_stdout(&table(&plan, args.explain)),
+        OutputFormat::Table => {
+            let mut s = table(&plan, args.explain);
+            if let (true, Some(t)) = (args.explain, &timeline) {
+                s += &format!(
+                    "schedule ({:.4} s; a digit is a forward of that micro-batch, B backward, W \
+                     weight gradient, . idle)\n",
+                    t.makespan_s
+                );
+                s += &t.gantt_text(96);
+            }
+            print_stdout(&s)
+        }
     }
+}
+
+/// A pipelined plan's schedule as simulated on its lowered Programs (`None`: no pipeline).
+fn schedule_timeline(
+    req: &Request<'_>,
+    plan: &Plan,
+) -> Result<Option<tessera_plan::pipeline::schedule::Timeline>> {
+    if plan.pipeline.is_none() {
+        return Ok(None);
+    }
+    let exe = planner::lower_plan(req, plan).map_err(plan_err)?;
+    Ok(exe.pipeline.map(|p| p.timeline))
 }
 
 /// A model as the planner needs it: its forward graph for any micro-batch size, and the

@@ -79,16 +79,18 @@ fn check(out: &Output, what: &str) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: not JSON: {e}"))
 }
 
-#[test]
-fn mpi_runs_equal_threads_and_one_device() {
-    let dir = temp("fidelity");
+/// Runs each `(ranks, plan)` under mpirun and on as many simulated devices: MPI equals
+/// threads bit for bit, and both the single-device run `single` (a plan string for
+/// `--devices 1`) within 1e-5; predicted peak and traffic equal the measured ones.
+fn mpi_equals_threads_and_one_device(name: &str, single: &str, plans: &[(usize, &str)]) {
+    let dir = temp(name);
     let one = dir.join("one.jsonl");
-    let mut args: Vec<&str> = vec!["train", "--devices", "1", "--format", "json"];
+    let mut args: Vec<&str> = vec!["train", "--devices", "1", "--plan", single, "--format", "json"];
     args.extend(RUN);
     args.extend(["--log-json", one.to_str().unwrap()]);
     check(&tessera(&args), "one device");
     let reference = log(&one);
-    for (n, plan) in [(2, "dp2"), (2, "tp2"), (4, "dp2 tp2")] {
+    for &(n, plan) in plans {
         let (mpi, thr) = (dir.join(format!("mpi{n}.jsonl")), dir.join(format!("thr{n}.jsonl")));
         let mut margs: Vec<&str> = vec!["train", "--plan", plan, "--format", "json"];
         margs.extend(RUN);
@@ -104,6 +106,7 @@ fn mpi_runs_equal_threads_and_one_device() {
         targs.extend(["--log-json", thr.to_str().unwrap()]);
         check(&tessera(&targs), &format!("threads {plan}"));
         let (m, t) = (log(&mpi), log(&thr));
+        assert_eq!(m.len(), reference.len(), "{plan}: steps logged");
         assert_eq!(m, t, "{plan}: MPI and threads must agree bit for bit");
         for (i, (got, want)) in m.iter().zip(&reference).enumerate() {
             let rel = |x: f64, y: f64| (x - y).abs() / y.abs();
@@ -114,6 +117,18 @@ fn mpi_runs_equal_threads_and_one_device() {
             );
         }
     }
+}
+
+#[test]
+fn mpi_runs_equal_threads_and_one_device() {
+    mpi_equals_threads_and_one_device("fidelity", "mb1", &[(2, "dp2"), (2, "tp2"), (4, "dp2 tp2")]);
+}
+
+/// Pipelines under MPI: stages are processes, activations and their gradients cross as tagged
+/// point-to-point messages (issue 18).
+#[test]
+fn mpi_pipelines_equal_threads_and_one_device() {
+    mpi_equals_threads_and_one_device("pipeline", "mb4", &[(2, "pp2 mb4"), (4, "dp2 pp2 mb4")]);
 }
 
 #[test]

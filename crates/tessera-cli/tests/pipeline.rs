@@ -182,3 +182,79 @@ fn a_pipelined_plan_lists_its_stages_and_bubble() {
     let bubble = doc["predicted"]["bubble_fraction"].as_f64().expect("bubble_fraction");
     assert!((0.1..0.45).contains(&bubble), "bubble {bubble}");
 }
+
+#[test]
+fn explain_lists_stages_and_draws_the_schedule() {
+    let dir = temp("explain");
+    let svg = dir.join("schedule.svg");
+    let svg_arg = svg.to_str().unwrap();
+    let out = tessera(&[
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--cluster",
+        "4xcpu",
+        "--batch",
+        "8",
+        "--seq",
+        "32",
+        "--plan",
+        "pp4 mb4",
+        "--explain",
+        "--schedule-svg",
+        svg_arg,
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("pipeline 1f1b over 4 devices, 4 micro-batches, bubble"), "{text}");
+    // gpt2-tiny's 8 blocks, two per stage; rank r runs stage r (pp is the only axis).
+    for (i, blocks) in ["0..2", "2..4", "4..6", "6..8"].iter().enumerate() {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{i} ")) && l.contains(blocks))
+            .unwrap_or_else(|| panic!("no line for stage {i} ({blocks}):\n{text}"));
+        assert!(line.contains("MiB") || line.contains("KiB"), "{line}");
+    }
+    assert!(text.contains("(worst)"), "{text}");
+    // The Gantt chart: one row per device, 96 columns. Under 1F1B the first device starts with
+    // micro-batch 0's forward; the last waits for it to cross three stages, then starts.
+    let rows: Vec<&str> = text.lines().filter(|l| l.starts_with('d') && l.contains('|')).collect();
+    assert_eq!(rows.len(), 4, "{text}");
+    for r in &rows {
+        let chart = r.split('|').nth(1).expect("a chart between bars");
+        assert_eq!(chart.chars().count(), 96, "{r}");
+        assert!(chart.contains('B') && chart.contains('0'), "{r}");
+    }
+    assert!(rows[0].split('|').nth(1).unwrap().starts_with('0'), "{}", rows[0]);
+    assert!(rows[3].split('|').nth(1).unwrap().starts_with('.'), "{}", rows[3]);
+    let doc = std::fs::read_to_string(&svg).expect("the SVG was written");
+    assert!(doc.contains("<svg"), "not an SVG");
+    // A row label per device (plotters writes each text element's content on its own line).
+    for d in 0..4 {
+        assert!(doc.lines().any(|l| l.trim() == format!("d{d}")), "no row label d{d}");
+    }
+    // One rectangle per slot: 4 devices × 4 micro-batches × (F, B), plus the background.
+    assert!(doc.matches("<rect").count() > 32, "too few rectangles");
+
+    // A plan without a pipeline has no schedule to draw: a clear error, nothing written.
+    let flat = dir.join("flat.svg");
+    let out = tessera(&[
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--cluster",
+        "4xcpu",
+        "--batch",
+        "8",
+        "--seq",
+        "32",
+        "--plan",
+        "dp4",
+        "--schedule-svg",
+        flat.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("has no pipeline") && err.contains("ppN"), "{err}");
+    assert!(!flat.exists());
+}

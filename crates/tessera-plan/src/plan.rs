@@ -493,6 +493,9 @@ impl Plan {
                 crate::units::format_bytes(bytes)
             );
         }
+        if let Some(pipe) = &self.pipeline {
+            s += &pipe.explain(self.micro_batches, p.bubble_fraction);
+        }
         s
     }
 }

@@ -44,6 +44,35 @@ impl PipelineJson {
         parse_schedule(&self.schedule)
     }
 
+    /// The `--explain` section: schedule, bubble, and per stage its blocks, ranks and the
+    /// peak of the device that runs it (a plan fits when the worst of these fits).
+    pub fn explain(&self, micro_batches: usize, bubble: Option<f64>) -> String {
+        let mut s = format!(
+            "pipeline {} over {} devices, {micro_batches} micro-batches",
+            self.schedule, self.devices
+        );
+        if let Some(b) = bubble {
+            s += &format!(", bubble {:.1}% of device time", 100.0 * b);
+        }
+        s += "\n";
+        s += &format!("  {:<6} {:<10} {:<24} {:>12}\n", "stage", "blocks", "ranks", "peak");
+        let worst = self.stages.iter().map(|st| st.peak_bytes).max().unwrap_or(0);
+        for (i, st) in self.stages.iter().enumerate() {
+            let ranks: Vec<String> = st.devices.iter().map(usize::to_string).collect();
+            let mut ranks = ranks.join(",");
+            if ranks.len() > 24 {
+                ranks = format!("{} ranks", st.devices.len());
+            }
+            s += &format!(
+                "  {i:<6} {:<10} {ranks:<24} {:>12}{}\n",
+                format!("{}..{}", st.blocks[0], st.blocks[1]),
+                crate::units::format_bytes(st.peak_bytes),
+                if st.peak_bytes == worst { "  (worst)" } else { "" }
+            );
+        }
+        s
+    }
+
     /// Blocks per virtual stage.
     pub fn sizes(&self) -> Vec<usize> {
         self.stages.iter().map(|s| s.blocks[1].saturating_sub(s.blocks[0])).collect()
