@@ -213,6 +213,7 @@ impl PlanModel {
             train: self.train.clone(),
             model_flops: self.model_flops,
             ckpt: tessera_plan::search::CkptSearch::Joint,
+            pipeline: Default::default(),
         }
     }
 }
@@ -247,8 +248,10 @@ fn table(p: &Plan, explain: bool) -> String {
         "{} on {} ({} devices), batch {} × seq {}, {}\n",
         p.model, p.cluster, p.devices, p.batch, p.seq, p.dtype
     );
+    let stages =
+        p.pipeline.as_ref().map_or(String::new(), |pp| format!(" × {} stages", pp.devices));
     s += &format!(
-        "plan      {}   mesh {:?}   (found in {:.0} ms)\n",
+        "plan      {}   mesh {:?}{stages}   (found in {:.0} ms)\n",
         p.config, p.mesh.shape, p.search_ms
     );
     if p.layout == "per-op" && p.source != "file" {

@@ -490,7 +490,12 @@ pub fn prepare(
     let budget = args.memory_budget.unwrap_or_else(|| cluster.device.usable_bytes());
     let model = PlanModel::new(&cfg, args.batch, args.seq, dtype, &train_cfg)?;
     let global_train = &model.global;
-    let req = model.request(cluster, budget);
+    let mut req = model.request(cluster, budget);
+    if args.save.is_some() || args.resume.is_some() || args.eval_batches > 0 {
+        // What a pipeline cannot do yet (see `pipeline_limits`): the automatic plan of a run
+        // that needs it stays without one.
+        req.pipeline = tessera_plan::pipeline::search::PipelineKnobs::off();
+    }
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
     let args = &pipeline_limits(args, exe.pipeline.is_some(), rank)?;

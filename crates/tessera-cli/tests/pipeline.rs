@@ -258,3 +258,72 @@ fn explain_lists_stages_and_draws_the_schedule() {
     assert!(err.contains("has no pipeline") && err.contains("ppN"), "{err}");
     assert!(!flat.exists());
 }
+
+/// The automatic search's pipeline phase: on two machines joined by a slow link (20 MB/s),
+/// every plan without a pipeline either synchronises gradients or tensor-parallel activations
+/// across it or computes everything twice, while a pipeline halves the compute and sends only
+/// a micro-batch's boundary activations. The search must find the
+/// pipeline, price it at least as fast as each fixed alternative, and the plan must train
+/// like one device with its prediction measured exactly.
+#[test]
+fn the_automatic_plan_pipelines_across_a_slow_link_and_trains_like_one_device() {
+    let dir = temp("auto");
+    let cluster = dir.join("slow.toml");
+    std::fs::write(
+        &cluster,
+        "nodes = 2\ngpus_per_node = 1\ndevice = \"cpu\"\n[inter]\nlatency_s = 1e-4\nbandwidth = 2e7\n",
+    )
+    .unwrap();
+    let cluster = cluster.to_str().unwrap();
+    let plan_file = dir.join("plan.json");
+    let common = ["--model", "llama-tiny", "--cluster", cluster, "--batch", "8", "--seq", "32"];
+    let plan = |extra: &[&str]| -> Value {
+        let mut args = vec!["plan"];
+        args.extend(common);
+        args.extend(["--dtype", "fp32", "--format", "json"]);
+        args.extend(extra);
+        let out = tessera(&args);
+        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("JSON plan")
+    };
+    let auto = plan(&["--out", plan_file.to_str().unwrap()]);
+    assert_eq!(auto["source"], "auto", "{auto}");
+    assert!(auto["config"].as_str().unwrap().contains("pp2"), "{}", auto["config"]);
+    assert_eq!(auto["pipeline"]["devices"], 2, "{auto}");
+    let step = auto["predicted"]["step_time_s"].as_f64().unwrap();
+    for fixed in ["dp2", "dp2 zero1", "dp2 zero3", "tp2", "dp2 mb4"] {
+        let other = plan(&["--plan", fixed]);
+        let t = other["predicted"]["step_time_s"].as_f64().unwrap();
+        assert!(step <= t, "auto {step} s is slower than `{fixed}` at {t} s");
+    }
+    // The plan trains as it says.
+    let mb = auto["micro_batches"].as_u64().unwrap() as usize;
+    let (_, single) = train("llama-tiny", 1, &format!("mb{mb}"));
+    let (doc, steps) = {
+        let log = dir.join("steps.jsonl");
+        let mut args = vec!["train"];
+        args.extend(common);
+        args.extend(["--devices", "2", "--steps", "3", "--eval-batches", "0", "--format", "json"]);
+        args.extend(["--plan", plan_file.to_str().unwrap(), "--log-json", log.to_str().unwrap()]);
+        let out = tessera(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+        let steps: Vec<(f64, f64)> = std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: Value = serde_json::from_str(l).unwrap();
+                (v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap())
+            })
+            .collect();
+        (doc, steps)
+    };
+    assert_eq!(steps.len(), single.len());
+    for (k, (s, p)) in single.iter().zip(&steps).enumerate() {
+        assert!(close(s.0, p.0) && close(s.1, p.1), "step {}: {p:?} vs one device {s:?}", k + 1);
+    }
+    let m = &doc["memory"];
+    assert_eq!(m["measured_peak_bytes"], m["predicted_peak_bytes"], "{m}");
+    let c = &doc["comm"];
+    assert_eq!(c["measured_bytes"], c["predicted_bytes"], "{c}");
+}

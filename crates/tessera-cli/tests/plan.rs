@@ -35,8 +35,11 @@ fn json_has_the_promised_keys_and_the_baseline_is_no_faster() {
     let v = plan(&["--cluster", "4xH100", "--baseline", "megatron", "--format", "json"]);
     // The layout says whether the config string reproduces the plan.
     assert!(matches!(v["layout"].as_str(), Some("megatron" | "per-op")), "{}", v["layout"]);
+    // A pipelined plan's mesh is one stage's; the pipeline multiplies it.
+    let stages = v["pipeline"]["devices"].as_u64().unwrap_or(1);
     assert_eq!(
-        v["mesh"]["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).product::<u64>(),
+        v["mesh"]["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).product::<u64>()
+            * stages,
         4
     );
     let peaks = v["predicted"]["peak_bytes_per_device"].as_array().unwrap();

@@ -162,6 +162,7 @@ fn request<'a>(
         train: train_cfg(),
         model_flops: 1.0,
         ckpt: tessera_plan::search::CkptSearch::Joint,
+        pipeline: Default::default(),
     }
 }
 

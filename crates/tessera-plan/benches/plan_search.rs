@@ -46,6 +46,7 @@ fn search(case: &Case) -> String {
         train: TrainConfig::default(),
         model_flops: 1.0,
         ckpt: tessera_plan::search::CkptSearch::Joint,
+        pipeline: Default::default(),
     };
     plan_auto(&req).expect("a plan").config
 }

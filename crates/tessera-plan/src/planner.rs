@@ -39,10 +39,12 @@ pub struct Request<'a> {
     pub model_flops: f64,
     /// Activation checkpointing: searched jointly (default), fixed, or off.
     pub ckpt: CkptSearch,
+    /// The automatic search's pipeline phase.
+    pub pipeline: crate::pipeline::search::PipelineKnobs,
 }
 
 impl Request<'_> {
-    fn problem(&self) -> Problem0<'_> {
+    pub(crate) fn problem(&self) -> Problem0<'_> {
         Problem0 {
             build: self.build,
             batch: self.batch,
@@ -72,7 +74,7 @@ impl Request<'_> {
         }
     }
 
-    fn to_plan(&self, e: &Evaluated, source: &str, ms: f64) -> Result<Plan> {
+    pub(crate) fn to_plan(&self, e: &Evaluated, source: &str, ms: f64) -> Result<Plan> {
         let fwd = (self.build)(self.batch / e.candidate.micro_batches.max(1))?;
         Ok(Plan::from_evaluated(&self.context(&fwd.graph), e, source, ms))
     }
@@ -131,7 +133,7 @@ fn first_fit(
 /// Evaluates a fixed configuration (the best plan within it).
 pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     if cfg.pp > 1 {
-        return plan_fixed_pipelined(req, cfg);
+        return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
     }
     let t0 = Instant::now();
     let mesh = megatron_mesh(&req.cluster, cfg)?;
@@ -179,86 +181,6 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
             ))),
         },
     }
-}
-
-/// A fixed pipelined configuration: the Megatron layout of one stage's `dp × tp` mesh, the
-/// blocks split evenly, the schedule simulated (see [`crate::pipeline::plan`]).
-fn plan_fixed_pipelined(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
-    use crate::pipeline::plan as pplan;
-    let t0 = Instant::now();
-    cfg.check_devices(req.cluster.num_devices())?;
-    let mb = cfg.micro_batches.max(1);
-    if !req.batch.is_multiple_of(cfg.dp * mb) {
-        return Err(PlanError::Invalid(format!(
-            "batch {} does not split into {} data-parallel replicas × {mb} micro-batches: use a \
-             batch that is a multiple of {}",
-            req.batch,
-            cfg.dp,
-            cfg.dp * mb
-        )));
-    }
-    let fwd = (req.build)(req.batch / mb)?;
-    let nb = tessera_ir::remat::num_blocks(&fwd.graph) as usize;
-    cfg.check_pipeline(nb, Some(mb))?;
-    let (stage, full) = pplan::meshes(&req.cluster, &[cfg.dp, cfg.tp], cfg.pp)?;
-    // The stage's layout: Megatron's on its mesh, whatever the memory (the pipeline is priced
-    // and checked below).
-    let mut p = req.problem();
-    p.ckpt = CkptSearch::Off;
-    let cand = Candidate {
-        mesh: stage.clone(),
-        rule: AxisRule::Megatron { sp: cfg.sp },
-        zero: cfg.zero,
-        micro_batches: mb,
-    };
-    let e = search::evaluate(&p, &cand, f64::INFINITY)?.ok_or_else(|| {
-        PlanError::Invalid(format!(
-            "`{}` cannot split this model: a degree does not divide the batch, heads or hidden \
-             size",
-            cfg.canonical()
-        ))
-    })?;
-    let schedule = cfg.schedule.unwrap_or_default();
-    let map = crate::pipeline::split::StageMap::even(nb, cfg.pp, schedule.chunks(), 2)?;
-    let ckpt = match cfg.ckpt {
-        Some(m) => tessera_ir::Checkpointing::uniform(nb as u32, m),
-        None => tessera_ir::Checkpointing::default(),
-    };
-    let r = pplan::PipelineRequest {
-        forward: &fwd.graph,
-        loss: fwd.loss,
-        strategies: &e.strategies,
-        stage_mesh: &stage,
-        full: &full,
-        zero: cfg.zero,
-        micro_batches: mb,
-        train: &req.train,
-        ckpt,
-        map,
-        schedule,
-    };
-    let l = pplan::lower_pipelined(&r, &p.cost)?;
-    if l.peak_bytes() > req.budget {
-        return Err(PlanError::Infeasible {
-            budget: req.budget,
-            needed: l.peak_bytes(),
-            hint: format!(
-                "`{}`: its worst pipeline stage; add micro-batches, stages or ZeRO",
-                cfg.canonical()
-            ),
-        });
-    }
-    let worst = l
-        .devices
-        .iter()
-        .max_by_key(|d| d.lowered.memory.peak_bytes)
-        .map(|d| d.lowered.clone())
-        .ok_or_else(|| PlanError::Internal("a pipeline without devices".into()))?;
-    let e = Evaluated { lowered: worst, ..e };
-    let mut plan = req.to_plan(&e, "fixed", t0.elapsed().as_secs_f64() * 1e3)?;
-    pplan::attach(&mut plan, &l, &full, req.batch * req.seq);
-    plan.config = cfg.canonical();
-    Ok(plan)
 }
 
 /// One unit of the search, run on one thread: a mesh with its axis rule, over ZeRO stages.
@@ -497,16 +419,22 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let mbs = req.micro_batch_options();
     let jobs = auto_jobs(req)?;
     let results = run_jobs(req, &p, &jobs, &mbs)?;
-    match fastest(&jobs, &results) {
-        Some(e) => {
-            let mut plan = req.to_plan(e, "auto", t0.elapsed().as_secs_f64() * 1e3)?;
-            // The search priced every Megatron configuration anyway: keep the best as baseline.
-            plan.baselines.megatron =
-                best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
-            Ok(plan)
-        }
-        None => Err(infeasible(req, &p)),
-    }
+    let flat = fastest(&jobs, &results);
+    // The pipeline phase: what beats the fastest plan without a pipeline.
+    let bound = flat.map_or(f64::INFINITY, Evaluated::step_time_s);
+    let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
+    // Every pipelined candidate is a Megatron configuration: the baseline grid includes them.
+    let megatron =
+        phase.megatron_baseline(best_megatron(&jobs, &results).map(|m| baseline_json(req, &m)));
+    let mut plan = match (phase.plan, flat) {
+        (Some(plan), _) => plan,
+        (None, Some(e)) => req.to_plan(e, "auto", 0.0)?,
+        (None, None) => return Err(infeasible(req, &p)),
+    };
+    plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
+    // The search priced every Megatron configuration anyway: keep the best as baseline.
+    plan.baselines.megatron = megatron;
+    Ok(plan)
 }
 
 /// The automatic search with checkpointing fixed to `ckpt` (the `chen` and `full_recompute`
@@ -792,7 +720,7 @@ fn describe(least: &LeastPeak) -> String {
 }
 
 /// Runs `f` over `items` on the machine's threads, keeping order.
-fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+pub(crate) fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
     let threads =
         std::thread::available_parallelism().map_or(1, |n| n.get()).min(items.len()).max(1);
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -833,7 +761,10 @@ fn baseline_json(
 /// Fills the Megatron baseline of a plan (kept if the automatic search already did).
 pub fn attach_megatron(req: &Request<'_>, plan: &mut Plan) -> Result<()> {
     if plan.baselines.megatron.is_none() {
-        plan.baselines.megatron = megatron(req)?.as_ref().map(|m| baseline_json(req, m));
+        let flat = megatron(req)?.as_ref().map(|m| baseline_json(req, m));
+        let bound = flat.as_ref().map_or(f64::INFINITY, |f| f.step_time_s);
+        let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
+        plan.baselines.megatron = phase.megatron_baseline(flat);
     }
     Ok(())
 }

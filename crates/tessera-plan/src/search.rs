@@ -217,7 +217,7 @@ impl FastestSoFar {
 impl Problem0<'_> {
     /// The forward graph of one micro-batch and which of its tensors the backward pass reads
     /// (built once per micro-batch size and shared by all candidates).
-    fn forward(&self, micro_batch: usize) -> Result<SharedForward> {
+    pub(crate) fn forward(&self, micro_batch: usize) -> Result<SharedForward> {
         if let Some(f) = self.graphs.lock().ok().and_then(|m| m.get(&micro_batch).cloned()) {
             return Ok(f);
         }

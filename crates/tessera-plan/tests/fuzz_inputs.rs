@@ -565,6 +565,7 @@ fn request() -> Request<'static> {
         train: TrainConfig::default(),
         model_flops: 1e9,
         ckpt: CkptSearch::Joint,
+        pipeline: Default::default(),
     }
 }
 

@@ -38,6 +38,7 @@ impl Case {
             train: TrainConfig::default(),
             model_flops: 1e12,
             ckpt: CkptSearch::Joint,
+            pipeline: Default::default(),
         };
         match fixed {
             Some(c) => plan_fixed(&req, &ParallelConfig::parse(c)?),

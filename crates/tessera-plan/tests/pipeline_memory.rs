@@ -28,6 +28,7 @@ fn activations(config: &str) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
         train: TrainConfig::default(),
         model_flops: 1e12,
         ckpt: CkptSearch::Off,
+        pipeline: Default::default(),
     };
     let plan = plan_fixed(&req, &ParallelConfig::parse(config).unwrap()).unwrap();
     let exe = lower_plan(&req, &plan).unwrap();

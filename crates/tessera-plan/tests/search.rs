@@ -45,6 +45,7 @@ fn plan_with(
         train: TrainConfig::default(),
         model_flops: 1e12,
         ckpt: tessera_plan::search::CkptSearch::Joint,
+        pipeline: Default::default(),
     };
     match fixed {
         Some(c) => plan_fixed(&req, &ParallelConfig::parse(c)?),

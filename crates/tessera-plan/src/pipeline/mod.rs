@@ -13,9 +13,11 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+pub mod auto;
 pub mod lower;
 pub mod plan;
 pub mod schedule;
+pub mod search;
 pub mod split;
 
 /// Which pipeline schedule a plan runs.

@@ -1,0 +1,235 @@
+//! Pipelines in the planner: a fixed pipelined configuration (`--plan "dp2 tp2 pp4 zero1"`)
+//! and the automatic search's pipeline phase ([`best_pipelined`], see [`super::search`]).
+
+use super::search::{self as psearch, Screened, Shape};
+use crate::config::ParallelConfig;
+use crate::plan::{BaselineJson, Plan};
+use crate::planner::{parallel_map, Request};
+use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Problem0};
+use crate::{PlanError, Result};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// A fixed pipelined configuration: the Megatron layout of one stage's `dp × tp` mesh, the
+/// blocks split evenly, the schedule simulated (see [`crate::pipeline::plan`]).
+pub fn plan_fixed_pipelined(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
+    use crate::pipeline::plan as pplan;
+    let t0 = Instant::now();
+    cfg.check_devices(req.cluster.num_devices())?;
+    let mb = cfg.micro_batches.max(1);
+    if !req.batch.is_multiple_of(cfg.dp * mb) {
+        return Err(PlanError::Invalid(format!(
+            "batch {} does not split into {} data-parallel replicas × {mb} micro-batches: use a \
+             batch that is a multiple of {}",
+            req.batch,
+            cfg.dp,
+            cfg.dp * mb
+        )));
+    }
+    let fwd = (req.build)(req.batch / mb)?;
+    let nb = tessera_ir::remat::num_blocks(&fwd.graph) as usize;
+    cfg.check_pipeline(nb, Some(mb))?;
+    let (stage, full) = pplan::meshes(&req.cluster, &[cfg.dp, cfg.tp], cfg.pp)?;
+    // The stage's layout: Megatron's on its mesh, whatever the memory (the pipeline is priced
+    // and checked below).
+    // One micro-batch suffices to choose it (the layout is per forward node, the same for
+    // every micro-batch), and is mb times cheaper to lower than all of them.
+    let mut p = req.problem();
+    p.ckpt = CkptSearch::Off;
+    p.batch = req.batch / mb;
+    let cand = Candidate {
+        mesh: stage.clone(),
+        rule: AxisRule::Megatron { sp: cfg.sp },
+        zero: cfg.zero,
+        micro_batches: 1,
+    };
+    let e = search::evaluate(&p, &cand, f64::INFINITY)?.ok_or_else(|| {
+        PlanError::Invalid(format!(
+            "`{}` cannot split this model: a degree does not divide the batch, heads or hidden \
+             size",
+            cfg.canonical()
+        ))
+    })?;
+    let schedule = cfg.schedule.unwrap_or_default();
+    let map = crate::pipeline::split::StageMap::even(nb, cfg.pp, schedule.chunks(), 2)?;
+    let ckpt = match cfg.ckpt {
+        Some(m) => tessera_ir::Checkpointing::uniform(nb as u32, m),
+        None => tessera_ir::Checkpointing::default(),
+    };
+    let r = pplan::PipelineRequest {
+        forward: &fwd.graph,
+        loss: fwd.loss,
+        strategies: &e.strategies,
+        stage_mesh: &stage,
+        full: &full,
+        zero: cfg.zero,
+        micro_batches: mb,
+        train: &req.train,
+        ckpt,
+        map,
+        schedule,
+    };
+    let l = pplan::lower_pipelined(&r, &p.cost)?;
+    if l.peak_bytes() > req.budget {
+        return Err(PlanError::Infeasible {
+            budget: req.budget,
+            needed: l.peak_bytes(),
+            hint: format!(
+                "`{}`: its worst pipeline stage; add micro-batches, stages or ZeRO",
+                cfg.canonical()
+            ),
+        });
+    }
+    let worst = l
+        .devices
+        .iter()
+        .max_by_key(|d| d.lowered.memory.peak_bytes)
+        .map(|d| d.lowered.clone())
+        .ok_or_else(|| PlanError::Internal("a pipeline without devices".into()))?;
+    let cand = Candidate { micro_batches: mb, ..e.candidate };
+    let e = Evaluated { lowered: worst, candidate: cand, ..e };
+    let mut plan = req.to_plan(&e, "fixed", t0.elapsed().as_secs_f64() * 1e3)?;
+    pplan::attach(&mut plan, &l, &full, req.batch * req.seq);
+    plan.config = cfg.canonical();
+    Ok(plan)
+}
+
+/// The automatic search's pipeline phase: every shape of the cluster ([`psearch::shapes`]) at
+/// each micro-batch size of the knobs, sampled once per checkpointing mode on its stage mesh
+/// (in parallel), screened by estimate against `bound` (the fastest plan without a pipeline),
+/// then the fastest estimates lowered exactly ([`plan_fixed_pipelined`]). Returns the fastest
+/// fitting pipelined plan, if any beats `bound`.
+pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
+    let knobs = &req.pipeline;
+    let n = req.cluster.num_devices();
+    let none = PipelinePhase { plan: None, screened: 0, fitting: 0 };
+    if !knobs.enabled || n < 2 {
+        return Ok(none);
+    }
+    let t0 = Instant::now();
+    let nb = tessera_ir::remat::num_blocks(&(req.build)(1)?.graph) as usize;
+    let shapes = psearch::shapes(&req.cluster, nb);
+    // (shape, micro-batch size): the micro-batch count m = batch / (dp · size) must give every
+    // pipeline device work in the steady state (m ≥ pp).
+    let mut items: Vec<(Shape, usize)> = Vec::new();
+    for s in &shapes {
+        for &size in &knobs.micro_batch_sizes {
+            let per = s.dp * size;
+            if size > 0 && req.batch.is_multiple_of(per) && req.batch / per >= s.pp {
+                items.push((*s, size));
+            }
+        }
+    }
+    if items.is_empty() {
+        return Ok(none);
+    }
+    // One problem per micro-batch's global size (dp · size sequences): its forward graph and
+    // ILP caches are shared by the shapes that need it.
+    let mut problems: BTreeMap<usize, Problem0<'_>> = BTreeMap::new();
+    for (s, size) in &items {
+        problems.entry(s.dp * size).or_insert_with(|| {
+            let mut p = req.problem();
+            p.batch = s.dp * size;
+            p.ckpt = CkptSearch::Off;
+            p
+        });
+    }
+    let budget = req.budget as f64;
+    let screened = parallel_map(&items, |(shape, size)| -> Result<Vec<Screened>> {
+        let p = &problems[&(shape.dp * size)];
+        let (stage, full) = super::plan::meshes(&req.cluster, &[shape.dp, shape.tp], shape.pp)?;
+        let samples = psearch::sample(p, shape, &stage, &knobs.ckpt_modes)?;
+        let m = req.batch / (shape.dp * size);
+        let link = *full.links.last().ok_or_else(|| PlanError::Internal("no mesh axes".into()))?;
+        psearch::screen(&samples, shape, m, nb, knobs, link, budget, bound)
+    });
+    let mut ranked: Vec<Screened> = Vec::new();
+    for s in screened {
+        ranked.extend(s?);
+    }
+    ranked.sort_by(|a, b| a.estimate.step_time_s.total_cmp(&b.estimate.step_time_s));
+    let trace = std::env::var_os("TESSERA_TRACE").is_some();
+    if trace {
+        eprintln!(
+            "trace: pipeline phase screened {} shapes × sizes, {} candidates under bound {bound:.4} s",
+            items.len(),
+            ranked.len()
+        );
+    }
+    let mut best: Option<Plan> = None;
+    let mut fitting = 0;
+    for c in ranked.iter().take(knobs.verify) {
+        let exact = plan_fixed_pipelined(req, &c.config);
+        if trace {
+            eprintln!(
+                "trace: pipeline `{}` estimated {:.4} s, {:.2} GiB; exact {}",
+                c.config.canonical(),
+                c.estimate.step_time_s,
+                c.estimate.peak_bytes / (1u64 << 30) as f64,
+                match &exact {
+                    Ok(p) => format!(
+                        "{:.4} s, {:.2} GiB",
+                        p.predicted.step_time_s,
+                        p.predicted.peak_bytes_per_device.iter().max().copied().unwrap_or(0) as f64
+                            / (1u64 << 30) as f64
+                    ),
+                    Err(e) => e.to_string(),
+                }
+            );
+        }
+        match exact {
+            Ok(plan) => {
+                fitting += 1;
+                let faster = best
+                    .as_ref()
+                    .is_none_or(|b| plan.predicted.step_time_s < b.predicted.step_time_s);
+                if plan.predicted.step_time_s < bound && faster {
+                    best = Some(plan);
+                }
+            }
+            // The estimate was optimistic: the worst stage holds more than the average.
+            Err(PlanError::Infeasible { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let plan = best.map(|mut plan| {
+        plan.source = "auto".to_string();
+        plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
+        plan
+    });
+    Ok(PipelinePhase { plan, screened: ranked.len(), fitting })
+}
+
+/// What the pipeline phase found: the fastest pipelined plan that beats the bound (a Megatron
+/// configuration: its config string reproduces it), the candidates the screen passed and how
+/// many of those verified fit.
+pub struct PipelinePhase {
+    pub plan: Option<Plan>,
+    pub screened: usize,
+    pub fitting: usize,
+}
+
+impl PipelinePhase {
+    /// The Megatron baseline with pipelines: the faster of `flat` (the grid without them) and
+    /// the phase's plan, counting the phase's candidates.
+    pub fn megatron_baseline(&self, flat: Option<BaselineJson>) -> Option<BaselineJson> {
+        let piped = self.plan.as_ref().map(|p| BaselineJson {
+            config: p.config.clone(),
+            step_time_s: p.predicted.step_time_s,
+            peak_bytes_per_device: p.predicted.peak_bytes_per_device.clone(),
+            configurations_tried: 0,
+            configurations_fitting: 0,
+        });
+        let (tried, fits) =
+            flat.as_ref().map_or((0, 0), |f| (f.configurations_tried, f.configurations_fitting));
+        let mut best = match (flat, piped) {
+            (Some(f), Some(p)) if p.step_time_s < f.step_time_s => p,
+            (Some(f), _) => f,
+            (None, Some(p)) => p,
+            (None, None) => return None,
+        };
+        best.configurations_tried = tried + self.screened;
+        best.configurations_fitting = fits + self.fitting;
+        Some(best)
+    }
+}

@@ -1,0 +1,322 @@
+//! The inter-op phase of the automatic search: pipelined candidates, screened cheaply and
+//! verified exactly.
+//!
+//! A candidate is a [`Shape`] (`pp × dp × tp`, sequence parallel, ZeRO inside the data-parallel
+//! groups), a micro-batch size, a uniform checkpointing mode and a schedule. Repeated blocks
+//! make stages alike, so the screen lowers **one micro-batch of the whole model on the stage's
+//! mesh** per (shape, micro-batch size, mode) — the intra-op search's own layout — and scales
+//! it to a stage: `1/pp` of its compute, state and saved activations per chunk, its
+//! activations times the schedule's micro-batches in flight on the first device, the
+//! schedule's makespan simulated on those slot times ([`super::schedule::Schedule::simulate`]).
+//! The fastest estimates are then lowered exactly, every device's Program under its schedule
+//! (the fixed-config path), and a plan fits only when its worst device fits.
+//!
+//! The screen is an estimate (stages are not exactly equal: the embedding joins the first, the
+//! head the last; transfers are not priced); the verification is not. The knobs say how wide
+//! each step looks ([`PipelineKnobs`]).
+
+use super::schedule;
+use super::{Pass, ScheduleKind, Slot};
+use crate::config::ParallelConfig;
+use crate::lower::{finish, lower_unfinished, LowerOptions, Lowered};
+use crate::search::{self, AxisRule, Candidate, Problem0};
+use crate::{Cluster, Mesh, PlanError, Result};
+use tessera_ir::{Checkpointing, CkptMode};
+
+/// How wide the pipeline phase looks.
+#[derive(Clone, Debug)]
+pub struct PipelineKnobs {
+    /// Search pipelined plans at all.
+    pub enabled: bool,
+    /// Sequences per micro-batch per data-parallel replica (the micro-batch count follows).
+    pub micro_batch_sizes: Vec<usize>,
+    /// Schedules priced for each shape.
+    pub schedules: Vec<ScheduleKind>,
+    /// Uniform checkpointing modes priced for each shape.
+    pub ckpt_modes: Vec<CkptMode>,
+    /// Candidates lowered exactly, fastest estimate first.
+    pub verify: usize,
+    /// A candidate whose estimated peak exceeds the budget by more than this factor is not
+    /// verified (the estimate averages the stages; the worst one holds a little more).
+    pub memory_slack: f64,
+}
+
+impl Default for PipelineKnobs {
+    fn default() -> Self {
+        PipelineKnobs {
+            enabled: true,
+            micro_batch_sizes: vec![1, 2, 4],
+            schedules: vec![
+                ScheduleKind::OneFOneB,
+                ScheduleKind::Interleaved { v: 2 },
+                ScheduleKind::ZbH1,
+            ],
+            ckpt_modes: vec![CkptMode::None, CkptMode::Selective, CkptMode::Full],
+            verify: 3,
+            memory_slack: 1.15,
+        }
+    }
+}
+
+impl PipelineKnobs {
+    /// No pipelines (a run that must save, resume or evaluate: not supported under a pipeline
+    /// yet).
+    pub fn off() -> Self {
+        PipelineKnobs { enabled: false, ..PipelineKnobs::default() }
+    }
+}
+
+/// A pipelined layout without its micro-batching.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub pp: usize,
+    pub dp: usize,
+    pub tp: usize,
+    pub sp: bool,
+    /// ZeRO inside each stage's data-parallel group: 0 or 1 (stages 2 and 3 shard gradients or
+    /// parameters that every micro-batch of the pipeline needs again, as in DeepSpeed, which
+    /// refuses them with pipelines).
+    pub zero: u8,
+}
+
+/// Every shape of `cluster` for a model of `num_blocks` blocks: `pp ≥ 2` dividing the devices
+/// and at most the blocks, the tensor axis within a node, sequence parallel with it.
+pub fn shapes(cluster: &Cluster, num_blocks: usize) -> Vec<Shape> {
+    let n = cluster.num_devices();
+    let node = cluster.gpus_per_node.max(1);
+    let mut out = Vec::new();
+    for pp in (2..=n.min(num_blocks)).filter(|p| n.is_multiple_of(*p)) {
+        let stage = n / pp;
+        for tp in (1..=stage.min(node)).filter(|t| stage.is_multiple_of(*t)) {
+            if !node.is_multiple_of(tp) {
+                continue;
+            }
+            for sp in [false, true] {
+                if sp && tp == 1 {
+                    continue;
+                }
+                for zero in [0u8, 1] {
+                    if zero == 1 && stage / tp == 1 {
+                        continue;
+                    }
+                    out.push(Shape { pp, dp: stage / tp, tp, sp, zero });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// One micro-batch of the whole model on a stage's mesh, under one checkpointing mode.
+pub struct StageSample {
+    pub mode: CkptMode,
+    pub lowered: Lowered,
+    /// Bytes one device sends to the next stage per micro-batch: what block 1 reads of block
+    /// 0's outputs, over the data-parallel replicas (tensor parallelism may split it further).
+    pub hop_bytes: u64,
+}
+
+/// Bytes of the tensors block 1 reads from block 0 (the activations crossing a stage
+/// boundary between two repeated blocks), whole batch.
+pub fn hop_bytes(g: &tessera_ir::Graph) -> u64 {
+    let mut seen = std::collections::HashSet::new();
+    let mut bytes = 0u64;
+    for n in g.nodes.iter().filter(|n| n.block == Some(1)) {
+        for &t in &n.inputs {
+            if g.producer(t).block == Some(0) && seen.insert(t) {
+                bytes += g.meta(t).size_bytes() as u64;
+            }
+        }
+    }
+    bytes
+}
+
+/// Lowers one micro-batch (`p.batch` sequences over the stage's data-parallel replicas) on the
+/// stage mesh under each mode: the intra-op search's layout (Megatron's rule for the shape),
+/// found once and checkpointed per mode. Empty when the shape cannot split the model.
+pub fn sample(
+    p: &Problem0<'_>,
+    shape: &Shape,
+    stage_mesh: &Mesh,
+    modes: &[CkptMode],
+) -> Result<Vec<StageSample>> {
+    let cand = Candidate {
+        mesh: stage_mesh.clone(),
+        rule: AxisRule::Megatron { sp: shape.sp },
+        zero: shape.zero,
+        micro_batches: 1,
+    };
+    let Some(e) = search::evaluate(p, &cand, f64::INFINITY)? else {
+        return Ok(Vec::new());
+    };
+    let fwd = p.forward(p.batch)?;
+    let g = &fwd.0.graph;
+    let nb = tessera_ir::remat::num_blocks(g);
+    let hop = hop_bytes(g) / shape.dp.max(1) as u64;
+    let mut out = Vec::with_capacity(modes.len());
+    for &mode in modes {
+        let lowered = if mode == CkptMode::None {
+            e.lowered.clone()
+        } else {
+            let opts = LowerOptions {
+                zero: shape.zero,
+                micro_batches: 1,
+                train: p.train.clone(),
+                ckpt: Checkpointing::default(),
+            };
+            let u = lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts)?;
+            finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
+        };
+        out.push(StageSample { mode, lowered, hop_bytes: hop });
+    }
+    Ok(out)
+}
+
+/// The screen's figures for one candidate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Estimate {
+    pub step_time_s: f64,
+    /// The first device's (it holds the most micro-batches in flight).
+    pub peak_bytes: f64,
+}
+
+/// Scales a whole-model sample to `pp` stages under `kind` with `m` micro-batches: each chunk
+/// gets `1/(pp·v)` of the forward, backward, recomputation and tensor-parallel traffic (a
+/// third of it in the forward), the schedule is simulated on those slot times, and the
+/// optimizer and exposed gradient synchronisation (`1/pp` each) follow the flush. Memory: the
+/// state's `1/pp`, plus a chunk's saved activations times the micro-batch-chunks in flight on
+/// the first device, plus the sample's transient peak. Each transfer between stages takes
+/// `hop_s`.
+pub fn estimate(
+    s: &Lowered,
+    pp: usize,
+    m: usize,
+    kind: ScheduleKind,
+    hop_s: f64,
+) -> Result<Estimate> {
+    let t = &s.time;
+    let parts = (pp * kind.chunks()) as f64;
+    let comm = t.blocking_comm_s;
+    let f = (t.forward_compute_s + comm / 3.0) / parts;
+    let b = (t.backward_compute_s + t.recompute_s + 2.0 * comm / 3.0) / parts;
+    let sched = schedule::build(kind, pp, m).map_err(PlanError::Invalid)?;
+    let split = kind.splits_backward();
+    let duration = |_: usize, slot: Slot| match slot.pass {
+        Pass::F => f,
+        Pass::B if split => b / 2.0,
+        Pass::B => b,
+        Pass::W => b / 2.0,
+    };
+    let timeline = sched.simulate(&duration, &|_, _| hop_s).map_err(PlanError::Internal)?;
+    let tail = (t.optimizer_compute_s + t.exposed_comm_s) / pp as f64;
+    let mem = &s.memory;
+    let state = (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) as f64 / pp as f64;
+    let chunk_activations = mem.activations_bytes as f64 / parts;
+    let transient =
+        mem.peak_bytes.saturating_sub(mem.resting_bytes + mem.grads_bytes + mem.activations_bytes)
+            as f64;
+    let in_flight = sched.max_in_flight(0) as f64;
+    Ok(Estimate {
+        step_time_s: timeline.makespan_s + tail,
+        peak_bytes: state + in_flight * chunk_activations + transient,
+    })
+}
+
+/// A screened candidate: its config string and estimate.
+#[derive(Clone, Debug)]
+pub struct Screened {
+    pub config: ParallelConfig,
+    pub estimate: Estimate,
+}
+
+/// The config of `shape` with `m` micro-batches, `mode` and `kind`, if the model's blocks
+/// allow it.
+pub fn config(
+    shape: &Shape,
+    m: usize,
+    mode: CkptMode,
+    kind: ScheduleKind,
+    num_blocks: usize,
+) -> Option<ParallelConfig> {
+    let cfg = ParallelConfig {
+        dp: shape.dp,
+        tp: shape.tp,
+        zero: shape.zero,
+        micro_batches: m,
+        sp: shape.sp,
+        ckpt: (mode != CkptMode::None).then_some(mode),
+        pp: shape.pp,
+        schedule: Some(kind),
+    };
+    // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
+    // micro-batches a multiple of pp.
+    cfg.check_pipeline(num_blocks, Some(m)).ok()?;
+    if let ScheduleKind::Interleaved { v } = kind {
+        if !num_blocks.is_multiple_of(shape.pp * v) {
+            return None;
+        }
+    }
+    Some(cfg)
+}
+
+/// Screens every (mode, schedule) of one (shape, micro-batch count) sample set: candidates
+/// whose estimated peak is within the knobs' slack of `budget` and whose estimated step beats
+/// `bound`. Transfers between stages cross `link`.
+#[allow(clippy::too_many_arguments)]
+pub fn screen(
+    samples: &[StageSample],
+    shape: &Shape,
+    m: usize,
+    num_blocks: usize,
+    knobs: &PipelineKnobs,
+    link: crate::Link,
+    budget: f64,
+    bound: f64,
+) -> Result<Vec<Screened>> {
+    let mut out = Vec::new();
+    for s in samples {
+        let hop_s = match s.hop_bytes {
+            0 => 0.0,
+            b => link.latency_s + b as f64 / link.bandwidth,
+        };
+        for &kind in &knobs.schedules {
+            let Some(config) = config(shape, m, s.mode, kind, num_blocks) else { continue };
+            let e = estimate(&s.lowered, shape.pp, m, kind, hop_s)?;
+            if e.peak_bytes <= budget * knobs.memory_slack && e.step_time_s < bound {
+                out.push(Screened { config, estimate: e });
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_cover_pp_dp_tp_within_a_node() {
+        let c = Cluster::parse("2x4xH100").unwrap();
+        let s = shapes(&c, 4);
+        // pp ∈ {2, 4} (8 exceeds the blocks); tp within a node of 4.
+        assert!(s.iter().all(|x| x.pp * x.dp * x.tp == 8 && x.pp <= 4 && x.tp <= 4));
+        assert!(s.contains(&Shape { pp: 2, dp: 1, tp: 4, sp: true, zero: 0 }));
+        assert!(s.contains(&Shape { pp: 4, dp: 2, tp: 1, sp: false, zero: 1 }));
+        assert!(!s.iter().any(|x| x.pp == 8));
+        // No ZeRO without a data-parallel group, no sequence parallelism without tp.
+        assert!(!s.iter().any(|x| x.dp == 1 && x.zero == 1));
+        assert!(!s.iter().any(|x| x.tp == 1 && x.sp));
+        assert!(shapes(&Cluster::parse("1xH100").unwrap(), 8).is_empty());
+    }
+
+    #[test]
+    fn interleaving_needs_blocks_that_split_into_chunks() {
+        let shape = Shape { pp: 2, dp: 1, tp: 1, sp: false, zero: 0 };
+        let il = ScheduleKind::Interleaved { v: 2 };
+        assert!(config(&shape, 4, CkptMode::None, il, 8).is_some());
+        assert!(config(&shape, 4, CkptMode::None, il, 6).is_none());
+        let c = config(&shape, 4, CkptMode::Full, ScheduleKind::ZbH1, 6).unwrap();
+        assert_eq!(c.canonical(), ParallelConfig::parse(&c.canonical()).unwrap().canonical());
+        assert_eq!(c.ckpt, Some(CkptMode::Full));
+    }
+}
