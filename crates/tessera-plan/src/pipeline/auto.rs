@@ -138,10 +138,9 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
     let screened = parallel_map(&items, |(shape, size)| -> Result<Vec<Screened>> {
         let p = &problems[&(shape.dp * size)];
         let (stage, full) = super::plan::meshes(&req.cluster, &[shape.dp, shape.tp], shape.pp)?;
-        let samples = psearch::sample(p, shape, &stage, &knobs.ckpt_modes)?;
         let m = req.batch / (shape.dp * size);
         let link = *full.links.last().ok_or_else(|| PlanError::Internal("no mesh axes".into()))?;
-        psearch::screen(&samples, shape, m, nb, knobs, link, budget, bound)
+        psearch::sample_and_screen(p, shape, &stage, m, nb, knobs, link, budget, bound)
     });
     let mut ranked: Vec<Screened> = Vec::new();
     for s in screened {
@@ -151,9 +150,11 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
     let trace = std::env::var_os("TESSERA_TRACE").is_some();
     if trace {
         eprintln!(
-            "trace: pipeline phase screened {} shapes × sizes, {} candidates under bound {bound:.4} s",
+            "trace: pipeline phase screened {} shapes × sizes, {} candidates under bound \
+             {bound:.4} s, in {:?}",
             items.len(),
-            ranked.len()
+            ranked.len(),
+            t0.elapsed()
         );
     }
     let mut best: Option<Plan> = None;

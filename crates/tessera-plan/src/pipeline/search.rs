@@ -45,7 +45,7 @@ impl Default for PipelineKnobs {
     fn default() -> Self {
         PipelineKnobs {
             enabled: true,
-            micro_batch_sizes: vec![1, 2, 4],
+            micro_batch_sizes: vec![1, 2],
             schedules: vec![
                 ScheduleKind::OneFOneB,
                 ScheduleKind::Interleaved { v: 2 },
@@ -80,7 +80,10 @@ pub struct Shape {
 }
 
 /// Every shape of `cluster` for a model of `num_blocks` blocks: `pp ≥ 2` dividing the devices
-/// and at most the blocks, the tensor axis within a node, sequence parallel with it.
+/// and at most the blocks, the tensor axis within a node, always with sequence parallelism
+/// (Megatron's practice: the same traffic as without, a tp-th of the norms' activations), and
+/// ZeRO-1 whenever there is a data-parallel group (the optimizer state and step shrink by dp
+/// for the same traffic as an all-reduce).
 pub fn shapes(cluster: &Cluster, num_blocks: usize) -> Vec<Shape> {
     let n = cluster.num_devices();
     let node = cluster.gpus_per_node.max(1);
@@ -91,17 +94,8 @@ pub fn shapes(cluster: &Cluster, num_blocks: usize) -> Vec<Shape> {
             if !node.is_multiple_of(tp) {
                 continue;
             }
-            for sp in [false, true] {
-                if sp && tp == 1 {
-                    continue;
-                }
-                for zero in [0u8, 1] {
-                    if zero == 1 && stage / tp == 1 {
-                        continue;
-                    }
-                    out.push(Shape { pp, dp: stage / tp, tp, sp, zero });
-                }
-            }
+            let dp = stage / tp;
+            out.push(Shape { pp, dp, tp, sp: tp > 1, zero: u8::from(dp > 1) });
         }
     }
     out
@@ -124,22 +118,31 @@ pub fn hop_bytes(g: &tessera_ir::Graph) -> u64 {
     for n in g.nodes.iter().filter(|n| n.block == Some(1)) {
         for &t in &n.inputs {
             if g.producer(t).block == Some(0) && seen.insert(t) {
-                bytes += g.meta(t).size_bytes() as u64;
+                bytes += g.meta(t).size_bytes();
             }
         }
     }
     bytes
 }
 
-/// Lowers one micro-batch (`p.batch` sequences over the stage's data-parallel replicas) on the
-/// stage mesh under each mode: the intra-op search's layout (Megatron's rule for the shape),
-/// found once and checkpointed per mode. Empty when the shape cannot split the model.
-pub fn sample(
+/// Samples and screens one (shape, micro-batch count): lowers one micro-batch (`p.batch`
+/// sequences over the stage's data-parallel replicas) on the stage mesh — the intra-op search's
+/// layout under Megatron's rule for the shape — then each checkpointing mode of the knobs in
+/// order of more recomputation, lazily: a heavier mode is lowered only while the lighter one
+/// leaves a schedule over the memory slack and its fastest estimate beats `bound`
+/// (recomputation only adds time). Returns the candidates the screen passes ([`screen`]).
+#[allow(clippy::too_many_arguments)]
+pub fn sample_and_screen(
     p: &Problem0<'_>,
     shape: &Shape,
     stage_mesh: &Mesh,
-    modes: &[CkptMode],
-) -> Result<Vec<StageSample>> {
+    m: usize,
+    num_blocks: usize,
+    knobs: &PipelineKnobs,
+    link: crate::Link,
+    budget: f64,
+    bound: f64,
+) -> Result<Vec<Screened>> {
     let cand = Candidate {
         mesh: stage_mesh.clone(),
         rule: AxisRule::Megatron { sp: shape.sp },
@@ -153,8 +156,8 @@ pub fn sample(
     let g = &fwd.0.graph;
     let nb = tessera_ir::remat::num_blocks(g);
     let hop = hop_bytes(g) / shape.dp.max(1) as u64;
-    let mut out = Vec::with_capacity(modes.len());
-    for &mode in modes {
+    let mut out = Vec::new();
+    for &mode in &knobs.ckpt_modes {
         let lowered = if mode == CkptMode::None {
             e.lowered.clone()
         } else {
@@ -167,7 +170,17 @@ pub fn sample(
             let u = lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts)?;
             finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
         };
-        out.push(StageSample { mode, lowered, hop_bytes: hop });
+        let sample = StageSample { mode, lowered, hop_bytes: hop };
+        let all =
+            screen(&[sample], shape, m, num_blocks, knobs, link, f64::INFINITY, f64::INFINITY)?;
+        let fastest = all.iter().map(|c| c.estimate.step_time_s).fold(f64::INFINITY, f64::min);
+        let all_fit = all.iter().all(|c| c.estimate.peak_bytes <= budget * knobs.memory_slack);
+        out.extend(all.into_iter().filter(|c| {
+            c.estimate.peak_bytes <= budget * knobs.memory_slack && c.estimate.step_time_s < bound
+        }));
+        if all_fit || fastest >= bound {
+            break;
+        }
     }
     Ok(out)
 }
@@ -298,14 +311,15 @@ mod tests {
     fn shapes_cover_pp_dp_tp_within_a_node() {
         let c = Cluster::parse("2x4xH100").unwrap();
         let s = shapes(&c, 4);
-        // pp ∈ {2, 4} (8 exceeds the blocks); tp within a node of 4.
+        // pp ∈ {2, 4} (8 exceeds the blocks); tp within a node of 4: pp2 × tp{1,2,4},
+        // pp4 × tp{1,2}.
         assert!(s.iter().all(|x| x.pp * x.dp * x.tp == 8 && x.pp <= 4 && x.tp <= 4));
+        assert_eq!(s.len(), 5, "{s:?}");
         assert!(s.contains(&Shape { pp: 2, dp: 1, tp: 4, sp: true, zero: 0 }));
         assert!(s.contains(&Shape { pp: 4, dp: 2, tp: 1, sp: false, zero: 1 }));
         assert!(!s.iter().any(|x| x.pp == 8));
-        // No ZeRO without a data-parallel group, no sequence parallelism without tp.
-        assert!(!s.iter().any(|x| x.dp == 1 && x.zero == 1));
-        assert!(!s.iter().any(|x| x.tp == 1 && x.sp));
+        // ZeRO-1 exactly with a data-parallel group, sequence parallelism exactly with tp.
+        assert!(s.iter().all(|x| (x.dp > 1) == (x.zero == 1) && (x.tp > 1) == x.sp));
         assert!(shapes(&Cluster::parse("1xH100").unwrap(), 8).is_empty());
     }
 
