@@ -49,15 +49,19 @@ fn train(model: &str, devices: usize, plan: &str) -> (Value, Vec<(f64, f64)>) {
     let out = tessera(&args);
     assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
     let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-    let steps = std::fs::read_to_string(&log)
+    (doc, steps(&log))
+}
+
+/// `(loss, grad_norm)` per step of a `--log-json` file.
+fn steps(log: &std::path::Path) -> Vec<(f64, f64)> {
+    std::fs::read_to_string(log)
         .unwrap()
         .lines()
         .map(|l| {
             let v: Value = serde_json::from_str(l).unwrap();
             (v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap())
         })
-        .collect();
-    (doc, steps)
+        .collect()
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -308,15 +312,7 @@ fn the_automatic_plan_pipelines_across_a_slow_link_and_trains_like_one_device() 
         let out = tessera(&args);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-        let steps: Vec<(f64, f64)> = std::fs::read_to_string(&log)
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let v: Value = serde_json::from_str(l).unwrap();
-                (v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap())
-            })
-            .collect();
-        (doc, steps)
+        (doc, steps(&log))
     };
     assert_eq!(steps.len(), single.len());
     for (k, (s, p)) in single.iter().zip(&steps).enumerate() {

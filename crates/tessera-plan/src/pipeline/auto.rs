@@ -140,7 +140,8 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
         let (stage, full) = super::plan::meshes(&req.cluster, &[shape.dp, shape.tp], shape.pp)?;
         let m = req.batch / (shape.dp * size);
         let link = *full.links.last().ok_or_else(|| PlanError::Internal("no mesh axes".into()))?;
-        psearch::sample_and_screen(p, shape, &stage, m, nb, knobs, link, budget, bound)
+        let at = psearch::ScreenAt { shape: *shape, m, num_blocks: nb, knobs, link, budget, bound };
+        psearch::sample_and_screen(p, &stage, &at)
     });
     let mut ranked: Vec<Screened> = Vec::new();
     for s in screened {

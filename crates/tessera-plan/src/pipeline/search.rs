@@ -131,18 +131,12 @@ pub fn hop_bytes(g: &tessera_ir::Graph) -> u64 {
 /// order of more recomputation, lazily: a heavier mode is lowered only while the lighter one
 /// leaves a schedule over the memory slack and its fastest estimate beats `bound`
 /// (recomputation only adds time). Returns the candidates the screen passes ([`screen`]).
-#[allow(clippy::too_many_arguments)]
 pub fn sample_and_screen(
     p: &Problem0<'_>,
-    shape: &Shape,
     stage_mesh: &Mesh,
-    m: usize,
-    num_blocks: usize,
-    knobs: &PipelineKnobs,
-    link: crate::Link,
-    budget: f64,
-    bound: f64,
+    at: &ScreenAt<'_>,
 ) -> Result<Vec<Screened>> {
+    let shape = &at.shape;
     let cand = Candidate {
         mesh: stage_mesh.clone(),
         rule: AxisRule::Megatron { sp: shape.sp },
@@ -157,7 +151,7 @@ pub fn sample_and_screen(
     let nb = tessera_ir::remat::num_blocks(g);
     let hop = hop_bytes(g) / shape.dp.max(1) as u64;
     let mut out = Vec::new();
-    for &mode in &knobs.ckpt_modes {
+    for &mode in &at.knobs.ckpt_modes {
         let lowered = if mode == CkptMode::None {
             e.lowered.clone()
         } else {
@@ -171,14 +165,16 @@ pub fn sample_and_screen(
             finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
         };
         let sample = StageSample { mode, lowered, hop_bytes: hop };
-        let all =
-            screen(&[sample], shape, m, num_blocks, knobs, link, f64::INFINITY, f64::INFINITY)?;
+        let unbounded = ScreenAt { budget: f64::INFINITY, bound: f64::INFINITY, ..*at };
+        let all = screen(&[sample], &unbounded)?;
         let fastest = all.iter().map(|c| c.estimate.step_time_s).fold(f64::INFINITY, f64::min);
-        let all_fit = all.iter().all(|c| c.estimate.peak_bytes <= budget * knobs.memory_slack);
-        out.extend(all.into_iter().filter(|c| {
-            c.estimate.peak_bytes <= budget * knobs.memory_slack && c.estimate.step_time_s < bound
-        }));
-        if all_fit || fastest >= bound {
+        let limit = at.budget * at.knobs.memory_slack;
+        let all_fit = all.iter().all(|c| c.estimate.peak_bytes <= limit);
+        out.extend(
+            all.into_iter()
+                .filter(|c| c.estimate.peak_bytes <= limit && c.estimate.step_time_s < at.bound),
+        );
+        if all_fit || fastest >= at.bound {
             break;
         }
     }
@@ -235,6 +231,20 @@ pub fn estimate(
     })
 }
 
+/// Where a screen looks: one shape at `m` micro-batches of a model of `num_blocks` blocks,
+/// transfers between stages on `link`, against the per-device `budget` (bytes) and the `bound`
+/// (seconds) a candidate must beat.
+#[derive(Clone, Copy)]
+pub struct ScreenAt<'k> {
+    pub shape: Shape,
+    pub m: usize,
+    pub num_blocks: usize,
+    pub knobs: &'k PipelineKnobs,
+    pub link: crate::Link,
+    pub budget: f64,
+    pub bound: f64,
+}
+
 /// A screened candidate: its config string and estimate.
 #[derive(Clone, Debug)]
 pub struct Screened {
@@ -275,17 +285,8 @@ pub fn config(
 /// Screens every (mode, schedule) of one (shape, micro-batch count) sample set: candidates
 /// whose estimated peak is within the knobs' slack of `budget` and whose estimated step beats
 /// `bound`. Transfers between stages cross `link`.
-#[allow(clippy::too_many_arguments)]
-pub fn screen(
-    samples: &[StageSample],
-    shape: &Shape,
-    m: usize,
-    num_blocks: usize,
-    knobs: &PipelineKnobs,
-    link: crate::Link,
-    budget: f64,
-    bound: f64,
-) -> Result<Vec<Screened>> {
+pub fn screen(samples: &[StageSample], at: &ScreenAt<'_>) -> Result<Vec<Screened>> {
+    let ScreenAt { ref shape, m, num_blocks, knobs, link, budget, bound } = *at;
     let mut out = Vec::new();
     for s in samples {
         let hop_s = match s.hop_bytes {
