@@ -120,7 +120,13 @@ for cfg in "${configs[@]}"; do
     if [ ${#victims[@]} -gt 0 ] && kill -9 "${victims[$((RANDOM % ${#victims[@]}))]}" 2>/dev/null; then
       landed=1
     fi
+    # A watchdog: OpenMPI's mpirun can hang when a rank dies while it is still launching the
+    # others (seen once in 15 kills). After 60 s whatever runs with this save directory —
+    # mpirun included — is killed too; the checks below are the same either way.
+    ( sleep 60; pkill -9 -f -- "--save $dir( |\$)" ) >/dev/null 2>&1 &
+    dog=$!
     wait "$pid" 2>/dev/null || true
+    kill "$dog" 2>/dev/null || true
     now=$(step_of "$dir")
     if [ "$landed" = 0 ]; then
       say "$cfg: the run had ended (step $now of $steps) before kill $((k + 1))"
