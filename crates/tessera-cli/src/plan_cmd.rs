@@ -109,7 +109,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     }
     let json = serde_json::to_string_pretty(&plan)?;
     // The schedule's timeline, simulated on the plan's own Programs, for the pictures.
-    let wants_timeline = args.schedule_svg.is_some() || (args.explain && plan.pipeline.is_some());
+    let explains = args.explain && args.format == OutputFormat::Table;
+    let wants_timeline = args.schedule_svg.is_some() || (explains && plan.pipeline.is_some());
     let timeline = if wants_timeline { schedule_timeline(&req, &plan)? } else { None };
     if let Some(path) = &args.schedule_svg {
         let Some(t) = &timeline else {
@@ -130,7 +131,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         OutputFormat::Json => print_stdout(&(json + "\n")),
         OutputFormat::Table => {
             let mut s = table(&plan, args.explain);
-            if let (true, Some(t)) = (args.explain, &timeline) {
+            if let (true, Some(t)) = (explains, &timeline) {
                 s += &format!(
                     "schedule ({:.4} s; a digit is a forward of that micro-batch, B backward, W \
                      weight gradient, . idle)\n",

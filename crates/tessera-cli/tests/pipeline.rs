@@ -11,6 +11,14 @@ fn tessera(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("tessera runs")
 }
 
+/// `tessera plan` for gpt2-tiny on 4 simulated devices, batch 8 × 32, and `extra`.
+fn plan_tiny(extra: &[&str]) -> Output {
+    let mut args =
+        vec!["plan", "--model", "gpt2-tiny", "--cluster", "4xcpu", "--batch", "8", "--seq", "32"];
+    args.extend(extra);
+    tessera(&args)
+}
+
 fn temp(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("pipeline-{}-{name}", std::process::id()));
@@ -150,21 +158,7 @@ fn a_pipelined_save_is_refused_before_step_one() {
 
 #[test]
 fn a_pipelined_plan_lists_its_stages_and_bubble() {
-    let out = tessera(&[
-        "plan",
-        "--model",
-        "gpt2-tiny",
-        "--cluster",
-        "4xcpu",
-        "--batch",
-        "8",
-        "--seq",
-        "32",
-        "--plan",
-        "dp2 pp2 mb4",
-        "--format",
-        "json",
-    ]);
+    let out = plan_tiny(&["--plan", "dp2 pp2 mb4", "--format", "json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON plan");
     assert_eq!(doc["config"], "dp2 tp1 pp2 mb4", "{doc}");
@@ -192,22 +186,7 @@ fn explain_lists_stages_and_draws_the_schedule() {
     let dir = temp("explain");
     let svg = dir.join("schedule.svg");
     let svg_arg = svg.to_str().unwrap();
-    let out = tessera(&[
-        "plan",
-        "--model",
-        "gpt2-tiny",
-        "--cluster",
-        "4xcpu",
-        "--batch",
-        "8",
-        "--seq",
-        "32",
-        "--plan",
-        "pp4 mb4",
-        "--explain",
-        "--schedule-svg",
-        svg_arg,
-    ]);
+    let out = plan_tiny(&["--plan", "pp4 mb4", "--explain", "--schedule-svg", svg_arg]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("pipeline 1f1b over 4 devices, 4 micro-batches, bubble"), "{text}");
@@ -242,21 +221,7 @@ fn explain_lists_stages_and_draws_the_schedule() {
 
     // A plan without a pipeline has no schedule to draw: a clear error, nothing written.
     let flat = dir.join("flat.svg");
-    let out = tessera(&[
-        "plan",
-        "--model",
-        "gpt2-tiny",
-        "--cluster",
-        "4xcpu",
-        "--batch",
-        "8",
-        "--seq",
-        "32",
-        "--plan",
-        "dp4",
-        "--schedule-svg",
-        flat.to_str().unwrap(),
-    ]);
+    let out = plan_tiny(&["--plan", "dp4", "--schedule-svg", flat.to_str().unwrap()]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("has no pipeline") && err.contains("ppN"), "{err}");
