@@ -179,6 +179,16 @@ impl Graph {
         self.nodes.iter().find(|n| n.scope == scope && n.op.is_leaf()).map(|n| n.outputs[0])
     }
 
+    /// Every leaf (parameter or input) by its full name, in one pass over the nodes: for
+    /// callers that look up many leaves ([`Graph::find_leaf`] scans the nodes each time).
+    pub fn leaf_index(&self) -> HashMap<&str, TensorId> {
+        let mut index = HashMap::new();
+        for n in self.nodes.iter().filter(|n| n.op.is_leaf()) {
+            index.entry(self.scopes[n.scope.0 as usize].as_str()).or_insert(n.outputs[0]);
+        }
+        index
+    }
+
     /// Rebuilds the scope lookup table after deserialisation.
     pub fn reindex(&mut self) {
         self.scope_index =

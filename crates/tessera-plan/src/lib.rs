@@ -22,6 +22,7 @@ pub mod mesh;
 pub mod pipeline;
 pub mod plan;
 pub mod planner;
+pub mod priced;
 pub mod reshard;
 pub mod rules;
 pub mod search;

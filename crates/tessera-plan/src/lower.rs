@@ -57,6 +57,9 @@ pub struct Lowered {
     pub leaf_specs: Vec<(String, Spec)>,
     /// The checkpoint decisions the Program carries out.
     pub ckpt: Checkpointing,
+    /// `false` when `memory` and `time` are extrapolated to more micro-batches than `program`
+    /// holds ([`crate::priced`]): a search figure, lowered exactly before it becomes a plan.
+    pub exact: bool,
 }
 
 /// A lowered training graph before checkpointing: what [`finish`] turns into Programs, once
@@ -65,7 +68,10 @@ pub struct Lowered {
 pub struct Unfinished {
     pub training: TrainingGraph,
     pub leaf_specs: Vec<(String, Spec)>,
+    /// Micro-batches `training` replays.
     pub micro_batches: usize,
+    /// Figures priced for more micro-batches than `training` holds ([`crate::priced`]).
+    pub priced: Option<crate::priced::Twin>,
 }
 
 /// Predicted time of one step, from walking the Program with the cost model.
@@ -152,6 +158,20 @@ pub fn lower_unfinished(
     mesh: &Mesh,
     opts: &LowerOptions,
 ) -> Result<Unfinished> {
+    let (tg, leaf_specs) = differentiate(forward, loss, strategy, mesh, opts)?;
+    let training = replay(&tg, opts.micro_batches)?;
+    Ok(Unfinished { training, leaf_specs, micro_batches: opts.micro_batches.max(1), priced: None })
+}
+
+/// Steps 1–2 of the lowering: the per-device training graph of one micro-batch, before the
+/// micro-batch replay, with each leaf's stored spec.
+pub(crate) fn differentiate(
+    forward: &Graph,
+    loss: TensorId,
+    strategy: &[Option<Strategy>],
+    mesh: &Mesh,
+    opts: &LowerOptions,
+) -> Result<(TrainingGraph, Vec<(String, Spec)>)> {
     let mut lw = LocalForward::new(forward, strategy, mesh, opts)?;
     let local_loss = lw.build(loss)?;
     let leaf_specs = lw.leaf_specs.clone();
@@ -164,8 +184,7 @@ pub fn lower_unfinished(
     };
     let tg = build_training_graph_with(lw.b, local_loss, &opts.train, &mut hooks)
         .map_err(|e| PlanError::Internal(format!("differentiating the sharded graph: {e}")))?;
-    let training = replay(&tg, opts.micro_batches)?;
-    Ok(Unfinished { training, leaf_specs, micro_batches: opts.micro_batches.max(1) })
+    Ok((tg, leaf_specs))
 }
 
 /// Applies checkpoint decisions, lowers to the Program and predicts its memory and time.
@@ -182,7 +201,7 @@ pub fn finish(
     let program = Program::lower_graph(tg.graph.clone(), vec![tg.loss, tg.grad_norm], &grads);
     let memory = simulate_memory(&program).report;
     let (time, collectives) = simulate_time(&program, mesh, cost);
-    Ok(Lowered {
+    let lowered = Lowered {
         program,
         training: tg,
         memory,
@@ -190,7 +209,12 @@ pub fn finish(
         collectives,
         leaf_specs: u.leaf_specs.clone(),
         ckpt: ckpt.clone(),
-    })
+        exact: true,
+    };
+    match &u.priced {
+        Some(twin) => twin.extend(lowered, u.micro_batches, mesh, cost),
+        None => Ok(lowered),
+    }
 }
 
 /// The leaf layout the runtime reads: each named leaf's placement (by tensor) and each
@@ -198,9 +222,10 @@ pub fn finish(
 fn leaf_layout(g: &Graph, leaf_specs: &[(String, Spec)], micro_batches: usize) -> LeafLayout {
     let mut layout = LeafLayout::default();
     let mut data = Vec::new();
+    let leaves = g.leaf_index();
     for (name, spec) in leaf_specs {
         // fp32 parameters have no master: its spec names no leaf.
-        let Some(t) = g.find_leaf(name) else { continue };
+        let Some(&t) = leaves.get(name.as_str()) else { continue };
         if spec.dims.iter().any(|axes| !axes.is_empty()) {
             layout.placements.insert(t, spec.dims.clone());
         }
@@ -211,10 +236,11 @@ fn leaf_layout(g: &Graph, leaf_specs: &[(String, Spec)], micro_batches: usize) -
     for k in 0..micro_batches.max(1) {
         let mut group = std::collections::BTreeMap::new();
         for &base in &data {
-            let Some(t) = g.find_leaf(&micro_batch_input(base, k)) else { continue };
+            let Some(&t) = leaves.get(micro_batch_input(base, k).as_str()) else { continue };
             if k > 0 {
                 // Micro-batch k's copy of an input is laid out as the first one.
-                if let Some(p) = layout.placements.get(&g.find_leaf(base).unwrap_or(t)).cloned() {
+                let first = leaves.get(base).copied().unwrap_or(t);
+                if let Some(p) = layout.placements.get(&first).cloned() {
                     layout.placements.insert(t, p);
                 }
             }
@@ -663,7 +689,7 @@ fn gathers(op: &Op) -> bool {
 
 /// Micro-batch unrolling, early gradient synchronisation and backward re-gathers (see the
 /// module docs). Returns a new training graph with the same parameters.
-fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
+pub(crate) fn replay(tg: &TrainingGraph, micro_batches: usize) -> Result<TrainingGraph> {
     replay_tagged(tg, micro_batches).map(|(tg, _)| tg)
 }
 

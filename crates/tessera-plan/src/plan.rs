@@ -284,13 +284,14 @@ impl Plan {
             bubble_fraction: None,
         };
         let lg = e.lowered.program.graph();
+        let leaves = lg.leaf_index();
         let tensors = e
             .lowered
             .leaf_specs
             .iter()
             .filter_map(|(name, spec)| {
                 // Leaves the Program holds (no `.master` entries in fp32).
-                let t = lg.find_leaf(name)?;
+                let t = *leaves.get(name.as_str())?;
                 Some(TensorPlacement {
                     name: name.clone(),
                     spec: spec.to_string(),

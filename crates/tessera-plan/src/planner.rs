@@ -75,6 +75,13 @@ impl Request<'_> {
     }
 
     pub(crate) fn to_plan(&self, e: &Evaluated, source: &str, ms: f64) -> Result<Plan> {
+        if !e.lowered.exact {
+            return Err(PlanError::Internal(
+                "a plan was made from priced figures, not its own Program's; lower it with \
+                 `priced::exactly` first"
+                    .into(),
+            ));
+        }
         let fwd = (self.build)(self.batch / e.candidate.micro_batches.max(1))?;
         Ok(Plan::from_evaluated(&self.context(&fwd.graph), e, source, ms))
     }
@@ -157,7 +164,14 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
         zero: cfg.zero,
         micro_batches: cfg.micro_batches,
     };
-    match search::evaluate(&p, &cand, req.budget as f64)? {
+    let found = search::evaluate(&p, &cand, req.budget as f64)?;
+    let found = found.map(|e| crate::priced::exactly(&p, &e)).transpose()?;
+    match found {
+        Some(e) if e.peak_bytes() > req.budget => Err(PlanError::Infeasible {
+            budget: req.budget,
+            needed: e.peak_bytes(),
+            hint: format!("`{}` lowered exactly", cfg.canonical()),
+        }),
         Some(e) => {
             let mut plan = req.to_plan(&e, "fixed", t0.elapsed().as_secs_f64() * 1e3)?;
             plan.config = cfg.canonical();
@@ -412,20 +426,45 @@ fn fastest<'r>(jobs: &[Job], results: &'r [JobResult]) -> Option<&'r Evaluated> 
     }
 }
 
+/// [`fastest`], lowered exactly ([`crate::priced::exactly`]): the search prices many
+/// micro-batches from a few, and a plan carries its own Program's figures. Should the exact
+/// peak miss the budget (the priced one is the same wherever the micro-batches between the
+/// first and the last are alike), the next fastest is taken.
+fn exact_fastest(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    results: &mut [JobResult],
+) -> Result<Option<Evaluated>> {
+    loop {
+        let Some(e) = fastest(jobs, results) else { return Ok(None) };
+        let exact = crate::priced::exactly(p, e)?;
+        if exact.peak_bytes() <= req.budget {
+            return Ok(Some(exact));
+        }
+        let (cand, t) = (e.candidate.clone(), e.step_time_s());
+        for r in results.iter_mut() {
+            r.fits.retain(|f| !(f.candidate == cand && f.step_time_s() == t));
+        }
+    }
+}
+
 /// The automatic plan: the fastest fitting candidate of the whole space.
 pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let t0 = Instant::now();
     let p = req.problem();
     let mbs = req.micro_batch_options();
     let jobs = auto_jobs(req)?;
-    let results = run_jobs(req, &p, &jobs, &mbs)?;
-    let flat = fastest(&jobs, &results);
+    let mut results = run_jobs(req, &p, &jobs, &mbs)?;
+    // The Megatron baseline from the search's own figures (priced, see `crate::priced`).
+    let flat_megatron = best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
+    let flat = exact_fastest(req, &p, &jobs, &mut results)?;
+    let flat = flat.as_ref();
     // The pipeline phase: what beats the fastest plan without a pipeline.
     let bound = flat.map_or(f64::INFINITY, Evaluated::step_time_s);
     let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
     // Every pipelined candidate is a Megatron configuration: the baseline grid includes them.
-    let megatron =
-        phase.megatron_baseline(best_megatron(&jobs, &results).map(|m| baseline_json(req, &m)));
+    let megatron = phase.megatron_baseline(flat_megatron);
     let mut plan = match (phase.plan, flat) {
         (Some(plan), _) => plan,
         (None, Some(e)) => req.to_plan(e, "auto", 0.0)?,

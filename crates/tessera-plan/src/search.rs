@@ -20,7 +20,9 @@
 
 use crate::cost::CostModel;
 use crate::ilp::{self, Choice, Edge, MemRow, Problem, SolveOptions};
-use crate::lower::{finish, lower, lower_unfinished, LowerOptions, Lowered};
+use crate::lower::{finish, LowerOptions, Lowered};
+// Many micro-batches priced from a few; the plan picked is lowered exactly.
+use crate::priced::{lower, lower_unfinished};
 use crate::reshard::ReshardCache;
 use crate::rules::{labeling, local_meta, strategies, DimRole, Labeling, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};

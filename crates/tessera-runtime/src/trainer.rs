@@ -690,11 +690,13 @@ pub fn gather_params_to<B: Backend>(
     let me = trainer.mesh.rank;
     let params = trainer.parameters()?;
     let mut out = HashMap::with_capacity(params.len());
+    let leaves: HashMap<String, TensorId> = (trainer.train.graph.leaf_index().into_iter())
+        .map(|(name, t)| (name.to_string(), t))
+        .collect();
     for (name, t) in params {
-        let leaf = trainer
-            .train
-            .graph
-            .find_leaf(&name)
+        let leaf = leaves
+            .get(&name)
+            .copied()
             .ok_or_else(|| binding(format!("parameter {name} is not a leaf of the program")))?;
         let placement = trainer.placement(leaf);
         if placement.iter().all(|axes| axes.is_empty()) {

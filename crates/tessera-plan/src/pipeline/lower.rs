@@ -102,7 +102,12 @@ pub fn lower_unfinished(
         let slot_of = slots_of(&tg.graph, &tags, &chunks, pipe.schedule);
         let (training, slot_of) = reorder(&tg, &slot_of, &schedule.slots[d])?;
         devices.push(DeviceUnfinished {
-            unfinished: Unfinished { training, leaf_specs: leaf_specs.clone(), micro_batches: mb },
+            unfinished: Unfinished {
+                training,
+                leaf_specs: leaf_specs.clone(),
+                micro_batches: mb,
+                priced: None,
+            },
             slot_of,
             boundaries: fwd.boundaries,
         });

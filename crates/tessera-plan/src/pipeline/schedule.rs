@@ -233,6 +233,27 @@ impl Schedule {
         most
     }
 
+    /// The most activation bytes `device` holds at once over its order, when a forward pass
+    /// keeps `kept` bytes until its backward, and a split backward (ZB) frees them but keeps
+    /// `weight_inputs` bytes (what its weight-gradient pass reads: the inputs of the weight
+    /// matmuls, recomputed ones included) until its `W`. Unsplit schedules never hold the
+    /// latter; with `weight_inputs == kept` a split one holds what [`Self::max_in_flight`]
+    /// counts.
+    pub fn peak_held(&self, device: usize, kept: f64, weight_inputs: f64) -> f64 {
+        let split = self.kind.splits_backward();
+        let (mut now, mut most) = (0.0f64, 0.0f64);
+        for s in self.slots.get(device).into_iter().flatten() {
+            now += match s.pass {
+                Pass::F => kept,
+                Pass::B if split => weight_inputs - kept,
+                Pass::B => -kept,
+                Pass::W => -weight_inputs,
+            };
+            most = most.max(now);
+        }
+        most
+    }
+
     /// The structural checks of [`Schedule::validate`], without running anything.
     fn check_lists(&self) -> Result<(), String> {
         if self.devices == 0 || self.micro_batches == 0 {
@@ -694,6 +715,32 @@ mod tests {
             }
         }
         assert_eq!(sched(ScheduleKind::OneFOneB, 2, 2).max_in_flight(7), 0);
+    }
+
+    #[test]
+    fn held_bytes_count_pending_weight_gradients() {
+        for p in [1, 2, 3, 4, 8] {
+            for m in 1..=8 {
+                let ofob = sched(ScheduleKind::OneFOneB, p, m);
+                let zb = sched(ScheduleKind::ZbH1, p, m);
+                for d in 0..p {
+                    // Whole micro-batches held until the last backward part: the count.
+                    for s in [&ofob, &zb] {
+                        let want = s.max_in_flight(d) as f64 * 3.0;
+                        assert_eq!(s.peak_held(d, 3.0, 3.0), want, "p={p} m={m} d={d}");
+                    }
+                    // An unsplit backward never holds weight-gradient inputs.
+                    assert_eq!(ofob.peak_held(d, 3.0, 100.0), ofob.peak_held(d, 3.0, 3.0));
+                }
+                // Checkpointed blocks keep 1 per micro-batch but recompute 10 that W reads:
+                // ZB-H1's last device defers its W's by p − 1, so it holds min(p, m) of them.
+                assert_eq!(zb.peak_held(p - 1, 1.0, 10.0), 10.0 * p.min(m) as f64, "p={p} m={m}");
+                // Device 0 runs each W right after its B: one pending at a time, beside the
+                // other micro-batches 1F1B keeps there.
+                let first = zb.peak_held(0, 1.0, 10.0);
+                assert_eq!(first, 10.0 + (p.min(m) - 1) as f64, "p={p} m={m}");
+            }
+        }
     }
 
     #[test]

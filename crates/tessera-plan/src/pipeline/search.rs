@@ -108,6 +108,10 @@ pub struct StageSample {
     /// Bytes one device sends to the next stage per micro-batch: what block 1 reads of block
     /// 0's outputs, over the data-parallel replicas (tensor parallelism may split it further).
     pub hop_bytes: u64,
+    /// The saved activations of the same micro-batch without checkpointing: what a split
+    /// backward's weight-gradient pass may still read (checkpointed blocks recompute their
+    /// internals for `B`, and `W` reads them later), so what a pending `W` holds at most.
+    pub weight_inputs_bytes: u64,
 }
 
 /// Bytes of the tensors block 1 reads from block 0 (the activations crossing a stage
@@ -164,7 +168,8 @@ pub fn sample_and_screen(
             let u = lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts)?;
             finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
         };
-        let sample = StageSample { mode, lowered, hop_bytes: hop };
+        let weight_inputs_bytes = e.lowered.memory.activations_bytes;
+        let sample = StageSample { mode, lowered, hop_bytes: hop, weight_inputs_bytes };
         let unbounded = ScreenAt { budget: f64::INFINITY, bound: f64::INFINITY, ..*at };
         let all = screen(&[sample], &unbounded)?;
         let fastest = all.iter().map(|c| c.estimate.step_time_s).fold(f64::INFINITY, f64::min);
@@ -185,24 +190,26 @@ pub fn sample_and_screen(
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Estimate {
     pub step_time_s: f64,
-    /// The first device's (it holds the most micro-batches in flight).
+    /// The worst device's.
     pub peak_bytes: f64,
 }
 
 /// Scales a whole-model sample to `pp` stages under `kind` with `m` micro-batches: each chunk
 /// gets `1/(pp·v)` of the forward, backward, recomputation and tensor-parallel traffic (a
 /// third of it in the forward), the schedule is simulated on those slot times, and the
-/// optimizer and exposed gradient synchronisation (`1/pp` each) follow the flush. Memory: the
-/// state's `1/pp`, plus a chunk's saved activations times the micro-batch-chunks in flight on
-/// the first device, plus the sample's transient peak. Each transfer between stages takes
-/// `hop_s`.
+/// optimizer and exposed gradient synchronisation (`1/pp` each) follow the flush. Memory, at
+/// the worst device: the state's `1/pp`, plus what its order holds at once of a chunk's saved
+/// activations and, under a split backward, of the weight-gradient inputs pending `W` (a
+/// chunk's share of `weight_inputs_bytes`, see [`super::schedule::Schedule::peak_held`]), plus
+/// the sample's transient peak. Each transfer between stages takes `hop_s`.
 pub fn estimate(
-    s: &Lowered,
+    sample: &StageSample,
     pp: usize,
     m: usize,
     kind: ScheduleKind,
     hop_s: f64,
 ) -> Result<Estimate> {
+    let s = &sample.lowered;
     let t = &s.time;
     let parts = (pp * kind.chunks()) as f64;
     let comm = t.blocking_comm_s;
@@ -220,15 +227,13 @@ pub fn estimate(
     let tail = (t.optimizer_compute_s + t.exposed_comm_s) / pp as f64;
     let mem = &s.memory;
     let state = (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) as f64 / pp as f64;
-    let chunk_activations = mem.activations_bytes as f64 / parts;
+    let kept = mem.activations_bytes as f64 / parts;
+    let weight_inputs = kept.max(sample.weight_inputs_bytes as f64 / parts);
     let transient =
         mem.peak_bytes.saturating_sub(mem.resting_bytes + mem.grads_bytes + mem.activations_bytes)
             as f64;
-    let in_flight = sched.max_in_flight(0) as f64;
-    Ok(Estimate {
-        step_time_s: timeline.makespan_s + tail,
-        peak_bytes: state + in_flight * chunk_activations + transient,
-    })
+    let held = (0..pp).map(|d| sched.peak_held(d, kept, weight_inputs)).fold(0.0, f64::max);
+    Ok(Estimate { step_time_s: timeline.makespan_s + tail, peak_bytes: state + held + transient })
 }
 
 /// Where a screen looks: one shape at `m` micro-batches of a model of `num_blocks` blocks,
@@ -295,7 +300,7 @@ pub fn screen(samples: &[StageSample], at: &ScreenAt<'_>) -> Result<Vec<Screened
         };
         for &kind in &knobs.schedules {
             let Some(config) = config(shape, m, s.mode, kind, num_blocks) else { continue };
-            let e = estimate(&s.lowered, shape.pp, m, kind, hop_s)?;
+            let e = estimate(s, shape.pp, m, kind, hop_s)?;
             if e.peak_bytes <= budget * knobs.memory_slack && e.step_time_s < bound {
                 out.push(Screened { config, estimate: e });
             }

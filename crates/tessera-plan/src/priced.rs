@@ -1,0 +1,193 @@
+//! Pricing many micro-batches from a few.
+//!
+//! Gradient accumulation replays one micro-batch's graph `m` times ([`crate::lower`]): the
+//! first micro-batch starts the accumulators, the last one synchronises gradients early, and
+//! every one between runs the same instructions on the same state. So once there is a
+//! micro-batch between the first and the last, every figure the lowering predicts — the step
+//! time and its parts, each byte count, the peak — grows by the same amount per micro-batch
+//! (the step time already from two; the peak may sit in the last micro-batch with two and in a
+//! middle one from three on, so it needs three):
+//!
+//! `x(m) = x(4) + (m − 4) · (x(4) − x(3))`.
+//!
+//! The search lowers a candidate of `m > 7` micro-batches as the Programs of 4 and 3 and
+//! extrapolates ([`Twin`]): seven replays of the graph instead of `m`, which is what made
+//! large models' searches slow (llama2-70b lowers 16–64 micro-batches of 80 blocks). Its
+//! figures are marked inexact ([`crate::lower::Lowered::exact`]); the plan the search picks
+//! is lowered exactly ([`exactly`]) and checked against the budget again, so what a plan
+//! predicts is always its own Program's. `tests/priced.rs` checks that the two agree.
+
+use crate::cost::CostModel;
+use crate::lower::{differentiate, finish, replay, LowerOptions, Lowered, StepTime, Unfinished};
+use crate::rules::Strategy;
+use crate::search::{Evaluated, Problem0};
+use crate::{Mesh, Result};
+use tessera_ir::{Graph, TensorId};
+use tessera_profile::MemoryReport;
+
+/// Micro-batches the longer of the two priced Programs holds.
+pub const REPLICAS: usize = 4;
+
+/// Up to this many micro-batches a candidate is lowered as it is (its replays cost no more
+/// than the two priced Programs').
+pub const EXACT_UP_TO: usize = 2 * REPLICAS - 1;
+
+/// The shorter Program of a priced pair, and the micro-batch count the figures are for.
+#[derive(Clone, Debug)]
+pub struct Twin {
+    pub target: usize,
+    pub fewer: Box<Unfinished>,
+}
+
+impl Twin {
+    /// `longer` (the Program of `replicas` micro-batches) with its memory and time extended to
+    /// [`Twin::target`] micro-batches by the difference to the shorter Program under the same
+    /// checkpointing.
+    pub fn extend(
+        &self,
+        longer: Lowered,
+        replicas: usize,
+        mesh: &Mesh,
+        cost: &CostModel,
+    ) -> Result<Lowered> {
+        let shorter = finish(&self.fewer, &longer.ckpt, mesh, cost)?;
+        let steps = self.target.saturating_sub(replicas) as f64;
+        Ok(Lowered {
+            memory: extend_memory(&longer.memory, &shorter.memory, steps),
+            time: extend_time(&longer.time, &shorter.time, steps),
+            exact: false,
+            ..longer
+        })
+    }
+}
+
+fn bytes(long: u64, short: u64, steps: f64) -> u64 {
+    let per = long as f64 - short as f64;
+    (long as f64 + steps * per).max(0.0).round() as u64
+}
+
+fn secs(long: f64, short: f64, steps: f64) -> f64 {
+    long + steps * (long - short)
+}
+
+fn extend_memory(long: &MemoryReport, short: &MemoryReport, steps: f64) -> MemoryReport {
+    let b = |l: u64, s: u64| bytes(l, s, steps);
+    MemoryReport {
+        params_bytes: b(long.params_bytes, short.params_bytes),
+        grads_bytes: b(long.grads_bytes, short.grads_bytes),
+        optimizer_bytes: b(long.optimizer_bytes, short.optimizer_bytes),
+        activations_bytes: b(long.activations_bytes, short.activations_bytes),
+        inputs_bytes: b(long.inputs_bytes, short.inputs_bytes),
+        activations_by_block: long
+            .activations_by_block
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| b(l, short.activations_by_block.get(i).copied().unwrap_or(l)))
+            .collect(),
+        max_workspace_bytes: b(long.max_workspace_bytes, short.max_workspace_bytes),
+        peak_bytes: b(long.peak_bytes, short.peak_bytes),
+        peak_instr: long.peak_instr,
+        peak_by_role: long
+            .peak_by_role
+            .iter()
+            .map(|&(role, l)| {
+                let s = short.peak_by_role.iter().find(|(r, _)| *r == role).map_or(l, |x| x.1);
+                (role, b(l, s))
+            })
+            .collect(),
+        live_at_peak: long.live_at_peak.clone(),
+        resting_bytes: b(long.resting_bytes, short.resting_bytes),
+    }
+}
+
+fn extend_time(long: &StepTime, short: &StepTime, steps: f64) -> StepTime {
+    let s = |l: f64, sh: f64| secs(l, sh, steps);
+    StepTime {
+        forward_compute_s: s(long.forward_compute_s, short.forward_compute_s),
+        backward_compute_s: s(long.backward_compute_s, short.backward_compute_s),
+        optimizer_compute_s: s(long.optimizer_compute_s, short.optimizer_compute_s),
+        recompute_s: s(long.recompute_s, short.recompute_s),
+        recompute_by_block_s: long
+            .recompute_by_block_s
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| s(l, short.recompute_by_block_s.get(i).copied().unwrap_or(l)))
+            .collect(),
+        blocking_comm_s: s(long.blocking_comm_s, short.blocking_comm_s),
+        overlapped_comm_s: s(long.overlapped_comm_s, short.overlapped_comm_s),
+        exposed_comm_s: s(long.exposed_comm_s, short.exposed_comm_s),
+        step_time_s: s(long.step_time_s, short.step_time_s),
+        compute_by_op_s: long
+            .compute_by_op_s
+            .iter()
+            .map(|(&k, &l)| (k, s(l, short.compute_by_op_s.get(k).copied().unwrap_or(l))))
+            .collect(),
+    }
+}
+
+/// [`crate::lower::lower_unfinished`] for the search: past [`EXACT_UP_TO`] micro-batches, the
+/// priced pair of [`REPLICAS`] and one fewer, sharing one differentiation.
+pub fn lower_unfinished(
+    forward: &Graph,
+    loss: TensorId,
+    strategy: &[Option<Strategy>],
+    mesh: &Mesh,
+    opts: &LowerOptions,
+) -> Result<Unfinished> {
+    let m = opts.micro_batches.max(1);
+    if m <= EXACT_UP_TO {
+        return crate::lower::lower_unfinished(forward, loss, strategy, mesh, opts);
+    }
+    let (tg, leaf_specs) = differentiate(forward, loss, strategy, mesh, opts)?;
+    let fewer = Unfinished {
+        training: replay(&tg, REPLICAS - 1)?,
+        leaf_specs: leaf_specs.clone(),
+        micro_batches: REPLICAS - 1,
+        priced: None,
+    };
+    Ok(Unfinished {
+        training: replay(&tg, REPLICAS)?,
+        leaf_specs,
+        micro_batches: REPLICAS,
+        priced: Some(Twin { target: m, fewer: Box::new(fewer) }),
+    })
+}
+
+/// [`crate::lower::lower`] for the search (see [`lower_unfinished`]).
+pub fn lower(
+    forward: &Graph,
+    loss: TensorId,
+    strategy: &[Option<Strategy>],
+    mesh: &Mesh,
+    cost: &CostModel,
+    opts: &LowerOptions,
+) -> Result<Lowered> {
+    let u = lower_unfinished(forward, loss, strategy, mesh, opts)?;
+    finish(&u, &opts.ckpt, mesh, cost)
+}
+
+/// `e` with its Program lowered exactly (the same layout, ZeRO stage, micro-batches and
+/// checkpointing): `e` itself when it already is.
+pub fn exactly(p: &Problem0<'_>, e: &Evaluated) -> Result<Evaluated> {
+    if e.lowered.exact {
+        return Ok(e.clone());
+    }
+    let mb = e.candidate.micro_batches.max(1);
+    let shared = p.forward(p.batch / mb)?;
+    let fwd = &shared.0;
+    let opts = LowerOptions {
+        zero: e.candidate.zero,
+        micro_batches: mb,
+        train: p.train.clone(),
+        ckpt: e.lowered.ckpt.clone(),
+    };
+    let lowered = crate::lower::lower(
+        &fwd.graph,
+        fwd.loss,
+        &e.strategies,
+        &e.candidate.mesh,
+        &p.cost,
+        &opts,
+    )?;
+    Ok(Evaluated { lowered, ..e.clone() })
+}

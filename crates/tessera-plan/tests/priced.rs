@@ -1,0 +1,147 @@
+//! The search prices many micro-batches from the Programs of four and three
+//! (`tessera_plan::priced`): every figure it extrapolates must equal the exact lowering's —
+//! step time and each of its parts, every byte count, the peak — under data, tensor and
+//! sequence parallelism, each ZeRO stage and each checkpointing, and the planner's plans must
+//! carry the exact Program.
+
+use tessera_ir::{Checkpointing, CkptMode, DType, TrainConfig};
+use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_plan::lower::{self, LowerOptions, Lowered};
+use tessera_plan::search::{self, AxisRule, Candidate, CkptSearch, Forward, Problem0};
+use tessera_plan::{priced, Cluster, Mesh, PlanError};
+
+fn builder(preset: &str, seq: usize) -> impl Fn(usize) -> tessera_plan::Result<Forward> + Sync {
+    let cfg = ModelConfig::preset(preset).unwrap().without_dropout();
+    move |mb: usize| {
+        let m = build(&cfg, &BuildOptions::new(mb, seq, DType::BF16))
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+    }
+}
+
+fn problem<'a>(
+    build: &'a (dyn Fn(usize) -> tessera_plan::Result<Forward> + Sync),
+    batch: usize,
+    cluster: &Cluster,
+) -> Problem0<'a> {
+    Problem0 {
+        build,
+        batch,
+        cost: tessera_plan::cost::CostModel::new(cluster.device.clone()),
+        train: TrainConfig::default(),
+        solve: tessera_plan::ilp::SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
+        ckpt: CkptSearch::Joint,
+        graphs: Default::default(),
+        fastest: Default::default(),
+        hopeless: Default::default(),
+        least: Default::default(),
+        deferred: Default::default(),
+    }
+}
+
+fn close(what: &str, priced: f64, exact: f64) {
+    let tol = 1e-9 * exact.abs().max(1e-12);
+    assert!((priced - exact).abs() <= tol, "{what}: priced {priced} vs exact {exact}");
+}
+
+fn assert_same(case: &str, priced: &Lowered, exact: &Lowered) {
+    assert!(!priced.exact && exact.exact, "{case}: priced figures must be marked");
+    let (p, e) = (&priced.memory, &exact.memory);
+    assert_eq!(p.peak_bytes, e.peak_bytes, "{case}: peak");
+    assert_eq!(p.resting_bytes, e.resting_bytes, "{case}: resting");
+    assert_eq!(p.params_bytes, e.params_bytes, "{case}: params");
+    assert_eq!(p.grads_bytes, e.grads_bytes, "{case}: grads");
+    assert_eq!(p.optimizer_bytes, e.optimizer_bytes, "{case}: optimizer");
+    assert_eq!(p.activations_bytes, e.activations_bytes, "{case}: activations");
+    assert_eq!(p.inputs_bytes, e.inputs_bytes, "{case}: inputs");
+    let (p, e) = (&priced.time, &exact.time);
+    close(&format!("{case}: step"), p.step_time_s, e.step_time_s);
+    close(&format!("{case}: forward"), p.forward_compute_s, e.forward_compute_s);
+    close(&format!("{case}: backward"), p.backward_compute_s, e.backward_compute_s);
+    close(&format!("{case}: optimizer"), p.optimizer_compute_s, e.optimizer_compute_s);
+    close(&format!("{case}: recompute"), p.recompute_s, e.recompute_s);
+    close(&format!("{case}: blocking"), p.blocking_comm_s, e.blocking_comm_s);
+    close(&format!("{case}: overlapped"), p.overlapped_comm_s, e.overlapped_comm_s);
+    close(&format!("{case}: exposed"), p.exposed_comm_s, e.exposed_comm_s);
+    for (b, (x, y)) in p.recompute_by_block_s.iter().zip(&e.recompute_by_block_s).enumerate() {
+        close(&format!("{case}: recompute of block {b}"), *x, *y);
+    }
+}
+
+#[test]
+fn priced_micro_batches_equal_the_exact_lowering() {
+    let cluster = Cluster::parse("4xH100").unwrap();
+    let mut checked = 0;
+    for preset in ["llama-tiny", "gpt2-tiny"] {
+        let b = builder(preset, 64);
+        for (shape, rule, zeros) in [
+            (vec![4, 1], AxisRule::Megatron { sp: false }, vec![0u8, 1, 2, 3]),
+            (vec![2, 2], AxisRule::Megatron { sp: true }, vec![1]),
+            (vec![4], AxisRule::Free, vec![3]),
+        ] {
+            let axes: Vec<&str> = ["dp", "tp"][..shape.len()].to_vec();
+            let mesh = Mesh::new(&cluster, &shape, &axes).unwrap();
+            for zero in zeros {
+                for m in [priced::EXACT_UP_TO + 1, 13] {
+                    let batch = 4 * m;
+                    let p = problem(&b, batch, &cluster);
+                    let cand = Candidate {
+                        mesh: mesh.clone(),
+                        rule: rule.clone(),
+                        zero,
+                        micro_batches: m,
+                    };
+                    let e = search::evaluate(&p, &cand, f64::INFINITY).unwrap().unwrap();
+                    let fwd = b(batch / m).unwrap();
+                    let nb = tessera_ir::remat::num_blocks(&fwd.graph);
+                    let mixed: Vec<CkptMode> = (0..nb)
+                        .map(|i| {
+                            [CkptMode::Full, CkptMode::None, CkptMode::Selective][i as usize % 3]
+                        })
+                        .collect();
+                    for ckpt in [
+                        Checkpointing::default(),
+                        Checkpointing::uniform(nb, CkptMode::Selective),
+                        Checkpointing::uniform(nb, CkptMode::Full),
+                        Checkpointing::per_block(&mixed),
+                    ] {
+                        let opts = LowerOptions {
+                            zero,
+                            micro_batches: m,
+                            train: TrainConfig::default(),
+                            ckpt: ckpt.clone(),
+                        };
+                        let args = (&fwd.graph, fwd.loss, &e.strategies[..], &mesh, &p.cost);
+                        let exact = lower::lower(args.0, args.1, args.2, args.3, args.4, &opts);
+                        let priced = priced::lower(args.0, args.1, args.2, args.3, args.4, &opts);
+                        let case =
+                            format!("{preset} {shape:?} {rule:?} zero {zero} mb {m} {ckpt:?}");
+                        assert_same(&case, &priced.unwrap(), &exact.unwrap());
+                        checked += 1;
+                    }
+                    // The search's own figures are priced; the planner's are exact and equal.
+                    assert!(!e.lowered.exact);
+                    let exact = priced::exactly(&p, &e).unwrap();
+                    assert_same("the search's pick", &e.lowered, &exact.lowered);
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 2 * 6 * 2 * 4);
+}
+
+#[test]
+fn few_micro_batches_are_lowered_as_they_are() {
+    let cluster = Cluster::parse("2xH100").unwrap();
+    let b = builder("llama-tiny", 32);
+    let p = problem(&b, 2 * priced::EXACT_UP_TO, &cluster);
+    let mesh = Mesh::new(&cluster, &[2, 1], &["dp", "tp"]).unwrap();
+    let cand = Candidate {
+        mesh,
+        rule: AxisRule::Megatron { sp: false },
+        zero: 1,
+        micro_batches: priced::EXACT_UP_TO,
+    };
+    let e = search::evaluate(&p, &cand, f64::INFINITY).unwrap().unwrap();
+    assert!(e.lowered.exact, "{} micro-batches are replayed exactly", priced::EXACT_UP_TO);
+}
