@@ -116,7 +116,9 @@ fn first_fit(
         tried += 1;
         let cand = Candidate { mesh: mesh.clone(), rule: rule.clone(), zero, micro_batches: mb };
         let recomputing_fit = best.is_some();
-        if let Some(e) = search::evaluate(p, &cand, req.budget as f64)? {
+        // A smaller count's fit bounds this one's search (see `search::evaluate_within`).
+        let within = best.as_ref().map_or(f64::INFINITY, Evaluated::step_time_s);
+        if let Some(e) = search::evaluate_within(p, &cand, req.budget as f64, within)? {
             let recomputes = e.lowered.time.recompute_s > 0.0;
             // More micro-batches can save the recomputation at most; when the step without it
             // is already slower than the fastest fit found so far, they cannot win.
@@ -460,6 +462,10 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let flat_megatron = best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
     let flat = exact_fastest(req, &p, &jobs, &mut results)?;
     let flat = flat.as_ref();
+    if std::env::var_os("TESSERA_TRACE").is_some() {
+        let tried: usize = results.iter().map(|r| r.tried).sum();
+        eprintln!("trace: phases without a pipeline: {tried} candidates in {:?}", t0.elapsed());
+    }
     // The pipeline phase: what beats the fastest plan without a pipeline.
     let bound = flat.map_or(f64::INFINITY, Evaluated::step_time_s);
     let phase = crate::pipeline::auto::best_pipelined(req, bound)?;

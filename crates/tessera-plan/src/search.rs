@@ -502,6 +502,13 @@ pub enum CkptSearch {
 /// checkpoint DP brings the peak back under the real budget.
 const SLACKS: [f64; 4] = [1.5, 2.5, 4.0, 8.0];
 
+/// A candidate whose fastest layout the ILP prices above this multiple of the fastest fit
+/// found so far is not lowered at all (the answer is "no plan that matters"). A heuristic
+/// bound, like the slacks': lowered steps ranged over 0.81–1.18× the ILP's objective in the
+/// llama searches of BENCHMARKS.md (`TESSERA_TRACE=1` prints both), so such a layout loses
+/// with a wide margin.
+const HOPELESS_OVER_BOUND: f64 = 1.5;
+
 /// Builds and solves the ILP of one candidate, then lowers the solution. `Ok(None)` when no
 /// plan of this candidate fits `budget`.
 ///
@@ -522,7 +529,19 @@ const SLACKS: [f64; 4] = [1.5, 2.5, 4.0, 8.0];
 /// [`Problem0::least`]); when the resting model state alone misses the budget, the (mesh,
 /// rule, ZeRO stage)'s further candidates are deferred ([`Problem0::hopeless`]).
 pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Option<Evaluated>> {
-    evaluate_traced(p, cand, budget, false)
+    evaluate_traced(p, cand, budget, f64::INFINITY, false)
+}
+
+/// [`evaluate`] where the caller already holds a fit of `bound_s` seconds (a smaller
+/// micro-batch count of the same layout): the same branch and bound as with
+/// [`Problem0::fastest`], against the lower of the two.
+pub fn evaluate_within(
+    p: &Problem0<'_>,
+    cand: &Candidate,
+    budget: f64,
+    bound_s: f64,
+) -> Result<Option<Evaluated>> {
+    evaluate_traced(p, cand, budget, bound_s, false)
 }
 
 /// [`evaluate`] for a candidate [`Problem0::deferred`] holds, whatever
@@ -533,17 +552,18 @@ pub fn evaluate_deferred(
     cand: &Candidate,
     budget: f64,
 ) -> Result<Option<Evaluated>> {
-    evaluate_traced(p, cand, budget, true)
+    evaluate_traced(p, cand, budget, f64::INFINITY, true)
 }
 
 fn evaluate_traced(
     p: &Problem0<'_>,
     cand: &Candidate,
     budget: f64,
+    outer: f64,
     deferred: bool,
 ) -> Result<Option<Evaluated>> {
     let t0 = std::time::Instant::now();
-    let e = evaluate_candidate(p, cand, budget, deferred)?;
+    let e = evaluate_candidate(p, cand, budget, outer, deferred)?;
     if std::env::var_os("TESSERA_TRACE").is_some() {
         eprintln!(
             "trace: evaluated mesh {:?} {:?} zero {} mb {} in {:?}: {}",
@@ -570,8 +590,11 @@ fn evaluate_candidate(
     p: &Problem0<'_>,
     cand: &Candidate,
     budget: f64,
+    outer: f64,
     deferred: bool,
 ) -> Result<Option<Evaluated>> {
+    // What a plan of this candidate must beat to matter.
+    let bound = p.fastest.bound(&cand.rule).min(outer);
     let mb = cand.micro_batches.max(1);
     if !p.batch.is_multiple_of(mb) {
         return Ok(None);
@@ -595,6 +618,17 @@ fn evaluate_candidate(
     let mut reshard = ReshardCache::new(mesh.clone());
     let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, budget)?;
     let t_build = t0.elapsed();
+    // The ILP's fastest layout, memory aside: no layout of this candidate is faster by its
+    // figures. One more solve (milliseconds) can spare every lowering of a candidate that
+    // cannot win ([`HOPELESS_OVER_BOUND`]).
+    let unconstrained = {
+        let mut pr = problem.clone();
+        pr.budget = f64::INFINITY;
+        ilp::solve(&pr, &p.solve)?
+    };
+    if unconstrained.as_ref().is_some_and(|s| s.objective > HOPELESS_OVER_BOUND * bound) {
+        return Ok(None);
+    }
 
     let lopts = LowerOptions {
         zero: cand.zero,
@@ -627,7 +661,7 @@ fn evaluate_candidate(
                 Ok((l.memory.peak_bytes as f64 <= budget || !budget.is_finite()).then_some(l))
             }
             (CkptSearch::Joint, None) if budget.is_finite() => {
-                let bound = p.fastest.bound(&cand.rule).min(local_best.get());
+                let bound = bound.min(local_best.get());
                 crate::ckpt::choose(&u, mesh, &p.cost, budget as u64, bound)
             }
             _ => {
@@ -673,7 +707,7 @@ fn evaluate_candidate(
         }
     }
     if best.is_none() {
-        let frugal = frugal_candidate(p, cand, &problem, &space, fwd, budget)?;
+        let frugal = frugal_candidate(p, cand, &problem, &space, fwd, budget, bound)?;
         let Some((strategies, l, objective)) = frugal else { return Ok(None) };
         // A fitting plan: the slacks below look for faster ones.
         local_best.set(l.time.step_time_s);
@@ -689,15 +723,12 @@ fn evaluate_candidate(
     //    checkpointing (`Off`) the same layouts are lowered as they are: the ILP's memory rows
     //    are conservative, so a layout solved under a looser budget can still fit this one
     //    (and be faster than the one solved under it).
-    let mut pr = problem.clone();
-    pr.budget = f64::INFINITY;
-    let Some(free) = ilp::solve(&pr, &p.solve)? else { return Ok(best) };
+    let Some(free) = unconstrained else { return Ok(best) };
     let unconstrained = free.objective;
     if best.is_some() && plain_objective.is_some_and(|o| o <= unconstrained * (1.0 + 1e-3)) {
         // Memory never bound the sharding: recomputation could only slow it down.
         return Ok(best);
     }
-    let bound = p.fastest.bound(&cand.rule);
     if bound.is_finite() {
         // By the ILP's ranking, its fastest layout without recomputation is as fast as this
         // candidate gets (recomputation only adds time; the slacks' layouts rank slower).
@@ -819,6 +850,7 @@ fn frugal_candidate(
     space: &Space<'_>,
     fwd: &Forward,
     budget: f64,
+    bound: f64,
 ) -> Result<Option<Fit>> {
     let Some(sol) = ilp::min_peak(problem, &p.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
@@ -829,7 +861,6 @@ fn frugal_candidate(
         ckpt: Checkpointing::default(),
     };
     let u = lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts)?;
-    let bound = p.fastest.bound(&cand.rule);
     match frugal_fit(p, &u, &cand.mesh, budget, bound)? {
         Frugal::Fits(l) => Ok(Some((strategies, *l, sol.objective))),
         Frugal::Misses { resting, least } => {

@@ -160,8 +160,9 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
     }
     let mut best: Option<Plan> = None;
     let mut fitting = 0;
-    for c in ranked.iter().take(knobs.verify) {
-        let exact = plan_fixed_pipelined(req, &c.config);
+    let verify = &ranked[..ranked.len().min(knobs.verify)];
+    let exacts = parallel_map(verify, |c| plan_fixed_pipelined(req, &c.config));
+    for (c, exact) in verify.iter().zip(exacts) {
         if trace {
             eprintln!(
                 "trace: pipeline `{}` estimated {:.4} s, {:.2} GiB; exact {}",
