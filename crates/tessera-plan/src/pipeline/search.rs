@@ -197,10 +197,11 @@ pub struct Estimate {
 }
 
 /// Scales a whole-model sample to `pp` stages under `kind` with `m` micro-batches: each chunk
-/// gets `1/(pp·v)` of the forward, backward, recomputation and tensor-parallel traffic (a
+/// gets the largest chunk's share of the `num_blocks` blocks (`1/(pp·v)` when they split
+/// evenly) of the forward, backward, recomputation and tensor-parallel traffic (a
 /// third of it in the forward), the schedule is simulated on those slot times, and the
 /// optimizer and exposed gradient synchronisation (`1/pp` each) follow the flush. Memory, at
-/// the worst device: the state's `1/pp`, plus what its order holds at once of a chunk's saved
+/// the worst device: its chunks' share of the state, plus what its order holds at once of a chunk's saved
 /// activations and, under a split backward, of the weight-gradient inputs pending `W` (a
 /// chunk's share of `weight_inputs_bytes`, see [`super::schedule::Schedule::peak_held`]), plus
 /// the sample's transient peak. Each transfer between stages takes `hop_s`.
@@ -210,10 +211,17 @@ pub fn estimate(
     m: usize,
     kind: ScheduleKind,
     hop_s: f64,
+    num_blocks: usize,
 ) -> Result<Estimate> {
     let s = &sample.lowered;
     let t = &s.time;
-    let parts = (pp * kind.chunks()) as f64;
+    // A chunk's share: the largest chunk's blocks (when the blocks do not split evenly, the
+    // slowest stage paces the pipeline and the fullest one holds the most).
+    let chunks = pp * kind.chunks();
+    let parts = match num_blocks {
+        0 => chunks as f64,
+        nb => nb as f64 / nb.div_ceil(chunks) as f64,
+    };
     let comm = t.blocking_comm_s;
     let f = (t.forward_compute_s + comm / 3.0) / parts;
     let b = (t.backward_compute_s + t.recompute_s + 2.0 * comm / 3.0) / parts;
@@ -228,7 +236,9 @@ pub fn estimate(
     let timeline = sched.simulate(&duration, &|_, _| hop_s).map_err(PlanError::Internal)?;
     let tail = (t.optimizer_compute_s + t.exposed_comm_s) / pp as f64;
     let mem = &s.memory;
-    let state = (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) as f64 / pp as f64;
+    let state = (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) as f64
+        * kind.chunks() as f64
+        / parts;
     let kept = mem.activations_bytes as f64 / parts;
     let weight_inputs = kept.max(sample.weight_inputs_bytes as f64 / parts);
     let transient =
@@ -302,7 +312,7 @@ pub fn screen(samples: &[StageSample], at: &ScreenAt<'_>) -> Result<Vec<Screened
         };
         for &kind in &knobs.schedules {
             let Some(config) = config(shape, m, s.mode, kind, num_blocks) else { continue };
-            let e = estimate(s, shape.pp, m, kind, hop_s)?;
+            let e = estimate(s, shape.pp, m, kind, hop_s, num_blocks)?;
             if e.peak_bytes <= budget * knobs.memory_slack && e.step_time_s < bound {
                 out.push(Screened { config, estimate: e });
             }
