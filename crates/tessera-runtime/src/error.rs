@@ -8,7 +8,7 @@ pub enum RuntimeError {
     #[error(
         "out of memory on {device}: allocating {tensor} ({scope}, {bytes} bytes) would bring live \
          memory to {would_be} bytes, over the budget of {budget} bytes; raise the budget, lower \
-         the batch or sequence length, or (once the planner lands) shard or checkpoint"
+         the batch or sequence length, or let the planner shard or checkpoint (`tessera plan`)"
     )]
     OutOfMemory {
         device: String,
@@ -18,6 +18,14 @@ pub enum RuntimeError {
         would_be: u64,
         budget: u64,
     },
+    /// The machine cannot give a tensor's memory: the run would be killed by the kernel's OOM
+    /// killer (or abort on a failed allocation) without a word.
+    #[error(
+        "out of host memory on {device}: {tensor} ({op}) needs {bytes} bytes but the machine \
+         has {available} bytes available; free memory (other processes), or train with a \
+         smaller --batch or --seq, fewer simulated devices or a smaller model"
+    )]
+    OutOfHostMemory { device: String, tensor: String, op: String, bytes: u64, available: u64 },
     /// A leaf was not bound, or bound to a value of the wrong shape or dtype.
     #[error("{0}")]
     Binding(String),

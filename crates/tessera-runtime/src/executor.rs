@@ -42,6 +42,27 @@ pub struct Executor<B: Backend> {
     write_back: BTreeMap<TensorId, TensorId>,
     /// The device's place in its mesh (kernels that depend on it: sharded dropout masks).
     at: MeshPos,
+    host: HostMemory,
+}
+
+/// The check of the host's memory before large allocations: an instruction whose fresh
+/// buffers and workspace take at least `check_from` bytes runs only when `available()` (the
+/// memory the kernel can still give) covers them, else it fails naming its tensor. Large
+/// buffers come straight from the OS (glibc maps anything over 32 MiB), so memory the process
+/// freed earlier cannot serve them and the figure is the right one. The preflight before step 1
+/// checks the whole plan against the same figure; this catches what changed since (another
+/// process, a prediction that missed), where the kernel would otherwise kill the run without a
+/// message.
+#[derive(Clone, Copy, Debug)]
+pub struct HostMemory {
+    pub check_from: u64,
+    pub available: fn() -> Option<u64>,
+}
+
+impl Default for HostMemory {
+    fn default() -> Self {
+        HostMemory { check_from: 64 << 20, available: crate::host::available_memory }
+    }
 }
 
 impl<B: Backend> Executor<B> {
@@ -62,7 +83,14 @@ impl<B: Backend> Executor<B> {
             collectives: None,
             write_back: BTreeMap::new(),
             at: MeshPos::single(),
+            host: HostMemory::default(),
         }
+    }
+
+    /// Replaces the host-memory check ([`HostMemory`]).
+    pub fn with_host_memory(mut self, host: HostMemory) -> Executor<B> {
+        self.host = host;
+        self
     }
 
     /// Runs `Reshard` nodes through `runner` (one device of a parallel plan, placed where the
@@ -219,6 +247,22 @@ impl<B: Backend> Executor<B> {
         let what = node.op.name();
         self.accountant.alloc(fresh, what, scope)?;
         self.accountant.touch_workspace(workspace, what, scope)?;
+        let need = fresh.saturating_add(workspace);
+        if need >= self.host.check_from {
+            if let Some(available) = (self.host.available)().filter(|&a| need > a) {
+                let tensor = match node.outputs.first() {
+                    Some(&o) => format!("{scope} {}", g.meta(o)),
+                    None => scope.to_string(),
+                };
+                return Err(RuntimeError::OutOfHostMemory {
+                    device: self.backend.name().to_string(),
+                    tensor,
+                    op: what.to_string(),
+                    bytes: need,
+                    available,
+                });
+            }
+        }
 
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for &t in &node.inputs {
