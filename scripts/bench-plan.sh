@@ -23,8 +23,11 @@ cases=(
   "llama2-13b 2x8xH100 64 4096"
   "llama2-13b 2x8xH200 64 4096"
   "llama2-13b 8xA100-80G 16 4096 40GiB"
+  "llama2-70b 2x8xH100 256 4096"
+  "llama2-70b 2x8xH200 256 4096"
   "llama2-70b 8x8xH100 256 4096"
   "llama2-70b 8x8xH100 256 4096 50GiB"
+  "gpt3-175b 16x8xH100 1536 2048"
   "gpt3-175b 64x8xH100 1536 2048"
 )
 echo "| model | cluster | batch × seq | plan | step (s) | Megatron best | step (s) | ratio | peak / budget | search (ms) |"
@@ -42,7 +45,7 @@ m, c, b, s = sys.argv[1:]
 p = d["predicted"]; mg = d["baselines"].get("megatron")
 mt = mg["step_time_s"] if mg else float("nan")
 lay = " (per-op)" if d.get("layout") == "per-op" else ""
-print(f"| {m} | {c} | {b} × {s} | {d['config']}{lay} | {p['step_time_s']:.4f} | {mg['config'] if mg else '-'} | {mt:.4f} | {mt / p['step_time_s']:.3f} | {p['peak_bytes_per_device'][0]/2**30:.1f} / {d['memory_budget_bytes']/2**30:.1f} GiB | {d['search_ms']:.0f} |")
+print(f"| {m} | {c} | {b} × {s} | {d['config']}{lay} | {p['step_time_s']:.4f} | {mg['config'] if mg else '-'} | {mt:.4f} | {mt / p['step_time_s']:.3f} | {max(p['peak_bytes_per_device'])/2**30:.1f} / {d['memory_budget_bytes']/2**30:.1f} GiB | {d['search_ms']:.0f} |")
 PY
   else
     echo "| $model | $cluster | $batch × $seq | (no plan: $(timeout 300 "$bin" plan --model "$model" --cluster "$cluster" --batch "$batch" --seq "$seq" "${extra[@]}" 2>&1 | head -c 160)) | | | | | | |"
