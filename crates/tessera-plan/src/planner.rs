@@ -460,21 +460,23 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let mut results = run_jobs(req, &p, &jobs, &mbs)?;
     // The Megatron baseline from the search's own figures (priced, see `crate::priced`).
     let flat_megatron = best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
-    let flat = exact_fastest(req, &p, &jobs, &mut results)?;
-    let flat = flat.as_ref();
     if std::env::var_os("TESSERA_TRACE").is_some() {
         let tried: usize = results.iter().map(|r| r.tried).sum();
         eprintln!("trace: phases without a pipeline: {tried} candidates in {:?}", t0.elapsed());
     }
-    // The pipeline phase: what beats the fastest plan without a pipeline.
-    let bound = flat.map_or(f64::INFINITY, Evaluated::step_time_s);
+    // The pipeline phase: what beats the fastest plan without a pipeline (its priced step
+    // time is its exact one, `crate::priced`).
+    let bound = fastest(&jobs, &results).map_or(f64::INFINITY, Evaluated::step_time_s);
     let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
     // Every pipelined candidate is a Megatron configuration: the baseline grid includes them.
     let megatron = phase.megatron_baseline(flat_megatron);
-    let mut plan = match (phase.plan, flat) {
-        (Some(plan), _) => plan,
-        (None, Some(e)) => req.to_plan(e, "auto", 0.0)?,
-        (None, None) => return Err(infeasible(req, &p)),
+    let mut plan = match phase.plan {
+        Some(plan) => plan,
+        // Lowered exactly only when it is the answer.
+        None => match exact_fastest(req, &p, &jobs, &mut results)? {
+            Some(e) => req.to_plan(&e, "auto", 0.0)?,
+            None => return Err(infeasible(req, &p)),
+        },
     };
     plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
     // The search priced every Megatron configuration anyway: keep the best as baseline.
