@@ -271,34 +271,6 @@ pub enum Start {
     Weights(Box<dyn ShardSource + Send>),
 }
 
-/// What a pipelined plan cannot do yet, said before step 1: checkpoints (each stage holds only
-/// its parameters; the sharded writer expects every rank to name every tensor) and the
-/// held-out evaluation (it gathers every parameter on rank 0). The evaluation is skipped with
-/// a note; a save is refused.
-fn pipeline_limits(args: &TrainArgs, pipelined: bool, rank: usize) -> Result<TrainArgs> {
-    let mut out = args.clone();
-    if !pipelined {
-        return Ok(out);
-    }
-    if args.save.is_some() || args.resume.is_some() {
-        bail!(
-            "--plan {:?} is pipelined: saving and resuming checkpoints under a pipeline is not \
-             supported yet; train without --save/--resume, or use a plan without ppN",
-            args.plan
-        );
-    }
-    if args.eval_batches > 0 {
-        if rank == 0 {
-            eprintln!(
-                "note: the held-out evaluation does not run under a pipelined plan yet; skipped \
-                 (--eval-batches 0 silences this note)"
-            );
-        }
-        out.eval_batches = 0;
-    }
-    Ok(out)
-}
-
 impl RunContext {
     /// The training graph rank `rank` runs.
     pub fn training(&self, rank: usize) -> &TrainingGraph {
@@ -490,15 +462,9 @@ pub fn prepare(
     let budget = args.memory_budget.unwrap_or_else(|| cluster.device.usable_bytes());
     let model = PlanModel::new(&cfg, args.batch, args.seq, dtype, &train_cfg)?;
     let global_train = &model.global;
-    let mut req = model.request(cluster, budget);
-    if args.save.is_some() || args.resume.is_some() || args.eval_batches > 0 {
-        // What a pipeline cannot do yet (see `pipeline_limits`): the automatic plan of a run
-        // that needs it stays without one.
-        req.pipeline = tessera_plan::pipeline::search::PipelineKnobs::off();
-    }
+    let req = model.request(cluster, budget);
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
-    let args = &pipeline_limits(args, exe.pipeline.is_some(), rank)?;
     check_host_memory(&plan.predicted.peak_bytes_per_device, rank, local_devices)?;
     let predicted_comm_bytes: Vec<u64> = match &exe.pipeline {
         Some(p) => {

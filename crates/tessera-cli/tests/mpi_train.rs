@@ -79,10 +79,25 @@ fn check(out: &Output, what: &str) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: not JSON: {e}"))
 }
 
+/// A safetensors file's tensor bytes (after the JSON header, whose metadata's key order the
+/// safetensors crate does not fix).
+fn tensor_bytes(path: &std::path::Path) -> Vec<u8> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    bytes[8 + header..].to_vec()
+}
+
 /// Runs each `(ranks, plan)` under mpirun and on as many simulated devices: MPI equals
 /// threads bit for bit, and both the single-device run `single` (a plan string for
-/// `--devices 1`) within 1e-5; predicted peak and traffic equal the measured ones.
-fn mpi_equals_threads_and_one_device(name: &str, single: &str, plans: &[(usize, &str)]) {
+/// `--devices 1`) within 1e-5; predicted peak and traffic equal the measured ones. With
+/// `save`, both save a sharded checkpoint at the end, and the rank files are byte for byte
+/// the same.
+fn mpi_equals_threads_and_one_device(
+    name: &str,
+    single: &str,
+    plans: &[(usize, &str)],
+    save: bool,
+) {
     let dir = temp(name);
     let one = dir.join("one.jsonl");
     let mut args: Vec<&str> = vec!["train", "--devices", "1", "--plan", single, "--format", "json"];
@@ -95,6 +110,10 @@ fn mpi_equals_threads_and_one_device(name: &str, single: &str, plans: &[(usize, 
         let mut margs: Vec<&str> = vec!["train", "--plan", plan, "--format", "json"];
         margs.extend(RUN);
         margs.extend(["--log-json", mpi.to_str().unwrap()]);
+        let (mpi_ck, thr_ck) = (dir.join(format!("mpi{n}-ck")), dir.join(format!("thr{n}-ck")));
+        if save {
+            margs.extend(["--save", mpi_ck.to_str().unwrap()]);
+        }
         let doc = check(&mpirun(n, &margs, &[]), &format!("mpirun -n {n} {plan}"));
         assert_eq!(doc["devices"], n, "{doc}");
         assert_eq!(doc["memory"]["predicted_peak_bytes"], doc["memory"]["measured_peak_bytes"]);
@@ -104,7 +123,22 @@ fn mpi_equals_threads_and_one_device(name: &str, single: &str, plans: &[(usize, 
             vec!["train", "--devices", &devices, "--plan", plan, "--format", "json"];
         targs.extend(RUN);
         targs.extend(["--log-json", thr.to_str().unwrap()]);
+        if save {
+            targs.extend(["--save", thr_ck.to_str().unwrap()]);
+        }
         check(&tessera(&targs), &format!("threads {plan}"));
+        if save {
+            // Replicas are written once: only the first data-parallel copy of each stage
+            // writes (ZeRO off), so some rank files hold no tensor; the stages' files do.
+            let mut written = 0;
+            for rank in 0..n {
+                let file = format!("shards/rank-{rank:05}.safetensors");
+                let (a, b) = (tensor_bytes(&mpi_ck.join(&file)), tensor_bytes(&thr_ck.join(&file)));
+                assert!(a == b, "{plan}: {file}'s tensors differ (MPI, threads)");
+                written += usize::from(!a.is_empty());
+            }
+            assert_eq!(written, 2, "{plan}: one rank file per stage holds tensors");
+        }
         let (m, t) = (log(&mpi), log(&thr));
         assert_eq!(m.len(), reference.len(), "{plan}: steps logged");
         assert_eq!(m, t, "{plan}: MPI and threads must agree bit for bit");
@@ -121,14 +155,17 @@ fn mpi_equals_threads_and_one_device(name: &str, single: &str, plans: &[(usize, 
 
 #[test]
 fn mpi_runs_equal_threads_and_one_device() {
-    mpi_equals_threads_and_one_device("fidelity", "mb1", &[(2, "dp2"), (2, "tp2"), (4, "dp2 tp2")]);
+    let plans = [(2, "dp2"), (2, "tp2"), (4, "dp2 tp2")];
+    mpi_equals_threads_and_one_device("fidelity", "mb1", &plans, false);
 }
 
 /// Pipelines under MPI: stages are processes, activations and their gradients cross as tagged
-/// point-to-point messages (issue 18).
+/// point-to-point messages (issue 18); each stage's processes write its shards of the
+/// checkpoint.
 #[test]
 fn mpi_pipelines_equal_threads_and_one_device() {
-    mpi_equals_threads_and_one_device("pipeline", "mb4", &[(2, "pp2 mb4"), (4, "dp2 pp2 mb4")]);
+    let plans = [(2, "pp2 mb4"), (4, "dp2 pp2 mb4")];
+    mpi_equals_threads_and_one_device("pipeline", "mb4", &plans, true);
 }
 
 #[test]

@@ -2,7 +2,10 @@
 //! config.json field for field (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`,
 //! `meta-llama/Llama-2-{7,13,70}b-hf`, `meta-llama/Meta-Llama-3-8B`, `bert-large-uncased`,
 //! `google/vit-base-patch16-224`); `gpt3-175b` is GPT-3's largest model (Brown et al. 2020,
-//! table 2.1) in GPT-2's architecture; the rest are our own.
+//! table 2.1) in GPT-2's architecture, and `mt-nlg-530b` (Smith et al. 2022, MT-NLG: 105
+//! layers, hidden 20480, 128 heads) and `gpt-1t` (Narayanan et al. 2021, table 1: 128 layers,
+//! hidden 25600, 160 heads) the largest GPTs Megatron-LM's papers train and time, in the same
+//! architecture (GPT-2's vocabulary, 2048 positions); the rest are our own.
 
 use crate::config::*;
 use crate::error::{ModelError, Result};
@@ -16,6 +19,8 @@ pub const PRESETS: &[&str] = &[
     "gpt2-large",
     "gpt2-xl",
     "gpt3-175b",
+    "mt-nlg-530b",
+    "gpt-1t",
     "gpt2-tiny",
     "llama2-7b",
     "llama2-13b",
@@ -49,6 +54,8 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         "gpt2-large" => gpt2(1280, 36, 20),
         "gpt2-xl" => gpt2(1600, 48, 25),
         "gpt3-175b" => gpt2_cfg(Gpt2Params::new(name, 50257, 2048, 12288, 96, 96)),
+        "mt-nlg-530b" => gpt2_cfg(Gpt2Params::new(name, 50257, 2048, 20480, 105, 128)),
+        "gpt-1t" => gpt2_cfg(Gpt2Params::new(name, 50257, 2048, 25600, 128, 160)),
         "gpt2-tiny" => {
             // Byte-level vocabulary, no dropout: the model the CPU tests and demos train.
             let mut p = Gpt2Params::new(name, 256, 256, 256, 8, 8);

@@ -66,6 +66,18 @@ fn gpt3_175b_has_175b_parameters() {
 }
 
 #[test]
+fn megatron_530b_and_1t_have_the_papers_counts() {
+    // Narayanan et al. 2021, table 1: "529.6" and "1008.0" billion. By hand, as above:
+    // d = 20480, 105 layers: (12·d² + 13·d) × 105 = 528,510,259,200; wte 1,029,263,360;
+    // wpe 41,943,040; ln_f 40,960: 529,581,506,560.
+    // d = 25600, 128 layers: 1,006,675,558,400; wte 1,286,579,200; wpe 52,428,800; ln_f
+    // 51,200: 1,008,014,617,600.
+    for (name, want) in [("mt-nlg-530b", 529_581_506_560), ("gpt-1t", 1_008_014_617_600)] {
+        check(name, &ModelConfig::preset(name).unwrap(), want).unwrap();
+    }
+}
+
+#[test]
 fn mistral_7b_fixture_matches_published_count() {
     // Mistral-7B-v0.1's config.json (GQA 32/8 heads, head_dim 128, untied head).
     // By hand: embed 32000·4096 = 131,072,000 and lm_head the same;

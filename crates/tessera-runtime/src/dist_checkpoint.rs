@@ -15,9 +15,10 @@
 //!                                      "step"}
 //! ```
 //! Every rank writes one file (possibly holding no tensor). A rank writes a tensor only when
-//! it is the *writer* of its copy ([`DeviceMesh::is_writer`]: coordinate 0 on every mesh
-//! axis the placement does not split), so replicas are stored once and every chunk exactly
-//! once. The manifest's `sharded` section records the mesh shape, the world size, the
+//! it is the *writer* of its chunk: the lowest rank holding that chunk ([`crate::state_table`];
+//! on an SPMD plan [`DeviceMesh::is_writer`]'s rank, coordinate 0 on every mesh axis the
+//! placement does not split; under a pipeline a rank of the stage holding the tensor), so
+//! replicas are stored once and every chunk exactly once. The manifest's `sharded` section records the mesh shape, the world size, the
 //! caller's `layout` (the plan, verbatim) and, for every tensor (sorted by name): its name,
 //! role (`param` or `optimizer`: `<param>.adam_m|adam_v|master` of a saved parameter),
 //! global shape, dtype (candle's name: `f32`, `bf16`, ...), placement, and its chunks, each
@@ -30,11 +31,14 @@
 //! # Save protocol
 //! [`save_sharded`] is called by every rank with the same `dir` and step; the ranks must
 //! share the file system `dir` is on. The ranks move in four rounds; each ends with an
-//! all-gather over the world of (failed?, fingerprint), which is both the barrier and the
+//! all-gather over the world of (failed?, a number), which is both the barrier and the
 //! way every rank learns whether any other failed, so that they all stop together after the
 //! same round instead of waiting for a rank that gave up:
-//! 1. each rank checks its tensors (placements, dtypes, names) and fingerprints the global
-//!    tensor table and the step; a rank that disagrees with rank 0 fails the save on all;
+//! 1. each rank checks its tensors (placements, dtypes, names) and reports the length of its
+//!    table (each tensor with the chunk it holds, and the step); then the tables travel in one
+//!    all-gather and every rank merges them into the checkpoint's ([`crate::state_table`]):
+//!    ranks at different steps, two ranks describing a tensor differently, or a chunk no rank
+//!    holds fail the save on all;
 //! 2. rank 0 refuses a `DIR` that is neither empty nor a checkpoint, removes leftovers of
 //!    interrupted saves (`DIR.tmp-*`, and `DIR.old-*` when `DIR` exists), and creates the
 //!    sibling `DIR.tmp-<step>/shards` (a name every rank computes; digits only, so that
@@ -77,6 +81,7 @@ use crate::checkpoint::{
 };
 use crate::collective::{DeviceMesh, Placement};
 use crate::integrity::{check_finite, digest_file, verify_bytes, Checksums, FileDigest};
+use crate::state_table::{gather_tables, merge, RankTable};
 use crate::{Result, RuntimeError};
 use candle_core::{DType, Device, Tensor};
 use safetensors::SafeTensors;
@@ -197,21 +202,6 @@ fn chunk_grid(
     Ok(grid)
 }
 
-/// Which rank writes which chunk of a tensor under `placement`, in rank order.
-fn chunk_owners(shape: &[usize], placement: &[Vec<usize>]) -> Result<Vec<ChunkLocation>> {
-    let world: usize = shape.iter().product();
-    let mut out = Vec::new();
-    for rank in 0..world {
-        let m = DeviceMesh::new(shape, rank)?;
-        if !m.is_writer(placement) {
-            continue;
-        }
-        let index = placement.iter().map(|axes| Ok(m.chunk(axes)?.1)).collect::<Result<_>>()?;
-        out.push(ChunkLocation { index, rank });
-    }
-    Ok(out)
-}
-
 /// `param` when `name` is `<param>.adam_m|adam_v|master` of a name in `names`.
 fn optimizer_base<'a>(name: &'a str, names: &BTreeSet<&str>) -> Option<&'a str> {
     tessera_ir::dist::split_state_key(name).map(|(base, _)| base).filter(|b| names.contains(b))
@@ -226,19 +216,12 @@ struct Entry<'a> {
     writer: bool,
 }
 
-/// Round 1: this rank's tensors checked and its global table built.
+/// Round 1: this rank's tensors checked, and its table (each tensor with the one chunk this
+/// rank holds) encoded for the exchange; `section` gets the merged table after it.
 struct Prepared<'a> {
     entries: Vec<Entry<'a>>,
     section: ShardedSection,
-    fingerprint: u64,
-}
-
-/// FNV-1a: a fingerprint every rank computes identically (std's hasher is not specified
-/// across builds).
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    encoded: (Vec<f32>, usize),
 }
 
 fn prepare<'a>(
@@ -293,16 +276,18 @@ fn prepare<'a>(
         } else {
             TensorRole::Param
         };
+        let index = placement.iter().map(|axes| Ok(mesh.chunk(axes)?.1)).collect::<Result<_>>()?;
         entries.push(Entry {
             local: t,
-            writer: mesh.is_writer(placement),
+            // Known once the tables are merged.
+            writer: false,
             table: ShardedTensor {
                 name: name.clone(),
                 role,
                 shape,
                 dtype: dtype.as_str().to_string(),
                 placement: placement.clone(),
-                chunks: chunk_owners(&mesh.shape, placement)?,
+                chunks: vec![ChunkLocation { index, rank: mesh.rank }],
             },
         });
     }
@@ -334,33 +319,34 @@ fn prepare<'a>(
     let section = ShardedSection {
         mesh: mesh.shape.clone(),
         world_size: mesh.size(),
-        tensors: entries.iter().map(|e| e.table.clone()).collect(),
+        tensors: Vec::new(),
         layout,
     };
-    // What every rank must agree on: the tensor table (names, global shapes, dtypes,
-    // placements) and the step, which names the temporary directory they all write into.
-    let table = serde_json::to_vec(&(&section.mesh, manifest.step, &section.tensors))
-        .map_err(|e| err(format!("cannot serialise the tensor table: {e}")))?;
-    Ok(Prepared { entries, section, fingerprint: fnv1a(&table) })
+    let mine = RankTable {
+        mesh: mesh.shape.clone(),
+        step: manifest.step,
+        tensors: entries.iter().map(|e| e.table.clone()).collect(),
+    };
+    Ok(Prepared { encoded: mine.encode()?, entries, section })
 }
 
-/// Values per rank in a round's all-gather: a failure flag and the fingerprint as four 16-bit
-/// pieces (f32 holds them exactly).
+/// Values per rank in a round's all-gather: a failure flag and a number (round 1: the length
+/// of the rank's table) as four 16-bit pieces (f32 holds them exactly).
 const ROUND_LEN: usize = 5;
 
-/// Ends a round of the save: every rank reports whether its part succeeded (with a
-/// fingerprint); returns this rank's result if it failed, an error naming the ranks that did
-/// otherwise, else the fingerprints by rank. The all-gather is also the round's barrier.
+/// Ends a round of the save: every rank reports whether its part succeeded (with a number);
+/// returns this rank's result if it failed, an error naming the ranks that did
+/// otherwise, else the values by rank. The all-gather is also the round's barrier.
 fn round<T>(
     comm: &mut dyn Communicator,
     world: &Group,
     dir: &Path,
     what: &str,
     mine: Result<T>,
-    fingerprint: u64,
+    value: u64,
 ) -> Result<(T, Vec<u64>)> {
     let mut status = vec![if mine.is_err() { 1.0f32 } else { 0.0 }];
-    status.extend((0..4).map(|k| ((fingerprint >> (16 * k)) & 0xffff) as f32));
+    status.extend((0..4).map(|k| ((value >> (16 * k)) & 0xffff) as f32));
     let gathered = comm.all_gather(world, &status);
     // Our own error explains the most; the others learn of it from the gather.
     let mine = mine?;
@@ -393,11 +379,11 @@ fn round<T>(
             failed.join(", ")
         )));
     }
-    let fingerprints = all
+    let values = all
         .chunks(ROUND_LEN)
         .map(|c| (0..4).fold(0u64, |h, k| h | ((c[1 + k] as u64) << (16 * k))))
         .collect();
-    Ok((mine, fingerprints))
+    Ok((mine, values))
 }
 
 /// What a writer may replace at its destination.
@@ -664,24 +650,30 @@ pub fn save_sharded(
             let (parent, name) = split_dir(dir)?;
             Ok((prepare(mesh, local, manifest, layout)?, parent, name))
         });
-    let fingerprint = checked.as_ref().map(|(p, _, _)| p.fingerprint).unwrap_or(0);
-    let ((prepared, parent, name), fingerprints) =
-        round(comm, &world, dir, "checking the tensors", checked, fingerprint)?;
-    let differing: Vec<String> = fingerprints
+    // Every rank's table length rides on the round; then the tables themselves, merged into
+    // the checkpoint's (the same on every rank, so a failure here fails every rank alike).
+    let len = checked.as_ref().map(|(p, _, _)| p.encoded.1 as u64).unwrap_or(0);
+    let ((mut prepared, parent, name), lens) =
+        round(comm, &world, dir, "checking the tensors", checked, len)?;
+    let lens: Vec<usize> = lens.into_iter().map(|l| l as usize).collect();
+    let context =
+        |e: RuntimeError| err(format!("saving sharded checkpoint {}: {e}", dir.display()));
+    let tables = gather_tables(comm, &prepared.encoded.0, &lens).map_err(context)?;
+    prepared.section.tensors = merge(&tables).map_err(context)?;
+    let writes: BTreeSet<(&str, &[usize])> = prepared
+        .section
+        .tensors
         .iter()
-        .enumerate()
-        .filter(|(_, &f)| f != fingerprints[0])
-        .map(|(r, _)| r.to_string())
+        .flat_map(|t| {
+            let me = t.chunks.iter().filter(|c| c.rank == mesh.rank);
+            me.map(|c| (t.name.as_str(), c.index.as_slice()))
+        })
         .collect();
-    if !differing.is_empty() {
-        return Err(err(format!(
-            "saving sharded checkpoint {}: rank(s) {} disagree with rank 0 on the tensors \
-             (names, global shapes, dtypes, placements) or the step; every rank must save the \
-             same state of the same step",
-            dir.display(),
-            differing.join(", ")
-        )));
+    let mut entries = std::mem::take(&mut prepared.entries);
+    for e in &mut entries {
+        e.writer = writes.contains(&(e.table.name.as_str(), e.table.chunks[0].index.as_slice()));
     }
+    prepared.entries = entries;
 
     // Round 2: rank 0 prepares the temporary directory.
     let tmp = parent.join(format!("{name}.tmp-{}", manifest.step));

@@ -20,7 +20,8 @@
 //!   [`integrity`]: their checksums and the refusal of non-finite weights; [`host`]: disk
 //!   room, host memory and the lock a run takes on its checkpoint directory.
 //! - [`dist_checkpoint`]: sharded checkpoints of a parallel run (one file per rank, loaded
-//!   back as global tensors under any device count) and Hugging Face export.
+//!   back as global tensors under any device count) and Hugging Face export; [`state_table`]:
+//!   which rank holds and writes which chunk of the run's state (stage-local under pipelines).
 
 pub mod alloc;
 pub mod backend;
@@ -43,6 +44,7 @@ pub mod mapped;
 pub mod memory;
 pub mod run;
 pub mod schedule;
+pub mod state_table;
 pub mod tensor;
 pub mod trainer;
 

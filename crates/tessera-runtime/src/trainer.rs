@@ -22,9 +22,11 @@
 pub use crate::batch::top1_hits;
 use crate::batch::StepBatch;
 use crate::collective::{shard, CommRunner, DeviceMesh, Placement, ReshardRunner};
+use crate::dist_checkpoint::{ChunkLocation, ShardedTensor, TensorRole};
 use crate::init::{init_shard, InitRule};
 use crate::loss_scale::{check_scale_config, LossScaleConfig, LossScaleState, LossScaler};
 pub use crate::mapped::ShardSource;
+use crate::state_table::{self, RankTable};
 use crate::tensor::{candle_dtype, from_vec};
 use crate::{Backend, Executor, LrSchedule, Result, RuntimeError};
 use candle_core::Tensor;
@@ -678,53 +680,91 @@ fn field(batch: &StepBatch, name: &str) -> Result<Tensor> {
 }
 
 /// Every *parameter* (no optimizer state) as a global tensor on `root` only; `None` on the
-/// other ranks. Replicated parameters need no traffic; a sharded one travels once per distinct
-/// chunk, point to point from its writer to `root`, so the extra memory is one copy of the
-/// model on one rank (what evaluation after training needs), not the whole state on every rank.
+/// other ranks (every rank must call it). The ranks first exchange what they hold
+/// ([`crate::state_table`]: under a pipeline each stage holds only its own parameters); then
+/// each distinct chunk travels once, point to point from its writer to `root`, so the extra
+/// memory is one copy of the model on one rank (what evaluation after training needs), not
+/// the whole state on every rank.
 pub fn gather_params_to<B: Backend>(
     trainer: &mut Trainer<B>,
     root: usize,
 ) -> Result<Option<HashMap<String, Tensor>>> {
-    let shape = trainer.mesh.shape.clone();
-    let n = trainer.mesh.size();
     let me = trainer.mesh.rank;
     let params = trainer.parameters()?;
-    let mut out = HashMap::with_capacity(params.len());
-    let leaves: HashMap<String, TensorId> = (trainer.train.graph.leaf_index().into_iter())
-        .map(|(name, t)| (name.to_string(), t))
-        .collect();
+    if trainer.mesh.size() == 1 {
+        return Ok(Some(params.into_iter().collect()));
+    }
+    let leaves: HashMap<&str, TensorId> = trainer.train.graph.leaf_index().into_iter().collect();
+    let mut mine =
+        RankTable { mesh: trainer.mesh.shape.clone(), step: trainer.step, tensors: vec![] };
+    let mut local = HashMap::with_capacity(params.len());
     for (name, t) in params {
         let leaf = leaves
-            .get(&name)
+            .get(name.as_str())
             .copied()
             .ok_or_else(|| binding(format!("parameter {name} is not a leaf of the program")))?;
         let placement = trainer.placement(leaf);
-        if placement.iter().all(|axes| axes.is_empty()) {
-            if me == root {
-                out.insert(name, t);
-            }
-            continue;
-        }
-        let writers: Vec<usize> = (0..n)
-            .filter(|&r| DeviceMesh::new(&shape, r).is_ok_and(|m| m.is_writer(&placement)))
-            .collect();
-        let comm = trainer
-            .communicator()
-            .ok_or_else(|| binding("gathering sharded parameters needs a communicator".into()))?;
+        let index =
+            placement.iter().map(|axes| Ok(trainer.mesh.chunk(axes)?.1)).collect::<Result<_>>()?;
+        mine.tensors.push(ShardedTensor {
+            name: name.clone(),
+            role: TensorRole::Param,
+            shape: trainer.global_dims(leaf)?,
+            dtype: t.dtype().as_str().to_string(),
+            placement,
+            chunks: vec![ChunkLocation { index, rank: me }],
+        });
+        local.insert(name, t);
+    }
+    let comm = trainer
+        .communicator()
+        .ok_or_else(|| binding("gathering parameters needs a communicator".into()))?;
+    let table = state_table::merge(&state_table::exchange(comm, &mine)?)?;
+    let mut out = HashMap::with_capacity(table.len());
+    for t in &table {
+        let placement = &t.placement;
+        let grid: Vec<usize> = placement
+            .iter()
+            .map(|axes| Ok(DeviceMesh::new(&mine.mesh, 0)?.chunk(axes)?.0))
+            .collect::<Result<_>>()?;
+        let chunk: Vec<usize> = t.shape.iter().zip(&grid).map(|(s, n)| s / n).collect();
         if me != root {
-            if writers.contains(&me) {
-                let flat = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+            if t.chunks.iter().any(|c| c.rank == me) {
+                let part =
+                    local.get(&t.name).ok_or_else(|| binding(format!("{} vanished", t.name)))?;
+                let flat =
+                    part.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
                 comm.send(root, &flat)?;
             }
             continue;
         }
-        // `assemble` reads only the writers' parts; the others stand in with root's own shard.
-        let mut parts = vec![t.clone(); n];
-        for &r in writers.iter().filter(|&&r| r != root) {
-            let flat = comm.recv(r)?;
-            parts[r] = from_vec(flat, t.dims())?.to_dtype(t.dtype())?;
+        let dtype: candle_core::DType = t
+            .dtype
+            .parse()
+            .map_err(|_| binding(format!("{}: unknown dtype {}", t.name, t.dtype)))?;
+        let mut whole = Tensor::zeros(t.shape.as_slice(), dtype, &candle_core::Device::Cpu)?;
+        for c in &t.chunks {
+            let part = if c.rank == root {
+                local
+                    .get(&t.name)
+                    .cloned()
+                    .ok_or_else(|| binding(format!("{} vanished", t.name)))?
+            } else {
+                from_vec(comm.recv(c.rank)?, &chunk)?.to_dtype(dtype)?
+            };
+            if part.dims() != chunk.as_slice() {
+                return Err(binding(format!(
+                    "{}: rank {}'s chunk is {:?}, expected {chunk:?}",
+                    t.name,
+                    c.rank,
+                    part.dims()
+                )));
+            }
+            let ranges: Vec<_> =
+                c.index.iter().zip(&chunk).map(|(&i, &n)| i * n..(i + 1) * n).collect();
+            whole = whole.slice_assign(&ranges, &part)?;
         }
-        out.insert(name, crate::collective::assemble(&shape, &parts, &placement)?);
+        out.insert(t.name.clone(), whole);
     }
     Ok((me == root).then_some(out))
 }
