@@ -215,6 +215,7 @@ impl PlanModel {
             model_flops: self.model_flops,
             ckpt: tessera_plan::search::CkptSearch::Joint,
             pipeline: Default::default(),
+            search: Default::default(),
         }
     }
 }

@@ -163,6 +163,7 @@ fn request<'a>(
         model_flops: 1.0,
         ckpt: tessera_plan::search::CkptSearch::Joint,
         pipeline: Default::default(),
+        search: Default::default(),
     }
 }
 

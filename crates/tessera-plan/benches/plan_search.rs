@@ -80,6 +80,7 @@ fn search(case: &Case) -> String {
         model_flops: 1.0,
         ckpt: tessera_plan::search::CkptSearch::Joint,
         pipeline: Default::default(),
+        search: Default::default(),
     };
     plan_auto(&req).expect("a plan").config
 }

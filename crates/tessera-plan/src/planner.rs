@@ -41,6 +41,8 @@ pub struct Request<'a> {
     pub ckpt: CkptSearch,
     /// The automatic search's pipeline phase.
     pub pipeline: crate::pipeline::search::PipelineKnobs,
+    /// The phases without a pipeline.
+    pub search: search::SearchKnobs,
 }
 
 impl Request<'_> {
@@ -50,7 +52,7 @@ impl Request<'_> {
             batch: self.batch,
             cost: crate::cost::CostModel::new(self.cluster.device.clone()),
             train: self.train.clone(),
-            solve: crate::ilp::SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
+            knobs: self.search.clone(),
             ckpt: self.ckpt.clone(),
             graphs: Default::default(),
             fastest: Default::default(),
@@ -118,7 +120,7 @@ fn first_fit(
         let recomputing_fit = best.is_some();
         // A smaller count's fit bounds this one's search (see `search::evaluate_within`).
         let within = best.as_ref().map_or(f64::INFINITY, Evaluated::step_time_s);
-        if let Some(e) = search::evaluate_within(p, &cand, req.budget as f64, within)? {
+        if let Some(e) = search::evaluate_within(p, &cand, Some(req.budget), within)? {
             let recomputes = e.lowered.time.recompute_s > 0.0;
             // More micro-batches can save the recomputation at most; when the step without it
             // is already slower than the fastest fit found so far, they cannot win.
@@ -166,7 +168,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
         zero: cfg.zero,
         micro_batches: cfg.micro_batches,
     };
-    let found = search::evaluate(&p, &cand, req.budget as f64)?;
+    let found = search::evaluate(&p, &cand, Some(req.budget))?;
     let found = found.map(|e| crate::priced::exactly(&p, &e)).transpose()?;
     match found {
         Some(e) if e.peak_bytes() > req.budget => Err(PlanError::Infeasible {
@@ -326,7 +328,7 @@ fn run_deferred(
         .iter()
         .map(|j| job_space(req, j, mbs).map(|(mesh, rule, _)| (mesh, rule)))
         .collect::<Result<_>>()?;
-    let found = parallel_map(&deferred, |c| search::evaluate_deferred(p, c, req.budget as f64));
+    let found = parallel_map(&deferred, |c| search::evaluate_deferred(p, c, Some(req.budget)));
     for (c, e) in deferred.iter().zip(found) {
         let Some(e) = e? else { continue };
         if let Some(i) = spaces.iter().position(|(m, r)| *m == c.mesh && *r == c.rule) {

@@ -88,7 +88,8 @@ pub struct Problem0<'a> {
     pub batch: usize,
     pub cost: CostModel,
     pub train: tessera_ir::TrainConfig,
-    pub solve: SolveOptions,
+    /// What the phases try and where they stop.
+    pub knobs: SearchKnobs,
     /// Whether and how activation checkpointing is searched.
     pub ckpt: CkptSearch,
     /// Forward graphs and their saved-activation sets, per micro-batch size.
@@ -252,17 +253,37 @@ pub enum CkptSearch {
     Joint,
 }
 
-/// Budget multipliers the sharding ILP is solved under when checkpointing may pay for the
-/// difference: the ILP then picks faster layouts that hold more activations, and the
-/// checkpoint DP brings the peak back under the real budget.
-const SLACKS: [f64; 4] = [1.5, 2.5, 4.0, 8.0];
+/// The flat search's knobs: what its phases try and where they give up, one struct instead of
+/// constants in its loops (the pipeline phase has its own, `pipeline::search::PipelineKnobs`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SearchKnobs {
+    /// Budget multipliers the sharding ILP is solved under when checkpointing may pay for the
+    /// difference: the ILP then picks faster layouts that hold more activations, and the
+    /// checkpoint DP brings the peak back under the real budget.
+    pub slacks: Vec<f64>,
+    /// A candidate whose fastest layout the ILP prices above this multiple of the fastest fit
+    /// found so far is not lowered at all (the answer is "no plan that matters"). A heuristic
+    /// bound, like the slacks': lowered steps ranged over 0.81–1.18× the ILP's objective in
+    /// the llama searches of BENCHMARKS.md (`TESSERA_TRACE=1` prints both), so such a layout
+    /// loses with a wide margin.
+    pub hopeless_over_bound: f64,
+    /// HiGHS's limits for one ILP.
+    pub solve: SolveOptions,
+}
 
-/// A candidate whose fastest layout the ILP prices above this multiple of the fastest fit
-/// found so far is not lowered at all (the answer is "no plan that matters"). A heuristic
-/// bound, like the slacks': lowered steps ranged over 0.81–1.18× the ILP's objective in the
-/// llama searches of BENCHMARKS.md (`TESSERA_TRACE=1` prints both), so such a layout loses
-/// with a wide margin.
-const HOPELESS_OVER_BOUND: f64 = 1.5;
+impl Default for SearchKnobs {
+    fn default() -> Self {
+        SearchKnobs {
+            slacks: vec![1.5, 2.5, 4.0, 8.0],
+            hopeless_over_bound: 1.5,
+            solve: SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
+        }
+    }
+}
+
+/// A per-device memory budget in bytes; `None`: unbounded (a caller that only wants the
+/// fastest layout). Converted to the ILP's f64 rows only inside the search.
+pub type Budget = Option<u64>;
 
 /// Builds and solves the ILP of one candidate, then lowers the solution. `Ok(None)` when no
 /// plan of this candidate fits `budget`.
@@ -283,7 +304,7 @@ const HOPELESS_OVER_BOUND: f64 = 1.5;
 /// checkpointing decides whether anything can (and records its least peak in
 /// [`Problem0::least`]); when the resting model state alone misses the budget, the (mesh,
 /// rule, ZeRO stage)'s further candidates are deferred ([`Problem0::hopeless`]).
-pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Option<Evaluated>> {
+pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: Budget) -> Result<Option<Evaluated>> {
     evaluate_traced(p, cand, budget, f64::INFINITY, false)
 }
 
@@ -293,7 +314,7 @@ pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: f64) -> Result<Optio
 pub fn evaluate_within(
     p: &Problem0<'_>,
     cand: &Candidate,
-    budget: f64,
+    budget: Budget,
     bound_s: f64,
 ) -> Result<Option<Evaluated>> {
     evaluate_traced(p, cand, budget, bound_s, false)
@@ -305,7 +326,7 @@ pub fn evaluate_within(
 pub fn evaluate_deferred(
     p: &Problem0<'_>,
     cand: &Candidate,
-    budget: f64,
+    budget: Budget,
 ) -> Result<Option<Evaluated>> {
     evaluate_traced(p, cand, budget, f64::INFINITY, true)
 }
@@ -313,11 +334,13 @@ pub fn evaluate_deferred(
 fn evaluate_traced(
     p: &Problem0<'_>,
     cand: &Candidate,
-    budget: f64,
+    budget: Budget,
     outer: f64,
     deferred: bool,
 ) -> Result<Option<Evaluated>> {
     let t0 = std::time::Instant::now();
+    // The ILP's boundary: its memory rows are f64, an unbounded budget an infinite one.
+    let budget = budget.map_or(f64::INFINITY, |b| b as f64);
     let e = evaluate_candidate(p, cand, budget, outer, deferred)?;
     if std::env::var_os("TESSERA_TRACE").is_some() {
         eprintln!(
@@ -375,13 +398,13 @@ fn evaluate_candidate(
     let t_build = t0.elapsed();
     // The ILP's fastest layout, memory aside: no layout of this candidate is faster by its
     // figures. One more solve (milliseconds) can spare every lowering of a candidate that
-    // cannot win ([`HOPELESS_OVER_BOUND`]).
+    // cannot win ([`SearchKnobs::hopeless_over_bound`]).
     let unconstrained = {
         let mut pr = problem.clone();
         pr.budget = f64::INFINITY;
-        ilp::solve(&pr, &p.solve)?
+        ilp::solve(&pr, &p.knobs.solve)?
     };
-    if unconstrained.as_ref().is_some_and(|s| s.objective > HOPELESS_OVER_BOUND * bound) {
+    if unconstrained.as_ref().is_some_and(|s| s.objective > p.knobs.hopeless_over_bound * bound) {
         return Ok(None);
     }
 
@@ -449,7 +472,7 @@ fn evaluate_candidate(
         // collectives with compute), and under ZeRO-3 on a free mesh its most memory-frugal
         // layout — parameters sharded over every axis, gathered hierarchically — can be faster
         // once lowered than the layout it thinks fastest. It costs one more lowering.
-        if let Some(sol) = ilp::min_peak(&problem, &p.solve)? {
+        if let Some(sol) = ilp::min_peak(&problem, &p.knobs.solve)? {
             let strategies = space.assignment(&sol.picks);
             if strategies != b.strategies {
                 if let Some(l) = finish_policy(&strategies)? {
@@ -498,14 +521,14 @@ fn evaluate_candidate(
     // budget's own layout is the first to checkpoint.
     let from_budget = fixed_mode.is_some() || (plain_objective.is_none() && joint);
     let slacks: Vec<f64> = match from_budget {
-        true => [1.0].into_iter().chain(SLACKS).collect(),
-        false => SLACKS.to_vec(),
+        true => [1.0].into_iter().chain(p.knobs.slacks.iter().copied()).collect(),
+        false => p.knobs.slacks.clone(),
     };
     let mut last = if from_budget { None } else { plain_objective };
     for slack in slacks {
         let mut pr = problem.clone();
         pr.budget = budget * slack;
-        let Some(sol) = ilp::solve(&pr, &p.solve)? else { continue };
+        let Some(sol) = ilp::solve(&pr, &p.knobs.solve)? else { continue };
         if last.is_some_and(|o| sol.objective >= o * (1.0 - 1e-3)) {
             // The same layout as the tighter budget gave (or no faster): nothing new to try.
             if sol.objective <= unconstrained * (1.0 + 1e-3) {
@@ -560,7 +583,7 @@ fn sharding_only(
         let mut pr = problem.clone();
         pr.budget = target;
         let t1 = std::time::Instant::now();
-        let Some(sol) = ilp::solve(&pr, &p.solve)? else { break };
+        let Some(sol) = ilp::solve(&pr, &p.knobs.solve)? else { break };
         let t_solve = t1.elapsed();
         let strategies = space.assignment(&sol.picks);
         let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts)?;
@@ -607,7 +630,7 @@ fn frugal_candidate(
     budget: f64,
     bound: f64,
 ) -> Result<Option<Fit>> {
-    let Some(sol) = ilp::min_peak(problem, &p.solve)? else { return Ok(None) };
+    let Some(sol) = ilp::min_peak(problem, &p.knobs.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
     let lopts = LowerOptions {
         zero: cand.zero,
@@ -716,7 +739,7 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     }
     let mut reshard = ReshardCache::new(cand.mesh.clone());
     let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, f64::INFINITY)?;
-    let Some(sol) = ilp::min_peak(&problem, &p.solve)? else { return Ok(None) };
+    let Some(sol) = ilp::min_peak(&problem, &p.knobs.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
     let ckpt = Checkpointing::default();
     let lopts = LowerOptions { zero: cand.zero, micro_batches: mb, train: p.train.clone(), ckpt };

@@ -566,6 +566,7 @@ fn request() -> Request<'static> {
         model_flops: 1e9,
         ckpt: CkptSearch::Joint,
         pipeline: Default::default(),
+        search: Default::default(),
     }
 }
 

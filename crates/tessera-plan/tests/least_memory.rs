@@ -39,6 +39,7 @@ impl Case {
             model_flops: 1e12,
             ckpt: CkptSearch::Joint,
             pipeline: Default::default(),
+            search: Default::default(),
         };
         match fixed {
             Some(c) => plan_fixed(&req, &ParallelConfig::parse(c)?),

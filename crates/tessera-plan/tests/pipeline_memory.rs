@@ -29,6 +29,7 @@ fn activations(config: &str) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
         model_flops: 1e12,
         ckpt: CkptSearch::Off,
         pipeline: Default::default(),
+        search: Default::default(),
     };
     let plan = plan_fixed(&req, &ParallelConfig::parse(config).unwrap()).unwrap();
     let exe = lower_plan(&req, &plan).unwrap();

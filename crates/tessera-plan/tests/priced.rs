@@ -29,7 +29,7 @@ fn problem<'a>(
         batch,
         cost: tessera_plan::cost::CostModel::new(cluster.device.clone()),
         train: TrainConfig::default(),
-        solve: tessera_plan::ilp::SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
+        knobs: Default::default(),
         ckpt: CkptSearch::Joint,
         graphs: Default::default(),
         fastest: Default::default(),
@@ -91,7 +91,7 @@ fn priced_micro_batches_equal_the_exact_lowering() {
                         zero,
                         micro_batches: m,
                     };
-                    let e = search::evaluate(&p, &cand, f64::INFINITY).unwrap().unwrap();
+                    let e = search::evaluate(&p, &cand, None).unwrap().unwrap();
                     let fwd = b(batch / m).unwrap();
                     let nb = tessera_ir::remat::num_blocks(&fwd.graph);
                     let mixed: Vec<CkptMode> = (0..nb)
@@ -142,6 +142,6 @@ fn few_micro_batches_are_lowered_as_they_are() {
         zero: 1,
         micro_batches: priced::EXACT_UP_TO,
     };
-    let e = search::evaluate(&p, &cand, f64::INFINITY).unwrap().unwrap();
+    let e = search::evaluate(&p, &cand, None).unwrap().unwrap();
     assert!(e.lowered.exact, "{} micro-batches are replayed exactly", priced::EXACT_UP_TO);
 }

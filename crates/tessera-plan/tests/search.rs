@@ -46,6 +46,7 @@ fn plan_with(
         model_flops: 1e12,
         ckpt: tessera_plan::search::CkptSearch::Joint,
         pipeline: Default::default(),
+        search: Default::default(),
     };
     match fixed {
         Some(c) => plan_fixed(&req, &ParallelConfig::parse(c)?),

@@ -43,7 +43,7 @@ pub fn plan_fixed_pipelined(req: &Request<'_>, cfg: &ParallelConfig) -> Result<P
         zero: cfg.zero,
         micro_batches: 1,
     };
-    let e = search::evaluate(&p, &cand, f64::INFINITY)?.ok_or_else(|| {
+    let e = search::evaluate(&p, &cand, None)?.ok_or_else(|| {
         PlanError::Invalid(format!(
             "`{}` cannot split this model: a degree does not divide the batch, heads or hidden \
              size",

@@ -149,7 +149,7 @@ pub fn sample_and_screen(
         zero: shape.zero,
         micro_batches: 1,
     };
-    let Some(e) = search::evaluate(p, &cand, f64::INFINITY)? else {
+    let Some(e) = search::evaluate(p, &cand, None)? else {
         return Ok(Vec::new());
     };
     let fwd = p.forward(p.batch)?;
