@@ -8,7 +8,7 @@
 use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
 use crate::{
     AttentionSpec, DType, Graph, IrError, NodeId, Op, Phase, Result, ScopeId, Shape, TensorId,
-    TensorMeta,
+    TensorIds, TensorMeta,
 };
 
 pub struct Builder {
@@ -116,8 +116,9 @@ impl Builder {
     // ---- generic op ---------------------------------------------------------------------
 
     /// Appends `op` applied to `inputs`, returning its outputs; shape errors carry context.
-    pub fn push(&mut self, op: Op, inputs: &[TensorId]) -> Result<Vec<TensorId>> {
-        let metas: Vec<&TensorMeta> = inputs.iter().map(|&t| self.graph.meta(t)).collect();
+    pub fn push(&mut self, op: Op, inputs: &[TensorId]) -> Result<TensorIds> {
+        let metas: smallvec::SmallVec<[&TensorMeta; 4]> =
+            inputs.iter().map(|&t| self.graph.meta(t)).collect();
         let out = match op.infer(&metas) {
             Ok(out) => out,
             Err(reason) => {
@@ -130,7 +131,8 @@ impl Builder {
                 });
             }
         };
-        let id = self.graph.push_node(op, inputs.to_vec(), out, self.scope, self.block, self.phase);
+        drop(metas);
+        let id = self.graph.push_node(op, inputs, out, self.scope, self.block, self.phase);
         Ok(self.graph.node(id).outputs.clone())
     }
 
@@ -149,8 +151,7 @@ impl Builder {
         let scope = self.graph.intern_scope(&path);
         let metas: Vec<&TensorMeta> = inputs.iter().map(|&t| self.graph.meta(t)).collect();
         let out = op.infer(&metas).expect("leaf metas are given, not inferred");
-        let id: NodeId =
-            self.graph.push_node(op, inputs.to_vec(), out, scope, self.block, self.phase);
+        let id: NodeId = self.graph.push_node(op, inputs, out, scope, self.block, self.phase);
         self.graph.node(id).outputs[0]
     }
 

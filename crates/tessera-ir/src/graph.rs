@@ -56,12 +56,17 @@ impl Phase {
     }
 }
 
+/// A node's inputs or outputs: inline up to four (almost every op), so that building,
+/// cloning and dropping graphs of a hundred thousand nodes — what the planner does for every
+/// candidate it lowers — does not allocate per node.
+pub type TensorIds = smallvec::SmallVec<[TensorId; 4]>;
+
 /// One op application.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Node {
     pub op: Op,
-    pub inputs: Vec<TensorId>,
-    pub outputs: Vec<TensorId>,
+    pub inputs: TensorIds,
+    pub outputs: TensorIds,
     pub scope: ScopeId,
     /// Index of the repeated block (transformer layer) this node belongs to, if any.
     pub block: Option<u32>,
@@ -90,6 +95,16 @@ impl Graph {
     pub fn new() -> Graph {
         let mut g = Graph::default();
         g.intern_scope("");
+        g
+    }
+
+    /// An empty graph with room for about `nodes` nodes and `tensors` tensors: a rewrite of a
+    /// large graph (the planner replays, rematerialises and splits graphs of a hundred
+    /// thousand nodes per candidate) then never copies its node list to grow it.
+    pub fn with_capacity(nodes: usize, tensors: usize) -> Graph {
+        let mut g = Graph::new();
+        g.nodes.reserve(nodes);
+        g.tensors.reserve(tensors);
         g
     }
 
@@ -137,20 +152,27 @@ impl Graph {
     pub(crate) fn push_node(
         &mut self,
         op: Op,
-        inputs: Vec<TensorId>,
+        inputs: &[TensorId],
         output_metas: Vec<TensorMeta>,
         scope: ScopeId,
         block: Option<u32>,
         phase: Phase,
     ) -> NodeId {
         let node_id = NodeId(self.nodes.len() as u32);
-        let mut outputs = Vec::with_capacity(output_metas.len());
+        let mut outputs = TensorIds::with_capacity(output_metas.len());
         for (i, meta) in output_metas.into_iter().enumerate() {
             let t = TensorId(self.tensors.len() as u32);
             self.tensors.push(Tensor { meta, producer: node_id, output_index: i as u32 });
             outputs.push(t);
         }
-        self.nodes.push(Node { op, inputs, outputs, scope, block, phase });
+        self.nodes.push(Node {
+            op,
+            inputs: TensorIds::from_slice(inputs),
+            outputs,
+            scope,
+            block,
+            phase,
+        });
         node_id
     }
 

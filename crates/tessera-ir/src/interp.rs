@@ -629,7 +629,7 @@ fn broadcast_offsets(from: &[usize], to: &[usize]) -> Result<Vec<usize>, String>
 
 fn broadcast_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>, String> {
     Shape::broadcast(&Shape::from(a), &Shape::from(b))
-        .map(|s| s.0)
+        .map(|s| s.0.into_vec())
         .ok_or_else(|| format!("shapes {a:?} and {b:?} do not broadcast"))
 }
 
@@ -788,7 +788,7 @@ fn broadcast_binary(a: &Value, b: &Value, f: impl Fn(f64, f64) -> f64) -> Result
     let ia = broadcast_offsets(a.dims(), &out)?;
     let ib = broadcast_offsets(b.dims(), &out)?;
     let data = ia.iter().zip(&ib).map(|(&i, &j)| f(a.data[i], b.data[j])).collect();
-    Ok(Value { shape: Shape(out), data })
+    Ok(Value { shape: Shape::from(out), data })
 }
 
 fn binary_backward(
@@ -842,7 +842,7 @@ fn binary_backward(
         }
     };
     let data = (0..dy.numel()).map(|k| grad(a.data[ia[k]], b.data[ib[k]], dy.data[k])).collect();
-    Ok(Value { shape: Shape(out), data })
+    Ok(Value { shape: Shape::from(out), data })
 }
 
 fn cast(to: DType, x: f64) -> f64 {
@@ -943,7 +943,7 @@ fn matmul(a: &Value, b: &Value, ta: bool, tb: bool) -> Result<Value, String> {
     }
     let mut dims = batch;
     dims.extend([m, n]);
-    Ok(Value { shape: Shape(dims), data: out })
+    Ok(Value { shape: Shape::from(dims), data: out })
 }
 
 // ---- reductions ------------------------------------------------------------------------------
@@ -1106,7 +1106,7 @@ fn permute(x: &Value, perm: &[usize]) -> Result<Value, String> {
     let dims: Vec<usize> = perm.iter().map(|&p| xd[p]).collect();
     let gather: Vec<usize> = perm.iter().map(|&p| st[p]).collect();
     let data = strided_offsets(&dims, &gather).into_iter().map(|i| x.data[i]).collect();
-    Ok(Value { shape: Shape(dims), data })
+    Ok(Value { shape: Shape::from(dims), data })
 }
 
 fn slice(x: &Value, dim: usize, start: usize, end: usize) -> Result<Value, String> {
@@ -1119,7 +1119,7 @@ fn slice(x: &Value, dim: usize, start: usize, end: usize) -> Result<Value, Strin
     }
     let mut dims = x.dims().to_vec();
     dims[dim] = end - start;
-    Ok(Value { shape: Shape(dims), data })
+    Ok(Value { shape: Shape::from(dims), data })
 }
 
 fn pad(x: &Value, dim: usize, before: usize, after: usize) -> Result<Value, String> {
@@ -1134,7 +1134,7 @@ fn pad(x: &Value, dim: usize, before: usize, after: usize) -> Result<Value, Stri
     }
     let mut dims = x.dims().to_vec();
     dims[dim] = total;
-    Ok(Value { shape: Shape(dims), data })
+    Ok(Value { shape: Shape::from(dims), data })
 }
 
 fn concat(xs: &[&Value], dim: usize) -> Result<Value, String> {
@@ -1160,7 +1160,7 @@ fn concat(xs: &[&Value], dim: usize) -> Result<Value, String> {
     }
     let mut dims = first.to_vec();
     dims[dim] = total;
-    Ok(Value { shape: Shape(dims), data })
+    Ok(Value { shape: Shape::from(dims), data })
 }
 
 fn expand(x: &Value, to: &Shape) -> Result<Value, String> {
@@ -1286,7 +1286,7 @@ fn embedding(table: &Value, ids: &Value) -> Result<Value, String> {
     }
     let mut dims = ids.dims().to_vec();
     dims.push(d);
-    Ok(Value { shape: Shape(dims), data })
+    Ok(Value { shape: Shape::from(dims), data })
 }
 
 fn embedding_backward(ids: &Value, dy: &Value, num_embeddings: usize) -> Result<Value, String> {
@@ -1302,7 +1302,7 @@ fn embedding_backward(ids: &Value, dy: &Value, num_embeddings: usize) -> Result<
         let r = index_in(id, num_embeddings, "id")?;
         axpy(&mut out[r * d..(r + 1) * d], 1.0, &dy.data[k * d..(k + 1) * d]);
     }
-    Ok(Value { shape: Shape(vec![num_embeddings, d]), data: out })
+    Ok(Value { shape: Shape::from(vec![num_embeddings, d]), data: out })
 }
 
 /// The class of a target row, or `None` when it is ignored.
@@ -1474,7 +1474,7 @@ fn attention(q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<Ve
     }
     Ok(vec![
         Value { shape: q.shape.clone(), data: out },
-        Value { shape: Shape(vec![a.b, a.h, a.s]), data: lse },
+        Value { shape: Shape::from(vec![a.b, a.h, a.s]), data: lse },
     ])
 }
 

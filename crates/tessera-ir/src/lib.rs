@@ -34,7 +34,7 @@ pub use autodiff::{
 pub use builder::Builder;
 pub use dtype::DType;
 pub use error::{IrError, Result};
-pub use graph::{Graph, Node, NodeId, Phase, ScopeId, Tensor, TensorId};
+pub use graph::{Graph, Node, NodeId, Phase, ScopeId, Tensor, TensorId, TensorIds};
 pub use ops::{
     AdamWSpec, AttentionSpec, BinaryOp, Collective, CommStep, Flops, Op, P2p, ReduceOp,
     ReshardSpec, StateKind, UnaryOp,

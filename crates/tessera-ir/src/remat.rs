@@ -33,7 +33,7 @@
 //! values equal the originals bit for bit.
 
 use crate::{Builder, Graph, IrError, Phase, Result, ScopeId, TensorId};
-use crate::{Node, TrainingGraph};
+use crate::{Node, TensorIds, TrainingGraph};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -214,7 +214,11 @@ pub fn rematerialize(tg: &TrainingGraph, ckpt: &Checkpointing) -> Result<Trainin
 
     let mut r = Rewriter {
         g,
-        b: Builder::from_graph(Graph::new()),
+        // The recomputed forward adds up to about half the forward again.
+        b: Builder::from_graph(Graph::with_capacity(
+            g.nodes.len() + g.nodes.len() / 4,
+            g.tensors.len() + g.tensors.len() / 4,
+        )),
         map: vec![None; g.tensors.len()],
         memo: vec![None; g.tensors.len()],
     };
@@ -279,7 +283,7 @@ impl Rewriter<'_> {
         })
     }
 
-    fn push(&mut self, node: &Node, phase: Phase, ins: &[TensorId]) -> Result<Vec<TensorId>> {
+    fn push(&mut self, node: &Node, phase: Phase, ins: &[TensorId]) -> Result<TensorIds> {
         self.b.set_scope_id(node.scope);
         self.b.set_block(node.block);
         self.b.set_phase(phase);

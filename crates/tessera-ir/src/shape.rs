@@ -4,17 +4,21 @@ use crate::DType;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+/// A shape's dims: inline up to four (every tensor of the transformer families), so that
+/// the planner's many graph copies do not allocate per tensor.
+pub type Dims = smallvec::SmallVec<[usize; 4]>;
+
 /// A tensor shape: the size of each dimension ("dim"), outermost first.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct Shape(pub Vec<usize>);
+pub struct Shape(pub Dims);
 
 impl Shape {
     pub fn new(dims: impl Into<Vec<usize>>) -> Shape {
-        Shape(dims.into())
+        Shape(Dims::from_vec(dims.into()))
     }
     pub fn scalar() -> Shape {
-        Shape(Vec::new())
+        Shape(Dims::new())
     }
     pub fn rank(&self) -> usize {
         self.0.len()
@@ -55,7 +59,7 @@ impl Shape {
                 _ => return None,
             };
         }
-        Some(Shape(out))
+        Some(Shape::from(out))
     }
 
     /// True when `self` broadcasts to `target` (right-aligned, size-1 or equal dims).
@@ -92,17 +96,17 @@ impl fmt::Display for Shape {
 
 impl From<Vec<usize>> for Shape {
     fn from(v: Vec<usize>) -> Shape {
-        Shape(v)
+        Shape(Dims::from_vec(v))
     }
 }
 impl<const N: usize> From<[usize; N]> for Shape {
     fn from(v: [usize; N]) -> Shape {
-        Shape(v.to_vec())
+        Shape(Dims::from_slice(&v))
     }
 }
 impl From<&[usize]> for Shape {
     fn from(v: &[usize]) -> Shape {
-        Shape(v.to_vec())
+        Shape(Dims::from_slice(v))
     }
 }
 

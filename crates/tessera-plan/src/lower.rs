@@ -708,9 +708,9 @@ pub(crate) fn replay_tagged(
     micro_batches: usize,
 ) -> Result<(TrainingGraph, Vec<ReplayTag>)> {
     let g = &tg.graph;
-    let mut tags: Vec<ReplayTag> = Vec::new();
     let mb = micro_batches.max(1);
-    let mut b = Builder::from_graph(Graph::new());
+    let mut tags: Vec<ReplayTag> = Vec::with_capacity(g.nodes.len() * mb);
+    let mut b = Builder::from_graph(Graph::with_capacity(g.nodes.len() * mb, g.tensors.len() * mb));
     for s in 1..g.num_scopes() {
         b.graph.intern_scope(g.scope_name(tessera_ir::ScopeId(s as u32)));
     }
@@ -738,7 +738,7 @@ pub(crate) fn replay_tagged(
                    n: &tessera_ir::Node,
                    inputs: &[TensorId],
                    k: usize|
-     -> Result<Vec<TensorId>> {
+     -> Result<tessera_ir::TensorIds> {
         b.set_scope_id(n.scope);
         b.set_block(n.block);
         b.set_phase(n.phase);
@@ -779,10 +779,10 @@ pub(crate) fn replay_tagged(
                     let name = micro_batch_input(g.scope_name(n.scope), k);
                     b.set_block(n.block);
                     b.set_phase(n.phase);
-                    vec![b.input(&name, m.shape.clone(), m.dtype)]
+                    smallvec::smallvec![b.input(&name, m.shape.clone(), m.dtype)]
                 }
                 _ => {
-                    let mut ins = Vec::with_capacity(n.inputs.len());
+                    let mut ins = tessera_ir::TensorIds::with_capacity(n.inputs.len());
                     for t in &n.inputs {
                         let p = g.producer(*t);
                         if n.phase == Phase::Backward && p.phase == Phase::Forward && gathers(&p.op)

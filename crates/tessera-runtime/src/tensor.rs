@@ -42,7 +42,7 @@ pub fn size_bytes(t: &Tensor) -> u64 {
 
 /// The IR metadata of a tensor.
 pub fn meta_of(t: &Tensor) -> Option<TensorMeta> {
-    Some(TensorMeta { shape: Shape(t.dims().to_vec()), dtype: ir_dtype(t.dtype())? })
+    Some(TensorMeta { shape: Shape::from(t.dims()), dtype: ir_dtype(t.dtype())? })
 }
 
 /// Checks that `t` has exactly the shape and dtype the IR expects.

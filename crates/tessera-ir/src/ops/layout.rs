@@ -26,7 +26,7 @@ pub(crate) fn infer_permute(x: &[&TensorMeta], perm: &[usize]) -> Result<Vec<Ten
         return Err(format!("{perm:?} is not a permutation of {r} dims"));
     }
     let dims = perm.iter().map(|&p| x[0].shape.dim(p)).collect::<Vec<_>>();
-    Ok(vec![TensorMeta { shape: Shape(dims), dtype: x[0].dtype }])
+    Ok(vec![TensorMeta { shape: Shape::from(dims), dtype: x[0].dtype }])
 }
 
 pub(crate) fn infer_slice(

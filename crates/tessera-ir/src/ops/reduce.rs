@@ -16,7 +16,7 @@ pub fn reduced_shape(shape: &Shape, dims: &[usize], keepdim: bool) -> Shape {
             out.push(d);
         }
     }
-    Shape(out)
+    Shape::from(out)
 }
 
 fn check_dims(m: &TensorMeta, dims: &[usize]) -> Result<(), String> {

@@ -252,7 +252,7 @@ fn reorder(
         };
         groups[group].push(i);
     }
-    let mut b = Builder::from_graph(Graph::new());
+    let mut b = Builder::from_graph(Graph::with_capacity(g.nodes.len(), g.tensors.len()));
     for s in 1..g.num_scopes() {
         b.graph.intern_scope(g.scope_name(tessera_ir::ScopeId(s as u32)));
     }
