@@ -182,6 +182,16 @@ fn pipelined_checkpoints_resume_under_any_plan_and_back() {
     };
     assert!(ranks(wte).iter().all(|r| r % 2 == 0), "{wte}");
     assert!(ranks(last).iter().all(|r| r % 2 == 1), "{last}");
+    // Every file and tensor checks out, and the export gathers both stages' parameters.
+    let out = tessera(&["checkpoint", "verify", ck_a.to_str().unwrap(), "--format", "json"]);
+    assert!(out.status.success(), "verify: {}", String::from_utf8_lossy(&out.stderr));
+    let verified: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!((verified["ok"].as_bool(), verified["step"].as_u64()), (Some(true), Some(2)));
+    let hf = dir.join("hf");
+    let out =
+        tessera(&["export", "--checkpoint", ck_a.to_str().unwrap(), "--hf", hf.to_str().unwrap()]);
+    assert!(out.status.success(), "export: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(hf.join("model.safetensors").is_file());
     let (_, b) = run_4_steps(
         &dir,
         "b",
