@@ -289,10 +289,34 @@ fn run_jobs(
     jobs: &[Job],
     mbs: &[usize],
 ) -> Result<Vec<JobResult>> {
-    let first: Vec<JobResult> =
-        parallel_map(jobs, |j| run_job_zero3(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
-    // The second phase is bounded by the first one's fits, the same whatever the timing.
+    let first = first_round(req, p, jobs, mbs)?;
+    second_round(req, p, jobs, mbs, first, true)
+}
+
+/// The first round: every job under ZeRO-3 ([`run_job_zero3`]); its fits are published as
+/// the second round's bound (the same whatever the timing).
+fn first_round(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+) -> Result<Vec<JobResult>> {
+    let first = parallel_map(jobs, |j| run_job_zero3(req, p, j, mbs)).into_iter().collect();
     p.fastest.publish();
+    first
+}
+
+/// The second round: every job's lower ZeRO stages, bounded by what is published; the
+/// results merged with the first round's, in job order. When nothing fitted and `deferred`
+/// (no other phase has a plan), the deferred candidates are evaluated ([`run_deferred`]).
+fn second_round(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+    first: Vec<JobResult>,
+    deferred: bool,
+) -> Result<Vec<JobResult>> {
     let rest: Vec<JobResult> =
         parallel_map(jobs, |j| run_job(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
     let mut results: Vec<JobResult> = rest
@@ -304,7 +328,7 @@ fn run_jobs(
             r
         })
         .collect();
-    if results.iter().all(|r| r.fits.is_empty()) {
+    if deferred && results.iter().all(|r| r.fits.is_empty()) {
         run_deferred(req, p, jobs, mbs, &mut results)?;
     }
     Ok(results)
@@ -459,23 +483,36 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let p = req.problem();
     let mbs = req.micro_batch_options();
     let jobs = auto_jobs(req)?;
-    let mut results = run_jobs(req, &p, &jobs, &mbs)?;
+    let trace = std::env::var_os("TESSERA_TRACE").is_some();
+    let first = first_round(req, &p, &jobs, &mbs)?;
+    // The pipeline phase between the two rounds: bounded by the first round's fastest fit
+    // (its priced step time is its exact one, `crate::priced`), and its plan — a Megatron
+    // configuration, lowered exactly — bounds the second round, which then skips what cannot
+    // beat it.
+    let bound = fastest(&jobs, &first).map_or(f64::INFINITY, Evaluated::step_time_s);
+    let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
+    let piped = phase.plan.as_ref().map(|plan| plan.predicted.step_time_s);
+    if let Some(t) = piped {
+        p.fastest.seed(t);
+    }
+    let t1 = Instant::now();
+    let mut results = second_round(req, &p, &jobs, &mbs, first, piped.is_none())?;
+    if trace {
+        let tried: usize = results.iter().map(|r| r.tried).sum();
+        eprintln!(
+            "trace: phases without a pipeline: {tried} candidates; the second round in {:?}",
+            t1.elapsed()
+        );
+    }
     // The Megatron baseline from the search's own figures (priced, see `crate::priced`).
     let flat_megatron = best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
-    if std::env::var_os("TESSERA_TRACE").is_some() {
-        let tried: usize = results.iter().map(|r| r.tried).sum();
-        eprintln!("trace: phases without a pipeline: {tried} candidates in {:?}", t0.elapsed());
-    }
-    // The pipeline phase: what beats the fastest plan without a pipeline (its priced step
-    // time is its exact one, `crate::priced`).
-    let bound = fastest(&jobs, &results).map_or(f64::INFINITY, Evaluated::step_time_s);
-    let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
     // Every pipelined candidate is a Megatron configuration: the baseline grid includes them.
     let megatron = phase.megatron_baseline(flat_megatron);
-    let mut plan = match phase.plan {
-        Some(plan) => plan,
+    let flat = fastest(&jobs, &results).map(Evaluated::step_time_s);
+    let mut plan = match (phase.plan, piped) {
+        (Some(plan), Some(t)) if flat.is_none_or(|f| t < f) => plan,
         // Lowered exactly only when it is the answer.
-        None => match exact_fastest(req, &p, &jobs, &mut results)? {
+        _ => match exact_fastest(req, &p, &jobs, &mut results)? {
             Some(e) => req.to_plan(&e, "auto", 0.0)?,
             None => return Err(infeasible(req, &p)),
         },

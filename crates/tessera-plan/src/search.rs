@@ -180,6 +180,13 @@ impl FastestSoFar {
             .fetch_min(step_time_s.to_bits(), std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Records a Megatron-style plan another phase found (the pipeline phase: every pipelined
+    /// plan is a Megatron configuration) and publishes it as a bound.
+    pub fn seed(&self, step_time_s: f64) {
+        self.record(&AxisRule::Megatron { sp: false }, step_time_s);
+        self.publish();
+    }
+
     /// Makes everything recorded so far the bound (call with no search thread running).
     pub fn publish(&self) {
         for (r, p) in self.recorded.iter().zip(&self.published) {

@@ -18,7 +18,8 @@
 //! it is the *writer* of its chunk: the lowest rank holding that chunk ([`crate::state_table`];
 //! on an SPMD plan [`DeviceMesh::is_writer`]'s rank, coordinate 0 on every mesh axis the
 //! placement does not split; under a pipeline a rank of the stage holding the tensor), so
-//! replicas are stored once and every chunk exactly once. The manifest's `sharded` section records the mesh shape, the world size, the
+//! replicas are stored once and every chunk exactly once. The manifest's `sharded` section
+//! records the mesh shape, the world size, the
 //! caller's `layout` (the plan, verbatim) and, for every tensor (sorted by name): its name,
 //! role (`param` or `optimizer`: `<param>.adam_m|adam_v|master` of a saved parameter),
 //! global shape, dtype (candle's name: `f32`, `bf16`, ...), placement, and its chunks, each
