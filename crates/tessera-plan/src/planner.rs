@@ -509,12 +509,14 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     // Every pipelined candidate is a Megatron configuration: the baseline grid includes them.
     let megatron = phase.megatron_baseline(flat_megatron);
     let flat = fastest(&jobs, &results).map(Evaluated::step_time_s);
-    let mut plan = match (phase.plan, piped) {
-        (Some(plan), Some(t)) if flat.is_none_or(|f| t < f) => plan,
-        // Lowered exactly only when it is the answer.
-        _ => match exact_fastest(req, &p, &jobs, &mut results)? {
+    let pipeline_wins = piped.is_some_and(|t| flat.is_none_or(|f| t < f));
+    let mut plan = match phase.plan {
+        Some(plan) if pipeline_wins => plan,
+        // Lowered exactly only when it is the answer; should no flat plan fit exactly (its
+        // priced peak was the same), the pipelined one still does.
+        piped_plan => match exact_fastest(req, &p, &jobs, &mut results)? {
             Some(e) => req.to_plan(&e, "auto", 0.0)?,
-            None => return Err(infeasible(req, &p)),
+            None => piped_plan.ok_or_else(|| infeasible(req, &p))?,
         },
     };
     plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
