@@ -214,7 +214,8 @@ pub fn rematerialize(tg: &TrainingGraph, ckpt: &Checkpointing) -> Result<Trainin
 
     let mut r = Rewriter {
         g,
-        // The recomputed forward adds up to about half the forward again.
+        // Room for the recomputed forward too (at most the forward, about a third of a
+        // training graph; usually far less).
         b: Builder::from_graph(Graph::with_capacity(
             g.nodes.len() + g.nodes.len() / 4,
             g.tensors.len() + g.tensors.len() / 4,

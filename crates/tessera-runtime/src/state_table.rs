@@ -184,8 +184,8 @@ pub fn merge(tables: &[RankTable]) -> Result<Vec<ShardedTensor>> {
         }
     }
     let mut out = Vec::with_capacity(merged.len());
+    let at = DeviceMesh::new(&first.mesh, 0)?;
     for (name, (mut desc, _, writers)) in merged {
-        let at = DeviceMesh::new(&first.mesh, 0)?;
         let grid: Vec<usize> =
             desc.placement.iter().map(|axes| Ok(at.chunk(axes)?.0)).collect::<Result<_>>()?;
         let want: usize = grid.iter().product();

@@ -721,12 +721,12 @@ pub fn gather_params_to<B: Backend>(
         .ok_or_else(|| binding("gathering parameters needs a communicator".into()))?;
     let table = state_table::merge(&state_table::exchange(comm, &mine)?)?;
     let mut out = HashMap::with_capacity(table.len());
+    // Chunk counts per dim do not depend on the rank.
+    let origin = DeviceMesh::new(&mine.mesh, 0)?;
     for t in &table {
         let placement = &t.placement;
-        let grid: Vec<usize> = placement
-            .iter()
-            .map(|axes| Ok(DeviceMesh::new(&mine.mesh, 0)?.chunk(axes)?.0))
-            .collect::<Result<_>>()?;
+        let grid: Vec<usize> =
+            placement.iter().map(|axes| Ok(origin.chunk(axes)?.0)).collect::<Result<_>>()?;
         let chunk: Vec<usize> = t.shape.iter().zip(&grid).map(|(s, n)| s / n).collect();
         if me != root {
             if t.chunks.iter().any(|c| c.rank == me) {
