@@ -110,6 +110,8 @@ fn gpt2_pipelines_train_like_one_device() {
             (2, "pp2 mb4 sched=zb-h1"),
             (4, "tp2 pp2 mb4 sched=zb-h1"),
             (8, "dp2 tp2 pp2 mb4 zero1"),
+            // Unequal stages, each with its own checkpointing.
+            (2, "pp2 mb4 stages=3:full,5"),
         ],
     );
 }
@@ -125,6 +127,7 @@ fn llama_pipelines_train_like_one_device() {
             (4, "dp2 pp2 mb2"),
             (4, "tp2 pp2 mb2"),
             (2, "pp2 mb2 sched=zb-h1"),
+            (4, "pp4 mb2 stages=1,3,2:selective,2"),
         ],
     );
 }
@@ -264,6 +267,44 @@ fn a_pipelined_plan_lists_its_stages_and_bubble() {
     // stages' unequal work (embedding, head) and transfers.
     let bubble = doc["predicted"]["bubble_fraction"].as_f64().expect("bubble_fraction");
     assert!((0.1..0.45).contains(&bubble), "bubble {bubble}");
+}
+
+#[test]
+fn unequal_stages_are_planned_as_written() {
+    let cfg = "pp4 mb4 stages=1:full,3,2:selective,2";
+    let out = plan_tiny(&["--plan", cfg, "--format", "json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON plan");
+    assert_eq!(doc["config"], "dp1 tp1 pp4 mb4 stages=1:full,3,2:selective,2", "{doc}");
+    let stages = doc["pipeline"]["stages"].as_array().expect("stages");
+    let blocks: Vec<&Value> = stages.iter().map(|s| &s["blocks"]).collect();
+    assert_eq!(serde_json::json!(blocks), serde_json::json!([[0, 1], [1, 4], [4, 6], [6, 8]]));
+    let modes: Vec<&str> =
+        doc["checkpoint"].as_array().unwrap().iter().map(|c| c["mode"].as_str().unwrap()).collect();
+    let want = ["full", "none", "none", "none", "selective", "selective", "none", "none"];
+    assert_eq!(modes, want);
+    // --explain: each stage with its blocks and checkpointing.
+    let out = plan_tiny(&["--plan", cfg, "--explain"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for (i, (blocks, mode)) in
+        [("0..1", "full"), ("1..4", "none"), ("4..6", "selective"), ("6..8", "none")]
+            .iter()
+            .enumerate()
+    {
+        let line = text.lines().find(|l| l.trim_start().starts_with(&format!("{i} ")));
+        let line = line.unwrap_or_else(|| panic!("no line for stage {i}:\n{text}"));
+        assert!(line.contains(blocks) && line.contains(mode), "{line}");
+    }
+    // Stages that do not match the pipeline or the model: a clear error.
+    for (bad, want) in [
+        ("pp4 stages=1,2,5", "lists 3 stages but pp4 makes 4"),
+        ("dp2 pp2 stages=3,3", "covers 6 blocks but the model has 8"),
+    ] {
+        let out = plan_tiny(&["--plan", bad]);
+        assert!(!out.status.success(), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{bad}: {err}");
+    }
 }
 
 #[test]

@@ -155,6 +155,24 @@ pub fn choose_or_resting(
         return Ok(Err(none.memory.resting_bytes));
     }
     let full = finish(u, &Checkpointing::uniform(nb, CkptMode::Full), mesh, cost)?;
+    choose_after(u, mesh, cost, budget, bound_s, none, full)
+}
+
+/// [`choose_or_resting`] past its first two lowerings: `none` and `full` are `u` lowered with
+/// no checkpointing and with full recompute on every block.
+pub fn choose_after(
+    u: &Unfinished,
+    mesh: &Mesh,
+    cost: &CostModel,
+    budget: u64,
+    bound_s: f64,
+    none: Lowered,
+    full: Lowered,
+) -> Result<std::result::Result<Lowered, u64>> {
+    let nb = tessera_ir::remat::num_blocks(&u.training.graph);
+    if none.memory.peak_bytes <= budget {
+        return Ok(Ok(none));
+    }
     if full.memory.peak_bytes > budget {
         return Ok(Err(full.memory.resting_bytes));
     }

@@ -3,10 +3,11 @@
 //!
 //! ```text
 //! config := token ((' ' | '+')+ token)*          case-insensitive, each kind at most once
-//! token  := dpN | tpN | ppN | zeroK | mbN | sp | ckpt=MODE | sched=SCHED
+//! token  := dpN | tpN | ppN | zeroK | mbN | sp | ckpt=MODE | sched=SCHED | stages=STAGES
 //!                                                N >= 1, K in 0..=3
 //! MODE   := none | selective | full
 //! SCHED  := gpipe | 1f1b | interleaved:V | zb-h1  V >= 2 (chunks per device)
+//! STAGES := N[:MODE] (',' N[:MODE])*              blocks (and checkpointing) per virtual stage
 //! ```
 //!
 //! Defaults: `dp1 tp1 pp1 zero0 mb1`, no `sp`, no schedule (`sched=` not given: 1F1B, or the
@@ -14,8 +15,9 @@
 //! under the budget). A schedule needs a pipeline: `sched=` with pp1 is refused.
 //!
 //! Canonical form ([`ParallelConfig::canonical`], also `Display`): `dp{dp} tp{tp}` always, then
-//! `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `mb{n}` if n > 1, `sched={schedule}` if given
-//! and `ckpt={mode}` if given — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
+//! `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `mb{n}` if n > 1, `sched={schedule}` if given,
+//! `stages={list}` if given (unequal stages, see [`crate::pipeline::layout`]) and `ckpt={mode}`
+//! if given — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
 //! `dp2 tp2 pp4 zero1 mb8 sched=interleaved:2`, or `dp8 tp1` for pure data parallelism. It
 //! parses back to the same config.
 //!
@@ -23,6 +25,7 @@
 //! the model (enough blocks for the stages and chunks, Megatron's micro-batch rule for
 //! interleaving) are in [`ParallelConfig::check_pipeline`].
 
+use crate::pipeline::layout::{self, Stage};
 use crate::pipeline::ScheduleKind;
 use crate::{PlanError, Result};
 use serde::{Deserialize, Serialize};
@@ -57,6 +60,10 @@ pub struct ParallelConfig {
     /// pp > 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<ScheduleKind>,
+    /// Blocks (and optionally checkpointing) of each virtual stage, in pipeline order; empty:
+    /// the blocks split evenly (see [`crate::pipeline::layout`]). Only with pp > 1.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<Stage>,
 }
 
 fn one() -> usize {
@@ -68,8 +75,8 @@ fn is_one(n: &usize) -> bool {
 }
 
 const GRAMMAR: &str = "a config is tokens dpN, tpN, ppN, zeroK (K = 0..3), mbN, sp, \
-                       ckpt=none|selective|full and sched=gpipe|1f1b|interleaved:V|zb-h1 \
-                       (with ppN, N > 1), separated by spaces or +, e.g. \
+                       ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 and \
+                       stages=N[:MODE],... (with ppN, N > 1), separated by spaces or +, e.g. \
                        `dp2 tp4 sp zero1 mb4 ckpt=selective` or `dp2 tp2 pp4 mb8 sched=1f1b`";
 
 /// The schedules' spellings, for messages.
@@ -86,6 +93,7 @@ impl Default for ParallelConfig {
             ckpt: None,
             pp: 1,
             schedule: None,
+            stages: Vec::new(),
         }
     }
 }
@@ -120,6 +128,9 @@ impl ParallelConfig {
                     ))
                 })?);
                 "ckpt"
+            } else if let Some(list) = tok.strip_prefix("stages=") {
+                cfg.stages = layout::parse_stages(raw, list).map_err(&invalid)?;
+                "stages"
             } else if let Some(name) = tok.strip_prefix("sched=") {
                 cfg.schedule = Some(schedule(raw, name).map_err(&invalid)?);
                 "sched"
@@ -203,6 +214,26 @@ impl ParallelConfig {
                 )));
             }
         }
+        if !self.stages.is_empty() {
+            let list = layout::format_stages(&self.stages);
+            if self.pp < 2 {
+                return Err(PlanError::Invalid(format!(
+                    "stages={list}: stages need a pipeline; add ppN with N = the number of \
+                     stages, e.g. `pp{} stages={list}`",
+                    self.stages.len().max(2)
+                )));
+            }
+            let chunks = self.schedule.map_or(1, ScheduleKind::chunks);
+            let want = self.pp.saturating_mul(chunks);
+            if self.stages.len() != want {
+                return Err(PlanError::Invalid(format!(
+                    "stages={list} lists {} stages but pp{} makes {want} virtual stages: give \
+                     one block count per virtual stage",
+                    self.stages.len(),
+                    self.pp
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -233,6 +264,10 @@ impl ParallelConfig {
                 "pp{pp} needs at least {pp} blocks; the model has {num_blocks}: {fix}"
             )));
         }
+        if !self.stages.is_empty() {
+            let chunks = self.schedule.map_or(1, ScheduleKind::chunks);
+            layout::check(&self.stages, pp, chunks, num_blocks)?;
+        }
         let Some(ScheduleKind::Interleaved { v }) = self.schedule else {
             return Ok(());
         };
@@ -249,7 +284,7 @@ impl ParallelConfig {
                  block, but the model has {num_blocks} blocks: {fix}"
             )));
         }
-        if num_blocks.is_multiple_of(pp) {
+        if num_blocks.is_multiple_of(pp) && self.stages.is_empty() {
             let per_stage = num_blocks / pp;
             if !per_stage.is_multiple_of(v) {
                 let fits: Vec<String> = (2..=per_stage)
@@ -296,6 +331,9 @@ impl ParallelConfig {
         }
         if let Some(sched) = self.schedule {
             s.push_str(&format!(" sched={sched}"));
+        }
+        if !self.stages.is_empty() {
+            s.push_str(&format!(" stages={}", layout::format_stages(&self.stages)));
         }
         if let Some(m) = self.ckpt {
             s.push_str(&format!(" ckpt={m}"));
@@ -347,13 +385,24 @@ impl ParallelConfig {
     /// `--num-virtual-stages-per-pipeline-rank` is recent Megatron-LM's flag; older releases
     /// only take `--num-layers-per-virtual-pipeline-stage` (layers / pp / V), which needs the
     /// model's layer count and is not emitted. GPipe and ZB-H1 have no Megatron-LM flag: those
-    /// configs get 1F1B's flags.
+    /// configs get 1F1B's flags. Unequal stages (`stages=`) whose middle stages are equal map
+    /// to Megatron-core's `--decoder-first-pipeline-num-layers` and
+    /// `--decoder-last-pipeline-num-layers`; other layouts and per-stage checkpointing have no
+    /// Megatron flag.
     pub fn megatron_flags(&self) -> String {
         let mut flags = vec![format!("--tensor-model-parallel-size {}", self.tp)];
         if self.pp > 1 {
             flags.push(format!("--pipeline-model-parallel-size {}", self.pp));
             if let Some(ScheduleKind::Interleaved { v }) = self.schedule {
                 flags.push(format!("--num-virtual-stages-per-pipeline-rank {v}"));
+            }
+            let sizes = layout::sizes(&self.stages);
+            if let [first, middle @ .., last] = sizes.as_slice() {
+                let even = middle.first().is_none_or(|m| middle.iter().all(|x| x == m));
+                if self.schedule.map_or(1, ScheduleKind::chunks) == 1 && even {
+                    flags.push(format!("--decoder-first-pipeline-num-layers {first}"));
+                    flags.push(format!("--decoder-last-pipeline-num-layers {last}"));
+                }
             }
         }
         if self.sp {
@@ -388,6 +437,9 @@ impl ParallelConfig {
 fn bare_keyword(raw: &str, tok: &str) -> Option<String> {
     match tok {
         "ckpt" => Some(format!("`{raw}`: write ckpt=none, ckpt=selective or ckpt=full")),
+        "stages" => Some(format!(
+            "`{raw}`: give the blocks of each virtual stage, e.g. stages=7:full,8,9,8 (with ppN)"
+        )),
         "sched" => Some(format!(
             "`{raw}`: write sched=gpipe, sched=1f1b, sched=interleaved:V or sched=zb-h1 (with ppN)"
         )),
@@ -452,341 +504,4 @@ impl FromStr for ParallelConfig {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> ParallelConfig {
-        ParallelConfig { dp, tp, zero, micro_batches, sp, ckpt: None, pp: 1, schedule: None }
-    }
-
-    fn err(s: &str) -> String {
-        ParallelConfig::parse(s).expect_err(s).to_string()
-    }
-
-    #[test]
-    fn parses_tokens_in_any_order_and_case() {
-        let cases = [
-            ("dp2 tp4 zero1 mb2 sp", cfg(2, 4, 1, 2, true)),
-            ("SP+TP4+dp2", cfg(2, 4, 0, 1, true)),
-            ("zero2", cfg(1, 1, 2, 1, false)),
-            ("dp8", cfg(8, 1, 0, 1, false)),
-            ("  tp2 +  dp4  ", cfg(4, 2, 0, 1, false)),
-            ("dp1 tp1 zero0 mb1", ParallelConfig::default()),
-            ("dp4 zero3", cfg(4, 1, 3, 1, false)),
-            ("zero1", cfg(1, 1, 1, 1, false)),
-        ];
-        for (s, want) in cases {
-            assert_eq!(ParallelConfig::parse(s).unwrap(), want, "{s}");
-            assert_eq!(s.parse::<ParallelConfig>().unwrap(), want, "{s}");
-        }
-    }
-
-    #[test]
-    fn canonical_form_and_round_trip() {
-        assert_eq!(cfg(2, 4, 1, 4, true).canonical(), "dp2 tp4 sp zero1 mb4");
-        assert_eq!(cfg(8, 1, 0, 1, false).canonical(), "dp8 tp1");
-        assert_eq!(cfg(1, 1, 2, 1, false).to_string(), "dp1 tp1 zero2");
-        for s in [
-            "dp2 tp4 zero1 mb2 sp",
-            "zero2",
-            "dp8",
-            "mb8+tp2+sp",
-            "dp16 tp8 zero3",
-            "pp4 mb8 sched=interleaved:2 ckpt=selective",
-        ] {
-            let c = ParallelConfig::parse(s).unwrap();
-            let canon = c.canonical();
-            let back = ParallelConfig::parse(&canon).unwrap();
-            assert_eq!(back, c, "{s}");
-            assert_eq!(back.canonical(), canon, "{s}");
-        }
-    }
-
-    #[test]
-    fn devices_is_dp_times_tp() {
-        let c = ParallelConfig::parse("dp2 tp4").unwrap();
-        assert_eq!(c.devices(), 8);
-        assert!(c.check_devices(8).is_ok());
-        let e = c.check_devices(16).unwrap_err().to_string();
-        assert!(e.contains("8 devices") && e.contains("16"), "{e}");
-    }
-
-    fn pipe(dp: usize, tp: usize, pp: usize, schedule: Option<ScheduleKind>) -> ParallelConfig {
-        ParallelConfig { dp, tp, pp, schedule, ..ParallelConfig::default() }
-    }
-
-    #[test]
-    fn pipeline_tokens_parse_and_round_trip() {
-        let cases = [
-            ("pp4", pipe(1, 1, 4, None), "dp1 tp1 pp4"),
-            ("tp2+pp4", pipe(1, 2, 4, None), "dp1 tp2 pp4"),
-            (
-                "dp2 tp2 pp4 zero1",
-                ParallelConfig { zero: 1, ..pipe(2, 2, 4, None) },
-                "dp2 tp2 pp4 zero1",
-            ),
-            (
-                "pp2 sched=interleaved:2",
-                pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 2 })),
-                "dp1 tp1 pp2 sched=interleaved:2",
-            ),
-            ("pp2 sched=zb-h1", pipe(1, 1, 2, Some(ScheduleKind::ZbH1)), "dp1 tp1 pp2 sched=zb-h1"),
-            (
-                "pp2 sched=gpipe",
-                pipe(1, 1, 2, Some(ScheduleKind::Gpipe)),
-                "dp1 tp1 pp2 sched=gpipe",
-            ),
-            (
-                "PP2 SCHED=1F1B",
-                pipe(1, 1, 2, Some(ScheduleKind::OneFOneB)),
-                "dp1 tp1 pp2 sched=1f1b",
-            ),
-            (
-                "sched=1f1b pp2",
-                pipe(1, 1, 2, Some(ScheduleKind::OneFOneB)),
-                "dp1 tp1 pp2 sched=1f1b",
-            ),
-            ("pp1 dp4", pipe(4, 1, 1, None), "dp4 tp1"),
-            (
-                "ckpt=full sched=Interleaved:4 mb8 sp tp2 pp3 zero1 dp2",
-                ParallelConfig {
-                    zero: 1,
-                    micro_batches: 8,
-                    sp: true,
-                    ckpt: Some(CkptMode::Full),
-                    ..pipe(2, 2, 3, Some(ScheduleKind::Interleaved { v: 4 }))
-                },
-                "dp2 tp2 pp3 sp zero1 mb8 sched=interleaved:4 ckpt=full",
-            ),
-        ];
-        for (s, want, canon) in cases {
-            let c = ParallelConfig::parse(s).unwrap();
-            assert_eq!(c, want, "{s}");
-            assert_eq!(c.canonical(), canon, "{s}");
-            assert_eq!(c.to_string(), canon, "{s}");
-            assert_eq!(canon.parse::<ParallelConfig>().unwrap(), c, "{s}");
-            assert!(c.validate().is_ok(), "{s}");
-            let json = serde_json::to_string(&c).unwrap();
-            assert_eq!(serde_json::from_str::<ParallelConfig>(&json).unwrap(), c, "{json}");
-        }
-        // pp1 and no schedule stay out of plan files written before pipelines.
-        let json = serde_json::to_value(ParallelConfig::parse("dp2").unwrap()).unwrap();
-        assert!(json.get("pp").is_none() && json.get("schedule").is_none(), "{json}");
-    }
-
-    #[test]
-    fn malformed_pipeline_tokens_name_the_problem() {
-        let e = err("pp0");
-        assert!(e.contains("`pp0`: pp must be at least 1"), "{e}");
-        let e = err("ppx");
-        assert!(e.contains("expected a number after `pp`") && e.contains("pp4"), "{e}");
-        let e = err("pp2 sched=foo");
-        assert!(e.contains("`sched=foo`: schedules are gpipe, 1f1b, interleaved:V"), "{e}");
-        assert!(e.contains("zb-h1"), "{e}");
-        let e = err("pp2 sched=");
-        assert!(e.contains("schedules are"), "{e}");
-        let e = err("pp2 sched");
-        assert!(e.contains("write sched=gpipe"), "{e}");
-        let e = err("pp2 sched=interleaved");
-        assert!(e.contains("`sched=interleaved`") && e.contains("interleaved:2"), "{e}");
-        let e = err("pp2 sched=interleaved:1");
-        assert!(e.contains("at least 2 chunks") && e.contains("sched=1f1b"), "{e}");
-        let e = err("pp2 sched=interleaved:0");
-        assert!(e.contains("at least 2 chunks"), "{e}");
-        let e = err("pp2 sched=interleaved:x");
-        assert!(e.contains("expected a number after `interleaved:`"), "{e}");
-        let e = err("pp2 sched=interleaved:99999999999999999999999");
-        assert!(e.contains("too large"), "{e}");
-        let e = err("sched=1f1b");
-        assert!(e.contains("a schedule needs pp >= 2; add ppN"), "{e}");
-        let e = err("dp2 pp1 sched=zb-h1");
-        assert!(e.contains("a schedule needs pp >= 2") && e.contains("pp2 sched=zb-h1"), "{e}");
-        let e = err("pp2 pp4");
-        assert!(e.contains("`pp` is given twice"), "{e}");
-        let e = err("pp2 sched=1f1b sched=gpipe");
-        assert!(e.contains("`sched` is given twice"), "{e}");
-        let e = err("dp4294967296 pp4294967296");
-        assert!(e.contains("overflows") && e.contains("pp4294967296"), "{e}");
-    }
-
-    #[test]
-    fn devices_count_the_pipeline() {
-        let c = ParallelConfig::parse("dp2 tp2 pp4 zero1").unwrap();
-        assert_eq!(c.devices(), 16);
-        assert!(c.check_devices(16).is_ok());
-        let e = ParallelConfig::parse("dp2 pp4").unwrap().check_devices(4).unwrap_err();
-        let e = e.to_string();
-        assert!(e.contains("dp×tp×pp = 2×1×4 = 8 devices"), "{e}");
-        assert!(e.contains("the cluster has 4") && e.contains("multiply to 4"), "{e}");
-        assert!(e.contains("e.g. `dp1 tp1 pp4`"), "{e}");
-        // No data-parallel degree fits: no example.
-        let e = ParallelConfig::parse("tp2 pp4").unwrap().check_devices(4).unwrap_err();
-        assert!(!e.to_string().contains("e.g."), "{e}");
-    }
-
-    #[test]
-    fn check_pipeline_needs_enough_blocks() {
-        let c = ParallelConfig::parse("pp8").unwrap();
-        let e = c.check_pipeline(4, None).unwrap_err().to_string();
-        assert!(
-            e.contains("pp8 needs at least 8 blocks; the model has 4: use pp4 or fewer"),
-            "{e}"
-        );
-        assert!(c.check_pipeline(8, None).is_ok());
-        assert!(c.check_pipeline(13, Some(3)).is_ok(), "1f1b has no micro-batch rule");
-        let e = ParallelConfig::parse("pp2").unwrap().check_pipeline(1, None).unwrap_err();
-        assert!(e.to_string().contains("drop ppN"), "{e}");
-        // No pipeline, nothing to check.
-        assert!(ParallelConfig::parse("dp4").unwrap().check_pipeline(0, Some(3)).is_ok());
-        for s in ["pp4 sched=gpipe mb3", "pp4 sched=zb-h1", "pp4 sched=1f1b mb5"] {
-            assert!(ParallelConfig::parse(s).unwrap().check_pipeline(6, Some(7)).is_ok(), "{s}");
-        }
-    }
-
-    #[test]
-    fn check_pipeline_interleaved_rules() {
-        let c = ParallelConfig::parse("pp2 sched=interleaved:3").unwrap();
-        // 8 blocks: 4 per stage, which 3 chunks do not split.
-        let e = c.check_pipeline(8, None).unwrap_err().to_string();
-        assert!(e.contains("sched=interleaved:3 on pp2"), "{e}");
-        assert!(e.contains("each stage's 4 blocks (8 blocks / pp2) do not split into 3"), "{e}");
-        assert!(e.contains("interleaved:2, interleaved:4"), "{e}");
-        assert!(c.check_pipeline(12, None).is_ok());
-        // Uneven stages: only every virtual stage needing a block.
-        assert!(c.check_pipeline(7, None).is_ok());
-        let e = c.check_pipeline(5, None).unwrap_err().to_string();
-        assert!(e.contains("pp × V = 2 × 3 virtual stages") && e.contains("has 5 blocks"), "{e}");
-        assert!(e.contains("use sched=interleaved:2 or fewer chunks"), "{e}");
-        let e = c.check_pipeline(3, None).unwrap_err().to_string();
-        assert!(e.contains("use sched=1f1b"), "{e}");
-        // Megatron: micro-batches a multiple of pp.
-        let c = ParallelConfig::parse("pp4 mb6 sched=interleaved:2").unwrap();
-        let e = c.check_pipeline(16, None).unwrap_err().to_string();
-        assert!(e.contains("multiple of pp = 4") && e.contains("but it is 6"), "{e}");
-        assert!(e.contains("use mb4 or mb8"), "{e}");
-        assert!(c.check_pipeline(16, Some(8)).is_err(), "the config's mb wins over the hint");
-        let c = ParallelConfig::parse("pp4 sched=interleaved:2").unwrap();
-        assert!(c.check_pipeline(16, None).is_ok());
-        assert!(c.check_pipeline(16, Some(8)).is_ok());
-        let e = c.check_pipeline(16, Some(2)).unwrap_err().to_string();
-        assert!(e.contains("but it is 2: use mb4"), "{e}");
-        // Hand-built configs are validated first.
-        let bad = pipe(1, 1, 0, None);
-        assert!(bad.check_pipeline(4, None).is_err());
-        let bad = pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 1 }));
-        assert!(bad.check_pipeline(4, None).unwrap_err().to_string().contains("V >= 2"));
-    }
-
-    #[test]
-    fn ckpt_modes_parse_and_round_trip() {
-        for (s, mode) in [
-            ("dp2 ckpt=none", CkptMode::None),
-            ("dp2 tp2 ckpt=Selective", CkptMode::Selective),
-            ("dp2+ckpt=full", CkptMode::Full),
-        ] {
-            let c = ParallelConfig::parse(s).unwrap();
-            assert_eq!(c.ckpt, Some(mode), "{s}");
-            assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c, "{s}");
-        }
-        assert_eq!(ParallelConfig::parse("dp2").unwrap().ckpt, None);
-        let e = err("dp2 ckpt=some");
-        assert!(e.contains("none, selective and full"), "{e}");
-        let e = err("dp2 ckpt");
-        assert!(e.contains("ckpt=full"), "{e}");
-        let e = err("ckpt=full ckpt=none");
-        assert!(e.contains("`ckpt` is given twice"), "{e}");
-    }
-
-    #[test]
-    fn malformed_configs_name_the_problem() {
-        let e = err("dp2 foo");
-        assert!(e.contains("unknown token `foo`") && e.contains("dpN"), "{e}");
-        let e = err("dp2 dp4");
-        assert!(e.contains("`dp` is given twice"), "{e}");
-        let e = err("dp2 tp2 sp sp");
-        assert!(e.contains("`sp` is given twice"), "{e}");
-        let e = err("dp0");
-        assert!(e.contains("at least 1"), "{e}");
-        let e = err("tp0");
-        assert!(e.contains("at least 1"), "{e}");
-        let e = err("mb0");
-        assert!(e.contains("at least 1"), "{e}");
-        let e = err("zero4");
-        assert!(e.contains("stages 0 to 3"), "{e}");
-        let e = err("dp2 sp");
-        assert!(e.contains("add tpN with N > 1"), "{e}");
-        let e = err("tp1 sp");
-        assert!(e.contains("add tpN with N > 1"), "{e}");
-        let e = err("dpx");
-        assert!(e.contains("expected a number after `dp`"), "{e}");
-        let e = err("zero");
-        assert!(e.contains("expected a number after `zero`"), "{e}");
-        let e = err("tp-2");
-        assert!(e.contains("expected a number"), "{e}");
-        let e = err("dp99999999999999999999999");
-        assert!(e.contains("too large"), "{e}");
-        let e = err("   ");
-        assert!(e.contains("empty") && e.contains("e.g."), "{e}");
-        let e = err("++");
-        assert!(e.contains("empty"), "{e}");
-    }
-
-    #[test]
-    fn zero_without_dp_is_kept() {
-        let c = ParallelConfig::parse("tp2 zero1").unwrap();
-        assert_eq!(c.zero, 1);
-        assert_eq!(c.canonical(), "dp1 tp2 zero1");
-    }
-
-    #[test]
-    fn megatron_and_deepspeed_exports() {
-        let c = ParallelConfig::parse("dp2 tp4 sp zero1 mb4").unwrap();
-        assert_eq!(
-            c.megatron_flags(),
-            "--tensor-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer"
-        );
-        assert_eq!(
-            ParallelConfig::parse("dp8").unwrap().megatron_flags(),
-            "--tensor-model-parallel-size 1"
-        );
-        let ds = ParallelConfig::parse("dp8 zero3 mb2").unwrap().deepspeed_config();
-        assert_eq!(ds["zero_optimization"]["stage"], 3);
-        assert_eq!(ds["gradient_accumulation_steps"], 2);
-        assert!(ds.get("pipeline").is_none(), "{ds}");
-        let c = ParallelConfig::parse("dp2 tp2 pp4 zero1 mb8").unwrap();
-        assert_eq!(
-            c.megatron_flags(),
-            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 \
-             --use-distributed-optimizer"
-        );
-        let ds = c.deepspeed_config();
-        assert_eq!(ds["pipeline"]["stages"], 4);
-        assert_eq!(ds["gradient_accumulation_steps"], 8);
-        let c = ParallelConfig::parse("tp2 pp4 sp mb8 sched=interleaved:2").unwrap();
-        assert_eq!(
-            c.megatron_flags(),
-            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 \
-             --num-virtual-stages-per-pipeline-rank 2 --sequence-parallel"
-        );
-        for s in ["pp2 sched=gpipe", "pp2 sched=zb-h1", "pp2 sched=1f1b", "pp2"] {
-            assert_eq!(
-                ParallelConfig::parse(s).unwrap().megatron_flags(),
-                "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2",
-                "{s}"
-            );
-        }
-    }
-
-    #[test]
-    fn validate_catches_hand_built_configs() {
-        assert!(cfg(0, 1, 0, 1, false).validate().is_err());
-        assert!(cfg(1, 1, 4, 1, false).validate().is_err());
-        assert!(cfg(2, 1, 0, 1, true).validate().is_err());
-        assert!(cfg(2, 2, 0, 1, true).validate().is_ok());
-        assert!(pipe(1, 1, 0, None).validate().is_err());
-        assert!(pipe(1, 1, 1, Some(ScheduleKind::OneFOneB)).validate().is_err());
-        assert!(pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 1 })).validate().is_err());
-        assert!(pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 2 })).validate().is_ok());
-        assert!(pipe(usize::MAX, 1, 2, None).validate().is_err());
-    }
-}
+mod tests;

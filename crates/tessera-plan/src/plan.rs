@@ -218,6 +218,7 @@ pub fn describe(
         ckpt: None,
         pp: 1,
         schedule: None,
+        stages: Vec::new(),
     }
 }
 
@@ -495,7 +496,7 @@ impl Plan {
             );
         }
         if let Some(pipe) = &self.pipeline {
-            s += &pipe.explain(self.micro_batches, p.bubble_fraction);
+            s += &pipe.explain(self.micro_batches, p.bubble_fraction, &self.checkpoint);
         }
         s
     }

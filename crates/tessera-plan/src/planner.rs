@@ -231,6 +231,7 @@ fn job_space(req: &Request<'_>, job: &Job, mbs: &[usize]) -> Result<(Mesh, AxisR
                 ckpt: None,
                 pp: 1,
                 schedule: None,
+                stages: Vec::new(),
             };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
@@ -397,6 +398,7 @@ fn best_megatron(
                     ckpt: None,
                     pp: 1,
                     schedule: None,
+                    stages: Vec::new(),
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -485,6 +487,9 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let jobs = auto_jobs(req)?;
     let trace = std::env::var_os("TESSERA_TRACE").is_some();
     let first = first_round(req, &p, &jobs, &mbs)?;
+    if trace {
+        eprintln!("trace: the first round (ZeRO-3) in {:?}", t0.elapsed());
+    }
     // The pipeline phase between the two rounds: bounded by the first round's fastest fit
     // (its priced step time is its exact one, `crate::priced`), and its plan — a Megatron
     // configuration, lowered exactly — bounds the second round, which then skips what cannot
@@ -496,6 +501,9 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
         p.fastest.seed(t);
     }
     let t1 = Instant::now();
+    if trace {
+        eprintln!("trace: the pipeline phase done at {:?}", t0.elapsed());
+    }
     let mut results = second_round(req, &p, &jobs, &mbs, first, piped.is_none())?;
     if trace {
         let tried: usize = results.iter().map(|r| r.tried).sum();
@@ -789,6 +797,7 @@ fn describe(least: &LeastPeak) -> String {
                 ckpt: first,
                 pp: 1,
                 schedule: None,
+                stages: Vec::new(),
             };
             format!("`{}`", cfg.canonical())
         }

@@ -687,9 +687,7 @@ enum Frugal {
 /// full recompute, or (when the plain step could still win) the DP's mix — with, on a miss,
 /// the lower of the plain and the fully recomputed peaks (the plain one on a tie; recomputing
 /// does not always lower the peak: the recomputed values are live while a block runs
-/// backward). The same lowerings as `choose_or_resting`, but for the DP's:
-/// [`crate::ckpt::choose`] lowers the plain and the fully recomputed Programs again (its API
-/// takes no measured chain).
+/// backward). The DP ([`crate::ckpt::choose_after`]) reuses both lowerings.
 fn frugal_fit(
     p: &Problem0<'_>,
     u: &crate::lower::Unfinished,
@@ -722,12 +720,11 @@ fn frugal_fit(
             false => miss(&full, recompute),
         });
     }
-    if none.time.step_time_s > bound {
-        // A fit, but no checkpointing of this layout can win: skip the DP.
-        return Ok(Frugal::Fits(Box::new(full)));
+    // Full recompute fits, so the choice always finds a plan (full itself at worst).
+    match crate::ckpt::choose_after(u, mesh, &p.cost, budget as u64, bound, none, full)? {
+        Ok(l) => Ok(Frugal::Fits(Box::new(l))),
+        Err(_) => Err(PlanError::Internal("full recompute fitted, then did not".into())),
     }
-    let chosen = crate::ckpt::choose(u, mesh, &p.cost, budget as u64, bound)?;
-    Ok(Frugal::Fits(Box::new(chosen.unwrap_or(full))))
 }
 
 /// The least peak this candidate reaches in the search ([`LeastPeak`]: the ILP's most

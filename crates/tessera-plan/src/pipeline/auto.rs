@@ -11,10 +11,26 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// A fixed pipelined configuration: the Megatron layout of one stage's `dp × tp` mesh, the
-/// blocks split evenly, the schedule simulated (see [`crate::pipeline::plan`]).
+/// blocks split evenly or as `stages=` says, the schedule simulated (see
+/// [`crate::pipeline::plan`]).
 pub fn plan_fixed_pipelined(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
-    use crate::pipeline::plan as pplan;
     let t0 = Instant::now();
+    let fixed = lower_fixed(req, cfg)?;
+    fixed_plan(req, cfg, fixed, t0)
+}
+
+/// A fixed pipelined configuration lowered exactly, whatever its memory.
+pub struct FixedLowered {
+    pub lowered: crate::pipeline::lower::PipeLowered,
+    /// The full mesh (stage axes, then the pipeline's).
+    pub full: crate::Mesh,
+    /// The stage's layout, as evaluated on one micro-batch.
+    stage: Evaluated,
+}
+
+/// Lowers `cfg` exactly (see [`plan_fixed_pipelined`]).
+pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLowered> {
+    use crate::pipeline::plan as pplan;
     cfg.check_devices(req.cluster.num_devices())?;
     let mb = cfg.micro_batches.max(1);
     if !req.batch.is_multiple_of(cfg.dp * mb) {
@@ -51,10 +67,16 @@ pub fn plan_fixed_pipelined(req: &Request<'_>, cfg: &ParallelConfig) -> Result<P
         ))
     })?;
     let schedule = cfg.schedule.unwrap_or_default();
-    let map = crate::pipeline::split::StageMap::even(nb, cfg.pp, schedule.chunks(), 2)?;
-    let ckpt = match cfg.ckpt {
-        Some(m) => tessera_ir::Checkpointing::uniform(nb as u32, m),
-        None => tessera_ir::Checkpointing::default(),
+    let (map, ckpt) = if cfg.stages.is_empty() {
+        let ckpt = match cfg.ckpt {
+            Some(m) => tessera_ir::Checkpointing::uniform(nb as u32, m),
+            None => tessera_ir::Checkpointing::default(),
+        };
+        (crate::pipeline::split::StageMap::even(nb, cfg.pp, schedule.chunks(), 2)?, ckpt)
+    } else {
+        let sizes = crate::pipeline::layout::sizes(&cfg.stages);
+        let map = crate::pipeline::split::StageMap::from_sizes(&sizes, cfg.pp, 2)?;
+        (map, crate::pipeline::layout::checkpointing(&cfg.stages, cfg.ckpt))
     };
     let r = pplan::PipelineRequest {
         forward: &fwd.graph,
@@ -69,7 +91,20 @@ pub fn plan_fixed_pipelined(req: &Request<'_>, cfg: &ParallelConfig) -> Result<P
         map,
         schedule,
     };
-    let l = pplan::lower_pipelined(&r, &p.cost)?;
+    let lowered = pplan::lower_pipelined(&r, &p.cost)?;
+    Ok(FixedLowered { lowered, full, stage: e })
+}
+
+/// The plan of a lowered fixed configuration, if it fits the budget.
+pub fn fixed_plan(
+    req: &Request<'_>,
+    cfg: &ParallelConfig,
+    fixed: FixedLowered,
+    t0: Instant,
+) -> Result<Plan> {
+    use crate::pipeline::plan as pplan;
+    let FixedLowered { lowered: l, full, stage: e } = fixed;
+    let mb = cfg.micro_batches.max(1);
     if l.peak_bytes() > req.budget {
         return Err(PlanError::Infeasible {
             budget: req.budget,
@@ -158,15 +193,87 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
             t0.elapsed()
         );
     }
-    let mut best: Option<Plan> = None;
-    let mut fitting = 0;
+    // The fastest estimates lowered exactly, even stages first; then the re-cuts whose
+    // modelled step beats every fitting even one (and the bound).
     let verify = &ranked[..ranked.len().min(knobs.verify)];
-    let exacts = parallel_map(verify, |c| plan_fixed_pipelined(req, &c.config));
-    for (c, exact) in verify.iter().zip(exacts) {
-        if trace {
+    let evens = parallel_map(verify, |c| verify_even(req, c));
+    let mut best = Best { bound, plan: None, fitting: 0, trace };
+    let mut recuts = Vec::new();
+    for (c, v) in verify.iter().zip(evens) {
+        let (plan, recut) = v?;
+        let even_s = plan.as_ref().ok().map(|p| p.predicted.step_time_s);
+        best.offer(c, &c.config, plan)?;
+        if let Some(r) = recut {
+            recuts.push((c, r, even_s));
+        }
+    }
+    let wanted: Vec<_> = recuts
+        .into_iter()
+        .filter(|(_, r, even_s)| even_s.is_none_or(|t| t * r.ratio < best.limit()))
+        .collect();
+    let planned = parallel_map(&wanted, |(_, r, _)| plan_fixed_pipelined(req, &r.config));
+    for ((c, r, _), plan) in wanted.iter().zip(planned) {
+        match plan {
+            // A re-cut the lowering refuses is no answer, not an error.
+            Err(e) if !matches!(e, PlanError::Infeasible { .. }) => {
+                if trace {
+                    eprintln!("trace: re-cut `{}` refused: {e}", r.config);
+                }
+            }
+            plan => best.offer(c, &r.config, plan)?,
+        }
+    }
+    let Best { plan: best, fitting, .. } = best;
+    let plan = best.map(|mut plan| {
+        plan.source = "auto".to_string();
+        plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
+        plan
+    });
+    Ok(PipelinePhase { plan, screened: ranked.len(), fitting })
+}
+
+/// Lowers a screened candidate exactly with even stages: its plan (or why it has none) and
+/// the re-cut of its stages and their checkpointing ([`super::balance`]), if one differs.
+fn verify_even(
+    req: &Request<'_>,
+    c: &Screened,
+) -> Result<(Result<Plan>, Option<super::balance::Recut>)> {
+    let t0 = Instant::now();
+    let even = match lower_fixed(req, &c.config) {
+        Ok(f) => f,
+        Err(e @ PlanError::Infeasible { .. }) => return Ok((Err(e), None)),
+        Err(e) => return Err(e),
+    };
+    let cost = crate::cost::CostModel::new(req.cluster.device.clone());
+    let devices = super::balance::device_costs(&even.lowered, &even.full, &cost);
+    let recut =
+        super::balance::rebalance(&c.config, &even.lowered, &devices, &c.costs, req.budget as f64);
+    Ok((fixed_plan(req, &c.config, even, t0), recut))
+}
+
+/// The fastest verified pipelined plan so far.
+struct Best {
+    bound: f64,
+    plan: Option<Plan>,
+    /// Verified plans that fit.
+    fitting: usize,
+    trace: bool,
+}
+
+impl Best {
+    /// What a plan must beat: the bound, and the fastest so far.
+    fn limit(&self) -> f64 {
+        self.plan.as_ref().map_or(self.bound, |p| p.predicted.step_time_s.min(self.bound))
+    }
+
+    /// Takes `config`'s exact result (screened as `c`): a fit counts, and wins when faster;
+    /// an infeasible one (the estimate was optimistic: the worst stage holds more than the
+    /// average) is passed over; any other error is the search's.
+    fn offer(&mut self, c: &Screened, config: &ParallelConfig, exact: Result<Plan>) -> Result<()> {
+        if self.trace {
             eprintln!(
                 "trace: pipeline `{}` estimated {:.4} s, {:.2} GiB; exact {}",
-                c.config.canonical(),
+                config.canonical(),
                 c.estimate.step_time_s,
                 c.estimate.peak_bytes / (1u64 << 30) as f64,
                 match &exact {
@@ -182,25 +289,16 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
         }
         match exact {
             Ok(plan) => {
-                fitting += 1;
-                let faster = best
-                    .as_ref()
-                    .is_none_or(|b| plan.predicted.step_time_s < b.predicted.step_time_s);
-                if plan.predicted.step_time_s < bound && faster {
-                    best = Some(plan);
+                self.fitting += 1;
+                if plan.predicted.step_time_s < self.limit() {
+                    self.plan = Some(plan);
                 }
+                Ok(())
             }
-            // The estimate was optimistic: the worst stage holds more than the average.
-            Err(PlanError::Infeasible { .. }) => {}
-            Err(e) => return Err(e),
+            Err(PlanError::Infeasible { .. }) => Ok(()),
+            Err(e) => Err(e),
         }
     }
-    let plan = best.map(|mut plan| {
-        plan.source = "auto".to_string();
-        plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
-        plan
-    });
-    Ok(PipelinePhase { plan, screened: ranked.len(), fitting })
 }
 
 /// What the pipeline phase found: the fastest pipelined plan that beats the bound (a Megatron

@@ -416,7 +416,13 @@ fn slot_seconds(
     out
 }
 
-fn node_seconds(p: &tessera_ir::Program, id: NodeId, full: &Mesh, cost: &CostModel) -> f64 {
+/// Seconds of one node of a device's Program on its critical path (see [`slot_seconds`]).
+pub(crate) fn node_seconds(
+    p: &tessera_ir::Program,
+    id: NodeId,
+    full: &Mesh,
+    cost: &CostModel,
+) -> f64 {
     let g = p.graph();
     let n = g.node(id);
     match &n.op {

@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 pub mod auto;
+pub mod balance;
+pub mod layout;
 pub mod lower;
 pub mod plan;
 pub mod schedule;

@@ -44,9 +44,15 @@ impl PipelineJson {
         parse_schedule(&self.schedule)
     }
 
-    /// The `--explain` section: schedule, bubble, and per stage its blocks, ranks and the
-    /// peak of the device that runs it (a plan fits when the worst of these fits).
-    pub fn explain(&self, micro_batches: usize, bubble: Option<f64>) -> String {
+    /// The `--explain` section: schedule, bubble, and per stage its blocks, their
+    /// checkpointing (from the plan's per-block `checkpoint`), ranks and the peak of the device
+    /// that runs it (a plan fits when the worst of these fits).
+    pub fn explain(
+        &self,
+        micro_batches: usize,
+        bubble: Option<f64>,
+        checkpoint: &[crate::plan::BlockCkpt],
+    ) -> String {
         let mut s = format!(
             "pipeline {} over {} devices, {micro_batches} micro-batches",
             self.schedule, self.devices
@@ -55,7 +61,10 @@ impl PipelineJson {
             s += &format!(", bubble {:.1}% of device time", 100.0 * b);
         }
         s += "\n";
-        s += &format!("  {:<6} {:<10} {:<24} {:>12}\n", "stage", "blocks", "ranks", "peak");
+        s += &format!(
+            "  {:<6} {:<10} {:<10} {:<24} {:>12}\n",
+            "stage", "blocks", "ckpt", "ranks", "peak"
+        );
         let worst = self.stages.iter().map(|st| st.peak_bytes).max().unwrap_or(0);
         for (i, st) in self.stages.iter().enumerate() {
             let ranks: Vec<String> = st.devices.iter().map(usize::to_string).collect();
@@ -63,8 +72,18 @@ impl PipelineJson {
             if ranks.len() > 24 {
                 ranks = format!("{} ranks", st.devices.len());
             }
+            let modes: std::collections::BTreeSet<tessera_ir::CkptMode> = checkpoint
+                .iter()
+                .filter(|c| (st.blocks[0]..st.blocks[1]).contains(&(c.block as usize)))
+                .map(|c| c.mode)
+                .collect();
+            let ckpt = match modes.len() {
+                0 => "none".to_string(),
+                1 => modes.iter().map(|m| m.to_string()).collect(),
+                _ => "mixed".to_string(),
+            };
             s += &format!(
-                "  {i:<6} {:<10} {ranks:<24} {:>12}{}\n",
+                "  {i:<6} {:<10} {ckpt:<10} {ranks:<24} {:>12}{}\n",
                 format!("{}..{}", st.blocks[0], st.blocks[1]),
                 crate::units::format_bytes(st.peak_bytes),
                 if st.peak_bytes == worst { "  (worst)" } else { "" }

@@ -15,12 +15,14 @@
 //! head the last; transfers are not priced); the verification is not. The knobs say how wide
 //! each step looks ([`PipelineKnobs`]).
 
+use super::balance::BlockCosts;
 use super::schedule;
 use super::{Pass, ScheduleKind, Slot};
 use crate::config::ParallelConfig;
 use crate::lower::{finish, lower_unfinished, LowerOptions, Lowered};
 use crate::search::{self, AxisRule, Candidate, Problem0};
 use crate::{Cluster, Mesh, PlanError, Result};
+use std::sync::Arc;
 use tessera_ir::{Checkpointing, CkptMode};
 
 /// How wide the pipeline phase looks.
@@ -157,6 +159,10 @@ pub fn sample_and_screen(
     let nb = tessera_ir::remat::num_blocks(g);
     let hop = hop_bytes(g) / shape.dp.max(1) as u64;
     let mut out = Vec::new();
+    let mut costs = BlockCosts {
+        modes: Vec::new(),
+        weight_inputs_bytes: BlockCosts::mode_cost(CkptMode::None, &e.lowered).kept_bytes,
+    };
     for &mode in &at.knobs.ckpt_modes {
         let lowered = if mode == CkptMode::None {
             e.lowered.clone()
@@ -171,6 +177,7 @@ pub fn sample_and_screen(
             finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
         };
         let weight_inputs_bytes = e.lowered.memory.activations_bytes;
+        costs.modes.push(BlockCosts::mode_cost(mode, &lowered));
         let sample = StageSample { mode, lowered, hop_bytes: hop, weight_inputs_bytes };
         let unbounded = ScreenAt { budget: f64::INFINITY, bound: f64::INFINITY, ..*at };
         let all = screen(&[sample], &unbounded)?;
@@ -184,6 +191,11 @@ pub fn sample_and_screen(
         if all_fit || fastest >= at.bound {
             break;
         }
+    }
+    // Every candidate of the shape may re-cut its stages with any mode sampled for it.
+    let costs = Arc::new(costs);
+    for c in &mut out {
+        c.costs = Arc::clone(&costs);
     }
     Ok(out)
 }
@@ -262,11 +274,13 @@ pub struct ScreenAt<'k> {
     pub bound: f64,
 }
 
-/// A screened candidate: its config string and estimate.
+/// A screened candidate: its config string and estimate, and the per-block figures of its
+/// shape's samples (for [`super::balance`]).
 #[derive(Clone, Debug)]
 pub struct Screened {
     pub config: ParallelConfig,
     pub estimate: Estimate,
+    pub costs: Arc<BlockCosts>,
 }
 
 /// The config of `shape` with `m` micro-batches, `mode` and `kind`, if the model's blocks
@@ -287,6 +301,7 @@ pub fn config(
         ckpt: (mode != CkptMode::None).then_some(mode),
         pp: shape.pp,
         schedule: Some(kind),
+        stages: Vec::new(),
     };
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.
@@ -314,7 +329,7 @@ pub fn screen(samples: &[StageSample], at: &ScreenAt<'_>) -> Result<Vec<Screened
             let Some(config) = config(shape, m, s.mode, kind, num_blocks) else { continue };
             let e = estimate(s, shape.pp, m, kind, hop_s, num_blocks)?;
             if e.peak_bytes <= budget * knobs.memory_slack && e.step_time_s < bound {
-                out.push(Screened { config, estimate: e });
+                out.push(Screened { config, estimate: e, costs: Arc::default() });
             }
         }
     }

@@ -1,0 +1,362 @@
+use super::*;
+
+fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> ParallelConfig {
+    ParallelConfig {
+        dp,
+        tp,
+        zero,
+        micro_batches,
+        sp,
+        ckpt: None,
+        pp: 1,
+        schedule: None,
+        stages: Vec::new(),
+    }
+}
+
+fn err(s: &str) -> String {
+    ParallelConfig::parse(s).expect_err(s).to_string()
+}
+
+#[test]
+fn parses_tokens_in_any_order_and_case() {
+    let cases = [
+        ("dp2 tp4 zero1 mb2 sp", cfg(2, 4, 1, 2, true)),
+        ("SP+TP4+dp2", cfg(2, 4, 0, 1, true)),
+        ("zero2", cfg(1, 1, 2, 1, false)),
+        ("dp8", cfg(8, 1, 0, 1, false)),
+        ("  tp2 +  dp4  ", cfg(4, 2, 0, 1, false)),
+        ("dp1 tp1 zero0 mb1", ParallelConfig::default()),
+        ("dp4 zero3", cfg(4, 1, 3, 1, false)),
+        ("zero1", cfg(1, 1, 1, 1, false)),
+    ];
+    for (s, want) in cases {
+        assert_eq!(ParallelConfig::parse(s).unwrap(), want, "{s}");
+        assert_eq!(s.parse::<ParallelConfig>().unwrap(), want, "{s}");
+    }
+}
+
+#[test]
+fn canonical_form_and_round_trip() {
+    assert_eq!(cfg(2, 4, 1, 4, true).canonical(), "dp2 tp4 sp zero1 mb4");
+    assert_eq!(cfg(8, 1, 0, 1, false).canonical(), "dp8 tp1");
+    assert_eq!(cfg(1, 1, 2, 1, false).to_string(), "dp1 tp1 zero2");
+    for s in [
+        "dp2 tp4 zero1 mb2 sp",
+        "zero2",
+        "dp8",
+        "mb8+tp2+sp",
+        "dp16 tp8 zero3",
+        "pp4 mb8 sched=interleaved:2 ckpt=selective",
+    ] {
+        let c = ParallelConfig::parse(s).unwrap();
+        let canon = c.canonical();
+        let back = ParallelConfig::parse(&canon).unwrap();
+        assert_eq!(back, c, "{s}");
+        assert_eq!(back.canonical(), canon, "{s}");
+    }
+}
+
+#[test]
+fn devices_is_dp_times_tp() {
+    let c = ParallelConfig::parse("dp2 tp4").unwrap();
+    assert_eq!(c.devices(), 8);
+    assert!(c.check_devices(8).is_ok());
+    let e = c.check_devices(16).unwrap_err().to_string();
+    assert!(e.contains("8 devices") && e.contains("16"), "{e}");
+}
+
+fn pipe(dp: usize, tp: usize, pp: usize, schedule: Option<ScheduleKind>) -> ParallelConfig {
+    ParallelConfig { dp, tp, pp, schedule, ..ParallelConfig::default() }
+}
+
+#[test]
+fn pipeline_tokens_parse_and_round_trip() {
+    let cases = [
+        ("pp4", pipe(1, 1, 4, None), "dp1 tp1 pp4"),
+        ("tp2+pp4", pipe(1, 2, 4, None), "dp1 tp2 pp4"),
+        (
+            "dp2 tp2 pp4 zero1",
+            ParallelConfig { zero: 1, ..pipe(2, 2, 4, None) },
+            "dp2 tp2 pp4 zero1",
+        ),
+        (
+            "pp2 sched=interleaved:2",
+            pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 2 })),
+            "dp1 tp1 pp2 sched=interleaved:2",
+        ),
+        ("pp2 sched=zb-h1", pipe(1, 1, 2, Some(ScheduleKind::ZbH1)), "dp1 tp1 pp2 sched=zb-h1"),
+        ("pp2 sched=gpipe", pipe(1, 1, 2, Some(ScheduleKind::Gpipe)), "dp1 tp1 pp2 sched=gpipe"),
+        ("PP2 SCHED=1F1B", pipe(1, 1, 2, Some(ScheduleKind::OneFOneB)), "dp1 tp1 pp2 sched=1f1b"),
+        ("sched=1f1b pp2", pipe(1, 1, 2, Some(ScheduleKind::OneFOneB)), "dp1 tp1 pp2 sched=1f1b"),
+        ("pp1 dp4", pipe(4, 1, 1, None), "dp4 tp1"),
+        (
+            "ckpt=full sched=Interleaved:4 mb8 sp tp2 pp3 zero1 dp2",
+            ParallelConfig {
+                zero: 1,
+                micro_batches: 8,
+                sp: true,
+                ckpt: Some(CkptMode::Full),
+                ..pipe(2, 2, 3, Some(ScheduleKind::Interleaved { v: 4 }))
+            },
+            "dp2 tp2 pp3 sp zero1 mb8 sched=interleaved:4 ckpt=full",
+        ),
+    ];
+    for (s, want, canon) in cases {
+        let c = ParallelConfig::parse(s).unwrap();
+        assert_eq!(c, want, "{s}");
+        assert_eq!(c.canonical(), canon, "{s}");
+        assert_eq!(c.to_string(), canon, "{s}");
+        assert_eq!(canon.parse::<ParallelConfig>().unwrap(), c, "{s}");
+        assert!(c.validate().is_ok(), "{s}");
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(serde_json::from_str::<ParallelConfig>(&json).unwrap(), c, "{json}");
+    }
+    // pp1 and no schedule stay out of plan files written before pipelines.
+    let json = serde_json::to_value(ParallelConfig::parse("dp2").unwrap()).unwrap();
+    assert!(json.get("pp").is_none() && json.get("schedule").is_none(), "{json}");
+}
+
+#[test]
+fn malformed_pipeline_tokens_name_the_problem() {
+    let e = err("pp0");
+    assert!(e.contains("`pp0`: pp must be at least 1"), "{e}");
+    let e = err("ppx");
+    assert!(e.contains("expected a number after `pp`") && e.contains("pp4"), "{e}");
+    let e = err("pp2 sched=foo");
+    assert!(e.contains("`sched=foo`: schedules are gpipe, 1f1b, interleaved:V"), "{e}");
+    assert!(e.contains("zb-h1"), "{e}");
+    let e = err("pp2 sched=");
+    assert!(e.contains("schedules are"), "{e}");
+    let e = err("pp2 sched");
+    assert!(e.contains("write sched=gpipe"), "{e}");
+    let e = err("pp2 sched=interleaved");
+    assert!(e.contains("`sched=interleaved`") && e.contains("interleaved:2"), "{e}");
+    let e = err("pp2 sched=interleaved:1");
+    assert!(e.contains("at least 2 chunks") && e.contains("sched=1f1b"), "{e}");
+    let e = err("pp2 sched=interleaved:0");
+    assert!(e.contains("at least 2 chunks"), "{e}");
+    let e = err("pp2 sched=interleaved:x");
+    assert!(e.contains("expected a number after `interleaved:`"), "{e}");
+    let e = err("pp2 sched=interleaved:99999999999999999999999");
+    assert!(e.contains("too large"), "{e}");
+    let e = err("sched=1f1b");
+    assert!(e.contains("a schedule needs pp >= 2; add ppN"), "{e}");
+    let e = err("dp2 pp1 sched=zb-h1");
+    assert!(e.contains("a schedule needs pp >= 2") && e.contains("pp2 sched=zb-h1"), "{e}");
+    let e = err("pp2 pp4");
+    assert!(e.contains("`pp` is given twice"), "{e}");
+    let e = err("pp2 sched=1f1b sched=gpipe");
+    assert!(e.contains("`sched` is given twice"), "{e}");
+    let e = err("dp4294967296 pp4294967296");
+    assert!(e.contains("overflows") && e.contains("pp4294967296"), "{e}");
+}
+
+#[test]
+fn devices_count_the_pipeline() {
+    let c = ParallelConfig::parse("dp2 tp2 pp4 zero1").unwrap();
+    assert_eq!(c.devices(), 16);
+    assert!(c.check_devices(16).is_ok());
+    let e = ParallelConfig::parse("dp2 pp4").unwrap().check_devices(4).unwrap_err();
+    let e = e.to_string();
+    assert!(e.contains("dp×tp×pp = 2×1×4 = 8 devices"), "{e}");
+    assert!(e.contains("the cluster has 4") && e.contains("multiply to 4"), "{e}");
+    assert!(e.contains("e.g. `dp1 tp1 pp4`"), "{e}");
+    // No data-parallel degree fits: no example.
+    let e = ParallelConfig::parse("tp2 pp4").unwrap().check_devices(4).unwrap_err();
+    assert!(!e.to_string().contains("e.g."), "{e}");
+}
+
+#[test]
+fn check_pipeline_needs_enough_blocks() {
+    let c = ParallelConfig::parse("pp8").unwrap();
+    let e = c.check_pipeline(4, None).unwrap_err().to_string();
+    assert!(e.contains("pp8 needs at least 8 blocks; the model has 4: use pp4 or fewer"), "{e}");
+    assert!(c.check_pipeline(8, None).is_ok());
+    assert!(c.check_pipeline(13, Some(3)).is_ok(), "1f1b has no micro-batch rule");
+    let e = ParallelConfig::parse("pp2").unwrap().check_pipeline(1, None).unwrap_err();
+    assert!(e.to_string().contains("drop ppN"), "{e}");
+    // No pipeline, nothing to check.
+    assert!(ParallelConfig::parse("dp4").unwrap().check_pipeline(0, Some(3)).is_ok());
+    for s in ["pp4 sched=gpipe mb3", "pp4 sched=zb-h1", "pp4 sched=1f1b mb5"] {
+        assert!(ParallelConfig::parse(s).unwrap().check_pipeline(6, Some(7)).is_ok(), "{s}");
+    }
+}
+
+#[test]
+fn check_pipeline_interleaved_rules() {
+    let c = ParallelConfig::parse("pp2 sched=interleaved:3").unwrap();
+    // 8 blocks: 4 per stage, which 3 chunks do not split.
+    let e = c.check_pipeline(8, None).unwrap_err().to_string();
+    assert!(e.contains("sched=interleaved:3 on pp2"), "{e}");
+    assert!(e.contains("each stage's 4 blocks (8 blocks / pp2) do not split into 3"), "{e}");
+    assert!(e.contains("interleaved:2, interleaved:4"), "{e}");
+    assert!(c.check_pipeline(12, None).is_ok());
+    // Uneven stages: only every virtual stage needing a block.
+    assert!(c.check_pipeline(7, None).is_ok());
+    let e = c.check_pipeline(5, None).unwrap_err().to_string();
+    assert!(e.contains("pp × V = 2 × 3 virtual stages") && e.contains("has 5 blocks"), "{e}");
+    assert!(e.contains("use sched=interleaved:2 or fewer chunks"), "{e}");
+    let e = c.check_pipeline(3, None).unwrap_err().to_string();
+    assert!(e.contains("use sched=1f1b"), "{e}");
+    // Megatron: micro-batches a multiple of pp.
+    let c = ParallelConfig::parse("pp4 mb6 sched=interleaved:2").unwrap();
+    let e = c.check_pipeline(16, None).unwrap_err().to_string();
+    assert!(e.contains("multiple of pp = 4") && e.contains("but it is 6"), "{e}");
+    assert!(e.contains("use mb4 or mb8"), "{e}");
+    assert!(c.check_pipeline(16, Some(8)).is_err(), "the config's mb wins over the hint");
+    let c = ParallelConfig::parse("pp4 sched=interleaved:2").unwrap();
+    assert!(c.check_pipeline(16, None).is_ok());
+    assert!(c.check_pipeline(16, Some(8)).is_ok());
+    let e = c.check_pipeline(16, Some(2)).unwrap_err().to_string();
+    assert!(e.contains("but it is 2: use mb4"), "{e}");
+    // Hand-built configs are validated first.
+    let bad = pipe(1, 1, 0, None);
+    assert!(bad.check_pipeline(4, None).is_err());
+    let bad = pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 1 }));
+    assert!(bad.check_pipeline(4, None).unwrap_err().to_string().contains("V >= 2"));
+}
+
+#[test]
+fn ckpt_modes_parse_and_round_trip() {
+    for (s, mode) in [
+        ("dp2 ckpt=none", CkptMode::None),
+        ("dp2 tp2 ckpt=Selective", CkptMode::Selective),
+        ("dp2+ckpt=full", CkptMode::Full),
+    ] {
+        let c = ParallelConfig::parse(s).unwrap();
+        assert_eq!(c.ckpt, Some(mode), "{s}");
+        assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c, "{s}");
+    }
+    assert_eq!(ParallelConfig::parse("dp2").unwrap().ckpt, None);
+    let e = err("dp2 ckpt=some");
+    assert!(e.contains("none, selective and full"), "{e}");
+    let e = err("dp2 ckpt");
+    assert!(e.contains("ckpt=full"), "{e}");
+    let e = err("ckpt=full ckpt=none");
+    assert!(e.contains("`ckpt` is given twice"), "{e}");
+}
+
+#[test]
+fn malformed_configs_name_the_problem() {
+    let e = err("dp2 foo");
+    assert!(e.contains("unknown token `foo`") && e.contains("dpN"), "{e}");
+    let e = err("dp2 dp4");
+    assert!(e.contains("`dp` is given twice"), "{e}");
+    let e = err("dp2 tp2 sp sp");
+    assert!(e.contains("`sp` is given twice"), "{e}");
+    let e = err("dp0");
+    assert!(e.contains("at least 1"), "{e}");
+    let e = err("tp0");
+    assert!(e.contains("at least 1"), "{e}");
+    let e = err("mb0");
+    assert!(e.contains("at least 1"), "{e}");
+    let e = err("zero4");
+    assert!(e.contains("stages 0 to 3"), "{e}");
+    let e = err("dp2 sp");
+    assert!(e.contains("add tpN with N > 1"), "{e}");
+    let e = err("tp1 sp");
+    assert!(e.contains("add tpN with N > 1"), "{e}");
+    let e = err("dpx");
+    assert!(e.contains("expected a number after `dp`"), "{e}");
+    let e = err("zero");
+    assert!(e.contains("expected a number after `zero`"), "{e}");
+    let e = err("tp-2");
+    assert!(e.contains("expected a number"), "{e}");
+    let e = err("dp99999999999999999999999");
+    assert!(e.contains("too large"), "{e}");
+    let e = err("   ");
+    assert!(e.contains("empty") && e.contains("e.g."), "{e}");
+    let e = err("++");
+    assert!(e.contains("empty"), "{e}");
+}
+
+#[test]
+fn zero_without_dp_is_kept() {
+    let c = ParallelConfig::parse("tp2 zero1").unwrap();
+    assert_eq!(c.zero, 1);
+    assert_eq!(c.canonical(), "dp1 tp2 zero1");
+}
+
+#[test]
+fn megatron_and_deepspeed_exports() {
+    let c = ParallelConfig::parse("dp2 tp4 sp zero1 mb4").unwrap();
+    assert_eq!(
+        c.megatron_flags(),
+        "--tensor-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer"
+    );
+    assert_eq!(
+        ParallelConfig::parse("dp8").unwrap().megatron_flags(),
+        "--tensor-model-parallel-size 1"
+    );
+    let ds = ParallelConfig::parse("dp8 zero3 mb2").unwrap().deepspeed_config();
+    assert_eq!(ds["zero_optimization"]["stage"], 3);
+    assert_eq!(ds["gradient_accumulation_steps"], 2);
+    assert!(ds.get("pipeline").is_none(), "{ds}");
+    let c = ParallelConfig::parse("dp2 tp2 pp4 zero1 mb8").unwrap();
+    assert_eq!(
+        c.megatron_flags(),
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 \
+         --use-distributed-optimizer"
+    );
+    let ds = c.deepspeed_config();
+    assert_eq!(ds["pipeline"]["stages"], 4);
+    assert_eq!(ds["gradient_accumulation_steps"], 8);
+    let c = ParallelConfig::parse("tp2 pp4 sp mb8 sched=interleaved:2").unwrap();
+    assert_eq!(
+        c.megatron_flags(),
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 \
+         --num-virtual-stages-per-pipeline-rank 2 --sequence-parallel"
+    );
+    for s in ["pp2 sched=gpipe", "pp2 sched=zb-h1", "pp2 sched=1f1b", "pp2"] {
+        assert_eq!(
+            ParallelConfig::parse(s).unwrap().megatron_flags(),
+            "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2",
+            "{s}"
+        );
+    }
+}
+
+#[test]
+fn validate_catches_hand_built_configs() {
+    assert!(cfg(0, 1, 0, 1, false).validate().is_err());
+    assert!(cfg(1, 1, 4, 1, false).validate().is_err());
+    assert!(cfg(2, 1, 0, 1, true).validate().is_err());
+    assert!(cfg(2, 2, 0, 1, true).validate().is_ok());
+    assert!(pipe(1, 1, 0, None).validate().is_err());
+    assert!(pipe(1, 1, 1, Some(ScheduleKind::OneFOneB)).validate().is_err());
+    assert!(pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 1 })).validate().is_err());
+    assert!(pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 2 })).validate().is_ok());
+    assert!(pipe(usize::MAX, 1, 2, None).validate().is_err());
+}
+
+#[test]
+fn unequal_stages_parse_round_trip_and_are_checked() {
+    let c = ParallelConfig::parse("pp4 stages=7:full,8,9,8 mb8").unwrap();
+    assert_eq!(c.stages.len(), 4);
+    assert_eq!(c.canonical(), "dp1 tp1 pp4 mb8 stages=7:full,8,9,8");
+    assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c);
+    assert!(c.check_pipeline(32, None).is_ok());
+    let e = c.check_pipeline(30, None).unwrap_err().to_string();
+    assert!(e.contains("32 blocks") && e.contains("has 30"), "{e}");
+    // Megatron-core's first/last stage flags when the middle stages are equal.
+    assert!(!c.megatron_flags().contains("first"), "8, 9 in the middle: no Megatron flag");
+    let flags = ParallelConfig::parse("pp4 stages=7:full,9,9,7").unwrap().megatron_flags();
+    assert!(flags.contains("--decoder-first-pipeline-num-layers 7"), "{flags}");
+    assert!(flags.contains("--decoder-last-pipeline-num-layers 7"), "{flags}");
+    // One count per virtual stage: pp · V under interleaving.
+    let il = ParallelConfig::parse("pp2 sched=interleaved:2 stages=1,3,3,1").unwrap();
+    assert!(il.check_pipeline(8, Some(4)).is_ok());
+    for (s, want) in [
+        ("stages=4,4", "need a pipeline"),
+        ("pp2 stages=4,4,4", "lists 3 stages but pp2 makes 2"),
+        ("pp2 sched=interleaved:2 stages=4,4", "makes 4 virtual"),
+        ("pp2 stages=4,0", "not a stage"),
+        ("pp2 stages=4:fast,4", "checkpoint modes"),
+        ("pp2 stages", "stages=7:full"),
+        ("pp2 stages=4,4 stages=4,4", "given twice"),
+    ] {
+        let e = err(s);
+        assert!(e.contains(want), "{s}: {e}");
+    }
+}
