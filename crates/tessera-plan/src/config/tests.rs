@@ -1,3 +1,6 @@
+//! Tests of the config-string grammar: parsing, the canonical form, validation and the
+//! flags it maps to.
+
 use super::*;
 
 fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> ParallelConfig {
