@@ -86,6 +86,11 @@ fn the_search_recuts_stages_around_a_heavy_head_and_the_config_reproduces_it() {
         auto.predicted.step_time_s,
         even.predicted.step_time_s
     );
+    // The Megatron baseline is a configuration Megatron runs: even stages, no slower than the
+    // re-cut plan.
+    let megatron = auto.baselines.megatron.as_ref().expect("a Megatron baseline");
+    assert!(!megatron.config.contains("stages="), "{}", megatron.config);
+    assert!(megatron.step_time_s >= auto.predicted.step_time_s, "{megatron:?}");
     // The config string is the plan: given back, it lowers to the same figures.
     let again = plan_fixed(&req, &config).unwrap();
     assert_eq!(again.config, auto.config);

@@ -137,7 +137,7 @@ pub fn fixed_plan(
 pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
     let knobs = &req.pipeline;
     let n = req.cluster.num_devices();
-    let none = PipelinePhase { plan: None, screened: 0, fitting: 0 };
+    let none = PipelinePhase { plan: None, even: None, screened: 0, fitting: 0 };
     if !knobs.enabled || n < 2 {
         return Ok(none);
     }
@@ -197,14 +197,22 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
     // modelled step beats every fitting even one (and the bound).
     let verify = &ranked[..ranked.len().min(knobs.verify)];
     let evens = parallel_map(verify, |c| verify_even(req, c));
-    let mut best = Best { bound, plan: None, fitting: 0, trace };
+    let mut best = Best { bound, plan: None, even: None, fitting: 0, trace };
     let mut recuts = Vec::new();
     for (c, v) in verify.iter().zip(evens) {
         let (plan, recut) = v?;
         let even_s = plan.as_ref().ok().map(|p| p.predicted.step_time_s);
-        best.offer(c, &c.config, plan)?;
+        best.offer(c, &c.config, plan, true)?;
         if let Some(r) = recut {
             recuts.push((c, r, even_s));
+        }
+    }
+    if trace {
+        for (_, r, even_s) in &recuts {
+            eprintln!(
+                "trace: re-cut `{}` models {:.4}× the even step ({even_s:?} s)",
+                r.config, r.ratio
+            );
         }
     }
     let wanted: Vec<_> = recuts
@@ -220,16 +228,16 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
                     eprintln!("trace: re-cut `{}` refused: {e}", r.config);
                 }
             }
-            plan => best.offer(c, &r.config, plan)?,
+            plan => best.offer(c, &r.config, plan, false)?,
         }
     }
-    let Best { plan: best, fitting, .. } = best;
+    let Best { plan: best, even, fitting, .. } = best;
     let plan = best.map(|mut plan| {
         plan.source = "auto".to_string();
         plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
         plan
     });
-    Ok(PipelinePhase { plan, screened: ranked.len(), fitting })
+    Ok(PipelinePhase { plan, even, screened: ranked.len(), fitting })
 }
 
 /// Lowers a screened candidate exactly with even stages: its plan (or why it has none) and
@@ -251,10 +259,11 @@ fn verify_even(
     Ok((fixed_plan(req, &c.config, even, t0), recut))
 }
 
-/// The fastest verified pipelined plan so far.
+/// The fastest verified pipelined plan so far, and the fastest with even stages.
 struct Best {
     bound: f64,
     plan: Option<Plan>,
+    even: Option<Plan>,
     /// Verified plans that fit.
     fitting: usize,
     trace: bool,
@@ -266,10 +275,17 @@ impl Best {
         self.plan.as_ref().map_or(self.bound, |p| p.predicted.step_time_s.min(self.bound))
     }
 
-    /// Takes `config`'s exact result (screened as `c`): a fit counts, and wins when faster;
-    /// an infeasible one (the estimate was optimistic: the worst stage holds more than the
-    /// average) is passed over; any other error is the search's.
-    fn offer(&mut self, c: &Screened, config: &ParallelConfig, exact: Result<Plan>) -> Result<()> {
+    /// Takes `config`'s exact result (screened as `c`; `even`: its stages split evenly, a
+    /// Megatron configuration): a fit counts, and wins when faster; an infeasible one (the
+    /// estimate was optimistic: the worst stage holds more than the average) is passed over;
+    /// any other error is the search's.
+    fn offer(
+        &mut self,
+        c: &Screened,
+        config: &ParallelConfig,
+        exact: Result<Plan>,
+        even: bool,
+    ) -> Result<()> {
         if self.trace {
             eprintln!(
                 "trace: pipeline `{}` estimated {:.4} s, {:.2} GiB; exact {}",
@@ -290,7 +306,12 @@ impl Best {
         match exact {
             Ok(plan) => {
                 self.fitting += 1;
-                if plan.predicted.step_time_s < self.limit() {
+                let t = plan.predicted.step_time_s;
+                let faster_even = self.even.as_ref().is_none_or(|e| t < e.predicted.step_time_s);
+                if even && t < self.bound && faster_even {
+                    self.even = Some(plan.clone());
+                }
+                if t < self.limit() {
                     self.plan = Some(plan);
                 }
                 Ok(())
@@ -301,20 +322,22 @@ impl Best {
     }
 }
 
-/// What the pipeline phase found: the fastest pipelined plan that beats the bound (a Megatron
-/// configuration: its config string reproduces it), the candidates the screen passed and how
-/// many of those verified fit.
+/// What the pipeline phase found: the fastest pipelined plan that beats the bound (its config
+/// string reproduces it), the fastest with even stages (a Megatron configuration), the
+/// candidates the screen passed and how many of those verified fit.
 pub struct PipelinePhase {
     pub plan: Option<Plan>,
+    pub even: Option<Plan>,
     pub screened: usize,
     pub fitting: usize,
 }
 
 impl PipelinePhase {
     /// The Megatron baseline with pipelines: the faster of `flat` (the grid without them) and
-    /// the phase's plan, counting the phase's candidates.
+    /// the phase's fastest plan with even stages (re-cut stages and per-stage checkpointing
+    /// are not Megatron's), counting the phase's candidates.
     pub fn megatron_baseline(&self, flat: Option<BaselineJson>) -> Option<BaselineJson> {
-        let piped = self.plan.as_ref().map(|p| BaselineJson {
+        let piped = self.even.as_ref().map(|p| BaselineJson {
             config: p.config.clone(),
             step_time_s: p.predicted.step_time_s,
             peak_bytes_per_device: p.predicted.peak_bytes_per_device.clone(),

@@ -141,8 +141,10 @@ pub struct Recut {
 }
 
 /// The re-cut layout for `cfg` (even stages, uniform checkpointing, lowered as `l`): `None`
-/// when the pipeline is interleaved, the pass finds no layout under `budget`, or the best one
-/// is the even split itself. `costs` must hold the config's own mode.
+/// when the pass finds no layout under `budget`, or the best one is the even split itself.
+/// `costs` must hold the config's own mode. An interleaved pipeline keeps its even chunks (a
+/// device's chunks are not adjacent, so block ranges do not form a chain) and chooses each
+/// device's checkpointing: the fastest mode that fits it.
 pub fn rebalance(
     cfg: &ParallelConfig,
     l: &PipeLowered,
@@ -151,9 +153,11 @@ pub fn rebalance(
     budget: f64,
 ) -> Option<Recut> {
     let kind = l.options.schedule;
-    if kind.chunks() != 1 || devices.len() < 2 || !cfg.stages.is_empty() {
+    if devices.len() < 2 || !cfg.stages.is_empty() {
         return None;
     }
+    // A device's chunks split its blocks evenly, and what its order holds is per chunk.
+    let v = kind.chunks().max(1) as f64;
     let uniform = cfg.ckpt.unwrap_or(CkptMode::None);
     let here = costs.modes.iter().find(|m| m.mode == uniform)?;
     let nb: usize = devices.iter().map(|d| d.blocks).sum();
@@ -166,7 +170,7 @@ pub fn rebalance(
         } else {
             m.kept_bytes
         };
-        sched.peak_held(d, m.kept_bytes, wi)
+        sched.peak_held(d, m.kept_bytes, wi) / v
     };
     // Per device and mode: seconds per micro-batch and bytes at the peak, for n blocks.
     let secs = |d: usize, n: usize, m: &ModeCost| {
@@ -179,14 +183,22 @@ pub fn rebalance(
         base + n as f64 * (sigma + held(d, m))
     };
     let p = devices.len();
-    let chosen =
-        cut(p, nb, costs.modes.len(), &|d, n, mi| secs(d, n, &costs.modes[mi]), &|d, n, mi| {
-            bytes(d, n, &costs.modes[mi]) <= budget
-        })?;
-    let sizes: Vec<usize> = chosen.iter().map(|c| c.blocks).collect();
-    let modes: Vec<CkptMode> = chosen.iter().map(|c| costs.modes[c.mode].mode).collect();
-    let even = super::split::StageMap::even(nb, p, 1, 0).ok()?.block_ranges();
+    let secs_of = |d: usize, n: usize, mi: usize| secs(d, n, &costs.modes[mi]);
+    let fits = |d: usize, n: usize, mi: usize| bytes(d, n, &costs.modes[mi]) <= budget;
+    let chosen = if kind.chunks() == 1 {
+        cut(p, nb, costs.modes.len(), &secs_of, &fits)?
+    } else {
+        let blocks: Vec<usize> = devices.iter().map(|d| d.blocks).collect();
+        modes_per_device(&blocks, costs.modes.len(), &secs_of, &fits)?
+    };
+    let even = super::split::StageMap::even(nb, p, kind.chunks(), 0).ok()?.block_ranges();
     let even: Vec<usize> = even.iter().map(|(a, b)| b - a).collect();
+    // Per virtual stage: its blocks and its device's mode.
+    let (sizes, modes): (Vec<usize>, Vec<CkptMode>) = if kind.chunks() == 1 {
+        chosen.iter().map(|c| (c.blocks, costs.modes[c.mode].mode)).unzip()
+    } else {
+        even.iter().enumerate().map(|(vs, &n)| (n, costs.modes[chosen[vs % p].mode].mode)).unzip()
+    };
     let one_mode = modes.iter().all(|&m| m == modes[0]);
     if sizes == even && one_mode && modes[0] == uniform {
         return None;
@@ -205,6 +217,26 @@ pub fn rebalance(
     let after: Vec<f64> = chosen.iter().map(|c| c.secs).collect();
     let ratio = makespan(&after) / makespan(&before).max(f64::MIN_POSITIVE);
     Some(Recut { config: ParallelConfig { stages, ckpt, ..cfg.clone() }, ratio })
+}
+
+/// Each device's fastest mode that fits it, its blocks fixed (`blocks[d]`): `None` when some
+/// device fits under none.
+fn modes_per_device(
+    blocks: &[usize],
+    modes: usize,
+    secs: &dyn Fn(usize, usize, usize) -> f64,
+    fits: &dyn Fn(usize, usize, usize) -> bool,
+) -> Option<Vec<Choice>> {
+    blocks
+        .iter()
+        .enumerate()
+        .map(|(d, &n)| {
+            (0..modes)
+                .filter(|&m| fits(d, n, m))
+                .map(|mode| Choice { blocks: n, mode, secs: secs(d, n, mode) })
+                .min_by(|a, b| a.secs.total_cmp(&b.secs))
+        })
+        .collect()
 }
 
 /// The dynamic programme over contiguous block ranges: `p` stages of at least one block each
@@ -279,6 +311,18 @@ mod tests {
         assert_eq!(c.iter().map(|c| c.secs).fold(0.0, f64::max), 3.0);
         assert_eq!(sizes.iter().sum::<usize>(), 8);
         assert_eq!(sizes[3], 1, "{sizes:?}");
+    }
+
+    #[test]
+    fn interleaved_devices_choose_their_own_mode() {
+        // Two devices of 4 blocks; device 0 (the most micro-batches in flight) fits only
+        // under mode 1, which recomputes; device 1 keeps everything.
+        let secs = |_, n: usize, m: usize| n as f64 * if m == 1 { 1.3 } else { 1.0 };
+        let fits = |d: usize, _, m: usize| d == 1 || m == 1;
+        let c = modes_per_device(&[4, 4], 2, &secs, &fits).unwrap();
+        let got: Vec<(usize, usize)> = c.iter().map(|c| (c.blocks, c.mode)).collect();
+        assert_eq!(got, [(4, 1), (4, 0)]);
+        assert!(modes_per_device(&[4, 4], 2, &secs, &|_, _, _| false).is_none());
     }
 
     #[test]
