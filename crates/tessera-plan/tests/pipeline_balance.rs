@@ -19,6 +19,16 @@ fn heavy_head(vocab: usize) -> ModelConfig {
     ModelConfig::Llama(LlamaConfig::new(p).unwrap())
 }
 
+/// The forward graph of `cfg` (no dropout) at a micro-batch of `mb` sequences of 32.
+fn builder(cfg: ModelConfig) -> impl Fn(usize) -> tessera_plan::Result<Forward> + Sync {
+    let cfg = cfg.without_dropout();
+    move |mb: usize| {
+        let m = build(&cfg, &BuildOptions::new(mb, 32, DType::F32))
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+    }
+}
+
 /// Four machines of one CPU each on a slow link, where pipelines beat data parallelism.
 fn slow_cluster() -> Cluster {
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
@@ -57,12 +67,7 @@ fn request<'a>(
 
 #[test]
 fn the_search_recuts_stages_around_a_heavy_head_and_the_config_reproduces_it() {
-    let cfg = heavy_head(6144).without_dropout();
-    let b = move |mb: usize| -> tessera_plan::Result<Forward> {
-        let m = build(&cfg, &BuildOptions::new(mb, 32, DType::F32))
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    };
+    let b = builder(heavy_head(6144));
     let req = request(&b, u64::MAX);
     let auto = plan_auto(&req).unwrap();
     let config = ParallelConfig::parse(&auto.config).unwrap();
@@ -101,12 +106,7 @@ fn the_search_recuts_stages_around_a_heavy_head_and_the_config_reproduces_it() {
 
 #[test]
 fn a_recut_fits_where_even_stages_do_not() {
-    let cfg = heavy_head(6144).without_dropout();
-    let b = move |mb: usize| -> tessera_plan::Result<Forward> {
-        let m = build(&cfg, &BuildOptions::new(mb, 32, DType::F32))
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    };
+    let b = builder(heavy_head(6144));
     // Even stages put the embedding's and the head's state (and, under 1F1B, the most
     // micro-batches in flight) on the first and last devices, which then need over 60 MB.
     let budget = 60_000_000;
