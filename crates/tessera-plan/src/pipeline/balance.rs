@@ -159,7 +159,8 @@ pub fn rebalance(
     // A device's chunks split its blocks evenly, and what its order holds is per chunk.
     let v = kind.chunks().max(1) as f64;
     let uniform = cfg.ckpt.unwrap_or(CkptMode::None);
-    let here = costs.modes.iter().find(|m| m.mode == uniform)?;
+    let here_index = costs.modes.iter().position(|m| m.mode == uniform)?;
+    let here = &costs.modes[here_index];
     let nb: usize = devices.iter().map(|d| d.blocks).sum();
     let total_block_s: f64 = devices.iter().map(|d| d.block_s).sum();
     let block_s = total_block_s / nb.max(1) as f64;
@@ -176,15 +177,20 @@ pub fn rebalance(
     let secs = |d: usize, n: usize, m: &ModeCost| {
         devices[d].extra_s + n as f64 * (block_s + m.recompute_s)
     };
-    let bytes = |d: usize, n: usize, m: &ModeCost| {
-        let dev = &devices[d];
-        let sigma = dev.block_state_bytes / dev.blocks.max(1) as f64;
-        let base = dev.peak_bytes - dev.blocks as f64 * (sigma + held(d, here));
-        base + n as f64 * (sigma + held(d, m))
-    };
+    // Per device: its peak without its blocks, and what a block adds under each mode (the
+    // schedule walked once per device and mode, not in the DP's inner loop).
+    let per_block: Vec<Vec<f64>> = (0..devices.len())
+        .map(|d| {
+            let sigma = devices[d].block_state_bytes / devices[d].blocks.max(1) as f64;
+            costs.modes.iter().map(|m| sigma + held(d, m)).collect()
+        })
+        .collect();
+    let base: Vec<f64> = (0..devices.len())
+        .map(|d| devices[d].peak_bytes - devices[d].blocks as f64 * per_block[d][here_index])
+        .collect();
     let p = devices.len();
     let secs_of = |d: usize, n: usize, mi: usize| secs(d, n, &costs.modes[mi]);
-    let fits = |d: usize, n: usize, mi: usize| bytes(d, n, &costs.modes[mi]) <= budget;
+    let fits = |d: usize, n: usize, mi: usize| base[d] + n as f64 * per_block[d][mi] <= budget;
     let chosen = if kind.chunks() == 1 {
         cut(p, nb, costs.modes.len(), &secs_of, &fits)?
     } else {

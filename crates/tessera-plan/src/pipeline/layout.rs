@@ -127,7 +127,7 @@ pub fn from_parts(sizes: &[usize], modes: &[CkptMode], uniform: Option<CkptMode>
         .zip(modes)
         .map(|(&blocks, &m)| Stage {
             blocks,
-            ckpt: (Some(m) != uniform && !(m == CkptMode::None && uniform.is_none())).then_some(m),
+            ckpt: (m != uniform.unwrap_or(CkptMode::None)).then_some(m),
         })
         .collect()
 }
