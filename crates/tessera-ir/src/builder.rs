@@ -136,6 +136,35 @@ impl Builder {
         Ok(self.graph.node(id).outputs.clone())
     }
 
+    /// [`Builder::push`] for a copy of a node of `from` (same op, inputs of the same metas as
+    /// the original's): the outputs take the original's metas instead of being inferred again.
+    /// Rewrites that copy whole graphs (the micro-batch replay, checkpointing) push every node
+    /// this way; debug builds check the metas against inference.
+    pub fn push_like(
+        &mut self,
+        from: &Graph,
+        original: &crate::graph::Node,
+        op: Op,
+        inputs: &[TensorId],
+    ) -> Result<TensorIds> {
+        debug_assert!(
+            inputs.len() == original.inputs.len()
+                && inputs
+                    .iter()
+                    .zip(&original.inputs)
+                    .all(|(&a, &b)| self.graph.meta(a) == from.meta(b)),
+            "push_like: inputs' metas differ from the original node's"
+        );
+        let out: Vec<TensorMeta> = original.outputs.iter().map(|&t| from.meta(t).clone()).collect();
+        #[cfg(debug_assertions)]
+        {
+            let metas: Vec<&TensorMeta> = inputs.iter().map(|&t| self.graph.meta(t)).collect();
+            debug_assert_eq!(op.infer(&metas).as_ref().ok(), Some(&out), "push_like: metas");
+        }
+        let id = self.graph.push_node(op, inputs, out, self.scope, self.block, self.phase);
+        Ok(self.graph.node(id).outputs.clone())
+    }
+
     /// [`Builder::push`] for single-output ops.
     pub fn push1(&mut self, op: Op, inputs: &[TensorId]) -> Result<TensorId> {
         let out = self.push(op, inputs)?;

@@ -288,7 +288,7 @@ impl Rewriter<'_> {
         self.b.set_scope_id(node.scope);
         self.b.set_block(node.block);
         self.b.set_phase(phase);
-        self.b.push(node.op.clone(), ins)
+        self.b.push_like(self.g, node, node.op.clone(), ins)
     }
 
     /// The recomputed copy of dropped value `t`, cloning its producers back to kept values.

@@ -261,15 +261,28 @@ fn validate(p: &Problem) -> Result<(), PlanError> {
 /// problem ([`PlanError::Invalid`]), or HiGHS failing or finding no plan in the time limit
 /// ([`PlanError::Internal`]).
 pub fn solve(p: &Problem, opts: &SolveOptions) -> Result<Option<Solution>, PlanError> {
+    solve_below(p, opts, f64::INFINITY)
+}
+
+/// [`solve`] for a caller that wants no plan whose objective exceeds `cutoff` seconds:
+/// `Ok(None)` also when the LP relaxation's bound proves that none of the plans that fit is
+/// that cheap (no MIP is then solved), or when the plan found is not. Exact with respect to the
+/// ILP: a `None` here means no fitting plan of objective ≤ `cutoff` exists.
+pub fn solve_below(
+    p: &Problem,
+    opts: &SolveOptions,
+    cutoff: f64,
+) -> Result<Option<Solution>, PlanError> {
     validate(p)?;
     let tol = tolerance(p.budget);
     let mut budget = p.budget;
     for _ in 0..=MAX_RETRIES {
-        let Some(picks) = solve_under(p, budget, opts)? else {
+        let Some(picks) = solve_under(p, budget, opts, cutoff)? else {
             return Ok(None);
         };
         if fits(p, &picks) {
-            return Ok(Some(solution(p, picks)));
+            let s = solution(p, picks);
+            return Ok((s.objective <= cutoff).then_some(s));
         }
         let (_, peak) = evaluate(p, &picks);
         budget -= (peak - p.budget) + tol;
@@ -299,6 +312,7 @@ fn solve_under(
     p: &Problem,
     budget: f64,
     opts: &SolveOptions,
+    cutoff: f64,
 ) -> Result<Option<Vec<usize>>, PlanError> {
     let budget = budget.is_finite().then_some(budget);
     match Reduced::new(p, budget, Mode::Cost)? {
@@ -307,7 +321,7 @@ fn solve_under(
             // The reductions shift the objective by a constant: measure it on any plan.
             let first = vec![0; red.alive.len()];
             red.offset = evaluate(p, &red.picks(|_| 0)).0 - Local::new(&red).cost(&first);
-            red.solve_min_cost(opts)
+            red.solve_min_cost(opts, cutoff)
         }
     }
 }
@@ -600,7 +614,13 @@ impl Reduced {
         }
     }
 
-    fn solve_min_cost(&self, opts: &SolveOptions) -> Result<Option<Vec<usize>>, PlanError> {
+    /// The least-cost picks; `None` when none fits, or when the LP relaxation proves that no
+    /// plan that fits costs at most `cutoff` (whole objective, seconds).
+    fn solve_min_cost(
+        &self,
+        opts: &SolveOptions,
+        cutoff: f64,
+    ) -> Result<Option<Vec<usize>>, PlanError> {
         if self.alive.iter().all(|a| a.len() == 1) {
             return Ok(Some(self.picks(|_| 0)));
         }
@@ -651,6 +671,9 @@ impl Reduced {
                 }
                 if let Some(ks) = local.round(&xv) {
                     offer(ks, &mut best);
+                }
+                if bound + offset > cutoff * (1.0 + 1e-9) {
+                    return Ok(None);
                 }
                 abs_gap = gap * (bound + offset).abs();
                 if done(&best, bound) {

@@ -742,7 +742,7 @@ pub(crate) fn replay_tagged(
         b.set_scope_id(n.scope);
         b.set_block(n.block);
         b.set_phase(n.phase);
-        b.push(in_micro_batch(&n.op, k), inputs).map_err(internal)
+        b.push_like(g, n, in_micro_batch(&n.op, k), inputs).map_err(internal)
     };
     let push =
         |b: &mut Builder, n: &tessera_ir::Node, inputs: &[TensorId]| push_in(b, n, inputs, 0);

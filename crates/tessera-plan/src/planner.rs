@@ -101,9 +101,11 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     Mesh::new(cluster, &[cfg.dp, cfg.tp], &["dp", "tp"])
 }
 
-/// The smallest fitting micro-batch count for one (mesh, rule, zero). A fit that needs
-/// recomputation does not end the scan: more micro-batches may fit without it and be faster,
-/// so the scan goes on to the first fit without recomputation and keeps the fastest.
+/// The smallest fitting micro-batch count for one (mesh, rule, zero). With `past_recompute`, a
+/// fit that needs recomputation does not end the scan: more micro-batches may fit without it
+/// and be faster, so the scan goes on to the first fit without recomputation and keeps the
+/// fastest (the first round leaves that to [`one_more`], under a published bound). Counts
+/// that a smaller count's miss rules out ([`search::Miss`]) are deferred, not lowered.
 fn first_fit(
     req: &Request<'_>,
     p: &Problem0<'_>,
@@ -111,16 +113,31 @@ fn first_fit(
     rule: &AxisRule,
     zero: u8,
     mbs: &[usize],
+    past_recompute: bool,
 ) -> Result<(usize, Option<Evaluated>)> {
     let mut tried = 0;
     let mut best: Option<Evaluated> = None;
+    // The last miss, with the resting floor of this mesh's devices.
+    let mut missed: Option<(search::Miss, u64)> = None;
     for &mb in mbs {
-        tried += 1;
         let cand = Candidate { mesh: mesh.clone(), rule: rule.clone(), zero, micro_batches: mb };
+        if missed.is_some_and(|(m, floor)| m.rules_out(mb, floor, req.budget)) {
+            // Evaluated after all should nothing fit anywhere (the least peak stays exact).
+            if let Ok(mut d) = p.deferred.lock() {
+                d.push(cand);
+            }
+            continue;
+        }
+        tried += 1;
         let recomputing_fit = best.is_some();
         // A smaller count's fit bounds this one's search (see `search::evaluate_within`).
         let within = best.as_ref().map_or(f64::INFINITY, Evaluated::step_time_s);
-        if let Some(e) = search::evaluate_within(p, &cand, Some(req.budget), within)? {
+        let outcome = search::evaluate_within(p, &cand, Some(req.budget), within)?;
+        if let Some(m) = outcome.miss {
+            let floor = search::resting_floor(p, req.batch / mb, mesh.num_devices())?;
+            missed = Some((m, floor));
+        }
+        if let Some(e) = outcome.fit {
             let recomputes = e.lowered.time.recompute_s > 0.0;
             // More micro-batches can save the recomputation at most; when the step without it
             // is already slower than the fastest fit found so far, they cannot win.
@@ -128,7 +145,7 @@ fn first_fit(
             if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
                 best = Some(e);
             }
-            if !recomputes || cannot_win {
+            if !recomputes || cannot_win || !past_recompute {
                 break;
             }
         }
@@ -249,8 +266,31 @@ fn run_job_zero3(
     mbs: &[usize],
 ) -> Result<JobResult> {
     let (mesh, rule, mbs) = job_space(req, job, mbs)?;
-    let (tried, e) = first_fit(req, p, &mesh, &rule, 3, &mbs)?;
+    let (tried, e) = first_fit(req, p, &mesh, &rule, 3, &mbs, false)?;
     Ok(JobResult { tried, fits: e.into_iter().collect() })
+}
+
+/// The doubling [`first_fit`] would try past a recomputing fit, for a first-round fit: run
+/// once every job's first fit is published, so the bound prunes those that cannot win.
+/// `Some` when it was tried; with a faster fit, if it found one.
+fn one_more(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    job: &Job,
+    mbs: &[usize],
+    fit: &Evaluated,
+) -> Result<Option<Option<Evaluated>>> {
+    let (mesh, rule, mbs) = job_space(req, job, mbs)?;
+    let mb = fit.candidate.micro_batches;
+    let Some(&next) = mbs.iter().find(|&&m| m > mb) else { return Ok(None) };
+    // As in `first_fit`: more micro-batches save the recomputation at most.
+    let without = fit.step_time_s() - fit.lowered.time.recompute_s;
+    if fit.lowered.time.recompute_s <= 0.0 || without > p.fastest.bound(&rule) {
+        return Ok(None);
+    }
+    let cand = Candidate { mesh, rule, zero: fit.candidate.zero, micro_batches: next };
+    let outcome = search::evaluate_within(p, &cand, Some(req.budget), fit.step_time_s())?;
+    Ok(Some(outcome.fit.filter(|e| e.step_time_s() < fit.step_time_s())))
 }
 
 /// ZeRO stages 0–2 in order, each at its smallest fitting micro-batch count. A higher stage goes
@@ -266,7 +306,7 @@ fn run_job(req: &Request<'_>, p: &Problem0<'_>, job: &Job, mbs: &[usize]) -> Res
     let mut out = JobResult { tried: 0, fits: Vec::new() };
     let mut previous: Option<f64> = None;
     for zero in 0..=2u8 {
-        let (tried, e) = first_fit(req, p, &mesh, &rule, zero, &mbs)?;
+        let (tried, e) = first_fit(req, p, &mesh, &rule, zero, &mbs, true)?;
         out.tried += tried;
         let needs_more = e
             .as_ref()
@@ -294,17 +334,33 @@ fn run_jobs(
     second_round(req, p, jobs, mbs, first, true)
 }
 
-/// The first round: every job under ZeRO-3 ([`run_job_zero3`]); its fits are published as
-/// the second round's bound (the same whatever the timing).
+/// The first round: every job under ZeRO-3 at its smallest fitting count ([`run_job_zero3`]),
+/// then, bounded by those fits, one count more where a fit recomputes ([`one_more`]); its
+/// fits are published as the second round's bound (the same whatever the timing).
 fn first_round(
     req: &Request<'_>,
     p: &Problem0<'_>,
     jobs: &[Job],
     mbs: &[usize],
 ) -> Result<Vec<JobResult>> {
-    let first = parallel_map(jobs, |j| run_job_zero3(req, p, j, mbs)).into_iter().collect();
+    let mut first: Vec<JobResult> =
+        parallel_map(jobs, |j| run_job_zero3(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
     p.fastest.publish();
-    first
+    let fits: Vec<(&Job, &Evaluated)> =
+        jobs.iter().zip(&first).filter_map(|(j, r)| Some((j, r.fits.first()?))).collect();
+    let more = parallel_map(&fits, |(j, fit)| one_more(req, p, j, mbs, fit));
+    let mut more = more.into_iter();
+    for r in first.iter_mut().filter(|r| !r.fits.is_empty()) {
+        let Some(tried) = more.next().transpose()? else { continue };
+        if let Some(faster) = tried {
+            r.tried += 1;
+            if let Some(e) = faster {
+                r.fits = vec![e];
+            }
+        }
+    }
+    p.fastest.publish();
+    Ok(first)
 }
 
 /// The second round: every job's lower ZeRO stages, bounded by what is published; the

@@ -4,7 +4,10 @@
 //! (the budget, then slacks that checkpointing pays back), the bounds that prune candidates,
 //! the most memory-frugal fallback and the least peak an infeasible search reports.
 
+mod scan;
 mod space;
+
+pub use scan::{resting_floor, Miss};
 
 use crate::cost::CostModel;
 use crate::ilp::{self, Problem, SolveOptions};
@@ -103,8 +106,9 @@ pub struct Problem0<'a> {
     /// (Not certain: with more micro-batches, the most frugal layout may trade activations
     /// for a smaller state.)
     pub hopeless: std::sync::Mutex<Vec<(Mesh, AxisRule, u8)>>,
-    /// Candidates skipped as hopeless: the planner evaluates them ([`evaluate_deferred`]) when
-    /// nothing else fits, so that an infeasible search has seen every candidate's least peak.
+    /// Candidates skipped as hopeless, or ruled out by a smaller micro-batch count's miss
+    /// ([`Miss`]): the planner evaluates them ([`evaluate_deferred`]) when nothing else fits,
+    /// so that an infeasible search has seen every candidate's least peak.
     pub deferred: std::sync::Mutex<Vec<Candidate>>,
     /// The least peak any candidate that did not fit reaches ([`LeastPeak`]): what an
     /// infeasible search reports.
@@ -312,7 +316,15 @@ pub type Budget = Option<u64>;
 /// [`Problem0::least`]); when the resting model state alone misses the budget, the (mesh,
 /// rule, ZeRO stage)'s further candidates are deferred ([`Problem0::hopeless`]).
 pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: Budget) -> Result<Option<Evaluated>> {
-    evaluate_traced(p, cand, budget, f64::INFINITY, false)
+    Ok(evaluate_traced(p, cand, budget, f64::INFINITY, false)?.fit)
+}
+
+/// What [`evaluate_within`] found: the fastest fit, or how the most frugal layout missed
+/// (when the search got that far: a candidate skipped by a bound says nothing of its memory).
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub fit: Option<Evaluated>,
+    pub miss: Option<Miss>,
 }
 
 /// [`evaluate`] where the caller already holds a fit of `bound_s` seconds (a smaller
@@ -323,7 +335,7 @@ pub fn evaluate_within(
     cand: &Candidate,
     budget: Budget,
     bound_s: f64,
-) -> Result<Option<Evaluated>> {
+) -> Result<Outcome> {
     evaluate_traced(p, cand, budget, bound_s, false)
 }
 
@@ -335,7 +347,7 @@ pub fn evaluate_deferred(
     cand: &Candidate,
     budget: Budget,
 ) -> Result<Option<Evaluated>> {
-    evaluate_traced(p, cand, budget, f64::INFINITY, true)
+    Ok(evaluate_traced(p, cand, budget, f64::INFINITY, true)?.fit)
 }
 
 fn evaluate_traced(
@@ -344,11 +356,12 @@ fn evaluate_traced(
     budget: Budget,
     outer: f64,
     deferred: bool,
-) -> Result<Option<Evaluated>> {
+) -> Result<Outcome> {
     let t0 = std::time::Instant::now();
     // The ILP's boundary: its memory rows are f64, an unbounded budget an infinite one.
     let budget = budget.map_or(f64::INFINITY, |b| b as f64);
-    let e = evaluate_candidate(p, cand, budget, outer, deferred)?;
+    let miss = std::cell::Cell::new(None);
+    let e = evaluate_candidate(p, cand, budget, outer, deferred, &miss)?;
     if std::env::var_os("TESSERA_TRACE").is_some() {
         eprintln!(
             "trace: evaluated mesh {:?} {:?} zero {} mb {} in {:?}: {}",
@@ -368,7 +381,7 @@ fn evaluate_traced(
     if let Some(e) = &e {
         p.fastest.record(&cand.rule, e.step_time_s());
     }
-    Ok(e)
+    Ok(Outcome { fit: e, miss: miss.get() })
 }
 
 fn evaluate_candidate(
@@ -377,6 +390,7 @@ fn evaluate_candidate(
     budget: f64,
     outer: f64,
     deferred: bool,
+    miss: &std::cell::Cell<Option<Miss>>,
 ) -> Result<Option<Evaluated>> {
     // What a plan of this candidate must beat to matter.
     let bound = p.fastest.bound(&cand.rule).min(outer);
@@ -492,8 +506,14 @@ fn evaluate_candidate(
         }
     }
     if best.is_none() {
-        let frugal = frugal_candidate(p, cand, &problem, &space, fwd, budget, bound)?;
-        let Some((strategies, l, objective)) = frugal else { return Ok(None) };
+        let (strategies, l, objective) =
+            match frugal_candidate(p, cand, &problem, &space, fwd, budget, bound)? {
+                Ok(fit) => fit,
+                Err(missed) => {
+                    miss.set(missed);
+                    return Ok(None);
+                }
+            };
         // A fitting plan: the slacks below look for faster ones.
         local_best.set(l.time.step_time_s);
         best = Some(found(strategies, l, objective));
@@ -535,7 +555,11 @@ fn evaluate_candidate(
     for slack in slacks {
         let mut pr = problem.clone();
         pr.budget = budget * slack;
-        let Some(sol) = ilp::solve(&pr, &p.knobs.solve)? else { continue };
+        // A layout the ILP prices hopelessly above what it must beat is not worth its MIP, nor
+        // its lowering (the rule the unconstrained layout met above); the LP bound says so
+        // before the MIP runs. Looser slacks may still price lower.
+        let cutoff = p.knobs.hopeless_over_bound * bound.min(local_best.get());
+        let Some(sol) = ilp::solve_below(&pr, &p.knobs.solve, cutoff)? else { continue };
         if last.is_some_and(|o| sol.objective >= o * (1.0 - 1e-3)) {
             // The same layout as the tighter budget gave (or no faster): nothing new to try.
             if sol.objective <= unconstrained * (1.0 + 1e-3) {
@@ -627,7 +651,8 @@ fn sharding_only(
 /// policy allows ([`frugal_fit`]). One lowering answers for the whole candidate, where walking
 /// the slacks would lower each of their layouts for nothing. On a miss the candidate's least
 /// peak is recorded ([`Problem0::least`]), and when the state resting before a step alone
-/// misses the budget, its (mesh, rule, ZeRO stage) is marked hopeless.
+/// misses the budget, its (mesh, rule, ZeRO stage) is marked hopeless. `Err` on a miss, with
+/// how it missed when a layout was lowered ([`Miss`]).
 fn frugal_candidate(
     p: &Problem0<'_>,
     cand: &Candidate,
@@ -636,8 +661,8 @@ fn frugal_candidate(
     fwd: &Forward,
     budget: f64,
     bound: f64,
-) -> Result<Option<Fit>> {
-    let Some(sol) = ilp::min_peak(problem, &p.knobs.solve)? else { return Ok(None) };
+) -> Result<std::result::Result<Fit, Option<Miss>>> {
+    let Some(sol) = ilp::min_peak(problem, &p.knobs.solve)? else { return Ok(Err(None)) };
     let strategies = space.assignment(&sol.picks);
     let lopts = LowerOptions {
         zero: cand.zero,
@@ -647,8 +672,10 @@ fn frugal_candidate(
     };
     let u = lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts)?;
     match frugal_fit(p, &u, &cand.mesh, budget, bound)? {
-        Frugal::Fits(l) => Ok(Some((strategies, *l, sol.objective))),
+        Frugal::Fits(l) => Ok(Ok((strategies, *l, sol.objective))),
         Frugal::Misses { resting, least } => {
+            let mb = cand.micro_batches.max(1);
+            let miss = Miss { micro_batches: mb, least_peak: least.0, resting };
             let least = LeastPeak { peak_bytes: least.0, candidate: cand.clone(), ckpt: least.1 };
             LeastPeak::record(&p.least, least);
             if resting as f64 > budget {
@@ -656,7 +683,7 @@ fn frugal_candidate(
                     h.push((cand.mesh.clone(), cand.rule.clone(), cand.zero));
                 }
             }
-            Ok(None)
+            Ok(Err(Some(miss)))
         }
     }
 }

@@ -5,8 +5,8 @@ use std::time::Instant;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use tessera_plan::ilp::{
-    brute_force, evaluate, fits, for_each_pick, min_peak, solve, Choice, Edge, MemRow, Problem,
-    SolveOptions,
+    brute_force, evaluate, fits, for_each_pick, min_peak, solve, solve_below, Choice, Edge, MemRow,
+    Problem, SolveOptions,
 };
 use tessera_plan::PlanError;
 
@@ -159,6 +159,24 @@ proptest! {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// A cutoff changes nothing but whether a plan above it is returned: under the brute
+    /// force's optimum (less a margin wider than the solver's tolerance) there is none; at or
+    /// over it, the plan `solve` gives.
+    #[test]
+    fn solve_below_cuts_off_exactly(p in problem(), over in 0.0f64..2.0) {
+        let want = brute_force(&p);
+        let Some(want) = want else {
+            prop_assert!(solve_below(&p, &exact(), f64::INFINITY).unwrap().is_none());
+            return Ok(());
+        };
+        let tol = 1e-6 * want.objective.abs() + 1e-7 * largest_cost(&p) + 1e-12;
+        let under = want.objective - tol - 1e-3 * want.objective.abs() - 1e-9;
+        prop_assert!(solve_below(&p, &exact(), under).unwrap().is_none(), "a plan under the optimum");
+        let cutoff = want.objective + tol + over * want.objective.abs();
+        let got = solve_below(&p, &exact(), cutoff).unwrap();
+        prop_assert_eq!(got, solve(&p, &exact()).unwrap());
+    }
 
     #[test]
     fn min_peak_matches_brute_force(p in problem()) {

@@ -251,7 +251,7 @@ impl<'g> Space<'g> {
 
 /// Optimizer bytes per parameter element: Adam m and v in f32, plus an f32 master copy when
 /// the parameter is stored in lower precision.
-fn optimizer_bytes_per_elem(dtype: DType) -> f64 {
+pub(super) fn optimizer_bytes_per_elem(dtype: DType) -> f64 {
     if dtype == DType::F32 {
         8.0
     } else {

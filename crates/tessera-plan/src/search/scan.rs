@@ -1,0 +1,85 @@
+//! The micro-batch scan's bound: which micro-batch counts a miss already rules out.
+//!
+//! The planner scans each (mesh, rule, ZeRO stage) over growing micro-batch counts until one
+//! fits ([`crate::planner`]); on a large model most counts miss, and every miss costs a
+//! lowering. A miss at `m` micro-batches says more than "not `m`": its most frugal layout
+//! peaks at `P(m)`, and every device holds at least `F` bytes before a step whatever the
+//! layout — its share of the parameters and their optimizer state, all sharded `N` ways
+//! ([`resting_floor`]). What lies above `F` is activations, which shrink with the
+//! micro-batch (at most in proportion: gathered weights, buffers and workspace do not
+//! shrink), and state above the floor, which does not shrink at all. So at `m' > m`
+//! micro-batches no layout peaks under
+//!
+//! `F + (P(m) − F) · m / m'`,
+//!
+//! and the counts whose bound misses the budget are skipped without a lowering ([`Miss`]).
+//! Like the least-peak report ([`super::LeastPeak`]), it trusts the ILP's most frugal layout
+//! to be the least a count reaches. Skipped candidates join [`super::Problem0::deferred`], so
+//! a search where nothing fits still evaluates them and reports its least peak exactly.
+
+use super::space::optimizer_bytes_per_elem;
+use super::Problem0;
+use crate::Result;
+use tessera_ir::Op;
+
+/// What a candidate that does not fit reached: the least peak of its most frugal layout, and
+/// the bytes resting on a device before a step, at `micro_batches` micro-batches.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Miss {
+    pub micro_batches: usize,
+    pub least_peak: u64,
+    pub resting: u64,
+}
+
+impl Miss {
+    /// The least bytes any layout can peak at with `micro_batches` (≥ this miss's count), for
+    /// a resting floor `floor` (see the module docs).
+    pub fn bound(&self, micro_batches: usize, floor: u64) -> u64 {
+        let floor = floor.min(self.resting).min(self.least_peak);
+        let above = (self.least_peak - floor) as u128 * self.micro_batches as u128;
+        floor + (above / micro_batches.max(1) as u128) as u64
+    }
+
+    /// Whether no layout can fit `budget` with `micro_batches` (more than this miss's count).
+    pub fn rules_out(&self, micro_batches: usize, floor: u64, budget: u64) -> bool {
+        micro_batches > self.micro_batches && self.bound(micro_batches, floor) > budget
+    }
+}
+
+/// The least bytes resting on any one of `devices` devices before a step, whatever the
+/// layout: the parameters and their AdamW state (moments, and the f32 master copy of a
+/// parameter stored in lower precision), spread evenly over every device. Each element is
+/// held somewhere, so the busiest device holds at least the average.
+pub fn resting_floor(p: &Problem0<'_>, micro_batch: usize, devices: usize) -> Result<u64> {
+    let shared = p.forward(micro_batch)?;
+    let g = &shared.0.graph;
+    let total: f64 = g
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Parameter(_)))
+        .flat_map(|n| &n.outputs)
+        .map(|&t| {
+            let meta = g.meta(t);
+            meta.size_bytes() as f64 + meta.numel() as f64 * optimizer_bytes_per_elem(meta.dtype)
+        })
+        .sum();
+    Ok((total / devices.max(1) as f64).floor() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bound_shrinks_only_what_lies_above_the_floor() {
+        let miss = Miss { micro_batches: 2, least_peak: 100, resting: 60 };
+        // Floor 40: 40 + 60 · 2/8 = 55.
+        assert_eq!(miss.bound(8, 40), 55);
+        // The floor never exceeds what the miss itself rested at.
+        assert_eq!(miss.bound(4, 90), 60 + 40 * 2 / 4);
+        assert!(miss.rules_out(4, 40, 69));
+        assert!(!miss.rules_out(4, 40, 70));
+        // A count no larger than the miss's is never ruled out by it.
+        assert!(!miss.rules_out(2, 40, 0));
+    }
+}
