@@ -8,11 +8,12 @@ mod eval_cmd;
 mod export_cmd;
 mod format;
 mod plan_cmd;
+mod plan_file;
 mod profile_cmd;
 mod train_cmd;
 mod train_launch;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
 
 /// Counts heap bytes so `train` can compare the real heap with the predicted peak.
@@ -47,7 +48,17 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // Which flags the user gave: a plan file supplies the others (`plan_file`).
+    if let Some((_, sub)) = matches.subcommand() {
+        let given = plan_file::Given::from_matches(sub);
+        match &mut cli.command {
+            Command::Train(args) => args.given = given,
+            Command::Plan(args) => args.given = given,
+            _ => {}
+        }
+    }
     let result = match cli.command {
         Command::Profile(args) => profile_cmd::run(&args),
         Command::Train(args) => train_cmd::run(&args),

@@ -1,5 +1,6 @@
 //! `tessera plan`: find (or evaluate) a parallel plan for a model on a cluster.
 
+use crate::plan_file::Flag;
 use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
@@ -28,7 +29,7 @@ pub enum Baseline {
     All,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct PlanArgs {
     /// A preset (gpt2, llama2-7b, ...), a Hugging Face config.json, or a directory holding one.
     #[arg(long, default_value = "gpt2")]
@@ -66,6 +67,9 @@ pub struct PlanArgs {
     /// Also write the plan JSON here (atomically).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// The flags given on the command line (a plan file supplies the run's others).
+    #[arg(skip)]
+    pub given: crate::plan_file::Given,
 }
 
 pub fn plan_err(e: PlanError) -> anyhow::Error {
@@ -73,6 +77,18 @@ pub fn plan_err(e: PlanError) -> anyhow::Error {
 }
 
 pub fn run(args: &PlanArgs) -> Result<()> {
+    // A plan file's run: its model, batch, sequence length and precision ([`crate::plan_file`]).
+    let mut a = args.clone();
+    let g = |name: &'static str| (name, args.given.has(name));
+    let (m, b, s, d) = (g("model"), g("batch"), g("seq"), g("dtype"));
+    crate::plan_file::adopt_run(
+        &args.plan,
+        Some(Flag { name: m.0, value: &mut a.model, given: m.1 }),
+        Flag { name: b.0, value: &mut a.batch, given: b.1 },
+        Flag { name: s.0, value: &mut a.seq, given: s.1 },
+        Flag { name: d.0, value: &mut a.dtype, given: d.1 },
+    )?;
+    let args = &a;
     let cfg = ModelConfig::resolve(&args.model)?;
     let mut cluster = Cluster::parse(&args.cluster).map_err(plan_err)?;
     if let Some(r) = &args.reserve {

@@ -26,6 +26,17 @@ pub enum Precision {
     Fp16,
 }
 
+impl std::fmt::Display for Precision {
+    /// The flag's spelling (`--dtype bf16`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
+    }
+}
+
 impl Precision {
     pub fn dtype(self) -> DType {
         match self {

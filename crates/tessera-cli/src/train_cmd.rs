@@ -141,6 +141,9 @@ pub struct TrainArgs {
     /// fp16: double the loss scale after this many consecutive steps without overflow.
     #[arg(long, default_value_t = 2000)]
     pub loss_scale_window: u64,
+    /// The flags given on the command line (a plan file supplies the run's others).
+    #[arg(skip)]
+    pub given: crate::plan_file::Given,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -354,6 +357,7 @@ fn validate(args: &TrainArgs) -> Result<()> {
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
+    let args = &adopt_plan_file(args)?;
     validate(args)?;
     if let Some(env) = tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))? {
         if env.world_size > 1 {
@@ -361,6 +365,26 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         }
     }
     crate::train_launch::run_local(args, args.devices)
+}
+
+/// `args` with the model (unless `--init` names one), batch, sequence length and precision of
+/// the plan file `--plan` names, where not given ([`crate::plan_file`]).
+fn adopt_plan_file(args: &TrainArgs) -> Result<TrainArgs> {
+    use crate::plan_file::{adopt_run, Flag};
+    let mut a = args.clone();
+    let (plan, given) = (a.plan.clone(), a.given.clone());
+    let flag = |name, given: &crate::plan_file::Given| (name, given.has(name));
+    let (m, b, s, d) =
+        (flag("model", &given), flag("batch", &given), flag("seq", &given), flag("dtype", &given));
+    let model = a.init.is_none().then_some(Flag { name: m.0, value: &mut a.model, given: m.1 });
+    adopt_run(
+        &plan,
+        model,
+        Flag { name: b.0, value: &mut a.batch, given: b.1 },
+        Flag { name: s.0, value: &mut a.seq, given: s.1 },
+        Flag { name: d.0, value: &mut a.dtype, given: d.1 },
+    )?;
+    Ok(a)
 }
 
 /// The resumed checkpoint's steps, schedule and horizon: the seed, batch, sequence length and

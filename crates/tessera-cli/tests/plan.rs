@@ -81,3 +81,65 @@ fn bad_input_is_one_clear_error() {
     fails(&["--cluster", "4xH100", "--memory-budget", "1MiB"], "least any plan needs");
     fails(&["--cluster", "4xH100", "--memory-budget", "lots"], "invalid memory size");
 }
+
+/// A plan file is made for one run (model, batch, sequence, precision): `train --plan FILE`
+/// and `plan --plan FILE` take it from the file, and refuse a flag that disagrees, naming both
+/// values (issue 20: a bf16 plan used to fail under train's fp32 default, and a plan for one
+/// batch to run silently at another).
+#[test]
+fn a_plan_file_carries_its_run() {
+    let dir = std::env::temp_dir().join(format!("tessera-plan-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("plan.json");
+    let f = file.to_str().unwrap();
+    let made = ["--model", "llama-tiny", "--cluster", "2xcpu", "--batch", "4", "--seq", "32"];
+    let args: Vec<&str> = ["plan"].iter().chain(&made).copied().chain(["--out", f]).collect();
+    let (ok, _, err) = tessera(&[&args[..], &["--format", "json"]].concat());
+    assert!(ok, "{err}");
+    let planned: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(planned["dtype"], "bf16", "plan's default precision");
+
+    // None of the run's flags given: train runs the planned one (bf16, 4 × 32, llama-tiny).
+    let run = ["train", "--plan", f, "--devices", "2", "--steps", "1", "--eval-batches", "1"];
+    let (ok, out, err) = tessera(&[&run[..], &["--format", "json"]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["model"].as_str(), v["batch"].as_u64(), v["seq"].as_u64()),
+        (Some("llama-tiny"), Some(4), Some(32))
+    );
+    // The plan's own memory figures, so its precision too (fp32 would double the weights).
+    let peaks = &planned["predicted"]["peak_bytes_per_device"];
+    assert_eq!(&v["memory"]["predicted_peak_bytes"], peaks);
+    assert_eq!(v["memory"]["measured_peak_bytes"], v["memory"]["predicted_peak_bytes"]);
+
+    // Given and equal to the file's: accepted (plan re-evaluates the file).
+    let again = ["plan", "--plan", f, "--cluster", "2xcpu", "--batch", "4", "--format", "json"];
+    let (ok, out, err) = tessera(&again);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["predicted"]["peak_bytes_per_device"], *peaks);
+
+    // Given and different: one error naming the flag, both values and the way out.
+    for (cmd, flag, value, planned) in [
+        ("train", "--batch", "8", "batch 4"),
+        ("train", "--seq", "64", "seq 32"),
+        ("train", "--dtype", "fp32", "dtype bf16"),
+        ("train", "--model", "gpt2-tiny", "model llama-tiny"),
+        ("plan", "--dtype", "fp16", "dtype bf16"),
+    ] {
+        let mut args = vec![cmd, "--plan", f, flag, value];
+        if cmd == "train" {
+            args.extend(["--devices", "2", "--steps", "1"]);
+        }
+        let (ok, _, err) = tessera(&args);
+        assert!(!ok, "{args:?} should be refused");
+        assert!(err.starts_with("error: ") && !err.contains("panicked"), "{err}");
+        let given = format!("{flag} {value}");
+        for needle in [given.as_str(), planned, f] {
+            assert!(err.contains(needle), "{args:?}: `{err}` should mention `{needle}`");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
