@@ -51,6 +51,10 @@ fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // Which flags the user gave: a plan file supplies the others (`plan_file`).
+    let json = matches.subcommand().is_some_and(|(_, sub)| {
+        sub.try_get_one::<profile_cmd::OutputFormat>("format").ok().flatten()
+            == Some(&profile_cmd::OutputFormat::Json)
+    });
     if let Some((_, sub)) = matches.subcommand() {
         let given = plan_file::Given::from_matches(sub);
         match &mut cli.command {
@@ -74,7 +78,33 @@ fn main() -> ExitCode {
             // One line: the error and its causes, outermost first.
             let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
             eprintln!("error: {msg}");
+            if json {
+                // Machine-readable too: one object on stdout, as a success would print.
+                println!("{}", error_json(&e, &msg));
+            }
             ExitCode::FAILURE
         }
     }
+}
+
+/// `{"error": {"kind", "message", ...}}`: `infeasible` (with `needed_bytes`, the least memory
+/// per device any plan needs, `budget_bytes`, and the `hint`: what reaches it, what to change),
+/// `invalid` (bad input the planner refused),
+/// `internal`, or `failed` (anything else: files, data, a run that stopped).
+fn error_json(e: &anyhow::Error, message: &str) -> serde_json::Value {
+    use tessera_plan::PlanError;
+    let planner = e.chain().find_map(|c| c.downcast_ref::<PlanError>());
+    let mut error = serde_json::json!({ "message": message });
+    match planner {
+        Some(PlanError::Infeasible { budget, needed, hint }) => {
+            error["kind"] = "infeasible".into();
+            error["needed_bytes"] = (*needed).into();
+            error["budget_bytes"] = (*budget).into();
+            error["hint"] = hint.as_str().into();
+        }
+        Some(PlanError::Invalid(_)) => error["kind"] = "invalid".into(),
+        Some(PlanError::Internal(_)) => error["kind"] = "internal".into(),
+        None => error["kind"] = "failed".into(),
+    }
+    serde_json::json!({ "error": error })
 }

@@ -72,8 +72,10 @@ pub struct PlanArgs {
     pub given: crate::plan_file::Given,
 }
 
+/// The planner's error, kept typed under its context so `--format json` can report its kind
+/// and figures (`main`'s error object).
 pub fn plan_err(e: PlanError) -> anyhow::Error {
-    anyhow::anyhow!(e.to_string())
+    anyhow::Error::new(e)
 }
 
 pub fn run(args: &PlanArgs) -> Result<()> {

@@ -143,3 +143,43 @@ fn a_plan_file_carries_its_run() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// With `--format json` a failure is data too: one `{"error": {...}}` object on stdout (the
+/// human line still on stderr) and a non-zero exit. `infeasible` carries the least memory per
+/// device any plan needs, and a budget of exactly that plans (issue 20).
+#[test]
+fn errors_are_json_under_format_json() {
+    let error = |args: &[&str]| -> serde_json::Value {
+        let (ok, out, err) = tessera(args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(err.starts_with("error: "), "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim())
+            .unwrap_or_else(|e| panic!("{args:?}: stdout is not one JSON object ({e}): {out}"));
+        let message = v["error"]["message"].as_str().unwrap();
+        assert_eq!(format!("error: {message}"), err.trim_end(), "the same message on both");
+        v["error"].clone()
+    };
+    let base = [SMALL, &["--cluster", "4xH100", "--format", "json"]].concat();
+    let e = error(&[&base[..], &["--memory-budget", "1MiB"]].concat());
+    assert_eq!(e["kind"], "infeasible");
+    let (needed, budget) =
+        (e["needed_bytes"].as_u64().unwrap(), e["budget_bytes"].as_u64().unwrap());
+    assert_eq!(budget, 1 << 20);
+    assert!(needed > budget && e["hint"].as_str().is_some_and(|h| !h.is_empty()), "{e}");
+    let exactly = needed.to_string();
+    let (ok, out, err) = tessera(&[&base[..], &["--memory-budget", &exactly]].concat());
+    assert!(ok, "a budget of the reported {needed} B must plan: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["predicted"]["peak_bytes_per_device"][0].as_u64().unwrap() <= needed);
+
+    assert_eq!(
+        error(&[SMALL, &["--cluster", "8xH1000", "--format", "json"]].concat())["kind"],
+        "invalid"
+    );
+    assert_eq!(error(&["train", "--steps", "0", "--format", "json"])["kind"], "failed");
+    // One device has no data-parallel replicas: the advice does not suggest ZeRO.
+    let one =
+        [SMALL, &["--cluster", "1xH100", "--plan", "dp1", "--memory-budget", "1MiB"]].concat();
+    let (ok, _, err) = tessera(&one);
+    assert!(!ok && !err.contains("ZeRO"), "{err}");
+}

@@ -204,9 +204,13 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
                 budget: req.budget,
                 needed: least.peak_bytes,
                 hint: format!(
-                    "`{}` at its most memory-frugal layout; raise ZeRO, add micro-batches or \
-                     devices",
-                    cfg.canonical()
+                    "`{}` at its most memory-frugal layout; {}",
+                    cfg.canonical(),
+                    match cfg.dp > 1 {
+                        true => "raise ZeRO, add micro-batches or devices",
+                        // ZeRO shards over data-parallel replicas: none to shard over.
+                        false => "add micro-batches or devices",
+                    }
                 ),
             }),
             None => Err(PlanError::Invalid(format!(

@@ -110,8 +110,9 @@ pub fn fixed_plan(
             budget: req.budget,
             needed: l.peak_bytes(),
             hint: format!(
-                "`{}`: its worst pipeline stage; add micro-batches, stages or ZeRO",
-                cfg.canonical()
+                "`{}`: its worst pipeline stage; add micro-batches or stages{}",
+                cfg.canonical(),
+                if cfg.dp > 1 { ", or raise ZeRO" } else { "" }
             ),
         });
     }
