@@ -184,10 +184,15 @@ impl FastestSoFar {
             .fetch_min(step_time_s.to_bits(), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Records a Megatron-style plan another phase found (the pipeline phase: every pipelined
-    /// plan is a Megatron configuration) and publishes it as a bound.
-    pub fn seed(&self, step_time_s: f64) {
-        self.record(&AxisRule::Megatron { sp: false }, step_time_s);
+    /// Records what the pipeline phase found and publishes it as a bound: its fastest plan for
+    /// per-op layouts, and its fastest with even stages — a Megatron configuration — for
+    /// Megatron-style ones (a re-cut pipeline is not Megatron's, so it must not prune the
+    /// Megatron grid, whose best is the `--baseline megatron` answer).
+    pub fn seed_pipelined(&self, fastest_s: f64, even_s: Option<f64>) {
+        self.record(&AxisRule::Free, fastest_s);
+        if let Some(t) = even_s {
+            self.record(&AxisRule::Megatron { sp: false }, t);
+        }
         self.publish();
     }
 

@@ -124,3 +124,42 @@ fn a_recut_fits_where_even_stages_do_not() {
     let flat = plan_fixed(&req, &ParallelConfig::parse("tp4 sp").unwrap()).unwrap();
     assert!(auto.predicted.step_time_s < flat.predicted.step_time_s);
 }
+
+/// The pipeline phase runs first where the model state fills the budget
+/// (`PipelineKnobs::first_over_state_share`), and then bounds one flat round; otherwise it runs
+/// between two flat rounds. The order only decides which bound prunes which phase: both orders
+/// find the same plan, with the same figures, whether a pipeline or a flat plan wins.
+#[test]
+fn either_phase_order_finds_the_same_plan() {
+    let b = builder(heavy_head(6144));
+    for budget in [u64::MAX, 60_000_000] {
+        let plan_with = |share: f64| {
+            let mut req = request(&b, budget);
+            req.pipeline.first_over_state_share = share;
+            plan_auto(&req).unwrap()
+        };
+        let (first, between) = (plan_with(0.0), plan_with(f64::INFINITY));
+        assert_eq!(first.config, between.config, "budget {budget}");
+        assert_eq!(first.predicted.step_time_s, between.predicted.step_time_s);
+        assert_eq!(first.predicted.peak_bytes_per_device, between.predicted.peak_bytes_per_device);
+        // The Megatron baseline too (how many configurations each order tried differs).
+        let key = |p: &tessera_plan::plan::Plan| {
+            let m = p.baselines.megatron.as_ref();
+            m.map(|m| (m.config.clone(), m.step_time_s, m.peak_bytes_per_device.clone()))
+        };
+        assert_eq!(key(&first), key(&between), "budget {budget}");
+    }
+    // A flat plan winning: a fast link, where pipelines only add bubbles.
+    let cfg = ModelConfig::preset("llama-tiny").unwrap();
+    let b = builder(cfg);
+    let plan_with = |share: f64| {
+        let mut req = request(&b, u64::MAX);
+        req.cluster = Cluster::parse("4xH100").unwrap();
+        req.pipeline.first_over_state_share = share;
+        plan_auto(&req).unwrap()
+    };
+    let (first, between) = (plan_with(0.0), plan_with(f64::INFINITY));
+    assert!(first.pipeline.is_none(), "{}", first.config);
+    assert_eq!(first.config, between.config);
+    assert_eq!(first.predicted.step_time_s, between.predicted.step_time_s);
+}

@@ -43,6 +43,13 @@ pub struct PipelineKnobs {
     /// head's) holds a little more, so it runs 0.2–3% under the exact worst stage: a
     /// candidate estimated over the budget does not fit, and a small margin covers the rest.
     pub memory_slack: f64,
+    /// The phase runs before the phases without a pipeline (its plan bounding them, in one
+    /// round) when the model state alone — parameters and their AdamW state spread over every
+    /// device ([`crate::search::resting_floor`]) — takes at least this share of the budget:
+    /// there a flat plan must shard and recompute heavily, and pipelines tend to win.
+    /// Otherwise it runs between the flat search's two rounds, bounded by the first. Either
+    /// order finds the same plan; the order only decides which bound prunes which phase.
+    pub first_over_state_share: f64,
 }
 
 impl Default for PipelineKnobs {
@@ -58,6 +65,7 @@ impl Default for PipelineKnobs {
             ckpt_modes: vec![CkptMode::None, CkptMode::Selective, CkptMode::Full],
             verify: 3,
             memory_slack: 1.02,
+            first_over_state_share: 0.5,
         }
     }
 }

@@ -1,0 +1,384 @@
+//! The flat search's rounds: jobs (a mesh with the free per-op ILP, or one Megatron
+//! `dp × tp (sp)` layout), each scanned over ZeRO stages and micro-batch counts
+//! ([`first_fit`]), run on all cores — ZeRO-3 for every job first, then the lower stages
+//! ([`first_round`], [`second_round`]), or in one round when another phase set the bound
+//! ([`one_round`]).
+
+use super::{megatron_mesh, Request};
+use crate::config::ParallelConfig;
+use crate::search::{self, AxisRule, Candidate, Evaluated, Problem0};
+use crate::{Mesh, Result};
+
+/// The smallest fitting micro-batch count for one (mesh, rule, zero). With `past_recompute`, a
+/// fit that needs recomputation does not end the scan: more micro-batches may fit without it
+/// and be faster, so the scan goes on to the first fit without recomputation and keeps the
+/// fastest (the first round leaves that to [`one_more`], under a published bound). Counts
+/// that a smaller count's miss rules out ([`search::Miss`]) are deferred, not lowered (a
+/// miss of another ZeRO stage says nothing certain: ZeRO-3's gathered layers can peak above
+/// ZeRO-0's whole model, `tests/scan_bound.rs`). Returns the counts tried and the fastest fit.
+pub(super) fn first_fit(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    scan: Scan<'_>,
+    past_recompute: bool,
+) -> Result<(usize, Option<Evaluated>)> {
+    let Scan { mesh, rule, zero, mbs } = scan;
+    let mut tried = 0;
+    let mut best: Option<Evaluated> = None;
+    // The last miss, with the resting floor of this mesh's devices.
+    let mut missed: Option<(search::Miss, u64)> = None;
+    for &mb in mbs {
+        let cand = Candidate { mesh: mesh.clone(), rule: rule.clone(), zero, micro_batches: mb };
+        if missed.is_some_and(|(m, floor)| m.rules_out(mb, floor, req.budget)) {
+            // Evaluated after all should nothing fit anywhere (the least peak stays exact).
+            if let Ok(mut d) = p.deferred.lock() {
+                d.push(cand);
+            }
+            continue;
+        }
+        tried += 1;
+        let recomputing_fit = best.is_some();
+        // A smaller count's fit bounds this one's search (see `search::evaluate_within`).
+        let within = best.as_ref().map_or(f64::INFINITY, Evaluated::step_time_s);
+        let outcome = search::evaluate_within(p, &cand, Some(req.budget), within)?;
+        if let Some(m) = outcome.miss {
+            let floor = search::resting_floor(p, req.batch / mb, mesh.num_devices())?;
+            missed = Some((m, floor));
+        }
+        if let Some(e) = outcome.fit {
+            let recomputes = e.lowered.time.recompute_s > 0.0;
+            // More micro-batches can save the recomputation at most; when the step without it
+            // is already slower than the fastest fit found so far, they cannot win.
+            let cannot_win = e.step_time_s() - e.lowered.time.recompute_s > p.fastest.bound(rule);
+            if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
+                best = Some(e);
+            }
+            if !recomputes || cannot_win || !past_recompute {
+                break;
+            }
+        }
+        // One doubling past a recomputing fit: halving the activations again rarely beats
+        // recomputing a few blocks, and every count costs a full evaluation.
+        if recomputing_fit {
+            break;
+        }
+    }
+    Ok((tried, best))
+}
+
+/// One unit of the search, run on one thread: a mesh with its axis rule, over ZeRO stages.
+#[derive(Clone)]
+pub(super) enum Job {
+    /// The free per-op ILP on a mesh.
+    Free(Mesh),
+    /// A Megatron-style `dp × tp` configuration (sequence parallel on or off).
+    Megatron { dp: usize, tp: usize, sp: bool },
+}
+
+/// What one job found: per ZeRO stage that fits, the plan at its smallest fitting micro-batch
+/// count, and how many (stage, micro-batch) configurations were tried.
+pub(super) struct JobResult {
+    pub(super) tried: usize,
+    pub(super) fits: Vec<Evaluated>,
+}
+
+/// What [`first_fit`] scans: one (mesh, rule, ZeRO stage) over micro-batch counts.
+#[derive(Clone, Copy)]
+pub(super) struct Scan<'a> {
+    mesh: &'a Mesh,
+    rule: &'a AxisRule,
+    zero: u8,
+    mbs: &'a [usize],
+}
+
+/// The job's mesh, axis rule and the micro-batch counts its rule allows.
+pub(super) fn job_space(
+    req: &Request<'_>,
+    job: &Job,
+    mbs: &[usize],
+) -> Result<(Mesh, AxisRule, Vec<usize>)> {
+    Ok(match job {
+        Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
+        Job::Megatron { dp, tp, sp } => {
+            let cfg = ParallelConfig {
+                dp: *dp,
+                tp: *tp,
+                zero: 0,
+                micro_batches: 1,
+                sp: *sp,
+                ckpt: None,
+                pp: 1,
+                schedule: None,
+                stages: Vec::new(),
+            };
+            let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
+            (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
+        }
+    })
+}
+
+/// ZeRO-3 at its smallest fitting micro-batch count: the most memory-frugal stage, so the one
+/// most likely to fit a tight budget. The search runs it for every job first, so that the
+/// fastest fit so far ([`search::FastestSoFar`]) bounds the rest of the search early.
+pub(super) fn run_job_zero3(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    job: &Job,
+    mbs: &[usize],
+) -> Result<JobResult> {
+    let (mesh, rule, mbs) = job_space(req, job, mbs)?;
+    let (tried, e) =
+        first_fit(req, p, Scan { mesh: &mesh, rule: &rule, zero: 3, mbs: &mbs }, false)?;
+    Ok(JobResult { tried, fits: e.into_iter().collect() })
+}
+
+/// The doubling [`first_fit`] would try past a recomputing fit, for a first-round fit: run
+/// once every job's first fit is published, so the bound prunes those that cannot win.
+/// `Some` when it was tried; with a faster fit, if it found one.
+pub(super) fn one_more(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    job: &Job,
+    mbs: &[usize],
+    fit: &Evaluated,
+) -> Result<Option<Option<Evaluated>>> {
+    let (mesh, rule, mbs) = job_space(req, job, mbs)?;
+    let mb = fit.candidate.micro_batches;
+    let Some(&next) = mbs.iter().find(|&&m| m > mb) else { return Ok(None) };
+    // As in `first_fit`: more micro-batches save the recomputation at most.
+    let without = fit.step_time_s() - fit.lowered.time.recompute_s;
+    if fit.lowered.time.recompute_s <= 0.0 || without > p.fastest.bound(&rule) {
+        return Ok(None);
+    }
+    let cand = Candidate { mesh, rule, zero: fit.candidate.zero, micro_batches: next };
+    let outcome = search::evaluate_within(p, &cand, Some(req.budget), fit.step_time_s())?;
+    Ok(Some(outcome.fit.filter(|e| e.step_time_s() < fit.step_time_s())))
+}
+
+/// ZeRO stages 0–2 in order, each at its smallest fitting micro-batch count. A higher stage goes
+/// on being tried while it pays: when the stage before needed micro-batches or recomputation
+/// (or did not fit), a higher one may fit without them; and when the stage before was faster
+/// than its own predecessor, the next may be faster again — the optimizer update runs on a
+/// 1/dp shard from stage 1, and from stage 2 gradients are reduce-scattered (half an
+/// all-reduce's traffic, so more of it hides under the backward pass). The scan stops at the
+/// first stage that fits plainly and gains nothing over the one before, and at a stage whose
+/// fit cannot win (slower than the bound even without its recomputation) and gains under 1%
+/// over the one before: the layout already shards what the stage would (a per-op layout
+/// spreads parameters and optimizer state over every axis), so the next stage, which only
+/// shards one more kind of state, is not expected to gain either. (Stage 3 is
+/// [`run_job_zero3`]'s.)
+pub(super) fn run_job(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    job: &Job,
+    mbs: &[usize],
+) -> Result<JobResult> {
+    let (mesh, rule, mbs) = job_space(req, job, mbs)?;
+    let mut out = JobResult { tried: 0, fits: Vec::new() };
+    let mut previous: Option<f64> = None;
+    for zero in 0..=2u8 {
+        let (tried, e) =
+            first_fit(req, p, Scan { mesh: &mesh, rule: &rule, zero, mbs: &mbs }, true)?;
+        out.tried += tried;
+        let needs_more = e
+            .as_ref()
+            .is_none_or(|e| e.candidate.micro_batches > 1 || e.lowered.time.recompute_s > 0.0);
+        let time = e.as_ref().map(Evaluated::step_time_s);
+        let gained_by =
+            |share: f64| matches!((previous, time), (Some(a), Some(b)) if b < a * (1.0 - share));
+        let (gained, gained_much) = (gained_by(1e-6), gained_by(1e-2));
+        let cannot_win = e
+            .as_ref()
+            .is_some_and(|e| e.step_time_s() - e.lowered.time.recompute_s > p.fastest.bound(&rule));
+        previous = time.or(previous);
+        out.fits.extend(e);
+        if zero >= 1 && ((!needs_more && !gained) || (cannot_win && !gained_much)) {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Runs every job: ZeRO-3 for all of them first (see [`run_job_zero3`]), then the lower
+/// stages. Results in job order.
+pub(super) fn run_jobs(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+) -> Result<Vec<JobResult>> {
+    let first = first_round(req, p, jobs, mbs)?;
+    second_round(req, p, jobs, mbs, first, true)
+}
+
+/// The first round: every job under ZeRO-3 at its smallest fitting count ([`run_job_zero3`]),
+/// then, bounded by those fits, one count more where a fit recomputes ([`one_more`]); its
+/// fits are published as the second round's bound (the same whatever the timing).
+pub(super) fn first_round(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+) -> Result<Vec<JobResult>> {
+    let mut first: Vec<JobResult> =
+        parallel_map(jobs, |j| run_job_zero3(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
+    p.fastest.publish();
+    let fits: Vec<(&Job, &Evaluated)> =
+        jobs.iter().zip(&first).filter_map(|(j, r)| Some((j, r.fits.first()?))).collect();
+    let more = parallel_map(&fits, |(j, fit)| one_more(req, p, j, mbs, fit));
+    let mut more = more.into_iter();
+    for r in first.iter_mut().filter(|r| !r.fits.is_empty()) {
+        let Some(tried) = more.next().transpose()? else { continue };
+        if let Some(faster) = tried {
+            r.tried += 1;
+            if let Some(e) = faster {
+                r.fits = vec![e];
+            }
+        }
+    }
+    p.fastest.publish();
+    Ok(first)
+}
+
+/// The second round: every job's lower ZeRO stages, bounded by what is published; the
+/// results merged with the first round's, in job order. When nothing fitted and `deferred`
+/// (no other phase has a plan), the deferred candidates are evaluated ([`run_deferred`]).
+pub(super) fn second_round(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+    first: Vec<JobResult>,
+    deferred: bool,
+) -> Result<Vec<JobResult>> {
+    let rest: Vec<JobResult> =
+        parallel_map(jobs, |j| run_job(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
+    let mut results: Vec<JobResult> = rest
+        .into_iter()
+        .zip(first)
+        .map(|(mut r, z3)| {
+            r.tried += z3.tried;
+            r.fits.extend(z3.fits);
+            r
+        })
+        .collect();
+    if deferred && results.iter().all(|r| r.fits.is_empty()) {
+        run_deferred(req, p, jobs, mbs, &mut results)?;
+    }
+    Ok(results)
+}
+
+/// Every job's ZeRO stages in one round (ZeRO-3 first within each job, past a recomputing fit
+/// as the lower stages are), for a search whose bound another phase already set (the
+/// pipeline phase, run first): two rounds would only add barriers where one thread waits for
+/// the other. The results, in job order, as [`second_round`] gives them.
+pub(super) fn one_round(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+    deferred: bool,
+) -> Result<Vec<JobResult>> {
+    let all = parallel_map(jobs, |j| -> Result<JobResult> {
+        let (mesh, rule, allowed) = job_space(req, j, mbs)?;
+        let scan = Scan { mesh: &mesh, rule: &rule, zero: 3, mbs: &allowed };
+        let (tried, zero3) = first_fit(req, p, scan, true)?;
+        let mut r = run_job(req, p, j, mbs)?;
+        r.tried += tried;
+        r.fits.extend(zero3);
+        Ok(r)
+    });
+    let mut results = all.into_iter().collect::<Result<Vec<_>>>()?;
+    p.fastest.publish();
+    if deferred && results.iter().all(|r| r.fits.is_empty()) {
+        run_deferred(req, p, jobs, mbs, &mut results)?;
+    }
+    Ok(results)
+}
+
+/// When nothing fitted: the candidates deferred as hopeless ([`Problem0::hopeless`]), whose
+/// model state missed the budget at a smaller micro-batch count's most frugal layout — which
+/// says nothing certain about theirs. Their fits join their jobs' results; either way, every
+/// candidate the search enumerates has then recorded its least peak ([`Problem0::least`]).
+pub(super) fn run_deferred(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+    results: &mut [JobResult],
+) -> Result<()> {
+    let mut deferred = p.deferred.lock().map(|mut d| std::mem::take(&mut *d)).unwrap_or_default();
+    // In a fixed order: threads deferred them in any.
+    deferred.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
+    let spaces: Vec<(Mesh, AxisRule)> = jobs
+        .iter()
+        .map(|j| job_space(req, j, mbs).map(|(mesh, rule, _)| (mesh, rule)))
+        .collect::<Result<_>>()?;
+    let found = parallel_map(&deferred, |c| search::evaluate_deferred(p, c, Some(req.budget)));
+    for (c, e) in deferred.iter().zip(found) {
+        let Some(e) = e? else { continue };
+        if let Some(i) = spaces.iter().position(|(m, r)| *m == c.mesh && *r == c.rule) {
+            results[i].fits.push(e);
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
+    let n = req.cluster.num_devices();
+    let mut jobs = Vec::new();
+    for tp in (1..=req.cluster.gpus_per_node.min(n)).filter(|&t| n.is_multiple_of(t)) {
+        for sp in [false, true] {
+            if !(sp && tp == 1) {
+                jobs.push(Job::Megatron { dp: n / tp, tp, sp });
+            }
+        }
+    }
+    jobs
+}
+
+/// Every job of the automatic search: the free ILP on each mesh, then every Megatron layout.
+pub(super) fn auto_jobs(req: &Request<'_>) -> Result<Vec<Job>> {
+    let n = req.cluster.num_devices();
+    let mut meshes: Vec<Mesh> = vec![Mesh::new(&req.cluster, &[n], &[])?];
+    for t in 2..=req.cluster.gpus_per_node.min(n) {
+        if n.is_multiple_of(t) && req.cluster.gpus_per_node.is_multiple_of(t) && t < n {
+            let mesh = Mesh::new(&req.cluster, &[n / t, t], &[])?;
+            // Within one node `[2, 4]` and `[4, 2]` are one mesh: the free ILP finds the same
+            // plans on both, up to naming the axes.
+            if !meshes.iter().any(|m| m.equivalent(&mesh)) {
+                meshes.push(mesh);
+            }
+        }
+    }
+    // The free 2-D meshes are the slowest jobs: they go first so the threads stay busy.
+    let mut jobs: Vec<Job> = meshes.into_iter().rev().map(Job::Free).collect();
+    jobs.extend(megatron_jobs(req));
+    Ok(jobs)
+}
+
+/// Runs `f` over `items` on the machine's threads, keeping order.
+pub(crate) fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads =
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(items.len()).max(1);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<Option<R>> = (0..items.len()).map(|_| None).collect();
+    let slots: Vec<std::sync::Mutex<&mut Option<R>>> =
+        out.iter_mut().map(std::sync::Mutex::new).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= items.len() {
+                    break;
+                }
+                let r = f(&items[i]);
+                if let Ok(mut slot) = slots[i].lock() {
+                    **slot = Some(r);
+                }
+            });
+        }
+    });
+    drop(slots);
+    out.into_iter().map(|r| r.expect("every item ran")).collect()
+}
