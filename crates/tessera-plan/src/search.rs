@@ -283,6 +283,9 @@ pub struct SearchKnobs {
     /// the llama searches of BENCHMARKS.md (`TESSERA_TRACE=1` prints both), so such a layout
     /// loses with a wide margin.
     pub hopeless_over_bound: f64,
+    /// A ZeRO stage whose fit cannot win and is faster than the stage before by less than
+    /// this share ends the job's ZeRO scan (`planner::rounds::run_job`).
+    pub zero_scan_min_gain: f64,
     /// HiGHS's limits for one ILP.
     pub solve: SolveOptions,
 }
@@ -292,6 +295,7 @@ impl Default for SearchKnobs {
         SearchKnobs {
             slacks: vec![1.5, 2.5, 4.0, 8.0],
             hopeless_over_bound: 1.5,
+            zero_scan_min_gain: 0.01,
             solve: SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
         }
     }

@@ -163,7 +163,7 @@ pub(super) fn one_more(
 /// all-reduce's traffic, so more of it hides under the backward pass). The scan stops at the
 /// first stage that fits plainly and gains nothing over the one before, and at a stage whose
 /// fit cannot win (slower than the bound even without its recomputation) and gains under 1%
-/// over the one before: the layout already shards what the stage would (a per-op layout
+/// over the one before (`SearchKnobs::zero_scan_min_gain`): the layout already shards what the stage would (a per-op layout
 /// spreads parameters and optimizer state over every axis), so the next stage, which only
 /// shards one more kind of state, is not expected to gain either. (Stage 3 is
 /// [`run_job_zero3`]'s.)
@@ -186,7 +186,7 @@ pub(super) fn run_job(
         let time = e.as_ref().map(Evaluated::step_time_s);
         let gained_by =
             |share: f64| matches!((previous, time), (Some(a), Some(b)) if b < a * (1.0 - share));
-        let (gained, gained_much) = (gained_by(1e-6), gained_by(1e-2));
+        let (gained, gained_much) = (gained_by(1e-6), gained_by(p.knobs.zero_scan_min_gain));
         let cannot_win = e
             .as_ref()
             .is_some_and(|e| e.step_time_s() - e.lowered.time.recompute_s > p.fastest.bound(&rule));
