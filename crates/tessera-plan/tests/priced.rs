@@ -4,40 +4,13 @@
 //! sequence parallelism, each ZeRO stage and each checkpointing, and the planner's plans must
 //! carry the exact Program.
 
-use tessera_ir::{Checkpointing, CkptMode, DType, TrainConfig};
-use tessera_models::{build, BuildOptions, ModelConfig};
+mod common;
+
+use common::{builder, problem};
+use tessera_ir::{Checkpointing, CkptMode, TrainConfig};
 use tessera_plan::lower::{self, LowerOptions, Lowered};
-use tessera_plan::search::{self, AxisRule, Candidate, CkptSearch, Forward, Problem0};
-use tessera_plan::{priced, Cluster, Mesh, PlanError};
-
-fn builder(preset: &str, seq: usize) -> impl Fn(usize) -> tessera_plan::Result<Forward> + Sync {
-    let cfg = ModelConfig::preset(preset).unwrap().without_dropout();
-    move |mb: usize| {
-        let m = build(&cfg, &BuildOptions::new(mb, seq, DType::BF16))
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    }
-}
-
-fn problem<'a>(
-    build: &'a (dyn Fn(usize) -> tessera_plan::Result<Forward> + Sync),
-    batch: usize,
-    cluster: &Cluster,
-) -> Problem0<'a> {
-    Problem0 {
-        build,
-        batch,
-        cost: tessera_plan::cost::CostModel::new(cluster.device.clone()),
-        train: TrainConfig::default(),
-        knobs: Default::default(),
-        ckpt: CkptSearch::Joint,
-        graphs: Default::default(),
-        fastest: Default::default(),
-        hopeless: Default::default(),
-        least: Default::default(),
-        deferred: Default::default(),
-    }
-}
+use tessera_plan::search::{self, AxisRule, Candidate};
+use tessera_plan::{priced, Cluster, Mesh};
 
 fn close(what: &str, priced: f64, exact: f64) {
     let tol = 1e-9 * exact.abs().max(1e-12);

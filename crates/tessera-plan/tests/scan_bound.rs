@@ -5,39 +5,11 @@
 //! against `search::min_peak` at every larger count, and the resting floor against each miss's
 //! own resting bytes.
 
-use tessera_ir::{DType, TrainConfig};
-use tessera_models::{build, BuildOptions, ModelConfig};
-use tessera_plan::search::{self, AxisRule, Candidate, CkptSearch, Forward, Problem0};
-use tessera_plan::{Cluster, Mesh, PlanError};
+mod common;
 
-fn builder(preset: &str, seq: usize) -> impl Fn(usize) -> tessera_plan::Result<Forward> + Sync {
-    let cfg = ModelConfig::preset(preset).unwrap().without_dropout();
-    move |mb: usize| {
-        let m = build(&cfg, &BuildOptions::new(mb, seq, DType::BF16))
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    }
-}
-
-fn problem<'a>(
-    build: &'a (dyn Fn(usize) -> tessera_plan::Result<Forward> + Sync),
-    batch: usize,
-    cluster: &Cluster,
-) -> Problem0<'a> {
-    Problem0 {
-        build,
-        batch,
-        cost: tessera_plan::cost::CostModel::new(cluster.device.clone()),
-        train: TrainConfig::default(),
-        knobs: Default::default(),
-        ckpt: CkptSearch::Joint,
-        graphs: Default::default(),
-        fastest: Default::default(),
-        hopeless: Default::default(),
-        least: Default::default(),
-        deferred: Default::default(),
-    }
-}
+use common::{builder, problem};
+use tessera_plan::search::{self, AxisRule, Candidate};
+use tessera_plan::{Cluster, Mesh};
 
 #[test]
 fn a_miss_never_rules_out_a_count_that_reaches_under_its_bound() {

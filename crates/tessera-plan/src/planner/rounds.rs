@@ -253,7 +253,7 @@ pub(super) fn second_round(
 ) -> Result<Vec<JobResult>> {
     let rest: Vec<JobResult> =
         parallel_map(jobs, |j| run_job(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
-    let mut results: Vec<JobResult> = rest
+    let results: Vec<JobResult> = rest
         .into_iter()
         .zip(first)
         .map(|(mut r, z3)| {
@@ -262,6 +262,19 @@ pub(super) fn second_round(
             r
         })
         .collect();
+    with_deferred(req, p, jobs, mbs, results, deferred)
+}
+
+/// `results`, with the deferred candidates evaluated when nothing fitted and `deferred` (no
+/// other phase has a plan: [`run_deferred`]).
+fn with_deferred(
+    req: &Request<'_>,
+    p: &Problem0<'_>,
+    jobs: &[Job],
+    mbs: &[usize],
+    mut results: Vec<JobResult>,
+    deferred: bool,
+) -> Result<Vec<JobResult>> {
     if deferred && results.iter().all(|r| r.fits.is_empty()) {
         run_deferred(req, p, jobs, mbs, &mut results)?;
     }
@@ -288,12 +301,9 @@ pub(super) fn one_round(
         r.fits.extend(zero3);
         Ok(r)
     });
-    let mut results = all.into_iter().collect::<Result<Vec<_>>>()?;
+    let results = all.into_iter().collect::<Result<Vec<_>>>()?;
     p.fastest.publish();
-    if deferred && results.iter().all(|r| r.fits.is_empty()) {
-        run_deferred(req, p, jobs, mbs, &mut results)?;
-    }
-    Ok(results)
+    with_deferred(req, p, jobs, mbs, results, deferred)
 }
 
 /// When nothing fitted: the candidates deferred as hopeless ([`Problem0::hopeless`]), whose
