@@ -50,11 +50,12 @@ enum Command {
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    // Which flags the user gave: a plan file supplies the others (`plan_file`).
+    // A failure under `--format json` is reported as JSON too (`error_json`).
     let json = matches.subcommand().is_some_and(|(_, sub)| {
         sub.try_get_one::<profile_cmd::OutputFormat>("format").ok().flatten()
             == Some(&profile_cmd::OutputFormat::Json)
     });
+    // Which flags the user gave: a plan file supplies the others (`plan_file`).
     if let Some((_, sub)) = matches.subcommand() {
         let given = plan_file::Given::from_matches(sub);
         match &mut cli.command {
@@ -88,9 +89,9 @@ fn main() -> ExitCode {
 }
 
 /// `{"error": {"kind", "message", ...}}`: `infeasible` (with `needed_bytes`, the least memory
-/// per device any plan needs, `budget_bytes`, and the `hint`: what reaches it, what to change),
-/// `invalid` (bad input the planner refused),
-/// `internal`, or `failed` (anything else: files, data, a run that stopped).
+/// per device any plan needs, `budget_bytes`, and the `hint`: what reaches it, what to
+/// change), `invalid` (bad input the planner refused), `internal`, or `failed` (anything
+/// else: files, data, a run that stopped).
 fn error_json(e: &anyhow::Error, message: &str) -> serde_json::Value {
     use tessera_plan::PlanError;
     let planner = e.chain().find_map(|c| c.downcast_ref::<PlanError>());

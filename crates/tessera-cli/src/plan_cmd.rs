@@ -1,6 +1,5 @@
 //! `tessera plan`: find (or evaluate) a parallel plan for a model on a cluster.
 
-use crate::plan_file::Flag;
 use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
@@ -81,14 +80,13 @@ pub fn plan_err(e: PlanError) -> anyhow::Error {
 pub fn run(args: &PlanArgs) -> Result<()> {
     // A plan file's run: its model, batch, sequence length and precision ([`crate::plan_file`]).
     let mut a = args.clone();
-    let g = |name: &'static str| (name, args.given.has(name));
-    let (m, b, s, d) = (g("model"), g("batch"), g("seq"), g("dtype"));
+    let given = &args.given;
     crate::plan_file::adopt_run(
         &args.plan,
-        Some(Flag { name: m.0, value: &mut a.model, given: m.1 }),
-        Flag { name: b.0, value: &mut a.batch, given: b.1 },
-        Flag { name: s.0, value: &mut a.seq, given: s.1 },
-        Flag { name: d.0, value: &mut a.dtype, given: d.1 },
+        Some(given.flag("model", &mut a.model)),
+        given.flag("batch", &mut a.batch),
+        given.flag("seq", &mut a.seq),
+        given.flag("dtype", &mut a.dtype),
     )?;
     let args = &a;
     let cfg = ModelConfig::resolve(&args.model)?;

@@ -32,6 +32,11 @@ impl Given {
     pub fn has(&self, id: &str) -> bool {
         self.0.contains(id)
     }
+
+    /// `value`, the flag `name`'s, saying whether the user gave it.
+    pub fn flag<'a, T>(&self, name: &'static str, value: &'a mut T) -> Flag<'a, T> {
+        Flag { name, value, given: self.has(name) }
+    }
 }
 
 /// What a run-defining flag holds, and whether the user gave it.
@@ -49,7 +54,7 @@ pub struct PlanRun {
     pub dtype: Precision,
 }
 
-/// The run recorded in the plan file at `path`; `None` when `plan` is not a file (`auto` or a
+/// The run recorded in the plan file `plan`; `None` when `plan` is not a file (`auto` or a
 /// config string).
 pub fn read(plan: &str) -> Result<Option<PlanRun>> {
     let path = Path::new(plan);
@@ -80,17 +85,11 @@ fn adopt<T: PartialEq + Clone + std::fmt::Display>(
     if !flag.given {
         *flag.value = file.clone();
     } else if flag.value != file {
+        let (name, given) = (flag.name, &flag.value);
         bail!(
-            "--{} {} differs from the {} {} that plan file {plan} was made for: drop --{} to run \
-             the planned {}, or make a plan for this run (`tessera plan ... --{} {} --out FILE`)",
-            flag.name,
-            flag.value,
-            flag.name,
-            file,
-            flag.name,
-            flag.name,
-            flag.name,
-            flag.value
+            "--{name} {given} differs from the {name} {file} that plan file {plan} was made for: \
+             drop --{name} to run the planned {name}, or make a plan for this run (`tessera plan \
+             ... --{name} {given} --out FILE`)"
         );
     }
     Ok(())

@@ -370,19 +370,15 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 /// `args` with the model (unless `--init` names one), batch, sequence length and precision of
 /// the plan file `--plan` names, where not given ([`crate::plan_file`]).
 fn adopt_plan_file(args: &TrainArgs) -> Result<TrainArgs> {
-    use crate::plan_file::{adopt_run, Flag};
     let mut a = args.clone();
     let (plan, given) = (a.plan.clone(), a.given.clone());
-    let flag = |name, given: &crate::plan_file::Given| (name, given.has(name));
-    let (m, b, s, d) =
-        (flag("model", &given), flag("batch", &given), flag("seq", &given), flag("dtype", &given));
-    let model = a.init.is_none().then_some(Flag { name: m.0, value: &mut a.model, given: m.1 });
-    adopt_run(
+    let model = a.init.is_none().then(|| given.flag("model", &mut a.model));
+    crate::plan_file::adopt_run(
         &plan,
         model,
-        Flag { name: b.0, value: &mut a.batch, given: b.1 },
-        Flag { name: s.0, value: &mut a.seq, given: s.1 },
-        Flag { name: d.0, value: &mut a.dtype, given: d.1 },
+        given.flag("batch", &mut a.batch),
+        given.flag("seq", &mut a.seq),
+        given.flag("dtype", &mut a.dtype),
     )?;
     Ok(a)
 }
