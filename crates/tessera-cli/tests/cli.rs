@@ -47,6 +47,29 @@ fn profile_json_has_the_promised_keys() {
     assert_eq!(f["total"].as_u64().unwrap(), total);
 }
 
+/// The README's timeline command, as written (it once asked gpt2-tiny for 1024 positions of
+/// its 256).
+#[test]
+fn the_readme_timeline_command_runs() {
+    let dir = std::env::temp_dir().join(format!("tessera-readme-timeline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("timeline.csv");
+    let args = ["profile", "--model", "gpt2-tiny", "--seq", "256", "--timeline"];
+    let out = tessera(&[&args[..], &[csv.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&csv).expect("timeline written");
+    // The CSV's largest live figure is the peak the table reports beside it, to the byte.
+    let peak = text.lines().skip(1).filter_map(|l| l.split(',').nth(1)?.parse::<u64>().ok()).max();
+    let (ok, json) = {
+        let o = tessera(&["profile", "--model", "gpt2-tiny", "--seq", "256", "--format", "json"]);
+        (o.status.success(), String::from_utf8(o.stdout).unwrap())
+    };
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(peak, v["memory"]["peak_bytes"].as_u64(), "{}", v["memory"]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn profile_table_and_timeline() {
     let dir = std::env::temp_dir().join(format!("tessera-timeline-{}", std::process::id()));
