@@ -264,8 +264,8 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let mbs = req.micro_batch_options();
     let jobs = auto_jobs(req)?;
     let trace = std::env::var_os("TESSERA_TRACE").is_some();
-    // Where memory binds, the pipeline phase first: its plan — a Megatron configuration,
-    // lowered exactly — bounds both rounds (`PipelineKnobs::first_over_state_share`).
+    // Where memory binds, the pipeline phase first: its plans bound one flat round
+    // (`PipelineKnobs::first_over_state_share`, `seed`).
     let early = match pipeline_first(req, &p)? {
         true => Some(crate::pipeline::auto::best_pipelined(req, f64::INFINITY)?),
         false => None,

@@ -25,16 +25,19 @@ pub(super) fn first_fit(
     let Scan { mesh, rule, zero, mbs } = scan;
     let mut tried = 0;
     let mut best: Option<Evaluated> = None;
-    // The last miss, with the resting floor of this mesh's devices.
-    let mut missed: Option<(search::Miss, u64)> = None;
+    // The last miss, and the resting floor of this mesh's devices (the same for every count).
+    let mut missed: Option<search::Miss> = None;
+    let mut floor: Option<u64> = None;
     for &mb in mbs {
         let cand = Candidate { mesh: mesh.clone(), rule: rule.clone(), zero, micro_batches: mb };
-        if missed.is_some_and(|(m, floor)| m.rules_out(mb, floor, req.budget)) {
-            // Evaluated after all should nothing fit anywhere (the least peak stays exact).
-            if let Ok(mut d) = p.deferred.lock() {
-                d.push(cand);
+        if let (Some(m), Some(f)) = (missed, floor) {
+            if m.rules_out(mb, f, req.budget) {
+                // Evaluated after all should nothing fit anywhere (the least peak stays exact).
+                if let Ok(mut d) = p.deferred.lock() {
+                    d.push(cand);
+                }
+                continue;
             }
-            continue;
         }
         tried += 1;
         let recomputing_fit = best.is_some();
@@ -42,8 +45,10 @@ pub(super) fn first_fit(
         let within = best.as_ref().map_or(f64::INFINITY, Evaluated::step_time_s);
         let outcome = search::evaluate_within(p, &cand, Some(req.budget), within)?;
         if let Some(m) = outcome.miss {
-            let floor = search::resting_floor(p, req.batch / mb, mesh.num_devices())?;
-            missed = Some((m, floor));
+            if floor.is_none() {
+                floor = Some(search::resting_floor(p, req.batch / mb, mesh.num_devices())?);
+            }
+            missed = Some(m);
         }
         if let Some(e) = outcome.fit {
             let recomputes = e.lowered.time.recompute_s > 0.0;
@@ -134,25 +139,25 @@ pub(super) fn run_job_zero3(
 
 /// The doubling [`first_fit`] would try past a recomputing fit, for a first-round fit: run
 /// once every job's first fit is published, so the bound prunes those that cannot win.
-/// `Some` when it was tried; with a faster fit, if it found one.
+/// Returns the counts tried (0 or 1) and the faster fit, if it found one.
 pub(super) fn one_more(
     req: &Request<'_>,
     p: &Problem0<'_>,
     job: &Job,
     mbs: &[usize],
     fit: &Evaluated,
-) -> Result<Option<Option<Evaluated>>> {
+) -> Result<(usize, Option<Evaluated>)> {
     let (mesh, rule, mbs) = job_space(req, job, mbs)?;
     let mb = fit.candidate.micro_batches;
-    let Some(&next) = mbs.iter().find(|&&m| m > mb) else { return Ok(None) };
+    let Some(&next) = mbs.iter().find(|&&m| m > mb) else { return Ok((0, None)) };
     // As in `first_fit`: more micro-batches save the recomputation at most.
     let without = fit.step_time_s() - fit.lowered.time.recompute_s;
     if fit.lowered.time.recompute_s <= 0.0 || without > p.fastest.bound(&rule) {
-        return Ok(None);
+        return Ok((0, None));
     }
     let cand = Candidate { mesh, rule, zero: fit.candidate.zero, micro_batches: next };
     let outcome = search::evaluate_within(p, &cand, Some(req.budget), fit.step_time_s())?;
-    Ok(Some(outcome.fit.filter(|e| e.step_time_s() < fit.step_time_s())))
+    Ok((1, outcome.fit.filter(|e| e.step_time_s() < fit.step_time_s())))
 }
 
 /// ZeRO stages 0–2 in order, each at its smallest fitting micro-batch count. A higher stage goes
@@ -226,14 +231,11 @@ pub(super) fn first_round(
     let fits: Vec<(&Job, &Evaluated)> =
         jobs.iter().zip(&first).filter_map(|(j, r)| Some((j, r.fits.first()?))).collect();
     let more = parallel_map(&fits, |(j, fit)| one_more(req, p, j, mbs, fit));
-    let mut more = more.into_iter();
-    for r in first.iter_mut().filter(|r| !r.fits.is_empty()) {
-        let Some(tried) = more.next().transpose()? else { continue };
-        if let Some(faster) = tried {
-            r.tried += 1;
-            if let Some(e) = faster {
-                r.fits = vec![e];
-            }
+    for (r, more) in first.iter_mut().filter(|r| !r.fits.is_empty()).zip(more) {
+        let (tried, faster) = more?;
+        r.tried += tried;
+        if let Some(e) = faster {
+            r.fits = vec![e];
         }
     }
     p.fastest.publish();
