@@ -61,11 +61,20 @@ pub struct PlanArgs {
     /// Draw a pipelined plan's schedule (one row per pipeline device) as an SVG file.
     #[arg(long, value_name = "FILE")]
     pub schedule_svg: Option<PathBuf>,
+    /// Draw each device's memory timeline under the plan (one line per distinct device
+    /// Program), its predicted peak marked, as an SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub memory_svg: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
-    /// Also write the plan JSON here (atomically).
+    /// Also write the plan JSON here (atomically); with --export, the exported file instead.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Write the plan for another engine: a Megatron-LM launch script, a DeepSpeed config JSON
+    /// or a torchtitan job TOML (to --out FILE, else stdout; the launch command on stderr). A
+    /// plan the engine cannot express is refused, naming the nearest one it can.
+    #[arg(long, value_enum, value_name = "ENGINE")]
+    pub export: Option<crate::export_plan::ExportTo>,
     /// The flags given on the command line (a plan file supplies the run's others).
     #[arg(skip)]
     pub given: crate::plan_file::Given,
@@ -104,6 +113,12 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     if args.batch == 0 || args.seq == 0 {
         bail!("--batch and --seq must be at least 1");
     }
+    if args.export.is_some() && args.out.is_none() && args.format == OutputFormat::Json {
+        bail!(
+            "--export prints the exported file on stdout, where --format json prints the plan: \
+             give --out FILE for the export, or drop --format json"
+        );
+    }
     let dtype = args.dtype.dtype();
     let seq = cfg.effective_seq(args.seq);
     let model = PlanModel::new(&cfg, args.batch, seq, dtype, &TrainConfig::default())?;
@@ -140,7 +155,17 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         let svg = t.svg(&title).map_err(|e| anyhow::anyhow!(e))?;
         write_atomic(path, svg.as_bytes())?;
     }
-    if let Some(out) = &args.out {
+    if let Some(path) = &args.memory_svg {
+        crate::pictures::write_plan_memory(path, &req, &plan)?;
+    }
+    if let Some(to) = args.export {
+        let e = crate::export_plan::export_plan(&req, &plan, to, &cfg)?;
+        crate::export_plan::write(&e, args.out.as_deref())?;
+        if args.out.is_none() {
+            // The exported file is the output.
+            return Ok(());
+        }
+    } else if let Some(out) = &args.out {
         write_atomic(out, json.as_bytes())?;
     }
     match args.format {
@@ -252,7 +277,7 @@ pub fn choose_plan(req: &Request<'_>, plan: &str) -> Result<Plan> {
     }
 }
 
-fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("json.tmp");
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;

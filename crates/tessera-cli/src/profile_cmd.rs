@@ -65,6 +65,9 @@ pub struct ProfileArgs {
     /// Also write the memory timeline (instruction, live bytes) as CSV to this file.
     #[arg(long)]
     pub timeline: Option<std::path::PathBuf>,
+    /// Also draw the memory timeline, its peak marked, as an SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub timeline_svg: Option<std::path::PathBuf>,
 }
 
 /// `writeln!` into a `String` (which cannot fail).
@@ -104,6 +107,10 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
             csv.push_str(&format!("{},{}\n", p.instr, p.live_bytes));
         }
         write_atomic(path, csv.as_bytes())?;
+    }
+    if let Some(path) = &args.timeline_svg {
+        let title = format!("{} · batch {} · seq {seq} · {}", cfg.name(), args.batch, args.dtype);
+        crate::pictures::write_profile_timeline(path, &program, &title)?;
     }
 
     let m = &prof.memory;

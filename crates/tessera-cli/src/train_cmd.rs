@@ -115,6 +115,9 @@ pub struct TrainArgs {
     /// also loss_scale and skipped) to this file.
     #[arg(long)]
     pub log_json: Option<PathBuf>,
+    /// Draw the loss per step (and the held-out loss) as an SVG file at the end of the run.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
     /// Report where the step time goes, per op kind (adds `op_times` to the JSON).
@@ -352,6 +355,9 @@ fn validate(args: &TrainArgs) -> Result<()> {
     }
     if !(args.comm_timeout.is_finite() && args.comm_timeout > 0.0) {
         bail!("--comm-timeout {} must be a positive number of seconds", args.comm_timeout);
+    }
+    if let Some(path) = &args.plot {
+        crate::pictures::check_destination(path, "--plot")?;
     }
     Ok(())
 }

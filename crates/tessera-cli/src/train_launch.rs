@@ -354,6 +354,9 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
     let mut op_times = o.op_times.clone();
     op_times.sort_by(|a, b| b.2.total_cmp(&a.2));
     let plan = &ctx.plan;
+    if let Some(path) = &args.plot {
+        crate::pictures::write_train_plot(path, ctx, o)?;
+    }
     match args.format {
         OutputFormat::Json => {
             let mut doc = json!({

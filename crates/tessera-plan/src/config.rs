@@ -390,6 +390,11 @@ impl ParallelConfig {
     /// `--decoder-last-pipeline-num-layers`; other layouts and per-stage checkpointing have no
     /// Megatron flag.
     pub fn megatron_flags(&self) -> String {
+        self.megatron_args().join(" ")
+    }
+
+    /// [`ParallelConfig::megatron_flags`], one argument (flag and value) per entry.
+    pub fn megatron_args(&self) -> Vec<String> {
         let mut flags = vec![format!("--tensor-model-parallel-size {}", self.tp)];
         if self.pp > 1 {
             flags.push(format!("--pipeline-model-parallel-size {}", self.pp));
@@ -411,7 +416,7 @@ impl ParallelConfig {
         if self.zero >= 1 {
             flags.push("--use-distributed-optimizer".into());
         }
-        flags.join(" ")
+        flags
     }
 
     /// The DeepSpeed config fragment: `zero_optimization.stage`, `gradient_accumulation_steps`

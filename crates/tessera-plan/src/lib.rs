@@ -7,6 +7,7 @@
 //! - [`spec`]: sharding specs (each dim over mesh axes, or a pending sum).
 //! - [`reshard`]: cheapest path between two specs over collective moves, in seconds.
 //! - [`config`]: the parallelism config-string grammar (`dp2 tp4 zero1 mb2 sp`).
+//! - [`export`]: plans as Megatron-LM launches, DeepSpeed configs and torchtitan job files.
 //! - [`ilp`]: the one-hot strategy ILP (HiGHS), with a brute-force oracle for tests.
 //!
 //! One time unit (seconds, f64) and one memory unit (bytes, u64) everywhere.
@@ -16,6 +17,7 @@ pub mod ckpt_dp;
 pub mod cluster;
 pub mod config;
 pub mod cost;
+pub mod export;
 pub mod ilp;
 pub mod lower;
 pub mod mesh;

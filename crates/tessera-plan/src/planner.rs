@@ -427,6 +427,18 @@ pub struct Executable {
     pub strategies: Vec<Option<crate::rules::Strategy>>,
 }
 
+impl Executable {
+    /// The lowering of each distinct device Program: one for a flat plan (every device runs
+    /// it), one per pipeline device (rank r runs `[r % len]`). Their memory reports are the
+    /// plan's predicted peaks.
+    pub fn per_device(&self) -> Vec<&crate::lower::Lowered> {
+        match &self.pipeline {
+            Some(p) => p.devices.iter().map(|d| &d.lowered).collect(),
+            None => vec![&self.lowered],
+        }
+    }
+}
+
 /// Lowers a plan's strategies (hand edits included) on the request's model and cluster.
 pub fn lower_plan(req: &Request<'_>, file: &Plan) -> Result<Executable> {
     lower_plan_with(req, file, file.checkpointing())

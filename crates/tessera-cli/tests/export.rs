@@ -1,0 +1,347 @@
+//! `tessera plan --export`: each engine's file for three plans against a golden copy
+//! (`tests/golden/export/`; `TESSERA_BLESS=1 cargo test -p tessera-cli --test export` rewrites
+//! them after a deliberate change), each file checked against the engine's own rules (batch
+//! arithmetic, degrees that multiply to the cluster), and refusals that name why and a plan that
+//! does export. `scripts/check-exports.sh` loads the golden files with DeepSpeed's and
+//! torchtitan's own configuration code.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn tessera(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// One golden case: engine, model, cluster, batch, seq, config, file name.
+type Case = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+);
+
+const CASES: &[Case] = &[
+    (
+        "megatron",
+        "llama3-8b",
+        "8xH100",
+        "16",
+        "4096",
+        "dp2 tp4 sp zero1 mb4 ckpt=full",
+        "megatron-llama3-8b-dp2-tp4.sh",
+    ),
+    ("megatron", "gpt2", "2x8xH100", "16", "1024", "dp4 tp4 sp", "megatron-gpt2-2-nodes.sh"),
+    (
+        "megatron",
+        "llama2-7b",
+        "8xH100",
+        "16",
+        "4096",
+        "dp2 tp2 pp2 mb8 sched=interleaved:2 ckpt=full",
+        "megatron-llama2-7b-interleaved.sh",
+    ),
+    ("deepspeed", "gpt2", "4xH100", "16", "1024", "dp4 zero2 mb2", "deepspeed-gpt2-zero2.json"),
+    (
+        "deepspeed",
+        "llama3-8b",
+        "8xH100",
+        "16",
+        "4096",
+        "dp8 zero3 ckpt=full",
+        "deepspeed-llama3-8b-zero3.json",
+    ),
+    (
+        "deepspeed",
+        "gpt2",
+        "8xH100",
+        "16",
+        "1024",
+        "dp2 pp4 zero1 mb8",
+        "deepspeed-gpt2-pipeline.json",
+    ),
+    (
+        "torchtitan",
+        "llama3-8b",
+        "8xH100",
+        "16",
+        "4096",
+        "dp8 zero3 ckpt=full",
+        "torchtitan-llama3-8b-fsdp.toml",
+    ),
+    (
+        "torchtitan",
+        "llama3-8b",
+        "8xH100",
+        "16",
+        "4096",
+        "dp2 tp4 sp zero3 mb2",
+        "torchtitan-llama3-8b-fsdp-tp.toml",
+    ),
+    (
+        "torchtitan",
+        "llama3-8b",
+        "2x8xH100",
+        "16",
+        "4096",
+        "dp4 tp2 pp2 sp mb4 sched=gpipe",
+        "torchtitan-llama3-8b-ddp-tp-pp.toml",
+    ),
+];
+
+fn golden_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/export")
+}
+
+/// Runs one case with `--out` into a temporary directory; returns the file's text and stderr.
+fn export(case: &Case) -> (String, String) {
+    let (engine, model, cluster, batch, seq, config, name) = *case;
+    let dir = std::env::temp_dir().join(format!("tessera-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join(name);
+    let (ok, _, err) = tessera(&[
+        "plan",
+        "--model",
+        model,
+        "--cluster",
+        cluster,
+        "--batch",
+        batch,
+        "--seq",
+        seq,
+        "--plan",
+        config,
+        "--export",
+        engine,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{case:?}: {err}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    (text, err)
+}
+
+#[test]
+fn exports_match_their_golden_files() {
+    let bless = std::env::var_os("TESSERA_BLESS").is_some();
+    for case in CASES {
+        let (text, err) = export(case);
+        let golden = golden_dir().join(case.6);
+        if bless {
+            std::fs::write(&golden, &text).unwrap();
+            continue;
+        }
+        let want = std::fs::read_to_string(&golden)
+            .unwrap_or_else(|e| panic!("{}: {e} (TESSERA_BLESS=1 writes it)", golden.display()));
+        assert_eq!(text, want, "{case:?} differs from {}", golden.display());
+        // The launch command names the written file.
+        assert!(err.contains("launch: ") && err.contains(case.6), "{err}");
+    }
+}
+
+/// The integer after `flag` in a Megatron-LM argument list.
+fn arg(text: &str, flag: &str) -> usize {
+    let mut words = text.split_whitespace();
+    words.find(|w| *w == flag).unwrap_or_else(|| panic!("{flag} missing"));
+    words.next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn megatron_arguments_multiply_to_the_cluster_and_the_batch() {
+    for case in CASES.iter().filter(|c| c.0 == "megatron") {
+        let (text, _) = export(case);
+        let cfg: Vec<&str> = case.5.split_whitespace().collect();
+        let degree = |p: &str| {
+            cfg.iter().find_map(|t| t.strip_prefix(p)?.parse::<usize>().ok()).unwrap_or(1)
+        };
+        let (nodes, gpus) = (arg(&text, "--nnodes"), arg(&text, "--nproc-per-node"));
+        let tp = arg(&text, "--tensor-model-parallel-size");
+        let pp = if text.contains("--pipeline-model-parallel-size") {
+            arg(&text, "--pipeline-model-parallel-size")
+        } else {
+            1
+        };
+        assert_eq!((tp, pp), (degree("tp"), degree("pp")), "{case:?}");
+        // Megatron-LM's data-parallel size is what tensor and pipeline leave.
+        let dp = nodes * gpus / (tp * pp);
+        assert_eq!(dp, degree("dp"), "{case:?}");
+        // global = micro × data-parallel × micro-batches (Megatron's accumulation rule).
+        let (micro, global) = (arg(&text, "--micro-batch-size"), arg(&text, "--global-batch-size"));
+        assert_eq!(global, case.3.parse::<usize>().unwrap());
+        assert_eq!(global, micro * dp * degree("mb"), "{case:?}");
+        assert_eq!(arg(&text, "--seq-length"), case.4.parse::<usize>().unwrap());
+        assert_eq!(text.contains("--sequence-parallel"), case.5.contains(" sp"), "{case:?}");
+        assert_eq!(text.contains("--recompute-granularity full"), case.5.contains("ckpt=full"));
+    }
+}
+
+#[test]
+fn deepspeed_batch_sizes_obey_its_rule() {
+    for case in CASES.iter().filter(|c| c.0 == "deepspeed") {
+        let (text, _) = export(case);
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"));
+        let cfg: Vec<&str> = case.5.split_whitespace().collect();
+        let degree =
+            |p: &str| cfg.iter().find_map(|t| t.strip_prefix(p)?.parse::<u64>().ok()).unwrap_or(1);
+        // DeepSpeed asserts train_batch_size = micro × accumulation × data-parallel size.
+        assert_eq!(
+            n("train_batch_size"),
+            n("train_micro_batch_size_per_gpu") * n("gradient_accumulation_steps") * degree("dp"),
+            "{case:?}"
+        );
+        assert_eq!(v["zero_optimization"]["stage"].as_u64(), Some(degree("zero").min(3)));
+        assert_eq!(v["pipeline"]["stages"].as_u64().unwrap_or(1), degree("pp"));
+        assert_eq!(v.get("activation_checkpointing").is_some(), case.5.contains("ckpt=full"));
+    }
+}
+
+#[test]
+fn torchtitan_degrees_multiply_to_the_cluster() {
+    for case in CASES.iter().filter(|c| c.0 == "torchtitan") {
+        let (text, err) = export(case);
+        let v: toml::Table = text.parse().unwrap_or_else(|e| panic!("{case:?}: {e}\n{text}"));
+        let p = v["parallelism"].as_table().unwrap();
+        let d = |k: &str| p[k].as_integer().unwrap() as usize;
+        let devices: usize = case.2.split('x').filter_map(|s| s.parse::<usize>().ok()).product();
+        assert_eq!(
+            d("data_parallel_replicate_degree")
+                * d("data_parallel_shard_degree")
+                * d("tensor_parallel_degree")
+                * d("pipeline_parallel_degree"),
+            devices,
+            "{case:?}"
+        );
+        let t = v["training"].as_table().unwrap();
+        let dp = (d("data_parallel_replicate_degree") * d("data_parallel_shard_degree")) as i64;
+        let (local, global) = (
+            t["local_batch_size"].as_integer().unwrap(),
+            t["global_batch_size"].as_integer().unwrap(),
+        );
+        // torchtitan accumulates global / (local × dp) steps; a pipeline splits `local` itself.
+        let mb: i64 =
+            case.5.split_whitespace().find_map(|t| t.strip_prefix("mb")?.parse().ok()).unwrap_or(1);
+        let accumulation = if d("pipeline_parallel_degree") > 1 { 1 } else { mb };
+        assert_eq!(global, local * dp * accumulation, "{case:?}");
+        assert!(err.contains("torchrun --nnodes"), "{err}");
+    }
+}
+
+#[test]
+fn refusals_name_why_and_a_plan_that_exports() {
+    let base =
+        ["plan", "--model", "llama3-8b", "--cluster", "8xH100", "--batch", "16", "--seq", "4096"];
+    for (engine, config, why) in [
+        ("deepspeed", "dp2 tp4 sp zero1 mb4", "tensor parallelism (tp4) is not DeepSpeed's own"),
+        ("torchtitan", "dp2 tp4 sp zero1 mb4", "ZeRO-1: torchtitan replicates"),
+        ("megatron", "dp8 zero3", "Megatron-LM's distributed optimizer"),
+        ("megatron", "dp2 tp4 sp ckpt=selective", "selective checkpointing"),
+    ] {
+        let args: Vec<&str> =
+            base.iter().copied().chain(["--plan", config, "--export", engine]).collect();
+        let (ok, _, err) = tessera(&args);
+        assert!(!ok, "{config} should not export to {engine}");
+        assert!(err.contains(why), "{err}");
+        // The suggestion is quoted, priced, and itself exports.
+        let suggested =
+            err.split("export it with --plan \"").nth(1).and_then(|s| s.split('"').next());
+        let suggested = suggested.unwrap_or_else(|| panic!("no suggestion in {err}"));
+        assert!(err.contains(" s per step ("), "{err}");
+        let again: Vec<&str> =
+            base.iter().copied().chain(["--plan", suggested, "--export", engine]).collect();
+        let (ok, out, err2) = tessera(&again);
+        assert!(ok, "{suggested} was suggested for {engine} but: {err2}");
+        assert!(!out.is_empty());
+    }
+    // A per-op layout: no engine runs it; the nearest Megatron-LM plan is priced.
+    let (ok, _, err) = tessera(&[
+        "plan",
+        "--model",
+        "gpt2",
+        "--cluster",
+        "8xH100",
+        "--batch",
+        "16",
+        "--export",
+        "megatron",
+    ]);
+    if !ok {
+        assert!(
+            err.contains("per-op layout") && err.contains("nearest plan Megatron-LM runs"),
+            "{err}"
+        );
+    }
+    // A model the engine does not train: the reason, and no suggestion.
+    let (ok, _, err) = tessera(&[
+        "plan",
+        "--model",
+        "gpt2",
+        "--cluster",
+        "8xH100",
+        "--batch",
+        "16",
+        "--plan",
+        "dp8",
+        "--export",
+        "torchtitan",
+    ]);
+    assert!(!ok && err.contains("torchtitan trains LLaMA-family models"), "{err}");
+    assert!(!err.contains("nearest"), "{err}");
+}
+
+/// The README's export commands, as written (`tessera` is this binary; `--out` lands in a
+/// temporary directory).
+#[test]
+fn the_readme_export_commands_run() {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
+            .unwrap();
+    let lines: Vec<&str> = readme
+        .lines()
+        .filter(|l| l.starts_with("tessera plan") && l.contains("--export"))
+        .collect();
+    assert_eq!(lines.len(), 3, "the README shows one export per engine");
+    let dir = std::env::temp_dir().join(format!("tessera-readme-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for line in lines {
+        let words = shell_words(line);
+        let mut args: Vec<String> = words[1..].to_vec();
+        let out = args.iter().position(|a| a == "--out").expect("--out") + 1;
+        args[out] = dir.join(&args[out]).to_string_lossy().into_owned();
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, _, err) = tessera(&refs);
+        assert!(ok, "{line}: {err}");
+        assert!(Path::new(&args[out]).is_file(), "{line}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Splits a README command line into words (double quotes group).
+fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    for c in line.chars() {
+        match c {
+            '"' => quoted = !quoted,
+            ' ' if !quoted => {
+                if !cur.is_empty() {
+                    words.push(std::mem::take(&mut cur));
+                }
+            }
+            _ => cur.push(c),
+        }
+    }
+    if !cur.is_empty() {
+        words.push(cur);
+    }
+    words
+}

@@ -1,0 +1,125 @@
+//! DeepSpeed: the `ds_config.json` that `deepspeed.initialize` reads — batch sizes, precision,
+//! gradient clipping, the ZeRO stage and, with a pipeline, its stage count — and the
+//! `deepspeed` launcher line.
+//!
+//! What DeepSpeed expresses from a config: data parallelism with ZeRO 0–3, gradient
+//! accumulation, its pipeline engine (its own 1F1B-like schedule, even stages, ZeRO-0/1 only)
+//! and full recomputation of every block (the training script wraps each block in
+//! `deepspeed.checkpointing.checkpoint`; the config's `activation_checkpointing` section
+//! configures that call). Tensor and sequence parallelism are not DeepSpeed's own: export them
+//! to Megatron-LM (Megatron-DeepSpeed combines the two) or torchtitan.
+
+use super::{micro_batch_size, summary, CkptPattern, Export, Framework, Target};
+use crate::config::ParallelConfig;
+use crate::pipeline::ScheduleKind;
+use crate::plan::Plan;
+use serde_json::json;
+
+/// `cfg` mapped onto DeepSpeed: the tensor-parallel devices become data-parallel replicas; a
+/// pipeline keeps ZeRO-0/1 or gives way to data parallelism.
+pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
+    let flat = ParallelConfig {
+        dp: cfg.dp * cfg.tp,
+        tp: 1,
+        sp: false,
+        schedule: None,
+        stages: Vec::new(),
+        ..cfg.clone()
+    };
+    if cfg.pp == 1 {
+        return vec![flat];
+    }
+    let mut out = vec![ParallelConfig { zero: flat.zero.min(1), ..flat.clone() }];
+    if flat.zero >= 2 {
+        out.push(ParallelConfig { dp: flat.dp * flat.pp, pp: 1, ..flat });
+    }
+    out
+}
+
+/// Why DeepSpeed cannot run the plan as it is (`None`: it can).
+fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+    if cfg.tp > 1 {
+        return Some(format!(
+            "tensor parallelism (tp{}) is not DeepSpeed's own; export to Megatron-LM \
+             (Megatron-DeepSpeed) or torchtitan, or plan without it",
+            cfg.tp
+        ));
+    }
+    if cfg.pp > 1 && cfg.zero >= 2 {
+        return Some(format!(
+            "DeepSpeed's pipeline engine refuses ZeRO-{} (ZeRO-2 and -3 shard what the pipeline \
+             accumulates over micro-batches)",
+            cfg.zero
+        ));
+    }
+    if let Some(s) = cfg.schedule.filter(|&s| s != ScheduleKind::OneFOneB) {
+        return Some(format!("DeepSpeed's pipeline engine runs its own 1F1B schedule, not {s}"));
+    }
+    if !cfg.stages.is_empty() {
+        return Some(
+            "stage sizes of their own: DeepSpeed's PipelineModule partitions layers itself".into(),
+        );
+    }
+    match ckpt {
+        CkptPattern::None | CkptPattern::Full => None,
+        other => Some(format!(
+            "{}: a DeepSpeed training script checkpoints every block or none",
+            other.describe(blocks)
+        )),
+    }
+}
+
+pub(super) fn export(
+    plan: &Plan,
+    cfg: &ParallelConfig,
+    ckpt: CkptPattern,
+    target: &Target,
+) -> Result<Export, String> {
+    if let Some(why) = problem(cfg, ckpt, plan.checkpoint.len()) {
+        return Err(why);
+    }
+    let mut ds = cfg.deepspeed_config();
+    ds["train_batch_size"] = plan.batch.into();
+    ds["train_micro_batch_size_per_gpu"] = micro_batch_size(plan, cfg).into();
+    match plan.dtype.as_str() {
+        "bf16" => ds["bf16"] = json!({ "enabled": true }),
+        "f16" => {
+            ds["fp16"] = json!({ "enabled": true, "loss_scale": 0, "initial_scale_power": 16 })
+        }
+        _ => {}
+    }
+    if let Some(clip) = target.max_grad_norm {
+        ds["gradient_clipping"] = clip.into();
+    }
+    if cfg.zero >= 1 {
+        ds["zero_optimization"]["overlap_comm"] = true.into();
+        ds["zero_optimization"]["contiguous_gradients"] = true.into();
+    }
+    if ckpt == CkptPattern::Full {
+        ds["activation_checkpointing"] = json!({
+            "partition_activations": false,
+            "cpu_checkpointing": false,
+            "contiguous_memory_optimization": false,
+            "synchronize_checkpoint_boundary": false,
+        });
+    }
+    ds["steps_per_print"] = 10.into();
+    // A note for readers; DeepSpeed ignores keys it does not know at the top level.
+    let mut note = summary(plan, cfg);
+    if ckpt == CkptPattern::Full {
+        note += "; wrap each block in deepspeed.checkpointing.checkpoint";
+    }
+    ds["comment"] = note.into();
+    let text = serde_json::to_string_pretty(&ds).map_err(|e| format!("writing JSON: {e}"))? + "\n";
+    Ok(Export {
+        framework: Framework::DeepSpeed,
+        text,
+        launch: format!(
+            "deepspeed --num_nodes {} --num_gpus {} <your_train.py> --deepspeed --deepspeed_config \
+             FILE{}",
+            target.nodes,
+            target.gpus_per_node,
+            if target.nodes > 1 { " --hostfile <hostfile>" } else { "" }
+        ),
+    })
+}

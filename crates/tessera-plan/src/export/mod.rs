@@ -1,0 +1,316 @@
+//! Plans handed to the engines people run on GPUs: Megatron-LM arguments with their `torchrun`
+//! launch ([`megatron`]), a DeepSpeed config JSON ([`deepspeed`]) and a torchtitan job TOML
+//! ([`torchtitan`]).
+//!
+//! An export writes exactly what the plan does, or nothing: a plan the framework cannot
+//! express (a per-op layout, a ZeRO stage or schedule it lacks, a checkpointing pattern it
+//! cannot name) is a [`Refusal`] naming why and the configurations nearest to it that the
+//! framework can express. Which of those fits and is fastest is the planner's business: the
+//! caller evaluates them ([`crate::planner::plan_fixed`]) and exports the winner again, so a
+//! suggested plan is always one that exports.
+//!
+//! What is read from the plan: its config (dp, tp, pp, sp, ZeRO, micro-batches, schedule,
+//! stages), per-block checkpointing, batch, sequence, precision and predictions; the model's
+//! architecture comes as a [`ModelShape`] and the machines as a [`Target`].
+
+pub mod deepspeed;
+pub mod megatron;
+pub mod torchtitan;
+
+use crate::config::ParallelConfig;
+use crate::plan::{BlockCkpt, Plan};
+use crate::units::format_bytes;
+use std::fmt;
+use tessera_ir::CkptMode;
+
+/// The engines a plan exports to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framework {
+    /// Megatron-LM (`pretrain_gpt.py` / `pretrain_bert.py` arguments and a `torchrun` launch).
+    Megatron,
+    /// DeepSpeed (a `ds_config.json` for `deepspeed.initialize`).
+    DeepSpeed,
+    /// torchtitan (a job TOML for `torchtitan.train`).
+    Torchtitan,
+}
+
+impl Framework {
+    pub fn name(self) -> &'static str {
+        match self {
+            Framework::Megatron => "Megatron-LM",
+            Framework::DeepSpeed => "DeepSpeed",
+            Framework::Torchtitan => "torchtitan",
+        }
+    }
+}
+
+impl fmt::Display for Framework {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A model family as the frameworks name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// GPT-2: learned positions, LayerNorm, GELU MLP, biases.
+    Gpt2,
+    /// LLaMA-shaped: RoPE, RMSNorm, SwiGLU (LLaMA, Mistral, Qwen2).
+    Llama,
+    /// BERT: bidirectional encoder.
+    Bert,
+    /// Anything else (ViT, MLP): only model-agnostic engines take it.
+    Other,
+}
+
+/// The architecture an export's model arguments describe.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelShape {
+    /// The model's name (a preset like `llama3-8b`, or the config's `_name_or_path`).
+    pub name: String,
+    pub family: Family,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    /// Key/value heads (= heads without grouped-query attention).
+    pub kv_heads: usize,
+    /// Width of one attention head (usually hidden / heads).
+    pub head_dim: usize,
+    pub ffn_hidden: usize,
+    pub vocab: usize,
+    pub max_positions: usize,
+    /// RoPE base (`None`: learned or no positions).
+    pub rope_theta: Option<f64>,
+    pub norm_eps: f64,
+    /// Bias on the attention and MLP linears.
+    pub linear_bias: bool,
+    /// Bias on q/k/v only (Qwen2).
+    pub qkv_bias: bool,
+    /// GPT-2's tanh-approximated GELU.
+    pub gelu_tanh: bool,
+    pub tied_embeddings: bool,
+    /// Dropout probability of the residual stream (0 for LLaMA).
+    pub hidden_dropout: f64,
+    /// Dropout probability of the attention weights.
+    pub attention_dropout: f64,
+}
+
+/// Where and how the exported job runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Target {
+    pub model: ModelShape,
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    /// Gradient clipping by global norm (Tessera's training default is 1.0).
+    pub max_grad_norm: Option<f64>,
+}
+
+/// An exported plan: the file's text and the command that launches it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Export {
+    pub framework: Framework,
+    /// The file: a shell script (Megatron-LM), JSON (DeepSpeed) or TOML (torchtitan).
+    pub text: String,
+    /// The launch command, `FILE` standing for where the text is saved.
+    pub launch: String,
+}
+
+/// Why a plan does not export, and configurations near it that the framework expresses
+/// (none when the framework cannot take the model at all).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Refusal {
+    pub framework: Framework,
+    pub why: String,
+    pub nearest: Vec<ParallelConfig>,
+}
+
+/// Exports `plan` to `framework`, or refuses with the reason and the nearest candidates.
+pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Export, Refusal> {
+    let cfg = ParallelConfig::parse(&plan.config).map_err(|e| Refusal {
+        framework,
+        why: format!("the plan's config `{}` does not parse: {e}", plan.config),
+        nearest: Vec::new(),
+    })?;
+    let refuse = |why: String, nearest: Vec<ParallelConfig>| Refusal { framework, why, nearest };
+    let model_problem = match framework {
+        Framework::Megatron => megatron::model_problem(&target.model),
+        Framework::DeepSpeed => None,
+        Framework::Torchtitan => torchtitan::model_problem(&target.model),
+    };
+    if let Some(why) = model_problem {
+        return Err(refuse(why, Vec::new()));
+    }
+    if plan.layout == "per-op" {
+        return Err(refuse(
+            format!(
+                "the plan is a per-op layout (the search chose each op's sharding, which `{}` \
+                 only approximates), and {framework} runs its own tensor-parallel layout",
+                plan.config
+            ),
+            nearest(framework, &cfg, plan.batch),
+        ));
+    }
+    let ckpt = CkptPattern::of(&plan.checkpoint);
+    match framework {
+        Framework::Megatron => megatron::export(plan, &cfg, ckpt, target),
+        Framework::DeepSpeed => deepspeed::export(plan, &cfg, ckpt, target),
+        Framework::Torchtitan => torchtitan::export(plan, &cfg, ckpt, target),
+    }
+    .map_err(|why| refuse(why, nearest(framework, &cfg, plan.batch)))
+}
+
+/// Configurations near `cfg` that `framework` expresses: its parallelism mapped onto what the
+/// framework has, with none or full checkpointing (no framework's `selective` keeps what
+/// Tessera's keeps; see the framework modules), and every micro-batch count (a power of two up
+/// to 64, or `cfg`'s own) that splits `batch` over the data-parallel replicas.
+pub fn nearest(framework: Framework, cfg: &ParallelConfig, batch: usize) -> Vec<ParallelConfig> {
+    let bases = match framework {
+        Framework::Megatron => megatron::expressible(cfg),
+        Framework::DeepSpeed => deepspeed::expressible(cfg),
+        Framework::Torchtitan => torchtitan::expressible(cfg),
+    };
+    let mut out: Vec<ParallelConfig> = Vec::new();
+    for base in bases {
+        let counts = std::iter::once(base.micro_batches).chain((0..7).map(|k| 1usize << k));
+        for mb in counts {
+            if !batch.is_multiple_of(base.dp * mb) {
+                continue;
+            }
+            for m in [CkptMode::None, CkptMode::Full] {
+                let c = ParallelConfig { ckpt: Some(m), micro_batches: mb, ..base.clone() };
+                if !out.contains(&c) {
+                    out.push(c);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Per-block activation checkpointing as the frameworks can name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CkptPattern {
+    /// No block recomputes (or the model has no blocks).
+    None,
+    /// Every block `selective`.
+    Selective,
+    /// Every block `full`.
+    Full,
+    /// `full` on the first `k` blocks (0 < k < blocks), none after.
+    FullFirst(usize),
+    /// `full` on every `n`-th block (blocks n-1, 2n-1, ...; 1 < n < blocks), none elsewhere.
+    FullEvery(usize),
+    /// Anything else.
+    Mixed,
+}
+
+impl CkptPattern {
+    pub fn of(blocks: &[BlockCkpt]) -> CkptPattern {
+        let modes: Vec<CkptMode> = blocks.iter().map(|b| b.mode).collect();
+        let all = |m: CkptMode| modes.iter().all(|&x| x == m);
+        if all(CkptMode::None) {
+            return CkptPattern::None;
+        }
+        if all(CkptMode::Selective) {
+            return CkptPattern::Selective;
+        }
+        if all(CkptMode::Full) {
+            return CkptPattern::Full;
+        }
+        if modes.contains(&CkptMode::Selective) {
+            return CkptPattern::Mixed;
+        }
+        let full: Vec<usize> = (0..modes.len()).filter(|&b| modes[b] == CkptMode::Full).collect();
+        if full.iter().enumerate().all(|(i, &b)| i == b) {
+            return CkptPattern::FullFirst(full.len());
+        }
+        let Some(&first) = full.first() else { return CkptPattern::None };
+        let n = first + 1;
+        let every: Vec<usize> = (0..modes.len()).filter(|b| (b + 1) % n == 0).collect();
+        if n > 1 && every == full {
+            return CkptPattern::FullEvery(n);
+        }
+        CkptPattern::Mixed
+    }
+
+    /// How the plan checkpoints, for messages.
+    pub fn describe(self, blocks: usize) -> String {
+        match self {
+            CkptPattern::None => "no checkpointing".into(),
+            CkptPattern::Selective => "selective checkpointing on every block".into(),
+            CkptPattern::Full => "full checkpointing on every block".into(),
+            CkptPattern::FullFirst(k) => {
+                format!("full checkpointing on the first {k} of {blocks} blocks")
+            }
+            CkptPattern::FullEvery(n) => format!("full checkpointing on every {n}th block"),
+            CkptPattern::Mixed => "a per-block mix of checkpoint modes".into(),
+        }
+    }
+}
+
+/// Sequences per micro-batch on one data-parallel replica (the frameworks' micro-batch size).
+fn micro_batch_size(plan: &Plan, cfg: &ParallelConfig) -> usize {
+    plan.batch / (cfg.dp * cfg.micro_batches).max(1)
+}
+
+/// One header line: what the file holds and what Tessera predicts for it.
+fn summary(plan: &Plan, cfg: &ParallelConfig) -> String {
+    format!(
+        "Tessera plan `{}` for {} on {} (batch {} x seq {}, {}): predicted {:.4} s per step, \
+         peak {} per device",
+        cfg.canonical(),
+        plan.model,
+        plan.cluster,
+        plan.batch,
+        plan.seq,
+        plan.dtype,
+        plan.predicted.step_time_s,
+        format_bytes(plan.predicted.peak_bytes_per_device.iter().copied().max().unwrap_or(0))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks(modes: &[CkptMode]) -> Vec<BlockCkpt> {
+        modes.iter().enumerate().map(|(b, &mode)| BlockCkpt { block: b as u32, mode }).collect()
+    }
+
+    #[test]
+    fn checkpoint_patterns_are_named_exactly() {
+        use CkptMode::{Full as F, None as N, Selective as S};
+        assert_eq!(CkptPattern::of(&[]), CkptPattern::None);
+        assert_eq!(CkptPattern::of(&blocks(&[N, N])), CkptPattern::None);
+        assert_eq!(CkptPattern::of(&blocks(&[S, S])), CkptPattern::Selective);
+        assert_eq!(CkptPattern::of(&blocks(&[F, F, F])), CkptPattern::Full);
+        assert_eq!(CkptPattern::of(&blocks(&[F, F, N, N])), CkptPattern::FullFirst(2));
+        assert_eq!(CkptPattern::of(&blocks(&[N, F, N, F])), CkptPattern::FullEvery(2));
+        assert_eq!(CkptPattern::of(&blocks(&[N, N, F, N, N, F])), CkptPattern::FullEvery(3));
+        assert_eq!(CkptPattern::of(&blocks(&[N, F, F, N])), CkptPattern::Mixed);
+        assert_eq!(CkptPattern::of(&blocks(&[S, N])), CkptPattern::Mixed);
+        assert_eq!(CkptPattern::of(&blocks(&[N, F, N, F, N])), CkptPattern::FullEvery(2));
+        assert_eq!(CkptPattern::of(&blocks(&[N, F, N, N])), CkptPattern::Mixed);
+    }
+
+    #[test]
+    fn nearest_configs_are_what_each_framework_has() {
+        let cfg = ParallelConfig::parse("dp2 tp4 zero2 mb2").unwrap();
+        let m = nearest(Framework::Megatron, &cfg, 16);
+        assert!(m.iter().all(|c| c.zero <= 1 && c.tp == 4 && c.dp == 2 && c.ckpt.is_some()));
+        let d = nearest(Framework::DeepSpeed, &cfg, 16);
+        assert!(d.iter().all(|c| c.tp == 1 && c.dp == 8 && !c.sp), "{d:?}");
+        let t = nearest(Framework::Torchtitan, &cfg, 16);
+        assert!(t.iter().all(|c| c.sp && matches!(c.zero, 0 | 3)), "{t:?}");
+        for (fw, list) in
+            [(Framework::Megatron, &m), (Framework::DeepSpeed, &d), (Framework::Torchtitan, &t)]
+        {
+            assert!(!list.is_empty(), "{fw}");
+            for c in list.iter() {
+                assert_eq!(c.devices(), cfg.devices(), "{fw}: {c}");
+                c.validate().unwrap();
+                assert!(16 % (c.dp * c.micro_batches) == 0, "{fw}: {c}");
+            }
+        }
+    }
+}
