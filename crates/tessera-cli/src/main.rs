@@ -12,6 +12,7 @@ mod pictures;
 mod plan_cmd;
 mod plan_file;
 mod profile_cmd;
+mod run_file;
 mod train_cmd;
 mod train_launch;
 
@@ -50,23 +51,28 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let matches = Cli::command().get_matches();
+    // `--config FILE`: the run file's flags join the command line's, which win (`run_file`).
+    let run = run_file::expand(&Cli::command(), std::env::args_os().collect());
+    let matches = Cli::command().get_matches_from(&run.argv);
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // A failure under `--format json` is reported as JSON too (`error_json`).
     let json = matches.subcommand().is_some_and(|(_, sub)| {
         sub.try_get_one::<profile_cmd::OutputFormat>("format").ok().flatten()
             == Some(&profile_cmd::OutputFormat::Json)
     });
-    // Which flags the user gave: a plan file supplies the others (`plan_file`).
+    // Which flags the user gave (a run file's count): a plan file supplies the others
+    // (`plan_file`).
     if let Some((_, sub)) = matches.subcommand() {
-        let given = plan_file::Given::from_matches(sub);
+        let given =
+            plan_file::Given::from_matches(sub).with_run_file(run.file.as_deref(), &run.ids);
         match &mut cli.command {
             Command::Train(args) => args.given = given,
             Command::Plan(args) => args.given = given,
             _ => {}
         }
     }
-    let result = match cli.command {
+    // A run file the command cannot take is its failure (as JSON too under `--format json`).
+    let result = run.checked.and_then(|()| match cli.command {
         Command::Profile(args) => profile_cmd::run(&args),
         Command::Train(args) => train_cmd::run(&args),
         Command::Eval(args) => eval_cmd::run(&args),
@@ -74,7 +80,7 @@ fn main() -> ExitCode {
         Command::Checkpoint(args) => checkpoint_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Calibrate(args) => calibrate_cmd::run(&args),
-    };
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

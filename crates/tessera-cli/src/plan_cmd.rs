@@ -11,7 +11,7 @@ use tessera_plan::config::ParallelConfig;
 use tessera_plan::plan::Plan;
 use tessera_plan::planner::{self, Request};
 use tessera_plan::search::Forward;
-use tessera_plan::units::{format_bytes, parse_bytes};
+use tessera_plan::units::parse_bytes;
 use tessera_plan::{Cluster, PlanError};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -75,6 +75,11 @@ pub struct PlanArgs {
     /// plan the engine cannot express is refused, naming the nearest one it can.
     #[arg(long, value_enum, value_name = "ENGINE")]
     pub export: Option<crate::export_plan::ExportTo>,
+    /// A TOML run file holding any of these flags by their long names (`model = "gpt2-tiny"`,
+    /// `batch = 8`, `memory-budget = "20GiB"`, `explain = true`, lists for repeatable flags);
+    /// flags on the command line override it. examples/ has some.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// The flags given on the command line (a plan file supplies the run's others).
     #[arg(skip)]
     pub given: crate::plan_file::Given,
@@ -174,7 +179,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             let mut s = table(&plan, args.explain);
             if let (true, Some(t)) = (explains, &timeline) {
                 s += &format!(
-                    "schedule ({:.4} s; a digit is a forward of that micro-batch, B backward, W \
+                    "schedule ({:.4} s; a digit: a forward of that micro-batch, B backward, W \
                      weight gradient, . idle)\n",
                     t.makespan_s
                 );
@@ -293,13 +298,14 @@ fn table(p: &Plan, explain: bool) -> String {
     );
     let stages =
         p.pipeline.as_ref().map_or(String::new(), |pp| format!(" × {} stages", pp.devices));
-    s += &format!(
-        "plan      {}   mesh {:?}{stages}   (found in {:.0} ms)\n",
-        p.config, p.mesh.shape, p.search_ms
-    );
+    let mesh = format!("mesh {:?}{stages}   (found in {:.0} ms)", p.mesh.shape, p.search_ms);
+    // A long config string (unequal stages) puts the mesh on a line of its own.
+    let joint =
+        if 10 + p.config.len() + 3 + mesh.chars().count() > 100 { "\n          " } else { "   " };
+    s += &format!("plan      {}{joint}{mesh}\n", p.config);
     if p.layout == "per-op" && p.source != "file" {
         s +=
-            "          per-op layout: the config above is its closest Megatron-style description; \
+            "          per-op layout: the config above is its closest Megatron-style description;\n          \
               save the plan with --out FILE and pass --plan FILE to reuse it exactly\n";
     }
     s += &format!(
@@ -309,8 +315,8 @@ fn table(p: &Plan, explain: bool) -> String {
         pr.mfu * 100.0
     );
     s += &format!(
-        "  compute {:.4} s fwd + {:.4} s bwd + {:.4} s optimizer; comm {:.4} s blocking, {:.4} s \
-         overlapped ({:.4} s exposed)\n",
+        "  compute {:.4} s fwd + {:.4} s bwd + {:.4} s optimizer\n  comm    {:.4} s blocking, \
+         {:.4} s overlapped ({:.4} s exposed)\n",
         pr.forward_compute_s,
         pr.backward_compute_s,
         pr.optimizer_compute_s,
@@ -318,16 +324,8 @@ fn table(p: &Plan, explain: bool) -> String {
         pr.overlapped_comm_s,
         pr.exposed_comm_s
     );
-    s += &format!(
-        "memory    peak {} per device (budget {}): params {}, grads {}, optimizer {}, \
-         activations {}\n",
-        format_bytes(pr.peak_bytes_per_device.first().copied().unwrap_or(0)),
-        format_bytes(p.memory_budget_bytes),
-        format_bytes(pr.params_bytes),
-        format_bytes(pr.grads_bytes),
-        format_bytes(pr.optimizer_bytes),
-        format_bytes(pr.activations_bytes)
-    );
+    // The peak and what is live at it (the parts sum to the peak).
+    s += &p.memory_summary();
     if let Some(m) = &p.baselines.megatron {
         s += &format!(
             "megatron  best {} at {:.4} s ({} of {} configurations fit): plan is {:.2}× its speed\n",

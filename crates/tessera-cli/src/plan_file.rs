@@ -10,9 +10,10 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use tessera_plan::plan::Plan;
 
-/// The flags given on the command line (clap ids), as opposed to their defaults.
+/// The flags given on the command line (clap ids), as opposed to their defaults; and the run
+/// file (`--config`, [`crate::run_file`]) with the ids of those it gave.
 #[derive(Clone, Debug, Default)]
-pub struct Given(BTreeSet<String>);
+pub struct Given(BTreeSet<String>, Option<(String, BTreeSet<String>)>);
 
 impl Given {
     /// The ids of `matches`' arguments whose value came from the command line.
@@ -26,7 +27,14 @@ impl Given {
                 })
                 .map(|id| id.to_string())
                 .collect(),
+            None,
         )
+    }
+
+    /// Says which of the given flags' values came from the run file `file`: `ids`.
+    pub fn with_run_file(mut self, file: Option<&Path>, ids: &BTreeSet<String>) -> Given {
+        self.1 = file.map(|f| (f.display().to_string(), ids.clone()));
+        self
     }
 
     pub fn has(&self, id: &str) -> bool {
@@ -35,15 +43,18 @@ impl Given {
 
     /// `value`, the flag `name`'s, saying whether the user gave it.
     pub fn flag<'a, T>(&self, name: &'static str, value: &'a mut T) -> Flag<'a, T> {
-        Flag { name, value, given: self.has(name) }
+        let run_file = self.1.as_ref().filter(|(_, ids)| ids.contains(name));
+        Flag { name, value, given: self.has(name), run_file: run_file.map(|(f, _)| f.clone()) }
     }
 }
 
-/// What a run-defining flag holds, and whether the user gave it.
+/// What a run-defining flag holds, and whether the user gave it (on the command line, or in
+/// the run file `run_file`).
 pub struct Flag<'a, T> {
     pub name: &'static str,
     pub value: &'a mut T,
     pub given: bool,
+    pub run_file: Option<String>,
 }
 
 /// The run a plan file was made for.
@@ -86,10 +97,16 @@ fn adopt<T: PartialEq + Clone + std::fmt::Display>(
         *flag.value = file.clone();
     } else if flag.value != file {
         let (name, given) = (flag.name, &flag.value);
+        let (what, drop) = match &flag.run_file {
+            Some(run) => {
+                (format!("{name} = {given} in run file {run}"), format!("remove it from {run}"))
+            }
+            None => (format!("--{name} {given}"), format!("drop --{name}")),
+        };
         bail!(
-            "--{name} {given} differs from the {name} {file} that plan file {plan} was made for: \
-             drop --{name} to run the planned {name}, or make a plan for this run (`tessera plan \
-             ... --{name} {given} --out FILE`)"
+            "{what} differs from the {name} {file} that plan file {plan} was made for: {drop} to \
+             run the planned {name}, or make a plan for this run (`tessera plan ... --{name} \
+             {given} --out FILE`)"
         );
     }
     Ok(())

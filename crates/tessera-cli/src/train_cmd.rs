@@ -144,6 +144,11 @@ pub struct TrainArgs {
     /// fp16: double the loss scale after this many consecutive steps without overflow.
     #[arg(long, default_value_t = 2000)]
     pub loss_scale_window: u64,
+    /// A TOML run file holding any of these flags by their long names (`model = "gpt2-tiny"`,
+    /// `batch = 8`, `memory-budget = "20GiB"`, `explain = true`, lists for repeatable flags);
+    /// flags on the command line override it. examples/ has some.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// The flags given on the command line (a plan file supplies the run's others).
     #[arg(skip)]
     pub given: crate::plan_file::Given,
@@ -563,7 +568,11 @@ pub fn prepare(
                            "zero_stage": plan.zero_stage, "micro_batches": plan.micro_batches}),
         }
     });
-    let bar = if rank == 0 { ProgressBar::new(last_step) } else { ProgressBar::hidden() };
+    // Off a terminal the bar is hidden (no escape codes): rank 0 prints plain progress lines
+    // instead (`train_launch::Watch`).
+    use std::io::IsTerminal as _;
+    let tty = std::io::stderr().is_terminal();
+    let bar = if rank == 0 && tty { ProgressBar::new(last_step) } else { ProgressBar::hidden() };
     bar.set_position(first - 1);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")

@@ -235,7 +235,8 @@ pub fn run_rank(
     };
     use std::io::IsTerminal as _;
     let plain = (rank == 0 && !std::io::stderr().is_terminal()).then(Default::default);
-    let watch = Watch { ctx, fault: Fault::from_env()?, plain };
+    let started = std::time::Instant::now();
+    let watch = Watch { ctx, fault: Fault::from_env()?, plain, started };
     let mut outcome = run_device(&mut trainer, &spec, &watch)?;
     if rank == 0 {
         outcome.op_times = trainer
@@ -254,6 +255,8 @@ struct Watch<'a> {
     /// When stderr is not a terminal (the bar draws nothing): when the last progress line was
     /// printed, so a log gets one every few seconds.
     plain: Option<std::sync::Mutex<Option<std::time::Instant>>>,
+    /// When the steps began: the progress lines' elapsed time.
+    started: std::time::Instant,
 }
 
 /// Seconds between progress lines when stderr is not a terminal.
@@ -272,7 +275,9 @@ impl Observer for Watch<'_> {
         if let Some(Ok(mut last)) = self.plain.as_ref().map(|m| m.lock()) {
             let due = last.is_none_or(|t| t.elapsed().as_secs_f64() >= PLAIN_PROGRESS_EVERY_S);
             if due || stats.step == self.ctx.last_step {
-                eprintln!("step {}/{} | {msg}", stats.step, self.ctx.last_step);
+                let (step, total) = (stats.step, self.ctx.last_step);
+                let elapsed = self.started.elapsed().as_secs_f64();
+                eprintln!("step {step}/{total} | {msg} | elapsed {elapsed:.1}s");
                 *last = Some(std::time::Instant::now());
             }
         }

@@ -73,7 +73,11 @@ fn steps(log: &std::path::Path) -> Vec<(f64, f64)> {
 }
 
 fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() <= 1e-5 * a.abs().max(b.abs())
+    within(a, b, 1e-5)
+}
+
+fn within(a: f64, b: f64, rel: f64) -> bool {
+    (a - b).abs() <= rel * a.abs().max(b.abs())
 }
 
 fn check(model: &str, mb: usize, plans: &[(usize, &str)]) {
@@ -85,7 +89,17 @@ fn check(model: &str, mb: usize, plans: &[(usize, &str)]) {
         assert!(doc["pipeline"].is_null() || doc["pipeline"].is_object());
         for (k, (s, p)) in single.iter().zip(&steps).enumerate() {
             assert!(close(s.0, p.0), "{model} {plan} step {}: loss {} vs {}", k + 1, p.0, s.0);
-            assert!(close(s.1, p.1), "{model} {plan} step {}: norm {} vs {}", k + 1, p.1, s.1);
+            // The gradient norm sums the squares of every gradient: tensor-parallel row
+            // layers add their halves in another order, and that rounding (~1e-7 per element
+            // in fp32) reaches later steps through Adam's normalised updates.
+            let norm_tol = if plan.contains("tp") { 2e-5 } else { 1e-5 };
+            assert!(
+                within(s.1, p.1, norm_tol),
+                "{model} {plan} step {}: norm {} vs {}",
+                k + 1,
+                p.1,
+                s.1
+            );
         }
         let m = &doc["memory"];
         assert_eq!(m["measured_peak_bytes"], m["predicted_peak_bytes"], "{plan}: {m}");

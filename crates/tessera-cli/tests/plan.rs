@@ -183,3 +183,95 @@ fn errors_are_json_under_format_json() {
     let (ok, _, err) = tessera(&one);
     assert!(!ok && !err.contains("ZeRO"), "{err}");
 }
+
+/// A size as `format_bytes` prints it (`31.62 MiB`, `384 B`): bytes, and how far the printed
+/// figure may be from the exact one (half its last digit).
+fn printed_bytes(s: &str) -> (f64, f64) {
+    let (num, unit) = s.trim().split_once(' ').unwrap_or_else(|| panic!("not a size: `{s}`"));
+    let scale = match unit {
+        "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024f64.powi(4),
+        _ => panic!("unknown unit in `{s}`"),
+    };
+    let v: f64 = num.parse().unwrap_or_else(|_| panic!("not a number: `{s}`"));
+    (v * scale, if unit == "B" { 0.0 } else { 0.005 * scale })
+}
+
+#[test]
+fn explain_has_a_legend_every_block_and_a_peak_made_of_its_parts() {
+    let args = [SMALL, &["--cluster", "4xcpu"]].concat();
+    let v = plan(&["--cluster", "4xcpu", "--format", "json"]);
+    let blocks = v["checkpoint"].as_array().unwrap().len();
+    assert_eq!(blocks, 8, "gpt2-tiny has 8 blocks");
+    let (ok, text, err) = tessera(&[&args[..], &["--explain"]].concat());
+    assert!(ok, "{err}");
+
+    // The legend: the notation and the columns.
+    for want in ["    R     replicated", "    S0    split into", "    P0    after the brackets"] {
+        assert!(text.lines().any(|l| l.starts_with(want)), "no `{want}`:\n{text}");
+    }
+    assert!(text.contains("  columns: op"), "{text}");
+
+    // Every block is in some section: `blocks 0–7 (..)`, or `blocks 0–2, 4–7 (..)` and
+    // `block 3 (..)`.
+    let mut covered = vec![false; blocks];
+    for header in text.lines().filter(|l| l.starts_with("block ") || l.starts_with("blocks ")) {
+        let list = header.split_once(' ').unwrap().1;
+        let list = list.split(" (").next().unwrap();
+        for range in list.split(", ") {
+            let (a, b) = range.split_once('–').unwrap_or((range, range));
+            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+            for c in &mut covered[a..=b] {
+                *c = true;
+            }
+        }
+    }
+    assert!(covered.iter().all(|&c| c), "blocks without a section {covered:?}:\n{text}");
+    assert!(text.contains("before the blocks") && text.contains("after the blocks"), "{text}");
+
+    // The memory line: the peak, then what is live at it; the parts add up to the peak
+    // (within the rounding of the printed figures).
+    let start = text.lines().position(|l| l.starts_with("memory    peak ")).expect("memory line");
+    let mut memory: Vec<&str> = vec![text.lines().nth(start).unwrap()];
+    memory.extend(text.lines().skip(start + 1).take_while(|l| l.starts_with("          ")));
+    let memory = memory.join(" ");
+    let (head, live) = memory.split_once(" = live at the peak: ").expect("a breakdown");
+    let peak = head.strip_prefix("memory    peak ").unwrap().split(" per device").next().unwrap();
+    let (peak, peak_err) = printed_bytes(peak);
+    let (mut sum, mut err) = (0.0, peak_err);
+    let mut names = Vec::new();
+    for part in live.split(" + ") {
+        let part = part.split_whitespace().collect::<Vec<_>>();
+        let (name, size) = part.split_at(part.len() - 2);
+        let (b, e) = printed_bytes(&size.join(" "));
+        names.push(name.join(" "));
+        sum += b;
+        err += e;
+    }
+    assert!((sum - peak).abs() <= err, "parts {sum} vs peak {peak} (±{err}): {memory}");
+    for want in ["params", "optimizer", "saved activations"] {
+        assert!(names.iter().any(|n| n == want), "no {want} in {names:?}");
+    }
+    // `--explain`'s table of the same: its rows add up to its `= peak` row.
+    let rows: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("memory live at the peak instruction"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  ") && !l.starts_with("  totals"))
+        .collect();
+    let size = |l: &str| {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        let at = w.iter().position(|x| x.ends_with('%')).unwrap();
+        printed_bytes(&w[at - 2..at].join(" "))
+    };
+    let (total, total_err) = size(rows.last().unwrap());
+    assert!(rows.last().unwrap().trim_start().starts_with("= peak"), "{rows:?}");
+    let parts: Vec<(f64, f64)> = rows[..rows.len() - 1].iter().map(|l| size(l)).collect();
+    let sum: f64 = parts.iter().map(|p| p.0).sum();
+    let err: f64 = parts.iter().map(|p| p.1).sum::<f64>() + total_err;
+    assert!((sum - total).abs() <= err, "{rows:?}");
+    assert_eq!(total, peak, "the same peak in the table and the memory line");
+}

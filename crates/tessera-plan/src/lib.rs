@@ -17,6 +17,7 @@ pub mod ckpt_dp;
 pub mod cluster;
 pub mod config;
 pub mod cost;
+pub mod explain;
 pub mod export;
 pub mod ilp;
 pub mod lower;

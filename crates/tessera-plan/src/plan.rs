@@ -37,6 +37,10 @@ pub struct NodeStrategy {
     pub op: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub block: Option<u32>,
+    /// What the op does, in a few words (`silu`, `residual add`, `cast bf16→f32 of o_proj`):
+    /// [`crate::explain::op_details`]. Informative only: a plan file is read without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
     pub inputs: Vec<String>,
     pub outputs: Vec<String>,
     pub compute_axes: Vec<usize>,
@@ -74,7 +78,15 @@ pub struct Predicted {
     pub params_bytes: u64,
     pub grads_bytes: u64,
     pub optimizer_bytes: u64,
+    /// Saved activations produced over the whole step (each buffer once): not all live at
+    /// once, so not a part of the peak; [`Predicted::peak_breakdown`] has those.
     pub activations_bytes: u64,
+    /// Bytes live at the peak instruction by role (`parameters`, `gradients`,
+    /// `optimizer_state`, `saved_activations`, `temporaries` — kernel workspace included —
+    /// and `inputs`), from the memory simulation that found the peak: they sum to the highest
+    /// of `peak_bytes_per_device` (a pipelined plan's worst device). Empty in older plan files.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub peak_breakdown: std::collections::BTreeMap<String, u64>,
     /// Compute seconds per op kind over the whole step (forward, backward, optimizer).
     #[serde(default)]
     pub compute_by_op_s: std::collections::BTreeMap<String, f64>,
@@ -281,6 +293,7 @@ impl Plan {
             grads_bytes: m.grads_bytes,
             optimizer_bytes: m.optimizer_bytes,
             activations_bytes: m.activations_bytes,
+            peak_breakdown: crate::explain::peak_breakdown(m),
             compute_by_op_s: t.compute_by_op_s.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             bubble_fraction: None,
         };
@@ -300,6 +313,7 @@ impl Plan {
                 })
             })
             .collect();
+        let details = crate::explain::op_details(g);
         let strategies = g
             .nodes
             .iter()
@@ -311,6 +325,7 @@ impl Plan {
                     scope: g.scope_name(node.scope).to_string(),
                     op: node.op.name().to_string(),
                     block: node.block,
+                    detail: Some(details[i].clone()),
                     inputs: s.inputs.iter().map(Spec::to_string).collect(),
                     outputs: s.outputs.iter().map(Spec::to_string).collect(),
                     compute_axes: s.compute_axes.clone(),
@@ -441,64 +456,11 @@ impl Plan {
         Ok(out)
     }
 
-    /// `--explain`: one line per op of the first block and of the ops outside blocks.
+    /// `--explain`: the spec notation, every distinct block's strategies (alike blocks
+    /// folded), step time, compute by op, collectives, memory at the peak, pipeline stages
+    /// ([`crate::explain`]).
     pub fn explain(&self) -> String {
-        let mut s = String::new();
-        let axes = self.mesh.axes.join("×");
-        s += &format!(
-            "mesh {:?} ({axes}), config `{}`, ZeRO-{}, {} micro-batch(es)\n",
-            self.mesh.shape, self.config, self.zero_stage, self.micro_batches
-        );
-        let first_block = self.strategies.iter().find_map(|n| n.block);
-        s += &format!("{:<40} {:<14} {:<34} {:<24}\n", "scope", "op", "inputs", "outputs");
-        for n in &self.strategies {
-            if n.block.is_some() && n.block != first_block {
-                continue;
-            }
-            s += &format!(
-                "{:<40} {:<14} {:<34} {:<24}\n",
-                n.scope,
-                n.op,
-                n.inputs.join(" "),
-                n.outputs.join(" ")
-            );
-        }
-        let mut by_kind: std::collections::BTreeMap<(String, String), (usize, u64)> =
-            Default::default();
-        for c in &self.collectives {
-            let e = by_kind.entry((c.phase.clone(), c.op.clone())).or_default();
-            e.0 += 1;
-            e.1 += c.bytes;
-        }
-        let p = &self.predicted;
-        let mut ops: Vec<(&String, &f64)> = p.compute_by_op_s.iter().collect();
-        ops.sort_by(|a, b| b.1.total_cmp(a.1));
-        s += &format!(
-            "step {:.4} s: compute {:.4} s (forward {:.4}, backward {:.4}, optimizer {:.4}), \
-             blocking comm {:.4} s, exposed comm {:.4} s\n",
-            p.step_time_s,
-            p.forward_compute_s + p.backward_compute_s + p.optimizer_compute_s,
-            p.forward_compute_s,
-            p.backward_compute_s,
-            p.optimizer_compute_s,
-            p.blocking_comm_s,
-            p.exposed_comm_s
-        );
-        s += "compute by op:\n";
-        for (op, secs) in ops {
-            s += &format!("  {op:<24} {secs:>9.4} s  {:>5.1}%\n", 100.0 * secs / p.step_time_s);
-        }
-        s += "collectives per step (per device):\n";
-        for ((phase, op), (count, bytes)) in by_kind {
-            s += &format!(
-                "  {phase:<10} {op:<16} {count:>6} × , {}\n",
-                crate::units::format_bytes(bytes)
-            );
-        }
-        if let Some(pipe) = &self.pipeline {
-            s += &pipe.explain(self.micro_batches, p.bubble_fraction, &self.checkpoint);
-        }
-        s
+        self.explain_text()
     }
 }
 

@@ -165,11 +165,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
                     }
                 ),
             }),
-            None => Err(PlanError::Invalid(format!(
-                "`{}` cannot split this model: a degree does not divide the batch, heads or \
-                 hidden size",
-                cfg.canonical()
-            ))),
+            None => Err(search::cannot_split(&p, &cand, &cfg.canonical())),
         },
     }
 }

@@ -4,6 +4,7 @@
 //! (the budget, then slacks that checkpointing pays back), the bounds that prune candidates,
 //! the most memory-frugal fallback and the least peak an infeasible search reports.
 
+mod megatron;
 mod scan;
 mod space;
 
@@ -27,8 +28,8 @@ pub enum AxisRule {
     /// Any axis any label (the automatic search).
     Free,
     /// A fixed `dp × tp` configuration on a `[dp, tp]` mesh: axis 0 must split the batch of
-    /// every op that has one; axis 1 splits anything but the batch, and the sequence only with
-    /// `sp`.
+    /// every op that has one; axis 1 splits what Megatron-LM's tensor (and, with `sp`,
+    /// sequence) parallelism splits, op by op (see `search/megatron.rs`).
     Megatron { sp: bool },
 }
 
@@ -761,6 +762,23 @@ fn frugal_fit(
         Ok(l) => Ok(Frugal::Fits(Box::new(l))),
         Err(_) => Err(PlanError::Internal("full recompute fitted, then did not".into())),
     }
+}
+
+/// The error for a config whose candidate cannot be lowered: why `cand`'s rule cannot split
+/// the model on its mesh (a Megatron layout whose heads or features its tensor-parallel degree
+/// does not divide), or else the general reason.
+pub fn cannot_split(p: &Problem0<'_>, cand: &Candidate, config: &str) -> PlanError {
+    let mb = cand.micro_batches.max(1);
+    let why = p
+        .forward(p.batch / mb)
+        .and_then(|shared| Ok(Space::new(&shared.0.graph, &cand.mesh, &cand.rule)?.unsplittable));
+    PlanError::Invalid(match why {
+        Ok(Some(why)) => format!("`{config}` cannot split this model: {why}"),
+        _ => format!(
+            "`{config}` cannot split this model: a degree does not divide the batch, heads or \
+             hidden size"
+        ),
+    })
 }
 
 /// The least peak this candidate reaches in the search ([`LeastPeak`]: the ILP's most

@@ -59,13 +59,8 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
         zero: cfg.zero,
         micro_batches: 1,
     };
-    let e = search::evaluate(&p, &cand, None)?.ok_or_else(|| {
-        PlanError::Invalid(format!(
-            "`{}` cannot split this model: a degree does not divide the batch, heads or hidden \
-             size",
-            cfg.canonical()
-        ))
-    })?;
+    let e = search::evaluate(&p, &cand, None)?
+        .ok_or_else(|| search::cannot_split(&p, &cand, &cfg.canonical()))?;
     let schedule = cfg.schedule.unwrap_or_default();
     let (map, ckpt) = if cfg.stages.is_empty() {
         let ckpt = match cfg.ckpt {

@@ -36,6 +36,10 @@ pub struct StageJson {
     pub devices: Vec<usize>,
     /// The peak of its devices' Program (under interleaving, of the device holding it).
     pub peak_bytes: u64,
+    /// What is live at that peak, by role (as [`crate::plan::Predicted::peak_breakdown`]):
+    /// sums to `peak_bytes`. Empty in older plan files.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub peak_breakdown: std::collections::BTreeMap<String, u64>,
 }
 
 impl PipelineJson {
@@ -88,6 +92,11 @@ impl PipelineJson {
                 crate::units::format_bytes(st.peak_bytes),
                 if st.peak_bytes == worst { "  (worst)" } else { "" }
             );
+        }
+        // What is live at each stage's peak: the parts sum to the peak above.
+        for (i, st) in self.stages.iter().enumerate() {
+            let first = format!("  stage {i} at its peak: ");
+            s += &crate::explain::live_parts(&first, &st.peak_breakdown, 4).unwrap_or_default();
         }
         s
     }
@@ -164,6 +173,7 @@ pub fn pipeline_json(l: &PipeLowered, full: &Mesh) -> PipelineJson {
                 // The pipeline axis is the mesh's last: rank r runs pipeline device r mod pp.
                 devices: (0..ranks).filter(|r| r % map.devices == d).collect(),
                 peak_bytes: l.devices[d].lowered.memory.peak_bytes,
+                peak_breakdown: crate::explain::peak_breakdown(&l.devices[d].lowered.memory),
             }
         })
         .collect();
@@ -189,6 +199,10 @@ pub fn attach(plan: &mut crate::plan::Plan, l: &PipeLowered, full: &Mesh, tokens
         p.tokens_per_s = tokens as f64 / l.step_time_s;
     }
     p.peak_bytes_per_device = peaks_per_rank(l, ranks);
+    // What is live at the worst device's peak (the device the plan's other figures are of).
+    if let Some(worst) = l.devices.iter().max_by_key(|d| d.lowered.memory.peak_bytes) {
+        p.peak_breakdown = crate::explain::peak_breakdown(&worst.lowered.memory);
+    }
     p.bubble_fraction = Some(l.timeline.bubble_fraction());
     p.comm_bytes_per_device = l
         .devices

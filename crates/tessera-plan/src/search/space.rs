@@ -43,6 +43,9 @@ pub(super) struct Space<'g> {
     chosen: Vec<Vec<Strategy>>,
     /// Node whose strategies it copies (block sharing), or itself.
     rep: Vec<usize>,
+    /// Why the rule cannot split this graph on this mesh (then `options` holds one 0: no
+    /// candidate); `None`: it can.
+    pub(super) unsplittable: Option<String>,
 }
 
 /// Roles of every tensor dim: batch and sequence from the data inputs, carried by labels.
@@ -73,7 +76,11 @@ fn dim_roles(g: &Graph, labels: &[Option<Labeling>]) -> Vec<Vec<DimRole>> {
     roles
 }
 
-fn label_roles(n: &tessera_ir::Node, l: &Labeling, roles: &[Vec<DimRole>]) -> Vec<DimRole> {
+pub(super) fn label_roles(
+    n: &tessera_ir::Node,
+    l: &Labeling,
+    roles: &[Vec<DimRole>],
+) -> Vec<DimRole> {
     let mut lab_role = vec![DimRole::Other; l.sizes.len()];
     for (k, &t) in n.inputs.iter().enumerate() {
         for (d, lab) in l.inputs[k].iter().enumerate() {
@@ -143,6 +150,16 @@ impl<'g> Space<'g> {
         }
 
         let live_axes: Vec<usize> = (0..mesh.ndim()).filter(|&a| mesh.shape[a] > 1).collect();
+        // A config string's tensor axis splits what Megatron-LM's layout splits, op by op.
+        let tp_pins = match rule {
+            AxisRule::Megatron { sp } if live_axes.contains(&1) => {
+                match super::megatron::tp_labels(g, &labels, &roles, *sp, mesh.shape[1]) {
+                    Ok(pins) => Some(pins),
+                    Err(why) => return Ok(Space::unsplittable(g, why)),
+                }
+            }
+            _ => None,
+        };
         let mut var_of = vec![None; n];
         let mut heads = Vec::new();
         let mut options: Vec<usize> = Vec::new();
@@ -175,11 +192,9 @@ impl<'g> Space<'g> {
                 }
                 match rule {
                     AxisRule::Free => true,
-                    AxisRule::Megatron { sp } => match (a, lab_role[lab]) {
-                        (0, r) => r == DimRole::Batch,
-                        (_, DimRole::Batch) => false,
-                        (_, DimRole::Seq) => *sp,
-                        _ => true,
+                    AxisRule::Megatron { .. } => match a {
+                        0 => lab_role[lab] == DimRole::Batch,
+                        _ => tp_pins.as_ref().is_some_and(|p| p[i] == Some(lab)),
                     },
                 }
             };
@@ -190,6 +205,20 @@ impl<'g> Space<'g> {
                     .any(|lab| lab_role[lab] == DimRole::Batch && l.shardable[lab]);
                 if has_batch && mesh.shape[0] > 1 {
                     all.retain(|s| s.axis_labels[0].is_some());
+                }
+                // The tensor axis splits exactly Megatron's label.
+                if let Some(lab) = tp_pins.as_ref().and_then(|p| p[i]) {
+                    all.retain(|s| s.axis_labels[1] == Some(lab));
+                    if all.is_empty() {
+                        let why = format!(
+                            "{} ({}) cannot be split over the tensor-parallel axis as \
+                             Megatron-LM's layout splits it on the mesh {:?}",
+                            g.scope_name(node.scope),
+                            node.op.name(),
+                            mesh.shape
+                        );
+                        return Ok(Space::unsplittable(g, why));
+                    }
                 }
             }
             if all.is_empty() {
@@ -233,7 +262,20 @@ impl<'g> Space<'g> {
                 chosen[i] = all;
             }
         }
-        Ok(Space { g, var_of, heads, options, chosen, rep })
+        Ok(Space { g, var_of, heads, options, chosen, rep, unsplittable: None })
+    }
+
+    /// A space with no candidate, and why.
+    fn unsplittable(g: &'g Graph, why: String) -> Space<'g> {
+        Space {
+            g,
+            var_of: Vec::new(),
+            heads: Vec::new(),
+            options: vec![0],
+            chosen: Vec::new(),
+            rep: Vec::new(),
+            unsplittable: Some(why),
+        }
     }
 
     /// The per-node strategies of a set of picks.

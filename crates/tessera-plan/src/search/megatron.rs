@@ -1,0 +1,126 @@
+//! Megatron-LM's tensor-parallel layout, op by op: what a config string's `tpN` (and `sp`)
+//! means. The tensor-parallel axis splits
+//!
+//! - a matmul against a weight whose activation input is whole on that axis by the weight's
+//!   output features (column-parallel: q/k/v, gate/up, fc, the LM head over the vocabulary),
+//!   and one whose input arrives split on the contracted features by the weight's input
+//!   features (row-parallel: the attention output and down/fc2 projections; the output is a
+//!   pending sum, reduced by the next op's layout). Output features that tp does not divide
+//!   (a 50257-token vocabulary, which Megatron-LM pads to a multiple of 128·tp) split the
+//!   input features instead;
+//! - what lies between the two by the split that flows from the column-parallel output:
+//!   biases, activations, gating products, the head reshapes, RoPE and attention (by heads);
+//! - the embedding table by its hidden features;
+//! - nothing else: norms, residual adds and the loss see whole tensors on the tensor axis —
+//!   or, with `sp` (Megatron's sequence parallelism), their sequence split over it.
+//!
+//! One rule decides column or row: which split the matmul's input arrives in. No op is
+//! recognised by its name, so every model family built from the IR's ops gets the layout.
+//! Where Megatron-LM differs:
+//! - its embedding and loss are vocabulary-parallel (the table split by rows, the loss computed
+//!   on split logits), while here the table splits by its hidden features — the same bytes per
+//!   device — and the loss gathers the logits' vocabulary (or, with `sp`, takes its share of
+//!   the sequence);
+//! - a fused q/k/v weight in Hugging Face's `[q | k | v]` column order (GPT-2's `c_attn`)
+//!   splits by contiguous columns, the same bytes per device, where Megatron-LM stores it
+//!   interleaved per head: q, k and v are gathered after it, and each device takes its heads.
+
+use super::space::label_roles;
+use crate::rules::{DimRole, Labeling};
+use tessera_ir::{Graph, Op};
+
+/// The label the tensor-parallel axis splits at each node (`None`: no split), for a `[dp, tp]`
+/// mesh with `tp` devices on the tensor axis. Errs, saying why, when Megatron's layout needs
+/// a split that `tp` does not divide (heads, KV heads, features): that config does not exist
+/// for the model.
+pub(super) fn tp_labels(
+    g: &Graph,
+    labels: &[Option<Labeling>],
+    roles: &[Vec<DimRole>],
+    sp: bool,
+    tp: usize,
+) -> Result<Vec<Option<usize>>, String> {
+    // Per tensor: the dim Megatron's layout splits over the tensor axis as it leaves its
+    // producer (`None`: whole, or a pending sum its consumer reduces).
+    let mut split: Vec<Option<usize>> = vec![None; g.tensors.len()];
+    let mut pins: Vec<Option<usize>> = vec![None; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        let Some(l) = &labels[i] else { continue };
+        let at = |k: usize| {
+            let d = split[n.inputs[k].index()]?;
+            l.inputs[k].get(d).copied().flatten()
+        };
+        let (pin, out_split) = match &n.op {
+            Op::MatMul { trans_a, .. } if is_weight(g, n.inputs[1]) => {
+                let x = g.meta(n.inputs[0]);
+                let k_dim = if *trans_a { x.shape.rank() - 2 } else { x.shape.rank() - 1 };
+                let row = l.inputs[0][k_dim];
+                let column = l.outputs[0].last().copied().flatten();
+                let divides =
+                    |lab: Option<usize>| lab.is_some_and(|x| l.sizes[x].is_multiple_of(tp));
+                if split[n.inputs[0].index()] == Some(k_dim) {
+                    (row, false) // row-parallel: a pending sum leaves
+                } else if divides(column) || !divides(row) {
+                    (column, true) // column-parallel
+                } else {
+                    // Output features tp does not divide (GPT-2's 50257-token vocabulary,
+                    // which Megatron-LM pads): split the input features instead, the same
+                    // bytes per device.
+                    (row, false)
+                }
+            }
+            // The table by its hidden features; its output is reduced to whole.
+            Op::Embedding => (l.inputs[0][1], false),
+            // Attention (and RoPE before it) by heads, whatever split arrives: where q, k and v
+            // come whole (GPT-2's fused c_attn, sliced), each device takes its heads locally.
+            Op::Attention(_) | Op::Rope { .. } => (l.inputs[0][2], true),
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::CrossEntropy { .. } => (None, false),
+            // Everything else carries the split it receives.
+            _ => match (0..n.inputs.len()).find_map(at) {
+                Some(lab) => (Some(lab), true),
+                None => (None, false),
+            },
+        };
+        if let Some(lab) = pin {
+            if !l.sizes[lab].is_multiple_of(tp) {
+                return Err(format!(
+                    "tp{tp} splits {} ({}) over a dim of {}, which {tp} does not divide: \
+                     Megatron-LM's layout needs the heads, KV heads and features divisible by \
+                     the tensor-parallel degree; use a tp that divides {}",
+                    g.scope_name(n.scope),
+                    n.op.name(),
+                    l.sizes[lab],
+                    l.sizes[lab]
+                ));
+            }
+        }
+        pins[i] = match pin {
+            Some(lab) => Some(lab),
+            // Sequence parallelism: what is whole on the tensor axis splits its sequence.
+            None if sp => {
+                let role = label_roles(n, l, roles);
+                (0..l.sizes.len()).find(|&lab| role[lab] == DimRole::Seq && l.shardable[lab])
+            }
+            None => None,
+        };
+        if let (true, Some(lab)) = (out_split, pin) {
+            for (k, &o) in n.outputs.iter().enumerate() {
+                split[o.index()] = l.outputs[k].iter().position(|&x| x == Some(lab));
+            }
+        }
+    }
+    Ok(pins)
+}
+
+/// A matmul operand that is a parameter, possibly through casts and layout changes.
+fn is_weight(g: &Graph, t: tessera_ir::TensorId) -> bool {
+    let mut t = t;
+    loop {
+        let p = &g.nodes[g.tensor(t).producer.index()];
+        match &p.op {
+            Op::Parameter(_) => return true,
+            Op::Cast(_) | Op::Reshape(_) | Op::Permute(_) if p.inputs.len() == 1 => t = p.inputs[0],
+            _ => return false,
+        }
+    }
+}
