@@ -39,6 +39,7 @@ pub struct PlanArgs {
     /// Global batch: sequences per training step.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
+    /// Sequence length. Default: 1024, or the model's positions if it has fewer.
     #[arg(long, default_value_t = 1024)]
     pub seq: usize,
     #[arg(long, value_enum, default_value_t = Precision::Bf16)]
@@ -104,6 +105,12 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     )?;
     let args = &a;
     let cfg = ModelConfig::resolve(&args.model)?;
+    // No --seq (and no plan file's): 1024, or the model's positions if it has fewer.
+    let mut a = args.clone();
+    if !args.given.has("seq") && !std::path::Path::new(&args.plan).is_file() {
+        a.seq = crate::profile_cmd::default_seq(&cfg);
+    }
+    let args = &a;
     let mut cluster = Cluster::parse(&args.cluster).map_err(plan_err)?;
     if let Some(r) = &args.reserve {
         cluster = cluster.with_reserve(parse_bytes(r).map_err(plan_err)?);

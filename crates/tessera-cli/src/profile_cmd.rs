@@ -56,8 +56,9 @@ pub struct ProfileArgs {
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
     /// Sequence length (ignored by ViT, whose length is set by the image and patch size).
-    #[arg(long, default_value_t = 1024)]
-    pub seq: usize,
+    /// Default: 1024, or the model's positions if it has fewer (gpt2-tiny: 256).
+    #[arg(long)]
+    pub seq: Option<usize>,
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub dtype: Precision,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
@@ -88,10 +89,16 @@ pub fn print_stdout(text: &str) -> Result<()> {
     }
 }
 
+/// The sequence length when none is given: 1024, or the model's learned positions if fewer.
+pub fn default_seq(cfg: &ModelConfig) -> usize {
+    cfg.max_seq().map_or(1024, |m| m.min(1024))
+}
+
 pub fn run(args: &ProfileArgs) -> Result<()> {
     let start = Instant::now();
     let cfg = ModelConfig::resolve(&args.model)?;
-    let opts = BuildOptions { batch: args.batch, seq: args.seq, dtype: args.dtype.dtype() };
+    let seq = args.seq.unwrap_or_else(|| default_seq(&cfg));
+    let opts = BuildOptions { batch: args.batch, seq, dtype: args.dtype.dtype() };
     let model = build(&cfg, &opts)?;
     let seq = model.seq;
     let train = build_training_graph(model.builder, model.loss, &TrainConfig::default())

@@ -154,3 +154,22 @@ fn zero_batch_is_a_clear_error() {
     let e = expect_clean_error(&["profile", "--model", "gpt2-tiny", "--batch", "0"]);
     assert!(e.contains("batch"), "{e}");
 }
+
+/// Without `--seq`, `profile` and `plan` take 1024 positions, or the model's learned positions
+/// where it has fewer (gpt2-tiny's 256; RoPE models have no such limit).
+#[test]
+fn the_default_sequence_fits_the_model() {
+    for (model, want) in [("gpt2-tiny", 256), ("gpt2", 1024), ("llama-tiny", 1024)] {
+        let out = tessera(&["profile", "--model", model, "--batch", "1", "--format", "json"]);
+        assert!(out.status.success(), "{model}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["seq"], want, "{model}");
+    }
+    let out = tessera(&["plan", "--model", "gpt2-tiny", "--cluster", "2xcpu", "--format", "json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["seq"], 256);
+    // A given --seq is kept, and too long a one is still refused.
+    let out = tessera(&["profile", "--model", "gpt2-tiny", "--seq", "512"]);
+    assert!(!out.status.success());
+}

@@ -26,6 +26,7 @@ pub const PRESETS: &[&str] = &[
     "llama2-13b",
     "llama2-70b",
     "llama3-8b",
+    "llama3-70b",
     "llama-1.3b",
     "llama-tiny",
     "bert-large",
@@ -69,6 +70,15 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         "llama2-70b" => llama2(8192, 28672, 80, 64, 8),
         "llama3-8b" => {
             let mut p = LlamaParams::new(LlamaVariant::Llama, name, 128256, 4096, 14336, 32, 32);
+            p.num_key_value_heads = 8;
+            p.max_position_embeddings = 8192;
+            p.rms_norm_eps = 1e-5;
+            p.rope_theta = 500000.0;
+            p.dtype = Some(DType::BF16);
+            llama_cfg(p)
+        }
+        "llama3-70b" => {
+            let mut p = LlamaParams::new(LlamaVariant::Llama, name, 128256, 8192, 28672, 80, 64);
             p.num_key_value_heads = 8;
             p.max_position_embeddings = 8192;
             p.rms_norm_eps = 1e-5;

@@ -35,6 +35,7 @@ fn presets_match_hugging_face_counts() {
         ("llama2-13b", 13_015_864_320),
         ("llama2-70b", 68_976_648_192),
         ("llama3-8b", 8_030_261_248),
+        ("llama3-70b", 70_553_706_496),
         // BertForMaskedLM (no pooler), decoder tied to the word embeddings.
         ("bert-large", 335_174_458),
         // ViTForImageClassification, 1000 labels, no pooler.
