@@ -40,11 +40,6 @@ const COVERED: &[(&str, &str, &str)] = &[
     ("tessera calibrate", "calibrate.rs", "calibrate_writes_a_cpu_preset_the_planner_reads"),
     ("tessera train --config", "run_file.rs", "the_readme_run_file_commands_run"),
     ("tessera plan --config", "run_file.rs", "the_readme_run_file_commands_run"),
-    (
-        "tessera plan --model llama3-8b --cluster 8xH100 --batch 16 --seq 4096 --plan",
-        "export.rs",
-        "the_readme_export_commands_run",
-    ),
 ];
 
 /// README placeholders and what stands for them here.

@@ -49,6 +49,16 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         p.dtype = Some(DType::F16);
         llama_cfg(p)
     };
+    // LLaMA 3: a 128k vocabulary, 8 KV heads, RoPE base 500000, 8192 positions, bf16 weights.
+    let llama3 = |hidden, ffn, layers, heads| {
+        let mut p = LlamaParams::new(LlamaVariant::Llama, name, 128256, hidden, ffn, layers, heads);
+        p.num_key_value_heads = 8;
+        p.max_position_embeddings = 8192;
+        p.rms_norm_eps = 1e-5;
+        p.rope_theta = 500000.0;
+        p.dtype = Some(DType::BF16);
+        llama_cfg(p)
+    };
     match name {
         "gpt2" => gpt2(768, 12, 12),
         "gpt2-medium" => gpt2(1024, 24, 16),
@@ -68,24 +78,8 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         "llama2-7b" => llama2(4096, 11008, 32, 32, 32),
         "llama2-13b" => llama2(5120, 13824, 40, 40, 40),
         "llama2-70b" => llama2(8192, 28672, 80, 64, 8),
-        "llama3-8b" => {
-            let mut p = LlamaParams::new(LlamaVariant::Llama, name, 128256, 4096, 14336, 32, 32);
-            p.num_key_value_heads = 8;
-            p.max_position_embeddings = 8192;
-            p.rms_norm_eps = 1e-5;
-            p.rope_theta = 500000.0;
-            p.dtype = Some(DType::BF16);
-            llama_cfg(p)
-        }
-        "llama3-70b" => {
-            let mut p = LlamaParams::new(LlamaVariant::Llama, name, 128256, 8192, 28672, 80, 64);
-            p.num_key_value_heads = 8;
-            p.max_position_embeddings = 8192;
-            p.rms_norm_eps = 1e-5;
-            p.rope_theta = 500000.0;
-            p.dtype = Some(DType::BF16);
-            llama_cfg(p)
-        }
+        "llama3-8b" => llama3(4096, 14336, 32, 32),
+        "llama3-70b" => llama3(8192, 28672, 80, 64),
         "llama-1.3b" => {
             let p = LlamaParams::new(LlamaVariant::Llama, name, 32000, 2048, 5504, 24, 16);
             llama_cfg(p)
