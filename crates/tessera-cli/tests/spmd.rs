@@ -388,8 +388,8 @@ fn fidelity(model: &str) {
 }
 
 /// `c` under each `(devices, config)` of `runs` against the single-device `reference`: losses
-/// and gradient norms per step within `tol` relative, final parameters within `2·tol`, and the structure
-/// the plan predicts.
+/// and gradient norms per step within `tol` relative, final parameters within `2·tol`, and the
+/// structure the plan predicts.
 fn fidelity_under(c: &Case, reference: &Run, runs: &[(usize, &str)], num_steps: u64, tol: f64) {
     let model = &c.name;
     let rules = rules(c);
