@@ -1,6 +1,6 @@
 //! `tessera plan`: find (or evaluate) a parallel plan for a model on a cluster.
 
-use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
+use crate::profile_cmd::{print_stdout, write_atomic, OutputFormat, Precision};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
@@ -287,13 +287,6 @@ pub fn choose_plan(req: &Request<'_>, plan: &str) -> Result<Plan> {
         let pc = ParallelConfig::parse(plan).map_err(plan_err)?;
         planner::plan_fixed(req, &pc).map_err(plan_err)
     }
-}
-
-pub(crate) fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
-    Ok(())
 }
 
 fn table(p: &Plan, explain: bool) -> String {

@@ -261,23 +261,21 @@ fn refusals_name_why_and_a_plan_that_exports() {
         assert!(ok, "{suggested} was suggested for {engine} but: {err2}");
         assert!(!out.is_empty());
     }
-    // A per-op layout: no engine runs it; the nearest Megatron-LM plan is priced.
-    let (ok, _, err) = tessera(&[
-        "plan",
-        "--model",
-        "gpt2",
-        "--cluster",
-        "8xH100",
-        "--batch",
-        "16",
-        "--export",
-        "megatron",
-    ]);
-    if !ok {
+    // The automatic plan: a per-op layout is refused with the nearest Megatron-LM plan priced;
+    // a Megatron one exports.
+    let gpt2 = ["plan", "--model", "gpt2", "--cluster", "8xH100", "--batch", "16"];
+    let (ok, json, err) = tessera(&[&gpt2[..], &["--format", "json"]].concat());
+    assert!(ok, "{err}");
+    let layout = serde_json::from_str::<serde_json::Value>(&json).unwrap()["layout"].clone();
+    let (ok, out, err) = tessera(&[&gpt2[..], &["--export", "megatron"]].concat());
+    if layout == "per-op" {
+        assert!(!ok, "a per-op plan was exported: {out}");
         assert!(
             err.contains("per-op layout") && err.contains("nearest plan Megatron-LM runs"),
             "{err}"
         );
+    } else {
+        assert!(ok && out.contains("pretrain_gpt.py"), "{layout}: {err}");
     }
     // A model the engine does not train: the reason, and no suggestion.
     let (ok, _, err) = tessera(&[
