@@ -13,6 +13,7 @@ mod plan_cmd;
 mod plan_file;
 mod profile_cmd;
 mod run_file;
+mod tier_args;
 mod train_cmd;
 mod train_launch;
 
@@ -107,6 +108,13 @@ fn error_json(e: &anyhow::Error, message: &str) -> serde_json::Value {
     match planner {
         Some(PlanError::Infeasible { budget, needed, hint }) => {
             error["kind"] = "infeasible".into();
+            error["needed_bytes"] = (*needed).into();
+            error["budget_bytes"] = (*budget).into();
+            error["hint"] = hint.as_str().into();
+        }
+        Some(PlanError::TierInfeasible { tier, budget, needed, hint }) => {
+            error["kind"] = "infeasible".into();
+            error["tier"] = tier.name().into();
             error["needed_bytes"] = (*needed).into();
             error["budget_bytes"] = (*budget).into();
             error["hint"] = hint.as_str().into();

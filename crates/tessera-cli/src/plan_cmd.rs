@@ -50,6 +50,8 @@ pub struct PlanArgs {
     /// Memory held back per device for the runtime context (default 1GiB on GPUs).
     #[arg(long)]
     pub reserve: Option<String>,
+    #[command(flatten)]
+    pub tiers: crate::tier_args::TierArgs,
     /// `auto`, a config string (`"dp2 tp4 sp zero1 mb2"`), or a plan JSON file.
     #[arg(long, default_value = "auto")]
     pub plan: String,
@@ -115,6 +117,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     if let Some(r) = &args.reserve {
         cluster = cluster.with_reserve(parse_bytes(r).map_err(plan_err)?);
     }
+    let cluster = args.tiers.apply(cluster)?;
     let budget = match &args.memory_budget {
         Some(s) => parse_bytes(s).map_err(plan_err)?,
         None => cluster.device.usable_bytes(),
@@ -349,6 +352,9 @@ fn table(p: &Plan, explain: bool) -> String {
                 .join(", ")
         };
         s += &format!("checkpoint {modes}; recompute {:.4} s per step\n", pr.recompute_s);
+    }
+    if let Some(o) = &p.offload {
+        s += &o.summary(explain);
     }
     for (name, b) in [
         ("chen", &p.baselines.chen),

@@ -108,6 +108,8 @@ pub struct TrainArgs {
     /// Device memory budget, e.g. `512MiB`, `2GiB`: exceeding it is a clear error.
     #[arg(long, value_parser = parse_size)]
     pub memory_budget: Option<u64>,
+    #[command(flatten)]
+    pub tiers: crate::tier_args::TierArgs,
     /// Held-out batches for the final eval loss.
     #[arg(long, default_value_t = 8)]
     pub eval_batches: usize,
@@ -483,7 +485,7 @@ pub fn prepare(
         ..TrainConfig::default()
     };
     let cluster_str = args.cluster.clone().unwrap_or_else(|| format!("{devices}xcpu"));
-    let cluster = Cluster::parse(&cluster_str).map_err(plan_err)?;
+    let cluster = args.tiers.apply(Cluster::parse(&cluster_str).map_err(plan_err)?)?;
     if cluster.num_devices() != devices {
         bail!(
             "--cluster {cluster_str} has {} devices but --devices is {devices}: make them agree",

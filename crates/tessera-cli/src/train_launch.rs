@@ -171,7 +171,10 @@ pub fn run_rank(
         Some(c) => Some(CommRunner::new(c, mesh.clone())?),
         None => None,
     };
-    let setup = DeviceSetup { mesh, budget: Some(ctx.budget) };
+    // An offloaded plan's host tier is bounded by the host memory it was planned for.
+    let host_budget = ctx.plan.offload.as_ref().map(|o| o.host_memory_bytes);
+    let offload_dir = ctx.args.tiers.offload_dir.clone();
+    let setup = DeviceSetup { mesh, budget: Some(ctx.budget), host_budget, offload_dir };
     let args = &ctx.args;
     let mut trainer = {
         let guard = ctx.start.read().map_err(|_| anyhow!("a rank panicked while binding"))?;
@@ -401,6 +404,18 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
             if let Some(h) = heap_peak {
                 doc["memory"]["heap_peak_bytes"] = json!(h);
             }
+            if let Some(off) = &plan.offload {
+                // Every device runs the same offloaded Program: one prediction for each.
+                doc["memory"]["host_peak_bytes"] = json!({
+                    "predicted": vec![off.host_peak_bytes; n],
+                    "measured": o.measured_host_peak,
+                });
+                doc["offload"] = json!({
+                    "config": off.config,
+                    "moved_bytes_per_step": off.moved_bytes_per_step,
+                    "host_memory_bytes": off.host_memory_bytes,
+                });
+            }
             if let Some(e) = ctx.extended {
                 doc["resumed"] = json!({"from_step": ctx.steps_done,
                                         "saved_total_steps": e.saved_total});
@@ -470,6 +485,17 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
             }
             if let Some(h) = heap_peak {
                 s += &format!("process heap peak {} (all devices)\n", bytes(h));
+            }
+            if let Some(off) = &plan.offload {
+                let measured = o.measured_host_peak.iter().copied().max().unwrap_or(0);
+                s += &format!(
+                    "offload   {}: host peak {} predicted, {} measured (of {}); {} moved per step\n",
+                    off.config,
+                    bytes(off.host_peak_bytes),
+                    bytes(measured),
+                    bytes(off.host_memory_bytes),
+                    bytes(off.moved_bytes_per_step)
+                );
             }
             if args.op_times {
                 let total: f64 = op_times.iter().map(|o| o.2).sum();

@@ -9,8 +9,9 @@
 //!   least 2), and `--steps 15` is added where a `train` gives none (its default is 150), so
 //!   the suite stays short; everything a command says about checkpoints, plans, devices and
 //!   data still happens;
-//! - placeholders ([`PLACEHOLDERS`]) become files: a Hugging Face `config.json` fixture and a
-//!   text file; the repository's `data/` is linked into the scratch directory.
+//! - placeholders ([`PLACEHOLDERS`]) become files: a Hugging Face `config.json` fixture, a
+//!   text file and an offload directory; the repository's `data/` is linked into the scratch
+//!   directory.
 //!
 //! A command whose README comment says it fails ([`FAILS`]) must fail with the message named.
 
@@ -46,6 +47,7 @@ const COVERED: &[(&str, &str, &str)] = &[
 const PLACEHOLDERS: &[(&str, &str)] = &[
     ("path/to/config.json", "crates/tessera-cli/tests/fixtures/hf/llama/config.json"),
     ("my.txt", "my.txt"),
+    ("/mnt/nvme/tessera", "nvme-dir"),
 ];
 
 /// Commands the README says fail, and a fragment of the error they must print.
@@ -170,6 +172,8 @@ fn every_readme_command_runs_or_names_its_test() {
     let text: String =
         (0..3000).map(|i| format!("line {i}: the quick brown fox jumps. ")).collect();
     std::fs::write(dir.join("my.txt"), text).unwrap();
+    // An NVMe directory for offloaded state.
+    std::fs::create_dir_all(dir.join("nvme-dir")).unwrap();
     // The README runs from the repository root: its data (the digits `scripts/setup.sh`
     // installs) is seen from the scratch directory too.
     std::os::unix::fs::symlink(repo_root().join("data"), dir.join("data")).unwrap();

@@ -235,7 +235,8 @@ fn parallel(
                 s.spawn(move || {
                     let mesh = DeviceMesh::new(&exe.mesh.shape, rank).unwrap();
                     let runner = CommRunner::new(Box::new(comm), mesh.clone()).unwrap();
-                    let setup = DeviceSetup { mesh, budget: None };
+                    let setup =
+                        DeviceSetup { mesh, budget: None, host_budget: None, offload_dir: None };
                     let t = Trainer::new(
                         exe.lowered.training.clone(),
                         CpuBackend::new(rank),
@@ -538,7 +539,12 @@ fn a_dead_or_stuck_rank_ends_every_rank_with_a_clear_error() {
                     s.spawn(move || -> Option<String> {
                         let mesh = DeviceMesh::new(&exe.mesh.shape, rank).unwrap();
                         let runner = CommRunner::new(Box::new(comm), mesh.clone()).unwrap();
-                        let setup = DeviceSetup { mesh, budget: None };
+                        let setup = DeviceSetup {
+                            mesh,
+                            budget: None,
+                            host_budget: None,
+                            offload_dir: None,
+                        };
                         let state =
                             StartState::Global { params: init, optimizer: None, steps_done: 0 };
                         let mut t = Trainer::new(

@@ -277,6 +277,10 @@ pub struct ParamSlot {
     /// into `param` at the end of the step.
     #[serde(default)]
     pub gathered: Option<TensorId>,
+    /// Optimizer state resting below the host (NVMe): each updated copy and the state leaf
+    /// whose value it becomes when produced (the runtime writes it back, like `gathered`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stored: Vec<(TensorId, TensorId)>,
 }
 
 impl ParamSlot {
@@ -293,6 +297,11 @@ impl ParamSlot {
             master: self.master.map(&mut f).transpose()?,
             update: self.update.map(&mut f).transpose()?,
             gathered: self.gathered.map(&mut f).transpose()?,
+            stored: self
+                .stored
+                .iter()
+                .map(|&(a, b)| Ok((f(a)?, f(b)?)))
+                .collect::<Result<Vec<_>, E>>()?,
         })
     }
 
@@ -322,6 +331,40 @@ pub trait UpdateHooks {
     /// The tensor AdamW updates in place for `param`; its shape is the optimizer state's.
     fn update_target(&mut self, _b: &mut Builder, param: TensorId) -> Result<TensorId> {
         Ok(param)
+    }
+    /// The memory tier `param`'s optimizer state rests in (offload: the host).
+    fn state_tier(&mut self, _param: TensorId) -> crate::Tier {
+        crate::Tier::Device
+    }
+    /// The value AdamW updates in place for optimizer state `state` of `param` (NVMe offload:
+    /// a copy read into host memory).
+    fn fetch_state(
+        &mut self,
+        _b: &mut Builder,
+        _param: TensorId,
+        state: TensorId,
+    ) -> Result<TensorId> {
+        Ok(state)
+    }
+    /// After the update of a fetched state (see [`UpdateHooks::fetch_state`]): the copy that
+    /// becomes the state's new value (NVMe offload: written back), if any.
+    fn store_state(
+        &mut self,
+        _b: &mut Builder,
+        _param: TensorId,
+        _fetched: TensorId,
+    ) -> Result<Option<TensorId>> {
+        Ok(None)
+    }
+    /// The gradient AdamW reads, given the synchronised one (offload: moved to the host right
+    /// before the update).
+    fn update_grad(
+        &mut self,
+        _b: &mut Builder,
+        _param: TensorId,
+        grad: TensorId,
+    ) -> Result<TensorId> {
+        Ok(grad)
     }
     /// One parameter's Σg² (f32 scalar) as a term of the global sum.
     fn norm_term(
@@ -473,6 +516,7 @@ pub fn build_training_graph_with(
             master: None,
             update: None,
             gathered: None,
+            stored: Vec::new(),
         });
     }
     b.set_scope_id(crate::ScopeId(0));
@@ -493,11 +537,14 @@ pub fn build_training_graph_with(
         let state = |b: &mut Builder, kind| {
             b.optimizer_state(&crate::dist::state_key(&name, kind), kind, p, target, DType::F32)
         };
+        b.set_leaf_tier(hooks.state_tier(p));
         slot.m = state(&mut b, StateKind::AdamM);
         slot.v = state(&mut b, StateKind::AdamV);
         if b.dtype(p) != DType::F32 {
             slot.master = Some(state(&mut b, StateKind::Master));
         }
+        b.set_leaf_tier(crate::Tier::Device);
+        let grad = hooks.update_grad(&mut b, p, grad)?;
         b.set_scope_id(scope);
         let weight_decay = if b.shape(p).rank() >= 2 { cfg.weight_decay } else { 0.0 };
         let spec = AdamWSpec {
@@ -508,11 +555,22 @@ pub fn build_training_graph_with(
             max_grad_norm: cfg.max_grad_norm,
             grad_scale: grad_scale.is_some(),
         };
-        let mut inputs = vec![target, grad, slot.m, slot.v, lr, step, grad_norm];
-        inputs.extend(slot.master);
+        let states: Vec<TensorId> = [slot.m, slot.v].into_iter().chain(slot.master).collect();
+        let mut fetched: Vec<TensorId> = Vec::with_capacity(states.len());
+        for &s in &states {
+            fetched.push(hooks.fetch_state(&mut b, p, s)?);
+        }
+        let mut inputs = vec![target, grad, fetched[0], fetched[1], lr, step, grad_norm];
+        inputs.extend(fetched.get(2));
         inputs.extend(grad_scale);
         debug_assert_eq!(inputs[optim::GRAD_NORM], grad_norm);
-        b.push(Op::AdamW(spec), &inputs)?;
+        let updated = b.push(Op::AdamW(spec), &inputs)?;
+        // Outputs: the target, then m, v and the master as updated (in place).
+        for (&s, &u) in states.iter().zip(&updated[1..]) {
+            if let Some(back) = hooks.store_state(&mut b, p, u)? {
+                slot.stored.push((back, s));
+            }
+        }
         slot.update = (target != p).then_some(target);
         slot.gathered = hooks.after_update(&mut b, p, target)?;
     }

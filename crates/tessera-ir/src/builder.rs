@@ -8,7 +8,7 @@
 use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
 use crate::{
     AttentionSpec, DType, Graph, IrError, NodeId, Op, Phase, Result, ScopeId, Shape, TensorId,
-    TensorIds, TensorMeta,
+    TensorIds, TensorMeta, Tier,
 };
 
 pub struct Builder {
@@ -17,6 +17,8 @@ pub struct Builder {
     scope: ScopeId,
     block: Option<u32>,
     phase: Phase,
+    /// The tier of leaves created next (computed nodes take theirs from their inputs).
+    leaf_tier: Tier,
 }
 
 impl Default for Builder {
@@ -34,6 +36,7 @@ impl Builder {
             scope: ScopeId(0),
             block: None,
             phase: Phase::Forward,
+            leaf_tier: Tier::Device,
         }
     }
 
@@ -45,6 +48,7 @@ impl Builder {
             scope: ScopeId(0),
             block: None,
             phase: Phase::Forward,
+            leaf_tier: Tier::Device,
         }
     }
 
@@ -90,6 +94,36 @@ impl Builder {
     pub fn phase(&self) -> Phase {
         self.phase
     }
+    fn stamp(&self, scope: ScopeId, tier: Tier) -> crate::graph::Stamp {
+        crate::graph::Stamp { scope, block: self.block, phase: self.phase, tier }
+    }
+
+    /// Puts subsequent leaves (parameters, optimizer state, inputs) in `tier`.
+    pub fn set_leaf_tier(&mut self, tier: Tier) {
+        self.leaf_tier = tier;
+    }
+    pub fn leaf_tier(&self) -> Tier {
+        self.leaf_tier
+    }
+
+    /// The tier a node of `op` on `inputs` runs in: a transfer's destination; otherwise the
+    /// lowest tier among its non-scalar inputs (a host-resident operand makes the op a host
+    /// op: the optimizer of an offloaded chunk); scalars (learning rate, gradient norm) are
+    /// read across tiers; no input (a fill): the leaf tier; only scalars: the device.
+    fn tier_of(&self, op: &Op, inputs: &[TensorId]) -> Tier {
+        if let Op::Transfer { to, .. } = op {
+            return *to;
+        }
+        if inputs.is_empty() {
+            return self.leaf_tier;
+        }
+        inputs
+            .iter()
+            .filter(|&&t| self.graph.meta(t).shape.rank() > 0)
+            .map(|&t| self.graph.producer(t).tier)
+            .max()
+            .unwrap_or_default()
+    }
     /// Stamps subsequent nodes with an already interned scope (autodiff reuses the forward
     /// node's scope for its backward nodes).
     pub fn set_scope_id(&mut self, scope: ScopeId) {
@@ -132,7 +166,8 @@ impl Builder {
             }
         };
         drop(metas);
-        let id = self.graph.push_node(op, inputs, out, self.scope, self.block, self.phase);
+        let tier = self.tier_of(&op, inputs);
+        let id = self.graph.push_node(op, inputs, out, self.stamp(self.scope, tier));
         Ok(self.graph.node(id).outputs.clone())
     }
 
@@ -161,7 +196,7 @@ impl Builder {
             let metas: Vec<&TensorMeta> = inputs.iter().map(|&t| self.graph.meta(t)).collect();
             debug_assert_eq!(op.infer(&metas).as_ref().ok(), Some(&out), "push_like: metas");
         }
-        let id = self.graph.push_node(op, inputs, out, self.scope, self.block, self.phase);
+        let id = self.graph.push_node(op, inputs, out, self.stamp(self.scope, original.tier));
         Ok(self.graph.node(id).outputs.clone())
     }
 
@@ -180,7 +215,7 @@ impl Builder {
         let scope = self.graph.intern_scope(&path);
         let metas: Vec<&TensorMeta> = inputs.iter().map(|&t| self.graph.meta(t)).collect();
         let out = op.infer(&metas).expect("leaf metas are given, not inferred");
-        let id: NodeId = self.graph.push_node(op, inputs, out, scope, self.block, self.phase);
+        let id: NodeId = self.graph.push_node(op, inputs, out, self.stamp(scope, self.leaf_tier));
         self.graph.node(id).outputs[0]
     }
 

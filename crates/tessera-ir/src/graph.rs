@@ -6,7 +6,7 @@
 //! and its phase. Nodes are stored in a topological order: a node's inputs are always produced
 //! by earlier nodes, so program order is simply node order.
 
-use crate::{Op, Shape, TensorMeta};
+use crate::{Op, Shape, TensorMeta, Tier};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -71,6 +71,18 @@ pub struct Node {
     /// Index of the repeated block (transformer layer) this node belongs to, if any.
     pub block: Option<u32>,
     pub phase: Phase,
+    /// Where the node runs and its fresh outputs live (a transfer: its destination).
+    #[serde(default, skip_serializing_if = "Tier::is_device")]
+    pub tier: Tier,
+}
+
+/// What the builder stamps on a node besides its op and tensors.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Stamp {
+    pub scope: ScopeId,
+    pub block: Option<u32>,
+    pub phase: Phase,
+    pub tier: Tier,
 }
 
 /// A value in the graph.
@@ -154,10 +166,9 @@ impl Graph {
         op: Op,
         inputs: &[TensorId],
         output_metas: Vec<TensorMeta>,
-        scope: ScopeId,
-        block: Option<u32>,
-        phase: Phase,
+        stamp: Stamp,
     ) -> NodeId {
+        let Stamp { scope, block, phase, tier } = stamp;
         let node_id = NodeId(self.nodes.len() as u32);
         let mut outputs = TensorIds::with_capacity(output_metas.len());
         for (i, meta) in output_metas.into_iter().enumerate() {
@@ -172,6 +183,7 @@ impl Graph {
             scope,
             block,
             phase,
+            tier,
         });
         node_id
     }

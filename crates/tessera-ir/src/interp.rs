@@ -184,6 +184,7 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::Reshard(_)
         | Op::Send(_)
         | Op::Recv(..)
+        | Op::Transfer { .. }
         | Op::Unary(_)
         | Op::UnaryBackward(_)
         | Op::Binary(_)
@@ -479,7 +480,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::Fill { .. } => 0,
         Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Softmax => 1,
         Op::Reshape(_) | Op::Permute(_) | Op::Slice { .. } | Op::Pad { .. } | Op::Expand(_) => 1,
-        Op::Rope { .. } | Op::Reshard(_) => 1,
+        Op::Rope { .. } | Op::Reshard(_) | Op::Transfer { .. } => 1,
         Op::Send(_) | Op::Recv(..) => {
             return Err(format!(
                 "{} moves a value between pipeline stages: it runs on a device mesh (the SPMD \
@@ -515,6 +516,8 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
             unreachable!("returned above")
         }
         Op::Fill { value, meta } => one(Value::full(meta.shape.clone(), *value)),
+        // A copy between memory tiers: the same value.
+        Op::Transfer { .. } => one(x[0].clone()),
         Op::Reshard(spec) => {
             // One device: groups of one move nothing. Larger groups need a communicator.
             ensure!(

@@ -10,6 +10,8 @@
 //! - [`remat`]: activation checkpointing as a rewrite of the training graph (recompute nodes).
 //! - [`Program`]: the training graph lowered to ordered instructions with explicit frees —
 //!   what the profiler simulates and the runtime executes.
+//! - [`Tier`]: the memory tier a node runs on and its buffers live in (device, host, NVMe);
+//!   [`Op::Transfer`] moves a value between tiers.
 //! - [`dist`]: the distributed-tensor vocabulary (mesh positions, placements, shard math,
 //!   leaf names) that the planner and the runtime share.
 //! - [`interp`]: a plain-loop f64 reference interpreter, the oracle for tests.
@@ -26,6 +28,7 @@ mod program;
 pub mod remat;
 pub mod rng;
 mod shape;
+mod tier;
 
 pub use autodiff::{
     build_training_graph, build_training_graph_with, gradients, LeafLayout, ParamSlot,
@@ -42,3 +45,4 @@ pub use ops::{
 pub use program::{Instr, Program, Role};
 pub use remat::{rematerialize, Checkpointing, CkptMode};
 pub use shape::{Shape, TensorMeta};
+pub use tier::Tier;

@@ -8,7 +8,7 @@
 //! (parameters, optimizer state), which outlive the step, and the step's outputs (loss,
 //! gradient norm), which the caller reads after it.
 
-use crate::{Graph, NodeId, Op, Phase, TensorId, TrainingGraph};
+use crate::{Graph, NodeId, Op, Phase, TensorId, Tier, TrainingGraph};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,6 +70,9 @@ pub struct Program {
     pub live_in: Vec<TensorId>,
     /// Buffers live after the last instruction: parameters, optimizer state, outputs.
     pub live_out: Vec<TensorId>,
+    /// The memory tier of each buffer (indexed by root tensor): its producer's tier.
+    #[serde(default)]
+    pub tier: Vec<Tier>,
 }
 
 impl Program {
@@ -144,6 +147,20 @@ impl Program {
                 role[buf.index()] = Role::Gradient;
             }
         }
+        // A gradient or state moved to another tier keeps its role there.
+        for node in &g.nodes {
+            if let (Op::Transfer { .. }, [x], [y]) =
+                (&node.op, node.inputs.as_slice(), node.outputs.as_slice())
+            {
+                let from = role[buffer_of[x.index()].index()];
+                if matches!(from, Role::Gradient | Role::OptimizerState | Role::Parameter)
+                    && role[y.index()] == Role::Temporary
+                {
+                    role[y.index()] = from;
+                }
+            }
+        }
+        let tier: Vec<Tier> = (0..nt).map(|t| g.producer(buffer_of[t]).tier).collect();
 
         // Last reader of each buffer.
         let mut last_use: Vec<Option<usize>> = vec![None; nt];
@@ -184,7 +201,17 @@ impl Program {
             .filter(|&t| keep[t] && buffer_of[t].index() == t)
             .map(|t| TensorId(t as u32))
             .collect();
-        Program { graph, outputs, instrs, buffer_of, role, live_in, live_out }
+        Program { graph, outputs, instrs, buffer_of, role, live_in, live_out, tier }
+    }
+
+    /// The tier of `t`'s buffer.
+    pub fn tier_of(&self, t: TensorId) -> Tier {
+        self.tier.get(self.buffer_of[t.index()].index()).copied().unwrap_or_default()
+    }
+
+    /// Whether any buffer lives below the device (an offloaded plan).
+    pub fn offloads(&self) -> bool {
+        self.tier.iter().any(|t| !t.is_device())
     }
 
     /// Bytes of the buffer rooted at `t`.

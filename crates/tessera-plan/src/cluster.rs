@@ -7,7 +7,8 @@
 //! *achieved* bus bandwidths (what nccl-tests reports as `busbw`), not the nominal line rate.
 //! Seconds (f64) and bytes (u64) throughout.
 
-use crate::units::{format_bytes, parse_bytes};
+use crate::tiers::{HostTier, NvmeTier};
+use crate::units::format_bytes;
 use crate::{PlanError, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -80,13 +81,13 @@ pub struct DeviceSpec {
 }
 
 /// Defaults for files written before these fields existed: typical GPU figures.
-fn default_kernel_overhead_s() -> f64 {
+pub(crate) fn default_kernel_overhead_s() -> f64 {
     5e-6
 }
-fn default_matmul_efficiency() -> f64 {
+pub(crate) fn default_matmul_efficiency() -> f64 {
     0.7
 }
-fn default_memory_efficiency() -> f64 {
+pub(crate) fn default_memory_efficiency() -> f64 {
     0.8
 }
 
@@ -168,7 +169,7 @@ impl DeviceSpec {
 /// The preset names [`device_preset`] and the cluster strings accept (case-insensitive; `-`,
 /// `_` and spaces are ignored, so `a100_80g` and `RTX 4090` work too).
 pub const DEVICE_NAMES: &[&str] =
-    &["H100", "H200", "A100-40G", "A100-80G", "RTX3060", "RTX3080", "RTX4090", "cpu"];
+    &["H100", "H200", "A100-40G", "A100-80G", "V100", "RTX3060", "RTX3080", "RTX4090", "cpu"];
 
 /// A GPU preset: datasheet figures plus the family's interconnect.
 struct GpuPreset {
@@ -199,6 +200,13 @@ const HOPPER_LINKS: Interconnect = Interconnect {
 const AMPERE_LINKS: Interconnect = Interconnect {
     intra: Link { latency_s: 5e-6, bandwidth: 240e9 },
     inter: Link { latency_s: 10e-6, bandwidth: 20e9 },
+};
+/// NVLink 2 through the DGX-2's NVSwitches (V100 SXM3): 6 links × 25 GB/s = 150 GB/s per
+/// direction; we model 120 GB/s achieved. Between nodes: 8 × 100 Gb/s InfiniBand EDR per
+/// 16-GPU DGX-2 = 6.25 GB/s per GPU nominal, 5 GB/s achieved.
+const VOLTA_LINKS: Interconnect = Interconnect {
+    intra: Link { latency_s: 5e-6, bandwidth: 120e9 },
+    inter: Link { latency_s: 10e-6, bandwidth: 5e9 },
 };
 /// GeForce cards talk over PCIe 4.0 x16 (32 GB/s per direction nominal, ~20 GB/s achieved
 /// through the host bridge, no NVLink). Between nodes: 100 Gb/s Ethernet = 12.5 GB/s per node,
@@ -265,6 +273,21 @@ const GPU_PRESETS: &[GpuPreset] = &[
         matmul_efficiency: AMPERE_MATMUL_EFFICIENCY,
         links: AMPERE_LINKS,
     },
+    // NVIDIA Tesla V100 datasheet, SXM2/SXM3 32 GB (the DGX-2's, ZeRO-Offload's GPU): FP16
+    // tensor 125 TFLOPS with FP32 accumulate, FP32 15.7 TFLOPS, HBM2 900 GB/s. No bf16 tensor
+    // cores: bf16 runs at the FP32 rate (train it in fp16). 32,510 MiB as nvidia-smi reports
+    // a V100-SXM2-32GB.
+    GpuPreset {
+        name: "V100",
+        keys: &["v100", "v10032g", "v10032gb", "v100sxm", "v100sxm2", "v100sxm3"],
+        memory_mib: 32_510,
+        fp32_flops: 15.7e12,
+        bf16_flops: 15.7e12,
+        fp16_flops: 125e12,
+        memory_bandwidth: 900e9,
+        matmul_efficiency: VOLTA_MATMUL_EFFICIENCY,
+        links: VOLTA_LINKS,
+    },
     // NVIDIA Ampere GA102 whitepaper (GA106 figures), RTX 3060 12 GB: FP16/BF16 tensor
     // 51.2 TFLOPS dense with FP16 accumulate, 25.6 with FP32 accumulate; FP32 12.7; 360 GB/s.
     GpuPreset {
@@ -315,6 +338,9 @@ const GPU_PRESETS: &[GpuPreset] = &[
 /// part of that, the rest is the error BENCHMARKS.md measures against published runs.
 const HOPPER_MATMUL_EFFICIENCY: f64 = 0.80;
 const AMPERE_MATMUL_EFFICIENCY: f64 = 0.87;
+/// V100: cuBLAS fp16 GEMMs reach about 100–110 of 125 TFLOPS on large shapes (NVIDIA's
+/// published DGX-1/DGX-2 GEMM figures); we use 0.8.
+const VOLTA_MATMUL_EFFICIENCY: f64 = 0.8;
 /// No measurement found for GeForce parts: an estimate below the data-centre figures (smaller
 /// caches, clocks that drop under sustained tensor load).
 const GEFORCE_MATMUL_EFFICIENCY: f64 = 0.7;
@@ -379,7 +405,7 @@ pub fn interconnect_preset(name: &str) -> Option<Interconnect> {
     gpu_preset(name).map(|p| p.links)
 }
 
-fn known_devices() -> String {
+pub(crate) fn known_devices() -> String {
     DEVICE_NAMES.join(", ")
 }
 
@@ -387,14 +413,35 @@ fn known_devices() -> String {
 pub const CPU_PRESET_ENV: &str = "TESSERA_CPU_PRESET";
 
 /// This machine's CPU as `tessera calibrate` measured it, stored as JSON:
-/// `{"version": 1, "device": {DeviceSpec}, "intra": {"latency_s", "bandwidth"}}`, where `intra`
-/// is the thread-to-thread copy bandwidth.
+/// `{"version": 1, "device": {DeviceSpec}, "intra": {"latency_s", "bandwidth"},
+/// "adam_params_per_s": f64, "disk": {"dir", "read_bandwidth", "write_bandwidth"}}`, where
+/// `intra` is the thread-to-thread copy bandwidth. `adam_params_per_s` and `disk` are optional
+/// (files of older builds lack them).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CpuCalibration {
     pub version: u32,
     pub device: DeviceSpec,
     pub intra: Link,
+    /// Parameters per second our AdamW kernel updates on all threads (fp32 parameter,
+    /// gradient and moments): the host tier's optimizer throughput of `cpu` devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adam_params_per_s: Option<f64>,
+    /// Sequential bandwidths of the disk under the offload directory: the NVMe tier of `cpu`
+    /// devices (see [`cpu_nvme`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskCalibration>,
+}
+
+/// A disk's measured sequential bandwidths, bytes/s (a 256 MiB file written, synced and read
+/// back uncached).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskCalibration {
+    /// The directory the file was written in.
+    pub dir: PathBuf,
+    pub read_bandwidth: f64,
+    pub write_bandwidth: f64,
 }
 
 impl CpuCalibration {
@@ -419,7 +466,42 @@ impl CpuCalibration {
                 memory_efficiency: MEMORY_EFFICIENCY,
             },
             intra: CPU_INTRA_DEFAULT,
+            adam_params_per_s: None,
+            disk: None,
         }
+    }
+
+    /// An NVMe tier of `capacity_bytes` at the calibrated disk's bandwidths, or at
+    /// [`NvmeTier::with_capacity`]'s when the disk was not measured.
+    pub fn nvme(&self, capacity_bytes: u64) -> NvmeTier {
+        match &self.disk {
+            Some(d) => NvmeTier {
+                capacity_bytes,
+                read_bandwidth: d.read_bandwidth,
+                write_bandwidth: d.write_bandwidth,
+            },
+            None => NvmeTier::with_capacity(capacity_bytes),
+        }
+    }
+
+    /// Checks every figure is usable: the device, the link, and the optional host figures
+    /// positive and finite.
+    pub fn validate(&self) -> Result<()> {
+        self.device.validate()?;
+        self.intra.validate("intra-node link")?;
+        let mut rates = vec![("adam_params_per_s", self.adam_params_per_s)];
+        if let Some(d) = &self.disk {
+            rates.push(("disk.read_bandwidth", Some(d.read_bandwidth)));
+            rates.push(("disk.write_bandwidth", Some(d.write_bandwidth)));
+        }
+        for (field, v) in rates {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(PlanError::Invalid(format!(
+                    "{field} = {v} must be a positive finite number (per second)"
+                )));
+            }
+        }
+        Ok(())
     }
 
     pub fn interconnect(&self) -> Interconnect {
@@ -444,9 +526,7 @@ impl CpuCalibration {
                 Self::VERSION
             )));
         }
-        cal.device
-            .validate()
-            .and_then(|()| cal.intra.validate("intra-node link"))
+        cal.validate()
             .map_err(|e| PlanError::Invalid(format!("CPU calibration file `{p}`: {e}; {fix}")))?;
         Ok(cal)
     }
@@ -513,6 +593,14 @@ pub fn cpu_preset() -> Result<DeviceSpec> {
     Ok(cpu_calibration()?.device)
 }
 
+/// An NVMe tier of `capacity_bytes` for `cpu` devices: this machine's calibrated disk
+/// bandwidths (see [`cpu_calibration`]), else [`NvmeTier::with_capacity`]'s. Checked.
+pub fn cpu_nvme(capacity_bytes: u64) -> Result<NvmeTier> {
+    let nvme = cpu_calibration()?.nvme(capacity_bytes);
+    nvme.validate()?;
+    Ok(nvme)
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Cluster {
     pub nodes: usize,
@@ -522,6 +610,16 @@ pub struct Cluster {
     pub intra: Link,
     /// Between nodes.
     pub inter: Link,
+    /// Each device's share of its host: memory, link and CPU optimizer (offload).
+    #[serde(default = "default_host")]
+    pub host: HostTier,
+    /// Each device's share of the host's NVMe, when there is one to offload to.
+    #[serde(default)]
+    pub nvme: Option<NvmeTier>,
+}
+
+fn default_host() -> HostTier {
+    HostTier::preset("", 1)
 }
 
 const GRAMMAR: &str = "write [NODES x] GPUS x DEVICE, e.g. 8xH100 or 2x8xH100, or a path to a \
@@ -550,7 +648,15 @@ impl Cluster {
         device.validate()?;
         intra.validate("intra-node link")?;
         inter.validate("inter-node link")?;
-        Ok(Cluster { nodes, gpus_per_node, device, intra, inter })
+        let host = if is_cpu(&device.name) {
+            // Simulated devices share this machine's memory: none is set aside for offload
+            // unless asked (`--host-memory`).
+            HostTier::cpu(0, intra, device.achieved_memory_bandwidth())
+        } else {
+            HostTier::preset(&device.name, gpus_per_node)
+        };
+        let nvme = NvmeTier::preset(&device.name, gpus_per_node);
+        Ok(Cluster { nodes, gpus_per_node, device, intra, inter, host, nvme })
     }
 
     pub fn num_devices(&self) -> usize {
@@ -621,14 +727,18 @@ impl Cluster {
                 "cluster `{s}`: 0 devices; the device count must be at least 1, e.g. 8xH100"
             )));
         }
-        let (mut device, links) = named_device(device_name)
+        let (mut device, links, cal) = named_device(device_name)
             .map_err(|e| PlanError::Invalid(format!("cluster `{s}`: {e}")))?;
         if is_cpu(device_name) {
             // Simulated devices share this machine's memory: each gets its share at most.
             let share = host_memory_total().map(|m| cpu_share(m, gpus_per_node));
             device.memory_bytes = device.memory_bytes.min(share.unwrap_or(u64::MAX));
         }
-        Cluster::new(nodes, gpus_per_node, device, links.intra, links.inter)
+        let cluster = Cluster::new(nodes, gpus_per_node, device, links.intra, links.inter)?;
+        Ok(match &cal {
+            Some(cal) => cluster.with_cpu_calibration(cal),
+            None => cluster,
+        })
     }
 
     /// Reads a cluster file, TOML or JSON by extension:
@@ -644,37 +754,57 @@ impl Cluster {
     /// [inter]                 # likewise
     /// latency_s = 10e-6
     /// bandwidth = 40e9
+    /// [host]                  # optional, per device; each key overrides the preset
+    /// memory = "256GiB"       # host memory for offloaded state
+    /// link = { latency_s = 10e-6, bandwidth = 50e9 }   # host <-> device copies
+    /// memory_bandwidth = 77e9 # bytes/s
+    /// adam_params_per_s = 5e8 # CPU AdamW throughput
+    /// [nvme]                  # optional, per device: the NVMe tier below the host
+    /// capacity = "1TiB"       # required unless the preset has an NVMe
+    /// read_bandwidth = 6e9    # optional, bytes/s
+    /// write_bandwidth = 5e9   # optional, bytes/s
     /// ```
     ///
     /// In a device table `memory_bytes` and `reserve_bytes` may be sizes (`"80GiB"`);
     /// `reserve_bytes`, `kernel_overhead_s`, `matmul_efficiency` and `memory_efficiency` are
-    /// optional.
+    /// optional. Keys left out of `[host]` keep the device family's preset
+    /// ([`HostTier::preset`], or for `cpu` this machine's calibration); so do keys left out
+    /// of `[nvme]` ([`NvmeTier::preset`]). A device without a preset NVMe (a custom device,
+    /// `cpu`) needs `capacity`; its bandwidths default to the calibrated disk's (`cpu`), else
+    /// to [`NvmeTier::with_capacity`]'s.
     pub fn from_file(path: &Path) -> Result<Cluster> {
-        let p = path.display();
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            PlanError::Invalid(format!("cannot read cluster file `{p}`: {e}; check the path"))
-        })?;
-        let is_toml = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("toml"));
-        let value: serde_json::Value = if is_toml {
-            let table: toml::Table = toml::from_str(&text).map_err(|e| {
-                let line = e.span().map_or(String::new(), |sp| {
-                    format!(", line {}", text[..sp.start.min(text.len())].lines().count().max(1))
-                });
-                PlanError::Invalid(format!(
-                    "cluster file `{p}` is not valid TOML{line}: {}",
-                    e.message().trim()
-                ))
-            })?;
-            serde_json::to_value(table).map_err(|e| {
-                PlanError::Invalid(format!("cluster file `{p}`: unsupported TOML value: {e}"))
-            })?
-        } else {
-            serde_json::from_str(&text).map_err(|e| {
-                PlanError::Invalid(format!("cluster file `{p}` is not valid JSON: {e}"))
-            })?
-        };
-        cluster_from_value(value)
-            .map_err(|e| PlanError::Invalid(format!("cluster file `{p}`: {e}")))
+        crate::cluster_file::from_file(path)
+    }
+
+    /// The same cluster with the measured host figures of `cal` (the CPU that simulated `cpu`
+    /// devices run on): its AdamW throughput, when `tessera calibrate` measured one.
+    pub(crate) fn with_cpu_calibration(mut self, cal: &CpuCalibration) -> Cluster {
+        if let Some(rate) = cal.adam_params_per_s {
+            self.host.adam_params_per_s = rate;
+        }
+        self
+    }
+
+    /// The same cluster with each device's host tier replaced.
+    pub fn with_host(mut self, host: HostTier) -> Result<Cluster> {
+        host.validate()?;
+        self.host = host;
+        Ok(self)
+    }
+
+    /// The same cluster with `bytes` of host memory per device for offloaded state.
+    pub fn with_host_memory(mut self, bytes: u64) -> Cluster {
+        self.host.memory_bytes = bytes;
+        self
+    }
+
+    /// The same cluster with (or without) an NVMe tier per device.
+    pub fn with_nvme(mut self, nvme: Option<NvmeTier>) -> Result<Cluster> {
+        if let Some(n) = &nvme {
+            n.validate()?;
+        }
+        self.nvme = nvme;
+        Ok(self)
     }
 
     /// The same cluster with `bytes` held back per device.
@@ -704,172 +834,23 @@ pub fn host_memory_total() -> Option<u64> {
     Some(kib.saturating_mul(1024).min(limit.unwrap_or(u64::MAX)))
 }
 
-/// A preset device and its links; `cpu` reads the calibration.
-fn named_device(name: &str) -> Result<(DeviceSpec, Interconnect)> {
+/// A preset device and its links; `cpu` reads the calibration, returned too (its host and disk
+/// figures set the cluster's tiers).
+pub(crate) fn named_device(
+    name: &str,
+) -> Result<(DeviceSpec, Interconnect, Option<CpuCalibration>)> {
     if is_cpu(name) {
         let cal = cpu_calibration()?;
-        let links = cal.interconnect();
-        return Ok((cal.device, links));
+        return Ok((cal.device.clone(), cal.interconnect(), Some(cal)));
     }
     match gpu_preset(name) {
-        Some(p) => Ok((p.device(), p.links)),
+        Some(p) => Ok((p.device(), p.links, None)),
         None => Err(PlanError::Invalid(format!(
             "unknown device `{name}`; known devices are {}, or describe it in a cluster file \
              (.toml/.json) with a device table",
             known_devices()
         ))),
     }
-}
-
-const FILE_KEYS: &str = "nodes, gpus_per_node, device (a preset name or a device table), \
-                         reserve, intra, inter";
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ClusterFile {
-    #[serde(default = "one")]
-    nodes: usize,
-    gpus_per_node: usize,
-    device: serde_json::Value,
-    #[serde(default)]
-    reserve: Option<Size>,
-    #[serde(default)]
-    intra: Option<Link>,
-    #[serde(default)]
-    inter: Option<Link>,
-}
-
-fn one() -> usize {
-    1
-}
-
-/// A device described in full in a cluster file.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeviceTable {
-    name: String,
-    memory_bytes: Size,
-    #[serde(default)]
-    reserve_bytes: Option<Size>,
-    fp32_flops: f64,
-    bf16_flops: f64,
-    fp16_flops: f64,
-    memory_bandwidth: f64,
-    #[serde(default = "default_kernel_overhead_s")]
-    kernel_overhead_s: f64,
-    #[serde(default = "default_matmul_efficiency")]
-    matmul_efficiency: f64,
-    #[serde(default = "default_memory_efficiency")]
-    memory_efficiency: f64,
-}
-
-/// A byte count or a size string (`"80GiB"`).
-enum Size {
-    Bytes(u64),
-    Text(String),
-}
-
-impl<'de> Deserialize<'de> for Size {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Size, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Size;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a byte count or a size string such as \"2GiB\"")
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<Size, E> {
-                Ok(Size::Bytes(v))
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<Size, E> {
-                u64::try_from(v).map(Size::Bytes).map_err(|_| {
-                    E::custom(format!("a size of {v} bytes is negative; write e.g. \"2GiB\""))
-                })
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<Size, E> {
-                Ok(Size::Text(v.to_string()))
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl Size {
-    fn bytes(&self, field: &str) -> Result<u64> {
-        match self {
-            Size::Bytes(b) => Ok(*b),
-            Size::Text(t) => {
-                parse_bytes(t).map_err(|e| PlanError::Invalid(format!("`{field}`: {e}")))
-            }
-        }
-    }
-}
-
-fn cluster_from_value(value: serde_json::Value) -> Result<Cluster> {
-    let file: ClusterFile = serde_json::from_value(value).map_err(|e| {
-        let e = e.to_string();
-        if e.contains("expected one of") {
-            PlanError::Invalid(e)
-        } else {
-            PlanError::Invalid(format!("{e}; the keys are {FILE_KEYS}"))
-        }
-    })?;
-    let (mut device, links) = match file.device {
-        serde_json::Value::String(name) => {
-            let (d, l) = named_device(&name)?;
-            (d, Some(l))
-        }
-        table @ serde_json::Value::Object(_) => {
-            let t: DeviceTable = serde_json::from_value(table).map_err(|e| {
-                PlanError::Invalid(format!(
-                    "device table: {e}; it needs name, memory_bytes, fp32_flops, bf16_flops, \
-                     fp16_flops, memory_bandwidth (optional: reserve_bytes, kernel_overhead_s, \
-                     matmul_efficiency, memory_efficiency)"
-                ))
-            })?;
-            let device = DeviceSpec {
-                name: t.name,
-                memory_bytes: t.memory_bytes.bytes("memory_bytes")?,
-                reserve_bytes: match &t.reserve_bytes {
-                    Some(r) => r.bytes("reserve_bytes")?,
-                    None => 0,
-                },
-                fp32_flops: t.fp32_flops,
-                bf16_flops: t.bf16_flops,
-                fp16_flops: t.fp16_flops,
-                memory_bandwidth: t.memory_bandwidth,
-                kernel_overhead_s: t.kernel_overhead_s,
-                matmul_efficiency: t.matmul_efficiency,
-                memory_efficiency: t.memory_efficiency,
-            };
-            (device, None)
-        }
-        other => {
-            return Err(PlanError::Invalid(format!(
-                "`device` is {other}; give a preset name ({}) or a device table",
-                known_devices()
-            )))
-        }
-    };
-    if let Some(r) = &file.reserve {
-        device.reserve_bytes = r.bytes("reserve")?;
-    }
-    let missing = |which: &str| {
-        PlanError::Invalid(format!(
-            "a custom device needs an `{which}` link table with latency_s and bandwidth, e.g. \
-             {which} = {{ latency_s = 5e-6, bandwidth = 50e9 }}"
-        ))
-    };
-    let intra = match (file.intra, links) {
-        (Some(l), _) => l,
-        (None, Some(l)) => l.intra,
-        (None, None) => return Err(missing("intra")),
-    };
-    let inter = match (file.inter, links) {
-        (Some(l), _) => l,
-        (None, Some(l)) => l.inter,
-        (None, None) => return Err(missing("inter")),
-    };
-    Cluster::new(file.nodes, file.gpus_per_node, device, intra, inter)
 }
 
 /// `2x8xH100`, or `8xH100` on one node (the device's name; a custom device prints its own).

@@ -4,11 +4,15 @@
 //! ```text
 //! config := token ((' ' | '+')+ token)*          case-insensitive, each kind at most once
 //! token  := dpN | tpN | ppN | zeroK | mbN | sp | ckpt=MODE | sched=SCHED | stages=STAGES
-//!                                                N >= 1, K in 0..=3
+//!         | offload=OFFLOAD | nvme[:N]            N >= 1, K in 0..=3
 //! MODE   := none | selective | full
 //! SCHED  := gpipe | 1f1b | interleaved:V | zb-h1  V >= 2 (chunks per device)
 //! STAGES := N[:MODE] (',' N[:MODE])*              blocks (and checkpointing) per virtual stage
+//! OFFLOAD:= (opt | grads+opt | all) [':' K '/16']  chunks offloaded (default all 16)
 //! ```
+//!
+//! `nvme` puts the offloaded chunks' optimizer state on the NVMe, `nvme:K` that of the last K
+//! offloaded chunks (needs `offload=`).
 //!
 //! Defaults: `dp1 tp1 pp1 zero0 mb1`, no `sp`, no schedule (`sched=` not given: 1F1B, or the
 //! planner's choice), checkpointing searched (no `ckpt=`: the planner picks a mode per block
@@ -17,7 +21,7 @@
 //! Canonical form ([`ParallelConfig::canonical`], also `Display`): `dp{dp} tp{tp}` always, then
 //! `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `mb{n}` if n > 1, `sched={schedule}` if given,
 //! `stages={list}` if given (unequal stages, see [`crate::pipeline::layout`]) and `ckpt={mode}`
-//! if given — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
+//! if given, then `offload=...` and `nvme` — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
 //! `dp2 tp2 pp4 zero1 mb8 sched=interleaved:2`, or `dp8 tp1` for pure data parallelism. It
 //! parses back to the same config.
 //!
@@ -25,6 +29,7 @@
 //! the model (enough blocks for the stages and chunks, Megatron's micro-batch rule for
 //! interleaving) are in [`ParallelConfig::check_pipeline`].
 
+use crate::offload::Offload;
 use crate::pipeline::layout::{self, Stage};
 use crate::pipeline::ScheduleKind;
 use crate::{PlanError, Result};
@@ -64,6 +69,10 @@ pub struct ParallelConfig {
     /// the blocks split evenly (see [`crate::pipeline::layout`]). Only with pp > 1.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stages: Vec<Stage>,
+    /// Model state of some chunks below the device (host memory or NVMe); `None`: all on the
+    /// device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload: Option<Offload>,
 }
 
 fn one() -> usize {
@@ -76,7 +85,8 @@ fn is_one(n: &usize) -> bool {
 
 const GRAMMAR: &str = "a config is tokens dpN, tpN, ppN, zeroK (K = 0..3), mbN, sp, \
                        ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 and \
-                       stages=N[:MODE],... (with ppN, N > 1), separated by spaces or +, e.g. \
+                       stages=N[:MODE],... (with ppN, N > 1), offload=opt|grads+opt|all[:K/16] \
+                       and nvme, separated by spaces or +, e.g. \
                        `dp2 tp4 sp zero1 mb4 ckpt=selective` or `dp2 tp2 pp4 mb8 sched=1f1b`";
 
 /// The schedules' spellings, for messages.
@@ -94,6 +104,7 @@ impl Default for ParallelConfig {
             pp: 1,
             schedule: None,
             stages: Vec::new(),
+            offload: None,
         }
     }
 }
@@ -112,7 +123,10 @@ impl ParallelConfig {
         let mut cfg = ParallelConfig::default();
         let mut seen: Vec<&'static str> = Vec::new();
         let mut any = false;
-        for raw in s.split(|c: char| c == '+' || c.is_whitespace()).filter(|t| !t.is_empty()) {
+        // `grads+opt` is one offload value, not two tokens joined by `+`.
+        let joined = join_grads_opt(s);
+        let mut nvme: Option<Option<u32>> = None;
+        for raw in joined.split(|c: char| c == '+' || c.is_whitespace()).filter(|t| !t.is_empty()) {
             any = true;
             let tok = raw.to_ascii_lowercase();
             if let Some(msg) = bare_keyword(raw, &tok) {
@@ -121,6 +135,16 @@ impl ParallelConfig {
             let kind: &'static str = if tok == "sp" {
                 cfg.sp = true;
                 "sp"
+            } else if tok == "nvme" {
+                nvme = Some(None);
+                "nvme"
+            } else if let Some(k) = tok.strip_prefix("nvme:") {
+                let k = positive(raw, k, "nvme:", "nvme:4").map_err(&invalid)?;
+                nvme = Some(Some(u32::try_from(k).unwrap_or(u32::MAX)));
+                "nvme"
+            } else if let Some(value) = tok.strip_prefix("offload=") {
+                cfg.offload = Some(Offload::parse_value(raw, value).map_err(&invalid)?);
+                "offload"
             } else if let Some(mode) = tok.strip_prefix("ckpt=") {
                 cfg.ckpt = Some(CkptMode::parse(mode).ok_or_else(|| {
                     invalid(format!(
@@ -166,6 +190,24 @@ impl ParallelConfig {
         if !any {
             return Err(PlanError::Invalid(format!("empty parallel config; {GRAMMAR}")));
         }
+        if let Some(k) = nvme {
+            let Some(o) = cfg.offload.as_mut() else {
+                return Err(invalid(
+                    "`nvme` puts offloaded optimizer state on the NVMe: add offload=opt or \
+                     offload=grads+opt"
+                        .into(),
+                ));
+            };
+            if k.is_some_and(|k| k > o.chunks) {
+                return Err(invalid(format!(
+                    "nvme:{} is more chunks than the {} offloaded: give at most nvme:{}",
+                    k.unwrap_or(0),
+                    o.chunks,
+                    o.chunks
+                )));
+            }
+            o.nvme = k.unwrap_or(o.chunks);
+        }
         cfg.validate().map_err(|e| invalid(e.to_string()))?;
         Ok(cfg)
     }
@@ -193,6 +235,11 @@ impl ParallelConfig {
                 "zero{}: ZeRO has stages 0 to 3; write zero1, zero2 or zero3",
                 self.zero
             )));
+        }
+        if self.offload.is_some() && self.pp > 1 {
+            return Err(PlanError::Invalid(
+                "offload with a pipeline (ppN) is not supported yet: drop offload= or ppN".into(),
+            ));
         }
         if self.sp && self.tp < 2 {
             return Err(PlanError::Invalid(
@@ -338,6 +385,9 @@ impl ParallelConfig {
         if let Some(m) = self.ckpt {
             s.push_str(&format!(" ckpt={m}"));
         }
+        if let Some(o) = self.offload {
+            s.push_str(&format!(" {o}"));
+        }
         s
     }
 
@@ -438,10 +488,28 @@ impl ParallelConfig {
     }
 }
 
+/// `s` with every `grads+opt` (any case) written `grads_opt`, so splitting on `+` keeps it
+/// whole.
+fn join_grads_opt(s: &str) -> String {
+    let lower = s.to_ascii_lowercase();
+    let mut out = String::with_capacity(s.len());
+    let mut i = 0;
+    while let Some(k) = lower[i..].find("grads+opt") {
+        out.push_str(&s[i..i + k]);
+        out.push_str("grads_opt");
+        i += k + "grads+opt".len();
+    }
+    out.push_str(&s[i..]);
+    out
+}
+
 /// The message for a keyword given without its `=value`, if `tok` is one.
 fn bare_keyword(raw: &str, tok: &str) -> Option<String> {
     match tok {
         "ckpt" => Some(format!("`{raw}`: write ckpt=none, ckpt=selective or ckpt=full")),
+        "offload" => Some(format!(
+            "`{raw}`: write offload=opt, offload=grads+opt or offload=all (optionally :K/16)"
+        )),
         "stages" => Some(format!(
             "`{raw}`: give the blocks of each virtual stage, e.g. stages=7:full,8,9,8 (with ppN)"
         )),

@@ -4,7 +4,9 @@
 //!
 //! Constants and their sources are in `cluster.rs` (device presets) and BENCHMARKS.md.
 
+use crate::tiers::{HostTier, NvmeTier};
 use crate::{DeviceSpec, Link};
+use tessera_ir::Tier;
 use tessera_ir::{Collective, CommStep, DType, Op, TensorMeta};
 
 /// Non-tensor-core (SIMT) FP32 throughput as a fraction of the dense matmul peak: H100 SXM
@@ -16,12 +18,72 @@ const GPU_VECTOR_FRACTION: f64 = 1.0 / 7.5;
 pub struct CostModel {
     pub device: DeviceSpec,
     is_cpu: bool,
+    /// The device's share of its host (offloaded optimizer steps, host↔device copies).
+    pub host: HostTier,
+    /// The device's share of the host's NVMe, if any.
+    pub nvme: Option<NvmeTier>,
 }
 
 impl CostModel {
+    /// The device alone, with a desktop host tier (see [`CostModel::for_cluster`]).
     pub fn new(device: DeviceSpec) -> CostModel {
         let is_cpu = device.name.eq_ignore_ascii_case("cpu");
-        CostModel { device, is_cpu }
+        CostModel { device, is_cpu, host: HostTier::preset("", 1), nvme: None }
+    }
+
+    /// The cluster's device with its host and NVMe tiers.
+    pub fn for_cluster(cluster: &crate::Cluster) -> CostModel {
+        CostModel {
+            host: cluster.host,
+            nvme: cluster.nvme,
+            ..CostModel::new(cluster.device.clone())
+        }
+    }
+
+    /// Time of a node that runs in `tier` (see [`tessera_ir::Node::tier`]): the device's
+    /// roofline ([`CostModel::op_time`]); on the host, AdamW at the host's optimizer throughput
+    /// and anything else at its memory bandwidth.
+    pub fn op_time_in(&self, tier: Tier, op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> f64 {
+        if tier == Tier::Device {
+            return self.op_time(op, x, y);
+        }
+        if op.is_leaf() && !matches!(op, Op::Fill { .. }) {
+            return 0.0;
+        }
+        match op {
+            Op::Reshape(_) | Op::Expand(_) | Op::Reshard(_) | Op::Transfer { .. } => 0.0,
+            Op::AdamW(_) => {
+                x.first().map_or(0.0, |p| p.numel() as f64 / self.host.adam_params_per_s)
+            }
+            _ => op.bytes_accessed(x, y) as f64 / self.host.memory_bandwidth,
+        }
+    }
+
+    /// Time of moving `bytes` from tier `from` to tier `to`: the host link between device and
+    /// host (latency + bytes / bandwidth), the NVMe's read or write bandwidth below the host
+    /// (a device↔NVMe move is staged through the host: both legs).
+    pub fn transfer_time(&self, from: Tier, to: Tier, bytes: u64) -> f64 {
+        let b = bytes as f64;
+        let pcie = |b: f64| self.host.link.latency_s + b / self.host.link.bandwidth;
+        let nvme = self.nvme.unwrap_or_else(|| NvmeTier::with_capacity(1));
+        match (from, to) {
+            (a, b2) if a == b2 => 0.0,
+            (Tier::Device, Tier::Host) | (Tier::Host, Tier::Device) => pcie(b),
+            (Tier::Nvme, Tier::Host) => b / nvme.read_bandwidth,
+            (Tier::Host, Tier::Nvme) => b / nvme.write_bandwidth,
+            (Tier::Nvme, Tier::Device) => b / nvme.read_bandwidth + pcie(b),
+            (Tier::Device, Tier::Nvme) => pcie(b) + b / nvme.write_bandwidth,
+            _ => 0.0,
+        }
+    }
+
+    /// The host's AdamW over `elems` parameters plus the copies that bring their gradient
+    /// (`grad_bytes`) down and the updated weight (`weight_bytes`) back: the ILP's estimate of
+    /// an offloaded parameter's optimizer step.
+    pub fn offloaded_step_time(&self, elems: usize, grad_bytes: u64, weight_bytes: u64) -> f64 {
+        elems as f64 / self.host.adam_params_per_s
+            + self.transfer_time(Tier::Device, Tier::Host, grad_bytes)
+            + self.transfer_time(Tier::Host, Tier::Device, weight_bytes)
     }
 
     /// Time of one kernel on local metas: max(compute, memory) + launch overhead. Views and

@@ -15,6 +15,7 @@
 pub mod ckpt;
 pub mod ckpt_dp;
 pub mod cluster;
+mod cluster_file;
 pub mod config;
 pub mod cost;
 pub mod explain;
@@ -22,6 +23,7 @@ pub mod export;
 pub mod ilp;
 pub mod lower;
 pub mod mesh;
+pub mod offload;
 pub mod pipeline;
 pub mod plan;
 pub mod planner;
@@ -30,6 +32,7 @@ pub mod reshard;
 pub mod rules;
 pub mod search;
 pub mod spec;
+pub mod tiers;
 pub mod units;
 
 pub use cluster::{Cluster, DeviceSpec, Link};
@@ -50,6 +53,14 @@ pub enum PlanError {
         needed = units::format_bytes(*needed)
     )]
     Infeasible { budget: u64, needed: u64, hint: String },
+    /// An offloaded plan fits the device but not a tier below it (host memory, NVMe).
+    #[error(
+        "the plan needs {needed} of {tier} per device, which has {budget} ({hint})",
+        tier = match tier { tessera_ir::Tier::Nvme => "NVMe", _ => "host memory" },
+        budget = units::format_bytes(*budget),
+        needed = units::format_bytes(*needed)
+    )]
+    TierInfeasible { tier: tessera_ir::Tier, budget: u64, needed: u64, hint: String },
     /// An internal failure (the solver, a lowering that does not type-check).
     #[error("{0}")]
     Internal(String),

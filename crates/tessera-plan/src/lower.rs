@@ -25,12 +25,12 @@ use crate::rules::{local_meta, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
 use std::collections::{BTreeSet, HashMap};
 use tessera_ir::dist::{micro_batch_input, state_key, ShardOf};
-use tessera_ir::StateKind;
 use tessera_ir::{
     build_training_graph_with, rematerialize, Builder, Checkpointing, Collective, CommStep, Graph,
     Instr, LeafLayout, NodeId, Op, Phase, Program, ReshardSpec, TensorId, TensorMeta, TrainConfig,
     TrainingGraph, UpdateHooks,
 };
+use tessera_ir::{StateKind, Tier};
 use tessera_profile::{simulate_memory, MemoryReport};
 
 #[derive(Clone, Debug)]
@@ -41,6 +41,8 @@ pub struct LowerOptions {
     /// Activation checkpointing of the repeated blocks (applied after the micro-batch replay,
     /// so every micro-batch recomputes its own blocks).
     pub ckpt: Checkpointing,
+    /// Chunks whose state rests below the device ([`crate::offload`]).
+    pub offload: Option<crate::offload::Offload>,
 }
 
 /// The lowered plan and everything predicted from it.
@@ -95,6 +97,24 @@ pub struct StepTime {
     pub step_time_s: f64,
     /// Compute seconds per op kind (`matmul`, `attention`, `adamw`, ..), all phases.
     pub compute_by_op_s: std::collections::BTreeMap<&'static str, f64>,
+    /// Offload: seconds of copies between tiers (host link, NVMe) over the step.
+    pub transfer_s: f64,
+    /// Offload: seconds of host work (the offloaded chunks' AdamW, their norm terms).
+    pub host_compute_s: f64,
+    /// Offload: what copies and host work add to the step beyond the device's own time (the
+    /// rest runs beside the device's compute).
+    pub offload_exposed_s: f64,
+    /// Offload: bytes moved between tiers in one step.
+    pub moved_bytes: u64,
+}
+
+impl StepTime {
+    /// The share of the copies and host work of an offloaded step that runs beside the
+    /// device's compute (1: all hidden; `None` without offload).
+    pub fn offload_hidden_fraction(&self) -> Option<f64> {
+        let work = self.transfer_s + self.host_compute_s;
+        (work > 0.0).then(|| (1.0 - self.offload_exposed_s / work).clamp(0.0, 1.0))
+    }
 }
 
 /// One collective step of the Program.
@@ -175,12 +195,26 @@ pub(crate) fn differentiate(
     let mut lw = LocalForward::new(forward, strategy, mesh, opts)?;
     let local_loss = lw.build(loss)?;
     let leaf_specs = lw.leaf_specs.clone();
+    if let Some(o) = &opts.offload {
+        crate::offload::check(o)?;
+    }
+    // Offloaded chunks are cut from the global graph, so every device (and the plan file)
+    // agrees on them whatever the sharding.
+    let offloaded = match &opts.offload {
+        Some(o) => o
+            .offloaded(forward)
+            .into_iter()
+            .filter_map(|(p, tier)| lw.home[p.index()].as_ref().map(|(t, _)| (*t, tier)))
+            .collect(),
+        None => HashMap::new(),
+    };
     let mut hooks = DistHooks {
         mesh,
         pipeline_axis: None,
         zero: opts.zero,
         params: lw.local_params,
         synced: HashMap::new(),
+        offload: opts.offload.map(|o| (o, offloaded)),
     };
     let tg = build_training_graph_with(lw.b, local_loss, &opts.train, &mut hooks)
         .map_err(|e| PlanError::Internal(format!("differentiating the sharded graph: {e}")))?;
@@ -583,6 +617,9 @@ pub(crate) struct DistHooks<'a> {
     pub(crate) params: HashMap<TensorId, ParamInfo>,
     /// Spec of each parameter's synchronised gradient.
     pub(crate) synced: HashMap<TensorId, Spec>,
+    /// The plan's offload and the (local) parameters of its offloaded chunks, with the tier
+    /// their optimizer state rests in.
+    pub(crate) offload: Option<(crate::offload::Offload, HashMap<TensorId, Tier>)>,
 }
 
 impl DistHooks<'_> {
@@ -602,6 +639,23 @@ impl DistHooks<'_> {
     /// ZeRO-1/2: the optimizer works on shards of a replicated parameter.
     fn shards_state(&self, info: &ParamInfo) -> bool {
         matches!(self.zero, 1 | 2) && !info.zero_axes.is_empty()
+    }
+    /// The offload kind when `param`'s chunk is offloaded.
+    fn offloaded(&self, param: TensorId) -> Option<crate::offload::OffloadKind> {
+        let (o, params) = self.offload.as_ref()?;
+        params.contains_key(&param).then_some(o.kind)
+    }
+    /// Whether `param`'s optimizer state rests on the NVMe.
+    fn on_nvme(&self, param: TensorId) -> bool {
+        self.offload.as_ref().is_some_and(|(_, p)| p.get(&param) == Some(&Tier::Nvme))
+    }
+    fn transfer(
+        b: &mut Builder,
+        x: TensorId,
+        from: Tier,
+        to: Tier,
+    ) -> tessera_ir::Result<TensorId> {
+        b.push1(Op::Transfer { from, to }, &[x])
     }
 }
 
@@ -628,12 +682,85 @@ impl UpdateHooks for DistHooks<'_> {
             self.steps(&info.pending, Collective::AllReduce)
         };
         self.synced.insert(param, spec);
-        Self::reshard(b, grad, steps)
+        let synced = Self::reshard(b, grad, steps)?;
+        match self.offloaded(param) {
+            // Moved as soon as it is complete (the replay places it after the last
+            // contribution), so the device never holds the chunk's gradients together.
+            Some(kind) if kind.eager_grads() => Self::transfer(b, synced, Tier::Device, Tier::Host),
+            _ => Ok(synced),
+        }
+    }
+
+    fn update_grad(
+        &mut self,
+        b: &mut Builder,
+        param: TensorId,
+        grad: TensorId,
+    ) -> tessera_ir::Result<TensorId> {
+        match self.offloaded(param) {
+            Some(kind) if !kind.eager_grads() => Self::transfer(b, grad, Tier::Device, Tier::Host),
+            _ => Ok(grad),
+        }
+    }
+
+    fn fetch_state(
+        &mut self,
+        b: &mut Builder,
+        param: TensorId,
+        state: TensorId,
+    ) -> tessera_ir::Result<TensorId> {
+        match self.on_nvme(param) {
+            true => Self::transfer(b, state, Tier::Nvme, Tier::Host),
+            false => Ok(state),
+        }
+    }
+
+    fn store_state(
+        &mut self,
+        b: &mut Builder,
+        param: TensorId,
+        fetched: TensorId,
+    ) -> tessera_ir::Result<Option<TensorId>> {
+        match self.on_nvme(param) {
+            true => Self::transfer(b, fetched, Tier::Host, Tier::Nvme).map(Some),
+            false => Ok(None),
+        }
+    }
+
+    fn state_tier(&mut self, param: TensorId) -> Tier {
+        self.offload.as_ref().and_then(|(_, p)| p.get(&param).copied()).unwrap_or_default()
     }
 
     fn update_target(&mut self, b: &mut Builder, param: TensorId) -> tessera_ir::Result<TensorId> {
         let Some(info) = self.params.get(&param) else { return Ok(param) };
-        if !self.shards_state(info) {
+        let sharded = self.shards_state(info);
+        if self.offloaded(param).is_some() {
+            let mut shape = b.shape(param).dims().to_vec();
+            if sharded {
+                let k: usize = info.zero_axes.iter().map(|&a| self.mesh.shape[a]).product();
+                shape[info.zero_dim] /= k;
+            }
+            let dtype = b.dtype(param);
+            if dtype == tessera_ir::DType::BF16 {
+                // The host AdamW writes the whole weight from its fp32 master and reads
+                // nothing of it (bf16 skips no step): a host buffer to write into, and no
+                // copy down.
+                b.set_leaf_tier(Tier::Host);
+                let t = b.fill(0.0, shape, dtype);
+                b.set_leaf_tier(Tier::Device);
+                return t;
+            }
+            // fp32 (the weight is the optimizer's state) and fp16 (a skipped step keeps it):
+            // the host updates a copy of the weight, or of its ZeRO shard.
+            let steps = if sharded {
+                self.steps(&info.zero_axes, Collective::Shard { dim: info.zero_dim })
+            } else {
+                Vec::new()
+            };
+            let local = Self::reshard(b, param, steps)?;
+            return Self::transfer(b, local, Tier::Device, Tier::Host);
+        }
+        if !sharded {
             return Ok(param);
         }
         let steps = self.steps(&info.zero_axes, Collective::Shard { dim: info.zero_dim });
@@ -673,8 +800,15 @@ impl UpdateHooks for DistHooks<'_> {
         target: TensorId,
     ) -> tessera_ir::Result<Option<TensorId>> {
         let Some(info) = self.params.get(&param) else { return Ok(None) };
-        if !self.shards_state(info) {
-            return Ok(None);
+        let sharded = self.shards_state(info);
+        // An offloaded update comes back to the device (then gathers like any ZeRO shard).
+        let target = match self.offloaded(param) {
+            Some(_) => Self::transfer(b, target, Tier::Host, Tier::Device)?,
+            None if !sharded => return Ok(None),
+            None => target,
+        };
+        if !sharded {
+            return Ok(Some(target));
         }
         let mut axes = info.zero_axes.clone();
         axes.reverse();
@@ -714,16 +848,28 @@ pub(crate) fn replay_tagged(
     for s in 1..g.num_scopes() {
         b.graph.intern_scope(g.scope_name(tessera_ir::ScopeId(s as u32)));
     }
-    // Each parameter's gradient and the optimizer-phase reshard that synchronises it.
+    // Each parameter's gradient and the optimizer-phase nodes that synchronise it: a reshard
+    // and, for an offloaded chunk whose gradients leave eagerly, the copy to the host after it
+    // (nodes of the synchronisation section, before the gradient norm).
     let grad_slot: HashMap<TensorId, usize> =
         tg.params.iter().enumerate().map(|(i, s)| (s.grad, i)).collect();
-    let mut sync_node: HashMap<TensorId, NodeId> = HashMap::new();
-    for (i, n) in g.nodes.iter().enumerate() {
-        if n.phase == Phase::Optimizer
-            && matches!(n.op, Op::Reshard(_))
-            && grad_slot.contains_key(&n.inputs[0])
-        {
-            sync_node.insert(n.inputs[0], NodeId(i as u32));
+    let norm_at = g.tensors[tg.grad_norm.index()].producer.index();
+    let mut sync_node: HashMap<TensorId, Vec<NodeId>> = HashMap::new();
+    let mut chain_end: HashMap<TensorId, TensorId> = HashMap::new();
+    for (i, n) in g.nodes.iter().enumerate().take(norm_at) {
+        if n.phase != Phase::Optimizer || !matches!(n.op, Op::Reshard(_) | Op::Transfer { .. }) {
+            continue;
+        }
+        let grad = if grad_slot.contains_key(&n.inputs[0]) {
+            Some(n.inputs[0])
+        } else if matches!(n.op, Op::Transfer { .. }) {
+            chain_end.get(&n.inputs[0]).copied()
+        } else {
+            None
+        };
+        if let Some(grad) = grad {
+            sync_node.entry(grad).or_default().push(NodeId(i as u32));
+            chain_end.insert(n.outputs[0], grad);
         }
     }
     let shared_input = |n: &tessera_ir::Node| {
@@ -824,11 +970,13 @@ pub(crate) fn replay_tagged(
                 };
                 acc[slot] = Some(total);
                 if k + 1 == mb {
-                    if let Some(&sn) = sync_node.get(o) {
+                    let mut input = total;
+                    for &sn in sync_node.get(o).map_or(&[][..], |v| v.as_slice()) {
                         let node = g.node(sn);
-                        let out = push(&mut b, node, &[total])?;
+                        let out = push(&mut b, node, &[input])?;
                         shared.insert(node.outputs[0], out[0]);
                         emitted_sync.insert(sn, ());
+                        input = out[0];
                     }
                 }
             }
@@ -973,6 +1121,16 @@ pub fn simulate_time(
         y.clear();
         x.extend(n.inputs.iter().map(|&i| g.meta(i)));
         y.extend(n.outputs.iter().map(|&o| g.meta(o)));
+        if let Op::Transfer { from, to } = n.op {
+            let bytes = g.meta(n.inputs[0]).size_bytes();
+            t.transfer_s += cost.transfer_time(from, to, bytes);
+            t.moved_bytes += bytes;
+            continue;
+        }
+        if n.tier != Tier::Device {
+            t.host_compute_s += cost.op_time_in(n.tier, &n.op, &x, &y);
+            continue;
+        }
         let secs = cost.op_time(&n.op, &x, &y);
         if secs > 0.0 {
             *t.compute_by_op_s.entry(n.op.name()).or_default() += secs;
@@ -988,11 +1146,73 @@ pub fn simulate_time(
     // Recomputation runs inside the backward pass, so gradient reductions hide behind it too.
     t.exposed_comm_s = (ov_fwd - t.forward_compute_s).max(0.0)
         + (ov_bwd - t.backward_compute_s - t.recompute_s).max(0.0);
+    if p.offloads() {
+        t.offload_exposed_s = offload_delay(p, cost);
+    }
     t.step_time_s = t.forward_compute_s
         + t.backward_compute_s
         + t.recompute_s
         + t.optimizer_compute_s
         + t.blocking_comm_s
-        + t.exposed_comm_s;
+        + t.exposed_comm_s
+        + t.offload_exposed_s;
     (t, records)
+}
+
+/// What an offloaded Program's copies and host work add to its step: an event simulation in
+/// instruction order over five resources — the device's compute stream, the host's CPU, the
+/// host link's two directions (PCIe is full duplex) and the NVMe (reads and writes share the
+/// drive) — where a node starts when its
+/// resource is free and its inputs are ready. Collectives take no time here (the step prices
+/// them apart); the delay is the makespan less the device's busy time, i.e. the time the device
+/// waits for a copy or the host (a prefetch not yet arrived, the host's AdamW still running
+/// after the backward pass).
+fn offload_delay(p: &Program, cost: &CostModel) -> f64 {
+    #[derive(Clone, Copy)]
+    enum Res {
+        Device,
+        Host,
+        Down,
+        Up,
+        Nvme,
+    }
+    let g = p.graph();
+    let mut ready = vec![0.0f64; g.tensors.len()];
+    let mut free = [0.0f64; 5];
+    let (mut device_busy, mut end) = (0.0f64, 0.0f64);
+    let mut x: Vec<&TensorMeta> = Vec::new();
+    let mut y: Vec<&TensorMeta> = Vec::new();
+    for instr in &p.instrs {
+        let Instr::Run(id) = *instr else { continue };
+        let n = g.node(id);
+        x.clear();
+        y.clear();
+        x.extend(n.inputs.iter().map(|&i| g.meta(i)));
+        y.extend(n.outputs.iter().map(|&o| g.meta(o)));
+        let (res, secs) = match n.op {
+            Op::Transfer { from, to } => {
+                let res = match (from, to) {
+                    (Tier::Device, _) => Res::Down,
+                    (_, Tier::Device) => Res::Up,
+                    _ => Res::Nvme,
+                };
+                (res, cost.transfer_time(from, to, x[0].size_bytes()))
+            }
+            Op::Reshard(_) | Op::Send(_) | Op::Recv(..) => (Res::Device, 0.0),
+            _ if n.tier != Tier::Device => (Res::Host, cost.op_time_in(n.tier, &n.op, &x, &y)),
+            _ => (Res::Device, cost.op_time(&n.op, &x, &y)),
+        };
+        let inputs = n.inputs.iter().map(|&i| ready[i.index()]).fold(0.0, f64::max);
+        let start = free[res as usize].max(inputs);
+        let done = start + secs;
+        free[res as usize] = done;
+        if matches!(res, Res::Device) {
+            device_busy += secs;
+        }
+        for &o in &n.outputs {
+            ready[o.index()] = done;
+        }
+        end = end.max(done);
+    }
+    (end - device_busy).max(0.0)
 }

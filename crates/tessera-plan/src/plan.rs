@@ -179,6 +179,10 @@ pub struct Plan {
     /// mesh (the strategies' axes); the devices are `mesh × pipeline.devices`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<crate::pipeline::plan::PipelineJson>,
+    /// Offload: the chunks whose state rests below the device, and what moves each step.
+    /// Absent: everything on the device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload: Option<crate::offload::OffloadJson>,
 }
 
 /// What the plan does, as a config string: the axes that split the token ids' batch are data
@@ -231,6 +235,7 @@ pub fn describe(
         pp: 1,
         schedule: None,
         stages: Vec::new(),
+        offload: None,
     }
 }
 
@@ -241,6 +246,8 @@ pub struct PlanContext<'a> {
     pub seq: usize,
     pub dtype: String,
     pub budget: u64,
+    /// Host memory per device for offloaded state.
+    pub host_memory_bytes: u64,
     /// Matmul FLOPs of one global step (the MFU numerator).
     pub model_flops: f64,
     /// Peak dense FLOP/s of one device in the plan's dtype.
@@ -261,6 +268,7 @@ impl Plan {
         let peak = e.lowered.memory.peak_bytes;
         let g = cx.forward;
         let mut cfg = describe(g, &e.strategies, mesh, e.candidate.zero, e.candidate.micro_batches);
+        cfg.offload = e.candidate.offload;
         let nb = tessera_ir::remat::num_blocks(g);
         let checkpoint: Vec<BlockCkpt> =
             (0..nb).map(|b| BlockCkpt { block: b, mode: e.lowered.ckpt.mode(b) }).collect();
@@ -358,7 +366,21 @@ impl Plan {
             collectives: e.lowered.collectives.iter().map(collective_json).collect(),
             strategies,
             pipeline: None,
+            offload: e.candidate.offload.map(|o| {
+                crate::offload::OffloadJson::new(
+                    &o,
+                    g,
+                    &e.lowered.memory,
+                    &e.lowered.time,
+                    cx.host_memory_bytes,
+                )
+            }),
         }
+    }
+
+    /// The offload the plan records (`None`: everything on the device).
+    pub fn offload_choice(&self) -> Option<crate::offload::Offload> {
+        self.offload.as_ref().map(crate::offload::OffloadJson::choice)
     }
 
     /// The checkpoint decisions as written (blocks not listed keep everything).

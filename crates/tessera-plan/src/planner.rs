@@ -17,6 +17,7 @@
 //! peak any candidate of the search reaches ([`search::LeastPeak`]): a budget of exactly that
 //! finds a plan; under one byte less the error reports it again.
 
+mod offload;
 mod rounds;
 
 pub(crate) use rounds::parallel_map;
@@ -59,7 +60,7 @@ impl Request<'_> {
         Problem0 {
             build: self.build,
             batch: self.batch,
-            cost: crate::cost::CostModel::new(self.cluster.device.clone()),
+            cost: crate::cost::CostModel::for_cluster(&self.cluster),
             train: self.train.clone(),
             knobs: self.search.clone(),
             ckpt: self.ckpt.clone(),
@@ -79,6 +80,7 @@ impl Request<'_> {
             seq: self.seq,
             dtype: self.dtype.to_string(),
             budget: self.budget,
+            host_memory_bytes: self.cluster.host.memory_bytes,
             model_flops: self.model_flops,
             peak_flops: self.cluster.device.peak_flops(self.dtype),
             forward,
@@ -136,6 +138,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
         rule: AxisRule::Megatron { sp: cfg.sp },
         zero: cfg.zero,
         micro_batches: cfg.micro_batches,
+        offload: cfg.offload,
     };
     let found = search::evaluate(&p, &cand, Some(req.budget))?;
     let found = found.map(|e| crate::priced::exactly(&p, &e)).transpose()?;
@@ -146,6 +149,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
             hint: format!("`{}` lowered exactly", cfg.canonical()),
         }),
         Some(e) => {
+            crate::offload::check_tiers(&req.cluster, &e.lowered.memory, &cfg.canonical())?;
             let mut plan = req.to_plan(&e, "fixed", t0.elapsed().as_secs_f64() * 1e3)?;
             plan.config = cfg.canonical();
             Ok(plan)
@@ -193,6 +197,7 @@ fn best_megatron(
                     pp: 1,
                     schedule: None,
                     stages: Vec::new(),
+                    offload: None,
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -313,9 +318,21 @@ pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
         Some(plan) if pipeline_wins => plan,
         // Lowered exactly only when it is the answer; should no flat plan fit exactly (its
         // priced peak was the same), the pipelined one still does.
-        piped_plan => match exact_fastest(req, &p, &jobs, &mut results)? {
-            Some(e) => req.to_plan(&e, "auto", 0.0)?,
-            None => piped_plan.ok_or_else(|| infeasible(req, &p))?,
+        piped_plan => match (exact_fastest(req, &p, &jobs, &mut results)?, piped_plan) {
+            (Some(e), _) => req.to_plan(&e, "auto", 0.0)?,
+            (None, Some(plan)) => plan,
+            // Nothing fits on the devices: the offload phase.
+            (None, None) => {
+                let phase = offload::run(req)?;
+                match phase.fit {
+                    Some(e) => {
+                        let e = crate::priced::exactly(&req.problem(), &e)?;
+                        crate::offload::check_tiers(&req.cluster, &e.lowered.memory, "")?;
+                        req.to_plan(&e, "auto", 0.0)?
+                    }
+                    None => return Err(offload::infeasible(req, &phase, infeasible(req, &p))),
+                }
+            }
         },
     };
     plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -480,6 +497,7 @@ pub fn lower_plan_with(
         micro_batches: mb,
         train: req.train.clone(),
         ckpt,
+        offload: file.offload_choice(),
     };
     let lowered = crate::lower::lower(&fwd.graph, fwd.loss, &strategies, &mesh, &p.cost, &opts)?;
     Ok(Executable {
@@ -552,6 +570,7 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
             rule: AxisRule::Free,
             zero: exe.zero_stage,
             micro_batches: exe.micro_batches,
+            offload: file.offload_choice(),
         },
         strategies: exe.strategies,
         lowered: exe.lowered,
@@ -621,6 +640,7 @@ fn describe(least: &LeastPeak) -> String {
                 pp: 1,
                 schedule: None,
                 stages: Vec::new(),
+                offload: None,
             };
             format!("`{}`", cfg.canonical())
         }

@@ -86,6 +86,8 @@ fn extend_memory(long: &MemoryReport, short: &MemoryReport, steps: f64) -> Memor
             .collect(),
         max_workspace_bytes: b(long.max_workspace_bytes, short.max_workspace_bytes),
         peak_bytes: b(long.peak_bytes, short.peak_bytes),
+        host_peak_bytes: b(long.host_peak_bytes, short.host_peak_bytes),
+        nvme_peak_bytes: b(long.nvme_peak_bytes, short.nvme_peak_bytes),
         peak_instr: long.peak_instr,
         peak_by_role: long
             .peak_by_role
@@ -122,6 +124,10 @@ fn extend_time(long: &StepTime, short: &StepTime, steps: f64) -> StepTime {
             .iter()
             .map(|(&k, &l)| (k, s(l, short.compute_by_op_s.get(k).copied().unwrap_or(l))))
             .collect(),
+        transfer_s: s(long.transfer_s, short.transfer_s),
+        host_compute_s: s(long.host_compute_s, short.host_compute_s),
+        offload_exposed_s: s(long.offload_exposed_s, short.offload_exposed_s),
+        moved_bytes: bytes(long.moved_bytes, short.moved_bytes, steps),
     }
 }
 
@@ -180,6 +186,7 @@ pub fn exactly(p: &Problem0<'_>, e: &Evaluated) -> Result<Evaluated> {
         micro_batches: mb,
         train: p.train.clone(),
         ckpt: e.lowered.ckpt.clone(),
+        offload: e.candidate.offload,
     };
     let lowered = crate::lower::lower(
         &fwd.graph,

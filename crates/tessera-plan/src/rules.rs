@@ -244,7 +244,8 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
         | Op::AdamW(_)
         | Op::Reshard(_)
         | Op::Send(_)
-        | Op::Recv(..) => {
+        | Op::Recv(..)
+        | Op::Transfer { .. } => {
             return Err(format!(
                 "{} has no sharding rule: the planner shards forward graphs and differentiates \
                  the sharded graph",

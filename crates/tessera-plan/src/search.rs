@@ -40,6 +40,8 @@ pub struct Candidate {
     pub rule: AxisRule,
     pub zero: u8,
     pub micro_batches: usize,
+    /// Model state below the device ([`crate::offload`]); `None`: all on the device.
+    pub offload: Option<crate::offload::Offload>,
 }
 
 impl Candidate {
@@ -444,6 +446,7 @@ fn evaluate_candidate(
         micro_batches: mb,
         train: p.train.clone(),
         ckpt: Checkpointing::default(),
+        offload: cand.offload,
     };
     let found = |strategies: Vec<Option<Strategy>>, lowered: Lowered, objective: f64| Evaluated {
         candidate: cand.clone(),
@@ -617,6 +620,7 @@ fn sharding_only(
         micro_batches: mb,
         train: p.train.clone(),
         ckpt: Checkpointing::default(),
+        offload: cand.offload,
     };
     let mut target = budget;
     let mut plain_objective = None;
@@ -679,6 +683,7 @@ fn frugal_candidate(
         micro_batches: cand.micro_batches.max(1),
         train: p.train.clone(),
         ckpt: Checkpointing::default(),
+        offload: cand.offload,
     };
     let u = lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts)?;
     match frugal_fit(p, &u, &cand.mesh, budget, bound)? {
@@ -800,7 +805,13 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let Some(sol) = ilp::min_peak(&problem, &p.knobs.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
     let ckpt = Checkpointing::default();
-    let lopts = LowerOptions { zero: cand.zero, micro_batches: mb, train: p.train.clone(), ckpt };
+    let lopts = LowerOptions {
+        zero: cand.zero,
+        micro_batches: mb,
+        train: p.train.clone(),
+        ckpt,
+        offload: cand.offload,
+    };
     let u = lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts)?;
     // Nothing fits a negative budget: the answer is the least peak.
     Ok(Some(match frugal_fit(p, &u, &cand.mesh, -1.0, f64::INFINITY)? {

@@ -63,6 +63,7 @@ fn priced_micro_batches_equal_the_exact_lowering() {
                         rule: rule.clone(),
                         zero,
                         micro_batches: m,
+                        offload: None,
                     };
                     let e = search::evaluate(&p, &cand, None).unwrap().unwrap();
                     let fwd = b(batch / m).unwrap();
@@ -83,6 +84,7 @@ fn priced_micro_batches_equal_the_exact_lowering() {
                             micro_batches: m,
                             train: TrainConfig::default(),
                             ckpt: ckpt.clone(),
+                            offload: None,
                         };
                         let args = (&fwd.graph, fwd.loss, &e.strategies[..], &mesh, &p.cost);
                         let exact = lower::lower(args.0, args.1, args.2, args.3, args.4, &opts);
@@ -114,6 +116,7 @@ fn few_micro_batches_are_lowered_as_they_are() {
         rule: AxisRule::Megatron { sp: false },
         zero: 1,
         micro_batches: priced::EXACT_UP_TO,
+        offload: None,
     };
     let e = search::evaluate(&p, &cand, None).unwrap().unwrap();
     assert!(e.lowered.exact, "{} micro-batches are replayed exactly", priced::EXACT_UP_TO);

@@ -33,6 +33,7 @@ fn a_miss_never_rules_out_a_count_that_reaches_under_its_bound() {
                 rule: rule.clone(),
                 zero,
                 micro_batches: m,
+                offload: None,
             };
             let case = format!("{preset} {shape:?} {rule:?} zero {zero}");
             let least: Vec<Option<u64>> = counts

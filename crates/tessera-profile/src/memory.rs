@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 use std::collections::HashMap;
-use tessera_ir::{Instr, Program, Role, TensorId, TensorMeta};
+use tessera_ir::{Instr, Program, Role, TensorId, TensorMeta, Tier};
 
 /// Live bytes right after one instruction (workspace of a `Run` included at its instant).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -36,15 +36,21 @@ pub struct MemoryReport {
     pub activations_by_block: Vec<u64>,
     /// The largest kernel workspace requested by any instruction.
     pub max_workspace_bytes: u64,
-    /// Peak of live bytes over the step.
+    /// Peak of live bytes on the device over the step (what the device budget bounds).
     pub peak_bytes: u64,
+    /// Peak of live bytes in the host's memory (offloaded gradients, optimizer state, the
+    /// host optimizer's copies); 0 without offload.
+    pub host_peak_bytes: u64,
+    /// Peak of bytes on the NVMe tier (offloaded state files); 0 without NVMe offload.
+    pub nvme_peak_bytes: u64,
     /// Index of the instruction at which the peak is first reached.
     pub peak_instr: u32,
     /// Live bytes at the peak split by role (workspace counted as temporaries).
     pub peak_by_role: Vec<(Role, u64)>,
     /// Largest groups of live buffers at the peak.
     pub live_at_peak: Vec<LiveGroup>,
-    /// Bytes live before the step begins (parameters, optimizer state, inputs).
+    /// Bytes live on the device before the step begins (parameters, optimizer state,
+    /// inputs).
     pub resting_bytes: u64,
 }
 
@@ -59,9 +65,16 @@ pub struct MemoryTrace {
 pub fn simulate_memory(p: &Program) -> MemoryTrace {
     let g = p.graph();
     let bytes = |t: TensorId| g.meta(t).size_bytes();
-    let mut live: u64 = p.live_in.iter().map(|&t| bytes(t)).sum();
-    let resting = live;
-    let mut peak = live;
+    let tier = |t: TensorId| p.tier_of(t).index();
+    const DEVICE: usize = 0;
+    // Live bytes and peaks per tier ([`Tier::ALL`] order); the timeline and the breakdown at
+    // the peak are the device's.
+    let mut live = [0u64; 3];
+    for &t in &p.live_in {
+        live[tier(t)] += bytes(t);
+    }
+    let resting = live[DEVICE];
+    let mut peaks = live;
     let mut peak_instr = 0u32;
     let mut peak_workspace = 0u64;
     let mut max_workspace = 0u64;
@@ -71,33 +84,43 @@ pub fn simulate_memory(p: &Program) -> MemoryTrace {
         match *instr {
             Instr::Run(n) => {
                 for t in p.allocations(n) {
-                    live += bytes(t);
+                    live[tier(t)] += bytes(t);
                 }
                 let node = g.node(n);
                 metas.clear();
                 metas.extend(node.inputs.iter().map(|&t| g.meta(t)));
                 let ws = node.op.workspace_bytes(&metas);
                 max_workspace = max_workspace.max(ws);
-                if live + ws > peak {
-                    peak = live + ws;
-                    peak_instr = i as u32;
-                    peak_workspace = ws;
+                let at = node.tier.index();
+                for (k, (peak, &now)) in peaks.iter_mut().zip(&live).enumerate() {
+                    let now = now + if k == at { ws } else { 0 };
+                    if now > *peak {
+                        *peak = now;
+                        if k == DEVICE {
+                            peak_instr = i as u32;
+                            peak_workspace = ws;
+                        }
+                    }
                 }
-                timeline.push(TimelinePoint { instr: i as u32, live_bytes: live + ws });
+                let device_ws = if at == DEVICE { ws } else { 0 };
+                timeline
+                    .push(TimelinePoint { instr: i as u32, live_bytes: live[DEVICE] + device_ws });
             }
             Instr::Free(t) => {
-                live -= bytes(t);
-                timeline.push(TimelinePoint { instr: i as u32, live_bytes: live });
+                live[tier(t)] -= bytes(t);
+                timeline.push(TimelinePoint { instr: i as u32, live_bytes: live[DEVICE] });
             }
         }
     }
+    let peak = peaks[DEVICE];
 
-    // Totals by role, over every buffer of the step.
+    // Totals by role, over every buffer of the step in any tier (a copy moved to another tier
+    // is the same state: counted once).
     let mut report = MemoryReport { resting_bytes: resting, ..Default::default() };
     let num_blocks = g.nodes.iter().filter_map(|n| n.block).max().map_or(0, |b| b as usize + 1);
     report.activations_by_block = vec![0; num_blocks];
     for (t, &root) in p.buffer_of.iter().enumerate() {
-        if root.index() != t {
+        if root.index() != t || matches!(g.producer(root).op, tessera_ir::Op::Transfer { .. }) {
             continue;
         }
         let b = bytes(root);
@@ -116,6 +139,8 @@ pub fn simulate_memory(p: &Program) -> MemoryTrace {
         }
     }
     report.peak_bytes = peak;
+    report.host_peak_bytes = peaks[Tier::Host.index()];
+    report.nvme_peak_bytes = peaks[Tier::Nvme.index()];
     report.peak_instr = peak_instr;
     report.max_workspace_bytes = max_workspace;
     let (by_role, groups) = live_at(p, peak_instr as usize, peak_workspace);
@@ -145,7 +170,7 @@ fn live_at(p: &Program, at: usize, workspace: u64) -> (Vec<(Role, u64)>, Vec<Liv
     }
     let mut by_role: HashMap<Role, u64> = HashMap::new();
     let mut groups: HashMap<(String, Role), (u64, u32)> = HashMap::new();
-    for t in live.into_iter().filter(|t| alive[t.index()]) {
+    for t in live.into_iter().filter(|t| alive[t.index()] && p.tier_of(*t).is_device()) {
         let b = g.meta(t).size_bytes();
         let role = p.role[t.index()];
         *by_role.entry(role).or_default() += b;

@@ -10,6 +10,12 @@
 //! [`ReshardRunner`] (the communicator), and [`Executor::write_back`] makes a ZeRO-1/2
 //! gathered parameter the parameter's new value the moment it is produced (the Program frees
 //! the gathered buffer right after; the parameter keeps its storage).
+//!
+//! Offloaded Programs put some buffers in lower tiers ([`Tier`]): each tier has its own
+//! accountant (the device's budget, the host's), charged exactly as the memory simulation
+//! charges the tier, and `Transfer` nodes are real copies between them. NVMe buffers rest in
+//! files ([`crate::nvme`]): written by background threads, read back ahead of use (the next
+//! [`NVME_PREFETCH`] reads are in flight while the step runs).
 
 use crate::collective::ReshardRunner;
 use crate::tensor::{check_meta, size_bytes};
@@ -18,7 +24,10 @@ use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::time::Instant;
 use tessera_ir::dist::MeshPos;
-use tessera_ir::{Instr, Op, Program, TensorId, TensorMeta};
+use tessera_ir::{Instr, Op, Program, TensorId, TensorMeta, Tier};
+
+/// NVMe reads started ahead of the instruction that needs them.
+pub const NVME_PREFETCH: usize = 2;
 
 /// Wall time spent in one op kind (`matmul`, `attention_backward`, ...).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -34,6 +43,9 @@ pub struct Executor<B: Backend> {
     /// Tensors sharing each buffer (indexed by root), so a free drops every handle.
     members: Vec<Vec<TensorId>>,
     accountant: MemoryAccountant,
+    /// The host's and the NVMe's accountants (offloaded buffers), in [`Tier::ALL`] order after
+    /// the device's.
+    lower: [MemoryAccountant; 2],
     /// Per-op-kind wall time, when enabled.
     timings: Option<BTreeMap<&'static str, OpTime>>,
     /// Runs `Reshard` nodes that move data between devices.
@@ -43,6 +55,14 @@ pub struct Executor<B: Backend> {
     /// The device's place in its mesh (kernels that depend on it: sharded dropout masks).
     at: MeshPos,
     host: HostMemory,
+    /// The NVMe tier's files (offloaded plans with NVMe chunks).
+    nvme: Option<crate::nvme::NvmeStore>,
+    /// Instructions that read an NVMe buffer, in order, and how far prefetching has got.
+    nvme_reads: Vec<(usize, TensorId)>,
+    nvme_next: usize,
+    /// NVMe buffers a `Run` produced and the accountant holds until their `Free` (a result
+    /// written back into its state no longer has a file of its own).
+    nvme_charged: std::collections::HashSet<TensorId>,
 }
 
 /// The check of the host's memory before large allocations: an instruction whose fresh
@@ -73,17 +93,96 @@ impl<B: Backend> Executor<B> {
             members[root.index()].push(TensorId(t as u32));
         }
         let accountant = MemoryAccountant::new(backend.name(), budget);
+        let lower = [
+            MemoryAccountant::new(format!("{} host memory", backend.name()), None),
+            MemoryAccountant::new(format!("{} NVMe", backend.name()), None),
+        ];
         Executor {
             program,
             backend,
             values: vec![None; n],
             members,
             accountant,
+            lower,
             timings: None,
             collectives: None,
             write_back: BTreeMap::new(),
             at: MeshPos::single(),
             host: HostMemory::default(),
+            nvme: None,
+            nvme_reads: Vec::new(),
+            nvme_next: 0,
+            nvme_charged: Default::default(),
+        }
+    }
+
+    /// Keeps the Program's NVMe-tier buffers in files under `dir` (this rank's subdirectory).
+    pub fn with_nvme_dir(mut self, dir: &std::path::Path, rank: usize) -> Result<Executor<B>> {
+        let p = &self.program;
+        let mut reads = Vec::new();
+        for (i, instr) in p.instrs.iter().enumerate() {
+            if let Instr::Run(n) = *instr {
+                for &t in &p.graph.node(n).inputs {
+                    if p.tier_of(t) == Tier::Nvme {
+                        reads.push((i, p.buffer_of[t.index()]));
+                    }
+                }
+            }
+        }
+        self.nvme_reads = reads;
+        self.nvme = Some(crate::nvme::NvmeStore::new(dir, rank)?);
+        Ok(self)
+    }
+
+    /// Whether the Program keeps buffers on the NVMe (and so needs [`Executor::with_nvme_dir`]).
+    pub fn needs_nvme(&self) -> bool {
+        self.program.tier.contains(&Tier::Nvme)
+    }
+
+    fn store(&mut self) -> Result<&mut crate::nvme::NvmeStore> {
+        self.nvme.as_mut().ok_or_else(|| {
+            RuntimeError::Binding(
+                "the plan keeps optimizer state on the NVMe: give --offload-dir DIR (a \
+                 directory on the NVMe) for its files"
+                    .into(),
+            )
+        })
+    }
+
+    /// The value of a tensor between steps, also when it rests on the NVMe (read from its
+    /// file).
+    pub fn value(&self, t: TensorId) -> Result<Option<Tensor>> {
+        if let Some(v) = self.values[t.index()].as_ref() {
+            return Ok(Some(v.clone()));
+        }
+        let root = self.program.buffer_of[t.index()];
+        match self.nvme.as_ref() {
+            Some(s) => s.read_now(root, self.program.graph.meta(t)),
+            None => Ok(None),
+        }
+    }
+
+    /// Bounds the host tier's accountant (offloaded state and copies) by `budget` bytes.
+    pub fn with_host_budget(mut self, budget: Option<u64>) -> Executor<B> {
+        self.lower[0] =
+            MemoryAccountant::new(format!("{} host memory", self.backend.name()), budget);
+        self
+    }
+
+    /// The accountant of `tier` (the device's is [`Executor::accountant`]).
+    pub fn tier_accountant(&self, tier: Tier) -> &MemoryAccountant {
+        match tier {
+            Tier::Device => &self.accountant,
+            Tier::Host => &self.lower[0],
+            Tier::Nvme => &self.lower[1],
+        }
+    }
+
+    fn tier_accountant_mut(&mut self, tier: Tier) -> &mut MemoryAccountant {
+        match tier {
+            Tier::Device => &mut self.accountant,
+            Tier::Host => &mut self.lower[0],
+            Tier::Nvme => &mut self.lower[1],
         }
     }
 
@@ -163,10 +262,23 @@ impl<B: Backend> Executor<B> {
             )));
         }
         check_meta(&value, g.meta(t), g.tensor_scope(t))?;
-        if let Some(old) = self.values[t.index()].take() {
-            self.accountant.free(size_bytes(&old));
+        let tier = self.program.tier_of(t);
+        let scope = g.tensor_scope(t).to_string();
+        let bytes = size_bytes(&value);
+        if tier == Tier::Nvme {
+            let was = self.nvme.as_ref().is_some_and(|s| s.holds(t));
+            let store = self.store()?;
+            store.write(t, &value)?;
+            store.flush()?;
+            if was {
+                self.lower[1].free(bytes);
+            }
+            return self.lower[1].alloc(bytes, &scope, &scope);
         }
-        self.accountant.alloc(size_bytes(&value), g.tensor_scope(t), g.tensor_scope(t))?;
+        if let Some(old) = self.values[t.index()].take() {
+            self.tier_accountant_mut(tier).free(size_bytes(&old));
+        }
+        self.tier_accountant_mut(tier).alloc(bytes, &scope, &scope)?;
         self.values[t.index()] = Some(value);
         Ok(())
     }
@@ -201,8 +313,16 @@ impl<B: Backend> Executor<B> {
         for &m in &self.members[root.index()] {
             had |= self.values[m.index()].take().is_some();
         }
+        if self.nvme_charged.remove(&root) {
+            // A freed NVMe buffer's file goes (a result written back is its state's by now).
+            if let Some(s) = self.nvme.as_mut() {
+                let _ = s.remove(root);
+            }
+            had = true;
+        }
         if had {
-            self.accountant.free(bytes);
+            let tier = self.program.tier_of(root);
+            self.tier_accountant_mut(tier).free(bytes);
         }
     }
 
@@ -211,7 +331,8 @@ impl<B: Backend> Executor<B> {
         self.clear_outputs();
         let g = &self.program.graph;
         for &t in &self.program.live_in {
-            if self.values[t.index()].is_none() {
+            let on_nvme = self.nvme.as_ref().is_some_and(|s| s.holds(t));
+            if self.values[t.index()].is_none() && !on_nvme {
                 return Err(RuntimeError::Binding(format!(
                     "{} ({}) is not bound",
                     g.tensor_scope(t),
@@ -220,12 +341,35 @@ impl<B: Backend> Executor<B> {
             }
         }
         self.accountant.reset_peak();
+        for a in &mut self.lower {
+            a.reset_peak();
+        }
         let mut metas: Vec<TensorMeta> = Vec::new();
+        self.nvme_next = 0;
         for i in 0..self.program.instrs.len() {
             match self.program.instrs[i] {
-                Instr::Run(n) => self.run_node(n, &mut metas)?,
+                Instr::Run(n) => {
+                    self.prefetch_nvme(i)?;
+                    self.run_node(n, &mut metas)?
+                }
                 Instr::Free(t) => self.release(t),
             }
+        }
+        if let Some(s) = self.nvme.as_mut() {
+            s.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Starts the NVMe reads of the next [`NVME_PREFETCH`] instructions that need one, from
+    /// instruction `at` on.
+    fn prefetch_nvme(&mut self, at: usize) -> Result<()> {
+        let Some(store) = self.nvme.as_mut() else { return Ok(()) };
+        while self.nvme_next < self.nvme_reads.len() && self.nvme_reads[self.nvme_next].0 < at {
+            self.nvme_next += 1;
+        }
+        for &(_, root) in self.nvme_reads.iter().skip(self.nvme_next).take(NVME_PREFETCH) {
+            store.prefetch(root, self.program.graph.meta(root))?;
         }
         Ok(())
     }
@@ -245,8 +389,15 @@ impl<B: Backend> Executor<B> {
         let in_metas: Vec<&TensorMeta> = node.inputs.iter().map(|&t| g.meta(t)).collect();
         let workspace = node.op.workspace_bytes(&in_metas);
         let what = node.op.name();
-        self.accountant.alloc(fresh, what, scope)?;
-        self.accountant.touch_workspace(workspace, what, scope)?;
+        // A node's fresh outputs and workspace live in its tier.
+        let tier = node.tier;
+        let acc = match tier {
+            Tier::Device => &mut self.accountant,
+            Tier::Host => &mut self.lower[0],
+            Tier::Nvme => &mut self.lower[1],
+        };
+        acc.alloc(fresh, what, scope)?;
+        acc.touch_workspace(workspace, what, scope)?;
         let need = fresh.saturating_add(workspace);
         if need >= self.host.check_from {
             if let Some(available) = (self.host.available)().filter(|&a| need > a) {
@@ -264,8 +415,20 @@ impl<B: Backend> Executor<B> {
             }
         }
 
+        // NVMe-resident inputs come from their files (prefetched by now, as a rule).
+        let mut from_disk: Vec<(usize, Tensor)> = Vec::new();
+        for (k, &t) in node.inputs.iter().enumerate() {
+            let root = self.program.buffer_of[t.index()];
+            if let Some(s) = self.nvme.as_mut().filter(|s| s.holds(root)) {
+                from_disk.push((k, s.read(root, g.meta(t))?));
+            }
+        }
         let mut inputs = Vec::with_capacity(node.inputs.len());
-        for &t in &node.inputs {
+        for (k, &t) in node.inputs.iter().enumerate() {
+            if let Some((_, v)) = from_disk.iter().find(|(i, _)| *i == k) {
+                inputs.push(v);
+                continue;
+            }
             inputs.push(self.values[t.index()].as_ref().ok_or_else(|| {
                 RuntimeError::Binding(format!(
                     "{}: input {} of {} is not live (a Program bug)",
@@ -302,6 +465,21 @@ impl<B: Backend> Executor<B> {
         }
         for (k, (t, o)) in outs.into_iter().zip(node.outputs.clone()).enumerate() {
             check_meta(&t, g.meta(o), &format!("{scope}: output {k} of {what}"))?;
+            if tier == Tier::Nvme {
+                // Written out in the background; a write-back moves the file to its state.
+                let leaf = self.write_back.get(&o).copied();
+                let Some(store) = self.nvme.as_mut() else {
+                    return Err(RuntimeError::Binding(
+                        "the plan keeps optimizer state on the NVMe: give --offload-dir DIR".into(),
+                    ));
+                };
+                store.write(o, &t)?;
+                if let Some(leaf) = leaf {
+                    store.rename(o, leaf)?;
+                }
+                self.nvme_charged.insert(o);
+                continue;
+            }
             if let Some(&leaf) = self.write_back.get(&o) {
                 // The leaf's old storage goes; the accountant already charged both buffers as
                 // the Program does (the produced one is freed by the next instruction).

@@ -42,6 +42,7 @@ pub mod kernels;
 pub mod loss_scale;
 pub mod mapped;
 pub mod memory;
+pub mod nvme;
 pub mod run;
 pub mod schedule;
 pub mod state_table;

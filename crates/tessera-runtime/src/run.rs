@@ -76,6 +76,8 @@ pub struct RankOutcome {
     pub steps: Vec<(StepStats, f64)>,
     /// Every rank's measured peak and last-step collective bytes (gathered on every rank).
     pub measured_peak: Vec<u64>,
+    /// Every rank's measured host-tier peak (offloaded state; 0 without offload).
+    pub measured_host_peak: Vec<u64>,
     pub measured_comm: Vec<u64>,
     /// This rank's collective calls per kind in the last step.
     pub calls: BTreeMap<String, u64>,
@@ -97,6 +99,7 @@ pub fn run_device<B: Backend>(
     let rank = trainer.mesh().rank;
     let mut out = RankOutcome::default();
     let mut measured = 0u64;
+    let mut measured_host = 0u64;
     let mut last_bytes = 0u64;
     let start = Instant::now();
     for step in spec.first..=spec.last {
@@ -110,6 +113,7 @@ pub fn run_device<B: Backend>(
         last_bytes = after.total_bytes() - before.total_bytes();
         out.calls = calls_between(&before, &after);
         measured = measured.max(stats.peak_bytes);
+        measured_host = measured_host.max(stats.host_peak_bytes);
         if rank == 0 {
             log_step(spec, &stats, dt, trainer.loss_scale_state().is_some())?;
             observer.after_step(&stats, dt);
@@ -125,14 +129,15 @@ pub fn run_device<B: Backend>(
 
     // Every rank's peak and traffic, on every rank.
     let n = trainer.mesh().size();
-    let mine = pack(&[measured, last_bytes]);
+    let mine = pack(&[measured, last_bytes, measured_host]);
     let all = match trainer.communicator() {
         Some(c) if n > 1 => c.all_gather(&Group::world(n)?, &mine)?,
         _ => mine,
     };
     let all = unpack(&all);
-    out.measured_peak = all.iter().step_by(2).copied().collect();
-    out.measured_comm = all.iter().skip(1).step_by(2).copied().collect();
+    out.measured_peak = all.iter().step_by(3).copied().collect();
+    out.measured_comm = all.iter().skip(1).step_by(3).copied().collect();
+    out.measured_host_peak = all.iter().skip(2).step_by(3).copied().collect();
 
     if spec.eval_batches > 0 {
         let val = spec.data.val_batches(spec.seed, spec.batch, spec.seq, spec.eval_batches)?;

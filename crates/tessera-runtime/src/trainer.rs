@@ -46,6 +46,8 @@ pub struct StepStats {
     pub lr: f64,
     /// Peak bytes the accountant saw during this step.
     pub peak_bytes: u64,
+    /// Peak bytes the host tier's accountant saw (offloaded state and copies; 0 without).
+    pub host_peak_bytes: u64,
     /// fp16: the gradients overflowed and the update was skipped. Always false otherwise.
     pub skipped: bool,
     /// fp16: the loss scale this step ran with. 1 without loss scaling.
@@ -122,12 +124,17 @@ pub struct DeviceSetup {
     pub mesh: DeviceMesh,
     /// This device's memory budget (bytes); exceeding it is a clear error.
     pub budget: Option<u64>,
+    /// The host memory this device's offloaded state may take (bytes); `None`: unbounded.
+    pub host_budget: Option<u64>,
+    /// Where the plan's NVMe-resident state lives (a subdirectory per rank); required when the
+    /// plan puts state on the NVMe.
+    pub offload_dir: Option<std::path::PathBuf>,
 }
 
 impl DeviceSetup {
     /// One device: the only device of a 1-device mesh.
     pub fn single(budget: Option<u64>) -> DeviceSetup {
-        DeviceSetup { mesh: DeviceMesh::single(), budget }
+        DeviceSetup { mesh: DeviceMesh::single(), budget, host_budget: None, offload_dir: None }
     }
 }
 
@@ -210,7 +217,18 @@ impl<B: Backend> Trainer<B> {
         };
 
         let program = Program::lower_training(&train);
-        let mut exec = Executor::new(program, backend, setup.budget);
+        let mut exec =
+            Executor::new(program, backend, setup.budget).with_host_budget(setup.host_budget);
+        if exec.needs_nvme() {
+            let Some(dir) = &setup.offload_dir else {
+                return Err(binding(
+                    "the plan keeps optimizer state on the NVMe: give --offload-dir DIR, a \
+                     directory on the NVMe, for its files"
+                        .into(),
+                ));
+            };
+            exec = exec.with_nvme_dir(dir, setup.mesh.rank)?;
+        }
         match runner {
             Some(r) => {
                 if r.mesh() != &setup.mesh {
@@ -390,6 +408,9 @@ impl<B: Backend> Trainer<B> {
             if let Some(gathered) = slot.gathered {
                 self.exec.write_back(gathered, slot.param)?;
             }
+            for &(stored, state) in &slot.stored {
+                self.exec.write_back(stored, state)?;
+            }
         }
         Ok(())
     }
@@ -546,6 +567,7 @@ impl<B: Backend> Trainer<B> {
             grad_norm,
             lr,
             peak_bytes: self.exec.accountant().peak_bytes(),
+            host_peak_bytes: self.exec.tier_accountant(tessera_ir::Tier::Host).peak_bytes(),
             skipped: overflow,
             loss_scale,
         })
@@ -645,9 +667,10 @@ impl<B: Backend> Trainer<B> {
             );
             for (t, key, kind) in tensors {
                 let Some(t) = t else { continue };
+                // Offloaded state is read from its tier (the NVMe's files included).
                 let value =
-                    self.exec.get(t).ok_or_else(|| binding(format!("{key} is not bound")))?;
-                out.push((key, value.clone(), self.placement(t), kind));
+                    self.exec.value(t)?.ok_or_else(|| binding(format!("{key} is not bound")))?;
+                out.push((key, value, self.placement(t), kind));
             }
         }
         Ok(out)

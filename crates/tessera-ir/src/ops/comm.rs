@@ -186,3 +186,20 @@ pub(crate) fn vjp_recv(cx: &mut VjpCtx<'_>, p: P2p) -> Result<Vec<Option<Grad>>>
     cx.b.push(super::Op::Send(p.reversed()), &[dy])?;
     Ok(vec![])
 }
+
+/// A transfer between tiers keeps the value's meta.
+pub(crate) fn infer_transfer(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+    expect_inputs(x, 1)?;
+    Ok(vec![x[0].clone()])
+}
+
+/// The gradient of a value moved to tier `to` goes back to tier `from`.
+pub(crate) fn vjp_transfer(
+    cx: &mut VjpCtx<'_>,
+    from: crate::Tier,
+    to: crate::Tier,
+) -> Result<Vec<Option<Grad>>> {
+    let dy = cx.dy(0)?;
+    let g = cx.b.push1(super::Op::Transfer { from: to, to: from }, &[dy])?;
+    Ok(vec![Some(Grad::Full(g))])
+}

@@ -301,6 +301,12 @@ pub enum Op {
     /// Receives a tensor of the given meta from another pipeline stage; its VJP sends the
     /// gradient back.
     Recv(P2p, TensorMeta),
+    /// Copies its input from tier `from` to tier `to` (device ↔ host ↔ NVMe): offloaded
+    /// gradients and optimizer state, prefetched parameters. Its VJP is the copy back.
+    Transfer {
+        from: crate::Tier,
+        to: crate::Tier,
+    },
 }
 
 /// FLOPs of one node, split as the profiler reports them.
@@ -361,6 +367,7 @@ impl Op {
             Op::Reshard(_) => "reshard",
             Op::Send(_) => "send",
             Op::Recv(..) => "recv",
+            Op::Transfer { .. } => "transfer",
         }
     }
 
@@ -382,6 +389,7 @@ impl Op {
             | Op::Reshard(_)
             | Op::Send(_)
             | Op::Recv(..)
+            | Op::Transfer { .. }
             | Op::Embedding
             | Op::CrossEntropy { .. }
             | Op::Parameter(_)
@@ -457,6 +465,7 @@ impl Op {
             Op::Reshard(spec) => comm::infer(x, spec),
             Op::Send(_) => comm::infer_send(x),
             Op::Recv(_, meta) => comm::infer_recv(x, meta),
+            Op::Transfer { .. } => comm::infer_transfer(x),
         }
     }
 
@@ -496,7 +505,7 @@ impl Op {
             Op::Rope { .. } => attention::flops_rope(y),
             Op::AdamW(_) => optim::flops(x),
             Op::Reshard(spec) => comm::flops(spec, x),
-            Op::Send(_) | Op::Recv(..) => Flops::default(),
+            Op::Send(_) | Op::Recv(..) | Op::Transfer { .. } => Flops::default(),
         }
     }
 
@@ -510,6 +519,8 @@ impl Op {
             Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => 0,
             // Priced on their link by the pipeline's time simulation.
             Op::Send(_) | Op::Recv(..) => 0,
+            // Priced on the host link (or the NVMe) by the cost model.
+            Op::Transfer { .. } => 0,
             Op::Fill { .. } => written,
             Op::Unary(_)
             | Op::UnaryBackward(_)
@@ -555,7 +566,7 @@ impl Op {
             Op::Reshape(_) | Op::Expand(_) => Some(0),
             Op::AdamW(_) => Some(optim::alias(out)),
             Op::Reshard(spec) => spec.is_view().then_some(0),
-            Op::Send(_) | Op::Recv(..) => None,
+            Op::Send(_) | Op::Recv(..) | Op::Transfer { .. } => None,
             Op::Parameter(_)
             | Op::Input(_)
             | Op::OptimizerState { .. }
@@ -595,6 +606,7 @@ impl Op {
             Op::Attention(_) | Op::AttentionBackward(_) => attention::workspace_bytes(x),
             Op::Send(_)
             | Op::Recv(..)
+            | Op::Transfer { .. }
             | Op::Parameter(_)
             | Op::Input(_)
             | Op::OptimizerState { .. }
@@ -657,6 +669,7 @@ impl Op {
             | Op::Attention(_)
             | Op::Rope { .. }
             | Op::Reshard(_)
+            | Op::Transfer { .. }
             | Op::Send(_) => all(true),
             Op::Recv(..) => all(false),
             // Backward ops and the optimizer are not differentiated again.
@@ -702,6 +715,7 @@ impl Op {
             Op::Reshard(spec) => comm::vjp(cx, spec),
             Op::Send(p) => comm::vjp_send(cx, *p),
             Op::Recv(p, _) => comm::vjp_recv(cx, *p),
+            Op::Transfer { from, to } => comm::vjp_transfer(cx, *from, *to),
             Op::UnaryBackward(_)
             | Op::BinaryBackward { .. }
             | Op::ReduceBackward { .. }

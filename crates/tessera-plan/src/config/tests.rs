@@ -14,6 +14,7 @@ fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> Parall
         pp: 1,
         schedule: None,
         stages: Vec::new(),
+        offload: None,
     }
 }
 
@@ -358,6 +359,33 @@ fn unequal_stages_parse_round_trip_and_are_checked() {
         ("pp2 stages=4:fast,4", "checkpoint modes"),
         ("pp2 stages", "stages=7:full"),
         ("pp2 stages=4,4 stages=4,4", "given twice"),
+    ] {
+        let e = err(s);
+        assert!(e.contains(want), "{s}: {e}");
+    }
+}
+
+#[test]
+fn offload_parses_round_trips_and_is_checked() {
+    use crate::offload::{Offload, OffloadKind, CHUNKS};
+    let c = ParallelConfig::parse("dp2 zero3 offload=grads+opt:8/16 nvme:2").unwrap();
+    assert_eq!(c.offload, Some(Offload { kind: OffloadKind::GradsOpt, chunks: 8, nvme: 2 }));
+    assert_eq!(c.canonical(), "dp2 tp1 zero3 offload=grads+opt:8/16 nvme:2");
+    assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c);
+    // `+` joins tokens, but not inside `grads+opt`; `nvme` alone takes every offloaded chunk.
+    let c = ParallelConfig::parse("tp2+OFFLOAD=GRADS+OPT+nvme").unwrap();
+    assert_eq!(c.offload, Some(Offload { kind: OffloadKind::GradsOpt, chunks: CHUNKS, nvme: 16 }));
+    assert_eq!(c.canonical(), "dp1 tp2 offload=grads+opt nvme");
+    assert_eq!(ParallelConfig::parse("offload=opt").unwrap().canonical(), "dp1 tp1 offload=opt");
+    for (s, want) in [
+        ("offload=cpu", "offload is opt, grads+opt or all"),
+        ("offload=opt:8/12", "K/16"),
+        ("offload=opt:0/16", "K/16"),
+        ("offload", "offload=opt"),
+        ("nvme", "add offload=opt"),
+        ("offload=opt:4/16 nvme:5", "more chunks than the 4 offloaded"),
+        ("pp2 offload=opt", "offload with a pipeline"),
+        ("offload=opt offload=all", "given twice"),
     ] {
         let e = err(s);
         assert!(e.contains(want), "{s}: {e}");

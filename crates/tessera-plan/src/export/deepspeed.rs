@@ -24,6 +24,7 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
         sp: false,
         schedule: None,
         stages: Vec::new(),
+        offload: None,
         ..cfg.clone()
     };
     if cfg.pp == 1 {

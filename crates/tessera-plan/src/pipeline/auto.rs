@@ -58,6 +58,7 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
         rule: AxisRule::Megatron { sp: cfg.sp },
         zero: cfg.zero,
         micro_batches: 1,
+        offload: None,
     };
     let e = search::evaluate(&p, &cand, None)?
         .ok_or_else(|| search::cannot_split(&p, &cand, &cfg.canonical()))?;
@@ -248,7 +249,7 @@ fn verify_even(
         Err(e @ PlanError::Infeasible { .. }) => return Ok((Err(e), None)),
         Err(e) => return Err(e),
     };
-    let cost = crate::cost::CostModel::new(req.cluster.device.clone());
+    let cost = crate::cost::CostModel::for_cluster(&req.cluster);
     let devices = super::balance::device_costs(&even.lowered, &even.full, &cost);
     let recut =
         super::balance::rebalance(&c.config, &even.lowered, &devices, &c.costs, req.budget as f64);

@@ -92,6 +92,7 @@ pub fn lower_unfinished(
             zero: opts.zero,
             params,
             synced: HashMap::new(),
+            offload: None,
         };
         let tg = build_training_graph_with(fwd.builder, fwd.loss, &opts.train, &mut hooks)
             .map_err(|e| internal(format!("differentiating pipeline device {d}: {e}")))?;

@@ -152,6 +152,7 @@ pub fn lower_pipelined(r: &PipelineRequest<'_>, cost: &CostModel) -> Result<Pipe
         micro_batches: r.micro_batches,
         train: r.train.clone(),
         ckpt: r.ckpt.clone(),
+        offload: None,
     };
     let pipe = PipelineOptions { map: r.map.clone(), schedule: r.schedule };
     let u = lower_unfinished(r.forward, r.loss, r.strategies, r.stage_mesh, r.full, &opts, &pipe)?;

@@ -158,6 +158,7 @@ pub fn sample_and_screen(
         rule: AxisRule::Megatron { sp: shape.sp },
         zero: shape.zero,
         micro_batches: 1,
+        offload: None,
     };
     let Some(e) = search::evaluate(p, &cand, None)? else {
         return Ok(Vec::new());
@@ -180,6 +181,7 @@ pub fn sample_and_screen(
                 micro_batches: 1,
                 train: p.train.clone(),
                 ckpt: Checkpointing::default(),
+                offload: None,
             };
             let u = lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts)?;
             finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
@@ -310,6 +312,7 @@ pub fn config(
         pp: shape.pp,
         schedule: Some(kind),
         stages: Vec::new(),
+        offload: None,
     };
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.

@@ -29,7 +29,13 @@ pub(super) fn first_fit(
     let mut missed: Option<search::Miss> = None;
     let mut floor: Option<u64> = None;
     for &mb in mbs {
-        let cand = Candidate { mesh: mesh.clone(), rule: rule.clone(), zero, micro_batches: mb };
+        let cand = Candidate {
+            mesh: mesh.clone(),
+            rule: rule.clone(),
+            zero,
+            micro_batches: mb,
+            offload: None,
+        };
         if let (Some(m), Some(f)) = (missed, floor) {
             if m.rules_out(mb, f, req.budget) {
                 // Evaluated after all should nothing fit anywhere (the least peak stays exact).
@@ -115,6 +121,7 @@ pub(super) fn job_space(
                 pp: 1,
                 schedule: None,
                 stages: Vec::new(),
+                offload: None,
             };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
@@ -155,7 +162,13 @@ pub(super) fn one_more(
     if fit.lowered.time.recompute_s <= 0.0 || without > p.fastest.bound(&rule) {
         return Ok((0, None));
     }
-    let cand = Candidate { mesh, rule, zero: fit.candidate.zero, micro_batches: next };
+    let cand = Candidate {
+        mesh,
+        rule,
+        zero: fit.candidate.zero,
+        micro_batches: next,
+        offload: fit.candidate.offload,
+    };
     let outcome = search::evaluate_within(p, &cand, Some(req.budget), fit.step_time_s())?;
     Ok((1, outcome.fit.filter(|e| e.step_time_s() < fit.step_time_s())))
 }

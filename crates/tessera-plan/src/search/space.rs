@@ -322,6 +322,12 @@ pub(super) fn build_problem(
     let live = |a: usize| mesh.shape[a] > 1;
     let group = |axes: &[usize]| -> f64 { axes.iter().map(|&a| mesh.shape[a] as f64).product() };
 
+    // Parameters of offloaded chunks: their optimizer state (and, moved eagerly, their
+    // gradients) rest on the host, and the host runs their update.
+    let offloaded: HashMap<TensorId, tessera_ir::Tier> =
+        cand.offload.map(|o| o.offloaded(g).into_iter().collect()).unwrap_or_default();
+    let eager_grads = cand.offload.is_some_and(|o| o.kind.eager_grads());
+
     // Node costs, memory, parameters (memoised per representative).
     let mut memo: HashMap<usize, NodeCosts> = HashMap::new();
     for (i, node) in g.nodes.iter().enumerate() {
@@ -389,10 +395,18 @@ pub(super) fn build_problem(
                         2 => (1.0, n, n),
                         _ => (n, n, n),
                     };
-                    st[s] += elems
-                        * (eb / pdiv + eb / gdiv + optimizer_bytes_per_elem(meta.dtype) / odiv);
-                    // The update runs on this device's share of the optimizer state.
-                    c[s] += p.cost.optimizer_step_time((elems / odiv).ceil() as usize, meta.dtype);
+                    let share = (elems / odiv).ceil() as usize;
+                    if offloaded.contains_key(&t) {
+                        let grads = if eager_grads { 0.0 } else { eb / gdiv };
+                        st[s] += elems * (eb / pdiv + grads);
+                        let moved = (share as f64 * eb) as u64;
+                        c[s] += p.cost.offloaded_step_time(share, moved, moved);
+                    } else {
+                        st[s] += elems
+                            * (eb / pdiv + eb / gdiv + optimizer_bytes_per_elem(meta.dtype) / odiv);
+                        // The update runs on this device's share of the optimizer state.
+                        c[s] += p.cost.optimizer_step_time(share, meta.dtype);
+                    }
                     // Gradient sync over the pending axes (ring all-reduce ≈ reduce-scatter +
                     // all-gather); ZeRO-3 also gathers the weight in forward and backward.
                     let bytes = elems * eb;

@@ -91,6 +91,10 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         }
         Op::Rope { inv_freq, inverse } => one(attention::rope(x[0], inv_freq, *inverse)?),
         Op::AdamW(spec) => optim::adamw(spec, x),
+        // A move between memory tiers is a real copy into a buffer of the destination tier
+        // (on the CPU both tiers are this process's memory; the executor charges each to its
+        // tier's accountant).
+        Op::Transfer { .. } => one(x[0].copy()?),
         // Groups of one device move nothing; larger ones need the SPMD runtime's communicator.
         Op::Reshard(spec) if spec.forward.iter().all(|s| s.size == 1) => one(x[0].clone()),
         Op::Send(_) | Op::Recv(..) => Err(RuntimeError::Binding(

@@ -1,0 +1,200 @@
+//! The offload phase of the automatic search: when nothing fits on the devices, the fastest
+//! plan that keeps some chunks' state on the host (or the NVMe) and fits every tier.
+//!
+//! Over every Megatron-style `dp × tp (sp)` layout and ZeRO stage (0 on one replica; 1 and 3
+//! with data parallelism), each offload kind (`opt`, `grads+opt`), and micro-batch counts from
+//! the fewest: the first count at which offloading every chunk fits the device is taken, the
+//! fewest chunks that still fit are found by bisection (the device peak only falls as chunks
+//! leave it; the host's only rises; the step only slows, the host's AdamW being slower than the
+//! device's), and when the host cannot hold their state, the fewest of them whose state on the
+//! NVMe lets it (bisection again: each chunk moved to the NVMe lowers the host peak and adds
+//! NVMe traffic). Each probe is the ordinary candidate evaluation — sharding ILP, joint
+//! checkpointing, the Program lowered and simulated — with the offload in its lowering, so a
+//! plan's host and NVMe peaks are its Program's. A fit whose host (or NVMe) peak misses its
+//! tier is kept aside for the error, which then names the least memory per tier that would do.
+
+use super::rounds::{megatron_jobs, parallel_map, Job};
+use super::Request;
+use crate::offload::{Offload, OffloadKind, CHUNKS};
+use crate::search::{self, AxisRule, Candidate, Evaluated};
+use crate::{Mesh, PlanError, Result};
+use tessera_ir::Tier;
+
+/// What the phase found: the fastest fit of every tier, or what the tiers missed by.
+pub(super) struct OffloadPhase {
+    pub(super) fit: Option<Evaluated>,
+    /// Least host memory (and NVMe) a device-fitting offloaded plan needs, with its config.
+    pub(super) least_tiers: Option<(u64, u64, String)>,
+}
+
+/// One (layout, ZeRO stage, kind) line of the phase.
+struct Line {
+    mesh: Mesh,
+    sp: bool,
+    zero: u8,
+    kind: OffloadKind,
+}
+
+#[derive(Default)]
+struct LineResult {
+    fit: Option<Evaluated>,
+    least_tiers: Option<(u64, u64, String)>,
+}
+
+pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
+    if req.cluster.host.memory_bytes == 0 {
+        return Ok(OffloadPhase { fit: None, least_tiers: None });
+    }
+    let mut lines = Vec::new();
+    for job in megatron_jobs(req) {
+        let Job::Megatron { dp, tp, sp } = job else { continue };
+        let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
+        let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
+        for &zero in zeros {
+            for kind in [OffloadKind::Opt, OffloadKind::GradsOpt] {
+                lines.push(Line { mesh: mesh.clone(), sp, zero, kind });
+            }
+        }
+    }
+    let results = parallel_map(&lines, |line| run_line(req, line));
+    let mut phase = OffloadPhase { fit: None, least_tiers: None };
+    for r in results {
+        let r = r?;
+        if let Some(e) = r.fit {
+            if phase.fit.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
+                phase.fit = Some(e);
+            }
+        }
+        if let Some(t) = r.least_tiers {
+            if phase.least_tiers.as_ref().is_none_or(|b| (t.0, t.1) < (b.0, b.1)) {
+                phase.least_tiers = Some(t);
+            }
+        }
+    }
+    Ok(phase)
+}
+
+fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
+    let mut out = LineResult::default();
+    let cand = |mb: usize, chunks: u32, nvme: u32| Candidate {
+        mesh: line.mesh.clone(),
+        rule: AxisRule::Megatron { sp: line.sp },
+        zero: line.zero,
+        micro_batches: mb,
+        offload: Some(Offload { kind: line.kind, chunks, nvme }),
+    };
+    let has_nvme = req.cluster.nvme.is_some_and(|n| n.capacity_bytes > 0);
+    let dp = line.mesh.shape[0];
+    for mb in req.micro_batch_options() {
+        if !req.batch.is_multiple_of(dp * mb) {
+            continue;
+        }
+        let Some(all) = probe(req, &cand(mb, CHUNKS, 0), req.budget)? else { continue };
+        // The fewest chunks that still fit the device.
+        let (mut lo, mut hi, mut best) = (0u32, CHUNKS, all);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            match probe(req, &cand(mb, mid, 0), req.budget)? {
+                Some(e) => {
+                    hi = mid;
+                    best = e;
+                }
+                None => lo = mid,
+            }
+        }
+        let chunks = hi;
+        let host_fits =
+            |e: &Evaluated| e.lowered.memory.host_peak_bytes <= req.cluster.host.memory_bytes;
+        let mut nvme = 0;
+        if !host_fits(&best) && has_nvme {
+            // The fewest of them whose state on the NVMe lets the host hold the rest: every
+            // one first (the least the host can need), then bisection.
+            if let Some(e) = probe(req, &cand(mb, chunks, chunks), req.budget)? {
+                let fits = host_fits(&e);
+                (best, nvme) = (e, chunks);
+                let mut lo = 0u32;
+                while fits && nvme - lo > 1 {
+                    let mid = (lo + nvme) / 2;
+                    match probe(req, &cand(mb, chunks, mid), req.budget)?.filter(|e| host_fits(e)) {
+                        Some(e) => (best, nvme) = (e, mid),
+                        None => lo = mid,
+                    }
+                }
+            }
+        }
+        let m = &best.lowered.memory;
+        if crate::offload::check_tiers(&req.cluster, m, "").is_ok() {
+            out.fit = Some(best);
+        } else {
+            let config = describe(line, mb, chunks, nvme);
+            out.least_tiers = Some((m.host_peak_bytes, m.nvme_peak_bytes, config));
+        }
+        break;
+    }
+    Ok(out)
+}
+
+/// A candidate's fastest fit on the device (`None`: nothing fits it). Each probe has a problem
+/// of its own: the search's per-problem memory (a layout's state marked hopeless, the least
+/// peaks) is keyed without the offload, which changes what a layout holds.
+fn probe(req: &Request<'_>, cand: &Candidate, budget: u64) -> Result<Option<Evaluated>> {
+    let p = req.problem();
+    Ok(search::evaluate(&p, cand, Some(budget))?.filter(|e| e.peak_bytes() <= budget))
+}
+
+fn describe(line: &Line, mb: usize, chunks: u32, nvme: u32) -> String {
+    let cfg = crate::config::ParallelConfig {
+        dp: line.mesh.shape[0],
+        tp: line.mesh.shape[1],
+        zero: line.zero,
+        micro_batches: mb,
+        sp: line.sp,
+        offload: Some(Offload { kind: line.kind, chunks, nvme }),
+        ..Default::default()
+    };
+    cfg.canonical()
+}
+
+/// The error when not even offloading fits: the device's least peak, or the least host memory
+/// (and NVMe) a device-fitting offloaded plan needs.
+pub(super) fn infeasible(req: &Request<'_>, phase: &OffloadPhase, device: PlanError) -> PlanError {
+    let Some((host, nvme, config)) = &phase.least_tiers else {
+        return match device {
+            // No host memory to offload to: say that one could.
+            PlanError::Infeasible { budget, needed, hint }
+                if req.cluster.host.memory_bytes == 0 =>
+            {
+                PlanError::Infeasible {
+                    budget,
+                    needed,
+                    hint: format!(
+                        "{hint}; or let the plan offload optimizer state to host memory \
+                         (--host-memory SIZE)"
+                    ),
+                }
+            }
+            other => other,
+        };
+    };
+    let (tier, budget, needed) = if *host > req.cluster.host.memory_bytes {
+        (Tier::Host, req.cluster.host.memory_bytes, *host)
+    } else {
+        (Tier::Nvme, req.cluster.nvme.map_or(0, |n| n.capacity_bytes), *nvme)
+    };
+    PlanError::TierInfeasible {
+        tier,
+        budget,
+        needed,
+        hint: format!(
+            "nothing fits the device's {} without offload; `{config}` fits it and needs {} of \
+             host memory{}: give --host-memory or --nvme-size that large, or add devices",
+            crate::units::format_bytes(req.budget),
+            crate::units::format_bytes(*host),
+            if *nvme > 0 {
+                format!(" and {} of NVMe", crate::units::format_bytes(*nvme))
+            } else {
+                String::new()
+            }
+        ),
+    }
+}
