@@ -53,7 +53,7 @@ def params(shape, layers):
 
 def largest(shape, cluster, extra):
     """The deepest model that plans (bisection over layers), with its plan."""
-    lo, hi, best = 0, 512, None
+    lo, hi, best = 0, 1024, None
     while hi - lo > 1:
         mid = (lo + hi) // 2
         p = plan(config(shape, mid), cluster, extra)
@@ -65,36 +65,38 @@ def largest(shape, cluster, extra):
 
 
 def capacity():
+    none = ["--host-memory", "0", "--nvme-size", "0"]
+    host64 = ["--host-memory", "64GiB", "--nvme-size", "0"]
+    nvme = ["--host-memory", "64GiB", "--nvme-size", "1TB"]
     settings = [
-        ("1xRTX3080", "device only", ["--host-memory", "0", "--nvme-size", "0"]),
-        ("1xRTX3080", "+ 64 GiB host", ["--host-memory", "64GiB", "--nvme-size", "0"]),
-        ("1xRTX3080", "+ 64 GiB host + 1 TB NVMe", ["--host-memory", "64GiB", "--nvme-size", "1TB"]),
-        ("1xRTX4090", "+ 64 GiB host + 1 TB NVMe", ["--host-memory", "64GiB", "--nvme-size", "1TB"]),
-        ("1xH200", "+ 1.5 TiB host", ["--host-memory", "1536GiB", "--nvme-size", "0"]),
+        ("1xRTX3080", [("device only", none), ("+ 64 GiB host", host64),
+                       ("+ 64 GiB host + 1 TB NVMe", nvme)]),
+        ("1xRTX4090", [("device only", none), ("+ 64 GiB host + 1 TB NVMe", nvme)]),
+        ("1xH200", [("device only", none),
+                    ("+ 1.5 TiB host", ["--host-memory", "1536GiB", "--nvme-size", "0"])]),
     ]
     print("| shape | GPU | tiers | largest model | params | plan | step (s) | host peak | NVMe peak | × device only |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for shape in SHAPES:
-        base = None
-        for cluster, what, extra in settings:
-            layers, p = largest(shape, cluster, extra)
-            n = params(shape, layers)
-            if what == "device only":
-                base = n
-            if p is None:
-                print(f"| {shape} | {cluster} | {what} | none | | | | | | |")
-                continue
-            o = p.get("offload") or {}
-            ratio = f"{n / base:.1f}×" if base else ""
+        for cluster, tiers in settings:
+            base = None
+            for what, extra in tiers:
+                layers, p = largest(shape, cluster, extra)
+                n = params(shape, layers)
+                base = base or n
+                if p is None:
+                    print(f"| {shape} | {cluster} | {what} | none | | | | | | |")
+                    continue
+                o = p.get("offload") or {}
 
-            def gib(b):
-                return f"{b / 2**30:.1f} GiB"
+                def gib(b):
+                    return f"{b / 2**30:.1f} GiB"
 
-            print(f"| {shape} | {cluster} | {what} | {layers} layers | {n / 1e9:.2f} B | "
-                  f"`{p['config']}` | {p['predicted']['step_time_s']:.2f} | "
-                  f"{gib(o.get('host_peak_bytes', 0))} | {gib(o.get('nvme_peak_bytes', 0))} | "
-                  f"{ratio} |")
-            sys.stdout.flush()
+                print(f"| {shape} | {cluster} | {what} | {layers} layers | {n / 1e9:.2f} B | "
+                      f"`{p['config']}` | {p['predicted']['step_time_s']:.2f} | "
+                      f"{gib(o.get('host_peak_bytes', 0))} | {gib(o.get('nvme_peak_bytes', 0))} | "
+                      f"{n / base:.1f}× |")
+                sys.stdout.flush()
 
 
 def speed():

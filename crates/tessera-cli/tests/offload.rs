@@ -1,7 +1,8 @@
 //! Offload to host memory and NVMe (issue 19), end to end through the `tessera` binary: under a
 //! device budget below the model's state the automatic plan offloads, and the run's losses are
 //! the unconstrained run's while the device and host accountants peak exactly where the plan's
-//! Program says; the NVMe tier and ZeRO-3 on 4 devices likewise; offloaded state checkpoints
+//! Program says; parameters resting on the host, the NVMe tier and ZeRO-3 on 4 devices
+//! likewise; offloaded state checkpoints
 //! and resumes under another plan; bad tiers are refused before the first step.
 
 use serde_json::Value;
@@ -128,8 +129,19 @@ fn offloaded_runs_train_exactly_and_peak_as_predicted() {
     let host = u64s(&r["memory"]["host_peak_bytes"]["measured"]);
     assert!(host[0] <= 40 << 20, "the host peak {host:?} stays within --host-memory");
 
-    // ZeRO-3 over 4 devices with offload (ZeRO-Infinity's layout), host and NVMe chunks.
-    let plan = "dp4 tp1 zero3 offload=grads+opt nvme:4";
+    // Parameters resting on the host too, fetched before each use (one block ahead) and again
+    // for the backward pass.
+    let (r, losses) = train(
+        dir.path(),
+        "all",
+        &["--devices", "1", "--plan", "dp1 tp1 mb2 offload=all", "--host-memory", "1GiB"],
+    );
+    same_losses("parameters on the host", &losses, &reference);
+    peaks_as_predicted("parameters on the host", &r, None);
+
+    // ZeRO-3 over 4 devices with everything offloaded (ZeRO-Infinity's layout), host and NVMe
+    // chunks.
+    let plan = "dp4 tp1 zero3 offload=all nvme:4";
     let (r, losses) = train(
         dir.path(),
         "zero3",
@@ -249,21 +261,14 @@ fn tiers_that_cannot_hold_the_plan_are_refused_before_the_first_step() {
 fn a_large_model_on_one_consumer_gpu_is_an_offloaded_plan_not_an_error() {
     // The CLI contract's command: llama2-7b does not fit a 24 GiB RTX 4090 on its own; with
     // 64 GiB of host memory (and the preset's 1 TB NVMe) the answer is an offloaded plan.
-    let (ok, out, err) = tessera(&[
-        "plan",
-        "--model",
-        "llama2-7b",
-        "--cluster",
-        "1xRTX4090",
-        "--batch",
-        "4",
-        "--seq",
-        "1024",
-        "--host-memory",
-        "64GiB",
-        "--format",
-        "json",
-    ]);
+    let plan_7b = |extra: &[&str]| {
+        let mut args = vec!["plan", "--model", "llama2-7b", "--cluster", "1xRTX4090"];
+        args.extend(["--batch", "4", "--seq", "1024", "--host-memory", "64GiB"]);
+        args.extend_from_slice(extra);
+        args.extend(["--format", "json"]);
+        tessera(&args)
+    };
+    let (ok, out, err) = plan_7b(&[]);
     assert!(ok, "{err}");
     let plan: Value = serde_json::from_str(&out).unwrap();
     let o = &plan["offload"];
@@ -275,23 +280,7 @@ fn a_large_model_on_one_consumer_gpu_is_an_offloaded_plan_not_an_error() {
     assert_eq!(o["chunks"].as_array().unwrap().len(), 16);
     // Without the NVMe, 64 GiB cannot hold 6.7 B parameters' AdamW state (12 bytes each):
     // refused, naming the host memory the least-offloaded fitting plan needs.
-    let (ok, out, _) = tessera(&[
-        "plan",
-        "--model",
-        "llama2-7b",
-        "--cluster",
-        "1xRTX4090",
-        "--batch",
-        "4",
-        "--seq",
-        "1024",
-        "--host-memory",
-        "64GiB",
-        "--nvme-size",
-        "0",
-        "--format",
-        "json",
-    ]);
+    let (ok, out, _) = plan_7b(&["--nvme-size", "0"]);
     assert!(!ok);
     let e = &serde_json::from_str::<Value>(&out).unwrap()["error"];
     assert_eq!(e["kind"], "infeasible");

@@ -20,6 +20,7 @@
 //! one Program and N peaks; the device's mesh coordinate selects its shards at run time.
 
 use crate::cost::CostModel;
+use crate::offload::OffloadKind;
 use crate::reshard::cheapest_path;
 use crate::rules::{local_meta, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
@@ -301,6 +302,15 @@ pub(crate) struct LocalForward<'a> {
     /// Local parameter → its info (for the optimizer hooks).
     pub(crate) local_params: HashMap<TensorId, ParamInfo>,
     pub(crate) leaf_specs: Vec<(String, Spec)>,
+    /// `offload=all`: the (global) parameters that rest on the host, fetched to the device
+    /// before each use.
+    on_host: std::collections::HashSet<TensorId>,
+    /// Host parameters fetched ahead of their reader: at node → (parameter, reader) pairs,
+    /// and the device copies made so far, by (parameter, reader).
+    prefetch_at: HashMap<NodeId, Vec<(TensorId, NodeId)>>,
+    prefetched: HashMap<(TensorId, NodeId), TensorId>,
+    /// The forward node being lowered (whose inputs [`LocalForward::fetch`] brings).
+    current: NodeId,
 }
 
 impl<'a> LocalForward<'a> {
@@ -322,9 +332,46 @@ impl<'a> LocalForward<'a> {
             params: HashMap::new(),
             local_params: HashMap::new(),
             leaf_specs: Vec::new(),
+            on_host: match &opts.offload {
+                Some(o) if o.kind == crate::offload::OffloadKind::All => {
+                    o.offloaded(g).into_iter().map(|(p, _)| p).collect()
+                }
+                _ => Default::default(),
+            },
+            prefetch_at: HashMap::new(),
+            prefetched: HashMap::new(),
+            current: NodeId(0),
         };
         lw.plan_params(opts.zero)?;
+        lw.plan_prefetch();
         Ok(lw)
+    }
+
+    /// Where each host parameter's copy for a reader is fetched: when the block before the
+    /// reader's begins (one block of compute to hide the copy behind), or at the reader when
+    /// nothing precedes it in another block.
+    fn plan_prefetch(&mut self) {
+        if self.on_host.is_empty() {
+            return;
+        }
+        let g = self.g;
+        let mut first_of: HashMap<u32, usize> = HashMap::new();
+        for (i, n) in g.nodes.iter().enumerate() {
+            if let Some(b) = n.block {
+                first_of.entry(b).or_insert(i);
+            }
+        }
+        let consumers = g.consumers();
+        for &p in &self.on_host {
+            for &c in &consumers[p.index()] {
+                let here = g.node(c).block;
+                let before = (0..c.index())
+                    .rev()
+                    .find_map(|j| g.nodes[j].block.filter(|&b| Some(b) != here));
+                let at = before.and_then(|b| first_of.get(&b).copied()).unwrap_or(c.index());
+                self.prefetch_at.entry(NodeId(at as u32)).or_default().push((p, c));
+            }
+        }
     }
 
     fn strat(&self, n: NodeId) -> Result<&'a Strategy> {
@@ -416,25 +463,12 @@ impl<'a> LocalForward<'a> {
             self.b.set_block(node.block);
             self.b.set_phase(Phase::Forward);
             let name = self.g.scope_name(node.scope).to_string();
+            self.current = id;
+            self.prefetch(id)?;
             match &node.op {
-                Op::Parameter(_) => {
-                    let p = node.outputs[0];
-                    let info = &self.params[&p];
-                    let spec = info.stored.clone();
-                    let m = self.local(p, &spec)?;
-                    let lp = self.b.parameter(&name, m.shape.clone(), m.dtype);
-                    // Optimizer state lives on the ZeRO-1/2 shard of the stored parameter.
-                    let mut state = spec.clone();
-                    if matches!(self.zero, 1 | 2) && !info.zero_axes.is_empty() {
-                        state.dims[info.zero_dim].extend(info.zero_axes.iter().copied());
-                    }
-                    for kind in StateKind::ALL {
-                        self.leaf_specs.push((state_key(&name, kind), state.clone()));
-                    }
-                    self.leaf_specs.push((name, spec.clone()));
-                    self.local_params.insert(lp, self.params[&p].clone());
-                    self.home[p.index()] = Some((lp, spec));
-                }
+                // (A prefetched host parameter was made earlier.)
+                Op::Parameter(_) if self.home[node.outputs[0].index()].is_some() => {}
+                Op::Parameter(_) => self.make_param(node.outputs[0])?,
                 Op::Input(_) => {
                     let t = node.outputs[0];
                     let spec = self.first_use(t, &consumers)?;
@@ -518,6 +552,59 @@ impl<'a> LocalForward<'a> {
             .map_err(internal)
     }
 
+    /// The local leaf of parameter `p` (in the host tier when it rests there), its stored spec
+    /// and its optimizer state's.
+    fn make_param(&mut self, p: TensorId) -> Result<()> {
+        let node = self.g.producer(p);
+        let name = self.g.scope_name(node.scope).to_string();
+        let info = &self.params[&p];
+        let spec = info.stored.clone();
+        let m = self.local(p, &spec)?;
+        let block = self.b.block();
+        self.b.set_block(node.block);
+        if self.on_host.contains(&p) {
+            self.b.set_leaf_tier(Tier::Host);
+        }
+        let lp = self.b.parameter(&name, m.shape.clone(), m.dtype);
+        self.b.set_leaf_tier(Tier::Device);
+        self.b.set_block(block);
+        // Optimizer state lives on the ZeRO-1/2 shard of the stored parameter.
+        let mut state = spec.clone();
+        if matches!(self.zero, 1 | 2) && !info.zero_axes.is_empty() {
+            state.dims[info.zero_dim].extend(info.zero_axes.iter().copied());
+        }
+        for kind in StateKind::ALL {
+            self.leaf_specs.push((state_key(&name, kind), state.clone()));
+        }
+        self.leaf_specs.push((name, spec.clone()));
+        self.local_params.insert(lp, self.params[&p].clone());
+        self.home[p.index()] = Some((lp, spec));
+        Ok(())
+    }
+
+    fn copy_to_device(&mut self, src: TensorId) -> Result<TensorId> {
+        self.b.push1(Op::Transfer { from: Tier::Host, to: Tier::Device }, &[src]).map_err(internal)
+    }
+
+    /// Starts the host parameter copies due at node `at` (see [`LocalForward::plan_prefetch`]).
+    fn prefetch(&mut self, at: NodeId) -> Result<()> {
+        let Some(due) = self.prefetch_at.remove(&at) else { return Ok(()) };
+        for (p, reader) in due {
+            if self.home[p.index()].is_none() {
+                self.make_param(p)?;
+            }
+            let Some((src, _)) = self.home[p.index()].clone() else { continue };
+            // The copy is the reader's block's (its checkpointing and accounting), issued
+            // during the block before.
+            let block = self.b.block();
+            self.b.set_block(self.g.node(reader).block);
+            let copy = self.copy_to_device(src);
+            self.b.set_block(block);
+            self.prefetched.insert((p, reader), copy?);
+        }
+        Ok(())
+    }
+
     /// `t` in spec `want` for a reader that splits its work over `compute`.
     fn fetch(&mut self, t: TensorId, want: &Spec, compute: &[usize]) -> Result<TensorId> {
         let producer = self.g.producer(t);
@@ -525,9 +612,18 @@ impl<'a> LocalForward<'a> {
             let m = self.local(t, want)?;
             return self.b.fill(value, m.shape.clone(), m.dtype).map_err(internal);
         }
-        let (src, have) = self.home[t.index()].clone().ok_or_else(|| {
+        let (mut src, have) = self.home[t.index()].clone().ok_or_else(|| {
             PlanError::Internal(format!("{} used before it is made", self.g.tensor_scope(t)))
         })?;
+        if self.on_host.contains(&t) {
+            // A host-resident parameter comes to the device for each reader, prefetched (the
+            // replay fetches it again for the backward pass); its gradient goes back by the
+            // copy's VJP.
+            src = match self.prefetched.remove(&(t, self.current)) {
+                Some(copy) => copy,
+                None => self.copy_to_device(src)?,
+            };
+        }
         let meta = self.g.meta(t).clone();
         let differentiable = meta.dtype.is_float();
         let live: Vec<usize> =
@@ -684,6 +780,8 @@ impl UpdateHooks for DistHooks<'_> {
         self.synced.insert(param, spec);
         let synced = Self::reshard(b, grad, steps)?;
         match self.offloaded(param) {
+            // Parameters on the host get their gradients there (the fetch's VJP).
+            Some(OffloadKind::All) => Ok(synced),
             // Moved as soon as it is complete (the replay places it after the last
             // contribution), so the device never holds the chunk's gradients together.
             Some(kind) if kind.eager_grads() => Self::transfer(b, synced, Tier::Device, Tier::Host),
@@ -734,7 +832,7 @@ impl UpdateHooks for DistHooks<'_> {
     fn update_target(&mut self, b: &mut Builder, param: TensorId) -> tessera_ir::Result<TensorId> {
         let Some(info) = self.params.get(&param) else { return Ok(param) };
         let sharded = self.shards_state(info);
-        if self.offloaded(param).is_some() {
+        if self.offloaded(param).is_some_and(|k| k != OffloadKind::All) {
             let mut shape = b.shape(param).dims().to_vec();
             if sharded {
                 let k: usize = info.zero_axes.iter().map(|&a| self.mesh.shape[a]).product();
@@ -801,8 +899,11 @@ impl UpdateHooks for DistHooks<'_> {
     ) -> tessera_ir::Result<Option<TensorId>> {
         let Some(info) = self.params.get(&param) else { return Ok(None) };
         let sharded = self.shards_state(info);
-        // An offloaded update comes back to the device (then gathers like any ZeRO shard).
+        // An offloaded update comes back to the device (then gathers like any ZeRO shard); a
+        // host-resident parameter is updated where it rests.
         let target = match self.offloaded(param) {
+            Some(OffloadKind::All) if !sharded => return Ok(None),
+            Some(OffloadKind::All) => target,
             Some(_) => Self::transfer(b, target, Tier::Host, Tier::Device)?,
             None if !sharded => return Ok(None),
             None => target,
@@ -817,8 +918,14 @@ impl UpdateHooks for DistHooks<'_> {
     }
 }
 
+/// Forward values the backward pass makes again rather than keeps: all-gathered tensors
+/// (sequence parallel, ZeRO-3) and host-resident parameters fetched to the device.
 fn gathers(op: &Op) -> bool {
-    matches!(op, Op::Reshard(s) if s.forward.iter().any(|c| matches!(c.op, Collective::AllGather { .. })))
+    match op {
+        Op::Reshard(s) => s.forward.iter().any(|c| matches!(c.op, Collective::AllGather { .. })),
+        Op::Transfer { from: Tier::Host, to: Tier::Device } => true,
+        _ => false,
+    }
 }
 
 /// Micro-batch unrolling, early gradient synchronisation and backward re-gathers (see the
@@ -1163,10 +1270,12 @@ pub fn simulate_time(
 /// instruction order over five resources — the device's compute stream, the host's CPU, the
 /// host link's two directions (PCIe is full duplex) and the NVMe (reads and writes share the
 /// drive) — where a node starts when its
-/// resource is free and its inputs are ready. Collectives take no time here (the step prices
-/// them apart); the delay is the makespan less the device's busy time, i.e. the time the device
-/// waits for a copy or the host (a prefetch not yet arrived, the host's AdamW still running
-/// after the backward pass).
+/// resource is free and its inputs are ready, and a copy or host op no earlier than the device
+/// op before it in the Program starts (it is issued when the Program reaches it: a prefetch is
+/// as early as its place in the Program, where the memory simulation charges its buffer).
+/// Collectives take no time here (the step prices them apart); the delay is the makespan less
+/// the device's busy time, i.e. the time the device waits for a copy or the host (a prefetch
+/// not yet arrived, the host's AdamW still running after the backward pass).
 fn offload_delay(p: &Program, cost: &CostModel) -> f64 {
     #[derive(Clone, Copy)]
     enum Res {
@@ -1179,7 +1288,7 @@ fn offload_delay(p: &Program, cost: &CostModel) -> f64 {
     let g = p.graph();
     let mut ready = vec![0.0f64; g.tensors.len()];
     let mut free = [0.0f64; 5];
-    let (mut device_busy, mut end) = (0.0f64, 0.0f64);
+    let (mut device_busy, mut end, mut issued) = (0.0f64, 0.0f64, 0.0f64);
     let mut x: Vec<&TensorMeta> = Vec::new();
     let mut y: Vec<&TensorMeta> = Vec::new();
     for instr in &p.instrs {
@@ -1203,11 +1312,12 @@ fn offload_delay(p: &Program, cost: &CostModel) -> f64 {
             _ => (Res::Device, cost.op_time(&n.op, &x, &y)),
         };
         let inputs = n.inputs.iter().map(|&i| ready[i.index()]).fold(0.0, f64::max);
-        let start = free[res as usize].max(inputs);
+        let start = free[res as usize].max(inputs).max(issued);
         let done = start + secs;
         free[res as usize] = done;
         if matches!(res, Res::Device) {
             device_busy += secs;
+            issued = start;
         }
         for &o in &n.outputs {
             ready[o.index()] = done;

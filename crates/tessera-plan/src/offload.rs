@@ -123,7 +123,8 @@ impl Offload {
 
 /// Each parameter of `g` with its chunk (0-based): parameters in creation order, cut into
 /// [`CHUNKS`] runs of about equal bytes (a parameter belongs to the chunk its first byte falls
-/// in).
+/// in, so a parameter larger than a chunk — GPT-2's embedding — leaves the chunks it spans
+/// empty, and the plan lists the chunks that hold parameters).
 pub fn chunk_of(g: &Graph) -> Vec<(TensorId, u32)> {
     let params = g.parameters();
     let total: u64 = params.iter().map(|&p| g.meta(p).size_bytes()).sum::<u64>().max(1);
@@ -156,12 +157,11 @@ impl fmt::Display for Offload {
 
 /// Checks a config's offload against what the lowering supports.
 pub fn check(offload: &Offload) -> Result<()> {
-    if offload.kind == OffloadKind::All {
-        return Err(PlanError::Invalid(
-            "offload=all (parameters resting on the host, fetched before each use) is not \
-             implemented yet; use offload=grads+opt, which moves gradients and optimizer state"
-                .into(),
-        ));
+    if offload.chunks == 0 || offload.chunks > CHUNKS {
+        return Err(PlanError::Invalid(format!(
+            "offload of {} chunks: give 1 to {CHUNKS}",
+            offload.chunks
+        )));
     }
     Ok(())
 }
@@ -187,7 +187,7 @@ pub struct OffloadJson {
     /// As the config string writes it: `offload=grads+opt:8/16`.
     pub config: String,
     pub kind: OffloadKind,
-    /// Offloaded chunks (the first ones in execution order) out of `chunks.len()`.
+    /// Offloaded chunks (the first ones in execution order) out of [`CHUNKS`].
     pub chunks_offloaded: u32,
     /// Of those, the chunks whose optimizer state rests on the NVMe (the last ones).
     pub nvme_chunks: u32,
@@ -234,7 +234,11 @@ impl OffloadJson {
                         first: g.tensor_scope(p).to_string(),
                         params: 1,
                         bytes,
-                        params_tier: Tier::Device,
+                        params_tier: if off && offload.kind == OffloadKind::All {
+                            Tier::Host
+                        } else {
+                            Tier::Device
+                        },
                         // Either way an offloaded gradient is moved to the host; `opt` keeps
                         // it on the device through the backward pass.
                         grads_tier: if off && eager { Tier::Host } else { Tier::Device },
@@ -307,12 +311,11 @@ impl OffloadJson {
             n => format!("host ({n} of them on the NVMe)"),
         };
         let mut s = format!(
-            "offload   {}: {} of {} chunks' {} on the {lower}; host peak {} of {}{}\n\
+            "offload   {}: {} of {CHUNKS} chunks' {} on the {lower}; host peak {} of {}{}\n\
              \x20         {} moved per step: copies {:.4} s + host AdamW {:.4} s, {:.0}% hidden \
              ({:.4} s exposed)\n",
             self.config,
             self.chunks_offloaded,
-            self.chunks.len(),
             match self.kind {
                 OffloadKind::Opt => "optimizer state",
                 OffloadKind::GradsOpt => "gradients and optimizer state",

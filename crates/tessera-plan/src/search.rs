@@ -762,10 +762,12 @@ fn frugal_fit(
             false => miss(&full, recompute),
         });
     }
-    // Full recompute fits, so the choice always finds a plan (full itself at worst).
+    // Full recompute fits, so the choice always finds a plan: full itself at worst (the DP's
+    // per-block model can miss where blocks share what they hold — an offloaded parameter
+    // prefetched during the block before — and then every choice it verifies misses).
     match crate::ckpt::choose_after(u, mesh, &p.cost, budget as u64, bound, none, full)? {
         Ok(l) => Ok(Frugal::Fits(Box::new(l))),
-        Err(_) => Err(PlanError::Internal("full recompute fitted, then did not".into())),
+        Err(_) => Ok(Frugal::Fits(Box::new(finish(&recompute)?))),
     }
 }
 

@@ -34,7 +34,9 @@ impl Case {
             seq,
             dtype: DType::BF16,
             budget,
-            cluster: Cluster::parse(self.cluster).unwrap(),
+            // Device memory alone: no host to offload to (offload has its own least-memory
+            // report, per tier: `tests/offload.rs` in tessera-cli).
+            cluster: Cluster::parse(self.cluster).unwrap().with_host_memory(0),
             train: TrainConfig::default(),
             model_flops: 1e12,
             ckpt: CkptSearch::Joint,

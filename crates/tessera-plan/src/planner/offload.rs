@@ -2,7 +2,7 @@
 //! plan that keeps some chunks' state on the host (or the NVMe) and fits every tier.
 //!
 //! Over every Megatron-style `dp × tp (sp)` layout and ZeRO stage (0 on one replica; 1 and 3
-//! with data parallelism), each offload kind (`opt`, `grads+opt`), and micro-batch counts from
+//! with data parallelism), each offload kind (`opt`, `grads+opt`, `all`), and micro-batch counts from
 //! the fewest: the first count at which offloading every chunk fits the device is taken, the
 //! fewest chunks that still fit are found by bisection (the device peak only falls as chunks
 //! leave it; the host's only rises; the step only slows, the host's AdamW being slower than the
@@ -51,7 +51,7 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
         let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
         let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
-            for kind in [OffloadKind::Opt, OffloadKind::GradsOpt] {
+            for kind in [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All] {
                 lines.push(Line { mesh: mesh.clone(), sp, zero, kind });
             }
         }
@@ -139,7 +139,17 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
 /// peaks) is keyed without the offload, which changes what a layout holds.
 fn probe(req: &Request<'_>, cand: &Candidate, budget: u64) -> Result<Option<Evaluated>> {
     let p = req.problem();
-    Ok(search::evaluate(&p, cand, Some(budget))?.filter(|e| e.peak_bytes() <= budget))
+    match search::evaluate(&p, cand, Some(budget)) {
+        Ok(e) => Ok(e.filter(|e| e.peak_bytes() <= budget)),
+        // One candidate the lowering cannot carry out does not end the search: it is a miss.
+        Err(PlanError::Internal(why)) => {
+            if std::env::var_os("TESSERA_TRACE").is_some() {
+                eprintln!("trace: offload candidate {:?} failed: {why}", cand.offload);
+            }
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 fn describe(line: &Line, mb: usize, chunks: u32, nvme: u32) -> String {
