@@ -3,7 +3,7 @@
 //! the unconstrained run's while the device and host accountants peak exactly where the plan's
 //! Program says; parameters resting on the host, the NVMe tier and ZeRO-3 on 4 devices
 //! likewise; offloaded state checkpoints
-//! and resumes under another plan; bad tiers are refused before the first step.
+//! and resumes under another plan after a kill; bad tiers are refused before the first step.
 
 use serde_json::Value;
 use std::path::Path;
@@ -179,28 +179,40 @@ fn offloaded_state_checkpoints_and_resumes_under_another_plan() {
             .map(|l| serde_json::from_str::<Value>(l).unwrap()["loss"].as_f64().unwrap())
             .collect()
     };
-    let run = |extra: &[&str]| {
+    let run = |extra: &[&str], fault: Option<&str>| {
         let mut args = vec!["train", "--devices", "1"];
         args.extend_from_slice(RUN);
         args.extend_from_slice(extra);
-        let (ok, out, err) = tessera(&args);
-        assert!(ok, "tessera {args:?}:\n{err}\n{out}");
+        let mut cmd = Command::new(BIN);
+        cmd.args(&args);
+        if let Some(f) = fault {
+            cmd.env("TESSERA_FAULT", f);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), fault.is_none(), "tessera {args:?}:\n{err}");
     };
     let straight = log("straight.jsonl");
-    run(&[&steps("4")[..], &["--log-json", &straight]].concat());
-    // Two steps with the optimizer state on the host and the NVMe, saved; two more on the
-    // device alone.
+    run(&[&steps("4")[..], &["--log-json", &straight]].concat(), None);
+    // Everything offloaded, saved every 2 steps, killed (SIGKILL's exit) before step 4: the
+    // step-2 checkpoint, offloaded state included, resumes on the device alone.
     let first = log("first.jsonl");
-    run(&[
-        &steps("4")[..],
-        &["--stop-after", "2", "--save", c, "--log-json", &first],
-        &["--plan", "dp1 tp1 offload=grads+opt nvme:8", "--host-memory", "1GiB"],
-        &["--nvme-size", "1GiB", "--offload-dir", dir.path().to_str().unwrap()],
-    ]
-    .concat());
+    run(
+        &[
+            &steps("4")[..],
+            &["--save-every", "2", "--save", c, "--log-json", &first],
+            &["--plan", "dp1 tp1 offload=all nvme:8", "--host-memory", "1GiB"],
+            &["--nvme-size", "1GiB", "--offload-dir", dir.path().to_str().unwrap()],
+        ]
+        .concat(),
+        Some("rank=0,step=4,kind=kill"),
+    );
+    let mut saved = losses("first.jsonl");
+    assert_eq!(saved.len(), 3, "steps 1-3 ran before the kill");
+    saved.truncate(2);
     let second = log("second.jsonl");
-    run(&[&steps("4")[..], &["--resume", c, "--log-json", &second]].concat());
-    let mut resumed = losses("first.jsonl");
+    run(&[&steps("4")[..], &["--resume", c, "--log-json", &second]].concat(), None);
+    let mut resumed = saved;
     resumed.extend(losses("second.jsonl"));
     same_losses("offloaded save, device resume", &resumed, &losses("straight.jsonl"));
 }

@@ -48,8 +48,9 @@ const PCIE3: Link = Link { latency_s: 10e-6, bandwidth: 12e9 };
 const PCIE4: Link = Link { latency_s: 10e-6, bandwidth: 25e9 };
 
 /// Fused CPU AdamW on a two-socket data-centre host: ZeRO-Offload (Ren et al., USENIX ATC
-/// 2021, Table 2) reports CPU-Adam updating 1 billion parameters in about 0.22 s on its
-/// DGX-2 host, ≈ 4.5e9 parameters/s per node.
+/// 2021, its CPU-Adam latency table) updates a billion parameters in about 0.2 s on its
+/// DGX-2 host, ≈ 4.5e9 parameters/s per node (our reading of the table; `tessera calibrate`
+/// measures a machine's own).
 const SERVER_ADAM_PARAMS_PER_S: f64 = 4.5e9;
 /// A desktop CPU (8–16 cores, two DDR4/DDR5 channels ≈ 50–80 GB/s): AdamW touches ~30 bytes
 /// per parameter (fp32 master, moments and gradient read and written, the half-precision

@@ -1,5 +1,5 @@
 //! The NVMe tier of an offloaded Program: buffers that rest in files under the run's offload
-//! directory (one subdirectory per rank), read back by background threads that the executor
+//! directory (one subdirectory per rank, `tessera-offload-rank{r}`), read back by background threads that the executor
 //! starts a few transfers ahead of use, and written by background threads so the step goes on
 //! while the drive works. A file is the tensor's little-endian f32 elements (the tier holds
 //! optimizer state, which is f32); a write lands in a temporary file renamed over the target,
@@ -29,10 +29,13 @@ fn io(what: &str, path: &Path, e: impl std::fmt::Display) -> RuntimeError {
 }
 
 impl NvmeStore {
-    /// Files under `dir/rank{rank}` (created now: a directory that cannot be made fails here,
-    /// before the first step).
+    /// Files under `dir/tessera-offload-rank{rank}` (made now, emptied of what a killed run
+    /// left: a directory that cannot be made fails here, before the first step).
     pub fn new(dir: &Path, rank: usize) -> Result<NvmeStore> {
-        let dir = dir.join(format!("rank{rank}"));
+        let dir = dir.join(format!("tessera-offload-rank{rank}"));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| io("clear", &dir, e))?;
+        }
         std::fs::create_dir_all(&dir).map_err(|e| io("create", &dir, e))?;
         Ok(NvmeStore { dir, files: HashMap::new(), writes: HashMap::new(), reads: HashMap::new() })
     }
