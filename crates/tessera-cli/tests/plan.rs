@@ -78,7 +78,12 @@ fn bad_input_is_one_clear_error() {
     fails(&["--cluster", "4xH100", "--plan", "dp2 tp4"], "8");
     fails(&["--cluster", "4xH100", "--plan", "dp2 pp4"], "8 devices");
     fails(&["--cluster", "4xH100", "--plan", "dp4 mb4"], "batch");
-    fails(&["--cluster", "4xH100", "--memory-budget", "1MiB"], "least any plan needs");
+    // Device memory alone (no host to offload to: `tests/offload.rs` has that case).
+    let device_only = ["--host-memory", "0"];
+    fails(
+        &["--cluster", "4xH100", "--memory-budget", "1MiB", device_only[0], device_only[1]],
+        "least any plan needs",
+    );
     fails(&["--cluster", "4xH100", "--memory-budget", "lots"], "invalid memory size");
 }
 
@@ -159,7 +164,8 @@ fn errors_are_json_under_format_json() {
         assert_eq!(format!("error: {message}"), err.trim_end(), "the same message on both");
         v["error"].clone()
     };
-    let base = [SMALL, &["--cluster", "4xH100", "--format", "json"]].concat();
+    // Device memory alone: with host memory 1 MiB plans by offloading everything.
+    let base = [SMALL, &["--cluster", "4xH100", "--format", "json", "--host-memory", "0"]].concat();
     let e = error(&[&base[..], &["--memory-budget", "1MiB"]].concat());
     assert_eq!(e["kind"], "infeasible");
     let (needed, budget) =
