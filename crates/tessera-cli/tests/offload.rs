@@ -299,3 +299,28 @@ fn a_large_model_on_one_consumer_gpu_is_an_offloaded_plan_not_an_error() {
     assert_eq!(e["tier"], "host");
     assert!(e["needed_bytes"].as_u64().unwrap() > 64 << 30, "{e}");
 }
+
+#[test]
+fn an_offloaded_plan_is_not_exported_as_something_else() {
+    // The engines' files would drop the offload: refused, naming it, with plans that export.
+    let (ok, out, err) = tessera(&[
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--cluster",
+        "1xcpu",
+        "--batch",
+        "4",
+        "--seq",
+        "64",
+        "--host-memory",
+        "1GiB",
+        "--plan",
+        "dp1 tp1 offload=opt",
+        "--export",
+        "deepspeed",
+    ]);
+    assert!(!ok, "{out}");
+    assert!(err.contains("offloads model state") && err.contains("offload=opt"), "{err}");
+    assert!(err.contains("dp1 tp1"), "names a plan without offload: {err}");
+}
