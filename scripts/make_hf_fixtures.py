@@ -12,6 +12,14 @@ fp32, plus `expected.json`:
      "loss_fp32": float,                      # the same from transformers' own fp32 loss
      ...}
 
+and `generate.json`, greedy generations by transformers' own `generate` (KV cache), each prompt
+on its own (batch 1, no padding):
+
+    {"max_new_tokens": 12,
+     "prompts": [[...5 ids...], [...9 ids...], [...16 ids...]],
+     "new_tokens": [[...12 ids...], ...],     # generate(...)[0, len(prompt):]
+     "step_logits_top2_gap": [float, ...]}    # per prompt: min over the 12 steps of top1 - top2
+
 and the `broken-*` directories the CLI's bad-input tests load (tiny models, a few KB each).
 Deterministic: re-running rewrites byte-identical files (given the versions in README.md; on
 another CPU the fp32 logits in expected.json may differ in their last bits).
@@ -31,6 +39,8 @@ import safetensors.torch
 import torch
 import transformers
 from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -47,6 +57,14 @@ MAX_DIR_BYTES = 1 << 20
 
 # 16 fixed ids (< 96), including repeats so that attention to earlier equal tokens matters.
 TOKENS = [3, 17, 42, 8, 95, 0, 61, 17, 29, 88, 5, 42, 73, 11, 50, 3]
+
+# generate.json: greedy continuations of prompts of these lengths, GEN_NEW_TOKENS new tokens each.
+GEN_LENGTHS = (5, 9, 16)
+GEN_NEW_TOKENS = 12
+# Every greedy step's top-1 logit must beat the top-2 by at least this much (so that a
+# reimplementation within the parity tolerance picks the same token), and no generated token may
+# be the config's eos_token_id (so that stopping at EOS or not gives the same 12 tokens).
+GEN_MIN_GAP = 1e-3
 
 
 def common_llama(**extra):
@@ -101,6 +119,37 @@ FIXTURES = {
     "mistral-window": (
         MistralConfig, MistralForCausalLM, common_llama(sliding_window=4, head_dim=16),
     ),
+    # BLOOM: ALiBi (no position embeddings), LayerNorm after the embedding, fused per-head
+    # interleaved query_key_value with biases, BLOOM's tanh gelu, tied head. 4 heads: slopes
+    # 2^-2, 2^-4, 2^-6, 2^-8.
+    "bloom": (
+        BloomConfig,
+        BloomForCausalLM,
+        dict(
+            vocab_size=96,
+            hidden_size=64,
+            n_layer=2,
+            n_head=4,
+            layer_norm_epsilon=1e-5,
+            apply_residual_connection_post_layernorm=False,
+            torch_dtype="float32",
+        ),
+    ),
+    # BLOOM with 6 heads (head dim 8): not a power of two, so ALiBi's slopes are the 4-head ones
+    # followed by 2^-1, 2^-3 (every other slope of the 8-head sequence).
+    "bloom-6heads": (
+        BloomConfig,
+        BloomForCausalLM,
+        dict(
+            vocab_size=96,
+            hidden_size=48,
+            n_layer=2,
+            n_head=6,
+            layer_norm_epsilon=1e-5,
+            apply_residual_connection_post_layernorm=False,
+            torch_dtype="float32",
+        ),
+    ),
 }
 
 # Bad-input fixtures: a tiny LLaMA (the tests only check the error messages).
@@ -112,6 +161,12 @@ MISSING_TENSOR = "model.layers.0.mlp.down_proj.weight"
 EXTRA_TENSOR = "model.layers.0.mlp.extra_proj.weight"
 
 
+def is_norm(name):
+    """A norm module's parameter: LLaMA-family `*norm*`, GPT-2 `.ln_1/.ln_2/ln_f`, BLOOM
+    `input_layernorm`, `post_attention_layernorm`, `word_embeddings_layernorm`, `ln_f`."""
+    return "norm" in name or ".ln_" in name or name.startswith("transformer.ln_f")
+
+
 def reinit(model, seed):
     """Every parameter ~ N(0, 0.3²) — norm weights 1 + N(0, 0.2²) — from a fixed seed, in name
     order, so that nothing is near the degenerate 0.02-std init and the result is independent of
@@ -120,8 +175,7 @@ def reinit(model, seed):
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            is_norm = ("norm" in name or ".ln_" in name or name.startswith("transformer.ln_f"))
-            if is_norm and name.endswith(".weight"):
+            if is_norm(name) and name.endswith(".weight"):
                 value = 1.0 + 0.2 * noise
             elif name.endswith(".bias"):
                 value = 0.2 * noise
@@ -154,6 +208,90 @@ def expected(model, tokens):
     }
 
 
+def top2_gaps(step_logits):
+    """top1 - top2 of each row of [steps, V] logits."""
+    top = torch.topk(step_logits, 2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def greedy_one(model, prompt, pad_token_id, eos_token_id):
+    """transformers' generate on one prompt (batch 1, KV cache), checked against a greedy loop
+    that recomputes the full forward at every step (no cache). Returns (new tokens, min top-2 gap)
+    or None when the prompt is unusable (a near tie, or an EOS among the new tokens)."""
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            # Explicit: left out, generate would infer it from pad_token_id and mask every
+            # prompt token equal to it.
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=GEN_NEW_TOKENS,
+            pad_token_id=pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    new = out.sequences[0, len(prompt):].tolist()
+    if len(new) != GEN_NEW_TOKENS or (eos_token_id is not None and eos_token_id in new):
+        return None
+    logits = torch.cat(out.logits, dim=0).to(torch.float32)  # [steps, V], raw (unprocessed)
+    assert logits.argmax(dim=-1).tolist() == new, "generate's tokens are not its logits' argmax"
+    # The same greedy chain without a cache.
+    seq = list(prompt)
+    rows = []
+    with torch.no_grad():
+        for _ in range(GEN_NEW_TOKENS):
+            row = model(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0, -1]
+            rows.append(row.to(torch.float32))
+            seq.append(int(row.argmax()))
+    nocache = torch.stack(rows)
+    assert seq[len(prompt):] == new, (seq[len(prompt):], new)
+    diff = float((nocache - logits).abs().max())
+    assert diff < 1e-4, f"cached and uncached step logits differ by {diff}"
+    gap = min(top2_gaps(logits) + top2_gaps(nocache))
+    if gap < GEN_MIN_GAP:
+        return None
+    return new, min(top2_gaps(logits)), diff
+
+
+def prompt_candidates(length):
+    """Prompts of `length` ids < 96, in the order tried: TOKENS' prefix, then the prefixes of
+    TOKENS rotated left by 1, 2, ..., then seeded random ids."""
+    yield TOKENS[:length]
+    for k in range(1, len(TOKENS)):
+        yield (TOKENS[k:] + TOKENS[:k])[:length]
+    for s in range(100):
+        g = torch.Generator().manual_seed(2000 + 100 * length + s)
+        yield torch.randint(0, 96, (length,), generator=g).tolist()
+
+
+def generations(model, config):
+    """generate.json's content: for each length in GEN_LENGTHS, the first candidate prompt whose
+    greedy continuation is usable (see greedy_one)."""
+    max_pos = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    eos = config.eos_token_id
+    if eos is not None and eos >= config.vocab_size:
+        eos = None  # GPT-2's 50256: cannot be generated with a 96-id vocab
+    pad = eos if eos is not None else 0
+    gen = {"max_new_tokens": GEN_NEW_TOKENS, "prompts": [], "new_tokens": [],
+           "step_logits_top2_gap": []}
+    max_diff = 0.0
+    for length in GEN_LENGTHS:
+        assert max_pos is None or length + GEN_NEW_TOKENS <= max_pos, (length, max_pos)
+        for prompt in prompt_candidates(length):
+            r = greedy_one(model, prompt, pad, eos)
+            if r is not None:
+                break
+        else:
+            raise SystemExit(f"no usable {length}-token prompt for {config.model_type}")
+        new, gap, diff = r
+        gen["prompts"].append(prompt)
+        gen["new_tokens"].append(new)
+        gen["step_logits_top2_gap"].append(gap)
+        max_diff = max(max_diff, diff)
+    return gen, max_diff
+
+
 def write_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f, indent=None, separators=(",", ":"))
@@ -180,6 +318,9 @@ def make_fixture(name, seed, config_cls, model_cls, cfg):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if config.model_type == "bloom":
+        norms = sorted(n for n, _ in model.named_parameters() if is_norm(n))
+        assert len(norms) == 4 * config.n_layer + 4, norms  # 2 LayerNorms/layer + emb + ln_f
     reinit(model, seed)
     d = os.path.join(OUT, name)
     save(model, d)
@@ -190,6 +331,10 @@ def make_fixture(name, seed, config_cls, model_cls, cfg):
     exp["model_type"] = config.model_type
     exp["architecture"] = model_cls.__name__
     write_json(os.path.join(d, "expected.json"), exp)
+    gen, max_diff = generations(model, model.config)
+    write_json(os.path.join(d, "generate.json"), gen)
+    # Not written to the files: for the report only.
+    exp = dict(exp, gen=gen, gen_cache_diff=max_diff)
     return d, exp
 
 
@@ -253,6 +398,12 @@ def main():
         report.append(
             f"{name:8s} {exp['architecture']:20s} {size / 1024:7.1f} KiB  loss {exp['loss']:.6f}"
             f"  |logits|max {exp['logits_abs_max']:.2f} std {exp['logits_std']:.2f}")
+        gen = exp["gen"]
+        report.append(
+            f"    generate: min top-2 gaps {[round(g, 4) for g in gen['step_logits_top2_gap']]}"
+            f"  cache vs no-cache max diff {exp['gen_cache_diff']:.1e}")
+        for p, t in zip(gen["prompts"], gen["new_tokens"]):
+            report.append(f"      {p} -> {t}")
         if size >= MAX_DIR_BYTES:
             too_big.append(name)
     for name, d in broken.items():

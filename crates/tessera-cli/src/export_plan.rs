@@ -99,6 +99,29 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             hidden_dropout: c.hidden_dropout_prob,
             attention_dropout: 0.0,
         },
+        // ALiBi positions: no engine's GPT or LLaMA model takes them (Megatron-LM has no
+        // `--position-embedding-type alibi`, torchtitan trains LLaMA only), so BLOOM exports
+        // as a model-agnostic one, with its real dims.
+        ModelConfig::Bloom(c) => ModelShape {
+            name,
+            family: Family::Other,
+            layers: c.n_layer,
+            hidden: c.hidden_size,
+            heads: c.n_head,
+            kv_heads: c.n_head,
+            head_dim: c.head_dim(),
+            ffn_hidden: c.mlp_width(),
+            vocab: c.vocab_size,
+            max_positions: 0,
+            rope_theta: None,
+            norm_eps: c.layer_norm_epsilon,
+            linear_bias: true,
+            qkv_bias: true,
+            gelu_tanh: true,
+            tied_embeddings: c.tie_word_embeddings,
+            hidden_dropout: c.hidden_dropout,
+            attention_dropout: 0.0,
+        },
         ModelConfig::Vit(_) | ModelConfig::Mlp(_) => ModelShape {
             name,
             family: Family::Other,

@@ -8,6 +8,7 @@ mod eval_cmd;
 mod export_cmd;
 mod export_plan;
 mod format;
+mod generate_cmd;
 mod pictures;
 mod plan_cmd;
 mod plan_file;
@@ -40,6 +41,8 @@ enum Command {
     Train(Box<train_cmd::TrainArgs>),
     /// Next-token loss (and logits) of a checkpoint directory over given token ids.
     Eval(eval_cmd::EvalArgs),
+    /// Generate text from a checkpoint with a KV cache, on one device or a tensor-parallel group.
+    Generate(Box<generate_cmd::GenerateArgs>),
     /// Gather a checkpoint (sharded or not) into a Hugging Face model directory.
     Export(export_cmd::ExportArgs),
     /// Check a checkpoint: `tessera checkpoint verify DIR`.
@@ -77,6 +80,7 @@ fn main() -> ExitCode {
         Command::Profile(args) => profile_cmd::run(&args),
         Command::Train(args) => train_cmd::run(&args),
         Command::Eval(args) => eval_cmd::run(&args),
+        Command::Generate(args) => generate_cmd::run(&args),
         Command::Export(args) => export_cmd::run(&args),
         Command::Checkpoint(args) => checkpoint_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),

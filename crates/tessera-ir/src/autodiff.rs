@@ -42,6 +42,10 @@ impl VjpCtx<'_> {
     pub fn y(&self, i: usize) -> TensorId {
         self.outputs[i]
     }
+    /// How many inputs the node has (some ops take optional ones).
+    pub fn node_inputs(&self) -> usize {
+        self.inputs.len()
+    }
     /// The gradient reaching output `i` (zeros if none does).
     pub fn dy(&mut self, i: usize) -> Result<TensorId> {
         match self.dout[i] {

@@ -414,4 +414,54 @@ impl Builder {
     pub fn rope(&mut self, x: TensorId, inv_freq: &[f64]) -> Result<TensorId> {
         self.push1(Op::Rope { inv_freq: inv_freq.to_vec(), inverse: false }, &[x])
     }
+    /// RoPE at explicit `positions [B,S]` (inference: each row's own offsets).
+    pub fn rope_at(
+        &mut self,
+        x: TensorId,
+        positions: TensorId,
+        inv_freq: &[f64],
+    ) -> Result<TensorId> {
+        self.push1(Op::Rope { inv_freq: inv_freq.to_vec(), inverse: false }, &[x, positions])
+    }
+
+    // ---- inference ----------------------------------------------------------------------
+
+    /// A key or value cache `<scope>.<name>` (resident across the steps of a generation).
+    pub fn kv_cache(&mut self, name: &str, shape: impl Into<Shape>, dtype: DType) -> TensorId {
+        self.leaf(name, Op::KvCache(TensorMeta::new(shape, dtype)), &[])
+    }
+    /// Writes `x [B,S,H,D]` into `cache` at each row's `start`; returns the updated cache.
+    pub fn cache_write(
+        &mut self,
+        cache: TensorId,
+        x: TensorId,
+        start: TensorId,
+    ) -> Result<TensorId> {
+        self.push1(Op::CacheWrite, &[cache, x, start])
+    }
+    /// Attention of queries at positions `start[b] + i` over cached keys and values.
+    pub fn attention_at(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        start: TensorId,
+        spec: AttentionSpec,
+    ) -> Result<TensorId> {
+        Ok(self.push(Op::Attention(spec), &[q, k, v, start])?[0])
+    }
+    /// Row `b` of `x [B,S,..]` at position `index[b]`: `[B,1,..]`.
+    pub fn select_positions(&mut self, x: TensorId, index: TensorId) -> Result<TensorId> {
+        self.push1(Op::SelectPositions, &[x, index])
+    }
+    /// `x · dequant(weight)ᵀ` for a quantised weight and its scales.
+    pub fn qmatmul(
+        &mut self,
+        x: TensorId,
+        weight: TensorId,
+        scales: TensorId,
+        q: crate::QuantSpec,
+    ) -> Result<TensorId> {
+        self.push1(Op::QMatMul(q), &[x, weight, scales])
+    }
 }

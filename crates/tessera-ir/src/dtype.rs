@@ -14,6 +14,9 @@ pub enum DType {
     I32,
     I64,
     Bool,
+    /// Unsigned bytes: quantised weights (int8 as offset binary `q + 128`, int4 as two
+    /// offset nibbles `q + 8` per byte; see [`crate::QuantSpec`]).
+    U8,
 }
 
 impl DType {
@@ -23,7 +26,7 @@ impl DType {
             DType::F64 | DType::I64 => 8,
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::Bool => 1,
+            DType::Bool | DType::U8 => 1,
         }
     }
 
@@ -44,6 +47,7 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::Bool => "bool",
+            DType::U8 => "u8",
         }
     }
 
@@ -57,6 +61,7 @@ impl DType {
             "i32" | "int32" => DType::I32,
             "i64" | "int64" | "long" => DType::I64,
             "bool" => DType::Bool,
+            "u8" | "uint8" => DType::U8,
             _ => return None,
         })
     }

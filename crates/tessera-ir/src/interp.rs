@@ -179,8 +179,11 @@ pub fn eval_outputs(
 /// Leaves whose values the caller provides (`Fill` is the one leaf the interpreter makes).
 fn is_bound_leaf(op: &Op) -> bool {
     match op {
-        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => true,
+        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => true,
         Op::Fill { .. }
+        | Op::CacheWrite
+        | Op::SelectPositions
+        | Op::QMatMul(_)
         | Op::Reshard(_)
         | Op::Send(_)
         | Op::Recv(..)
@@ -247,7 +250,7 @@ fn check_binding(graph: &Graph, t: TensorId, v: &Value) -> Result<()> {
         )));
     }
     let whole = match meta.dtype {
-        DType::I32 | DType::I64 | DType::Bool => true,
+        DType::I32 | DType::I64 | DType::Bool | DType::U8 => true,
         DType::F64 | DType::F32 | DType::F16 | DType::BF16 => false,
     };
     if whole {
@@ -474,9 +477,14 @@ macro_rules! ensure {
 /// need to stay in bounds.
 pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
     let n_inputs = match op {
-        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => {
+        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => {
             return Err(format!("{} takes its value from the bindings", op.name()))
         }
+        // Optional inputs: a start per row (attention over a cache), positions (RoPE).
+        Op::Attention(_) if x.len() == 4 => 4,
+        Op::Rope { .. } if x.len() == 2 => 2,
+        Op::CacheWrite | Op::QMatMul(_) => 3,
+        Op::SelectPositions => 2,
         Op::Fill { .. } => 0,
         Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Softmax => 1,
         Op::Reshape(_) | Op::Permute(_) | Op::Slice { .. } | Op::Pad { .. } | Op::Expand(_) => 1,
@@ -511,10 +519,14 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::Parameter(_)
         | Op::Input(_)
         | Op::OptimizerState { .. }
+        | Op::KvCache(_)
         | Op::Send(_)
         | Op::Recv(..) => {
             unreachable!("returned above")
         }
+        Op::CacheWrite => one(cache_write(x[0], x[1], x[2])?),
+        Op::SelectPositions => one(select_positions(x[0], x[1])?),
+        Op::QMatMul(q) => one(qmatmul(x[0], x[1], x[2], *q)?),
         Op::Fill { value, meta } => one(Value::full(meta.shape.clone(), *value)),
         // A copy between memory tiers: the same value.
         Op::Transfer { .. } => one(x[0].clone()),
@@ -563,9 +575,9 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::CrossEntropyBackward { ignore_index, sum } => {
             one(cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index, *sum)?)
         }
-        Op::Attention(spec) => attention(x[0], x[1], x[2], spec),
+        Op::Attention(spec) => attention(x[0], x[1], x[2], x.get(3).copied(), spec),
         Op::AttentionBackward(spec) => attention_backward(x, spec),
-        Op::Rope { inv_freq, inverse } => one(rope(x[0], inv_freq, *inverse)?),
+        Op::Rope { inv_freq, inverse } => one(rope(x[0], x.get(1).copied(), inv_freq, *inverse)?),
         Op::AdamW(spec) => adamw(x, spec),
     }
 }
@@ -852,6 +864,7 @@ fn cast(to: DType, x: f64) -> f64 {
     match to {
         DType::F64 | DType::F32 | DType::F16 | DType::BF16 => x,
         DType::I32 | DType::I64 => x.trunc(),
+        DType::U8 => x.trunc().clamp(0.0, 255.0),
         DType::Bool => {
             if x != 0.0 {
                 1.0
@@ -1434,16 +1447,41 @@ impl AttnDims {
     fn lse_at(&self, b: usize, h: usize, i: usize) -> usize {
         (b * self.h + h) * self.s + i
     }
-    /// Whether query `i` may attend to key `j`.
-    fn visible(&self, spec: &AttentionSpec, i: usize, j: usize) -> bool {
-        let p = i as i64 + self.t as i64 - self.s as i64;
+    /// The position of query `i` of row `b`: `start[b] + i` with a start input, else the
+    /// last S of T positions.
+    fn pos(&self, start: Option<&Value>, b: usize, i: usize) -> i64 {
+        match start {
+            Some(st) => st.data[b] as i64 + i as i64,
+            None => i as i64 + self.t as i64 - self.s as i64,
+        }
+    }
+    /// Whether the query at position `p` may attend to key `j`.
+    fn visible(&self, spec: &AttentionSpec, p: i64, j: usize) -> bool {
         let j = j as i64;
         (!spec.causal || j <= p) && spec.window.is_none_or(|w| j > p - w as i64)
     }
 }
 
-fn attention(q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<Vec<Value>, String> {
+/// Per local head, the ALiBi slope (0 without ALiBi).
+fn head_slopes(spec: &AttentionSpec, heads: usize) -> Result<Vec<f64>, String> {
+    match &spec.alibi {
+        Some(a) => a.local_slopes(heads, None).map_err(|e| e.to_string()),
+        None => Ok(vec![0.0; heads]),
+    }
+}
+
+fn attention(
+    q: &Value,
+    k: &Value,
+    v: &Value,
+    start: Option<&Value>,
+    spec: &AttentionSpec,
+) -> Result<Vec<Value>, String> {
     let a = AttnDims::new(q, k, v)?;
+    if let Some(st) = start {
+        ensure!(st.dims() == [a.b], "start {} must be [batch]", st.shape);
+    }
+    let slopes = head_slopes(spec, a.h)?;
     let mut out = vec![0.0; q.numel()];
     let mut lse = vec![0.0; a.b * a.h * a.s];
     let mut scores = vec![f64::NEG_INFINITY; a.t];
@@ -1452,10 +1490,12 @@ fn attention(q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<Ve
             for i in 0..a.s {
                 let qo = a.q_at(b, i, h);
                 let qi = &q.data[qo..qo + a.d];
+                let p = a.pos(start, b, i);
                 for (j, s) in scores.iter_mut().enumerate() {
-                    *s = if a.visible(spec, i, j) {
+                    *s = if a.visible(spec, p, j) {
                         let ko = a.kv_at(b, j, h);
                         spec.scale * dot(qi, &k.data[ko..ko + a.d])
+                            + slopes[h] * (j as i64 - p) as f64
                     } else {
                         f64::NEG_INFINITY
                     };
@@ -1488,6 +1528,7 @@ fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<Vec<Value>, 
     let a = AttnDims::new(q, k, v)?;
     ensure!(out.shape == q.shape && dout.shape == q.shape, "out and dout must have q's shape");
     ensure!(lse.dims() == [a.b, a.h, a.s], "logsumexp {} must be [B,H,S]", lse.shape);
+    let slopes = head_slopes(spec, a.h)?;
     let mut dq = vec![0.0; q.numel()];
     let mut dk = vec![0.0; k.numel()];
     let mut dv = vec![0.0; v.numel()];
@@ -1502,13 +1543,15 @@ fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<Vec<Value>, 
                 let qi = &q.data[qo..qo + a.d];
                 let gi = &dout.data[qo..qo + a.d];
                 let big_d = dot(gi, &out.data[qo..qo + a.d]);
+                let pos = a.pos(None, b, i);
                 for j in 0..a.t {
-                    if !a.visible(spec, i, j) {
+                    if !a.visible(spec, pos, j) {
                         continue;
                     }
                     let ko = a.kv_at(b, j, h);
                     let kj = &k.data[ko..ko + a.d];
-                    let p = (spec.scale * dot(qi, kj) - l).exp();
+                    let bias = slopes[h] * (j as i64 - pos) as f64;
+                    let p = (spec.scale * dot(qi, kj) + bias - l).exp();
                     let dp = dot(gi, &v.data[ko..ko + a.d]);
                     let ds = p * (dp - big_d);
                     axpy(&mut dq[qo..qo + a.d], spec.scale * ds, kj);
@@ -1525,10 +1568,18 @@ fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<Vec<Value>, 
     ])
 }
 
-fn rope(x: &Value, inv_freq: &[f64], inverse: bool) -> Result<Value, String> {
+fn rope(
+    x: &Value,
+    positions: Option<&Value>,
+    inv_freq: &[f64],
+    inverse: bool,
+) -> Result<Value, String> {
     let &[b, s, h, d] = x.dims() else {
         return Err(format!("x {} must be [batch, seq, heads, head_dim]", x.shape));
     };
+    if let Some(ps) = positions {
+        ensure!(ps.dims() == [b, s], "positions {} must be [batch, seq]", ps.shape);
+    }
     let half = d / 2;
     ensure!(
         d % 2 == 0 && inv_freq.len() == half,
@@ -1538,9 +1589,10 @@ fn rope(x: &Value, inv_freq: &[f64], inverse: bool) -> Result<Value, String> {
     let sign = if inverse { -1.0 } else { 1.0 };
     let mut out = vec![0.0; x.numel()];
     for pos in 0..s {
-        let (sin, cos): (Vec<f64>, Vec<f64>) =
-            inv_freq.iter().map(|f| (sign * pos as f64 * f).sin_cos()).unzip();
         for bi in 0..b {
+            let at = positions.map_or(pos as f64, |ps| ps.data[bi * s + pos]);
+            let (sin, cos): (Vec<f64>, Vec<f64>) =
+                inv_freq.iter().map(|f| (sign * at * f).sin_cos()).unzip();
             for hi in 0..h {
                 let o = ((bi * s + pos) * h + hi) * d;
                 let (xr, or) = (&x.data[o..o + d], &mut out[o..o + d]);
@@ -1552,6 +1604,86 @@ fn rope(x: &Value, inv_freq: &[f64], inverse: bool) -> Result<Value, String> {
         }
     }
     Ok(Value { shape: x.shape.clone(), data: out })
+}
+
+// ---- inference -------------------------------------------------------------------------------
+
+fn cache_write(cache: &Value, x: &Value, start: &Value) -> Result<Value, String> {
+    let (&[b, c, h, d], &[bx, s, hx, dx]) = (cache.dims(), x.dims()) else {
+        return Err(format!("cache {} and x {} must be 4-d", cache.shape, x.shape));
+    };
+    ensure!(b == bx && h == hx && d == dx, "x {} does not fit cache {}", x.shape, cache.shape);
+    let mut out = cache.clone();
+    let row = h * d;
+    for bi in 0..b {
+        let st = start.data[bi];
+        ensure!(
+            st >= 0.0 && st as usize + s <= c,
+            "row {bi}: positions {st}..{} beyond the cache's {c}",
+            st as usize + s
+        );
+        for i in 0..s {
+            let dst = (bi * c + st as usize + i) * row;
+            let src = (bi * s + i) * row;
+            out.data[dst..dst + row].copy_from_slice(&x.data[src..src + row]);
+        }
+    }
+    Ok(out)
+}
+
+fn select_positions(x: &Value, index: &Value) -> Result<Value, String> {
+    let dims = x.dims();
+    ensure!(dims.len() >= 2, "x {} must be [batch, seq, ..]", x.shape);
+    let (b, s) = (dims[0], dims[1]);
+    let row: usize = dims[2..].iter().product();
+    let mut data = Vec::with_capacity(b * row);
+    for bi in 0..b {
+        let i = index.data[bi];
+        ensure!(i >= 0.0 && (i as usize) < s, "row {bi}: position {i} beyond {s}");
+        let o = (bi * s + i as usize) * row;
+        data.extend_from_slice(&x.data[o..o + row]);
+    }
+    let mut out = dims.to_vec();
+    out[1] = 1;
+    Ok(Value { shape: Shape::from(out), data })
+}
+
+/// The dequantised weight `[N, K]` of a [`QuantSpec`] weight and its scales.
+pub fn dequantize(w: &Value, scales: &Value, q: crate::QuantSpec, k: usize) -> Vec<f64> {
+    let n = w.dims()[0];
+    let rb = q.row_bytes(k);
+    let groups = k / q.group;
+    let mut out = vec![0.0; n * k];
+    for r in 0..n {
+        for f in 0..k {
+            let raw = if q.bits == 8 {
+                w.data[r * rb + f] as i64 - 128
+            } else {
+                let byte = w.data[r * rb + f / 2] as i64;
+                let nib = if f % 2 == 0 { byte & 15 } else { byte >> 4 };
+                nib - 8
+            };
+            out[r * k + f] = raw as f64 * scales.data[r * groups + f / q.group];
+        }
+    }
+    out
+}
+
+fn qmatmul(x: &Value, w: &Value, scales: &Value, q: crate::QuantSpec) -> Result<Value, String> {
+    let k = *x.dims().last().ok_or("x has no features")?;
+    let n = w.dims()[0];
+    ensure!(w.dims() == [n, q.row_bytes(k)], "weight {} does not fit {k} features", w.shape);
+    let wf = dequantize(w, scales, q, k);
+    let m = x.numel() / k.max(1);
+    let mut data = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            data[i * n + j] = dot(&x.data[i * k..(i + 1) * k], &wf[j * k..(j + 1) * k]);
+        }
+    }
+    let mut out = x.dims().to_vec();
+    *out.last_mut().unwrap_or(&mut 0) = n;
+    Ok(Value { shape: Shape::from(out), data })
 }
 
 // ---- optimizer -------------------------------------------------------------------------------

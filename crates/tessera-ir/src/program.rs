@@ -33,6 +33,8 @@ pub enum Role {
     SavedActivation,
     /// Everything else: forward values not saved, activation gradients, scratch scalars.
     Temporary,
+    /// Inference's key/value caches: resident across the steps of a generation.
+    KvCache,
 }
 
 impl Role {
@@ -44,15 +46,17 @@ impl Role {
             Role::Input => "inputs",
             Role::SavedActivation => "saved_activations",
             Role::Temporary => "temporaries",
+            Role::KvCache => "kv_cache",
         }
     }
-    pub const ALL: [Role; 6] = [
+    pub const ALL: [Role; 7] = [
         Role::Parameter,
         Role::Gradient,
         Role::OptimizerState,
         Role::Input,
         Role::SavedActivation,
         Role::Temporary,
+        Role::KvCache,
     ];
 }
 
@@ -121,6 +125,10 @@ impl Program {
                     role[o.index()] = Role::OptimizerState;
                     resident[o.index()] = true;
                 }
+                (Op::KvCache(_), Some(o)) => {
+                    role[o.index()] = Role::KvCache;
+                    resident[o.index()] = true;
+                }
                 (Op::Input(_), Some(o)) => {
                     role[o.index()] = Role::Input;
                     is_input[o.index()] = true;
@@ -186,9 +194,7 @@ impl Program {
 
         let mut instrs = Vec::with_capacity(g.nodes.len() * 2);
         for (i, node) in g.nodes.iter().enumerate() {
-            let bound =
-                matches!(node.op, Op::Parameter(_) | Op::OptimizerState { .. } | Op::Input(_));
-            if !bound {
+            if !node.op.is_bound() {
                 instrs.push(Instr::Run(NodeId(i as u32)));
             }
             for &b in &frees_after[i] {

@@ -150,7 +150,7 @@ pub(crate) fn self_attention(
     let q_bshe = nn::split_heads(b, q_bsd, heads)?;
     let k_bshe = nn::split_heads(b, k_bsd, heads)?;
     let v_bshe = nn::split_heads(b, v_bsd, heads)?;
-    let spec = AttentionSpec { causal, window: None, scale: 1.0 / (head_dim as f64).sqrt() };
+    let spec = AttentionSpec { causal, ..AttentionSpec::causal(head_dim) };
     let o_bshe = b.attention(q_bshe, k_bshe, v_bshe, spec)?;
     nn::merge_heads(b, o_bshe)
 }

@@ -477,6 +477,108 @@ impl LlamaConfig {
     }
 }
 
+// ---- BLOOM -----------------------------------------------------------------------------------
+
+/// `BloomConfig` fields (HF names). The MLP is 4·hidden wide (BLOOM has no `n_inner`); there
+/// is no position table (ALiBi). `attention_dropout` is kept for fidelity but not applied:
+/// attention is one fused op.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BloomParams {
+    pub name: String,
+    pub vocab_size: usize,
+    /// HF `hidden_size` (alias `n_embed`).
+    pub hidden_size: usize,
+    /// HF `n_layer` (alias `num_hidden_layers`).
+    pub n_layer: usize,
+    /// HF `n_head` (alias `num_attention_heads`).
+    pub n_head: usize,
+    pub layer_norm_epsilon: f64,
+    /// Dropout on the attention and MLP outputs before each residual add.
+    pub hidden_dropout: f64,
+    pub attention_dropout: f64,
+    /// Whether the residuals are the LayerNorms' outputs (true) or inputs (false, every
+    /// released BLOOM). Only false is supported; [`BloomConfig::new`] refuses true.
+    pub apply_residual_connection_post_layernorm: bool,
+    pub tie_word_embeddings: bool,
+    pub dtype: Option<DType>,
+}
+
+impl BloomParams {
+    /// The given architecture dims with transformers' defaults for everything else.
+    pub fn new(
+        name: impl Into<String>,
+        vocab_size: usize,
+        hidden_size: usize,
+        n_layer: usize,
+        n_head: usize,
+    ) -> BloomParams {
+        BloomParams {
+            name: name.into(),
+            vocab_size,
+            hidden_size,
+            n_layer,
+            n_head,
+            layer_norm_epsilon: 1e-5,
+            hidden_dropout: 0.0,
+            attention_dropout: 0.0,
+            apply_residual_connection_post_layernorm: false,
+            tie_word_embeddings: true,
+            dtype: None,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        positive("vocab_size", self.vocab_size)?;
+        positive("hidden_size", self.hidden_size)?;
+        layers("n_layer", self.n_layer)?;
+        positive("n_head", self.n_head)?;
+        divisible("hidden_size", self.hidden_size, "n_head", self.n_head)?;
+        epsilon("layer_norm_epsilon", self.layer_norm_epsilon)?;
+        probability("hidden_dropout", self.hidden_dropout)?;
+        probability("attention_dropout", self.attention_dropout)?;
+        if self.apply_residual_connection_post_layernorm {
+            return Err(ModelError::invalid(
+                "apply_residual_connection_post_layernorm",
+                "true (residuals taken after the LayerNorms) is not supported; every released \
+                 BLOOM uses false",
+            ));
+        }
+        within_bound(self.count())?;
+        Ok(())
+    }
+
+    /// V·H (+ V·H untied) + 2H (embedding LayerNorm) + L·(12H² + 13H) + 2H (`ln_f`): per
+    /// layer `query_key_value` 3H² + 3H, `dense` H² + H, `dense_h_to_4h` 4H² + 4H,
+    /// `dense_4h_to_h` 4H² + H, two LayerNorms 4H.
+    fn count(&self) -> Option<u128> {
+        let (v, d) = (self.vocab_size, self.hidden_size);
+        let layer = count(&[&[12, d, d], &[13, d]])?;
+        let lm_head = if self.tie_word_embeddings { 0 } else { v };
+        let base = count(&[&[v, d], &[4, d], &[lm_head, d]])?;
+        layer.checked_mul(self.n_layer as u128)?.checked_add(base)
+    }
+}
+
+validated_config!(
+    /// A validated BLOOM configuration.
+    BloomConfig,
+    BloomParams
+);
+
+impl BloomConfig {
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.n_head
+    }
+    /// The MLP width, 4·hidden.
+    pub fn mlp_width(&self) -> usize {
+        4 * self.hidden_size
+    }
+    /// Trainable parameters, tied tensors once (matches `graph.num_parameters()`).
+    pub fn num_parameters(&self) -> u64 {
+        self.count().map_or(u64::MAX, |n| n as u64)
+    }
+}
+
 // ---- BERT ------------------------------------------------------------------------------------
 
 /// `BertConfig` fields (absolute position embeddings only).

@@ -16,7 +16,7 @@ use tessera_ir::DType;
 
 /// The `model_type` values a config.json may have.
 pub const SUPPORTED_MODEL_TYPES: &[&str] =
-    &["gpt2", "llama", "mistral", "qwen2", "bert", "vit", "mlp"];
+    &["gpt2", "llama", "mistral", "qwen2", "bloom", "bert", "vit", "mlp"];
 
 /// Parses a config.json's `text`; `origin` names it in errors, `fallback_name` names the model
 /// when the file has no `_name_or_path`.
@@ -62,6 +62,7 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
         "llama" => llama(&f, name, LlamaVariant::Llama),
         "mistral" => llama(&f, name, LlamaVariant::Mistral),
         "qwen2" => llama(&f, name, LlamaVariant::Qwen2),
+        "bloom" => bloom(&f, name),
         "bert" => bert(&f, name),
         "vit" => vit(&f, name),
         "mlp" => mlp(&f, name),
@@ -185,6 +186,34 @@ fn rope_scaling(f: &Fields) -> Result<RopeScaling> {
             })
         }
     })
+}
+
+/// `BloomConfig`: `n_embed` wins over `hidden_size` when both are given (as in its
+/// `__init__`); `num_hidden_layers` and `num_attention_heads` are its `attribute_map` aliases.
+/// `pretraining_tp` and `slow_but_exact` change only how HF slices its matmuls, not what
+/// they compute, so they are not read.
+fn bloom(f: &Fields, name: String) -> Result<ModelConfig> {
+    let hidden_size = match f.usize("n_embed")? {
+        Some(h) => h,
+        None => f.req_usize(&["hidden_size"])?,
+    };
+    let mut p = BloomParams::new(
+        name,
+        f.req_usize(&["vocab_size"])?,
+        hidden_size,
+        f.req_usize(&["n_layer", "num_hidden_layers"])?,
+        f.req_usize(&["n_head", "num_attention_heads"])?,
+    );
+    f.set_f64("layer_norm_epsilon", &mut p.layer_norm_epsilon)?;
+    f.set_f64("hidden_dropout", &mut p.hidden_dropout)?;
+    f.set_f64("attention_dropout", &mut p.attention_dropout)?;
+    f.set_bool(
+        "apply_residual_connection_post_layernorm",
+        &mut p.apply_residual_connection_post_layernorm,
+    )?;
+    f.set_bool("tie_word_embeddings", &mut p.tie_word_embeddings)?;
+    p.dtype = f.dtype()?;
+    Ok(ModelConfig::Bloom(BloomConfig::new(p)?))
 }
 
 fn bert(f: &Fields, name: String) -> Result<ModelConfig> {

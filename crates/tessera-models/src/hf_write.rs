@@ -12,6 +12,9 @@
 //!   range for small ones).
 //! - LLaMA / Mistral / Qwen2: `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM`;
 //!   `head_dim` only when explicit; `rope_scaling` null for plain RoPE.
+//! - BLOOM: `BloomForCausalLM` with BLOOM's own key names (`n_layer`, `n_head`,
+//!   `layer_norm_epsilon`), `pretraining_tp` 1; `bos_token_id`/`eos_token_id` are
+//!   `BloomConfig`'s 1 and 2 (the last token for smaller vocabularies).
 //! - BERT: `BertForMaskedLM`, absolute positions. ViT: `ViTForImageClassification` with an
 //!   `id2label` of `LABEL_i` (transformers' own default names).
 //! - MLP: our own `model_type: "mlp"` (no `architectures`).
@@ -24,7 +27,8 @@
 //! or `sliding_window_from_layer` on the `llama` variant.
 
 use crate::config::{
-    Activation, BertConfig, Gpt2Config, LlamaConfig, LlamaVariant, MlpConfig, VitConfig,
+    Activation, BertConfig, BloomConfig, Gpt2Config, LlamaConfig, LlamaVariant, MlpConfig,
+    VitConfig,
 };
 use crate::rope::RopeScaling;
 use crate::ModelConfig;
@@ -41,6 +45,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => bert(c),
             ModelConfig::Vit(c) => vit(c),
             ModelConfig::Mlp(c) => mlp(c),
+            ModelConfig::Bloom(c) => bloom(c),
         };
         map.insert("_name_or_path".into(), json!(self.name()));
         map.insert("model_type".into(), json!(self.model_type()));
@@ -59,6 +64,7 @@ fn hf_dtype(d: DType) -> &'static str {
         DType::I32 => "int32",
         DType::I64 => "int64",
         DType::Bool => "bool",
+        DType::U8 => "uint8",
     }
 }
 
@@ -173,6 +179,28 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
         }
     }
     m
+}
+
+fn bloom(c: &BloomConfig) -> Map<String, Value> {
+    let last_token = c.vocab_size - 1;
+    object(json!({
+        "architectures": ["BloomForCausalLM"],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "layer_norm_epsilon": c.layer_norm_epsilon,
+        "hidden_dropout": c.hidden_dropout,
+        "attention_dropout": c.attention_dropout,
+        "apply_residual_connection_post_layernorm": c.apply_residual_connection_post_layernorm,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "slow_but_exact": false,
+        "bos_token_id": last_token.min(1),
+        "eos_token_id": last_token.min(2),
+        "use_cache": true,
+    }))
 }
 
 fn bert(c: &BertConfig) -> Map<String, Value> {

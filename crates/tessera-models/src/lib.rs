@@ -22,6 +22,7 @@
 //! channels, `p` patch side, `l` labels.
 
 mod bert;
+mod bloom;
 mod config;
 mod error;
 mod gpt2;
@@ -35,13 +36,13 @@ pub mod rope;
 mod vit;
 
 pub use config::{
-    Activation, BertConfig, BertParams, Gpt2Config, Gpt2Params, LlamaConfig, LlamaParams,
-    LlamaVariant, MlpConfig, MlpParams, VitConfig, VitParams, MAX_HEAD_DIM, MAX_LAYERS,
-    MAX_PARAMETERS,
+    Activation, BertConfig, BertParams, BloomConfig, BloomParams, Gpt2Config, Gpt2Params,
+    LlamaConfig, LlamaParams, LlamaVariant, MlpConfig, MlpParams, VitConfig, VitParams,
+    MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS,
 };
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;
-pub use nn::IGNORE_INDEX;
+pub use nn::{Quantize, QuantizedWeight, IGNORE_INDEX, INT4_GROUP};
 pub use presets::PRESETS;
 pub use rope::RopeScaling;
 
@@ -59,6 +60,8 @@ pub enum ModelConfig {
     Bert(BertConfig),
     Vit(VitConfig),
     Mlp(MlpConfig),
+    /// BLOOM (`BloomForCausalLM`): ALiBi positions.
+    Bloom(BloomConfig),
 }
 
 impl ModelConfig {
@@ -82,6 +85,11 @@ impl ModelConfig {
                 let mut p = c.clone().into_params();
                 (p.hidden_dropout_prob, p.attention_probs_dropout_prob) = (0.0, 0.0);
                 ModelConfig::Vit(VitConfig::new(p).expect(VALID))
+            }
+            ModelConfig::Bloom(c) => {
+                let mut p = c.clone().into_params();
+                (p.hidden_dropout, p.attention_dropout) = (0.0, 0.0);
+                ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
             ModelConfig::Llama(_) | ModelConfig::Mlp(_) => self.clone(),
         }
@@ -132,10 +140,11 @@ impl ModelConfig {
             ModelConfig::Bert(c) => &c.name,
             ModelConfig::Vit(c) => &c.name,
             ModelConfig::Mlp(c) => &c.name,
+            ModelConfig::Bloom(c) => &c.name,
         }
     }
 
-    /// The family: `gpt2`, `llama`, `bert`, `vit` or `mlp`.
+    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp` or `bloom`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::Gpt2(_) => "gpt2",
@@ -143,6 +152,7 @@ impl ModelConfig {
             ModelConfig::Bert(_) => "bert",
             ModelConfig::Vit(_) => "vit",
             ModelConfig::Mlp(_) => "mlp",
+            ModelConfig::Bloom(_) => "bloom",
         }
     }
 
@@ -162,6 +172,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => c.num_hidden_layers,
             ModelConfig::Vit(c) => c.num_hidden_layers,
             ModelConfig::Mlp(c) => c.hidden_dims.len(),
+            ModelConfig::Bloom(c) => c.n_layer,
         }
     }
 
@@ -173,6 +184,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => c.hidden_size,
             ModelConfig::Vit(c) => c.hidden_size,
             ModelConfig::Mlp(c) => c.hidden_dims.iter().copied().max().unwrap_or(c.input_dim),
+            ModelConfig::Bloom(c) => c.hidden_size,
         }
     }
 
@@ -183,6 +195,7 @@ impl ModelConfig {
             ModelConfig::Llama(c) => Some(c.num_attention_heads),
             ModelConfig::Bert(c) => Some(c.num_attention_heads),
             ModelConfig::Vit(c) => Some(c.num_attention_heads),
+            ModelConfig::Bloom(c) => Some(c.n_head),
             ModelConfig::Mlp(_) => None,
         }
     }
@@ -201,17 +214,21 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => Some(c.vocab_size),
             ModelConfig::Llama(c) => Some(c.vocab_size),
             ModelConfig::Bert(c) => Some(c.vocab_size),
+            ModelConfig::Bloom(c) => Some(c.vocab_size),
             ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
         }
     }
 
     /// The longest sequence a learned position table allows (GPT-2, BERT); None where
-    /// positions are rotary (LLaMA) or fixed by the input (ViT, MLP).
+    /// positions are rotary (LLaMA), ALiBi biases (BLOOM) or fixed by the input (ViT, MLP).
     pub fn max_seq(&self) -> Option<usize> {
         match self {
             ModelConfig::Gpt2(c) => Some(c.n_positions),
             ModelConfig::Bert(c) => Some(c.max_position_embeddings),
-            ModelConfig::Llama(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
+            ModelConfig::Llama(_)
+            | ModelConfig::Bloom(_)
+            | ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_) => None,
         }
     }
 
@@ -221,7 +238,10 @@ impl ModelConfig {
         match self {
             ModelConfig::Vit(c) => c.seq_len(),
             ModelConfig::Mlp(_) => 1,
-            ModelConfig::Gpt2(_) | ModelConfig::Llama(_) | ModelConfig::Bert(_) => requested,
+            ModelConfig::Gpt2(_)
+            | ModelConfig::Llama(_)
+            | ModelConfig::Bert(_)
+            | ModelConfig::Bloom(_) => requested,
         }
     }
 
@@ -233,6 +253,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => c.dtype,
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
+            ModelConfig::Bloom(c) => c.dtype,
         }
     }
 
@@ -245,6 +266,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => c.num_parameters(),
             ModelConfig::Vit(c) => c.num_parameters(),
             ModelConfig::Mlp(c) => c.num_parameters(),
+            ModelConfig::Bloom(c) => c.num_parameters(),
         }
     }
 
@@ -265,6 +287,9 @@ impl ModelConfig {
                 (max(&[patch, c.intermediate_size, c.hidden_size]), c.hidden_size)
             }
             ModelConfig::Mlp(c) => (max(&[c.input_dim, c.num_classes, max(&c.hidden_dims)]), 0),
+            ModelConfig::Bloom(c) => {
+                (max(&[c.vocab_size, 3 * c.hidden_size, c.mlp_width()]), c.hidden_size)
+            }
         }
     }
 }
@@ -310,6 +335,12 @@ pub enum InputKind {
     /// An f32 scalar: how many targets of the whole step (every micro-batch and shard) are not
     /// ignored — the denominator of a mean loss over them, the same on every plan.
     TargetCount,
+    /// Generation: `[B]`, the KV-cache position of each row's first token of the step.
+    CacheStart,
+    /// Generation: `[B, S]`, each token's position (`cache_start[b] + i`).
+    Positions,
+    /// Generation: `[B]`, the step position whose logits each row wants.
+    LastIndex,
 }
 
 /// One data input of a built model.
@@ -350,6 +381,109 @@ impl ForwardModel {
     }
 }
 
+/// One step of generation with a KV cache: `seq` new tokens per row (the prompt for the
+/// prefill, 1 for a decode step) into caches of `capacity` positions.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GenerateOptions {
+    pub batch: usize,
+    pub seq: usize,
+    /// Positions each layer's KV cache holds (prompt + new tokens).
+    pub capacity: usize,
+    pub dtype: DType,
+    pub quantize: Option<Quantize>,
+}
+
+/// A built generation step: logits `[B, 1, V]` (f32) at each row's `last_index`.
+pub struct GenerationModel {
+    pub builder: Builder,
+    pub logits: TensorId,
+    pub batch: usize,
+    pub seq: usize,
+    pub capacity: usize,
+    /// `input_ids`, `cache_start`, `position_ids`, `last_index`.
+    pub inputs: Vec<ModelInput>,
+    /// The quantised weights and where they come from.
+    pub quantized: Vec<QuantizedWeight>,
+}
+
+impl GenerationModel {
+    pub fn input(&self, name: &str) -> Option<TensorId> {
+        self.inputs.iter().find(|i| i.name == name).map(|i| i.tensor)
+    }
+}
+
+/// What a causal-LM family builder returns, in training or generation.
+pub(crate) struct Built {
+    pub(crate) builder: Builder,
+    pub(crate) loss: Option<TensorId>,
+    pub(crate) logits: TensorId,
+    pub(crate) inputs: Vec<ModelInput>,
+    pub(crate) quantized: Vec<QuantizedWeight>,
+}
+
+impl Built {
+    fn forward(self, batch: usize, seq: usize) -> Result<ForwardModel> {
+        let loss = self
+            .loss
+            .ok_or_else(|| ModelError::invalid("mode", "a generation graph has no loss"))?;
+        Ok(ForwardModel {
+            builder: self.builder,
+            loss,
+            logits: self.logits,
+            batch,
+            seq,
+            inputs: self.inputs,
+        })
+    }
+}
+
+/// Builds one generation step of a causal language model (GPT-2, LLaMA family, BLOOM).
+pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<GenerationModel> {
+    if opts.capacity < opts.seq {
+        return Err(ModelError::invalid(
+            "capacity",
+            format!(
+                "the KV cache holds {} positions, fewer than the step's {}",
+                opts.capacity, opts.seq
+            ),
+        ));
+    }
+    if let Some(max) = cfg.max_seq() {
+        if opts.capacity > max {
+            return Err(ModelError::SequenceTooLong {
+                seq: opts.capacity,
+                max,
+                field: "n_positions",
+                model: cfg.name().to_string(),
+            });
+        }
+    }
+    let build_opts = BuildOptions::new(opts.batch, opts.seq, opts.dtype);
+    check_basic(&build_opts)?;
+    check_sizes(cfg, &BuildOptions { seq: opts.capacity, ..build_opts.clone() })?;
+    let built = match cfg {
+        ModelConfig::Gpt2(c) => gpt2::build(c, &build_opts, Some(opts))?,
+        ModelConfig::Llama(c) => llama::build(c, &build_opts, Some(opts))?,
+        ModelConfig::Bloom(c) => bloom::build(c, &build_opts, Some(opts))?,
+        ModelConfig::Bert(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) => {
+            return Err(ModelError::Unsupported {
+                what: "generation".into(),
+                found: cfg.family().into(),
+                supported: "causal language models: gpt2, llama, mistral, qwen2, bloom".into(),
+            })
+        }
+    };
+    Ok(GenerationModel {
+        builder: built.builder,
+        logits: built.logits,
+        batch: opts.batch,
+        seq: opts.seq,
+        capacity: opts.capacity,
+        inputs: built.inputs,
+        quantized: built.quantized,
+    })
+}
+
 /// Activation elements per tensor stay below 2^50 and attention's B·S²·H·D below 2^56, so no
 /// FLOP or byte count of the graph can overflow a u64.
 const MAX_ACTIVATION_ELEMENTS: u128 = 1 << 50;
@@ -357,19 +491,7 @@ const MAX_ATTENTION_VOLUME: u128 = 1 << 56;
 
 /// Builds the forward graph of `cfg` at `opts`' batch, sequence and dtype.
 pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
-    if opts.batch == 0 {
-        return Err(ModelError::invalid("batch", "must be at least 1, got 0"));
-    }
-    if opts.seq == 0 {
-        return Err(ModelError::invalid("seq", "must be at least 1, got 0"));
-    }
-    if !opts.dtype.is_float() {
-        return Err(ModelError::Unsupported {
-            what: "model dtype".into(),
-            found: opts.dtype.to_string(),
-            supported: "f32, bf16, f16, f64".into(),
-        });
-    }
+    check_basic(opts)?;
     if let Some(max) = cfg.max_seq() {
         if opts.seq > max {
             let field = match cfg {
@@ -385,6 +507,38 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         }
     }
     let seq = cfg.effective_seq(opts.seq);
+    let opts = BuildOptions { seq, ..opts.clone() };
+    check_sizes(cfg, &opts)?;
+    match cfg {
+        ModelConfig::Gpt2(c) => gpt2::build(c, &opts, None)?.forward(opts.batch, seq),
+        ModelConfig::Llama(c) => llama::build(c, &opts, None)?.forward(opts.batch, seq),
+        ModelConfig::Bloom(c) => bloom::build(c, &opts, None)?.forward(opts.batch, seq),
+        ModelConfig::Bert(c) => bert::build(c, &opts),
+        ModelConfig::Vit(c) => vit::build(c, &opts),
+        ModelConfig::Mlp(c) => mlp::build(c, &opts),
+    }
+}
+
+fn check_basic(opts: &BuildOptions) -> Result<()> {
+    if opts.batch == 0 {
+        return Err(ModelError::invalid("batch", "must be at least 1, got 0"));
+    }
+    if opts.seq == 0 {
+        return Err(ModelError::invalid("seq", "must be at least 1, got 0"));
+    }
+    if !opts.dtype.is_float() {
+        return Err(ModelError::Unsupported {
+            what: "model dtype".into(),
+            found: opts.dtype.to_string(),
+            supported: "f32, bf16, f16, f64".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses graphs whose tensors no device holds (and whose counts could overflow).
+fn check_sizes(cfg: &ModelConfig, opts: &BuildOptions) -> Result<()> {
+    let seq = opts.seq;
     let (widest, attention_width) = cfg.widths();
     let (b, s) = (opts.batch as u128, seq as u128);
     let activations = b.checked_mul(s).and_then(|t| t.checked_mul(widest as u128));
@@ -405,12 +559,5 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
             ),
         ));
     }
-    let opts = BuildOptions { seq, ..opts.clone() };
-    match cfg {
-        ModelConfig::Gpt2(c) => gpt2::build(c, &opts),
-        ModelConfig::Llama(c) => llama::build(c, &opts),
-        ModelConfig::Bert(c) => bert::build(c, &opts),
-        ModelConfig::Vit(c) => vit::build(c, &opts),
-        ModelConfig::Mlp(c) => mlp::build(c, &opts),
-    }
+    Ok(())
 }

@@ -27,11 +27,16 @@
 
 use crate::config::LlamaConfig;
 use crate::error::Result;
-use crate::nn::{self, Inputs, IrResult};
-use crate::{BuildOptions, ForwardModel, InputKind};
+use crate::nn::{self, Decoder, Inputs, IrResult};
+use crate::{BuildOptions, Built, GenerateOptions, InputKind};
 use tessera_ir::{AttentionSpec, Builder, DType, TensorId};
 
-pub(crate) fn build(cfg: &LlamaConfig, opts: &BuildOptions) -> Result<ForwardModel> {
+/// The training step's graph, or with `generate` one generation step over a KV cache.
+pub(crate) fn build(
+    cfg: &LlamaConfig,
+    opts: &BuildOptions,
+    generate: Option<&GenerateOptions>,
+) -> Result<Built> {
     let (batch, seq, dtype) = (opts.batch, opts.seq, opts.dtype);
     let (v, d) = (cfg.vocab_size, cfg.hidden_size);
     let mut b = Builder::new();
@@ -43,7 +48,7 @@ pub(crate) fn build(cfg: &LlamaConfig, opts: &BuildOptions) -> Result<ForwardMod
         DType::I64,
         InputKind::TokenIds { vocab_size: v },
     );
-    let (labels, num_targets) = inputs.counted_targets(&mut b, batch, seq, v);
+    let mut dec = Decoder::new(&mut b, &mut inputs, opts, generate, v);
     let inv_freq = cfg.inv_freq();
 
     b.push_scope("model");
@@ -53,17 +58,22 @@ pub(crate) fn build(cfg: &LlamaConfig, opts: &BuildOptions) -> Result<ForwardMod
     for layer in 0..cfg.num_hidden_layers {
         b.set_block(Some(layer as u32));
         b.push_scope(format!("layers.{layer}"));
-        x_bsd = decoder_layer(&mut b, cfg, layer, &inv_freq, x_bsd, dtype)?;
+        x_bsd = decoder_layer(&mut b, cfg, layer, &mut dec, &inv_freq, x_bsd, dtype)?;
         b.pop_scope();
     }
     b.set_block(None);
+    let x_bsd = dec.head_rows(&mut b, x_bsd)?;
     let x_bsd = nn::rms_norm_to(&mut b, "norm", x_bsd, cfg.rms_norm_eps, dtype)?;
     b.pop_scope();
 
     let tied = cfg.tie_word_embeddings.then_some(embed_vd);
     let logits_bsv = nn::lm_head(&mut b, x_bsd, tied, v)?;
-    let loss = nn::mean_over_targets(&mut b, logits_bsv, labels, num_targets)?;
-    Ok(ForwardModel { builder: b, loss, logits: logits_bsv, batch, seq, inputs: inputs.list })
+    let (loss, logits) = dec.finish(&mut b, logits_bsv)?;
+    let quantized = match dec {
+        Decoder::Generate(g) => g.quantized,
+        Decoder::Train { .. } => Vec::new(),
+    };
+    Ok(Built { builder: b, loss, logits, inputs: inputs.list, quantized })
 }
 
 /// One decoder layer, inside scope `model.layers.{layer}`.
@@ -71,6 +81,7 @@ fn decoder_layer(
     b: &mut Builder,
     cfg: &LlamaConfig,
     layer: usize,
+    dec: &mut Decoder,
     inv_freq: &[f64],
     x_bsd: TensorId,
     dtype: DType,
@@ -81,22 +92,18 @@ fn decoder_layer(
 
     let n_bsd = nn::rms_norm_to(b, "input_layernorm", x_bsd, eps, dtype)?;
     let a_bsd = b.scoped("self_attn", |b| {
-        let q_bs_he = nn::linear(b, "q_proj", n_bsd, h * e, cfg.qkv_bias)?;
-        let k_bs_ke = nn::linear(b, "k_proj", n_bsd, k * e, cfg.qkv_bias)?;
-        let v_bs_ke = nn::linear(b, "v_proj", n_bsd, k * e, cfg.qkv_bias)?;
+        let q_bs_he = dec.linear(b, "q_proj", n_bsd, h * e, cfg.qkv_bias)?;
+        let k_bs_ke = dec.linear(b, "k_proj", n_bsd, k * e, cfg.qkv_bias)?;
+        let v_bs_ke = dec.linear(b, "v_proj", n_bsd, k * e, cfg.qkv_bias)?;
         let q_bshe = nn::split_heads(b, q_bs_he, h)?;
         let k_bske = nn::split_heads(b, k_bs_ke, k)?;
         let v_bske = nn::split_heads(b, v_bs_ke, k)?;
-        let q_bshe = b.rope(q_bshe, inv_freq)?;
-        let k_bske = b.rope(k_bske, inv_freq)?;
-        let spec = AttentionSpec {
-            causal: true,
-            window: cfg.window(layer),
-            scale: 1.0 / (e as f64).sqrt(),
-        };
-        let o_bshe = b.attention(q_bshe, k_bske, v_bske, spec)?;
+        let q_bshe = dec.rope(b, q_bshe, inv_freq)?;
+        let k_bske = dec.rope(b, k_bske, inv_freq)?;
+        let spec = AttentionSpec { window: cfg.window(layer), ..AttentionSpec::causal(e) };
+        let o_bshe = dec.attention(b, q_bshe, k_bske, v_bske, spec)?;
         let o_bs_he = nn::merge_heads(b, o_bshe)?;
-        nn::linear(b, "o_proj", o_bs_he, d, cfg.o_bias)
+        dec.linear(b, "o_proj", o_bs_he, d, cfg.o_bias)
     })?;
     let a_bsd = nn::to(b, a_bsd, nn::RESIDUAL_DTYPE)?;
     let x_bsd = b.add(x_bsd, a_bsd)?;
@@ -104,11 +111,11 @@ fn decoder_layer(
     let n_bsd = nn::rms_norm_to(b, "post_attention_layernorm", x_bsd, eps, dtype)?;
     let m_bsd = b.scoped("mlp", |b| {
         let i = cfg.intermediate_size;
-        let gate_bsi = nn::linear(b, "gate_proj", n_bsd, i, cfg.mlp_bias)?;
+        let gate_bsi = dec.linear(b, "gate_proj", n_bsd, i, cfg.mlp_bias)?;
         let gate_bsi = b.unary(cfg.hidden_act.unary_op(), gate_bsi)?;
-        let up_bsi = nn::linear(b, "up_proj", n_bsd, i, cfg.mlp_bias)?;
+        let up_bsi = dec.linear(b, "up_proj", n_bsd, i, cfg.mlp_bias)?;
         let g_bsi = b.mul(gate_bsi, up_bsi)?;
-        nn::linear(b, "down_proj", g_bsi, d, cfg.mlp_bias)
+        dec.linear(b, "down_proj", g_bsi, d, cfg.mlp_bias)
     })?;
     let m_bsd = nn::to(b, m_bsd, nn::RESIDUAL_DTYPE)?;
     b.add(x_bsd, m_bsd)

@@ -228,3 +228,246 @@ pub(crate) fn mean_over_targets(
     let sum = b.cross_entropy_sum(logits, labels, Some(IGNORE_INDEX))?;
     b.div(sum, num_targets)
 }
+
+/// Weight-only quantisation of a generation graph's linear layers (`--quantize`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Quantize {
+    /// int8, one scale per output channel.
+    Int8,
+    /// int4, one scale per group of [`INT4_GROUP`] input features (fewer where a layer's
+    /// width is not a multiple of it).
+    Int4,
+}
+
+/// Input features per int4 scale (GPTQ's and AWQ's usual 128).
+pub const INT4_GROUP: usize = 128;
+
+impl Quantize {
+    pub fn parse(s: &str) -> Option<Quantize> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "int8" | "i8" => Some(Quantize::Int8),
+            "int4" | "i4" => Some(Quantize::Int4),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Quantize::Int8 => "int8",
+            Quantize::Int4 => "int4",
+        }
+    }
+    /// The spec of a layer with `k` input features: int4 groups of [`INT4_GROUP`], or of the
+    /// largest even divisor of `k` below it.
+    pub fn spec(self, k: usize) -> tessera_ir::QuantSpec {
+        match self {
+            Quantize::Int8 => tessera_ir::QuantSpec { bits: 8, group: k.max(1) },
+            Quantize::Int4 => {
+                let group = (2..=INT4_GROUP.min(k)).rev().find(|g| g % 2 == 0 && k % g == 0);
+                tessera_ir::QuantSpec { bits: 4, group: group.unwrap_or(2) }
+            }
+        }
+    }
+}
+
+/// A quantised weight of a generation graph: the `u8` weight and its f32 scales, both made at
+/// load time from the checkpoint's float tensor `source`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct QuantizedWeight {
+    /// The `u8` `[N, K·bits/8]` parameter (named as the float weight it replaces).
+    pub weight: TensorId,
+    /// The f32 `[N, K/group]` parameter `<source>_scale`.
+    pub scales: TensorId,
+    /// The checkpoint's tensor (Hugging Face name).
+    pub source: String,
+    /// Whether the checkpoint stores it `[in, out]` (GPT-2's `Conv1D`), so it is transposed
+    /// before quantising to `[out, in]`.
+    pub transposed: bool,
+    pub spec: tessera_ir::QuantSpec,
+}
+
+/// The generation-step inputs of a causal LM, and what the step builds differently: a KV cache
+/// per attention layer, positions from the inputs, logits at one position per row.
+pub(crate) struct Generation {
+    /// `[B]`: the cache position of each row's first token in this step.
+    pub(crate) start: TensorId,
+    /// `[B, S]`: each token's position (`start[b] + i`).
+    pub(crate) positions: TensorId,
+    /// `[B]`: the step position whose logits each row wants (its last real token).
+    pub(crate) last: TensorId,
+    pub(crate) capacity: usize,
+    pub(crate) quantize: Option<Quantize>,
+    pub(crate) quantized: Vec<QuantizedWeight>,
+}
+
+/// What a causal-LM graph computes: a training step (loss over every position) or one step of
+/// generation. The family builders call its layers, which differ between the two.
+pub(crate) enum Decoder {
+    Train { labels: TensorId, num_targets: TensorId },
+    Generate(Generation),
+}
+
+impl Decoder {
+    /// Declares the step's inputs (after `input_ids`) for `opts`.
+    pub(crate) fn new(
+        b: &mut Builder,
+        inputs: &mut Inputs,
+        opts: &crate::BuildOptions,
+        generate: Option<&crate::GenerateOptions>,
+        vocab: usize,
+    ) -> Decoder {
+        let (batch, seq) = (opts.batch, opts.seq);
+        match generate {
+            None => {
+                let (labels, num_targets) = inputs.counted_targets(b, batch, seq, vocab);
+                Decoder::Train { labels, num_targets }
+            }
+            Some(g) => {
+                let start =
+                    inputs.add(b, "cache_start", [batch], DType::I64, InputKind::CacheStart);
+                let positions =
+                    inputs.add(b, "position_ids", [batch, seq], DType::I64, InputKind::Positions);
+                let last = inputs.add(b, "last_index", [batch], DType::I64, InputKind::LastIndex);
+                Decoder::Generate(Generation {
+                    start,
+                    positions,
+                    last,
+                    capacity: g.capacity,
+                    quantize: g.quantize,
+                    quantized: Vec::new(),
+                })
+            }
+        }
+    }
+
+    pub(crate) fn generation(&self) -> Option<&Generation> {
+        match self {
+            Decoder::Generate(g) => Some(g),
+            Decoder::Train { .. } => None,
+        }
+    }
+
+    /// `nn.Linear` (quantised when generating with `--quantize`).
+    pub(crate) fn linear(
+        &mut self,
+        b: &mut Builder,
+        name: &str,
+        x: TensorId,
+        out_dim: usize,
+        bias: bool,
+    ) -> IrResult<TensorId> {
+        match self.quantizer() {
+            Some(q) => self.quantized(b, name, x, out_dim, bias, q, false),
+            None => linear(b, name, x, out_dim, bias),
+        }
+    }
+
+    /// GPT-2's `Conv1D` (quantised when generating with `--quantize`).
+    pub(crate) fn conv1d(
+        &mut self,
+        b: &mut Builder,
+        name: &str,
+        x: TensorId,
+        out_dim: usize,
+    ) -> IrResult<TensorId> {
+        match self.quantizer() {
+            Some(q) => self.quantized(b, name, x, out_dim, true, q, true),
+            None => conv1d(b, name, x, out_dim),
+        }
+    }
+
+    fn quantizer(&self) -> Option<Quantize> {
+        self.generation().and_then(|g| g.quantize)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn quantized(
+        &mut self,
+        b: &mut Builder,
+        name: &str,
+        x: TensorId,
+        out_dim: usize,
+        bias: bool,
+        q: Quantize,
+        transposed: bool,
+    ) -> IrResult<TensorId> {
+        let (in_dim, dtype) = (b.shape(x).last(), b.dtype(x));
+        let spec = q.spec(in_dim);
+        let (y, w, s, source) = b.scoped(name, |b| {
+            let source = format!("{}.weight", b.scope_path());
+            let w = b.parameter("weight", [out_dim, spec.row_bytes(in_dim)], DType::U8);
+            let s = b.parameter("weight_scale", [out_dim, in_dim / spec.group], DType::F32);
+            let mut y = b.qmatmul(x, w, s, spec)?;
+            if bias {
+                let bias = b.parameter("bias", [out_dim], dtype);
+                y = b.add(y, bias)?;
+            }
+            Ok::<_, IrError>((y, w, s, source))
+        })?;
+        if let Decoder::Generate(g) = self {
+            g.quantized.push(QuantizedWeight { weight: w, scales: s, source, transposed, spec });
+        }
+        Ok(y)
+    }
+
+    /// Causal self-attention of `q [B,S,H,E]` over `k, v [B,S,Hkv,E]`: over the step alone when
+    /// training, over the layer's KV cache (written first) when generating.
+    pub(crate) fn attention(
+        &self,
+        b: &mut Builder,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        spec: tessera_ir::AttentionSpec,
+    ) -> IrResult<TensorId> {
+        let Some(g) = self.generation() else { return b.attention(q, k, v, spec) };
+        let km = b.meta(k).clone();
+        let d = km.shape.dims();
+        let cache = [d[0], g.capacity, d[2], d[3]];
+        let kc = b.kv_cache("k_cache", cache, km.dtype);
+        let vc = b.kv_cache("v_cache", cache, km.dtype);
+        let kc = b.cache_write(kc, k, g.start)?;
+        let vc = b.cache_write(vc, v, g.start)?;
+        b.attention_at(q, kc, vc, g.start, spec)
+    }
+
+    /// RoPE at the tokens' positions.
+    pub(crate) fn rope(
+        &self,
+        b: &mut Builder,
+        x: TensorId,
+        inv_freq: &[f64],
+    ) -> IrResult<TensorId> {
+        match self.generation() {
+            Some(g) => b.rope_at(x, g.positions, inv_freq),
+            None => b.rope(x, inv_freq),
+        }
+    }
+
+    /// The rows of `x [B,S,D]` the head reads: every position when training, each row's last
+    /// real token (`[B,1,D]`) when generating.
+    pub(crate) fn head_rows(&self, b: &mut Builder, x: TensorId) -> IrResult<TensorId> {
+        match self.generation() {
+            Some(g) => b.select_positions(x, g.last),
+            None => Ok(x),
+        }
+    }
+
+    /// The graph's end: the training loss of `logits`, or (generating) the f32 logits
+    /// themselves. Returns `(loss, logits)`.
+    pub(crate) fn finish(
+        &self,
+        b: &mut Builder,
+        logits: TensorId,
+    ) -> IrResult<(Option<TensorId>, TensorId)> {
+        match self {
+            Decoder::Train { labels, num_targets } => {
+                Ok((Some(mean_over_targets(b, logits, *labels, *num_targets)?), logits))
+            }
+            Decoder::Generate(_) => {
+                let l = b.scoped("lm_head", |b| to(b, logits, DType::F32))?;
+                Ok((None, l))
+            }
+        }
+    }
+}

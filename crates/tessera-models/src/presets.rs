@@ -5,7 +5,10 @@
 //! table 2.1) in GPT-2's architecture, and `mt-nlg-530b` (Smith et al. 2022, MT-NLG: 105
 //! layers, hidden 20480, 128 heads) and `gpt-1t` (Narayanan et al. 2021, table 1: 128 layers,
 //! hidden 25600, 160 heads) the largest GPTs Megatron-LM's papers train and time, in the same
-//! architecture (GPT-2's vocabulary, 2048 positions); the rest are our own.
+//! architecture (GPT-2's vocabulary, 2048 positions); `bloom-560m`, `bloom-7b1` and
+//! `bloom-176b` have the architecture dims of `bigscience/bloom-560m`, `bigscience/bloom-7b1`
+//! and `bigscience/bloom` (BigScience 2022; a 250,880-token vocabulary) with
+//! `BloomConfig`'s defaults for the rest (no dtype stated); the rest are our own.
 
 use crate::config::*;
 use crate::error::{ModelError, Result};
@@ -29,6 +32,10 @@ pub const PRESETS: &[&str] = &[
     "llama3-70b",
     "llama-1.3b",
     "llama-tiny",
+    "bloom-560m",
+    "bloom-7b1",
+    "bloom-176b",
+    "bloom-tiny",
     "bert-large",
     "bert-tiny",
     "vit-base",
@@ -91,6 +98,14 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
             p.rms_norm_eps = 1e-5;
             llama_cfg(p)
         }
+        "bloom-560m" => bloom_cfg(BloomParams::new(name, 250880, 1024, 24, 16)),
+        "bloom-7b1" => bloom_cfg(BloomParams::new(name, 250880, 4096, 30, 32)),
+        "bloom-176b" => bloom_cfg(BloomParams::new(name, 250880, 14336, 70, 112)),
+        "bloom-tiny" => {
+            // Byte-level vocabulary, no dropout (BloomConfig's default): small enough for the
+            // f64 reference interpreter.
+            bloom_cfg(BloomParams::new(name, 256, 64, 2, 4))
+        }
         "bert-tiny" => {
             // Byte-level: ids 0..=255 are bytes, 256 is [MASK] (257..=259 reserved, so the
             // vocabulary splits over 2 and 4 devices).
@@ -132,6 +147,10 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
 
 fn gpt2_cfg(p: Gpt2Params) -> Result<ModelConfig> {
     Ok(ModelConfig::Gpt2(Gpt2Config::new(p)?))
+}
+
+fn bloom_cfg(p: BloomParams) -> Result<ModelConfig> {
+    Ok(ModelConfig::Bloom(BloomConfig::new(p)?))
 }
 
 fn llama_cfg(p: LlamaParams) -> Result<ModelConfig> {

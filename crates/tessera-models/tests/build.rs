@@ -120,6 +120,7 @@ fn every_family_tags_exactly_its_layer_nodes() {
     check_blocks("bert-large", |i| format!("bert.encoder.layer.{i}"));
     check_blocks("vit-base", |i| format!("vit.encoder.layer.{i}"));
     check_blocks("mlp", |i| format!("layers.{i}"));
+    check_blocks("bloom-tiny", |i| format!("transformer.h.{i}"));
 }
 
 /// `expected` as a name → shape map.
@@ -309,6 +310,7 @@ fn inputs_are_named_and_described() {
     assert_eq!(names(&model("gpt2", 1, 8, DType::F32)), [&lm[..], &["seed"]].concat());
     assert_eq!(names(&model("gpt2-tiny", 1, 8, DType::F32)), lm);
     assert_eq!(names(&model("llama-tiny", 1, 8, DType::F32)), lm);
+    assert_eq!(names(&model("bloom-tiny", 1, 8, DType::F32)), lm);
     let bert = model("bert-large", 1, 8, DType::F32);
     assert_eq!(names(&bert), ["input_ids", "token_type_ids", "labels", "num_targets", "seed"]);
     assert_eq!(bert.inputs[1].kind, InputKind::TokenTypeIds { type_vocab_size: 2 });
@@ -346,6 +348,7 @@ fn dropout_only_where_probability_is_positive_each_site_its_own_stream() {
     count("gpt2-tiny", 0);
     count("llama2-7b", 0);
     count("vit-base", 0); // hidden_dropout_prob 0.0
+    count("bloom-560m", 0); // hidden_dropout 0.0
 }
 
 /// Sum of the matmul-class FLOPs of a graph, as the IR counts them.
@@ -369,6 +372,18 @@ fn training_flops_match_reference_figures() {
         let t = build_training_graph(m.builder, m.loss, &TrainConfig::default()).unwrap();
         assert_eq!(matmul_flops(&t.graph), expected, "{name}");
     }
+}
+
+#[test]
+fn bloom_training_flops_are_three_forwards() {
+    // bloom-560m at B=1, S=1024 (d = 1024, L = 24, v = 250880), by hand: per layer
+    // query_key_value 6·S·d², dense 2·S·d², dense_h_to_4h and dense_4h_to_h 8·S·d² each, so
+    // 24·S·d² = 25,769,803,776, plus attention's QKᵀ and AV 4·S²·d = 4,294,967,296:
+    // 30,064,771,072 × 24 = 721,554,505,728; the tied head 2·S·d·v = 526,133,493,760.
+    // Forward 1,247,687,999,488; a training step 3× that (dX and dW of every matmul).
+    let m = model("bloom-560m", 1, 1024, DType::F32);
+    let t = build_training_graph(m.builder, m.loss, &TrainConfig::default()).unwrap();
+    assert_eq!(matmul_flops(&t.graph), 3 * 1_247_687_999_488);
 }
 
 #[test]

@@ -15,8 +15,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use tessera_ir::DType;
 use tessera_models::{
-    build, BertConfig, BuildOptions, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, VitConfig,
-    MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS, PRESETS,
+    build, BertConfig, BloomConfig, BuildOptions, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig,
+    VitConfig, MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS, PRESETS,
 };
 
 const FIXTURES: &[&str] = &[
@@ -81,6 +81,10 @@ const KEYS: &[&str] = &[
     "dtype",
     "torch_dtype",
     "n_ctx",
+    "n_embed",
+    "hidden_dropout",
+    "attention_dropout",
+    "apply_residual_connection_post_layernorm",
     "unknown_key",
 ];
 
@@ -335,6 +339,11 @@ fn at_most_two_blocks(cfg: &ModelConfig) -> ModelConfig {
             let mut p = c.clone().into_params();
             p.num_hidden_layers = p.num_hidden_layers.min(2);
             ModelConfig::Vit(VitConfig::new(p).expect(valid))
+        }
+        ModelConfig::Bloom(c) => {
+            let mut p = c.clone().into_params();
+            p.n_layer = p.n_layer.min(2);
+            ModelConfig::Bloom(BloomConfig::new(p).expect(valid))
         }
         ModelConfig::Mlp(c) => {
             let mut p = c.clone().into_params();

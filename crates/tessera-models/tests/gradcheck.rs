@@ -1,8 +1,9 @@
 //! Whole-model checks in f64 on the reference interpreter, against independent references.
 //!
-//! 1. **Gradients of whole training graphs** (the `gpt2-tiny` and `llama-tiny` presets as they
-//!    are, a tiny BERT, a tiny ViT, a tiny GPT-2 with dropout): seeded random parameters and
-//!    data, `tessera_ir::gradients` of the loss w.r.t. every parameter, evaluated by
+//! 1. **Gradients of whole training graphs** (the `gpt2-tiny`, `llama-tiny` and `bloom-tiny`
+//!    presets as they are, a tiny BERT, a tiny ViT, a tiny GPT-2 with dropout, a 6-head BLOOM
+//!    with dropout and an untied head): seeded random parameters and data,
+//!    `tessera_ir::gradients` of the loss w.r.t. every parameter, evaluated by
 //!    `interp::eval_outputs`. With millions of scalars, gradients are checked through
 //!    directional derivatives: for a random direction `d` supported on one parameter tensor
 //!    (and once on all of them), `⟨∇L, d⟩` against central differences of `L(θ + h·d)`,
@@ -11,8 +12,9 @@
 //!    `(L(θ+hd) − L(θ−hd))/2h` is off by ~1e-5 relative at an `h` large enough for f64
 //!    round-off not to matter, the extrapolated one by ~1e-10.
 //! 2. **Forward values against plain-loop references written here**: ViT's patch embeddings
-//!    as a strided convolution, BERT's embedding sum, and the logits of small GPT-2 and LLaMA
-//!    (GQA, RoPE, RMSNorm, SwiGLU) models from a hand-written forward pass.
+//!    as a strided convolution, BERT's embedding sum, and the logits of small GPT-2, LLaMA
+//!    (GQA, RoPE, RMSNorm, SwiGLU) and BLOOM (ALiBi as transformers builds it, per-head fused
+//!    q/k/v, embedding LayerNorm) models from a hand-written forward pass.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -58,9 +60,10 @@ fn init_param(rng: &mut StdRng, name: &str, dims: &[usize]) -> Vec<f64> {
         }
         return uniform(rng, n, 0.1);
     }
-    // GPT-2's Conv1D stores [in, out]; everything else has its fan-in in the trailing dims.
-    let fan_in: usize =
-        if name.starts_with("transformer.h.") { dims[0] } else { dims[1..].iter().product() };
+    // GPT-2's Conv1D (`c_attn`, `c_proj`, `c_fc`) stores [in, out]; everything else
+    // (BLOOM's `transformer.h.*` linears too) has its fan-in in the trailing dims.
+    let module = name.rsplit('.').nth(1).unwrap_or("");
+    let fan_in: usize = if module.starts_with("c_") { dims[0] } else { dims[1..].iter().product() };
     let std = (1.0 / (fan_in as f64).sqrt()).clamp(0.02, 0.2);
     uniform(rng, n, std * 3f64.sqrt())
 }
@@ -107,6 +110,9 @@ impl Model {
                     let (labels, ignore) = labels.expect("a target count needs labels");
                     let n = bindings[&labels].data.iter().filter(|&&l| Some(l as i64) != ignore);
                     vec![n.count() as f64]
+                }
+                InputKind::CacheStart | InputKind::Positions | InputKind::LastIndex => {
+                    panic!("{name}: a training graph has no generation input {}", input.name)
                 }
             };
             bindings.insert(input.tensor, Value::new(shape, data));
@@ -382,6 +388,58 @@ fn gpt2_with_dropout_gradients() {
         "transformer.h.0.mlp.c_fc.weight",
         "transformer.h.0.mlp.c_proj.weight",
         "transformer.ln_f.bias",
+        "lm_head.weight",
+    ]);
+}
+
+#[test]
+fn bloom_tiny_gradients() {
+    // ALiBi attention (4 heads: power-of-two slopes), the embedding LayerNorm, per-head fused
+    // q/k/v, tied head.
+    let mut m = Model::new(&preset("bloom-tiny"), 2, 8, 6);
+    m.gradcheck(&[
+        "transformer.word_embeddings.weight", // embedding and tied lm_head
+        "transformer.word_embeddings_layernorm.weight",
+        "transformer.word_embeddings_layernorm.bias",
+        "transformer.h.0.input_layernorm.weight",
+        "transformer.h.0.self_attention.query_key_value.weight",
+        "transformer.h.0.self_attention.query_key_value.bias",
+        "transformer.h.1.input_layernorm.bias",
+        "transformer.h.1.self_attention.query_key_value.weight",
+        "transformer.h.1.self_attention.dense.weight",
+        "transformer.h.1.self_attention.dense.bias",
+        "transformer.h.1.post_attention_layernorm.weight",
+        "transformer.h.1.mlp.dense_h_to_4h.weight",
+        "transformer.h.1.mlp.dense_h_to_4h.bias",
+        "transformer.h.1.mlp.dense_4h_to_h.weight",
+        "transformer.h.1.mlp.dense_4h_to_h.bias",
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+    ]);
+}
+
+/// 2 layers, hidden 48, 6 heads (ALiBi's non-power-of-two slopes), vocabulary 50,
+/// `hidden_dropout` 0.1, untied lm_head.
+const BLOOM_6HEADS_DROPOUT: &str = r#"{"model_type": "bloom", "_name_or_path": "bloom-dropout",
+    "vocab_size": 50, "hidden_size": 48, "n_layer": 2, "n_head": 6, "hidden_dropout": 0.1,
+    "tie_word_embeddings": false}"#;
+
+#[test]
+fn bloom_with_six_heads_and_dropout_gradients() {
+    let mut m = Model::new(&hf(BLOOM_6HEADS_DROPOUT), 2, 7, 7);
+    // hidden_dropout before each residual add: 2 per layer, nothing on the embeddings.
+    let dropouts = m.graph.nodes.iter().filter(|n| matches!(n.op, Op::Dropout { .. })).count();
+    assert_eq!(dropouts, 2 * 2, "dropout call sites");
+    m.gradcheck(&[
+        "transformer.word_embeddings.weight",
+        "transformer.word_embeddings_layernorm.weight",
+        "transformer.h.0.self_attention.query_key_value.weight",
+        "transformer.h.1.self_attention.query_key_value.weight",
+        "transformer.h.1.self_attention.query_key_value.bias",
+        "transformer.h.1.self_attention.dense.weight",
+        "transformer.h.0.mlp.dense_h_to_4h.weight",
+        "transformer.h.0.mlp.dense_4h_to_h.weight",
+        "transformer.ln_f.weight",
         "lm_head.weight",
     ]);
 }
@@ -710,4 +768,142 @@ fn llama_logits_match_a_hand_written_forward_pass() {
     let want = dense(&x, p("lm_head.weight"), None, d, v, true);
     let got = &m.eval(&[m.logits])[0];
     assert_close("llama logits", got, &[batch, seq, v], &want, 1e-10);
+}
+
+/// ALiBi slopes as transformers' `build_alibi_tensor` computes them, transcribed here
+/// independently of `tessera_ir::Alibi`.
+fn hf_alibi_slopes(num_heads: usize) -> Vec<f64> {
+    let closest = 2f64.powf((num_heads as f64).log2().floor());
+    let base = 2f64.powf(-(2f64.powf(-(closest.log2() - 3.0))));
+    let mut slopes: Vec<f64> = (1..=closest as usize).map(|p| base.powi(p as i32)).collect();
+    if closest as usize != num_heads {
+        let extra_base = 2f64.powf(-(2f64.powf(-((2.0 * closest).log2() - 3.0))));
+        let remaining = (closest as usize).min(num_heads - closest as usize);
+        // torch.arange(1, 1 + 2 * remaining, 2): the odd powers.
+        slopes.extend((0..remaining).map(|i| extra_base.powi(2 * i as i32 + 1)));
+    }
+    slopes
+}
+
+/// `bloom_gelu_forward`, with BLOOM's truncated sqrt(2/π).
+fn bloom_gelu(x: f64) -> f64 {
+    x * 0.5 * (1.0 + (0.79788456 * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+#[test]
+fn hf_alibi_slopes_are_the_documented_ones() {
+    // README of the HF fixtures: 4 heads 1/4, 1/16, 1/64, 1/256; 6 heads those, then 1/2, 1/8.
+    assert_eq!(hf_alibi_slopes(4), [0.25, 0.0625, 0.015625, 0.00390625]);
+    assert_eq!(hf_alibi_slopes(6), [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]);
+    for n in 1..=130 {
+        let (ours, hf) = (tessera_ir::Alibi::slopes(n), hf_alibi_slopes(n));
+        assert_eq!(ours.len(), n, "{n} heads");
+        for (h, (a, b)) in ours.iter().zip(&hf).enumerate() {
+            assert!((a - b).abs() <= 1e-15 * b, "{n} heads, head {h}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn bloom_logits_match_a_hand_written_forward_pass() {
+    // 6 heads: the non-power-of-two slopes; head dim 5 is odd (ALiBi needs no pairs).
+    let cfg = hf(r#"{"model_type": "bloom", "_name_or_path": "bloom-ref", "vocab_size": 40,
+        "hidden_size": 30, "n_layer": 2, "n_head": 6, "layer_norm_epsilon": 1e-5}"#);
+    let (batch, seq, d, heads, v) = (2, 7, 30, 6, 40);
+    let (e, inner, eps) = (d / heads, 4 * d, 1e-5);
+    let m = Model::new(&cfg, batch, seq, 14);
+    let ids = &m.input("input_ids").data;
+    let p = |name: &str| m.value(name);
+    let wte = p("transformer.word_embeddings.weight");
+    let mut x = vec![0.0; batch * seq * d];
+    for (r, &id) in ids.iter().enumerate() {
+        x[r * d..(r + 1) * d].copy_from_slice(&wte[id as usize * d..(id as usize + 1) * d]);
+    }
+    let mut x = layer_norm(
+        &x,
+        p("transformer.word_embeddings_layernorm.weight"),
+        p("transformer.word_embeddings_layernorm.bias"),
+        eps,
+    );
+    let slopes = hf_alibi_slopes(heads);
+    for layer in 0..2 {
+        let w = |suffix: &str| p(&format!("transformer.h.{layer}.{suffix}"));
+        let h = layer_norm(&x, w("input_layernorm.weight"), w("input_layernorm.bias"), eps);
+        let qkv = dense(
+            &h,
+            w("self_attention.query_key_value.weight"),
+            Some(w("self_attention.query_key_value.bias")),
+            d,
+            3 * d,
+            true,
+        );
+        // view(B, S, H, 3, E): head hh's q, k, v are consecutive E-wide slices of its 3E.
+        let at = |r: usize, hh: usize, which: usize, i: usize| {
+            qkv[r * 3 * d + hh * 3 * e + which * e + i]
+        };
+        let mut o = vec![0.0; batch * seq * d];
+        for b in 0..batch {
+            for hh in 0..heads {
+                for i in 0..seq {
+                    // HF: alibi[h, j] = slope_h · j (the key's position), added unscaled.
+                    let scores: Vec<f64> = (0..=i)
+                        .map(|j| {
+                            let dot: f64 = (0..e)
+                                .map(|c| at(b * seq + i, hh, 0, c) * at(b * seq + j, hh, 1, c))
+                                .sum();
+                            slopes[hh] * j as f64 + dot / (e as f64).sqrt()
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let total: f64 = exps.iter().sum();
+                    for (j, pj) in exps.iter().enumerate() {
+                        for c in 0..e {
+                            o[(b * seq + i) * d + hh * e + c] +=
+                                pj / total * at(b * seq + j, hh, 2, c);
+                        }
+                    }
+                }
+            }
+        }
+        let a = dense(
+            &o,
+            w("self_attention.dense.weight"),
+            Some(w("self_attention.dense.bias")),
+            d,
+            d,
+            true,
+        );
+        add_into(&mut x, &a);
+        let h = layer_norm(
+            &x,
+            w("post_attention_layernorm.weight"),
+            w("post_attention_layernorm.bias"),
+            eps,
+        );
+        let u = dense(
+            &h,
+            w("mlp.dense_h_to_4h.weight"),
+            Some(w("mlp.dense_h_to_4h.bias")),
+            d,
+            inner,
+            true,
+        );
+        let u: Vec<f64> = u.into_iter().map(bloom_gelu).collect();
+        let mo = dense(
+            &u,
+            w("mlp.dense_4h_to_h.weight"),
+            Some(w("mlp.dense_4h_to_h.bias")),
+            inner,
+            d,
+            true,
+        );
+        add_into(&mut x, &mo);
+    }
+    let x = layer_norm(&x, p("transformer.ln_f.weight"), p("transformer.ln_f.bias"), eps);
+    let want = dense(&x, wte, None, d, v, true); // tied head: x·word_embeddingsᵀ
+    let got = &m.eval(&[m.logits])[0];
+    // 1e-8, not 1e-10: BLOOM's gelu truncates sqrt(2/π) to 0.79788456 (6e-11 relative), the
+    // IR's GeluTanh does not.
+    assert_close("bloom logits", got, &[batch, seq, v], &want, 1e-8);
 }

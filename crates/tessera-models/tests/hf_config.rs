@@ -480,6 +480,10 @@ fn to_hf_json_round_trips_every_preset_and_fixture() {
     for name in tessera_models::PRESETS {
         check_round_trip(&ModelConfig::preset(name).unwrap(), &format!("preset {name}"));
     }
+    let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-cli/tests/fixtures/hf");
+    for dir in ["bloom", "bloom-6heads"] {
+        check_round_trip(&ModelConfig::from_path(&hf.join(dir)).unwrap(), dir);
+    }
     for file in [
         "bert-large-uncased.json",
         "gpt2.json",
@@ -526,6 +530,11 @@ fn to_hf_json_round_trips_non_default_settings() {
     let mut p = VitParams::new("v", 32, 1, 2, 64);
     (p.image_size, p.patch_size, p.num_labels, p.qkv_bias) = ([32, 48], [8, 16], 3, false);
     check_round_trip(&ModelConfig::Vit(VitConfig::new(p).unwrap()), "vit");
+    // Untied BLOOM with dropouts and bf16.
+    let mut p = tessera_models::BloomParams::new("bl", 60, 24, 2, 3);
+    (p.tie_word_embeddings, p.hidden_dropout, p.attention_dropout) = (false, 0.1, 0.05);
+    (p.layer_norm_epsilon, p.dtype) = (1e-6, Some(DType::BF16));
+    check_round_trip(&ModelConfig::Bloom(tessera_models::BloomConfig::new(p).unwrap()), "bloom");
     // Untied BERT.
     let mut p = tessera_models::BertParams::new("b", 50, 16, 1, 2, 32, 20);
     (p.tie_word_embeddings, p.type_vocab_size) = (false, 3);
@@ -558,4 +567,7 @@ fn to_hf_json_writes_what_transformers_expects() {
     assert_eq!(vit["architectures"], serde_json::json!(["ViTForImageClassification"]));
     assert_eq!(vit["id2label"].as_object().unwrap().len(), 1000);
     assert_eq!(ModelConfig::preset("mlp").unwrap().to_hf_json()["model_type"], "mlp");
+    let bloom = ModelConfig::preset("bloom-7b1").unwrap().to_hf_json();
+    assert_eq!(bloom["architectures"], serde_json::json!(["BloomForCausalLM"]));
+    assert_eq!((bloom["n_layer"].as_u64(), bloom["n_head"].as_u64()), (Some(30), Some(32)));
 }

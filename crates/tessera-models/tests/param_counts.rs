@@ -57,6 +57,22 @@ fn presets_match_hugging_face_counts() {
 }
 
 #[test]
+fn bloom_presets_match_hugging_face_counts() {
+    // BloomForCausalLM, lm_head tied to the word embeddings. By hand: V·H + 2H (embedding
+    // LayerNorm) + L·(12H² + 13H) + 2H (ln_f), per layer query_key_value 3H² + 3H, dense
+    // H² + H, dense_h_to_4h 4H² + 4H, dense_4h_to_h 4H² + H, two LayerNorms 4H; V = 250880.
+    // bloom-560m, H = 1024, L = 24: 256,901,120 + 24·12,596,224 + 4,096 = 559,214,592.
+    // bloom-7b1, H = 4096, L = 30: 1,027,604,480 + 30·201,379,840 + 16,384 = 7,069,016,064.
+    // bloom-176b, H = 14336, L = 70: 3,596,615,680 + 70·2,466,437,120 + 57,344
+    // = 176,247,271,424. All three are the counts published for the checkpoints.
+    for (name, want) in
+        [("bloom-560m", 559_214_592), ("bloom-7b1", 7_069_016_064), ("bloom-176b", 176_247_271_424)]
+    {
+        check(name, &ModelConfig::preset(name).unwrap(), want).unwrap();
+    }
+}
+
+#[test]
 fn gpt3_175b_has_175b_parameters() {
     // GPT-3 paper, table 2.1: "175.0B". By hand: per layer 12·d² + 13·d at d = 12288
     // (c_attn 3d²+3d, c_proj d²+d, c_fc 4d²+4d, mlp c_proj 4d²+d, two LayerNorms 4d) =

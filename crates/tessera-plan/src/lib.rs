@@ -20,6 +20,7 @@ pub mod config;
 pub mod cost;
 pub mod explain;
 pub mod export;
+pub mod generate;
 pub mod ilp;
 pub mod lower;
 pub mod mesh;

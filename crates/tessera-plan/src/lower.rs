@@ -259,7 +259,11 @@ pub fn finish(
 
 /// The leaf layout the runtime reads: each named leaf's placement (by tensor) and each
 /// micro-batch's data inputs. The one place where a leaf's name is looked up for the runtime.
-fn leaf_layout(g: &Graph, leaf_specs: &[(String, Spec)], micro_batches: usize) -> LeafLayout {
+pub(crate) fn leaf_layout(
+    g: &Graph,
+    leaf_specs: &[(String, Spec)],
+    micro_batches: usize,
+) -> LeafLayout {
     let mut layout = LeafLayout::default();
     let mut data = Vec::new();
     let leaves = g.leaf_index();
@@ -462,6 +466,50 @@ impl<'a> LocalForward<'a> {
     }
 
     pub(crate) fn build(&mut self, loss: TensorId) -> Result<TensorId> {
+        self.lower_nodes()?;
+        // The loss every device reports: sum the pending shares.
+        let (l, spec) = self.home[loss.index()]
+            .clone()
+            .ok_or_else(|| PlanError::Internal("loss not lowered".into()))?;
+        if spec.partial.is_empty() {
+            return Ok(l);
+        }
+        let steps: Vec<CommStep> = spec
+            .partial
+            .iter()
+            .map(|&a| CommStep { op: Collective::AllReduce, axis: a, size: self.mesh.shape[a] })
+            .collect();
+        self.b.set_scope_path("loss");
+        self.b
+            .push1(Op::Reshard(ReshardSpec { forward: steps, backward: vec![] }), &[l])
+            .map_err(internal)
+    }
+
+    /// The local value of `t` whole on every device (an output every device reads, such as
+    /// generation's logits): its pending sums reduced and its splits gathered.
+    pub(crate) fn replicated(&mut self, t: TensorId) -> Result<TensorId> {
+        let (src, have) = self.home[t.index()].clone().ok_or_else(|| {
+            PlanError::Internal(format!("{} not lowered", self.g.tensor_scope(t)))
+        })?;
+        let meta = self.g.meta(t).clone();
+        let want = Spec::replicated(meta.shape.rank());
+        if have == want {
+            return Ok(src);
+        }
+        let dims = meta.shape.dims();
+        let path = cheapest_path(self.mesh, dims, meta.dtype.size_bytes(), &have, &want)
+            .ok_or_else(|| {
+                PlanError::Internal(format!(
+                    "no collective path from {have} to whole for {}",
+                    self.g.tensor_scope(t)
+                ))
+            })?;
+        let spec = ReshardSpec { forward: path.steps, backward: vec![] };
+        self.b.push1(Op::Reshard(spec), &[src]).map_err(internal)
+    }
+
+    /// Lowers every node of the forward graph to its local form.
+    pub(crate) fn lower_nodes(&mut self) -> Result<()> {
         let consumers = self.g.consumers();
         for (i, node) in self.g.nodes.iter().enumerate() {
             let id = NodeId(i as u32);
@@ -479,6 +527,15 @@ impl<'a> LocalForward<'a> {
                     let spec = self.first_use(t, &consumers)?;
                     let m = self.local(t, &spec)?;
                     let lt = self.b.input(&name, m.shape.clone(), m.dtype);
+                    self.leaf_specs.push((name, spec.clone()));
+                    self.home[t.index()] = Some((lt, spec));
+                }
+                // A KV cache is stored as its writer splits it (by heads under tp).
+                Op::KvCache(_) => {
+                    let t = node.outputs[0];
+                    let spec = self.first_use(t, &consumers)?;
+                    let m = self.local(t, &spec)?;
+                    let lt = self.b.kv_cache(&name, m.shape.clone(), m.dtype);
                     self.leaf_specs.push((name, spec.clone()));
                     self.home[t.index()] = Some((lt, spec));
                 }
@@ -539,22 +596,7 @@ impl<'a> LocalForward<'a> {
                 }
             }
         }
-        // The loss every device reports: sum the pending shares.
-        let (l, spec) = self.home[loss.index()]
-            .clone()
-            .ok_or_else(|| PlanError::Internal("loss not lowered".into()))?;
-        if spec.partial.is_empty() {
-            return Ok(l);
-        }
-        let steps: Vec<CommStep> = spec
-            .partial
-            .iter()
-            .map(|&a| CommStep { op: Collective::AllReduce, axis: a, size: self.mesh.shape[a] })
-            .collect();
-        self.b.set_scope_path("loss");
-        self.b
-            .push1(Op::Reshard(ReshardSpec { forward: steps, backward: vec![] }), &[l])
-            .map_err(internal)
+        Ok(())
     }
 
     /// The local leaf of parameter `p` (in the host tier when it rests there), its stored spec
@@ -692,6 +734,18 @@ fn localize(op: &Op, out: &[TensorMeta], global: &TensorMeta, spec: &Spec) -> Op
                 micro_batch: 0,
             }),
         },
+        // ALiBi's slopes follow the global head index: record where the local heads sit.
+        Op::Attention(a) if a.alibi.is_some() => {
+            let mut a = a.clone();
+            if let Some(al) = a.alibi.as_mut() {
+                al.shard = Some(ShardOf {
+                    global: global.shape.dims().to_vec(),
+                    placement: spec.dims.clone(),
+                    micro_batch: 0,
+                });
+            }
+            Op::Attention(a)
+        }
         other => other.clone(),
     }
 }

@@ -78,6 +78,7 @@ fn extend_memory(long: &MemoryReport, short: &MemoryReport, steps: f64) -> Memor
         optimizer_bytes: b(long.optimizer_bytes, short.optimizer_bytes),
         activations_bytes: b(long.activations_bytes, short.activations_bytes),
         inputs_bytes: b(long.inputs_bytes, short.inputs_bytes),
+        kv_cache_bytes: b(long.kv_cache_bytes, short.kv_cache_bytes),
         activations_by_block: long
             .activations_by_block
             .iter()

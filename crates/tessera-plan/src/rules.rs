@@ -218,6 +218,10 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             // Heads split together: the bound is the KV head count.
             let h = l.label(k[2], true);
             l.inputs = vec![vec![Some(b), None, Some(h), None]; 3];
+            if x.len() == 4 {
+                // Over a KV cache: each row's start goes with the row.
+                l.inputs.push(vec![Some(b)]);
+            }
             l.outputs = vec![vec![Some(b), None, Some(h), None], vec![Some(b), Some(h), None]];
         }
         Op::Rope { .. } => {
@@ -226,11 +230,52 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             let h = l.label(q[2], true);
             let o = vec![Some(b), None, Some(h), None];
             l.inputs = vec![o.clone()];
+            if x.len() == 2 {
+                l.inputs.push(vec![Some(b), None]);
+            }
             l.outputs = vec![o];
+        }
+        Op::CacheWrite => {
+            // cache [B,C,Hkv,D], x [B,S,Hkv,D], start [B]: by rows and heads.
+            let c = dims(x[0]);
+            let b = l.label(c[0], true);
+            let h = l.label(c[2], true);
+            let o = vec![Some(b), None, Some(h), None];
+            l.inputs = vec![o.clone(), o.clone(), vec![Some(b)]];
+            l.outputs = vec![o];
+        }
+        Op::SelectPositions => {
+            // x [B,S,..] → [B,1,..]: rows and the trailing dims split, the sequence whole.
+            let mut xi = l.fresh_dims(x[0], |d| d != 1);
+            xi[1] = None;
+            l.inputs = vec![xi.clone(), vec![xi[0]]];
+            l.outputs = vec![xi];
+        }
+        Op::QMatMul(q) => {
+            // x [.., K] · w [N, K·bits/8]ᵀ with scales [N, K/group]: like a matmul against a
+            // weight. Splitting K must keep whole bytes and whole groups (the label's size is
+            // the group count for int4); an int8 row's one scale stays whole.
+            let (xd, out) = (dims(x[0]), dims(y[0]));
+            let r = out.len();
+            let batch: Vec<Option<usize>> =
+                (0..r - 1).map(|d| Some(l.label(out[d], true))).collect();
+            let n = l.label(out[r - 1], true);
+            let k_size = xd[r - 1];
+            let groups = k_size / q.group.max(1);
+            let k = l.label(if q.bits == 8 { k_size } else { groups }, true);
+            let mut xi = batch.clone();
+            xi.push(Some(k));
+            let scale_k = if q.bits == 8 { None } else { Some(k) };
+            l.inputs = vec![xi, vec![Some(n), Some(k)], vec![Some(n), scale_k]];
+            let mut o = batch;
+            o.push(Some(n));
+            l.outputs = vec![o];
+            l.partial_from = vec![vec![k]];
         }
         Op::Parameter(_)
         | Op::Input(_)
         | Op::OptimizerState { .. }
+        | Op::KvCache(_)
         | Op::Fill { .. }
         | Op::UnaryBackward(_)
         | Op::BinaryBackward { .. }
@@ -435,7 +480,7 @@ mod tests {
 
     #[test]
     fn attention_splits_heads_only_by_divisors_of_kv_heads() {
-        let spec = tessera_ir::AttentionSpec { causal: true, window: None, scale: 1.0 };
+        let spec = tessera_ir::AttentionSpec { scale: 1.0, ..tessera_ir::AttentionSpec::causal(1) };
         let (q, kv) = (meta(&[2, 8, 8, 4]), meta(&[2, 8, 2, 4]));
         let (o, lse) = (meta(&[2, 8, 8, 4]), meta(&[2, 8, 8]));
         let l = labeling(&Op::Attention(spec), &[&q, &kv, &kv], &[&o, &lse]).unwrap();

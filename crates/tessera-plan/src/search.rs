@@ -8,6 +8,7 @@ mod megatron;
 mod scan;
 mod space;
 
+pub use megatron::tp_strategies;
 pub use scan::{resting_floor, Miss};
 
 use crate::cost::CostModel;

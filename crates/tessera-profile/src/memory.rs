@@ -32,6 +32,8 @@ pub struct MemoryReport {
     pub activations_bytes: u64,
     /// Per-step data (token ids, labels, scalars).
     pub inputs_bytes: u64,
+    /// Generation's key/value caches (resident across its steps).
+    pub kv_cache_bytes: u64,
     /// Saved activations produced by each repeated block, indexed by block.
     pub activations_by_block: Vec<u64>,
     /// The largest kernel workspace requested by any instruction.
@@ -135,6 +137,7 @@ pub fn simulate_memory(p: &Program) -> MemoryTrace {
                     report.activations_by_block[k as usize] += b;
                 }
             }
+            Role::KvCache => report.kv_cache_bytes += b,
             Role::Temporary => {}
         }
     }
@@ -198,6 +201,6 @@ fn group_scope(scope: &str, role: Role) -> String {
             let s = tessera_ir::dist::split_state_key(scope).map_or(scope, |(param, _)| param);
             s.rsplit_once('.').map_or(s, |(head, _)| head).to_string()
         }
-        Role::Input | Role::SavedActivation | Role::Temporary => scope.to_string(),
+        Role::Input | Role::SavedActivation | Role::Temporary | Role::KvCache => scope.to_string(),
     }
 }

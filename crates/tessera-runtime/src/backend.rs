@@ -109,5 +109,7 @@ fn needs_upcast(op: &Op, inputs: &[&Tensor]) -> bool {
             | Op::Fill { .. }
             | Op::Cast(_)
             | Op::AdamW(_)
+            | Op::CacheWrite
+            | Op::SelectPositions
     )
 }

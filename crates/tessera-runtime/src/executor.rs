@@ -205,6 +205,23 @@ impl<B: Backend> Executor<B> {
         &self.at
     }
 
+    /// Places the device at `at` in its mesh without a communicator (its collectives are
+    /// handed over later with [`Executor::put_collectives`]).
+    pub fn at_position(mut self, at: MeshPos) -> Executor<B> {
+        self.at = at;
+        self
+    }
+
+    /// Takes the communicator back (to hand it to another Program of the same device).
+    pub fn take_collectives(&mut self) -> Option<Box<dyn ReshardRunner>> {
+        self.collectives.take()
+    }
+
+    /// Gives the executor a communicator taken from another one of the same device.
+    pub fn put_collectives(&mut self, runner: Option<Box<dyn ReshardRunner>>) {
+        self.collectives = runner;
+    }
+
     pub fn collectives(&self) -> Option<&dyn ReshardRunner> {
         self.collectives.as_deref()
     }
@@ -254,7 +271,7 @@ impl<B: Backend> Executor<B> {
     pub fn bind(&mut self, t: TensorId, value: Tensor) -> Result<()> {
         let g = &self.program.graph;
         let node = g.producer(t);
-        if !matches!(node.op, Op::Parameter(_) | Op::OptimizerState { .. } | Op::Input(_)) {
+        if !node.op.is_bound() {
             return Err(RuntimeError::Binding(format!(
                 "{} is computed by a {} node; only leaves can be bound",
                 g.tensor_scope(t),
@@ -300,10 +317,7 @@ impl<B: Backend> Executor<B> {
     }
 
     fn is_leaf(&self, t: TensorId) -> bool {
-        matches!(
-            self.program.graph.producer(t).op,
-            Op::Parameter(_) | Op::OptimizerState { .. } | Op::Input(_)
-        )
+        self.program.graph.producer(t).op.is_bound()
     }
 
     /// Drops every handle of buffer `root` and credits its bytes.

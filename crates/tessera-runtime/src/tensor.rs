@@ -31,7 +31,7 @@ pub fn candle_dtype(d: DType) -> candle_core::DType {
         DType::F16 => candle_core::DType::F16,
         DType::BF16 => candle_core::DType::BF16,
         DType::I32 | DType::I64 => candle_core::DType::I64,
-        DType::Bool => candle_core::DType::U8,
+        DType::Bool | DType::U8 => candle_core::DType::U8,
     }
 }
 

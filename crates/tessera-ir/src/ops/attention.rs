@@ -17,6 +17,14 @@ fn bshd(m: &TensorMeta, what: &str) -> Result<(usize, usize, usize, usize), Stri
 }
 
 pub(crate) fn infer(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+    if x.len() == 4 {
+        super::expect_int(x[3], "start")?;
+        let b = x[0].shape.dims().first().copied().unwrap_or(0);
+        if x[3].shape.dims() != [b] {
+            return Err(format!("start {} must be [batch] = [{b}]", x[3]));
+        }
+        return infer(&x[..3]);
+    }
     expect_inputs(x, 3)?;
     expect_float(x[0], "q")?;
     let (b, s, h, d) = bshd(x[0], "q")?;
@@ -75,6 +83,11 @@ pub(crate) fn workspace_bytes(x: &[&TensorMeta]) -> u64 {
 }
 
 pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &AttentionSpec) -> Result<Vec<Option<Grad>>> {
+    if cx.node_inputs() == 4 {
+        return Err(crate::IrError::Graph(
+            "attention over a KV cache (with a start input) is inference only".into(),
+        ));
+    }
     if cx.dout[1].is_some() {
         return Err(crate::IrError::Graph(
             "attention's logsumexp output is saved for the backward pass and has no VJP".into(),
@@ -89,6 +102,14 @@ pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &AttentionSpec) -> Result<Vec<Optio
 }
 
 pub(crate) fn infer_rope(x: &[&TensorMeta], inv_freq: &[f64]) -> Result<Vec<TensorMeta>, String> {
+    if x.len() == 2 {
+        super::expect_int(x[1], "positions")?;
+        let d = x[0].shape.dims();
+        if d.len() < 2 || x[1].shape.dims() != &d[..2] {
+            return Err(format!("positions {} must be [batch, seq] of x {}", x[1], x[0]));
+        }
+        return infer_rope(&x[..1], inv_freq);
+    }
     expect_inputs(x, 1)?;
     expect_float(x[0], "x")?;
     let (_, _, _, d) = bshd(x[0], "x")?;
@@ -112,7 +133,12 @@ pub(crate) fn vjp_rope(
     inverse: bool,
 ) -> Result<Vec<Option<Grad>>> {
     let dy = cx.dy(0)?;
-    // A rotation's transpose is the rotation by −θ.
-    let g = cx.b.push1(Op::Rope { inv_freq: inv_freq.to_vec(), inverse: !inverse }, &[dy])?;
+    // A rotation's transpose is the rotation by −θ (at the same positions).
+    let op = Op::Rope { inv_freq: inv_freq.to_vec(), inverse: !inverse };
+    if cx.node_inputs() == 2 {
+        let g = cx.b.push1(op, &[dy, cx.x(1)])?;
+        return Ok(vec![Some(Grad::Full(g)), None]);
+    }
+    let g = cx.b.push1(op, &[dy])?;
     Ok(vec![Some(Grad::Full(g))])
 }

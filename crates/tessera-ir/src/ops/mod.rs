@@ -12,12 +12,14 @@ pub(crate) mod attention;
 pub mod comm;
 pub mod elementwise;
 pub(crate) mod embedding;
+pub(crate) mod infer;
 pub(crate) mod layout;
 pub(crate) mod leaf;
 pub(crate) mod loss;
 pub(crate) mod matmul;
 pub(crate) mod norm;
 pub(crate) mod optim;
+pub(crate) mod quant;
 pub(crate) mod reduce;
 
 use crate::autodiff::{Grad, VjpCtx};
@@ -97,6 +99,113 @@ pub struct AttentionSpec {
     pub window: Option<usize>,
     /// Multiplier of QK^T, usually 1/sqrt(head_dim).
     pub scale: f64,
+    /// ALiBi position biases (BLOOM; Press et al. 2022): head `h`'s score of key `j` for the
+    /// query at position `p` gains `slope_h · (j − p)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alibi: Option<Alibi>,
+}
+
+impl AttentionSpec {
+    /// Causal attention scaled by `1/sqrt(head_dim)`, no window, no position bias.
+    pub fn causal(head_dim: usize) -> AttentionSpec {
+        AttentionSpec {
+            causal: true,
+            window: None,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            alibi: None,
+        }
+    }
+}
+
+/// ALiBi's per-head slopes: a function of the model's query-head count. Under tensor
+/// parallelism a device holds some of the heads; `shard` (set by the planner's lowering, as
+/// for dropout) says which, so each device biases its heads with their own slopes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Alibi {
+    /// Query heads of the whole model.
+    pub heads: usize,
+    /// Where the local q `[B,S,H,D]` sits in the global one (`None`: it is the global one).
+    #[serde(default)]
+    pub shard: Option<crate::dist::ShardOf>,
+}
+
+impl Alibi {
+    /// The slope of every head of the model, as BLOOM defines them (`build_alibi_tensor` in
+    /// transformers): `2^(-8i/n)` for `i = 1..=n` when `n` is a power of two; otherwise those
+    /// of the largest power of two `m < n`, then the odd powers of `2^(-4/m)` for the rest.
+    pub fn slopes(heads: usize) -> Vec<f64> {
+        if heads == 0 {
+            return Vec::new();
+        }
+        let m = 1usize << (usize::BITS - 1 - heads.leading_zeros());
+        let base = 2f64.powf(-8.0 / m as f64);
+        let mut s: Vec<f64> = (1..=m).map(|i| base.powi(i as i32)).collect();
+        if m != heads {
+            let extra = 2f64.powf(-4.0 / m as f64);
+            let rest = (heads - m).min(m);
+            s.extend((0..rest).map(|i| extra.powi(2 * i as i32 + 1)));
+        }
+        s
+    }
+
+    /// The slopes of the local heads of a device at `at` (`None`: the mesh origin).
+    pub fn local_slopes(
+        &self,
+        local_heads: usize,
+        at: Option<&crate::dist::MeshPos>,
+    ) -> crate::Result<Vec<f64>> {
+        let first = match (&self.shard, at) {
+            (Some(s), Some(at)) => at.shard_origin(&s.global, &s.placement)?.get(2).copied(),
+            _ => Some(0),
+        }
+        .unwrap_or(0);
+        let all = Alibi::slopes(self.heads);
+        all.get(first..first + local_heads).map(<[f64]>::to_vec).ok_or_else(|| {
+            crate::IrError::Graph(format!(
+                "ALiBi heads {first}..{} beyond the model's {}",
+                first + local_heads,
+                self.heads
+            ))
+        })
+    }
+}
+
+/// Weight-only quantisation of a matmul weight ([`Op::QMatMul`]): symmetric, round to
+/// nearest. The weight `[N, K]` (output features × input features) is stored as `u8`
+/// `[N, K·bits/8]` with one f32 scale per `group` consecutive input features of each output
+/// feature (`[N, K/group]`): int8 keeps `q + 128` per byte (one group per row: per output
+/// channel), int4 two nibbles `q + 8` per byte, the even feature in the low nibble. The
+/// weight is `scale · q`, `q = round(w / scale)` with `scale = max|w| / 127` (int8) or
+/// `/ 7` (int4, `q` clamped to −8..7).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct QuantSpec {
+    /// 8 or 4.
+    pub bits: u8,
+    /// Input features per scale.
+    pub group: usize,
+}
+
+impl QuantSpec {
+    /// The largest |q|.
+    pub fn qmax(self) -> f64 {
+        if self.bits == 8 {
+            127.0
+        } else {
+            7.0
+        }
+    }
+    /// The zero point added to q in storage.
+    pub fn offset(self) -> i32 {
+        if self.bits == 8 {
+            128
+        } else {
+            8
+        }
+    }
+    /// Stored bytes per row of `k` input features.
+    pub fn row_bytes(self, k: usize) -> usize {
+        k * self.bits as usize / 8
+    }
 }
 
 /// Hyper-parameters of AdamW. The learning rate and step arrive as scalar inputs.
@@ -145,6 +254,9 @@ pub enum Op {
         value: f64,
         meta: TensorMeta,
     },
+    /// A key or value cache of inference (`[B, capacity, Hkv, D]`): resident across the steps
+    /// of a generation, written in place by [`Op::CacheWrite`]. Its scope names its layer.
+    KvCache(TensorMeta),
 
     // ---- elementwise --------------------------------------------------------------------
     Unary(UnaryOp),
@@ -255,15 +367,31 @@ pub enum Op {
     },
     /// Fused attention. Inputs `q [B,S,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D]` with H a multiple
     /// of Hkv (GQA) → `[out [B,S,H,D], logsumexp [B,H,S] f32]`. No S×T matrix is saved.
+    /// Query `i` sits at position `i + T − S` (the last S of T positions), or, with a fourth
+    /// input `start [B] i64` (inference over a KV cache), at `start[b] + i`: causally it sees
+    /// the keys at positions `≤` its own.
     Attention(AttentionSpec),
     /// Inputs `[q, k, v, out, logsumexp, dout]` → `[dq, dk, dv]`.
     AttentionBackward(AttentionSpec),
-    /// Rotary position embedding on `[B,S,H,D]` (rotate-half layout, positions 0..S), with one
-    /// inverse frequency per pair; `inverse` rotates by −θ (its VJP).
+    /// Rotary position embedding on `[B,S,H,D]` (rotate-half layout, positions 0..S, or those of
+    /// a second input `positions [B,S] i64`), with one inverse frequency per pair; `inverse`
+    /// rotates by −θ (its VJP).
     Rope {
         inv_freq: Vec<f64>,
         inverse: bool,
     },
+
+    // ---- inference ----------------------------------------------------------------------
+    /// Inputs `[cache [B,C,H,D], x [B,S,H,D], start [B] i64]`: writes `x[b, i]` into
+    /// `cache[b, start[b] + i]` in place; the output aliases the cache. Inference only.
+    CacheWrite,
+    /// Inputs `[x [B,S,..], index [B] i64]` → `[B,1,..]`, row `b` of the output is
+    /// `x[b, index[b]]` (the last prompt position of each sequence). Inference only.
+    SelectPositions,
+    /// Inputs `[x [.., K], weight [N, K·bits/8] u8, scales [N, K/group] f32]` → `[.., N]` in
+    /// x's dtype: `x · dequant(weight)ᵀ`, dequantised inside the kernel ([`QuantSpec`]).
+    /// Inference only.
+    QMatMul(QuantSpec),
 
     // ---- optimizer ----------------------------------------------------------------------
     /// Inputs `[param, grad, m, v, lr, step, grad_norm]` plus `master` under mixed precision,
@@ -335,6 +463,10 @@ impl Op {
             Op::Input(_) => "input",
             Op::OptimizerState { .. } => "optimizer_state",
             Op::Fill { .. } => "fill",
+            Op::KvCache(_) => "kv_cache",
+            Op::CacheWrite => "cache_write",
+            Op::SelectPositions => "select_positions",
+            Op::QMatMul(_) => "qmatmul",
             Op::Unary(_) => "unary",
             Op::UnaryBackward(_) => "unary_backward",
             Op::Binary(_) => "binary",
@@ -372,10 +504,17 @@ impl Op {
     }
 
     pub fn is_leaf(&self) -> bool {
-        matches!(
-            self,
-            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. }
-        )
+        self.is_bound() || matches!(self, Op::Fill { .. })
+    }
+
+    /// Leaves whose values the caller binds (everything but constants).
+    pub fn is_bound(&self) -> bool {
+        matches!(self, Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_))
+    }
+
+    /// Ops of inference Programs only (no VJP, no training use).
+    pub fn inference_only(&self) -> bool {
+        matches!(self, Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_))
     }
 
     /// Whether `selective` activation checkpointing keeps this op's outputs: matmuls, fused
@@ -395,6 +534,9 @@ impl Op {
             | Op::Parameter(_)
             | Op::Input(_)
             | Op::OptimizerState { .. }
+            | Op::KvCache(_)
+            | Op::CacheWrite
+            | Op::QMatMul(_)
             | Op::AdamW(_) => true,
             Op::Fill { .. }
             | Op::Unary(_)
@@ -420,6 +562,7 @@ impl Op {
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
+            | Op::SelectPositions
             | Op::Rope { .. } => false,
         }
     }
@@ -429,6 +572,10 @@ impl Op {
         match self {
             Op::Parameter(m) | Op::Input(m) | Op::Fill { meta: m, .. } => leaf::infer(x, m, 0),
             Op::OptimizerState { meta, .. } => leaf::infer(x, meta, 1),
+            Op::KvCache(m) => leaf::infer(x, m, 0),
+            Op::CacheWrite => infer::infer_cache_write(x),
+            Op::SelectPositions => infer::infer_select(x),
+            Op::QMatMul(q) => quant::infer(x, *q),
             Op::Unary(_) => elementwise::infer_unary(x),
             Op::UnaryBackward(_) => elementwise::infer_unary_backward(x),
             Op::Binary(_) => elementwise::infer_binary(x),
@@ -472,9 +619,14 @@ impl Op {
     /// FLOPs of one application with these input and output metas.
     pub fn flops(&self, x: &[&TensorMeta], y: &[&TensorMeta]) -> Flops {
         match self {
-            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. } => {
-                Flops::default()
-            }
+            Op::Parameter(_)
+            | Op::Input(_)
+            | Op::OptimizerState { .. }
+            | Op::Fill { .. }
+            | Op::KvCache(_)
+            | Op::CacheWrite
+            | Op::SelectPositions => Flops::default(),
+            Op::QMatMul(_) => quant::flops(x, y),
             Op::Unary(u) => elementwise::flops_unary(*u, y),
             Op::UnaryBackward(u) => elementwise::flops_unary_backward(*u, y),
             Op::Binary(_) => elementwise::flops_binary(y),
@@ -516,7 +668,10 @@ impl Op {
         let written: u64 = y.iter().map(|m| m.size_bytes()).sum();
         match self {
             Op::Reshape(_) | Op::Expand(_) => 0,
-            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => 0,
+            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => 0,
+            // Reads the new rows and writes them into the cache.
+            Op::CacheWrite => 2 * x[1].size_bytes(),
+            Op::SelectPositions => 2 * written,
             // Priced on their link by the pipeline's time simulation.
             Op::Send(_) | Op::Recv(..) => 0,
             // Priced on the host link (or the NVMe) by the cost model.
@@ -548,6 +703,7 @@ impl Op {
             | Op::Attention(_)
             | Op::AttentionBackward(_)
             | Op::Rope { .. }
+            | Op::QMatMul(_)
             | Op::AdamW(_) => read + written,
             Op::Reshard(spec) => {
                 if spec.is_view() {
@@ -565,6 +721,7 @@ impl Op {
         match self {
             Op::Reshape(_) | Op::Expand(_) => Some(0),
             Op::AdamW(_) => Some(optim::alias(out)),
+            Op::CacheWrite => Some(0),
             Op::Reshard(spec) => spec.is_view().then_some(0),
             Op::Send(_) | Op::Recv(..) | Op::Transfer { .. } => None,
             Op::Parameter(_)
@@ -596,6 +753,9 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::Attention(_)
             | Op::AttentionBackward(_)
+            | Op::KvCache(_)
+            | Op::SelectPositions
+            | Op::QMatMul(_)
             | Op::Rope { .. } => None,
         }
     }
@@ -604,6 +764,8 @@ impl Op {
     pub fn workspace_bytes(&self, x: &[&TensorMeta]) -> u64 {
         match self {
             Op::Attention(_) | Op::AttentionBackward(_) => attention::workspace_bytes(x),
+            Op::QMatMul(q) => quant::workspace_bytes(x, *q),
+            Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions => 0,
             Op::Send(_)
             | Op::Recv(..)
             | Op::Transfer { .. }
@@ -649,6 +811,11 @@ impl Op {
             Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. } => {
                 all(false)
             }
+            // Inference ops are never differentiated.
+            Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => all(false),
+            // Positions and starts carry no gradient.
+            Op::Attention(_) if num_inputs == 4 => vec![true, true, true, false],
+            Op::Rope { .. } if num_inputs == 2 => vec![true, false],
             Op::Embedding => vec![true, false],
             Op::CrossEntropy { .. } => vec![true, false],
             Op::Dropout { .. } => vec![true, false],
@@ -690,9 +857,11 @@ impl Op {
     /// given the gradients reaching its outputs.
     pub(crate) fn vjp(&self, cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Grad>>> {
         match self {
-            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. } => {
-                Ok(vec![])
-            }
+            Op::Parameter(_)
+            | Op::Input(_)
+            | Op::OptimizerState { .. }
+            | Op::Fill { .. }
+            | Op::KvCache(_) => Ok(vec![]),
             Op::Unary(u) => elementwise::vjp_unary(cx, *u),
             Op::Binary(b) => elementwise::vjp_binary(cx, *b),
             Op::Cast(_) => elementwise::vjp_cast(cx),
@@ -729,6 +898,12 @@ impl Op {
                 "{} has no VJP: backward and optimizer ops are not differentiated again",
                 self.name()
             ))),
+            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => {
+                Err(crate::IrError::Graph(format!(
+                    "{} is an inference op: inference Programs are not differentiated",
+                    self.name()
+                )))
+            }
         }
     }
 }

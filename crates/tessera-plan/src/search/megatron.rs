@@ -25,9 +25,65 @@
 //!   splits by contiguous columns, the same bytes per device, where Megatron-LM stores it
 //!   interleaved per head: q, k and v are gathered after it, and each device takes its heads.
 
-use super::space::label_roles;
-use crate::rules::{DimRole, Labeling};
-use tessera_ir::{Graph, Op};
+use super::space::{dim_roles, label_roles};
+use crate::rules::{labeling, strategies, DimRole, Labeling, Strategy};
+use crate::{Mesh, PlanError, Result};
+use tessera_ir::{Graph, Op, TensorMeta};
+
+/// Megatron-LM's tensor-parallel layout on a `[1, tp]` mesh as one strategy per node: with no
+/// data-parallel axis, each op has exactly one strategy that splits the label
+/// [`tp_labels`] pins (and none elsewhere). For graphs run without a search: generation
+/// steps. Errs, naming the op and the dim, where `tp` does not divide what the layout splits.
+pub fn tp_strategies(g: &Graph, mesh: &Mesh) -> Result<Vec<Option<Strategy>>> {
+    if mesh.ndim() != 2 || mesh.shape[0] != 1 {
+        return Err(PlanError::Invalid(format!(
+            "tensor-parallel layouts run on a [1, tp] mesh, not {:?}",
+            mesh.shape
+        )));
+    }
+    let tp = mesh.shape[1];
+    let metas = |ts: &[tessera_ir::TensorId]| -> Vec<&TensorMeta> {
+        ts.iter().map(|&t| g.meta(t)).collect()
+    };
+    let mut labels = Vec::with_capacity(g.nodes.len());
+    for n in &g.nodes {
+        if n.op.is_leaf() {
+            labels.push(None);
+            continue;
+        }
+        let l = labeling(&n.op, &metas(&n.inputs), &metas(&n.outputs))
+            .map_err(|e| PlanError::Invalid(format!("{}: {e}", g.scope_name(n.scope))))?;
+        labels.push(Some(l));
+    }
+    let roles = dim_roles(g, &labels);
+    let pins = if tp > 1 {
+        tp_labels(g, &labels, &roles, false, tp).map_err(PlanError::Invalid)?
+    } else {
+        vec![None; g.nodes.len()]
+    };
+    let mut out = Vec::with_capacity(g.nodes.len());
+    for (i, n) in g.nodes.iter().enumerate() {
+        let Some(l) = &labels[i] else {
+            out.push(None);
+            continue;
+        };
+        let pin = pins[i];
+        let allow = |a: usize, lab: usize| a == 1 && tp > 1 && pin == Some(lab);
+        let all = strategies(l, &metas(&n.inputs), &metas(&n.outputs), mesh, &allow);
+        let pick = all.into_iter().find(|s| s.axis_labels[1] == pin && s.axis_labels[0].is_none());
+        match pick {
+            Some(s) => out.push(Some(s)),
+            None => {
+                return Err(PlanError::Invalid(format!(
+                    "{} ({}) cannot be split over {tp} devices as Megatron-LM's layout splits it",
+                    g.scope_name(n.scope),
+                    n.op.name()
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
 
 /// The label the tensor-parallel axis splits at each node (`None`: no split), for a `[dp, tp]`
 /// mesh with `tp` devices on the tensor axis. Errs, saying why, when Megatron's layout needs
@@ -51,9 +107,12 @@ pub(super) fn tp_labels(
             l.inputs[k].get(d).copied().flatten()
         };
         let (pin, out_split) = match &n.op {
-            Op::MatMul { trans_a, .. } if is_weight(g, n.inputs[1]) => {
+            Op::MatMul { .. } | Op::QMatMul(_)
+                if matches!(n.op, Op::QMatMul(_)) || is_weight(g, n.inputs[1]) =>
+            {
                 let x = g.meta(n.inputs[0]);
-                let k_dim = if *trans_a { x.shape.rank() - 2 } else { x.shape.rank() - 1 };
+                let trans_a = matches!(n.op, Op::MatMul { trans_a: true, .. });
+                let k_dim = if trans_a { x.shape.rank() - 2 } else { x.shape.rank() - 1 };
                 let row = l.inputs[0][k_dim];
                 let column = l.outputs[0].last().copied().flatten();
                 let divides =
@@ -73,7 +132,7 @@ pub(super) fn tp_labels(
             Op::Embedding => (l.inputs[0][1], false),
             // Attention (and RoPE before it) by heads, whatever split arrives: where q, k and v
             // come whole (GPT-2's fused c_attn, sliced), each device takes its heads locally.
-            Op::Attention(_) | Op::Rope { .. } => (l.inputs[0][2], true),
+            Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => (l.inputs[0][2], true),
             Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::CrossEntropy { .. } => (None, false),
             // Everything else carries the split it receives.
             _ => match (0..n.inputs.len()).find_map(at) {

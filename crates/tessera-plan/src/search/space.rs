@@ -49,7 +49,7 @@ pub(super) struct Space<'g> {
 }
 
 /// Roles of every tensor dim: batch and sequence from the data inputs, carried by labels.
-fn dim_roles(g: &Graph, labels: &[Option<Labeling>]) -> Vec<Vec<DimRole>> {
+pub(super) fn dim_roles(g: &Graph, labels: &[Option<Labeling>]) -> Vec<Vec<DimRole>> {
     let mut roles: Vec<Vec<DimRole>> =
         g.tensors.iter().map(|t| vec![DimRole::Other; t.meta.shape.rank()]).collect();
     for (i, n) in g.nodes.iter().enumerate() {

@@ -26,6 +26,7 @@ use crate::{Result, RuntimeError};
 use candle_core::{DType, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
+use tessera_ir::dist::MeshPos;
 use tessera_ir::AttentionSpec;
 
 /// Query rows per block.
@@ -58,7 +59,7 @@ fn expect_f32(op: &str, ts: &[(&Tensor, &str)]) -> Result<()> {
 }
 
 /// The attention geometry.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Geom {
     b: usize,
     s: usize,
@@ -69,10 +70,21 @@ struct Geom {
     causal: bool,
     window: Option<usize>,
     scale: f32,
+    /// Per row, the position of its first query (a KV-cache step); `None`: the last S of T.
+    start: Option<Vec<i64>>,
+    /// Per local head, its ALiBi slope (empty without ALiBi).
+    slopes: Vec<f32>,
 }
 
 impl Geom {
-    fn new(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Geom> {
+    fn at(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        start: Option<&Tensor>,
+        spec: &AttentionSpec,
+        at: &MeshPos,
+    ) -> Result<Geom> {
         let [b, s, h, d] = bshd(q, "q")?;
         let [bk, t, hkv, dk] = bshd(k, "k")?;
         if v.dims() != k.dims() {
@@ -89,6 +101,23 @@ impl Geom {
                 q.dims()
             )));
         }
+        let start = match start {
+            Some(st) => {
+                let v: Vec<i64> = contiguous(st)?.flatten_all()?.to_vec1::<i64>()?;
+                if v.len() != b || v.iter().any(|&p| p < 0 || p as usize + s > t) {
+                    return Err(RuntimeError::Binding(format!(
+                        "attention: starts {v:?} must give each of the {b} rows {s} positions \
+                         within the cache's {t}"
+                    )));
+                }
+                Some(v)
+            }
+            None => None,
+        };
+        let slopes = match &spec.alibi {
+            Some(a) => a.local_slopes(h, Some(at))?.into_iter().map(|x| x as f32).collect(),
+            None => Vec::new(),
+        };
         Ok(Geom {
             b,
             s,
@@ -99,7 +128,27 @@ impl Geom {
             causal: spec.causal,
             window: spec.window,
             scale: spec.scale as f32,
+            start,
+            slopes,
         })
+    }
+
+    /// The position of query `i` of row `b`.
+    fn pos(&self, b: usize, i: usize) -> i64 {
+        match &self.start {
+            Some(st) => st[b] + i as i64,
+            None => i as i64 + self.t as i64 - self.s as i64,
+        }
+    }
+
+    /// Adds head `h`'s ALiBi bias `slope·(j − p)` to the scores `row` of keys `jlo..` for the
+    /// query at position `p`.
+    fn add_bias(&self, h: usize, p: i64, jlo: usize, row: &mut [f32]) {
+        if let Some(&slope) = self.slopes.get(h) {
+            for (x, j) in row.iter_mut().zip(jlo..) {
+                *x += slope * (j as i64 - p) as f32;
+            }
+        }
     }
 
     fn group(&self) -> usize {
@@ -116,9 +165,9 @@ impl Geom {
         ((b * self.t + j) * self.hkv + g) * self.d
     }
 
-    /// Keys `lo..hi` visible to query `i` (empty when `hi <= lo`).
-    fn visible(&self, i: usize) -> (usize, usize) {
-        let p = i as i64 + self.t as i64 - self.s as i64;
+    /// Keys `lo..hi` visible to query `i` of row `b` (empty when `hi <= lo`).
+    fn visible(&self, b: usize, i: usize) -> (usize, usize) {
+        let p = self.pos(b, i);
         let hi = if self.causal { (p + 1).clamp(0, self.t as i64) } else { self.t as i64 };
         let lo = match self.window {
             Some(w) => (p - w as i64 + 1).clamp(0, self.t as i64),
@@ -127,10 +176,10 @@ impl Geom {
         (lo as usize, hi as usize)
     }
 
-    /// Keys any query of `i0..i1` can see (both bounds are monotone in i).
-    fn block_keys(&self, i0: usize, i1: usize) -> (usize, usize) {
-        let (lo, _) = self.visible(i0);
-        let (_, hi) = self.visible(i1 - 1);
+    /// Keys any query of `i0..i1` of row `b` can see (both bounds are monotone in i).
+    fn block_keys(&self, b: usize, i0: usize, i1: usize) -> (usize, usize) {
+        let (lo, _) = self.visible(b, i0);
+        let (_, hi) = self.visible(b, i1 - 1);
         (lo, hi.max(lo))
     }
 }
@@ -141,10 +190,18 @@ fn block_rows(s: usize, bufs: usize) -> usize {
     BLOCK_ROWS.min((s / bufs).max(1))
 }
 
-/// Fused attention: `[out [B,S,H,D], logsumexp [B,H,S] f32]`.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Vec<Tensor>> {
+/// Fused attention: `[out [B,S,H,D], logsumexp [B,H,S] f32]`; with `start`, row `b`'s queries
+/// sit at positions `start[b]..` of a KV cache. `at` picks the device's ALiBi heads.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    start: Option<&Tensor>,
+    spec: &AttentionSpec,
+    at: &MeshPos,
+) -> Result<Vec<Tensor>> {
     expect_f32("attention", &[(q, "q"), (k, "k"), (v, "v")])?;
-    let g = Geom::new(q, k, v, spec)?;
+    let g = Geom::at(q, k, v, start, spec, at)?;
     let (q, k, v) = (contiguous(q)?, contiguous(k)?, contiguous(v)?);
     let (qs, ks, vs) = (read::<f32>(&q)?, read::<f32>(&k)?, read::<f32>(&v)?);
     let mut out = vec![0f32; g.b * g.s * g.h * g.d];
@@ -163,7 +220,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Re
         let (b, h) = (bh / g.h, bh % g.h);
         let kvh = h / g.group();
         let (i0, i1) = (blk * bq, ((blk + 1) * bq).min(g.s));
-        let (jlo, jhi) = g.block_keys(i0, i1);
+        let (jlo, jhi) = g.block_keys(b, i0, i1);
         let (rows, tb) = (i1 - i0, jhi - jlo);
         if tb == 0 {
             return; // every query masked: zero output, lse −∞ (as allocated)
@@ -179,7 +236,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Re
         unsafe { gemm_f32(rows, tb, g.d, sc, false, q_blk, k_blk.t(), g.scale, par) };
         for (r, row) in scores.chunks_mut(tb).enumerate() {
             let i = i0 + r;
-            let (lo, hi) = g.visible(i);
+            g.add_bias(h, g.pos(b, i), jlo, row);
+            let (lo, hi) = g.visible(b, i);
             let (lo, hi) = (lo.clamp(jlo, jhi) - jlo, hi.clamp(jlo, jhi) - jlo);
             let l = softmax_row(row, lo, hi);
             // SAFETY: lse[b, h, i] belongs to this task only.
@@ -331,13 +389,14 @@ pub fn attention_backward(
     lse: &Tensor,
     dout: &Tensor,
     spec: &AttentionSpec,
+    at: &MeshPos,
 ) -> Result<Vec<Tensor>> {
     let op = "attention_backward";
     expect_f32(
         op,
         &[(q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "logsumexp"), (dout, "dout")],
     )?;
-    let g = Geom::new(q, k, v, spec)?;
+    let g = Geom::at(q, k, v, None, spec, at)?;
     if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [g.b, g.h, g.s] {
         return Err(RuntimeError::Binding(format!(
             "{op}: out {:?} and dout {:?} must match q {:?}, logsumexp {:?} must be [B,H,S]",
@@ -378,7 +437,7 @@ pub fn attention_backward(
             for h in kvh * g.group()..(kvh + 1) * g.group() {
                 for blk in 0..nblk {
                     let (i0, i1) = (blk * bq, ((blk + 1) * bq).min(g.s));
-                    let (jlo, jhi) = g.block_keys(i0, i1);
+                    let (jlo, jhi) = g.block_keys(b, i0, i1);
                     let (rows, tb) = (i1 - i0, jhi - jlo);
                     if tb == 0 {
                         continue; // dq rows stay zero
@@ -409,7 +468,8 @@ pub fn attention_backward(
                         let dprow = &mut dpbuf[r * tb..(r + 1) * tb];
                         // SAFETY: lse, out and dout are read-only inputs, rows in bounds.
                         let l = unsafe { *lp.get().add((b * g.h + h) * g.s + i) };
-                        let (lo, hi) = g.visible(i);
+                        g.add_bias(h, g.pos(b, i), jlo, prow);
+                        let (lo, hi) = g.visible(b, i);
                         let (lo, hi) = (lo.clamp(jlo, jhi) - jlo, hi.clamp(jlo, jhi) - jlo);
                         if l == f32::NEG_INFINITY || hi <= lo {
                             prow.fill(0.0);
@@ -444,8 +504,14 @@ pub fn attention_backward(
     Ok(vec![from_vec(dq, q.dims())?, from_vec(dk, k.dims())?, from_vec(dv, v.dims())?])
 }
 
-/// Rotary embedding (rotate-half) at positions 0..S; `inverse` rotates by −θ.
-pub fn rope(x: &Tensor, inv_freq: &[f64], inverse: bool) -> Result<Tensor> {
+/// Rotary embedding (rotate-half) at positions 0..S, or at `positions [B,S]`; `inverse`
+/// rotates by −θ.
+pub fn rope(
+    x: &Tensor,
+    positions: Option<&Tensor>,
+    inv_freq: &[f64],
+    inverse: bool,
+) -> Result<Tensor> {
     expect_f32("rope", &[(x, "x")])?;
     let [b, s, h, d] = bshd(x, "x")?;
     let half = d / 2;
@@ -456,10 +522,26 @@ pub fn rope(x: &Tensor, inv_freq: &[f64], inverse: bool) -> Result<Tensor> {
         )));
     }
     let sign = if inverse { -1.0 } else { 1.0 };
+    // The position of each (row, query): 0..S, or the given ones.
+    let at: Vec<i64> = match positions {
+        Some(p) => {
+            let v = contiguous(p)?.flatten_all()?.to_vec1::<i64>()?;
+            if v.len() != b * s {
+                return Err(RuntimeError::Binding(format!(
+                    "rope: {} positions for x {:?}",
+                    v.len(),
+                    x.dims()
+                )));
+            }
+            v
+        }
+        None => (0..s as i64).collect(),
+    };
+    let n_at = at.len();
     // cos/sin per (position, pair), angles in f64.
-    let mut cos = Vec::with_capacity(s * half);
-    let mut sin = Vec::with_capacity(s * half);
-    for pos in 0..s {
+    let mut cos = Vec::with_capacity(n_at * half);
+    let mut sin = Vec::with_capacity(n_at * half);
+    for &pos in &at {
         for f in inv_freq {
             let (sn, cs) = (sign * pos as f64 * f).sin_cos();
             cos.push(cs as f32);
@@ -473,7 +555,7 @@ pub fn rope(x: &Tensor, inv_freq: &[f64], inverse: bool) -> Result<Tensor> {
     if row > 0 {
         out.par_chunks_mut(row).zip(xs.par_chunks(row)).enumerate().with_min_len(16).for_each(
             |(r, (orow, xrow))| {
-                let pos = r % s;
+                let pos = r % n_at;
                 let (c, sn) =
                     (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
                 for (o, xh) in orow.chunks_mut(d).zip(xrow.chunks(d)) {

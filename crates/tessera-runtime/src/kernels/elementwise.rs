@@ -587,6 +587,7 @@ pub fn fill(value: f64, meta: &TensorMeta) -> Result<Tensor> {
         DType::BF16 => Tensor::full(half::bf16::from_f64(value), dims, cpu)?,
         DType::I32 | DType::I64 => Tensor::full(value.trunc() as i64, dims, cpu)?,
         DType::Bool => Tensor::full(u8::from(value != 0.0), dims, cpu)?,
+        DType::U8 => Tensor::full(value.trunc().clamp(0.0, 255.0) as u8, dims, cpu)?,
     };
     debug_assert_eq!(t.dtype(), candle_dtype(meta.dtype));
     Ok(t)

@@ -13,11 +13,14 @@
 mod attention;
 mod elementwise;
 mod embedding;
+mod infer;
+mod inplace;
 mod layout;
 mod loss;
 mod matmul;
 mod norm;
 mod optim;
+mod quant;
 mod reduce;
 
 use crate::{Result, RuntimeError};
@@ -36,9 +39,9 @@ pub fn execute(op: &Op, x: &[&Tensor], out: &[TensorMeta]) -> Result<Vec<Tensor>
 pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> Result<Vec<Tensor>> {
     let one = |t: Tensor| Ok(vec![t]);
     match op {
-        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } => Err(RuntimeError::Binding(
-            format!("{} is a leaf: bind it, do not execute it", op.name()),
-        )),
+        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => Err(
+            RuntimeError::Binding(format!("{} is a leaf: bind it, do not execute it", op.name())),
+        ),
         Op::Fill { value, meta } => one(elementwise::fill(*value, meta)?),
         Op::Unary(u) => one(elementwise::unary(*u, x[0])?),
         Op::UnaryBackward(u) => one(elementwise::unary_backward(*u, x[0], x[1])?),
@@ -85,11 +88,16 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::CrossEntropyBackward { ignore_index, sum } => {
             one(loss::cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index, *sum)?)
         }
-        Op::Attention(spec) => attention::attention(x[0], x[1], x[2], spec),
+        Op::Attention(spec) => attention::attention(x[0], x[1], x[2], x.get(3).copied(), spec, at),
         Op::AttentionBackward(spec) => {
-            attention::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], spec)
+            attention::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], spec, at)
         }
-        Op::Rope { inv_freq, inverse } => one(attention::rope(x[0], inv_freq, *inverse)?),
+        Op::Rope { inv_freq, inverse } => {
+            one(attention::rope(x[0], x.get(1).copied(), inv_freq, *inverse)?)
+        }
+        Op::CacheWrite => one(infer::cache_write(x[0], x[1], x[2])?),
+        Op::SelectPositions => one(infer::select_positions(x[0], x[1])?),
+        Op::QMatMul(q) => one(quant::qmatmul(x[0], x[1], x[2], *q)?),
         Op::AdamW(spec) => optim::adamw(spec, x),
         // A move between memory tiers is a real copy into a buffer of the destination tier
         // (on the CPU both tiers are this process's memory; the executor charges each to its

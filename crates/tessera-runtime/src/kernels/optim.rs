@@ -11,13 +11,12 @@
 //! mixed precision (`master` present) the f32 master is updated and the parameter (bf16 /
 //! f16 / f32) is overwritten with its rounded value.
 
+use super::inplace::{with_slice_mut, Elem};
 use crate::tensor::{contiguous, read};
 use crate::{Result, RuntimeError};
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
-use std::cell::Cell;
 use tessera_ir::AdamWSpec;
 
 // Input positions, as `tessera_ir::ops::optim` defines them (that module is crate-private).
@@ -34,104 +33,6 @@ const CHUNK: usize = 1 << 14;
 
 fn unsupported(reason: String) -> RuntimeError {
     RuntimeError::Unsupported { backend: "cpu".into(), op: "adamw".into(), reason }
-}
-
-/// A float element type the update reads and writes.
-trait Elem: WithDType + Copy + Send + Sync {
-    fn get(self) -> f32;
-    fn put(x: f32) -> Self;
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
-}
-
-impl Elem for f32 {
-    fn get(self) -> f32 {
-        self
-    }
-    fn put(x: f32) -> f32 {
-        x
-    }
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [f32]> {
-        match s {
-            CpuStorage::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-}
-
-impl Elem for bf16 {
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    fn put(x: f32) -> bf16 {
-        bf16::from_f32(x)
-    }
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [bf16]> {
-        match s {
-            CpuStorage::BF16(v) => Some(v),
-            _ => None,
-        }
-    }
-}
-
-impl Elem for f16 {
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    fn put(x: f32) -> f16 {
-        f16::from_f32(x)
-    }
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [f16]> {
-        match s {
-            CpuStorage::F16(v) => Some(v),
-            _ => None,
-        }
-    }
-}
-
-/// An in-place op that hands the tensor's storage to a closure, once.
-struct WithMut<F> {
-    f: Cell<Option<F>>,
-    result: Cell<Option<Result<()>>>,
-}
-
-impl<F: FnOnce(&mut CpuStorage, &Layout) -> Result<()>> InplaceOp1 for WithMut<F> {
-    fn name(&self) -> &'static str {
-        "adamw"
-    }
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        if let Some(f) = self.f.take() {
-            self.result.set(Some(f(storage, layout)));
-        }
-        Ok(())
-    }
-}
-
-/// Runs `f` on the contiguous elements of `t` (type `T`), borrowed mutably in place.
-fn with_slice_mut<T: Elem>(
-    t: &Tensor,
-    what: &str,
-    f: impl FnOnce(&mut [T]) -> Result<()>,
-) -> Result<()> {
-    let op = WithMut {
-        f: Cell::new(Some(|s: &mut CpuStorage, l: &Layout| {
-            let Some((start, end)) = l.contiguous_offsets() else {
-                return Err(RuntimeError::Binding(format!("adamw: {what} must be contiguous")));
-            };
-            let dtype = s.dtype();
-            let data = T::slice_mut(s).ok_or_else(|| {
-                RuntimeError::Binding(format!(
-                    "adamw: {what} is {dtype:?}, expected {:?}",
-                    T::DTYPE
-                ))
-            })?;
-            f(&mut data[start..end])
-        })),
-        result: Cell::new(None),
-    };
-    t.inplace_op1(&op)?;
-    op.result
-        .take()
-        .unwrap_or_else(|| Err(RuntimeError::Binding(format!("adamw: {what} is not on the CPU"))))
 }
 
 /// Per-step constants of the update.
@@ -304,9 +205,9 @@ fn run<P: Elem, G: Elem>(
 ) -> Result<()> {
     let g = read::<G>(grad)?;
     let g: &[G] = &g;
-    with_slice_mut::<f32>(m, "m", |ms| {
-        with_slice_mut::<f32>(v, "v", |vs| match master {
-            None => with_slice_mut::<P>(param, "param", |ps| {
+    with_slice_mut::<f32>(m, "adamw: m", |ms| {
+        with_slice_mut::<f32>(v, "adamw: v", |vs| match master {
+            None => with_slice_mut::<P>(param, "adamw: param", |ps| {
                 ps.par_chunks_mut(CHUNK)
                     .zip(g.par_chunks(CHUNK))
                     .zip(ms.par_chunks_mut(CHUNK))
@@ -319,8 +220,8 @@ fn run<P: Elem, G: Elem>(
                     });
                 Ok(())
             }),
-            Some(master) => with_slice_mut::<f32>(master, "master", |ws| {
-                with_slice_mut::<P>(param, "param", |ps| {
+            Some(master) => with_slice_mut::<f32>(master, "adamw: master", |ws| {
+                with_slice_mut::<P>(param, "adamw: param", |ps| {
                     ps.par_chunks_mut(CHUNK)
                         .zip(ws.par_chunks_mut(CHUNK))
                         .zip(g.par_chunks(CHUNK))

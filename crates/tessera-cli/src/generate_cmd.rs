@@ -1,0 +1,435 @@
+//! `tessera generate`: text from a checkpoint, with a KV cache, on one device or a
+//! tensor-parallel group of simulated devices (threads).
+//!
+//! The CLI parses and reports only: the model builds one prefill and one decode step
+//! (`tessera_models::build_generation`), the planner lowers them to the Program each device
+//! runs and predicts its memory (`tessera_plan::generate`), and the runtime executes them
+//! (`tessera_runtime::generate`). Each device reads only its slices of the checkpoint
+//! (quantising its rows as it reads them with `--quantize`); every device samples the same
+//! token from the same gathered logits, and rank 0 streams them.
+
+use crate::profile_cmd::{print_stdout, OutputFormat};
+use crate::train_cmd::parse_size;
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use serde_json::json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tessera_ir::DType;
+use tessera_models::{
+    build, build_generation, BuildOptions, GenerateOptions, ModelConfig, Quantize,
+};
+use tessera_plan::cost::CostModel;
+use tessera_plan::generate::{lower_step, GenerationStep};
+use tessera_plan::{Cluster, Mesh};
+use tessera_runtime::collective::{CommRunner, DeviceMesh, ReshardRunner};
+use tessera_runtime::data::Tokenizer;
+use tessera_runtime::generate::{Generated, Generator, QuantizedLeaf, StepProgram};
+use tessera_runtime::hf_weights::open_weights;
+use tessera_runtime::sampling::Sampling;
+use tessera_runtime::CpuBackend;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Directory with config.json and model.safetensors (or a sharded index), or a checkpoint
+    /// `train` saved (sharded or not).
+    #[arg(long)]
+    pub model_dir: PathBuf,
+    /// A prompt as text (repeat for a batch of prompts, generated together).
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// A prompt as comma-separated token ids (repeatable, instead of --prompt).
+    #[arg(long)]
+    pub tokens: Vec<String>,
+    /// New tokens per prompt.
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// An HF tokenizer.json (default: the model directory's, else bytes when the vocabulary
+    /// holds them).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Simulated devices (threads), one tensor-parallel group.
+    #[arg(long, default_value_t = 1)]
+    pub devices: usize,
+    /// The parallel layout: `tpN` (Megatron-LM's tensor parallelism over N devices; default
+    /// `tp<devices>`).
+    #[arg(long)]
+    pub plan: Option<String>,
+    /// Weight-only quantisation of the linear layers: int8 (per output channel) or int4
+    /// (groups of 128 input features).
+    #[arg(long, value_parser = parse_quantize)]
+    pub quantize: Option<Quantize>,
+    /// 0: greedy; otherwise sample with this temperature.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Sample among the most likely tokens whose probability reaches p.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop a prompt at this token (default: config.json's eos_token_id, if any; -1: never).
+    #[arg(long, allow_hyphen_values = true)]
+    pub eos: Option<i64>,
+    /// Weights, caches and activations dtype.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
+    /// Memory budget per device (e.g. 200MiB): a step that would exceed it stops with the
+    /// tensor it could not allocate.
+    #[arg(long, value_parser = parse_size)]
+    pub memory_budget: Option<u64>,
+    /// Seconds a device waits for the others in a collective before giving up.
+    #[arg(long, default_value_t = 30.0)]
+    pub comm_timeout: f64,
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    pub format: OutputFormat,
+}
+
+fn parse_quantize(s: &str) -> Result<Quantize, String> {
+    Quantize::parse(s).ok_or_else(|| format!("`{s}`: give int8 or int4"))
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    match DType::parse(s) {
+        Some(d) if d.is_float() => Ok(d),
+        _ => Err(format!("`{s}`: give f32, bf16 or f16")),
+    }
+}
+
+/// The tensor-parallel degree a `--plan` names (`tpN`), for `devices` devices.
+fn tp_degree(plan: Option<&str>, devices: usize) -> Result<usize> {
+    let Some(plan) = plan else { return Ok(devices) };
+    let tp = plan
+        .split([' ', '+'])
+        .filter(|p| !p.is_empty())
+        .map(|p| match p.strip_prefix("tp").and_then(|n| n.parse::<usize>().ok()) {
+            Some(n) if n > 0 => Ok(n),
+            _ => Err(anyhow!(
+                "--plan `{plan}`: generation runs tensor parallelism only, as `tpN` (e.g. \
+                 --plan tp{devices}); `{p}` is not that"
+            )),
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    match tp.as_slice() {
+        [n] if *n == devices => Ok(*n),
+        [n] => bail!("--plan tp{n} needs --devices {n} (got --devices {devices})"),
+        _ => bail!("--plan `{plan}`: give one `tpN`"),
+    }
+}
+
+/// The prompts as token ids, and the tokenizer to show new tokens with.
+fn prompts(args: &GenerateArgs, vocab: usize) -> Result<(Vec<Vec<i64>>, Option<Tokenizer>)> {
+    let tokenizer = match &args.tokenizer {
+        Some(path) => Some(Tokenizer::from_file(path)?),
+        None if args.model_dir.join("tokenizer.json").is_file() => {
+            Some(Tokenizer::from_file(args.model_dir.join("tokenizer.json"))?)
+        }
+        None if vocab >= 256 => Some(Tokenizer::Byte),
+        None => None,
+    };
+    let mut out = Vec::new();
+    for t in &args.tokens {
+        let ids: Vec<i64> = t
+            .split(',')
+            .map(str::trim)
+            .filter(|x| !x.is_empty())
+            .map(|x| {
+                x.parse::<i64>().with_context(|| format!("`{x}` in --tokens is not a token id"))
+            })
+            .collect::<Result<_>>()?;
+        out.push(ids);
+    }
+    for p in &args.prompt {
+        let Some(tk) = &tokenizer else {
+            bail!(
+                "--prompt needs a tokenizer: the vocabulary of {vocab} holds no bytes; give \
+                 --tokenizer tokenizer.json or --tokens IDS"
+            );
+        };
+        out.push(tk.encode(p)?.into_iter().map(i64::from).collect());
+    }
+    if out.is_empty() {
+        bail!("give a prompt: --prompt TEXT or --tokens IDS (repeat either for a batch)");
+    }
+    for (i, ids) in out.iter().enumerate() {
+        if ids.is_empty() {
+            bail!("prompt {i} has no tokens");
+        }
+        if let Some(id) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
+            bail!("token id {id} in prompt {i} is outside the model's vocabulary of {vocab}");
+        }
+    }
+    Ok((out, tokenizer))
+}
+
+/// config.json's `eos_token_id` (a number, or the first of a list).
+fn config_eos(dir: &Path) -> Option<i64> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    match &v["eos_token_id"] {
+        serde_json::Value::Number(n) => n.as_i64(),
+        serde_json::Value::Array(a) => a.first().and_then(serde_json::Value::as_i64),
+        _ => None,
+    }
+}
+
+/// The planned prefill and decode steps of one device, and the quantised weights' sources.
+struct Planned {
+    prefill: GenerationStep,
+    decode: GenerationStep,
+    quantized: Vec<QuantizedLeaf>,
+    /// A float forward graph of the model: what the checkpoint is checked against.
+    reference: tessera_ir::Graph,
+}
+
+fn plan(
+    cfg: &ModelConfig,
+    args: &GenerateArgs,
+    batch: usize,
+    prompt: usize,
+    tp: usize,
+) -> Result<Planned> {
+    let capacity = prompt + args.max_new_tokens.max(1) - 1;
+    let step = |seq: usize| GenerateOptions {
+        batch,
+        seq,
+        capacity,
+        dtype: args.dtype,
+        quantize: args.quantize,
+    };
+    let cluster = Cluster::parse(&format!("{tp}xcpu"))?;
+    let mesh = Mesh::new(&cluster, &[1, tp], &["dp", "tp"])?;
+    let cost = CostModel::for_cluster(&cluster);
+    let pre = build_generation(cfg, &step(prompt))?;
+    let quantized = pre
+        .quantized
+        .iter()
+        .map(|q| {
+            let name = |t| pre.builder.graph.tensor_scope(t).to_string();
+            QuantizedLeaf {
+                weight: name(q.weight),
+                scales: name(q.scales),
+                source: q.source.clone(),
+                transposed: q.transposed,
+                spec: q.spec,
+            }
+        })
+        .collect();
+    let logits = pre.logits;
+    let prefill = lower_step(&pre.builder.finish(), logits, &mesh, &cost)?;
+    let dec = build_generation(cfg, &step(1))?;
+    let logits = dec.logits;
+    let decode = lower_step(&dec.builder.finish(), logits, &mesh, &cost)?;
+    let reference = build(cfg, &BuildOptions::new(1, 1, DType::F32))?.builder.finish();
+    Ok(Planned { prefill, decode, quantized, reference })
+}
+
+fn step_program(s: &GenerationStep) -> StepProgram {
+    StepProgram { program: s.program.clone(), layout: s.layout.clone(), logits: s.logits }
+}
+
+pub fn run(args: &GenerateArgs) -> Result<()> {
+    let cfg = ModelConfig::from_path(&args.model_dir)?.without_dropout();
+    let vocab =
+        cfg.vocab_size().context("generate needs a language model (one with a vocabulary)")?;
+    if cfg.family() == "bert" {
+        bail!("generate runs causal language models (gpt2, llama, mistral, qwen2, bloom); bert is a masked LM");
+    }
+    if args.devices == 0 {
+        bail!("--devices must be at least 1");
+    }
+    if args.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
+    if !(args.comm_timeout.is_finite() && args.comm_timeout > 0.0) {
+        bail!("--comm-timeout {} must be a positive number of seconds", args.comm_timeout);
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) || !(args.temperature >= 0.0) {
+        bail!("--top-p must be in (0, 1] and --temperature at least 0");
+    }
+    let tp = tp_degree(args.plan.as_deref(), args.devices)?;
+    let (prompts, tokenizer) = prompts(args, vocab)?;
+    let batch = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+    let planned = plan(&cfg, args, batch, longest, tp)?;
+    let eos = match args.eos {
+        Some(e) if e < 0 => None,
+        Some(e) => Some(e),
+        None => config_eos(&args.model_dir),
+    };
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let source = open_weights(&args.model_dir, &planned.reference)?;
+    let stream = args.format == OutputFormat::Table && batch == 1;
+    let shown = std::sync::Mutex::new(Vec::<i64>::new());
+    let show = |step: usize, tokens: &[i64]| {
+        if !stream {
+            return;
+        }
+        let Some(tk) = &tokenizer else { return };
+        let Ok(mut seen) = shown.lock() else { return };
+        // Print the text the new token adds (decoding the whole tail keeps multi-byte
+        // characters and merges whole).
+        let before = decode(tk, &seen);
+        seen.push(tokens[0]);
+        let after = decode(tk, &seen);
+        let mut out = std::io::stdout().lock();
+        if step == 0 {
+            let _ = write!(out, "{}", decode(tk, &prompts[0]));
+        }
+        let _ = write!(out, "{}", after.strip_prefix(before.as_str()).unwrap_or(&after));
+        let _ = out.flush();
+    };
+    let budget = args.memory_budget;
+    let outcomes: Vec<Result<Generated>> = if tp == 1 {
+        let mut g = Generator::new(
+            step_program(&planned.prefill),
+            step_program(&planned.decode),
+            (CpuBackend::new(0), CpuBackend::new(0)),
+            None,
+            DeviceMesh::single(),
+            budget,
+            source.as_ref(),
+            &planned.quantized,
+        )?;
+        vec![g.generate(&prompts, args.max_new_tokens, &sampling, eos, show).map_err(Into::into)]
+    } else {
+        let comms = tessera_comm::ThreadComm::world(tp, Duration::from_secs_f64(args.comm_timeout))
+            .map_err(|e| anyhow!(e))?;
+        let source = source.as_ref();
+        let (planned, prompts, sampling, show) = (&planned, &prompts, &sampling, &show);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    s.spawn(move || -> Result<Generated> {
+                        let mesh = DeviceMesh::new(&[1, tp], rank)?;
+                        let runner: Box<dyn ReshardRunner> =
+                            Box::new(CommRunner::new(Box::new(comm), mesh.clone())?);
+                        let mut g = Generator::new(
+                            step_program(&planned.prefill),
+                            step_program(&planned.decode),
+                            (CpuBackend::new(rank), CpuBackend::new(rank)),
+                            Some(runner),
+                            mesh,
+                            budget,
+                            source,
+                            &planned.quantized,
+                        )
+                        .with_context(|| format!("device {rank}"))?;
+                        let quiet = |_: usize, _: &[i64]| {};
+                        let out = if rank == 0 {
+                            g.generate(prompts, args.max_new_tokens, sampling, eos, show)
+                        } else {
+                            g.generate(prompts, args.max_new_tokens, sampling, eos, quiet)
+                        };
+                        Ok(out.with_context(|| format!("device {rank}"))?)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a device thread panicked"))))
+                .collect()
+        })
+    };
+    let outs: Vec<Generated> = outcomes.into_iter().collect::<Result<_>>()?;
+    if outs.iter().any(|o| o.new_tokens != outs[0].new_tokens) {
+        bail!("the devices chose different tokens (a collective returned different logits)");
+    }
+    if stream {
+        println!();
+    }
+    report(args, &cfg, &planned, &outs, &prompts, tokenizer.as_ref(), tp)
+}
+
+fn decode(tk: &Tokenizer, ids: &[i64]) -> String {
+    let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+    tk.decode(&ids).unwrap_or_default()
+}
+
+fn report(
+    args: &GenerateArgs,
+    cfg: &ModelConfig,
+    planned: &Planned,
+    outs: &[Generated],
+    prompts: &[Vec<i64>],
+    tokenizer: Option<&Tokenizer>,
+    tp: usize,
+) -> Result<()> {
+    let first = &outs[0];
+    let generated: usize = first.new_tokens.iter().map(Vec::len).sum();
+    let total_s = first.time_to_first_token_s + first.decode_s;
+    let tokens_per_s = generated as f64 / total_s.max(1e-9);
+    let decode_tokens = first.decode_steps * prompts.len();
+    let decode_tokens_per_s = decode_tokens as f64 / first.decode_s.max(1e-9);
+    let (pm, dm) = (&planned.prefill.memory, &planned.decode.memory);
+    let predicted = pm.peak_bytes.max(dm.peak_bytes);
+    let measured: Vec<u64> =
+        outs.iter().map(|o| o.prefill_peak_bytes.max(o.decode_peak_bytes)).collect();
+    let texts: Vec<String> = match tokenizer {
+        Some(tk) => first.new_tokens.iter().map(|t| decode(tk, t)).collect(),
+        None => vec![String::new(); first.new_tokens.len()],
+    };
+    let config = format!("tp{tp}");
+    if args.format == OutputFormat::Json {
+        let one = prompts.len() == 1;
+        let doc = json!({
+            "model": cfg.name(),
+            "devices": tp,
+            "config": config,
+            "quantize": args.quantize.map(Quantize::name),
+            "prompt_tokens": if one { json!(prompts[0]) } else { json!(prompts) },
+            "new_tokens": if one { json!(first.new_tokens[0]) } else { json!(first.new_tokens) },
+            "text": if one { json!(texts[0]) } else { json!(texts) },
+            "time_to_first_token_s": first.time_to_first_token_s,
+            "decode_s": first.decode_s,
+            "tokens_per_s": tokens_per_s,
+            "decode_tokens_per_s": decode_tokens_per_s,
+            "memory": {
+                "predicted_peak_bytes": vec![predicted; tp],
+                "measured_peak_bytes": measured,
+                "prefill": {"predicted_peak_bytes": pm.peak_bytes,
+                            "measured_peak_bytes": outs.iter().map(|o| o.prefill_peak_bytes).collect::<Vec<_>>()},
+                "decode": {"predicted_peak_bytes": dm.peak_bytes,
+                           "measured_peak_bytes": outs.iter().map(|o| o.decode_peak_bytes).collect::<Vec<_>>()},
+                "weights_bytes": pm.params_bytes,
+                "kv_cache_bytes": pm.kv_cache_bytes,
+            },
+        });
+        return print_stdout(&serde_json::to_string_pretty(&doc)?);
+    }
+    if prompts.len() > 1 {
+        for (i, t) in texts.iter().enumerate() {
+            println!("[{i}] {t}");
+        }
+    } else if tokenizer.is_none() {
+        let ids: Vec<String> = first.new_tokens[0].iter().map(i64::to_string).collect();
+        println!("{}", ids.join(","));
+    }
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    eprintln!(
+        "{} new tokens in {:.2} s ({:.1} tok/s; first token after {:.3} s) on {tp} device(s), {config}{}",
+        generated,
+        total_s,
+        tokens_per_s,
+        first.time_to_first_token_s,
+        args.quantize.map_or(String::new(), |q| format!(", {}", q.name()))
+    );
+    eprintln!(
+        "memory per device: predicted peak {:.2} MiB (weights {:.2} MiB, KV cache {:.2} MiB), measured {}",
+        mib(predicted),
+        mib(pm.params_bytes),
+        mib(pm.kv_cache_bytes),
+        measured.iter().map(|&b| format!("{:.2} MiB", mib(b))).collect::<Vec<_>>().join(", ")
+    );
+    Ok(())
+}

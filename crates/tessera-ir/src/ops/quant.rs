@@ -1,0 +1,55 @@
+//! Weight-only quantised matmul ([`super::QuantSpec`]).
+
+use super::{expect_float, expect_inputs, Flops, QuantSpec};
+use crate::{DType, Shape, TensorMeta};
+
+/// `[x [.., K], weight [N, K·bits/8] u8, scales [N, K/group] f32]` → `[.., N]`.
+pub(crate) fn infer(x: &[&TensorMeta], q: QuantSpec) -> Result<Vec<TensorMeta>, String> {
+    expect_inputs(x, 3)?;
+    expect_float(x[0], "x")?;
+    if !matches!(q.bits, 4 | 8) || q.group == 0 {
+        return Err(format!(
+            "quantisation of {} bits in groups of {}: give 8 or 4 bits",
+            q.bits, q.group
+        ));
+    }
+    let xd = x[0].shape.dims();
+    let Some(&k) = xd.last() else { return Err(format!("x {} has no features", x[0])) };
+    let (w, s) = (x[1].shape.dims(), x[2].shape.dims());
+    if x[1].dtype != DType::U8 || x[2].dtype != DType::F32 {
+        return Err(format!("weight {} must be u8 and scales {} f32", x[1], x[2]));
+    }
+    if k % q.group != 0 || (k * q.bits as usize) % 8 != 0 {
+        return Err(format!("{k} input features do not split into groups of {}", q.group));
+    }
+    if w.len() != 2 || s.len() != 2 || w[1] != q.row_bytes(k) || s[0] != w[0] || s[1] != k / q.group
+    {
+        return Err(format!(
+            "weight {} and scales {} must be [N, {}] and [N, {}] for {k} input features",
+            x[1],
+            x[2],
+            q.row_bytes(k),
+            k / q.group
+        ));
+    }
+    let mut out = xd.to_vec();
+    *out.last_mut().unwrap_or(&mut 0) = w[0];
+    Ok(vec![TensorMeta { shape: Shape::from(out), dtype: x[0].dtype }])
+}
+
+/// 2·M·N·K as a dense matmul, plus the dequantisation (one multiply per weight element).
+pub(crate) fn flops(x: &[&TensorMeta], y: &[&TensorMeta]) -> Flops {
+    let k = x[0].shape.dims().last().copied().unwrap_or(0) as u64;
+    let n = x[1].shape.dim(0) as u64;
+    Flops { matmul: 2 * y[0].numel() * k, other: n * k }
+}
+
+/// One tile of dequantised weight rows (f32) per worker: at most 64 rows of K.
+pub(crate) fn workspace_bytes(x: &[&TensorMeta], _q: QuantSpec) -> u64 {
+    let k = x[0].shape.dims().last().copied().unwrap_or(0) as u64;
+    let n = x[1].shape.dim(0) as u64;
+    n.min(QMATMUL_TILE_ROWS) * k * 4
+}
+
+/// Weight rows a worker dequantises at once (the runtime's tile).
+pub const QMATMUL_TILE_ROWS: u64 = 64;
