@@ -36,6 +36,10 @@ pub struct EvalArgs {
     /// Write the per-position logits ([n-1, vocab], JSON) to this file.
     #[arg(long)]
     pub logits: Option<PathBuf>,
+    /// Language models: evaluate with the linear layers' weights quantised as `generate
+    /// --quantize` runs them (int8 or int4).
+    #[arg(long, value_parser = crate::generate_cmd::parse_quantize)]
+    pub quantize: Option<tessera_models::Quantize>,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
 }
@@ -127,14 +131,19 @@ fn eval_tokens(args: &EvalArgs, cfg: &ModelConfig, ids: &[i64]) -> Result<()> {
         bail!("token id {id} at position {pos} is outside the model's vocabulary of {vocab}");
     }
     let n = ids.len() - 1;
-    let mut m = Loaded::new(args, cfg, 1, n)?;
-    let x = from_vec(ids[..n].to_vec(), &[1, n])?;
-    let y = from_vec(ids[1..].to_vec(), &[1, n])?;
-    let (loss_value, (hits, _)) = m.run(&[("input_ids", x), ("labels", y)], &ids[1..])?;
-    let accuracy = hits as f64 / n as f64;
+    let (loss_value, accuracy, flat) = match args.quantize {
+        Some(q) => quantized_scores(args, cfg, ids, q)?,
+        None => {
+            let mut m = Loaded::new(args, cfg, 1, n)?;
+            let x = from_vec(ids[..n].to_vec(), &[1, n])?;
+            let y = from_vec(ids[1..].to_vec(), &[1, n])?;
+            let (loss, (hits, _)) = m.run(&[("input_ids", x), ("labels", y)], &ids[1..])?;
+            let flat = to_f64_vec(m.exec.get(m.logits).context("logits were not kept")?)?;
+            (loss, hits as f64 / n as f64, flat)
+        }
+    };
 
     if let Some(path) = &args.logits {
-        let flat = to_f64_vec(m.exec.get(m.logits).context("logits were not kept")?)?;
         let rows: Vec<&[f64]> = flat.chunks(vocab).collect();
         let doc = json!({"shape": [n, vocab], "tokens": ids, "logits": rows});
         write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
@@ -150,6 +159,60 @@ fn eval_tokens(args: &EvalArgs, cfg: &ModelConfig, ids: &[i64]) -> Result<()> {
             100.0 * accuracy
         )),
     }
+}
+
+/// Loss, top-1 accuracy and logits `[n, V]` of `ids` with quantised linear layers: the
+/// generation graph over the whole sequence (every position's logits), its weights
+/// quantised as they are loaded, the loss taken here in f64.
+fn quantized_scores(
+    args: &EvalArgs,
+    cfg: &ModelConfig,
+    ids: &[i64],
+    q: tessera_models::Quantize,
+) -> Result<(f64, f64, Vec<f64>)> {
+    use tessera_runtime::generate::{resident_values, StepProgram};
+    let n = ids.len() - 1;
+    let opts = tessera_models::GenerateOptions {
+        batch: 1,
+        seq: n,
+        capacity: n,
+        dtype: DType::F32,
+        quantize: Some(q),
+        all_logits: true,
+    };
+    let m = tessera_models::build_generation(cfg, &opts)?;
+    let quantized = crate::generate_cmd::quantized_leaves(&m);
+    let (logits, inputs) = (m.logits, m.inputs.clone());
+    let program = Program::lower_graph(m.builder.finish(), vec![logits], &[]);
+    let reference = build(cfg, &BuildOptions { batch: 1, seq: 1, dtype: DType::F32 })?;
+    let weights = open_weights(&args.model_dir, &reference.builder.finish())?;
+    let step = StepProgram { program: program.clone(), layout: Default::default(), logits };
+    let values = resident_values(&step, &DeviceMesh::single(), weights.as_ref(), &quantized)?;
+    let mut exec = Executor::new(program, CpuBackend::new(0), None);
+    for (t, v) in values {
+        exec.bind(t, v)?;
+    }
+    for input in &inputs {
+        let value = match input.name {
+            "input_ids" => from_vec(ids[..n].to_vec(), &[1, n])?,
+            "cache_start" => from_vec(vec![0i64], &[1])?,
+            "position_ids" => from_vec((0..n as i64).collect(), &[1, n])?,
+            other => bail!("the quantised model takes input `{other}`, which eval cannot fill"),
+        };
+        exec.bind(input.tensor, value)?;
+    }
+    exec.run()?;
+    let flat = to_f64_vec(exec.get(logits).context("logits were not kept")?)?;
+    let vocab = flat.len() / n.max(1);
+    let (mut loss, mut hits) = (0.0, 0usize);
+    for (row, &target) in flat.chunks(vocab).zip(&ids[1..]) {
+        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+        loss += lse - row[target as usize];
+        let best = row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b });
+        hits += usize::from(best == target as usize);
+    }
+    Ok((loss / n as f64, hits as f64 / n as f64, flat))
 }
 
 fn eval_images(args: &EvalArgs, cfg: &ModelConfig) -> Result<()> {

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tessera_ir::DType;
 use tessera_models::{
-    build, build_generation, BuildOptions, GenerateOptions, ModelConfig, Quantize,
+    build, build_generation, BuildOptions, GenerateOptions, GenerationModel, ModelConfig, Quantize,
 };
 use tessera_plan::cost::CostModel;
 use tessera_plan::generate::{lower_step, GenerationStep};
@@ -84,11 +84,15 @@ pub struct GenerateArgs {
     /// Seconds a device waits for the others in a collective before giving up.
     #[arg(long, default_value_t = 30.0)]
     pub comm_timeout: f64,
+    /// Write the logits each new token was chosen from (JSON: per step, per prompt, the
+    /// vocabulary's logits) to this file.
+    #[arg(long)]
+    pub logits: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
 }
 
-fn parse_quantize(s: &str) -> Result<Quantize, String> {
+pub fn parse_quantize(s: &str) -> Result<Quantize, String> {
     Quantize::parse(s).ok_or_else(|| format!("`{s}`: give int8 or int4"))
 }
 
@@ -199,25 +203,13 @@ fn plan(
         capacity,
         dtype: args.dtype,
         quantize: args.quantize,
+        all_logits: false,
     };
     let cluster = Cluster::parse(&format!("{tp}xcpu"))?;
     let mesh = Mesh::new(&cluster, &[1, tp], &["dp", "tp"])?;
     let cost = CostModel::for_cluster(&cluster);
     let pre = build_generation(cfg, &step(prompt))?;
-    let quantized = pre
-        .quantized
-        .iter()
-        .map(|q| {
-            let name = |t| pre.builder.graph.tensor_scope(t).to_string();
-            QuantizedLeaf {
-                weight: name(q.weight),
-                scales: name(q.scales),
-                source: q.source.clone(),
-                transposed: q.transposed,
-                spec: q.spec,
-            }
-        })
-        .collect();
+    let quantized = quantized_leaves(&pre);
     let logits = pre.logits;
     let prefill = lower_step(&pre.builder.finish(), logits, &mesh, &cost)?;
     let dec = build_generation(cfg, &step(1))?;
@@ -225,6 +217,21 @@ fn plan(
     let decode = lower_step(&dec.builder.finish(), logits, &mesh, &cost)?;
     let reference = build(cfg, &BuildOptions::new(1, 1, DType::F32))?.builder.finish();
     Ok(Planned { prefill, decode, quantized, reference })
+}
+
+/// The quantised weights of a generation step, by name, for the runtime's loader.
+pub fn quantized_leaves(m: &GenerationModel) -> Vec<QuantizedLeaf> {
+    let name = |t| m.builder.graph.tensor_scope(t).to_string();
+    m.quantized
+        .iter()
+        .map(|q| QuantizedLeaf {
+            weight: name(q.weight),
+            scales: name(q.scales),
+            source: q.source.clone(),
+            transposed: q.transposed,
+            spec: q.spec,
+        })
+        .collect()
 }
 
 fn step_program(s: &GenerationStep) -> StepProgram {
@@ -299,6 +306,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             source.as_ref(),
             &planned.quantized,
         )?;
+        g.keep_logits(args.logits.is_some());
         vec![g.generate(&prompts, args.max_new_tokens, &sampling, eos, show).map_err(Into::into)]
     } else {
         let comms = tessera_comm::ThreadComm::world(tp, Duration::from_secs_f64(args.comm_timeout))
@@ -325,6 +333,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                             &planned.quantized,
                         )
                         .with_context(|| format!("device {rank}"))?;
+                        g.keep_logits(rank == 0 && args.logits.is_some());
                         let quiet = |_: usize, _: &[i64]| {};
                         let out = if rank == 0 {
                             g.generate(prompts, args.max_new_tokens, sampling, eos, show)
@@ -347,6 +356,14 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     }
     if stream {
         println!();
+    }
+    if let Some(path) = &args.logits {
+        let doc = json!({
+            "prompts": prompts,
+            "new_tokens": outs[0].new_tokens,
+            "logits": outs[0].step_logits,
+        });
+        crate::profile_cmd::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
     }
     report(args, &cfg, &planned, &outs, &prompts, tokenizer.as_ref(), tp)
 }

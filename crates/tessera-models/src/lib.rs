@@ -391,9 +391,13 @@ pub struct GenerateOptions {
     pub capacity: usize,
     pub dtype: DType,
     pub quantize: Option<Quantize>,
+    /// Logits at every position (`[B, S, V]`: scoring a text, `tessera eval --quantize`)
+    /// instead of at each row's `last_index` (`[B, 1, V]`: generating).
+    pub all_logits: bool,
 }
 
-/// A built generation step: logits `[B, 1, V]` (f32) at each row's `last_index`.
+/// A built generation step: logits `[B, 1, V]` (f32) at each row's `last_index` (or
+/// `[B, S, V]` with [`GenerateOptions::all_logits`]).
 pub struct GenerationModel {
     pub builder: Builder,
     pub logits: TensorId,

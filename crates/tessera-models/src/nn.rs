@@ -293,8 +293,9 @@ pub(crate) struct Generation {
     pub(crate) start: TensorId,
     /// `[B, S]`: each token's position (`start[b] + i`).
     pub(crate) positions: TensorId,
-    /// `[B]`: the step position whose logits each row wants (its last real token).
-    pub(crate) last: TensorId,
+    /// `[B]`: the step position whose logits each row wants (its last real token); `None`:
+    /// logits at every position.
+    pub(crate) last: Option<TensorId>,
     pub(crate) capacity: usize,
     pub(crate) quantize: Option<Quantize>,
     pub(crate) quantized: Vec<QuantizedWeight>,
@@ -327,7 +328,9 @@ impl Decoder {
                     inputs.add(b, "cache_start", [batch], DType::I64, InputKind::CacheStart);
                 let positions =
                     inputs.add(b, "position_ids", [batch, seq], DType::I64, InputKind::Positions);
-                let last = inputs.add(b, "last_index", [batch], DType::I64, InputKind::LastIndex);
+                let last = (!g.all_logits).then(|| {
+                    inputs.add(b, "last_index", [batch], DType::I64, InputKind::LastIndex)
+                });
                 Decoder::Generate(Generation {
                     start,
                     positions,
@@ -447,8 +450,8 @@ impl Decoder {
     /// The rows of `x [B,S,D]` the head reads: every position when training, each row's last
     /// real token (`[B,1,D]`) when generating.
     pub(crate) fn head_rows(&self, b: &mut Builder, x: TensorId) -> IrResult<TensorId> {
-        match self.generation() {
-            Some(g) => b.select_positions(x, g.last),
+        match self.generation().and_then(|g| g.last) {
+            Some(last) => b.select_positions(x, last),
             None => Ok(x),
         }
     }

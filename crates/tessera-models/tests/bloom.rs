@@ -363,7 +363,14 @@ fn fixture_logits_and_loss_match_transformers() {
 fn greedy(cfg: &ModelConfig, weights: &PathBuf, prompt: &[i64], new: usize) -> Vec<i64> {
     let capacity = prompt.len() + new;
     let step = |seq: usize| {
-        let opts = GenerateOptions { batch: 1, seq, capacity, dtype: DType::F64, quantize: None };
+        let opts = GenerateOptions {
+            batch: 1,
+            seq,
+            capacity,
+            dtype: DType::F64,
+            quantize: None,
+            all_logits: false,
+        };
         let m = build_generation(cfg, &opts).unwrap();
         let g = m.builder.finish();
         (g, m.logits, m.inputs)
@@ -438,7 +445,14 @@ fn greedy_generation_over_the_kv_cache_matches_transformers() {
 #[test]
 fn generation_graph_has_a_kv_cache_per_layer() {
     let cfg = ModelConfig::preset("bloom-tiny").unwrap();
-    let opts = GenerateOptions { batch: 2, seq: 3, capacity: 8, dtype: DType::F32, quantize: None };
+    let opts = GenerateOptions {
+        batch: 2,
+        seq: 3,
+        capacity: 8,
+        dtype: DType::F32,
+        quantize: None,
+        all_logits: false,
+    };
     let m = build_generation(&cfg, &opts).unwrap();
     let g = &m.builder.graph;
     assert_eq!(g.meta(m.logits), &TensorMeta::new([2, 1, 256], DType::F32));

@@ -558,8 +558,14 @@ impl<'a> LocalForward<'a> {
                         .zip(&st.outputs)
                         .map(|(&o, s)| self.local(o, s))
                         .collect::<Result<_>>()?;
-                    let local_op =
+                    let mut local_op =
                         localize(op, &want, self.g.meta(node.outputs[0]), &st.outputs[0]);
+                    if let Op::QMatMul(q) = &mut local_op {
+                        // An int8 row has one scale whatever share of it a device holds.
+                        if q.bits == 8 {
+                            q.group = self.b.shape(inputs[0]).last();
+                        }
+                    }
                     let outs = self.b.push(local_op, &inputs).map_err(|e| {
                         PlanError::Internal(format!(
                             "{name}: sharded {} does not type-check: {e}",

@@ -5,13 +5,19 @@
 //! the IR's conventions: matmul 2·m·n·k; attention forward 4·B·H·S·T·D and backward twice
 //! that, with no causal discount (a causal run does about half that work).
 //!
+//! Weight-only quantised matmul (`QMatMul`, int8 per row and int4 in groups of 128) runs next
+//! to the f32 matmul of the same product, `x [M, K] · W [N, K]ᵀ`, at decode shapes (M = 1
+//! and 8 rows, GPT-2's MLP up-projection K = 768, N = 3072) and a prefill shape
+//! (M = 512, K = N = 768).
+//!
 //! `cargo bench -p tessera-runtime --bench kernels -- --quick`
 
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::time::{Duration, Instant};
-use tessera_ir::{AttentionSpec, Op, TensorMeta};
+use tessera_ir::{AttentionSpec, DType, Op, QuantSpec, Shape, TensorMeta};
 use tessera_runtime::kernels::execute;
+use tessera_runtime::quantize::quantize;
 use tessera_runtime::tensor::meta_of;
 
 fn rand(dims: &[usize]) -> Tensor {
@@ -104,9 +110,43 @@ fn bench_attention(c: &mut Criterion) {
     g.finish();
 }
 
+fn bench_qmatmul(c: &mut Criterion) {
+    for (m, k, n) in [(1, 768, 3072), (8, 768, 3072), (512, 768, 768)] {
+        let x = rand(&[m, k]);
+        let w = rand(&[n, k]);
+        let flops = 2 * (m * k * n) as u64;
+        let mut g = c.benchmark_group(format!("qmatmul M={m} K={k} N={n}"));
+        g.throughput(Throughput::Elements(flops));
+        let mm = Op::MatMul { trans_a: false, trans_b: true };
+        let out = metas(&mm, &[&x, &w]);
+        g.bench_function("f32 matmul", |bch| bch.iter(|| execute(&mm, &[&x, &w], &out).unwrap()));
+        report(&format!("f32 matmul M={m} K={k} N={n}"), flops, || {
+            execute(&mm, &[&x, &w], &out).unwrap();
+        });
+        for (name, q) in
+            [("int8", QuantSpec { bits: 8, group: k }), ("int4", QuantSpec { bits: 4, group: 128 })]
+        {
+            let (codes, scales) = quantize(&w, q).unwrap();
+            let op = Op::QMatMul(q);
+            // (meta_of reads a candle u8 tensor as bool: the codes' meta is made here.)
+            let wm = TensorMeta { shape: Shape::from(codes.dims()), dtype: DType::U8 };
+            let ins = [meta_of(&x).unwrap(), wm, meta_of(&scales).unwrap()];
+            let out = op.infer(&ins.iter().collect::<Vec<_>>()).unwrap();
+            let args = [&x, &codes, &scales];
+            g.bench_function(format!("qmatmul {name}"), |bch| {
+                bch.iter(|| execute(&op, &args, &out).unwrap())
+            });
+            report(&format!("qmatmul {name} M={m} K={k} N={n}"), flops, || {
+                execute(&op, &args, &out).unwrap();
+            });
+        }
+        g.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = bench_matmul, bench_attention
+    targets = bench_matmul, bench_attention, bench_qmatmul
 }
 criterion_main!(benches);

@@ -57,6 +57,9 @@ pub struct Generated {
     /// Measured peaks of the prefill and decode Programs (bytes).
     pub prefill_peak_bytes: u64,
     pub decode_peak_bytes: u64,
+    /// With [`Generator::keep_logits`]: per step, per prompt, the logits its token was chosen
+    /// from.
+    pub step_logits: Vec<Vec<Vec<f32>>>,
 }
 
 /// A device's generator: the prefill and decode executors over shared weights and caches.
@@ -72,6 +75,7 @@ pub struct Generator<B: Backend> {
     capacity: usize,
     prefill_peak: u64,
     decode_peak: u64,
+    keep_logits: bool,
 }
 
 fn binding(msg: String) -> RuntimeError {
@@ -138,6 +142,7 @@ impl<B: Backend> Generator<B> {
             capacity,
             prefill_peak: 0,
             decode_peak: 0,
+            keep_logits: false,
         };
         g.bind_resident(source, quantized)?;
         Ok(g)
@@ -150,81 +155,24 @@ impl<B: Backend> Generator<B> {
         source: &dyn ShardSource,
         quantized: &[QuantizedLeaf],
     ) -> Result<()> {
-        let qs: HashMap<&str, &QuantizedLeaf> = quantized
-            .iter()
-            .flat_map(|q| [(q.weight.as_str(), q), (q.scales.as_str(), q)])
-            .collect();
-        let mut made: HashMap<String, Tensor> = HashMap::new();
-        let pg = self.prefill_spec.program.graph.clone();
-        let resident: Vec<TensorId> = pg
-            .nodes
-            .iter()
-            .filter(|n| matches!(n.op, Op::Parameter(_) | Op::KvCache(_)))
-            .map(|n| n.outputs[0])
-            .collect();
-        for t in resident {
+        let values = resident_values(&self.prefill_spec, &self.mesh, source, quantized)?;
+        let pg = &self.prefill_spec.program.graph;
+        let dg = &self.decode_spec.program.graph;
+        for (t, value) in values {
             let name = pg.tensor_scope(t).to_string();
-            let meta = pg.meta(t).clone();
-            let value = match (&pg.producer(t).op, qs.get(name.as_str())) {
-                (Op::KvCache(_), _) => Tensor::zeros(
-                    meta.shape.dims(),
-                    candle_dtype(meta.dtype),
-                    &candle_core::Device::Cpu,
-                )?,
-                (_, Some(q)) => {
-                    if !made.contains_key(&name) {
-                        let (w, s) = self.quantized_shard(source, q, t)?;
-                        made.insert(q.weight.clone(), w);
-                        made.insert(q.scales.clone(), s);
-                    }
-                    made[&name].clone()
-                }
-                _ => {
-                    let p = placement(&self.prefill_spec, t);
-                    source
-                        .shard_of(&name, &p, &self.mesh, candle_dtype(meta.dtype))?
-                        .ok_or_else(|| binding(format!("the weights have no tensor {name}")))?
-                }
-            };
-            check_meta(&value, &meta, &name)?;
             self.prefill.bind(t, value.clone())?;
-            let dt = self.decode_spec.program.graph.find_leaf(&name).ok_or_else(|| {
+            let dt = dg.find_leaf(&name).ok_or_else(|| {
                 binding(format!("the decode step has no {name} (the prefill does)"))
             })?;
-            check_meta(&value, self.decode_spec.program.graph.meta(dt), &name)?;
+            check_meta(&value, dg.meta(dt), &name)?;
             self.decode.bind(dt, value)?;
         }
         Ok(())
     }
 
-    /// This device's shard of quantised leaf `t`: the float rows its output features take
-    /// (whole input features: int8 scales are per whole row), quantised, then cut to its
-    /// input features.
-    fn quantized_shard(
-        &self,
-        source: &dyn ShardSource,
-        q: &QuantizedLeaf,
-        t: TensorId,
-    ) -> Result<(Tensor, Tensor)> {
-        let g = &self.prefill_spec.program.graph;
-        let wt = g.find_leaf(&q.weight).ok_or_else(|| binding(format!("no leaf {}", q.weight)))?;
-        let st = g.find_leaf(&q.scales).ok_or_else(|| binding(format!("no leaf {}", q.scales)))?;
-        let _ = t;
-        let wp = placement(&self.prefill_spec, wt);
-        let rows = wp.first().cloned().unwrap_or_default();
-        // The float weight's placement splitting only its output features.
-        let float_p = if q.transposed { vec![Vec::new(), rows] } else { vec![rows, Vec::new()] };
-        let w = source
-            .shard_of(&q.source, &float_p, &self.mesh, DType::F32)?
-            .ok_or_else(|| binding(format!("the weights have no tensor {}", q.source)))?;
-        let w = if q.transposed { w.t()?.contiguous()? } else { w };
-        let (codes, scales) = crate::quantize::quantize(&w, q.spec)?;
-        // Then the input features of this device (row-parallel layers).
-        let cols = |p: &[Vec<usize>]| vec![Vec::new(), p.get(1).cloned().unwrap_or_default()];
-        let codes = shard(&self.mesh, &codes, &cols(&wp), &q.weight)?;
-        let scales =
-            shard(&self.mesh, &scales, &cols(&placement(&self.prefill_spec, st)), &q.scales)?;
-        Ok((codes, scales))
+    /// Keeps each step's logits in [`Generated::step_logits`].
+    pub fn keep_logits(&mut self, on: bool) {
+        self.keep_logits = on;
     }
 
     /// Rows, prompt positions and cache positions of the Programs.
@@ -330,6 +278,10 @@ impl<B: Backend> Generator<B> {
         let last: Vec<i64> = lens.iter().map(|&l| l as i64 - 1).collect();
         let logits = self.run_step(true, ids, vec![0; b], last)?;
         let mut next: Vec<i64> = (0..b).map(|r| sampling.pick(&logits[r], r, 0) as i64).collect();
+        let mut kept = Vec::new();
+        if self.keep_logits {
+            kept.push(logits[..prompts.len()].to_vec());
+        }
         let mut out =
             Generated { time_to_first_token_s: t0.elapsed().as_secs_f64(), ..Default::default() };
         let mut tokens: Vec<Vec<i64>> = vec![Vec::new(); b];
@@ -349,6 +301,9 @@ impl<B: Backend> Generator<B> {
             let start: Vec<i64> = lens.iter().map(|&l| (l + step) as i64).collect();
             let logits = self.run_step(false, next.clone(), start, vec![0; b])?;
             next = (0..b).map(|r| sampling.pick(&logits[r], r, step + 1) as i64).collect();
+            if self.keep_logits {
+                kept.push(logits[..prompts.len()].to_vec());
+            }
             out.decode_steps += 1;
         }
         out.decode_s = t1.elapsed().as_secs_f64();
@@ -356,6 +311,7 @@ impl<B: Backend> Generator<B> {
         out.new_tokens = tokens;
         out.prefill_peak_bytes = self.prefill_peak;
         out.decode_peak_bytes = self.decode_peak;
+        out.step_logits = kept;
         Ok(out)
     }
 
@@ -363,4 +319,73 @@ impl<B: Backend> Generator<B> {
     pub fn measured_peaks(&self) -> (u64, u64) {
         (self.prefill_peak, self.decode_peak)
     }
+}
+
+/// This device's values of `step`'s resident leaves: each parameter's shard read from
+/// `source` (quantised ones made from their float rows as they are read) and each KV cache
+/// zeroed.
+pub fn resident_values(
+    step: &StepProgram,
+    mesh: &DeviceMesh,
+    source: &dyn ShardSource,
+    quantized: &[QuantizedLeaf],
+) -> Result<Vec<(TensorId, Tensor)>> {
+    let qs: HashMap<&str, &QuantizedLeaf> =
+        quantized.iter().flat_map(|q| [(q.weight.as_str(), q), (q.scales.as_str(), q)]).collect();
+    let mut made: HashMap<String, Tensor> = HashMap::new();
+    let g = &step.program.graph;
+    let mut out = Vec::new();
+    for n in g.nodes.iter().filter(|n| matches!(n.op, Op::Parameter(_) | Op::KvCache(_))) {
+        let t = n.outputs[0];
+        let name = g.tensor_scope(t).to_string();
+        let meta = g.meta(t);
+        let value = match (&n.op, qs.get(name.as_str())) {
+            (Op::KvCache(_), _) => Tensor::zeros(
+                meta.shape.dims(),
+                candle_dtype(meta.dtype),
+                &candle_core::Device::Cpu,
+            )?,
+            (_, Some(q)) => {
+                if !made.contains_key(&name) {
+                    let (w, s) = quantized_shard(step, mesh, source, q)?;
+                    made.insert(q.weight.clone(), w);
+                    made.insert(q.scales.clone(), s);
+                }
+                made[&name].clone()
+            }
+            _ => source
+                .shard_of(&name, &placement(step, t), mesh, candle_dtype(meta.dtype))?
+                .ok_or_else(|| binding(format!("the weights have no tensor {name}")))?,
+        };
+        check_meta(&value, meta, &name)?;
+        out.push((t, value));
+    }
+    Ok(out)
+}
+
+/// This device's shard of quantised weight `q`: the float rows its output features take
+/// (whole input features: an int8 scale covers a whole row), quantised, then cut to its
+/// input features (row-parallel layers).
+fn quantized_shard(
+    step: &StepProgram,
+    mesh: &DeviceMesh,
+    source: &dyn ShardSource,
+    q: &QuantizedLeaf,
+) -> Result<(Tensor, Tensor)> {
+    let g = &step.program.graph;
+    let leaf = |name: &str| g.find_leaf(name).ok_or_else(|| binding(format!("no leaf {name}")));
+    let (wt, st) = (leaf(&q.weight)?, leaf(&q.scales)?);
+    let wp = placement(step, wt);
+    let rows = wp.first().cloned().unwrap_or_default();
+    // The float weight's placement splitting only its output features.
+    let float_p = if q.transposed { vec![Vec::new(), rows] } else { vec![rows, Vec::new()] };
+    let w = source
+        .shard_of(&q.source, &float_p, mesh, DType::F32)?
+        .ok_or_else(|| binding(format!("the weights have no tensor {}", q.source)))?;
+    let w = if q.transposed { w.t()?.contiguous()? } else { w };
+    let (codes, scales) = crate::quantize::quantize(&w, q.spec)?;
+    let cols = |p: &[Vec<usize>]| vec![Vec::new(), p.get(1).cloned().unwrap_or_default()];
+    let codes = shard(mesh, &codes, &cols(&wp), &q.weight)?;
+    let scales = shard(mesh, &scales, &cols(&placement(step, st)), &q.scales)?;
+    Ok((codes, scales))
 }

@@ -37,10 +37,14 @@ pub fn quantize(w: &Tensor, q: QuantSpec) -> Result<(Tensor, Tensor)> {
             for (g, s) in srow.iter_mut().enumerate() {
                 let part = &row[g * q.group..(g + 1) * q.group];
                 let amax = part.iter().fold(0f32, |m, x| m.max(x.abs()));
-                *s = if amax > 0.0 { amax / qmax } else { 1.0 };
-                let inv = 1.0 / *s;
+                // (At least the least subnormal: amax / qmax of a subnormal group may
+                // underflow to 0.)
+                *s = if amax > 0.0 { (amax / qmax).max(f32::from_bits(1)) } else { 1.0 };
+                // A division, not a product with 1/s: exact round(x / s), and no overflow of
+                // 1/s when the group's values are subnormal.
+                let s = *s;
                 for (f, &x) in part.iter().enumerate() {
-                    let c = ((x * inv).round().clamp(-qmax - 1.0, qmax) as i32 + off) as u8;
+                    let c = ((x / s).round().clamp(-qmax - 1.0, qmax) as i32 + off) as u8;
                     let at = g * q.group + f;
                     if q.bits == 8 {
                         crow[at] = c;

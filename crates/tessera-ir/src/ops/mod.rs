@@ -156,7 +156,7 @@ impl Alibi {
     ) -> crate::Result<Vec<f64>> {
         let first = match (&self.shard, at) {
             (Some(s), Some(at)) => at.shard_origin(&s.global, &s.placement)?.get(2).copied(),
-            _ => Some(0),
+            (None, _) | (Some(_), None) => Some(0),
         }
         .unwrap_or(0);
         let all = Alibi::slopes(self.heads);
