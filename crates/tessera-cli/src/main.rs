@@ -9,6 +9,7 @@ mod export_cmd;
 mod export_plan;
 mod format;
 mod generate_cmd;
+mod inference_cmd;
 mod pictures;
 mod plan_cmd;
 mod plan_file;
