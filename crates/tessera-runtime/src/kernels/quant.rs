@@ -114,69 +114,62 @@ pub fn qmatmul(x: &Tensor, w: &Tensor, scales: &Tensor, q: QuantSpec) -> Result<
 
 // ---- few rows of x: per output feature ------------------------------------------------------
 
+/// Codes per vector step: 8 f32 lanes (one AVX2 register).
+const V: usize = 8;
+
 /// `out [m, N] = x [m, K] · dequant(w)ᵀ`, parallel over blocks of weight rows.
 fn few_rows(xs: &[f32], m: usize, w: Weights, out: &mut [f32]) {
-    // int4 in even groups: x's even and odd features apart (`[m, K/2]` each), so both nibbles
-    // of a byte meet contiguous x.
-    let split = (w.q.bits == 4 && w.q.group % 2 == 0).then(|| deinterleave(xs, m, w.k));
-    let split = split.as_ref().map(|(e, o)| (e.as_slice(), o.as_slice()));
+    // int4 in even groups: x permuted so that both nibbles of 8 bytes meet contiguous x.
+    let perm = (w.q.bits == 4 && w.q.group % 2 == 0).then(|| nibble_order(xs, m, w.k, w.q.group));
+    let x = perm.as_deref().unwrap_or(xs);
     let tasks = rayon::current_num_threads().max(1) * 4;
     let chunk = w.n.div_ceil(tasks).clamp(8, 256);
     let op = SendPtr(out.as_mut_ptr());
     (0..w.n.div_ceil(chunk)).into_par_iter().for_each(|t| {
         let rows = (t * chunk, ((t + 1) * chunk).min(w.n));
         // SAFETY: this task writes output columns rows.0..rows.1 only; `out` is [m, N].
-        unsafe { rows_task(xs, split, m, w, rows, op) };
+        unsafe { rows_task(x, m, w, rows, op) };
     });
 }
 
-/// `(even, odd)` features of each row of `x [m, k]`, each `[m, k/2]`.
-fn deinterleave(xs: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
-    let h = k / 2;
-    let (mut e, mut o) = (vec![0f32; m * h], vec![0f32; m * h]);
-    for ((row, er), or) in
-        xs.chunks_exact(k).take(m).zip(e.chunks_exact_mut(h)).zip(o.chunks_exact_mut(h))
-    {
-        for ((p, a), b) in row.chunks_exact(2).zip(er).zip(or) {
-            *a = p[0];
-            *b = p[1];
+/// Rows of `x [m, k]` in the order int4 codes in groups of `g` (even) meet them: in each group,
+/// every 16 features (8 bytes of codes) become their 8 even features then their 8 odd ones
+/// (low nibbles, then high); the group's last `g mod 16` features stay in order.
+fn nibble_order(xs: &[f32], m: usize, k: usize, g: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * k];
+    for (src, dst) in xs.chunks_exact(g).take(m * k / g).zip(out.chunks_exact_mut(g)) {
+        let blocks = src.chunks_exact(2 * V);
+        let rest = blocks.remainder();
+        let mut dblocks = dst.chunks_exact_mut(2 * V);
+        for (s, d) in blocks.zip(&mut dblocks) {
+            for l in 0..V {
+                d[l] = s[2 * l];
+                d[V + l] = s[2 * l + 1];
+            }
         }
+        dblocks.into_remainder().copy_from_slice(rest);
     }
-    (e, o)
+    out
 }
 
 /// # Safety
 /// `out` points at an `[m, w.n]` buffer whose columns `rows` no other thread touches.
-unsafe fn rows_task(
-    xs: &[f32],
-    split: Option<(&[f32], &[f32])>,
-    m: usize,
-    w: Weights,
-    rows: (usize, usize),
-    out: SendPtr<f32>,
-) {
+unsafe fn rows_task(x: &[f32], m: usize, w: Weights, rows: (usize, usize), out: SendPtr<f32>) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for; the rest is
         // the caller's contract.
-        return unsafe { rows_task_avx2(xs, split, m, w, rows, out) };
+        return unsafe { rows_task_avx2(x, m, w, rows, out) };
     }
     // SAFETY: the caller's contract.
-    unsafe { rows_task_body::<false>(xs, split, m, w, rows, out) }
+    unsafe { rows_task_body::<false>(x, m, w, rows, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rows_task_avx2(
-    xs: &[f32],
-    split: Option<(&[f32], &[f32])>,
-    m: usize,
-    w: Weights,
-    rows: (usize, usize),
-    out: SendPtr<f32>,
-) {
-    // SAFETY: the caller's contract.
-    unsafe { rows_task_body::<true>(xs, split, m, w, rows, out) }
+unsafe fn rows_task_avx2(x: &[f32], m: usize, w: Weights, rows: (usize, usize), out: SendPtr<f32>) {
+    // SAFETY: the caller's contract; AVX2 and FMA are enabled here.
+    unsafe { rows_task_body::<true>(x, m, w, rows, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -184,11 +177,14 @@ fn has_avx2_fma() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
 }
 
-/// Output columns `rows` of every row of x: blocks of 8, 4, 2 and 1 rows of x per weight row.
+/// Output columns `rows` of every row of x: for each weight row, blocks of 8, 4, 2 and 1 rows
+/// of x (`R` rows × `S` vectors of 8 accumulators: 4 to 8 registers).
+///
+/// # Safety
+/// As [`rows_task`]; with `AVX`, the CPU has AVX2 and FMA.
 #[inline(always)]
-unsafe fn rows_task_body<const FMA: bool>(
-    xs: &[f32],
-    split: Option<(&[f32], &[f32])>,
+unsafe fn rows_task_body<const AVX: bool>(
+    x: &[f32],
     m: usize,
     w: Weights,
     rows: (usize, usize),
@@ -199,21 +195,21 @@ unsafe fn rows_task_body<const FMA: bool>(
         let mut i = 0;
         while i < m {
             let left = m - i;
-            // SAFETY (each arm): the caller's contract; element (i + r, j) of `[m, n]`.
+            // SAFETY (each arm): the caller's contract; elements (i.., j) of `[m, n]`.
             if left >= 8 {
-                let v = block::<8, 8, FMA>(xs, split, i, w, codes, scales);
+                let v = unsafe { block::<8, 1, AVX>(x, i, w, codes, scales) };
                 unsafe { store(out, w.n, i, j, &v) };
                 i += 8;
             } else if left >= 4 {
-                let v = block::<4, 8, FMA>(xs, split, i, w, codes, scales);
+                let v = unsafe { block::<4, 2, AVX>(x, i, w, codes, scales) };
                 unsafe { store(out, w.n, i, j, &v) };
                 i += 4;
             } else if left >= 2 {
-                let v = block::<2, 16, FMA>(xs, split, i, w, codes, scales);
+                let v = unsafe { block::<2, 2, AVX>(x, i, w, codes, scales) };
                 unsafe { store(out, w.n, i, j, &v) };
                 i += 2;
             } else {
-                let v = block::<1, 32, FMA>(xs, split, i, w, codes, scales);
+                let v = unsafe { block::<1, 4, AVX>(x, i, w, codes, scales) };
                 unsafe { store(out, w.n, i, j, &v) };
                 i += 1;
             }
@@ -231,149 +227,356 @@ unsafe fn store<const R: usize>(out: SendPtr<f32>, n: usize, i: usize, j: usize,
     }
 }
 
-/// Output feature `j` (its `codes`, `scales`) of rows `i..i + R` of x.
+/// Output feature `j` (its `codes`, `scales`) of rows `i..i + R` of x (int4 in even groups: x
+/// in [`nibble_order`]).
+///
+/// # Safety
+/// With `AVX`, the CPU has AVX2 and FMA.
 #[inline(always)]
-fn block<const R: usize, const L: usize, const FMA: bool>(
-    xs: &[f32],
-    split: Option<(&[f32], &[f32])>,
+unsafe fn block<const R: usize, const S: usize, const AVX: bool>(
+    x: &[f32],
     i: usize,
     w: Weights,
     codes: &[u8],
     scales: &[f32],
 ) -> [f32; R] {
     let k = w.k;
-    if w.q.bits == 8 {
-        let x: [&[f32]; R] = from_fn(|r| &xs[(i + r) * k..(i + r + 1) * k]);
-        int8_rows::<R, L, FMA>(x, codes, scales, w.q.group)
-    } else if let Some((e, o)) = split {
-        let h = k / 2;
-        let xe: [&[f32]; R] = from_fn(|r| &e[(i + r) * h..(i + r + 1) * h]);
-        let xo: [&[f32]; R] = from_fn(|r| &o[(i + r) * h..(i + r + 1) * h]);
-        int4_rows::<R, L, FMA>(xe, xo, codes, scales, w.q.group / 2)
-    } else {
-        from_fn(|r| dot_any(&xs[(i + r) * k..(i + r + 1) * k], codes, scales, w.q))
+    let mut xr: [&[f32]; R] = [&[]; R];
+    for (r, xr) in xr.iter_mut().enumerate() {
+        *xr = &x[(i + r) * k..(i + r + 1) * k];
+    }
+    let g = w.q.group;
+    match (w.q.bits == 8, g % 2 == 0, AVX) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's contract.
+        (true, _, true) => unsafe { avx2::int8_rows::<R, S>(xr, codes, scales, g) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's contract.
+        (false, true, true) => unsafe { avx2::int4_rows::<R, S>(xr, codes, scales, g) },
+        (true, _, _) => portable::int8_rows::<R, S>(xr, codes, scales, g),
+        (false, true, _) => portable::int4_rows::<R, S>(xr, codes, scales, g),
+        (false, false, _) => from_fn(|r| dot_any(xr[r], codes, scales, w.q)),
     }
 }
 
-/// `a·b + c`, fused where the CPU has FMA (this copy is compiled with it).
-#[inline(always)]
-fn fmadd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
+/// The rows kernels in plain Rust over fixed-width lane arrays (CPUs without AVX2).
+mod portable {
+    use super::V;
 
-/// Sum of the lanes, pairwise (so it vectorises).
-#[inline(always)]
-fn lanes_sum<const L: usize>(a: &[f32; L]) -> f32 {
-    let mut v = *a;
-    let mut w = L;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            v[l] += v[l + w];
+    /// `acc += x · w`, lane by lane.
+    #[inline(always)]
+    fn lanes_fma(acc: &mut [f32; V], x: &[f32], w: &[f32; V]) {
+        let x: &[f32; V] = x[..V].try_into().expect("V lanes");
+        for l in 0..V {
+            acc[l] += x[l] * w[l];
         }
     }
-    v[0]
-}
 
-/// Rows `x[r]` (K features) against one int8 weight row in groups of `g`.
-#[inline(always)]
-fn int8_rows<const R: usize, const L: usize, const FMA: bool>(
-    x: [&[f32]; R],
-    codes: &[u8],
-    scales: &[f32],
-    g: usize,
-) -> [f32; R] {
-    let mut tot = [[0f32; L]; R];
-    let mut tail = [0f32; R];
-    for (gi, (wg, &s)) in codes.chunks_exact(g).zip(scales).enumerate() {
-        let xg: [&[f32]; R] = from_fn(|r| &x[r][gi * g..(gi + 1) * g]);
-        let mut acc = [[0f32; L]; R];
-        let chunks = wg.chunks_exact(L);
-        let rest = chunks.remainder();
-        for (c, wl) in chunks.enumerate() {
-            let mut wf = [0f32; L];
-            for (f, &b) in wf.iter_mut().zip(wl) {
-                *f = (b as i32 - 128) as f32;
+    /// Sum of all lanes, pairwise.
+    #[inline(always)]
+    fn lanes_total<const S: usize>(t: &[[f32; V]; S]) -> f32 {
+        let mut v = [0f32; V];
+        for a in t {
+            for l in 0..V {
+                v[l] += a[l];
             }
-            for (a, xr) in acc.iter_mut().zip(&xg) {
-                let xr = &xr[c * L..c * L + L];
-                for l in 0..L {
-                    a[l] = fmadd::<FMA>(xr[l], wf[l], a[l]);
+        }
+        ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+    }
+
+    /// Adds a finished group's accumulators, scaled, to the row totals.
+    #[inline(always)]
+    fn fold<const R: usize, const S: usize>(
+        tot: &mut [[[f32; V]; S]; R],
+        acc: &[[[f32; V]; S]; R],
+        scale: f32,
+    ) {
+        for (t, a) in tot.iter_mut().zip(acc) {
+            for (t, a) in t.iter_mut().zip(a) {
+                for l in 0..V {
+                    t[l] += scale * a[l];
                 }
             }
         }
-        let at = g - rest.len();
-        let mut part = [0f32; R];
-        for (f, &b) in rest.iter().enumerate() {
-            let wv = (b as i32 - 128) as f32;
-            for (p, xr) in part.iter_mut().zip(&xg) {
-                *p = fmadd::<FMA>(xr[at + f], wv, *p);
-            }
-        }
-        for r in 0..R {
-            for l in 0..L {
-                tot[r][l] = fmadd::<FMA>(s, acc[r][l], tot[r][l]);
-            }
-            tail[r] = fmadd::<FMA>(s, part[r], tail[r]);
-        }
     }
-    from_fn(|r| lanes_sum(&tot[r]) + tail[r])
-}
 
-/// Rows of x split into even (`xe`) and odd (`xo`) features against one int4 weight row whose
-/// groups hold `h` bytes (2·h features).
-#[inline(always)]
-fn int4_rows<const R: usize, const L: usize, const FMA: bool>(
-    xe: [&[f32]; R],
-    xo: [&[f32]; R],
-    codes: &[u8],
-    scales: &[f32],
-    h: usize,
-) -> [f32; R] {
-    let mut tot = [[0f32; L]; R];
-    let mut tail = [0f32; R];
-    for (gi, (wg, &s)) in codes.chunks_exact(h).zip(scales).enumerate() {
-        let eg: [&[f32]; R] = from_fn(|r| &xe[r][gi * h..(gi + 1) * h]);
-        let og: [&[f32]; R] = from_fn(|r| &xo[r][gi * h..(gi + 1) * h]);
-        let mut acc = [[0f32; L]; R];
-        let chunks = wg.chunks_exact(L);
-        let rest = chunks.remainder();
-        for (c, wl) in chunks.enumerate() {
-            let (mut lo, mut hi) = ([0f32; L], [0f32; L]);
-            for ((a, b), &byte) in lo.iter_mut().zip(hi.iter_mut()).zip(wl) {
-                *a = ((byte & 15) as i32 - 8) as f32;
-                *b = ((byte >> 4) as i32 - 8) as f32;
+    /// Rows `x[r]` (K features) against one int8 weight row in groups of `g`.
+    pub(super) fn int8_rows<const R: usize, const S: usize>(
+        x: [&[f32]; R],
+        codes: &[u8],
+        scales: &[f32],
+        g: usize,
+    ) -> [f32; R] {
+        let mut tot = [[[0f32; V]; S]; R];
+        let mut tail = [0f32; R];
+        for (gi, &s) in scales.iter().enumerate() {
+            let base = gi * g;
+            let wg = &codes[base..base + g];
+            let mut acc = [[[0f32; V]; S]; R];
+            let mut f = 0;
+            while f + V <= g {
+                let b: &[u8; V] = wg[f..f + V].try_into().expect("V codes");
+                let mut wv = [0f32; V];
+                for l in 0..V {
+                    wv[l] = (b[l] as i32 - 128) as f32;
+                }
+                let v = (f / V) % S;
+                for (a, xr) in acc.iter_mut().zip(&x) {
+                    lanes_fma(&mut a[v], &xr[base + f..], &wv);
+                }
+                f += V;
             }
-            for r in 0..R {
-                let (er, or) = (&eg[r][c * L..c * L + L], &og[r][c * L..c * L + L]);
-                for l in 0..L {
-                    acc[r][l] = fmadd::<FMA>(er[l], lo[l], acc[r][l]);
-                    acc[r][l] = fmadd::<FMA>(or[l], hi[l], acc[r][l]);
+            let mut part = [0f32; R];
+            for (f, &b) in wg.iter().enumerate().skip(f) {
+                let wv = (b as i32 - 128) as f32;
+                for (p, xr) in part.iter_mut().zip(&x) {
+                    *p += xr[base + f] * wv;
                 }
             }
-        }
-        let at = h - rest.len();
-        let mut part = [0f32; R];
-        for (t, &byte) in rest.iter().enumerate() {
-            let lo = ((byte & 15) as i32 - 8) as f32;
-            let hi = ((byte >> 4) as i32 - 8) as f32;
-            for r in 0..R {
-                part[r] = fmadd::<FMA>(eg[r][at + t], lo, part[r]);
-                part[r] = fmadd::<FMA>(og[r][at + t], hi, part[r]);
+            fold(&mut tot, &acc, s);
+            for (t, p) in tail.iter_mut().zip(part) {
+                *t += s * p;
             }
         }
-        for r in 0..R {
-            for l in 0..L {
-                tot[r][l] = fmadd::<FMA>(s, acc[r][l], tot[r][l]);
+        std::array::from_fn(|r| lanes_total(&tot[r]) + tail[r])
+    }
+
+    /// Rows `x[r]` (in `nibble_order` for groups of `g`) against one int4 weight row.
+    pub(super) fn int4_rows<const R: usize, const S: usize>(
+        x: [&[f32]; R],
+        codes: &[u8],
+        scales: &[f32],
+        g: usize,
+    ) -> [f32; R] {
+        let h = g / 2;
+        let mut tot = [[[0f32; V]; S]; R];
+        let mut tail = [0f32; R];
+        for (gi, &s) in scales.iter().enumerate() {
+            let (wg, base) = (&codes[gi * h..(gi + 1) * h], gi * g);
+            let mut acc = [[[0f32; V]; S]; R];
+            let mut t = 0;
+            while t + V <= h {
+                let b: &[u8; V] = wg[t..t + V].try_into().expect("V codes");
+                let (mut lo, mut hi) = ([0f32; V], [0f32; V]);
+                for l in 0..V {
+                    lo[l] = ((b[l] & 15) as i32 - 8) as f32;
+                    hi[l] = ((b[l] >> 4) as i32 - 8) as f32;
+                }
+                let v = (t / V) % S;
+                for (a, xr) in acc.iter_mut().zip(&x) {
+                    lanes_fma(&mut a[v], &xr[base + 2 * t..], &lo);
+                    lanes_fma(&mut a[v], &xr[base + 2 * t + V..], &hi);
+                }
+                t += V;
             }
-            tail[r] = fmadd::<FMA>(s, part[r], tail[r]);
+            let mut part = [0f32; R];
+            for (t, &b) in wg.iter().enumerate().skip(t) {
+                let (lo, hi) = (((b & 15) as i32 - 8) as f32, ((b >> 4) as i32 - 8) as f32);
+                for (p, xr) in part.iter_mut().zip(&x) {
+                    *p += xr[base + 2 * t] * lo + xr[base + 2 * t + 1] * hi;
+                }
+            }
+            fold(&mut tot, &acc, s);
+            for (t, p) in tail.iter_mut().zip(part) {
+                *t += s * p;
+            }
+        }
+        std::array::from_fn(|r| lanes_total(&tot[r]) + tail[r])
+    }
+}
+
+/// The rows kernels with AVX2 + FMA intrinsics: codes widened to i32 lanes, offset
+/// subtracted, converted to f32 (exact), one register of 8 codes meeting `R` rows of x.
+/// (Left to auto-vectorisation, these multi-row loops came out scalarised or shuffled across
+/// rows depending on small changes; intrinsics keep the accumulators in registers.)
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::V;
+    use std::arch::x86_64::*;
+
+    /// Horizontal sum of `S` vectors.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn total<const S: usize>(v: &[__m256; S]) -> f32 {
+        let mut a = _mm256_setzero_ps();
+        for &x in v {
+            a = _mm256_add_ps(a, x);
+        }
+        let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    /// `tot += scale · acc` for every accumulator.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn fold<const R: usize, const S: usize>(
+        tot: &mut [[__m256; S]; R],
+        acc: &[[__m256; S]; R],
+        scale: f32,
+    ) {
+        let sv = _mm256_set1_ps(scale);
+        for (t, a) in tot.iter_mut().zip(acc) {
+            for (t, &a) in t.iter_mut().zip(a) {
+                *t = _mm256_fmadd_ps(sv, a, *t);
+            }
         }
     }
-    from_fn(|r| lanes_sum(&tot[r]) + tail[r])
+
+    /// 8 bytes at `p` widened to i32 lanes.
+    ///
+    /// # Safety
+    /// 8 bytes at `p` are readable.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn widen(p: *const u8) -> __m256i {
+        // SAFETY: the caller's contract (an unaligned 8-byte load).
+        _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are available; every `x[r]` and `codes` hold the K = scales.len()·g
+    /// features (checked).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn int8_rows<const R: usize, const S: usize>(
+        x: [&[f32]; R],
+        codes: &[u8],
+        scales: &[f32],
+        g: usize,
+    ) -> [f32; R] {
+        let k = scales.len() * g;
+        assert!(codes.len() >= k && x.iter().all(|r| r.len() >= k), "int8 row of {k} features");
+        let (cp, xp) = (codes.as_ptr(), x.map(<[f32]>::as_ptr));
+        let off = _mm256_set1_epi32(128);
+        let mut tot = [[_mm256_setzero_ps(); S]; R];
+        let mut tail = [0f32; R];
+        for (gi, &s) in scales.iter().enumerate() {
+            let (mut f, end) = (gi * g, (gi + 1) * g);
+            let mut acc = [[_mm256_setzero_ps(); S]; R];
+            // SAFETY (loads): f + S·V ≤ end ≤ k (then f + V ≤ end) elements of codes and x.
+            while f + S * V <= end {
+                let mut wv = [_mm256_setzero_ps(); S];
+                for (v, wv) in wv.iter_mut().enumerate() {
+                    let c = unsafe { widen(cp.add(f + v * V)) };
+                    *wv = _mm256_cvtepi32_ps(_mm256_sub_epi32(c, off));
+                }
+                for (a, &xr) in acc.iter_mut().zip(&xp) {
+                    for (v, (a, &wv)) in a.iter_mut().zip(&wv).enumerate() {
+                        let xv = unsafe { _mm256_loadu_ps(xr.add(f + v * V)) };
+                        *a = _mm256_fmadd_ps(xv, wv, *a);
+                    }
+                }
+                f += S * V;
+            }
+            while f + V <= end {
+                let c = unsafe { widen(cp.add(f)) };
+                let wv = _mm256_cvtepi32_ps(_mm256_sub_epi32(c, off));
+                for (a, &xr) in acc.iter_mut().zip(&xp) {
+                    let xv = unsafe { _mm256_loadu_ps(xr.add(f)) };
+                    a[0] = _mm256_fmadd_ps(xv, wv, a[0]);
+                }
+                f += V;
+            }
+            let mut part = [0f32; R];
+            for f in f..end {
+                let wv = (codes[f] as i32 - 128) as f32;
+                for (p, xr) in part.iter_mut().zip(&x) {
+                    *p = xr[f].mul_add(wv, *p);
+                }
+            }
+            fold(&mut tot, &acc, s);
+            for (t, p) in tail.iter_mut().zip(part) {
+                *t = s.mul_add(p, *t);
+            }
+        }
+        let mut out = [0f32; R];
+        for ((o, t), tl) in out.iter_mut().zip(&tot).zip(tail) {
+            *o = total(t) + tl;
+        }
+        out
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are available; every `x[r]` (in `nibble_order` for groups of `g`, even)
+    /// holds the K = scales.len()·g features and `codes` their K/2 bytes (checked).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn int4_rows<const R: usize, const S: usize>(
+        x: [&[f32]; R],
+        codes: &[u8],
+        scales: &[f32],
+        g: usize,
+    ) -> [f32; R] {
+        let (h, k) = (g / 2, scales.len() * g);
+        assert!(
+            g % 2 == 0 && codes.len() >= k / 2 && x.iter().all(|r| r.len() >= k),
+            "int4 row of {k} features"
+        );
+        let (cp, xp) = (codes.as_ptr(), x.map(<[f32]>::as_ptr));
+        let (nib, off) = (_mm256_set1_epi32(15), _mm256_set1_epi32(8));
+        let mut tot = [[_mm256_setzero_ps(); S]; R];
+        let mut tail = [0f32; R];
+        for (gi, &s) in scales.iter().enumerate() {
+            // Bytes t of the group meet x features base + 2t (low nibbles: 8 at base + 2t, then
+            // high nibbles: 8 at base + 2t + 8, for each step of 8 bytes).
+            let (base, mut t, end) = (gi * g, gi * h, (gi + 1) * h);
+            let mut acc = [[_mm256_setzero_ps(); S]; R];
+            // SAFETY (loads): t + S·V ≤ end ≤ k/2 bytes (then t + V ≤ end), and x features
+            // up to base + 2·(end − gi·h) = (gi + 1)·g ≤ k.
+            while t + S * V <= end {
+                let mut lo = [_mm256_setzero_ps(); S];
+                let mut hi = [_mm256_setzero_ps(); S];
+                for (v, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+                    let c = unsafe { widen(cp.add(t + v * V)) };
+                    *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, nib), off));
+                    *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32::<4>(c), off));
+                }
+                let at = base + 2 * (t - gi * h);
+                for (a, &xr) in acc.iter_mut().zip(&xp) {
+                    for (v, a) in a.iter_mut().enumerate() {
+                        let xl = unsafe { _mm256_loadu_ps(xr.add(at + 2 * v * V)) };
+                        let xh = unsafe { _mm256_loadu_ps(xr.add(at + 2 * v * V + V)) };
+                        *a = _mm256_fmadd_ps(xl, lo[v], *a);
+                        *a = _mm256_fmadd_ps(xh, hi[v], *a);
+                    }
+                }
+                t += S * V;
+            }
+            while t + V <= end {
+                let c = unsafe { widen(cp.add(t)) };
+                let lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, nib), off));
+                let hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32::<4>(c), off));
+                let at = base + 2 * (t - gi * h);
+                for (a, &xr) in acc.iter_mut().zip(&xp) {
+                    let xl = unsafe { _mm256_loadu_ps(xr.add(at)) };
+                    let xh = unsafe { _mm256_loadu_ps(xr.add(at + V)) };
+                    a[0] = _mm256_fmadd_ps(xl, lo, a[0]);
+                    a[0] = _mm256_fmadd_ps(xh, hi, a[0]);
+                }
+                t += V;
+            }
+            let mut part = [0f32; R];
+            for t in t..end {
+                let b = codes[t];
+                let (lo, hi) = (((b & 15) as i32 - 8) as f32, ((b >> 4) as i32 - 8) as f32);
+                let at = base + 2 * (t - gi * h);
+                for (p, xr) in part.iter_mut().zip(&x) {
+                    *p = xr[at].mul_add(lo, *p);
+                    *p = xr[at + 1].mul_add(hi, *p);
+                }
+            }
+            fold(&mut tot, &acc, s);
+            for (t, p) in tail.iter_mut().zip(part) {
+                *t = s.mul_add(p, *t);
+            }
+        }
+        let mut out = [0f32; R];
+        for ((o, t), tl) in out.iter_mut().zip(&tot).zip(tail) {
+            *o = total(t) + tl;
+        }
+        out
+    }
 }
 
 /// The code of feature `f` minus the offset (any format, any group).
