@@ -294,60 +294,40 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         let _ = write!(out, "{}", after.strip_prefix(before.as_str()).unwrap_or(&after));
         let _ = out.flush();
     };
-    let budget = args.memory_budget;
-    let outcomes: Vec<Result<Generated>> = if tp == 1 {
-        let mut g = Generator::new(
-            step_program(&planned.prefill),
-            step_program(&planned.decode),
-            (CpuBackend::new(0), CpuBackend::new(0)),
-            None,
-            DeviceMesh::single(),
-            budget,
-            source.as_ref(),
-            &planned.quantized,
-        )?;
-        g.keep_logits(args.logits.is_some());
-        vec![g.generate(&prompts, args.max_new_tokens, &sampling, eos, show).map_err(Into::into)]
+    let job = Job {
+        args,
+        planned: &planned,
+        source: source.as_ref(),
+        prompts: &prompts,
+        sampling: &sampling,
+        eos,
+        tp,
+    };
+    let launched = tessera_comm::discover().map_err(|e| anyhow!(e))?.filter(|e| e.world_size > 1);
+    let outcomes: Vec<Result<Generated>> = if let Some(env) = launched {
+        match run_launched(&job, &env, &show)? {
+            Some(outs) => outs.into_iter().map(Ok).collect(),
+            // Ranks other than 0 report nothing.
+            None => return Ok(()),
+        }
+    } else if tp == 1 {
+        vec![job.device(0, None, &show).map(|(o, _)| o)]
     } else {
         let comms = tessera_comm::ThreadComm::world(tp, Duration::from_secs_f64(args.comm_timeout))
             .map_err(|e| anyhow!(e))?;
-        let source = source.as_ref();
-        let (planned, prompts, sampling, show) = (&planned, &prompts, &sampling, &show);
+        let (job, show) = (&job, &show);
         std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
                 .enumerate()
                 .map(|(rank, comm)| {
-                    s.spawn(move || -> Result<Generated> {
-                        let mesh = DeviceMesh::new(&[1, tp], rank)?;
-                        let runner: Box<dyn ReshardRunner> =
-                            Box::new(CommRunner::new(Box::new(comm), mesh.clone())?);
-                        let mut g = Generator::new(
-                            step_program(&planned.prefill),
-                            step_program(&planned.decode),
-                            (CpuBackend::new(rank), CpuBackend::new(rank)),
-                            Some(runner),
-                            mesh,
-                            budget,
-                            source,
-                            &planned.quantized,
-                        )
-                        .with_context(|| format!("device {rank}"))?;
-                        g.keep_logits(rank == 0 && args.logits.is_some());
-                        let quiet = |_: usize, _: &[i64]| {};
-                        let out = if rank == 0 {
-                            g.generate(prompts, args.max_new_tokens, sampling, eos, show)
-                        } else {
-                            g.generate(prompts, args.max_new_tokens, sampling, eos, quiet)
-                        };
-                        Ok(out.with_context(|| format!("device {rank}"))?)
-                    })
+                    s.spawn(move || job.device(rank, Some(Box::new(comm)), show).map(|(o, _)| o))
                 })
                 .collect();
             handles
                 .into_iter()
                 .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a device thread panicked"))))
-                .collect()
+                .collect::<Vec<_>>()
         })
     };
     let outs: Vec<Generated> = outcomes.into_iter().collect::<Result<_>>()?;
@@ -366,6 +346,128 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         crate::profile_cmd::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
     }
     report(args, &cfg, &planned, &outs, &prompts, tokenizer.as_ref(), tp)
+}
+
+/// What every device of a generation runs.
+struct Job<'a> {
+    args: &'a GenerateArgs,
+    planned: &'a Planned,
+    source: &'a dyn tessera_runtime::ShardSource,
+    prompts: &'a [Vec<i64>],
+    sampling: &'a Sampling,
+    eos: Option<i64>,
+    tp: usize,
+}
+
+impl Job<'_> {
+    /// Device `rank` of the group (its communicator `None` on one device): loads its shards,
+    /// generates (rank 0 streams through `show`), and returns what it generated and measured,
+    /// with the generator (its communicator, for calls after the Programs).
+    fn device(
+        &self,
+        rank: usize,
+        comm: Option<Box<dyn tessera_comm::Communicator>>,
+        show: &(dyn Fn(usize, &[i64]) + Sync),
+    ) -> Result<(Generated, Generator<CpuBackend>)> {
+        let mesh = DeviceMesh::new(&[1, self.tp], rank)?;
+        let runner: Option<Box<dyn ReshardRunner>> = match comm {
+            Some(c) => Some(Box::new(CommRunner::new(c, mesh.clone())?)),
+            None => None,
+        };
+        let mut g = Generator::new(
+            step_program(&self.planned.prefill),
+            step_program(&self.planned.decode),
+            (CpuBackend::new(rank), CpuBackend::new(rank)),
+            runner,
+            mesh,
+            self.args.memory_budget,
+            self.source,
+            &self.planned.quantized,
+        )
+        .with_context(|| format!("device {rank}"))?;
+        g.keep_logits(rank == 0 && self.args.logits.is_some());
+        let quiet = |_: usize, _: &[i64]| {};
+        let a = self.args;
+        let out = if rank == 0 {
+            g.generate(self.prompts, a.max_new_tokens, self.sampling, self.eos, show)
+        } else {
+            g.generate(self.prompts, a.max_new_tokens, self.sampling, self.eos, quiet)
+        };
+        Ok((out.with_context(|| format!("device {rank}"))?, g))
+    }
+}
+
+/// Under `mpirun`/`srun`/`torchrun`: this process is one device of a tensor-parallel group of
+/// the launcher's world size. Every rank plans alike and generates; rank 0 gathers each
+/// rank's peaks and tokens (`None` on the other ranks).
+#[cfg(feature = "mpi")]
+fn run_launched(
+    job: &Job<'_>,
+    env: &tessera_comm::LaunchEnv,
+    show: &(dyn Fn(usize, &[i64]) + Sync),
+) -> Result<Option<Vec<Generated>>> {
+    use tessera_comm::Communicator;
+    use tessera_runtime::run::{pack, unpack};
+    if env.world_size != job.tp {
+        bail!(
+            "launched as {} ranks: give --devices {} (a tp{} group)",
+            env.world_size,
+            env.world_size,
+            env.world_size
+        );
+    }
+    let timeout = Duration::from_secs_f64(job.args.comm_timeout);
+    let comm = tessera_comm::MpiComm::init(timeout).map_err(|e| anyhow!(e))?;
+    let rank = comm.rank();
+    let result = (|| -> Result<Option<Vec<Generated>>> {
+        let (mine, mut g) = job.device(rank, Some(Box::new(comm)), show)?;
+        let tokens: Vec<i64> = mine.new_tokens.concat();
+        let digest = tokens
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ t as u64).wrapping_mul(0x100_0000_01b3));
+        let comm = g.communicator().context("a launched rank has a communicator")?;
+        let world = tessera_comm::Group::world(job.tp)?;
+        let mine_packed = pack(&[mine.prefill_peak_bytes, mine.decode_peak_bytes, digest]);
+        let all = unpack(&comm.all_gather(&world, &mine_packed)?);
+        if rank != 0 {
+            return Ok(None);
+        }
+        if all.chunks(3).any(|c| c[2] != digest) {
+            bail!("the ranks chose different tokens (a collective returned different logits)");
+        }
+        Ok(Some(
+            all.chunks(3)
+                .map(|c| Generated {
+                    prefill_peak_bytes: c[0],
+                    decode_peak_bytes: c[1],
+                    ..mine.clone()
+                })
+                .collect(),
+        ))
+    })();
+    match result {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            eprintln!("error: rank {rank}: {msg}");
+            std::process::exit(1);
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_launched(
+    _job: &Job<'_>,
+    env: &tessera_comm::LaunchEnv,
+    _show: &(dyn Fn(usize, &[i64]) + Sync),
+) -> Result<Option<Vec<Generated>>> {
+    bail!(
+        "launched by {} as rank {} of {}, but this tessera was built without MPI: rebuild with \
+         `cargo build --release --features mpi`, or run `tessera generate --devices N`",
+        env.launcher,
+        env.rank,
+        env.world_size
+    )
 }
 
 fn decode(tk: &Tokenizer, ids: &[i64]) -> String {

@@ -341,3 +341,42 @@ fn bad_requests_are_refused_by_name() {
     fails(&["--tokens", "1,2", "--memory-budget", "100KiB"], "budget");
     fails(&[], "give a prompt");
 }
+
+/// `mpirun -n 2 tessera generate`: one process per device through MPI gives the threads' tokens
+/// and peaks (each rank reading its own slices).
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_ranks_generate_what_threads_generate() {
+    let dir = fixtures().join("bloom");
+    let d = dir.to_str().unwrap();
+    let args = [
+        "generate",
+        "--model-dir",
+        d,
+        "--tokens",
+        "3,17,42,8,95",
+        "--tokens",
+        "17,42,8",
+        "--max-new-tokens",
+        "8",
+        "--devices",
+        "2",
+        "--format",
+        "json",
+    ];
+    let threads = json_of(&args);
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "2", BIN])
+        .args(args)
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .expect("mpirun runs: scripts/setup.sh installs OpenMPI");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "mpirun generate failed:\n{err}");
+    let mpi: Value = serde_json::from_slice(&out.stdout).expect("one JSON report from rank 0");
+    assert_eq!(mpi["new_tokens"], threads["new_tokens"]);
+    assert_eq!(mpi["memory"]["measured_peak_bytes"], threads["memory"]["measured_peak_bytes"]);
+    peaks_as_predicted("mpirun -n 2", &mpi);
+}

@@ -170,6 +170,13 @@ impl<B: Backend> Generator<B> {
         Ok(())
     }
 
+    /// The device's communicator (`None` on one device), for calls outside the Programs.
+    pub fn communicator(&mut self) -> Option<&mut dyn tessera_comm::Communicator> {
+        let exec =
+            if self.prefill.collectives().is_some() { &mut self.prefill } else { &mut self.decode };
+        exec.collectives_mut().map(|r| r.communicator())
+    }
+
     /// Keeps each step's logits in [`Generated::step_logits`].
     pub fn keep_logits(&mut self, on: bool) {
         self.keep_logits = on;

@@ -649,3 +649,93 @@ fn dequantize_row(codes: &[u8], scales: &[f32], q: QuantSpec, dst: &mut [f32]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `out [m, n]` by the per-feature path, portable (`avx` false) or AVX2 kernels.
+    fn few_rows_by(xs: &[f32], m: usize, w: Weights, avx: bool) -> Vec<f32> {
+        let perm =
+            (w.q.bits == 4 && w.q.group % 2 == 0).then(|| nibble_order(xs, m, w.k, w.q.group));
+        let x = perm.as_deref().unwrap_or(xs);
+        let mut out = vec![0f32; m * w.n];
+        let op = SendPtr(out.as_mut_ptr());
+        // SAFETY: one thread writes every column; AVX2 only where the CPU has it.
+        unsafe {
+            if avx {
+                #[cfg(target_arch = "x86_64")]
+                rows_task_avx2(x, m, w, (0, w.n), op);
+            } else {
+                rows_task_body::<false>(x, m, w, (0, w.n), op);
+            }
+        }
+        out
+    }
+
+    /// Both builds of the per-feature kernels against an f64 sum, on every block of rows
+    /// (13 = 8 + 4 + 1, 15 = 8 + 4 + 2 + 1), groups with tails past 8 and 32 codes, and the
+    /// tiled path on the same weights. (The integration tests see only the CPU's build.)
+    #[test]
+    fn portable_and_avx2_kernels_agree_with_f64() {
+        let mut seed = 12345u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        #[cfg(target_arch = "x86_64")]
+        let builds = if has_avx2_fma() { vec![false, true] } else { vec![false] };
+        #[cfg(not(target_arch = "x86_64"))]
+        let builds = vec![false];
+        for (bits, k, g) in [
+            (8u8, 200, 200),
+            (8, 100, 25),
+            (8, 33, 11),
+            (8, 72, 72),
+            (4, 256, 128),
+            (4, 100, 50),
+            (4, 36, 6),
+            (4, 30, 2),
+            (4, 96, 48),
+            (4, 18, 3),
+        ] {
+            let q = QuantSpec { bits, group: g };
+            let (n, rb, groups) = (6, q.row_bytes(k), k / g);
+            let codes: Vec<u8> = (0..n * rb).map(|_| next() as u8).collect();
+            let scales: Vec<f32> =
+                (0..n * groups).map(|_| (next() % 1000) as f32 / 1e4 - 0.05).collect();
+            let w = Weights { codes: &codes, scales: &scales, n, k, rb, groups, q };
+            for m in [1, 2, 3, 13, 15] {
+                let xs: Vec<f32> = (0..m * k).map(|_| (next() % 2000) as f32 / 1e3 - 1.0).collect();
+                let mut want = vec![0f64; m * n];
+                let mut bound = vec![0f64; m * n];
+                for i in 0..m {
+                    for j in 0..n {
+                        for f in 0..k {
+                            let c = code(w.row(j).0, f, q) as f64;
+                            let v = xs[i * k + f] as f64 * c * scales[j * groups + f / g] as f64;
+                            want[i * n + j] += v;
+                            bound[i * n + j] += v.abs();
+                        }
+                    }
+                }
+                let mut tiled_out = vec![0f32; m * n];
+                tiled(&xs, m, w, &mut tiled_out);
+                let runs = builds.iter().map(|&avx| (avx, few_rows_by(&xs, m, w, avx)));
+                for (what, got) in runs
+                    .map(|(avx, o)| (if avx { "avx2" } else { "portable" }, o))
+                    .chain([("tiled", tiled_out)])
+                {
+                    for e in 0..m * n {
+                        assert!(
+                            (got[e] as f64 - want[e]).abs() <= 1e-5 * bound[e] + 1e-30,
+                            "{what} int{bits} K={k} group {g} M={m}: [{e}] {} vs {}",
+                            got[e],
+                            want[e]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
