@@ -75,6 +75,9 @@ fn check(name: &str, cfg: &ModelConfig, batch: usize, seq: usize) {
                 continue;
             }
             InputKind::Pixels | InputKind::Features => panic!("{name}: token models only"),
+            InputKind::CacheStart | InputKind::Positions | InputKind::LastIndex => {
+                panic!("{name}: a training graph has no generation inputs")
+            }
         };
         int_values.insert(input.tensor, data);
     }

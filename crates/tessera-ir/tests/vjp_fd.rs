@@ -516,7 +516,8 @@ fn attentions() {
             let q = cx.param([b, s, h, d]);
             let k = cx.param([b, t, hkv, d]);
             let v = cx.param([b, t, hkv, d]);
-            let spec = AttentionSpec { causal, window, scale: 1.0 / (d as f64).sqrt() };
+            let spec =
+                AttentionSpec { causal, window, scale: 1.0 / (d as f64).sqrt(), alibi: None };
             Ok(vec![cx.b.attention(q, k, v, spec)?])
         });
     }
@@ -599,8 +600,12 @@ fn gpt(b: &mut Builder, c: &GptCfg) -> Result<(TensorId, [TensorId; 3])> {
             b.reshape(t, [bs, s, nh, d / nh])
         };
         let (q, k, v) = (split(b, 0)?, split(b, 1)?, split(b, 2)?);
-        let spec =
-            AttentionSpec { causal: true, window: None, scale: 1.0 / ((d / nh) as f64).sqrt() };
+        let spec = AttentionSpec {
+            causal: true,
+            window: None,
+            scale: 1.0 / ((d / nh) as f64).sqrt(),
+            alibi: None,
+        };
         let a = b.attention(q, k, v, spec)?;
         let a = b.reshape(a, [bs, s, d])?;
         let mut a = linear(b, "attn.c_proj", a, d, d)?;
@@ -658,7 +663,12 @@ fn llama(
         let v = b.reshape(v, [bs, s, nkv, hd])?;
         let q = b.rope(q, &inv_freq)?;
         let k = b.rope(k, &inv_freq)?;
-        let spec = AttentionSpec { causal: true, window: Some(3), scale: 1.0 / (hd as f64).sqrt() };
+        let spec = AttentionSpec {
+            causal: true,
+            window: Some(3),
+            scale: 1.0 / (hd as f64).sqrt(),
+            alibi: None,
+        };
         let a = b.attention(q, k, v, spec)?;
         let a = b.reshape(a, [bs, s, d])?;
         let a = lin(b, "self_attn.o_proj", a, d, d)?;

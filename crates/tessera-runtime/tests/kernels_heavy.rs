@@ -264,7 +264,7 @@ fn check_attention(
     window: Option<usize>,
 ) {
     let mut rng = Rng::new(seed);
-    let spec = AttentionSpec { causal, window, scale: 1.0 / (d as f64).sqrt() };
+    let spec = AttentionSpec { causal, window, scale: 1.0 / (d as f64).sqrt(), alibi: None };
     // Larger logits than uniform [-1, 1) so the softmax is far from flat.
     let q = (rng.tensor(&[b, s, h, d]) * 2.0).unwrap();
     let k = (rng.tensor(&[b, t, hkv, d]) * 2.0).unwrap();
@@ -328,7 +328,7 @@ fn attention_unequal_lengths() {
 fn attention_fully_masked_rows() {
     let _s = serial();
     let mut rng = Rng::new(50);
-    let spec = AttentionSpec { causal: true, window: None, scale: 0.5 };
+    let spec = AttentionSpec { causal: true, window: None, scale: 0.5, alibi: None };
     let q = rng.tensor(&[1, 6, 2, 4]);
     let k = rng.tensor(&[1, 3, 1, 4]);
     let v = rng.tensor(&[1, 3, 1, 4]);
@@ -363,6 +363,87 @@ fn rope_forward_and_inverse() {
     let x = rng.tensor(&[1, 300, 2, 8]);
     let inv_freq: Vec<f64> = (0..4).map(|i| 10000f64.powf(-2.0 * i as f64 / 8.0)).collect();
     check_kernel(&Op::Rope { inv_freq, inverse: true }, &[&x]);
+}
+
+// ---- inference: caches, positions, ALiBi -----------------------------------------------------
+
+fn ids(v: Vec<i64>, dims: &[usize]) -> Tensor {
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn attention_over_a_cache_with_per_row_starts() {
+    let _s = serial();
+    let mut rng = Rng::new(70);
+    // Rows at different positions of an 11-slot cache, 3 new queries each, GQA and a window.
+    let (b, s, t, h, hkv, d) = (3, 3, 11, 4, 2, 8);
+    for window in [None, Some(4)] {
+        let spec = AttentionSpec { window, ..AttentionSpec::causal(d) };
+        let q = (rng.tensor(&[b, s, h, d]) * 2.0).unwrap();
+        let k = (rng.tensor(&[b, t, hkv, d]) * 2.0).unwrap();
+        let v = rng.tensor(&[b, t, hkv, d]);
+        let start = ids(vec![0, 5, 8], &[b]);
+        check_kernel(&Op::Attention(spec), &[&q, &k, &v, &start]);
+    }
+}
+
+#[test]
+fn alibi_attention_forward_and_backward() {
+    let _s = serial();
+    let mut rng = Rng::new(71);
+    // 6 heads: the slopes of a non-power-of-two count.
+    let (b, s, h, d) = (2, 70, 6, 8);
+    let spec = AttentionSpec {
+        alibi: Some(tessera_ir::Alibi { heads: h, shard: None }),
+        ..AttentionSpec::causal(d)
+    };
+    let q = (rng.tensor(&[b, s, h, d]) * 2.0).unwrap();
+    let k = (rng.tensor(&[b, s, h, d]) * 2.0).unwrap();
+    let v = rng.tensor(&[b, s, h, d]);
+    let fwd = check_kernel(&Op::Attention(spec.clone()), &[&q, &k, &v]);
+    let dout = rng.tensor(&[b, s, h, d]);
+    let inputs = [&q, &k, &v, &fwd[0], &fwd[1], &dout];
+    check_kernel_floor(&Op::AttentionBackward(spec.clone()), &inputs, &[TOL; 3], 1e-30);
+    // Over a cache.
+    let start = ids(vec![10, 0], &[b]);
+    let q1 = rng.tensor(&[b, 1, h, d]);
+    check_kernel(&Op::Attention(spec), &[&q1, &k, &v, &start]);
+}
+
+#[test]
+fn rope_at_positions_cache_write_and_select() {
+    let _s = serial();
+    let mut rng = Rng::new(72);
+    let (b, s, h, d) = (2, 3, 2, 8);
+    let inv_freq: Vec<f64> =
+        (0..d / 2).map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64)).collect();
+    let x = rng.tensor(&[b, s, h, d]);
+    let pos = ids(vec![4, 5, 6, 0, 1, 2], &[b, s]);
+    check_kernel(&Op::Rope { inv_freq, inverse: false }, &[&x, &pos]);
+    // The cache write, in place: the returned tensor is the cache, rows written at the starts.
+    let cache = rng.tensor(&[b, 7, h, d]);
+    let start = ids(vec![2, 4], &[b]);
+    let want =
+        eval_op(&Op::CacheWrite, &[&value_of(&cache), &value_of(&x), &value_of(&start)]).unwrap();
+    let got = execute(
+        &Op::CacheWrite,
+        &[&cache, &x, &start],
+        &op_meta(&Op::CacheWrite, &[&cache, &x, &start]),
+    )
+    .unwrap();
+    assert_eq!(to_f64_vec(&got[0]).unwrap(), want[0].data);
+    assert_eq!(to_f64_vec(&cache).unwrap(), want[0].data, "written in place");
+    // Past the cache's end: refused, naming the capacity.
+    let late = ids(vec![5, 0], &[b]);
+    let err = execute(
+        &Op::CacheWrite,
+        &[&cache, &x, &late],
+        &op_meta(&Op::CacheWrite, &[&cache, &x, &late]),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("beyond the cache's 7"), "{err}");
+    let last = ids(vec![2, 0], &[b]);
+    check_kernel(&Op::SelectPositions, &[&x, &last]);
 }
 
 // ---- AdamW -----------------------------------------------------------------------------------

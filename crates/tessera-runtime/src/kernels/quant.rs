@@ -4,14 +4,19 @@
 //! Two paths, both accumulating in f32:
 //!
 //! - **Few rows of x** (≤ [`SMALL_M`], decode): parallel over blocks of output features (rows
-//!   of the weight). Each weight row is read from memory once for all rows of x: for a block
-//!   of up to 8 rows of x at a time (the row stays in L1 between blocks), its codes become
-//!   exact f32 `u − offset` in registers and meet x through fixed-width lane accumulators,
-//!   which LLVM vectorises (a copy compiled for AVX2+FMA is picked at run time). A group's
-//!   lanes are scaled into the row's totals when the group ends, so the hot loop is a plain
-//!   u8 → f32 convert and FMA. For int4, x is first split into its even and odd features, so a
-//!   byte's low nibble meets the even ones and its high nibble the odd ones, both contiguous.
-//!   Scratch: that split copy of x (int4 only; ≤ 16 rows of K, within the declared tile).
+//!   of the weight, rayon). Each weight row is read from memory once for all rows of x: it
+//!   meets blocks of 8, 4, 2 and 1 rows of x in turn (staying in L1 between blocks). 8 codes
+//!   at a time become exact f32 `u − offset` in one register and are multiplied into `R`
+//!   rows × `S` registers of lane accumulators (8 × 1, 4 × 2, 2 × 2, 1 × 4); a group's
+//!   accumulators are scaled into the row's totals when the group ends, and summed across
+//!   lanes once per output. The CPU's AVX2 + FMA copy (picked at run time with
+//!   `is_x86_feature_detected!`) is written with intrinsics: left to auto-vectorisation these
+//!   multi-row loops came out scalarised, or shuffled across rows, depending on small changes
+//!   (int8 at 8 rows ran 2 to 6× slower); the portable copy keeps fixed-width lane arrays.
+//!   For int4, x is first permuted so that 8 bytes' low nibbles meet 8 contiguous features of
+//!   x and their high nibbles the next 8 ([`nibble_order`]); scratch: that copy of x (≤ 16
+//!   rows of K, within the declared tile). int4 in odd groups (which split a byte; the IR
+//!   allows them, `quantize` never makes them) goes feature by feature.
 //! - **Many rows** (prefill): a tile of ≤ [`TILE_ROWS`] weight rows is dequantised into one f32
 //!   scratch `[64, K]` and multiplied with `gemm` straight into the tile's strided output
 //!   columns; tiles run one after another (gemm parallel inside), so the scratch stays one
@@ -20,8 +25,8 @@
 //! Products are exact `x · (u − offset)` (or `x · scale·(u − offset)` in a tile), so results
 //! differ from a plain scalar loop only by summation order (and a tile's rounding of
 //! `scale·(u − offset)` to f32). Subtracting `offset · Σx` after a `Σx·u` loop was not used:
-//! it cancels badly when x has a large mean (GELU outputs), for no gain — the convert is
-//! exact and costs one integer op per 8 codes, shared by the rows of x.
+//! it cancels badly when x has a large mean (GELU outputs), for no gain — the exact convert
+//! costs one integer op per 8 codes, shared by the rows of x.
 
 use super::matmul::{all_threads, gemm_f32, MatMut, MatRef, SendPtr};
 use crate::tensor::{contiguous, from_vec, read};
@@ -557,8 +562,7 @@ mod avx2 {
                 t += V;
             }
             let mut part = [0f32; R];
-            for t in t..end {
-                let b = codes[t];
+            for (t, &b) in codes[..end].iter().enumerate().skip(t) {
                 let (lo, hi) = (((b & 15) as i32 - 8) as f32, ((b >> 4) as i32 - 8) as f32);
                 let at = base + 2 * (t - gi * h);
                 for (p, xr) in part.iter_mut().zip(&x) {
