@@ -254,7 +254,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if !(args.comm_timeout.is_finite() && args.comm_timeout > 0.0) {
         bail!("--comm-timeout {} must be a positive number of seconds", args.comm_timeout);
     }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) || !(args.temperature >= 0.0) {
+    let valid = args.top_p > 0.0 && args.top_p <= 1.0 && args.temperature >= 0.0;
+    if !valid {
         bail!("--top-p must be in (0, 1] and --temperature at least 0");
     }
     let tp = tp_degree(args.plan.as_deref(), args.devices)?;

@@ -15,6 +15,21 @@ use tessera_plan::generate::{plan_inference, InferenceCandidate, InferenceProble
 use tessera_plan::units::{format_bytes, parse_bytes};
 use tessera_plan::Cluster;
 
+/// A generation request: `--inference` with the prompt's `--seq` tokens, then `--new-tokens`,
+/// with a KV cache (weights, cache and activations; prefill and decode).
+#[derive(clap::Args, Clone, Debug)]
+pub struct InferenceArgs {
+    /// Profile or plan generation instead of a training step.
+    #[arg(long)]
+    pub inference: bool,
+    /// Inference: tokens generated per prompt.
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: usize,
+    /// Inference: weight-only quantisation of the linear layers (int8 or int4).
+    #[arg(long, value_parser = crate::generate_cmd::parse_quantize)]
+    pub quantize: Option<Quantize>,
+}
+
 /// The prefill (`prompt` tokens) and decode (one token) steps of the request, as graphs.
 fn steps(
     cfg: &ModelConfig,
@@ -45,7 +60,7 @@ pub fn profile(args: &ProfileArgs, cfg: &ModelConfig, prompt: usize) -> Result<(
     let t0 = std::time::Instant::now();
     let dtype = args.dtype.dtype();
     let ((pg, pl), (dg, dl)) =
-        steps(cfg, args.batch, prompt, args.new_tokens, dtype, args.quantize)?;
+        steps(cfg, args.batch, prompt, args.infer.new_tokens, dtype, args.infer.quantize)?;
     let lower = |g: Graph, l: TensorId| tessera_ir::Program::lower_graph(g, vec![l], &[]);
     let (pp, dp) = (lower(pg, pl), lower(dg, dl));
     let (pm, dm) = (
@@ -62,8 +77,8 @@ pub fn profile(args: &ProfileArgs, cfg: &ModelConfig, prompt: usize) -> Result<(
             "params": cfg.num_parameters(),
             "batch": args.batch,
             "prompt_len": prompt,
-            "new_tokens": args.new_tokens,
-            "quantize": args.quantize.map(Quantize::name),
+            "new_tokens": args.infer.new_tokens,
+            "quantize": args.infer.quantize.map(Quantize::name),
             "memory": {
                 "weights_bytes": pm.params_bytes,
                 "kv_cache_bytes": pm.kv_cache_bytes,
@@ -85,12 +100,12 @@ pub fn profile(args: &ProfileArgs, cfg: &ModelConfig, prompt: usize) -> Result<(
         cfg.name(),
         args.batch,
         prompt,
-        args.new_tokens,
-        args.quantize.map_or(String::new(), |q| format!(", {} weights", q.name())),
+        args.infer.new_tokens,
+        args.infer.quantize.map_or(String::new(), |q| format!(", {} weights", q.name())),
         ms,
         f(pm.params_bytes),
         f(pm.kv_cache_bytes),
-        prompt + args.new_tokens - 1,
+        prompt + args.infer.new_tokens - 1,
         f(pm.peak_bytes),
         pf.total as f64,
         f(dm.peak_bytes),
@@ -130,14 +145,14 @@ pub fn plan(args: &PlanArgs, cfg: &ModelConfig) -> Result<()> {
     };
     let dtype = args.dtype.dtype();
     let ((pg, pl), (dg, dl)) =
-        steps(cfg, args.batch, args.seq, args.new_tokens, dtype, args.quantize)?;
+        steps(cfg, args.batch, args.seq, args.infer.new_tokens, dtype, args.infer.quantize)?;
     let problem = InferenceProblem {
         prefill: (&pg, pl),
         decode: (&dg, dl),
         cluster: &cluster,
         budget,
         batch: args.batch,
-        new_tokens: args.new_tokens,
+        new_tokens: args.infer.new_tokens,
         stage_bytes_per_token: cfg.hidden_size() as u64 * 4,
         objective: args.objective,
         fixed: fixed(&args.plan)?,
@@ -150,10 +165,10 @@ pub fn plan(args: &PlanArgs, cfg: &ModelConfig) -> Result<()> {
         doc["params"] = cfg.num_parameters().into();
         doc["cluster"] = args.cluster.clone().into();
         doc["config"] = plan.best.config.clone().into();
-        doc["quantize"] = json!(args.quantize.map(Quantize::name));
+        doc["quantize"] = json!(args.infer.quantize.map(Quantize::name));
         doc["batch"] = args.batch.into();
         doc["prompt_len"] = args.seq.into();
-        doc["new_tokens"] = args.new_tokens.into();
+        doc["new_tokens"] = args.infer.new_tokens.into();
         doc["search_ms"] = ms.into();
         return print_stdout(&(serde_json::to_string_pretty(&doc)? + "\n"));
     }
@@ -162,11 +177,11 @@ pub fn plan(args: &PlanArgs, cfg: &ModelConfig) -> Result<()> {
          budget {} per device ({:.0} ms)\n",
         cfg.name(),
         cfg.num_parameters() as f64 / 1e9,
-        args.quantize.map_or(String::new(), |q| format!(", {} weights", q.name())),
+        args.infer.quantize.map_or(String::new(), |q| format!(", {} weights", q.name())),
         args.cluster,
         args.batch,
         args.seq,
-        args.new_tokens,
+        args.infer.new_tokens,
         args.objective,
         format_bytes(budget),
         ms

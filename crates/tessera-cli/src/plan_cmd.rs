@@ -83,16 +83,9 @@ pub struct PlanArgs {
     /// flags on the command line override it. examples/ has some.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Plan generation instead of training: the prompt is --seq tokens, then --new-tokens,
-    /// with a KV cache; --plan is auto or `tpN ppN`.
-    #[arg(long)]
-    pub inference: bool,
-    /// Inference: tokens generated per prompt.
-    #[arg(long, default_value_t = 128)]
-    pub new_tokens: usize,
-    /// Inference: weight-only quantisation of the linear layers (int8 or int4).
-    #[arg(long, value_parser = crate::generate_cmd::parse_quantize)]
-    pub quantize: Option<tessera_models::Quantize>,
+    /// Plan generation instead of training (--plan is then auto or `tpN ppN`).
+    #[command(flatten)]
+    pub infer: crate::inference_cmd::InferenceArgs,
     /// Inference: what the plan optimises (latency or throughput).
     #[arg(long, default_value = "latency", value_parser = crate::inference_cmd::parse_objective)]
     pub objective: tessera_plan::generate::Objective,
@@ -126,7 +119,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         a.seq = crate::profile_cmd::default_seq(&cfg);
     }
     let args = &a;
-    if args.inference {
+    if args.infer.inference {
         return crate::inference_cmd::plan(args, &cfg);
     }
     let mut cluster = Cluster::parse(&args.cluster).map_err(plan_err)?;

@@ -69,16 +69,9 @@ pub struct ProfileArgs {
     /// Also draw the memory timeline, its peak marked, as an SVG file.
     #[arg(long, value_name = "FILE")]
     pub timeline_svg: Option<std::path::PathBuf>,
-    /// Profile generation instead of a training step: a prompt of --seq tokens, then
-    /// --new-tokens, with a KV cache (weights, cache, activations; prefill and decode).
-    #[arg(long)]
-    pub inference: bool,
-    /// Inference: tokens generated per prompt.
-    #[arg(long, default_value_t = 128)]
-    pub new_tokens: usize,
-    /// Inference: weight-only quantisation of the linear layers (int8 or int4).
-    #[arg(long, value_parser = crate::generate_cmd::parse_quantize)]
-    pub quantize: Option<tessera_models::Quantize>,
+    /// Profile generation instead of a training step.
+    #[command(flatten)]
+    pub infer: crate::inference_cmd::InferenceArgs,
 }
 
 /// `writeln!` into a `String` (which cannot fail).
@@ -108,7 +101,7 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
     let start = Instant::now();
     let cfg = ModelConfig::resolve(&args.model)?;
     let seq = args.seq.unwrap_or_else(|| default_seq(&cfg));
-    if args.inference {
+    if args.infer.inference {
         return crate::inference_cmd::profile(args, &cfg, seq);
     }
     let opts = BuildOptions { batch: args.batch, seq, dtype: args.dtype.dtype() };

@@ -1533,7 +1533,7 @@ fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<Vec<Value>, 
     let mut dk = vec![0.0; k.numel()];
     let mut dv = vec![0.0; v.numel()];
     for b in 0..a.b {
-        for h in 0..a.h {
+        for (h, &slope) in slopes.iter().enumerate() {
             for i in 0..a.s {
                 let l = lse.data[a.lse_at(b, h, i)];
                 if l == f64::NEG_INFINITY {
@@ -1550,7 +1550,7 @@ fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<Vec<Value>, 
                     }
                     let ko = a.kv_at(b, j, h);
                     let kj = &k.data[ko..ko + a.d];
-                    let bias = slopes[h] * (j as i64 - pos) as f64;
+                    let bias = slope * (j as i64 - pos) as f64;
                     let p = (spec.scale * dot(qi, kj) + bias - l).exp();
                     let dp = dot(gi, &v.data[ko..ko + a.d]);
                     let ds = p * (dp - big_d);

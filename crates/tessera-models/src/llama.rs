@@ -28,7 +28,7 @@
 use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::nn::{self, Decoder, Inputs, IrResult};
-use crate::{BuildOptions, Built, GenerateOptions, InputKind};
+use crate::{BuildOptions, Built, GenerateOptions};
 use tessera_ir::{AttentionSpec, Builder, DType, TensorId};
 
 /// The training step's graph, or with `generate` one generation step over a KV cache.
@@ -37,18 +37,11 @@ pub(crate) fn build(
     opts: &BuildOptions,
     generate: Option<&GenerateOptions>,
 ) -> Result<Built> {
-    let (batch, seq, dtype) = (opts.batch, opts.seq, opts.dtype);
+    let dtype = opts.dtype;
     let (v, d) = (cfg.vocab_size, cfg.hidden_size);
     let mut b = Builder::new();
     let mut inputs = Inputs::new();
-    let ids = inputs.add(
-        &mut b,
-        "input_ids",
-        [batch, seq],
-        DType::I64,
-        InputKind::TokenIds { vocab_size: v },
-    );
-    let mut dec = Decoder::new(&mut b, &mut inputs, opts, generate, v);
+    let (mut dec, ids) = Decoder::start(&mut b, &mut inputs, opts, generate, v);
     let inv_freq = cfg.inv_freq();
 
     b.push_scope("model");
@@ -68,12 +61,7 @@ pub(crate) fn build(
 
     let tied = cfg.tie_word_embeddings.then_some(embed_vd);
     let logits_bsv = nn::lm_head(&mut b, x_bsd, tied, v)?;
-    let (loss, logits) = dec.finish(&mut b, logits_bsv)?;
-    let quantized = match dec {
-        Decoder::Generate(g) => g.quantized,
-        Decoder::Train { .. } => Vec::new(),
-    };
-    Ok(Built { builder: b, loss, logits, inputs: inputs.list, quantized })
+    Ok(dec.finish(b, inputs, logits_bsv)?)
 }
 
 /// One decoder layer, inside scope `model.layers.{layer}`.

@@ -263,7 +263,8 @@ impl Quantize {
         match self {
             Quantize::Int8 => tessera_ir::QuantSpec { bits: 8, group: k.max(1) },
             Quantize::Int4 => {
-                let group = (2..=INT4_GROUP.min(k)).rev().find(|g| g % 2 == 0 && k % g == 0);
+                let group =
+                    (2..=INT4_GROUP.min(k)).rev().find(|g| g % 2 == 0 && k.is_multiple_of(*g));
                 tessera_ir::QuantSpec { bits: 4, group: group.unwrap_or(2) }
             }
         }
@@ -456,21 +457,36 @@ impl Decoder {
         }
     }
 
-    /// The graph's end: the training loss of `logits`, or (generating) the f32 logits
-    /// themselves. Returns `(loss, logits)`.
-    pub(crate) fn finish(
-        &self,
+    /// Declares the step's `input_ids [B, S]` and its other inputs: the decoder and the ids.
+    pub(crate) fn start(
         b: &mut Builder,
+        inputs: &mut Inputs,
+        opts: &crate::BuildOptions,
+        generate: Option<&crate::GenerateOptions>,
+        vocab: usize,
+    ) -> (Decoder, TensorId) {
+        let kind = InputKind::TokenIds { vocab_size: vocab };
+        let ids = inputs.add(b, "input_ids", [opts.batch, opts.seq], DType::I64, kind);
+        (Decoder::new(b, inputs, opts, generate, vocab), ids)
+    }
+
+    /// The graph's end: the training loss of `logits`, or (generating) the f32 logits
+    /// themselves, and the built graph.
+    pub(crate) fn finish(
+        self,
+        mut b: Builder,
+        inputs: Inputs,
         logits: TensorId,
-    ) -> IrResult<(Option<TensorId>, TensorId)> {
-        match self {
+    ) -> IrResult<crate::Built> {
+        let (loss, logits, quantized) = match self {
             Decoder::Train { labels, num_targets } => {
-                Ok((Some(mean_over_targets(b, logits, *labels, *num_targets)?), logits))
+                (Some(mean_over_targets(&mut b, logits, labels, num_targets)?), logits, Vec::new())
             }
-            Decoder::Generate(_) => {
+            Decoder::Generate(g) => {
                 let l = b.scoped("lm_head", |b| to(b, logits, DType::F32))?;
-                Ok((None, l))
+                (None, l, g.quantized)
             }
-        }
+        };
+        Ok(crate::Built { builder: b, loss, logits, inputs: inputs.list, quantized })
     }
 }

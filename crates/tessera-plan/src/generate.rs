@@ -189,7 +189,7 @@ fn resident(step: &GenerationStep) -> Resident {
 /// each tensor-parallel degree lowered exactly, and the fastest that fits the budget.
 pub fn plan_inference(p: &InferenceProblem<'_>) -> Result<InferencePlan> {
     let n = p.cluster.num_devices();
-    let divisors = |x: usize| (1..=x).filter(move |d| x % d == 0);
+    let divisors = |x: usize| (1..=x).filter(move |d| x.is_multiple_of(*d));
     let mut candidates = Vec::new();
     for tp in divisors(n) {
         if p.fixed.is_some_and(|(t, _)| t != tp) {
@@ -238,7 +238,8 @@ pub fn plan_inference(p: &InferenceProblem<'_>) -> Result<InferencePlan> {
             budget: p.budget,
             needed: least,
             hint: format!(
-                "no split of the {n} devices fits: quantise the weights (--quantize int8 or                  int4), shorten the prompt or the generation, lower the batch, or add devices"
+                "no split of the {n} devices fits: quantise the weights (--quantize int8 or \
+                 int4), shorten the prompt or the generation, lower the batch, or add devices"
             ),
         });
     };

@@ -19,7 +19,7 @@ pub(crate) fn infer(x: &[&TensorMeta], q: QuantSpec) -> Result<Vec<TensorMeta>, 
     if x[1].dtype != DType::U8 || x[2].dtype != DType::F32 {
         return Err(format!("weight {} must be u8 and scales {} f32", x[1], x[2]));
     }
-    if k % q.group != 0 || (k * q.bits as usize) % 8 != 0 {
+    if !k.is_multiple_of(q.group) || !(k * q.bits as usize).is_multiple_of(8) {
         return Err(format!("{k} input features do not split into groups of {}", q.group));
     }
     if w.len() != 2 || s.len() != 2 || w[1] != q.row_bytes(k) || s[0] != w[0] || s[1] != k / q.group

@@ -57,7 +57,7 @@ pub fn tp_strategies(g: &Graph, mesh: &Mesh) -> Result<Vec<Option<Strategy>>> {
     }
     let roles = dim_roles(g, &labels);
     let pins = if tp > 1 {
-        tp_labels(g, &labels, &roles, false, tp).map_err(PlanError::Invalid)?
+        tp_labels(g, &labels, &roles, false, tp, true).map_err(PlanError::Invalid)?
     } else {
         vec![None; g.nodes.len()]
     };
@@ -95,7 +95,9 @@ pub(super) fn tp_labels(
     roles: &[Vec<DimRole>],
     sp: bool,
     tp: usize,
+    tied_head_rows: bool,
 ) -> Result<Vec<Option<usize>>, String> {
+    let tables = embedding_tables(g);
     // Per tensor: the dim Megatron's layout splits over the tensor axis as it leaves its
     // producer (`None`: whole, or a pending sum its consumer reduces).
     let mut split: Vec<Option<usize>> = vec![None; g.tensors.len()];
@@ -117,8 +119,13 @@ pub(super) fn tp_labels(
                 let column = l.outputs[0].last().copied().flatten();
                 let divides =
                     |lab: Option<usize>| lab.is_some_and(|x| l.sizes[x].is_multiple_of(tp));
-                if split[n.inputs[0].index()] == Some(k_dim) {
-                    (row, false) // row-parallel: a pending sum leaves
+                let tied = tied_head_rows
+                    && weight_param(g, n.inputs[1]).is_some_and(|p| tables.contains(&p));
+                if split[n.inputs[0].index()] == Some(k_dim) || (tied && row.is_some()) {
+                    // Row-parallel: a pending sum leaves. (A head tied to the embedding, when
+                    // generating, splits as the table is stored — by the hidden features —
+                    // so each step all-reduces [B, 1, V] logits instead of moving the table.)
+                    (row, false)
                 } else if divides(column) || !divides(row) {
                     (column, true) // column-parallel
                 } else {
@@ -173,13 +180,27 @@ pub(super) fn tp_labels(
 
 /// A matmul operand that is a parameter, possibly through casts and layout changes.
 fn is_weight(g: &Graph, t: tessera_ir::TensorId) -> bool {
+    weight_param(g, t).is_some()
+}
+
+/// The parameter a matmul operand is, through casts and layout changes.
+fn weight_param(g: &Graph, t: tessera_ir::TensorId) -> Option<tessera_ir::TensorId> {
     let mut t = t;
     loop {
         let p = &g.nodes[g.tensor(t).producer.index()];
         match &p.op {
-            Op::Parameter(_) => return true,
+            Op::Parameter(_) => return Some(t),
             Op::Cast(_) | Op::Reshape(_) | Op::Permute(_) if p.inputs.len() == 1 => t = p.inputs[0],
-            _ => return false,
+            _ => return None,
         }
     }
+}
+
+/// The parameters embedding lookups read as their tables.
+fn embedding_tables(g: &Graph) -> Vec<tessera_ir::TensorId> {
+    g.nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Embedding))
+        .filter_map(|n| weight_param(g, n.inputs[0]))
+        .collect()
 }
