@@ -76,8 +76,7 @@ fn a_tensor_parallel_plan_predicts_the_peak_generate_measures() {
 
 #[test]
 fn the_kv_cache_is_counted_by_its_formula() {
-    // llama-tiny: 8 layers, 2 KV heads? Read the figures from the profile of a fixture whose
-    // config we know: the gpt2 fixture has 2 layers, 4 heads of 16, n_embd 64.
+    // The gpt2 fixture: 2 layers, 4 heads of 16 (n_embd 64), f32.
     let r = json_of(&[
         "profile",
         "--inference",

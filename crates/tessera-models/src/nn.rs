@@ -311,7 +311,7 @@ pub(crate) enum Decoder {
 
 impl Decoder {
     /// Declares the step's inputs (after `input_ids`) for `opts`.
-    pub(crate) fn new(
+    fn new(
         b: &mut Builder,
         inputs: &mut Inputs,
         opts: &crate::BuildOptions,

@@ -182,11 +182,6 @@ impl<B: Backend> Generator<B> {
         self.keep_logits = on;
     }
 
-    /// Rows, prompt positions and cache positions of the Programs.
-    pub fn shape(&self) -> (usize, usize, usize) {
-        (self.batch, self.prompt, self.capacity)
-    }
-
     /// Binds the step inputs of `which` (its `input_ids [B,S]`, `cache_start`, `position_ids`,
     /// `last_index`), runs it, and returns the logits `[B, V]`.
     fn run_step(
@@ -320,11 +315,6 @@ impl<B: Backend> Generator<B> {
         out.decode_peak_bytes = self.decode_peak;
         out.step_logits = kept;
         Ok(out)
-    }
-
-    /// The measured peaks (bytes) of the prefill and decode Programs so far.
-    pub fn measured_peaks(&self) -> (u64, u64) {
-        (self.prefill_peak, self.decode_peak)
     }
 }
 
