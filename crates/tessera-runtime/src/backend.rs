@@ -1,7 +1,11 @@
 //! The seam between "what to compute" and "where": a [`Backend`] runs one IR op on tensors of
-//! its device. The CPU backend is candle tensors with kernels written on host slices (rayon for
-//! threads, gemm for matrix products); a CUDA backend will arrive behind a cargo feature and
-//! implement the same trait. The trait is deliberately small: one entry point per node.
+//! its device. A backend's tensors are its own type ([`Backend::Value`]): the CPU backend's are
+//! candle tensors with kernels written on host slices (rayon for threads, gemm for matrix
+//! products); the CUDA backend (crate `tessera-cuda`) keeps device buffers from its caching
+//! allocator. Values cross to and from the host only through [`Backend::upload`] and
+//! [`Backend::download`] (binding leaves, reading the loss, saving checkpoints), so the
+//! executor, the trainer and the generator are one code path for every device. The trait is
+//! deliberately small: one entry point per node.
 
 use crate::kernels;
 use crate::tensor::candle_dtype;
@@ -11,9 +15,16 @@ use tessera_ir::dist::MeshPos;
 use tessera_ir::{DType as IrDType, Op, TensorMeta};
 
 pub trait Backend: Send + Sync {
-    /// Human-readable device name used in errors (`cpu:0`).
+    /// A tensor resident on this backend's device. Clones share storage (a handle).
+    type Value: Clone + Send + Sync;
+    /// Human-readable device name used in errors (`cpu:0`, `cuda:0`).
     fn name(&self) -> &str;
-    fn device(&self) -> &Device;
+    /// A host tensor's copy on the device (the same handle on the CPU).
+    fn upload(&self, t: &Tensor) -> Result<Self::Value>;
+    /// A device value's copy on the host (the same handle on the CPU).
+    fn download(&self, v: &Self::Value) -> Result<Tensor>;
+    /// The shape and dtype of a value.
+    fn meta(&self, v: &Self::Value) -> Result<TensorMeta>;
     /// Executes `op` on `inputs`, returning one tensor per output with exactly the metas
     /// `outputs`. Outputs the IR declares as aliases (views, in-place updates) share their
     /// input's storage. `at` is the device's place in its mesh (a single device: the only
@@ -21,10 +32,10 @@ pub trait Backend: Send + Sync {
     fn execute(
         &self,
         op: &Op,
-        inputs: &[&Tensor],
+        inputs: &[&Self::Value],
         outputs: &[TensorMeta],
         at: &MeshPos,
-    ) -> Result<Vec<Tensor>>;
+    ) -> Result<Vec<Self::Value>>;
 }
 
 /// Host CPU: candle tensors on `Device::Cpu`, kernels in [`crate::kernels`].
@@ -37,6 +48,10 @@ impl CpuBackend {
     pub fn new(index: usize) -> CpuBackend {
         CpuBackend { name: format!("cpu:{index}"), device: Device::Cpu }
     }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
 }
 
 impl Default for CpuBackend {
@@ -46,11 +61,20 @@ impl Default for CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    type Value = Tensor;
     fn name(&self) -> &str {
         &self.name
     }
-    fn device(&self) -> &Device {
-        &self.device
+    fn upload(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.clone())
+    }
+    fn download(&self, v: &Tensor) -> Result<Tensor> {
+        Ok(v.clone())
+    }
+    fn meta(&self, v: &Tensor) -> Result<TensorMeta> {
+        crate::tensor::meta_of(v).ok_or_else(|| {
+            crate::RuntimeError::Binding(format!("a {:?} tensor has no IR dtype", v.dtype()))
+        })
     }
     fn execute(
         &self,

@@ -18,7 +18,7 @@
 //! [`NVME_PREFETCH`] reads are in flight while the step runs).
 
 use crate::collective::ReshardRunner;
-use crate::tensor::{check_meta, size_bytes};
+use crate::tensor::{candle_dtype, check_meta};
 use crate::{Backend, MemoryAccountant, Result, RuntimeError};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -39,7 +39,7 @@ pub struct OpTime {
 pub struct Executor<B: Backend> {
     program: Program,
     backend: B,
-    values: Vec<Option<Tensor>>,
+    values: Vec<Option<B::Value>>,
     /// Tensors sharing each buffer (indexed by root), so a free drops every handle.
     members: Vec<Vec<TensorId>>,
     accountant: MemoryAccountant,
@@ -149,11 +149,11 @@ impl<B: Backend> Executor<B> {
         })
     }
 
-    /// The value of a tensor between steps, also when it rests on the NVMe (read from its
-    /// file).
+    /// The value of a tensor between steps, on the host, also when it rests on the NVMe
+    /// (read from its file).
     pub fn value(&self, t: TensorId) -> Result<Option<Tensor>> {
         if let Some(v) = self.values[t.index()].as_ref() {
-            return Ok(Some(v.clone()));
+            return Ok(Some(self.backend.download(v)?));
         }
         let root = self.program.buffer_of[t.index()];
         match self.nvme.as_ref() {
@@ -266,9 +266,49 @@ impl<B: Backend> Executor<B> {
         self.timings.as_ref()
     }
 
-    /// Binds a leaf (parameter, optimizer state or input) to a tensor of exactly its meta.
-    /// Rebinding replaces the previous value and its charge.
+    /// Binds a leaf (parameter, optimizer state or input) to a host tensor of exactly its
+    /// meta (uploaded to the device). Rebinding replaces the previous value and its charge.
     pub fn bind(&mut self, t: TensorId, value: Tensor) -> Result<()> {
+        let g = &self.program.graph;
+        self.check_leaf(t)?;
+        check_meta(&value, g.meta(t), g.tensor_scope(t))?;
+        if self.program.tier_of(t) == Tier::Nvme {
+            return self.bind_nvme(t, &value);
+        }
+        let v = self.backend.upload(&value)?;
+        self.bind_value(t, v)
+    }
+
+    /// Binds a leaf to a value already on this device (shared with another executor of the
+    /// same device: the generator's prefill and decode Programs share weights this way).
+    pub fn bind_value(&mut self, t: TensorId, value: B::Value) -> Result<()> {
+        let g = &self.program.graph;
+        self.check_leaf(t)?;
+        let (have, want) = (self.backend.meta(&value)?, g.meta(t));
+        if !same_storage(&have, want) {
+            return Err(RuntimeError::Binding(format!(
+                "{}: expected {want}, got {have}",
+                g.tensor_scope(t)
+            )));
+        }
+        let tier = self.program.tier_of(t);
+        if tier == Tier::Nvme {
+            let host = self.backend.download(&value)?;
+            return self.bind_nvme(t, &host);
+        }
+        let scope = g.tensor_scope(t).to_string();
+        // Charged as stored (an i32 leaf is held widened).
+        let bytes = have.size_bytes();
+        if let Some(old) = self.values[t.index()].take() {
+            let old = self.backend.meta(&old)?.size_bytes();
+            self.tier_accountant_mut(tier).free(old);
+        }
+        self.tier_accountant_mut(tier).alloc(bytes, &scope, &scope)?;
+        self.values[t.index()] = Some(value);
+        Ok(())
+    }
+
+    fn check_leaf(&self, t: TensorId) -> Result<()> {
         let g = &self.program.graph;
         let node = g.producer(t);
         if !node.op.is_bound() {
@@ -278,31 +318,34 @@ impl<B: Backend> Executor<B> {
                 node.op.name()
             )));
         }
-        check_meta(&value, g.meta(t), g.tensor_scope(t))?;
-        let tier = self.program.tier_of(t);
+        Ok(())
+    }
+
+    /// A leaf resting on the NVMe: its file is written now and charged to the NVMe tier.
+    fn bind_nvme(&mut self, t: TensorId, value: &Tensor) -> Result<()> {
+        let g = &self.program.graph;
         let scope = g.tensor_scope(t).to_string();
-        let bytes = size_bytes(&value);
-        if tier == Tier::Nvme {
+        let bytes = g.meta(t).size_bytes();
+        {
             let was = self.nvme.as_ref().is_some_and(|s| s.holds(t));
             let store = self.store()?;
-            store.write(t, &value)?;
+            store.write(t, value)?;
             store.flush()?;
             if was {
                 self.lower[1].free(bytes);
             }
-            return self.lower[1].alloc(bytes, &scope, &scope);
+            self.lower[1].alloc(bytes, &scope, &scope)
         }
-        if let Some(old) = self.values[t.index()].take() {
-            self.tier_accountant_mut(tier).free(size_bytes(&old));
-        }
-        self.tier_accountant_mut(tier).alloc(bytes, &scope, &scope)?;
-        self.values[t.index()] = Some(value);
-        Ok(())
     }
 
-    /// The current value of a tensor, if live.
-    pub fn get(&self, t: TensorId) -> Option<&Tensor> {
+    /// The current value of a tensor on the device, if live.
+    pub fn get(&self, t: TensorId) -> Option<&B::Value> {
         self.values[t.index()].as_ref()
+    }
+
+    /// The current value of a tensor copied to the host, if live.
+    pub fn fetch(&self, t: TensorId) -> Result<Option<Tensor>> {
+        self.values[t.index()].as_ref().map(|v| self.backend.download(v)).transpose()
     }
 
     /// Drops the step's outputs (loss, gradient norm) kept from the previous run.
@@ -430,11 +473,11 @@ impl<B: Backend> Executor<B> {
         }
 
         // NVMe-resident inputs come from their files (prefetched by now, as a rule).
-        let mut from_disk: Vec<(usize, Tensor)> = Vec::new();
+        let mut from_disk: Vec<(usize, B::Value)> = Vec::new();
         for (k, &t) in node.inputs.iter().enumerate() {
             let root = self.program.buffer_of[t.index()];
             if let Some(s) = self.nvme.as_mut().filter(|s| s.holds(root)) {
-                from_disk.push((k, s.read(root, g.meta(t))?));
+                from_disk.push((k, self.backend.upload(&s.read(root, g.meta(t))?)?));
             }
         }
         let mut inputs = Vec::with_capacity(node.inputs.len());
@@ -455,15 +498,19 @@ impl<B: Backend> Executor<B> {
         metas.clear();
         metas.extend(node.outputs.iter().map(|&t| g.meta(t).clone()));
         let started = self.timings.is_some().then(Instant::now);
+        // Collectives move host tensors (free on the CPU, where a value is its host tensor).
+        let b = &self.backend;
         let outs = match (&node.op, self.collectives.as_mut()) {
-            (Op::Reshard(spec), Some(runner)) => vec![runner.reshard(spec, inputs[0])?],
-            (Op::Send(p), Some(runner)) => {
-                runner.send(p, inputs[0])?;
-                let token = Tensor::zeros((), candle_core::DType::F32, inputs[0].device())?;
-                vec![token]
+            (Op::Reshard(spec), Some(runner)) => {
+                vec![b.upload(&runner.reshard(spec, &b.download(inputs[0])?)?)?]
             }
-            (Op::Recv(p, meta), Some(runner)) => vec![runner.recv(p, meta)?],
-            _ => self.backend.execute(&node.op, &inputs, metas, &self.at)?,
+            (Op::Send(p), Some(runner)) => {
+                runner.send(p, &b.download(inputs[0])?)?;
+                let token = Tensor::zeros((), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+                vec![b.upload(&token)?]
+            }
+            (Op::Recv(p, meta), Some(runner)) => vec![b.upload(&runner.recv(p, meta)?)?],
+            _ => b.execute(&node.op, &inputs, metas, &self.at)?,
         };
         if let (Some(t0), Some(timings)) = (started, self.timings.as_mut()) {
             let e = timings.entry(what).or_default();
@@ -478,7 +525,13 @@ impl<B: Backend> Executor<B> {
             )));
         }
         for (k, (t, o)) in outs.into_iter().zip(node.outputs.clone()).enumerate() {
-            check_meta(&t, g.meta(o), &format!("{scope}: output {k} of {what}"))?;
+            let have = self.backend.meta(&t)?;
+            if !same_storage(&have, g.meta(o)) {
+                return Err(RuntimeError::Binding(format!(
+                    "{scope}: output {k} of {what}: expected {}, got {have}",
+                    g.meta(o)
+                )));
+            }
             if tier == Tier::Nvme {
                 // Written out in the background; a write-back moves the file to its state.
                 let leaf = self.write_back.get(&o).copied();
@@ -487,7 +540,7 @@ impl<B: Backend> Executor<B> {
                         "the plan keeps optimizer state on the NVMe: give --offload-dir DIR".into(),
                     ));
                 };
-                store.write(o, &t)?;
+                store.write(o, &self.backend.download(&t)?)?;
                 if let Some(leaf) = leaf {
                     store.rename(o, leaf)?;
                 }
@@ -503,4 +556,10 @@ impl<B: Backend> Executor<B> {
         }
         Ok(())
     }
+}
+
+/// Whether a value of meta `have` can hold a tensor of meta `want`: the same shape, stored in
+/// the same element type (i32 is stored widened to i64, bools as bytes).
+fn same_storage(have: &TensorMeta, want: &TensorMeta) -> bool {
+    have.shape == want.shape && candle_dtype(have.dtype) == candle_dtype(want.dtype)
 }

@@ -160,12 +160,14 @@ impl<B: Backend> Generator<B> {
         let dg = &self.decode_spec.program.graph;
         for (t, value) in values {
             let name = pg.tensor_scope(t).to_string();
-            self.prefill.bind(t, value.clone())?;
             let dt = dg.find_leaf(&name).ok_or_else(|| {
                 binding(format!("the decode step has no {name} (the prefill does)"))
             })?;
             check_meta(&value, dg.meta(dt), &name)?;
-            self.decode.bind(dt, value)?;
+            // One copy on the device, shared by both Programs.
+            let on_device = self.prefill.backend().upload(&value)?;
+            self.prefill.bind_value(t, on_device.clone())?;
+            self.decode.bind_value(dt, on_device)?;
         }
         Ok(())
     }
@@ -225,7 +227,7 @@ impl<B: Backend> Generator<B> {
         }
         exec.run()?;
         let logits = exec
-            .get(spec.logits)
+            .fetch(spec.logits)?
             .ok_or_else(|| binding("the step's logits are not kept".into()))?
             .to_dtype(DType::F32)?;
         let peak = exec.accountant().peak_bytes();

@@ -497,8 +497,11 @@ impl<B: Backend> Trainer<B> {
         self.exec.collectives_mut().map(|r| r.communicator())
     }
     /// This device's value of a named parameter (the whole parameter on one device).
-    pub fn parameter(&self, name: &str) -> Option<&Tensor> {
-        self.exec.get(self.train.graph.find_leaf(name)?)
+    pub fn parameter(&self, name: &str) -> Result<Option<Tensor>> {
+        match self.train.graph.find_leaf(name) {
+            Some(t) => self.exec.fetch(t),
+            None => Ok(None),
+        }
     }
 
     /// Runs one step of a token model on the *global* `[batch, seq]` inputs and labels (every
@@ -574,7 +577,7 @@ impl<B: Backend> Trainer<B> {
     }
 
     fn scalar(&self, t: TensorId) -> Result<f64> {
-        let v = self.exec.get(t).ok_or_else(|| binding("step output was not kept".into()))?;
+        let v = self.exec.fetch(t)?.ok_or_else(|| binding("step output was not kept".into()))?;
         Ok(v.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?)
     }
 

@@ -1,0 +1,714 @@
+//! The CUDA [`Backend`]: the executor's values are [`CudaTensor`]s, every IR op a kernel of
+//! `kernels.cu` or a cuBLAS GEMM. Program tensors (bound leaves, nodes' fresh outputs) come
+//! from the caching allocator as [`Purpose::Program`], so its books match the accountant's;
+//! temporaries a kernel needs are [`Purpose::Scratch`] and reported beside.
+//!
+//! Mixed precision follows the CPU backend: half-precision operands of arithmetic ops are
+//! upcast to f32 and the results rounded to their declared dtype; matrix products take bf16
+//! and f16 operands natively (fp32 accumulation); layout ops, casts and AdamW handle every
+//! dtype.
+
+use crate::alloc::Purpose;
+use crate::gpu::Gpu;
+use crate::launch::{elementwise, launch, per_row, Arg, Attn};
+use crate::source::{binary_code, reduce_code, type_code, unary_code};
+use crate::tensor::{elem_size, row_major, CudaTensor, Layout};
+use candle_core::Tensor;
+use std::sync::Arc;
+use tessera_ir::dist::MeshPos;
+use tessera_ir::{AttentionSpec, DType, Op, ReduceOp, TensorMeta};
+use tessera_runtime::{Backend, Result, RuntimeError};
+
+/// One GPU as a backend.
+#[derive(Clone)]
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    name: String,
+}
+
+impl CudaBackend {
+    pub fn new(gpu: Arc<Gpu>) -> CudaBackend {
+        CudaBackend { name: format!("cuda:{}", gpu.ordinal()), gpu }
+    }
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+}
+
+fn unsupported(op: &str, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::Unsupported { backend: "cuda".into(), op: op.into(), reason: reason.into() }
+}
+
+fn bad(msg: String) -> RuntimeError {
+    RuntimeError::Binding(msg)
+}
+
+fn is_half(d: DType) -> bool {
+    matches!(d, DType::BF16 | DType::F16)
+}
+
+/// Ops that take half-precision operands natively (the rest run in f32 on upcast operands).
+fn native_half(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Reshape(_)
+            | Op::Expand(_)
+            | Op::Permute(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::Fill { .. }
+            | Op::Cast(_)
+            | Op::AdamW(_)
+            | Op::MatMul { .. }
+            | Op::Transfer { .. }
+            | Op::Reshard(_)
+    )
+}
+
+impl Backend for CudaBackend {
+    type Value = CudaTensor;
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn upload(&self, t: &Tensor) -> Result<CudaTensor> {
+        self.upload_as(t, Purpose::Program)
+    }
+
+    fn download(&self, v: &CudaTensor) -> Result<Tensor> {
+        self.download_impl(v)
+    }
+
+    fn meta(&self, v: &CudaTensor) -> Result<TensorMeta> {
+        Ok(v.meta())
+    }
+
+    fn execute(
+        &self,
+        op: &Op,
+        inputs: &[&CudaTensor],
+        outputs: &[TensorMeta],
+        at: &MeshPos,
+    ) -> Result<Vec<CudaTensor>> {
+        self.execute_impl(op, inputs, outputs, at)
+    }
+}
+
+impl CudaBackend {
+    /// A host tensor's copy on the device, charged as `purpose`.
+    pub fn upload_as(&self, t: &Tensor, purpose: Purpose) -> Result<CudaTensor> {
+        self.gpu.bind()?;
+        let meta = tessera_runtime::tensor::meta_of(t)
+            .ok_or_else(|| bad(format!("cuda: cannot upload a {:?} tensor", t.dtype())))?;
+        let out = CudaTensor::empty(&self.gpu, t.dims(), meta.dtype, purpose)?;
+        let t = t.flatten_all()?;
+        macro_rules! put {
+            ($ty:ty) => {{
+                let v = t.to_vec1::<$ty>()?;
+                // SAFETY: `out` holds exactly `v.len()` elements of this type.
+                unsafe { cudarc::driver::result::memcpy_htod_sync(out.ptr(), &v) }
+            }};
+        }
+        match t.dtype() {
+            candle_core::DType::F32 => put!(f32),
+            candle_core::DType::F64 => put!(f64),
+            candle_core::DType::BF16 => put!(half::bf16),
+            candle_core::DType::F16 => put!(half::f16),
+            candle_core::DType::I64 => put!(i64),
+            candle_core::DType::U8 => put!(u8),
+            d => return Err(bad(format!("cuda: cannot upload a {d:?} tensor"))),
+        }
+        .map_err(|e| bad(format!("cuda: upload: {e}")))?;
+        Ok(out)
+    }
+
+    fn download_impl(&self, v: &CudaTensor) -> Result<Tensor> {
+        self.gpu.bind()?;
+        let v = if v.is_contiguous() { v.clone() } else { self.copy(v, Purpose::Scratch)? };
+        let n = v.numel();
+        let dims = v.dims().to_vec();
+        macro_rules! get {
+            ($ty:ty, $zero:expr) => {{
+                let mut h = vec![$zero; n];
+                // SAFETY: `v` is contiguous with `n` elements of this type.
+                unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut h, v.ptr()) }
+                    .map_err(|e| bad(format!("cuda: download: {e}")))?;
+                Tensor::from_vec(h, dims, &candle_core::Device::Cpu)?
+            }};
+        }
+        Ok(match v.dtype() {
+            DType::F32 => get!(f32, 0f32),
+            DType::F64 => get!(f64, 0f64),
+            DType::BF16 => get!(half::bf16, half::bf16::ZERO),
+            DType::F16 => get!(half::f16, half::f16::ZERO),
+            DType::I32 | DType::I64 => get!(i64, 0i64),
+            DType::Bool | DType::U8 => get!(u8, 0u8),
+        })
+    }
+
+    fn execute_impl(
+        &self,
+        op: &Op,
+        inputs: &[&CudaTensor],
+        outputs: &[TensorMeta],
+        at: &MeshPos,
+    ) -> Result<Vec<CudaTensor>> {
+        self.gpu.bind()?;
+        let half = inputs.iter().any(|t| is_half(t.dtype()));
+        if !half || native_half(op) {
+            return self.run(op, inputs, outputs, at, Purpose::Program);
+        }
+        // Autocast: f32 copies of the half operands (scratch), f32 results, rounded into the
+        // declared outputs.
+        let up: Vec<CudaTensor> = inputs
+            .iter()
+            .map(|t| if is_half(t.dtype()) { self.cast(t, DType::F32, Purpose::Scratch) } else { Ok((*t).clone()) })
+            .collect::<Result<_>>()?;
+        let refs: Vec<&CudaTensor> = up.iter().collect();
+        let f32_out: Vec<TensorMeta> = outputs
+            .iter()
+            .map(|m| if is_half(m.dtype) { TensorMeta { shape: m.shape.clone(), dtype: DType::F32 } } else { m.clone() })
+            .collect();
+        let outs = self.run(op, &refs, &f32_out, at, Purpose::Scratch)?;
+        outs.into_iter()
+            .zip(outputs)
+            .map(|(t, m)| self.cast(&t, m.dtype, Purpose::Program))
+            .collect()
+    }
+}
+
+impl CudaBackend {
+    fn new_out(&self, m: &TensorMeta, p: Purpose) -> Result<CudaTensor> {
+        CudaTensor::empty(&self.gpu, m.shape.dims(), m.dtype, p)
+    }
+
+    /// A fresh contiguous copy.
+    pub fn copy(&self, x: &CudaTensor, p: Purpose) -> Result<CudaTensor> {
+        let y = CudaTensor::empty(&self.gpu, x.dims(), x.dtype(), p)?;
+        self.copy_into(x, &y, y.layout())?;
+        Ok(y)
+    }
+
+    /// Writes `x` into `y` at layout `ly` (x's dims).
+    fn copy_into(&self, x: &CudaTensor, y: &CudaTensor, ly: Layout) -> Result<()> {
+        let n = x.numel();
+        let size = elem_size(x.dtype()) as i32;
+        launch(
+            &self.gpu,
+            "copy_strided",
+            elementwise(n),
+            &[
+                Arg::Ptr(x.base()),
+                Arg::Layout(x.layout()),
+                Arg::Ptr(y.base()),
+                Arg::Layout(ly),
+                Arg::I32(size),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    /// `x` itself if contiguous, else a scratch copy.
+    fn dense(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        if x.is_contiguous() {
+            Ok(x.clone())
+        } else {
+            self.copy(x, Purpose::Scratch)
+        }
+    }
+
+    pub fn cast(&self, x: &CudaTensor, to: DType, p: Purpose) -> Result<CudaTensor> {
+        let y = CudaTensor::empty(&self.gpu, x.dims(), to, p)?;
+        let n = x.numel();
+        launch(
+            &self.gpu,
+            "cast",
+            elementwise(n),
+            &[
+                Arg::Ptr(x.base()),
+                Arg::Layout(x.layout()),
+                Arg::I32(type_code(x.dtype())),
+                Arg::Ptr(y.ptr()),
+                Arg::I32(type_code(to)),
+                Arg::I32(i32::from(to == DType::Bool)),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    fn fill(&self, y: &CudaTensor, value: f64) -> Result<()> {
+        let d = y.dtype();
+        let bits: u64 = match d {
+            DType::F32 => (value as f32).to_bits() as u64,
+            DType::F64 => value.to_bits(),
+            DType::F16 => half::f16::from_f64(value).to_bits() as u64,
+            DType::BF16 => half::bf16::from_f64(value).to_bits() as u64,
+            DType::I32 | DType::I64 => value.trunc() as i64 as u64,
+            DType::Bool => u64::from(value != 0.0),
+            DType::U8 => value.trunc().clamp(0.0, 255.0) as u64,
+        };
+        let n = y.numel();
+        launch(
+            &self.gpu,
+            "fill_bits",
+            elementwise(n),
+            &[Arg::Ptr(y.ptr()), Arg::U64(bits), Arg::I32(elem_size(d) as i32), Arg::I64(n as i64)],
+        )
+    }
+
+    fn expect_f32(&self, op: &Op, xs: &[&CudaTensor]) -> Result<()> {
+        for x in xs {
+            if x.dtype() != DType::F32 {
+                return Err(unsupported(
+                    op.name(),
+                    format!("an operand is {:?}; this kernel computes in f32", x.dtype()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn scalar(&self, x: &CudaTensor) -> Result<f64> {
+        let t = self.download(x)?;
+        Ok(t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?[0])
+    }
+
+    /// Runs `op` with every operand in the dtype its kernel takes; fresh outputs are `p`.
+    fn run(
+        &self,
+        op: &Op,
+        x: &[&CudaTensor],
+        out: &[TensorMeta],
+        at: &MeshPos,
+        p: Purpose,
+    ) -> Result<Vec<CudaTensor>> {
+        let g = &self.gpu;
+        let one = |t: CudaTensor| Ok(vec![t]);
+        match op {
+            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => {
+                Err(bad(format!("{} is a leaf: bind it, do not execute it", op.name())))
+            }
+            Op::Fill { value, meta } => {
+                let y = self.new_out(meta, p)?;
+                self.fill(&y, *value)?;
+                one(y)
+            }
+            Op::Unary(u) => {
+                self.expect_f32(op, x)?;
+                let y = self.new_out(&out[0], p)?;
+                let n = y.numel();
+                launch(g, "unary", elementwise(n), &[
+                    Arg::I32(unary_code(*u)),
+                    Arg::Ptr(x[0].base()),
+                    Arg::Layout(x[0].layout()),
+                    Arg::Ptr(y.ptr()),
+                    Arg::I64(n as i64),
+                ])?;
+                one(y)
+            }
+            Op::UnaryBackward(u) => {
+                self.expect_f32(op, x)?;
+                let y = self.new_out(&out[0], p)?;
+                let n = y.numel();
+                launch(g, "unary_backward", elementwise(n), &[
+                    Arg::I32(unary_code(*u)),
+                    Arg::Ptr(x[0].base()),
+                    Arg::Layout(x[0].layout()),
+                    Arg::Ptr(x[1].base()),
+                    Arg::Layout(x[1].layout_as(x[0].dims())?),
+                    Arg::Ptr(y.ptr()),
+                    Arg::I64(n as i64),
+                ])?;
+                one(y)
+            }
+            Op::Binary(b) => {
+                self.expect_f32(op, x)?;
+                let y = self.new_out(&out[0], p)?;
+                let (dims, n) = (out[0].shape.dims(), y.numel());
+                launch(g, "binary", elementwise(n), &[
+                    Arg::I32(binary_code(*b)),
+                    Arg::Ptr(x[0].base()),
+                    Arg::Layout(x[0].layout_as(dims)?),
+                    Arg::Ptr(x[1].base()),
+                    Arg::Layout(x[1].layout_as(dims)?),
+                    Arg::Ptr(y.ptr()),
+                    Arg::I64(n as i64),
+                ])?;
+                one(y)
+            }
+            Op::BinaryBackward { op: b, wrt } => {
+                self.expect_f32(op, x)?;
+                if *wrt > 1 {
+                    return Err(bad(format!("binary_backward: wrt must be 0 or 1, got {wrt}")));
+                }
+                let y = self.new_out(&out[0], p)?;
+                let (dims, n) = (out[0].shape.dims(), y.numel());
+                launch(g, "binary_backward", elementwise(n), &[
+                    Arg::I32(binary_code(*b)),
+                    Arg::I32(*wrt as i32),
+                    Arg::Ptr(x[0].base()),
+                    Arg::Layout(x[0].layout_as(dims)?),
+                    Arg::Ptr(x[1].base()),
+                    Arg::Layout(x[1].layout_as(dims)?),
+                    Arg::Ptr(x[2].base()),
+                    Arg::Layout(x[2].layout_as(dims)?),
+                    Arg::Ptr(y.ptr()),
+                    Arg::I64(n as i64),
+                ])?;
+                one(y)
+            }
+            Op::Cast(d) => one(self.cast(x[0], *d, p)?),
+            Op::Dropout { p: prob, stream, shard } => {
+                self.expect_f32(op, &x[..1])?;
+                if shard.is_some() {
+                    return Err(unsupported("dropout", "a sharded mask (tensor-parallel dropout)"));
+                }
+                let seed = self.scalar(x[1])? as i64 as u64;
+                let y = self.new_out(&out[0], p)?;
+                let n = y.numel();
+                let base = seed
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    .wrapping_add(stream.wrapping_mul(0xD1B5_4A32_D192_ED03));
+                let threshold = (prob * (1u64 << 53) as f64).ceil() as u64;
+                let scale = (1.0 / (1.0 - prob)) as f32;
+                launch(g, "dropout", elementwise(n), &[
+                    Arg::Ptr(x[0].base()),
+                    Arg::Layout(x[0].layout()),
+                    Arg::Ptr(y.ptr()),
+                    Arg::U64(base),
+                    Arg::U64(threshold),
+                    Arg::F32(scale),
+                    Arg::I64(n as i64),
+                ])?;
+                one(y)
+            }
+            Op::MatMul { trans_a, trans_b } => {
+                one(crate::gemm::matmul(self, x[0], x[1], *trans_a, *trans_b, &out[0], p)?)
+            }
+            Op::Reduce { op: r, dims, .. } => {
+                self.expect_f32(op, x)?;
+                one(self.reduce(*r, dims, x[0], &out[0], p)?)
+            }
+            Op::ReduceBackward { op: r, dims, keepdim } => {
+                self.expect_f32(op, x)?;
+                one(self.reduce_backward(*r, dims, *keepdim, x[0], x[1], &out[0], p)?)
+            }
+            Op::Softmax | Op::SoftmaxBackward => {
+                self.expect_f32(op, x)?;
+                let xs: Vec<CudaTensor> = x.iter().map(|t| self.dense(t)).collect::<Result<_>>()?;
+                let y = self.new_out(&out[0], p)?;
+                let cols = *y.dims().last().unwrap_or(&1);
+                let rows = y.numel() / cols.max(1);
+                if matches!(op, Op::Softmax) {
+                    launch(g, "softmax", per_row(rows), &[
+                        Arg::Ptr(xs[0].ptr()),
+                        Arg::Ptr(y.ptr()),
+                        Arg::I64(cols as i64),
+                    ])?;
+                } else {
+                    launch(g, "softmax_backward", per_row(rows), &[
+                        Arg::Ptr(xs[0].ptr()),
+                        Arg::Ptr(xs[1].ptr()),
+                        Arg::Ptr(y.ptr()),
+                        Arg::I64(cols as i64),
+                    ])?;
+                }
+                one(y)
+            }
+            Op::Reshape(s) => {
+                let src = if x[0].is_contiguous() { x[0].clone() } else { self.copy(x[0], Purpose::Scratch)? };
+                one(src.reshaped(s.dims()))
+            }
+            Op::Expand(s) => one(x[0].broadcast(s.dims())?),
+            Op::Permute(perm) => {
+                let v = CudaTensor {
+                    dims: perm.iter().map(|&i| x[0].dims[i]).collect(),
+                    strides: perm.iter().map(|&i| x[0].strides[i]).collect(),
+                    ..x[0].clone()
+                };
+                one(self.copy(&v, p)?)
+            }
+            Op::Slice { dim, start, end } => {
+                let mut v = x[0].clone();
+                v.offset += start * v.strides[*dim];
+                v.dims[*dim] = end - start;
+                one(self.copy(&v, p)?)
+            }
+            Op::Pad { dim, before, .. } => {
+                let y = self.new_out(&out[0], p)?;
+                self.fill(&y, 0.0)?;
+                let mut ly = Layout { ndim: x[0].dims().len() as i32, ..Default::default() };
+                let strides = row_major(y.dims());
+                for (i, &d) in x[0].dims().iter().enumerate() {
+                    ly.dims[i] = d as i64;
+                    ly.strides[i] = strides[i] as i64;
+                }
+                ly.offset = (before * strides[*dim]) as i64;
+                self.copy_into(x[0], &y, ly)?;
+                one(y)
+            }
+            Op::Concat { dim } => {
+                let y = self.new_out(&out[0], p)?;
+                let strides = row_major(y.dims());
+                let mut at_dim = 0;
+                for t in x {
+                    let mut ly = Layout { ndim: t.dims().len() as i32, ..Default::default() };
+                    for (i, &d) in t.dims().iter().enumerate() {
+                        ly.dims[i] = d as i64;
+                        ly.strides[i] = strides[i] as i64;
+                    }
+                    ly.offset = (at_dim * strides[*dim]) as i64;
+                    self.copy_into(t, &y, ly)?;
+                    at_dim += t.dims()[*dim];
+                }
+                one(y)
+            }
+            Op::LayerNorm { eps } => one(self.norm(x[0], x[1], Some(x[2]), *eps, &out[0], p)?),
+            Op::RmsNorm { eps } => one(self.norm(x[0], x[1], None, *eps, &out[0], p)?),
+            Op::LayerNormBackward { eps } => self.norm_backward(x[0], x[1], x[2], *eps, false, out, p),
+            Op::RmsNormBackward { eps } => self.norm_backward(x[0], x[1], x[2], *eps, true, out, p),
+            Op::Embedding => {
+                self.expect_f32(op, &x[..1])?;
+                let (table, ids) = (self.dense(x[0])?, self.dense(x[1])?);
+                let y = self.new_out(&out[0], p)?;
+                let dim = *table.dims().last().unwrap_or(&1);
+                let n = y.numel();
+                launch(g, "embedding", elementwise(n), &[
+                    Arg::Ptr(table.ptr()),
+                    Arg::Ptr(ids.ptr()),
+                    Arg::Ptr(y.ptr()),
+                    Arg::I64(dim as i64),
+                    Arg::I64(n as i64),
+                ])?;
+                one(y)
+            }
+            Op::EmbeddingBackward { .. } => {
+                self.expect_f32(op, &x[1..2])?;
+                let (ids, dy) = (self.dense(x[0])?, self.dense(x[1])?);
+                let y = self.new_out(&out[0], p)?;
+                self.fill(&y, 0.0)?;
+                let dim = *y.dims().last().unwrap_or(&1);
+                let n = dy.numel();
+                launch(g, "embedding_backward", elementwise(n), &[
+                    Arg::Ptr(ids.ptr()),
+                    Arg::Ptr(dy.ptr()),
+                    Arg::Ptr(y.ptr()),
+                    Arg::I64(dim as i64),
+                    Arg::I64(n as i64),
+                ])?;
+                one(y)
+            }
+            Op::CrossEntropy { ignore_index, sum } => {
+                crate::loss::cross_entropy(self, x[0], x[1], *ignore_index, *sum, out, p)
+            }
+            Op::CrossEntropyBackward { ignore_index, sum } => one(crate::loss::cross_entropy_backward(
+                self, x, *ignore_index, *sum, &out[0], p,
+            )?),
+            Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),
+            Op::AttentionBackward(spec) => crate::attention::backward(self, x, spec, at, out, p),
+            Op::Rope { inv_freq, inverse } => {
+                one(crate::attention::rope(self, x[0], x.get(1).copied(), inv_freq, *inverse, &out[0], p)?)
+            }
+            Op::AdamW(spec) => crate::optim::adamw(self, spec, x),
+            Op::Transfer { .. } => one(self.copy(x[0], p)?),
+            Op::Reshard(spec) if spec.forward.iter().all(|s| s.size == 1) => one(x[0].clone()),
+            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => Err(unsupported(
+                op.name(),
+                "generation runs on the CPU backend for now (KV-cache and quantised kernels are \
+                 not yet written for CUDA)",
+            )),
+            Op::Send(_) | Op::Recv(..) | Op::Reshard(_) => Err(bad(
+                "a transfer between devices needs a communicator: run the plan with the SPMD \
+                 runtime"
+                    .into(),
+            )),
+        }
+    }
+
+    fn reduce(&self, r: ReduceOp, dims: &[usize], x: &CudaTensor, out: &TensorMeta, p: Purpose) -> Result<CudaTensor> {
+        let y = self.new_out(out, p)?;
+        let rank = x.dims().len();
+        if dims.iter().any(|&d| d >= rank) {
+            return Err(bad(format!("reduce: dims {dims:?} out of range for rank {rank}")));
+        }
+        let (mut lo, mut lr) = (Layout { offset: x.offset as i64, ..Default::default() }, Layout::default());
+        let mut nr = 1usize;
+        for i in 0..rank {
+            let (l, k) = if dims.contains(&i) { (&mut lr, 1) } else { (&mut lo, 0) };
+            let j = l.ndim as usize;
+            l.dims[j] = x.dims()[i] as i64;
+            l.strides[j] = x.strides[i] as i64;
+            l.ndim += 1;
+            if k == 1 {
+                nr *= x.dims()[i];
+            }
+        }
+        launch(&self.gpu, "reduce", per_row(y.numel()), &[
+            Arg::I32(reduce_code(r)),
+            Arg::Ptr(x.base()),
+            Arg::Layout(lo),
+            Arg::Layout(lr),
+            Arg::I64(nr as i64),
+            Arg::Ptr(y.ptr()),
+        ])?;
+        Ok(y)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_backward(
+        &self,
+        r: ReduceOp,
+        dims: &[usize],
+        keepdim: bool,
+        x: &CudaTensor,
+        dy: &CudaTensor,
+        out: &TensorMeta,
+        p: Purpose,
+    ) -> Result<CudaTensor> {
+        let x = self.dense(x)?;
+        let dy = self.dense(dy)?;
+        let xd = x.dims().to_vec();
+        // dy as x-shaped: stride 0 along reduced dims.
+        let kept: Vec<usize> = (0..xd.len()).filter(|i| keepdim || !dims.contains(i)).collect();
+        let dstr = row_major(dy.dims());
+        let mut ld = Layout { ndim: xd.len() as i32, ..Default::default() };
+        for (i, &d) in xd.iter().enumerate() {
+            ld.dims[i] = d as i64;
+            ld.strides[i] = if dims.contains(&i) {
+                0
+            } else {
+                let k = kept.iter().position(|&j| j == i).unwrap_or(0);
+                dstr[k] as i64
+            };
+        }
+        let nr: usize = dims.iter().map(|&d| xd[d]).product();
+        let ym = if r == ReduceOp::Max {
+            let m = TensorMeta { shape: tessera_ir::Shape::from(dy.dims()), dtype: DType::F32 };
+            Some(self.reduce(r, dims, &x, &m, Purpose::Scratch)?)
+        } else {
+            None
+        };
+        let y = self.new_out(out, p)?;
+        let n = y.numel();
+        launch(&self.gpu, "reduce_backward", elementwise(n), &[
+            Arg::I32(reduce_code(r)),
+            Arg::Ptr(x.ptr()),
+            Arg::Ptr(dy.ptr()),
+            Arg::Layout(ld),
+            Arg::Ptr(ym.as_ref().map_or(0, |t| t.ptr())),
+            Arg::I64(nr as i64),
+            Arg::Ptr(y.ptr()),
+            Arg::I64(n as i64),
+        ])?;
+        Ok(y)
+    }
+
+    fn norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        b: Option<&CudaTensor>,
+        eps: f64,
+        out: &TensorMeta,
+        p: Purpose,
+    ) -> Result<CudaTensor> {
+        let (x, w) = (self.dense(x)?, self.dense(w)?);
+        let b = b.map(|b| self.dense(b)).transpose()?;
+        let y = self.new_out(out, p)?;
+        let cols = *x.dims().last().unwrap_or(&1);
+        let rows = x.numel() / cols.max(1);
+        launch(&self.gpu, "norm_forward", per_row(rows), &[
+            Arg::Ptr(x.ptr()),
+            Arg::Ptr(w.ptr()),
+            Arg::Ptr(b.as_ref().map_or(0, |b| b.ptr())),
+            Arg::Ptr(y.ptr()),
+            Arg::I64(cols as i64),
+            Arg::F32(eps as f32),
+            Arg::I32(i32::from(b.is_none())),
+        ])?;
+        Ok(y)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        dy: &CudaTensor,
+        eps: f64,
+        rms: bool,
+        out: &[TensorMeta],
+        p: Purpose,
+    ) -> Result<Vec<CudaTensor>> {
+        let (x, w, dy) = (self.dense(x)?, self.dense(w)?, self.dense(dy)?);
+        let cols = *x.dims().last().unwrap_or(&1);
+        let rows = x.numel() / cols.max(1);
+        let dx = self.new_out(&out[0], p)?;
+        let stats = CudaTensor::empty(&self.gpu, &[rows, 2], DType::F32, Purpose::Scratch)?;
+        launch(&self.gpu, "norm_backward_dx", per_row(rows), &[
+            Arg::Ptr(x.ptr()),
+            Arg::Ptr(w.ptr()),
+            Arg::Ptr(dy.ptr()),
+            Arg::Ptr(dx.ptr()),
+            Arg::Ptr(stats.ptr()),
+            Arg::I64(cols as i64),
+            Arg::F32(eps as f32),
+            Arg::I32(i32::from(rms)),
+        ])?;
+        let dw = self.new_out(&out[1], p)?;
+        let db = if rms { None } else { Some(self.new_out(&out[2], p)?) };
+        launch(&self.gpu, "norm_backward_dw", elementwise(cols), &[
+            Arg::Ptr(x.ptr()),
+            Arg::Ptr(dy.ptr()),
+            Arg::Ptr(stats.ptr()),
+            Arg::Ptr(dw.ptr()),
+            Arg::Ptr(db.as_ref().map_or(0, |t| t.ptr())),
+            Arg::I64(rows as i64),
+            Arg::I64(cols as i64),
+        ])?;
+        let mut v = vec![dx, dw];
+        v.extend(db);
+        Ok(v)
+    }
+
+    pub(crate) fn out_f32(&self, m: &TensorMeta, p: Purpose) -> Result<CudaTensor> {
+        self.new_out(m, p)
+    }
+    pub(crate) fn dense_pub(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        self.dense(x)
+    }
+    pub(crate) fn scalar_pub(&self, x: &CudaTensor) -> Result<f64> {
+        self.scalar(x)
+    }
+    pub(crate) fn fill_pub(&self, y: &CudaTensor, v: f64) -> Result<()> {
+        self.fill(y, v)
+    }
+}
+
+/// The attention spec's checks shared by forward and backward.
+pub(crate) fn geometry(q: &CudaTensor, k: &CudaTensor, spec: &AttentionSpec) -> Result<Attn> {
+    let (&[b, s, h, d], &[_, t, hkv, _]) = (q.dims(), k.dims()) else {
+        return Err(bad(format!("attention: q {:?} and k {:?} must be [B,S,H,D]", q.dims(), k.dims())));
+    };
+    if hkv == 0 || h % hkv != 0 {
+        return Err(bad(format!("attention: {h} query heads over {hkv} kv heads")));
+    }
+    if t * 4 > 48 * 1024 {
+        return Err(unsupported("attention", format!("{t} keys (at most 12288 on CUDA for now)")));
+    }
+    Ok(Attn {
+        b: b as i64,
+        s: s as i64,
+        t: t as i64,
+        h: h as i64,
+        hkv: hkv as i64,
+        d: d as i64,
+        causal: i32::from(spec.causal),
+        window: spec.window.unwrap_or(0) as i64,
+        scale: spec.scale as f32,
+    })
+}
+

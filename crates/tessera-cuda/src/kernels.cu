@@ -1,0 +1,567 @@
+// Tessera's CUDA kernels, compiled at run time by NVRTC (crate tessera-cuda, module `source`).
+// Conventions: every float kernel computes in f32 (accumulating in f64 where the CPU kernel
+// does); half-precision operands are upcast by the backend first, as the CPU backend does.
+// Tensors are addressed through a `Layout` (dims and element strides, up to 8 dims), so
+// broadcast views (stride 0) and permuted or sliced views need no copy.
+
+#define MAXD 8
+#define INFINITY __int_as_float(0x7f800000)
+#define NAN __int_as_float(0x7fffffff)
+typedef long long i64;
+typedef unsigned long long u64;
+
+struct Layout {
+    int ndim;
+    i64 offset;
+    i64 dims[MAXD];
+    i64 strides[MAXD];
+};
+
+// Element offset of flat row-major index `i` of `out_dims` read through `l`.
+__device__ __forceinline__ i64 at(const Layout& l, i64 i) {
+    i64 off = l.offset;
+    for (int d = l.ndim - 1; d >= 0; --d) {
+        i64 n = l.dims[d];
+        off += (i % n) * l.strides[d];
+        i /= n;
+    }
+    return off;
+}
+
+#define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// ---- type codes (the backend's `TypeCode`) ----
+// 0 f32, 1 f64, 2 f16, 3 bf16, 4 i64, 5 u8
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ double load_as(const void* p, int code, i64 i) {
+    switch (code) {
+        case 0: return (double)((const float*)p)[i];
+        case 1: return ((const double*)p)[i];
+        case 2: return (double)f16_to_f32(((const unsigned short*)p)[i]);
+        case 3: return (double)bf16_to_f32(((const unsigned short*)p)[i]);
+        case 4: return (double)((const i64*)p)[i];
+        default: return (double)((const unsigned char*)p)[i];
+    }
+}
+
+// Stores with the CPU's conversion rules: floats round to nearest, float to int truncates,
+// to bool (u8 with `to_bool`) is x != 0.
+__device__ __forceinline__ void store_as(void* p, int code, i64 i, double v, int to_bool) {
+    switch (code) {
+        case 0: ((float*)p)[i] = (float)v; break;
+        case 1: ((double*)p)[i] = v; break;
+        case 2: ((unsigned short*)p)[i] = f32_to_f16((float)v); break;
+        case 3: ((unsigned short*)p)[i] = f32_to_bf16((float)v); break;
+        case 4: ((i64*)p)[i] = (i64)v; break;
+        default:
+            ((unsigned char*)p)[i] = to_bool ? (unsigned char)(v != 0.0) : (unsigned char)(i64)v;
+    }
+}
+
+extern "C" __global__ void cast(const void* x, Layout lx, int from, void* y, int to, int to_bool, i64 n) {
+    GRID_STRIDE(i, n) { store_as(y, to, i, load_as(x, from, at(lx, i)), to_bool); }
+}
+
+// Strided copy of elements of `size` bytes: y[at(ly, i)] = x[at(lx, i)].
+extern "C" __global__ void copy_strided(const void* x, Layout lx, void* y, Layout ly, int size, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 s = at(lx, i), d = at(ly, i);
+        switch (size) {
+            case 1: ((unsigned char*)y)[d] = ((const unsigned char*)x)[s]; break;
+            case 2: ((unsigned short*)y)[d] = ((const unsigned short*)x)[s]; break;
+            case 4: ((unsigned int*)y)[d] = ((const unsigned int*)x)[s]; break;
+            default: ((u64*)y)[d] = ((const u64*)x)[s];
+        }
+    }
+}
+
+extern "C" __global__ void fill_bits(void* y, u64 bits, int size, i64 n) {
+    GRID_STRIDE(i, n) {
+        switch (size) {
+            case 1: ((unsigned char*)y)[i] = (unsigned char)bits; break;
+            case 2: ((unsigned short*)y)[i] = (unsigned short)bits; break;
+            case 4: ((unsigned int*)y)[i] = (unsigned int)bits; break;
+            default: ((u64*)y)[i] = bits;
+        }
+    }
+}
+
+// ---- elementwise (op codes: the backend's exhaustive matches over the IR's enums) ----
+__device__ __forceinline__ double normal_cdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752440); }
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float c = 0.7978845608028654f;
+    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+    const float c = 0.7978845608028654f;
+    float u = c * (x + 0.044715f * x * x * x);
+    float t = tanhf(u);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+__device__ __forceinline__ float unary_f(int op, float v) {
+    switch (op) {
+        case 0: return -v;
+        case 1: return expf(v);
+        case 2: return logf(v);
+        case 3: return sqrtf(v);
+        case 4: return 1.0f / sqrtf(v);
+        case 5: return tanhf(v);
+        case 6: return (float)((double)v * normal_cdf((double)v));
+        case 7: return gelu_tanh(v);
+        case 8: return v * sigmoidf_(v);
+        case 9: return v > 0.0f ? v : 0.0f;
+        default: return sigmoidf_(v);
+    }
+}
+
+__device__ __forceinline__ float unary_grad(int op, float v, float g) {
+    switch (op) {
+        case 0: return -g;
+        case 1: return g * expf(v);
+        case 2: return g / v;
+        case 3: return g * (0.5f / sqrtf(v));
+        case 4: return g * (-0.5f / (v * sqrtf(v)));
+        case 5: { float t = tanhf(v); return g * (1.0f - t * t); }
+        case 6: {
+            double x = v;
+            return g * (float)(normal_cdf(x) + x * 0.3989422804014327 * exp(-0.5 * x * x));
+        }
+        case 7: return g * gelu_tanh_grad(v);
+        case 8: { float s = sigmoidf_(v); return g * (s * (1.0f + v * (1.0f - s))); }
+        case 9: return v > 0.0f ? g : 0.0f;
+        default: { float s = sigmoidf_(v); return g * s * (1.0f - s); }
+    }
+}
+
+extern "C" __global__ void unary(int op, const float* x, Layout lx, float* y, i64 n) {
+    GRID_STRIDE(i, n) { y[i] = unary_f(op, x[at(lx, i)]); }
+}
+
+extern "C" __global__ void unary_backward(int op, const float* x, Layout lx, const float* dy, Layout ld, float* y, i64 n) {
+    GRID_STRIDE(i, n) { y[i] = unary_grad(op, x[at(lx, i)], dy[at(ld, i)]); }
+}
+
+__device__ __forceinline__ float binary_f(int op, float p, float q) {
+    switch (op) {
+        case 0: return p + q;
+        case 1: return p - q;
+        case 2: return p * q;
+        case 3: return p / q;
+        case 4: return (p >= q || isnan(p)) ? p : q;
+        default: return (p <= q || isnan(p)) ? p : q;
+    }
+}
+
+extern "C" __global__ void binary(int op, const float* a, Layout la, const float* b, Layout lb, float* y, i64 n) {
+    GRID_STRIDE(i, n) { y[i] = binary_f(op, a[at(la, i)], b[at(lb, i)]); }
+}
+
+// The gradient w.r.t. operand `wrt` in the broadcast shape.
+extern "C" __global__ void binary_backward(int op, int wrt, const float* a, Layout la, const float* b, Layout lb,
+                                           const float* dy, Layout ld, float* y, i64 n) {
+    GRID_STRIDE(i, n) {
+        float p = a[at(la, i)], q = b[at(lb, i)], g = dy[at(ld, i)], r;
+        switch (op) {
+            case 0: r = g; break;
+            case 1: r = wrt == 0 ? g : -g; break;
+            case 2: r = wrt == 0 ? g * q : g * p; break;
+            case 3: r = wrt == 0 ? g / q : -g * p / (q * q); break;
+            case 4: r = ((p >= q) == (wrt == 0)) ? g : 0.0f; break;
+            default: r = ((p <= q) == (wrt == 0)) ? g : 0.0f;
+        }
+        y[i] = r;
+    }
+}
+
+// Dropout with the CPU's mask (splitmix-style hash of the element's flat index).
+extern "C" __global__ void dropout(const float* x, Layout lx, float* y, u64 base, u64 threshold, float scale, i64 n) {
+    GRID_STRIDE(i, n) {
+        u64 z = base + (u64)i;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        y[i] = ((z >> 11) >= threshold) ? x[at(lx, i)] * scale : 0.0f;
+    }
+}
+
+// ---- reductions: one block per output element; `lo` addresses the kept dims (by output
+// index), `lr` the reduced ones (by reduced index). ----
+__device__ double block_sum(double v) {
+    __shared__ double part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) part[w] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < nw) ? part[threadIdx.x] : 0.0;
+    if (w == 0)
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    __shared__ double result;
+    if (threadIdx.x == 0) result = v;
+    __syncthreads();
+    double r = result;
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_max(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) part[w] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < nw) ? part[threadIdx.x] : -INFINITY;
+    if (w == 0)
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, o));
+    __shared__ float result;
+    if (threadIdx.x == 0) result = v;
+    __syncthreads();
+    float r = result;
+    __syncthreads();
+    return r;
+}
+
+// op: 0 sum, 1 mean, 2 max, 3 sum of squares.
+extern "C" __global__ void reduce(int op, const float* x, Layout lo, Layout lr, i64 r, float* y) {
+    i64 o = blockIdx.x;
+    i64 base = at(lo, o);
+    if (op == 2) {
+        float m = -INFINITY;
+        bool nan = false;
+        for (i64 k = threadIdx.x; k < r; k += blockDim.x) {
+            float v = x[base + at(lr, k)];
+            nan |= isnan(v);
+            m = fmaxf(m, v);
+        }
+        nan = __syncthreads_or(nan);
+        m = block_max(m);
+        if (threadIdx.x == 0) y[o] = nan ? NAN : m;
+        return;
+    }
+    double s = 0.0;
+    for (i64 k = threadIdx.x; k < r; k += blockDim.x) {
+        double v = x[base + at(lr, k)];
+        s += op == 3 ? v * v : v;
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) y[o] = (float)(op == 1 ? s / (double)r : s);
+}
+
+// dx in x's shape: dy is read through `ld` (broadcast over the reduced dims); max routes the
+// gradient to the elements equal to the row's max `ym` (read like dy).
+extern "C" __global__ void reduce_backward(int op, const float* x, const float* dy, Layout ld, const float* ym,
+                                           i64 r, float* dx, i64 n) {
+    GRID_STRIDE(i, n) {
+        float g = dy[at(ld, i)];
+        float v;
+        switch (op) {
+            case 0: v = g; break;
+            case 1: v = g / (float)r; break;
+            case 2: v = x[i] == ym[at(ld, i)] ? g : 0.0f; break;
+            default: v = 2.0f * x[i] * g;
+        }
+        dx[i] = v;
+    }
+}
+
+// ---- row kernels: one block per row of the last dim ----
+extern "C" __global__ void softmax(const float* x, float* y, i64 cols) {
+    const float* xr = x + blockIdx.x * cols;
+    float* yr = y + blockIdx.x * cols;
+    float m = -INFINITY;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+    m = block_max(m);
+    double s = 0.0;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
+    s = block_sum(s);
+    float inv = (float)(1.0 / s);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = expf(xr[j] - m) * inv;
+}
+
+extern "C" __global__ void softmax_backward(const float* y, const float* dy, float* dx, i64 cols) {
+    const float* yr = y + blockIdx.x * cols;
+    const float* gr = dy + blockIdx.x * cols;
+    double s = 0.0;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += (double)yr[j] * gr[j];
+    float d = (float)block_sum(s);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) dx[blockIdx.x * cols + j] = yr[j] * (gr[j] - d);
+}
+
+// Layer norm (bias may be null: RMS norm when `rms`). Saves nothing: the backward recomputes.
+extern "C" __global__ void norm_forward(const float* x, const float* w, const float* b, float* y, i64 cols,
+                                        float eps, int rms) {
+    const float* xr = x + blockIdx.x * cols;
+    double s = 0.0, s2 = 0.0;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+    float mean = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) { double c = xr[j] - mean; s2 += c * c; }
+    float rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = (xr[j] - mean) * rstd * w[j];
+        y[blockIdx.x * cols + j] = b ? v + b[j] : v;
+    }
+}
+
+// dx per row; each row's mean and rstd go to `stats` [rows, 2] for the weight gradients.
+extern "C" __global__ void norm_backward_dx(const float* x, const float* w, const float* dy, float* dx,
+                                            float* stats, i64 cols, float eps, int rms) {
+    const float* xr = x + blockIdx.x * cols;
+    const float* gr = dy + blockIdx.x * cols;
+    double s = 0.0, s2 = 0.0;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+    float mean = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) { double c = xr[j] - mean; s2 += c * c; }
+    float rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
+    // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w (no mean(g) term for RMS).
+    double a = 0.0, c = 0.0;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float g = gr[j] * w[j];
+        float xh = (xr[j] - mean) * rstd;
+        a += g;
+        c += (double)g * xh;
+    }
+    float mg = rms ? 0.0f : (float)(block_sum(a) / (double)cols);
+    float mgx = (float)(block_sum(c) / (double)cols);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float g = gr[j] * w[j];
+        float xh = (xr[j] - mean) * rstd;
+        dx[blockIdx.x * cols + j] = rstd * (g - mg - xh * mgx);
+    }
+    if (threadIdx.x == 0) {
+        stats[2 * blockIdx.x] = mean;
+        stats[2 * blockIdx.x + 1] = rstd;
+    }
+}
+
+// dw[j] = Σ_r dy[r,j] xhat[r,j], db[j] = Σ_r dy[r,j] (db may be null): one thread per column.
+extern "C" __global__ void norm_backward_dw(const float* x, const float* dy, const float* stats, float* dw,
+                                            float* db, i64 rows, i64 cols) {
+    GRID_STRIDE(j, cols) {
+        double sw = 0.0, sb = 0.0;
+        for (i64 r = 0; r < rows; ++r) {
+            float g = dy[r * cols + j];
+            sw += (double)g * ((x[r * cols + j] - stats[2 * r]) * stats[2 * r + 1]);
+            sb += g;
+        }
+        dw[j] = (float)sw;
+        if (db) db[j] = (float)sb;
+    }
+}
+
+// ---- embedding ----
+extern "C" __global__ void embedding(const float* table, const i64* ids, float* y, i64 dim, i64 n) {
+    GRID_STRIDE(i, n) { y[i] = table[ids[i / dim] * dim + i % dim]; }
+}
+
+extern "C" __global__ void embedding_backward(const i64* ids, const float* dy, float* dt, i64 dim, i64 n) {
+    GRID_STRIDE(i, n) { atomicAdd(&dt[ids[i / dim] * dim + i % dim], dy[i]); }
+}
+
+// ---- fused softmax cross-entropy (targets checked on the host) ----
+extern "C" __global__ void cross_entropy_rows(const float* logits, const i64* targets, float* lse, float* nll,
+                                              i64 v, i64 ignore, int has_ignore) {
+    const float* xr = logits + blockIdx.x * v;
+    float m = -INFINITY;
+    for (i64 j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, xr[j]);
+    m = block_max(m);
+    double s = 0.0;
+    for (i64 j = threadIdx.x; j < v; j += blockDim.x) s += exp((double)(xr[j] - m));
+    s = block_sum(s);
+    if (threadIdx.x == 0) {
+        double l = m == -INFINITY ? -INFINITY : (double)m + log(s);
+        lse[blockIdx.x] = (float)l;
+        i64 t = targets[blockIdx.x];
+        nll[blockIdx.x] = (has_ignore && t == ignore) ? 0.0f : (float)(l - (double)xr[t]);
+    }
+}
+
+extern "C" __global__ void sum_to_scalar(const float* x, i64 n, double div, float* y) {
+    double s = 0.0;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) y[0] = (float)(s / div);
+}
+
+extern "C" __global__ void cross_entropy_backward(const float* logits, const i64* targets, const float* lse,
+                                                  const float* dloss, double div, float* dx, i64 v,
+                                                  i64 ignore, int has_ignore, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 r = i / v, j = i % v;
+        i64 t = targets[r];
+        if (has_ignore && t == ignore) {
+            dx[i] = 0.0f;
+        } else {
+            float g = (float)((double)dloss[0] / div);
+            float p = expf(logits[i] - lse[r]);
+            dx[i] = g * (p - (j == t ? 1.0f : 0.0f));
+        }
+    }
+}
+
+// ---- AdamW, in place (the CPU kernel's update, f32 state; param f32 (p_bf16 = 0) or bf16) ----
+extern "C" __global__ void adamw(void* param, int p_code, const void* grad, int g_code, float* m, float* v,
+                                 float* master, float clip, float b1, float b2, float inv_bc1, float inv_bc2,
+                                 float eps, float lr, float wd, i64 n) {
+    GRID_STRIDE(i, n) {
+        float w = master ? master[i] : (float)load_as(param, p_code, i);
+        float g = clip * (float)load_as(grad, g_code, i);
+        float mi = b1 * m[i] + (1.0f - b1) * g;
+        float vi = b2 * v[i] + (1.0f - b2) * g * g;
+        float mh = mi * inv_bc1, vh = vi * inv_bc2;
+        w = w - lr * (mh / (sqrtf(vh) + eps) + wd * w);
+        m[i] = mi;
+        v[i] = vi;
+        if (master) master[i] = w;
+        store_as(param, p_code, i, (double)w, 0);
+    }
+}
+
+// ---- rotary embeddings: x [B,S,H,D], pos [B*S] (or null: s index), half-split pairs ----
+extern "C" __global__ void rope(const float* x, const i64* pos, const float* inv_freq, float* y, i64 s, i64 h,
+                                i64 d, float sign, i64 n) {
+    i64 half = d / 2;
+    GRID_STRIDE(i, n) {  // n = B*S*H*half
+        i64 k = i % half;
+        i64 row = i / half;       // (b*S + si)*H + hh
+        i64 bs = row / h;         // b*S + si
+        i64 p = pos ? pos[bs] : bs % s;
+        double ang = (double)sign * (double)p * (double)inv_freq[k];
+        float c = (float)cos(ang), sn = (float)sin(ang);
+        const float* xr = x + row * d;
+        float x1 = xr[k], x2 = xr[k + half];
+        y[row * d + k] = x1 * c - x2 * sn;
+        y[row * d + k + half] = x2 * c + x1 * sn;
+    }
+}
+
+// ---- attention: q [B,S,H,D], k/v [B,T,Hkv,D]; one block per (query row, head, batch) ----
+struct Attn {
+    i64 b, s, t, h, hkv, d;
+    int causal;
+    i64 window;  // 0: none
+    float scale;
+};
+
+__device__ __forceinline__ i64 attn_pos(const Attn& a, const i64* start, i64 b, i64 i) {
+    return start ? start[b] + i : i + a.t - a.s;
+}
+
+__device__ __forceinline__ void attn_visible(const Attn& a, i64 p, i64* lo, i64* hi) {
+    i64 h = a.causal ? p + 1 : a.t;
+    h = h < 0 ? 0 : (h > a.t ? a.t : h);
+    i64 l = a.window > 0 ? p - a.window + 1 : 0;
+    l = l < 0 ? 0 : (l > a.t ? a.t : l);
+    *lo = l;
+    *hi = h > l ? h : l;
+}
+
+// Scores go to dynamic shared memory (T floats).
+extern "C" __global__ void attention_forward(const float* q, const float* k, const float* v, const i64* start,
+                                             const float* slopes, Attn a, float* out, float* lse) {
+    extern __shared__ float sc[];
+    i64 i = blockIdx.x, hh = blockIdx.y, b = blockIdx.z;
+    i64 g = hh / (a.h / a.hkv);
+    const float* qr = q + ((b * a.s + i) * a.h + hh) * a.d;
+    i64 p = attn_pos(a, start, b, i);
+    i64 lo, hi;
+    attn_visible(a, p, &lo, &hi);
+    float slope = slopes ? slopes[hh] : 0.0f;
+    float m = -INFINITY;
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const float* kr = k + ((b * a.t + j) * a.hkv + g) * a.d;
+        float dot = 0.0f;
+        for (i64 e = 0; e < a.d; ++e) dot += qr[e] * kr[e];
+        float x = dot * a.scale + slope * (float)(j - p);
+        sc[j] = x;
+        m = fmaxf(m, x);
+    }
+    m = block_max(m);
+    double s = 0.0;
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        float e = expf(sc[j] - m);
+        sc[j] = e;
+        s += e;
+    }
+    s = block_sum(s);  // synchronises: every score is in shared memory
+    float inv = s > 0.0 ? (float)(1.0 / s) : 0.0f;
+    float* orow = out + ((b * a.s + i) * a.h + hh) * a.d;
+    for (i64 e = threadIdx.x; e < a.d; e += blockDim.x) {
+        float acc = 0.0f;
+        for (i64 j = lo; j < hi; ++j) acc += sc[j] * v[((b * a.t + j) * a.hkv + g) * a.d + e];
+        orow[e] = acc * inv;
+    }
+    if (threadIdx.x == 0) lse[(b * a.h + hh) * a.s + i] = hi > lo ? (float)((double)m + log(s)) : -INFINITY;
+}
+
+// Per query row: dq directly; dk and dv accumulate atomically (zeroed first). `drow` [B,H,S]
+// holds D_i = Σ dO·O, computed by `attention_delta`.
+extern "C" __global__ void attention_delta(const float* out, const float* dout, float* delta, Attn a) {
+    i64 i = blockIdx.x, hh = blockIdx.y, b = blockIdx.z;
+    i64 off = ((b * a.s + i) * a.h + hh) * a.d;
+    double s = 0.0;
+    for (i64 e = threadIdx.x; e < a.d; e += blockDim.x) s += (double)out[off + e] * dout[off + e];
+    s = block_sum(s);
+    if (threadIdx.x == 0) delta[(b * a.h + hh) * a.s + i] = (float)s;
+}
+
+extern "C" __global__ void attention_backward(const float* q, const float* k, const float* v, const float* lse,
+                                              const float* dout, const float* delta, const i64* start,
+                                              const float* slopes, Attn a, float* dq, float* dk, float* dv) {
+    extern __shared__ float ds[];
+    i64 i = blockIdx.x, hh = blockIdx.y, b = blockIdx.z;
+    i64 g = hh / (a.h / a.hkv);
+    i64 qo = ((b * a.s + i) * a.h + hh) * a.d;
+    const float* qr = q + qo;
+    const float* gr = dout + qo;
+    i64 p = attn_pos(a, start, b, i);
+    i64 lo, hi;
+    attn_visible(a, p, &lo, &hi);
+    float slope = slopes ? slopes[hh] : 0.0f;
+    float l = lse[(b * a.h + hh) * a.s + i];
+    float dd = delta[(b * a.h + hh) * a.s + i];
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const float* kr = k + ((b * a.t + j) * a.hkv + g) * a.d;
+        const float* vr = v + ((b * a.t + j) * a.hkv + g) * a.d;
+        float dot = 0.0f, dp = 0.0f;
+        for (i64 e = 0; e < a.d; ++e) {
+            dot += qr[e] * kr[e];
+            dp += gr[e] * vr[e];
+        }
+        float pij = expf(dot * a.scale + slope * (float)(j - p) - l);
+        ds[j] = pij * (dp - dd);
+        float* dvr = dv + ((b * a.t + j) * a.hkv + g) * a.d;
+        float* dkr = dk + ((b * a.t + j) * a.hkv + g) * a.d;
+        for (i64 e = 0; e < a.d; ++e) {
+            atomicAdd(&dvr[e], pij * gr[e]);
+            atomicAdd(&dkr[e], ds[j] * a.scale * qr[e]);
+        }
+    }
+    __syncthreads();
+    for (i64 e = threadIdx.x; e < a.d; e += blockDim.x) {
+        float acc = 0.0f;
+        for (i64 j = lo; j < hi; ++j) acc += ds[j] * k[((b * a.t + j) * a.hkv + g) * a.d + e];
+        dq[qo + e] = acc * a.scale;
+    }
+}

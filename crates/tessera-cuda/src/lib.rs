@@ -1,0 +1,29 @@
+//! Tessera on NVIDIA GPUs: a [`tessera_runtime::Backend`] whose values live in device memory.
+//!
+//! - [`gpu::Gpu`] opens a device through the driver API, loaded at run time (cudarc's
+//!   dynamic loading: this crate builds, and CI compiles it, on machines with no CUDA), and
+//!   compiles `kernels.cu` with NVRTC for the device's architecture;
+//! - [`alloc::CachingAllocator`] hands out device memory and keeps the books the memory
+//!   accountant keeps: the Program's live bytes, exactly, with scratch reported beside;
+//! - [`backend::CudaBackend`] runs every training op: cuBLAS GEMMs (bf16 operands with fp32
+//!   accumulation), elementwise, reductions, norms, embedding, cross-entropy, attention and
+//!   AdamW kernels. The executor, trainer and checkpoints are the CPU's, unchanged: a GPU is
+//!   another backend of the one training path.
+//!
+//! What runs where is checked by `scripts/gpu-check.sh` on a GPU (every node of real
+//! training graphs against the CPU kernels, loss curves, memory against the prediction).
+
+pub mod alloc;
+mod attention;
+pub mod backend;
+mod gemm;
+pub mod gpu;
+pub mod launch;
+mod loss;
+mod optim;
+pub mod source;
+pub mod tensor;
+
+pub use backend::CudaBackend;
+pub use gpu::Gpu;
+pub use tensor::CudaTensor;

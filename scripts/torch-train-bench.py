@@ -1,0 +1,47 @@
+"""PyTorch eager (and torch.compile) baseline for the GPU check: tokens/s of one training step
+(forward, backward, AdamW) of a Hugging Face GPT-2 configuration at the same batch, sequence
+and precision as Tessera's `speed` check. Prints one JSON line per run.
+
+    python3 scripts/torch-train-bench.py gpt2-medium 4 1024 [--compile]
+"""
+import json, sys, time
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+SIZES = {"gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16), "gpt2": dict(n_embd=768, n_layer=12, n_head=12)}
+
+def run(name, batch, seq, dtype, compile_):
+    cfg = GPT2Config(n_positions=max(1024, seq), vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, **SIZES[name])
+    cfg._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, 50257, (batch, seq), device="cuda")
+    step_fn = model
+    if compile_:
+        step_fn = torch.compile(model)
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = step_fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    reps = 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    torch.cuda.synchronize()
+    s = (time.perf_counter() - t0) / reps
+    print(json.dumps({"check": "torch", "model": name, "dtype": dtype, "compile": compile_, "batch": batch,
+                      "seq": seq, "step_s": round(s, 4), "tokens_per_s": round(batch * seq / s, 1),
+                      "peak_bytes": torch.cuda.max_memory_allocated()}), flush=True)
+
+if __name__ == "__main__":
+    name, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    for dtype in ("bf16", "fp32"):
+        run(name, batch, seq, dtype, False)
+    if "--compile" in sys.argv:
+        run(name, batch, seq, "bf16", True)
