@@ -11,4 +11,4 @@ demo: setup
 # Every test of the workspace.
 # Non-incremental: CI builds once, and incremental state would add ~1.6 GB.
 test: setup
-	CARGO_INCREMENTAL=0 cargo test --workspace --features tessera-cli/mpi
+	CARGO_INCREMENTAL=0 cargo test --workspace --features tessera-cli/mpi,tessera-cli/cuda

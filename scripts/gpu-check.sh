@@ -5,6 +5,9 @@
 #
 #   scripts/gpu-check.sh [OUT_DIR] [checks...]     # on a machine with an NVIDIA GPU
 #
+# checks: kernels training memory calibrate speed (all when none is named); TORCH_BASELINE=0
+# skips the PyTorch runs that go with `speed`.
+#
 # The binary is built with `cargo build --release -p tessera-cuda --bin tessera-gpu-check`
 # where Rust is present; on a GPU machine without Rust, carry target/release/tessera-gpu-check.
 set -uo pipefail
@@ -22,7 +25,7 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 "$bin" "$@" 2> >(tee "$out/stderr.txt" >&2) | tee "$out/checks.jsonl"
 rc=${PIPESTATUS[0]}
-if [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qx speed; then
-  python3 scripts/torch-train-bench.py gpt2-medium 4 512 --compile 2>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
+if [ "${TORCH_BASELINE:-1}" != 0 ] && { [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qx speed; }; then
+  python3 scripts/torch-train-bench.py gpt2-medium 4 1024 --compile 2>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
 fi
 exit "$rc"

@@ -36,12 +36,25 @@ use tessera_runtime::TrainData;
 /// run works from any directory.
 const DEFAULT_CORPUS: &str = include_str!("../../../data/shakespeare.txt");
 
+/// Where the devices' kernels run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// This machine's CPU cores (every device of the plan a thread or an MPI rank).
+    Cpu,
+    /// An NVIDIA GPU through CUDA (one device for now: `--devices 1`); needs a `tessera` built
+    /// with `--features cuda` and an NVIDIA driver.
+    Cuda,
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct TrainArgs {
     /// Devices to train on: simulated devices (threads) in this process, each with its own
     /// memory accountant and budget. Under mpirun/srun/torchrun, the launcher's world instead.
     #[arg(long, default_value_t = 4)]
     pub devices: usize,
+    /// Where the kernels run: `cpu`, or `cuda` (GPU 0, with `--devices 1`).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// The cluster the plan is made for (default `<devices>xcpu`, the calibrated CPU preset).
     #[arg(long)]
     pub cluster: Option<String>,
@@ -372,7 +385,15 @@ fn validate(args: &TrainArgs) -> Result<()> {
 pub fn run(args: &TrainArgs) -> Result<()> {
     let args = &adopt_plan_file(args)?;
     validate(args)?;
-    if let Some(env) = tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))? {
+    let launched = tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))?;
+    let world = launched.as_ref().map_or(args.devices, |env| env.world_size.max(args.devices));
+    if args.device == DeviceKind::Cuda && world > 1 {
+        anyhow::bail!(
+            "--device cuda trains on one GPU for now (several need NCCL, not yet built): give \
+             --devices 1"
+        );
+    }
+    if let Some(env) = launched {
         if env.world_size > 1 {
             return crate::train_launch::run_launched(args, &env);
         }

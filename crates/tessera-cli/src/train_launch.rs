@@ -6,7 +6,7 @@
 
 use crate::format::bytes;
 use crate::profile_cmd::{print_stdout, OutputFormat};
-use crate::train_cmd::{prepare, progress, RunContext, Start, TrainArgs};
+use crate::train_cmd::{prepare, progress, DeviceKind, RunContext, Start, TrainArgs};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::json;
 use std::time::Duration;
@@ -15,7 +15,8 @@ use tessera_ir::CkptMode;
 use tessera_runtime::collective::{CommRunner, DeviceMesh};
 use tessera_runtime::run::{restore_extra, run_device, Observer, RankOutcome, RunSpec};
 use tessera_runtime::{
-    alloc, CpuBackend, DeviceSetup, LossScaleConfig, RuntimeError, StartState, StepStats, Trainer,
+    alloc, Backend, CpuBackend, DeviceSetup, LossScaleConfig, RuntimeError, StartState, StepStats,
+    Trainer,
 };
 
 /// Plans the run and trains on `devices` devices of this process: one device directly, more as
@@ -160,11 +161,46 @@ fn first_failure(outcomes: Vec<Result<RankOutcome>>) -> Result<RankOutcome> {
     zero.ok_or_else(|| anyhow!("rank 0 returned nothing"))
 }
 
-/// One device's whole run: its trainer on its shards, the runtime's loop, the report.
+/// One device's whole run on the backend `--device` names.
 pub fn run_rank(
     ctx: &RunContext,
     comm: Option<Box<dyn Communicator>>,
     rank: usize,
+) -> Result<RankOutcome> {
+    match ctx.args.device {
+        DeviceKind::Cpu => run_rank_on(ctx, comm, rank, CpuBackend::new(rank)),
+        DeviceKind::Cuda => {
+            if comm.is_some() {
+                bail!(
+                    "--device cuda trains on one GPU for now (several need NCCL, not yet built): \
+                     give --devices 1"
+                );
+            }
+            run_rank_on(ctx, comm, rank, cuda_backend(rank)?)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(rank: usize) -> Result<tessera_cuda::CudaBackend> {
+    let gpu = tessera_cuda::Gpu::open(rank).context("--device cuda")?;
+    Ok(tessera_cuda::CudaBackend::new(gpu))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(_rank: usize) -> Result<CpuBackend> {
+    bail!(
+        "--device cuda: this tessera was built without CUDA support; rebuild it with \
+         `cargo build --release --features cuda` (no CUDA toolkit is needed to build)"
+    )
+}
+
+/// One device's whole run: its trainer on its shards, the runtime's loop, the report.
+fn run_rank_on<B: Backend>(
+    ctx: &RunContext,
+    comm: Option<Box<dyn Communicator>>,
+    rank: usize,
+    backend: B,
 ) -> Result<RankOutcome> {
     let mesh = DeviceMesh::new(&ctx.mesh_shape, rank)?;
     let runner = match comm {
@@ -192,7 +228,7 @@ pub fn run_rank(
         };
         let mut trainer = Trainer::new(
             ctx.training(rank).clone(),
-            CpuBackend::new(rank),
+            backend,
             runner,
             setup,
             ctx.schedule.clone(),

@@ -39,6 +39,16 @@ const COVERED: &[(&str, &str, &str)] = &[
         "init_fine_tunes_a_transformers_checkpoint_on_any_plan",
     ),
     ("tessera calibrate", "calibrate.rs", "calibrate_writes_a_cpu_preset_the_planner_reads"),
+    (
+        "cargo build --release --features tessera-cli/cuda",
+        "",
+        "`make test` builds and tests with this feature",
+    ),
+    (
+        "tessera train --device cuda",
+        "cuda_cli.rs",
+        "train_on_cuda_trains_or_names_the_missing_driver",
+    ),
     ("tessera train --config", "run_file.rs", "the_readme_run_file_commands_run"),
     ("tessera plan --config", "run_file.rs", "the_readme_run_file_commands_run"),
 ];

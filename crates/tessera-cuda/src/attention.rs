@@ -1,19 +1,22 @@
 //! Attention and rotary embeddings on the GPU. The forward saves what the CPU kernel saves
 //! (the output and the log-sum-exp `[B,H,S]`); the backward recomputes the probabilities.
-//! This first version runs one block per (query, head, batch) with the scores in shared
-//! memory and accumulates dk, dv atomically: correct for every mask the IR has (causal,
-//! sliding window, KV-cache starts, ALiBi, GQA), not yet the tiled flash kernel.
+//! Per batch element, the scores of every head come from cuBLAS (`scale·Q·Kᵀ`, strided over
+//! the kv heads, so GQA needs no copy of K or V), a row kernel applies the masks (causal,
+//! sliding window, KV-cache starts) and ALiBi and takes the softmax, and the products with V
+//! (and, backward, dP, dQ, dK, dV) are GEMMs again: an [H, S, T] f32 scratch per batch
+//! element, reused. Not yet the fused flash kernel (see BENCHMARKS.md).
 
 use crate::alloc::Purpose;
 use crate::backend::{geometry, CudaBackend};
-use crate::launch::{launch, Arg, THREADS};
+use crate::gemm::{gemm_f32, ColMat};
+use crate::launch::{launch, Arg, Attn, THREADS};
 use crate::tensor::CudaTensor;
 use cudarc::driver::LaunchConfig;
 use tessera_ir::dist::MeshPos;
 use tessera_ir::{AttentionSpec, DType, TensorMeta};
 use tessera_runtime::Result;
 
-fn rows(a: &crate::launch::Attn, shared: usize) -> LaunchConfig {
+fn rows(a: &Attn, shared: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (a.s as u32, a.h as u32, a.b as u32),
         block_dim: (THREADS / 2, 1, 1),
@@ -32,12 +35,102 @@ fn extras(
     let slopes = match &spec.alibi {
         Some(a) => {
             let s: Vec<f32> = a.local_slopes(h, Some(at))?.into_iter().map(|x| x as f32).collect();
-            Some(be.upload_as(&candle_core::Tensor::from_vec(s, h, &candle_core::Device::Cpu)?, Purpose::Scratch)?)
+            Some(be.upload_as(
+                &candle_core::Tensor::from_vec(s, h, &candle_core::Device::Cpu)?,
+                Purpose::Scratch,
+            )?)
         }
         None => None,
     };
     let start = start.map(|s| be.dense_pub(s)).transpose()?;
     Ok((slopes, start))
+}
+
+/// Byte offsets are element offsets × 4 (every operand here is f32).
+const F: u64 = 4;
+
+/// The products of one batch element `bi`, per query head `h = g·group + r`: the strided
+/// batch runs over the kv heads `g` for each `r`, so a batch never writes one output twice.
+struct Heads<'a> {
+    a: &'a Attn,
+    bi: usize,
+}
+
+impl Heads<'_> {
+    fn group(&self) -> usize {
+        (self.a.h / self.a.hkv) as usize
+    }
+    /// q/out/dout rows of head `g·group + r`: [S, D] with row stride H·D.
+    fn q(&self, t: &CudaTensor, r: usize) -> ColMat {
+        let a = self.a;
+        let off = (self.bi as i64 * a.s * a.h * a.d + r as i64 * a.d) as u64;
+        ColMat {
+            ptr: t.ptr() + off * F,
+            ld: a.h * a.d,
+            stride: self.group() as i64 * a.d,
+            trans: false,
+        }
+    }
+    /// k/v rows of kv head g: [T, D] with row stride Hkv·D.
+    fn kv(&self, t: &CudaTensor) -> ColMat {
+        let a = self.a;
+        let off = (self.bi as i64 * a.t * a.hkv * a.d) as u64;
+        ColMat { ptr: t.ptr() + off * F, ld: a.hkv * a.d, stride: a.d, trans: false }
+    }
+    /// Scores of head `g·group + r` in a per-batch-element [H, S, T] buffer.
+    fn scores(&self, t: &CudaTensor, r: usize) -> ColMat {
+        let a = self.a;
+        ColMat {
+            ptr: t.ptr() + (r as i64 * a.s * a.t) as u64 * F,
+            ld: a.t,
+            stride: self.group() as i64 * a.s * a.t,
+            trans: false,
+        }
+    }
+}
+
+/// `scores = scale · Q Kᵀ` for every head of batch element `bi` (row-major S×T, computed as
+/// the column-major T×S product `K·Qᵀ`).
+fn scores(
+    be: &CudaBackend,
+    hd: &Heads,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    sc: &CudaTensor,
+) -> Result<()> {
+    let a = hd.a;
+    for r in 0..hd.group() {
+        let kt = ColMat { trans: true, ..hd.kv(k) };
+        gemm_f32(
+            be,
+            (a.t as usize, a.s as usize, a.d as usize),
+            a.scale,
+            kt,
+            hd.q(q, r),
+            0.0,
+            hd.scores(sc, r),
+            a.hkv as usize,
+        )?;
+    }
+    Ok(())
+}
+
+fn row_grid(a: &Attn) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (a.s as u32, a.h as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Scores scratch for one batch element: [H, S, T] f32.
+fn scratch(be: &CudaBackend, a: &Attn) -> Result<CudaTensor> {
+    CudaTensor::empty(
+        be.gpu(),
+        &[a.h as usize, a.s as usize, a.t as usize],
+        DType::F32,
+        Purpose::Scratch,
+    )
 }
 
 pub fn forward(
@@ -53,16 +146,37 @@ pub fn forward(
     let (slopes, start) = extras(be, spec, a.h as usize, x.get(3).copied(), at)?;
     let o = be.out_f32(&out[0], p)?;
     let lse = be.out_f32(&out[1], p)?;
-    launch(be.gpu(), "attention_forward", rows(&a, a.t as usize * 4), &[
-        Arg::Ptr(q.ptr()),
-        Arg::Ptr(k.ptr()),
-        Arg::Ptr(v.ptr()),
-        Arg::Ptr(start.as_ref().map_or(0, |t| t.ptr())),
-        Arg::Ptr(slopes.as_ref().map_or(0, |t| t.ptr())),
-        Arg::Attn(a),
-        Arg::Ptr(o.ptr()),
-        Arg::Ptr(lse.ptr()),
-    ])?;
+    let sc = scratch(be, &a)?;
+    for bi in 0..a.b as usize {
+        let hd = Heads { a: &a, bi };
+        scores(be, &hd, &q, &k, &sc)?;
+        launch(
+            be.gpu(),
+            "attn_softmax",
+            row_grid(&a),
+            &[
+                Arg::Ptr(sc.ptr()),
+                Arg::Ptr(start.as_ref().map_or(0, |t| t.ptr())),
+                Arg::Ptr(slopes.as_ref().map_or(0, |t| t.ptr())),
+                Arg::Attn(a),
+                Arg::I64(bi as i64),
+                Arg::Ptr(lse.ptr()),
+            ],
+        )?;
+        // out = P·V: row-major S×D as the column-major D×S product Vᵀ·Pᵀ.
+        for r in 0..hd.group() {
+            gemm_f32(
+                be,
+                (a.d as usize, a.s as usize, a.t as usize),
+                1.0,
+                hd.kv(&v),
+                hd.scores(&sc, r),
+                0.0,
+                hd.q(&o, r),
+                a.hkv as usize,
+            )?;
+        }
+    }
     Ok(vec![o, lse])
 }
 
@@ -79,32 +193,69 @@ pub fn backward(
     let (q, k, v, o, lse, dout) = (&d[0], &d[1], &d[2], &d[3], &d[4], &d[5]);
     let a = geometry(q, k, spec)?;
     let (slopes, start) = extras(be, spec, a.h as usize, None, at)?;
-    let delta = CudaTensor::empty(be.gpu(), &[a.b as usize, a.h as usize, a.s as usize], DType::F32, Purpose::Scratch)?;
-    launch(be.gpu(), "attention_delta", rows(&a, 0), &[
-        Arg::Ptr(o.ptr()),
-        Arg::Ptr(dout.ptr()),
-        Arg::Ptr(delta.ptr()),
-        Arg::Attn(a),
-    ])?;
+    let delta = CudaTensor::empty(
+        be.gpu(),
+        &[a.b as usize, a.h as usize, a.s as usize],
+        DType::F32,
+        Purpose::Scratch,
+    )?;
+    launch(
+        be.gpu(),
+        "attention_delta",
+        rows(&a, 0),
+        &[Arg::Ptr(o.ptr()), Arg::Ptr(dout.ptr()), Arg::Ptr(delta.ptr()), Arg::Attn(a)],
+    )?;
     let dq = be.out_f32(&out[0], p)?;
     let dk = be.out_f32(&out[1], p)?;
     let dv = be.out_f32(&out[2], p)?;
-    be.fill_pub(&dk, 0.0)?;
-    be.fill_pub(&dv, 0.0)?;
-    launch(be.gpu(), "attention_backward", rows(&a, a.t as usize * 4), &[
-        Arg::Ptr(q.ptr()),
-        Arg::Ptr(k.ptr()),
-        Arg::Ptr(v.ptr()),
-        Arg::Ptr(lse.ptr()),
-        Arg::Ptr(dout.ptr()),
-        Arg::Ptr(delta.ptr()),
-        Arg::Ptr(start.as_ref().map_or(0, |t| t.ptr())),
-        Arg::Ptr(slopes.as_ref().map_or(0, |t| t.ptr())),
-        Arg::Attn(a),
-        Arg::Ptr(dq.ptr()),
-        Arg::Ptr(dk.ptr()),
-        Arg::Ptr(dv.ptr()),
-    ])?;
+    let sc = scratch(be, &a)?;
+    let dp = scratch(be, &a)?;
+    let (s, t, dd) = (a.s as usize, a.t as usize, a.d as usize);
+    let count = a.hkv as usize;
+    for bi in 0..a.b as usize {
+        let hd = Heads { a: &a, bi };
+        scores(be, &hd, q, k, &sc)?;
+        // dP = dO·Vᵀ (the scores' shape).
+        for r in 0..hd.group() {
+            let vt = ColMat { trans: true, ..hd.kv(v) };
+            gemm_f32(be, (t, s, dd), 1.0, vt, hd.q(dout, r), 0.0, hd.scores(&dp, r), count)?;
+        }
+        launch(
+            be.gpu(),
+            "attn_grad_scores",
+            row_grid(&a),
+            &[
+                Arg::Ptr(sc.ptr()),
+                Arg::Ptr(dp.ptr()),
+                Arg::Ptr(lse.ptr()),
+                Arg::Ptr(delta.ptr()),
+                Arg::Ptr(start.as_ref().map_or(0, |t| t.ptr())),
+                Arg::Ptr(slopes.as_ref().map_or(0, |t| t.ptr())),
+                Arg::Attn(a),
+                Arg::I64(bi as i64),
+            ],
+        )?;
+        for r in 0..hd.group() {
+            let beta = if r == 0 { 0.0 } else { 1.0 };
+            // dQ = scale·dS·K: row-major S×D = column-major Kᵀ(D×T)·dSᵀ.
+            gemm_f32(
+                be,
+                (dd, s, t),
+                a.scale,
+                hd.kv(k),
+                hd.scores(&dp, r),
+                0.0,
+                hd.q(&dq, r),
+                count,
+            )?;
+            // dK += scale·dSᵀ·Q: row-major T×D = column-major Qᵀ(D×S)·dS.
+            let ds_t = ColMat { trans: true, ..hd.scores(&dp, r) };
+            gemm_f32(be, (dd, t, s), a.scale, hd.q(q, r), ds_t, beta, hd.kv(&dk), count)?;
+            // dV += Pᵀ·dO: row-major T×D = column-major dOᵀ(D×S)·P.
+            let p_t = ColMat { trans: true, ..hd.scores(&sc, r) };
+            gemm_f32(be, (dd, t, s), 1.0, hd.q(dout, r), p_t, beta, hd.kv(&dv), count)?;
+        }
+    }
     Ok(vec![dq, dk, dv])
 }
 
@@ -119,23 +270,34 @@ pub fn rope(
 ) -> Result<CudaTensor> {
     let x = be.dense_pub(x)?;
     let &[_, s, h, d] = x.dims() else {
-        return Err(tessera_runtime::RuntimeError::Binding(format!("rope: x {:?} must be [B,S,H,D]", x.dims())));
+        return Err(tessera_runtime::RuntimeError::Binding(format!(
+            "rope: x {:?} must be [B,S,H,D]",
+            x.dims()
+        )));
     };
     let f: Vec<f32> = inv_freq.iter().map(|&v| v as f32).collect();
-    let freq = be.upload_as(&candle_core::Tensor::from_vec(f, inv_freq.len(), &candle_core::Device::Cpu)?, Purpose::Scratch)?;
+    let freq = be.upload_as(
+        &candle_core::Tensor::from_vec(f, inv_freq.len(), &candle_core::Device::Cpu)?,
+        Purpose::Scratch,
+    )?;
     let pos = positions.map(|t| be.dense_pub(t)).transpose()?;
     let y = be.out_f32(out, p)?;
     let n = x.numel() / 2;
-    launch(be.gpu(), "rope", crate::launch::elementwise(n), &[
-        Arg::Ptr(x.ptr()),
-        Arg::Ptr(pos.as_ref().map_or(0, |t| t.ptr())),
-        Arg::Ptr(freq.ptr()),
-        Arg::Ptr(y.ptr()),
-        Arg::I64(s as i64),
-        Arg::I64(h as i64),
-        Arg::I64(d as i64),
-        Arg::F32(if inverse { -1.0 } else { 1.0 }),
-        Arg::I64(n as i64),
-    ])?;
+    launch(
+        be.gpu(),
+        "rope",
+        crate::launch::elementwise(n),
+        &[
+            Arg::Ptr(x.ptr()),
+            Arg::Ptr(pos.as_ref().map_or(0, |t| t.ptr())),
+            Arg::Ptr(freq.ptr()),
+            Arg::Ptr(y.ptr()),
+            Arg::I64(s as i64),
+            Arg::I64(h as i64),
+            Arg::I64(d as i64),
+            Arg::F32(if inverse { -1.0 } else { 1.0 }),
+            Arg::I64(n as i64),
+        ],
+    )?;
     Ok(y)
 }

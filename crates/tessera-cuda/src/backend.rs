@@ -14,21 +14,39 @@ use crate::launch::{elementwise, launch, per_row, Arg, Attn};
 use crate::source::{binary_code, reduce_code, type_code, unary_code};
 use crate::tensor::{elem_size, row_major, CudaTensor, Layout};
 use candle_core::Tensor;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use tessera_ir::dist::MeshPos;
 use tessera_ir::{AttentionSpec, DType, Op, ReduceOp, TensorMeta};
 use tessera_runtime::{Backend, Result, RuntimeError};
+
+/// Device time per op kind, when switched on: the backend synchronises around each op (so
+/// the figures are the kernels' own, at the price of the overlap).
+#[derive(Clone, Default)]
+pub struct OpTimer {
+    pub on: Arc<AtomicBool>,
+    /// Op name → (calls, seconds).
+    pub times: Arc<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
+}
 
 /// One GPU as a backend.
 #[derive(Clone)]
 pub struct CudaBackend {
     gpu: Arc<Gpu>,
     name: String,
+    timer: Option<OpTimer>,
 }
 
 impl CudaBackend {
     pub fn new(gpu: Arc<Gpu>) -> CudaBackend {
-        CudaBackend { name: format!("cuda:{}", gpu.ordinal()), gpu }
+        CudaBackend { name: format!("cuda:{}", gpu.ordinal()), gpu, timer: None }
+    }
+
+    /// Records device time per op kind into `timer` while `timer.on` is set.
+    pub fn with_op_timer(mut self, timer: OpTimer) -> CudaBackend {
+        self.timer = Some(timer);
+        self
     }
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
@@ -92,7 +110,21 @@ impl Backend for CudaBackend {
         outputs: &[TensorMeta],
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
-        self.execute_impl(op, inputs, outputs, at)
+        match self.timer.as_ref().filter(|t| t.on.load(Ordering::Relaxed)) {
+            None => self.execute_impl(op, inputs, outputs, at),
+            Some(timer) => {
+                self.gpu.synchronize()?;
+                let t0 = std::time::Instant::now();
+                let out = self.execute_impl(op, inputs, outputs, at)?;
+                self.gpu.synchronize()?;
+                let mut times =
+                    timer.times.lock().map_err(|_| bad("cuda: timer lock poisoned".into()))?;
+                let e = times.entry(op.name()).or_default();
+                e.0 += 1;
+                e.1 += t0.elapsed().as_secs_f64();
+                Ok(out)
+            }
+        }
     }
 }
 
@@ -164,12 +196,24 @@ impl CudaBackend {
         // declared outputs.
         let up: Vec<CudaTensor> = inputs
             .iter()
-            .map(|t| if is_half(t.dtype()) { self.cast(t, DType::F32, Purpose::Scratch) } else { Ok((*t).clone()) })
+            .map(|t| {
+                if is_half(t.dtype()) {
+                    self.cast(t, DType::F32, Purpose::Scratch)
+                } else {
+                    Ok((*t).clone())
+                }
+            })
             .collect::<Result<_>>()?;
         let refs: Vec<&CudaTensor> = up.iter().collect();
         let f32_out: Vec<TensorMeta> = outputs
             .iter()
-            .map(|m| if is_half(m.dtype) { TensorMeta { shape: m.shape.clone(), dtype: DType::F32 } } else { m.clone() })
+            .map(|m| {
+                if is_half(m.dtype) {
+                    TensorMeta { shape: m.shape.clone(), dtype: DType::F32 }
+                } else {
+                    m.clone()
+                }
+            })
             .collect();
         let outs = self.run(op, &refs, &f32_out, at, Purpose::Scratch)?;
         outs.into_iter()
@@ -194,6 +238,19 @@ impl CudaBackend {
     /// Writes `x` into `y` at layout `ly` (x's dims).
     fn copy_into(&self, x: &CudaTensor, y: &CudaTensor, ly: Layout) -> Result<()> {
         let n = x.numel();
+        let dense_dst = ly.offset == 0 && y.is_contiguous() && y.dims() == x.dims();
+        if x.is_contiguous() && dense_dst {
+            // SAFETY: both buffers hold `n` contiguous elements of this size.
+            return unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    y.ptr(),
+                    x.ptr(),
+                    n * elem_size(x.dtype()),
+                    self.gpu.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| bad(format!("cuda: device copy: {e}")));
+        }
         let size = elem_size(x.dtype()) as i32;
         launch(
             &self.gpu,
@@ -271,11 +328,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn scalar(&self, x: &CudaTensor) -> Result<f64> {
-        let t = self.download(x)?;
-        Ok(t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?[0])
-    }
-
     /// Runs `op` with every operand in the dtype its kernel takes; fresh outputs are `p`.
     fn run(
         &self,
@@ -300,43 +352,58 @@ impl CudaBackend {
                 self.expect_f32(op, x)?;
                 let y = self.new_out(&out[0], p)?;
                 let n = y.numel();
-                launch(g, "unary", elementwise(n), &[
-                    Arg::I32(unary_code(*u)),
-                    Arg::Ptr(x[0].base()),
-                    Arg::Layout(x[0].layout()),
-                    Arg::Ptr(y.ptr()),
-                    Arg::I64(n as i64),
-                ])?;
+                launch(
+                    g,
+                    "unary",
+                    elementwise(n),
+                    &[
+                        Arg::I32(unary_code(*u)),
+                        Arg::Ptr(x[0].base()),
+                        Arg::Layout(x[0].layout()),
+                        Arg::Ptr(y.ptr()),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
                 one(y)
             }
             Op::UnaryBackward(u) => {
                 self.expect_f32(op, x)?;
                 let y = self.new_out(&out[0], p)?;
                 let n = y.numel();
-                launch(g, "unary_backward", elementwise(n), &[
-                    Arg::I32(unary_code(*u)),
-                    Arg::Ptr(x[0].base()),
-                    Arg::Layout(x[0].layout()),
-                    Arg::Ptr(x[1].base()),
-                    Arg::Layout(x[1].layout_as(x[0].dims())?),
-                    Arg::Ptr(y.ptr()),
-                    Arg::I64(n as i64),
-                ])?;
+                launch(
+                    g,
+                    "unary_backward",
+                    elementwise(n),
+                    &[
+                        Arg::I32(unary_code(*u)),
+                        Arg::Ptr(x[0].base()),
+                        Arg::Layout(x[0].layout()),
+                        Arg::Ptr(x[1].base()),
+                        Arg::Layout(x[1].layout_as(x[0].dims())?),
+                        Arg::Ptr(y.ptr()),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
                 one(y)
             }
             Op::Binary(b) => {
                 self.expect_f32(op, x)?;
                 let y = self.new_out(&out[0], p)?;
                 let (dims, n) = (out[0].shape.dims(), y.numel());
-                launch(g, "binary", elementwise(n), &[
-                    Arg::I32(binary_code(*b)),
-                    Arg::Ptr(x[0].base()),
-                    Arg::Layout(x[0].layout_as(dims)?),
-                    Arg::Ptr(x[1].base()),
-                    Arg::Layout(x[1].layout_as(dims)?),
-                    Arg::Ptr(y.ptr()),
-                    Arg::I64(n as i64),
-                ])?;
+                launch(
+                    g,
+                    "binary",
+                    elementwise(n),
+                    &[
+                        Arg::I32(binary_code(*b)),
+                        Arg::Ptr(x[0].base()),
+                        Arg::Layout(x[0].layout_as(dims)?),
+                        Arg::Ptr(x[1].base()),
+                        Arg::Layout(x[1].layout_as(dims)?),
+                        Arg::Ptr(y.ptr()),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
                 one(y)
             }
             Op::BinaryBackward { op: b, wrt } => {
@@ -346,18 +413,23 @@ impl CudaBackend {
                 }
                 let y = self.new_out(&out[0], p)?;
                 let (dims, n) = (out[0].shape.dims(), y.numel());
-                launch(g, "binary_backward", elementwise(n), &[
-                    Arg::I32(binary_code(*b)),
-                    Arg::I32(*wrt as i32),
-                    Arg::Ptr(x[0].base()),
-                    Arg::Layout(x[0].layout_as(dims)?),
-                    Arg::Ptr(x[1].base()),
-                    Arg::Layout(x[1].layout_as(dims)?),
-                    Arg::Ptr(x[2].base()),
-                    Arg::Layout(x[2].layout_as(dims)?),
-                    Arg::Ptr(y.ptr()),
-                    Arg::I64(n as i64),
-                ])?;
+                launch(
+                    g,
+                    "binary_backward",
+                    elementwise(n),
+                    &[
+                        Arg::I32(binary_code(*b)),
+                        Arg::I32(*wrt as i32),
+                        Arg::Ptr(x[0].base()),
+                        Arg::Layout(x[0].layout_as(dims)?),
+                        Arg::Ptr(x[1].base()),
+                        Arg::Layout(x[1].layout_as(dims)?),
+                        Arg::Ptr(x[2].base()),
+                        Arg::Layout(x[2].layout_as(dims)?),
+                        Arg::Ptr(y.ptr()),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
                 one(y)
             }
             Op::Cast(d) => one(self.cast(x[0], *d, p)?),
@@ -366,23 +438,31 @@ impl CudaBackend {
                 if shard.is_some() {
                     return Err(unsupported("dropout", "a sharded mask (tensor-parallel dropout)"));
                 }
-                let seed = self.scalar(x[1])? as i64 as u64;
+                if x[1].dtype() != DType::I64 || x[1].numel() != 1 {
+                    return Err(bad(format!(
+                        "dropout: the seed must be an i64 scalar, got {}",
+                        x[1].meta()
+                    )));
+                }
                 let y = self.new_out(&out[0], p)?;
                 let n = y.numel();
-                let base = seed
-                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                    .wrapping_add(stream.wrapping_mul(0xD1B5_4A32_D192_ED03));
                 let threshold = (prob * (1u64 << 53) as f64).ceil() as u64;
                 let scale = (1.0 / (1.0 - prob)) as f32;
-                launch(g, "dropout", elementwise(n), &[
-                    Arg::Ptr(x[0].base()),
-                    Arg::Layout(x[0].layout()),
-                    Arg::Ptr(y.ptr()),
-                    Arg::U64(base),
-                    Arg::U64(threshold),
-                    Arg::F32(scale),
-                    Arg::I64(n as i64),
-                ])?;
+                launch(
+                    g,
+                    "dropout",
+                    elementwise(n),
+                    &[
+                        Arg::Ptr(x[0].base()),
+                        Arg::Layout(x[0].layout()),
+                        Arg::Ptr(y.ptr()),
+                        Arg::Ptr(x[1].ptr()),
+                        Arg::U64(*stream),
+                        Arg::U64(threshold),
+                        Arg::F32(scale),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
                 one(y)
             }
             Op::MatMul { trans_a, trans_b } => {
@@ -403,23 +483,33 @@ impl CudaBackend {
                 let cols = *y.dims().last().unwrap_or(&1);
                 let rows = y.numel() / cols.max(1);
                 if matches!(op, Op::Softmax) {
-                    launch(g, "softmax", per_row(rows), &[
-                        Arg::Ptr(xs[0].ptr()),
-                        Arg::Ptr(y.ptr()),
-                        Arg::I64(cols as i64),
-                    ])?;
+                    launch(
+                        g,
+                        "softmax",
+                        per_row(rows),
+                        &[Arg::Ptr(xs[0].ptr()), Arg::Ptr(y.ptr()), Arg::I64(cols as i64)],
+                    )?;
                 } else {
-                    launch(g, "softmax_backward", per_row(rows), &[
-                        Arg::Ptr(xs[0].ptr()),
-                        Arg::Ptr(xs[1].ptr()),
-                        Arg::Ptr(y.ptr()),
-                        Arg::I64(cols as i64),
-                    ])?;
+                    launch(
+                        g,
+                        "softmax_backward",
+                        per_row(rows),
+                        &[
+                            Arg::Ptr(xs[0].ptr()),
+                            Arg::Ptr(xs[1].ptr()),
+                            Arg::Ptr(y.ptr()),
+                            Arg::I64(cols as i64),
+                        ],
+                    )?;
                 }
                 one(y)
             }
             Op::Reshape(s) => {
-                let src = if x[0].is_contiguous() { x[0].clone() } else { self.copy(x[0], Purpose::Scratch)? };
+                let src = if x[0].is_contiguous() {
+                    x[0].clone()
+                } else {
+                    self.copy(x[0], Purpose::Scratch)?
+                };
                 one(src.reshaped(s.dims()))
             }
             Op::Expand(s) => one(x[0].broadcast(s.dims())?),
@@ -468,7 +558,9 @@ impl CudaBackend {
             }
             Op::LayerNorm { eps } => one(self.norm(x[0], x[1], Some(x[2]), *eps, &out[0], p)?),
             Op::RmsNorm { eps } => one(self.norm(x[0], x[1], None, *eps, &out[0], p)?),
-            Op::LayerNormBackward { eps } => self.norm_backward(x[0], x[1], x[2], *eps, false, out, p),
+            Op::LayerNormBackward { eps } => {
+                self.norm_backward(x[0], x[1], x[2], *eps, false, out, p)
+            }
             Op::RmsNormBackward { eps } => self.norm_backward(x[0], x[1], x[2], *eps, true, out, p),
             Op::Embedding => {
                 self.expect_f32(op, &x[..1])?;
@@ -476,13 +568,18 @@ impl CudaBackend {
                 let y = self.new_out(&out[0], p)?;
                 let dim = *table.dims().last().unwrap_or(&1);
                 let n = y.numel();
-                launch(g, "embedding", elementwise(n), &[
-                    Arg::Ptr(table.ptr()),
-                    Arg::Ptr(ids.ptr()),
-                    Arg::Ptr(y.ptr()),
-                    Arg::I64(dim as i64),
-                    Arg::I64(n as i64),
-                ])?;
+                launch(
+                    g,
+                    "embedding",
+                    elementwise(n),
+                    &[
+                        Arg::Ptr(table.ptr()),
+                        Arg::Ptr(ids.ptr()),
+                        Arg::Ptr(y.ptr()),
+                        Arg::I64(dim as i64),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
                 one(y)
             }
             Op::EmbeddingBackward { .. } => {
@@ -492,26 +589,37 @@ impl CudaBackend {
                 self.fill(&y, 0.0)?;
                 let dim = *y.dims().last().unwrap_or(&1);
                 let n = dy.numel();
-                launch(g, "embedding_backward", elementwise(n), &[
-                    Arg::Ptr(ids.ptr()),
-                    Arg::Ptr(dy.ptr()),
-                    Arg::Ptr(y.ptr()),
-                    Arg::I64(dim as i64),
-                    Arg::I64(n as i64),
-                ])?;
+                launch(
+                    g,
+                    "embedding_backward",
+                    elementwise(n),
+                    &[
+                        Arg::Ptr(ids.ptr()),
+                        Arg::Ptr(dy.ptr()),
+                        Arg::Ptr(y.ptr()),
+                        Arg::I64(dim as i64),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
                 one(y)
             }
             Op::CrossEntropy { ignore_index, sum } => {
                 crate::loss::cross_entropy(self, x[0], x[1], *ignore_index, *sum, out, p)
             }
-            Op::CrossEntropyBackward { ignore_index, sum } => one(crate::loss::cross_entropy_backward(
-                self, x, *ignore_index, *sum, &out[0], p,
-            )?),
+            Op::CrossEntropyBackward { ignore_index, sum } => {
+                one(crate::loss::cross_entropy_backward(self, x, *ignore_index, *sum, &out[0], p)?)
+            }
             Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),
             Op::AttentionBackward(spec) => crate::attention::backward(self, x, spec, at, out, p),
-            Op::Rope { inv_freq, inverse } => {
-                one(crate::attention::rope(self, x[0], x.get(1).copied(), inv_freq, *inverse, &out[0], p)?)
-            }
+            Op::Rope { inv_freq, inverse } => one(crate::attention::rope(
+                self,
+                x[0],
+                x.get(1).copied(),
+                inv_freq,
+                *inverse,
+                &out[0],
+                p,
+            )?),
             Op::AdamW(spec) => crate::optim::adamw(self, spec, x),
             Op::Transfer { .. } => one(self.copy(x[0], p)?),
             Op::Reshard(spec) if spec.forward.iter().all(|s| s.size == 1) => one(x[0].clone()),
@@ -528,32 +636,125 @@ impl CudaBackend {
         }
     }
 
-    fn reduce(&self, r: ReduceOp, dims: &[usize], x: &CudaTensor, out: &TensorMeta, p: Purpose) -> Result<CudaTensor> {
+    /// `y[j]` = partials `part[j·sj + g·sg]` (g < groups) combined by reduce op `code`.
+    #[allow(clippy::too_many_arguments)]
+    fn combine_partials(
+        &self,
+        code: i32,
+        part: &CudaTensor,
+        groups: usize,
+        sj: usize,
+        n: usize,
+        r: usize,
+        y: &CudaTensor,
+    ) -> Result<()> {
+        let sg = if sj == 1 { n } else { 1 };
+        launch(
+            &self.gpu,
+            "reduce_partials",
+            elementwise(n),
+            &[
+                Arg::I32(code),
+                Arg::Ptr(part.ptr()),
+                Arg::I64(groups as i64),
+                Arg::I64(sj as i64),
+                Arg::I64(sg as i64),
+                Arg::I64(r as i64),
+                Arg::Ptr(y.ptr()),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    fn reduce(
+        &self,
+        r: ReduceOp,
+        dims: &[usize],
+        x: &CudaTensor,
+        out: &TensorMeta,
+        p: Purpose,
+    ) -> Result<CudaTensor> {
         let y = self.new_out(out, p)?;
         let rank = x.dims().len();
         if dims.iter().any(|&d| d >= rank) {
             return Err(bad(format!("reduce: dims {dims:?} out of range for rank {rank}")));
         }
-        let (mut lo, mut lr) = (Layout { offset: x.offset as i64, ..Default::default() }, Layout::default());
-        let mut nr = 1usize;
+        let code = reduce_code(r);
+        let nr: usize = dims.iter().map(|&d| x.dims()[d]).product();
+        let n_out = y.numel();
+        // Leading dims of a contiguous tensor (bias gradients): coalesced column partials.
+        let leading = dims.len() < rank && (0..dims.len()).all(|i| dims.contains(&i));
+        if leading && x.is_contiguous() && nr > 1 {
+            let (groups, chunk) = row_chunks(nr);
+            let part =
+                CudaTensor::empty(&self.gpu, &[groups, n_out], DType::F64, Purpose::Scratch)?;
+            launch(
+                &self.gpu,
+                "reduce_cols_partial",
+                col_tiles(n_out, groups),
+                &[
+                    Arg::I32(code),
+                    Arg::Ptr(x.ptr()),
+                    Arg::I64(nr as i64),
+                    Arg::I64(n_out as i64),
+                    Arg::I64(chunk as i64),
+                    Arg::Ptr(part.ptr()),
+                ],
+            )?;
+            self.combine_partials(code, &part, groups, 1, n_out, nr, &y)?;
+            return Ok(y);
+        }
+        let (mut lo, mut lr) =
+            (Layout { offset: x.offset as i64, ..Default::default() }, Layout::default());
         for i in 0..rank {
-            let (l, k) = if dims.contains(&i) { (&mut lr, 1) } else { (&mut lo, 0) };
+            let l = if dims.contains(&i) { &mut lr } else { &mut lo };
             let j = l.ndim as usize;
             l.dims[j] = x.dims()[i] as i64;
             l.strides[j] = x.strides[i] as i64;
             l.ndim += 1;
-            if k == 1 {
-                nr *= x.dims()[i];
-            }
         }
-        launch(&self.gpu, "reduce", per_row(y.numel()), &[
-            Arg::I32(reduce_code(r)),
-            Arg::Ptr(x.base()),
-            Arg::Layout(lo),
-            Arg::Layout(lr),
-            Arg::I64(nr as i64),
-            Arg::Ptr(y.ptr()),
-        ])?;
+        // Few outputs over many elements (gradient norms): many blocks per output, combined.
+        if r != ReduceOp::Max && nr >= 1 << 16 && n_out <= 1024 {
+            let chunk = 1 << 14;
+            let groups = nr.div_ceil(chunk).min(1024);
+            let chunk = nr.div_ceil(groups);
+            let part =
+                CudaTensor::empty(&self.gpu, &[n_out, groups], DType::F64, Purpose::Scratch)?;
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (n_out as u32, groups as u32, 1),
+                block_dim: (crate::launch::THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch(
+                &self.gpu,
+                "reduce_partial",
+                cfg,
+                &[
+                    Arg::I32(code),
+                    Arg::Ptr(x.base()),
+                    Arg::Layout(lo),
+                    Arg::Layout(lr),
+                    Arg::I64(nr as i64),
+                    Arg::I64(chunk as i64),
+                    Arg::Ptr(part.ptr()),
+                ],
+            )?;
+            self.combine_partials(code, &part, groups, groups, n_out, nr, &y)?;
+            return Ok(y);
+        }
+        launch(
+            &self.gpu,
+            "reduce",
+            per_row(y.numel()),
+            &[
+                Arg::I32(reduce_code(r)),
+                Arg::Ptr(x.base()),
+                Arg::Layout(lo),
+                Arg::Layout(lr),
+                Arg::I64(nr as i64),
+                Arg::Ptr(y.ptr()),
+            ],
+        )?;
         Ok(y)
     }
 
@@ -593,16 +794,21 @@ impl CudaBackend {
         };
         let y = self.new_out(out, p)?;
         let n = y.numel();
-        launch(&self.gpu, "reduce_backward", elementwise(n), &[
-            Arg::I32(reduce_code(r)),
-            Arg::Ptr(x.ptr()),
-            Arg::Ptr(dy.ptr()),
-            Arg::Layout(ld),
-            Arg::Ptr(ym.as_ref().map_or(0, |t| t.ptr())),
-            Arg::I64(nr as i64),
-            Arg::Ptr(y.ptr()),
-            Arg::I64(n as i64),
-        ])?;
+        launch(
+            &self.gpu,
+            "reduce_backward",
+            elementwise(n),
+            &[
+                Arg::I32(reduce_code(r)),
+                Arg::Ptr(x.ptr()),
+                Arg::Ptr(dy.ptr()),
+                Arg::Layout(ld),
+                Arg::Ptr(ym.as_ref().map_or(0, |t| t.ptr())),
+                Arg::I64(nr as i64),
+                Arg::Ptr(y.ptr()),
+                Arg::I64(n as i64),
+            ],
+        )?;
         Ok(y)
     }
 
@@ -620,15 +826,20 @@ impl CudaBackend {
         let y = self.new_out(out, p)?;
         let cols = *x.dims().last().unwrap_or(&1);
         let rows = x.numel() / cols.max(1);
-        launch(&self.gpu, "norm_forward", per_row(rows), &[
-            Arg::Ptr(x.ptr()),
-            Arg::Ptr(w.ptr()),
-            Arg::Ptr(b.as_ref().map_or(0, |b| b.ptr())),
-            Arg::Ptr(y.ptr()),
-            Arg::I64(cols as i64),
-            Arg::F32(eps as f32),
-            Arg::I32(i32::from(b.is_none())),
-        ])?;
+        launch(
+            &self.gpu,
+            "norm_forward",
+            per_row(rows),
+            &[
+                Arg::Ptr(x.ptr()),
+                Arg::Ptr(w.ptr()),
+                Arg::Ptr(b.as_ref().map_or(0, |b| b.ptr())),
+                Arg::Ptr(y.ptr()),
+                Arg::I64(cols as i64),
+                Arg::F32(eps as f32),
+                Arg::I32(i32::from(b.is_none())),
+            ],
+        )?;
         Ok(y)
     }
 
@@ -648,27 +859,50 @@ impl CudaBackend {
         let rows = x.numel() / cols.max(1);
         let dx = self.new_out(&out[0], p)?;
         let stats = CudaTensor::empty(&self.gpu, &[rows, 2], DType::F32, Purpose::Scratch)?;
-        launch(&self.gpu, "norm_backward_dx", per_row(rows), &[
-            Arg::Ptr(x.ptr()),
-            Arg::Ptr(w.ptr()),
-            Arg::Ptr(dy.ptr()),
-            Arg::Ptr(dx.ptr()),
-            Arg::Ptr(stats.ptr()),
-            Arg::I64(cols as i64),
-            Arg::F32(eps as f32),
-            Arg::I32(i32::from(rms)),
-        ])?;
+        launch(
+            &self.gpu,
+            "norm_backward_dx",
+            per_row(rows),
+            &[
+                Arg::Ptr(x.ptr()),
+                Arg::Ptr(w.ptr()),
+                Arg::Ptr(dy.ptr()),
+                Arg::Ptr(dx.ptr()),
+                Arg::Ptr(stats.ptr()),
+                Arg::I64(cols as i64),
+                Arg::F32(eps as f32),
+                Arg::I32(i32::from(rms)),
+            ],
+        )?;
         let dw = self.new_out(&out[1], p)?;
         let db = if rms { None } else { Some(self.new_out(&out[2], p)?) };
-        launch(&self.gpu, "norm_backward_dw", elementwise(cols), &[
-            Arg::Ptr(x.ptr()),
-            Arg::Ptr(dy.ptr()),
-            Arg::Ptr(stats.ptr()),
-            Arg::Ptr(dw.ptr()),
-            Arg::Ptr(db.as_ref().map_or(0, |t| t.ptr())),
-            Arg::I64(rows as i64),
-            Arg::I64(cols as i64),
-        ])?;
+        // Column sums in two stages: row-chunk partials (coalesced over 32 columns), combined.
+        let (groups, chunk) = row_chunks(rows);
+        let pw = CudaTensor::empty(&self.gpu, &[groups, cols], DType::F64, Purpose::Scratch)?;
+        let pb = if rms {
+            None
+        } else {
+            Some(CudaTensor::empty(&self.gpu, &[groups, cols], DType::F64, Purpose::Scratch)?)
+        };
+        launch(
+            &self.gpu,
+            "norm_dw_partial",
+            col_tiles(cols, groups),
+            &[
+                Arg::Ptr(x.ptr()),
+                Arg::Ptr(dy.ptr()),
+                Arg::Ptr(stats.ptr()),
+                Arg::I64(rows as i64),
+                Arg::I64(cols as i64),
+                Arg::I64(chunk as i64),
+                Arg::Ptr(pw.ptr()),
+                Arg::Ptr(pb.as_ref().map_or(0, |t| t.ptr())),
+            ],
+        )?;
+        self.combine_partials(0, &pw, groups, 1, cols, 1, &dw)?;
+        if let (Some(pb), Some(db)) = (&pb, &db) {
+            self.combine_partials(0, pb, groups, 1, cols, 1, db)?;
+        }
         let mut v = vec![dx, dw];
         v.extend(db);
         Ok(v)
@@ -680,24 +914,37 @@ impl CudaBackend {
     pub(crate) fn dense_pub(&self, x: &CudaTensor) -> Result<CudaTensor> {
         self.dense(x)
     }
-    pub(crate) fn scalar_pub(&self, x: &CudaTensor) -> Result<f64> {
-        self.scalar(x)
-    }
     pub(crate) fn fill_pub(&self, y: &CudaTensor, v: f64) -> Result<()> {
         self.fill(y, v)
+    }
+}
+
+/// Row chunks of a two-stage column reduction over `rows` rows: (groups, rows per group).
+fn row_chunks(rows: usize) -> (usize, usize) {
+    let groups = rows.div_ceil(256).clamp(1, 128);
+    (groups, rows.div_ceil(groups))
+}
+
+/// Blocks of 32 columns × 8 row lanes, `groups` row chunks.
+fn col_tiles(cols: usize, groups: usize) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: (cols.div_ceil(32) as u32, groups as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
     }
 }
 
 /// The attention spec's checks shared by forward and backward.
 pub(crate) fn geometry(q: &CudaTensor, k: &CudaTensor, spec: &AttentionSpec) -> Result<Attn> {
     let (&[b, s, h, d], &[_, t, hkv, _]) = (q.dims(), k.dims()) else {
-        return Err(bad(format!("attention: q {:?} and k {:?} must be [B,S,H,D]", q.dims(), k.dims())));
+        return Err(bad(format!(
+            "attention: q {:?} and k {:?} must be [B,S,H,D]",
+            q.dims(),
+            k.dims()
+        )));
     };
     if hkv == 0 || h % hkv != 0 {
         return Err(bad(format!("attention: {h} query heads over {hkv} kv heads")));
-    }
-    if t * 4 > 48 * 1024 {
-        return Err(unsupported("attention", format!("{t} keys (at most 12288 on CUDA for now)")));
     }
     Ok(Attn {
         b: b as i64,
@@ -711,4 +958,3 @@ pub(crate) fn geometry(q: &CudaTensor, k: &CudaTensor, spec: &AttentionSpec) -> 
         scale: spec.scale as f32,
     })
 }
-

@@ -30,7 +30,9 @@ fn operand(be: &CudaBackend, x: &CudaTensor, batch: &[usize]) -> Result<(CudaTen
         let d = be.dense_pub(x)?;
         return Ok((d.reshaped(&[rows, cols]), 0));
     }
-    let full = if x_batch == batch { x.clone() } else {
+    let full = if x_batch == batch {
+        x.clone()
+    } else {
         let mut dims = batch.to_vec();
         dims.extend([rows, cols]);
         x.broadcast(&dims)?
@@ -59,7 +61,9 @@ pub fn matmul(
     if k != k2 || od[od.len() - 2] != m || od[od.len() - 1] != n {
         return Err(RuntimeError::Binding(format!("matmul {ad:?} x {bd:?} does not give {od:?}")));
     }
-    let (Some(ta), Some(tb), Some(tc)) = (cuda_type(a.dtype()), cuda_type(b.dtype()), cuda_type(out.dtype)) else {
+    let (Some(ta), Some(tb), Some(tc)) =
+        (cuda_type(a.dtype()), cuda_type(b.dtype()), cuda_type(out.dtype))
+    else {
         return Err(RuntimeError::Unsupported {
             backend: "cuda".into(),
             op: "matmul".into(),
@@ -90,10 +94,12 @@ pub fn matmul(
     } else {
         (m, nbatch, sa, (m * n) as i64)
     };
-    let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+    let op =
+        |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
     let (alpha, beta) = (1f32, 0f32);
     let gpu = be.gpu();
-    let blas = gpu.blas.lock().map_err(|_| RuntimeError::Binding("cuda: cuBLAS lock poisoned".into()))?;
+    let blas =
+        gpu.blas.lock().map_err(|_| RuntimeError::Binding("cuda: cuBLAS lock poisoned".into()))?;
     // SAFETY: the pointers are live device buffers holding the dims checked above; alpha and
     // beta are host f32 (compute type 32F).
     unsafe {
@@ -123,6 +129,69 @@ pub fn matmul(
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
-    .map_err(|e| RuntimeError::Binding(format!("cuda: cuBLAS GEMM {m}x{k}x{n} (batch {nbatch}): {e:?}")))?;
+    .map_err(|e| {
+        RuntimeError::Binding(format!("cuda: cuBLAS GEMM {m}x{k}x{n} (batch {nbatch}): {e:?}"))
+    })?;
     Ok(y)
+}
+
+/// One operand of [`gemm_f32`] in cuBLAS's column-major terms.
+#[derive(Clone, Copy)]
+pub(crate) struct ColMat {
+    pub ptr: u64,
+    pub ld: i64,
+    pub stride: i64,
+    pub trans: bool,
+}
+
+/// `C = alpha·op(A)·op(B) + beta·C` on f32, column-major (`m × n`, inner `k`), `count`
+/// strided products.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_f32(
+    be: &CudaBackend,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: ColMat,
+    b: ColMat,
+    beta: f32,
+    c: ColMat,
+    count: usize,
+) -> Result<()> {
+    let op =
+        |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+    let f32t = cudaDataType::CUDA_R_32F;
+    let blas = be
+        .gpu()
+        .blas
+        .lock()
+        .map_err(|_| RuntimeError::Binding("cuda: cuBLAS lock poisoned".into()))?;
+    // SAFETY: the callers pass live device buffers large enough for these dims and strides.
+    unsafe {
+        cudarc::cublas::result::gemm_strided_batched_ex(
+            blas.0,
+            op(a.trans),
+            op(b.trans),
+            m as i32,
+            n as i32,
+            k as i32,
+            &alpha as *const f32 as *const c_void,
+            a.ptr as *const c_void,
+            f32t,
+            a.ld as i32,
+            a.stride,
+            b.ptr as *const c_void,
+            f32t,
+            b.ld as i32,
+            b.stride,
+            &beta as *const f32 as *const c_void,
+            c.ptr as *mut c_void,
+            f32t,
+            c.ld as i32,
+            c.stride,
+            count as i32,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| RuntimeError::Binding(format!("cuda: cuBLAS GEMM {m}x{n}x{k} (x{count}): {e:?}")))
 }

@@ -65,7 +65,10 @@ pub const FUNCTIONS: &[&str] = &[
     "softmax_backward",
     "norm_forward",
     "norm_backward_dx",
-    "norm_backward_dw",
+    "norm_dw_partial",
+    "reduce_cols_partial",
+    "reduce_partial",
+    "reduce_partials",
     "embedding",
     "embedding_backward",
     "cross_entropy_rows",
@@ -73,16 +76,25 @@ pub const FUNCTIONS: &[&str] = &[
     "cross_entropy_backward",
     "adamw",
     "rope",
-    "attention_forward",
     "attention_delta",
-    "attention_backward",
+    "attn_softmax",
+    "attn_grad_scores",
 ];
 
 impl Gpu {
     /// Opens GPU `ordinal`: loads the driver, NVRTC and cuBLAS, compiles the kernels for the
     /// device's architecture.
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
-        // With dynamic loading a missing library is a panic inside cudarc: turn it into an error.
+        // With dynamic loading a missing library is a panic inside cudarc: turn it into an
+        // error (and keep the default hook from printing it meanwhile).
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let opened = Self::open_quiet(ordinal);
+        std::panic::set_hook(hook);
+        opened
+    }
+
+    fn open_quiet(ordinal: usize) -> Result<Arc<Gpu>> {
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| {
                 RuntimeError::Binding(
@@ -95,7 +107,10 @@ impl Gpu {
         let (major, minor) =
             ctx.compute_capability().map_err(|e| driver_err("compute capability", e))?;
         let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![format!("--gpu-architecture=compute_{major}{minor}"), "--std=c++17".into()],
+            options: vec![
+                format!("--gpu-architecture=compute_{major}{minor}"),
+                "--std=c++17".into(),
+            ],
             ..Default::default()
         };
         let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts))
@@ -166,7 +181,9 @@ impl Gpu {
             RuntimeError::Binding(format!(
                 "cuda: out of device memory allocating {bytes} bytes on {} ({} bytes of tensors \
                  live, {} reserved): {e}",
-                self.name, s.program.current + s.scratch.current, s.reserved.current
+                self.name,
+                s.program.current + s.scratch.current,
+                s.reserved.current
             ))
         })
     }

@@ -195,7 +195,9 @@ extern "C" __global__ void binary_backward(int op, int wrt, const float* a, Layo
 }
 
 // Dropout with the CPU's mask (splitmix-style hash of the element's flat index).
-extern "C" __global__ void dropout(const float* x, Layout lx, float* y, u64 base, u64 threshold, float scale, i64 n) {
+extern "C" __global__ void dropout(const float* x, Layout lx, float* y, const i64* seed, u64 stream, u64 threshold,
+                                   float scale, i64 n) {
+    u64 base = (u64)seed[0] * 0x9E3779B97F4A7C15ull + stream * 0xD1B54A32D192ED03ull;
     GRID_STRIDE(i, n) {
         u64 z = base + (u64)i;
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -355,21 +357,6 @@ extern "C" __global__ void norm_backward_dx(const float* x, const float* w, cons
     }
 }
 
-// dw[j] = Σ_r dy[r,j] xhat[r,j], db[j] = Σ_r dy[r,j] (db may be null): one thread per column.
-extern "C" __global__ void norm_backward_dw(const float* x, const float* dy, const float* stats, float* dw,
-                                            float* db, i64 rows, i64 cols) {
-    GRID_STRIDE(j, cols) {
-        double sw = 0.0, sb = 0.0;
-        for (i64 r = 0; r < rows; ++r) {
-            float g = dy[r * cols + j];
-            sw += (double)g * ((x[r * cols + j] - stats[2 * r]) * stats[2 * r + 1]);
-            sb += g;
-        }
-        dw[j] = (float)sw;
-        if (db) db[j] = (float)sb;
-    }
-}
-
 // ---- embedding ----
 extern "C" __global__ void embedding(const float* table, const i64* ids, float* y, i64 dim, i64 n) {
     GRID_STRIDE(i, n) { y[i] = table[ids[i / dim] * dim + i % dim]; }
@@ -421,9 +408,22 @@ extern "C" __global__ void cross_entropy_backward(const float* logits, const i64
 }
 
 // ---- AdamW, in place (the CPU kernel's update, f32 state; param f32 (p_bf16 = 0) or bf16) ----
+// The scalars (learning rate, 1-based step, global gradient norm, fp16 loss scale or null)
+// are read on the device, so the update queues without a host round trip; the coefficients
+// are the CPU kernel's, computed in double and rounded to f32 alike.
 extern "C" __global__ void adamw(void* param, int p_code, const void* grad, int g_code, float* m, float* v,
-                                 float* master, float clip, float b1, float b2, float inv_bc1, float inv_bc2,
-                                 float eps, float lr, float wd, i64 n) {
+                                 float* master, const void* lr_p, int lr_code, const void* step_p, int step_code,
+                                 const void* norm_p, int norm_code, const void* scale_p, int scale_code,
+                                 double beta1, double beta2, double eps_d, double wd_d, double max_norm, i64 n) {
+    double scale = scale_p ? load_as(scale_p, scale_code, 0) : 1.0;
+    double norm = load_as(norm_p, norm_code, 0) * scale;
+    if (scale_p && !isfinite(norm)) return;  // an overflowed fp16 step: nothing is written
+    double step = load_as(step_p, step_code, 0);
+    double clip_d = (max_norm >= 0.0 ? fmin(max_norm / (norm + 1e-6), 1.0) : 1.0) * scale;
+    float clip = (float)clip_d, b1 = (float)beta1, b2 = (float)beta2;
+    float inv_bc1 = (float)(1.0 / (1.0 - pow(beta1, step)));
+    float inv_bc2 = (float)(1.0 / (1.0 - pow(beta2, step)));
+    float eps = (float)eps_d, lr = (float)load_as(lr_p, lr_code, 0), wd = (float)wd_d;
     GRID_STRIDE(i, n) {
         float w = master ? master[i] : (float)load_as(param, p_code, i);
         float g = clip * (float)load_as(grad, g_code, i);
@@ -477,46 +477,7 @@ __device__ __forceinline__ void attn_visible(const Attn& a, i64 p, i64* lo, i64*
     *hi = h > l ? h : l;
 }
 
-// Scores go to dynamic shared memory (T floats).
-extern "C" __global__ void attention_forward(const float* q, const float* k, const float* v, const i64* start,
-                                             const float* slopes, Attn a, float* out, float* lse) {
-    extern __shared__ float sc[];
-    i64 i = blockIdx.x, hh = blockIdx.y, b = blockIdx.z;
-    i64 g = hh / (a.h / a.hkv);
-    const float* qr = q + ((b * a.s + i) * a.h + hh) * a.d;
-    i64 p = attn_pos(a, start, b, i);
-    i64 lo, hi;
-    attn_visible(a, p, &lo, &hi);
-    float slope = slopes ? slopes[hh] : 0.0f;
-    float m = -INFINITY;
-    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
-        const float* kr = k + ((b * a.t + j) * a.hkv + g) * a.d;
-        float dot = 0.0f;
-        for (i64 e = 0; e < a.d; ++e) dot += qr[e] * kr[e];
-        float x = dot * a.scale + slope * (float)(j - p);
-        sc[j] = x;
-        m = fmaxf(m, x);
-    }
-    m = block_max(m);
-    double s = 0.0;
-    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
-        float e = expf(sc[j] - m);
-        sc[j] = e;
-        s += e;
-    }
-    s = block_sum(s);  // synchronises: every score is in shared memory
-    float inv = s > 0.0 ? (float)(1.0 / s) : 0.0f;
-    float* orow = out + ((b * a.s + i) * a.h + hh) * a.d;
-    for (i64 e = threadIdx.x; e < a.d; e += blockDim.x) {
-        float acc = 0.0f;
-        for (i64 j = lo; j < hi; ++j) acc += sc[j] * v[((b * a.t + j) * a.hkv + g) * a.d + e];
-        orow[e] = acc * inv;
-    }
-    if (threadIdx.x == 0) lse[(b * a.h + hh) * a.s + i] = hi > lo ? (float)((double)m + log(s)) : -INFINITY;
-}
-
-// Per query row: dq directly; dk and dv accumulate atomically (zeroed first). `drow` [B,H,S]
-// holds D_i = Σ dO·O, computed by `attention_delta`.
+// D_i = Σ_e dO·O per query row ([B,H,S]), for the backward's dS = P ⊙ (dP − D).
 extern "C" __global__ void attention_delta(const float* out, const float* dout, float* delta, Attn a) {
     i64 i = blockIdx.x, hh = blockIdx.y, b = blockIdx.z;
     i64 off = ((b * a.s + i) * a.h + hh) * a.d;
@@ -526,42 +487,120 @@ extern "C" __global__ void attention_delta(const float* out, const float* dout, 
     if (threadIdx.x == 0) delta[(b * a.h + hh) * a.s + i] = (float)s;
 }
 
-extern "C" __global__ void attention_backward(const float* q, const float* k, const float* v, const float* lse,
-                                              const float* dout, const float* delta, const i64* start,
-                                              const float* slopes, Attn a, float* dq, float* dk, float* dv) {
-    extern __shared__ float ds[];
-    i64 i = blockIdx.x, hh = blockIdx.y, b = blockIdx.z;
-    i64 g = hh / (a.h / a.hkv);
-    i64 qo = ((b * a.s + i) * a.h + hh) * a.d;
-    const float* qr = q + qo;
-    const float* gr = dout + qo;
+// ---- attention through cuBLAS: per batch element b, the scores [H,S,T] come from a GEMM
+// (already scaled); these row kernels apply the masks and ALiBi and do the softmax parts. ----
+extern "C" __global__ void attn_softmax(float* sc, const i64* start, const float* slopes, Attn a, i64 b,
+                                        float* lse) {
+    i64 i = blockIdx.x, hh = blockIdx.y;
+    float* row = sc + (hh * a.s + i) * a.t;
+    i64 p = attn_pos(a, start, b, i);
+    i64 lo, hi;
+    attn_visible(a, p, &lo, &hi);
+    float slope = slopes ? slopes[hh] : 0.0f;
+    float m = -INFINITY;
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) m = fmaxf(m, row[j] + slope * (float)(j - p));
+    m = block_max(m);
+    double s = 0.0;
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) s += expf(row[j] + slope * (float)(j - p) - m);
+    s = block_sum(s);
+    float inv = s > 0.0 ? (float)(1.0 / s) : 0.0f;
+    for (i64 j = threadIdx.x; j < a.t; j += blockDim.x)
+        row[j] = (j >= lo && j < hi) ? expf(row[j] + slope * (float)(j - p) - m) * inv : 0.0f;
+    if (threadIdx.x == 0) lse[(b * a.h + hh) * a.s + i] = hi > lo ? (float)((double)m + log(s)) : -INFINITY;
+}
+
+// Backward rows: `sc` holds the scaled scores, `dp` dO·Vᵀ; writes P into sc and
+// dS = P ⊙ (dP − D) into dp.
+extern "C" __global__ void attn_grad_scores(float* sc, float* dp, const float* lse, const float* delta,
+                                            const i64* start, const float* slopes, Attn a, i64 b) {
+    i64 i = blockIdx.x, hh = blockIdx.y;
+    i64 r = (hh * a.s + i) * a.t;
     i64 p = attn_pos(a, start, b, i);
     i64 lo, hi;
     attn_visible(a, p, &lo, &hi);
     float slope = slopes ? slopes[hh] : 0.0f;
     float l = lse[(b * a.h + hh) * a.s + i];
     float dd = delta[(b * a.h + hh) * a.s + i];
-    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
-        const float* kr = k + ((b * a.t + j) * a.hkv + g) * a.d;
-        const float* vr = v + ((b * a.t + j) * a.hkv + g) * a.d;
-        float dot = 0.0f, dp = 0.0f;
-        for (i64 e = 0; e < a.d; ++e) {
-            dot += qr[e] * kr[e];
-            dp += gr[e] * vr[e];
-        }
-        float pij = expf(dot * a.scale + slope * (float)(j - p) - l);
-        ds[j] = pij * (dp - dd);
-        float* dvr = dv + ((b * a.t + j) * a.hkv + g) * a.d;
-        float* dkr = dk + ((b * a.t + j) * a.hkv + g) * a.d;
-        for (i64 e = 0; e < a.d; ++e) {
-            atomicAdd(&dvr[e], pij * gr[e]);
-            atomicAdd(&dkr[e], ds[j] * a.scale * qr[e]);
-        }
+    for (i64 j = threadIdx.x; j < a.t; j += blockDim.x) {
+        float pj = (j >= lo && j < hi) ? expf(sc[r + j] + slope * (float)(j - p) - l) : 0.0f;
+        sc[r + j] = pj;
+        dp[r + j] = pj * (dp[r + j] - dd);
     }
+}
+
+// ---- two-stage reductions: partial results in f64 scratch, then one pass combining them ----
+__device__ __forceinline__ double combine(int op, double a, double v) {
+    if (op == 2) return (isnan(a) || isnan(v)) ? (double)NAN : fmax(a, v);
+    return a + (op == 3 ? v * v : v);
+}
+
+__device__ __forceinline__ double combine_part(int op, double a, double v) {
+    if (op == 2) return (isnan(a) || isnan(v)) ? (double)NAN : fmax(a, v);
+    return a + v;
+}
+
+// Columns of a contiguous [rows, n] (reducing the leading dims): block (32, 8) covers 32
+// columns (coalesced) over row chunk blockIdx.y; part[blockIdx.y * n + j].
+extern "C" __global__ void reduce_cols_partial(int op, const float* x, i64 rows, i64 n, i64 chunk, double* part) {
+    __shared__ double acc[8][33];
+    i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
+    i64 r0 = (i64)blockIdx.y * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    double a = op == 2 ? -(double)INFINITY : 0.0;
+    if (j < n)
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) a = combine(op, a, (double)x[r * n + j]);
+    acc[threadIdx.y][threadIdx.x] = a;
     __syncthreads();
-    for (i64 e = threadIdx.x; e < a.d; e += blockDim.x) {
-        float acc = 0.0f;
-        for (i64 j = lo; j < hi; ++j) acc += ds[j] * k[((b * a.t + j) * a.hkv + g) * a.d + e];
-        dq[qo + e] = acc * a.scale;
+    if (threadIdx.y == 0 && j < n) {
+        for (int k = 1; k < 8; ++k) a = combine_part(op, a, acc[k][threadIdx.x]);
+        part[blockIdx.y * n + j] = a;
+    }
+}
+
+// Sum-like reductions of few outputs over many elements: block (o, g) covers chunk g of
+// output o's reduced elements; part[o * groups + g].
+extern "C" __global__ void reduce_partial(int op, const float* x, Layout lo, Layout lr, i64 r, i64 chunk, double* part) {
+    i64 o = blockIdx.x, g = blockIdx.y;
+    i64 base = at(lo, o);
+    i64 k0 = g * chunk, k1 = k0 + chunk < r ? k0 + chunk : r;
+    double s = 0.0;
+    for (i64 k = k0 + threadIdx.x; k < k1; k += blockDim.x) s = combine(op, s, (double)x[base + at(lr, k)]);
+    s = block_sum(s);
+    if (threadIdx.x == 0) part[o * gridDim.y + g] = s;
+}
+
+// y[j] = the partials of output j combined (part[j * sj + g * sg], g < groups); mean divides
+// by the reduced count r.
+extern "C" __global__ void reduce_partials(int op, const double* part, i64 groups, i64 sj, i64 sg, i64 r, float* y, i64 n) {
+    GRID_STRIDE(j, n) {
+        double a = op == 2 ? -(double)INFINITY : 0.0;
+        for (i64 g = 0; g < groups; ++g) a = combine_part(op, a, part[j * sj + g * sg]);
+        y[j] = (float)(op == 1 ? a / (double)r : a);
+    }
+}
+
+// Norm weight (and bias) gradients as column partials: block (32, 8) over 32 columns and
+// row chunk blockIdx.y; pw/pb[blockIdx.y * cols + j] (pb may be null).
+extern "C" __global__ void norm_dw_partial(const float* x, const float* dy, const float* stats, i64 rows, i64 cols,
+                                           i64 chunk, double* pw, double* pb) {
+    __shared__ double aw[8][33], ab[8][33];
+    i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
+    i64 r0 = (i64)blockIdx.y * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    double sw = 0.0, sb = 0.0;
+    if (j < cols)
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
+            float g = dy[r * cols + j];
+            sw += (double)g * ((x[r * cols + j] - stats[2 * r]) * stats[2 * r + 1]);
+            sb += g;
+        }
+    aw[threadIdx.y][threadIdx.x] = sw;
+    ab[threadIdx.y][threadIdx.x] = sb;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < cols) {
+        for (int k = 1; k < 8; ++k) {
+            sw += aw[k][threadIdx.x];
+            sb += ab[k][threadIdx.x];
+        }
+        pw[blockIdx.y * cols + j] = sw;
+        if (pb) pb[blockIdx.y * cols + j] = sb;
     }
 }

@@ -24,6 +24,6 @@ mod optim;
 pub mod source;
 pub mod tensor;
 
-pub use backend::CudaBackend;
+pub use backend::{CudaBackend, OpTimer};
 pub use gpu::Gpu;
 pub use tensor::CudaTensor;

@@ -10,7 +10,12 @@ use tessera_ir::{DType, TensorMeta};
 use tessera_runtime::{Backend, Result, RuntimeError};
 
 /// The non-ignored target count, or the first bad target's error.
-fn check_targets(be: &CudaBackend, t: &CudaTensor, classes: usize, ignore: Option<i64>) -> Result<usize> {
+fn check_targets(
+    be: &CudaBackend,
+    t: &CudaTensor,
+    classes: usize,
+    ignore: Option<i64>,
+) -> Result<usize> {
     let host = be.download(t)?.flatten_all()?.to_vec1::<i64>()?;
     let mut count = 0;
     for (k, &v) in host.iter().enumerate() {
@@ -44,22 +49,27 @@ pub fn cross_entropy(
     let loss = be.out_f32(&out[0], p)?;
     let lse = be.out_f32(&out[1], p)?;
     let nll = CudaTensor::empty(be.gpu(), &[rows], DType::F32, Purpose::Scratch)?;
-    launch(be.gpu(), "cross_entropy_rows", per_row(rows), &[
-        Arg::Ptr(logits.ptr()),
-        Arg::Ptr(targets.ptr()),
-        Arg::Ptr(lse.ptr()),
-        Arg::Ptr(nll.ptr()),
-        Arg::I64(v as i64),
-        Arg::I64(ignore.unwrap_or(0)),
-        Arg::I32(i32::from(ignore.is_some())),
-    ])?;
+    launch(
+        be.gpu(),
+        "cross_entropy_rows",
+        per_row(rows),
+        &[
+            Arg::Ptr(logits.ptr()),
+            Arg::Ptr(targets.ptr()),
+            Arg::Ptr(lse.ptr()),
+            Arg::Ptr(nll.ptr()),
+            Arg::I64(v as i64),
+            Arg::I64(ignore.unwrap_or(0)),
+            Arg::I32(i32::from(ignore.is_some())),
+        ],
+    )?;
     let div = if sum { 1.0 } else { count.max(1) as f64 };
-    launch(be.gpu(), "sum_to_scalar", per_row(1), &[
-        Arg::Ptr(nll.ptr()),
-        Arg::I64(rows as i64),
-        Arg::F64(div),
-        Arg::Ptr(loss.ptr()),
-    ])?;
+    launch(
+        be.gpu(),
+        "sum_to_scalar",
+        per_row(1),
+        &[Arg::Ptr(nll.ptr()), Arg::I64(rows as i64), Arg::F64(div), Arg::Ptr(loss.ptr())],
+    )?;
     Ok(vec![loss, lse])
 }
 
@@ -78,17 +88,22 @@ pub fn cross_entropy_backward(
     let div = if sum { 1.0 } else { count.max(1) as f64 };
     let y = be.out_f32(out, p)?;
     let n = y.numel();
-    launch(be.gpu(), "cross_entropy_backward", elementwise(n), &[
-        Arg::Ptr(logits.ptr()),
-        Arg::Ptr(targets.ptr()),
-        Arg::Ptr(lse.ptr()),
-        Arg::Ptr(dloss.ptr()),
-        Arg::F64(div),
-        Arg::Ptr(y.ptr()),
-        Arg::I64(v as i64),
-        Arg::I64(ignore.unwrap_or(0)),
-        Arg::I32(i32::from(ignore.is_some())),
-        Arg::I64(n as i64),
-    ])?;
+    launch(
+        be.gpu(),
+        "cross_entropy_backward",
+        elementwise(n),
+        &[
+            Arg::Ptr(logits.ptr()),
+            Arg::Ptr(targets.ptr()),
+            Arg::Ptr(lse.ptr()),
+            Arg::Ptr(dloss.ptr()),
+            Arg::F64(div),
+            Arg::Ptr(y.ptr()),
+            Arg::I64(v as i64),
+            Arg::I64(ignore.unwrap_or(0)),
+            Arg::I32(i32::from(ignore.is_some())),
+            Arg::I64(n as i64),
+        ],
+    )?;
     Ok(y)
 }

@@ -1,5 +1,6 @@
-//! AdamW in place on the GPU: the CPU kernel's update (same coefficients, computed on the
-//! host from the scalar inputs), f32 state, f32 or half parameters with an f32 master.
+//! AdamW in place on the GPU: the CPU kernel's update (the same coefficients, computed by the
+//! kernel from the scalar inputs where they live, so no host round trip), f32 state, f32 or
+//! half parameters with an f32 master.
 
 use crate::backend::CudaBackend;
 use crate::launch::{elementwise, launch, Arg};
@@ -38,41 +39,42 @@ pub fn adamw(be: &CudaBackend, spec: &AdamWSpec, x: &[&CudaTensor]) -> Result<Ve
         }
     }
     let grad = be.dense_pub(x[GRAD])?;
-    let lr = be.scalar_pub(x[LR])?;
-    let step = be.scalar_pub(x[STEP])?;
-    if step.is_nan() || step < 1.0 {
-        return Err(RuntimeError::Binding(format!("adamw: step {step} must be ≥ 1 (it is 1-based)")));
-    }
-    let scale = match scale_at {
-        Some(i) => be.scalar_pub(x[i])?,
-        None => 1.0,
+    let scalar = |t: &CudaTensor| (Arg::Ptr(t.ptr()), Arg::I32(type_code(t.dtype())));
+    let (lr, lr_t) = scalar(x[LR]);
+    let (step, step_t) = scalar(x[STEP]);
+    let (norm, norm_t) = scalar(x[GRAD_NORM]);
+    let (scale, scale_t) = match scale_at {
+        Some(i) => scalar(x[i]),
+        None => (Arg::Ptr(0), Arg::I32(0)),
     };
-    let norm = be.scalar_pub(x[GRAD_NORM])? * scale;
-    if scale_at.is_some() && !norm.is_finite() {
-        return Ok(written);
-    }
-    let clip = match spec.max_grad_norm {
-        Some(max) => (max / (norm + 1e-6)).min(1.0),
-        None => 1.0,
-    } * scale;
     let n = param.numel();
-    launch(be.gpu(), "adamw", elementwise(n), &[
-        Arg::Ptr(param.ptr()),
-        Arg::I32(type_code(param.dtype())),
-        Arg::Ptr(grad.ptr()),
-        Arg::I32(type_code(grad.dtype())),
-        Arg::Ptr(m.ptr()),
-        Arg::Ptr(v.ptr()),
-        Arg::Ptr(master.map_or(0, |t| t.ptr())),
-        Arg::F32(clip as f32),
-        Arg::F32(spec.beta1 as f32),
-        Arg::F32(spec.beta2 as f32),
-        Arg::F32((1.0 / (1.0 - spec.beta1.powf(step))) as f32),
-        Arg::F32((1.0 / (1.0 - spec.beta2.powf(step))) as f32),
-        Arg::F32(spec.eps as f32),
-        Arg::F32(lr as f32),
-        Arg::F32(spec.weight_decay as f32),
-        Arg::I64(n as i64),
-    ])?;
+    launch(
+        be.gpu(),
+        "adamw",
+        elementwise(n),
+        &[
+            Arg::Ptr(param.ptr()),
+            Arg::I32(type_code(param.dtype())),
+            Arg::Ptr(grad.ptr()),
+            Arg::I32(type_code(grad.dtype())),
+            Arg::Ptr(m.ptr()),
+            Arg::Ptr(v.ptr()),
+            Arg::Ptr(master.map_or(0, |t| t.ptr())),
+            lr,
+            lr_t,
+            step,
+            step_t,
+            norm,
+            norm_t,
+            scale,
+            scale_t,
+            Arg::F64(spec.beta1),
+            Arg::F64(spec.beta2),
+            Arg::F64(spec.eps),
+            Arg::F64(spec.weight_decay),
+            Arg::F64(spec.max_grad_norm.unwrap_or(-1.0)),
+            Arg::I64(n as i64),
+        ],
+    )?;
     Ok(written)
 }

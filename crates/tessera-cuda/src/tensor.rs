@@ -145,7 +145,8 @@ impl CudaTensor {
         let lead = out.len().checked_sub(self.dims.len()).ok_or_else(|| {
             RuntimeError::Binding(format!("cannot broadcast {:?} to {out:?}", self.dims))
         })?;
-        let mut l = Layout { ndim: out.len() as i32, offset: self.offset as i64, ..Default::default() };
+        let mut l =
+            Layout { ndim: out.len() as i32, offset: self.offset as i64, ..Default::default() };
         for (i, &o) in out.iter().enumerate() {
             l.dims[i] = o as i64;
             l.strides[i] = if i < lead {

@@ -62,12 +62,16 @@ impl Backend for Both {
     fn meta(&self, v: &Tensor) -> Result<TensorMeta> {
         self.cpu.meta(v)
     }
-    fn execute(&self, op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> Result<Vec<Tensor>> {
+    fn execute(
+        &self,
+        op: &Op,
+        x: &[&Tensor],
+        out: &[TensorMeta],
+        at: &MeshPos,
+    ) -> Result<Vec<Tensor>> {
         // AdamW writes in place: the GPU's copies are taken before the CPU updates.
-        let dev: Vec<CudaTensor> = x
-            .iter()
-            .map(|t| self.gpu.upload_as(t, Purpose::Scratch))
-            .collect::<Result<_>>()?;
+        let dev: Vec<CudaTensor> =
+            x.iter().map(|t| self.gpu.upload_as(t, Purpose::Scratch)).collect::<Result<_>>()?;
         let want = self.cpu.execute(op, x, out, at)?;
         let refs: Vec<&CudaTensor> = dev.iter().collect();
         let got = match self.gpu.execute(op, &refs, out, at) {
@@ -121,16 +125,27 @@ fn graph(model: &str, batch: usize, seq: usize, dtype: DType) -> tessera_ir::Tra
     build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).expect("training graph")
 }
 
+fn dtype_name(d: DType) -> String {
+    format!("{d:?}")
+}
+
 fn vocab(model: &str) -> usize {
     ModelConfig::resolve(model).expect("model").vocab_size().expect("a language model")
 }
 
 fn check_kernels(gpu: &Arc<Gpu>, model: &str, fails: &mut Vec<String>) {
     let worst = Arc::new(Mutex::new(BTreeMap::new()));
-    let both = Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
+    let both =
+        Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
     let (b, s) = (2, 64);
-    let mut t = Trainer::single(graph(model, b, s, DType::F32), both, LrSchedule::Constant { lr: 1e-3 }, 7, None)
-        .expect("trainer");
+    let mut t = Trainer::single(
+        graph(model, b, s, DType::F32),
+        both,
+        LrSchedule::Constant { lr: 1e-3 },
+        7,
+        None,
+    )
+    .expect("trainer");
     for (inp, tgt) in batches(vocab(model), b, s, 2) {
         t.step(&inp, &tgt).expect("step");
     }
@@ -143,42 +158,179 @@ fn check_kernels(gpu: &Arc<Gpu>, model: &str, fails: &mut Vec<String>) {
     }
 }
 
-fn curve<B: Backend>(model: &str, dtype: DType, backend: B, steps: usize) -> (Vec<f64>, Trainer<B>) {
-    let (b, s) = (4, 64);
-    let mut t = Trainer::single(graph(model, b, s, dtype), backend, LrSchedule::Constant { lr: 1e-3 }, 7, None)
-        .expect("trainer");
-    let data = batches(vocab(model), b, s, 4);
-    let losses = (0..steps).map(|k| {
-        let (i, g) = &data[k % data.len()];
-        t.step(i, g).expect("step").loss
-    });
-    (losses.collect(), t)
-}
-
-fn check_training(gpu: &Arc<Gpu>, model: &str, fails: &mut Vec<String>) {
-    let steps = 50;
-    let (cpu, _) = curve(model, DType::F32, CpuBackend::new(0), steps);
-    for dtype in [DType::F32, DType::BF16] {
-        let (got, _) = curve(model, dtype, CudaBackend::new(gpu.clone()), steps);
-        let worst = cpu.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
-        let bound = if dtype == DType::F32 { 1e-3 } else { 1e-2 };
-        let ok = worst <= bound && got.iter().all(|l| l.is_finite());
-        println!(
-            "{{\"check\":\"curve\",\"model\":\"{model}\",\"dtype\":\"{}\",\"steps\":{steps},\"first\":[{:.5},{:.5}],\"last\":[{:.5},{:.5}],\"max_abs_diff\":{worst:e},\"bound\":{bound},\"ok\":{ok}}}",
-            format!("{dtype:?}"), cpu[0], got[0], cpu[steps - 1], got[steps - 1]
-        );
-        if !ok {
-            fails.push(format!("{model} {} curve: max |Δloss| {worst:e} > {bound}", format!("{dtype:?}")));
+/// Attention variants the tiny models do not reach (GQA, sliding window, ALiBi, KV-cache
+/// starts, S ≠ T), forward and backward, against the CPU kernels on random inputs.
+fn check_attention_variants(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
+    use tessera_ir::{Alibi, AttentionSpec};
+    let worst = Arc::new(Mutex::new(BTreeMap::new()));
+    let both =
+        Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
+    let mut st = 0x1234_5678_9ABC_DEF1u64;
+    let mut rand = |dims: &[usize]| {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                st ^= st << 13;
+                st ^= st >> 7;
+                st ^= st << 17;
+                (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
+    };
+    let f32m = |d: &[usize]| TensorMeta { shape: tessera_ir::Shape::from(d), dtype: DType::F32 };
+    let (b, s, t, h, hkv, d) = (2, 24, 40, 6, 2, 16);
+    let base = AttentionSpec::causal(d);
+    let cases = [
+        ("gqa", AttentionSpec { ..base.clone() }, false),
+        ("window", AttentionSpec { window: Some(7), ..base.clone() }, false),
+        (
+            "alibi",
+            AttentionSpec { alibi: Some(Alibi { heads: h, shard: None }), ..base.clone() },
+            false,
+        ),
+        ("bidirectional", AttentionSpec { causal: false, ..base.clone() }, false),
+        ("starts", AttentionSpec { ..base.clone() }, true),
+    ];
+    let at = MeshPos::single();
+    for (name, spec, with_start) in cases {
+        let (q, k, v) = (rand(&[b, s, h, d]), rand(&[b, t, hkv, d]), rand(&[b, t, hkv, d]));
+        let start = Tensor::from_vec(vec![3i64, 16], 2, &candle_core::Device::Cpu).unwrap();
+        let mut x = vec![&q, &k, &v];
+        if with_start {
+            x.push(&start);
+        }
+        let outs = [f32m(&[b, s, h, d]), f32m(&[b, h, s])];
+        let fwd = both.execute(&Op::Attention(spec.clone()), &x, &outs, &at).expect(name);
+        if !with_start {
+            let dout = rand(&[b, s, h, d]);
+            let xb = [&q, &k, &v, &fwd[0], &fwd[1], &dout];
+            let bo = [f32m(&[b, s, h, d]), f32m(&[b, t, hkv, d]), f32m(&[b, t, hkv, d])];
+            both.execute(&Op::AttentionBackward(spec.clone()), &xb, &bo, &at).expect(name);
+        }
+        for (op, (err, _)) in std::mem::take(&mut *worst.lock().unwrap()) {
+            let ok = err <= 1e-4;
+            println!("{{\"check\":\"attention\",\"case\":\"{name}\",\"op\":\"{op}\",\"rel_err\":{err:e},\"ok\":{ok}}}");
+            if !ok {
+                fails.push(format!("attention {name} {op}: rel err {err:e}"));
+            }
         }
     }
 }
 
-fn check_memory(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DType, fails: &mut Vec<String>) {
+/// Reductions by every path the backend takes (column partials, many-block partials, one
+/// block per output) and every op, against the CPU kernels on random inputs.
+fn check_reductions(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
+    use tessera_ir::ReduceOp;
+    let worst = Arc::new(Mutex::new(BTreeMap::new()));
+    let both =
+        Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
+    let mut st = 0x0DDB_1A5E_5BAD_5EEDu64;
+    let (r, c) = (300, 700);
+    let v: Vec<f32> = (0..r * c)
+        .map(|_| {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect();
+    let x = Tensor::from_vec(v, (r, c), &candle_core::Device::Cpu).unwrap();
+    let at = MeshPos::single();
+    for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::SumSquares] {
+        for (dims, shape) in [(vec![0], vec![c]), (vec![1], vec![r]), (vec![0, 1], vec![])] {
+            let out = TensorMeta { shape: tessera_ir::Shape::from(&shape[..]), dtype: DType::F32 };
+            let red = Op::Reduce { op, dims: dims.clone(), keepdim: false };
+            both.execute(&red, &[&x], &[out], &at).expect("reduce");
+            for (name, (err, _)) in std::mem::take(&mut *worst.lock().unwrap()) {
+                let ok = err <= 1e-5;
+                println!("{{\"check\":\"reduce\",\"op\":\"{op:?}\",\"dims\":{dims:?},\"kernel\":\"{name}\",\"rel_err\":{err:e},\"ok\":{ok}}}");
+                if !ok {
+                    fails.push(format!("reduce {op:?} {dims:?}: rel err {err:e}"));
+                }
+            }
+        }
+    }
+}
+
+/// The shipped corpus, byte-tokenised (what `tessera train` runs by default).
+fn corpus() -> tessera_runtime::data::Dataset {
+    use tessera_runtime::data::{Dataset, Tokenizer};
+    Dataset::from_text(include_str!("../../../../data/shakespeare.txt"), &Tokenizer::Byte)
+        .expect("corpus")
+}
+
+fn curve<B: Backend>(model: &str, dtype: DType, backend: B, steps: usize) -> Vec<f64> {
+    let (b, s) = (4, 64);
+    let mut t = Trainer::single(
+        graph(model, b, s, dtype),
+        backend,
+        LrSchedule::Constant { lr: 3e-4 },
+        7,
+        None,
+    )
+    .expect("trainer");
+    let data = corpus();
+    (0..steps)
+        .map(|k| {
+            let batch = data.train_batch(3, k as u64 + 1, b, s).expect("batch");
+            t.step(&batch.inputs, &batch.targets).expect("step").loss
+        })
+        .collect()
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max)
+}
+
+/// Loss curves over 50 steps of the corpus: the GPU's fp32 against the CPU's fp32, the
+/// GPU's bf16 against the CPU's bf16 (the same mixed precision), and bf16 against fp32.
+fn check_training(gpu: &Arc<Gpu>, model: &str, fails: &mut Vec<String>) {
+    let steps = 50;
+    let cpu32 = curve(model, DType::F32, CpuBackend::new(0), steps);
+    let cpu16 = curve(model, DType::BF16, CpuBackend::new(0), steps);
+    let gpu32 = curve(model, DType::F32, CudaBackend::new(gpu.clone()), steps);
+    let gpu16 = curve(model, DType::BF16, CudaBackend::new(gpu.clone()), steps);
+    let rows = [
+        ("gpu_fp32_vs_cpu_fp32", &gpu32, &cpu32, 1e-3),
+        ("gpu_bf16_vs_cpu_bf16", &gpu16, &cpu16, 1e-2),
+        ("gpu_bf16_vs_cpu_fp32", &gpu16, &cpu32, 1e-2),
+        ("cpu_bf16_vs_cpu_fp32", &cpu16, &cpu32, 1e-2),
+    ];
+    for (what, got, want, bound) in rows {
+        let worst = max_diff(got, want);
+        let ok = worst <= bound && got.iter().all(|l| l.is_finite());
+        let diffs: Vec<String> =
+            got.iter().zip(want.iter()).step_by(5).map(|(a, b)| format!("{:.2e}", a - b)).collect();
+        println!(
+            "{{\"check\":\"curve\",\"model\":\"{model}\",\"what\":\"{what}\",\"steps\":{steps},\"first\":[{:.5},{:.5}],\"last\":[{:.5},{:.5}],\"max_abs_diff\":{worst:e},\"bound\":{bound},\"every5\":{diffs:?},\"ok\":{ok}}}",
+            got[0], want[0], got[steps - 1], want[steps - 1]
+        );
+        if !ok && what.starts_with("gpu") {
+            fails.push(format!("{model} {what}: max |Δloss| {worst:e} > {bound}"));
+        }
+    }
+}
+
+fn check_memory(
+    gpu: &Arc<Gpu>,
+    model: &str,
+    batch: usize,
+    seq: usize,
+    dtype: DType,
+    fails: &mut Vec<String>,
+) {
     gpu.empty_cache();
     let (free0, _) = gpu.mem_info().expect("mem info");
     let tg = graph(model, batch, seq, dtype);
-    let mut t = Trainer::single(tg, CudaBackend::new(gpu.clone()), LrSchedule::Constant { lr: 1e-4 }, 7, None)
-        .expect("trainer");
+    let mut t = Trainer::single(
+        tg,
+        CudaBackend::new(gpu.clone()),
+        LrSchedule::Constant { lr: 1e-4 },
+        7,
+        None,
+    )
+    .expect("trainer");
     let predicted = tessera_profile::simulate_memory(t.program()).report.peak_bytes;
     let data = batches(vocab(model), batch, seq, 2);
     t.step(&data[0].0, &data[0].1).expect("warm-up step");
@@ -194,23 +346,30 @@ fn check_memory(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DT
     let ok = m.program.peak == st.peak_bytes;
     println!(
         "{{\"check\":\"memory\",\"model\":\"{model}\",\"dtype\":\"{}\",\"batch\":{batch},\"seq\":{seq},\"predicted_peak\":{predicted},\"accountant_peak\":{},\"allocator_program_peak\":{},\"allocator_scratch_peak\":{},\"reserved\":{},\"driver_used_delta\":{used},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"ok\":{ok}}}",
-        format!("{dtype:?}"), st.peak_bytes, m.program.peak, m.scratch.peak, m.reserved.current,
+        dtype_name(dtype), st.peak_bytes, m.program.peak, m.scratch.peak, m.reserved.current,
         (batch * seq) as f64 / secs
     );
     if !ok {
-        fails.push(format!("{model} memory: allocator {} != accountant {}", m.program.peak, st.peak_bytes));
+        fails.push(format!(
+            "{model} memory: allocator {} != accountant {}",
+            m.program.peak, st.peak_bytes
+        ));
     }
 }
 
 fn speed(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DType, steps: usize) {
+    let timer = tessera_cuda::OpTimer::default();
+    let backend = CudaBackend::new(gpu.clone()).with_op_timer(timer.clone());
     let tg = graph(model, batch, seq, dtype);
-    let mut t = Trainer::single(tg, CudaBackend::new(gpu.clone()), LrSchedule::Constant { lr: 1e-4 }, 7, None)
-        .expect("trainer");
+    let init = Instant::now();
+    let mut t =
+        Trainer::single(tg, backend, LrSchedule::Constant { lr: 1e-4 }, 7, None).expect("trainer");
+    let init = init.elapsed().as_secs_f64();
     let flops = tessera_profile::profile(t.program()).flops.total;
     let data = batches(vocab(model), batch, seq, 2);
-    t.record_timings(true);
     t.step(&data[0].0, &data[0].1).expect("warm-up");
     gpu.synchronize().expect("sync");
+    gpu.reset_peaks();
     let t0 = Instant::now();
     for k in 0..steps {
         let (i, g) = &data[k % 2];
@@ -218,12 +377,20 @@ fn speed(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DType, st
     }
     gpu.synchronize().expect("sync");
     let secs = t0.elapsed().as_secs_f64() / steps as f64;
-    let mut by: Vec<(&str, f64)> = t.timings().map(|m| m.iter().map(|(k, v)| (*k, v.seconds)).collect()).unwrap_or_default();
-    by.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let top: Vec<String> = by.iter().take(8).map(|(k, s)| format!("\"{k}\":{s:.3}")).collect();
+    let peak = gpu.memory();
+    // One more step with a synchronisation around every op: where the time goes.
+    timer.on.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.step(&data[0].0, &data[0].1).expect("timed step");
+    timer.on.store(false, std::sync::atomic::Ordering::Relaxed);
+    let mut by: Vec<(&str, (u64, f64))> =
+        timer.times.lock().unwrap().iter().map(|(k, v)| (*k, *v)).collect();
+    let total: f64 = by.iter().map(|x| x.1 .1).sum();
+    by.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+    let top: Vec<String> =
+        by.iter().take(12).map(|(k, (c, s))| format!("\"{k}\":[{c},{s:.4}]")).collect();
     println!(
-        "{{\"check\":\"speed\",\"model\":\"{model}\",\"dtype\":\"{}\",\"batch\":{batch},\"seq\":{seq},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"flops_per_step\":{flops},\"tflops\":{:.2},\"op_seconds_total\":{{{}}}}}",
-        format!("{dtype:?}"), (batch * seq) as f64 / secs, flops as f64 / secs / 1e12, top.join(",")
+        "{{\"check\":\"speed\",\"model\":\"{model}\",\"dtype\":\"{dtype:?}\",\"batch\":{batch},\"seq\":{seq},\"init_s\":{init:.1},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"flops_per_step\":{flops},\"tflops\":{:.2},\"program_peak\":{},\"scratch_peak\":{},\"synced_op_seconds\":{total:.4},\"by_op\":{{{}}}}}",
+        (batch * seq) as f64 / secs, flops as f64 / secs / 1e12, peak.program.peak, peak.scratch.peak, top.join(",")
     );
 }
 
@@ -231,11 +398,20 @@ fn calibrate(gpu: &Arc<Gpu>) {
     let be = CudaBackend::new(gpu.clone());
     let n = 8192usize;
     let meta = TensorMeta { shape: tessera_ir::Shape::from(&[n, n][..]), dtype: DType::BF16 };
-    let a = tessera_cuda::CudaTensor::empty(gpu, &[n, n], DType::BF16, Purpose::Scratch).unwrap();
-    let fill = Op::Fill { value: 0.5, meta: meta.clone() };
-    let a = be.execute(&fill, &[], &[meta.clone()], &MeshPos::single()).map(|mut v| v.remove(0)).unwrap_or(a);
+    // Random data (never time on constants): an xorshift stream rounded to bf16.
+    let mut st = 0x9E37_79B9_7F4A_7C15u64;
+    let host: Vec<half::bf16> = (0..n * n)
+        .map(|_| {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            half::bf16::from_f32((st >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        })
+        .collect();
+    let a = be.upload(&Tensor::from_vec(host, (n, n), &candle_core::Device::Cpu).unwrap()).unwrap();
     let mm = Op::MatMul { trans_a: false, trans_b: true };
-    let run = || be.execute(&mm, &[&a, &a], &[meta.clone()], &MeshPos::single()).unwrap();
+    let run =
+        || be.execute(&mm, &[&a, &a], std::slice::from_ref(&meta), &MeshPos::single()).unwrap();
     for _ in 0..3 {
         run();
     }
@@ -248,13 +424,21 @@ fn calibrate(gpu: &Arc<Gpu>) {
     gpu.synchronize().unwrap();
     let tf = 2.0 * (n as f64).powi(3) * reps as f64 / t0.elapsed().as_secs_f64() / 1e12;
     let big = TensorMeta { shape: tessera_ir::Shape::from(&[1usize << 30][..]), dtype: DType::F32 };
-    let x = be.execute(&Op::Fill { value: 1.0, meta: big.clone() }, &[], &[big.clone()], &MeshPos::single()).unwrap().remove(0);
+    let x = be
+        .execute(
+            &Op::Fill { value: 1.0, meta: big.clone() },
+            &[],
+            std::slice::from_ref(&big),
+            &MeshPos::single(),
+        )
+        .unwrap()
+        .remove(0);
     let cp = Op::Transfer { from: tessera_ir::Tier::Device, to: tessera_ir::Tier::Device };
-    be.execute(&cp, &[&x], &[big.clone()], &MeshPos::single()).unwrap();
+    be.execute(&cp, &[&x], std::slice::from_ref(&big), &MeshPos::single()).unwrap();
     gpu.synchronize().unwrap();
     let t0 = Instant::now();
     for _ in 0..5 {
-        be.execute(&cp, &[&x], &[big.clone()], &MeshPos::single()).unwrap();
+        be.execute(&cp, &[&x], std::slice::from_ref(&big), &MeshPos::single()).unwrap();
     }
     gpu.synchronize().unwrap();
     let bw = 2.0 * 4.0 * (1u64 << 30) as f64 * 5.0 / t0.elapsed().as_secs_f64() / 1e12;
@@ -271,7 +455,10 @@ fn main() {
         }
     };
     let (free, total) = gpu.mem_info().unwrap_or((0, 0));
-    println!("{{\"check\":\"device\",\"name\":\"{}\",\"free\":{free},\"total\":{total}}}", gpu.device_name());
+    println!(
+        "{{\"check\":\"device\",\"name\":\"{}\",\"free\":{free},\"total\":{total}}}",
+        gpu.device_name()
+    );
     let only = |what: &str| args.len() < 2 || args.iter().any(|a| a == what);
     let mut fails = Vec::new();
     let models = ["gpt2-tiny", "llama-tiny"];
@@ -281,10 +468,20 @@ fn main() {
         eprintln!("[{name}: {:.1} s]", t0.elapsed().as_secs_f64());
     };
     if only("kernels") {
-        step("kernels", &mut || for m in models { check_kernels(&gpu, m, &mut fails) });
+        step("kernels", &mut || {
+            for m in models {
+                check_kernels(&gpu, m, &mut fails)
+            }
+            check_attention_variants(&gpu, &mut fails);
+            check_reductions(&gpu, &mut fails);
+        });
     }
     if only("training") {
-        step("training", &mut || for m in models { check_training(&gpu, m, &mut fails) });
+        step("training", &mut || {
+            for m in models {
+                check_training(&gpu, m, &mut fails)
+            }
+        });
     }
     if only("memory") {
         step("memory", &mut || {
@@ -299,8 +496,7 @@ fn main() {
     }
     if only("speed") {
         step("speed", &mut || {
-            speed(&gpu, "gpt2-medium", 4, 512, DType::BF16, 3);
-            speed(&gpu, "gpt2-medium", 4, 512, DType::F32, 3);
+            speed(&gpu, "gpt2-medium", 4, 1024, DType::BF16, 3);
         });
     }
     if fails.is_empty() {
