@@ -48,6 +48,11 @@ fn crates_depend_only_downwards() {
         ("tessera-plan", &["tessera-ir", "tessera-profile"][..]),
         ("tessera-comm", &[][..]),
         ("tessera-runtime", &["tessera-ir", "tessera-comm"][..]),
+        // The GPU check binary builds real models and predicts their memory.
+        (
+            "tessera-cuda",
+            &["tessera-ir", "tessera-runtime", "tessera-models", "tessera-profile"][..],
+        ),
         (
             "tessera-cli",
             &[
@@ -57,6 +62,7 @@ fn crates_depend_only_downwards() {
                 "tessera-plan",
                 "tessera-comm",
                 "tessera-runtime",
+                "tessera-cuda",
             ][..],
         ),
     ]);

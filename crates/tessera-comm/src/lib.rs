@@ -37,6 +37,7 @@
 //! backend keeps the same guarantees on top of MPI's collectives.
 
 pub mod communicator;
+pub mod conformance;
 pub mod error;
 pub mod group;
 pub mod launch;

@@ -7,40 +7,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tessera_comm::{
-    run_on_threads, CollectiveKind, CommError, Communicator, Departure, Group, KindStats,
-    ThreadComm,
+    conformance, run_on_threads, CollectiveKind, CommError, Communicator, Departure, Group,
+    KindStats, ThreadComm,
 };
 
 /// Generous for correctness tests: nothing should ever wait this long.
 const SLOW: Duration = Duration::from_secs(2);
 
-/// A deterministic input of `len` elements for `rank`, distinct per `salt`, with magnitudes from
-/// 1e-3 to 1e3 so that the order of a sum changes its rounding.
-fn input(rank: usize, len: usize, salt: usize) -> Vec<f32> {
-    (0..len)
-        .map(|i| {
-            let h = (rank * 7919 + i * 104_729 + salt * 1_299_709) % 10_007;
-            let scale = [1e-3f32, 1.0, 1e3][(rank + i + salt) % 3];
-            let sign = if (h + i).is_multiple_of(2) { 1.0 } else { -1.0 };
-            sign * (h as f32 + 0.5) * scale * 0.1
-        })
-        .collect()
-}
-
-/// Element-wise sum in group order, starting from zero: the reference for reductions.
-fn reference_sum(members: &[usize], len: usize, salt: usize) -> Vec<f32> {
-    let mut acc = vec![0.0f32; len];
-    for &m in members {
-        for (a, x) in acc.iter_mut().zip(input(m, len, salt)) {
-            *a += x;
-        }
-    }
-    acc
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+// Inputs (a pure function of rank, length and call), the group-order sum and bit patterns are
+// the conformance suite's, so these tests and it agree on what "the reference" is.
+use tessera_comm::conformance::{bits, input, reference_sum};
 
 /// Every result of one rank's run of [`all_collectives`].
 #[derive(Debug, Clone, PartialEq)]
@@ -1117,5 +1093,22 @@ fn a_rank_that_leaves_fails_a_streamed_call_promptly() {
             "rank {r}: {:?}",
             results[r]
         );
+    }
+}
+
+/// The conformance suite every transport answers to (`tessera_comm::conformance`, which the
+/// MPI backend runs under `mpirun` too), on 1, 2, 3 and 4 thread ranks.
+#[test]
+fn the_shared_conformance_suite_passes_on_threads() {
+    for n in 1..=4 {
+        let results = run_on_threads(n, SLOW, |comm| {
+            conformance::check_all(comm).map_err(|e| CommError::Internal(e.to_string()))
+        });
+        assert_eq!(results.len(), n);
+        for (rank, r) in results.into_iter().enumerate() {
+            if let Err(e) = r {
+                panic!("{n} ranks, rank {rank}: {e}");
+            }
+        }
     }
 }
