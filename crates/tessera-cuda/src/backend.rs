@@ -11,14 +11,14 @@
 use crate::alloc::Purpose;
 use crate::gpu::Gpu;
 use crate::launch::{elementwise, launch, per_row, Arg, Attn};
-use crate::source::{binary_code, reduce_code, type_code, unary_code};
+use crate::source::{binary_code, type_code, unary_code};
 use crate::tensor::{elem_size, row_major, CudaTensor, Layout};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tessera_ir::dist::MeshPos;
-use tessera_ir::{AttentionSpec, DType, Op, ReduceOp, TensorMeta};
+use tessera_ir::{AttentionSpec, DType, Op, TensorMeta};
 use tessera_runtime::{Backend, Result, RuntimeError};
 
 /// Device time per op kind, when switched on: the backend synchronises around each op (so
@@ -101,6 +101,14 @@ impl Backend for CudaBackend {
 
     fn meta(&self, v: &CudaTensor) -> Result<TensorMeta> {
         Ok(v.meta())
+    }
+
+    fn run_started(&self) {
+        self.gpu.begin_step();
+    }
+
+    fn run_finished(&self) {
+        self.gpu.end_step();
     }
 
     fn execute(
@@ -224,7 +232,7 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    fn new_out(&self, m: &TensorMeta, p: Purpose) -> Result<CudaTensor> {
+    pub(crate) fn new_out(&self, m: &TensorMeta, p: Purpose) -> Result<CudaTensor> {
         CudaTensor::empty(&self.gpu, m.shape.dims(), m.dtype, p)
     }
 
@@ -268,7 +276,7 @@ impl CudaBackend {
     }
 
     /// `x` itself if contiguous, else a scratch copy.
-    fn dense(&self, x: &CudaTensor) -> Result<CudaTensor> {
+    pub(crate) fn dense(&self, x: &CudaTensor) -> Result<CudaTensor> {
         if x.is_contiguous() {
             Ok(x.clone())
         } else {
@@ -636,278 +644,6 @@ impl CudaBackend {
         }
     }
 
-    /// `y[j]` = partials `part[j·sj + g·sg]` (g < groups) combined by reduce op `code`.
-    #[allow(clippy::too_many_arguments)]
-    fn combine_partials(
-        &self,
-        code: i32,
-        part: &CudaTensor,
-        groups: usize,
-        sj: usize,
-        n: usize,
-        r: usize,
-        y: &CudaTensor,
-    ) -> Result<()> {
-        let sg = if sj == 1 { n } else { 1 };
-        launch(
-            &self.gpu,
-            "reduce_partials",
-            elementwise(n),
-            &[
-                Arg::I32(code),
-                Arg::Ptr(part.ptr()),
-                Arg::I64(groups as i64),
-                Arg::I64(sj as i64),
-                Arg::I64(sg as i64),
-                Arg::I64(r as i64),
-                Arg::Ptr(y.ptr()),
-                Arg::I64(n as i64),
-            ],
-        )
-    }
-
-    fn reduce(
-        &self,
-        r: ReduceOp,
-        dims: &[usize],
-        x: &CudaTensor,
-        out: &TensorMeta,
-        p: Purpose,
-    ) -> Result<CudaTensor> {
-        let y = self.new_out(out, p)?;
-        let rank = x.dims().len();
-        if dims.iter().any(|&d| d >= rank) {
-            return Err(bad(format!("reduce: dims {dims:?} out of range for rank {rank}")));
-        }
-        let code = reduce_code(r);
-        let nr: usize = dims.iter().map(|&d| x.dims()[d]).product();
-        let n_out = y.numel();
-        // Leading dims of a contiguous tensor (bias gradients): coalesced column partials.
-        let leading = dims.len() < rank && (0..dims.len()).all(|i| dims.contains(&i));
-        if leading && x.is_contiguous() && nr > 1 {
-            let (groups, chunk) = row_chunks(nr);
-            let part =
-                CudaTensor::empty(&self.gpu, &[groups, n_out], DType::F64, Purpose::Scratch)?;
-            launch(
-                &self.gpu,
-                "reduce_cols_partial",
-                col_tiles(n_out, groups),
-                &[
-                    Arg::I32(code),
-                    Arg::Ptr(x.ptr()),
-                    Arg::I64(nr as i64),
-                    Arg::I64(n_out as i64),
-                    Arg::I64(chunk as i64),
-                    Arg::Ptr(part.ptr()),
-                ],
-            )?;
-            self.combine_partials(code, &part, groups, 1, n_out, nr, &y)?;
-            return Ok(y);
-        }
-        let (mut lo, mut lr) =
-            (Layout { offset: x.offset as i64, ..Default::default() }, Layout::default());
-        for i in 0..rank {
-            let l = if dims.contains(&i) { &mut lr } else { &mut lo };
-            let j = l.ndim as usize;
-            l.dims[j] = x.dims()[i] as i64;
-            l.strides[j] = x.strides[i] as i64;
-            l.ndim += 1;
-        }
-        // Few outputs over many elements (gradient norms): many blocks per output, combined.
-        if r != ReduceOp::Max && nr >= 1 << 16 && n_out <= 1024 {
-            let chunk = 1 << 14;
-            let groups = nr.div_ceil(chunk).min(1024);
-            let chunk = nr.div_ceil(groups);
-            let part =
-                CudaTensor::empty(&self.gpu, &[n_out, groups], DType::F64, Purpose::Scratch)?;
-            let cfg = cudarc::driver::LaunchConfig {
-                grid_dim: (n_out as u32, groups as u32, 1),
-                block_dim: (crate::launch::THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            launch(
-                &self.gpu,
-                "reduce_partial",
-                cfg,
-                &[
-                    Arg::I32(code),
-                    Arg::Ptr(x.base()),
-                    Arg::Layout(lo),
-                    Arg::Layout(lr),
-                    Arg::I64(nr as i64),
-                    Arg::I64(chunk as i64),
-                    Arg::Ptr(part.ptr()),
-                ],
-            )?;
-            self.combine_partials(code, &part, groups, groups, n_out, nr, &y)?;
-            return Ok(y);
-        }
-        launch(
-            &self.gpu,
-            "reduce",
-            per_row(y.numel()),
-            &[
-                Arg::I32(reduce_code(r)),
-                Arg::Ptr(x.base()),
-                Arg::Layout(lo),
-                Arg::Layout(lr),
-                Arg::I64(nr as i64),
-                Arg::Ptr(y.ptr()),
-            ],
-        )?;
-        Ok(y)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_backward(
-        &self,
-        r: ReduceOp,
-        dims: &[usize],
-        keepdim: bool,
-        x: &CudaTensor,
-        dy: &CudaTensor,
-        out: &TensorMeta,
-        p: Purpose,
-    ) -> Result<CudaTensor> {
-        let x = self.dense(x)?;
-        let dy = self.dense(dy)?;
-        let xd = x.dims().to_vec();
-        // dy as x-shaped: stride 0 along reduced dims.
-        let kept: Vec<usize> = (0..xd.len()).filter(|i| keepdim || !dims.contains(i)).collect();
-        let dstr = row_major(dy.dims());
-        let mut ld = Layout { ndim: xd.len() as i32, ..Default::default() };
-        for (i, &d) in xd.iter().enumerate() {
-            ld.dims[i] = d as i64;
-            ld.strides[i] = if dims.contains(&i) {
-                0
-            } else {
-                let k = kept.iter().position(|&j| j == i).unwrap_or(0);
-                dstr[k] as i64
-            };
-        }
-        let nr: usize = dims.iter().map(|&d| xd[d]).product();
-        let ym = if r == ReduceOp::Max {
-            let m = TensorMeta { shape: tessera_ir::Shape::from(dy.dims()), dtype: DType::F32 };
-            Some(self.reduce(r, dims, &x, &m, Purpose::Scratch)?)
-        } else {
-            None
-        };
-        let y = self.new_out(out, p)?;
-        let n = y.numel();
-        launch(
-            &self.gpu,
-            "reduce_backward",
-            elementwise(n),
-            &[
-                Arg::I32(reduce_code(r)),
-                Arg::Ptr(x.ptr()),
-                Arg::Ptr(dy.ptr()),
-                Arg::Layout(ld),
-                Arg::Ptr(ym.as_ref().map_or(0, |t| t.ptr())),
-                Arg::I64(nr as i64),
-                Arg::Ptr(y.ptr()),
-                Arg::I64(n as i64),
-            ],
-        )?;
-        Ok(y)
-    }
-
-    fn norm(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        b: Option<&CudaTensor>,
-        eps: f64,
-        out: &TensorMeta,
-        p: Purpose,
-    ) -> Result<CudaTensor> {
-        let (x, w) = (self.dense(x)?, self.dense(w)?);
-        let b = b.map(|b| self.dense(b)).transpose()?;
-        let y = self.new_out(out, p)?;
-        let cols = *x.dims().last().unwrap_or(&1);
-        let rows = x.numel() / cols.max(1);
-        launch(
-            &self.gpu,
-            "norm_forward",
-            per_row(rows),
-            &[
-                Arg::Ptr(x.ptr()),
-                Arg::Ptr(w.ptr()),
-                Arg::Ptr(b.as_ref().map_or(0, |b| b.ptr())),
-                Arg::Ptr(y.ptr()),
-                Arg::I64(cols as i64),
-                Arg::F32(eps as f32),
-                Arg::I32(i32::from(b.is_none())),
-            ],
-        )?;
-        Ok(y)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn norm_backward(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        dy: &CudaTensor,
-        eps: f64,
-        rms: bool,
-        out: &[TensorMeta],
-        p: Purpose,
-    ) -> Result<Vec<CudaTensor>> {
-        let (x, w, dy) = (self.dense(x)?, self.dense(w)?, self.dense(dy)?);
-        let cols = *x.dims().last().unwrap_or(&1);
-        let rows = x.numel() / cols.max(1);
-        let dx = self.new_out(&out[0], p)?;
-        let stats = CudaTensor::empty(&self.gpu, &[rows, 2], DType::F32, Purpose::Scratch)?;
-        launch(
-            &self.gpu,
-            "norm_backward_dx",
-            per_row(rows),
-            &[
-                Arg::Ptr(x.ptr()),
-                Arg::Ptr(w.ptr()),
-                Arg::Ptr(dy.ptr()),
-                Arg::Ptr(dx.ptr()),
-                Arg::Ptr(stats.ptr()),
-                Arg::I64(cols as i64),
-                Arg::F32(eps as f32),
-                Arg::I32(i32::from(rms)),
-            ],
-        )?;
-        let dw = self.new_out(&out[1], p)?;
-        let db = if rms { None } else { Some(self.new_out(&out[2], p)?) };
-        // Column sums in two stages: row-chunk partials (coalesced over 32 columns), combined.
-        let (groups, chunk) = row_chunks(rows);
-        let pw = CudaTensor::empty(&self.gpu, &[groups, cols], DType::F64, Purpose::Scratch)?;
-        let pb = if rms {
-            None
-        } else {
-            Some(CudaTensor::empty(&self.gpu, &[groups, cols], DType::F64, Purpose::Scratch)?)
-        };
-        launch(
-            &self.gpu,
-            "norm_dw_partial",
-            col_tiles(cols, groups),
-            &[
-                Arg::Ptr(x.ptr()),
-                Arg::Ptr(dy.ptr()),
-                Arg::Ptr(stats.ptr()),
-                Arg::I64(rows as i64),
-                Arg::I64(cols as i64),
-                Arg::I64(chunk as i64),
-                Arg::Ptr(pw.ptr()),
-                Arg::Ptr(pb.as_ref().map_or(0, |t| t.ptr())),
-            ],
-        )?;
-        self.combine_partials(0, &pw, groups, 1, cols, 1, &dw)?;
-        if let (Some(pb), Some(db)) = (&pb, &db) {
-            self.combine_partials(0, pb, groups, 1, cols, 1, db)?;
-        }
-        let mut v = vec![dx, dw];
-        v.extend(db);
-        Ok(v)
-    }
-
     pub(crate) fn out_f32(&self, m: &TensorMeta, p: Purpose) -> Result<CudaTensor> {
         self.new_out(m, p)
     }
@@ -916,21 +652,6 @@ impl CudaBackend {
     }
     pub(crate) fn fill_pub(&self, y: &CudaTensor, v: f64) -> Result<()> {
         self.fill(y, v)
-    }
-}
-
-/// Row chunks of a two-stage column reduction over `rows` rows: (groups, rows per group).
-fn row_chunks(rows: usize) -> (usize, usize) {
-    let groups = rows.div_ceil(256).clamp(1, 128);
-    (groups, rows.div_ceil(groups))
-}
-
-/// Blocks of 32 columns × 8 row lanes, `groups` row chunks.
-fn col_tiles(cols: usize, groups: usize) -> cudarc::driver::LaunchConfig {
-    cudarc::driver::LaunchConfig {
-        grid_dim: (cols.div_ceil(32) as u32, groups as u32, 1),
-        block_dim: (32, 8, 1),
-        shared_mem_bytes: 0,
     }
 }
 

@@ -199,6 +199,21 @@ impl Gpu {
         self.alloc.lock().map(|a| a.stats()).unwrap_or_default()
     }
 
+    /// A run of a Program starts: the allocator records it and serves it from the last run's
+    /// plan while it matches ([`crate::alloc::CachingAllocator::begin_step`]).
+    pub fn begin_step(&self) {
+        if let Ok(mut a) = self.alloc.lock() {
+            a.begin_step();
+        }
+    }
+
+    /// A run has ended: the allocator keeps or makes its plan.
+    pub fn end_step(&self) {
+        if let Ok(mut a) = self.alloc.lock() {
+            a.end_step();
+        }
+    }
+
     /// Restarts the allocator's peaks.
     pub fn reset_peaks(&self) {
         if let Ok(mut a) = self.alloc.lock() {

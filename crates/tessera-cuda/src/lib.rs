@@ -21,6 +21,7 @@ pub mod gpu;
 pub mod launch;
 mod loss;
 mod optim;
+mod reduce;
 pub mod source;
 pub mod tensor;
 

@@ -36,6 +36,11 @@ pub trait Backend: Send + Sync {
         outputs: &[TensorMeta],
         at: &MeshPos,
     ) -> Result<Vec<Self::Value>>;
+    /// Called by the executor as a run of its Program starts and when it has ended: a backend
+    /// may plan its memory from what a run asks for (the CUDA allocator packs a step's buffers
+    /// into one arena after the first step). Nothing by default.
+    fn run_started(&self) {}
+    fn run_finished(&self) {}
 }
 
 /// Host CPU: candle tensors on `Device::Cpu`, kernels in [`crate::kernels`].

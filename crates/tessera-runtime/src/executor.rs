@@ -403,6 +403,7 @@ impl<B: Backend> Executor<B> {
         }
         let mut metas: Vec<TensorMeta> = Vec::new();
         self.nvme_next = 0;
+        self.backend.run_started();
         for i in 0..self.program.instrs.len() {
             match self.program.instrs[i] {
                 Instr::Run(n) => {
@@ -412,6 +413,7 @@ impl<B: Backend> Executor<B> {
                 Instr::Free(t) => self.release(t),
             }
         }
+        self.backend.run_finished();
         if let Some(s) = self.nvme.as_mut() {
             s.flush()?;
         }
