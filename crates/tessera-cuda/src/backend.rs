@@ -239,7 +239,7 @@ impl CudaBackend {
     /// A fresh contiguous copy.
     pub fn copy(&self, x: &CudaTensor, p: Purpose) -> Result<CudaTensor> {
         let y = CudaTensor::empty(&self.gpu, x.dims(), x.dtype(), p)?;
-        self.copy_into(x, &y, y.layout())?;
+        self.copy_into(x, &y, y.layout()?)?;
         Ok(y)
     }
 
@@ -266,7 +266,7 @@ impl CudaBackend {
             elementwise(n),
             &[
                 Arg::Ptr(x.base()),
-                Arg::Layout(x.layout()),
+                Arg::Layout(x.layout()?),
                 Arg::Ptr(y.base()),
                 Arg::Layout(ly),
                 Arg::I32(size),
@@ -293,7 +293,7 @@ impl CudaBackend {
             elementwise(n),
             &[
                 Arg::Ptr(x.base()),
-                Arg::Layout(x.layout()),
+                Arg::Layout(x.layout()?),
                 Arg::I32(type_code(x.dtype())),
                 Arg::Ptr(y.ptr()),
                 Arg::I32(type_code(to)),
@@ -345,6 +345,16 @@ impl CudaBackend {
         at: &MeshPos,
         p: Purpose,
     ) -> Result<Vec<CudaTensor>> {
+        let rank = x.iter().map(|t| t.dims().len()).chain(out.iter().map(|m| m.shape.rank()));
+        if let Some(r) = rank.max().filter(|&r| r > crate::tensor::MAXD) {
+            return Err(unsupported(
+                op.name(),
+                format!(
+                    "a tensor of {r} dims (the CUDA kernels address at most {})",
+                    crate::tensor::MAXD
+                ),
+            ));
+        }
         let g = &self.gpu;
         let one = |t: CudaTensor| Ok(vec![t]);
         match op {
@@ -367,7 +377,7 @@ impl CudaBackend {
                     &[
                         Arg::I32(unary_code(*u)),
                         Arg::Ptr(x[0].base()),
-                        Arg::Layout(x[0].layout()),
+                        Arg::Layout(x[0].layout()?),
                         Arg::Ptr(y.ptr()),
                         Arg::I64(n as i64),
                     ],
@@ -385,7 +395,7 @@ impl CudaBackend {
                     &[
                         Arg::I32(unary_code(*u)),
                         Arg::Ptr(x[0].base()),
-                        Arg::Layout(x[0].layout()),
+                        Arg::Layout(x[0].layout()?),
                         Arg::Ptr(x[1].base()),
                         Arg::Layout(x[1].layout_as(x[0].dims())?),
                         Arg::Ptr(y.ptr()),
@@ -462,7 +472,7 @@ impl CudaBackend {
                     elementwise(n),
                     &[
                         Arg::Ptr(x[0].base()),
-                        Arg::Layout(x[0].layout()),
+                        Arg::Layout(x[0].layout()?),
                         Arg::Ptr(y.ptr()),
                         Arg::Ptr(x[1].ptr()),
                         Arg::U64(*stream),

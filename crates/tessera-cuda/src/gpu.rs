@@ -34,6 +34,13 @@ pub(crate) struct Blas(pub cudarc::cublas::sys::cublasHandle_t);
 // SAFETY: the handle is only used while holding `Gpu::blas`'s mutex.
 unsafe impl Send for Blas {}
 
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by `create_handle` and is dropped once.
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(self.0) };
+    }
+}
+
 pub struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,

@@ -168,9 +168,9 @@ impl CudaTensor {
         Ok(l)
     }
 
-    /// The layout of this tensor as it is.
-    pub fn layout(&self) -> Layout {
-        self.layout_as(&self.dims.clone()).unwrap_or_default()
+    /// The layout of this tensor as it is (an error for more than [`MAXD`] dims).
+    pub fn layout(&self) -> Result<Layout> {
+        self.layout_as(&self.dims)
     }
 
     /// A view with new dims (contiguous tensors only).
