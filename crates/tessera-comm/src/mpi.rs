@@ -91,6 +91,7 @@ use ::mpi::traits::{
 };
 use ::mpi::{Tag, Threading};
 
+use crate::checks;
 use crate::communicator::{check_tag, Communicator, MAX_TAG};
 use crate::error::{describe_op, CommError, Result};
 use crate::group::Group;
@@ -598,34 +599,12 @@ impl MpiComm {
 
     /// The member index of the caller in `group`, after checking the group fits the world.
     fn member_index(&self, kind: CollectiveKind, group: &Group) -> Result<usize> {
-        let n = self.world_size;
-        if let Some(&bad) = group.ranks().iter().find(|&&r| r >= n) {
-            return Err(CommError::InvalidGroup(format!(
-                "rank {}: {} names rank {bad}, outside a world of {n} ranks",
-                self.rank,
-                describe_op(kind, group.ranks())
-            )));
-        }
-        group.index_of(self.rank).ok_or_else(|| {
-            CommError::InvalidGroup(format!(
-                "rank {}: {} does not include the calling rank",
-                self.rank,
-                describe_op(kind, group.ranks())
-            ))
-        })
+        checks::member_index(self.rank, self.world_size, kind, group)
     }
 
     /// Checks `len` splits into one equal chunk per member; returns the chunk length.
     fn chunk_len(&self, kind: CollectiveKind, group: &Group, len: usize) -> Result<usize> {
-        if !len.is_multiple_of(group.len()) {
-            return Err(CommError::InvalidArgument(format!(
-                "rank {}: {} needs an input length divisible by the group size {}, got {len}",
-                self.rank,
-                describe_op(kind, group.ranks()),
-                group.len()
-            )));
-        }
-        Ok(len / group.len())
+        checks::chunk_len(self.rank, kind, group, len)
     }
 
     /// MPI counts are 32-bit: refuse a buffer of `len` elements MPI could not describe.
@@ -642,15 +621,7 @@ impl MpiComm {
     }
 
     fn check_peer(&self, kind: CollectiveKind, peer: usize) -> Result<()> {
-        if peer >= self.world_size {
-            return Err(CommError::InvalidArgument(format!(
-                "rank {}: {} is outside a world of {} ranks",
-                self.rank,
-                describe_op(kind, &[peer]),
-                self.world_size
-            )));
-        }
-        Ok(())
+        checks::check_peer(self.rank, self.world_size, kind, peer)
     }
 
     /// Opens call `kind` on `group`: numbers it, sets its deadline.

@@ -48,6 +48,7 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::checks;
 use crate::communicator::{check_layout, check_tag, ChunkLayout, Communicator};
 use crate::error::{describe_op, CommError, Departure, Result};
 use crate::group::Group;
@@ -318,46 +319,16 @@ impl ThreadComm {
 
     /// The member index of the caller in `group`, after checking the group fits the world.
     fn member_index(&self, kind: CollectiveKind, group: &Group) -> Result<usize> {
-        let n = self.shared.world_size;
-        if let Some(&bad) = group.ranks().iter().find(|&&r| r >= n) {
-            return Err(CommError::InvalidGroup(format!(
-                "rank {}: {} names rank {bad}, outside a world of {n} ranks",
-                self.rank,
-                describe_op(kind, group.ranks())
-            )));
-        }
-        group.index_of(self.rank).ok_or_else(|| {
-            CommError::InvalidGroup(format!(
-                "rank {}: {} does not include the calling rank",
-                self.rank,
-                describe_op(kind, group.ranks())
-            ))
-        })
+        checks::member_index(self.rank, self.shared.world_size, kind, group)
     }
 
     /// Checks `data.len()` splits into one equal chunk per member; returns the chunk length.
     fn chunk_len(&self, kind: CollectiveKind, group: &Group, len: usize) -> Result<usize> {
-        if !len.is_multiple_of(group.len()) {
-            return Err(CommError::InvalidArgument(format!(
-                "rank {}: {} needs an input length divisible by the group size {}, got {len}",
-                self.rank,
-                describe_op(kind, group.ranks()),
-                group.len()
-            )));
-        }
-        Ok(len / group.len())
+        checks::chunk_len(self.rank, kind, group, len)
     }
 
     fn check_peer(&self, kind: CollectiveKind, peer: usize) -> Result<()> {
-        if peer >= self.shared.world_size {
-            return Err(CommError::InvalidArgument(format!(
-                "rank {}: {} is outside a world of {} ranks",
-                self.rank,
-                describe_op(kind, &[peer]),
-                self.shared.world_size
-            )));
-        }
-        Ok(())
+        checks::check_peer(self.rank, self.shared.world_size, kind, peer)
     }
 
     /// This rank's next call number on `group`.
