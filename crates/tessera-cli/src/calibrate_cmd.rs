@@ -11,6 +11,7 @@
 
 use crate::format::{bytes, count};
 use crate::profile_cmd::{print_stdout, OutputFormat};
+use crate::train_cmd::DeviceKind;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
@@ -24,6 +25,10 @@ use tessera_plan::{DeviceSpec, Link};
 
 #[derive(Args, Debug)]
 pub struct CalibrateArgs {
+    /// What to measure: this machine's CPU (the `cpu` preset), or GPU 0 (`cuda`: a cluster
+    /// file for `--cluster FILE`; needs `--out` and a `tessera` built with `--features cuda`).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Where to write the preset (default: $TESSERA_CPU_PRESET, else
     /// $XDG_CONFIG_HOME/tessera/cpu.json, else ~/.config/tessera/cpu.json).
     #[arg(long)]
@@ -53,6 +58,9 @@ const DISK_BYTES: usize = 256 << 20;
 const DISK_BYTES_QUICK: usize = 16 << 20;
 
 pub fn run(args: &CalibrateArgs) -> Result<()> {
+    if args.device == DeviceKind::Cuda {
+        return crate::calibrate_gpu::run(args);
+    }
     let path = match &args.out {
         Some(p) => p.clone(),
         None => cpu_calibration_path().context(format!(

@@ -3,6 +3,7 @@
 //! output (`--format json`) is the only thing written to stdout.
 
 mod calibrate_cmd;
+mod calibrate_gpu;
 mod checkpoint_cmd;
 mod eval_cmd;
 mod export_cmd;

@@ -121,3 +121,30 @@ fn calibrate_rejects_an_unwritable_path() {
     assert!(!err.contains("panicked"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `calibrate --device cuda` writes a GPU cluster file where there is a GPU; here (no driver)
+/// it stops before measuring, naming the missing driver, and writes nothing. Without `--out`
+/// it names the flag.
+#[test]
+fn calibrate_on_cuda_measures_or_names_the_missing_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gpu.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["calibrate", "--device", "cuda", "--out", path.to_str().unwrap()])
+        .output()
+        .expect("tessera runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        let c = Cluster::from_file(&path).expect("the GPU cluster file parses");
+        assert!(c.device.bf16_flops > 1e12, "{:?}", c.device);
+    } else {
+        assert!(err.contains("libcuda.so") || err.contains("built without CUDA"), "{err}");
+        assert!(!path.exists(), "nothing is written when nothing was measured");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["calibrate", "--device", "cuda"])
+        .output()
+        .expect("tessera runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--out FILE"));
+}

@@ -38,6 +38,11 @@ const COVERED: &[(&str, &str, &str)] = &[
         "hf_parity.rs",
         "init_fine_tunes_a_transformers_checkpoint_on_any_plan",
     ),
+    (
+        "tessera calibrate --device cuda",
+        "calibrate.rs",
+        "calibrate_on_cuda_measures_or_names_the_missing_driver",
+    ),
     ("tessera calibrate", "calibrate.rs", "calibrate_writes_a_cpu_preset_the_planner_reads"),
     (
         "cargo build --release --features tessera-cli/cuda",

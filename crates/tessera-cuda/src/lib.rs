@@ -16,6 +16,7 @@
 pub mod alloc;
 mod attention;
 pub mod backend;
+pub mod calibrate;
 mod gemm;
 pub mod gpu;
 pub mod launch;

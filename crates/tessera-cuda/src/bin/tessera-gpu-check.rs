@@ -395,54 +395,16 @@ fn speed(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DType, st
 }
 
 fn calibrate(gpu: &Arc<Gpu>) {
-    let be = CudaBackend::new(gpu.clone());
-    let n = 8192usize;
-    let meta = TensorMeta { shape: tessera_ir::Shape::from(&[n, n][..]), dtype: DType::BF16 };
-    // Random data (never time on constants): an xorshift stream rounded to bf16.
-    let mut st = 0x9E37_79B9_7F4A_7C15u64;
-    let host: Vec<half::bf16> = (0..n * n)
-        .map(|_| {
-            st ^= st << 13;
-            st ^= st >> 7;
-            st ^= st << 17;
-            half::bf16::from_f32((st >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-        })
-        .collect();
-    let a = be.upload(&Tensor::from_vec(host, (n, n), &candle_core::Device::Cpu).unwrap()).unwrap();
-    let mm = Op::MatMul { trans_a: false, trans_b: true };
-    let run =
-        || be.execute(&mm, &[&a, &a], std::slice::from_ref(&meta), &MeshPos::single()).unwrap();
-    for _ in 0..3 {
-        run();
-    }
-    gpu.synchronize().unwrap();
-    let reps = 10;
-    let t0 = Instant::now();
-    for _ in 0..reps {
-        run();
-    }
-    gpu.synchronize().unwrap();
-    let tf = 2.0 * (n as f64).powi(3) * reps as f64 / t0.elapsed().as_secs_f64() / 1e12;
-    let big = TensorMeta { shape: tessera_ir::Shape::from(&[1usize << 30][..]), dtype: DType::F32 };
-    let x = be
-        .execute(
-            &Op::Fill { value: 1.0, meta: big.clone() },
-            &[],
-            std::slice::from_ref(&big),
-            &MeshPos::single(),
-        )
-        .unwrap()
-        .remove(0);
-    let cp = Op::Transfer { from: tessera_ir::Tier::Device, to: tessera_ir::Tier::Device };
-    be.execute(&cp, &[&x], std::slice::from_ref(&big), &MeshPos::single()).unwrap();
-    gpu.synchronize().unwrap();
-    let t0 = Instant::now();
-    for _ in 0..5 {
-        be.execute(&cp, &[&x], std::slice::from_ref(&big), &MeshPos::single()).unwrap();
-    }
-    gpu.synchronize().unwrap();
-    let bw = 2.0 * 4.0 * (1u64 << 30) as f64 * 5.0 / t0.elapsed().as_secs_f64() / 1e12;
-    println!("{{\"check\":\"calibrate\",\"device\":\"{}\",\"bf16_gemm_tflops\":{tf:.1},\"copy_tb_per_s\":{bw:.2}}}", gpu.device_name());
+    let m = tessera_cuda::calibrate::measure(gpu).expect("calibration");
+    println!(
+        "{{\"check\":\"calibrate\",\"device\":\"{}\",\"bf16_gemm_tflops\":{:.1},\"fp16_gemm_tflops\":{:.1},\"fp32_gemm_tflops\":{:.1},\"copy_tb_per_s\":{:.2},\"launch_us\":{:.2}}}",
+        m.name,
+        m.bf16_flops / 1e12,
+        m.fp16_flops / 1e12,
+        m.fp32_flops / 1e12,
+        m.memory_bandwidth / 1e12,
+        m.kernel_overhead_s * 1e6
+    );
 }
 
 fn main() {
