@@ -326,16 +326,14 @@ impl<B: Backend> Executor<B> {
         let g = &self.program.graph;
         let scope = g.tensor_scope(t).to_string();
         let bytes = g.meta(t).size_bytes();
-        {
-            let was = self.nvme.as_ref().is_some_and(|s| s.holds(t));
-            let store = self.store()?;
-            store.write(t, value)?;
-            store.flush()?;
-            if was {
-                self.lower[1].free(bytes);
-            }
-            self.lower[1].alloc(bytes, &scope, &scope)
+        let was = self.nvme.as_ref().is_some_and(|s| s.holds(t));
+        let store = self.store()?;
+        store.write(t, value)?;
+        store.flush()?;
+        if was {
+            self.lower[1].free(bytes);
         }
+        self.lower[1].alloc(bytes, &scope, &scope)
     }
 
     /// The current value of a tensor on the device, if live.
