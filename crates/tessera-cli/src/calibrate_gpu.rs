@@ -10,19 +10,7 @@ use crate::profile_cmd::{print_stdout, OutputFormat};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use std::path::Path;
-use tessera_plan::Link;
-
-/// What a GPU calibration measured (plain figures: this module builds without CUDA).
-#[derive(Clone, Debug, PartialEq)]
-pub struct GpuFigures {
-    pub name: String,
-    pub memory_bytes: u64,
-    pub fp32_flops: f64,
-    pub bf16_flops: f64,
-    pub fp16_flops: f64,
-    pub memory_bandwidth: f64,
-    pub kernel_overhead_s: f64,
-}
+use tessera_plan::{DeviceSpec, Link};
 
 /// A PCIe 4.0 ×16 link, for devices without a preset (not measured on one GPU).
 const PCIE: Link = Link { latency_s: 10e-6, bandwidth: 25e9 };
@@ -42,8 +30,8 @@ fn preset_links(name: &str) -> Option<(String, Link, Link)> {
     })
 }
 
-/// The cluster file (JSON) of one GPU with the measured device and the link chosen for it.
-pub fn cluster_file(f: &GpuFigures) -> (Value, String) {
+/// The cluster file (JSON) of one GPU: the measured device and the links chosen for it.
+pub fn cluster_file(f: &DeviceSpec) -> Result<(Value, String)> {
     let (intra, inter, source) = match preset_links(&f.name) {
         Some((p, intra, inter)) => {
             (intra, inter, format!("the {p} preset's links (not measured on one GPU)"))
@@ -56,40 +44,34 @@ pub fn cluster_file(f: &GpuFigures) -> (Value, String) {
     };
     let v = json!({
         "gpus_per_node": 1,
-        "device": {
-            "name": f.name,
-            "memory_bytes": f.memory_bytes,
-            "fp32_flops": f.fp32_flops,
-            "bf16_flops": f.bf16_flops,
-            "fp16_flops": f.fp16_flops,
-            "memory_bandwidth": f.memory_bandwidth,
-            "kernel_overhead_s": f.kernel_overhead_s,
-            "matmul_efficiency": 1.0,
-            "memory_efficiency": 1.0,
-        },
+        "device": serde_json::to_value(f)?,
         "intra": { "latency_s": intra.latency_s, "bandwidth": intra.bandwidth },
         "inter": { "latency_s": inter.latency_s, "bandwidth": inter.bandwidth },
     });
-    (v, source)
+    Ok((v, source))
 }
 
+/// The measured device: achieved rates, so its efficiencies are 1.0.
 #[cfg(feature = "cuda")]
-fn measure() -> Result<GpuFigures> {
+fn measure() -> Result<DeviceSpec> {
     let gpu = tessera_cuda::Gpu::open(0).context("--device cuda")?;
     let m = tessera_cuda::calibrate::measure(&gpu).context("measuring the GPU")?;
-    Ok(GpuFigures {
+    Ok(DeviceSpec {
         name: m.name,
         memory_bytes: m.memory_bytes,
+        reserve_bytes: 0,
         fp32_flops: m.fp32_flops,
         bf16_flops: m.bf16_flops,
         fp16_flops: m.fp16_flops,
         memory_bandwidth: m.memory_bandwidth,
         kernel_overhead_s: m.kernel_overhead_s,
+        matmul_efficiency: 1.0,
+        memory_efficiency: 1.0,
     })
 }
 
 #[cfg(not(feature = "cuda"))]
-fn measure() -> Result<GpuFigures> {
+fn measure() -> Result<DeviceSpec> {
     bail!(
         "--device cuda: this tessera was built without CUDA support; rebuild it with \
          `cargo build --release --features tessera-cli/cuda` (no CUDA toolkit is needed to build)"
@@ -115,7 +97,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         })?;
     }
     let figures = measure()?;
-    let (file, link) = cluster_file(&figures);
+    let (file, link) = cluster_file(&figures)?;
     let text = serde_json::to_string_pretty(&file)? + "\n";
     write_atomic(&path, &text)?;
     let f = &figures;
@@ -152,15 +134,18 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn figures(name: &str) -> GpuFigures {
-        GpuFigures {
+    fn figures(name: &str) -> DeviceSpec {
+        DeviceSpec {
             name: name.into(),
             memory_bytes: 85_017_493_504,
+            reserve_bytes: 0,
             fp32_flops: 51e12,
             bf16_flops: 810e12,
             fp16_flops: 805e12,
             memory_bandwidth: 3.03e12,
             kernel_overhead_s: 4e-6,
+            matmul_efficiency: 1.0,
+            memory_efficiency: 1.0,
         }
     }
 
@@ -169,25 +154,20 @@ mod tests {
     #[test]
     fn the_gpu_cluster_file_reads_back_as_the_measured_device() {
         let f = figures("NVIDIA H100 80GB HBM3");
-        let (v, source) = cluster_file(&f);
+        let (v, source) = cluster_file(&f).unwrap();
         assert!(source.contains("H100"), "{source}");
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("gpu.json");
         std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
         let c = tessera_plan::Cluster::from_file(&path).unwrap();
-        let d = &c.device;
-        assert_eq!(d.name, f.name);
-        assert_eq!(d.memory_bytes, f.memory_bytes);
-        assert_eq!((d.fp32_flops, d.bf16_flops, d.fp16_flops), (51e12, 810e12, 805e12));
-        assert_eq!((d.memory_bandwidth, d.kernel_overhead_s), (3.03e12, 4e-6));
-        assert_eq!((d.matmul_efficiency, d.memory_efficiency), (1.0, 1.0));
+        assert_eq!(c.device, f, "the planner reads back the measured device");
         let h100 = tessera_plan::Cluster::parse("2xH100").unwrap();
         assert_eq!(v["intra"]["bandwidth"], json!(h100.intra.bandwidth));
     }
 
     #[test]
     fn an_unknown_gpu_gets_a_pcie_link_and_says_so() {
-        let (v, source) = cluster_file(&figures("Some Future GPU"));
+        let (v, source) = cluster_file(&figures("Some Future GPU")).unwrap();
         assert!(source.contains("PCIe"), "{source}");
         assert_eq!(v["intra"]["bandwidth"], json!(25e9));
     }

@@ -65,23 +65,11 @@ fn is_half(d: DType) -> bool {
     matches!(d, DType::BF16 | DType::F16)
 }
 
-/// Ops that take half-precision operands natively (the rest run in f32 on upcast operands).
+/// Ops that take half-precision operands natively (the rest run in f32 on upcast operands):
+/// those every backend does, plus GEMMs (bf16 on cuBLAS) and copies.
 fn native_half(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Reshape(_)
-            | Op::Expand(_)
-            | Op::Permute(_)
-            | Op::Slice { .. }
-            | Op::Pad { .. }
-            | Op::Concat { .. }
-            | Op::Fill { .. }
-            | Op::Cast(_)
-            | Op::AdamW(_)
-            | Op::MatMul { .. }
-            | Op::Transfer { .. }
-            | Op::Reshard(_)
-    )
+    tessera_runtime::backend::takes_any_dtype(op)
+        || matches!(op, Op::MatMul { .. } | Op::Transfer { .. } | Op::Reshard(_))
 }
 
 impl Backend for CudaBackend {

@@ -7,9 +7,9 @@ use crate::backend::CudaBackend;
 use crate::launch::{elementwise, launch, per_row, Arg};
 use crate::tensor::CudaTensor;
 use tessera_ir::{DType, TensorMeta};
-use tessera_runtime::{Backend, Result, RuntimeError};
+use tessera_runtime::{Backend, Result};
 
-/// The non-ignored target count, or the first bad target's error.
+/// The non-ignored target count, or the CPU kernel's error for the first bad target.
 fn check_targets(
     be: &CudaBackend,
     t: &CudaTensor,
@@ -17,20 +17,7 @@ fn check_targets(
     ignore: Option<i64>,
 ) -> Result<usize> {
     let host = be.download(t)?.flatten_all()?.to_vec1::<i64>()?;
-    let mut count = 0;
-    for (k, &v) in host.iter().enumerate() {
-        if Some(v) == ignore {
-            continue;
-        }
-        if v < 0 || v as u64 >= classes as u64 {
-            return Err(RuntimeError::Data(format!(
-                "cross_entropy: target {v} (at flat position {k}) is out of range for {classes} \
-                 classes (valid targets are 0..{classes})"
-            )));
-        }
-        count += 1;
-    }
-    Ok(count)
+    tessera_runtime::kernels::check_targets("cross_entropy", &host, classes, ignore)
 }
 
 pub fn cross_entropy(

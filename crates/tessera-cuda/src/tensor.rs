@@ -72,7 +72,6 @@ pub fn elem_size(d: DType) -> usize {
 pub fn stored(d: DType) -> DType {
     match d {
         DType::I32 => DType::I64,
-        DType::U8 => DType::U8,
         other => other,
     }
 }

@@ -123,11 +123,17 @@ impl Backend for CpuBackend {
 }
 
 /// Whether `op` must run through the f32 upcast path: it computes on a half-precision input.
-/// Layout ops, fills and casts handle every dtype natively (and views must stay views); AdamW
-/// updates bf16 parameters in place from its f32 master.
 fn needs_upcast(op: &Op, inputs: &[&Tensor]) -> bool {
     let half = inputs.iter().any(|t| matches!(t.dtype(), DType::BF16 | DType::F16));
-    half && !matches!(
+    half && !takes_any_dtype(op)
+}
+
+/// The ops every backend runs on half-precision operands as they are, without the f32 upcast
+/// of mixed precision: layout ops, fills and casts handle every dtype (and views must stay
+/// views); AdamW updates bf16 parameters in place from its f32 master. A backend may add its
+/// own (the CUDA backend's GEMMs take bf16).
+pub fn takes_any_dtype(op: &Op) -> bool {
+    matches!(
         op,
         Op::Reshape(_)
             | Op::Expand(_)

@@ -25,7 +25,12 @@ fn check(op: &str, logits: &Tensor, targets: &Tensor) -> Result<usize> {
 
 /// The class of every row (`None` when ignored), or a clear error for the first target
 /// that is neither a class in `0..classes` nor `ignore_index`. Returns the non-ignored count.
-fn check_targets(op: &str, targets: &[i64], classes: usize, ignore: Option<i64>) -> Result<usize> {
+pub fn check_targets(
+    op: &str,
+    targets: &[i64],
+    classes: usize,
+    ignore: Option<i64>,
+) -> Result<usize> {
     let mut count = 0;
     for (k, &t) in targets.iter().enumerate() {
         if Some(t) == ignore {

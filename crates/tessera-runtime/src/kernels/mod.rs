@@ -23,6 +23,8 @@ mod optim;
 mod quant;
 mod reduce;
 
+pub use loss::check_targets;
+
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
 use tessera_ir::dist::MeshPos;
