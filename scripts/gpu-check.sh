@@ -5,8 +5,10 @@
 #
 #   scripts/gpu-check.sh [OUT_DIR] [checks...]     # on a machine with an NVIDIA GPU
 #
-# checks: kernels training memory calibrate speed (all when none is named); TORCH_BASELINE=0
-# skips the PyTorch runs that go with `speed`.
+# checks: kernels training memory memory-large calibrate speed nccl cli (all but nccl and cli
+# when none is named); TORCH_BASELINE=0 skips the PyTorch runs that go with `speed`. `cli` runs
+# the `tessera` binary's GPU commands (TESSERA_CLI, default target/release/tessera, built with
+# `--features cuda`).
 #
 # The binary is built with `cargo build --release -p tessera-cuda --bin tessera-gpu-check`
 # where Rust is present; on a GPU machine without Rust, carry target/release/tessera-gpu-check.
@@ -22,10 +24,32 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/loc
          $(python3 -c 'import nvidia, os; p = nvidia.__path__[0]; print(" ".join(os.path.join(p, d, "lib") for d in os.listdir(p)))' 2>/dev/null); do
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
+# cudarc loads NCCL as libnccl.so; distributions and pip install libnccl.so.2: link it.
+nccl=$(ldconfig -p 2>/dev/null | awk '/libnccl.so.2 /{print $NF; exit}')
+[ -z "$nccl" ] && nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+if [ -n "$nccl" ] && [ -f "$nccl" ]; then
+  mkdir -p "$out/.nccl" && ln -sf "$nccl" "$out/.nccl/libnccl.so" && export LD_LIBRARY_PATH="$(cd "$out/.nccl" && pwd):$LD_LIBRARY_PATH"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-"$bin" "$@" 2> >(tee "$out/stderr.txt" >&2) | tee "$out/checks.jsonl"
-rc=${PIPESTATUS[0]}
+rc=0
+checks=()
+for c in "$@"; do [ "$c" != cli ] && checks+=("$c"); done
+if [ $# -eq 0 ] || [ ${#checks[@]} -gt 0 ]; then
+  "$bin" "${checks[@]}" 2> >(tee "$out/stderr.txt" >&2) | tee "$out/checks.jsonl"
+  rc=${PIPESTATUS[0]}
+fi
+if printf '%s\n' "$@" | grep -qx cli; then
+  # The CLI's GPU paths: a short bf16 run, and this GPU measured into a cluster file that the
+  # planner then reads.
+  cli=${TESSERA_CLI:-target/release/tessera}
+  { "$cli" train --device cuda --devices 1 --model gpt2-tiny --dtype bf16 --steps 5 --format json \
+      && "$cli" calibrate --device cuda --out "$out/gpu.json" \
+      && "$cli" plan --model gpt2 --cluster "$out/gpu.json" --format json; } \
+    > "$out/cli.jsonl" 2> "$out/cli-stderr.txt" || { echo '{"check":"cli","ok":false}'; rc=1; }
+  tail -c 2000 "$out/cli.jsonl"
+fi
 if [ "${TORCH_BASELINE:-1}" != 0 ] && { [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qx speed; }; then
-  python3 scripts/torch-train-bench.py gpt2-medium 4 1024 --compile 2>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
+  python3 scripts/torch-train-bench.py gpt2-medium 4 1024 --compile --no-fp32 2>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
+  python3 scripts/torch-train-bench.py llama-1.3b 4 2048 --compile --no-fp32 2>>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
 fi
 exit "$rc"

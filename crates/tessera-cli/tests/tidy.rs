@@ -48,10 +48,12 @@ fn crates_depend_only_downwards() {
         ("tessera-plan", &["tessera-ir", "tessera-profile"][..]),
         ("tessera-comm", &[][..]),
         ("tessera-runtime", &["tessera-ir", "tessera-comm"][..]),
-        // The GPU check binary builds real models and predicts their memory.
+        // The GPU check binary builds real models and predicts their memory; the NCCL
+        // transport implements tessera-comm's Communicator (a crate below the runtime).
         (
             "tessera-cuda",
-            &["tessera-ir", "tessera-runtime", "tessera-models", "tessera-profile"][..],
+            &["tessera-ir", "tessera-comm", "tessera-runtime", "tessera-models", "tessera-profile"]
+                [..],
         ),
         (
             "tessera-cli",

@@ -129,6 +129,24 @@ pub(crate) fn check_layout(
     }
 }
 
+/// Element-wise sum of the `n` equal chunks of `parts`, in chunk order (member order): how a
+/// transport that gathers every member's input sums it, so that every member, on every
+/// transport, gets the thread backend's bits.
+pub fn sum_chunks(parts: &[f32], n: usize) -> Vec<f32> {
+    let len = parts.len().checked_div(n).unwrap_or(0);
+    if len == 0 {
+        return Vec::new();
+    }
+    let (first, rest) = parts.split_at(len);
+    let mut out = first.to_vec();
+    for chunk in rest.chunks_exact(len) {
+        for (o, x) in out.iter_mut().zip(chunk) {
+            *o += *x;
+        }
+    }
+    out
+}
+
 /// The largest tag of [`Communicator::send_tagged`] / [`Communicator::recv_tagged`]. MPI
 /// guarantees tags up to 32767 only, and its backend keeps a few below its range of user tags
 /// for itself; every backend refuses a larger tag, so that a program run on threads also runs
@@ -136,7 +154,7 @@ pub(crate) fn check_layout(
 pub const MAX_TAG: u32 = 32_751;
 
 /// Fails with [`CommError::InvalidArgument`] naming [`MAX_TAG`] if `tag` is above it.
-pub(crate) fn check_tag(rank: usize, kind: CollectiveKind, peer: usize, tag: u32) -> Result<()> {
+pub fn check_tag(rank: usize, kind: CollectiveKind, peer: usize, tag: u32) -> Result<()> {
     if tag > MAX_TAG {
         return Err(CommError::InvalidArgument(format!(
             "rank {rank}: {} with tag {tag}: tags go up to {MAX_TAG} (MPI guarantees only 32767, \
@@ -374,6 +392,14 @@ mod tests {
         assert_eq!(p.span(3, 6), Some(31));
         assert_eq!(ChunkLayout::placed(2, 8, 0).span(3, 6), None, "blocks would overlap");
         assert!(l.is_packed() && !p.is_packed() && l.outer() == 2);
+    }
+
+    #[test]
+    fn chunks_sum_in_member_order() {
+        assert_eq!(sum_chunks(&[1.0, 2.0, 10.0, 20.0, 100.0, 200.0], 3), vec![111.0, 222.0]);
+        assert_eq!(sum_chunks(&[], 3), Vec::<f32>::new());
+        // Order matters for rounding: (1e8 + 1) - 1e8 is 0 in f32, whereas 1e8 - 1e8 + 1 is 1.
+        assert_eq!(sum_chunks(&[1e8, 1.0, -1e8], 3), vec![0.0]);
     }
 
     #[test]

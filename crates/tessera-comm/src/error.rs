@@ -110,7 +110,7 @@ pub enum CommError {
 pub type Result<T, E = CommError> = std::result::Result<T, E>;
 
 /// "all_reduce over ranks [0, 1]", "send to rank 3", "recv from rank 2".
-pub(crate) fn describe_op(kind: CollectiveKind, group: &[usize]) -> String {
+pub fn describe_op(kind: CollectiveKind, group: &[usize]) -> String {
     let peer = || group.first().map_or_else(|| "?".to_string(), |r| r.to_string());
     match kind {
         CollectiveKind::Send => format!("send to rank {}", peer()),

@@ -36,7 +36,8 @@
 //! See the [`thread`] module for how the rendezvous works, and the `mpi` module for how the MPI
 //! backend keeps the same guarantees on top of MPI's collectives.
 
-mod checks;
+pub mod agreement;
+pub mod checks;
 pub mod communicator;
 pub mod conformance;
 pub mod error;

@@ -91,8 +91,9 @@ use ::mpi::traits::{
 };
 use ::mpi::{Tag, Threading};
 
+use crate::agreement::{agree, Disagreement, Signature};
 use crate::checks;
-use crate::communicator::{check_tag, Communicator, MAX_TAG};
+use crate::communicator::{check_tag, sum_chunks, Communicator, MAX_TAG};
 use crate::error::{describe_op, CommError, Result};
 use crate::group::Group;
 use crate::stats::{f32_bytes, CollectiveKind, CommStats};
@@ -227,55 +228,6 @@ impl fmt::Debug for MpiComm {
 
 /// The operation did not complete by the deadline and was abandoned (its buffers leaked).
 struct Abandoned;
-
-/// What each member asks for in one call; the members of a call must agree on it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Signature {
-    kind: CollectiveKind,
-    /// The call's number among this group's calls on the calling rank.
-    seq: u64,
-    /// Input length (for broadcast, only the root's matters).
-    len: usize,
-    /// Root rank (broadcast only).
-    root: Option<usize>,
-}
-
-impl Signature {
-    const WORDS: usize = 4;
-
-    fn encode(&self) -> [u64; Signature::WORDS] {
-        let kind = CollectiveKind::ALL.iter().position(|&k| k == self.kind).unwrap_or(usize::MAX);
-        [kind as u64, self.seq, self.len as u64, self.root.map_or(u64::MAX, |r| r as u64)]
-    }
-
-    fn decode(words: &[u64]) -> Option<Signature> {
-        let [kind, seq, len, root] = *words else { return None };
-        Some(Signature {
-            kind: *CollectiveKind::ALL.get(usize::try_from(kind).ok()?)?,
-            seq,
-            len: usize::try_from(len).ok()?,
-            root: if root == u64::MAX { None } else { Some(usize::try_from(root).ok()?) },
-        })
-    }
-
-    /// Whether two members' calls can be the same call.
-    fn agrees(&self, other: &Signature) -> bool {
-        let len_matters = !matches!(self.kind, CollectiveKind::Broadcast | CollectiveKind::Barrier);
-        self.kind == other.kind
-            && self.seq == other.seq
-            && self.root == other.root
-            && (!len_matters || self.len == other.len)
-    }
-
-    fn describe(&self) -> String {
-        let what = match (self.kind, self.root) {
-            (kind, Some(root)) => format!("{kind} from root {root}"),
-            (CollectiveKind::Barrier, None) => "barrier".to_string(),
-            (kind, None) => format!("{kind} with {} elements", self.len),
-        };
-        format!("{what} as its call #{} in this group", self.seq)
-    }
-}
 
 /// One collective call in progress: what its errors must name.
 struct Call<'g> {
@@ -483,23 +435,6 @@ fn start_send<T: Equivalence + 'static>(
     let view: &'static [T] = unsafe { &*buf };
     let request = comm.process_at_rank(to).immediate_send_with_tag(StaticScope, view, tag);
     Box::new(LentSend { request, buf })
-}
-
-/// Element-wise sum of the `n` equal chunks of `parts`, in chunk order (member order), so every
-/// member gets the same bits as the thread backend's sum.
-fn sum_chunks(parts: &[f32], n: usize) -> Vec<f32> {
-    let len = parts.len().checked_div(n).unwrap_or(0);
-    if len == 0 {
-        return Vec::new();
-    }
-    let (first, rest) = parts.split_at(len);
-    let mut out = first.to_vec();
-    for chunk in rest.chunks_exact(len) {
-        for (o, x) in out.iter_mut().zip(chunk) {
-            *o += *x;
-        }
-    }
-    out
 }
 
 /// Receives every announcement already on `comm` into `tally` (see [`MpiComm::drain`]).
@@ -843,27 +778,15 @@ impl MpiComm {
                 Ok(words) => words,
                 Err(Abandoned) => return Err(self.stalled(call)),
             };
-        let sigs = gathered
-            .chunks_exact(Signature::WORDS)
-            .map(Signature::decode)
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| {
-                CommError::Internal(format!(
-                    "rank {}: undecodable call signatures {gathered:?} from group {}",
-                    self.rank, call.group
-                ))
-            })?;
         // Every member sees the same signatures, so either all go on to the data phase or all
         // fail here, and the group stays in step either way.
-        let ranks = call.group.ranks();
-        if let Some((&other, theirs)) = ranks.iter().zip(&sigs).find(|(_, s)| !s.agrees(&mine)) {
-            return Err(call.mismatch(format!(
-                "rank {other} called {} but rank {} called {}",
-                theirs.describe(),
-                self.rank,
-                mine.describe()
-            )));
-        }
+        let sigs = agree(self.rank, call.group.ranks(), &mine, &gathered).map_err(|d| match d {
+            Disagreement::Mismatch(detail) => call.mismatch(detail),
+            Disagreement::Undecodable => CommError::Internal(format!(
+                "rank {}: undecodable call signatures {gathered:?} from group {}",
+                self.rank, call.group
+            )),
+        })?;
         Ok(sigs)
     }
 
@@ -1120,31 +1043,6 @@ impl Drop for MpiComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn signatures_round_trip_and_compare() {
-        let s = Signature { kind: CollectiveKind::Broadcast, seq: 7, len: 3, root: Some(2) };
-        assert_eq!(Signature::decode(&s.encode()), Some(s));
-        let t = Signature { kind: CollectiveKind::AllReduce, seq: 0, len: 5, root: None };
-        assert_eq!(Signature::decode(&t.encode()), Some(t));
-        // A broadcast's length only matters at the root; other kinds must agree on it.
-        assert!(s.agrees(&Signature { len: 0, ..s }));
-        assert!(!s.agrees(&Signature { root: Some(1), ..s }));
-        assert!(!t.agrees(&Signature { len: 4, ..t }));
-        assert!(!t.agrees(&Signature { seq: 1, ..t }));
-        assert!(!t.agrees(&Signature { kind: CollectiveKind::AllGather, ..t }));
-        assert_eq!(t.describe(), "all_reduce with 5 elements as its call #0 in this group");
-        assert_eq!(Signature::decode(&[99, 0, 0, 0]), None);
-        assert_eq!(Signature::decode(&[0, 0, 0]), None);
-    }
-
-    #[test]
-    fn chunks_sum_in_member_order() {
-        assert_eq!(sum_chunks(&[1.0, 2.0, 10.0, 20.0, 100.0, 200.0], 3), vec![111.0, 222.0]);
-        assert_eq!(sum_chunks(&[], 3), Vec::<f32>::new());
-        // Order matters for rounding: (1e8 + 1) - 1e8 is 0 in f32, whereas 1e8 - 1e8 + 1 is 1.
-        assert_eq!(sum_chunks(&[1e8, 1.0, -1e8], 3), vec![0.0]);
-    }
 
     #[test]
     fn user_tags_map_above_internal_tags_and_within_the_guaranteed_bound() {

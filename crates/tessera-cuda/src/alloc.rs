@@ -411,8 +411,17 @@ impl<R: RawMemory> CachingAllocator<R> {
         self.pools[pool].free.insert((size, addr));
     }
 
-    /// Gives every wholly free segment back to the driver.
+    /// Gives every wholly free segment back to the driver, and the step plan's arena when no
+    /// block of it is live (the next step is planned afresh).
     pub fn empty_cache(&mut self) {
+        if self.step.live_arena.is_empty() {
+            if let Some((addr, size)) = self.step.arena.take() {
+                self.raw.free(addr, size);
+                self.stats.reserved.sub(size);
+                self.step.plan.clear();
+                self.step.next = None;
+            }
+        }
         let whole: Vec<(u64, u64, usize)> = self
             .segments
             .iter()
@@ -549,6 +558,19 @@ mod tests {
         assert_eq!(al.stats().reserved.current, 8 << 20);
         assert_eq!(al.stats().program, Gauge { current: 0, peak: 3 << 20 });
         assert_eq!(al.stats().scratch, Gauge { current: 0, peak: 5 << 20 });
+    }
+
+    #[test]
+    fn emptying_the_cache_returns_the_arena_and_the_next_step_plans_again() {
+        let mut al = fake(1 << 30);
+        step(&mut al, [3 << 20, 5 << 20, 3 << 20], true);
+        assert_eq!(al.stats().reserved.current, 8 << 20, "the arena");
+        al.empty_cache();
+        assert_eq!(al.stats().reserved.current, 0, "nothing is held after the cache is emptied");
+        let [a, _, _] = step(&mut al, [3 << 20, 5 << 20, 3 << 20], false);
+        assert!(!a.arena, "served from segments, then planned again");
+        let [a, b, c] = step(&mut al, [3 << 20, 5 << 20, 3 << 20], true);
+        assert!(a.arena && b.arena && c.arena);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use crate::alloc::Purpose;
 use crate::backend::{geometry, CudaBackend};
 use crate::gemm::{gemm_f32, ColMat};
 use crate::launch::{launch, Arg, Attn, THREADS};
+use crate::source::float_code;
 use crate::tensor::CudaTensor;
 use cudarc::driver::LaunchConfig;
 use tessera_ir::dist::MeshPos;
@@ -32,18 +33,21 @@ fn extras(
     start: Option<&CudaTensor>,
     at: &MeshPos,
 ) -> Result<(Option<CudaTensor>, Option<CudaTensor>)> {
-    let slopes = match &spec.alibi {
-        Some(a) => {
-            let s: Vec<f32> = a.local_slopes(h, Some(at))?.into_iter().map(|x| x as f32).collect();
-            Some(be.upload_as(
-                &candle_core::Tensor::from_vec(s, h, &candle_core::Device::Cpu)?,
-                Purpose::Scratch,
-            )?)
-        }
-        None => None,
-    };
     let start = start.map(|s| be.dense_pub(s)).transpose()?;
-    Ok((slopes, start))
+    Ok((alibi_slopes(be, spec, h, at)?, start))
+}
+
+/// This device's ALiBi slope per query head, on the device (scratch); `None` without ALiBi.
+pub(crate) fn alibi_slopes(
+    be: &CudaBackend,
+    spec: &AttentionSpec,
+    h: usize,
+    at: &MeshPos,
+) -> Result<Option<CudaTensor>> {
+    let Some(alibi) = &spec.alibi else { return Ok(None) };
+    let s: Vec<f32> = alibi.local_slopes(h, Some(at))?.into_iter().map(|x| x as f32).collect();
+    let t = candle_core::Tensor::from_vec(s, h, &candle_core::Device::Cpu)?;
+    Ok(Some(be.upload_as(&t, Purpose::Scratch)?))
 }
 
 /// Byte offsets are element offsets × 4 (every operand here is f32).
@@ -289,9 +293,11 @@ pub fn rope(
         crate::launch::elementwise(n),
         &[
             Arg::Ptr(x.ptr()),
+            Arg::I32(float_code("rope", x.dtype())?),
             Arg::Ptr(pos.as_ref().map_or(0, |t| t.ptr())),
             Arg::Ptr(freq.ptr()),
             Arg::Ptr(y.ptr()),
+            Arg::I32(float_code("rope", y.dtype())?),
             Arg::I64(s as i64),
             Arg::I64(h as i64),
             Arg::I64(d as i64),

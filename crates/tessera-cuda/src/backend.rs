@@ -11,7 +11,7 @@
 use crate::alloc::Purpose;
 use crate::gpu::Gpu;
 use crate::launch::{elementwise, launch, per_row, Arg, Attn};
-use crate::source::{binary_code, type_code, unary_code};
+use crate::source::{binary_code, float_code, type_code, unary_code};
 use crate::tensor::{elem_size, row_major, CudaTensor, Layout};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -66,10 +66,31 @@ fn is_half(d: DType) -> bool {
 }
 
 /// Ops that take half-precision operands natively (the rest run in f32 on upcast operands):
-/// those every backend does, plus GEMMs (bf16 on cuBLAS) and copies.
+/// those every backend does, GEMMs (bf16 on cuBLAS), copies, and the elementwise kernels, which
+/// load each operand in its own dtype and round the f32 result once (the CPU's upcast-compute-
+/// round, bit for bit, without the f32 copies).
 fn native_half(op: &Op) -> bool {
     tessera_runtime::backend::takes_any_dtype(op)
-        || matches!(op, Op::MatMul { .. } | Op::Transfer { .. } | Op::Reshard(_))
+        || matches!(
+            op,
+            Op::MatMul { .. }
+                | Op::Transfer { .. }
+                | Op::Reshard(_)
+                | Op::Unary(_)
+                | Op::UnaryBackward(_)
+                | Op::Binary(_)
+                | Op::BinaryBackward { .. }
+                | Op::Dropout { .. }
+                | Op::Rope { .. }
+                | Op::Reduce { .. }
+                | Op::ReduceBackward { .. }
+                | Op::LayerNorm { .. }
+                | Op::RmsNorm { .. }
+                | Op::LayerNormBackward { .. }
+                | Op::RmsNormBackward { .. }
+                | Op::CrossEntropy { .. }
+                | Op::CrossEntropyBackward { .. }
+        )
 }
 
 impl Backend for CudaBackend {
@@ -184,6 +205,19 @@ impl CudaBackend {
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
         self.gpu.bind()?;
+        // bf16 attention runs fused on tensor cores where the flash kernels apply.
+        let flash = match op {
+            Op::Attention(spec) => {
+                crate::flash::forward(self, inputs, spec, at, outputs, Purpose::Program)?
+            }
+            Op::AttentionBackward(spec) => {
+                crate::flash::backward(self, inputs, spec, at, outputs, Purpose::Program)?
+            }
+            _ => None,
+        };
+        if let Some(out) = flash {
+            return Ok(out);
+        }
         let half = inputs.iter().any(|t| is_half(t.dtype()));
         if !half || native_half(op) {
             return self.run(op, inputs, outputs, at, Purpose::Program);
@@ -355,7 +389,6 @@ impl CudaBackend {
                 one(y)
             }
             Op::Unary(u) => {
-                self.expect_f32(op, x)?;
                 let y = self.new_out(&out[0], p)?;
                 let n = y.numel();
                 launch(
@@ -366,14 +399,15 @@ impl CudaBackend {
                         Arg::I32(unary_code(*u)),
                         Arg::Ptr(x[0].base()),
                         Arg::Layout(x[0].layout()?),
+                        Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(y.ptr()),
+                        Arg::I32(float_code(op.name(), y.dtype())?),
                         Arg::I64(n as i64),
                     ],
                 )?;
                 one(y)
             }
             Op::UnaryBackward(u) => {
-                self.expect_f32(op, x)?;
                 let y = self.new_out(&out[0], p)?;
                 let n = y.numel();
                 launch(
@@ -384,16 +418,18 @@ impl CudaBackend {
                         Arg::I32(unary_code(*u)),
                         Arg::Ptr(x[0].base()),
                         Arg::Layout(x[0].layout()?),
+                        Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(x[1].base()),
                         Arg::Layout(x[1].layout_as(x[0].dims())?),
+                        Arg::I32(float_code(op.name(), x[1].dtype())?),
                         Arg::Ptr(y.ptr()),
+                        Arg::I32(float_code(op.name(), y.dtype())?),
                         Arg::I64(n as i64),
                     ],
                 )?;
                 one(y)
             }
             Op::Binary(b) => {
-                self.expect_f32(op, x)?;
                 let y = self.new_out(&out[0], p)?;
                 let (dims, n) = (out[0].shape.dims(), y.numel());
                 launch(
@@ -404,16 +440,18 @@ impl CudaBackend {
                         Arg::I32(binary_code(*b)),
                         Arg::Ptr(x[0].base()),
                         Arg::Layout(x[0].layout_as(dims)?),
+                        Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(x[1].base()),
                         Arg::Layout(x[1].layout_as(dims)?),
+                        Arg::I32(float_code(op.name(), x[1].dtype())?),
                         Arg::Ptr(y.ptr()),
+                        Arg::I32(float_code(op.name(), y.dtype())?),
                         Arg::I64(n as i64),
                     ],
                 )?;
                 one(y)
             }
             Op::BinaryBackward { op: b, wrt } => {
-                self.expect_f32(op, x)?;
                 if *wrt > 1 {
                     return Err(bad(format!("binary_backward: wrt must be 0 or 1, got {wrt}")));
                 }
@@ -428,11 +466,15 @@ impl CudaBackend {
                         Arg::I32(*wrt as i32),
                         Arg::Ptr(x[0].base()),
                         Arg::Layout(x[0].layout_as(dims)?),
+                        Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(x[1].base()),
                         Arg::Layout(x[1].layout_as(dims)?),
+                        Arg::I32(float_code(op.name(), x[1].dtype())?),
                         Arg::Ptr(x[2].base()),
                         Arg::Layout(x[2].layout_as(dims)?),
+                        Arg::I32(float_code(op.name(), x[2].dtype())?),
                         Arg::Ptr(y.ptr()),
+                        Arg::I32(float_code(op.name(), y.dtype())?),
                         Arg::I64(n as i64),
                     ],
                 )?;
@@ -440,7 +482,6 @@ impl CudaBackend {
             }
             Op::Cast(d) => one(self.cast(x[0], *d, p)?),
             Op::Dropout { p: prob, stream, shard } => {
-                self.expect_f32(op, &x[..1])?;
                 if shard.is_some() {
                     return Err(unsupported("dropout", "a sharded mask (tensor-parallel dropout)"));
                 }
@@ -461,7 +502,9 @@ impl CudaBackend {
                     &[
                         Arg::Ptr(x[0].base()),
                         Arg::Layout(x[0].layout()?),
+                        Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(y.ptr()),
+                        Arg::I32(float_code(op.name(), y.dtype())?),
                         Arg::Ptr(x[1].ptr()),
                         Arg::U64(*stream),
                         Arg::U64(threshold),
@@ -474,12 +517,8 @@ impl CudaBackend {
             Op::MatMul { trans_a, trans_b } => {
                 one(crate::gemm::matmul(self, x[0], x[1], *trans_a, *trans_b, &out[0], p)?)
             }
-            Op::Reduce { op: r, dims, .. } => {
-                self.expect_f32(op, x)?;
-                one(self.reduce(*r, dims, x[0], &out[0], p)?)
-            }
+            Op::Reduce { op: r, dims, .. } => one(self.reduce(*r, dims, x[0], &out[0], p)?),
             Op::ReduceBackward { op: r, dims, keepdim } => {
-                self.expect_f32(op, x)?;
                 one(self.reduce_backward(*r, dims, *keepdim, x[0], x[1], &out[0], p)?)
             }
             Op::Softmax | Op::SoftmaxBackward => {

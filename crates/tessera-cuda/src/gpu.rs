@@ -50,6 +50,8 @@ pub struct Gpu {
     alloc: Mutex<CachingAllocator<DriverMemory>>,
     name: String,
     ordinal: usize,
+    /// Compute capability (major, minor): the flash kernels need 8.0 (tensor-core bf16 MMA).
+    capability: (i32, i32),
 }
 
 fn driver_err(what: &str, e: impl std::fmt::Display) -> RuntimeError {
@@ -86,6 +88,14 @@ pub const FUNCTIONS: &[&str] = &[
     "attention_delta",
     "attn_softmax",
     "attn_grad_scores",
+    "flash_fwd_32",
+    "flash_fwd_64",
+    "flash_fwd_128",
+    "flash_bwd_32",
+    "flash_bwd_64",
+    "flash_bwd_128",
+    "flash_delta",
+    "scale_store",
 ];
 
 impl Gpu {
@@ -135,6 +145,19 @@ impl Gpu {
             let func = module.load_function(f).map_err(|e| driver_err(f, e))?;
             funcs.insert(f, func);
         }
+        if major >= 8 {
+            // The flash kernels' tiles live in dynamic shared memory, past the default 48 KiB
+            // for head dim 128.
+            for (f, bytes) in crate::flash::SHARED_BYTES {
+                if let Some(func) = funcs.get(f) {
+                    func.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    )
+                    .map_err(|e| driver_err(f, e))?;
+                }
+            }
+        }
         let stream = ctx.default_stream();
         let blas = std::panic::catch_unwind(cudarc::cublas::result::create_handle)
             .map_err(|_| {
@@ -158,6 +181,7 @@ impl Gpu {
             blas: Mutex::new(Blas(blas)),
             name,
             ordinal,
+            capability: (major, minor),
         }))
     }
 
@@ -168,6 +192,11 @@ impl Gpu {
 
     pub fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    /// Compute capability (major, minor).
+    pub fn capability(&self) -> (i32, i32) {
+        self.capability
     }
 
     pub(crate) fn func(&self, name: &'static str) -> Result<&CudaFunction> {

@@ -1,6 +1,9 @@
 // Tessera's CUDA kernels, compiled at run time by NVRTC (crate tessera-cuda, module `source`).
 // Conventions: every float kernel computes in f32 (accumulating in f64 where the CPU kernel
-// does); half-precision operands are upcast by the backend first, as the CPU backend does.
+// does). Elementwise kernels read and write f32, bf16 or f16 directly (a type code per
+// operand: `ldf`/`stf`), computing in f32 and rounding the result once, which is what the CPU
+// backend's upcast-compute-round gives, bit for bit; the others take f32 operands (the backend
+// upcasts half ones first, as the CPU backend does).
 // Tensors are addressed through a `Layout` (dims and element strides, up to 8 dims), so
 // broadcast views (stride 0) and permuted or sliced views need no copy.
 
@@ -12,14 +15,27 @@ typedef unsigned long long u64;
 
 struct Layout {
     int ndim;
+    int small;  // every dim and the element count below 2^31: 32-bit index arithmetic
     i64 offset;
     i64 dims[MAXD];
     i64 strides[MAXD];
 };
 
-// Element offset of flat row-major index `i` of `out_dims` read through `l`.
+// Element offset of flat row-major index `i` of `out_dims` read through `l`. The backend
+// collapses layouts first (adjacent dims that step alike merge), so a dense or fully broadcast
+// operand is one dim and costs no division.
 __device__ __forceinline__ i64 at(const Layout& l, i64 i) {
+    if (l.ndim == 1) return l.offset + i * l.strides[0];
     i64 off = l.offset;
+    if (l.small) {
+        unsigned u = (unsigned)i;
+        for (int d = l.ndim - 1; d >= 0; --d) {
+            unsigned n = (unsigned)l.dims[d];
+            off += (i64)(u % n) * l.strides[d];
+            u /= n;
+        }
+        return off;
+    }
     for (int d = l.ndim - 1; d >= 0; --d) {
         i64 n = l.dims[d];
         off += (i % n) * l.strides[d];
@@ -75,6 +91,18 @@ __device__ __forceinline__ void store_as(void* p, int code, i64 i, double v, int
         default:
             ((unsigned char*)p)[i] = to_bool ? (unsigned char)(v != 0.0) : (unsigned char)(i64)v;
     }
+}
+
+// f32, f16 or bf16 (type codes 0, 2, 3) as f32, and back with round-to-nearest-even.
+__device__ __forceinline__ float ldf(const void* p, int code, i64 i) {
+    if (code == 3) return bf16_to_f32(((const unsigned short*)p)[i]);
+    if (code == 2) return f16_to_f32(((const unsigned short*)p)[i]);
+    return ((const float*)p)[i];
+}
+__device__ __forceinline__ void stf(void* p, int code, i64 i, float v) {
+    if (code == 3) ((unsigned short*)p)[i] = f32_to_bf16(v);
+    else if (code == 2) ((unsigned short*)p)[i] = f32_to_f16(v);
+    else ((float*)p)[i] = v;
 }
 
 extern "C" __global__ void cast(const void* x, Layout lx, int from, void* y, int to, int to_bool, i64 n) {
@@ -154,12 +182,13 @@ __device__ __forceinline__ float unary_grad(int op, float v, float g) {
     }
 }
 
-extern "C" __global__ void unary(int op, const float* x, Layout lx, float* y, i64 n) {
-    GRID_STRIDE(i, n) { y[i] = unary_f(op, x[at(lx, i)]); }
+extern "C" __global__ void unary(int op, const void* x, Layout lx, int cx, void* y, int cy, i64 n) {
+    GRID_STRIDE(i, n) { stf(y, cy, i, unary_f(op, ldf(x, cx, at(lx, i)))); }
 }
 
-extern "C" __global__ void unary_backward(int op, const float* x, Layout lx, const float* dy, Layout ld, float* y, i64 n) {
-    GRID_STRIDE(i, n) { y[i] = unary_grad(op, x[at(lx, i)], dy[at(ld, i)]); }
+extern "C" __global__ void unary_backward(int op, const void* x, Layout lx, int cx, const void* dy, Layout ld, int cd,
+                                          void* y, int cy, i64 n) {
+    GRID_STRIDE(i, n) { stf(y, cy, i, unary_grad(op, ldf(x, cx, at(lx, i)), ldf(dy, cd, at(ld, i)))); }
 }
 
 __device__ __forceinline__ float binary_f(int op, float p, float q) {
@@ -173,15 +202,16 @@ __device__ __forceinline__ float binary_f(int op, float p, float q) {
     }
 }
 
-extern "C" __global__ void binary(int op, const float* a, Layout la, const float* b, Layout lb, float* y, i64 n) {
-    GRID_STRIDE(i, n) { y[i] = binary_f(op, a[at(la, i)], b[at(lb, i)]); }
+extern "C" __global__ void binary(int op, const void* a, Layout la, int ca, const void* b, Layout lb, int cb, void* y,
+                                  int cy, i64 n) {
+    GRID_STRIDE(i, n) { stf(y, cy, i, binary_f(op, ldf(a, ca, at(la, i)), ldf(b, cb, at(lb, i)))); }
 }
 
 // The gradient w.r.t. operand `wrt` in the broadcast shape.
-extern "C" __global__ void binary_backward(int op, int wrt, const float* a, Layout la, const float* b, Layout lb,
-                                           const float* dy, Layout ld, float* y, i64 n) {
+extern "C" __global__ void binary_backward(int op, int wrt, const void* a, Layout la, int ca, const void* b, Layout lb,
+                                           int cb, const void* dy, Layout ld, int cd, void* y, int cy, i64 n) {
     GRID_STRIDE(i, n) {
-        float p = a[at(la, i)], q = b[at(lb, i)], g = dy[at(ld, i)], r;
+        float p = ldf(a, ca, at(la, i)), q = ldf(b, cb, at(lb, i)), g = ldf(dy, cd, at(ld, i)), r;
         switch (op) {
             case 0: r = g; break;
             case 1: r = wrt == 0 ? g : -g; break;
@@ -190,20 +220,20 @@ extern "C" __global__ void binary_backward(int op, int wrt, const float* a, Layo
             case 4: r = ((p >= q) == (wrt == 0)) ? g : 0.0f; break;
             default: r = ((p <= q) == (wrt == 0)) ? g : 0.0f;
         }
-        y[i] = r;
+        stf(y, cy, i, r);
     }
 }
 
 // Dropout with the CPU's mask (splitmix-style hash of the element's flat index).
-extern "C" __global__ void dropout(const float* x, Layout lx, float* y, const i64* seed, u64 stream, u64 threshold,
-                                   float scale, i64 n) {
+extern "C" __global__ void dropout(const void* x, Layout lx, int cx, void* y, int cy, const i64* seed, u64 stream,
+                                   u64 threshold, float scale, i64 n) {
     u64 base = (u64)seed[0] * 0x9E3779B97F4A7C15ull + stream * 0xD1B54A32D192ED03ull;
     GRID_STRIDE(i, n) {
         u64 z = base + (u64)i;
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
         z ^= z >> 31;
-        y[i] = ((z >> 11) >= threshold) ? x[at(lx, i)] * scale : 0.0f;
+        stf(y, cy, i, ((z >> 11) >= threshold) ? ldf(x, cx, at(lx, i)) * scale : 0.0f);
     }
 }
 
@@ -246,45 +276,45 @@ __device__ float block_max(float v) {
 }
 
 // op: 0 sum, 1 mean, 2 max, 3 sum of squares.
-extern "C" __global__ void reduce(int op, const float* x, Layout lo, Layout lr, i64 r, float* y) {
+extern "C" __global__ void reduce(int op, const void* x, int cx, Layout lo, Layout lr, i64 r, void* y, int cy) {
     i64 o = blockIdx.x;
     i64 base = at(lo, o);
     if (op == 2) {
         float m = -INFINITY;
         bool nan = false;
         for (i64 k = threadIdx.x; k < r; k += blockDim.x) {
-            float v = x[base + at(lr, k)];
+            float v = ldf(x, cx, base + at(lr, k));
             nan |= isnan(v);
             m = fmaxf(m, v);
         }
         nan = __syncthreads_or(nan);
         m = block_max(m);
-        if (threadIdx.x == 0) y[o] = nan ? NAN : m;
+        if (threadIdx.x == 0) stf(y, cy, o, nan ? NAN : m);
         return;
     }
     double s = 0.0;
     for (i64 k = threadIdx.x; k < r; k += blockDim.x) {
-        double v = x[base + at(lr, k)];
+        double v = ldf(x, cx, base + at(lr, k));
         s += op == 3 ? v * v : v;
     }
     s = block_sum(s);
-    if (threadIdx.x == 0) y[o] = (float)(op == 1 ? s / (double)r : s);
+    if (threadIdx.x == 0) stf(y, cy, o, (float)(op == 1 ? s / (double)r : s));
 }
 
 // dx in x's shape: dy is read through `ld` (broadcast over the reduced dims); max routes the
 // gradient to the elements equal to the row's max `ym` (read like dy).
-extern "C" __global__ void reduce_backward(int op, const float* x, const float* dy, Layout ld, const float* ym,
-                                           i64 r, float* dx, i64 n) {
+extern "C" __global__ void reduce_backward(int op, const void* x, int cx, const void* dy, int cd, Layout ld,
+                                           const float* ym, i64 r, void* dx, int cdx, i64 n) {
     GRID_STRIDE(i, n) {
-        float g = dy[at(ld, i)];
+        float g = ldf(dy, cd, at(ld, i));
         float v;
         switch (op) {
             case 0: v = g; break;
             case 1: v = g / (float)r; break;
-            case 2: v = x[i] == ym[at(ld, i)] ? g : 0.0f; break;
-            default: v = 2.0f * x[i] * g;
+            case 2: v = ldf(x, cx, i) == ym[at(ld, i)] ? g : 0.0f; break;
+            default: v = 2.0f * ldf(x, cx, i) * g;
         }
-        dx[i] = v;
+        stf(dx, cdx, i, v);
     }
 }
 
@@ -312,44 +342,48 @@ extern "C" __global__ void softmax_backward(const float* y, const float* dy, flo
 }
 
 // Layer norm (bias may be null: RMS norm when `rms`). Saves nothing: the backward recomputes.
-extern "C" __global__ void norm_forward(const float* x, const float* w, const float* b, float* y, i64 cols,
+// Operands in their own dtypes (codes c): x, the weight w, the bias b (null: RMS norm), y.
+struct NormCodes {
+    int x, w, b, y, dy;
+};
+
+extern "C" __global__ void norm_forward(const void* x, const void* w, const void* b, void* y, NormCodes c, i64 cols,
                                         float eps, int rms) {
-    const float* xr = x + blockIdx.x * cols;
+    const i64 r0 = (i64)blockIdx.x * cols;
     double s = 0.0, s2 = 0.0;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += ldf(x, c.x, r0 + j);
     float mean = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) { double c = xr[j] - mean; s2 += c * c; }
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) { double d = ldf(x, c.x, r0 + j) - mean; s2 += d * d; }
     float rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        float v = (xr[j] - mean) * rstd * w[j];
-        y[blockIdx.x * cols + j] = b ? v + b[j] : v;
+        float v = (ldf(x, c.x, r0 + j) - mean) * rstd * ldf(w, c.w, j);
+        stf(y, c.y, r0 + j, b ? v + ldf(b, c.b, j) : v);
     }
 }
 
 // dx per row; each row's mean and rstd go to `stats` [rows, 2] for the weight gradients.
-extern "C" __global__ void norm_backward_dx(const float* x, const float* w, const float* dy, float* dx,
+extern "C" __global__ void norm_backward_dx(const void* x, const void* w, const void* dy, void* dx, NormCodes k,
                                             float* stats, i64 cols, float eps, int rms) {
-    const float* xr = x + blockIdx.x * cols;
-    const float* gr = dy + blockIdx.x * cols;
+    const i64 r0 = (i64)blockIdx.x * cols;
     double s = 0.0, s2 = 0.0;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += ldf(x, k.x, r0 + j);
     float mean = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) { double c = xr[j] - mean; s2 += c * c; }
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) { double d = ldf(x, k.x, r0 + j) - mean; s2 += d * d; }
     float rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
     // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w (no mean(g) term for RMS).
     double a = 0.0, c = 0.0;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        float g = gr[j] * w[j];
-        float xh = (xr[j] - mean) * rstd;
+        float g = ldf(dy, k.dy, r0 + j) * ldf(w, k.w, j);
+        float xh = (ldf(x, k.x, r0 + j) - mean) * rstd;
         a += g;
         c += (double)g * xh;
     }
     float mg = rms ? 0.0f : (float)(block_sum(a) / (double)cols);
     float mgx = (float)(block_sum(c) / (double)cols);
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        float g = gr[j] * w[j];
-        float xh = (xr[j] - mean) * rstd;
-        dx[blockIdx.x * cols + j] = rstd * (g - mg - xh * mgx);
+        float g = ldf(dy, k.dy, r0 + j) * ldf(w, k.w, j);
+        float xh = (ldf(x, k.x, r0 + j) - mean) * rstd;
+        stf(dx, k.y, r0 + j, rstd * (g - mg - xh * mgx));
     }
     if (threadIdx.x == 0) {
         stats[2 * blockIdx.x] = mean;
@@ -367,20 +401,20 @@ extern "C" __global__ void embedding_backward(const i64* ids, const float* dy, f
 }
 
 // ---- fused softmax cross-entropy (targets checked on the host) ----
-extern "C" __global__ void cross_entropy_rows(const float* logits, const i64* targets, float* lse, float* nll,
+extern "C" __global__ void cross_entropy_rows(const void* logits, int cl, const i64* targets, float* lse, float* nll,
                                               i64 v, i64 ignore, int has_ignore) {
-    const float* xr = logits + blockIdx.x * v;
+    const i64 r0 = (i64)blockIdx.x * v;
     float m = -INFINITY;
-    for (i64 j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, xr[j]);
+    for (i64 j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, ldf(logits, cl, r0 + j));
     m = block_max(m);
     double s = 0.0;
-    for (i64 j = threadIdx.x; j < v; j += blockDim.x) s += exp((double)(xr[j] - m));
+    for (i64 j = threadIdx.x; j < v; j += blockDim.x) s += exp((double)(ldf(logits, cl, r0 + j) - m));
     s = block_sum(s);
     if (threadIdx.x == 0) {
         double l = m == -INFINITY ? -INFINITY : (double)m + log(s);
         lse[blockIdx.x] = (float)l;
         i64 t = targets[blockIdx.x];
-        nll[blockIdx.x] = (has_ignore && t == ignore) ? 0.0f : (float)(l - (double)xr[t]);
+        nll[blockIdx.x] = (has_ignore && t == ignore) ? 0.0f : (float)(l - (double)ldf(logits, cl, r0 + t));
     }
 }
 
@@ -391,18 +425,18 @@ extern "C" __global__ void sum_to_scalar(const float* x, i64 n, double div, floa
     if (threadIdx.x == 0) y[0] = (float)(s / div);
 }
 
-extern "C" __global__ void cross_entropy_backward(const float* logits, const i64* targets, const float* lse,
-                                                  const float* dloss, double div, float* dx, i64 v,
+extern "C" __global__ void cross_entropy_backward(const void* logits, int cl, const i64* targets, const float* lse,
+                                                  const float* dloss, double div, void* dx, int cdx, i64 v,
                                                   i64 ignore, int has_ignore, i64 n) {
     GRID_STRIDE(i, n) {
         i64 r = i / v, j = i % v;
         i64 t = targets[r];
         if (has_ignore && t == ignore) {
-            dx[i] = 0.0f;
+            stf(dx, cdx, i, 0.0f);
         } else {
             float g = (float)((double)dloss[0] / div);
-            float p = expf(logits[i] - lse[r]);
-            dx[i] = g * (p - (j == t ? 1.0f : 0.0f));
+            float p = expf(ldf(logits, cl, i) - lse[r]);
+            stf(dx, cdx, i, g * (p - (j == t ? 1.0f : 0.0f)));
         }
     }
 }
@@ -439,8 +473,8 @@ extern "C" __global__ void adamw(void* param, int p_code, const void* grad, int 
 }
 
 // ---- rotary embeddings: x [B,S,H,D], pos [B*S] (or null: s index), half-split pairs ----
-extern "C" __global__ void rope(const float* x, const i64* pos, const float* inv_freq, float* y, i64 s, i64 h,
-                                i64 d, float sign, i64 n) {
+extern "C" __global__ void rope(const void* x, int cx, const i64* pos, const float* inv_freq, void* y, int cy, i64 s,
+                                i64 h, i64 d, float sign, i64 n) {
     i64 half = d / 2;
     GRID_STRIDE(i, n) {  // n = B*S*H*half
         i64 k = i % half;
@@ -449,10 +483,9 @@ extern "C" __global__ void rope(const float* x, const i64* pos, const float* inv
         i64 p = pos ? pos[bs] : bs % s;
         double ang = (double)sign * (double)p * (double)inv_freq[k];
         float c = (float)cos(ang), sn = (float)sin(ang);
-        const float* xr = x + row * d;
-        float x1 = xr[k], x2 = xr[k + half];
-        y[row * d + k] = x1 * c - x2 * sn;
-        y[row * d + k + half] = x2 * c + x1 * sn;
+        float x1 = ldf(x, cx, row * d + k), x2 = ldf(x, cx, row * d + k + half);
+        stf(y, cy, row * d + k, x1 * c - x2 * sn);
+        stf(y, cy, row * d + k + half, x2 * c + x1 * sn);
     }
 }
 
@@ -541,13 +574,13 @@ __device__ __forceinline__ double combine_part(int op, double a, double v) {
 
 // Columns of a contiguous [rows, n] (reducing the leading dims): block (32, 8) covers 32
 // columns (coalesced) over row chunk blockIdx.y; part[blockIdx.y * n + j].
-extern "C" __global__ void reduce_cols_partial(int op, const float* x, i64 rows, i64 n, i64 chunk, double* part) {
+extern "C" __global__ void reduce_cols_partial(int op, const void* x, int cx, i64 rows, i64 n, i64 chunk, double* part) {
     __shared__ double acc[8][33];
     i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
     i64 r0 = (i64)blockIdx.y * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
     double a = op == 2 ? -(double)INFINITY : 0.0;
     if (j < n)
-        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) a = combine(op, a, (double)x[r * n + j]);
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) a = combine(op, a, (double)ldf(x, cx, r * n + j));
     acc[threadIdx.y][threadIdx.x] = a;
     __syncthreads();
     if (threadIdx.y == 0 && j < n) {
@@ -558,38 +591,40 @@ extern "C" __global__ void reduce_cols_partial(int op, const float* x, i64 rows,
 
 // Sum-like reductions of few outputs over many elements: block (o, g) covers chunk g of
 // output o's reduced elements; part[o * groups + g].
-extern "C" __global__ void reduce_partial(int op, const float* x, Layout lo, Layout lr, i64 r, i64 chunk, double* part) {
+extern "C" __global__ void reduce_partial(int op, const void* x, int cx, Layout lo, Layout lr, i64 r, i64 chunk,
+                                          double* part) {
     i64 o = blockIdx.x, g = blockIdx.y;
     i64 base = at(lo, o);
     i64 k0 = g * chunk, k1 = k0 + chunk < r ? k0 + chunk : r;
     double s = 0.0;
-    for (i64 k = k0 + threadIdx.x; k < k1; k += blockDim.x) s = combine(op, s, (double)x[base + at(lr, k)]);
+    for (i64 k = k0 + threadIdx.x; k < k1; k += blockDim.x) s = combine(op, s, (double)ldf(x, cx, base + at(lr, k)));
     s = block_sum(s);
     if (threadIdx.x == 0) part[o * gridDim.y + g] = s;
 }
 
 // y[j] = the partials of output j combined (part[j * sj + g * sg], g < groups); mean divides
 // by the reduced count r.
-extern "C" __global__ void reduce_partials(int op, const double* part, i64 groups, i64 sj, i64 sg, i64 r, float* y, i64 n) {
+extern "C" __global__ void reduce_partials(int op, const double* part, i64 groups, i64 sj, i64 sg, i64 r, void* y,
+                                           int cy, i64 n) {
     GRID_STRIDE(j, n) {
         double a = op == 2 ? -(double)INFINITY : 0.0;
         for (i64 g = 0; g < groups; ++g) a = combine_part(op, a, part[j * sj + g * sg]);
-        y[j] = (float)(op == 1 ? a / (double)r : a);
+        stf(y, cy, j, (float)(op == 1 ? a / (double)r : a));
     }
 }
 
 // Norm weight (and bias) gradients as column partials: block (32, 8) over 32 columns and
 // row chunk blockIdx.y; pw/pb[blockIdx.y * cols + j] (pb may be null).
-extern "C" __global__ void norm_dw_partial(const float* x, const float* dy, const float* stats, i64 rows, i64 cols,
-                                           i64 chunk, double* pw, double* pb) {
+extern "C" __global__ void norm_dw_partial(const void* x, int cx, const void* dy, int cd, const float* stats, i64 rows,
+                                           i64 cols, i64 chunk, double* pw, double* pb) {
     __shared__ double aw[8][33], ab[8][33];
     i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
     i64 r0 = (i64)blockIdx.y * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
     double sw = 0.0, sb = 0.0;
     if (j < cols)
         for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
-            float g = dy[r * cols + j];
-            sw += (double)g * ((x[r * cols + j] - stats[2 * r]) * stats[2 * r + 1]);
+            float g = ldf(dy, cd, r * cols + j);
+            sw += (double)g * ((ldf(x, cx, r * cols + j) - stats[2 * r]) * stats[2 * r + 1]);
             sb += g;
         }
     aw[threadIdx.y][threadIdx.x] = sw;

@@ -24,6 +24,20 @@ pub struct Attn {
 // SAFETY: plain old data with the C layout the kernels declare.
 unsafe impl DeviceRepr for Attn {}
 
+/// The dtype codes of a norm kernel's operands (matches `struct NormCodes` in `kernels.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NormCodes {
+    pub x: i32,
+    pub w: i32,
+    pub b: i32,
+    pub y: i32,
+    pub dy: i32,
+}
+
+// SAFETY: plain old data with the C layout the kernels declare.
+unsafe impl DeviceRepr for NormCodes {}
+
 /// One kernel argument.
 #[derive(Clone, Copy, Debug)]
 pub enum Arg {
@@ -36,6 +50,7 @@ pub enum Arg {
     F64(f64),
     Layout(Layout),
     Attn(Attn),
+    Norm(NormCodes),
 }
 
 /// Threads per block of the elementwise and row kernels.
@@ -61,8 +76,15 @@ pub fn launch(gpu: &Gpu, name: &'static str, cfg: LaunchConfig, args: &[Arg]) ->
         return Ok(());
     }
     let f = gpu.func(name)?;
+    let args: Vec<Arg> = args
+        .iter()
+        .map(|a| match a {
+            Arg::Layout(l) => Arg::Layout(l.collapsed()),
+            other => *other,
+        })
+        .collect();
     let mut b = gpu.stream.launch_builder(f);
-    for a in args {
+    for a in &args {
         match a {
             Arg::Ptr(v) | Arg::U64(v) => b.arg(v),
             Arg::I32(v) => b.arg(v),
@@ -71,6 +93,7 @@ pub fn launch(gpu: &Gpu, name: &'static str, cfg: LaunchConfig, args: &[Arg]) ->
             Arg::F64(v) => b.arg(v),
             Arg::Layout(v) => b.arg(v),
             Arg::Attn(v) => b.arg(v),
+            Arg::Norm(v) => b.arg(v),
         };
     }
     // SAFETY: the arguments match the kernel's signature in kernels.cu (one call site per

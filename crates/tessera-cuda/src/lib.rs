@@ -10,6 +10,10 @@
 //!   AdamW kernels. The executor, trainer and checkpoints are the CPU's, unchanged: a GPU is
 //!   another backend of the one training path.
 //!
+//! - [`nccl::NcclComm`] is the NCCL transport behind `tessera_comm::Communicator` (one rank per
+//!   GPU; bootstrapped by [`rendezvous`] from torchrun's variables, or from an id shared by
+//!   other means), checked on a GPU by [`nccl_check`].
+//!
 //! What runs where is checked by `scripts/gpu-check.sh` on a GPU (every node of real
 //! training graphs against the CPU kernels, loss curves, memory against the prediction).
 
@@ -17,15 +21,21 @@ pub mod alloc;
 mod attention;
 pub mod backend;
 pub mod calibrate;
+pub mod fixtures;
+pub mod flash;
 mod gemm;
 pub mod gpu;
 pub mod launch;
 mod loss;
+pub mod nccl;
+pub mod nccl_check;
 mod optim;
 mod reduce;
+pub mod rendezvous;
 pub mod source;
 pub mod tensor;
 
 pub use backend::{CudaBackend, OpTimer};
 pub use gpu::Gpu;
+pub use nccl::NcclComm;
 pub use tensor::CudaTensor;

@@ -5,6 +5,7 @@
 use crate::alloc::Purpose;
 use crate::backend::CudaBackend;
 use crate::launch::{elementwise, launch, per_row, Arg};
+use crate::source::float_code;
 use crate::tensor::CudaTensor;
 use tessera_ir::{DType, TensorMeta};
 use tessera_runtime::{Backend, Result};
@@ -42,6 +43,7 @@ pub fn cross_entropy(
         per_row(rows),
         &[
             Arg::Ptr(logits.ptr()),
+            Arg::I32(float_code("cross_entropy", logits.dtype())?),
             Arg::Ptr(targets.ptr()),
             Arg::Ptr(lse.ptr()),
             Arg::Ptr(nll.ptr()),
@@ -81,11 +83,13 @@ pub fn cross_entropy_backward(
         elementwise(n),
         &[
             Arg::Ptr(logits.ptr()),
+            Arg::I32(float_code("cross_entropy_backward", logits.dtype())?),
             Arg::Ptr(targets.ptr()),
             Arg::Ptr(lse.ptr()),
             Arg::Ptr(dloss.ptr()),
             Arg::F64(div),
             Arg::Ptr(y.ptr()),
+            Arg::I32(float_code("cross_entropy_backward", y.dtype())?),
             Arg::I64(v as i64),
             Arg::I64(ignore.unwrap_or(0)),
             Arg::I32(i32::from(ignore.is_some())),

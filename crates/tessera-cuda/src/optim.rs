@@ -17,6 +17,9 @@ const LR: usize = 4;
 const STEP: usize = 5;
 const GRAD_NORM: usize = 6;
 
+/// Blocks of the AdamW launch at most (a few per SM on current GPUs).
+const ADAMW_BLOCKS: u32 = 1024;
+
 pub fn adamw(be: &CudaBackend, spec: &AdamWSpec, x: &[&CudaTensor]) -> Result<Vec<CudaTensor>> {
     let base = 7 + usize::from(spec.grad_scale);
     if x.len() != base && x.len() != base + 1 {
@@ -48,10 +51,14 @@ pub fn adamw(be: &CudaBackend, spec: &AdamWSpec, x: &[&CudaTensor]) -> Result<Ve
         None => (Arg::Ptr(0), Arg::I32(0)),
     };
     let n = param.numel();
+    // Each thread first derives the step's coefficients (two `pow`s in double): cap the grid so
+    // that prologue is paid per thread over many elements, not per element.
+    let mut cfg = elementwise(n);
+    cfg.grid_dim.0 = cfg.grid_dim.0.min(ADAMW_BLOCKS);
     launch(
         be.gpu(),
         "adamw",
-        elementwise(n),
+        cfg,
         &[
             Arg::Ptr(param.ptr()),
             Arg::I32(type_code(param.dtype())),

@@ -5,8 +5,9 @@
 
 use crate::alloc::Purpose;
 use crate::backend::CudaBackend;
+use crate::launch::NormCodes;
 use crate::launch::{elementwise, launch, per_row, Arg};
-use crate::source::reduce_code;
+use crate::source::{float_code, reduce_code};
 use crate::tensor::{row_major, CudaTensor, Layout};
 use tessera_ir::{DType, ReduceOp, TensorMeta};
 use tessera_runtime::{Result, RuntimeError};
@@ -41,6 +42,7 @@ impl CudaBackend {
                 Arg::I64(sg as i64),
                 Arg::I64(r as i64),
                 Arg::Ptr(y.ptr()),
+                Arg::I32(float_code("reduce", y.dtype())?),
                 Arg::I64(n as i64),
             ],
         )
@@ -60,6 +62,8 @@ impl CudaBackend {
             return Err(bad(format!("reduce: dims {dims:?} out of range for rank {rank}")));
         }
         let code = reduce_code(r);
+        let cx = float_code("reduce", x.dtype())?;
+        let cy = float_code("reduce", y.dtype())?;
         let nr: usize = dims.iter().map(|&d| x.dims()[d]).product();
         let n_out = y.numel();
         // Leading dims of a contiguous tensor (bias gradients): coalesced column partials.
@@ -75,6 +79,7 @@ impl CudaBackend {
                 &[
                     Arg::I32(code),
                     Arg::Ptr(x.ptr()),
+                    Arg::I32(cx),
                     Arg::I64(nr as i64),
                     Arg::I64(n_out as i64),
                     Arg::I64(chunk as i64),
@@ -112,6 +117,7 @@ impl CudaBackend {
                 &[
                     Arg::I32(code),
                     Arg::Ptr(x.base()),
+                    Arg::I32(cx),
                     Arg::Layout(lo),
                     Arg::Layout(lr),
                     Arg::I64(nr as i64),
@@ -129,10 +135,12 @@ impl CudaBackend {
             &[
                 Arg::I32(reduce_code(r)),
                 Arg::Ptr(x.base()),
+                Arg::I32(cx),
                 Arg::Layout(lo),
                 Arg::Layout(lr),
                 Arg::I64(nr as i64),
                 Arg::Ptr(y.ptr()),
+                Arg::I32(cy),
             ],
         )?;
         Ok(y)
@@ -181,11 +189,14 @@ impl CudaBackend {
             &[
                 Arg::I32(reduce_code(r)),
                 Arg::Ptr(x.ptr()),
+                Arg::I32(float_code("reduce_backward", x.dtype())?),
                 Arg::Ptr(dy.ptr()),
+                Arg::I32(float_code("reduce_backward", dy.dtype())?),
                 Arg::Layout(ld),
                 Arg::Ptr(ym.as_ref().map_or(0, |t| t.ptr())),
                 Arg::I64(nr as i64),
                 Arg::Ptr(y.ptr()),
+                Arg::I32(float_code("reduce_backward", y.dtype())?),
                 Arg::I64(n as i64),
             ],
         )?;
@@ -215,6 +226,13 @@ impl CudaBackend {
                 Arg::Ptr(w.ptr()),
                 Arg::Ptr(b.as_ref().map_or(0, |b| b.ptr())),
                 Arg::Ptr(y.ptr()),
+                Arg::Norm(NormCodes {
+                    x: float_code("norm", x.dtype())?,
+                    w: float_code("norm", w.dtype())?,
+                    b: b.as_ref().map_or(Ok(0), |b| float_code("norm", b.dtype()))?,
+                    y: float_code("norm", y.dtype())?,
+                    dy: 0,
+                }),
                 Arg::I64(cols as i64),
                 Arg::F32(eps as f32),
                 Arg::I32(i32::from(b.is_none())),
@@ -248,6 +266,13 @@ impl CudaBackend {
                 Arg::Ptr(w.ptr()),
                 Arg::Ptr(dy.ptr()),
                 Arg::Ptr(dx.ptr()),
+                Arg::Norm(NormCodes {
+                    x: float_code("norm_backward", x.dtype())?,
+                    w: float_code("norm_backward", w.dtype())?,
+                    b: 0,
+                    y: float_code("norm_backward", dx.dtype())?,
+                    dy: float_code("norm_backward", dy.dtype())?,
+                }),
                 Arg::Ptr(stats.ptr()),
                 Arg::I64(cols as i64),
                 Arg::F32(eps as f32),
@@ -270,7 +295,9 @@ impl CudaBackend {
             col_tiles(cols, groups),
             &[
                 Arg::Ptr(x.ptr()),
+                Arg::I32(float_code("norm_backward", x.dtype())?),
                 Arg::Ptr(dy.ptr()),
+                Arg::I32(float_code("norm_backward", dy.dtype())?),
                 Arg::Ptr(stats.ptr()),
                 Arg::I64(rows as i64),
                 Arg::I64(cols as i64),

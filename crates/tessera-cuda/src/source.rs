@@ -4,7 +4,8 @@
 
 use tessera_ir::{BinaryOp, DType, ReduceOp, UnaryOp};
 
-pub const KERNELS: &str = include_str!("kernels.cu");
+/// `kernels.cu`, then the flash-attention kernels (`flash.cu`, which uses its helpers).
+pub const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("flash.cu"));
 
 pub fn unary_code(u: UnaryOp) -> i32 {
     match u {
@@ -55,6 +56,19 @@ pub fn type_code(d: DType) -> i32 {
     }
 }
 
+/// The type code of a float operand the kernels load or store in its own dtype (`ldf`/`stf`:
+/// f32, bf16, f16); anything else is refused for `op`.
+pub fn float_code(op: &str, d: DType) -> tessera_runtime::Result<i32> {
+    match d {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(type_code(d)),
+        other => Err(tessera_runtime::RuntimeError::Unsupported {
+            backend: "cuda".into(),
+            op: op.into(),
+            reason: format!("a {other:?} operand (f32, bf16 or f16 only)"),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -64,8 +78,13 @@ mod tests {
     #[test]
     fn every_launched_kernel_is_defined() {
         for f in FUNCTIONS {
-            let def = format!("extern \"C\" __global__ void {f}(");
-            assert!(KERNELS.contains(&def), "kernels.cu does not define {f}");
+            // The flash kernels are instantiated per head dim by a macro.
+            let head_dim = f.strip_prefix("flash_fwd_").or_else(|| f.strip_prefix("flash_bwd_"));
+            let def = match head_dim {
+                Some(d) => format!("FA_KERNELS({d})"),
+                None => format!("extern \"C\" __global__ void {f}("),
+            };
+            assert!(KERNELS.contains(&def), "the kernel source does not define {f}");
         }
     }
 

@@ -18,6 +18,9 @@ pub const MAXD: usize = 8;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Layout {
     pub ndim: i32,
+    /// 1 when every dim and the element count are below 2^31 (the kernels then index in 32
+    /// bits); set by [`Layout::collapsed`], 0 (the general path) otherwise.
+    pub small: i32,
     pub offset: i64,
     pub dims: [i64; MAXD],
     pub strides: [i64; MAXD],
@@ -25,6 +28,45 @@ pub struct Layout {
 
 // SAFETY: plain old data with the C layout the kernels declare.
 unsafe impl DeviceRepr for Layout {}
+
+impl Layout {
+    /// The same mapping from flat index to element offset with fewer dims: size-1 dims
+    /// dropped, and each dim merged into the one before it where they step alike (`stride_outer
+    /// == stride_inner · dim_inner`, broadcast runs included), so a dense or broadcast-scalar
+    /// operand becomes one dim, which the kernels index with no division.
+    pub fn collapsed(self) -> Layout {
+        let mut out = Layout { offset: self.offset, ..Default::default() };
+        let mut n = 0usize;
+        for i in 0..(self.ndim.max(0) as usize).min(MAXD) {
+            let (d, s) = (self.dims[i], self.strides[i]);
+            if d == 1 {
+                continue;
+            }
+            if n > 0 && out.strides[n - 1] == s * d {
+                out.dims[n - 1] *= d;
+                out.strides[n - 1] = s;
+            } else {
+                out.dims[n] = d;
+                out.strides[n] = s;
+                n += 1;
+            }
+        }
+        out.ndim = n as i32;
+        let numel: i64 = out.dims[..n].iter().product();
+        out.small = i32::from(numel < i32::MAX as i64 && out.dims[..n].iter().all(|&d| d >= 0));
+        out
+    }
+
+    /// The element offset of flat index `i` (what `at` in `kernels.cu` computes).
+    pub fn offset_of(&self, mut i: i64) -> i64 {
+        let mut off = self.offset;
+        for d in (0..self.ndim.max(0) as usize).rev() {
+            off += (i % self.dims[d]) * self.strides[d];
+            i /= self.dims[d];
+        }
+        off
+    }
+}
 
 /// A buffer handed out by the allocator.
 pub struct DeviceBuffer {
@@ -193,5 +235,42 @@ impl CudaTensor {
             strides: (0..dims.len()).map(|i| l.strides[i] as usize).collect(),
             dtype: self.dtype,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(dims: &[i64], strides: &[i64], offset: i64) -> Layout {
+        let mut l = Layout { ndim: dims.len() as i32, offset, ..Default::default() };
+        l.dims[..dims.len()].copy_from_slice(dims);
+        l.strides[..dims.len()].copy_from_slice(strides);
+        l
+    }
+
+    /// Collapsing keeps every flat index's element offset, and makes dense and fully
+    /// broadcast operands one dim.
+    #[test]
+    fn collapsing_keeps_every_offset() {
+        let cases = [
+            (layout(&[2, 3, 4], &[12, 4, 1], 5), 1), // dense
+            (layout(&[2, 3, 4], &[0, 0, 0], 7), 1),  // a broadcast scalar
+            (layout(&[2, 3, 4], &[0, 0, 1], 0), 2),  // a bias over the last dim
+            (layout(&[2, 1, 4], &[4, 4, 1], 0), 1),  // a size-1 dim
+            (layout(&[3, 2, 4], &[4, 12, 1], 0), 3), // permuted
+            (layout(&[2, 3, 4], &[24, 8, 2], 1), 1), // a strided dense slice
+            (layout(&[4, 2, 3], &[6, 0, 1], 0), 3),  // broadcast in the middle
+        ];
+        for (l, ndim) in cases {
+            let c = l.collapsed();
+            assert_eq!(c.ndim, ndim, "{l:?}");
+            assert_eq!(c.small, 1);
+            for i in 0..24 {
+                assert_eq!(c.offset_of(i), l.offset_of(i), "{l:?} index {i}");
+            }
+        }
+        let huge = layout(&[1 << 20, 1 << 12], &[1 << 13, 1], 0).collapsed();
+        assert_eq!((huge.ndim, huge.small), (2, 0), "2^32 elements index in 64 bits");
     }
 }

@@ -65,6 +65,7 @@ pub fn init_rules(graph: &Graph) -> Vec<(TensorId, InitRule)> {
         .collect()
 }
 
+use rayon::prelude::*;
 use tessera_ir::rng::splitmix64 as mix;
 
 /// FNV-1a of a parameter name: a stable key independent of graph order.
@@ -92,7 +93,8 @@ pub fn init_values(name: &str, numel: usize, rule: InitRule, seed: u64) -> Vec<f
         InitRule::Ones => vec![1.0; numel],
         InitRule::Normal { std } => {
             let key = name_key(name);
-            (0..numel as u64).map(|i| (std * normal(seed, key, i)) as f32).collect()
+            // Each element is keyed by its index, so drawing in parallel changes nothing.
+            (0..numel as u64).into_par_iter().map(|i| (std * normal(seed, key, i)) as f32).collect()
         }
     }
 }
@@ -143,6 +145,7 @@ pub fn init_shard(
             let key = name_key(name);
             let lstrides = row_major_strides(&local);
             (0..numel as u64)
+                .into_par_iter()
                 .map(|k| {
                     let g = global_index(k, &lstrides, base, &strides);
                     (std * normal(seed, key, g)) as f32

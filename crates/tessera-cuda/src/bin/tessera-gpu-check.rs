@@ -8,7 +8,10 @@
 //! 3. **Memory**: the profiler's predicted peak, the accountant's, and the caching
 //!    allocator's (Program tensors; scratch beside), plus the driver's used-memory delta.
 //! 4. **Calibration**: bf16 GEMM FLOP/s and device-to-device copy bandwidth.
-//! 5. **Speed**: tokens/s of a training step of a larger model (`--speed MODEL`).
+//! 5. **Speed**: tokens/s of bf16 training steps of GPT-2-medium and a 1.3B LLaMA, with a
+//!    synced per-op breakdown.
+//! 6. **NCCL** (only when named): the communicator conformance suite on NCCL and a training
+//!    step through the SPMD path with an NCCL communicator (`tessera_cuda::nccl_check`).
 //!
 //! Output: one JSON object per line (`{"check": ...}`), then a summary; exit code 1 when a
 //! bound fails.
@@ -20,8 +23,7 @@ use std::time::Instant;
 use tessera_cuda::alloc::Purpose;
 use tessera_cuda::{CudaBackend, CudaTensor, Gpu};
 use tessera_ir::dist::MeshPos;
-use tessera_ir::{build_training_graph, DType, Op, TensorMeta, TrainConfig};
-use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_ir::{DType, Op, TensorMeta};
 use tessera_runtime::{Backend, CpuBackend, LrSchedule, Result, Trainer};
 
 /// Runs every op on both backends, returns the CPU's result, records the worst error.
@@ -95,34 +97,12 @@ impl Backend for Both {
     }
 }
 
-/// Token batches: `n` fixed random batches, cycled (the loss must fall as they are learnt).
 fn batches(vocab: usize, batch: usize, seq: usize, n: usize) -> Vec<(Vec<i64>, Vec<i64>)> {
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s % vocab as u64) as i64
-    };
-    (0..n)
-        .map(|_| {
-            let t: Vec<i64> = (0..batch * (seq + 1)).map(|_| next()).collect();
-            let mut inp = Vec::new();
-            let mut tgt = Vec::new();
-            for r in 0..batch {
-                let row = &t[r * (seq + 1)..(r + 1) * (seq + 1)];
-                inp.extend_from_slice(&row[..seq]);
-                tgt.extend_from_slice(&row[1..]);
-            }
-            (inp, tgt)
-        })
-        .collect()
+    tessera_cuda::fixtures::token_batches(vocab, batch, seq, n)
 }
 
 fn graph(model: &str, batch: usize, seq: usize, dtype: DType) -> tessera_ir::TrainingGraph {
-    let cfg = ModelConfig::resolve(model).expect("model");
-    let fm = build(&cfg, &BuildOptions { batch, seq, dtype }).expect("build");
-    build_training_graph(fm.builder, fm.loss, &TrainConfig::default()).expect("training graph")
+    tessera_cuda::fixtures::training_graph(model, batch, seq, dtype).expect("training graph")
 }
 
 fn dtype_name(d: DType) -> String {
@@ -130,16 +110,20 @@ fn dtype_name(d: DType) -> String {
 }
 
 fn vocab(model: &str) -> usize {
-    ModelConfig::resolve(model).expect("model").vocab_size().expect("a language model")
+    tessera_cuda::fixtures::vocab(model).expect("a language model")
 }
 
-fn check_kernels(gpu: &Arc<Gpu>, model: &str, fails: &mut Vec<String>) {
+/// Every op of two training steps of `model` in `dtype`, GPU against CPU from the same inputs.
+/// bf16 ops round their results (and the flash attention its probabilities) to bf16, so they
+/// are held to bf16's tolerance; fp32 ops to 1e-4 (the 1e-5 holds for all but the
+/// attention backward, printed per op).
+fn check_kernels(gpu: &Arc<Gpu>, model: &str, dtype: DType, fails: &mut Vec<String>) {
     let worst = Arc::new(Mutex::new(BTreeMap::new()));
     let both =
         Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
     let (b, s) = (2, 64);
     let mut t = Trainer::single(
-        graph(model, b, s, DType::F32),
+        graph(model, b, s, dtype),
         both,
         LrSchedule::Constant { lr: 1e-3 },
         7,
@@ -149,18 +133,21 @@ fn check_kernels(gpu: &Arc<Gpu>, model: &str, fails: &mut Vec<String>) {
     for (inp, tgt) in batches(vocab(model), b, s, 2) {
         t.step(&inp, &tgt).expect("step");
     }
+    let bound = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
     for (op, (err, calls)) in worst.lock().unwrap().iter() {
-        let ok = *err <= 1e-4;
-        println!("{{\"check\":\"kernel\",\"model\":\"{model}\",\"op\":\"{op}\",\"calls\":{calls},\"rel_err\":{err:e},\"ok\":{ok}}}");
+        let ok = *err <= bound;
+        println!("{{\"check\":\"kernel\",\"model\":\"{model}\",\"dtype\":\"{dtype:?}\",\"op\":\"{op}\",\"calls\":{calls},\"rel_err\":{err:e},\"bound\":{bound},\"ok\":{ok}}}");
         if !ok {
-            fails.push(format!("{model} {op}: rel err {err:e}"));
+            fails.push(format!("{model} {dtype:?} {op}: rel err {err:e}"));
         }
     }
 }
 
 /// Attention variants the tiny models do not reach (GQA, sliding window, ALiBi, KV-cache
 /// starts, S ≠ T), forward and backward, against the CPU kernels on random inputs.
-fn check_attention_variants(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
+/// `dtype` bf16 with head dim 64 or 128 takes the flash kernels (sizes not multiples of their
+/// 64-row tiles); f32 the cuBLAS path.
+fn check_attention_variants(gpu: &Arc<Gpu>, dtype: DType, d: usize, fails: &mut Vec<String>) {
     use tessera_ir::{Alibi, AttentionSpec};
     let worst = Arc::new(Mutex::new(BTreeMap::new()));
     let both =
@@ -176,10 +163,12 @@ fn check_attention_variants(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
                 (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
             })
             .collect();
-        Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
+        let x = Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap();
+        x.to_dtype(tessera_runtime::tensor::candle_dtype(dtype)).unwrap()
     };
     let f32m = |d: &[usize]| TensorMeta { shape: tessera_ir::Shape::from(d), dtype: DType::F32 };
-    let (b, s, t, h, hkv, d) = (2, 24, 40, 6, 2, 16);
+    let xm = |d: &[usize]| TensorMeta { shape: tessera_ir::Shape::from(d), dtype };
+    let (b, s, t, h, hkv) = if d == 16 { (2, 24, 40, 6, 2) } else { (2, 100, 130, 8, 2) };
     let base = AttentionSpec::causal(d);
     let cases = [
         ("gqa", AttentionSpec { ..base.clone() }, false),
@@ -200,19 +189,20 @@ fn check_attention_variants(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
         if with_start {
             x.push(&start);
         }
-        let outs = [f32m(&[b, s, h, d]), f32m(&[b, h, s])];
+        let outs = [xm(&[b, s, h, d]), f32m(&[b, h, s])];
         let fwd = both.execute(&Op::Attention(spec.clone()), &x, &outs, &at).expect(name);
         if !with_start {
             let dout = rand(&[b, s, h, d]);
             let xb = [&q, &k, &v, &fwd[0], &fwd[1], &dout];
-            let bo = [f32m(&[b, s, h, d]), f32m(&[b, t, hkv, d]), f32m(&[b, t, hkv, d])];
+            let bo = [xm(&[b, s, h, d]), xm(&[b, t, hkv, d]), xm(&[b, t, hkv, d])];
             both.execute(&Op::AttentionBackward(spec.clone()), &xb, &bo, &at).expect(name);
         }
+        let bound = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
         for (op, (err, _)) in std::mem::take(&mut *worst.lock().unwrap()) {
-            let ok = err <= 1e-4;
-            println!("{{\"check\":\"attention\",\"case\":\"{name}\",\"op\":\"{op}\",\"rel_err\":{err:e},\"ok\":{ok}}}");
+            let ok = err <= bound;
+            println!("{{\"check\":\"attention\",\"case\":\"{name}\",\"dtype\":\"{dtype:?}\",\"head_dim\":{d},\"op\":\"{op}\",\"rel_err\":{err:e},\"bound\":{bound},\"ok\":{ok}}}");
             if !ok {
-                fails.push(format!("attention {name} {op}: rel err {err:e}"));
+                fails.push(format!("attention {name} {dtype:?} d{d} {op}: rel err {err:e}"));
             }
         }
     }
@@ -318,6 +308,7 @@ fn check_memory(
     batch: usize,
     seq: usize,
     dtype: DType,
+    bound_delta: bool,
     fails: &mut Vec<String>,
 ) {
     gpu.empty_cache();
@@ -344,8 +335,13 @@ fn check_memory(
     let (free1, _) = gpu.mem_info().expect("mem info");
     let used = free0.saturating_sub(free1);
     let ok = m.program.peak == st.peak_bytes;
+    // The bound on the driver's figure: within 3% of the prediction and never above
+    // it by more. Held to it where the model is large enough for the fixed costs outside the
+    // Program (cuBLAS workspace, 2 MiB driver pages) not to dominate.
+    let ratio = used as f64 / predicted.max(1) as f64;
+    let delta_ok = ratio <= 1.03;
     println!(
-        "{{\"check\":\"memory\",\"model\":\"{model}\",\"dtype\":\"{}\",\"batch\":{batch},\"seq\":{seq},\"predicted_peak\":{predicted},\"accountant_peak\":{},\"allocator_program_peak\":{},\"allocator_scratch_peak\":{},\"reserved\":{},\"driver_used_delta\":{used},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"ok\":{ok}}}",
+        "{{\"check\":\"memory\",\"model\":\"{model}\",\"dtype\":\"{}\",\"batch\":{batch},\"seq\":{seq},\"predicted_peak\":{predicted},\"accountant_peak\":{},\"allocator_program_peak\":{},\"allocator_scratch_peak\":{},\"reserved\":{},\"driver_used_delta\":{used},\"delta_over_predicted\":{ratio:.4},\"delta_bound_held\":{delta_ok},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"ok\":{ok}}}",
         dtype_name(dtype), st.peak_bytes, m.program.peak, m.scratch.peak, m.reserved.current,
         (batch * seq) as f64 / secs
     );
@@ -353,6 +349,12 @@ fn check_memory(
         fails.push(format!(
             "{model} memory: allocator {} != accountant {}",
             m.program.peak, st.peak_bytes
+        ));
+    }
+    if bound_delta && !delta_ok {
+        fails.push(format!(
+            "{model} memory: the driver's used-memory delta {used} is {:.1}% above the prediction {predicted}",
+            (ratio - 1.0) * 100.0
         ));
     }
 }
@@ -432,9 +434,13 @@ fn main() {
     if only("kernels") {
         step("kernels", &mut || {
             for m in models {
-                check_kernels(&gpu, m, &mut fails)
+                check_kernels(&gpu, m, DType::F32, &mut fails);
+                check_kernels(&gpu, m, DType::BF16, &mut fails);
             }
-            check_attention_variants(&gpu, &mut fails);
+            check_attention_variants(&gpu, DType::F32, 16, &mut fails);
+            for d in [32, 64, 128] {
+                check_attention_variants(&gpu, DType::BF16, d, &mut fails);
+            }
             check_reductions(&gpu, &mut fails);
         });
     }
@@ -448,9 +454,15 @@ fn main() {
     if only("memory") {
         step("memory", &mut || {
             for m in models {
-                check_memory(&gpu, m, 8, 256, DType::F32, &mut fails);
-                check_memory(&gpu, m, 8, 256, DType::BF16, &mut fails);
+                check_memory(&gpu, m, 8, 256, DType::F32, false, &mut fails);
+                check_memory(&gpu, m, 8, 256, DType::BF16, false, &mut fails);
             }
+        });
+    }
+    if only("memory-large") {
+        step("memory-large", &mut || {
+            check_memory(&gpu, "gpt2-medium", 4, 1024, DType::BF16, true, &mut fails);
+            check_memory(&gpu, "llama-1.3b", 4, 2048, DType::BF16, true, &mut fails);
         });
     }
     if only("calibrate") {
@@ -459,6 +471,18 @@ fn main() {
     if only("speed") {
         step("speed", &mut || {
             speed(&gpu, "gpt2-medium", 4, 1024, DType::BF16, 3);
+            speed(&gpu, "llama-1.3b", 4, 2048, DType::BF16, 3);
+        });
+    }
+    // NCCL only when named: it needs libnccl, which the other checks do not.
+    if args.iter().any(|a| a == "nccl") {
+        step("nccl", &mut || {
+            for line in tessera_cuda::nccl_check::run(&gpu) {
+                println!("{line}");
+                if line.contains("\"ok\":false") {
+                    fails.push(line);
+                }
+            }
         });
     }
     if fails.is_empty() {

@@ -1,0 +1,409 @@
+// Flash attention (FlashAttention-2's scheme) on tensor cores: bf16 q, k, v and dO, f32
+// accumulation, `mma.sync.m16n8k16` (sm_80 and later; the backend uses these kernels only
+// there). Appended to kernels.cu by the crate (module `source`): it uses `Attn`,
+// `attn_pos`, `attn_visible` and the bf16 conversions from there.
+//
+// Layouts: q, out, dO [B,S,H,D]; k, v [B,T,Hkv,D] (GQA: query head h reads kv head
+// h / (H/Hkv)); lse and delta [B,H,S] f32. The forward saves what the CPU kernel saves (the
+// output and the log-sum-exp of the scaled, biased scores); the backward recomputes the
+// probabilities tile by tile. Neither materialises an S×T matrix.
+//
+// Fragment layouts of m16n8k16 (lane = 4·g + t): A (16×16, row-major) registers hold
+// (row g, k 2t..2t+1), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B (16×8)
+// holds (k 2t..2t+1, n g), (k 2t+8.., n g); C (16×8 f32) holds (row g, n 2t, 2t+1) and
+// (row g+8, n 2t, 2t+1). A C tile of scores is therefore, two n-tiles at a time, the A
+// operand of the next product with no shuffle (FlashAttention-2's register reuse).
+
+typedef unsigned short bf16_t;
+
+#define FA_BC 64      // keys per tile (both passes)
+#define FA_BR 128     // query rows per forward block (16 per warp)
+#define FA_BRB 32     // query rows per backward tile
+#define FA_THREADS 128     // backward block (4 warps, 16 keys each)
+#define FA_THREADS_FWD 256 // forward block (8 warps)
+
+__device__ __forceinline__ unsigned fa_ld32(const bf16_t* p) { return *(const unsigned*)p; }
+__device__ __forceinline__ unsigned fa_pack(bf16_t lo, bf16_t hi) { return (unsigned)lo | ((unsigned)hi << 16); }
+__device__ __forceinline__ unsigned fa_pack_f(float lo, float hi) { return fa_pack(f32_to_bf16(lo), f32_to_bf16(hi)); }
+
+// c += a·b on tensor cores.
+__device__ __forceinline__ void fa_mma(float* c, const unsigned* a, const unsigned* b) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+}
+
+// B fragments of two adjacent n-tiles from a row-major [k][n] tile in shared memory (rows
+// `ld` elements apart): `ldmatrix.x4.trans` of the four 8×8 blocks (k 0-7 | 8-15) × (n 0-7 |
+// 8-15) at `tile` (k0, n0). b[0..2] is n-tile n0's (k 0-7, k 8-15), b[2..4] n-tile n0+8's.
+// Lane l addresses row l%8 of block l/8 (k offset 8·(l/8 & 1), n offset 8·(l/16)).
+__device__ __forceinline__ void fa_ldsm_t(const bf16_t* tile, int ld, unsigned* b) {
+    const int lane = threadIdx.x & 31, blk = lane >> 3;
+    const bf16_t* p = tile + ((blk & 1) * 8 + (lane & 7)) * ld + (blk >> 1) * 8;
+#if __CUDA_ARCH__ >= 800
+    unsigned addr;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(addr));
+#else
+    b[0] = b[1] = b[2] = b[3] = 0u;
+    __trap();
+#endif
+}
+
+// Rows [0, nrows) of a [nrows][D+8] shared tile from global rows `row_stride` elements apart;
+// rows from `valid` on are zero. 16-byte copies (D is a multiple of 8).
+template <int D>
+__device__ __forceinline__ void fa_tile(bf16_t* dst, const bf16_t* src, i64 valid, i64 row_stride, int nrows) {
+    const int chunks = D / 8;
+    for (int c = threadIdx.x; c < nrows * chunks; c += blockDim.x) {
+        int r = c / chunks, k = c % chunks;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < valid) v = *(const uint4*)(src + (i64)r * row_stride + k * 8);
+        *(uint4*)(dst + r * (D + 8) + k * 8) = v;
+    }
+}
+
+// The visible keys [lo, hi) of query row i (none for a row past the end).
+__device__ __forceinline__ void fa_range(const Attn& a, const i64* start, i64 b, i64 i, i64* p, i64* lo, i64* hi) {
+    if (i >= a.s) {
+        *p = 0; *lo = 0; *hi = 0;
+        return;
+    }
+    *p = attn_pos(a, start, b, i);
+    attn_visible(a, *p, lo, hi);
+}
+
+// Forward: block (query tile of 128, head, batch); warp w owns rows 16w..16w+15 of the tile.
+template <int D>
+__device__ __forceinline__ void fa_forward(const bf16_t* q, const bf16_t* k, const bf16_t* v, const i64* start,
+                                           const float* slopes, Attn a, bf16_t* out, float* lse) {
+    extern __shared__ uint4 fa_smem[];
+    const int LD = D + 8;
+    bf16_t* ks = (bf16_t*)fa_smem;
+    bf16_t* vs = ks + FA_BC * LD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const i64 b = blockIdx.z, hh = blockIdx.y, tile0 = (i64)blockIdx.x * FA_BR;
+    const i64 kvh = hh / (a.h / a.hkv);
+    const i64 qs = a.h * D, kvs = a.hkv * D;
+    i64 row[2] = {tile0 + warp * 16 + g, tile0 + warp * 16 + g + 8};
+    i64 pos[2], lo[2], hi[2];
+    for (int r = 0; r < 2; ++r) fa_range(a, start, b, row[r], &pos[r], &lo[r], &hi[r]);
+    // Positions grow with the row: the block's keys run from its first row's lo to its last's hi.
+    i64 last = tile0 + FA_BR - 1 < a.s ? tile0 + FA_BR - 1 : a.s - 1, p_, blo, bhi, x_;
+    fa_range(a, start, b, tile0, &p_, &blo, &x_);
+    fa_range(a, start, b, last, &p_, &x_, &bhi);
+
+    const bf16_t* qb = q + b * a.s * qs + hh * D;
+    unsigned qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        int c = kk * 16 + 2 * t;
+        qf[kk][0] = row[0] < a.s ? fa_ld32(qb + row[0] * qs + c) : 0u;
+        qf[kk][1] = row[1] < a.s ? fa_ld32(qb + row[1] * qs + c) : 0u;
+        qf[kk][2] = row[0] < a.s ? fa_ld32(qb + row[0] * qs + c + 8) : 0u;
+        qf[kk][3] = row[1] < a.s ? fa_ld32(qb + row[1] * qs + c + 8) : 0u;
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    const float slope = slopes ? slopes[hh] : 0.0f;
+    const bf16_t* kb = k + b * a.t * kvs + kvh * D;
+    const bf16_t* vb = v + b * a.t * kvs + kvh * D;
+
+    for (i64 j0 = (blo / FA_BC) * FA_BC; j0 < bhi; j0 += FA_BC) {
+        __syncthreads();
+        i64 valid = a.t - j0 < FA_BC ? a.t - j0 : FA_BC;
+        fa_tile<D>(ks, kb + j0 * kvs, valid, kvs, FA_BC);
+        fa_tile<D>(vs, vb + j0 * kvs, valid, kvs, FA_BC);
+        __syncthreads();
+        // S = Q·Kᵀ (16 rows × 64 keys per warp).
+        float s[FA_BC / 8][4];
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            const bf16_t* kr = ks + (n * 8 + g) * LD + 2 * t;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned bb[2] = {fa_ld32(kr + kk * 16), fa_ld32(kr + kk * 16 + 8)};
+                fa_mma(s[n], qf[kk], bb);
+            }
+        }
+        // Scale, bias, mask (in 32 bits, relative to the tile); the running max.
+        int rlo[2], rhi[2];
+        float rb[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            rlo[r] = (int)fmax(fmin((double)(lo[r] - j0), (double)FA_BC), 0.0);
+            rhi[r] = (int)fmax(fmin((double)(hi[r] - j0), (double)FA_BC), 0.0);
+            rb[r] = (float)(j0 - pos[r]);
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int r = e >> 1;
+                int j = n * 8 + 2 * t + (e & 1);
+                float val = (j >= rlo[r] && j < rhi[r]) ? s[n][e] * a.scale + slope * ((float)j + rb[r]) : -INFINITY;
+                s[n][e] = val;
+                mx[r] = fmaxf(mx[r], val);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            alpha[r] = mx[r] == -INFINITY ? 1.0f : expf(m[r] - mx[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int r = e >> 1;
+                float p = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[r]);
+                s[n][e] = p;
+                l[r] += p;
+            }
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+        // O += P·V, P rounded to bf16 (as FlashAttention does).
+#pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; ++kk) {
+            unsigned pa[4] = {fa_pack_f(s[2 * kk][0], s[2 * kk][1]), fa_pack_f(s[2 * kk][2], s[2 * kk][3]),
+                              fa_pack_f(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              fa_pack_f(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < D / 8; n += 2) {
+                unsigned bb[4];
+                fa_ldsm_t(vs + kk * 16 * LD + n * 8, LD, bb);
+                fa_mma(o[n], pa, bb);
+                fa_mma(o[n + 1], pa, bb + 2);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    bf16_t* ob = out + b * a.s * qs + hh * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (row[r] >= a.s) continue;
+        float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *(unsigned*)(ob + row[r] * qs + n * 8 + 2 * t) = fa_pack_f(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        if (t == 0) lse[(b * a.h + hh) * a.s + row[r]] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+    }
+}
+
+// Backward: block (key tile of 64, kv head, batch); warp w owns keys 16w..16w+15 of the tile
+// and accumulates their dK and dV over every query head of the group and every query tile
+// that sees them; dQ goes to an f32 accumulator by atomic adds (dq_acc, zeroed, [B,S,H,D]).
+template <int D>
+__device__ __forceinline__ void fa_backward(const bf16_t* q, const bf16_t* k, const bf16_t* v, const bf16_t* dout,
+                                            const float* lse, const float* delta, const float* slopes, Attn a,
+                                            float* dq_acc, bf16_t* dk, bf16_t* dv) {
+    extern __shared__ uint4 fa_smem[];
+    const int LD = D + 8, LDS = FA_BC + 8;
+    bf16_t* ks = (bf16_t*)fa_smem;
+    bf16_t* vs = ks + FA_BC * LD;
+    bf16_t* qt = vs + FA_BC * LD;
+    bf16_t* dot = qt + FA_BRB * LD;
+    bf16_t* dss = dot + FA_BRB * LD;  // dS of the tile, [query][key]
+    float* ls = (float*)(dss + FA_BRB * LDS);
+    float* dls = ls + FA_BRB;
+    float* qoff = dls + FA_BRB;             // per query: j0 − its position (ALiBi's distance)
+    int* qlo = (int*)(qoff + FA_BRB);       // per query: its visible keys within the tile
+    int* qhi = qlo + FA_BRB;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const i64 b = blockIdx.z, kvh = blockIdx.y, j0 = (i64)blockIdx.x * FA_BC;
+    const i64 group = a.h / a.hkv, qs = a.h * D, kvs = a.hkv * D;
+    i64 valid = a.t - j0 < FA_BC ? a.t - j0 : FA_BC;
+    fa_tile<D>(ks, k + (b * a.t + j0) * kvs + kvh * D, valid, kvs, FA_BC);
+    fa_tile<D>(vs, v + (b * a.t + j0) * kvs + kvh * D, valid, kvs, FA_BC);
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.0f;
+    const i64 key[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
+    const bf16_t* kw = ks + (warp * 16 + g) * LD + 2 * t;
+    const bf16_t* vw = vs + (warp * 16 + g) * LD + 2 * t;
+
+    for (i64 r = 0; r < group; ++r) {
+        const i64 hh = kvh * group + r;
+        const float slope = slopes ? slopes[hh] : 0.0f;
+        for (i64 i0 = 0; i0 < a.s; i0 += FA_BRB) {
+            i64 last = i0 + FA_BRB - 1 < a.s ? i0 + FA_BRB - 1 : a.s - 1, p_, lo_f, hi_l, x_;
+            fa_range(a, 0, b, i0, &p_, &lo_f, &x_);
+            fa_range(a, 0, b, last, &p_, &x_, &hi_l);
+            if (hi_l <= j0 || lo_f >= j0 + FA_BC) continue;  // no row of this tile sees these keys
+            __syncthreads();
+            i64 qvalid = a.s - i0 < FA_BRB ? a.s - i0 : FA_BRB;
+            fa_tile<D>(qt, q + (b * a.s + i0) * qs + hh * D, qvalid, qs, FA_BRB);
+            fa_tile<D>(dot, dout + (b * a.s + i0) * qs + hh * D, qvalid, qs, FA_BRB);
+            for (int c = threadIdx.x; c < FA_BRB; c += blockDim.x) {
+                bool in = c < qvalid;
+                ls[c] = in ? lse[(b * a.h + hh) * a.s + i0 + c] : INFINITY;
+                dls[c] = in ? delta[(b * a.h + hh) * a.s + i0 + c] : 0.0f;
+                i64 p, lo, hi;
+                fa_range(a, 0, b, i0 + c, &p, &lo, &hi);
+                qoff[c] = (float)(j0 - p);
+                qlo[c] = (int)fmax(fmin((double)(lo - j0), (double)FA_BC), 0.0);
+                qhi[c] = (int)fmax(fmin((double)(hi - j0), (double)FA_BC), 0.0);
+            }
+            __syncthreads();
+            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (16 keys × 32 queries per warp).
+            float st[FA_BRB / 8][4], dpt[FA_BRB / 8][4];
+#pragma unroll
+            for (int n = 0; n < FA_BRB / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const int c = kk * 16;
+                unsigned ka[4] = {fa_ld32(kw + c), fa_ld32(kw + 8 * LD + c), fa_ld32(kw + c + 8),
+                                  fa_ld32(kw + 8 * LD + c + 8)};
+                unsigned va[4] = {fa_ld32(vw + c), fa_ld32(vw + 8 * LD + c), fa_ld32(vw + c + 8),
+                                  fa_ld32(vw + 8 * LD + c + 8)};
+#pragma unroll
+                for (int n = 0; n < FA_BRB / 8; ++n) {
+                    const bf16_t* qr = qt + (n * 8 + g) * LD + 2 * t + c;
+                    const bf16_t* dr = dot + (n * 8 + g) * LD + 2 * t + c;
+                    unsigned qb2[2] = {fa_ld32(qr), fa_ld32(qr + 8)};
+                    unsigned db2[2] = {fa_ld32(dr), fa_ld32(dr + 8)};
+                    fa_mma(st[n], ka, qb2);
+                    fa_mma(dpt[n], va, db2);
+                }
+            }
+            // Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − D).
+#pragma unroll
+            for (int n = 0; n < FA_BRB / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int c = n * 8 + 2 * t + (e & 1);
+                    int j = warp * 16 + g + 8 * (e >> 1);  // the key, within the tile
+                    float pv = (j >= qlo[c] && j < qhi[c])
+                                   ? expf(st[n][e] * a.scale + slope * ((float)j + qoff[c]) - ls[c])
+                                   : 0.0f;
+                    st[n][e] = pv;
+                    dpt[n][e] = pv * (dpt[n][e] - dls[c]);
+                    dss[c * LDS + warp * 16 + g + 8 * (e >> 1)] = f32_to_bf16(dpt[n][e]);
+                }
+            // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end).
+#pragma unroll
+            for (int kk = 0; kk < FA_BRB / 16; ++kk) {
+                unsigned pa[4] = {fa_pack_f(st[2 * kk][0], st[2 * kk][1]), fa_pack_f(st[2 * kk][2], st[2 * kk][3]),
+                                  fa_pack_f(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                                  fa_pack_f(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+                unsigned sa[4] = {fa_pack_f(dpt[2 * kk][0], dpt[2 * kk][1]), fa_pack_f(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                  fa_pack_f(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                  fa_pack_f(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+                for (int n = 0; n < D / 8; n += 2) {
+                    unsigned bd[4], bq[4];
+                    fa_ldsm_t(dot + kk * 16 * LD + n * 8, LD, bd);
+                    fa_ldsm_t(qt + kk * 16 * LD + n * 8, LD, bq);
+                    fa_mma(dva[n], pa, bd);
+                    fa_mma(dva[n + 1], pa, bd + 2);
+                    fa_mma(dka[n], sa, bq);
+                    fa_mma(dka[n + 1], sa, bq + 2);
+                }
+            }
+            __syncthreads();  // dS of every warp is in shared memory
+            // dQ (32 queries × D) += dS·K: warp w takes query half (w & 1), column half (w >> 1).
+            const int mt = warp & 1;
+#pragma unroll
+            for (int nn = 0; nn < D / 16; nn += 2) {
+                const int n = (warp >> 1) * (D / 16) + nn;
+                float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+                for (int kk = 0; kk < FA_BC / 16; ++kk) {
+                    const bf16_t* sr = dss + (mt * 16 + g) * LDS + kk * 16 + 2 * t;
+                    unsigned sa2[4] = {fa_ld32(sr), fa_ld32(sr + 8 * LDS), fa_ld32(sr + 8), fa_ld32(sr + 8 * LDS + 8)};
+                    unsigned bk[4];
+                    fa_ldsm_t(ks + kk * 16 * LD + n * 8, LD, bk);
+                    fa_mma(c[0], sa2, bk);
+                    fa_mma(c[1], sa2, bk + 2);
+                }
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2) {
+                    const i64 qa = i0 + mt * 16 + g, col = (n + h2) * 8 + 2 * t;
+                    if (qa < a.s) {
+                        float* d = dq_acc + (b * a.s + qa) * qs + hh * D + col;
+                        atomicAdd(d, c[h2][0]);
+                        atomicAdd(d + 1, c[h2][1]);
+                    }
+                    if (qa + 8 < a.s) {
+                        float* d = dq_acc + (b * a.s + qa + 8) * qs + hh * D + col;
+                        atomicAdd(d, c[h2][2]);
+                        atomicAdd(d + 1, c[h2][3]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const i64 j = key[r];
+        if (j >= a.t) continue;
+        bf16_t* dkr = dk + (b * a.t + j) * kvs + kvh * D + 2 * t;
+        bf16_t* dvr = dv + (b * a.t + j) * kvs + kvh * D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *(unsigned*)(dkr + n * 8) = fa_pack_f(dka[n][2 * r] * a.scale, dka[n][2 * r + 1] * a.scale);
+            *(unsigned*)(dvr + n * 8) = fa_pack_f(dva[n][2 * r], dva[n][2 * r + 1]);
+        }
+    }
+}
+
+// One instantiation per supported head dim (the backend's `flash::HEAD_DIMS`).
+#define FA_KERNELS(D)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS_FWD, (D) <= 64 ? 2 : 1) flash_fwd_##D(                               \
+        const bf16_t* q, const bf16_t* k, const bf16_t* v, const i64* start, const float* slopes, Attn a, \
+        bf16_t* out, float* lse) {                                                                         \
+        fa_forward<D>(q, k, v, start, slopes, a, out, lse);                                               \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, (D) <= 64 ? 3 : 2) flash_bwd_##D(                               \
+        const bf16_t* q, const bf16_t* k, const bf16_t* v, const bf16_t* dout, const float* lse,          \
+        const float* delta, const float* slopes, Attn a, float* dq_acc, bf16_t* dk, bf16_t* dv) {         \
+        fa_backward<D>(q, k, v, dout, lse, delta, slopes, a, dq_acc, dk, dv);                             \
+    }
+FA_KERNELS(32)
+FA_KERNELS(64)
+FA_KERNELS(128)
+
+// D_i = Σ_e dO·O per query row ([B,H,S]) from bf16 out and dO: one warp per row.
+extern "C" __global__ void flash_delta(const bf16_t* out, const bf16_t* dout, float* delta, Attn a) {
+    i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // (b·S + i)·H + h
+    if (row >= a.b * a.s * a.h) return;
+    int lane = threadIdx.x & 31;
+    float s = 0.0f;
+    for (i64 e = lane; e < a.d; e += 32) s += bf16_to_f32(out[row * a.d + e]) * bf16_to_f32(dout[row * a.d + e]);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    i64 hh = row % a.h, bi = row / a.h, i = bi % a.s, b = bi / a.s;
+    if (lane == 0) delta[(b * a.h + hh) * a.s + i] = s;
+}
+
+// y = x·scale stored as type `code` (dQ from its f32 accumulator).
+extern "C" __global__ void scale_store(const float* x, float scale, void* y, int code, i64 n) {
+    GRID_STRIDE(i, n) { store_as(y, code, i, (double)(x[i] * scale), 0); }
+}

@@ -1,0 +1,232 @@
+//! Flash attention on tensor cores (`flash.cu`): the forward and backward of
+//! [`Op::Attention`](tessera_ir::Op) for bf16 operands, fused and tiled, with online softmax,
+//! GQA, causal and sliding-window masks, KV-cache starts and ALiBi, never materialising the
+//! S×T scores. Taken when the operands are bf16, the head dim is one of [`HEAD_DIMS`] and the GPU has
+//! bf16 MMA (compute capability 8.0); anything else falls back to [`crate::attention`] (cuBLAS
+//! scores on f32 operands).
+//!
+//! Numerics: scores, softmax and accumulation in f32; the probabilities (and dS) are rounded
+//! to bf16 for the products with V (and Q, K), as FlashAttention does. The forward saves the
+//! output and the log-sum-exp, exactly what the CPU kernel saves, so the memory accountant's
+//! charge is unchanged; its scratch is none (forward) or the f32 dQ accumulator and the row
+//! sums D (backward).
+
+use crate::alloc::Purpose;
+use crate::attention::alibi_slopes;
+use crate::backend::{geometry, CudaBackend};
+use crate::launch::{launch, Arg, Attn};
+use crate::source::type_code;
+use crate::tensor::CudaTensor;
+use cudarc::driver::LaunchConfig;
+use tessera_ir::dist::MeshPos;
+use tessera_ir::{AttentionSpec, DType, TensorMeta};
+use tessera_runtime::Result;
+
+const BC: usize = 64;
+const BR: usize = 128;
+const BRB: usize = 32;
+const THREADS: u32 = 128;
+const THREADS_FWD: u32 = 256;
+
+/// Dynamic shared memory of the forward for head dim `d`: K and V tiles, rows padded by 8.
+const fn fwd_shared(d: usize) -> usize {
+    2 * BC * (d + 8) * 2
+}
+
+/// The backward's: K, V, Q and dO tiles, the dS tile, and per query row its lse, D, ALiBi
+/// offset and visible key range.
+const fn bwd_shared(d: usize) -> usize {
+    (2 * BC + 2 * BRB) * (d + 8) * 2 + BRB * (BC + 8) * 2 + 5 * BRB * 4
+}
+
+/// The head dims the kernels are instantiated for (`FA_KERNELS` in `flash.cu`).
+pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
+
+/// The forward and backward kernels of head dim `d`.
+fn kernels(d: usize) -> Option<(&'static str, &'static str)> {
+    match d {
+        32 => Some(("flash_fwd_32", "flash_bwd_32")),
+        64 => Some(("flash_fwd_64", "flash_bwd_64")),
+        128 => Some(("flash_fwd_128", "flash_bwd_128")),
+        _ => None,
+    }
+}
+
+/// Each flash kernel's dynamic shared memory (set as its maximum when the module loads).
+pub const SHARED_BYTES: [(&str, usize); 6] = [
+    ("flash_fwd_32", fwd_shared(32)),
+    ("flash_fwd_64", fwd_shared(64)),
+    ("flash_fwd_128", fwd_shared(128)),
+    ("flash_bwd_32", bwd_shared(32)),
+    ("flash_bwd_64", bwd_shared(64)),
+    ("flash_bwd_128", bwd_shared(128)),
+];
+
+/// Whether the flash kernels take this attention: bf16 operands (and results), a head dim they
+/// are built for, a GPU with bf16 MMA.
+fn applies(be: &CudaBackend, x: &[&CudaTensor], out: &[TensorMeta]) -> bool {
+    let d = x[0].dims().last().copied().unwrap_or(0);
+    be.gpu().capability().0 >= 8
+        && kernels(d).is_some()
+        && x[..3].iter().all(|t| t.dtype() == DType::BF16 && t.dims().len() == 4)
+        && out.iter().all(|m| m.dtype == DType::BF16 || m.shape.rank() == 3)
+}
+
+fn ptr(t: &Option<CudaTensor>) -> Arg {
+    Arg::Ptr(t.as_ref().map_or(0, |t| t.ptr()))
+}
+
+/// `q, k, v [, start]` → `out, lse`, or `None` when the flash kernels do not apply.
+pub fn forward(
+    be: &CudaBackend,
+    x: &[&CudaTensor],
+    spec: &AttentionSpec,
+    at: &MeshPos,
+    out: &[TensorMeta],
+    p: Purpose,
+) -> Result<Option<Vec<CudaTensor>>> {
+    if !applies(be, x, out) {
+        return Ok(None);
+    }
+    let (q, k, v) = (be.dense_pub(x[0])?, be.dense_pub(x[1])?, be.dense_pub(x[2])?);
+    let a = geometry(&q, &k, spec)?;
+    let start = x.get(3).map(|s| be.dense_pub(s)).transpose()?;
+    let sl = alibi_slopes(be, spec, a.h as usize, at)?;
+    let o = be.out_f32(&out[0], p)?;
+    let lse = be.out_f32(&out[1], p)?;
+    let d = a.d as usize;
+    let cfg = LaunchConfig {
+        grid_dim: ((a.s as usize).div_ceil(BR) as u32, a.h as u32, a.b as u32),
+        block_dim: (THREADS_FWD, 1, 1),
+        shared_mem_bytes: fwd_shared(d) as u32,
+    };
+    let Some((name, _)) = kernels(d) else { return Ok(None) };
+    launch(
+        be.gpu(),
+        name,
+        cfg,
+        &[
+            Arg::Ptr(q.ptr()),
+            Arg::Ptr(k.ptr()),
+            Arg::Ptr(v.ptr()),
+            ptr(&start),
+            ptr(&sl),
+            Arg::Attn(a),
+            Arg::Ptr(o.ptr()),
+            Arg::Ptr(lse.ptr()),
+        ],
+    )?;
+    Ok(Some(vec![o, lse]))
+}
+
+/// `q, k, v, out, lse, dout` → `dq, dk, dv`, or `None` when the flash kernels do not apply.
+pub fn backward(
+    be: &CudaBackend,
+    x: &[&CudaTensor],
+    spec: &AttentionSpec,
+    at: &MeshPos,
+    out: &[TensorMeta],
+    p: Purpose,
+) -> Result<Option<Vec<CudaTensor>>> {
+    let halves = [x[3], x[5]].iter().all(|t| t.dtype() == DType::BF16);
+    if !halves || x[4].dtype() != DType::F32 || !applies(be, x, out) {
+        return Ok(None);
+    }
+    let d: Vec<CudaTensor> = x.iter().map(|t| be.dense_pub(t)).collect::<Result<_>>()?;
+    let (q, k, v, o, lse, dout) = (&d[0], &d[1], &d[2], &d[3], &d[4], &d[5]);
+    let a: Attn = geometry(q, k, spec)?;
+    let sl = alibi_slopes(be, spec, a.h as usize, at)?;
+    let g = be.gpu();
+    let (b, s, h) = (a.b as usize, a.s as usize, a.h as usize);
+    let delta = CudaTensor::empty(g, &[b, h, s], DType::F32, Purpose::Scratch)?;
+    let rows = b * s * h;
+    launch(
+        g,
+        "flash_delta",
+        LaunchConfig {
+            grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        &[Arg::Ptr(o.ptr()), Arg::Ptr(dout.ptr()), Arg::Ptr(delta.ptr()), Arg::Attn(a)],
+    )?;
+    let dq_acc = CudaTensor::empty(g, q.dims(), DType::F32, Purpose::Scratch)?;
+    be.fill_pub(&dq_acc, 0.0)?;
+    let dq = be.out_f32(&out[0], p)?;
+    let dk = be.out_f32(&out[1], p)?;
+    let dv = be.out_f32(&out[2], p)?;
+    let hd = a.d as usize;
+    let cfg = LaunchConfig {
+        grid_dim: ((a.t as usize).div_ceil(BC) as u32, a.hkv as u32, a.b as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: bwd_shared(hd) as u32,
+    };
+    let Some((_, name)) = kernels(hd) else { return Ok(None) };
+    launch(
+        g,
+        name,
+        cfg,
+        &[
+            Arg::Ptr(q.ptr()),
+            Arg::Ptr(k.ptr()),
+            Arg::Ptr(v.ptr()),
+            Arg::Ptr(dout.ptr()),
+            Arg::Ptr(lse.ptr()),
+            Arg::Ptr(delta.ptr()),
+            ptr(&sl),
+            Arg::Attn(a),
+            Arg::Ptr(dq_acc.ptr()),
+            Arg::Ptr(dk.ptr()),
+            Arg::Ptr(dv.ptr()),
+        ],
+    )?;
+    let n = dq.numel();
+    launch(
+        g,
+        "scale_store",
+        crate::launch::elementwise(n),
+        &[
+            Arg::Ptr(dq_acc.ptr()),
+            Arg::F32(a.scale),
+            Arg::Ptr(dq.ptr()),
+            Arg::I32(type_code(dq.dtype())),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    Ok(Some(vec![dq, dk, dv]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiles fit the shared memory of every GPU with bf16 MMA (A100: 163 KiB per block;
+    /// the forward of head dim 64 within the default 48 KiB), and the sizes match the
+    /// kernels' carving of it (`flash.cu`: K, V [64][D+8]; backward also Q, dO [32][D+8],
+    /// dS [32][72], and five words per query row).
+    #[test]
+    fn tiles_fit_shared_memory() {
+        assert_eq!(fwd_shared(64), 18_432);
+        assert_eq!(bwd_shared(128), 52_224 + 4_608 + 640);
+        for (_, bytes) in SHARED_BYTES {
+            assert!(bytes <= 163 * 1024);
+        }
+        let src = crate::source::KERNELS;
+        for (tile, value) in [("FA_BC", BC), ("FA_BR", BR), ("FA_BRB", BRB)] {
+            assert!(
+                src.contains(&format!("#define {tile} {value} ")),
+                "{tile} differs from flash.cu"
+            );
+        }
+        assert!(src.contains(&format!("#define FA_THREADS {THREADS} ")));
+        assert!(src.contains(&format!("#define FA_THREADS_FWD {THREADS_FWD} ")));
+        for d in HEAD_DIMS {
+            let (f, b) = kernels(d).expect("a kernel pair per head dim");
+            assert!(src.contains(&format!("FA_KERNELS({d})")), "flash.cu lacks head dim {d}");
+            for name in [f, b] {
+                assert!(SHARED_BYTES.iter().any(|(n, _)| *n == name));
+                assert!(crate::gpu::FUNCTIONS.contains(&name), "{name} is not loaded");
+            }
+        }
+    }
+}
