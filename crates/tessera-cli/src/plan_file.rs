@@ -41,6 +41,11 @@ impl Given {
         self.0.contains(id)
     }
 
+    /// Whether the user set flag `id`, on the command line or in the run file.
+    pub fn gave(&self, id: &str) -> bool {
+        self.has(id) || self.1.as_ref().is_some_and(|(_, ids)| ids.contains(id))
+    }
+
     /// `value`, the flag `name`'s, saying whether the user gave it.
     pub fn flag<'a, T>(&self, name: &'static str, value: &'a mut T) -> Flag<'a, T> {
         let run_file = self.1.as_ref().filter(|(_, ids)| ids.contains(name));

@@ -41,8 +41,8 @@ const DEFAULT_CORPUS: &str = include_str!("../../../data/shakespeare.txt");
 pub enum DeviceKind {
     /// This machine's CPU cores (every device of the plan a thread or an MPI rank).
     Cpu,
-    /// An NVIDIA GPU through CUDA (one device for now: `--devices 1`); needs a `tessera` built
-    /// with `--features cuda` and an NVIDIA driver.
+    /// NVIDIA GPUs through CUDA: one unless `--devices N` (GPU i for device i, over NCCL; several
+    /// GPUs are untested); needs a `tessera` built with `--features cuda` and an NVIDIA driver.
     Cuda,
 }
 
@@ -52,7 +52,7 @@ pub struct TrainArgs {
     /// memory accountant and budget. Under mpirun/srun/torchrun, the launcher's world instead.
     #[arg(long, default_value_t = 4)]
     pub devices: usize,
-    /// Where the kernels run: `cpu`, or `cuda` (GPU 0, with `--devices 1`).
+    /// Where the kernels run: `cpu`, or `cuda` (GPU i for device i; several over NCCL, untested).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// The cluster the plan is made for (default `<devices>xcpu`, the calibrated CPU preset).
@@ -383,16 +383,14 @@ fn validate(args: &TrainArgs) -> Result<()> {
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let args = &adopt_plan_file(args)?;
+    let mut args = adopt_plan_file(args)?;
+    if args.device == DeviceKind::Cuda && !args.given.gave("devices") {
+        // On GPUs, a device is a GPU: one unless asked for more (not 4 simulated ones).
+        args.devices = 1;
+    }
+    let args = &args;
     validate(args)?;
     let launched = tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))?;
-    let world = launched.as_ref().map_or(args.devices, |env| env.world_size.max(args.devices));
-    if args.device == DeviceKind::Cuda && world > 1 {
-        anyhow::bail!(
-            "--device cuda trains on one GPU for now (several need NCCL, not yet built): give \
-             --devices 1"
-        );
-    }
     if let Some(env) = launched {
         if env.world_size > 1 {
             return crate::train_launch::run_launched(args, &env);

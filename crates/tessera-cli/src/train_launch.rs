@@ -169,26 +169,45 @@ pub fn run_rank(
 ) -> Result<RankOutcome> {
     match ctx.args.device {
         DeviceKind::Cpu => run_rank_on(ctx, comm, rank, CpuBackend::new(rank)),
-        DeviceKind::Cuda => {
-            if comm.is_some() {
-                bail!(
-                    "--device cuda trains on one GPU for now (several need NCCL, not yet built): \
-                     give --devices 1"
-                );
-            }
-            run_rank_on(ctx, comm, rank, cuda_backend(rank)?)
-        }
+        DeviceKind::Cuda => run_rank_cuda(ctx, comm, rank),
     }
 }
 
+/// One rank on its GPU: the launcher's local rank (a process per GPU), else the rank (threads,
+/// a GPU each). With several ranks, the communicator the run was started with (threads' or
+/// MPI's) only bootstraps NCCL (rank 0's id, broadcast), and the run's collectives go through
+/// NCCL. Several GPUs are untested: the machines at hand had one.
 #[cfg(feature = "cuda")]
-fn cuda_backend(rank: usize) -> Result<tessera_cuda::CudaBackend> {
-    let gpu = tessera_cuda::Gpu::open(rank).context("--device cuda")?;
-    Ok(tessera_cuda::CudaBackend::new(gpu))
+fn run_rank_cuda(
+    ctx: &RunContext,
+    bootstrap: Option<Box<dyn Communicator>>,
+    rank: usize,
+) -> Result<RankOutcome> {
+    let launched = tessera_comm::discover().ok().flatten();
+    let ordinal = launched.and_then(|env| env.local_rank).unwrap_or(rank);
+    let gpu = tessera_cuda::Gpu::open(ordinal)
+        .with_context(|| format!("--device cuda: rank {rank} on GPU {ordinal}"))?;
+    let backend = tessera_cuda::CudaBackend::new(gpu.clone());
+    let Some(mut bootstrap) = bootstrap else {
+        return run_rank_on(ctx, None, rank, backend);
+    };
+    let timeout = Duration::from_secs_f64(ctx.args.comm_timeout);
+    let nccl = tessera_cuda::NcclComm::over(gpu, bootstrap.as_mut())
+        .map_err(|e| anyhow!(e))
+        .with_context(|| format!("rank {rank}: setting up NCCL on GPU {ordinal}"))?
+        .with_timeout(timeout);
+    let outcome = run_rank_on(ctx, Some(Box::new(nccl)), rank, backend);
+    // The bootstrap communicator (MPI's, under mpirun) lives until every rank is done.
+    drop(bootstrap);
+    outcome
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_backend(_rank: usize) -> Result<CpuBackend> {
+fn run_rank_cuda(
+    _ctx: &RunContext,
+    _comm: Option<Box<dyn Communicator>>,
+    _rank: usize,
+) -> Result<RankOutcome> {
     bail!(
         "--device cuda: this tessera was built without CUDA support; rebuild it with \
          `cargo build --release --features cuda` (no CUDA toolkit is needed to build)"
@@ -405,6 +424,10 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
         OutputFormat::Json => {
             let mut doc = json!({
                 "model": ctx.cfg.name(),
+                "device": match args.device {
+                    DeviceKind::Cpu => "cpu",
+                    DeviceKind::Cuda => "cuda",
+                },
                 "devices": n,
                 "config": plan.config,
                 "layout": plan.layout,

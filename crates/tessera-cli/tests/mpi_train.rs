@@ -116,6 +116,7 @@ fn mpi_equals_threads_and_one_device(
         }
         let doc = check(&mpirun(n, &margs, &[]), &format!("mpirun -n {n} {plan}"));
         assert_eq!(doc["devices"], n, "{doc}");
+        assert_eq!(doc["device"], "cpu", "{doc}");
         assert_eq!(doc["memory"]["predicted_peak_bytes"], doc["memory"]["measured_peak_bytes"]);
         assert_eq!(doc["comm"]["predicted_bytes"], doc["comm"]["measured_bytes"]);
         let devices = n.to_string();

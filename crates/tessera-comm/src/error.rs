@@ -101,6 +101,10 @@ pub enum CommError {
     /// The rank's thread could not be started (reported by [`crate::run_on_threads`]).
     #[error("rank {rank}: could not start its thread: {message}")]
     Spawn { rank: usize, message: String },
+    /// The library under a transport failed (NCCL, CUDA): the message names the rank, the
+    /// call and the library's own error.
+    #[error("transport failure: {0}")]
+    Transport(String),
     /// A broken invariant of this crate (a bug here, not in the caller).
     #[error("internal error in tessera-comm: {0}")]
     Internal(String),

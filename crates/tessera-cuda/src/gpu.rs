@@ -104,6 +104,10 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
         // With dynamic loading a missing library is a panic inside cudarc: turn it into an
         // error (and keep the default hook from printing it meanwhile).
+        // The panic hook is global: one opening at a time (ranks open their GPUs from threads),
+        // so each restores the hook it found.
+        static OPENING: Mutex<()> = Mutex::new(());
+        let _one = OPENING.lock().unwrap_or_else(|p| p.into_inner());
         let hook = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
         let opened = Self::open_quiet(ordinal);

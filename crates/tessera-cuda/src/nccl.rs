@@ -161,6 +161,27 @@ pub fn new_id() -> Result<[u8; ID_BYTES]> {
     Ok(id_bytes(&id))
 }
 
+/// An NCCL id as f32 words for a communicator's broadcast: four bytes per word, carried as bit
+/// patterns (transports copy f32 buffers, never compute on a broadcast's, so every bit
+/// arrives).
+pub fn id_to_words(id: &[u8; ID_BYTES]) -> Vec<f32> {
+    id.chunks_exact(4)
+        .map(|c| f32::from_bits(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+        .collect()
+}
+
+/// The id [`id_to_words`] encoded, or `None` for words of another length.
+pub fn id_from_words(words: &[f32]) -> Option<[u8; ID_BYTES]> {
+    if words.len() * 4 != ID_BYTES {
+        return None;
+    }
+    let mut id = [0u8; ID_BYTES];
+    for (chunk, w) in id.chunks_exact_mut(4).zip(words) {
+        chunk.copy_from_slice(&w.to_bits().to_le_bytes());
+    }
+    Some(id)
+}
+
 impl NcclComm {
     /// A world of one rank on `gpu`, its id made locally.
     pub fn single(gpu: Arc<Gpu>) -> Result<NcclComm> {
@@ -176,6 +197,22 @@ impl NcclComm {
         check_library()?;
         let id = rv.exchange(new_id, DEFAULT_TIMEOUT)?;
         NcclComm::from_id(gpu, rv.rank, rv.world_size, &id, DEFAULT_TIMEOUT)
+    }
+
+    /// Every rank of a world that already has a communicator (MPI's, in practice): rank 0
+    /// makes the id and broadcasts it over `bootstrap` ([`id_to_words`]); then each rank joins
+    /// with its rank and world size there. `gpu` should be this process's device.
+    pub fn over(gpu: Arc<Gpu>, bootstrap: &mut dyn Communicator) -> Result<NcclComm> {
+        let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+        let mine = if rank == 0 { id_to_words(&new_id()?) } else { Vec::new() };
+        let words = bootstrap.broadcast(&Group::world(world)?, 0, &mine)?;
+        let id = id_from_words(&words).ok_or_else(|| {
+            CommError::Transport(format!(
+                "rank {rank}: NCCL bootstrap: rank 0 broadcast {} words, not an NCCL id",
+                words.len()
+            ))
+        })?;
+        NcclComm::from_id(gpu, rank, world, &id, DEFAULT_TIMEOUT)
     }
 
     /// Rank `rank` of a world of `world_size` whose members all hold `id` (made by one of them

@@ -139,3 +139,28 @@ fn a_new_id_works_or_names_the_missing_library() {
         Err(other) => panic!("expected an id or a missing-library error, got {other:?}"),
     }
 }
+
+/// `NcclComm::over` shares rank 0's NCCL id through an existing communicator's broadcast (MPI's,
+/// in practice) as f32 bit patterns: every byte arrives, NaN and subnormal patterns included,
+/// on every rank (here over the thread transport), and a wrong length is refused.
+#[test]
+fn an_nccl_id_survives_a_communicators_broadcast_bit_for_bit() {
+    use tessera_comm::{run_on_threads, Group};
+    use tessera_cuda::nccl::{id_from_words, id_to_words};
+    let mut id = [0u8; ID_BYTES];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(37) ^ 0xA5;
+    }
+    // A quiet NaN with a payload, a signalling NaN, and a subnormal, as words 0..3.
+    id[..12].copy_from_slice(&[0x01, 0x00, 0xC0, 0x7F, 0x01, 0x00, 0x80, 0x7F, 0x01, 0, 0, 0]);
+    let got = run_on_threads(3, Duration::from_secs(10), |c| {
+        let mine = if c.rank() == 0 { id_to_words(&id) } else { Vec::new() };
+        let words = c.broadcast(&Group::world(3)?, 0, &mine)?;
+        Ok(id_from_words(&words))
+    });
+    assert_eq!(got.len(), 3);
+    for (rank, r) in got.into_iter().enumerate() {
+        assert_eq!(r.expect("broadcast"), Some(id), "rank {rank}");
+    }
+    assert_eq!(id_from_words(&[0.0; 31]), None);
+}

@@ -80,7 +80,7 @@ impl Call {
 
     /// An NCCL or CUDA failure during the call.
     pub(super) fn failed(&self, what: &str, e: impl Display) -> CommError {
-        CommError::Internal(format!(
+        CommError::Transport(format!(
             "rank {}: {} (call #{} in this group): NCCL transport: {what} failed: {e}",
             self.rank,
             self.op(),
