@@ -124,7 +124,7 @@ fn every_source_file_opens_with_a_module_doc() {
 }
 
 /// The matches that define an op — its shape inference, FLOPs, bytes, aliasing, workspace and
-/// VJP (`ops/mod.rs`), its reference semantics (`interp.rs`), its sharding rule (`rules.rs`),
+/// VJP (`ops/mod.rs`), its reference semantics (`interp/mod.rs`), its sharding rule (`rules.rs`),
 /// its FLOP profile (`flops.rs`) and its kernel (`kernels/mod.rs`) — have no wildcard arm (`_`
 /// or a bare binding), so a new op does not compile until each exists. Passes that rewrite a
 /// few ops and keep the rest (the lowering's `localize`, say) may use one.
@@ -133,7 +133,7 @@ fn op_definitions_have_no_wildcard_arm() {
     let root = workspace_root().join("crates");
     let files = [
         "tessera-ir/src/ops/mod.rs",
-        "tessera-ir/src/interp.rs",
+        "tessera-ir/src/interp/mod.rs",
         "tessera-plan/src/rules.rs",
         "tessera-profile/src/flops.rs",
         "tessera-runtime/src/kernels/mod.rs",

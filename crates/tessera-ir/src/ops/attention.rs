@@ -4,9 +4,10 @@
 //! the probabilities from them, FlashAttention-style, so no S×T matrix outlives a kernel. The
 //! kernel may hold one head's S×T score block as workspace while it runs.
 
-use super::{expect_float, expect_inputs, AttentionSpec, Flops, Op};
+use super::{expect_float, expect_inputs, Flops, Op};
 use crate::autodiff::{Grad, VjpCtx};
 use crate::{DType, Result, TensorMeta};
+use serde::{Deserialize, Serialize};
 
 /// (B, S, H, D) of a `[B,S,H,D]` operand.
 fn bshd(m: &TensorMeta, what: &str) -> Result<(usize, usize, usize, usize), String> {
@@ -141,4 +142,83 @@ pub(crate) fn vjp_rope(
     }
     let g = cx.b.push1(op, &[dy])?;
     Ok(vec![Some(Grad::Full(g))])
+}
+
+/// Hyper-parameters of the attention op.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttentionSpec {
+    pub causal: bool,
+    /// Sliding window (Mistral): query i sees keys in (i - window, i].
+    pub window: Option<usize>,
+    /// Multiplier of QK^T, usually 1/sqrt(head_dim).
+    pub scale: f64,
+    /// ALiBi position biases (BLOOM; Press et al. 2022): head `h`'s score of key `j` for the
+    /// query at position `p` gains `slope_h · (j − p)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alibi: Option<Alibi>,
+}
+
+impl AttentionSpec {
+    /// Causal attention scaled by `1/sqrt(head_dim)`, no window, no position bias.
+    pub fn causal(head_dim: usize) -> AttentionSpec {
+        AttentionSpec {
+            causal: true,
+            window: None,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            alibi: None,
+        }
+    }
+}
+
+/// ALiBi's per-head slopes: a function of the model's query-head count. Under tensor
+/// parallelism a device holds some of the heads; `shard` (set by the planner's lowering, as
+/// for dropout) says which, so each device biases its heads with their own slopes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Alibi {
+    /// Query heads of the whole model.
+    pub heads: usize,
+    /// Where the local q `[B,S,H,D]` sits in the global one (`None`: it is the global one).
+    #[serde(default)]
+    pub shard: Option<crate::dist::ShardOf>,
+}
+
+impl Alibi {
+    /// The slope of every head of the model, as BLOOM defines them (`build_alibi_tensor` in
+    /// transformers): `2^(-8i/n)` for `i = 1..=n` when `n` is a power of two; otherwise those
+    /// of the largest power of two `m < n`, then the odd powers of `2^(-4/m)` for the rest.
+    pub fn slopes(heads: usize) -> Vec<f64> {
+        if heads == 0 {
+            return Vec::new();
+        }
+        let m = 1usize << (usize::BITS - 1 - heads.leading_zeros());
+        let base = 2f64.powf(-8.0 / m as f64);
+        let mut s: Vec<f64> = (1..=m).map(|i| base.powi(i as i32)).collect();
+        if m != heads {
+            let extra = 2f64.powf(-4.0 / m as f64);
+            let rest = (heads - m).min(m);
+            s.extend((0..rest).map(|i| extra.powi(2 * i as i32 + 1)));
+        }
+        s
+    }
+
+    /// The slopes of the local heads of a device at `at` (`None`: the mesh origin).
+    pub fn local_slopes(
+        &self,
+        local_heads: usize,
+        at: Option<&crate::dist::MeshPos>,
+    ) -> crate::Result<Vec<f64>> {
+        let first = match (&self.shard, at) {
+            (Some(s), Some(at)) => at.shard_origin(&s.global, &s.placement)?.get(2).copied(),
+            (None, _) | (Some(_), None) => Some(0),
+        }
+        .unwrap_or(0);
+        let all = Alibi::slopes(self.heads);
+        all.get(first..first + local_heads).map(<[f64]>::to_vec).ok_or_else(|| {
+            crate::IrError::Graph(format!(
+                "ALiBi heads {first}..{} beyond the model's {}",
+                first + local_heads,
+                self.heads
+            ))
+        })
+    }
 }

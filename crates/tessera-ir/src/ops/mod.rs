@@ -24,7 +24,9 @@ pub(crate) mod reduce;
 
 use crate::autodiff::{Grad, VjpCtx};
 use crate::{DType, Result, Shape, TensorMeta};
+pub use attention::{Alibi, AttentionSpec};
 pub use comm::{Collective, CommStep, P2p, ReshardSpec};
+pub use quant::QuantSpec;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -88,123 +90,6 @@ impl StateKind {
             StateKind::AdamV => "adam_v",
             StateKind::Master => "master",
         }
-    }
-}
-
-/// Hyper-parameters of the attention op.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AttentionSpec {
-    pub causal: bool,
-    /// Sliding window (Mistral): query i sees keys in (i - window, i].
-    pub window: Option<usize>,
-    /// Multiplier of QK^T, usually 1/sqrt(head_dim).
-    pub scale: f64,
-    /// ALiBi position biases (BLOOM; Press et al. 2022): head `h`'s score of key `j` for the
-    /// query at position `p` gains `slope_h · (j − p)`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub alibi: Option<Alibi>,
-}
-
-impl AttentionSpec {
-    /// Causal attention scaled by `1/sqrt(head_dim)`, no window, no position bias.
-    pub fn causal(head_dim: usize) -> AttentionSpec {
-        AttentionSpec {
-            causal: true,
-            window: None,
-            scale: 1.0 / (head_dim as f64).sqrt(),
-            alibi: None,
-        }
-    }
-}
-
-/// ALiBi's per-head slopes: a function of the model's query-head count. Under tensor
-/// parallelism a device holds some of the heads; `shard` (set by the planner's lowering, as
-/// for dropout) says which, so each device biases its heads with their own slopes.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Alibi {
-    /// Query heads of the whole model.
-    pub heads: usize,
-    /// Where the local q `[B,S,H,D]` sits in the global one (`None`: it is the global one).
-    #[serde(default)]
-    pub shard: Option<crate::dist::ShardOf>,
-}
-
-impl Alibi {
-    /// The slope of every head of the model, as BLOOM defines them (`build_alibi_tensor` in
-    /// transformers): `2^(-8i/n)` for `i = 1..=n` when `n` is a power of two; otherwise those
-    /// of the largest power of two `m < n`, then the odd powers of `2^(-4/m)` for the rest.
-    pub fn slopes(heads: usize) -> Vec<f64> {
-        if heads == 0 {
-            return Vec::new();
-        }
-        let m = 1usize << (usize::BITS - 1 - heads.leading_zeros());
-        let base = 2f64.powf(-8.0 / m as f64);
-        let mut s: Vec<f64> = (1..=m).map(|i| base.powi(i as i32)).collect();
-        if m != heads {
-            let extra = 2f64.powf(-4.0 / m as f64);
-            let rest = (heads - m).min(m);
-            s.extend((0..rest).map(|i| extra.powi(2 * i as i32 + 1)));
-        }
-        s
-    }
-
-    /// The slopes of the local heads of a device at `at` (`None`: the mesh origin).
-    pub fn local_slopes(
-        &self,
-        local_heads: usize,
-        at: Option<&crate::dist::MeshPos>,
-    ) -> crate::Result<Vec<f64>> {
-        let first = match (&self.shard, at) {
-            (Some(s), Some(at)) => at.shard_origin(&s.global, &s.placement)?.get(2).copied(),
-            (None, _) | (Some(_), None) => Some(0),
-        }
-        .unwrap_or(0);
-        let all = Alibi::slopes(self.heads);
-        all.get(first..first + local_heads).map(<[f64]>::to_vec).ok_or_else(|| {
-            crate::IrError::Graph(format!(
-                "ALiBi heads {first}..{} beyond the model's {}",
-                first + local_heads,
-                self.heads
-            ))
-        })
-    }
-}
-
-/// Weight-only quantisation of a matmul weight ([`Op::QMatMul`]): symmetric, round to
-/// nearest. The weight `[N, K]` (output features × input features) is stored as `u8`
-/// `[N, K·bits/8]` with one f32 scale per `group` consecutive input features of each output
-/// feature (`[N, K/group]`): int8 keeps `q + 128` per byte (one group per row: per output
-/// channel), int4 two nibbles `q + 8` per byte, the even feature in the low nibble. The
-/// weight is `scale · q`, `q = round(w / scale)` with `scale = max|w| / 127` (int8) or
-/// `/ 7` (int4, `q` clamped to −8..7).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct QuantSpec {
-    /// 8 or 4.
-    pub bits: u8,
-    /// Input features per scale.
-    pub group: usize,
-}
-
-impl QuantSpec {
-    /// The largest |q|.
-    pub fn qmax(self) -> f64 {
-        if self.bits == 8 {
-            127.0
-        } else {
-            7.0
-        }
-    }
-    /// The zero point added to q in storage.
-    pub fn offset(self) -> i32 {
-        if self.bits == 8 {
-            128
-        } else {
-            8
-        }
-    }
-    /// Stored bytes per row of `k` input features.
-    pub fn row_bytes(self, k: usize) -> usize {
-        k * self.bits as usize / 8
     }
 }
 

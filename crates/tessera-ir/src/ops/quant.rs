@@ -1,7 +1,8 @@
 //! Weight-only quantised matmul ([`super::QuantSpec`]).
 
-use super::{expect_float, expect_inputs, Flops, QuantSpec};
+use super::{expect_float, expect_inputs, Flops};
 use crate::{DType, Shape, TensorMeta};
+use serde::{Deserialize, Serialize};
 
 /// `[x [.., K], weight [N, K·bits/8] u8, scales [N, K/group] f32]` → `[.., N]`.
 pub(crate) fn infer(x: &[&TensorMeta], q: QuantSpec) -> Result<Vec<TensorMeta>, String> {
@@ -53,3 +54,41 @@ pub(crate) fn workspace_bytes(x: &[&TensorMeta], _q: QuantSpec) -> u64 {
 
 /// Weight rows a worker dequantises at once (the runtime's tile).
 pub const QMATMUL_TILE_ROWS: u64 = 64;
+
+/// Weight-only quantisation of a matmul weight ([`Op::QMatMul`]): symmetric, round to
+/// nearest. The weight `[N, K]` (output features × input features) is stored as `u8`
+/// `[N, K·bits/8]` with one f32 scale per `group` consecutive input features of each output
+/// feature (`[N, K/group]`): int8 keeps `q + 128` per byte (one group per row: per output
+/// channel), int4 two nibbles `q + 8` per byte, the even feature in the low nibble. The
+/// weight is `scale · q`, `q = round(w / scale)` with `scale = max|w| / 127` (int8) or
+/// `/ 7` (int4, `q` clamped to −8..7).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct QuantSpec {
+    /// 8 or 4.
+    pub bits: u8,
+    /// Input features per scale.
+    pub group: usize,
+}
+
+impl QuantSpec {
+    /// The largest |q|.
+    pub fn qmax(self) -> f64 {
+        if self.bits == 8 {
+            127.0
+        } else {
+            7.0
+        }
+    }
+    /// The zero point added to q in storage.
+    pub fn offset(self) -> i32 {
+        if self.bits == 8 {
+            128
+        } else {
+            8
+        }
+    }
+    /// Stored bytes per row of `k` input features.
+    pub fn row_bytes(self, k: usize) -> usize {
+        k * self.bits as usize / 8
+    }
+}
