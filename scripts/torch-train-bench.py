@@ -1,7 +1,7 @@
 """PyTorch eager (and torch.compile) baseline for the GPU check: tokens/s of one training step
-(forward, backward, AdamW) of a Hugging Face GPT-2 or LLaMA configuration (the sizes of
-Tessera's presets) at the same batch, sequence and precision as Tessera's `speed` check. Prints
-one JSON line per run.
+(forward, backward, gradient-norm clipping, AdamW, the loss read back) of a Hugging Face GPT-2
+or LLaMA configuration (the sizes and dropout of Tessera's presets) at the same batch, sequence
+and precision as Tessera's `speed` check. Prints one JSON line per run.
 
     python3 scripts/torch-train-bench.py gpt2-medium 4 1024 [--compile] [--no-fp32]
     python3 scripts/torch-train-bench.py llama-1.3b 4 2048 --compile --no-fp32
@@ -20,7 +20,9 @@ def build(name, seq):
         cfg = LlamaConfig(**LLAMA[name])
         cfg._attn_implementation = "sdpa"
         return LlamaForCausalLM(cfg), cfg.vocab_size
-    cfg = GPT2Config(n_positions=max(1024, seq), vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0,
+    # Tessera's GPT-2 presets: embedding and residual dropout 0.1 (HF's defaults); no dropout on
+    # the attention probabilities (Tessera's attention is one fused op without it).
+    cfg = GPT2Config(n_positions=max(1024, seq), vocab_size=50257, resid_pdrop=0.1, embd_pdrop=0.1,
                      attn_pdrop=0.0, **SIZES[name])
     cfg._attn_implementation = "sdpa"
     return GPT2LMHeadModel(cfg), cfg.vocab_size
@@ -33,12 +35,16 @@ def run(name, batch, seq, dtype, compile_):
     step_fn = model
     if compile_:
         step_fn = torch.compile(model)
+    # The step Tessera's trainer takes: forward, backward, the global gradient norm clipped at
+    # 1.0 (TrainConfig's default), AdamW, and the loss read back on the host.
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             loss = step_fn(input_ids=ids, labels=ids).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.item()
     for _ in range(3):
         step()
     torch.cuda.synchronize()

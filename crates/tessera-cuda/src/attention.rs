@@ -263,6 +263,9 @@ pub fn backward(
     Ok(vec![dq, dk, dv])
 }
 
+/// The largest half head dim of the `rope` kernel's angle table (`ROPE_MAX_HALF` in kernels.cu).
+pub const ROPE_MAX_HALF: usize = 512;
+
 pub fn rope(
     be: &CudaBackend,
     x: &CudaTensor,
@@ -284,13 +287,25 @@ pub fn rope(
         &candle_core::Tensor::from_vec(f, inv_freq.len(), &candle_core::Device::Cpu)?,
         Purpose::Scratch,
     )?;
+    if d / 2 > ROPE_MAX_HALF || h * d > i32::MAX as usize {
+        return Err(tessera_runtime::RuntimeError::Unsupported {
+            backend: "cuda".into(),
+            op: "rope".into(),
+            reason: format!(
+                "head dim {d} over {heads} heads (the kernel takes head dims up to {})",
+                2 * ROPE_MAX_HALF,
+                heads = h
+            ),
+        });
+    }
     let pos = positions.map(|t| be.dense_pub(t)).transpose()?;
     let y = be.out_f32(out, p)?;
-    let n = x.numel() / 2;
+    // One block per token: its angles once, then every head's pairs.
+    let tokens = x.numel() / (h * d).max(1);
     launch(
         be.gpu(),
         "rope",
-        crate::launch::elementwise(n),
+        crate::launch::per_row(tokens),
         &[
             Arg::Ptr(x.ptr()),
             Arg::I32(float_code("rope", x.dtype())?),
@@ -302,7 +317,6 @@ pub fn rope(
             Arg::I64(h as i64),
             Arg::I64(d as i64),
             Arg::F32(if inverse { -1.0 } else { 1.0 }),
-            Arg::I64(n as i64),
         ],
     )?;
     Ok(y)

@@ -16,15 +16,34 @@
 
 typedef unsigned short bf16_t;
 
-#define FA_BC 64      // keys per tile (both passes)
+#define FA_BC 64      // keys per forward tile
 #define FA_BR 128     // query rows per forward block (16 per warp)
+#define FA_BCB 128    // keys per backward block (16 per warp)
 #define FA_BRB 32     // query rows per backward tile
-#define FA_THREADS 128     // backward block (4 warps, 16 keys each)
+#define FA_THREADS 256     // backward block (8 warps)
 #define FA_THREADS_FWD 256 // forward block (8 warps)
+#define FA_LOG2E 1.4426950408889634f
 
 __device__ __forceinline__ unsigned fa_ld32(const bf16_t* p) { return *(const unsigned*)p; }
 __device__ __forceinline__ unsigned fa_pack(bf16_t lo, bf16_t hi) { return (unsigned)lo | ((unsigned)hi << 16); }
 __device__ __forceinline__ unsigned fa_pack_f(float lo, float hi) { return fa_pack(f32_to_bf16(lo), f32_to_bf16(hi)); }
+
+// 2^x in one SFU instruction (FlashAttention's exp2 with log2(e) folded into the scale); 0 at −∞.
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// p[0] += x, p[1] += y in global memory: one vector reduction on sm_90, else two.
+__device__ __forceinline__ void fa_red2(float* p, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
 
 // c += a·b on tensor cores.
 __device__ __forceinline__ void fa_mma(float* c, const unsigned* a, const unsigned* b) {
@@ -43,32 +62,77 @@ __device__ __forceinline__ void fa_mma(float* c, const unsigned* a, const unsign
 // `ld` elements apart): `ldmatrix.x4.trans` of the four 8×8 blocks (k 0-7 | 8-15) × (n 0-7 |
 // 8-15) at `tile` (k0, n0). b[0..2] is n-tile n0's (k 0-7, k 8-15), b[2..4] n-tile n0+8's.
 // Lane l addresses row l%8 of block l/8 (k offset 8·(l/8 & 1), n offset 8·(l/16)).
+__device__ __forceinline__ unsigned fa_smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
 __device__ __forceinline__ void fa_ldsm_t(const bf16_t* tile, int ld, unsigned* b) {
     const int lane = threadIdx.x & 31, blk = lane >> 3;
     const bf16_t* p = tile + ((blk & 1) * 8 + (lane & 7)) * ld + (blk >> 1) * 8;
 #if __CUDA_ARCH__ >= 800
-    unsigned addr;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                 : "r"(addr));
+                 : "r"(fa_smem_addr(p)));
 #else
     b[0] = b[1] = b[2] = b[3] = 0u;
     __trap();
 #endif
 }
 
-// Rows [0, nrows) of a [nrows][D+8] shared tile from global rows `row_stride` elements apart;
-// rows from `valid` on are zero. 16-byte copies (D is a multiple of 8).
-template <int D>
-__device__ __forceinline__ void fa_tile(bf16_t* dst, const bf16_t* src, i64 valid, i64 row_stride, int nrows) {
-    const int chunks = D / 8;
-    for (int c = threadIdx.x; c < nrows * chunks; c += blockDim.x) {
-        int r = c / chunks, k = c % chunks;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r < valid) v = *(const uint4*)(src + (i64)r * row_stride + k * 8);
-        *(uint4*)(dst + r * (D + 8) + k * 8) = v;
+// Asynchronous global → shared copies (`cp.async`, sm_80): the loads of the next tile are in
+// flight while the current one is computed on, and no register round trip serialises them.
+// 16 bytes (`cg`, through L2) or 4; `pred` false fills the destination with zeros.
+__device__ __forceinline__ void fa_cp16(void* dst, const void* src, bool pred) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fa_smem_addr(dst)), "l"(src),
+                 "r"(pred ? 16 : 0));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void fa_cp4(void* dst, const void* src, bool pred) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(fa_smem_addr(dst)), "l"(src),
+                 "r"(pred ? 4 : 0));
+#else
+    __trap();
+#endif
+}
+// Closes the group of copies issued so far / waits until every group has landed (this
+// thread's; a barrier then makes them everyone's).
+__device__ __forceinline__ void fa_cp_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+__device__ __forceinline__ void fa_cp_wait_all() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// Issues the copies of rows [0, ROWS) of a [ROWS][D+8] shared tile from global rows
+// `row_stride` elements apart; rows from `valid` on are zero. A block of THREADS threads, the
+// loop unrolled so that every copy is in flight at once (D is a multiple of 8).
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void fa_tile_async(bf16_t* dst, const bf16_t* src, i64 valid, i64 row_stride) {
+    constexpr int chunks = D / 8, total = ROWS * chunks;
+#pragma unroll
+    for (int i = 0; i < (total + THREADS - 1) / THREADS; ++i) {
+        const int c = (int)threadIdx.x + i * THREADS;
+        if (total % THREADS == 0 || c < total) {
+            const int r = c / chunks, k = c % chunks;
+            const bool in = r < valid;
+            fa_cp16(dst + r * (D + 8) + k * 8, in ? src + (i64)r * row_stride + k * 8 : src, in);
+        }
     }
+}
+
+// Issues the copies of the key tile at j0 (K then V rows [j0, j0 + ROWS) of kv row stride
+// `kvs`) into a stage of two [ROWS][D+8] tiles.
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void fa_kv_async(bf16_t* stage, const bf16_t* kb, const bf16_t* vb, i64 j0, i64 t, i64 kvs) {
+    const i64 valid = t - j0 < ROWS ? t - j0 : ROWS;
+    fa_tile_async<D, ROWS, THREADS>(stage, kb + j0 * kvs, valid, kvs);
+    fa_tile_async<D, ROWS, THREADS>(stage + ROWS * (D + 8), vb + j0 * kvs, valid, kvs);
 }
 
 // The visible keys [lo, hi) of query row i (none for a row past the end).
@@ -86,9 +150,8 @@ template <int D>
 __device__ __forceinline__ void fa_forward(const bf16_t* q, const bf16_t* k, const bf16_t* v, const i64* start,
                                            const float* slopes, Attn a, bf16_t* out, float* lse) {
     extern __shared__ uint4 fa_smem[];
-    const int LD = D + 8;
-    bf16_t* ks = (bf16_t*)fa_smem;
-    bf16_t* vs = ks + FA_BC * LD;
+    const int LD = D + 8, STAGE = 2 * FA_BC * LD;  // a stage: the K tile, then the V tile
+    bf16_t* const stages = (bf16_t*)fa_smem;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const i64 b = blockIdx.z, hh = blockIdx.y, tile0 = (i64)blockIdx.x * FA_BR;
     const i64 kvh = hh / (a.h / a.hkv);
@@ -115,16 +178,22 @@ __device__ __forceinline__ void fa_forward(const bf16_t* q, const bf16_t* k, con
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    const float slope = slopes ? slopes[hh] : 0.0f;
+    const float slope2 = slopes ? slopes[hh] * FA_LOG2E : 0.0f, sl2 = a.scale * FA_LOG2E;
     const bf16_t* kb = k + b * a.t * kvs + kvh * D;
     const bf16_t* vb = v + b * a.t * kvs + kvh * D;
 
-    for (i64 j0 = (blo / FA_BC) * FA_BC; j0 < bhi; j0 += FA_BC) {
+    // Two stages: tile j0 + 64 is copied in while tile j0 is computed on. The one barrier per
+    // tile both publishes the landed tile and retires the stage the next copy overwrites.
+    i64 j0 = (blo / FA_BC) * FA_BC;
+    if (j0 < bhi) fa_kv_async<D, FA_BC, FA_THREADS_FWD>(stages, kb, vb, j0, a.t, kvs);
+    fa_cp_commit();
+    for (int it = 0; j0 < bhi; j0 += FA_BC, ++it) {
+        fa_cp_wait_all();
         __syncthreads();
-        i64 valid = a.t - j0 < FA_BC ? a.t - j0 : FA_BC;
-        fa_tile<D>(ks, kb + j0 * kvs, valid, kvs, FA_BC);
-        fa_tile<D>(vs, vb + j0 * kvs, valid, kvs, FA_BC);
-        __syncthreads();
+        const bf16_t* ks = stages + (it & 1) * STAGE;
+        const bf16_t* vs = ks + FA_BC * LD;
+        if (j0 + FA_BC < bhi) fa_kv_async<D, FA_BC, FA_THREADS_FWD>(stages + ((it + 1) & 1) * STAGE, kb, vb, j0 + FA_BC, a.t, kvs);
+        fa_cp_commit();
         // S = Q·Kᵀ (16 rows × 64 keys per warp).
         float s[FA_BC / 8][4];
 #pragma unroll
@@ -137,7 +206,9 @@ __device__ __forceinline__ void fa_forward(const bf16_t* q, const bf16_t* k, con
                 fa_mma(s[n], qf[kk], bb);
             }
         }
-        // Scale, bias, mask (in 32 bits, relative to the tile); the running max.
+        // Scores in base 2 (scale·log2 e folded in, as FlashAttention does), the ALiBi bias, the
+        // mask (in 32 bits, relative to the tile) only where a row misses keys of the tile; the
+        // running max.
         int rlo[2], rhi[2];
         float rb[2];
 #pragma unroll
@@ -147,33 +218,43 @@ __device__ __forceinline__ void fa_forward(const bf16_t* q, const bf16_t* k, con
             rb[r] = (float)(j0 - pos[r]);
         }
         float mx[2] = {m[0], m[1]};
+        if (!slopes && rlo[0] == 0 && rhi[0] == FA_BC && rlo[1] == 0 && rhi[1] == FA_BC) {
 #pragma unroll
-        for (int n = 0; n < FA_BC / 8; ++n)
+            for (int n = 0; n < FA_BC / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int r = e >> 1;
-                int j = n * 8 + 2 * t + (e & 1);
-                float val = (j >= rlo[r] && j < rhi[r]) ? s[n][e] * a.scale + slope * ((float)j + rb[r]) : -INFINITY;
-                s[n][e] = val;
-                mx[r] = fmaxf(mx[r], val);
-            }
-        float alpha[2];
+                for (int e = 0; e < 4; ++e) {
+                    s[n][e] *= sl2;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+                }
+        } else {
+#pragma unroll
+            for (int n = 0; n < FA_BC / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int r = e >> 1;
+                    int j = n * 8 + 2 * t + (e & 1);
+                    float val = (j >= rlo[r] && j < rhi[r]) ? s[n][e] * sl2 + slope2 * ((float)j + rb[r]) : -INFINITY;
+                    s[n][e] = val;
+                    mx[r] = fmaxf(mx[r], val);
+                }
+        }
+        float alpha[2], ms[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            alpha[r] = mx[r] == -INFINITY ? 1.0f : expf(m[r] - mx[r]);
+            alpha[r] = mx[r] == -INFINITY ? 1.0f : fa_exp2(m[r] - mx[r]);
             m[r] = mx[r];
+            ms[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row that sees nothing yet: 2^−∞ = 0
             l[r] *= alpha[r];
         }
 #pragma unroll
         for (int n = 0; n < FA_BC / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                int r = e >> 1;
-                float p = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[r]);
+                float p = fa_exp2(s[n][e] - ms[e >> 1]);
                 s[n][e] = p;
-                l[r] += p;
+                l[e >> 1] += p;
             }
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
@@ -210,11 +291,51 @@ __device__ __forceinline__ void fa_forward(const bf16_t* q, const bf16_t* k, con
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
             *(unsigned*)(ob + row[r] * qs + n * 8 + 2 * t) = fa_pack_f(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-        if (t == 0) lse[(b * a.h + hh) * a.s + row[r]] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+        // The natural-log lse the CPU kernel saves: m is in base 2.
+        if (t == 0) lse[(b * a.h + hh) * a.s + row[r]] = l[r] > 0.0f ? m[r] * 0.6931471805599453f + logf(l[r]) : -INFINITY;
     }
 }
 
-// Backward: block (key tile of 64, kv head, batch); warp w owns keys 16w..16w+15 of the tile
+// A backward stage: the Q and dO tiles of a query tile ([32][D+8] each), and per query row
+// FA_META floats: its lse, its D, j0 − its position (ALiBi's distance) and, as ints, its
+// visible keys [lo, hi) within the key tile.
+#define FA_QSTAGE(D) (2 * FA_BRB * ((D) + 8))
+#define FA_META (5 * FA_BRB)
+
+// Issues the copies of query tile i0 of head hh into a stage and writes its row data.
+template <int D>
+__device__ __forceinline__ void fa_q_async(bf16_t* qstage, float* meta, const bf16_t* q, const bf16_t* dout,
+                                           const float* lse, const float* delta, const Attn& a, i64 b, i64 hh,
+                                           i64 i0, i64 j0) {
+    const i64 qs = a.h * D, qvalid = a.s - i0 < FA_BRB ? a.s - i0 : FA_BRB;
+    fa_tile_async<D, FA_BRB, FA_THREADS>(qstage, q + (b * a.s + i0) * qs + hh * D, qvalid, qs);
+    fa_tile_async<D, FA_BRB, FA_THREADS>(qstage + FA_BRB * (D + 8), dout + (b * a.s + i0) * qs + hh * D, qvalid, qs);
+    const int c = threadIdx.x;
+    if (c < FA_BRB) {
+        // Rows past the end read zeros; their key range is empty, so nothing uses them.
+        const bool in = c < qvalid;
+        const i64 row = (b * a.h + hh) * a.s + i0 + (in ? c : 0);
+        fa_cp4(meta + c, lse + row, in);
+        fa_cp4(meta + FA_BRB + c, delta + row, in);
+        i64 p, lo, hi;
+        fa_range(a, 0, b, i0 + c, &p, &lo, &hi);
+        meta[2 * FA_BRB + c] = (float)(j0 - p);
+        ((int*)meta)[3 * FA_BRB + c] = (int)fmax(fmin((double)(lo - j0), (double)FA_BCB), 0.0);
+        ((int*)meta)[4 * FA_BRB + c] = (int)fmax(fmin((double)(hi - j0), (double)FA_BCB), 0.0);
+    }
+}
+
+// Whether every row of query tile i0 sees every key of the tile at j0 (no mask to apply).
+__device__ __forceinline__ bool fa_bwd_full(const Attn& a, i64 b, i64 i0, i64 j0) {
+    if (i0 + FA_BRB > a.s || j0 + FA_BCB > a.t) return false;
+    i64 p, lo_last, hi_first, x;
+    fa_range(a, 0, b, i0, &p, &x, &hi_first);
+    fa_range(a, 0, b, i0 + FA_BRB - 1, &p, &lo_last, &x);
+    // Positions grow with the row, and with them both ends of the visible range.
+    return lo_last <= j0 && hi_first >= j0 + FA_BCB;
+}
+
+// Backward: block (key tile of 128, kv head, batch); warp w owns keys 16w..16w+15 of the tile
 // and accumulates their dK and dV over every query head of the group and every query tile
 // that sees them; dQ goes to an f32 accumulator by atomic adds (dq_acc, zeroed, [B,S,H,D]).
 template <int D>
@@ -222,148 +343,151 @@ __device__ __forceinline__ void fa_backward(const bf16_t* q, const bf16_t* k, co
                                             const float* lse, const float* delta, const float* slopes, Attn a,
                                             float* dq_acc, bf16_t* dk, bf16_t* dv) {
     extern __shared__ uint4 fa_smem[];
-    const int LD = D + 8, LDS = FA_BC + 8;
+    const int LD = D + 8, LDS = FA_BCB + 8;
     bf16_t* ks = (bf16_t*)fa_smem;
-    bf16_t* vs = ks + FA_BC * LD;
-    bf16_t* qt = vs + FA_BC * LD;
-    bf16_t* dot = qt + FA_BRB * LD;
-    bf16_t* dss = dot + FA_BRB * LD;  // dS of the tile, [query][key]
-    float* ls = (float*)(dss + FA_BRB * LDS);
-    float* dls = ls + FA_BRB;
-    float* qoff = dls + FA_BRB;             // per query: j0 − its position (ALiBi's distance)
-    int* qlo = (int*)(qoff + FA_BRB);       // per query: its visible keys within the tile
-    int* qhi = qlo + FA_BRB;
+    bf16_t* vs = ks + FA_BCB * LD;
+    bf16_t* const qstages = vs + FA_BCB * LD;                // two stages of [Q tile, dO tile]
+    bf16_t* dss = qstages + 2 * FA_QSTAGE(D);                // dS of the tile, [query][key]
+    float* const mstages = (float*)(dss + FA_BRB * LDS);     // two stages of FA_META floats
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const i64 b = blockIdx.z, kvh = blockIdx.y, j0 = (i64)blockIdx.x * FA_BC;
+    const i64 b = blockIdx.z, kvh = blockIdx.y, j0 = (i64)blockIdx.x * FA_BCB;
     const i64 group = a.h / a.hkv, qs = a.h * D, kvs = a.hkv * D;
-    i64 valid = a.t - j0 < FA_BC ? a.t - j0 : FA_BC;
-    fa_tile<D>(ks, k + (b * a.t + j0) * kvs + kvh * D, valid, kvs, FA_BC);
-    fa_tile<D>(vs, v + (b * a.t + j0) * kvs + kvh * D, valid, kvs, FA_BC);
+    const float sl2 = a.scale * FA_LOG2E;  // scores in base 2
+    fa_kv_async<D, FA_BCB, FA_THREADS>(ks, k + b * a.t * kvs + kvh * D, v + b * a.t * kvs + kvh * D, j0, a.t, kvs);
+    // The query tiles that see these keys: an interval, as positions grow with the row.
+    i64 ifirst = 0, iend = 0;
+    for (i64 i0 = 0; i0 < a.s; i0 += FA_BRB) {
+        i64 last = i0 + FA_BRB - 1 < a.s ? i0 + FA_BRB - 1 : a.s - 1, p_, lo_f, hi_l, x_;
+        fa_range(a, 0, b, i0, &p_, &lo_f, &x_);
+        fa_range(a, 0, b, last, &p_, &x_, &hi_l);
+        if (hi_l <= j0 || lo_f >= j0 + FA_BCB) continue;  // no row of this tile sees these keys
+        if (iend == 0) ifirst = i0;
+        iend = i0 + FA_BRB;
+    }
+    const int ntiles = (int)((iend - ifirst) / FA_BRB), steps = (int)group * ntiles;
     float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.0f;
-    const i64 key[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
     const bf16_t* kw = ks + (warp * 16 + g) * LD + 2 * t;
     const bf16_t* vw = vs + (warp * 16 + g) * LD + 2 * t;
 
-    for (i64 r = 0; r < group; ++r) {
-        const i64 hh = kvh * group + r;
-        const float slope = slopes ? slopes[hh] : 0.0f;
-        for (i64 i0 = 0; i0 < a.s; i0 += FA_BRB) {
-            i64 last = i0 + FA_BRB - 1 < a.s ? i0 + FA_BRB - 1 : a.s - 1, p_, lo_f, hi_l, x_;
-            fa_range(a, 0, b, i0, &p_, &lo_f, &x_);
-            fa_range(a, 0, b, last, &p_, &x_, &hi_l);
-            if (hi_l <= j0 || lo_f >= j0 + FA_BC) continue;  // no row of this tile sees these keys
-            __syncthreads();
-            i64 qvalid = a.s - i0 < FA_BRB ? a.s - i0 : FA_BRB;
-            fa_tile<D>(qt, q + (b * a.s + i0) * qs + hh * D, qvalid, qs, FA_BRB);
-            fa_tile<D>(dot, dout + (b * a.s + i0) * qs + hh * D, qvalid, qs, FA_BRB);
-            for (int c = threadIdx.x; c < FA_BRB; c += blockDim.x) {
-                bool in = c < qvalid;
-                ls[c] = in ? lse[(b * a.h + hh) * a.s + i0 + c] : INFINITY;
-                dls[c] = in ? delta[(b * a.h + hh) * a.s + i0 + c] : 0.0f;
-                i64 p, lo, hi;
-                fa_range(a, 0, b, i0 + c, &p, &lo, &hi);
-                qoff[c] = (float)(j0 - p);
-                qlo[c] = (int)fmax(fmin((double)(lo - j0), (double)FA_BC), 0.0);
-                qhi[c] = (int)fmax(fmin((double)(hi - j0), (double)FA_BC), 0.0);
+    // Step `it` is query head kvh·group + it / ntiles, query tile ifirst + 32·(it % ntiles).
+    // Two stages: step it + 1's tiles are copied in while step it is computed on; the barrier
+    // at the top of a step publishes its tiles and retires the stage the next copy overwrites.
+    if (steps > 0) fa_q_async<D>(qstages, mstages, q, dout, lse, delta, a, b, kvh * group, ifirst, j0);
+    fa_cp_commit();
+    for (int it = 0; it < steps; ++it) {
+        const i64 hh = kvh * group + it / ntiles, i0 = ifirst + (i64)(it % ntiles) * FA_BRB;
+        const float slope2 = slopes ? slopes[hh] * FA_LOG2E : 0.0f;
+        const bool full = !slopes && fa_bwd_full(a, b, i0, j0);
+        fa_cp_wait_all();
+        __syncthreads();
+        const bf16_t* qt = qstages + (it & 1) * FA_QSTAGE(D);
+        const bf16_t* dot = qt + FA_BRB * LD;
+        const float* ls = mstages + (it & 1) * FA_META;
+        const float* dls = ls + FA_BRB;
+        const float* qoff = dls + FA_BRB;
+        const int* qlo = (const int*)(qoff + FA_BRB);
+        const int* qhi = qlo + FA_BRB;
+        if (it + 1 < steps) {
+            const int nx = it + 1;
+            fa_q_async<D>(qstages + (nx & 1) * FA_QSTAGE(D), mstages + (nx & 1) * FA_META, q, dout, lse, delta, a, b,
+                          kvh * group + nx / ntiles, ifirst + (i64)(nx % ntiles) * FA_BRB, j0);
+        }
+        fa_cp_commit();
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (16 keys × 32 queries per warp).
+        float st[FA_BRB / 8][4], dpt[FA_BRB / 8][4];
+#pragma unroll
+        for (int n = 0; n < FA_BRB / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int c = kk * 16;
+            unsigned ka[4] = {fa_ld32(kw + c), fa_ld32(kw + 8 * LD + c), fa_ld32(kw + c + 8),
+                              fa_ld32(kw + 8 * LD + c + 8)};
+            unsigned va[4] = {fa_ld32(vw + c), fa_ld32(vw + 8 * LD + c), fa_ld32(vw + c + 8),
+                              fa_ld32(vw + 8 * LD + c + 8)};
+#pragma unroll
+            for (int n = 0; n < FA_BRB / 8; ++n) {
+                const bf16_t* qr = qt + (n * 8 + g) * LD + 2 * t + c;
+                const bf16_t* dr = dot + (n * 8 + g) * LD + 2 * t + c;
+                unsigned qb2[2] = {fa_ld32(qr), fa_ld32(qr + 8)};
+                unsigned db2[2] = {fa_ld32(dr), fa_ld32(dr + 8)};
+                fa_mma(st[n], ka, qb2);
+                fa_mma(dpt[n], va, db2);
             }
-            __syncthreads();
-            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (16 keys × 32 queries per warp).
-            float st[FA_BRB / 8][4], dpt[FA_BRB / 8][4];
+        }
+        // Pᵀ (base 2: lse·log2 e subtracted) and dSᵀ = Pᵀ ⊙ (dPᵀ − D); the mask only where a
+        // row of the tile misses a key of it.
 #pragma unroll
-            for (int n = 0; n < FA_BRB / 8; ++n)
+        for (int n = 0; n < FA_BRB / 8; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const int c = kk * 16;
-                unsigned ka[4] = {fa_ld32(kw + c), fa_ld32(kw + 8 * LD + c), fa_ld32(kw + c + 8),
-                                  fa_ld32(kw + 8 * LD + c + 8)};
-                unsigned va[4] = {fa_ld32(vw + c), fa_ld32(vw + 8 * LD + c), fa_ld32(vw + c + 8),
-                                  fa_ld32(vw + 8 * LD + c + 8)};
-#pragma unroll
-                for (int n = 0; n < FA_BRB / 8; ++n) {
-                    const bf16_t* qr = qt + (n * 8 + g) * LD + 2 * t + c;
-                    const bf16_t* dr = dot + (n * 8 + g) * LD + 2 * t + c;
-                    unsigned qb2[2] = {fa_ld32(qr), fa_ld32(qr + 8)};
-                    unsigned db2[2] = {fa_ld32(dr), fa_ld32(dr + 8)};
-                    fa_mma(st[n], ka, qb2);
-                    fa_mma(dpt[n], va, db2);
+            for (int e = 0; e < 4; ++e) {
+                const int c = n * 8 + 2 * t + (e & 1);
+                const int j = warp * 16 + g + 8 * (e >> 1);  // the key, within the tile
+                float pv;
+                if (full) {
+                    pv = fa_exp2(st[n][e] * sl2 - ls[c] * FA_LOG2E);
+                } else {
+                    pv = (j >= qlo[c] && j < qhi[c])
+                             ? fa_exp2(st[n][e] * sl2 + slope2 * ((float)j + qoff[c]) - ls[c] * FA_LOG2E)
+                             : 0.0f;
                 }
+                st[n][e] = pv;
+                dpt[n][e] = pv * (dpt[n][e] - dls[c]);
+                dss[c * LDS + j] = f32_to_bf16(dpt[n][e]);
             }
-            // Pᵀ and dSᵀ = Pᵀ ⊙ (dPᵀ − D).
+        // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end).
 #pragma unroll
-            for (int n = 0; n < FA_BRB / 8; ++n)
+        for (int kk = 0; kk < FA_BRB / 16; ++kk) {
+            unsigned pa[4] = {fa_pack_f(st[2 * kk][0], st[2 * kk][1]), fa_pack_f(st[2 * kk][2], st[2 * kk][3]),
+                              fa_pack_f(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                              fa_pack_f(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+            unsigned sa[4] = {fa_pack_f(dpt[2 * kk][0], dpt[2 * kk][1]), fa_pack_f(dpt[2 * kk][2], dpt[2 * kk][3]),
+                              fa_pack_f(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                              fa_pack_f(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int c = n * 8 + 2 * t + (e & 1);
-                    int j = warp * 16 + g + 8 * (e >> 1);  // the key, within the tile
-                    float pv = (j >= qlo[c] && j < qhi[c])
-                                   ? expf(st[n][e] * a.scale + slope * ((float)j + qoff[c]) - ls[c])
-                                   : 0.0f;
-                    st[n][e] = pv;
-                    dpt[n][e] = pv * (dpt[n][e] - dls[c]);
-                    dss[c * LDS + warp * 16 + g + 8 * (e >> 1)] = f32_to_bf16(dpt[n][e]);
-                }
-            // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end).
-#pragma unroll
-            for (int kk = 0; kk < FA_BRB / 16; ++kk) {
-                unsigned pa[4] = {fa_pack_f(st[2 * kk][0], st[2 * kk][1]), fa_pack_f(st[2 * kk][2], st[2 * kk][3]),
-                                  fa_pack_f(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                                  fa_pack_f(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-                unsigned sa[4] = {fa_pack_f(dpt[2 * kk][0], dpt[2 * kk][1]), fa_pack_f(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                  fa_pack_f(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                  fa_pack_f(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-#pragma unroll
-                for (int n = 0; n < D / 8; n += 2) {
-                    unsigned bd[4], bq[4];
-                    fa_ldsm_t(dot + kk * 16 * LD + n * 8, LD, bd);
-                    fa_ldsm_t(qt + kk * 16 * LD + n * 8, LD, bq);
-                    fa_mma(dva[n], pa, bd);
-                    fa_mma(dva[n + 1], pa, bd + 2);
-                    fa_mma(dka[n], sa, bq);
-                    fa_mma(dka[n + 1], sa, bq + 2);
-                }
+            for (int n = 0; n < D / 8; n += 2) {
+                unsigned bd[4], bq[4];
+                fa_ldsm_t(dot + kk * 16 * LD + n * 8, LD, bd);
+                fa_ldsm_t(qt + kk * 16 * LD + n * 8, LD, bq);
+                fa_mma(dva[n], pa, bd);
+                fa_mma(dva[n + 1], pa, bd + 2);
+                fa_mma(dka[n], sa, bq);
+                fa_mma(dka[n + 1], sa, bq + 2);
             }
-            __syncthreads();  // dS of every warp is in shared memory
-            // dQ (32 queries × D) += dS·K: warp w takes query half (w & 1), column half (w >> 1).
-            const int mt = warp & 1;
+        }
+        __syncthreads();  // dS of every warp is in shared memory
+        // dQ (32 queries × D) += dS·K over the 128 keys, in units of 16 queries × 16 columns:
+        // unit u is query half u & 1, columns 16·(u >> 1).., spread over the warps.
 #pragma unroll
-            for (int nn = 0; nn < D / 16; nn += 2) {
-                const int n = (warp >> 1) * (D / 16) + nn;
-                float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        for (int u = warp; u < D / 8; u += FA_THREADS / 32) {
+            const int mt = u & 1, n = (u >> 1) * 2;
+            float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-                for (int kk = 0; kk < FA_BC / 16; ++kk) {
-                    const bf16_t* sr = dss + (mt * 16 + g) * LDS + kk * 16 + 2 * t;
-                    unsigned sa2[4] = {fa_ld32(sr), fa_ld32(sr + 8 * LDS), fa_ld32(sr + 8), fa_ld32(sr + 8 * LDS + 8)};
-                    unsigned bk[4];
-                    fa_ldsm_t(ks + kk * 16 * LD + n * 8, LD, bk);
-                    fa_mma(c[0], sa2, bk);
-                    fa_mma(c[1], sa2, bk + 2);
-                }
+            for (int kk = 0; kk < FA_BCB / 16; ++kk) {
+                const bf16_t* sr = dss + (mt * 16 + g) * LDS + kk * 16 + 2 * t;
+                unsigned sa2[4] = {fa_ld32(sr), fa_ld32(sr + 8 * LDS), fa_ld32(sr + 8), fa_ld32(sr + 8 * LDS + 8)};
+                unsigned bk[4];
+                fa_ldsm_t(ks + kk * 16 * LD + n * 8, LD, bk);
+                fa_mma(c[0], sa2, bk);
+                fa_mma(c[1], sa2, bk + 2);
+            }
 #pragma unroll
-                for (int h2 = 0; h2 < 2; ++h2) {
-                    const i64 qa = i0 + mt * 16 + g, col = (n + h2) * 8 + 2 * t;
-                    if (qa < a.s) {
-                        float* d = dq_acc + (b * a.s + qa) * qs + hh * D + col;
-                        atomicAdd(d, c[h2][0]);
-                        atomicAdd(d + 1, c[h2][1]);
-                    }
-                    if (qa + 8 < a.s) {
-                        float* d = dq_acc + (b * a.s + qa + 8) * qs + hh * D + col;
-                        atomicAdd(d, c[h2][2]);
-                        atomicAdd(d + 1, c[h2][3]);
-                    }
-                }
+            for (int h2 = 0; h2 < 2; ++h2) {
+                const i64 qa = i0 + mt * 16 + g, col = (n + h2) * 8 + 2 * t;
+                if (qa < a.s) fa_red2(dq_acc + (b * a.s + qa) * qs + hh * D + col, c[h2][0], c[h2][1]);
+                if (qa + 8 < a.s) fa_red2(dq_acc + (b * a.s + qa + 8) * qs + hh * D + col, c[h2][2], c[h2][3]);
             }
         }
     }
+    fa_cp_wait_all();
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const i64 j = key[r];
+        const i64 j = j0 + warp * 16 + g + 8 * r;
         if (j >= a.t) continue;
         bf16_t* dkr = dk + (b * a.t + j) * kvs + kvh * D + 2 * t;
         bf16_t* dvr = dv + (b * a.t + j) * kvs + kvh * D + 2 * t;
@@ -382,7 +506,7 @@ __device__ __forceinline__ void fa_backward(const bf16_t* q, const bf16_t* k, co
         bf16_t* out, float* lse) {                                                                         \
         fa_forward<D>(q, k, v, start, slopes, a, out, lse);                                               \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, (D) <= 64 ? 3 : 2) flash_bwd_##D(                               \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, (D) <= 64 ? 2 : 1) flash_bwd_##D(                               \
         const bf16_t* q, const bf16_t* k, const bf16_t* v, const bf16_t* dout, const float* lse,          \
         const float* delta, const float* slopes, Attn a, float* dq_acc, bf16_t* dk, bf16_t* dv) {         \
         fa_backward<D>(q, k, v, dout, lse, delta, slopes, a, dq_acc, dk, dv);                             \

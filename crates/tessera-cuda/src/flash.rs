@@ -24,19 +24,21 @@ use tessera_runtime::Result;
 
 const BC: usize = 64;
 const BR: usize = 128;
+const BCB: usize = 128;
 const BRB: usize = 32;
-const THREADS: u32 = 128;
+const THREADS: u32 = 256;
 const THREADS_FWD: u32 = 256;
 
-/// Dynamic shared memory of the forward for head dim `d`: K and V tiles, rows padded by 8.
+/// Dynamic shared memory of the forward for head dim `d`: two stages (the tile being computed
+/// on and the one being copied in) of K and V tiles, rows padded by 8.
 const fn fwd_shared(d: usize) -> usize {
-    2 * BC * (d + 8) * 2
+    2 * (2 * BC * (d + 8) * 2)
 }
 
-/// The backward's: K, V, Q and dO tiles, the dS tile, and per query row its lse, D, ALiBi
-/// offset and visible key range.
+/// The backward's: K and V tiles of 128 keys; two stages of Q and dO tiles with, per query
+/// row, its lse, D, ALiBi offset and visible key range; the dS tile.
 const fn bwd_shared(d: usize) -> usize {
-    (2 * BC + 2 * BRB) * (d + 8) * 2 + BRB * (BC + 8) * 2 + 5 * BRB * 4
+    2 * BCB * (d + 8) * 2 + 2 * (2 * BRB * (d + 8) * 2 + 5 * BRB * 4) + BRB * (BCB + 8) * 2
 }
 
 /// The head dims the kernels are instantiated for (`FA_KERNELS` in `flash.cu`).
@@ -157,7 +159,7 @@ pub fn backward(
     let dv = be.out_f32(&out[2], p)?;
     let hd = a.d as usize;
     let cfg = LaunchConfig {
-        grid_dim: ((a.t as usize).div_ceil(BC) as u32, a.hkv as u32, a.b as u32),
+        grid_dim: ((a.t as usize).div_ceil(BCB) as u32, a.hkv as u32, a.b as u32),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: bwd_shared(hd) as u32,
     };
@@ -200,19 +202,34 @@ pub fn backward(
 mod tests {
     use super::*;
 
-    /// The tiles fit the shared memory of every GPU with bf16 MMA (A100: 163 KiB per block;
-    /// the forward of head dim 64 within the default 48 KiB), and the sizes match the
-    /// kernels' carving of it (`flash.cu`: K, V [64][D+8]; backward also Q, dO [32][D+8],
-    /// dS [32][72], and five words per query row).
+    /// The blocks per SM the test below assumes are the ones `flash.cu` declares.
+    fn src_has_launch_bounds() -> bool {
+        let src = crate::source::KERNELS;
+        src.contains("__launch_bounds__(FA_THREADS_FWD, (D) <= 64 ? 2 : 1)")
+            && src.contains("__launch_bounds__(FA_THREADS, (D) <= 64 ? 2 : 1)")
+    }
+
+    /// The tiles fit the shared memory of every GPU with bf16 MMA, as many blocks per SM as
+    /// the kernels' launch bounds ask for (A100: 164 KiB per SM, 163 KiB per block), and the
+    /// sizes match the kernels' carving of it (`flash.cu`: forward two stages of K, V
+    /// [64][D+8]; backward K, V [128][D+8], two stages of Q, dO [32][D+8] and five words per
+    /// query row, dS [32][136]).
     #[test]
     fn tiles_fit_shared_memory() {
-        assert_eq!(fwd_shared(64), 18_432);
-        assert_eq!(bwd_shared(128), 52_224 + 4_608 + 640);
-        for (_, bytes) in SHARED_BYTES {
-            assert!(bytes <= 163 * 1024);
+        assert_eq!(fwd_shared(64), 2 * 18_432);
+        assert_eq!(bwd_shared(128), 69_632 + 2 * (17_408 + 640) + 8_704);
+        for (name, bytes) in SHARED_BYTES {
+            // __launch_bounds__ in FA_KERNELS: two blocks per SM up to head dim 64, else one.
+            let d: usize = name.rsplit('_').next().and_then(|d| d.parse().ok()).expect("head dim");
+            let blocks = if d <= 64 { 2 } else { 1 };
+            assert!(
+                bytes <= 163 * 1024 && blocks * bytes <= 164 * 1024,
+                "{name}: {bytes} B × {blocks}"
+            );
         }
+        assert!(src_has_launch_bounds());
         let src = crate::source::KERNELS;
-        for (tile, value) in [("FA_BC", BC), ("FA_BR", BR), ("FA_BRB", BRB)] {
+        for (tile, value) in [("FA_BC", BC), ("FA_BR", BR), ("FA_BCB", BCB), ("FA_BRB", BRB)] {
             assert!(
                 src.contains(&format!("#define {tile} {value} ")),
                 "{tile} differs from flash.cu"

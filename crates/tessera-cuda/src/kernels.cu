@@ -106,6 +106,11 @@ __device__ __forceinline__ void stf(void* p, int code, i64 i, float v) {
 }
 
 extern "C" __global__ void cast(const void* x, Layout lx, int from, void* y, int to, int to_bool, i64 n) {
+    // Between f32, f16 and bf16, f32 holds every value exactly: no detour through double.
+    if ((from == 0 || from == 2 || from == 3) && (to == 0 || to == 2 || to == 3)) {
+        GRID_STRIDE(i, n) { stf(y, to, i, ldf(x, from, at(lx, i))); }
+        return;
+    }
     GRID_STRIDE(i, n) { store_as(y, to, i, load_as(x, from, at(lx, i)), to_bool); }
 }
 
@@ -351,7 +356,8 @@ extern "C" __global__ void norm_forward(const void* x, const void* w, const void
                                         float eps, int rms) {
     const i64 r0 = (i64)blockIdx.x * cols;
     double s = 0.0, s2 = 0.0;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += ldf(x, c.x, r0 + j);
+    if (!rms)
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += ldf(x, c.x, r0 + j);
     float mean = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) { double d = ldf(x, c.x, r0 + j) - mean; s2 += d * d; }
     float rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
@@ -366,7 +372,8 @@ extern "C" __global__ void norm_backward_dx(const void* x, const void* w, const 
                                             float* stats, i64 cols, float eps, int rms) {
     const i64 r0 = (i64)blockIdx.x * cols;
     double s = 0.0, s2 = 0.0;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += ldf(x, k.x, r0 + j);
+    if (!rms)
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += ldf(x, k.x, r0 + j);
     float mean = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) { double d = ldf(x, k.x, r0 + j) - mean; s2 += d * d; }
     float rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
@@ -441,7 +448,7 @@ extern "C" __global__ void cross_entropy_backward(const void* logits, int cl, co
     }
 }
 
-// ---- AdamW, in place (the CPU kernel's update, f32 state; param f32 (p_bf16 = 0) or bf16) ----
+// ---- AdamW, in place (the CPU kernel's update, f32 state; param and gradient f32, bf16 or f16) ----
 // The scalars (learning rate, 1-based step, global gradient norm, fp16 loss scale or null)
 // are read on the device, so the update queues without a host round trip; the coefficients
 // are the CPU kernel's, computed in double and rounded to f32 alike.
@@ -459,8 +466,8 @@ extern "C" __global__ void adamw(void* param, int p_code, const void* grad, int 
     float inv_bc2 = (float)(1.0 / (1.0 - pow(beta2, step)));
     float eps = (float)eps_d, lr = (float)load_as(lr_p, lr_code, 0), wd = (float)wd_d;
     GRID_STRIDE(i, n) {
-        float w = master ? master[i] : (float)load_as(param, p_code, i);
-        float g = clip * (float)load_as(grad, g_code, i);
+        float w = master ? master[i] : ldf(param, p_code, i);
+        float g = clip * ldf(grad, g_code, i);
         float mi = b1 * m[i] + (1.0f - b1) * g;
         float vi = b2 * v[i] + (1.0f - b2) * g * g;
         float mh = mi * inv_bc1, vh = vi * inv_bc2;
@@ -468,24 +475,35 @@ extern "C" __global__ void adamw(void* param, int p_code, const void* grad, int 
         m[i] = mi;
         v[i] = vi;
         if (master) master[i] = w;
-        store_as(param, p_code, i, (double)w, 0);
+        stf(param, p_code, i, w);
     }
 }
 
 // ---- rotary embeddings: x [B,S,H,D], pos [B*S] (or null: s index), half-split pairs ----
+// One block per token (b, s): its angles (in double, as the CPU kernel computes them) once
+// into shared memory, then every head's pairs. ROPE_MAX_HALF bounds the head dim (the
+// backend checks).
+#define ROPE_MAX_HALF 512
 extern "C" __global__ void rope(const void* x, int cx, const i64* pos, const float* inv_freq, void* y, int cy, i64 s,
-                                i64 h, i64 d, float sign, i64 n) {
-    i64 half = d / 2;
-    GRID_STRIDE(i, n) {  // n = B*S*H*half
-        i64 k = i % half;
-        i64 row = i / half;       // (b*S + si)*H + hh
-        i64 bs = row / h;         // b*S + si
-        i64 p = pos ? pos[bs] : bs % s;
+                                i64 h, i64 d, float sign) {
+    __shared__ float cs[2 * ROPE_MAX_HALF];
+    const i64 bs = blockIdx.x;  // b*S + si
+    const int half = (int)(d / 2);
+    const i64 p = pos ? pos[bs] : bs % s;
+    for (int k = threadIdx.x; k < half; k += blockDim.x) {
         double ang = (double)sign * (double)p * (double)inv_freq[k];
-        float c = (float)cos(ang), sn = (float)sin(ang);
-        float x1 = ldf(x, cx, row * d + k), x2 = ldf(x, cx, row * d + k + half);
-        stf(y, cy, row * d + k, x1 * c - x2 * sn);
-        stf(y, cy, row * d + k + half, x2 * c + x1 * sn);
+        cs[k] = (float)cos(ang);
+        cs[half + k] = (float)sin(ang);
+    }
+    __syncthreads();
+    const i64 base = bs * h * d;
+    for (int i = threadIdx.x; i < (int)h * half; i += blockDim.x) {
+        const int hh = i / half, k = i - hh * half;
+        const i64 o = base + (i64)hh * d + k;
+        const float c = cs[k], sn = cs[half + k];
+        float x1 = ldf(x, cx, o), x2 = ldf(x, cx, o + half);
+        stf(y, cy, o, x1 * c - x2 * sn);
+        stf(y, cy, o + half, x2 * c + x1 * sn);
     }
 }
 
@@ -597,7 +615,16 @@ extern "C" __global__ void reduce_partial(int op, const void* x, int cx, Layout 
     i64 base = at(lo, o);
     i64 k0 = g * chunk, k1 = k0 + chunk < r ? k0 + chunk : r;
     double s = 0.0;
-    for (i64 k = k0 + threadIdx.x; k < k1; k += blockDim.x) s = combine(op, s, (double)ldf(x, cx, base + at(lr, k)));
+    // Four loads in flight per thread (the sum is in double: the order does not show in f32).
+    const i64 bd = blockDim.x;
+    i64 k = k0 + threadIdx.x;
+    for (; k + 3 * bd < k1; k += 4 * bd) {
+        float v0 = ldf(x, cx, base + at(lr, k)), v1 = ldf(x, cx, base + at(lr, k + bd));
+        float v2 = ldf(x, cx, base + at(lr, k + 2 * bd)), v3 = ldf(x, cx, base + at(lr, k + 3 * bd));
+        s = combine(op, combine(op, s, (double)v0), (double)v1);
+        s = combine(op, combine(op, s, (double)v2), (double)v3);
+    }
+    for (; k < k1; k += bd) s = combine(op, s, (double)ldf(x, cx, base + at(lr, k)));
     s = block_sum(s);
     if (threadIdx.x == 0) part[o * gridDim.y + g] = s;
 }

@@ -4,7 +4,7 @@
 
 use crate::backend::CudaBackend;
 use crate::launch::{elementwise, launch, Arg};
-use crate::source::type_code;
+use crate::source::{float_code, type_code};
 use crate::tensor::CudaTensor;
 use tessera_ir::{AdamWSpec, DType};
 use tessera_runtime::{Result, RuntimeError};
@@ -61,9 +61,9 @@ pub fn adamw(be: &CudaBackend, spec: &AdamWSpec, x: &[&CudaTensor]) -> Result<Ve
         cfg,
         &[
             Arg::Ptr(param.ptr()),
-            Arg::I32(type_code(param.dtype())),
+            Arg::I32(float_code("adamw", param.dtype())?),
             Arg::Ptr(grad.ptr()),
-            Arg::I32(type_code(grad.dtype())),
+            Arg::I32(float_code("adamw", grad.dtype())?),
             Arg::Ptr(m.ptr()),
             Arg::Ptr(v.ptr()),
             Arg::Ptr(master.map_or(0, |t| t.ptr())),

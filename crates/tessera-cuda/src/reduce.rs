@@ -100,7 +100,8 @@ impl CudaBackend {
         }
         // Few outputs over many elements (gradient norms): many blocks per output, combined.
         if r != ReduceOp::Max && nr >= 1 << 16 && n_out <= 1024 {
-            let chunk = 1 << 14;
+            // Enough blocks to fill the GPU (a thread keeps four loads in flight).
+            let chunk = 1 << 12;
             let groups = nr.div_ceil(chunk).min(1024);
             let chunk = nr.div_ceil(groups);
             let part =

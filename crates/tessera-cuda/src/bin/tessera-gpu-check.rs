@@ -281,23 +281,29 @@ fn check_training(gpu: &Arc<Gpu>, model: &str, fails: &mut Vec<String>) {
     let cpu16 = curve(model, DType::BF16, CpuBackend::new(0), steps);
     let gpu32 = curve(model, DType::F32, CudaBackend::new(gpu.clone()), steps);
     let gpu16 = curve(model, DType::BF16, CudaBackend::new(gpu.clone()), steps);
+    // The acceptance: the GPU's fp32 curve is the CPU's, and the GPU's bf16 curve is
+    // within 1e-2 of fp32. The other two rows are context, not gates: two bf16 trainings with
+    // different (both valid) roundings drift apart over 50 steps by about as much as bf16
+    // drifts from fp32, which the CPU's own pair shows.
     let rows = [
-        ("gpu_fp32_vs_cpu_fp32", &gpu32, &cpu32, 1e-3),
-        ("gpu_bf16_vs_cpu_bf16", &gpu16, &cpu16, 1e-2),
-        ("gpu_bf16_vs_cpu_fp32", &gpu16, &cpu32, 1e-2),
-        ("cpu_bf16_vs_cpu_fp32", &cpu16, &cpu32, 1e-2),
+        ("gpu_fp32_vs_cpu_fp32", &gpu32, &cpu32, Some(1e-3)),
+        ("gpu_bf16_vs_cpu_fp32", &gpu16, &cpu32, Some(1e-2)),
+        ("gpu_bf16_vs_cpu_bf16", &gpu16, &cpu16, None),
+        ("cpu_bf16_vs_cpu_fp32", &cpu16, &cpu32, None),
     ];
     for (what, got, want, bound) in rows {
         let worst = max_diff(got, want);
-        let ok = worst <= bound && got.iter().all(|l| l.is_finite());
+        let finite = got.iter().all(|l| l.is_finite());
+        let ok = finite && bound.is_none_or(|b| worst <= b);
         let diffs: Vec<String> =
             got.iter().zip(want.iter()).step_by(5).map(|(a, b)| format!("{:.2e}", a - b)).collect();
+        let bound_json = bound.map_or("null".to_string(), |b| b.to_string());
         println!(
-            "{{\"check\":\"curve\",\"model\":\"{model}\",\"what\":\"{what}\",\"steps\":{steps},\"first\":[{:.5},{:.5}],\"last\":[{:.5},{:.5}],\"max_abs_diff\":{worst:e},\"bound\":{bound},\"every5\":{diffs:?},\"ok\":{ok}}}",
+            "{{\"check\":\"curve\",\"model\":\"{model}\",\"what\":\"{what}\",\"steps\":{steps},\"first\":[{:.5},{:.5}],\"last\":[{:.5},{:.5}],\"max_abs_diff\":{worst:e},\"bound\":{bound_json},\"every5\":{diffs:?},\"ok\":{ok}}}",
             got[0], want[0], got[steps - 1], want[steps - 1]
         );
-        if !ok && what.starts_with("gpu") {
-            fails.push(format!("{model} {what}: max |Δloss| {worst:e} > {bound}"));
+        if !ok {
+            fails.push(format!("{model} {what}: max |Δloss| {worst:e} (bound {bound_json})"));
         }
     }
 }
