@@ -159,6 +159,14 @@ def check_deepspeed(golden: Path, src: Path) -> int:
         assert ds.bfloat16_config.enabled == ("bf16" in doc), f
         assert ds.pipeline["stages"] == doc.get("pipeline", {}).get("stages", "auto"), f
         assert ds.gradient_clipping == doc.get("gradient_clipping", 0.0), f
+        # Offload sections, as DeepSpeed's pydantic models read them.
+        zero = doc["zero_optimization"]
+        for key, got in (("offload_optimizer", ds.zero_config.offload_optimizer),
+                         ("offload_param", ds.zero_config.offload_param)):
+            want = zero.get(key, {}).get("device")
+            device = None if got is None else str(getattr(got.device, "value", got.device))
+            got = None if device in (None, "none") else device
+            assert got == want, f"{f.name}: {key} device {got!r}, the file says {want!r}"
         # The check can fail: one sequence too many is refused.
         with mock.patch("deepspeed.runtime.config.dist.get_rank", return_value=0):
             try:
@@ -166,9 +174,11 @@ def check_deepspeed(golden: Path, src: Path) -> int:
                 raise SystemExit(f"{f.name}: DeepSpeed took a wrong batch size")
             except AssertionError:
                 pass
+        offload = ", ".join(f"{k} on {zero[k]['device']}" for k in ("offload_optimizer", "offload_param")
+                            if k in zero)
         print(f"deepspeed  ok  {f.name}: batch {ds.train_batch_size} = "
               f"{ds.train_micro_batch_size_per_gpu} x {ds.gradient_accumulation_steps} x dp{dp}, "
-              f"ZeRO-{int(ds.zero_optimization_stage)}")
+              f"ZeRO-{int(ds.zero_optimization_stage)}" + (f", {offload}" if offload else ""))
         n += 1
     return n
 

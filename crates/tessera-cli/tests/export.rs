@@ -68,6 +68,24 @@ const CASES: &[Case] = &[
         "deepspeed-gpt2-pipeline.json",
     ),
     (
+        "deepspeed",
+        "gpt2-xl",
+        "4xH100",
+        "16",
+        "1024",
+        "dp4 zero2 mb2 offload=grads+opt",
+        "deepspeed-gpt2-xl-zero2-offload.json",
+    ),
+    (
+        "deepspeed",
+        "llama3-8b",
+        "8xH100",
+        "16",
+        "4096",
+        "dp8 zero3 ckpt=full offload=all nvme",
+        "deepspeed-llama3-8b-zero3-infinity.json",
+    ),
+    (
         "torchtitan",
         "llama3-8b",
         "8xH100",
@@ -75,6 +93,15 @@ const CASES: &[Case] = &[
         "4096",
         "dp8 zero3 ckpt=full",
         "torchtitan-llama3-8b-fsdp.toml",
+    ),
+    (
+        "torchtitan",
+        "llama3-8b",
+        "8xH100",
+        "16",
+        "4096",
+        "dp8 zero3 ckpt=full offload=all",
+        "torchtitan-llama3-8b-fsdp-offload.toml",
     ),
     (
         "torchtitan",
@@ -201,6 +228,17 @@ fn deepspeed_batch_sizes_obey_its_rule() {
         assert_eq!(v["zero_optimization"]["stage"].as_u64(), Some(degree("zero").min(3)));
         assert_eq!(v["pipeline"]["stages"].as_u64().unwrap_or(1), degree("pp"));
         assert_eq!(v.get("activation_checkpointing").is_some(), case.5.contains("ckpt=full"));
+        // Offload: the optimizer's state (and step) on the host or the NVMe; the parameters
+        // too with offload=all.
+        let z = &v["zero_optimization"];
+        let device = |k: &str| z[k]["device"].as_str().map(str::to_string);
+        let want_opt = case
+            .5
+            .contains("offload=")
+            .then(|| if case.5.contains("nvme") { "nvme" } else { "cpu" }.to_string());
+        assert_eq!(device("offload_optimizer"), want_opt, "{case:?}");
+        let want_param = case.5.contains("offload=all").then(|| "cpu".to_string());
+        assert_eq!(device("offload_param"), want_param, "{case:?}");
     }
 }
 
@@ -231,6 +269,8 @@ fn torchtitan_degrees_multiply_to_the_cluster() {
             case.5.split_whitespace().find_map(|t| t.strip_prefix("mb")?.parse().ok()).unwrap_or(1);
         let accumulation = if d("pipeline_parallel_degree") > 1 { 1 } else { mb };
         assert_eq!(global, local * dp * accumulation, "{case:?}");
+        let offload = t.get("enable_cpu_offload").and_then(|x| x.as_bool()).unwrap_or(false);
+        assert_eq!(offload, case.5.contains("offload=all"), "{case:?}");
         assert!(err.contains("torchrun --nnodes"), "{err}");
     }
 }
@@ -244,6 +284,12 @@ fn refusals_name_why_and_a_plan_that_exports() {
         ("torchtitan", "dp2 tp4 sp zero1 mb4", "ZeRO-1: torchtitan replicates"),
         ("megatron", "dp8 zero3", "Megatron-LM's distributed optimizer"),
         ("megatron", "dp2 tp4 sp ckpt=selective", "selective checkpointing"),
+        // Offload each engine cannot say: gradients kept until the step, part of the chunks,
+        // or no offload setting at all.
+        ("deepspeed", "dp8 zero3 offload=opt", "which is offload=grads+opt"),
+        ("deepspeed", "dp8 zero3 offload=grads+opt:8/16", "offloads 8 of the 16 parameter chunks"),
+        ("torchtitan", "dp8 zero3 offload=grads+opt", "enable_cpu_offload (FSDP2's CPU offload)"),
+        ("megatron", "dp8 zero1 offload=opt", "which have offload settings"),
     ] {
         let args: Vec<&str> =
             base.iter().copied().chain(["--plan", config, "--export", engine]).collect();

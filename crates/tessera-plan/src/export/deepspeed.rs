@@ -3,14 +3,19 @@
 //! `deepspeed` launcher line.
 //!
 //! What DeepSpeed expresses from a config: data parallelism with ZeRO 0–3, gradient
-//! accumulation, its pipeline engine (its own 1F1B-like schedule, even stages, ZeRO-0/1 only)
-//! and full recomputation of every block (the training script wraps each block in
+//! accumulation, its pipeline engine (its own 1F1B-like schedule, even stages, ZeRO-0/1 only),
+//! full recomputation of every block (the training script wraps each block in
 //! `deepspeed.checkpointing.checkpoint`; the config's `activation_checkpointing` section
-//! configures that call). Tensor and sequence parallelism are not DeepSpeed's own: export them
+//! configures that call), and ZeRO-Offload / ZeRO-Infinity: `offload_optimizer` (optimizer
+//! state and its step on the host, each gradient partition moved there as the backward
+//! reduces it: Tessera's `offload=grads+opt`) with ZeRO-1 and above, `offload_param` (the
+//! parameters too: `offload=all`) and the NVMe (`nvme`) with ZeRO-3 only, for every
+//! parameter of a rank. Tensor and sequence parallelism are not DeepSpeed's own: export them
 //! to Megatron-LM (Megatron-DeepSpeed combines the two) or torchtitan.
 
 use super::{micro_batch_size, summary, CkptPattern, Export, Framework, Target};
 use crate::config::ParallelConfig;
+use crate::offload::{Offload, OffloadKind, CHUNKS};
 use crate::pipeline::ScheduleKind;
 use crate::plan::Plan;
 use serde_json::json;
@@ -27,6 +32,15 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
         offload: None,
         ..cfg.clone()
     };
+    if let Some(o) = cfg.offload {
+        // The offload DeepSpeed has nearest to `o` (a plan with offload has no pipeline), and
+        // the plan without offload.
+        let kind = o.kind.max(OffloadKind::GradsOpt);
+        let zero = if kind == OffloadKind::All { 3 } else { flat.zero.max(1) };
+        let nvme = if o.nvme > 0 && zero == 3 { CHUNKS } else { 0 };
+        let offload = Some(Offload { kind, chunks: CHUNKS, nvme });
+        return vec![ParallelConfig { zero, offload, ..flat.clone() }, flat];
+    }
     if cfg.pp == 1 {
         return vec![flat];
     }
@@ -53,6 +67,11 @@ fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<Str
             cfg.zero
         ));
     }
+    if let Some(o) = cfg.offload {
+        if let Some(why) = offload_problem(o, cfg) {
+            return Some(format!("`{o}`: {why}"));
+        }
+    }
     if let Some(s) = cfg.schedule.filter(|&s| s != ScheduleKind::OneFOneB) {
         return Some(format!("DeepSpeed's pipeline engine runs its own 1F1B schedule, not {s}"));
     }
@@ -69,6 +88,68 @@ fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<Str
         )),
     }
 }
+
+/// Why DeepSpeed's offload settings cannot say what `o` does (`None`: they can).
+fn offload_problem(o: Offload, cfg: &ParallelConfig) -> Option<String> {
+    if o.chunks < CHUNKS {
+        return Some(format!(
+            "the plan offloads {} of the {CHUNKS} parameter chunks; DeepSpeed offloads the \
+             state of every parameter of a rank (ZeRO-3's `ratio` picks its own share)",
+            o.chunks
+        ));
+    }
+    if o.kind == OffloadKind::Opt {
+        return Some(
+            "the plan keeps gradients on the GPU until the optimizer step; DeepSpeed's \
+             offload_optimizer moves each gradient partition to the host as the backward \
+             reduces it, which is offload=grads+opt"
+                .into(),
+        );
+    }
+    if o.kind == OffloadKind::All && cfg.zero < 3 {
+        return Some(format!(
+            "DeepSpeed offloads parameters (offload_param) under ZeRO-3 only, not ZeRO-{}",
+            cfg.zero
+        ));
+    }
+    if cfg.zero == 0 && cfg.dp * cfg.tp > 1 {
+        return Some(
+            "DeepSpeed's offload_optimizer runs under ZeRO-1 and above; without ZeRO every \
+             replica would hold and step the whole optimizer state on its host"
+                .into(),
+        );
+    }
+    if o.nvme > 0 && (o.nvme < o.chunks || cfg.zero < 3) {
+        return Some(format!(
+            "DeepSpeed puts optimizer state on the NVMe (ZeRO-Infinity) under ZeRO-3 and for \
+             every parameter or none, not {} of {} offloaded chunks under ZeRO-{}",
+            o.nvme.min(o.chunks),
+            o.chunks,
+            cfg.zero
+        ));
+    }
+    None
+}
+
+/// The `zero_optimization` entries of an offload `problem` admitted.
+fn write_offload(ds: &mut serde_json::Value, o: Offload) {
+    let z = &mut ds["zero_optimization"];
+    if z["stage"].as_u64() == Some(0) {
+        // One data-parallel rank (`offload_problem`): ZeRO-1 partitions nothing there.
+        z["stage"] = 1.into();
+    }
+    z["offload_optimizer"] = if o.nvme > 0 {
+        json!({ "device": "nvme", "nvme_path": NVME_PATH, "pin_memory": true })
+    } else {
+        json!({ "device": "cpu", "pin_memory": true })
+    };
+    if o.kind == OffloadKind::All {
+        z["offload_param"] = json!({ "device": "cpu", "pin_memory": true });
+    }
+}
+
+/// Where the exported config points ZeRO-Infinity's NVMe files (the note says to change it).
+const NVME_PATH: &str = "/local_nvme";
 
 pub(super) fn export(
     plan: &Plan,
@@ -92,7 +173,10 @@ pub(super) fn export(
     if let Some(clip) = target.max_grad_norm {
         ds["gradient_clipping"] = clip.into();
     }
-    if cfg.zero >= 1 {
+    if let Some(o) = cfg.offload {
+        write_offload(&mut ds, o);
+    }
+    if ds["zero_optimization"]["stage"].as_u64().unwrap_or(0) >= 1 {
         ds["zero_optimization"]["overlap_comm"] = true.into();
         ds["zero_optimization"]["contiguous_gradients"] = true.into();
     }
@@ -109,6 +193,9 @@ pub(super) fn export(
     let mut note = summary(plan, cfg);
     if ckpt == CkptPattern::Full {
         note += "; wrap each block in deepspeed.checkpointing.checkpoint";
+    }
+    if cfg.offload.is_some_and(|o| o.nvme > 0) {
+        note += &format!("; set nvme_path ({NVME_PATH}) to a directory on the node's NVMe");
     }
     ds["comment"] = note.into();
     let text = serde_json::to_string_pretty(&ds).map_err(|e| format!("writing JSON: {e}"))? + "\n";

@@ -27,6 +27,7 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
     if stages_problem(&base).is_some() {
         base.stages.clear();
     }
+    base.offload = None;
     (0..=cfg.zero.min(1)).rev().map(|zero| ParallelConfig { zero, ..base.clone() }).collect()
 }
 
@@ -64,6 +65,13 @@ pub(super) fn model_problem(model: &ModelShape) -> Option<String> {
 
 /// Why Megatron-LM cannot run the plan as it is (`None`: it can).
 fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+    if let Some(o) = cfg.offload {
+        return Some(format!(
+            "the plan offloads model state to the host (`{o}`), which this export does not \
+             write for Megatron-LM (export it to DeepSpeed or torchtitan, which have offload \
+             settings, or plan without offload)"
+        ));
+    }
     if cfg.zero >= 2 {
         return Some(format!(
             "ZeRO-{} shards gradients{}, but Megatron-LM's distributed optimizer \

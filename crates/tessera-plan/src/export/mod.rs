@@ -4,8 +4,8 @@
 //!
 //! An export writes exactly what the plan does, or nothing: a plan the framework cannot
 //! express (a per-op layout, a ZeRO stage or schedule it lacks, a checkpointing pattern it
-//! cannot name, offload) is a [`Refusal`] naming why and the configurations nearest to it that the
-//! framework can express. Which of those fits and is fastest is the planner's business: the
+//! cannot name, an offload it has no setting for) is a [`Refusal`] naming why and the
+//! configurations nearest to it that the framework can express. Which of those fits and is fastest is the planner's business: the
 //! caller evaluates them ([`crate::planner::plan_fixed`]) and exports the winner again, so a
 //! suggested plan is always one that exports.
 //!
@@ -140,16 +140,6 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
     if let Some(why) = model_problem {
         return Err(refuse(why, Vec::new()));
     }
-    if let Some(o) = cfg.offload {
-        return Err(refuse(
-            format!(
-                "the plan offloads model state to the host (`{o}`), which Tessera's exports do \
-                 not carry yet (DeepSpeed's offload_optimizer / offload_param would express \
-                 offloading every chunk; Megatron-LM and torchtitan have no equivalent flag)"
-            ),
-            nearest(framework, &cfg, plan.batch),
-        ));
-    }
     if plan.layout == "per-op" {
         return Err(refuse(
             format!(
@@ -187,12 +177,7 @@ pub fn nearest(framework: Framework, cfg: &ParallelConfig, batch: usize) -> Vec<
                 continue;
             }
             for m in [CkptMode::None, CkptMode::Full] {
-                let c = ParallelConfig {
-                    ckpt: Some(m),
-                    micro_batches: mb,
-                    offload: None,
-                    ..base.clone()
-                };
+                let c = ParallelConfig { ckpt: Some(m), micro_batches: mb, ..base.clone() };
                 if !out.contains(&c) {
                     out.push(c);
                 }

@@ -6,13 +6,16 @@
 //! FSDP2 (`data_parallel_shard_degree`); tensor parallelism, which in torchtitan always
 //! shards the norms' sequence (Megatron's sequence parallelism, so `tpN` needs `sp`); pipeline
 //! parallelism with even stages under GPipe or 1F1B; full recomputation of every block, or of
-//! every n-th block (`selective_ac_option = "n"`). Its op-level selective policy saves other
-//! tensors than Tessera's `selective`, and it trains the LLaMA family only.
+//! every n-th block (`selective_ac_option = "n"`); FSDP2's CPU offload of parameters,
+//! gradients and optimizer state (`enable_cpu_offload`: Tessera's `zero3 offload=all`). Its
+//! op-level selective policy saves other tensors than Tessera's `selective`, and it trains the
+//! LLaMA family only.
 
 use super::{
     micro_batch_size, summary, CkptPattern, Export, Family, Framework, ModelShape, Target,
 };
 use crate::config::ParallelConfig;
+use crate::offload::{Offload, OffloadKind, CHUNKS};
 use crate::pipeline::ScheduleKind;
 use crate::plan::Plan;
 
@@ -22,6 +25,16 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
     let mut base = ParallelConfig { sp: cfg.tp > 1, stages: Vec::new(), ..cfg.clone() };
     if !matches!(base.schedule, None | Some(ScheduleKind::Gpipe | ScheduleKind::OneFOneB)) {
         base.schedule = None;
+    }
+    // FSDP2's CPU offload (`enable_cpu_offload`) moves parameters, gradients and optimizer
+    // state of every unit: offload=all, every chunk, under full sharding.
+    if cfg.offload.is_some() {
+        let on_host = ParallelConfig {
+            zero: 3,
+            offload: Some(Offload::all_chunks(OffloadKind::All)),
+            ..base.clone()
+        };
+        return vec![on_host, ParallelConfig { zero: 3, offload: None, ..base }];
     }
     let zeros: &[u8] = match cfg.zero {
         0 => &[0],
@@ -39,6 +52,17 @@ pub(super) fn model_problem(model: &ModelShape) -> Option<String> {
 
 /// Why torchtitan cannot run the plan as it is (`None`: it can).
 fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+    if let Some(o) = cfg.offload {
+        let every = Offload::all_chunks(OffloadKind::All);
+        if o != every || cfg.zero != 3 {
+            return Some(format!(
+                "`{o}`{}: torchtitan's enable_cpu_offload (FSDP2's CPU offload) moves the \
+                 parameters, gradients and optimizer state of every fully sharded unit to host \
+                 memory, which is `zero3 {every}` (all {CHUNKS} chunks, no NVMe)",
+                if cfg.zero != 3 { format!(" with ZeRO-{}", cfg.zero) } else { String::new() }
+            ));
+        }
+    }
     if matches!(cfg.zero, 1 | 2) {
         return Some(format!(
             "ZeRO-{}: torchtitan replicates (DDP, ZeRO-0) or fully shards (FSDP2, ZeRO-3)",
@@ -140,6 +164,10 @@ pub(super) fn export(
     );
     if let Some(clip) = target.max_grad_norm {
         t += &format!("max_norm = {clip:?}\n");
+    }
+    if cfg.offload.is_some() {
+        // `problem` admitted only offload=all of every chunk under FSDP.
+        t += "enable_cpu_offload = true\n";
     }
     t += &format!(
         "mixed_precision_param = \"{}\"\n",
