@@ -3,10 +3,10 @@
 //! 70B (64 heads, 8 KV heads) and GPT-2 split every weight as Megatron-LM splits it —
 //! column-parallel q/k/v, gate/up, fc and the LM head; row-parallel attention output and
 //! down/fc2 projections; norms replicated — and each device holds exactly the parameter bytes
-//! of Megatron-LM's formula. Named deviations, asserted as such: the embedding table splits
-//! by hidden features rather than by vocabulary rows (the same bytes), GPT-2's 50257-token
-//! head (which Megatron-LM pads) splits its input features, and GPT-2's fused `c_attn`
-//! splits by contiguous columns.
+//! of Megatron-LM's formula; the embedding table splits by vocabulary rows. Named deviations,
+//! asserted as such: GPT-2's 50257-token vocabulary (which Megatron-LM pads to a multiple of
+//! 128·tp) splits the table by its hidden features and the head by its input features (the
+//! same bytes), and GPT-2's fused `c_attn` splits by contiguous columns.
 
 use std::process::Command;
 
@@ -30,12 +30,14 @@ enum Split {
     Column,
     /// By input features.
     Row,
+    /// An embedding table by vocabulary rows (Megatron-LM's vocabulary-parallel embedding).
+    Vocab,
     Replicated,
 }
 
 /// Megatron-LM's split of a parameter by its module (the independent reference), and the
-/// deviations named in the module docs.
-fn megatron_split(name: &str) -> Split {
+/// deviations named in the module docs; `vocab_divides`: tp divides the vocabulary.
+fn megatron_split(name: &str, vocab_divides: bool) -> Split {
     let module = name.trim_end_matches(".weight").trim_end_matches(".bias");
     let is_bias = name.ends_with(".bias");
     let last = module.rsplit('.').next().unwrap();
@@ -49,7 +51,8 @@ fn megatron_split(name: &str) -> Split {
         // after the reduction, whole.
         "c_proj" if is_bias => Split::Replicated,
         "c_proj" => Split::Row,
-        // The embedding table by its hidden features (Megatron-LM: by vocabulary rows).
+        // Vocabulary-parallel; by the hidden features where Megatron-LM would pad.
+        "embed_tokens" | "wte" if vocab_divides => Split::Vocab,
         "embed_tokens" | "wte" => Split::Column,
         _ => Split::Replicated,
     }
@@ -69,7 +72,7 @@ fn out_dim(name: &str, rank: usize) -> usize {
 
 /// Checks every weight of a plan against Megatron-LM's split, and returns the parameter
 /// bytes one device holds.
-fn check_weights(v: &serde_json::Value, model: &str, config: &str, tp: usize) -> u64 {
+fn check_weights(v: &serde_json::Value, model: &str, config: &str, tp: usize, vocab: usize) -> u64 {
     let mut bytes = 0;
     let weights = v["tensors"].as_array().unwrap().iter().filter(|t| {
         let n = t["name"].as_str().unwrap();
@@ -87,9 +90,11 @@ fn check_weights(v: &serde_json::Value, model: &str, config: &str, tp: usize) ->
         let dims: Vec<&str> =
             spec.trim_start_matches('[').trim_end_matches(']').split(", ").collect();
         let split_dim = dims.iter().position(|d| d.contains('1'));
-        let want = megatron_split(name);
+        let want = megatron_split(name, vocab.is_multiple_of(tp));
+        let table = name.contains("embed_tokens") || name.contains(".wte.");
         let got = match split_dim {
             None => Split::Replicated,
+            Some(0) if table => Split::Vocab,
             Some(d) if d == out_dim(name, dims.len()) => Split::Column,
             Some(_) => Split::Row,
         };
@@ -126,8 +131,8 @@ fn llama_weights_split_as_megatron_splits_them() {
     ] {
         for (config, tp) in [("dp2 tp4", 4), ("dp2 tp4 sp", 4), ("tp8", 8)] {
             let v = plan(model, config).unwrap_or_else(|e| panic!("{model} `{config}`: {e}"));
-            let bytes = check_weights(&v, model, config, tp);
             let (vocab, h, l, heads, kv, ffn) = dims;
+            let bytes = check_weights(&v, model, config, tp, vocab as usize);
             assert_eq!(
                 bytes,
                 llama_bytes(vocab, h, l, heads, kv, ffn, tp as u64),
@@ -145,7 +150,7 @@ fn llama_weights_split_as_megatron_splits_them() {
 fn gpt2_weights_split_as_megatron_splits_them() {
     for config in ["dp2 tp4", "dp2 tp4 sp"] {
         let v = plan("gpt2", config).unwrap();
-        let bytes = check_weights(&v, "gpt2", config, 4);
+        let bytes = check_weights(&v, "gpt2", config, 4, 50257);
         assert_eq!(bytes, gpt2_bytes(50257, 1024, 768, 12, 4), "gpt2 `{config}`");
     }
     // GPT-2 has 12 heads: Megatron-LM refuses tp8, and so does the config.

@@ -17,7 +17,7 @@ use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use tessera_ir::dist::MeshPos;
+use tessera_ir::dist::{MeshPos, TableRows};
 use tessera_ir::{AttentionSpec, DType, Op, TensorMeta};
 use tessera_runtime::{Backend, Result, RuntimeError};
 
@@ -607,9 +607,11 @@ impl CudaBackend {
                 self.norm_backward(x[0], x[1], x[2], *eps, false, out, p)
             }
             Op::RmsNormBackward { eps } => self.norm_backward(x[0], x[1], x[2], *eps, true, out, p),
-            Op::Embedding => {
+            Op::Embedding { rows } => {
                 self.expect_f32(op, &x[..1])?;
                 let (table, ids) = (self.dense(x[0])?, self.dense(x[1])?);
+                let local = table.dims().first().copied().unwrap_or(0);
+                let r = TableRows::of(rows.as_ref(), local, Some(at))?;
                 let y = self.new_out(&out[0], p)?;
                 let dim = *table.dims().last().unwrap_or(&1);
                 let n = y.numel();
@@ -622,14 +624,17 @@ impl CudaBackend {
                         Arg::Ptr(ids.ptr()),
                         Arg::Ptr(y.ptr()),
                         Arg::I64(dim as i64),
+                        Arg::I64(r.first as i64),
+                        Arg::I64(r.count as i64),
                         Arg::I64(n as i64),
                     ],
                 )?;
                 one(y)
             }
-            Op::EmbeddingBackward { .. } => {
+            Op::EmbeddingBackward { num_embeddings, rows } => {
                 self.expect_f32(op, &x[1..2])?;
                 let (ids, dy) = (self.dense(x[0])?, self.dense(x[1])?);
+                let r = TableRows::of(rows.as_ref(), *num_embeddings, Some(at))?;
                 let y = self.new_out(&out[0], p)?;
                 self.fill(&y, 0.0)?;
                 let dim = *y.dims().last().unwrap_or(&1);
@@ -643,6 +648,8 @@ impl CudaBackend {
                         Arg::Ptr(dy.ptr()),
                         Arg::Ptr(y.ptr()),
                         Arg::I64(dim as i64),
+                        Arg::I64(r.first as i64),
+                        Arg::I64(r.count as i64),
                         Arg::I64(n as i64),
                     ],
                 )?;

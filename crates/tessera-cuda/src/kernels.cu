@@ -398,13 +398,22 @@ extern "C" __global__ void norm_backward_dx(const void* x, const void* w, const 
     }
 }
 
-// ---- embedding ----
-extern "C" __global__ void embedding(const float* table, const i64* ids, float* y, i64 dim, i64 n) {
-    GRID_STRIDE(i, n) { y[i] = table[ids[i / dim] * dim + i % dim]; }
+// ---- embedding: the table holds ids [first, first + count) (all of them, or a device's
+// vocabulary shard); other ids read zero rows and add nothing to the gradient ----
+extern "C" __global__ void embedding(const float* table, const i64* ids, float* y, i64 dim, i64 first, i64 count,
+                                     i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 r = ids[i / dim] - first;
+        y[i] = (r >= 0 && r < count) ? table[r * dim + i % dim] : 0.0f;
+    }
 }
 
-extern "C" __global__ void embedding_backward(const i64* ids, const float* dy, float* dt, i64 dim, i64 n) {
-    GRID_STRIDE(i, n) { atomicAdd(&dt[ids[i / dim] * dim + i % dim], dy[i]); }
+extern "C" __global__ void embedding_backward(const i64* ids, const float* dy, float* dt, i64 dim, i64 first,
+                                              i64 count, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 r = ids[i / dim] - first;
+        if (r >= 0 && r < count) atomicAdd(&dt[r * dim + i % dim], dy[i]);
+    }
 }
 
 // ---- fused softmax cross-entropy (targets checked on the host) ----

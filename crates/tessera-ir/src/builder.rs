@@ -380,7 +380,7 @@ impl Builder {
         self.push1(Op::RmsNorm { eps }, &[x, w])
     }
     pub fn embedding(&mut self, table: TensorId, ids: TensorId) -> Result<TensorId> {
-        self.push1(Op::Embedding, &[table, ids])
+        self.push1(Op::Embedding { rows: None }, &[table, ids])
     }
     /// Mean cross-entropy of `logits [.., V]` against `targets [..]`; returns the scalar loss.
     pub fn cross_entropy(

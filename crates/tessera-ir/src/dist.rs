@@ -134,6 +134,41 @@ impl ShardOf {
     }
 }
 
+/// The rows of an embedding table one device holds: ids `first .. first + count` of a
+/// `vocab`-row table (all of it unless the table is split by rows: Megatron-LM's
+/// vocabulary-parallel embedding, [`crate::Op::Embedding`]'s `rows`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableRows {
+    pub first: usize,
+    pub count: usize,
+    pub vocab: usize,
+}
+
+impl TableRows {
+    /// The rows of a local table of `count` rows with shard `rows` on the device at `at`
+    /// (`None`: the mesh origin).
+    pub fn of(rows: Option<&ShardOf>, count: usize, at: Option<&MeshPos>) -> Result<TableRows> {
+        let Some(s) = rows else { return Ok(TableRows { first: 0, count, vocab: count }) };
+        let first = match at {
+            Some(at) => at.shard_origin(&s.global, &s.placement)?.first().copied().unwrap_or(0),
+            None => 0,
+        };
+        let vocab = s.global.first().copied().unwrap_or(count);
+        if first + count > vocab {
+            return Err(IrError::Layout(format!(
+                "table rows {first}..{} beyond the vocabulary's {vocab}",
+                first + count
+            )));
+        }
+        Ok(TableRows { first, count, vocab })
+    }
+
+    /// The local row of global id `id`: `None` when another shard holds it.
+    pub fn local(&self, id: usize) -> Option<usize> {
+        id.checked_sub(self.first).filter(|&r| r < self.count)
+    }
+}
+
 /// Row-major strides (in elements) of a shape.
 pub fn row_major_strides(dims: &[usize]) -> Vec<u64> {
     let mut strides = vec![0u64; dims.len()];

@@ -562,6 +562,17 @@ impl<'a> LocalForward<'a> {
                         .collect::<Result<_>>()?;
                     let mut local_op =
                         localize(op, &want, self.g.meta(node.outputs[0]), &st.outputs[0]);
+                    if let Op::Embedding { rows } = &mut local_op {
+                        // A table split by rows (vocabulary-parallel): record where each
+                        // device's rows sit, so ids outside them read zeros.
+                        if !st.inputs[0].dims[0].is_empty() {
+                            *rows = Some(ShardOf {
+                                global: self.g.meta(node.inputs[0]).shape.dims().to_vec(),
+                                placement: st.inputs[0].dims.clone(),
+                                micro_batch: 0,
+                            });
+                        }
+                    }
                     if let Op::QMatMul(q) = &mut local_op {
                         // An int8 row has one scale whatever share of it a device holds.
                         if q.bits == 8 {

@@ -8,7 +8,8 @@
 //!   norms, dropout and residual adds may split the sequence dim: with tensor parallelism that
 //!   is Megatron's sequence parallelism;
 //! - sum reductions contract; mean/max reductions, softmax and norms keep their reduced dim whole;
-//! - embedding: ids' dims and the hidden dim (hidden-parallel); the vocabulary stays whole;
+//! - embedding: ids' dims and the hidden dim (hidden-parallel), or the vocabulary (a
+//!   contraction: vocabulary-parallel, the output a pending sum);
 //! - attention: batch and heads (query and KV heads split together, so the split must divide
 //!   the KV heads); sequence and head dim whole;
 //! - cross-entropy: rows split, classes whole; the mean loss becomes a pending sum.
@@ -195,13 +196,18 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             }
             l.outputs = vec![o];
         }
-        Op::Embedding => {
+        Op::Embedding { .. } => {
+            // A lookup is a product with the ids' one-hot rows: the vocabulary is its
+            // contraction, so splitting it (Megatron-LM's vocabulary-parallel embedding)
+            // leaves the output a pending sum.
             let ids = l.fresh_dims(x[1], |_| true);
+            let vocab = l.label(x[0].shape.dims()[0], true);
             let hidden = l.label(x[0].shape.dims()[1], true);
-            l.inputs = vec![vec![None, Some(hidden)], ids.clone()];
+            l.inputs = vec![vec![Some(vocab), Some(hidden)], ids.clone()];
             let mut o = ids;
             o.push(Some(hidden));
             l.outputs = vec![o];
+            l.partial_from = vec![vec![vocab]];
         }
         Op::CrossEntropy { .. } => {
             let rows = l.fresh_dims(x[1], |_| true);

@@ -737,6 +737,49 @@ fn rms_norm_forward_and_backward() {
 
 // ---- embedding and loss ---------------------------------------------------------------------
 
+/// Megatron-LM's vocabulary-parallel embedding: a table split by rows over a mesh axis. Each
+/// device's lookup on its rows (ids another device holds read zeros) sums over the devices to
+/// the whole table's lookup, and each device's gradient is its rows of the whole gradient.
+#[test]
+fn vocabulary_shards_sum_to_the_whole_lookup() {
+    use tessera_ir::dist::{MeshPos, ShardOf};
+    let mut r = rng(16);
+    let (v, d, shards) = (12usize, 5usize, 3usize);
+    let table = randn(&mut r, &[v, d]);
+    let i = ids(&mut r, &[4, 7], v as i64);
+    let dy = randn(&mut r, &[4, 7, d]);
+    let values = |t: &Tensor| to_f64_vec(t).unwrap();
+    let run = |op: &Op, x: &[&Tensor], at: &MeshPos| {
+        let metas: Vec<TensorMeta> = x.iter().map(|t| meta_of(t).unwrap()).collect();
+        let refs: Vec<&TensorMeta> = metas.iter().collect();
+        let out = op.infer(&refs).unwrap();
+        kernels::execute_at(op, x, &out, at).unwrap().remove(0)
+    };
+    let whole = run(&Op::Embedding { rows: None }, &[&table, &i], &MeshPos::single());
+    let whole_grad = run(
+        &Op::EmbeddingBackward { num_embeddings: v, rows: None },
+        &[&i, &dy],
+        &MeshPos::single(),
+    );
+    // Rows split over axis 1 of a [2, 3] mesh (the tensor-parallel axis of `dp2 tp3`).
+    let rows =
+        Some(ShardOf { global: vec![v, d], placement: vec![vec![1], vec![]], micro_batch: 0 });
+    let n = v / shards;
+    let mut sum = whole.zeros_like().unwrap();
+    for k in 0..shards {
+        let at = MeshPos::new(&[2, shards], shards + k).unwrap();
+        let part = table.narrow(0, k * n, n).unwrap();
+        let y = run(&Op::Embedding { rows: rows.clone() }, &[&part, &i], &at);
+        sum = (sum + y).unwrap();
+        let g =
+            run(&Op::EmbeddingBackward { num_embeddings: n, rows: rows.clone() }, &[&i, &dy], &at);
+        let want = whole_grad.narrow(0, k * n, n).unwrap();
+        assert_eq!(values(&g), values(&want), "shard {k}: its rows of the gradient");
+    }
+    // Each output row is one shard's row plus zeros: exact.
+    assert_eq!(values(&sum), values(&whole), "the shards' lookups sum to the whole");
+}
+
 #[test]
 fn embedding_forward_and_backward() {
     let mut r = rng(15);
@@ -746,16 +789,20 @@ fn embedding_forward_and_backward() {
         let table = randn(&mut r, &[v, d]);
         let i = ids(&mut r, idims, v as i64);
         let what = format!("embedding [{v}, {d}] ids {idims:?}");
-        check_layouts(&Op::Embedding, &[table, i.clone()], &what);
+        check_layouts(&Op::Embedding { rows: None }, &[table, i.clone()], &what);
         let mut dyd = idims.to_vec();
         dyd.push(d);
         let dy = randn(&mut r, &dyd);
-        check_layouts(&Op::EmbeddingBackward { num_embeddings: v }, &[i, dy], &what);
+        check_layouts(&Op::EmbeddingBackward { num_embeddings: v, rows: None }, &[i, dy], &what);
     }
     // Heavily repeated ids (a few tokens dominate, as in text).
     let i = ids(&mut r, &[64, 40], 3);
     let dy = randn(&mut r, &[64, 40, 768]);
-    check_kernel(&Op::EmbeddingBackward { num_embeddings: 5 }, &[i, dy], "repeated ids");
+    check_kernel(
+        &Op::EmbeddingBackward { num_embeddings: 5, rows: None },
+        &[i, dy],
+        "repeated ids",
+    );
 }
 
 #[test]
@@ -825,12 +872,12 @@ fn out_of_range_ids_and_targets_are_clear_errors() {
     let table = randn(&mut r, &[10, 4]);
     for bad in [10i64, -1, 1 << 40] {
         let i = ids_from(vec![1, 2, bad, 3], &[2, 2]);
-        let e = run_err(&Op::Embedding, &[&table, &i]);
+        let e = run_err(&Op::Embedding { rows: None }, &[&table, &i]);
         let msg = e.to_string();
         assert!(matches!(e, RuntimeError::Data(_)), "{msg}");
         assert!(msg.contains(&format!("id {bad}")) && msg.contains("vocabulary of 10"), "{msg}");
         let dy = randn(&mut r, &[2, 2, 4]);
-        let e = run_err(&Op::EmbeddingBackward { num_embeddings: 10 }, &[&i, &dy]);
+        let e = run_err(&Op::EmbeddingBackward { num_embeddings: 10, rows: None }, &[&i, &dy]);
         assert!(
             matches!(e, RuntimeError::Data(_)) && e.to_string().contains(&format!("id {bad}")),
             "{e}"

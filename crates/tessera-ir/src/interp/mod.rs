@@ -204,7 +204,7 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::LayerNormBackward { .. }
         | Op::RmsNorm { .. }
         | Op::RmsNormBackward { .. }
-        | Op::Embedding
+        | Op::Embedding { .. }
         | Op::EmbeddingBackward { .. }
         | Op::CrossEntropy { .. }
         | Op::CrossEntropyBackward { .. }
@@ -493,7 +493,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         }
         Op::UnaryBackward(_) | Op::Binary(_) | Op::Dropout { .. } | Op::MatMul { .. } => 2,
         Op::ReduceBackward { .. } | Op::SoftmaxBackward | Op::RmsNorm { .. } => 2,
-        Op::Embedding | Op::EmbeddingBackward { .. } | Op::CrossEntropy { .. } => 2,
+        Op::Embedding { .. } | Op::EmbeddingBackward { .. } | Op::CrossEntropy { .. } => 2,
         Op::BinaryBackward { .. } | Op::LayerNorm { .. } | Op::LayerNormBackward { .. } => 3,
         Op::RmsNormBackward { .. } | Op::Attention(_) => 3,
         Op::CrossEntropyBackward { .. } => 4,
@@ -562,9 +562,9 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::LayerNormBackward { eps } => layer_norm_backward(x[0], x[1], x[2], *eps),
         Op::RmsNorm { eps } => one(rms_norm(x[0], x[1], *eps)?),
         Op::RmsNormBackward { eps } => rms_norm_backward(x[0], x[1], x[2], *eps),
-        Op::Embedding => one(embedding(x[0], x[1])?),
-        Op::EmbeddingBackward { num_embeddings } => {
-            one(embedding_backward(x[0], x[1], *num_embeddings)?)
+        Op::Embedding { rows } => one(embedding(x[0], x[1], rows.as_ref())?),
+        Op::EmbeddingBackward { num_embeddings, rows } => {
+            one(embedding_backward(x[0], x[1], *num_embeddings, rows.as_ref())?)
         }
         Op::CrossEntropy { ignore_index, sum } => cross_entropy(x[0], x[1], *ignore_index, *sum),
         Op::CrossEntropyBackward { ignore_index, sum } => {

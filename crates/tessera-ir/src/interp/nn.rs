@@ -3,16 +3,26 @@
 
 use super::kernels::*;
 use super::Value;
+use crate::dist::{ShardOf, TableRows};
 use crate::ops::optim;
 use crate::{AdamWSpec, AttentionSpec, Shape};
 
-pub(super) fn embedding(table: &Value, ids: &Value) -> Result<Value, String> {
+/// The lookup on `rows` of the table (the whole table, or the mesh origin's vocabulary shard:
+/// ids another shard holds read zeros).
+pub(super) fn embedding(
+    table: &Value,
+    ids: &Value,
+    rows: Option<&ShardOf>,
+) -> Result<Value, String> {
     ensure!(table.shape.rank() == 2, "table {} must be [num_embeddings, dim]", table.shape);
     let (v, d) = (table.dims()[0], table.dims()[1]);
+    let rows = TableRows::of(rows, v, None).map_err(|e| e.to_string())?;
     let mut data = Vec::with_capacity(ids.numel() * d);
     for &id in &ids.data {
-        let r = index_in(id, v, "id")?;
-        data.extend_from_slice(&table.data[r * d..(r + 1) * d]);
+        match rows.local(index_in(id, rows.vocab, "id")?) {
+            Some(r) => data.extend_from_slice(&table.data[r * d..(r + 1) * d]),
+            None => data.resize(data.len() + d, 0.0),
+        }
     }
     let mut dims = ids.dims().to_vec();
     dims.push(d);
@@ -23,7 +33,9 @@ pub(super) fn embedding_backward(
     ids: &Value,
     dy: &Value,
     num_embeddings: usize,
+    rows: Option<&ShardOf>,
 ) -> Result<Value, String> {
+    let rows = TableRows::of(rows, num_embeddings, None).map_err(|e| e.to_string())?;
     let d = last_dim(dy)?;
     ensure!(
         dy.numel() == ids.numel() * d,
@@ -33,8 +45,9 @@ pub(super) fn embedding_backward(
     );
     let mut out = vec![0.0; num_embeddings * d];
     for (k, &id) in ids.data.iter().enumerate() {
-        let r = index_in(id, num_embeddings, "id")?;
-        axpy(&mut out[r * d..(r + 1) * d], 1.0, &dy.data[k * d..(k + 1) * d]);
+        if let Some(r) = rows.local(index_in(id, rows.vocab, "id")?) {
+            axpy(&mut out[r * d..(r + 1) * d], 1.0, &dy.data[k * d..(k + 1) * d]);
+        }
     }
     Ok(Value { shape: Shape::from(vec![num_embeddings, d]), data: out })
 }

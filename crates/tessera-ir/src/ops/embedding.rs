@@ -2,6 +2,7 @@
 
 use super::{expect_float, expect_inputs, expect_int, Flops, Op};
 use crate::autodiff::{Grad, VjpCtx};
+use crate::dist::ShardOf;
 use crate::{Result, Shape, TensorMeta};
 
 pub(crate) fn infer(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
@@ -35,9 +36,10 @@ pub(crate) fn flops_backward(x: &[&TensorMeta]) -> Flops {
     Flops::other(x[1].numel())
 }
 
-pub(crate) fn vjp(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Grad>>> {
+/// The table's gradient: this device's rows of it when the table is a vocabulary shard.
+pub(crate) fn vjp(cx: &mut VjpCtx<'_>, rows: Option<ShardOf>) -> Result<Vec<Option<Grad>>> {
     let dy = cx.dy(0)?;
     let num_embeddings = cx.b.graph.shape(cx.x(0)).dim(0);
-    let g = cx.b.push1(Op::EmbeddingBackward { num_embeddings }, &[cx.x(1), dy])?;
+    let g = cx.b.push1(Op::EmbeddingBackward { num_embeddings, rows }, &[cx.x(1), dy])?;
     Ok(vec![Some(Grad::Full(g)), None])
 }

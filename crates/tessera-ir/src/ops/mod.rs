@@ -230,11 +230,20 @@ pub enum Op {
     RmsNormBackward {
         eps: f64,
     },
-    /// Inputs `[table [V, D], ids [..]]` → `[.., D]`.
-    Embedding,
-    /// Inputs `[ids, dy]` → scatter-add into `[num_embeddings, D]`.
+    /// Inputs `[table [V, D], ids [..]]` → `[.., D]`. With `rows`, the table is this device's
+    /// share of the vocabulary's rows (Megatron-LM's vocabulary-parallel embedding; set by the
+    /// planner's lowering): an id outside it reads a zero row, so the output is this device's
+    /// term of a pending sum over the shards.
+    Embedding {
+        #[serde(default)]
+        rows: Option<crate::dist::ShardOf>,
+    },
+    /// Inputs `[ids, dy]` → scatter-add into `[num_embeddings, D]`; with `rows`, into this
+    /// device's rows of the table only (ids outside them add nothing).
     EmbeddingBackward {
         num_embeddings: usize,
+        #[serde(default)]
+        rows: Option<crate::dist::ShardOf>,
     },
     /// Inputs `[logits [.., V], targets [..]]` → `[loss [] f32, logsumexp [..] f32]`: the mean
     /// over the rows whose target is not `ignore_index`, or with `sum` their sum (a loss
@@ -373,7 +382,7 @@ impl Op {
             Op::LayerNormBackward { .. } => "layer_norm_backward",
             Op::RmsNorm { .. } => "rms_norm",
             Op::RmsNormBackward { .. } => "rms_norm_backward",
-            Op::Embedding => "embedding",
+            Op::Embedding { .. } => "embedding",
             Op::EmbeddingBackward { .. } => "embedding_backward",
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
@@ -414,7 +423,7 @@ impl Op {
             | Op::Send(_)
             | Op::Recv(..)
             | Op::Transfer { .. }
-            | Op::Embedding
+            | Op::Embedding { .. }
             | Op::CrossEntropy { .. }
             | Op::Parameter(_)
             | Op::Input(_)
@@ -484,8 +493,8 @@ impl Op {
             Op::LayerNormBackward { .. } => norm::infer_layer_norm_backward(x),
             Op::RmsNorm { .. } => norm::infer_rms_norm(x),
             Op::RmsNormBackward { .. } => norm::infer_rms_norm_backward(x),
-            Op::Embedding => embedding::infer(x),
-            Op::EmbeddingBackward { num_embeddings } => {
+            Op::Embedding { .. } => embedding::infer(x),
+            Op::EmbeddingBackward { num_embeddings, .. } => {
                 embedding::infer_backward(x, *num_embeddings)
             }
             Op::CrossEntropy { .. } => loss::infer(x),
@@ -533,7 +542,7 @@ impl Op {
             Op::LayerNormBackward { .. } => norm::flops_layer_norm_backward(x),
             Op::RmsNorm { .. } => norm::flops_rms_norm(x),
             Op::RmsNormBackward { .. } => norm::flops_rms_norm_backward(x),
-            Op::Embedding => Flops::default(),
+            Op::Embedding { .. } => Flops::default(),
             Op::EmbeddingBackward { .. } => embedding::flops_backward(x),
             Op::CrossEntropy { .. } => loss::flops(x),
             Op::CrossEntropyBackward { .. } => loss::flops_backward(x),
@@ -581,7 +590,7 @@ impl Op {
             | Op::LayerNormBackward { .. }
             | Op::RmsNorm { .. }
             | Op::RmsNormBackward { .. }
-            | Op::Embedding
+            | Op::Embedding { .. }
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyBackward { .. }
@@ -632,7 +641,7 @@ impl Op {
             | Op::LayerNormBackward { .. }
             | Op::RmsNorm { .. }
             | Op::RmsNormBackward { .. }
-            | Op::Embedding
+            | Op::Embedding { .. }
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyBackward { .. }
@@ -679,7 +688,7 @@ impl Op {
             | Op::LayerNormBackward { .. }
             | Op::RmsNorm { .. }
             | Op::RmsNormBackward { .. }
-            | Op::Embedding
+            | Op::Embedding { .. }
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyBackward { .. }
@@ -701,7 +710,7 @@ impl Op {
             // Positions and starts carry no gradient.
             Op::Attention(_) if num_inputs == 4 => vec![true, true, true, false],
             Op::Rope { .. } if num_inputs == 2 => vec![true, false],
-            Op::Embedding => vec![true, false],
+            Op::Embedding { .. } => vec![true, false],
             Op::CrossEntropy { .. } => vec![true, false],
             Op::Dropout { .. } => vec![true, false],
             Op::Unary(_)
@@ -762,7 +771,7 @@ impl Op {
             Op::Expand(_) => layout::vjp_expand(cx),
             Op::LayerNorm { eps } => norm::vjp_layer_norm(cx, *eps),
             Op::RmsNorm { eps } => norm::vjp_rms_norm(cx, *eps),
-            Op::Embedding => embedding::vjp(cx),
+            Op::Embedding { rows } => embedding::vjp(cx, rows.clone()),
             Op::CrossEntropy { ignore_index, sum } => loss::vjp(cx, *ignore_index, *sum),
             Op::Attention(spec) => attention::vjp(cx, spec),
             Op::Rope { inv_freq, inverse } => attention::vjp_rope(cx, inv_freq, *inverse),

@@ -10,17 +10,18 @@
 //!   input features instead;
 //! - what lies between the two by the split that flows from the column-parallel output:
 //!   biases, activations, gating products, the head reshapes, RoPE and attention (by heads);
-//! - the embedding table by its hidden features;
+//! - the embedding table by vocabulary rows (its output a pending sum), or by its hidden
+//!   features where tp does not divide the vocabulary;
 //! - nothing else: norms, residual adds and the loss see whole tensors on the tensor axis —
 //!   or, with `sp` (Megatron's sequence parallelism), their sequence split over it.
 //!
 //! One rule decides column or row: which split the matmul's input arrives in. No op is
 //! recognised by its name, so every model family built from the IR's ops gets the layout.
 //! Where Megatron-LM differs:
-//! - its embedding and loss are vocabulary-parallel (the table split by rows, the loss computed
-//!   on split logits), while here the table splits by its hidden features — the same bytes per
-//!   device — and the loss gathers the logits' vocabulary (or, with `sp`, takes its share of
-//!   the sequence);
+//! - its loss is vocabulary-parallel (computed on split logits), while here the loss gathers
+//!   the logits' vocabulary (or, with `sp`, takes its share of the sequence); it pads a
+//!   vocabulary tp does not divide, where here the table splits by its hidden features and
+//!   the head by its input features instead (the same bytes per device);
 //! - a fused q/k/v weight in Hugging Face's `[q | k | v]` column order (GPT-2's `c_attn`)
 //!   splits by contiguous columns, the same bytes per device, where Megatron-LM stores it
 //!   interleaved per head: q, k and v are gathered after it, and each device takes its heads.
@@ -119,12 +120,16 @@ pub(super) fn tp_labels(
                 let column = l.outputs[0].last().copied().flatten();
                 let divides =
                     |lab: Option<usize>| lab.is_some_and(|x| l.sizes[x].is_multiple_of(tp));
+                // A table split by its hidden features (a vocabulary tp does not divide).
                 let tied = tied_head_rows
-                    && weight_param(g, n.inputs[1]).is_some_and(|p| tables.contains(&p));
+                    && weight_param(g, n.inputs[1]).is_some_and(|p| {
+                        tables.contains(&p) && !g.meta(p).shape.dims()[0].is_multiple_of(tp)
+                    });
                 if split[n.inputs[0].index()] == Some(k_dim) || (tied && row.is_some()) {
-                    // Row-parallel: a pending sum leaves. (A head tied to the embedding, when
-                    // generating, splits as the table is stored — by the hidden features —
-                    // so each step all-reduces [B, 1, V] logits instead of moving the table.)
+                    // Row-parallel: a pending sum leaves. (A head tied to an embedding table
+                    // split by its hidden features, when generating, splits as the table is
+                    // stored, so each step all-reduces [B, 1, V] logits instead of moving the
+                    // table; a table split by vocabulary rows is already the column split.)
                     (row, false)
                 } else if divides(column) || !divides(row) {
                     (column, true) // column-parallel
@@ -135,8 +140,18 @@ pub(super) fn tp_labels(
                     (row, false)
                 }
             }
-            // The table by its hidden features; its output is reduced to whole.
-            Op::Embedding => (l.inputs[0][1], false),
+            // Vocabulary-parallel: the table by rows, its output a pending sum reduced to
+            // whole (or, with `sp`, scattered over the sequence). A vocabulary tp does not
+            // divide (GPT-2's 50257, which Megatron-LM pads) splits the hidden features
+            // instead, the same bytes per device.
+            Op::Embedding { .. } => {
+                let (vocab, hidden) = (l.inputs[0][0], l.inputs[0][1]);
+                if vocab.is_some_and(|v| l.sizes[v].is_multiple_of(tp)) {
+                    (vocab, false)
+                } else {
+                    (hidden, false)
+                }
+            }
             // Attention (and RoPE before it) by heads, whatever split arrives: where q, k and v
             // come whole (GPT-2's fused c_attn, sliced), each device takes its heads locally.
             Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => (l.inputs[0][2], true),
@@ -200,7 +215,7 @@ fn weight_param(g: &Graph, t: tessera_ir::TensorId) -> Option<tessera_ir::Tensor
 fn embedding_tables(g: &Graph) -> Vec<tessera_ir::TensorId> {
     g.nodes
         .iter()
-        .filter(|n| matches!(n.op, Op::Embedding))
+        .filter(|n| matches!(n.op, Op::Embedding { .. }))
         .filter_map(|n| weight_param(g, n.inputs[0]))
         .collect()
 }

@@ -9,6 +9,7 @@ use super::reduce::par_rows;
 use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
+use tessera_ir::dist::TableRows;
 
 /// The first id outside `0..vocab`, as a clear data error.
 fn check_ids(op: &str, ids: &[i64], vocab: usize) -> Result<()> {
@@ -22,8 +23,20 @@ fn check_ids(op: &str, ids: &[i64], vocab: usize) -> Result<()> {
     }
 }
 
-/// `table [V, D]`, `ids [..]` → `[.., D]`.
-pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+/// A table of `count` rows must be the shard `rows` describes.
+fn check_rows(op: &str, rows: &TableRows, count: usize) -> Result<()> {
+    if rows.count != count {
+        return Err(RuntimeError::Binding(format!(
+            "{op}: the table has {count} rows, its shard {} (of {})",
+            rows.count, rows.vocab
+        )));
+    }
+    Ok(())
+}
+
+/// `table [V, D]`, `ids [..]` → `[.., D]`: the table is `rows` of the vocabulary (all of it,
+/// or a device's shard: ids another shard holds read zero rows).
+pub fn embedding(table: &Tensor, ids: &Tensor, rows: &TableRows) -> Result<Tensor> {
     expect_f32(table, "embedding", "table")?;
     expect_i64(ids, "embedding", "ids")?;
     let &[v, d] = table.dims() else {
@@ -34,12 +47,14 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     };
     let (tc, ic) = (contiguous(table)?, contiguous(ids)?);
     let (ts, is) = (read::<f32>(&tc)?, read::<i64>(&ic)?);
-    check_ids("embedding", &is, v)?;
+    check_ids("embedding", &is, rows.vocab)?;
+    check_rows("embedding", rows, v)?;
     let mut out = vec![0f32; is.len() * d];
     if d > 0 {
         par_rows(&mut out, d, |r, orow| {
-            let id = is[r] as usize;
-            orow.copy_from_slice(&ts[id * d..(id + 1) * d]);
+            if let Some(row) = rows.local(is[r] as usize) {
+                orow.copy_from_slice(&ts[row * d..(row + 1) * d]);
+            }
         });
     }
     let mut dims = ids.dims().to_vec();
@@ -47,8 +62,14 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     from_vec(out, &dims)
 }
 
-/// `ids [..]`, `dy [.., D]` → `[num_embeddings, D]`, the rows of `dy` summed by id.
-pub fn embedding_backward(ids: &Tensor, dy: &Tensor, num_embeddings: usize) -> Result<Tensor> {
+/// `ids [..]`, `dy [.., D]` → `[num_embeddings, D]`, the rows of `dy` summed by id: the table's
+/// `rows` (all of it, or a device's shard, to which ids another shard holds add nothing).
+pub fn embedding_backward(
+    ids: &Tensor,
+    dy: &Tensor,
+    num_embeddings: usize,
+    rows: &TableRows,
+) -> Result<Tensor> {
     expect_i64(ids, "embedding_backward", "ids")?;
     expect_f32(dy, "embedding_backward", "dy")?;
     let (idd, dyd) = (ids.dims(), dy.dims());
@@ -60,21 +81,26 @@ pub fn embedding_backward(ids: &Tensor, dy: &Tensor, num_embeddings: usize) -> R
     let d = dyd[idd.len()];
     let (ic, gc) = (contiguous(ids)?, contiguous(dy)?);
     let (is, gs) = (read::<i64>(&ic)?, read::<f32>(&gc)?);
-    check_ids("embedding_backward", &is, num_embeddings)?;
+    check_ids("embedding_backward", &is, rows.vocab)?;
+    check_rows("embedding_backward", rows, num_embeddings)?;
     let n = numel(idd);
-    // start[v]..start[v + 1] indexes `order`, the positions holding id v, in token order.
+    // start[v]..start[v + 1] indexes `order`, the positions holding local row v, in token
+    // order (positions whose id another shard holds are left out).
+    let local: Vec<Option<usize>> = is.iter().map(|&id| rows.local(id as usize)).collect();
     let mut start = vec![0usize; num_embeddings + 1];
-    for &id in is.iter() {
-        start[id as usize + 1] += 1;
+    for r in local.iter().flatten() {
+        start[r + 1] += 1;
     }
     for v in 0..num_embeddings {
         start[v + 1] += start[v];
     }
     let mut next = start.clone();
     let mut order = vec![0usize; n];
-    for (k, &id) in is.iter().enumerate() {
-        order[next[id as usize]] = k;
-        next[id as usize] += 1;
+    for (k, r) in local.iter().enumerate() {
+        if let Some(r) = *r {
+            order[next[r]] = k;
+            next[r] += 1;
+        }
     }
     drop(next);
     let mut out = vec![0f32; num_embeddings * d];

@@ -27,7 +27,7 @@ pub use loss::check_targets;
 
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
-use tessera_ir::dist::MeshPos;
+use tessera_ir::dist::{MeshPos, TableRows};
 use tessera_ir::{Op, TensorMeta};
 
 /// Runs one op on the only device of a 1-device mesh. `out` are the IR's output metas
@@ -80,9 +80,14 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::LayerNormBackward { eps } => norm::layer_norm_backward(x[0], x[1], x[2], *eps),
         Op::RmsNorm { eps } => one(norm::rms_norm(x[0], x[1], *eps)?),
         Op::RmsNormBackward { eps } => norm::rms_norm_backward(x[0], x[1], x[2], *eps),
-        Op::Embedding => one(embedding::embedding(x[0], x[1])?),
-        Op::EmbeddingBackward { num_embeddings } => {
-            one(embedding::embedding_backward(x[0], x[1], *num_embeddings)?)
+        Op::Embedding { rows } => {
+            let table_rows =
+                TableRows::of(rows.as_ref(), x[0].dims().first().copied().unwrap_or(0), Some(at))?;
+            one(embedding::embedding(x[0], x[1], &table_rows)?)
+        }
+        Op::EmbeddingBackward { num_embeddings, rows } => {
+            let table_rows = TableRows::of(rows.as_ref(), *num_embeddings, Some(at))?;
+            one(embedding::embedding_backward(x[0], x[1], *num_embeddings, &table_rows)?)
         }
         Op::CrossEntropy { ignore_index, sum } => {
             loss::cross_entropy(x[0], x[1], *ignore_index, *sum)
