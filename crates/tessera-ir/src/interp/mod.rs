@@ -69,6 +69,9 @@
 //! - **`Dropout`**: the seed (an i64 scalar) is reinterpreted as `u64`; element `k` (flat
 //!   row-major index of the whole tensor) is kept iff [`dropout_keep`]`(seed, stream, k, p)`,
 //!   and kept elements are scaled by `1/(1−p)`.
+//! - **`Embedding`** gathers table rows by id (an id outside the vocabulary is an error); with
+//!   `rows` (a vocabulary shard) the table holds the mesh origin's rows, and ids outside them
+//!   read zeros (their gradient adds nothing).
 //! - **Layout ops** copy (`Reshape` and `Expand` are views only for memory accounting); `Pad`
 //!   fills with zeros; `Permute(perm)` gives output dim `i` the input's dim `perm[i]`.
 //! - **`AdamW`** implements the formula in the doc comment of [`Op::AdamW`] exactly (the
