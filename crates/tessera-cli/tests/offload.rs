@@ -302,25 +302,38 @@ fn a_large_model_on_one_consumer_gpu_is_an_offloaded_plan_not_an_error() {
 
 #[test]
 fn an_offloaded_plan_is_not_exported_as_something_else() {
-    // The engines' files would drop the offload: refused, naming it, with plans that export.
-    let (ok, out, err) = tessera(&[
-        "plan",
-        "--model",
-        "gpt2-tiny",
-        "--cluster",
-        "1xcpu",
-        "--batch",
-        "4",
-        "--seq",
-        "64",
-        "--host-memory",
-        "1GiB",
-        "--plan",
-        "dp1 tp1 offload=opt",
-        "--export",
-        "deepspeed",
-    ]);
+    let export = |config: &str| {
+        tessera(&[
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--cluster",
+            "1xcpu",
+            "--batch",
+            "4",
+            "--seq",
+            "64",
+            "--host-memory",
+            "1GiB",
+            "--plan",
+            config,
+            "--export",
+            "deepspeed",
+        ])
+    };
+    // `offload=opt` keeps gradients on the device until the step, which DeepSpeed's
+    // offload_optimizer does not: refused, naming both, with a plan that exports.
+    let (ok, out, err) = export("dp1 tp1 offload=opt");
     assert!(!ok, "{out}");
-    assert!(err.contains("offloads model state") && err.contains("offload=opt"), "{err}");
-    assert!(err.contains("dp1 tp1"), "names a plan without offload: {err}");
+    assert!(err.contains("offload=opt") && err.contains("offload=grads+opt"), "{err}");
+    assert!(err.contains("export it with --plan \"dp1 tp1"), "names a plan that exports: {err}");
+    // `offload=grads+opt` is DeepSpeed's ZeRO-Offload; on one data-parallel rank, ZeRO-1
+    // (which it needs) partitions nothing.
+    let (ok, out, err) = export("dp1 tp1 offload=grads+opt");
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let z = &v["zero_optimization"];
+    assert_eq!(z["offload_optimizer"]["device"], "cpu", "{out}");
+    assert_eq!(z["stage"], 1, "{out}");
+    assert!(z.get("offload_param").is_none(), "{out}");
 }
