@@ -6,7 +6,8 @@
 // Layouts: q, out, dO [B,S,H,D]; k, v [B,T,Hkv,D] (GQA: query head h reads kv head
 // h / (H/Hkv)); lse and delta [B,H,S] f32. The forward saves what the CPU kernel saves (the
 // output and the log-sum-exp of the scaled, biased scores); the backward recomputes the
-// probabilities tile by tile. Neither materialises an S×T matrix.
+// probabilities tile by tile. Neither materialises an S×T matrix. Tiles reach shared memory
+// by `cp.async` into two stages, the next tile landing while the current one is computed on.
 //
 // Fragment layouts of m16n8k16 (lane = 4·g + t): A (16×16, row-major) registers hold
 // (row g, k 2t..2t+1), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); B (16×8)

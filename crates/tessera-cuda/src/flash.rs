@@ -5,8 +5,9 @@
 //! bf16 MMA (compute capability 8.0); anything else falls back to [`crate::attention`] (cuBLAS
 //! scores on f32 operands).
 //!
-//! Numerics: scores, softmax and accumulation in f32; the probabilities (and dS) are rounded
-//! to bf16 for the products with V (and Q, K), as FlashAttention does. The forward saves the
+//! Numerics: scores, softmax and accumulation in f32, the exponentials as 2^x with log2 e
+//! folded into the scale (`ex2.approx`, as FlashAttention takes them); the probabilities (and
+//! dS) are rounded to bf16 for the products with V (and Q, K), as FlashAttention does. The forward saves the
 //! output and the log-sum-exp, exactly what the CPU kernel saves, so the memory accountant's
 //! charge is unchanged; its scratch is none (forward) or the f32 dQ accumulator and the row
 //! sums D (backward).
