@@ -28,6 +28,11 @@ pub struct OpTimer {
     pub on: Arc<AtomicBool>,
     /// Op name → (calls, seconds).
     pub times: Arc<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
+    /// While set (and `on` is not), the host's time inside each op's dispatch, with no
+    /// synchronisation: (ops, seconds). Launches are asynchronous, so this is what issuing
+    /// a step costs the host — unless the launch queue is full, when it waits on the GPU.
+    pub issue: Arc<AtomicBool>,
+    pub issued: Arc<Mutex<(u64, f64)>>,
 }
 
 /// One GPU as a backend.
@@ -128,7 +133,18 @@ impl Backend for CudaBackend {
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
         match self.timer.as_ref().filter(|t| t.on.load(Ordering::Relaxed)) {
-            None => self.execute_impl(op, inputs, outputs, at),
+            None => match self.timer.as_ref().filter(|t| t.issue.load(Ordering::Relaxed)) {
+                None => self.execute_impl(op, inputs, outputs, at),
+                Some(timer) => {
+                    let t0 = std::time::Instant::now();
+                    let out = self.execute_impl(op, inputs, outputs, at)?;
+                    let mut issued =
+                        timer.issued.lock().map_err(|_| bad("cuda: timer lock poisoned".into()))?;
+                    issued.0 += 1;
+                    issued.1 += t0.elapsed().as_secs_f64();
+                    Ok(out)
+                }
+            },
             Some(timer) => {
                 self.gpu.synchronize()?;
                 let t0 = std::time::Instant::now();

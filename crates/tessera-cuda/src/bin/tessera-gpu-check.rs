@@ -8,8 +8,9 @@
 //! 3. **Memory**: the profiler's predicted peak, the accountant's, and the caching
 //!    allocator's (Program tensors; scratch beside), plus the driver's used-memory delta.
 //! 4. **Calibration**: bf16 GEMM FLOP/s and device-to-device copy bandwidth.
-//! 5. **Speed**: tokens/s of bf16 training steps of GPT-2-medium and a 1.3B LLaMA, with a
-//!    synced per-op breakdown.
+//! 5. **Speed**: tokens/s of bf16 training steps of GPT-2-medium and a 1.3B LLaMA, the host's
+//!    own time to issue a step (`host_issue_s` over `ops_per_step` dispatches), and a synced
+//!    per-op breakdown.
 //! 6. **NCCL** (only when named): the communicator conformance suite on NCCL and a training
 //!    step through the SPMD path with an NCCL communicator (`tessera_cuda::nccl_check`).
 //!
@@ -386,6 +387,15 @@ fn speed(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DType, st
     gpu.synchronize().expect("sync");
     let secs = t0.elapsed().as_secs_f64() / steps as f64;
     let peak = gpu.memory();
+    // One step timing the host's own work per op (no synchronisation): if issuing the step
+    // takes as long as running it, the host is the bottleneck (launch overhead, CUDA graphs).
+    timer.issue.store(true, std::sync::atomic::Ordering::Relaxed);
+    let t1 = Instant::now();
+    t.step(&data[1].0, &data[1].1).expect("issue-timed step");
+    gpu.synchronize().expect("sync");
+    let issue_step = t1.elapsed().as_secs_f64();
+    timer.issue.store(false, std::sync::atomic::Ordering::Relaxed);
+    let (ops, issue_s) = *timer.issued.lock().unwrap();
     // One more step with a synchronisation around every op: where the time goes.
     timer.on.store(true, std::sync::atomic::Ordering::Relaxed);
     t.step(&data[0].0, &data[0].1).expect("timed step");
@@ -397,7 +407,7 @@ fn speed(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DType, st
     let top: Vec<String> =
         by.iter().take(12).map(|(k, (c, s))| format!("\"{k}\":[{c},{s:.4}]")).collect();
     println!(
-        "{{\"check\":\"speed\",\"model\":\"{model}\",\"dtype\":\"{dtype:?}\",\"batch\":{batch},\"seq\":{seq},\"init_s\":{init:.1},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"flops_per_step\":{flops},\"tflops\":{:.2},\"program_peak\":{},\"scratch_peak\":{},\"synced_op_seconds\":{total:.4},\"by_op\":{{{}}}}}",
+        "{{\"check\":\"speed\",\"model\":\"{model}\",\"dtype\":\"{dtype:?}\",\"batch\":{batch},\"seq\":{seq},\"init_s\":{init:.1},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"flops_per_step\":{flops},\"tflops\":{:.2},\"program_peak\":{},\"scratch_peak\":{},\"ops_per_step\":{ops},\"host_issue_s\":{issue_s:.4},\"issue_step_s\":{issue_step:.4},\"synced_op_seconds\":{total:.4},\"by_op\":{{{}}}}}",
         (batch * seq) as f64 / secs, flops as f64 / secs / 1e12, peak.program.peak, peak.scratch.peak, top.join(",")
     );
 }
