@@ -112,7 +112,8 @@ fn offload_problem(o: Offload, cfg: &ParallelConfig) -> Option<String> {
             cfg.zero
         ));
     }
-    if cfg.zero == 0 && cfg.dp * cfg.tp > 1 {
+    // (Tensor parallelism is refused before: the replicas are `dp`.)
+    if cfg.zero == 0 && cfg.dp > 1 {
         return Some(
             "DeepSpeed's offload_optimizer runs under ZeRO-1 and above; without ZeRO every \
              replica would hold and step the whole optimizer state on its host"

@@ -122,9 +122,8 @@ pub(super) fn tp_labels(
                     |lab: Option<usize>| lab.is_some_and(|x| l.sizes[x].is_multiple_of(tp));
                 // A table split by its hidden features (a vocabulary tp does not divide).
                 let tied = tied_head_rows
-                    && weight_param(g, n.inputs[1]).is_some_and(|p| {
-                        tables.contains(&p) && !g.meta(p).shape.dims()[0].is_multiple_of(tp)
-                    });
+                    && weight_param(g, n.inputs[1])
+                        .is_some_and(|p| tables.contains(&p) && !splits_vocabulary(g.meta(p), tp));
                 if split[n.inputs[0].index()] == Some(k_dim) || (tied && row.is_some()) {
                     // Row-parallel: a pending sum leaves. (A head tied to an embedding table
                     // split by its hidden features, when generating, splits as the table is
@@ -146,7 +145,7 @@ pub(super) fn tp_labels(
             // instead, the same bytes per device.
             Op::Embedding { .. } => {
                 let (vocab, hidden) = (l.inputs[0][0], l.inputs[0][1]);
-                if vocab.is_some_and(|v| l.sizes[v].is_multiple_of(tp)) {
+                if splits_vocabulary(g.meta(n.inputs[0]), tp) {
                     (vocab, false)
                 } else {
                     (hidden, false)
@@ -191,6 +190,12 @@ pub(super) fn tp_labels(
         }
     }
     Ok(pins)
+}
+
+/// Whether `tpN` splits an embedding table `[vocab, hidden]` by vocabulary rows: where tp
+/// divides the vocabulary (else by its hidden features).
+fn splits_vocabulary(table: &TensorMeta, tp: usize) -> bool {
+    table.shape.dims().first().is_some_and(|v| v.is_multiple_of(tp))
 }
 
 /// A matmul operand that is a parameter, possibly through casts and layout changes.
