@@ -58,7 +58,11 @@ fn parse_tokens(s: &str) -> Result<Vec<i64>> {
 }
 
 pub fn run(args: &EvalArgs) -> Result<()> {
-    let cfg = ModelConfig::from_path(&args.model_dir)?.without_dropout();
+    let cfg = if args.model_dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
+        ModelConfig::resolve(&args.model_dir.display().to_string())?
+    } else {
+        ModelConfig::from_path(&args.model_dir)?.without_dropout()
+    };
     match (&cfg, &args.tokens) {
         (ModelConfig::Vit(_), _) => eval_images(args, &cfg),
         (ModelConfig::Bert(_), _) => bail!(

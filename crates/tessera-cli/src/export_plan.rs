@@ -122,7 +122,8 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             hidden_dropout: c.hidden_dropout,
             attention_dropout: 0.0,
         },
-        ModelConfig::Vit(_) | ModelConfig::Mlp(_) => ModelShape {
+        // An imported graph names no architecture an engine would rebuild.
+        ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => ModelShape {
             name,
             family: Family::Other,
             layers: 0,

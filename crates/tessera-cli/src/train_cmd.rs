@@ -542,6 +542,13 @@ pub fn prepare(
                     .with_context(|| format!("--init {}", dir.display()))?;
                 (Start::Weights(weights), 0, make_schedule(args), None)
             }
+            // An ONNX file carries its weights: training starts from them.
+            None if matches!(cfg, ModelConfig::Onnx(_)) => {
+                let file = std::path::Path::new(&args.model);
+                let weights = open_weights(file, &global_train.graph)
+                    .with_context(|| format!("--model {}: its initialisers", file.display()))?;
+                (Start::Weights(weights), 0, make_schedule(args), None)
+            }
             None => {
                 let rules = init_rules_by_name(&global_train.graph);
                 (Start::Fresh(rules), 0, make_schedule(args), None)

@@ -9,8 +9,8 @@
 //!   least 2), and `--steps 15` is added where a `train` gives none (its default is 150), so
 //!   the suite stays short; everything a command says about checkpoints, plans, devices and
 //!   data still happens;
-//! - placeholders ([`PLACEHOLDERS`]) become files: a Hugging Face `config.json` fixture, a
-//!   text file and an offload directory; the repository's `data/` is linked into the scratch
+//! - placeholders ([`PLACEHOLDERS`]) become files: a Hugging Face `config.json` fixture, an
+//!   ONNX fixture, a text file and an offload directory; the repository's `data/` is linked into the scratch
 //!   directory.
 //!
 //! A command whose README comment says it fails ([`FAILS`]) must fail with the message named.
@@ -63,6 +63,7 @@ const PLACEHOLDERS: &[(&str, &str)] = &[
     ("path/to/config.json", "crates/tessera-cli/tests/fixtures/hf/llama/config.json"),
     ("my.txt", "my.txt"),
     ("/mnt/nvme/tessera", "nvme-dir"),
+    ("my-model.onnx", "crates/tessera-cli/tests/fixtures/onnx/llama/model.onnx"),
 ];
 
 /// Commands the README says fail, and a fragment of the error they must print.

@@ -61,6 +61,10 @@ pub enum ModelError {
     /// model file, reported rather than panicking.
     #[error("building the graph failed: {0}")]
     Ir(#[from] IrError),
+
+    /// An ONNX model that cannot be read or imported.
+    #[error("{0}")]
+    Onnx(#[from] tessera_onnx::OnnxError),
 }
 
 fn missing_field_message(model_type: &str, field: &str) -> String {

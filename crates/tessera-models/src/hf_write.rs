@@ -46,6 +46,12 @@ impl ModelConfig {
             ModelConfig::Vit(c) => vit(c),
             ModelConfig::Mlp(c) => mlp(c),
             ModelConfig::Bloom(c) => bloom(c),
+            // No transformers class reads an ONNX graph: the file it came from is recorded.
+            ModelConfig::Onnx(c) => {
+                let mut m = Map::new();
+                m.insert("onnx_model".into(), json!(c.path));
+                m
+            }
         };
         map.insert("_name_or_path".into(), json!(self.name()));
         map.insert("model_type".into(), json!(self.model_type()));

@@ -31,6 +31,7 @@ mod hf_write;
 mod llama;
 mod mlp;
 mod nn;
+mod onnx;
 mod presets;
 pub mod rope;
 mod vit;
@@ -43,6 +44,7 @@ pub use config::{
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;
 pub use nn::{Quantize, QuantizedWeight, IGNORE_INDEX, INT4_GROUP};
+pub use onnx::{OnnxConfig, OnnxTask};
 pub use presets::PRESETS;
 pub use rope::RopeScaling;
 
@@ -62,6 +64,8 @@ pub enum ModelConfig {
     Mlp(MlpConfig),
     /// BLOOM (`BloomForCausalLM`): ALiBi positions.
     Bloom(BloomConfig),
+    /// A model imported from an ONNX file (`torch.onnx.export`).
+    Onnx(OnnxConfig),
 }
 
 impl ModelConfig {
@@ -91,7 +95,8 @@ impl ModelConfig {
                 (p.hidden_dropout, p.attention_dropout) = (0.0, 0.0);
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
-            ModelConfig::Llama(_) | ModelConfig::Mlp(_) => self.clone(),
+            // An ONNX file exported in eval mode holds no dropout.
+            ModelConfig::Llama(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => self.clone(),
         }
     }
 
@@ -120,12 +125,15 @@ impl ModelConfig {
         presets::preset(name)
     }
 
-    /// A preset name, else a path to a config.json or a directory holding one.
+    /// A preset name, else a path to an ONNX file, a config.json or a directory holding one.
     pub fn resolve(spec: &str) -> Result<ModelConfig> {
         if PRESETS.contains(&spec) {
             return presets::preset(spec);
         }
         let path = Path::new(spec);
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
+            return OnnxConfig::open(path).map(ModelConfig::Onnx);
+        }
         if path.exists() {
             return ModelConfig::from_path(path);
         }
@@ -141,10 +149,11 @@ impl ModelConfig {
             ModelConfig::Vit(c) => &c.name,
             ModelConfig::Mlp(c) => &c.name,
             ModelConfig::Bloom(c) => &c.name,
+            ModelConfig::Onnx(c) => &c.name,
         }
     }
 
-    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp` or `bloom`.
+    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom` or `onnx`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::Gpt2(_) => "gpt2",
@@ -153,6 +162,7 @@ impl ModelConfig {
             ModelConfig::Vit(_) => "vit",
             ModelConfig::Mlp(_) => "mlp",
             ModelConfig::Bloom(_) => "bloom",
+            ModelConfig::Onnx(_) => "onnx",
         }
     }
 
@@ -173,6 +183,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.num_hidden_layers,
             ModelConfig::Mlp(c) => c.hidden_dims.len(),
             ModelConfig::Bloom(c) => c.n_layer,
+            ModelConfig::Onnx(c) => c.num_blocks,
         }
     }
 
@@ -185,6 +196,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.hidden_size,
             ModelConfig::Mlp(c) => c.hidden_dims.iter().copied().max().unwrap_or(c.input_dim),
             ModelConfig::Bloom(c) => c.hidden_size,
+            ModelConfig::Onnx(c) => c.widest,
         }
     }
 
@@ -196,7 +208,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.num_attention_heads),
             ModelConfig::Vit(c) => Some(c.num_attention_heads),
             ModelConfig::Bloom(c) => Some(c.n_head),
-            ModelConfig::Mlp(_) => None,
+            ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => None,
         }
     }
 
@@ -215,6 +227,7 @@ impl ModelConfig {
             ModelConfig::Llama(c) => Some(c.vocab_size),
             ModelConfig::Bert(c) => Some(c.vocab_size),
             ModelConfig::Bloom(c) => Some(c.vocab_size),
+            ModelConfig::Onnx(c) => c.vocab_size(),
             ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
         }
     }
@@ -225,6 +238,7 @@ impl ModelConfig {
         match self {
             ModelConfig::Gpt2(c) => Some(c.n_positions),
             ModelConfig::Bert(c) => Some(c.max_position_embeddings),
+            ModelConfig::Onnx(c) => c.fixed_seq(),
             ModelConfig::Llama(_)
             | ModelConfig::Bloom(_)
             | ModelConfig::Vit(_)
@@ -238,6 +252,10 @@ impl ModelConfig {
         match self {
             ModelConfig::Vit(c) => c.seq_len(),
             ModelConfig::Mlp(_) => 1,
+            ModelConfig::Onnx(c) => match c.task {
+                OnnxTask::CausalLm { .. } => c.fixed_seq().unwrap_or(requested),
+                OnnxTask::ImageClassifier { .. } => 1,
+            },
             ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
@@ -254,6 +272,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
+            ModelConfig::Onnx(_) => None,
         }
     }
 
@@ -267,6 +286,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.num_parameters(),
             ModelConfig::Mlp(c) => c.num_parameters(),
             ModelConfig::Bloom(c) => c.num_parameters(),
+            ModelConfig::Onnx(c) => c.num_parameters,
         }
     }
 
@@ -290,6 +310,7 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => {
                 (max(&[c.vocab_size, 3 * c.hidden_size, c.mlp_width()]), c.hidden_size)
             }
+            ModelConfig::Onnx(c) => (c.widest, c.widest),
         }
     }
 }
@@ -469,7 +490,7 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         ModelConfig::Gpt2(c) => gpt2::build(c, &build_opts, Some(opts))?,
         ModelConfig::Llama(c) => llama::build(c, &build_opts, Some(opts))?,
         ModelConfig::Bloom(c) => bloom::build(c, &build_opts, Some(opts))?,
-        ModelConfig::Bert(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) => {
+        ModelConfig::Bert(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -520,6 +541,7 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Bert(c) => bert::build(c, &opts),
         ModelConfig::Vit(c) => vit::build(c, &opts),
         ModelConfig::Mlp(c) => mlp::build(c, &opts),
+        ModelConfig::Onnx(c) => onnx::build(c, &opts),
     }
 }
 

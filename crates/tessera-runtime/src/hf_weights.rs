@@ -449,13 +449,44 @@ pub fn load_hf_weights(path: &Path, graph: &Graph) -> Result<Vec<(TensorId, Tens
         .collect()
 }
 
+/// The initialisers of an ONNX file (`torch.onnx.export` writes a model's weights into it)
+/// as whole tensors by name, each checked against `graph`'s parameter of that name.
+pub fn onnx_weights(path: &Path, graph: &Graph) -> Result<HashMap<String, Tensor>> {
+    let model = tessera_onnx::OnnxModel::open(path).map_err(|e| err(e.to_string()))?;
+    let mut out = HashMap::new();
+    let mut problems = Problems::default();
+    for p in graph.parameters() {
+        let (name, want) = (graph.tensor_scope(p), graph.shape(p).dims());
+        match model.weights_f32(name).map_err(|e| err(e.to_string()))? {
+            None => problems.missing.push(format!("{name} {want:?}")),
+            Some((shape, _)) if shape != want => {
+                problems.shape.push(format!("{name}: file {shape:?}, model {want:?}"))
+            }
+            Some((shape, data)) => {
+                out.insert(
+                    name.to_string(),
+                    Tensor::from_vec(data, shape, &candle_core::Device::Cpu)?,
+                );
+            }
+        }
+    }
+    if problems.count() > 0 {
+        return Err(problems.into_error(path));
+    }
+    Ok(out)
+}
+
 /// The model weights in any directory `train` or `transformers` writes, as a source each
 /// device reads its shards from: Hugging Face weights (`model.safetensors` or an index) or a
-/// sharded Tessera checkpoint, mapped and checked against `graph` by name and shape.
+/// sharded Tessera checkpoint, mapped and checked against `graph` by name and shape; or an
+/// ONNX file's initialisers ([`onnx_weights`]).
 pub fn open_weights(
     dir: &Path,
     graph: &Graph,
 ) -> Result<Box<dyn crate::mapped::ShardSource + Send>> {
+    if dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
+        return Ok(Box::new(onnx_weights(dir, graph)?));
+    }
     if !crate::dist_checkpoint::is_sharded(dir) {
         return Ok(Box::new(HfWeights::open(dir, graph)?));
     }

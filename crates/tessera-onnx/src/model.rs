@@ -1,0 +1,195 @@
+//! An ONNX file read and checked once: its graph, initialisers by name, the graph inputs
+//! and outputs with their dynamic axes, and the summary the CLI reports.
+
+use crate::error::{OnnxError, Result};
+use crate::tensor::{decode, elem_of, Const, Elem};
+use onnx_protobuf::{GraphProto, Message, ModelProto};
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+/// One dimension of a graph input or output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Dim {
+    Fixed(usize),
+    /// A dynamic axis (`dim_param`), bound at import to the batch or the sequence length.
+    Named(String),
+}
+
+/// A graph input or output: name, element kind and dimensions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Port {
+    pub name: String,
+    pub elem: Elem,
+    pub dims: Vec<Dim>,
+}
+
+/// A parsed ONNX model.
+#[derive(Debug)]
+pub struct OnnxModel {
+    pub path: PathBuf,
+    pub(crate) graph: GraphProto,
+    pub(crate) inits: HashMap<String, usize>,
+    /// Graph inputs that are data (not initialisers), in order.
+    pub inputs: Vec<Port>,
+    pub outputs: Vec<Port>,
+    /// The default-domain opset the file declares.
+    pub opset: i64,
+}
+
+/// The oldest default-domain opset the importer reads (LayerNormalization is opset 17).
+pub const MIN_OPSET: i64 = 13;
+
+impl OnnxModel {
+    /// Reads and checks `path`.
+    pub fn open(path: &Path) -> Result<OnnxModel> {
+        let bytes = std::fs::read(path)
+            .map_err(|source| OnnxError::Io { path: path.display().to_string(), source })?;
+        OnnxModel::from_bytes(&bytes, path)
+    }
+
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<OnnxModel> {
+        let p = path.display().to_string();
+        let model = ModelProto::parse_from_bytes(bytes)
+            .map_err(|e| OnnxError::Parse { path: p.clone(), reason: e.to_string() })?;
+        let bad = |reason: String| OnnxError::Model { path: p.clone(), reason };
+        let graph = model.graph.into_option().ok_or_else(|| bad("the file has no graph".into()))?;
+        let opset = model
+            .opset_import
+            .iter()
+            .find(|o| o.domain.is_empty() || o.domain == "ai.onnx")
+            .map(|o| o.version)
+            .ok_or_else(|| bad("the file declares no default-domain opset".into()))?;
+        if opset < MIN_OPSET {
+            return Err(bad(format!(
+                "opset {opset} is older than {MIN_OPSET}; export with opset_version=17"
+            )));
+        }
+        if let Some(n) = graph.node.iter().find(|n| !(n.domain.is_empty() || n.domain == "ai.onnx"))
+        {
+            return Err(OnnxError::UnsupportedOp {
+                op: format!("{}::{}", n.domain, n.op_type),
+                node: n.name.clone(),
+                used_by: "the graph".into(),
+                supported: "operators of the default ONNX domain only".into(),
+            });
+        }
+        let inits: HashMap<String, usize> =
+            graph.initializer.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        let port = |v: &onnx_protobuf::ValueInfoProto| -> Result<Port> {
+            let t = v.type_.tensor_type();
+            let elem = elem_of(t.elem_type)
+                .ok_or_else(|| bad(format!("{} has element type {}", v.name, t.elem_type)))?;
+            let dims = t
+                .shape
+                .dim
+                .iter()
+                .map(|d| match &d.value {
+                    Some(onnx_protobuf::tensor_shape_proto::dimension::Value::DimValue(n)) => {
+                        usize::try_from(*n)
+                            .map(Dim::Fixed)
+                            .map_err(|_| bad(format!("{} has dimension {n}", v.name)))
+                    }
+                    Some(onnx_protobuf::tensor_shape_proto::dimension::Value::DimParam(s)) => {
+                        Ok(Dim::Named(s.clone()))
+                    }
+                    _ => Ok(Dim::Named(String::new())),
+                })
+                .collect::<Result<Vec<Dim>>>()?;
+            Ok(Port { name: v.name.clone(), elem, dims })
+        };
+        let inputs = graph
+            .input
+            .iter()
+            .filter(|v| !inits.contains_key(&v.name))
+            .map(port)
+            .collect::<Result<Vec<_>>>()?;
+        let outputs = graph.output.iter().map(port).collect::<Result<Vec<_>>>()?;
+        if inputs.is_empty() || outputs.is_empty() {
+            return Err(bad("the graph needs at least one data input and one output".into()));
+        }
+        Ok(OnnxModel { path: path.to_path_buf(), graph, inits, inputs, outputs, opset })
+    }
+
+    /// The model's name: the file's stem (or its folder's name for `model.onnx`).
+    pub fn name(&self) -> String {
+        let stem = self.path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        match stem.as_deref() {
+            Some("model") | None => self
+                .path
+                .parent()
+                .and_then(Path::file_name)
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into()),
+            Some(s) => s.to_string(),
+        }
+    }
+
+    /// The folder external data files are read from.
+    pub(crate) fn dir(&self) -> &Path {
+        self.path.parent().unwrap_or(Path::new("."))
+    }
+
+    /// The initialiser `name`, decoded.
+    pub fn initializer(&self, name: &str) -> Result<Option<Const>> {
+        match self.inits.get(name) {
+            Some(&i) => decode(&self.graph.initializer[i], self.dir()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether initialiser `name` is a weight (a float tensor): a parameter of the graph.
+    /// Integer and boolean initialisers are constants.
+    pub fn is_weight(&self, name: &str) -> bool {
+        self.inits
+            .get(name)
+            .is_some_and(|&i| elem_of(self.graph.initializer[i].data_type) == Some(Elem::Float))
+    }
+
+    /// The initialiser `name` as f32 values with its shape (a parameter's starting weights).
+    pub fn weights_f32(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>> {
+        Ok(self.initializer(name)?.map(|c| {
+            let v = c.to_f64().into_iter().map(|x| x as f32).collect();
+            (c.shape, v)
+        }))
+    }
+
+    /// Name and shape of every weight (float initialiser), in file order.
+    pub fn weight_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.graph
+            .initializer
+            .iter()
+            .filter(|t| elem_of(t.data_type) == Some(Elem::Float))
+            .map(|t| (t.name.clone(), t.dims.iter().map(|&d| d.max(0) as usize).collect()))
+            .collect()
+    }
+
+    /// The first operator of the graph the importer has no mapping for, as the error that
+    /// names it, its node and the nodes reading its outputs.
+    pub fn check_operators(&self) -> Result<()> {
+        let Some(bad) =
+            self.graph.node.iter().find(|n| !crate::SUPPORTED_OPS.contains(&n.op_type.as_str()))
+        else {
+            return Ok(());
+        };
+        let mut readers: Vec<String> = Vec::new();
+        for o in &bad.output {
+            for n in self.graph.node.iter().filter(|n| n.input.contains(o)) {
+                readers.push(format!("{} ({})", n.name, n.op_type));
+            }
+            if self.outputs.iter().any(|p| &p.name == o) {
+                readers.push(format!("graph output {o}"));
+            }
+        }
+        Err(OnnxError::UnsupportedOp {
+            op: bad.op_type.clone(),
+            node: bad.name.clone(),
+            used_by: if readers.is_empty() { "nothing".into() } else { readers.join(", ") },
+            supported: crate::SUPPORTED_OPS.join(", "),
+        })
+    }
+
+    /// The distinct operators the graph uses, sorted.
+    pub fn operators(&self) -> BTreeSet<String> {
+        self.graph.node.iter().map(|n| n.op_type.clone()).collect()
+    }
+}

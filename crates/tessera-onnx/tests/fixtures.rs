@@ -1,0 +1,161 @@
+//! Imported models against PyTorch: the fixtures of `scripts/make-onnx-fixtures.sh` hold each
+//! model exported by `torch.onnx.export`, a batch, and PyTorch's logits, loss and parameter
+//! gradients. The imported graph, run by the IR's reference interpreter (f64) with the
+//! file's initialisers, must reproduce them.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use tessera_ir::interp::{self, Value};
+use tessera_ir::{gradients, DType, TensorId};
+use tessera_onnx::{import, Bind, OnnxError, OnnxModel};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-cli/tests/fixtures/onnx").join(name)
+}
+
+/// The reference tensors as (shape, f64 values).
+fn reference(name: &str) -> HashMap<String, (Vec<usize>, Vec<f64>)> {
+    let bytes = std::fs::read(fixture(name).join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let d = v.data();
+            let vals: Vec<f64> = match v.dtype() {
+                safetensors::Dtype::F32 => d
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                    .collect(),
+                safetensors::Dtype::I64 => d
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
+                    .collect(),
+                other => panic!("unexpected dtype {other:?}"),
+            };
+            (n, (v.shape().to_vec(), vals))
+        })
+        .collect()
+}
+
+fn num_parameters(name: &str) -> u64 {
+    let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
+    let j: serde_json::Value = serde_json::from_str(&text).unwrap();
+    j["num_parameters"].as_u64().unwrap()
+}
+
+/// Largest |a - b| over the largest |b| (or 1e-30).
+fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    let scale = b.iter().map(|y| y.abs()).fold(1e-30, f64::max);
+    diff / scale
+}
+
+/// How many nodes of the graph run `op` (by its debug name's head).
+fn count(graph: &tessera_ir::Graph, op: &str) -> usize {
+    graph
+        .nodes
+        .iter()
+        .filter(|n| format!("{:?}", n.op).split(['(', ' ', '{']).next() == Some(op))
+        .count()
+}
+
+/// Imports a causal LM fixture, runs forward and backward, and checks logits, loss and
+/// every gradient against PyTorch. Returns the forward graph.
+fn check_lm(name: &str) -> tessera_ir::Graph {
+    let model = OnnxModel::open(&fixture(name).join("model.onnx")).unwrap();
+    let refs = reference(name);
+    let (ids_shape, ids) = refs["input_ids"].clone();
+    let (batch, seq) = (ids_shape[0], ids_shape[1]);
+    let mut imp = import(&model, &Bind { batch, seq, dtype: DType::F32 }).unwrap();
+    let logits = imp.outputs[0];
+    let b = &mut imp.builder;
+    let labels = b.input("labels", [batch, seq], DType::I64);
+    let loss = b.cross_entropy(logits, labels, None).unwrap();
+    let params = b.graph.parameters();
+    let numel: u64 = params.iter().map(|&p| b.shape(p).numel() as u64).sum();
+    assert_eq!(numel, num_parameters(name), "{name}: parameter count");
+    let forward = b.graph.clone();
+    let grads = gradients(b, loss, &params).unwrap();
+    let graph = b.graph.clone();
+    let mut bind: HashMap<TensorId, Value> = HashMap::new();
+    bind.insert(imp.inputs[0].tensor, Value::new(ids_shape.clone(), ids));
+    bind.insert(labels, Value::new(ids_shape.clone(), refs["labels"].1.clone()));
+    for &p in &params {
+        let pname = graph.tensor_scope(p);
+        let (shape, w) = model.weights_f32(pname).unwrap().unwrap();
+        bind.insert(p, Value::new(shape, w.into_iter().map(f64::from).collect()));
+    }
+    let mut wanted = vec![logits, loss];
+    wanted.extend(grads.iter().map(|g| g.expect("every parameter reaches the loss")));
+    let out = interp::eval_outputs(&graph, &bind, &wanted).unwrap();
+    let e = rel_err(&out[0].data, &refs["logits"].1);
+    assert!(e < 1e-4, "{name}: logits differ from PyTorch's by {e:e} (relative)");
+    let e = (out[1].item() - refs["loss"].1[0]).abs();
+    assert!(e < 1e-4, "{name}: loss {} vs PyTorch {}", out[1].item(), refs["loss"].1[0]);
+    // Gradients: relative to the largest gradient of the model (some are zero but for
+    // rounding: softmax ignores a per-key bias).
+    let global = refs
+        .iter()
+        .filter(|(k, _)| k.starts_with("grad."))
+        .flat_map(|(_, v)| v.1.iter())
+        .fold(0.0f64, |m, x| m.max(x.abs()));
+    for (k, &p) in params.iter().enumerate() {
+        let pname = graph.tensor_scope(p);
+        let r = &refs[&format!("grad.{pname}")].1;
+        let got = &out[2 + k].data;
+        let diff = got.iter().zip(r).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        let own = r.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        assert!(
+            diff <= 1e-4 * own.max(1e-3 * global),
+            "{name}: gradient of {pname} differs by {diff:e} (its largest {own:e})"
+        );
+    }
+    forward
+}
+
+#[test]
+fn gpt2_matches_pytorch() {
+    let g = check_lm("gpt2");
+    // Two layers: two fused causal attentions, no softmax or mask left, and the weights'
+    // transposes read as matmul flags.
+    assert_eq!(count(&g, "Attention"), 2);
+    assert_eq!(count(&g, "Softmax"), 0);
+    assert_eq!(count(&g, "Permute"), 0, "head splits and merges are views of [B,S,H,D]");
+}
+
+#[test]
+fn llama_matches_pytorch() {
+    let g = check_lm("llama");
+    // Rotary embeddings on q and k of both layers, attention reading the 2 key/value heads
+    // (repeat_kv looked through).
+    assert_eq!(count(&g, "Rope"), 4);
+    assert_eq!(count(&g, "Attention"), 2);
+    for n in g.nodes.iter().filter(|n| matches!(n.op, tessera_ir::Op::Attention(_))) {
+        assert_eq!(g.shape(n.inputs[1]).dims()[2], 2, "k has the 2 key/value heads");
+    }
+    assert_eq!(count(&g, "Expand"), 0);
+}
+
+#[test]
+fn opt_matches_pytorch() {
+    let g = check_lm("opt");
+    assert_eq!(count(&g, "Attention"), 2);
+    assert_eq!(count(&g, "Softmax"), 0);
+}
+
+#[test]
+fn unsupported_operator_is_named_with_its_node_and_readers() {
+    let model = OnnxModel::open(&fixture("unsupported").join("model.onnx")).unwrap();
+    let err = import(&model, &Bind { batch: 2, seq: 8, dtype: DType::F32 })
+        .err()
+        .expect("Det has no mapping");
+    let OnnxError::UnsupportedOp { op, node, used_by, supported } = &err else { panic!("{err}") };
+    assert_eq!(op, "Det");
+    assert!(node.contains("Det"), "{node}");
+    // The fixture's Det feeds an Unsqueeze (then the head's Gemm).
+    assert!(used_by.contains("(Unsqueeze)"), "{used_by}");
+    assert!(supported.contains("MatMul"));
+    let text = err.to_string();
+    assert!(text.contains("Det") && text.contains("not supported"), "{text}");
+}
