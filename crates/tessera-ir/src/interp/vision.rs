@@ -28,7 +28,7 @@ impl ConvGeom {
     fn new(x: [usize; 4], w: [usize; 4], spec: &Conv2dSpec) -> Result<ConvGeom, String> {
         let g = spec.groups;
         ensure!(
-            g > 0 && x[1] == w[1] * g && w[0] % g == 0,
+            g > 0 && x[1] == w[1] * g && w[0].is_multiple_of(g),
             "x {x:?} and weight {w:?} do not fit groups {g}"
         );
         let [ho, wo] = spec.out_hw([x[2], x[3]], [w[2], w[3]])?;
@@ -108,7 +108,11 @@ pub(super) fn conv2d_backward_weight(
     kernel_hw: [usize; 2],
 ) -> Result<Value, String> {
     let (xd, yd) = (dims4(x, "x")?, dims4(dy, "dy")?);
-    ensure!(spec.groups > 0 && xd[1] % spec.groups == 0, "x {} and groups differ", x.shape);
+    ensure!(
+        spec.groups > 0 && xd[1].is_multiple_of(spec.groups),
+        "x {} and groups differ",
+        x.shape
+    );
     let wd = [yd[1], xd[1] / spec.groups, kernel_hw[0], kernel_hw[1]];
     let g = ConvGeom::new(xd, wd, spec)?;
     ensure!(g.y == yd, "dy {} must be {:?}", dy.shape, g.y);
@@ -124,7 +128,10 @@ fn group_dims(x: &Value, w: &Value, groups: usize) -> Result<(usize, usize, usiz
     let d = x.dims();
     ensure!(d.len() >= 2, "x {} must be [N, C, ..]", x.shape);
     let (n, c) = (d[0], d[1]);
-    ensure!(groups > 0 && c % groups == 0, "channels {c} not divisible by groups {groups}");
+    ensure!(
+        groups > 0 && c.is_multiple_of(groups),
+        "channels {c} not divisible by groups {groups}"
+    );
     ensure!(w.dims() == [c], "weight {} must be [{c}]", w.shape);
     Ok((n, c, d[2..].iter().product()))
 }
@@ -339,7 +346,7 @@ pub(super) fn upsample2d(x: &Value, scale: [usize; 2]) -> Result<Value, String> 
 pub(super) fn upsample2d_backward(dy: &Value, scale: [usize; 2]) -> Result<Value, String> {
     let [n, c, ho, wo] = dims4(dy, "dy")?;
     ensure!(
-        scale[0] > 0 && scale[1] > 0 && ho % scale[0] == 0 && wo % scale[1] == 0,
+        scale[0] > 0 && scale[1] > 0 && ho.is_multiple_of(scale[0]) && wo.is_multiple_of(scale[1]),
         "dy {} is not a multiple of the scale {scale:?}",
         dy.shape
     );

@@ -782,8 +782,8 @@ impl Op {
             Op::QMatMul(q) => quant::workspace_bytes(x, *q),
             Op::Conv2d(spec) => vision::workspace_conv(x, spec),
             Op::Conv2dBackwardInput { spec, .. } => vision::workspace_conv_backward_input(x, spec),
-            Op::Conv2dBackwardWeight { kernel_hw, .. } => {
-                vision::workspace_conv_backward_weight(x, *kernel_hw)
+            Op::Conv2dBackwardWeight { spec, kernel_hw } => {
+                vision::workspace_conv_backward_weight(x, spec, *kernel_hw)
             }
             Op::GroupNorm { .. }
             | Op::GroupNormBackward { .. }

@@ -45,6 +45,12 @@ impl Default for Conv2dSpec {
 }
 
 impl Conv2dSpec {
+    /// Whether a kernel of this size reads the input as its own im2col columns (1×1, stride 1,
+    /// no padding): no column buffer, no workspace.
+    pub fn is_pointwise(&self, kernel_hw: [usize; 2]) -> bool {
+        kernel_hw == [1, 1] && self.stride == [1, 1] && self.padding == [0, 0]
+    }
+
     /// Output spatial size `(H + 2p − d·(k − 1) − 1)/s + 1` per dim, or why there is none.
     pub fn out_hw(&self, in_hw: [usize; 2], kernel_hw: [usize; 2]) -> Result<[usize; 2], String> {
         let mut out = [0; 2];
@@ -143,10 +149,10 @@ fn check_weight(
     if g == 0 {
         return Err("groups must be positive".into());
     }
-    if c % g != 0 {
+    if !c.is_multiple_of(g) {
         return Err(format!("input channels {c} are not divisible by groups {g}"));
     }
-    if o % g != 0 {
+    if !o.is_multiple_of(g) {
         return Err(format!("output channels {o} (weight dim 0) are not divisible by groups {g}"));
     }
     if cg != c / g {
@@ -201,7 +207,7 @@ pub(crate) fn infer_conv_backward_weight(
     let [n, c, h, w] = nchw(x[0], "x")?;
     let [nd, o, ho, wo] = nchw(x[1], "dy")?;
     let g = spec.groups;
-    if g == 0 || c % g != 0 || o % g != 0 {
+    if g == 0 || !c.is_multiple_of(g) || !o.is_multiple_of(g) {
         return Err(format!("channels {c} (in) and {o} (out) must be divisible by groups {g}"));
     }
     let want = spec.out_hw([h, w], kernel_hw)?;
@@ -230,8 +236,12 @@ pub(crate) fn flops_conv_backward_weight(x: &[&TensorMeta], y: &[&TensorMeta]) -
     conv_macs2(x[1], y[0])
 }
 
-/// The im2col columns of [`CONV_IMAGES_PER_CHUNK`] images in f32: `(C·kh·kw)·(Ho·Wo)` each.
-fn im2col_bytes(n: usize, c: usize, k: [usize; 2], out_hw: [usize; 2]) -> u64 {
+/// The im2col columns of [`CONV_IMAGES_PER_CHUNK`] images in f32: `(C·kh·kw)·(Ho·Wo)` each
+/// (none for a pointwise kernel, which reads `x` in place).
+fn im2col_bytes(spec: &Conv2dSpec, n: usize, c: usize, k: [usize; 2], out_hw: [usize; 2]) -> u64 {
+    if spec.is_pointwise(k) {
+        return 0;
+    }
     let images = n.min(CONV_IMAGES_PER_CHUNK) as u64;
     images * (c * k[0] * k[1]) as u64 * (out_hw[0] * out_hw[1]) as u64 * DType::F32.size_bytes()
 }
@@ -241,19 +251,23 @@ pub(crate) fn workspace_conv(x: &[&TensorMeta], spec: &Conv2dSpec) -> u64 {
     let (xd, wd) = (x[0].shape.dims(), x[1].shape.dims());
     let k = [wd[2], wd[3]];
     let out_hw = spec.out_hw([xd[2], xd[3]], k).unwrap_or([0, 0]);
-    im2col_bytes(xd[0], xd[1], k, out_hw)
+    im2col_bytes(spec, xd[0], xd[1], k, out_hw)
 }
 
 /// Backward-data: `w [O,C/g,kh,kw]`, `dy [N,O,Ho,Wo]`.
 pub(crate) fn workspace_conv_backward_input(x: &[&TensorMeta], spec: &Conv2dSpec) -> u64 {
     let (wd, dd) = (x[0].shape.dims(), x[1].shape.dims());
-    im2col_bytes(dd[0], wd[1] * spec.groups, [wd[2], wd[3]], [dd[2], dd[3]])
+    im2col_bytes(spec, dd[0], wd[1] * spec.groups, [wd[2], wd[3]], [dd[2], dd[3]])
 }
 
 /// Backward-filter: `x [N,C,H,W]`, `dy [N,O,Ho,Wo]`.
-pub(crate) fn workspace_conv_backward_weight(x: &[&TensorMeta], kernel_hw: [usize; 2]) -> u64 {
+pub(crate) fn workspace_conv_backward_weight(
+    x: &[&TensorMeta],
+    spec: &Conv2dSpec,
+    kernel_hw: [usize; 2],
+) -> u64 {
     let (xd, dd) = (x[0].shape.dims(), x[1].shape.dims());
-    im2col_bytes(xd[0], xd[1], kernel_hw, [dd[2], dd[3]])
+    im2col_bytes(spec, xd[0], xd[1], kernel_hw, [dd[2], dd[3]])
 }
 
 /// dx = Conv2dBackwardInput(w, dy), dw = Conv2dBackwardWeight(x, dy).
@@ -288,7 +302,7 @@ fn check_group_affine(
         return Err(format!("x {x} must be [N, C, ..] (at least 2-D)"));
     }
     let c = x.shape.dim(1);
-    if groups == 0 || c % groups != 0 {
+    if groups == 0 || !c.is_multiple_of(groups) {
         return Err(format!("channels {c} of x {x} are not divisible by groups {groups}"));
     }
     if w.shape.dims() != [c] {
@@ -433,7 +447,8 @@ pub(crate) fn infer_upsample_backward(
     expect_inputs(x, 1)?;
     expect_float(x[0], "dy")?;
     let [n, c, h, w] = nchw(x[0], "dy")?;
-    if scale[0] == 0 || scale[1] == 0 || h % scale[0] != 0 || w % scale[1] != 0 {
+    if scale[0] == 0 || scale[1] == 0 || !h.is_multiple_of(scale[0]) || !w.is_multiple_of(scale[1])
+    {
         return Err(format!(
             "dy {} spatial size must be a multiple of the scale factors {scale:?}",
             x[0]

@@ -63,7 +63,7 @@ impl Geom {
     fn new(x: [usize; 4], wd: [usize; 4], spec: &Conv2dSpec, op: &str) -> Result<Geom> {
         let bad = |e: String| RuntimeError::Binding(format!("{op}: {e}"));
         let g = spec.groups;
-        if g == 0 || x[1] != wd[1] * g || wd[0] % g != 0 {
+        if g == 0 || x[1] != wd[1] * g || !wd[0].is_multiple_of(g) {
             return Err(bad(format!("x {x:?} and weight {wd:?} do not fit groups {g}")));
         }
         let [ho, wo] = spec.out_hw([x[2], x[3]], [wd[2], wd[3]]).map_err(bad)?;
@@ -103,7 +103,13 @@ impl Geom {
     }
     /// `x` is its own column matrix: a 1×1 kernel, stride 1, no padding.
     fn direct(&self) -> bool {
-        self.kh == 1 && self.kw == 1 && self.stride == [1, 1] && self.padding == [0, 0]
+        let spec = Conv2dSpec {
+            stride: self.stride,
+            padding: self.padding,
+            dilation: self.dilation,
+            groups: self.groups,
+        };
+        spec.is_pointwise([self.kh, self.kw])
     }
     fn chunk(&self) -> usize {
         self.n.clamp(1, CONV_IMAGES_PER_CHUNK)
@@ -359,7 +365,7 @@ fn group_dims(op: &str, x: &Tensor, ws: &[(&Tensor, &str)], groups: usize) -> Re
         return Err(unsupported(op, format!("x {d:?} must be [N, C, ..]")));
     }
     let c = d[1];
-    if groups == 0 || c % groups != 0 {
+    if groups == 0 || !c.is_multiple_of(groups) {
         return Err(RuntimeError::Binding(format!(
             "{op}: channels {c} not divisible by groups {groups}"
         )));
