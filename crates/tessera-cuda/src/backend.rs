@@ -696,6 +696,21 @@ impl CudaBackend {
                 "generation runs on the CPU backend for now (KV-cache and quantised kernels are \
                  not yet written for CUDA)",
             )),
+            Op::Conv2d(_)
+            | Op::Conv2dBackwardInput { .. }
+            | Op::Conv2dBackwardWeight { .. }
+            | Op::GroupNorm { .. }
+            | Op::GroupNormBackward { .. }
+            | Op::MaxPool2d(_)
+            | Op::MaxPool2dBackward(_)
+            | Op::AvgPool2d { .. }
+            | Op::AvgPool2dBackward { .. }
+            | Op::Upsample2d { .. }
+            | Op::Upsample2dBackward { .. } => Err(unsupported(
+                op.name(),
+                "vision ops (convolution, GroupNorm, pooling, upsampling) run on the CPU backend \
+                 for now (no CUDA kernels yet): train convolutional models with `--device cpu`",
+            )),
             Op::Send(_) | Op::Recv(..) | Op::Reshard(_) => Err(bad(
                 "a transfer between devices needs a communicator: run the plan with the SPMD \
                  runtime"

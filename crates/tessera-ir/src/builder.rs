@@ -5,7 +5,7 @@
 //! the op and the input shapes: `h.3.mlp.c_fc: matmul f32[4,128,768] x f32[3072,768]: inner
 //! dims 768 vs 3072`.
 
-use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
+use crate::ops::{BinaryOp, Conv2dSpec, Pool2dSpec, ReduceOp, UnaryOp};
 use crate::{
     AttentionSpec, DType, Graph, IrError, NodeId, Op, Phase, Result, ScopeId, Shape, TensorId,
     TensorIds, TensorMeta, Tier,
@@ -422,6 +422,52 @@ impl Builder {
         inv_freq: &[f64],
     ) -> Result<TensorId> {
         self.push1(Op::Rope { inv_freq: inv_freq.to_vec(), inverse: false }, &[x, positions])
+    }
+
+    // ---- vision / diffusion (NCHW) -------------------------------------------------------
+
+    /// 2-D convolution of `x [N,C,H,W]` with `w [O,C/groups,kh,kw]` (no bias: add one with a
+    /// broadcast [`Builder::add`] of a `[1,O,1,1]` reshape).
+    pub fn conv2d(&mut self, x: TensorId, w: TensorId, spec: Conv2dSpec) -> Result<TensorId> {
+        self.push1(Op::Conv2d(spec), &[x, w])
+    }
+    /// PyTorch's `GroupNorm(groups, C, eps)` on `x [N,C,..]` with per-channel `w`, `b` `[C]`.
+    pub fn group_norm(
+        &mut self,
+        x: TensorId,
+        w: TensorId,
+        b: TensorId,
+        groups: usize,
+        eps: f64,
+    ) -> Result<TensorId> {
+        self.push1(Op::GroupNorm { groups, eps }, &[x, w, b])
+    }
+    /// Max pooling of `x [N,C,H,W]` (floor mode; `padding ≤ kernel/2`).
+    pub fn max_pool2d(
+        &mut self,
+        x: TensorId,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    ) -> Result<TensorId> {
+        self.push1(Op::MaxPool2d(Pool2dSpec { kernel, stride, padding }), &[x])
+    }
+    /// Average pooling of `x [N,C,H,W]` (floor mode; `padding ≤ kernel/2`). Global average
+    /// pooling is `kernel = [H, W]`, stride 1, no padding.
+    pub fn avg_pool2d(
+        &mut self,
+        x: TensorId,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+    ) -> Result<TensorId> {
+        let pool = Pool2dSpec { kernel, stride, padding };
+        self.push1(Op::AvgPool2d { pool, count_include_pad }, &[x])
+    }
+    /// Nearest-neighbour upsampling of `x [N,C,H,W]` by integer factors (`[2, 2]` doubles).
+    pub fn upsample_nearest2d(&mut self, x: TensorId, scale: [usize; 2]) -> Result<TensorId> {
+        self.push1(Op::Upsample2d { scale }, &[x])
     }
 
     // ---- inference ----------------------------------------------------------------------

@@ -39,8 +39,8 @@ pub use dtype::DType;
 pub use error::{IrError, Result};
 pub use graph::{Graph, Node, NodeId, Phase, ScopeId, Tensor, TensorId, TensorIds};
 pub use ops::{
-    AdamWSpec, Alibi, AttentionSpec, BinaryOp, Collective, CommStep, Flops, Op, P2p, QuantSpec,
-    ReduceOp, ReshardSpec, StateKind, UnaryOp,
+    AdamWSpec, Alibi, AttentionSpec, BinaryOp, Collective, CommStep, Conv2dSpec, Flops, Op, P2p,
+    Pool2dSpec, QuantSpec, ReduceOp, ReshardSpec, StateKind, UnaryOp,
 };
 pub use program::{Instr, Program, Role};
 pub use remat::{rematerialize, Checkpointing, CkptMode};

@@ -17,7 +17,8 @@ use tessera_ir::ops::BinaryOp as B;
 use tessera_ir::ops::ReduceOp as R;
 use tessera_ir::ops::UnaryOp as U;
 use tessera_ir::{
-    AttentionSpec, Builder, DType, Graph, Op, Phase, Result, Shape, TensorId, TrainConfig,
+    AttentionSpec, Builder, Conv2dSpec, DType, Graph, Op, Phase, Result, Shape, TensorId,
+    TrainConfig,
 };
 
 // ---- the harness ---------------------------------------------------------------------------
@@ -450,6 +451,151 @@ fn norms() {
             Ok(vec![cx.b.rms_norm(x, w, 1e-6)?])
         });
     }
+}
+
+// ---- vision ops (NCHW) -------------------------------------------------------------------------
+
+fn conv_spec(
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    groups: usize,
+) -> Conv2dSpec {
+    Conv2dSpec { stride, padding, dilation, groups }
+}
+
+#[test]
+fn convolutions() {
+    // (x dims, w dims, spec): plain; strided, padded, dilated, grouped; depthwise; 1×1.
+    let cases = [
+        ([2, 3, 5, 4], [4, 3, 3, 2], conv_spec([1, 1], [0, 0], [1, 1], 1)),
+        ([1, 4, 7, 6], [6, 2, 2, 3], conv_spec([2, 1], [1, 2], [2, 1], 2)),
+        ([2, 4, 5, 5], [4, 2, 3, 3], conv_spec([2, 2], [1, 1], [2, 2], 2)),
+        ([1, 3, 4, 5], [3, 1, 3, 3], conv_spec([1, 2], [1, 1], [1, 1], 3)),
+        ([2, 3, 3, 3], [2, 3, 1, 1], conv_spec([1, 1], [0, 0], [1, 1], 1)),
+    ];
+    for (xd, wd, spec) in cases {
+        let g = check_vjp(&format!("conv2d {xd:?} * {wd:?} {spec:?}"), |cx| {
+            let x = cx.param(xd);
+            let w = cx.param(wd);
+            Ok(vec![cx.b.conv2d(x, w, spec)?])
+        });
+        assert!(has_backward(&g, |op| matches!(op, Op::Conv2dBackwardInput { .. })));
+        assert!(has_backward(&g, |op| matches!(op, Op::Conv2dBackwardWeight { .. })));
+    }
+    // Only the weight is trained (an input image): no backward-data op is emitted.
+    let g = check_vjp("conv2d weight only", |cx| {
+        let data = cx.uniform(2 * 2 * 4 * 4, -1.0, 1.0);
+        let x = cx.input([2, 2, 4, 4], DType::F64, data);
+        let w = cx.param([3, 2, 3, 3]);
+        Ok(vec![cx.b.conv2d(x, w, conv_spec([1, 1], [1, 1], [1, 1], 1))?])
+    });
+    assert!(!has_backward(&g, |op| matches!(op, Op::Conv2dBackwardInput { .. })));
+}
+
+#[test]
+fn group_norms() {
+    for (shape, groups) in
+        [(vec![2, 4, 3, 3], 2), (vec![2, 6, 5], 3), (vec![1, 4, 2, 3], 1), (vec![2, 3, 2, 2], 3)]
+    {
+        let c = shape[1];
+        check_vjp(&format!("group_norm {shape:?} groups {groups}"), |cx| {
+            let x = cx.param(shape.clone());
+            let w = cx.param([c]);
+            let b = cx.param([c]);
+            Ok(vec![cx.b.group_norm(x, w, b, groups, 1e-5)?])
+        });
+    }
+}
+
+#[test]
+fn poolings_and_upsampling() {
+    for (k, s, p) in [([3, 3], [2, 2], [1, 1]), ([2, 2], [2, 2], [0, 0]), ([3, 2], [1, 2], [1, 0])]
+    {
+        check_vjp(&format!("max_pool2d k{k:?} s{s:?} p{p:?}"), |cx| {
+            // Distinct values: no argmax moves under a finite-difference step.
+            let data = cx.distinct(2 * 2 * 5 * 6);
+            let x = cx.param_data([2, 2, 5, 6], data);
+            Ok(vec![cx.b.max_pool2d(x, k, s, p)?])
+        });
+        for include in [true, false] {
+            check_vjp(&format!("avg_pool2d k{k:?} s{s:?} p{p:?} include_pad {include}"), |cx| {
+                let x = cx.param([2, 2, 5, 6]);
+                Ok(vec![cx.b.avg_pool2d(x, k, s, p, include)?])
+            });
+        }
+    }
+    check_vjp("global avg_pool2d", |cx| {
+        let x = cx.param([2, 3, 4, 5]);
+        Ok(vec![cx.b.avg_pool2d(x, [4, 5], [1, 1], [0, 0], false)?])
+    });
+    for scale in [[2, 2], [1, 3]] {
+        check_vjp(&format!("upsample_nearest2d {scale:?}"), |cx| {
+            let x = cx.param([2, 2, 3, 2]);
+            Ok(vec![cx.b.upsample_nearest2d(x, scale)?])
+        });
+    }
+}
+
+/// A small UNet-style block: conv, GroupNorm, SiLU, upsample, conv, bias add, pool.
+#[test]
+fn conv_block_chain() {
+    let g = check_vjp("conv block", |cx| {
+        let x = cx.param([2, 2, 4, 4]);
+        let w1 = cx.param([4, 2, 3, 3]);
+        let (gw, gb) = (cx.param([4]), cx.param([4]));
+        let w2 = cx.param([2, 2, 3, 3]);
+        let bias = cx.param([1, 2, 1, 1]);
+        let h = cx.b.conv2d(x, w1, conv_spec([1, 1], [1, 1], [1, 1], 1))?;
+        let h = cx.b.group_norm(h, gw, gb, 2, 1e-5)?;
+        let h = cx.b.unary(U::Silu, h)?;
+        let h = cx.b.upsample_nearest2d(h, [2, 2])?;
+        let h = cx.b.conv2d(h, w2, conv_spec([2, 2], [1, 1], [1, 1], 2))?;
+        let h = cx.b.add(h, bias)?;
+        Ok(vec![cx.b.avg_pool2d(h, [2, 2], [2, 2], [0, 0], true)?])
+    });
+    assert!(has_backward(&g, |op| matches!(op, Op::GroupNormBackward { .. })));
+    assert!(has_backward(&g, |op| matches!(op, Op::Upsample2dBackward { .. })));
+}
+
+#[test]
+fn vision_shape_errors_are_clear() {
+    let mut b = Builder::new();
+    let x = b.parameter("x", [1, 3, 4, 4], DType::F32);
+    let w = b.parameter("w", [4, 1, 3, 3], DType::F32);
+    let e = b.conv2d(x, w, conv_spec([1, 1], [0, 0], [1, 1], 2)).unwrap_err().to_string();
+    assert!(e.contains("not divisible by groups 2"), "{e}");
+    let w5 = b.parameter("w5", [4, 3, 5, 5], DType::F32);
+    let e = b.conv2d(x, w5, Conv2dSpec::default()).unwrap_err().to_string();
+    assert!(e.contains("larger than the padded input"), "{e}");
+    let e = b.max_pool2d(x, [2, 2], [2, 2], [2, 2]).unwrap_err().to_string();
+    assert!(e.contains("at most half the kernel"), "{e}");
+    let e = b.max_pool2d(x, [5, 5], [1, 1], [0, 0]).unwrap_err().to_string();
+    assert!(e.contains("larger than the padded input"), "{e}");
+    let gw = b.parameter("gw", [3], DType::F32);
+    let e = b.group_norm(x, gw, gw, 2, 1e-5).unwrap_err().to_string();
+    assert!(e.contains("not divisible by groups 2"), "{e}");
+    let flat = b.parameter("flat", [3, 16], DType::F32);
+    let e = b.upsample_nearest2d(flat, [2, 2]).unwrap_err().to_string();
+    assert!(e.contains("must be 4-D"), "{e}");
+}
+
+#[test]
+fn conv_flops_are_matmul_flops() {
+    let x = tessera_ir::TensorMeta::new([2, 4, 8, 8], DType::F32);
+    let w = tessera_ir::TensorMeta::new([6, 2, 3, 3], DType::F32);
+    let spec = conv_spec([1, 1], [1, 1], [1, 1], 2);
+    let op = Op::Conv2d(spec);
+    let y = op.infer(&[&x, &w]).unwrap().remove(0);
+    assert_eq!(y.shape.dims(), [2, 6, 8, 8]);
+    let want = 2 * 2 * 6 * 8 * 8 * 2 * 3 * 3;
+    assert_eq!(op.flops(&[&x, &w], &[&y]), tessera_ir::Flops { matmul: want, other: 0 });
+    let bi = Op::Conv2dBackwardInput { spec, input_hw: [8, 8] };
+    assert_eq!(bi.infer(&[&w, &y]).unwrap()[0], x);
+    assert_eq!(bi.flops(&[&w, &y], &[&x]).matmul, want);
+    let bw = Op::Conv2dBackwardWeight { spec, kernel_hw: [3, 3] };
+    assert_eq!(bw.infer(&[&x, &y]).unwrap()[0], w);
+    assert_eq!(bw.flops(&[&x, &y], &[&w]).matmul, want);
 }
 
 #[test]

@@ -13,6 +13,12 @@
 //! - attention: batch and heads (query and KV heads split together, so the split must divide
 //!   the KV heads); sequence and head dim whole;
 //! - cross-entropy: rows split, classes whole; the mean loss becomes a pending sum.
+//! - vision ops (NCHW): the batch N splits everywhere (data parallel, weights replicated);
+//!   a convolution with `groups == 1` may also split its output channels (the weight by rows,
+//!   dim 0: each device computes its own channels, like a column-parallel matmul) — with groups
+//!   the channel blocks of x and w are coupled, so grouped convolutions split the batch only;
+//!   pooling and upsampling are per channel, so they also split C; GroupNorm keeps C whole
+//!   (its statistics span a group of channels). Spatial dims stay whole (windows overlap).
 //!
 //! Ops that only appear after autodiff (backward ops, the optimizer) get no strategies: the
 //! lowering differentiates the sharded forward graph instead.
@@ -278,11 +284,38 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             l.outputs = vec![o];
             l.partial_from = vec![vec![k]];
         }
+        Op::Conv2d(spec) => {
+            // x [N,C,H,W] * w [O,C/g,kh,kw] → y [N,O,Ho,Wo].
+            let n = l.label(x[0].shape.dim(0), true);
+            let o = l.label(x[1].shape.dim(0), spec.groups == 1);
+            l.inputs = vec![vec![Some(n), None, None, None], vec![Some(o), None, None, None]];
+            l.outputs = vec![vec![Some(n), Some(o), None, None]];
+        }
+        Op::GroupNorm { .. } => {
+            let n = l.label(x[0].shape.dim(0), true);
+            let mut xi = vec![None; rank(x[0])];
+            xi[0] = Some(n);
+            l.inputs = vec![xi.clone(), vec![None], vec![None]];
+            l.outputs = vec![xi];
+        }
+        Op::MaxPool2d(_) | Op::AvgPool2d { .. } | Op::Upsample2d { .. } => {
+            let n = l.label(x[0].shape.dim(0), true);
+            let c = l.label(x[0].shape.dim(1), true);
+            let o = vec![Some(n), Some(c), None, None];
+            l.inputs = vec![o.clone()];
+            l.outputs = vec![o];
+        }
         Op::Parameter(_)
         | Op::Input(_)
         | Op::OptimizerState { .. }
         | Op::KvCache(_)
         | Op::Fill { .. }
+        | Op::Conv2dBackwardInput { .. }
+        | Op::Conv2dBackwardWeight { .. }
+        | Op::GroupNormBackward { .. }
+        | Op::MaxPool2dBackward(_)
+        | Op::AvgPool2dBackward { .. }
+        | Op::Upsample2dBackward { .. }
         | Op::UnaryBackward(_)
         | Op::BinaryBackward { .. }
         | Op::ReduceBackward { .. }
@@ -495,6 +528,35 @@ mod tests {
         assert_eq!(four.len(), 1);
         let two = strategies(&l, &[&q, &kv, &kv], &[&o, &lse], &mesh(&[2]), &|_, _| true);
         assert_eq!(two.len(), 3);
+    }
+
+    #[test]
+    fn conv_splits_batch_and_ungrouped_output_channels() {
+        let (x, w, y) = (meta(&[4, 6, 8, 8]), meta(&[8, 6, 3, 3]), meta(&[4, 8, 8, 8]));
+        let spec = tessera_ir::Conv2dSpec { padding: [1, 1], ..Default::default() };
+        let l = labeling(&Op::Conv2d(spec), &[&x, &w], &[&y]).unwrap();
+        let all = strategies(&l, &[&x, &w], &[&y], &mesh(&[2]), &|_, _| true);
+        let specs: Vec<String> = all
+            .iter()
+            .map(|s| format!("{} {} -> {}", s.inputs[0], s.inputs[1], s.outputs[0]))
+            .collect();
+        // none, batch (weight replicated), output channels (weight by rows).
+        assert_eq!(specs.len(), 3, "{specs:?}");
+        assert!(specs.contains(&"[S0, R, R, R] [R, R, R, R] -> [S0, R, R, R]".into()), "{specs:?}");
+        assert!(specs.contains(&"[R, R, R, R] [S0, R, R, R] -> [R, S0, R, R]".into()), "{specs:?}");
+        // Grouped: batch only.
+        let (wg, grouped) = (meta(&[8, 3, 3, 3]), tessera_ir::Conv2dSpec { groups: 2, ..spec });
+        let l = labeling(&Op::Conv2d(grouped), &[&x, &wg], &[&y]).unwrap();
+        assert_eq!(strategies(&l, &[&x, &wg], &[&y], &mesh(&[2]), &|_, _| true).len(), 2);
+        // GroupNorm: batch only; pooling: batch and channels.
+        let gn = Op::GroupNorm { groups: 2, eps: 1e-5 };
+        let c = meta(&[6]);
+        let l = labeling(&gn, &[&x, &c, &c], &[&x]).unwrap();
+        assert_eq!(strategies(&l, &[&x, &c, &c], &[&x], &mesh(&[2]), &|_, _| true).len(), 2);
+        let pool = tessera_ir::Pool2dSpec { kernel: [2, 2], stride: [2, 2], padding: [0, 0] };
+        let p = meta(&[4, 6, 4, 4]);
+        let l = labeling(&Op::MaxPool2d(pool), &[&x], &[&p]).unwrap();
+        assert_eq!(strategies(&l, &[&x], &[&p], &mesh(&[2]), &|_, _| true).len(), 3);
     }
 
     #[test]

@@ -44,7 +44,7 @@ pub fn init_rules(graph: &Graph) -> Vec<(TensorId, InitRule)> {
             let norm_slot = consumers[p.index()].iter().find_map(|&n| {
                 let node = graph.node(n);
                 match node.op {
-                    Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
+                    Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::GroupNorm { .. } => {
                         node.inputs.iter().position(|&t| t == p)
                     }
                     _ => None,

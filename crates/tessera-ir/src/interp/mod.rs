@@ -74,6 +74,14 @@
 //!   read zeros (their gradient adds nothing).
 //! - **Layout ops** copy (`Reshape` and `Expand` are views only for memory accounting); `Pad`
 //!   fills with zeros; `Permute(perm)` gives output dim `i` the input's dim `perm[i]`.
+//! - **Vision ops** (NCHW, [`crate::ops::vision`]): `Conv2d` zero-pads symmetrically and
+//!   its two backward ops are its exact adjoints (one shared loop nest); `GroupNorm` takes
+//!   biased statistics over each sample's group of channels and all their positions;
+//!   `MaxPool2d`'s padding never wins and its backward sends each window's gradient to the
+//!   window's *first* maximum in row-major window order (a NaN, the first one, beats numbers);
+//!   `AvgPool2d` divides by `kh·kw` (`count_include_pad`) or by the window's elements inside
+//!   the input; `Upsample2d` repeats each pixel `scale[0]×scale[1]` times and its backward
+//!   sums each block.
 //! - **`AdamW`** implements the formula in the doc comment of [`Op::AdamW`] exactly (the
 //!   `grad_scale` input and its skip-on-overflow rule included); `step` must be ≥ 1 (it is
 //!   1-based). Outputs are fresh values (the in-place aliasing is a memory
@@ -214,6 +222,17 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::Attention(_)
         | Op::AttentionBackward(_)
         | Op::Rope { .. }
+        | Op::Conv2d(_)
+        | Op::Conv2dBackwardInput { .. }
+        | Op::Conv2dBackwardWeight { .. }
+        | Op::GroupNorm { .. }
+        | Op::GroupNormBackward { .. }
+        | Op::MaxPool2d(_)
+        | Op::MaxPool2dBackward(_)
+        | Op::AvgPool2d { .. }
+        | Op::AvgPool2dBackward { .. }
+        | Op::Upsample2d { .. }
+        | Op::Upsample2dBackward { .. }
         | Op::AdamW(_) => false,
     }
 }
@@ -500,6 +519,11 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::BinaryBackward { .. } | Op::LayerNorm { .. } | Op::LayerNormBackward { .. } => 3,
         Op::RmsNormBackward { .. } | Op::Attention(_) => 3,
         Op::CrossEntropyBackward { .. } => 4,
+        Op::MaxPool2d(_) | Op::AvgPool2d { .. } | Op::AvgPool2dBackward { .. } => 1,
+        Op::Upsample2d { .. } | Op::Upsample2dBackward { .. } => 1,
+        Op::Conv2d(_) | Op::Conv2dBackwardInput { .. } | Op::Conv2dBackwardWeight { .. } => 2,
+        Op::MaxPool2dBackward(_) => 2,
+        Op::GroupNorm { .. } | Op::GroupNormBackward { .. } => 3,
         Op::AttentionBackward(_) => 6,
         Op::Concat { .. } => x.len().max(1),
         Op::AdamW(spec) => {
@@ -577,11 +601,33 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::AttentionBackward(spec) => attention_backward(x, spec),
         Op::Rope { inv_freq, inverse } => one(rope(x[0], x.get(1).copied(), inv_freq, *inverse)?),
         Op::AdamW(spec) => adamw(x, spec),
+        Op::Conv2d(spec) => one(vision::conv2d(x[0], x[1], spec)?),
+        Op::Conv2dBackwardInput { spec, input_hw } => {
+            one(vision::conv2d_backward_input(x[0], x[1], spec, *input_hw)?)
+        }
+        Op::Conv2dBackwardWeight { spec, kernel_hw } => {
+            one(vision::conv2d_backward_weight(x[0], x[1], spec, *kernel_hw)?)
+        }
+        Op::GroupNorm { groups, eps } => one(vision::group_norm(x[0], x[1], x[2], *groups, *eps)?),
+        Op::GroupNormBackward { groups, eps } => {
+            vision::group_norm_backward(x[0], x[1], x[2], *groups, *eps)
+        }
+        Op::MaxPool2d(pool) => one(vision::max_pool2d(x[0], pool)?),
+        Op::MaxPool2dBackward(pool) => one(vision::max_pool2d_backward(x[0], x[1], pool)?),
+        Op::AvgPool2d { pool, count_include_pad } => {
+            one(vision::avg_pool2d(x[0], pool, *count_include_pad)?)
+        }
+        Op::AvgPool2dBackward { pool, count_include_pad, input_hw } => {
+            one(vision::avg_pool2d_backward(x[0], pool, *count_include_pad, *input_hw)?)
+        }
+        Op::Upsample2d { scale } => one(vision::upsample2d(x[0], *scale)?),
+        Op::Upsample2dBackward { scale } => one(vision::upsample2d_backward(x[0], *scale)?),
     }
 }
 
 mod kernels;
 mod nn;
+mod vision;
 
 use kernels::*;
 use nn::*;

@@ -21,6 +21,7 @@ pub(crate) mod norm;
 pub(crate) mod optim;
 pub(crate) mod quant;
 pub(crate) mod reduce;
+pub mod vision;
 
 use crate::autodiff::{Grad, VjpCtx};
 use crate::{DType, Result, Shape, TensorMeta};
@@ -28,6 +29,7 @@ pub use attention::{Alibi, AttentionSpec};
 pub use comm::{Collective, CommStep, P2p, ReshardSpec};
 pub use quant::QuantSpec;
 use serde::{Deserialize, Serialize};
+pub use vision::{Conv2dSpec, Pool2dSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -275,6 +277,55 @@ pub enum Op {
         inverse: bool,
     },
 
+    // ---- vision / diffusion (NCHW; see [`vision`]) ----------------------------------------
+    /// Inputs `[x [N,C,H,W], w [O,C/groups,kh,kw]]` → `[N,O,Ho,Wo]`, no bias.
+    Conv2d(Conv2dSpec),
+    /// Backward-data: inputs `[w, dy]` → dx `[N,C,input_hw]`.
+    Conv2dBackwardInput {
+        spec: Conv2dSpec,
+        input_hw: [usize; 2],
+    },
+    /// Backward-filter: inputs `[x, dy]` → dw `[O,C/groups,kernel_hw]`.
+    Conv2dBackwardWeight {
+        spec: Conv2dSpec,
+        kernel_hw: [usize; 2],
+    },
+    /// Inputs `[x [N,C,..], weight [C], bias [C]]`: normalises each sample's groups of
+    /// `C/groups` channels (biased variance), then a per-channel affine (PyTorch's GroupNorm).
+    GroupNorm {
+        groups: usize,
+        eps: f64,
+    },
+    /// Inputs `[x, weight, dy]` → `[dx, dweight, dbias]`.
+    GroupNormBackward {
+        groups: usize,
+        eps: f64,
+    },
+    /// Inputs `[x [N,C,H,W]]` → the maximum of each window (padding never wins).
+    MaxPool2d(Pool2dSpec),
+    /// Inputs `[x, dy]` → dx: each window's gradient goes to its first maximum.
+    MaxPool2dBackward(Pool2dSpec),
+    /// Inputs `[x [N,C,H,W]]` → the mean of each window, over the whole window
+    /// (`count_include_pad`) or over its elements inside the input.
+    AvgPool2d {
+        pool: Pool2dSpec,
+        count_include_pad: bool,
+    },
+    /// Inputs `[dy]` → dx `[N,C,input_hw]`.
+    AvgPool2dBackward {
+        pool: Pool2dSpec,
+        count_include_pad: bool,
+        input_hw: [usize; 2],
+    },
+    /// Inputs `[x [N,C,H,W]]` → `[N,C,H·scale[0],W·scale[1]]`, nearest neighbour.
+    Upsample2d {
+        scale: [usize; 2],
+    },
+    /// Inputs `[dy]` → dx: the sum of each `scale[0]×scale[1]` block.
+    Upsample2dBackward {
+        scale: [usize; 2],
+    },
+
     // ---- inference ----------------------------------------------------------------------
     /// Inputs `[cache [B,C,H,D], x [B,S,H,D], start [B] i64]`: writes `x[b, i]` into
     /// `cache[b, start[b] + i]` in place; the output aliases the cache. Inference only.
@@ -389,6 +440,17 @@ impl Op {
             Op::Attention(_) => "attention",
             Op::AttentionBackward(_) => "attention_backward",
             Op::Rope { .. } => "rope",
+            Op::Conv2d(_) => "conv2d",
+            Op::Conv2dBackwardInput { .. } => "conv2d_backward_input",
+            Op::Conv2dBackwardWeight { .. } => "conv2d_backward_weight",
+            Op::GroupNorm { .. } => "group_norm",
+            Op::GroupNormBackward { .. } => "group_norm_backward",
+            Op::MaxPool2d(_) => "max_pool2d",
+            Op::MaxPool2dBackward(_) => "max_pool2d_backward",
+            Op::AvgPool2d { .. } => "avg_pool2d",
+            Op::AvgPool2dBackward { .. } => "avg_pool2d_backward",
+            Op::Upsample2d { .. } => "upsample2d",
+            Op::Upsample2dBackward { .. } => "upsample2d_backward",
             Op::AdamW(_) => "adamw",
             Op::Reshard(_) => "reshard",
             Op::Send(_) => "send",
@@ -431,6 +493,7 @@ impl Op {
             | Op::KvCache(_)
             | Op::CacheWrite
             | Op::QMatMul(_)
+            | Op::Conv2d(_)
             | Op::AdamW(_) => true,
             Op::Fill { .. }
             | Op::Unary(_)
@@ -457,7 +520,17 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
             | Op::SelectPositions
-            | Op::Rope { .. } => false,
+            | Op::Rope { .. }
+            | Op::Conv2dBackwardInput { .. }
+            | Op::Conv2dBackwardWeight { .. }
+            | Op::GroupNorm { .. }
+            | Op::GroupNormBackward { .. }
+            | Op::MaxPool2d(_)
+            | Op::MaxPool2dBackward(_)
+            | Op::AvgPool2d { .. }
+            | Op::AvgPool2dBackward { .. }
+            | Op::Upsample2d { .. }
+            | Op::Upsample2dBackward { .. } => false,
         }
     }
 
@@ -502,6 +575,22 @@ impl Op {
             Op::Attention(_) => attention::infer(x),
             Op::AttentionBackward(_) => attention::infer_backward(x),
             Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
+            Op::Conv2d(spec) => vision::infer_conv(x, spec),
+            Op::Conv2dBackwardInput { spec, input_hw } => {
+                vision::infer_conv_backward_input(x, spec, *input_hw)
+            }
+            Op::Conv2dBackwardWeight { spec, kernel_hw } => {
+                vision::infer_conv_backward_weight(x, spec, *kernel_hw)
+            }
+            Op::GroupNorm { groups, .. } => vision::infer_group_norm(x, *groups),
+            Op::GroupNormBackward { groups, .. } => vision::infer_group_norm_backward(x, *groups),
+            Op::MaxPool2d(pool) | Op::AvgPool2d { pool, .. } => vision::infer_pool(x, pool),
+            Op::MaxPool2dBackward(pool) => vision::infer_max_pool_backward(x, pool),
+            Op::AvgPool2dBackward { pool, input_hw, .. } => {
+                vision::infer_avg_pool_backward(x, pool, *input_hw)
+            }
+            Op::Upsample2d { scale } => vision::infer_upsample(x, *scale),
+            Op::Upsample2dBackward { scale } => vision::infer_upsample_backward(x, *scale),
             Op::AdamW(spec) => optim::infer(spec, x),
             Op::Reshard(spec) => comm::infer(x, spec),
             Op::Send(_) => comm::infer_send(x),
@@ -549,6 +638,16 @@ impl Op {
             Op::Attention(_) => attention::flops(x),
             Op::AttentionBackward(_) => attention::flops_backward(x),
             Op::Rope { .. } => attention::flops_rope(y),
+            Op::Conv2d(_) => vision::flops_conv(x, y),
+            Op::Conv2dBackwardInput { .. } => vision::flops_conv_backward_input(x),
+            Op::Conv2dBackwardWeight { .. } => vision::flops_conv_backward_weight(x, y),
+            Op::GroupNorm { .. } => vision::flops_group_norm(x),
+            Op::GroupNormBackward { .. } => vision::flops_group_norm_backward(x),
+            Op::MaxPool2d(pool) | Op::AvgPool2d { pool, .. } => vision::flops_pool(y[0], pool),
+            Op::MaxPool2dBackward(pool) => vision::flops_pool(x[1], pool),
+            Op::AvgPool2dBackward { pool, .. } => vision::flops_pool(x[0], pool),
+            Op::Upsample2d { .. } => Flops::default(),
+            Op::Upsample2dBackward { .. } => vision::flops_upsample_backward(x),
             Op::AdamW(_) => optim::flops(x),
             Op::Reshard(spec) => comm::flops(spec, x),
             Op::Send(_) | Op::Recv(..) | Op::Transfer { .. } => Flops::default(),
@@ -598,6 +697,17 @@ impl Op {
             | Op::AttentionBackward(_)
             | Op::Rope { .. }
             | Op::QMatMul(_)
+            | Op::Conv2d(_)
+            | Op::Conv2dBackwardInput { .. }
+            | Op::Conv2dBackwardWeight { .. }
+            | Op::GroupNorm { .. }
+            | Op::GroupNormBackward { .. }
+            | Op::MaxPool2d(_)
+            | Op::MaxPool2dBackward(_)
+            | Op::AvgPool2d { .. }
+            | Op::AvgPool2dBackward { .. }
+            | Op::Upsample2d { .. }
+            | Op::Upsample2dBackward { .. }
             | Op::AdamW(_) => read + written,
             Op::Reshard(spec) => {
                 if spec.is_view() {
@@ -650,7 +760,18 @@ impl Op {
             | Op::KvCache(_)
             | Op::SelectPositions
             | Op::QMatMul(_)
-            | Op::Rope { .. } => None,
+            | Op::Rope { .. }
+            | Op::Conv2d(_)
+            | Op::Conv2dBackwardInput { .. }
+            | Op::Conv2dBackwardWeight { .. }
+            | Op::GroupNorm { .. }
+            | Op::GroupNormBackward { .. }
+            | Op::MaxPool2d(_)
+            | Op::MaxPool2dBackward(_)
+            | Op::AvgPool2d { .. }
+            | Op::AvgPool2dBackward { .. }
+            | Op::Upsample2d { .. }
+            | Op::Upsample2dBackward { .. } => None,
         }
     }
 
@@ -659,6 +780,19 @@ impl Op {
         match self {
             Op::Attention(_) | Op::AttentionBackward(_) => attention::workspace_bytes(x),
             Op::QMatMul(q) => quant::workspace_bytes(x, *q),
+            Op::Conv2d(spec) => vision::workspace_conv(x, spec),
+            Op::Conv2dBackwardInput { spec, .. } => vision::workspace_conv_backward_input(x, spec),
+            Op::Conv2dBackwardWeight { spec, kernel_hw } => {
+                vision::workspace_conv_backward_weight(x, spec, *kernel_hw)
+            }
+            Op::GroupNorm { .. }
+            | Op::GroupNormBackward { .. }
+            | Op::MaxPool2d(_)
+            | Op::MaxPool2dBackward(_)
+            | Op::AvgPool2d { .. }
+            | Op::AvgPool2dBackward { .. }
+            | Op::Upsample2d { .. }
+            | Op::Upsample2dBackward { .. } => 0,
             Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions => 0,
             Op::Send(_)
             | Op::Recv(..)
@@ -731,7 +865,12 @@ impl Op {
             | Op::Rope { .. }
             | Op::Reshard(_)
             | Op::Transfer { .. }
-            | Op::Send(_) => all(true),
+            | Op::Send(_)
+            | Op::Conv2d(_)
+            | Op::GroupNorm { .. }
+            | Op::MaxPool2d(_)
+            | Op::AvgPool2d { .. }
+            | Op::Upsample2d { .. } => all(true),
             Op::Recv(..) => all(false),
             // Backward ops and the optimizer are not differentiated again.
             Op::UnaryBackward(_)
@@ -743,6 +882,12 @@ impl Op {
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
+            | Op::Conv2dBackwardInput { .. }
+            | Op::Conv2dBackwardWeight { .. }
+            | Op::GroupNormBackward { .. }
+            | Op::MaxPool2dBackward(_)
+            | Op::AvgPool2dBackward { .. }
+            | Op::Upsample2dBackward { .. }
             | Op::AdamW(_) => all(false),
         }
     }
@@ -779,6 +924,13 @@ impl Op {
             Op::Send(p) => comm::vjp_send(cx, *p),
             Op::Recv(p, _) => comm::vjp_recv(cx, *p),
             Op::Transfer { from, to } => comm::vjp_transfer(cx, *from, *to),
+            Op::Conv2d(spec) => vision::vjp_conv(cx, spec),
+            Op::GroupNorm { groups, eps } => vision::vjp_group_norm(cx, *groups, *eps),
+            Op::MaxPool2d(pool) => vision::vjp_max_pool(cx, pool),
+            Op::AvgPool2d { pool, count_include_pad } => {
+                vision::vjp_avg_pool(cx, pool, *count_include_pad)
+            }
+            Op::Upsample2d { scale } => vision::vjp_upsample(cx, *scale),
             Op::UnaryBackward(_)
             | Op::BinaryBackward { .. }
             | Op::ReduceBackward { .. }
@@ -788,6 +940,12 @@ impl Op {
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
+            | Op::Conv2dBackwardInput { .. }
+            | Op::Conv2dBackwardWeight { .. }
+            | Op::GroupNormBackward { .. }
+            | Op::MaxPool2dBackward(_)
+            | Op::AvgPool2dBackward { .. }
+            | Op::Upsample2dBackward { .. }
             | Op::AdamW(_) => Err(crate::IrError::Graph(format!(
                 "{} has no VJP: backward and optimizer ops are not differentiated again",
                 self.name()

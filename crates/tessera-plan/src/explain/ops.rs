@@ -73,11 +73,39 @@ fn detail(g: &Graph, n: &Node, residual: bool, stream: &[bool]) -> String {
             }
             s
         }
+        Op::Conv2d(c) => {
+            let w = g.shape(n.inputs[1]).dims();
+            let mut s = format!("conv2d {}×{}", w[2], w[3]);
+            if c.stride != [1, 1] {
+                s += &format!(" stride {}", hw(c.stride));
+            }
+            if c.dilation != [1, 1] {
+                s += &format!(" dilation {}", hw(c.dilation));
+            }
+            if c.groups > 1 {
+                s += &format!(" groups {}", c.groups);
+            }
+            s
+        }
+        Op::GroupNorm { groups, .. } => format!("group_norm {groups} groups"),
+        Op::MaxPool2d(p) | Op::AvgPool2d { pool: p, .. } => {
+            format!("{} {} stride {}", n.op.name(), hw(p.kernel), hw(p.stride))
+        }
+        Op::Upsample2d { scale } => format!("upsample nearest ×{}", hw(*scale)),
         Op::CrossEntropy { sum: true, .. } => "cross_entropy (sum)".into(),
         Op::Fill { value, .. } => format!("fill {value}"),
         // The rest say all in their name (backward, optimizer and communication ops do not
         // appear in a forward graph).
         op => op.name().to_string(),
+    }
+}
+
+/// `3×3`, or `2` when both spatial dims agree.
+fn hw(v: [usize; 2]) -> String {
+    if v[0] == v[1] {
+        v[0].to_string()
+    } else {
+        format!("{}×{}", v[0], v[1])
     }
 }
 

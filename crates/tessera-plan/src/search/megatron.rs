@@ -154,7 +154,10 @@ pub(super) fn tp_labels(
             // Attention (and RoPE before it) by heads, whatever split arrives: where q, k and v
             // come whole (GPT-2's fused c_attn, sliced), each device takes its heads locally.
             Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => (l.inputs[0][2], true),
-            Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::CrossEntropy { .. } => (None, false),
+            Op::LayerNorm { .. }
+            | Op::RmsNorm { .. }
+            | Op::GroupNorm { .. }
+            | Op::CrossEntropy { .. } => (None, false),
             // Everything else carries the split it receives.
             _ => match (0..n.inputs.len()).find_map(at) {
                 Some(lab) => (Some(lab), true),

@@ -22,6 +22,7 @@ mod norm;
 mod optim;
 mod quant;
 mod reduce;
+mod vision;
 
 pub use loss::check_targets;
 
@@ -106,6 +107,29 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::SelectPositions => one(infer::select_positions(x[0], x[1])?),
         Op::QMatMul(q) => one(quant::qmatmul(x[0], x[1], x[2], *q)?),
         Op::AdamW(spec) => optim::adamw(spec, x),
+        Op::Conv2d(spec) => one(vision::conv2d(x[0], x[1], spec, &out[0])?),
+        Op::Conv2dBackwardInput { spec, .. } => {
+            one(vision::conv2d_backward_input(x[0], x[1], spec, &out[0])?)
+        }
+        Op::Conv2dBackwardWeight { spec, .. } => {
+            one(vision::conv2d_backward_weight(x[0], x[1], spec, &out[0])?)
+        }
+        Op::GroupNorm { groups, eps } => one(vision::group_norm(x[0], x[1], x[2], *groups, *eps)?),
+        Op::GroupNormBackward { groups, eps } => {
+            vision::group_norm_backward(x[0], x[1], x[2], *groups, *eps)
+        }
+        Op::MaxPool2d(pool) => one(vision::max_pool2d(x[0], pool, &out[0])?),
+        Op::MaxPool2dBackward(pool) => one(vision::max_pool2d_backward(x[0], x[1], pool, &out[0])?),
+        Op::AvgPool2d { pool, count_include_pad } => {
+            one(vision::avg_pool2d(x[0], pool, *count_include_pad, &out[0])?)
+        }
+        Op::AvgPool2dBackward { pool, count_include_pad, .. } => {
+            one(vision::avg_pool2d_backward(x[0], pool, *count_include_pad, &out[0])?)
+        }
+        Op::Upsample2d { scale } => one(vision::upsample2d(x[0], *scale, &out[0])?),
+        Op::Upsample2dBackward { scale } => {
+            one(vision::upsample2d_backward(x[0], *scale, &out[0])?)
+        }
         // A move between memory tiers is a real copy into a buffer of the destination tier
         // (on the CPU both tiers are this process's memory; the executor charges each to its
         // tier's accountant).
