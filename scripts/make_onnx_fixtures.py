@@ -16,7 +16,7 @@ Each fixture directory <name>/ holds
 Causal LMs (gpt2, llama, opt): input "input_ids" int64 [batch, sequence] -> "logits" f32
 [batch, sequence, V], both axes dynamic; reference at [2, 8]; labels are already-shifted
 next-token targets: loss = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1)) (mean).
-Vision (resnet, unet): "pixel_values" f32 [batch, 3, 16, 16], batch dynamic.
+Vision: "pixel_values" f32, batch dynamic: resnet [batch, 1, 8, 8] (the digits data set's shape), unet [batch, 3, 16, 16].
 `unsupported/model.onnx` only: a graph with an ONNX `Det` node, for the importer's error path.
 
 Deterministic: re-running rewrites byte-identical files (given the versions in versions.json;
@@ -173,12 +173,15 @@ class ResBlock(nn.Module):
 
 
 class TinyResNet(nn.Module):
-    """[B,3,16,16] -> stem conv3x3 (8 ch) + GroupNorm + ReLU -> MaxPool2d(2) (8x8) -> block 8->8
-    -> block 8->16 stride 2 with 1x1 projection (4x4) -> global average pool -> Linear(16, 10)."""
+    """[B,1,8,8] (the shape of data/digits.csv, so `tessera train` can train it) -> stem conv3x3
+    (8 ch) + GroupNorm + ReLU -> MaxPool2d(2) (4x4) -> block 8->8 -> block 8->16 stride 2 with
+    1x1 projection (2x2) -> global average pool -> Linear(16, 10)."""
+
+    SHAPE = (1, 8, 8)
 
     def __init__(self):
         super().__init__()
-        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
         self.stem_norm = nn.GroupNorm(2, 8)
         self.pool = nn.MaxPool2d(2)
         self.block1 = ResBlock(8, 8, 1)
@@ -480,8 +483,9 @@ def make_vision(name, seed, model_cls):
     fresh = model_cls().eval()
     norm_params = perturb(model, seed + 1)
     g = torch.Generator().manual_seed(seed + 2)
-    pixel_values = torch.randn(2, 3, 16, 16, generator=g)
-    alt_pixels = torch.randn(1, 3, 16, 16, generator=g)
+    shape = getattr(model_cls, "SHAPE", (3, 16, 16))
+    pixel_values = torch.randn(2, *shape, generator=g)
+    alt_pixels = torch.randn(1, *shape, generator=g)
     if name == "resnet":
         labels = torch.randint(0, 10, (2,), generator=g, dtype=torch.int64)
         targets = {"labels": labels}
@@ -507,12 +511,12 @@ def make_vision(name, seed, model_cls):
         "family": name,
         "architecture": model_cls.__name__,
         "config": {"description": " ".join(model_cls.__doc__.split()),
-                   "input_shape": [3, 16, 16], "groupnorm_groups": 2},
+                   "input_shape": list(shape), "groupnorm_groups": 2},
         "num_parameters": num,
         "parameters": shapes,
         "norm_parameters": norm_params,
         "zero_grad_parameters": zero,
-        "input": {"name": "pixel_values", "dtype": "float32", "shape": [2, 3, 16, 16],
+        "input": {"name": "pixel_values", "dtype": "float32", "shape": [2, *shape],
                   "dynamic_axes": ["batch"]},
         "loss": loss_doc,
         "loss_value": float(tensors["loss"]),

@@ -242,6 +242,21 @@ pub fn load_data(args: &TrainArgs, cfg: &ModelConfig) -> Result<TrainData> {
             images.validate(c.num_labels)?;
             return Ok(TrainData::Images(images));
         }
+        ModelConfig::Onnx(c) if c.vocab_size().is_none() => {
+            let (Some(shape), tessera_models::OnnxTask::ImageClassifier { num_classes }) =
+                (c.image_shape(), &c.task)
+            else {
+                bail!(
+                    "`train` has data loaders for language models and image classifiers; {} is \
+                     a dense model: profile and plan it (no data loader reads dense targets yet)",
+                    c.path
+                );
+            };
+            let path = args.data.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_IMAGES));
+            let images = ImageSet::load_csv(&path, shape, 0.2)?;
+            images.validate(*num_classes)?;
+            return Ok(TrainData::Images(images));
+        }
         ModelConfig::Mlp(_) => bail!(
             "`train` has no data loader for the mlp model's feature vectors; train a language \
              model or ViT, or profile and plan the mlp"

@@ -63,7 +63,7 @@ pub enum ModelError {
     Ir(#[from] IrError),
 
     /// An ONNX model that cannot be read or imported.
-    #[error("{0}")]
+    #[error(transparent)]
     Onnx(#[from] tessera_onnx::OnnxError),
 }
 

@@ -254,7 +254,7 @@ impl ModelConfig {
             ModelConfig::Mlp(_) => 1,
             ModelConfig::Onnx(c) => match c.task {
                 OnnxTask::CausalLm { .. } => c.fixed_seq().unwrap_or(requested),
-                OnnxTask::ImageClassifier { .. } => 1,
+                OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => 1,
             },
             ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
@@ -351,6 +351,9 @@ pub enum InputKind {
     Pixels,
     /// Feature vectors `[B, input_dim]` in the model dtype.
     Features,
+    /// Regression targets shaped like the model's output, in the model dtype (an imported
+    /// dense model trained with a mean squared error).
+    Targets,
     /// The step's i64 RNG seed for dropout.
     Seed,
     /// An f32 scalar: how many targets of the whole step (every micro-batch and shard) are not

@@ -5,7 +5,9 @@
 //! Tasks, read off the graph's first input and output:
 //! - causal language model: int64 `[batch, seq]` → `[batch, seq, vocab]`, trained on
 //!   next-token `labels` like GPT-2 (mean over the step's targets);
-//! - image classifier: float `[batch, C, H, W]` → `[batch, classes]`, cross-entropy on `labels`.
+//! - image classifier: float `[batch, C, H, W]` → `[batch, classes]`, cross-entropy on `labels`;
+//! - dense regression: float `[batch, C, H, W]` → float `[batch, ..]` (a UNet), the mean squared
+//!   error against `targets` of the output's shape.
 
 use crate::error::{ModelError, Result};
 use crate::nn::{self, Inputs};
@@ -22,6 +24,8 @@ use tessera_onnx::{Bind, Dim, Elem, OnnxModel};
 pub enum OnnxTask {
     CausalLm { vocab_size: usize },
     ImageClassifier { num_classes: usize },
+    /// Output dims after the batch (fixed).
+    Regression { output: Vec<usize> },
 }
 
 /// A model read from an ONNX file.
@@ -55,8 +59,9 @@ impl OnnxConfig {
         let unsupported = |found: String| ModelError::Unsupported {
             what: "ONNX model signature".into(),
             found,
-            supported: "int64 [batch, seq] → [batch, seq, vocab] (causal language models) and \
-                        float [batch, C, H, W] → [batch, classes] (image classifiers)"
+            supported: "int64 [batch, seq] → [batch, seq, vocab] (causal language models), \
+                        float [batch, C, H, W] → [batch, classes] (image classifiers) and \
+                        float [batch, C, H, W] → [batch, ...] with fixed dims (dense regression)"
                 .into(),
         };
         let (x, y) = (&model.inputs[0], &model.outputs[0]);
@@ -67,6 +72,14 @@ impl OnnxConfig {
         let task = match (x.elem, x.dims.len(), y.dims.len(), fixed(y.dims.last())) {
             (Elem::Int, 2, 3, Some(v)) => OnnxTask::CausalLm { vocab_size: v },
             (Elem::Float, 4, 2, Some(c)) => OnnxTask::ImageClassifier { num_classes: c },
+            (Elem::Float, 4, r, _) if r > 2 && y.elem == Elem::Float => {
+                let output = y.dims[1..]
+                    .iter()
+                    .map(|d| fixed(Some(d)))
+                    .collect::<Option<Vec<usize>>>()
+                    .ok_or_else(|| unsupported(format!("{} {:?}: dynamic output dims", y.name, y.dims)))?;
+                OnnxTask::Regression { output }
+            }
             _ => {
                 return Err(unsupported(format!(
                     "{} {:?} {:?} → {} {:?}",
@@ -97,7 +110,15 @@ impl OnnxConfig {
     pub fn vocab_size(&self) -> Option<usize> {
         match self.task {
             OnnxTask::CausalLm { vocab_size } => Some(vocab_size),
-            OnnxTask::ImageClassifier { .. } => None,
+            OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => None,
+        }
+    }
+
+    /// `[C, H, W]` of an image model's input.
+    pub fn image_shape(&self) -> Option<[usize; 3]> {
+        match self.model.inputs[0].dims.as_slice() {
+            [_, Dim::Fixed(c), Dim::Fixed(h), Dim::Fixed(w)] => Some([*c, *h, *w]),
+            _ => None,
         }
     }
 
@@ -122,7 +143,9 @@ pub(crate) fn build(cfg: &OnnxConfig, opts: &BuildOptions) -> Result<ForwardMode
     let mut inputs = Inputs::new();
     let (name, kind) = match cfg.task {
         OnnxTask::CausalLm { vocab_size } => ("input_ids", InputKind::TokenIds { vocab_size }),
-        OnnxTask::ImageClassifier { .. } => ("pixel_values", InputKind::Pixels),
+        OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => {
+            ("pixel_values", InputKind::Pixels)
+        }
     };
     inputs.list.push(ModelInput { name, tensor: x.tensor, kind });
     if let Some(extra) = imported.inputs.get(1) {
@@ -144,6 +167,16 @@ pub(crate) fn build(cfg: &OnnxConfig, opts: &BuildOptions) -> Result<ForwardMode
             let kind = InputKind::Labels { num_classes, ignore_index: None };
             let labels = inputs.add(&mut b, "labels", [opts.batch], DType::I64, kind);
             b.cross_entropy(logits_f32, labels, None)?
+        }
+        OnnxTask::Regression { ref output } => {
+            let mut shape = vec![opts.batch];
+            shape.extend(output);
+            let t = inputs.add(&mut b, "targets", shape.clone(), opts.dtype, InputKind::Targets);
+            let t = if opts.dtype == DType::F32 { t } else { b.cast(t, DType::F32)? };
+            let d = b.sub(logits_f32, t)?;
+            let sq = b.mul(d, d)?;
+            let dims: Vec<usize> = (0..shape.len()).collect();
+            b.reduce(tessera_ir::ReduceOp::Mean, sq, &dims, false)?
         }
     };
     Ok(ForwardModel {

@@ -20,6 +20,7 @@ mod import;
 mod lower;
 pub mod model;
 pub mod tensor;
+mod vision;
 
 pub use error::{OnnxError, Result};
 pub use import::{block_of, import, Bind, Imported, ImportedInput};

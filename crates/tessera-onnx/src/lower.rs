@@ -17,11 +17,13 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Abs",
     "Add",
     "And",
+    "AveragePool",
     "Cast",
     "Ceil",
     "Concat",
     "Constant",
     "ConstantOfShape",
+    "Conv",
     "Cos",
     "CumSum",
     "Div",
@@ -33,15 +35,18 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Floor",
     "Gather",
     "Gemm",
+    "GlobalAveragePool",
     "Greater",
     "GreaterOrEqual",
     "Identity",
+    "InstanceNormalization",
     "LayerNormalization",
     "Less",
     "LessOrEqual",
     "Log",
     "MatMul",
     "Max",
+    "MaxPool",
     "Min",
     "Mod",
     "Mul",
@@ -55,6 +60,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "ReduceSum",
     "Relu",
     "Reshape",
+    "Resize",
     "Shape",
     "Sigmoid",
     "Sin",
@@ -93,6 +99,9 @@ impl Importer<'_> {
         };
         let t = |v: Value| Ok(vec![v]);
         let plain = |id: TensorId| Value::Tensor { id, perm: None };
+        if let Some(v) = self.lower_vision(node, values)? {
+            return t(v);
+        }
         match node.op_type.as_str() {
             "Identity" | "Dropout" | "Cast" => {
                 let x = arg(0)?;

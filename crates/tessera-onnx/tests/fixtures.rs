@@ -60,37 +60,60 @@ fn count(graph: &tessera_ir::Graph, op: &str) -> usize {
         .count()
 }
 
-/// Imports a causal LM fixture, runs forward and backward, and checks logits, loss and
-/// every gradient against PyTorch. Returns the forward graph.
-fn check_lm(name: &str) -> tessera_ir::Graph {
+/// The loss PyTorch took of the fixture's output.
+#[derive(Clone, Copy)]
+enum Loss {
+    /// Cross-entropy of `[.., V]` logits against `labels` (mean).
+    CrossEntropy,
+    /// Mean squared error against `target`.
+    Mse,
+}
+
+/// Imports fixture `name` (data input `input` bound to the reference tensor of that name),
+/// takes PyTorch's loss of its output, runs forward and backward in the reference interpreter
+/// and checks output, loss and every gradient against PyTorch. Returns the forward graph.
+fn check(name: &str, input: &str, loss_kind: Loss) -> tessera_ir::Graph {
     let model = OnnxModel::open(&fixture(name).join("model.onnx")).unwrap();
     let refs = reference(name);
-    let (ids_shape, ids) = refs["input_ids"].clone();
-    let (batch, seq) = (ids_shape[0], ids_shape[1]);
+    let (x_shape, x) = refs[input].clone();
+    let (batch, seq) = (x_shape[0], x_shape.get(1).copied().unwrap_or(1));
+    let dtype_of = |v: &str| if v == "input_ids" || v == "labels" { DType::I64 } else { DType::F32 };
     let mut imp = import(&model, &Bind { batch, seq, dtype: DType::F32 }).unwrap();
-    let logits = imp.outputs[0];
+    let out_t = imp.outputs[0];
     let b = &mut imp.builder;
-    let labels = b.input("labels", [batch, seq], DType::I64);
-    let loss = b.cross_entropy(logits, labels, None).unwrap();
+    let (target_name, target_shape) = match loss_kind {
+        Loss::CrossEntropy => ("labels", refs["labels"].0.clone()),
+        Loss::Mse => ("target", refs["target"].0.clone()),
+    };
+    let target = b.input(target_name, target_shape.clone(), dtype_of(target_name));
+    let loss = match loss_kind {
+        Loss::CrossEntropy => b.cross_entropy(out_t, target, None).unwrap(),
+        Loss::Mse => {
+            let d = b.sub(out_t, target).unwrap();
+            let sq = b.mul(d, d).unwrap();
+            let dims: Vec<usize> = (0..target_shape.len()).collect();
+            b.reduce(tessera_ir::ReduceOp::Mean, sq, &dims, false).unwrap()
+        }
+    };
     let params = b.graph.parameters();
-    let numel: u64 = params.iter().map(|&p| b.shape(p).numel() as u64).sum();
+    let numel: u64 = params.iter().map(|&p| b.shape(p).numel()).sum();
     assert_eq!(numel, num_parameters(name), "{name}: parameter count");
     let forward = b.graph.clone();
     let grads = gradients(b, loss, &params).unwrap();
     let graph = b.graph.clone();
     let mut bind: HashMap<TensorId, Value> = HashMap::new();
-    bind.insert(imp.inputs[0].tensor, Value::new(ids_shape.clone(), ids));
-    bind.insert(labels, Value::new(ids_shape.clone(), refs["labels"].1.clone()));
+    bind.insert(imp.inputs[0].tensor, Value::new(x_shape.clone(), x));
+    bind.insert(target, Value::new(target_shape.clone(), refs[target_name].1.clone()));
     for &p in &params {
         let pname = graph.tensor_scope(p);
         let (shape, w) = model.weights_f32(pname).unwrap().unwrap();
         bind.insert(p, Value::new(shape, w.into_iter().map(f64::from).collect()));
     }
-    let mut wanted = vec![logits, loss];
+    let mut wanted = vec![out_t, loss];
     wanted.extend(grads.iter().map(|g| g.expect("every parameter reaches the loss")));
     let out = interp::eval_outputs(&graph, &bind, &wanted).unwrap();
     let e = rel_err(&out[0].data, &refs["logits"].1);
-    assert!(e < 1e-4, "{name}: logits differ from PyTorch's by {e:e} (relative)");
+    assert!(e < 1e-4, "{name}: output differs from PyTorch's by {e:e} (relative)");
     let e = (out[1].item() - refs["loss"].1[0]).abs();
     assert!(e < 1e-4, "{name}: loss {} vs PyTorch {}", out[1].item(), refs["loss"].1[0]);
     // Gradients: relative to the largest gradient of the model (some are zero but for
@@ -112,6 +135,22 @@ fn check_lm(name: &str) -> tessera_ir::Graph {
         );
     }
     forward
+}
+
+fn check_lm(name: &str) -> tessera_ir::Graph {
+    check(name, "input_ids", Loss::CrossEntropy)
+}
+
+#[test]
+fn resnet_matches_pytorch() {
+    let g = check("resnet", "pixel_values", Loss::CrossEntropy);
+    assert!(count(&g, "Conv2d") >= 5 && count(&g, "MaxPool2d") == 1 && count(&g, "GroupNorm") >= 3);
+}
+
+#[test]
+fn unet_matches_pytorch() {
+    let g = check("unet", "pixel_values", Loss::Mse);
+    assert!(count(&g, "Conv2d") >= 3 && count(&g, "AvgPool2d") == 1 && count(&g, "Upsample2d") == 1);
 }
 
 #[test]
@@ -158,4 +197,15 @@ fn unsupported_operator_is_named_with_its_node_and_readers() {
     assert!(supported.contains("MatMul"));
     let text = err.to_string();
     assert!(text.contains("Det") && text.contains("not supported"), "{text}");
+}
+
+#[test]
+fn every_fixture_uses_only_supported_operators() {
+    // The up-front check the CLI runs agrees with what the walk can import.
+    for name in ["gpt2", "llama", "opt", "resnet", "unet"] {
+        let model = OnnxModel::open(&fixture(name).join("model.onnx")).unwrap();
+        model.check_operators().unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    let model = OnnxModel::open(&fixture("unsupported").join("model.onnx")).unwrap();
+    assert!(matches!(model.check_operators(), Err(OnnxError::UnsupportedOp { op, .. }) if op == "Det"));
 }
