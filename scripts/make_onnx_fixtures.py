@@ -47,6 +47,8 @@ from transformers import (
     LlamaForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    ViTConfig,
+    ViTForImageClassification,
 )
 
 try:
@@ -242,7 +244,27 @@ class Unsupported(nn.Module):
         return self.lin2(torch.linalg.det(h).unsqueeze(-1))
 
 
-VISION = {"resnet": TinyResNet, "unet": TinyUNet}
+class TinyViT(ViTForImageClassification):
+    """ViTForImageClassification on [B,1,8,8] (digits): patch 4, hidden 32, 2 layers, 4 heads,
+    MLP 64, exact GELU (nn.GELU: Erf in the graph), unmasked attention, 10 labels. A subclass,
+    so parameter names stay transformers' own."""
+
+    SHAPE = (1, 8, 8)
+
+    def __init__(self):
+        config = ViTConfig(
+            image_size=8, patch_size=4, num_channels=1, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=4, intermediate_size=64, hidden_act="gelu",
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=10,
+        )
+        config._attn_implementation = "eager"
+        super().__init__(config)
+
+    def forward(self, pixel_values):
+        return super().forward(pixel_values=pixel_values, return_dict=False)[0]
+
+
+VISION = {"resnet": TinyResNet, "unet": TinyUNet, "vit": TinyViT}
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -486,7 +508,7 @@ def make_vision(name, seed, model_cls):
     shape = getattr(model_cls, "SHAPE", (3, 16, 16))
     pixel_values = torch.randn(2, *shape, generator=g)
     alt_pixels = torch.randn(1, *shape, generator=g)
-    if name == "resnet":
+    if name in ("resnet", "vit"):
         labels = torch.randint(0, 10, (2,), generator=g, dtype=torch.int64)
         targets = {"labels": labels}
         loss_fn = lambda lg: F.cross_entropy(lg, labels)  # noqa: E731
@@ -510,8 +532,11 @@ def make_vision(name, seed, model_cls):
     info = {
         "family": name,
         "architecture": model_cls.__name__,
-        "config": {"description": " ".join(model_cls.__doc__.split()),
-                   "input_shape": list(shape), "groupnorm_groups": 2},
+        # transformers' own config.json for HF models (the built-in family reads it), else a
+        # description.
+        "config": (json.loads(model.config.to_json_string()) if hasattr(model, "config")
+                   else {"description": " ".join(model_cls.__doc__.split()),
+                         "input_shape": list(shape), "groupnorm_groups": 2}),
         "num_parameters": num,
         "parameters": shapes,
         "norm_parameters": norm_params,

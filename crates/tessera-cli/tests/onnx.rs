@@ -108,25 +108,37 @@ fn eval_reproduces_pytorch_logits_and_loss() {
 }
 
 #[test]
-fn imported_gpt2_profiles_like_the_builtin_family() {
-    // The built-in family on the fixture's own config.json (as transformers wrote it).
-    let dir = scratch("gpt2-config");
-    let j: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("gpt2").join("reference.json")).unwrap(),
-    )
-    .unwrap();
-    std::fs::write(dir.join("config.json"), j["config"].to_string()).unwrap();
-    for (batch, seq) in [("2", "16"), ("4", "64")] {
-        let model = fixture("gpt2").join("model.onnx");
-        let common = ["--batch", batch, "--seq", seq, "--format", "json"];
-        let a = ok_json(&[&["profile", "--model", dir.to_str().unwrap()][..], &common].concat());
-        let b = ok_json(&[&["profile", "--model", model.to_str().unwrap()][..], &common].concat());
-        for key in ["forward", "backward", "optimizer", "matmul"] {
-            assert_eq!(a["flops"][key], b["flops"][key], "flops.{key} at {batch}x{seq}");
+fn imported_models_profile_like_the_builtin_families() {
+    // GPT-2 (tanh GELU, tied head), LLaMA (RMSNorm, RoPE, GQA, SiLU) and ViT (exact GELU,
+    // unmasked attention, patch conv) against the built-in family on the fixture's own
+    // config.json (as transformers wrote it): FLOPs and peak memory exactly equal.
+    for name in ["gpt2", "llama", "vit"] {
+        let dir = scratch(&format!("{name}-config"));
+        let j: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(name).join("reference.json")).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(dir.join("config.json"), j["config"].to_string()).unwrap();
+        for (batch, seq) in [("2", "16"), ("4", "64")] {
+            let model = fixture(name).join("model.onnx");
+            let common = ["--batch", batch, "--seq", seq, "--format", "json"];
+            let a =
+                ok_json(&[&["profile", "--model", dir.to_str().unwrap()][..], &common].concat());
+            let b =
+                ok_json(&[&["profile", "--model", model.to_str().unwrap()][..], &common].concat());
+            for key in ["forward", "backward", "optimizer", "matmul"] {
+                assert_eq!(
+                    a["flops"][key], b["flops"][key],
+                    "{name}: flops.{key} at {batch}x{seq}"
+                );
+            }
+            assert_eq!(
+                a["memory"]["peak_bytes"], b["memory"]["peak_bytes"],
+                "{name}: peak at {batch}x{seq}"
+            );
+            assert_eq!(a["params"], b["params"]);
+            assert!(a["params"].as_u64().is_some_and(|n| n > 0));
         }
-        assert_eq!(a["memory"]["peak_bytes"], b["memory"]["peak_bytes"], "peak at {batch}x{seq}");
-        assert_eq!(a["params"], b["params"]);
-        assert!(a["params"].as_u64().is_some_and(|n| n > 0));
     }
 }
 
@@ -180,10 +192,24 @@ fn an_imported_resnet_trains_on_the_digits_and_a_unet_plans() {
     let resnet = fixture("resnet").join("model.onnx");
     let digits = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/digits.csv");
     let out = ok_json(&[
-        "train", "--model", resnet.to_str().unwrap(), "--data", digits.to_str().unwrap(),
-        "--steps", "20", "--batch", "16", "--devices", "2", "--lr", "3e-3", "--format", "json",
+        "train",
+        "--model",
+        resnet.to_str().unwrap(),
+        "--data",
+        digits.to_str().unwrap(),
+        "--steps",
+        "20",
+        "--batch",
+        "16",
+        "--devices",
+        "2",
+        "--lr",
+        "3e-3",
+        "--format",
+        "json",
     ]);
-    let (first, last) = (out["initial_loss"].as_f64().unwrap(), out["final_loss"].as_f64().unwrap());
+    let (first, last) =
+        (out["initial_loss"].as_f64().unwrap(), out["final_loss"].as_f64().unwrap());
     assert!(last < first - 0.1, "the loss must fall: {first} → {last}");
     // Better than chance (10 classes) on held-out digits after 20 steps.
     assert!(out["eval_accuracy"].as_f64().unwrap() > 0.2, "{out}");
@@ -193,10 +219,26 @@ fn an_imported_resnet_trains_on_the_digits_and_a_unet_plans() {
     // The UNet (a dense regression: MSE against targets of the output's shape) profiles and
     // plans; `train` has no loader for dense targets and says so.
     let unet = fixture("unet").join("model.onnx");
-    let p = ok_json(&["profile", "--model", unet.to_str().unwrap(), "--batch", "4", "--format", "json"]);
+    let p = ok_json(&[
+        "profile",
+        "--model",
+        unet.to_str().unwrap(),
+        "--batch",
+        "4",
+        "--format",
+        "json",
+    ]);
     assert_eq!(p["params"], 3819, "{p}");
     let plan = ok_json(&[
-        "plan", "--model", unet.to_str().unwrap(), "--cluster", "4xH100", "--batch", "64", "--format", "json",
+        "plan",
+        "--model",
+        unet.to_str().unwrap(),
+        "--cluster",
+        "4xH100",
+        "--batch",
+        "64",
+        "--format",
+        "json",
     ]);
     let peaks = plan["predicted"]["peak_bytes_per_device"].as_array().expect("a plan");
     assert_eq!(peaks.len(), 4, "{plan}");

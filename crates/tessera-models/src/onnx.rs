@@ -22,10 +22,16 @@ use tessera_onnx::{Bind, Dim, Elem, OnnxModel};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(tag = "task", rename_all = "snake_case")]
 pub enum OnnxTask {
-    CausalLm { vocab_size: usize },
-    ImageClassifier { num_classes: usize },
+    CausalLm {
+        vocab_size: usize,
+    },
+    ImageClassifier {
+        num_classes: usize,
+    },
     /// Output dims after the batch (fixed).
-    Regression { output: Vec<usize> },
+    Regression {
+        output: Vec<usize>,
+    },
 }
 
 /// A model read from an ONNX file.
@@ -77,7 +83,9 @@ impl OnnxConfig {
                     .iter()
                     .map(|d| fixed(Some(d)))
                     .collect::<Option<Vec<usize>>>()
-                    .ok_or_else(|| unsupported(format!("{} {:?}: dynamic output dims", y.name, y.dims)))?;
+                    .ok_or_else(|| {
+                        unsupported(format!("{} {:?}: dynamic output dims", y.name, y.dims))
+                    })?;
                 OnnxTask::Regression { output }
             }
             _ => {

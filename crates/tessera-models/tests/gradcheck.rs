@@ -103,7 +103,9 @@ impl Model {
                     }
                     labels
                 }
-                InputKind::Pixels | InputKind::Features => uniform(&mut rng, n, 1.0),
+                InputKind::Pixels | InputKind::Features | InputKind::Targets => {
+                    uniform(&mut rng, n, 1.0)
+                }
                 InputKind::Seed => vec![0x5eed_1234 as f64],
                 // The labels come first: count the ones that are not ignored.
                 InputKind::TargetCount => {

@@ -29,6 +29,7 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Div",
     "Dropout",
     "Equal",
+    "Erf",
     "Exp",
     "Expand",
     "Flatten",
@@ -404,6 +405,10 @@ impl Importer<'_> {
                 t(plain(self.b.reduce(op, id, &dims, keep).map_err(|e| self.err_ir(node, e))?))
             }
             "Gather" => t(self.gather(node, &arg(0)?, &arg(1)?)?),
+            "Erf" => Err(self.unsupported(
+                node,
+                "Erf is imported as part of GELU, x · 0.5 · (1 + erf(x / √2)), and here it is not",
+            )),
             op if SUPPORTED_OPS.contains(&op) => Err(self.unsupported(
                 node,
                 format!(

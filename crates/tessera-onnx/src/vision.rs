@@ -36,11 +36,17 @@ impl Importer<'_> {
         let op = node.op_type.as_str();
         if !matches!(
             op,
-            "Conv" | "MaxPool" | "AveragePool" | "GlobalAveragePool" | "InstanceNormalization" | "Resize"
+            "Conv"
+                | "MaxPool"
+                | "AveragePool"
+                | "GlobalAveragePool"
+                | "InstanceNormalization"
+                | "Resize"
         ) {
             return Ok(None);
         }
-        let auto_pad = attrs::attr(node, "auto_pad").map(|a| String::from_utf8_lossy(&a.s).into_owned());
+        let auto_pad =
+            attrs::attr(node, "auto_pad").map(|a| String::from_utf8_lossy(&a.s).into_owned());
         if auto_pad.as_deref().is_some_and(|p| p != "NOTSET") {
             return Err(self.unsupported(node, "auto_pad (export with explicit pads)"));
         }
@@ -56,7 +62,11 @@ impl Importer<'_> {
         let ir = |im: &Self, e| im.err_ir(node, e);
         let y = match op {
             "Conv" => {
-                let w_value = values.get(1).cloned().flatten().ok_or_else(|| bad(self, "no weight".into()))?;
+                let w_value = values
+                    .get(1)
+                    .cloned()
+                    .flatten()
+                    .ok_or_else(|| bad(self, "no weight".into()))?;
                 let w = self.tensor(&w_value, &node.name, op)?;
                 let spec = Conv2dSpec {
                     stride: pair(node, "strides", 1).map_err(|r| bad(self, r))?,
@@ -92,7 +102,9 @@ impl Importer<'_> {
                     self.b.max_pool2d(x, kernel, stride, padding).map_err(|e| ir(self, e))?
                 } else {
                     let include = attrs::int(node, "count_include_pad", 0) != 0;
-                    self.b.avg_pool2d(x, kernel, stride, padding, include).map_err(|e| ir(self, e))?
+                    self.b
+                        .avg_pool2d(x, kernel, stride, padding, include)
+                        .map_err(|e| ir(self, e))?
                 }
             }
             "GlobalAveragePool" => {
@@ -119,14 +131,22 @@ impl Importer<'_> {
             let first = k.f(0);
             if k.numel() == c && (0..c).all(|i| k.f(i) == first) {
                 let dtype = self.dtype;
-                return self.b.fill(first, Shape::from(vec![c]), dtype).map_err(|e| self.err_ir(node, e));
+                return self
+                    .b
+                    .fill(first, Shape::from(vec![c]), dtype)
+                    .map_err(|e| self.err_ir(node, e));
             }
         }
         self.tensor(&v, &node.name, &node.op_type)
     }
 
     /// Nearest `Resize` by integer factors on H and W (`scales` or `sizes`).
-    fn resize(&mut self, node: &NodeProto, x: TensorId, values: &[Option<Value>]) -> Result<TensorId> {
+    fn resize(
+        &mut self,
+        node: &NodeProto,
+        x: TensorId,
+        values: &[Option<Value>],
+    ) -> Result<TensorId> {
         let mode = attrs::attr(node, "mode").map(|a| String::from_utf8_lossy(&a.s).into_owned());
         if mode.as_deref() != Some("nearest") {
             return Err(self.unsupported(node, format!("mode {mode:?} (nearest only)")));
@@ -134,7 +154,9 @@ impl Importer<'_> {
         let ctm = attrs::attr(node, "coordinate_transformation_mode")
             .map_or("half_pixel".to_string(), |a| String::from_utf8_lossy(&a.s).into_owned());
         let nearest = attrs::attr(node, "nearest_mode")
-            .map_or("round_prefer_floor".to_string(), |a| String::from_utf8_lossy(&a.s).into_owned());
+            .map_or("round_prefer_floor".to_string(), |a| {
+                String::from_utf8_lossy(&a.s).into_owned()
+            });
         // With integer factors, asymmetric+floor is PyTorch's `nearest` exactly.
         if ctm != "asymmetric" || nearest != "floor" {
             return Err(self.unsupported(
@@ -151,15 +173,22 @@ impl Importer<'_> {
         };
         let factors: Vec<f64> = match (get(self, 2)?, get(self, 3)?) {
             (Some(s), _) if !s.is_empty() => s,
-            (_, Some(sizes)) if sizes.len() == 4 => sizes.iter().zip(&d).map(|(&o, &i)| o / i as f64).collect(),
+            (_, Some(sizes)) if sizes.len() == 4 => {
+                sizes.iter().zip(&d).map(|(&o, &i)| o / i as f64).collect()
+            }
             _ => return Err(self.unsupported(node, "scales or sizes computed from activations")),
         };
         let int = |f: f64| (f >= 1.0 && f.fract() == 0.0).then_some(f as usize);
         match factors.as_slice() {
-            &[n, c, h, w] if n == 1.0 && c == 1.0 => match (int(h), int(w)) {
-                (Some(h), Some(w)) => self.b.upsample_nearest2d(x, [h, w]).map_err(|e| self.err_ir(node, e)),
-                _ => Err(self.unsupported(node, format!("scale factors {h}, {w} (integers ≥ 1 only)"))),
-            },
+            &[n, c, h, w] if n == 1.0 && c == 1.0 => {
+                match (int(h), int(w)) {
+                    (Some(h), Some(w)) => {
+                        self.b.upsample_nearest2d(x, [h, w]).map_err(|e| self.err_ir(node, e))
+                    }
+                    _ => Err(self
+                        .unsupported(node, format!("scale factors {h}, {w} (integers ≥ 1 only)"))),
+                }
+            }
             f => Err(self.unsupported(node, format!("scales {f:?} (H and W of NCHW only)"))),
         }
     }

@@ -77,7 +77,8 @@ fn check(name: &str, input: &str, loss_kind: Loss) -> tessera_ir::Graph {
     let refs = reference(name);
     let (x_shape, x) = refs[input].clone();
     let (batch, seq) = (x_shape[0], x_shape.get(1).copied().unwrap_or(1));
-    let dtype_of = |v: &str| if v == "input_ids" || v == "labels" { DType::I64 } else { DType::F32 };
+    let dtype_of =
+        |v: &str| if v == "input_ids" || v == "labels" { DType::I64 } else { DType::F32 };
     let mut imp = import(&model, &Bind { batch, seq, dtype: DType::F32 }).unwrap();
     let out_t = imp.outputs[0];
     let b = &mut imp.builder;
@@ -148,9 +149,21 @@ fn resnet_matches_pytorch() {
 }
 
 #[test]
+fn vit_matches_pytorch() {
+    let g = check("vit", "pixel_values", Loss::CrossEntropy);
+    // Exact GELU from its erf formula, unmasked fused attention, the patch embedding a conv.
+    assert_eq!(count(&g, "Attention"), 2);
+    assert_eq!(count(&g, "Softmax"), 0);
+    assert!(g.nodes.iter().any(|n| n.op == tessera_ir::Op::Unary(tessera_ir::UnaryOp::Gelu)));
+    assert_eq!(count(&g, "Conv2d"), 1);
+}
+
+#[test]
 fn unet_matches_pytorch() {
     let g = check("unet", "pixel_values", Loss::Mse);
-    assert!(count(&g, "Conv2d") >= 3 && count(&g, "AvgPool2d") == 1 && count(&g, "Upsample2d") == 1);
+    assert!(
+        count(&g, "Conv2d") >= 3 && count(&g, "AvgPool2d") == 1 && count(&g, "Upsample2d") == 1
+    );
 }
 
 #[test]
@@ -202,10 +215,30 @@ fn unsupported_operator_is_named_with_its_node_and_readers() {
 #[test]
 fn every_fixture_uses_only_supported_operators() {
     // The up-front check the CLI runs agrees with what the walk can import.
-    for name in ["gpt2", "llama", "opt", "resnet", "unet"] {
+    for name in ["gpt2", "llama", "opt", "resnet", "unet", "vit"] {
         let model = OnnxModel::open(&fixture(name).join("model.onnx")).unwrap();
         model.check_operators().unwrap_or_else(|e| panic!("{name}: {e}"));
     }
     let model = OnnxModel::open(&fixture("unsupported").join("model.onnx")).unwrap();
-    assert!(matches!(model.check_operators(), Err(OnnxError::UnsupportedOp { op, .. }) if op == "Det"));
+    assert!(
+        matches!(model.check_operators(), Err(OnnxError::UnsupportedOp { op, .. }) if op == "Det")
+    );
+}
+
+#[test]
+fn the_readme_lists_exactly_the_supported_operators() {
+    let readme =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
+            .unwrap();
+    let start = readme.find("- Operators: ").expect("README lists the ONNX operators");
+    let end =
+        start + readme[start..].find("(`tessera_onnx::SUPPORTED_OPS`)").expect("the list ends");
+    let listed: std::collections::BTreeSet<String> = readme[start + 13..end]
+        .split(',')
+        .map(|w| w.split_whitespace().next().unwrap_or("").to_string())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let supported: std::collections::BTreeSet<String> =
+        tessera_onnx::SUPPORTED_OPS.iter().map(|s| s.to_string()).collect();
+    assert_eq!(listed, supported);
 }
