@@ -1,8 +1,9 @@
 //! A small convolutional network (convolutions plain, grouped and pointwise, GroupNorm, max and
-//! global average pooling, nearest upsampling) trained by the SPMD runtime under data-parallel
-//! plans on simulated devices computes what one device computes: per-step loss and gradient
-//! norm within 1e-5 relative, final parameters within 2e-5, and every device peaks at exactly
-//! the memory the plan predicts (the criterion of `spmd.rs`).
+//! global average pooling, nearest upsampling) trained by the SPMD runtime on simulated devices
+//! — data parallel (dp2, dp4, dp2 with ZeRO-3) and a plan whose ungrouped convolutions split
+//! their output channels (weights by rows) — computes what one device computes: per-step loss
+//! and gradient norm within 1e-5 relative, final parameters within 2e-5, and every device
+//! peaks at exactly the memory the plan predicts (the criterion of `spmd.rs`).
 
 use candle_core::Tensor;
 use std::collections::HashMap;
@@ -12,6 +13,7 @@ use tessera_ir::{
     build_training_graph, Builder, Conv2dSpec, DType, TensorId, TrainConfig, UnaryOp,
 };
 use tessera_plan::config::ParallelConfig;
+use tessera_plan::plan::Plan;
 use tessera_plan::planner::{self, Request};
 use tessera_plan::search::Forward;
 use tessera_plan::{Cluster, PlanError};
@@ -97,14 +99,14 @@ fn single() -> Run {
     Run { steps, params: t.parameters().unwrap().into_iter().collect() }
 }
 
-/// `config` on `devices` simulated devices; checks each device's peak against the plan.
-fn parallel(devices: usize, config: &str) -> Run {
-    let builder = |mb: usize| -> tessera_plan::Result<Forward> {
-        let (b, loss) = cnn(mb).map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: b.finish(), loss })
-    };
-    let req = Request {
-        build: &builder,
+fn forward(mb: usize) -> tessera_plan::Result<Forward> {
+    let (b, loss) = cnn(mb).map_err(|e| PlanError::Invalid(e.to_string()))?;
+    Ok(Forward { graph: b.finish(), loss })
+}
+
+fn request(devices: usize) -> Request<'static> {
+    Request {
+        build: &forward,
         model: "cnn".into(),
         batch: BATCH,
         seq: 1,
@@ -116,10 +118,19 @@ fn parallel(devices: usize, config: &str) -> Run {
         ckpt: tessera_plan::search::CkptSearch::Joint,
         pipeline: Default::default(),
         search: Default::default(),
-    };
-    let plan = planner::plan_fixed(&req, &ParallelConfig::parse(config).unwrap())
-        .unwrap_or_else(|e| panic!("{config}: {e}"));
-    let exe = planner::lower_plan(&req, &plan).unwrap_or_else(|e| panic!("{config}: {e}"));
+    }
+}
+
+fn plan(devices: usize, config: &str) -> Plan {
+    planner::plan_fixed(&request(devices), &ParallelConfig::parse(config).unwrap())
+        .unwrap_or_else(|e| panic!("{config}: {e}"))
+}
+
+/// `plan` on its devices (simulated); checks each device's peak against the plan's prediction.
+fn parallel(plan: &Plan, config: &str) -> Run {
+    let devices: usize = plan.mesh.shape.iter().product();
+    let req = request(devices);
+    let exe = planner::lower_plan(&req, plan).unwrap_or_else(|e| panic!("{config}: {e}"));
     let rules = init_rules_by_name(&cnn(BATCH).unwrap().0.finish());
     let comms = ThreadComm::world(devices, Duration::from_secs(60)).unwrap();
     let results: Vec<(Option<Run>, u64)> = std::thread::scope(|s| {
@@ -174,14 +185,43 @@ fn rel(a: f64, b: f64) -> f64 {
 }
 
 #[test]
-fn cnn_data_parallel_matches_one_device() {
+fn cnn_data_and_channel_parallel_plans_match_one_device() {
     let reference = single();
     // The parameters move (the loss of random labels stays near ln 10; the gradient grows as
     // the small initial weights do).
     let (first, last) = (reference.steps[0].1, reference.steps[STEPS as usize - 1].1);
     assert!(rel(last, first) > 1e-2, "{:?}", reference.steps);
-    for (devices, config) in [(2, "dp2"), (4, "dp4"), (2, "dp2 zero3")] {
-        let run = parallel(devices, config);
+    // Ungrouped convolutions split by output channels (weights by rows) under tp2: a hand-
+    // edited plan file, re-lowered and re-predicted by the planner.
+    let mut channels = plan(2, "tp2");
+    // The tensor-parallel axis (the mesh is [dp, tp] = [1, 2]).
+    let tp = channels.mesh.shape.iter().position(|&d| d == 2).expect("a tp axis");
+    let g = forward(BATCH).unwrap().graph;
+    let mut edited = 0;
+    for s in &mut channels.strategies {
+        if matches!(g.nodes[s.node].op, tessera_ir::Op::Conv2d(c) if c.groups == 1) {
+            s.inputs = vec!["[R, R, R, R]".into(), format!("[S{tp}, R, R, R]")];
+            s.outputs = vec![format!("[R, S{tp}, R, R]")];
+            s.compute_axes = vec![tp];
+            edited += 1;
+        }
+    }
+    assert_eq!(edited, 2);
+    let channels = planner::plan_from_file(&request(2), &channels).unwrap();
+    let local = |name: &str| {
+        let t = channels.tensors.iter().find(|t| t.name == name).expect("a planned tensor");
+        t.local_shape.clone()
+    };
+    assert_eq!(local("stem.weight"), vec![4, 3, 3, 3]);
+    assert_eq!(local("proj.weight"), vec![3, 8, 1, 1]);
+    let runs = [
+        ("dp2", plan(2, "dp2")),
+        ("dp4", plan(4, "dp4")),
+        ("dp2 zero3", plan(2, "dp2 zero3")),
+        ("tp2, convolutions by output channels", channels),
+    ];
+    for (config, p) in &runs {
+        let run = parallel(p, config);
         for (i, ((l, g), (l1, g1))) in run.steps.iter().zip(&reference.steps).enumerate() {
             assert!(
                 rel(*l, *l1) < TOL && rel(*g, *g1) < TOL,
