@@ -10,12 +10,16 @@
 //! and 8 rows, GPT-2's MLP up-projection K = 768, N = 3072) and a prefill shape
 //! (M = 512, K = N = 768).
 //!
+//! Convolutions (forward, backward-data, backward-filter) run at a ResNet stage's shape,
+//! `[8, 64, 56, 56]` through a 3×3 kernel with padding 1, and a pointwise 1×1 projection
+//! `256 → 64`; their FLOPs are the IR's `2·N·O·Ho·Wo·(C/g)·kh·kw`.
+//!
 //! `cargo bench -p tessera-runtime --bench kernels -- --quick`
 
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::time::{Duration, Instant};
-use tessera_ir::{AttentionSpec, DType, Op, QuantSpec, Shape, TensorMeta};
+use tessera_ir::{AttentionSpec, Conv2dSpec, DType, Op, QuantSpec, Shape, TensorMeta};
 use tessera_runtime::kernels::execute;
 use tessera_runtime::quantize::quantize;
 use tessera_runtime::tensor::meta_of;
@@ -145,9 +149,43 @@ fn bench_qmatmul(c: &mut Criterion) {
     }
 }
 
+fn bench_conv(c: &mut Criterion) {
+    let s = Conv2dSpec { padding: [1, 1], ..Default::default() };
+    let (x, w, dy) = (rand(&[8, 64, 56, 56]), rand(&[64, 64, 3, 3]), rand(&[8, 64, 56, 56]));
+    let (x1, w1) = (rand(&[8, 256, 56, 56]), rand(&[64, 256, 1, 1]));
+    let flops3 = 2 * 8 * 64 * 56 * 56 * 64 * 9;
+    let flops1 = 2 * 8 * 64 * 56 * 56 * 256;
+    let cases: [(&str, Op, Vec<&Tensor>, u64); 4] = [
+        ("3x3 64->64 forward", Op::Conv2d(s), vec![&x, &w], flops3),
+        (
+            "3x3 64->64 backward-data",
+            Op::Conv2dBackwardInput { spec: s, input_hw: [56, 56] },
+            vec![&w, &dy],
+            flops3,
+        ),
+        (
+            "3x3 64->64 backward-filter",
+            Op::Conv2dBackwardWeight { spec: s, kernel_hw: [3, 3] },
+            vec![&x, &dy],
+            flops3,
+        ),
+        ("1x1 256->64 forward", Op::Conv2d(Conv2dSpec::default()), vec![&x1, &w1], flops1),
+    ];
+    let mut g = c.benchmark_group("conv2d");
+    for (name, op, args, flops) in cases {
+        g.throughput(Throughput::Elements(flops));
+        let out = metas(&op, &args);
+        g.bench_function(name, |bch| bch.iter(|| execute(&op, &args, &out).unwrap()));
+        report(&format!("conv2d {name} [8,C,56,56]"), flops, || {
+            execute(&op, &args, &out).unwrap();
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = bench_matmul, bench_attention, bench_qmatmul
+    targets = bench_matmul, bench_attention, bench_qmatmul, bench_conv
 }
 criterion_main!(benches);

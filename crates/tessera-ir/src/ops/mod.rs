@@ -5,8 +5,9 @@
 //! until each family function — and, in later crates, the sharding rule and the kernel — exists.
 //!
 //! Conventions: matmuls count 2·m·n·k FLOPs; fused attention counts its QK^T and AV as dense
-//! matmuls (no causal discount) and its backward as twice its forward; both land in the
-//! "matmul" FLOP class, everything else in "other".
+//! matmuls (no causal discount) and its backward as twice its forward; a 2-D convolution and
+//! each of its two backward ops count `2·N·O·Ho·Wo·(C/g)·kh·kw` (the GEMM they lower to); all
+//! of these land in the "matmul" FLOP class, everything else in "other".
 
 pub(crate) mod attention;
 pub mod comm;

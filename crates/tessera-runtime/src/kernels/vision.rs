@@ -123,6 +123,18 @@ impl Geom {
         (i >= 0 && (i as usize) < limit).then_some(i as usize)
     }
 
+    /// For kernel column `kx`: the outputs `lo..hi` whose input column `ox·s + off` lies inside
+    /// the input, and `off = kx·d − p`.
+    #[inline]
+    fn valid_cols(&self, kx: usize) -> (usize, usize, isize) {
+        let (s, w) = (self.stride[1] as isize, self.w as isize);
+        let off = (kx * self.dilation[1]) as isize - self.padding[1] as isize;
+        let lo = if off >= 0 { 0 } else { (-off + s - 1) / s };
+        let hi = if w - off <= 0 { 0 } else { ((w - off + s - 1) / s).min(self.wo as isize) };
+        let lo = lo.min(hi);
+        (lo as usize, hi as usize, off)
+    }
+
     /// Fills one image's columns `[C·kh·kw, Ho·Wo]` (zeros for padding).
     fn im2col(&self, x: &[f32], col: &mut [f32]) {
         let p = self.p();
@@ -135,8 +147,16 @@ impl Geom {
                     None => out.fill(0.0),
                     Some(iy) => {
                         let line = &plane[iy * self.w..(iy + 1) * self.w];
-                        for (ox, v) in out.iter_mut().enumerate() {
-                            *v = self.src(1, ox, kx).map_or(0.0, |ix| line[ix]);
+                        let (lo, hi, off) = self.valid_cols(kx);
+                        out[..lo].fill(0.0);
+                        out[hi..].fill(0.0);
+                        if self.stride[1] == 1 {
+                            let start = (lo as isize + off) as usize;
+                            out[lo..hi].copy_from_slice(&line[start..start + (hi - lo)]);
+                        } else {
+                            for (ox, v) in out[lo..hi].iter_mut().enumerate() {
+                                *v = line[(((lo + ox) * self.stride[1]) as isize + off) as usize];
+                            }
                         }
                     }
                 }
@@ -153,10 +173,10 @@ impl Geom {
             for oy in 0..self.ho {
                 let Some(iy) = self.src(0, oy, ky) else { continue };
                 let line = &mut plane[iy * self.w..(iy + 1) * self.w];
-                for (ox, &v) in row[oy * self.wo..(oy + 1) * self.wo].iter().enumerate() {
-                    if let Some(ix) = self.src(1, ox, kx) {
-                        line[ix] += v;
-                    }
+                let (lo, hi, off) = self.valid_cols(kx);
+                let src = &row[oy * self.wo + lo..oy * self.wo + hi];
+                for (ox, &v) in src.iter().enumerate() {
+                    line[(((lo + ox) * self.stride[1]) as isize + off) as usize] += v;
                 }
             }
         }
