@@ -6,11 +6,26 @@
 //! it is folded here, and only the computation on activations becomes IR.
 
 use crate::attrs;
-use crate::tensor::{broadcast_index, broadcast_shape, strides, Const, Data, Elem};
+use crate::tensor::{broadcast_index, broadcast_shape, strides, Const, Elem};
 use onnx_protobuf::NodeProto;
 
 /// Why a constant evaluation failed (the importer adds the node).
 pub type Fold<T> = std::result::Result<T, String>;
+
+/// The most elements a folded constant may hold (2 GiB of f64): masks grow with seq², and a
+/// file's mask at a sequence far beyond what fits is refused, not allowed to exhaust memory.
+pub const MAX_FOLD_ELEMENTS: usize = 1 << 28;
+
+fn guard(shape: &[usize]) -> Fold<()> {
+    let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    match n {
+        Some(n) if n <= MAX_FOLD_ELEMENTS => Ok(()),
+        _ => Err(format!(
+            "folding it would hold a constant of shape {shape:?}, more than 2^28 elements (an \
+             attention mask at this sequence length); profile or plan at a shorter --seq"
+        )),
+    }
+}
 
 /// Evaluates `node` on constant inputs (`None` for an omitted optional input). `Ok(None)`:
 /// the operator is not one this module folds.
@@ -61,19 +76,19 @@ pub fn eval(node: &NodeProto, x: &[Option<&Const>]) -> Fold<Option<Vec<Const>>> 
         "Unsqueeze" => {
             let axes = axes_of(node, x.get(1).copied().flatten())?.ok_or("no axes")?;
             let c = arg(0)?;
-            one(Const { shape: unsqueeze_shape(&c.shape, &axes)?, ..c.clone() })
+            one(c.reshaped(unsqueeze_shape(&c.shape, &axes)?))
         }
         "Squeeze" => {
             let c = arg(0)?;
             let axes = axes_of(node, x.get(1).copied().flatten())?;
-            one(Const { shape: squeeze_shape(&c.shape, axes.as_deref())?, ..c.clone() })
+            one(c.reshaped(squeeze_shape(&c.shape, axes.as_deref())?))
         }
         "Flatten" => {
             let c = arg(0)?;
             let a = attrs::axis(attrs::int(node, "axis", 1), c.shape.len() + 1)
                 .ok_or("axis out of range")?;
             let outer = c.shape[..a].iter().product();
-            one(Const { shape: vec![outer, c.numel() / outer.max(1)], ..c.clone() })
+            one(c.reshaped(vec![outer, c.numel() / outer.max(1)]))
         }
         "Concat" => {
             let parts = (0..x.len()).map(arg).collect::<Fold<Vec<_>>>()?;
@@ -82,9 +97,10 @@ pub fn eval(node: &NodeProto, x: &[Option<&Const>]) -> Fold<Option<Vec<Const>>> 
         "Slice" => one(slice(arg(0)?, &x[1..])?),
         "Reshape" => {
             let c = arg(0)?;
+            guard(&c.shape)?;
             let shape =
                 reshape_target(&c.shape, &arg(1)?.to_i64(), attrs::int(node, "allowzero", 0))?;
-            one(Const { shape, ..c.clone() })
+            one(c.reshaped(shape))
         }
         "Expand" => one(expand(arg(0)?, &arg(1)?.to_i64())?),
         "Transpose" => {
@@ -97,13 +113,12 @@ pub fn eval(node: &NodeProto, x: &[Option<&Const>]) -> Fold<Option<Vec<Const>>> 
         "Range" => one(range(arg(0)?, arg(1)?, arg(2)?)?),
         "ConstantOfShape" => {
             let shape = dims_of(&arg(0)?.to_i64())?;
-            let n = shape.iter().product();
             let fill = match attrs::tensor(node, "value") {
                 Some(t) => crate::tensor::decode(t, std::path::Path::new("."))
                     .map_err(|e| e.to_string())?,
                 None => Const::floats(vec![1], vec![0.0]),
             };
-            one(fill.gather_flat(shape, std::iter::repeat_n(0, n)))
+            one(Const::filled(&fill, shape))
         }
         "Trilu" => {
             let k = x.get(1).copied().flatten().map_or(0, |c| c.i(0));
@@ -121,11 +136,11 @@ pub fn eval(node: &NodeProto, x: &[Option<&Const>]) -> Fold<Option<Vec<Const>>> 
 }
 
 fn unary(c: &Const, f: impl Fn(f64) -> f64) -> Const {
-    match &c.data {
-        Data::F(v) => Const { data: Data::F(v.iter().map(|&a| f(a)).collect()), ..c.clone() },
-        Data::I(v) => {
-            Const { data: Data::I(v.iter().map(|&a| f(a as f64) as i64).collect()), ..c.clone() }
-        }
+    if c.is_int() {
+        let v = c.to_i64().into_iter().map(|a| f(a as f64) as i64).collect();
+        Const::ints(c.shape.clone(), v).with_elem(c.elem)
+    } else {
+        Const::floats(c.shape.clone(), c.to_f64().into_iter().map(f).collect())
     }
 }
 
@@ -135,11 +150,19 @@ fn float_unary(c: &Const, f: impl Fn(f64) -> f64) -> Const {
 
 /// Elementwise with broadcasting, computed in f64.
 fn zip(a: &Const, b: &Const, f: impl Fn(f64, f64) -> f64) -> Fold<Const> {
+    let (x, y, out) = both(a, b)?;
+    let (xs, ys) = (x.to_f64(), y.to_f64());
+    Ok(Const::floats(out, xs.into_iter().zip(ys).map(|(p, q)| f(p, q)).collect()))
+}
+
+/// Both operands as views broadcast to their common shape.
+fn both(a: &Const, b: &Const) -> Fold<(Const, Const, Vec<usize>)> {
     let out = broadcast_shape(&a.shape, &b.shape)
         .ok_or_else(|| format!("shapes {:?} and {:?} do not broadcast", a.shape, b.shape))?;
-    let (ia, ib) = (broadcast_index(&a.shape, &out), broadcast_index(&b.shape, &out));
-    let v = ia.iter().zip(&ib).map(|(&i, &j)| f(a.f(i), b.f(j))).collect();
-    Ok(Const::floats(out, v))
+    guard(&out)?;
+    let x = a.broadcast_to(&out).ok_or("does not broadcast")?;
+    let y = b.broadcast_to(&out).ok_or("does not broadcast")?;
+    Ok((x, y, out))
 }
 
 fn to_int(c: Const) -> Const {
@@ -155,16 +178,15 @@ fn arith(
     if a.elem == Elem::Float || b.elem == Elem::Float {
         return zip(a, b, f);
     }
-    let out = broadcast_shape(&a.shape, &b.shape)
-        .ok_or_else(|| format!("shapes {:?} and {:?} do not broadcast", a.shape, b.shape))?;
-    let (ia, ib) = (broadcast_index(&a.shape, &out), broadcast_index(&b.shape, &out));
-    let v = ia.iter().zip(&ib).map(|(&i, &j)| g(a.i(i), b.i(j))).collect();
-    Ok(Const::ints(out, v))
+    let (x, y, out) = both(a, b)?;
+    let (xs, ys) = (x.to_i64(), y.to_i64());
+    Ok(Const::ints(out, xs.into_iter().zip(ys).map(|(p, q)| g(p, q)).collect()))
 }
 
 fn compare(a: &Const, b: &Const, f: impl Fn(f64, f64) -> bool) -> Fold<Const> {
-    let c = zip(a, b, |p, q| f64::from(u8::from(f(p, q))))?;
-    Ok(Const::bools(c.shape.clone(), c.to_f64().iter().map(|&v| v != 0.0).collect()))
+    let (x, y, out) = both(a, b)?;
+    let (xs, ys) = (x.to_f64(), y.to_f64());
+    Ok(Const::bools(out, xs.into_iter().zip(ys).map(|(p, q)| f(p, q)).collect()))
 }
 
 fn logic(a: &Const, b: &Const, f: impl Fn(bool, bool) -> bool) -> Fold<Const> {
@@ -174,38 +196,18 @@ fn logic(a: &Const, b: &Const, f: impl Fn(bool, bool) -> bool) -> Fold<Const> {
 fn where_(c: &Const, a: &Const, b: &Const) -> Fold<Const> {
     let ab = broadcast_shape(&a.shape, &b.shape).ok_or("branches do not broadcast")?;
     let out = broadcast_shape(&c.shape, &ab).ok_or("condition does not broadcast")?;
-    let (ic, ia, ib) = (
-        broadcast_index(&c.shape, &out),
-        broadcast_index(&a.shape, &out),
-        broadcast_index(&b.shape, &out),
-    );
-    let float = a.elem == Elem::Float || b.elem == Elem::Float;
-    let pick = |k: usize| if c.i(ic[k]) != 0 { (a, ia[k]) } else { (b, ib[k]) };
-    let n = out.iter().product();
-    Ok(if float {
-        Const::floats(
-            out,
-            (0..n)
-                .map(|k| {
-                    let (t, i) = pick(k);
-                    t.f(i)
-                })
-                .collect(),
-        )
+    guard(&out)?;
+    let view = |t: &Const| t.broadcast_to(&out).ok_or_else(|| "does not broadcast".to_string());
+    let (cv, av, bv) = (view(c)?.to_i64(), view(a)?, view(b)?);
+    if a.elem == Elem::Float || b.elem == Elem::Float {
+        let (x, y) = (av.to_f64(), bv.to_f64());
+        let v = cv.iter().zip(x.into_iter().zip(y)).map(|(&k, (p, q))| if k != 0 { p } else { q });
+        Ok(Const::floats(out, v.collect()))
     } else {
-        Const {
-            shape: out,
-            elem: a.elem,
-            data: Data::I(
-                (0..n)
-                    .map(|k| {
-                        let (t, i) = pick(k);
-                        t.i(i)
-                    })
-                    .collect(),
-            ),
-        }
-    })
+        let (x, y) = (av.to_i64(), bv.to_i64());
+        let v = cv.iter().zip(x.into_iter().zip(y)).map(|(&k, (p, q))| if k != 0 { p } else { q });
+        Ok(Const::ints(out, v.collect()).with_elem(a.elem))
+    }
 }
 
 fn cast(c: &Const, to: i64) -> Fold<Const> {
@@ -232,6 +234,7 @@ fn gather(c: &Const, idx: &Const, axis: i64) -> Fold<Const> {
             (0..n).contains(&i).then_some(i as usize).ok_or(format!("index {i} outside 0..{n}"))
         })
         .collect::<Fold<Vec<usize>>>()?;
+    guard(&[outer, ids.len(), inner])?;
     let mut flat = Vec::with_capacity(outer * ids.len() * inner);
     for o in 0..outer {
         for &i in &ids {
@@ -294,24 +297,28 @@ fn concat(parts: &[&Const], axis: i64) -> Fold<Const> {
     let float = parts.iter().any(|p| p.elem == Elem::Float);
     let mut shape = first.shape.clone();
     shape[a] = parts.iter().map(|p| p.shape.get(a).copied().unwrap_or(0)).sum();
-    let (mut f, mut i) = (Vec::new(), Vec::new());
-    for o in 0..outer {
-        for p in parts {
-            let chunk = p.numel() / outer.max(1);
-            for k in o * chunk..(o + 1) * chunk {
-                if float {
-                    f.push(p.f(k))
-                } else {
-                    i.push(p.i(k))
-                }
+    guard(&shape)?;
+    if float {
+        let vals: Vec<Vec<f64>> = parts.iter().map(|p| p.to_f64()).collect();
+        let mut f = Vec::with_capacity(shape.iter().product());
+        for o in 0..outer {
+            for v in &vals {
+                let chunk = v.len() / outer.max(1);
+                f.extend_from_slice(&v[o * chunk..(o + 1) * chunk]);
             }
         }
-    }
-    Ok(if float {
-        Const::floats(shape, f)
+        Ok(Const::floats(shape, f))
     } else {
-        Const { shape, elem: first.elem, data: Data::I(i) }
-    })
+        let vals: Vec<Vec<i64>> = parts.iter().map(|p| p.to_i64()).collect();
+        let mut i = Vec::with_capacity(shape.iter().product());
+        for o in 0..outer {
+            for v in &vals {
+                let chunk = v.len() / outer.max(1);
+                i.extend_from_slice(&v[o * chunk..(o + 1) * chunk]);
+            }
+        }
+        Ok(Const::ints(shape, i).with_elem(first.elem))
+    }
 }
 
 /// The per-axis (start, end, step) of a `Slice`, clamped as the spec says; returns the
@@ -350,24 +357,7 @@ pub fn slice_params(shape: &[usize], x: &[Option<&Const>]) -> Fold<Vec<(usize, i
 
 fn slice(c: &Const, rest: &[Option<&Const>]) -> Fold<Const> {
     let p = slice_params(&c.shape, rest)?;
-    let st = strides(&c.shape);
-    let shape: Vec<usize> = p.iter().map(|&(_, _, n)| n).collect();
-    let n: usize = shape.iter().product();
-    let mut idx = Vec::with_capacity(n);
-    let mut pos = vec![0usize; shape.len()];
-    for _ in 0..n {
-        let flat: i64 =
-            (0..shape.len()).map(|d| (p[d].0 as i64 + pos[d] as i64 * p[d].1) * st[d] as i64).sum();
-        idx.push(flat as usize);
-        for d in (0..shape.len()).rev() {
-            pos[d] += 1;
-            if pos[d] < shape[d] {
-                break;
-            }
-            pos[d] = 0;
-        }
-    }
-    Ok(c.gather_flat(shape, idx.into_iter()))
+    Ok(c.sliced(&p))
 }
 
 pub fn dims_of(v: &[i64]) -> Fold<Vec<usize>> {
@@ -411,30 +401,16 @@ pub fn expand_shape(shape: &[usize], target: &[i64]) -> Fold<Vec<usize>> {
 
 fn expand(c: &Const, target: &[i64]) -> Fold<Const> {
     let out = expand_shape(&c.shape, target)?;
-    let idx = broadcast_index(&c.shape, &out);
-    Ok(c.gather_flat(out, idx.into_iter()))
+    c.broadcast_to(&out).ok_or_else(|| format!("cannot expand {:?} to {out:?}", c.shape))
 }
 
 pub fn transpose(c: &Const, perm: &[usize]) -> Fold<Const> {
-    if perm.len() != c.shape.len() {
+    let mut seen = perm.to_vec();
+    seen.sort_unstable();
+    if perm.len() != c.shape.len() || seen.iter().enumerate().any(|(i, &p)| i != p) {
         return Err(format!("perm {perm:?} for rank {}", c.shape.len()));
     }
-    let st = strides(&c.shape);
-    let shape: Vec<usize> = perm.iter().map(|&p| c.shape[p]).collect();
-    let n = c.numel();
-    let mut idx = Vec::with_capacity(n);
-    let mut pos = vec![0usize; shape.len()];
-    for _ in 0..n {
-        idx.push((0..shape.len()).map(|d| pos[d] * st[perm[d]]).sum());
-        for d in (0..shape.len()).rev() {
-            pos[d] += 1;
-            if pos[d] < shape[d] {
-                break;
-            }
-            pos[d] = 0;
-        }
-    }
-    Ok(c.gather_flat(shape, idx.into_iter()))
+    Ok(c.permuted(perm))
 }
 
 fn range(start: &Const, limit: &Const, delta: &Const) -> Fold<Const> {
@@ -443,6 +419,7 @@ fn range(start: &Const, limit: &Const, delta: &Const) -> Fold<Const> {
         return Err("delta 0".into());
     }
     let n = ((l - s) / d).ceil().max(0.0) as usize;
+    guard(&[n])?;
     let v: Vec<f64> = (0..n).map(|i| s + i as f64 * d).collect();
     Ok(if start.elem == Elem::Float {
         Const::floats(vec![n], v)
@@ -456,34 +433,28 @@ fn trilu(c: &Const, k: i64, upper: bool) -> Fold<Const> {
     if r < 2 {
         return Err("Trilu needs rank ≥ 2".into());
     }
+    guard(&c.shape)?;
     let (rows, cols) = (c.shape[r - 2], c.shape[r - 1]);
-    let keep = |i: usize, j: usize| {
-        let (i, j) = (i as i64, j as i64);
+    let keep = |f: usize| {
+        let (i, j) = ((f / cols % rows) as i64, (f % cols) as i64);
         if upper {
             j - i >= k
         } else {
             j - i <= k
         }
     };
-    let data = match &c.data {
-        Data::F(v) => Data::F(
-            v.iter()
-                .enumerate()
-                .map(|(f, &x)| if keep(f / cols % rows, f % cols) { x } else { 0.0 })
-                .collect(),
-        ),
-        Data::I(v) => Data::I(
-            v.iter()
-                .enumerate()
-                .map(|(f, &x)| if keep(f / cols % rows, f % cols) { x } else { 0 })
-                .collect(),
-        ),
-    };
-    Ok(Const { data, ..c.clone() })
+    Ok(if c.is_int() {
+        let v = c.to_i64().into_iter().enumerate().map(|(f, x)| if keep(f) { x } else { 0 });
+        Const::ints(c.shape.clone(), v.collect()).with_elem(c.elem)
+    } else {
+        let v = c.to_f64().into_iter().enumerate().map(|(f, x)| if keep(f) { x } else { 0.0 });
+        Const::floats(c.shape.clone(), v.collect())
+    })
 }
 
 fn cumsum(c: &Const, axis: i64, exclusive: bool, reverse: bool) -> Fold<Const> {
     let a = attrs::axis(axis, c.shape.len()).ok_or("axis out of range")?;
+    guard(&c.shape)?;
     let st = strides(&c.shape);
     let n = c.shape[a];
     let mut out = c.to_f64();
@@ -523,6 +494,9 @@ fn matmul(a: &Const, b: &Const) -> Fold<Const> {
     }
     let batch = broadcast_shape(&a.shape[..ra - 2], &b.shape[..rb - 2])
         .ok_or("batch dims do not broadcast")?;
+    let mut out_shape = batch.clone();
+    out_shape.extend([m, n]);
+    guard(&out_shape)?;
     let ia = broadcast_index(&a.shape[..ra - 2], &batch);
     let ib = broadcast_index(&b.shape[..rb - 2], &batch);
     let mut out = Vec::with_capacity(ia.len() * m * n);
@@ -560,6 +534,17 @@ mod tests {
         let st = Const::ints(vec![1], vec![-1]);
         let out = slice(&c, &[Some(&s), Some(&e), Some(&ax), Some(&st)]).unwrap();
         assert_eq!(out.to_i64(), vec![4, 3, 2, 1, 0, 9, 8, 7, 6, 5]);
+    }
+
+    #[test]
+    fn folding_refuses_constants_beyond_the_bound() {
+        // A [2^15, 2^15] mask (sequence 32768): 2^30 elements.
+        let big = Const::floats(vec![], vec![0.0]);
+        let big = Const::filled(&big, vec![1 << 15, 1 << 15]);
+        let err = trilu(&big, 1, true).unwrap_err();
+        assert!(err.contains("2^28") && err.contains("--seq"), "{err}");
+        let one = Const::floats(vec![1], vec![1.0]);
+        assert!(zip(&big, &one, |a, b| a + b).is_err());
     }
 
     #[test]

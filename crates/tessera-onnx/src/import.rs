@@ -65,6 +65,12 @@ pub(crate) struct Importer<'m> {
     consumers: HashMap<&'m str, Vec<usize>>,
     params: HashMap<String, TensorId>,
     decoded: HashMap<String, Rc<Const>>,
+    /// Folds already done ([`fold_key`] → outputs).
+    folded: HashMap<String, Vec<Rc<Const>>>,
+    /// Attention masks already judged: the masks' identities and `[S, T]` → causal or not.
+    pub(crate) verdicts: HashMap<(Vec<usize>, usize, usize), Option<bool>>,
+    /// Rotary tables already read: their identities and the rotated shape → frequencies.
+    pub(crate) rope_tables: HashMap<(usize, usize, Vec<usize>), Option<Vec<f64>>>,
     /// Values known not to depend on a graph input (memo of [`Importer::is_static`]).
     statics: HashMap<String, bool>,
     /// Depth of the demand recursion (guards against pathological graphs).
@@ -113,6 +119,9 @@ fn import_on_this_thread(m: &OnnxModel, bind: &Bind) -> Result<Imported> {
         params: HashMap::new(),
         decoded: HashMap::new(),
         statics: HashMap::new(),
+        folded: HashMap::new(),
+        verdicts: HashMap::new(),
+        rope_tables: HashMap::new(),
         depth: 0,
     };
     let mut inputs = Vec::new();
@@ -233,6 +242,28 @@ pub fn block_of(name: &str) -> Option<u32> {
     None
 }
 
+/// What identifies a fold: the operator, its attributes, and each input by value when small
+/// (shape arithmetic computed afresh per layer) or by identity when large (a mask buffer).
+/// Identities are stable: every constant of an import stays alive in its memo until the end,
+/// so no address is reused while the key exists.
+fn fold_key(node: &NodeProto, inputs: &[Option<Rc<Const>>]) -> String {
+    use onnx_protobuf::Message;
+    let mut key = node.op_type.clone();
+    for a in &node.attribute {
+        key.push_str(&format!("|{}={:?}", a.name, a.write_to_bytes().unwrap_or_default()));
+    }
+    for c in inputs {
+        match c {
+            None => key.push_str("|-"),
+            Some(c) if c.numel() <= 64 => {
+                key.push_str(&format!("|{:?}{:?}{:?}", c.elem, c.shape, c.to_f64()));
+            }
+            Some(c) => key.push_str(&format!("|@{:p}", Rc::as_ptr(c))),
+        }
+    }
+    key
+}
+
 /// A node's scope path: its name with `/` separators as dots.
 fn scope_of(node: &NodeProto) -> String {
     let s = node.name.trim_start_matches('/').replace('/', ".");
@@ -280,7 +311,7 @@ impl<'m> Importer<'m> {
         if let Some(v) = self.memo.get(name) {
             return Ok(v.clone());
         }
-        if self.m.inits.contains_key(name) {
+        if self.m.is_initializer(name) {
             return Ok(Value::Init(name.to_string()));
         }
         let Some(i) = self.producer_of(name) else {
@@ -307,7 +338,7 @@ impl<'m> Importer<'m> {
         if let Some(&s) = self.statics.get(name) {
             return s;
         }
-        let s = if self.m.inits.contains_key(name) {
+        let s = if self.m.is_initializer(name) {
             !self.m.is_weight(name)
         } else if let Some(i) = self.producer_of(name) {
             let node = self.node(i);
@@ -360,7 +391,9 @@ impl<'m> Importer<'m> {
                     None => d,
                 }
             }
-            other => self.as_const(other)?.map(|c| c.shape.clone()).unwrap_or_default(),
+            // An initialiser's shape is in its header: never decode a weight for it.
+            Value::Init(name) => self.m.initializer_meta(name).map(|(s, _)| s).unwrap_or_default(),
+            Value::Const(c) => c.shape.clone(),
         })
     }
 
@@ -369,12 +402,13 @@ impl<'m> Importer<'m> {
         if let Some(&t) = self.params.get(name) {
             return Ok(t);
         }
-        let c = self.as_const(&Value::Init(name.to_string()))?;
-        let c = c.ok_or_else(|| OnnxError::Model {
-            path: self.m.path.display().to_string(),
-            reason: format!("initialiser {name} vanished"),
-        })?;
-        if c.elem != Elem::Float {
+        let Some((shape, elem)) = self.m.initializer_meta(name) else {
+            return Err(OnnxError::Model {
+                path: self.m.path.display().to_string(),
+                reason: format!("initialiser {name} vanished"),
+            });
+        };
+        if elem != Some(Elem::Float) {
             return Err(OnnxError::Model {
                 path: self.m.path.display().to_string(),
                 reason: format!("initialiser {name} is not float but is used as a weight"),
@@ -382,7 +416,7 @@ impl<'m> Importer<'m> {
         }
         let (block, scope) = (self.b.block(), self.b.scope_id());
         self.b.set_block(block_of(name));
-        let t = self.b.parameter(name, Shape::from(c.shape.clone()), self.dtype);
+        let t = self.b.parameter(name, Shape::from(shape), self.dtype);
         self.b.set_block(block);
         self.b.set_scope_id(scope);
         self.params.insert(name.to_string(), t);
@@ -437,7 +471,7 @@ impl<'m> Importer<'m> {
         self.b.set_scope_path(&scope_of(node));
         self.b.set_block(block_of(&node.name));
         let outs = match self.fold(node, &values)? {
-            Some(c) => c.into_iter().map(|c| Value::Const(Rc::new(c))).collect(),
+            Some(c) => c.into_iter().map(Value::Const).collect(),
             None => self.lower(node, &values)?,
         };
         for (name, v) in node.output.iter().zip(outs) {
@@ -449,9 +483,14 @@ impl<'m> Importer<'m> {
     }
 
     /// Folds `node` if every input is constant and the operator folds.
-    fn fold(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Option<Vec<Const>>> {
+    fn fold(
+        &mut self,
+        node: &NodeProto,
+        values: &[Option<Value>],
+    ) -> Result<Option<Vec<Rc<Const>>>> {
+        let one = |c: Const| Ok(Some(vec![Rc::new(c)]));
         match node.op_type.as_str() {
-            "Constant" => return self.constant(node).map(|c| Some(vec![c])),
+            "Constant" => return one(self.constant(node)?),
             "Shape" | "Size" => {
                 let v = values
                     .first()
@@ -460,14 +499,14 @@ impl<'m> Importer<'m> {
                     .ok_or_else(|| self.unsupported(node, "no input"))?;
                 let shape: Vec<i64> = self.shape_of(&v)?.iter().map(|&d| d as i64).collect();
                 if node.op_type == "Size" {
-                    return Ok(Some(vec![Const::ints(vec![], vec![shape.iter().product()])]));
+                    return one(Const::ints(vec![], vec![shape.iter().product()]));
                 }
                 let r = shape.len() as i64;
                 let clampi = |a: i64| (if a < 0 { a + r } else { a }).clamp(0, r) as usize;
                 let s = clampi(crate::attrs::int(node, "start", 0));
                 let e = clampi(crate::attrs::int(node, "end", r));
                 let part = shape[s..e.max(s)].to_vec();
-                return Ok(Some(vec![Const::ints(vec![part.len()], part)]));
+                return one(Const::ints(vec![part.len()], part));
             }
             _ => {}
         }
@@ -488,10 +527,19 @@ impl<'m> Importer<'m> {
                 None => None,
             });
         }
-        // A weight used as-is by an operator on tensors stays a parameter: fold only what the
-        // constant evaluator knows, on inputs small enough to be shape arithmetic or buffers.
+        // The same computation on the same constants (every layer slicing one causal mask
+        // buffer to the same size) is folded once: large inputs by identity, small by value.
+        let key = fold_key(node, &consts);
+        if let Some(hit) = self.folded.get(&key) {
+            return Ok(Some(hit.clone()));
+        }
         let refs: Vec<Option<&Const>> = consts.iter().map(|c| c.as_deref()).collect();
-        consts::eval(node, &refs).map_err(|reason| self.unsupported(node, reason))
+        let out = consts::eval(node, &refs).map_err(|reason| self.unsupported(node, reason))?;
+        let out: Option<Vec<Rc<Const>>> = out.map(|v| v.into_iter().map(Rc::new).collect());
+        if let Some(v) = &out {
+            self.folded.insert(key, v.clone());
+        }
+        Ok(out)
     }
 
     /// A `Constant` node's value.

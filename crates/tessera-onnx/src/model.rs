@@ -29,11 +29,19 @@ pub struct OnnxModel {
     pub path: PathBuf,
     pub(crate) graph: GraphProto,
     pub(crate) inits: HashMap<String, usize>,
+    /// Parameters `torch.onnx.export` merged into another initialiser because their values
+    /// were equal (freshly initialised biases and norms): each is an `Identity` of the one kept,
+    /// named as the parameter was. Name → the initialiser holding its (initial) value.
+    pub(crate) aliases: HashMap<String, String>,
     /// Graph inputs that are data (not initialisers), in order.
     pub inputs: Vec<Port>,
     pub outputs: Vec<Port>,
     /// The default-domain opset the file declares.
     pub opset: i64,
+    /// Attention masks judged by earlier imports: (root node, S, T) → causal, unmasked
+    /// (`Some(false)`), or neither. A mask is a function of the shapes, so the planner's many
+    /// imports at one sequence length fold it once.
+    verdicts: std::sync::Mutex<HashMap<(String, usize, usize), Option<bool>>>,
 }
 
 /// The oldest default-domain opset the importer reads (LayerNormalization is opset 17).
@@ -97,6 +105,18 @@ impl OnnxModel {
                 .collect::<Result<Vec<Dim>>>()?;
             Ok(Port { name: v.name.clone(), elem, dims })
         };
+        let aliases: HashMap<String, String> = graph
+            .node
+            .iter()
+            .filter(|n| n.op_type == "Identity" && n.input.len() == 1 && n.output.len() == 1)
+            .filter(|n| {
+                inits
+                    .get(&n.input[0])
+                    .is_some_and(|&i| elem_of(graph.initializer[i].data_type) == Some(Elem::Float))
+                    && !inits.contains_key(&n.output[0])
+            })
+            .map(|n| (n.output[0].clone(), n.input[0].clone()))
+            .collect();
         let inputs = graph
             .input
             .iter()
@@ -107,7 +127,16 @@ impl OnnxModel {
         if inputs.is_empty() || outputs.is_empty() {
             return Err(bad("the graph needs at least one data input and one output".into()));
         }
-        Ok(OnnxModel { path: path.to_path_buf(), graph, inits, inputs, outputs, opset })
+        Ok(OnnxModel {
+            path: path.to_path_buf(),
+            graph,
+            inits,
+            aliases,
+            inputs,
+            outputs,
+            opset,
+            verdicts: Default::default(),
+        })
     }
 
     /// The model's name: the file's stem (or its folder's name for `model.onnx`).
@@ -129,17 +158,32 @@ impl OnnxModel {
         self.path.parent().unwrap_or(Path::new("."))
     }
 
-    /// The initialiser `name`, decoded.
+    /// Whether `name` is an initialiser or a parameter merged into one ([`OnnxModel::aliases`]).
+    pub fn is_initializer(&self, name: &str) -> bool {
+        self.inits.contains_key(name) || self.aliases.contains_key(name)
+    }
+
+    /// The initialiser `name` (or the one a merged parameter's value is in), decoded.
     pub fn initializer(&self, name: &str) -> Result<Option<Const>> {
+        let name = self.aliases.get(name).map_or(name, String::as_str);
         match self.inits.get(name) {
             Some(&i) => decode(&self.graph.initializer[i], self.dir()).map(Some),
             None => Ok(None),
         }
     }
 
+    /// Shape and element kind of initialiser `name` (or a merged parameter's), read from its
+    /// header: no data is decoded.
+    pub fn initializer_meta(&self, name: &str) -> Option<(Vec<usize>, Option<Elem>)> {
+        let name = self.aliases.get(name).map_or(name, String::as_str);
+        let t = &self.graph.initializer[*self.inits.get(name)?];
+        Some((t.dims.iter().map(|&d| d.max(0) as usize).collect(), elem_of(t.data_type)))
+    }
+
     /// Whether initialiser `name` is a weight (a float tensor): a parameter of the graph.
     /// Integer and boolean initialisers are constants.
     pub fn is_weight(&self, name: &str) -> bool {
+        let name = self.aliases.get(name).map_or(name, String::as_str);
         self.inits
             .get(name)
             .is_some_and(|&i| elem_of(self.graph.initializer[i].data_type) == Some(Elem::Float))
@@ -153,14 +197,43 @@ impl OnnxModel {
         }))
     }
 
-    /// Name and shape of every weight (float initialiser), in file order.
+    /// Name and shape of every weight (float initialiser), in file order, then the merged
+    /// parameters ([`OnnxModel::aliases`]) by name.
     pub fn weight_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        self.graph
+        let dims = |t: &onnx_protobuf::TensorProto| -> Vec<usize> {
+            t.dims.iter().map(|&d| d.max(0) as usize).collect()
+        };
+        let mut out: Vec<(String, Vec<usize>)> = self
+            .graph
             .initializer
             .iter()
             .filter(|t| elem_of(t.data_type) == Some(Elem::Float))
-            .map(|t| (t.name.clone(), t.dims.iter().map(|&d| d.max(0) as usize).collect()))
-            .collect()
+            .map(|t| (t.name.clone(), dims(t)))
+            .collect();
+        let mut merged: Vec<(&String, &String)> = self.aliases.iter().collect();
+        merged.sort();
+        out.extend(
+            merged
+                .into_iter()
+                .map(|(a, src)| (a.clone(), dims(&self.graph.initializer[self.inits[src]]))),
+        );
+        out
+    }
+
+    pub(crate) fn attention_verdict(&self, node: &str, s: usize, t: usize) -> Option<Option<bool>> {
+        let v = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        v.get(&(node.to_string(), s, t)).copied()
+    }
+
+    pub(crate) fn remember_attention_verdict(
+        &self,
+        node: &str,
+        s: usize,
+        t: usize,
+        v: Option<bool>,
+    ) {
+        let mut m = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
+        m.insert((node.to_string(), s, t), v);
     }
 
     /// The first operator of the graph the importer has no mapping for, as the error that
@@ -186,6 +259,11 @@ impl OnnxModel {
             used_by: if readers.is_empty() { "nothing".into() } else { readers.join(", ") },
             supported: crate::SUPPORTED_OPS.join(", "),
         })
+    }
+
+    /// Nodes in the graph.
+    pub fn graph_nodes(&self) -> usize {
+        self.graph.node.len()
     }
 
     /// The distinct operators the graph uses, sorted.

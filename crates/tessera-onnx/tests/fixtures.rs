@@ -242,3 +242,77 @@ fn the_readme_lists_exactly_the_supported_operators() {
         tessera_onnx::SUPPORTED_OPS.iter().map(|s| s.to_string()).collect();
     assert_eq!(listed, supported);
 }
+
+#[test]
+fn external_data_reads_each_tensors_own_bytes() {
+    // The GPT-2 fixture with every initialiser moved into one `weights.bin`, as
+    // `onnx.save_model(.., save_as_external_data=True)` writes models over 2 GB.
+    use onnx_protobuf::{Message, ModelProto, StringStringEntryProto};
+    let bytes = std::fs::read(fixture("gpt2").join("model.onnx")).unwrap();
+    let mut m = ModelProto::parse_from_bytes(&bytes).unwrap();
+    let mut blob = Vec::new();
+    for t in m.graph.as_mut().unwrap().initializer.iter_mut() {
+        assert!(!t.raw_data.is_empty(), "the exporter writes raw_data");
+        let entry = |k: &str, v: String| {
+            let mut e = StringStringEntryProto::new();
+            e.key = k.into();
+            e.value = v;
+            e
+        };
+        t.external_data = vec![
+            entry("location", "weights.bin".into()),
+            entry("offset", blob.len().to_string()),
+            entry("length", t.raw_data.len().to_string()),
+        ];
+        blob.extend(std::mem::take(&mut t.raw_data));
+        t.data_location = protobuf::EnumOrUnknown::from_i32(1);
+    }
+    let dir = std::env::temp_dir().join(format!("tessera-onnx-external-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("weights.bin"), &blob).unwrap();
+    std::fs::write(dir.join("model.onnx"), m.write_to_bytes().unwrap()).unwrap();
+    let external = OnnxModel::open(&dir.join("model.onnx")).unwrap();
+    let inline = OnnxModel::open(&fixture("gpt2").join("model.onnx")).unwrap();
+    for (name, _) in inline.weight_shapes() {
+        assert_eq!(
+            external.weights_f32(&name).unwrap(),
+            inline.weights_f32(&name).unwrap(),
+            "{name}"
+        );
+    }
+    // A location outside the model's folder is refused.
+    let mut evil = m.clone();
+    evil.graph.as_mut().unwrap().initializer[0].external_data[0].value = "../weights.bin".into();
+    std::fs::write(dir.join("evil.onnx"), evil.write_to_bytes().unwrap()).unwrap();
+    let evil = OnnxModel::open(&dir.join("evil.onnx")).unwrap();
+    let name = evil.weight_shapes()[0].0.clone();
+    let err = evil.weights_f32(&name).unwrap_err().to_string();
+    assert!(err.contains("leaves the model's folder"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn later_imports_reuse_the_mask_verdicts() {
+    // The planner imports one file at many batch sizes: the first import folds and checks
+    // the masks, later ones at the same sequence take the verdict and fold nothing of them.
+    let model = OnnxModel::open(&fixture("llama").join("model.onnx")).unwrap();
+    let graphs: Vec<tessera_ir::Graph> = [(2, 8), (5, 8), (2, 12)]
+        .iter()
+        .map(|&(batch, seq)| {
+            import(&model, &Bind { batch, seq, dtype: DType::F32 }).unwrap().builder.finish()
+        })
+        .collect();
+    for g in &graphs {
+        let specs: Vec<bool> = g
+            .nodes
+            .iter()
+            .filter_map(|n| match &n.op {
+                tessera_ir::Op::Attention(s) => Some(s.causal),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(specs, vec![true, true]);
+    }
+    // Same structure at another batch: only shapes differ.
+    assert_eq!(graphs[0].nodes.len(), graphs[1].nodes.len());
+}

@@ -4,13 +4,19 @@
 use super::{private_producer, split_static, view};
 use crate::error::Result;
 use crate::import::{Importer, Value};
-use crate::tensor::{broadcast_index, Const};
+use crate::tensor::Const;
 use onnx_protobuf::NodeProto;
 use std::rc::Rc;
 use tessera_ir::AttentionSpec;
 
 /// A score below this is a masked position (HF uses the dtype's minimum or -inf).
 const MASKED: f64 = -1.0e30;
+
+/// A mask in the chain, by the name of its constant (read only when needed).
+enum MaskRef {
+    Add(String),
+    Keep(String),
+}
 
 enum Mask {
     /// Added to the scores: 0 where allowed, very negative where not.
@@ -41,7 +47,13 @@ pub(super) fn attention(im: &mut Importer, root: &NodeProto) -> Result<Option<Va
         match n.op_type.as_str() {
             "Cast" | "Reshape" => s = n.input[0].clone(),
             "MatMul" => break (n.input[0].clone(), n.input[1].clone()),
-            "Mul" | "Div" | "Add" | "Max" => {
+            "Add" => {
+                // A mask's values are read only if this attention's verdict is not known.
+                let Some((dynamic, fixed)) = split_static(im, n) else { return Ok(None) };
+                masks.push(MaskRef::Add(fixed));
+                s = dynamic;
+            }
+            "Mul" | "Div" | "Max" => {
                 let Some((dynamic, fixed)) = split_static(im, n) else { return Ok(None) };
                 let Some(c) = im.const_input(&fixed)? else { return Ok(None) };
                 match n.op_type.as_str() {
@@ -53,7 +65,6 @@ pub(super) fn attention(im: &mut Importer, root: &NodeProto) -> Result<Option<Va
                         Some(x) => scale /= x,
                         None => return Ok(None),
                     },
-                    "Add" => masks.push(Mask::Add(c)),
                     "Max" if c.scalar().is_some_and(|x| x <= MASKED) => {}
                     _ => return Ok(None),
                 }
@@ -64,13 +75,11 @@ pub(super) fn attention(im: &mut Importer, root: &NodeProto) -> Result<Option<Va
                 if !im.is_static(cond) || !im.is_static(no) || im.is_static(&yes) {
                     return Ok(None);
                 }
-                let (Some(c), Some(fill)) = (im.const_input(cond)?, im.const_input(no)?) else {
-                    return Ok(None);
-                };
+                let Some(fill) = im.const_input(no)? else { return Ok(None) };
                 if !fill.scalar().is_some_and(|x| x <= MASKED) {
                     return Ok(None);
                 }
-                masks.push(Mask::Keep(c));
+                masks.push(MaskRef::Keep(cond.clone()));
                 s = yes;
             }
             _ => return Ok(None),
@@ -110,7 +119,44 @@ pub(super) fn attention(im: &mut Importer, root: &NodeProto) -> Result<Option<Va
         return Ok(None);
     }
     let (sq, t) = (q_shape[rank - 2], k_shape[rank - 2]);
-    let causal = match allowed(&masks, sq, t) {
+    // Judged once per model, sequence and key length (the file's cache), else once per import
+    // for the same mask constants (every layer shares them); only then are masks folded.
+    let verdict = match im.m.attention_verdict(&root.name, sq, t) {
+        Some(v) => v,
+        None => {
+            let mut values = Vec::with_capacity(masks.len());
+            for m in &masks {
+                values.push(match m {
+                    MaskRef::Add(name) => im.const_input(name)?.map(Mask::Add),
+                    MaskRef::Keep(name) => im.const_input(name)?.map(Mask::Keep),
+                });
+            }
+            let Some(values) = values.into_iter().collect::<Option<Vec<Mask>>>() else {
+                return Ok(None);
+            };
+            let key = (
+                values
+                    .iter()
+                    .map(|m| match m {
+                        Mask::Add(c) | Mask::Keep(c) => Rc::as_ptr(c) as usize,
+                    })
+                    .collect::<Vec<usize>>(),
+                sq,
+                t,
+            );
+            let v = match im.verdicts.get(&key) {
+                Some(v) => *v,
+                None => {
+                    let v = allowed(&values, sq, t).map(|a| matches!(a, Allowed::Causal));
+                    im.verdicts.insert(key, v);
+                    v
+                }
+            };
+            im.m.remember_attention_verdict(&root.name, sq, t, v);
+            v
+        }
+    };
+    let causal = match verdict.map(|c| if c { Allowed::Causal } else { Allowed::All }) {
         Some(Allowed::All) => false,
         Some(Allowed::Causal) => true,
         None => {
@@ -172,34 +218,49 @@ fn allowed(masks: &[Mask], s: usize, t: usize) -> Option<Allowed> {
         let c = match m {
             Mask::Add(c) | Mask::Keep(c) => c,
         };
+        // The mask's [S, T] plane (either axis may be broadcast); every leading slice (batch,
+        // heads) must hold the same plane.
         let r = c.shape.len();
-        // Broadcast the mask to [.., S, T]; every leading slice must be the same.
-        let mut lead = c.shape[..r.saturating_sub(2)].to_vec();
-        lead.iter_mut().for_each(|d| *d = (*d).max(1));
-        let mut full = lead.clone();
-        full.extend([s, t]);
-        let shape_ok = c.shape.len() >= 2 || c.numel() == 1;
-        if !shape_ok || crate::tensor::broadcast_shape(&c.shape, &full).as_deref() != Some(&full) {
+        let (ms, mt) = if r >= 2 { (c.shape[r - 2], c.shape[r - 1]) } else { (1, 1) };
+        if r < 2 && c.numel() != 1 || !(ms == s || ms == 1) || !(mt == t || mt == 1) {
             return None;
         }
-        let idx = broadcast_index(&c.shape, &full);
-        let n_lead: usize = lead.iter().product();
-        for k in 0..s * t {
-            let x = c.f(idx[k]);
-            let ok = match m {
-                Mask::Add(_) if x == 0.0 => true,
-                Mask::Add(_) if x <= MASKED => false,
-                Mask::Add(_) => return None,
-                Mask::Keep(_) => x != 0.0,
-            };
-            keep[k] &= ok;
+        if ms * mt == 0 {
+            return None;
         }
-        // Every leading slice equal to the first.
-        for l in 1..n_lead {
-            for k in 0..s * t {
-                if c.f(idx[l * s * t + k]) != c.f(idx[k]) {
-                    return None;
-                }
+        // The first [S, T] plane; every other leading index (unless broadcast) must match it.
+        let lead = r.saturating_sub(2);
+        let plane_of = |idx: &[usize]| -> Vec<f64> {
+            let mut p: Vec<(usize, i64, usize)> = idx.iter().map(|&i| (i, 1, 1)).collect();
+            p.extend([(0, 1, ms), (0, 1, mt)]);
+            c.sliced(&p).to_f64()
+        };
+        let first = if r < 2 { vec![c.f(0)] } else { plane_of(&vec![0; lead]) };
+        let varying: Vec<usize> =
+            (0..lead).filter(|&d| !c.is_broadcast(d) && c.shape[d] > 1).collect();
+        let n_var: usize = varying.iter().map(|&d| c.shape[d]).product();
+        for k in 1..n_var {
+            let mut idx = vec![0; lead];
+            let mut rest = k;
+            for &d in varying.iter().rev() {
+                idx[d] = rest % c.shape[d];
+                rest /= c.shape[d];
+            }
+            if plane_of(&idx) != first {
+                return None;
+            }
+        }
+        for i in 0..s {
+            let row = if ms > 1 { i * mt } else { 0 };
+            for j in 0..t {
+                let x = first[row + if mt > 1 { j } else { 0 }];
+                let ok = match m {
+                    Mask::Add(_) if x == 0.0 => true,
+                    Mask::Add(_) if x <= MASKED => false,
+                    Mask::Add(_) => return None,
+                    Mask::Keep(_) => x != 0.0,
+                };
+                keep[i * t + j] &= ok;
             }
         }
     }

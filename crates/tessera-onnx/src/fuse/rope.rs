@@ -82,7 +82,18 @@ pub(super) fn rope(im: &mut Importer, root: &NodeProto) -> Result<Option<Value>>
     // The tables: [.., S, D] broadcast over x's batch and head axes; the sequence axis is the
     // table's one other axis longer than 1 (or x's axis 2 when S = 1).
     let Some(seq_axis) = seq_axis(&cos, &shape) else { return Ok(None) };
-    let Some(inv_freq) = inv_freq_of(&cos, &sin, &shape, seq_axis) else { return Ok(None) };
+    // Checked once per import for the same tables (every layer's q and k share them).
+    let key =
+        (std::rc::Rc::as_ptr(&cos) as usize, std::rc::Rc::as_ptr(&sin) as usize, shape.clone());
+    let found = match im.rope_tables.get(&key) {
+        Some(f) => f.clone(),
+        None => {
+            let f = inv_freq_of(&cos, &sin, &shape, seq_axis);
+            im.rope_tables.insert(key, f.clone());
+            f
+        }
+    };
+    let Some(inv_freq) = found else { return Ok(None) };
     // The IR's Rope works on [B, S, H, D].
     let to_bshd: Vec<usize> = if seq_axis == 2 { vec![0, 2, 1, 3] } else { vec![0, 1, 2, 3] };
     let xb = view(im, &x, &to_bshd).map_err(|e| im.err_ir(root, e))?;
