@@ -177,6 +177,18 @@ fn gpt2_matches_pytorch() {
 }
 
 #[test]
+fn merged_parameters_come_back_under_their_own_names() {
+    // Freshly initialised: the exporter merged 14 equal-valued biases and norms into others
+    // (Identity nodes). Each must be a parameter of its own: the count, and every gradient by
+    // name, match PyTorch's separate parameters.
+    let g = check_lm("gpt2-fresh");
+    let model = OnnxModel::open(&fixture("gpt2-fresh").join("model.onnx")).unwrap();
+    assert_eq!(model.weight_shapes().len(), 28, "14 initialisers + 14 merged parameters");
+    // As `named_parameters()` lists them (the tied head is wte itself).
+    assert_eq!(g.parameters().len(), 28);
+}
+
+#[test]
 fn llama_matches_pytorch() {
     let g = check_lm("llama");
     // Rotary embeddings on q and k of both layers, attention reading the 2 key/value heads
@@ -215,7 +227,7 @@ fn unsupported_operator_is_named_with_its_node_and_readers() {
 #[test]
 fn every_fixture_uses_only_supported_operators() {
     // The up-front check the CLI runs agrees with what the walk can import.
-    for name in ["gpt2", "llama", "opt", "resnet", "unet", "vit"] {
+    for name in ["gpt2", "gpt2-fresh", "llama", "opt", "resnet", "unet", "vit"] {
         let model = OnnxModel::open(&fixture(name).join("model.onnx")).unwrap();
         model.check_operators().unwrap_or_else(|e| panic!("{name}: {e}"));
     }
