@@ -16,7 +16,7 @@ Each fixture directory <name>/ holds
 Causal LMs (gpt2, llama, opt): input "input_ids" int64 [batch, sequence] -> "logits" f32
 [batch, sequence, V], both axes dynamic; reference at [2, 8]; labels are already-shifted
 next-token targets: loss = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1)) (mean).
-Vision: "pixel_values" f32, batch dynamic: resnet [batch, 1, 8, 8] (the digits data set's shape), unet [batch, 3, 16, 16].
+Vision: "pixel_values" f32 [batch, 1, 8, 8] (the digits data set's shape), batch dynamic.
 `unsupported/model.onnx` only: a graph with an ONNX `Det` node, for the importer's error path.
 
 Deterministic: re-running rewrites byte-identical files (given the versions in versions.json;
@@ -208,19 +208,22 @@ class ConvNormAct(nn.Module):
 
 
 class TinyUNet(nn.Module):
-    """[B,3,16,16] -> enc (8 ch, 16x16) -> AvgPool2d(2) -> mid (16 ch, 8x8) -> Upsample x2
-    nearest -> up conv (8 ch, 16x16) -> cat([up, enc], channels) -> dec (8 ch) -> 1x1 conv to 3.
-    Each conv block: conv3x3 + GroupNorm(2) + SiLU."""
+    """[B,1,8,8] (digits' shape: `tessera train` trains it as a denoiser) -> enc (8 ch, 8x8) ->
+    AvgPool2d(2) -> mid (16 ch, 4x4) -> Upsample x2 nearest -> up conv (8 ch, 8x8) ->
+    cat([up, enc], channels) -> dec (8 ch) -> 1x1 conv to 1. Each conv block: conv3x3 +
+    GroupNorm(2) + SiLU."""
+
+    SHAPE = (1, 8, 8)
 
     def __init__(self):
         super().__init__()
-        self.enc = ConvNormAct(3, 8)
+        self.enc = ConvNormAct(1, 8)
         self.down = nn.AvgPool2d(2)
         self.mid = ConvNormAct(8, 16)
         self.upsample = nn.Upsample(scale_factor=2, mode="nearest")
         self.up = ConvNormAct(16, 8)
         self.dec = ConvNormAct(16, 8)
-        self.out = nn.Conv2d(8, 3, 1)
+        self.out = nn.Conv2d(8, 1, 1)
 
     def forward(self, pixel_values):
         e = self.enc(pixel_values)
@@ -522,10 +525,10 @@ def make_vision(name, seed, model_cls):
         loss_fn = lambda lg: F.cross_entropy(lg, labels)  # noqa: E731
         loss_doc = "F.cross_entropy(logits, labels), mean; logits [B,10], labels int64 [B]"
     else:
-        target = torch.randn(2, 3, 16, 16, generator=g)
+        target = torch.randn(2, *shape, generator=g)
         targets = {"target": target}
         loss_fn = lambda out: F.mse_loss(out, target)  # noqa: E731
-        loss_doc = "F.mse_loss(logits, target), mean; logits and target f32 [B,3,16,16]"
+        loss_doc = f"F.mse_loss(logits, target), mean; logits and target f32 [B,{','.join(map(str, shape))}]"
     tensors, zero = reference(model, {"pixel_values": pixel_values}, loss_fn)
     tensors.update(targets)
 

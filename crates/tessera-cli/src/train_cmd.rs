@@ -207,6 +207,10 @@ pub fn objective(args: &TrainArgs, cfg: &ModelConfig) -> Result<Objective> {
     })
 }
 
+/// The noise a dense image model (an imported UNet) learns to remove, in the normalised
+/// pixels' units (`[-1, 1]`).
+pub const DENOISE_STD: f32 = 0.5;
+
 /// Where ViT's images are when `--data` is not given (installed by scripts/setup.sh).
 pub const DEFAULT_IMAGES: &str = "data/digits.csv";
 
@@ -243,19 +247,29 @@ pub fn load_data(args: &TrainArgs, cfg: &ModelConfig) -> Result<TrainData> {
             return Ok(TrainData::Images(images));
         }
         ModelConfig::Onnx(c) if c.vocab_size().is_none() => {
-            let (Some(shape), tessera_models::OnnxTask::ImageClassifier { num_classes }) =
-                (c.image_shape(), &c.task)
-            else {
-                bail!(
-                    "`train` has data loaders for language models and image classifiers; {} is \
-                     a dense model: profile and plan it (no data loader reads dense targets yet)",
+            let shape = c.image_shape().with_context(|| {
+                format!(
+                    "{}: `train` reads images, and the model's input is not [batch, C, H, W]",
                     c.path
-                );
-            };
+                )
+            })?;
             let path = args.data.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_IMAGES));
             let images = ImageSet::load_csv(&path, shape, 0.2)?;
-            images.validate(*num_classes)?;
-            return Ok(TrainData::Images(images));
+            return Ok(match &c.task {
+                tessera_models::OnnxTask::ImageClassifier { num_classes } => {
+                    images.validate(*num_classes)?;
+                    TrainData::Images(images)
+                }
+                // A dense model whose output is its input's shape learns to denoise the images.
+                tessera_models::OnnxTask::Regression { output } if output[..] == shape[..] => {
+                    TrainData::Denoise { images, noise: DENOISE_STD }
+                }
+                _ => bail!(
+                    "{}: `train` trains dense models whose output has the input's shape (as \
+                     denoisers); this one maps {shape:?} to another shape",
+                    c.path
+                ),
+            });
         }
         ModelConfig::Mlp(_) => bail!(
             "`train` has no data loader for the mlp model's feature vectors; train a language \

@@ -445,7 +445,7 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                 "final_loss": last.loss,
                 "final_grad_norm": last.grad_norm.is_finite().then_some(last.grad_norm),
                 "eval_loss": o.eval.map(|e| e.loss),
-                "eval_accuracy": o.eval.map(|e| e.accuracy),
+                "eval_accuracy": o.eval.and_then(|e| e.accuracy),
                 "unigram_entropy": unigram,
                 "tokens_per_s": tokens_per_s,
                 "elapsed_s": o.elapsed_s,
@@ -512,8 +512,8 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                 s += &format!(", {:.4} (held-out)", e.loss);
             }
             s += &format!("; {baseline} {unigram:.4}\n");
-            if let Some(e) = o.eval {
-                s += &format!("accuracy  {:.2}% top-1 (held-out)\n", 100.0 * e.accuracy);
+            if let Some(a) = o.eval.and_then(|e| e.accuracy) {
+                s += &format!("accuracy  {:.2}% top-1 (held-out)\n", 100.0 * a);
             }
             let recomputed = plan.checkpoint.iter().filter(|c| c.mode != CkptMode::None).count();
             if recomputed > 0 {

@@ -187,7 +187,7 @@ fn an_unsupported_operator_is_one_clear_error() {
 }
 
 #[test]
-fn an_imported_resnet_trains_on_the_digits_and_a_unet_plans() {
+fn an_imported_resnet_and_unet_train_on_the_digits() {
     // The ResNet fixture takes digits' [1, 8, 8] images: `train` reads data/digits.csv.
     let resnet = fixture("resnet").join("model.onnx");
     let digits = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/digits.csv");
@@ -216,8 +216,8 @@ fn an_imported_resnet_trains_on_the_digits_and_a_unet_plans() {
     let mem = &out["memory"];
     assert_eq!(mem["predicted_peak_bytes"], mem["measured_peak_bytes"], "{mem}");
 
-    // The UNet (a dense regression: MSE against targets of the output's shape) profiles and
-    // plans; `train` has no loader for dense targets and says so.
+    // The UNet (dense: MSE against targets of the output's shape) plans, and trains as a
+    // denoiser of the digits: noisy images in, clean ones as targets.
     let unet = fixture("unet").join("model.onnx");
     let p = ok_json(&[
         "profile",
@@ -228,7 +228,7 @@ fn an_imported_resnet_trains_on_the_digits_and_a_unet_plans() {
         "--format",
         "json",
     ]);
-    assert_eq!(p["params"], 3819, "{p}");
+    assert_eq!(p["params"], 3657, "{p}");
     let plan = ok_json(&[
         "plan",
         "--model",
@@ -242,7 +242,26 @@ fn an_imported_resnet_trains_on_the_digits_and_a_unet_plans() {
     ]);
     let peaks = plan["predicted"]["peak_bytes_per_device"].as_array().expect("a plan");
     assert_eq!(peaks.len(), 4, "{plan}");
-    let out = tessera(&["train", "--model", unet.to_str().unwrap(), "--steps", "2"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("dense model"), "{err}");
+    let out = ok_json(&[
+        "train",
+        "--model",
+        unet.to_str().unwrap(),
+        "--data",
+        digits.to_str().unwrap(),
+        "--steps",
+        "30",
+        "--batch",
+        "16",
+        "--devices",
+        "2",
+        "--lr",
+        "1e-2",
+        "--format",
+        "json",
+    ]);
+    let (first, eval) = (out["initial_loss"].as_f64().unwrap(), out["eval_loss"].as_f64().unwrap());
+    assert!(eval < first, "the held-out denoising error must fall: {first} → {eval}");
+    assert!(out["eval_accuracy"].is_null(), "no labels, no accuracy: {out}");
+    let mem = &out["memory"];
+    assert_eq!(mem["predicted_peak_bytes"], mem["measured_peak_bytes"], "{mem}");
 }

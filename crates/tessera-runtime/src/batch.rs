@@ -58,6 +58,14 @@ impl StepBatch {
         ])
     }
 
+    /// A denoising batch: noisy `pixel_values [batch, c, h, w]` and the clean `targets`.
+    pub fn denoise(noisy: Vec<f32>, clean: Vec<f32>, dims: [usize; 4]) -> Result<StepBatch> {
+        StepBatch::new(vec![
+            ("pixel_values".into(), from_vec(noisy, &dims)?),
+            ("targets".into(), from_vec(clean, &dims)?),
+        ])
+    }
+
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.fields.iter().find(|(n, _)| n == name).map(|(_, t)| t)
     }
@@ -97,6 +105,9 @@ pub enum TrainData {
     Examples(ExampleSet),
     /// Labelled images for classification (ViT).
     Images(ImageSet),
+    /// Images for a dense model (an imported UNet): noisy images in, clean images as the
+    /// targets, Gaussian noise of standard deviation `noise`.
+    Denoise { images: ImageSet, noise: f32 },
 }
 
 impl TrainData {
@@ -109,6 +120,9 @@ impl TrainData {
             }
             TrainData::Examples(e) => e.train_batch(seed, step, batch, seq),
             TrainData::Images(i) => i.train_batch(seed, step, batch),
+            TrainData::Denoise { images, noise } => {
+                images.train_denoise_batch(seed, step, batch, *noise)
+            }
         }
     }
 
@@ -128,6 +142,9 @@ impl TrainData {
                 .collect(),
             TrainData::Examples(e) => e.val_batches(batch, seq, max_batches),
             TrainData::Images(i) => i.val_batches(batch, max_batches),
+            TrainData::Denoise { images, noise } => {
+                images.val_denoise_batches(seed, batch, max_batches, *noise)
+            }
         }
     }
 
@@ -151,6 +168,7 @@ impl TrainData {
                 let labels: Vec<u32> = i.train_labels.iter().map(|&l| l as u32).collect();
                 ("class entropy", unigram_entropy_nats(&labels, i.num_classes))
             }
+            TrainData::Denoise { images, .. } => ("mean-image error", images.pixel_variance()),
         }
     }
 
@@ -175,6 +193,10 @@ impl TrainData {
                 i.train.iter().for_each(|&p| eat(u64::from(p.to_bits())));
                 i.train_labels.iter().for_each(|&l| eat(l as u64));
             }
+            TrainData::Denoise { images, noise } => {
+                images.train.iter().for_each(|&p| eat(u64::from(p.to_bits())));
+                eat(u64::from(noise.to_bits()) | 1 << 62);
+            }
         }
         format!("{h:016x}")
     }
@@ -185,6 +207,7 @@ impl TrainData {
             TrainData::Stream { data, .. } => &data.source,
             TrainData::Examples(e) => &e.source,
             TrainData::Images(i) => &i.source,
+            TrainData::Denoise { images, .. } => &images.source,
         }
     }
 }

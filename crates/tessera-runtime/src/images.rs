@@ -144,6 +144,87 @@ impl ImageSet {
         StepBatch::images(x, [rows.len(), c, h, w], y)
     }
 
+    /// `rows` of `pixels` as a denoising batch: `pixel_values` with Gaussian noise of standard
+    /// deviation `noise` added (keyed by `(seed, key)`, the same on every plan) and the clean
+    /// images as `targets`.
+    fn denoise_of(
+        &self,
+        pixels: &[f32],
+        rows: &[usize],
+        noise: f32,
+        seed: u64,
+        key: u64,
+    ) -> Result<StepBatch> {
+        let k = self.pixels_per_image();
+        let mut clean = Vec::with_capacity(rows.len() * k);
+        for &r in rows {
+            clean.extend_from_slice(&pixels[r * k..(r + 1) * k]);
+        }
+        let noisy = clean
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| x + noise * crate::init::normal(seed, key, i as u64) as f32)
+            .collect();
+        let [c, h, w] = self.shape;
+        StepBatch::denoise(noisy, clean, [rows.len(), c, h, w])
+    }
+
+    /// Training step `step`'s denoising batch (the rows of [`ImageSet::train_batch`]).
+    pub fn train_denoise_batch(
+        &self,
+        seed: u64,
+        step: u64,
+        batch: usize,
+        noise: f32,
+    ) -> Result<StepBatch> {
+        let n = self.train_labels.len();
+        let rows: Vec<usize> = (0..batch).map(|r| counter_draw(seed, step, r as u64, n)).collect();
+        self.denoise_of(&self.train, &rows, noise, seed, step)
+    }
+
+    /// The held-out images as denoising batches (the rows of [`ImageSet::val_batches`]; the
+    /// noise keyed apart from training's).
+    pub fn val_denoise_batches(
+        &self,
+        seed: u64,
+        batch: usize,
+        max_batches: usize,
+        noise: f32,
+    ) -> Result<Vec<StepBatch>> {
+        let n = self.val_labels.len();
+        if batch == 0 || n < batch {
+            return Err(err(format!(
+                "the held-out split of {} has {n} images, fewer than one batch of {batch}; use \
+                 a smaller --batch",
+                self.source
+            )));
+        }
+        (0..n / batch)
+            .take(max_batches)
+            .map(|i| {
+                let rows: Vec<usize> = (i * batch..(i + 1) * batch).collect();
+                self.denoise_of(&self.val, &rows, noise, seed, u64::MAX - i as u64)
+            })
+            .collect()
+    }
+
+    /// The mean squared error of the best context-free guess of a clean image: each pixel's
+    /// mean over the training split.
+    pub fn pixel_variance(&self) -> f64 {
+        let k = self.pixels_per_image();
+        let n = self.train.len() / k.max(1);
+        let mut mean = vec![0.0f64; k];
+        for img in self.train.chunks(k) {
+            img.iter().zip(mean.iter_mut()).for_each(|(&x, m)| *m += x as f64 / n as f64);
+        }
+        let sq: f64 = self
+            .train
+            .chunks(k)
+            .flat_map(|img| img.iter().zip(&mean).map(|(&x, &m)| (x as f64 - m).powi(2)))
+            .sum();
+        sq / self.train.len().max(1) as f64
+    }
+
     /// Training step `step`'s `batch` images, each a uniform draw keyed by (seed, step, row).
     pub fn train_batch(&self, seed: u64, step: u64, batch: usize) -> Result<StepBatch> {
         let n = self.train_labels.len();

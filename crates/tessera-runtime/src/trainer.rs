@@ -94,10 +94,11 @@ impl MicroLeaves {
         }
         // A pipeline stage before the last has no loss, hence no labels.
         let stage = g.nodes.iter().any(|n| matches!(n.op, tessera_ir::Op::Send(_)));
-        if !stage && !leaves.data.iter().any(|(n, _)| n == "labels") {
+        // The loss's target: class or token `labels`, or a dense model's `targets`.
+        if !stage && !leaves.data.iter().any(|(n, _)| n == "labels" || n == "targets") {
             return Err(binding(format!(
-                "the program has no `labels` input for micro-batch {k}: `train` needs a model \
-                 with a loss over labels"
+                "the program has no `labels` or `targets` input for micro-batch {k}: `train` \
+                 needs a model with a loss over them"
             )));
         }
         Ok(leaves)
@@ -114,7 +115,8 @@ impl MicroLeaves {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EvalStats {
     pub loss: f64,
-    pub accuracy: f64,
+    /// Top-1 accuracy over the labelled rows; `None` when the data has no labels (denoising).
+    pub accuracy: Option<f64>,
 }
 
 /// Which device this is and what it may hold (the plan's leaf placements and micro-batches
@@ -627,12 +629,15 @@ impl<B: Backend> Trainer<B> {
             exec.run()?;
             let v = exec.get(loss).ok_or_else(|| binding("eval loss not kept".into()))?;
             total += v.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            let z = exec.get(logits).ok_or_else(|| binding("eval logits not kept".into()))?;
-            let (h, c) = top1_hits(z, &batch.labels()?)?;
-            hits += h;
-            counted += c;
+            let labels = batch.labels()?;
+            if !labels.is_empty() {
+                let z = exec.get(logits).ok_or_else(|| binding("eval logits not kept".into()))?;
+                let (h, c) = top1_hits(z, &labels)?;
+                hits += h;
+                counted += c;
+            }
         }
-        let accuracy = hits as f64 / counted.max(1) as f64;
+        let accuracy = (counted > 0).then(|| hits as f64 / counted as f64);
         Ok(Some(EvalStats { loss: total / batches.len() as f64, accuracy }))
     }
 
