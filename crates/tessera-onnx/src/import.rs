@@ -69,8 +69,9 @@ pub(crate) struct Importer<'m> {
     folded: HashMap<String, Vec<Rc<Const>>>,
     /// Attention masks already judged: the masks' identities and `[S, T]` → causal or not.
     pub(crate) verdicts: HashMap<(Vec<usize>, usize, usize), Option<bool>>,
-    /// Rotary tables already read: their identities and the rotated shape → frequencies.
-    pub(crate) rope_tables: HashMap<(usize, usize, Vec<usize>), Option<Vec<f64>>>,
+    /// Rotary tables already read: their identities and the rotated shape → the sequence
+    /// axis and the frequencies.
+    pub(crate) rope_tables: HashMap<(usize, usize, Vec<usize>), RopeRead>,
     /// Values known not to depend on a graph input (memo of [`Importer::is_static`]).
     statics: HashMap<String, bool>,
     /// Depth of the demand recursion (guards against pathological graphs).
@@ -241,6 +242,10 @@ pub fn block_of(name: &str) -> Option<u32> {
     }
     None
 }
+
+/// What a rotary table pair was found to be: its sequence axis and inverse frequencies, or
+/// not a rotary table (`None`).
+pub(crate) type RopeRead = Option<(usize, Vec<f64>)>;
 
 /// What identifies a fold: the operator, its attributes, and each input by value when small
 /// (shape arithmetic computed afresh per layer) or by identity when large (a mask buffer).

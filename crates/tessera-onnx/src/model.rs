@@ -42,6 +42,8 @@ pub struct OnnxModel {
     /// (`Some(false)`), or neither. A mask is a function of the shapes, so the planner's many
     /// imports at one sequence length fold it once.
     verdicts: std::sync::Mutex<HashMap<(String, usize, usize), Option<bool>>>,
+    /// Rotary tables read by earlier imports: "cos|sin|shape" → what they were.
+    ropes: std::sync::Mutex<HashMap<String, crate::import::RopeRead>>,
 }
 
 /// The oldest default-domain opset the importer reads (LayerNormalization is opset 17).
@@ -136,6 +138,7 @@ impl OnnxModel {
             outputs,
             opset,
             verdicts: Default::default(),
+            ropes: Default::default(),
         })
     }
 
@@ -234,6 +237,14 @@ impl OnnxModel {
     ) {
         let mut m = self.verdicts.lock().unwrap_or_else(|e| e.into_inner());
         m.insert((node.to_string(), s, t), v);
+    }
+
+    pub(crate) fn cached_rope(&self, key: &str) -> Option<crate::import::RopeRead> {
+        self.ropes.lock().unwrap_or_else(|e| e.into_inner()).get(key).cloned()
+    }
+
+    pub(crate) fn remember_rope(&self, key: &str, read: crate::import::RopeRead) {
+        self.ropes.lock().unwrap_or_else(|e| e.into_inner()).insert(key.to_string(), read);
     }
 
     /// The first operator of the graph the importer has no mapping for, as the error that

@@ -76,24 +76,37 @@ pub(super) fn rope(im: &mut Importer, root: &NodeProto) -> Result<Option<Value>>
     if !half_ok(im, &hi, d / 2, d)? || !half_ok(im, &lo, 0, d / 2)? {
         return Ok(None);
     }
-    let (Some(cos), Some(sin)) = (im.const_input(&cos_name)?, im.const_input(&sin_name)?) else {
-        return Ok(None);
-    };
-    // The tables: [.., S, D] broadcast over x's batch and head axes; the sequence axis is the
-    // table's one other axis longer than 1 (or x's axis 2 when S = 1).
-    let Some(seq_axis) = seq_axis(&cos, &shape) else { return Ok(None) };
-    // Checked once per import for the same tables (every layer's q and k share them).
-    let key =
-        (std::rc::Rc::as_ptr(&cos) as usize, std::rc::Rc::as_ptr(&sin) as usize, shape.clone());
-    let found = match im.rope_tables.get(&key) {
-        Some(f) => f.clone(),
+    // Read once per file for these tables at this shape (later imports fold no table), else
+    // once per import for the same table constants (every layer's q and k share them).
+    let file_key = format!("{cos_name}|{sin_name}|{shape:?}");
+    let found = match im.m.cached_rope(&file_key) {
+        Some(f) => f,
         None => {
-            let f = inv_freq_of(&cos, &sin, &shape, seq_axis);
-            im.rope_tables.insert(key, f.clone());
+            let (Some(cos), Some(sin)) = (im.const_input(&cos_name)?, im.const_input(&sin_name)?)
+            else {
+                return Ok(None);
+            };
+            // The tables: [.., S, D] broadcast over x's batch and head axes; the sequence axis
+            // is the table's one other axis longer than 1 (or x's axis 2 when S = 1).
+            let key = (
+                std::rc::Rc::as_ptr(&cos) as usize,
+                std::rc::Rc::as_ptr(&sin) as usize,
+                shape.clone(),
+            );
+            let f = match im.rope_tables.get(&key) {
+                Some(f) => f.clone(),
+                None => {
+                    let f = seq_axis(&cos, &shape)
+                        .and_then(|a| inv_freq_of(&cos, &sin, &shape, a).map(|f| (a, f)));
+                    im.rope_tables.insert(key, f.clone());
+                    f
+                }
+            };
+            im.m.remember_rope(&file_key, f.clone());
             f
         }
     };
-    let Some(inv_freq) = found else { return Ok(None) };
+    let Some((seq_axis, inv_freq)) = found else { return Ok(None) };
     // The IR's Rope works on [B, S, H, D].
     let to_bshd: Vec<usize> = if seq_axis == 2 { vec![0, 2, 1, 3] } else { vec![0, 1, 2, 3] };
     let xb = view(im, &x, &to_bshd).map_err(|e| im.err_ir(root, e))?;
