@@ -104,6 +104,39 @@ if torch is None:
     except ImportError as e:
         assert "torch" in str(e), e
         print("ok   from_torch without torch: ImportError naming the fix")
+    # The export call itself, against a stand-in for torch that records it.
+    import types
+
+    calls = []
+    stub = types.ModuleType("torch")
+    stub.is_floating_point = lambda t: t == "floats"
+    stub.onnx = types.SimpleNamespace(export=lambda *a, **k: calls.append((a, k)))
+
+    class Module:
+        training = True
+
+        def eval(self):
+            self.training = False
+
+        def train(self, mode):
+            self.training = mode
+
+    sys.modules["torch"] = stub
+    try:
+        module = Module()
+        path = tessera.from_torch(module, "ids")
+        (m, inputs, where), kw = calls[-1]
+        assert m is module and inputs == ("ids",) and where == path and path.endswith(".onnx")
+        assert kw["opset_version"] == 17 and kw["dynamo"] is False, kw
+        assert kw["do_constant_folding"] is False and kw["output_names"] == ["logits"], kw
+        assert kw["input_names"] == ["input_ids"], kw
+        assert kw["dynamic_axes"]["input_ids"] == {0: "batch", 1: "sequence"}, kw
+        assert module.training, "from_torch should restore the module's mode"
+        tessera.from_torch(module, ("floats",), "x.onnx")
+        assert calls[-1][1]["input_names"] == ["pixel_values"], calls[-1]
+    finally:
+        del sys.modules["torch"]
+    print("ok   from_torch's torch.onnx.export call (opset 17, TorchScript exporter, dynamic axes)")
 else:
     import tempfile
 
