@@ -17,6 +17,8 @@ if ! [ -x "$venv/bin/maturin" ] || [ "$("$venv/bin/maturin" --version)" != "matu
   "$venv/bin/pip" install -q "maturin==$maturin_version"
 fi
 rm -f "$target"/wheels/tessera-*.whl
+# maturin packs what python/ holds: no bytecode of a local run.
+find crates/tessera-py/python -name __pycache__ -type d -prune -exec rm -rf {} +
 # The wheel is for this machine's pip (`linux` tag): no manylinux audit.
 # shellcheck disable=SC2086
 "$venv/bin/maturin" build $profile -m crates/tessera-py/Cargo.toml -o "$target/wheels" \

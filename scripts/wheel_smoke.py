@@ -87,6 +87,19 @@ except tessera.TesseraError as e:
     assert isinstance(e, ValueError)
     print(f"ok   bad model: TesseraError({str(e)[:60]!r}...), the CLI's message")
 
+try:
+    tessera.plan("gpt2-tiny", cluster="2xcpu", seq=64, memory_budget="1KiB")
+    raise AssertionError("a 1 KiB budget should raise tessera.TesseraError")
+except tessera.TesseraError as e:
+    assert e.error["kind"] == "infeasible" and e.error["needed_bytes"] > 1024, e.error
+    print(f"ok   infeasible budget: .error kind {e.error['kind']}, needs {e.error['needed_bytes']} B")
+try:
+    tessera.profile("gpt2-tiny", dtype="fp64")
+    raise AssertionError("--dtype fp64 should raise tessera.TesseraError")
+except tessera.TesseraError as e:
+    assert e.error["kind"] == "usage" and "fp64" in str(e), (e.error, str(e))
+    print("ok   bad flag value: clap's message, .error kind usage")
+
 if fixture and os.path.exists(fixture):
     p = tessera.profile(fixture, batch=2, seq=8)
     same("profile ONNX fixture", p, "profile", "--model", fixture, "--batch", "2", "--seq", "8")
