@@ -6,7 +6,7 @@
 //! one the runtime measures.
 
 use crate::plan_cmd::{plan_err, PlanArgs};
-use crate::profile_cmd::{print_stdout, OutputFormat, ProfileArgs};
+use crate::profile_cmd::{print_stdout, ProfileArgs};
 use anyhow::{bail, Result};
 use serde_json::json;
 use tessera_ir::{DType, Graph, TensorId};
@@ -55,8 +55,19 @@ fn steps(
     Ok(((pre.builder.finish(), pre.logits), (dec.builder.finish(), dec.logits)))
 }
 
-/// `tessera profile --inference`: one device's prefill and decode steps.
-pub fn profile(args: &ProfileArgs, cfg: &ModelConfig, prompt: usize) -> Result<()> {
+/// One device's prefill and decode steps of a generation request, profiled.
+struct Profiled {
+    /// The prefill's memory (weights, KV cache, activations) and FLOPs.
+    pm: tessera_profile::MemoryReport,
+    pf: tessera_profile::FlopReport,
+    /// One decode step's.
+    dm: tessera_profile::MemoryReport,
+    df: tessera_profile::FlopReport,
+    ms: f64,
+    peak: u64,
+}
+
+fn profiled(args: &ProfileArgs, cfg: &ModelConfig, prompt: usize) -> Result<Profiled> {
     let t0 = std::time::Instant::now();
     let dtype = args.dtype.dtype();
     let ((pg, pl), (dg, dl)) =
@@ -71,26 +82,39 @@ pub fn profile(args: &ProfileArgs, cfg: &ModelConfig, prompt: usize) -> Result<(
         (tessera_profile::count_flops(&pp.graph), tessera_profile::count_flops(&dp.graph));
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     let peak = pm.peak_bytes.max(dm.peak_bytes);
-    if args.format == OutputFormat::Json {
-        let doc = json!({
-            "model": cfg.name(),
-            "params": cfg.num_parameters(),
-            "batch": args.batch,
-            "prompt_len": prompt,
-            "new_tokens": args.infer.new_tokens,
-            "quantize": args.infer.quantize.map(Quantize::name),
-            "memory": {
-                "weights_bytes": pm.params_bytes,
-                "kv_cache_bytes": pm.kv_cache_bytes,
-                "prefill_activations_bytes": pm.peak_bytes - pm.params_bytes - pm.kv_cache_bytes,
-                "decode_activations_bytes": dm.peak_bytes - dm.params_bytes - dm.kv_cache_bytes,
-                "peak_bytes": peak,
-            },
-            "flops": {"prefill": pf.total, "decode_per_token": df.total},
-            "profile_ms": ms,
-        });
-        return print_stdout(&(serde_json::to_string_pretty(&doc)? + "\n"));
-    }
+    Ok(Profiled { pm, pf, dm, df, ms, peak })
+}
+
+/// What `tessera profile --inference --format json` prints.
+pub fn profile_report(
+    args: &ProfileArgs,
+    cfg: &ModelConfig,
+    prompt: usize,
+) -> Result<serde_json::Value> {
+    let Profiled { pm, pf, dm, df, ms, peak } = profiled(args, cfg, prompt)?;
+    Ok(json!({
+        "model": cfg.name(),
+        "params": cfg.num_parameters(),
+        "batch": args.batch,
+        "prompt_len": prompt,
+        "new_tokens": args.infer.new_tokens,
+        "quantize": args.infer.quantize.map(Quantize::name),
+        "memory": {
+            "weights_bytes": pm.params_bytes,
+            "kv_cache_bytes": pm.kv_cache_bytes,
+            "prefill_activations_bytes": pm.peak_bytes - pm.params_bytes - pm.kv_cache_bytes,
+            "decode_activations_bytes": dm.peak_bytes - dm.params_bytes - dm.kv_cache_bytes,
+            "peak_bytes": peak,
+        },
+        "flops": {"prefill": pf.total, "decode_per_token": df.total},
+        "profile_ms": ms,
+    }))
+}
+
+/// `tessera profile --inference`: one device's prefill and decode steps, as a table (JSON:
+/// [`profile_report`]).
+pub fn profile(args: &ProfileArgs, cfg: &ModelConfig, prompt: usize) -> Result<()> {
+    let Profiled { pm, pf, dm, df, ms, peak } = profiled(args, cfg, prompt)?;
     let f = |b: u64| format_bytes(b);
     print_stdout(&format!(
         "{} generation, batch {} × prompt {} + {} new tokens{} ({:.1} ms)\n\
@@ -135,8 +159,11 @@ fn fixed(plan: &str) -> Result<Option<(usize, usize)>> {
     Ok(Some((tp, pp)))
 }
 
-/// `tessera plan --inference`.
-pub fn plan(args: &PlanArgs, cfg: &ModelConfig) -> Result<()> {
+/// A generation request planned: the plan, the per-device budget, the search's time.
+fn planned(
+    args: &PlanArgs,
+    cfg: &ModelConfig,
+) -> Result<(tessera_plan::generate::InferencePlan, u64, f64)> {
     let t0 = std::time::Instant::now();
     let cluster = args.tiers.apply(Cluster::parse(&args.cluster).map_err(plan_err)?)?;
     let budget = match &args.memory_budget {
@@ -159,19 +186,28 @@ pub fn plan(args: &PlanArgs, cfg: &ModelConfig) -> Result<()> {
     };
     let plan = plan_inference(&problem).map_err(plan_err)?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    if args.format == OutputFormat::Json {
-        let mut doc = serde_json::to_value(&plan)?;
-        doc["model"] = cfg.name().into();
-        doc["params"] = cfg.num_parameters().into();
-        doc["cluster"] = args.cluster.clone().into();
-        doc["config"] = plan.best.config.clone().into();
-        doc["quantize"] = json!(args.infer.quantize.map(Quantize::name));
-        doc["batch"] = args.batch.into();
-        doc["prompt_len"] = args.seq.into();
-        doc["new_tokens"] = args.infer.new_tokens.into();
-        doc["search_ms"] = ms.into();
-        return print_stdout(&(serde_json::to_string_pretty(&doc)? + "\n"));
-    }
+    Ok((plan, budget, ms))
+}
+
+/// What `tessera plan --inference --format json` prints.
+pub fn plan_report(args: &PlanArgs, cfg: &ModelConfig) -> Result<serde_json::Value> {
+    let (plan, _, ms) = planned(args, cfg)?;
+    let mut doc = serde_json::to_value(&plan)?;
+    doc["model"] = cfg.name().into();
+    doc["params"] = cfg.num_parameters().into();
+    doc["cluster"] = args.cluster.clone().into();
+    doc["config"] = plan.best.config.clone().into();
+    doc["quantize"] = json!(args.infer.quantize.map(Quantize::name));
+    doc["batch"] = args.batch.into();
+    doc["prompt_len"] = args.seq.into();
+    doc["new_tokens"] = args.infer.new_tokens.into();
+    doc["search_ms"] = ms.into();
+    Ok(doc)
+}
+
+/// `tessera plan --inference`, as a table (JSON: [`plan_report`]).
+pub fn plan(args: &PlanArgs, cfg: &ModelConfig) -> Result<()> {
+    let (plan, budget, ms) = planned(args, cfg)?;
     let mut s = format!(
         "{} ({:.1} B parameters{}) on {} for batch {} × prompt {} + {} new tokens, {:?}; \
          budget {} per device ({:.0} ms)\n",

@@ -101,6 +101,52 @@ pub fn plan_err(e: PlanError) -> anyhow::Error {
 }
 
 pub fn run(args: &PlanArgs) -> Result<()> {
+    let (args, cfg) = &resolve(args)?;
+    if args.infer.inference {
+        if args.format == OutputFormat::Json {
+            let doc = crate::inference_cmd::plan_report(args, cfg)?;
+            return print_stdout(&(serde_json::to_string_pretty(&doc)? + "\n"));
+        }
+        return crate::inference_cmd::plan(args, cfg);
+    }
+    let Some((plan, timeline)) = planned(args, cfg)? else {
+        // The exported file was the output.
+        return Ok(());
+    };
+    let explains = args.explain && args.format == OutputFormat::Table;
+    match args.format {
+        OutputFormat::Json => print_stdout(&(serde_json::to_string_pretty(&plan)? + "\n")),
+        OutputFormat::Table => {
+            let mut s = table(&plan, args.explain);
+            if let (true, Some(t)) = (explains, &timeline) {
+                s += &format!(
+                    "schedule ({:.4} s; a digit: a forward of that micro-batch, B backward, W \
+                     weight gradient, . idle)\n",
+                    t.makespan_s
+                );
+                s += &t.gantt_text(96);
+            }
+            print_stdout(&s)
+        }
+    }
+}
+
+/// What `tessera plan ARGS --format json` prints, as a value (whatever `args.format` says), its
+/// files (`--out`, pictures, an export) written.
+pub fn report(args: &PlanArgs) -> Result<serde_json::Value> {
+    let (args, cfg) = &resolve(args)?;
+    if args.infer.inference {
+        return crate::inference_cmd::plan_report(args, cfg);
+    }
+    let Some((plan, _)) = planned(args, cfg)? else {
+        bail!("--export without --out writes the exported file on stdout, not a plan: give --out FILE");
+    };
+    Ok(serde_json::to_value(&plan)?)
+}
+
+/// The run `args` describe: a plan file's model, batch, sequence length and precision adopted,
+/// the default sequence length applied; and its model.
+fn resolve(args: &PlanArgs) -> Result<(PlanArgs, ModelConfig)> {
     // A plan file's run: its model, batch, sequence length and precision ([`crate::plan_file`]).
     let mut a = args.clone();
     let given = &args.given;
@@ -118,10 +164,16 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     if !args.given.has("seq") && !std::path::Path::new(&args.plan).is_file() {
         a.seq = crate::profile_cmd::default_seq(&cfg);
     }
-    let args = &a;
-    if args.infer.inference {
-        return crate::inference_cmd::plan(args, &cfg);
-    }
+    Ok((a, cfg))
+}
+
+/// Plans `args`' training run and writes the files its flags name; `None` when the plan was
+/// exported to stdout (`--export` without `--out`). With the plan, a pipeline's simulated
+/// schedule when a picture or `--explain` needs it.
+fn planned(
+    args: &PlanArgs,
+    cfg: &ModelConfig,
+) -> Result<Option<(Plan, Option<tessera_plan::pipeline::schedule::Timeline>)>> {
     let mut cluster = Cluster::parse(&args.cluster).map_err(plan_err)?;
     if let Some(r) = &args.reserve {
         cluster = cluster.with_reserve(parse_bytes(r).map_err(plan_err)?);
@@ -145,7 +197,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     }
     let dtype = args.dtype.dtype();
     let seq = cfg.effective_seq(args.seq);
-    let model = PlanModel::new(&cfg, args.batch, seq, dtype, &TrainConfig::default())?;
+    let model = PlanModel::new(cfg, args.batch, seq, dtype, &TrainConfig::default())?;
     let req = model.request(cluster, budget);
     let mut plan = choose_plan(&req, &args.plan)?;
     let wants = |b: Baseline| args.baseline.contains(&b) || args.baseline.contains(&Baseline::All);
@@ -183,30 +235,16 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         crate::pictures::write_plan_memory(path, &req, &plan)?;
     }
     if let Some(to) = args.export {
-        let e = crate::export_plan::export_plan(&req, &plan, to, &cfg)?;
+        let e = crate::export_plan::export_plan(&req, &plan, to, cfg)?;
         crate::export_plan::write(&e, args.out.as_deref())?;
         if args.out.is_none() {
             // The exported file is the output.
-            return Ok(());
+            return Ok(None);
         }
     } else if let Some(out) = &args.out {
         write_atomic(out, json.as_bytes())?;
     }
-    match args.format {
-        OutputFormat::Json => print_stdout(&(json + "\n")),
-        OutputFormat::Table => {
-            let mut s = table(&plan, args.explain);
-            if let (true, Some(t)) = (explains, &timeline) {
-                s += &format!(
-                    "schedule ({:.4} s; a digit: a forward of that micro-batch, B backward, W \
-                     weight gradient, . idle)\n",
-                    t.makespan_s
-                );
-                s += &t.gantt_text(96);
-            }
-            print_stdout(&s)
-        }
-    }
+    Ok(Some((plan, timeline)))
 }
 
 /// A pipelined plan's schedule as simulated on its lowered Programs (`None`: no pipeline).

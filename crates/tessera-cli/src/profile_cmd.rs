@@ -98,14 +98,127 @@ pub fn default_seq(cfg: &ModelConfig) -> usize {
 }
 
 pub fn run(args: &ProfileArgs) -> Result<()> {
+    if args.format == OutputFormat::Json {
+        return print_stdout(&format!("{}\n", serde_json::to_string_pretty(&report(args)?)?));
+    }
     let start = Instant::now();
-    let cfg = ModelConfig::resolve(&args.model)?;
-    let seq = args.seq.unwrap_or_else(|| default_seq(&cfg));
+    let (cfg, seq) = resolve(args)?;
     if args.infer.inference {
         return crate::inference_cmd::profile(args, &cfg, seq);
     }
+    let Profiled { seq, program, prof, profile_ms } = profiled(args, &cfg, seq, start)?;
+    let m = &prof.memory;
+    let f = &prof.flops;
+    let mut out = String::new();
+    outln!(
+        out,
+        "{} · batch {} · seq {} · {:?} · {} parameters",
+        cfg.name(),
+        args.batch,
+        seq,
+        args.dtype,
+        grouped(prof.params)
+    );
+    out.push('\n');
+    outln!(out, "FLOPs per step");
+    outln!(out, "  forward    {:>14}", count(f.forward));
+    outln!(out, "  backward   {:>14}", count(f.backward));
+    outln!(out, "  optimizer  {:>14}", count(f.optimizer));
+    outln!(out, "  total      {:>14}", count(f.total));
+    outln!(out, "  matmul     {:>14}   (matmuls + attention, fwd + bwd)", count(f.matmul));
+    out.push('\n');
+    outln!(out, "Memory (one device, no sharding)");
+    outln!(out, "  parameters         {:>12}", bytes(m.params_bytes));
+    outln!(out, "  gradients          {:>12}", bytes(m.grads_bytes));
+    outln!(out, "  optimizer state    {:>12}", bytes(m.optimizer_bytes));
+    outln!(out, "  saved activations  {:>12}", bytes(m.activations_bytes));
+    outln!(out, "  inputs             {:>12}", bytes(m.inputs_bytes));
+    outln!(out, "  peak               {:>12}", bytes(m.peak_bytes));
+    out.push('\n');
+    outln!(out, "Live at the peak (instruction {} of {}):", m.peak_instr, program.instrs.len());
+    for (role, b) in m.peak_by_role.iter().filter(|(_, b)| *b > 0) {
+        outln!(out, "  {:<20} {:>12}", role.name(), bytes(*b));
+    }
+    outln!(out, "Largest groups live at the peak:");
+    for grp in m.live_at_peak.iter().take(8) {
+        outln!(
+            out,
+            "  {:>12}  {:<18} {} ({} buffer{})",
+            bytes(grp.bytes),
+            grp.role.name(),
+            if grp.scope.is_empty() { "<root>" } else { &grp.scope },
+            grp.buffers,
+            if grp.buffers == 1 { "" } else { "s" }
+        );
+    }
+    out.push('\n');
+    outln!(out, "profiled in {profile_ms:.1} ms");
+    print_stdout(&out)
+}
+
+/// What `tessera profile ARGS --format json` prints (whatever `args.format` says), its files
+/// (`--timeline`, `--timeline-svg`) written.
+pub fn report(args: &ProfileArgs) -> Result<serde_json::Value> {
+    let start = Instant::now();
+    let (cfg, seq) = resolve(args)?;
+    if args.infer.inference {
+        return crate::inference_cmd::profile_report(args, &cfg, seq);
+    }
+    let Profiled { seq, program, prof, profile_ms } = profiled(args, &cfg, seq, start)?;
+    let m = &prof.memory;
+    let f = &prof.flops;
+    let by_role: serde_json::Map<String, serde_json::Value> =
+        m.peak_by_role.iter().map(|(r, b)| (r.name().to_string(), json!(b))).collect();
+    Ok(json!({
+        "model": cfg.name(),
+        "batch": args.batch,
+        "seq": seq,
+        "dtype": format!("{:?}", args.dtype).to_lowercase(),
+        "params": prof.params,
+        "flops": f,
+        "memory": {
+            "params_bytes": m.params_bytes,
+            "grads_bytes": m.grads_bytes,
+            "optimizer_bytes": m.optimizer_bytes,
+            "activations_bytes": m.activations_bytes,
+            "inputs_bytes": m.inputs_bytes,
+            "peak_bytes": m.peak_bytes,
+            "resting_bytes": m.resting_bytes,
+            "max_workspace_bytes": m.max_workspace_bytes,
+            "peak_by_role": by_role,
+            "live_at_peak": m.live_at_peak,
+            "activations_by_block": m.activations_by_block,
+        },
+        "graph": {
+            "nodes": program.graph().nodes.len(),
+            "tensors": program.graph().tensors.len(),
+            "instructions": program.instrs.len(),
+        },
+        "profile_ms": profile_ms,
+    }))
+}
+
+/// The model and the sequence length of a profile (`--seq`, else [`default_seq`]).
+fn resolve(args: &ProfileArgs) -> Result<(ModelConfig, usize)> {
+    let cfg = ModelConfig::resolve(&args.model)?;
+    let seq = args.seq.unwrap_or_else(|| default_seq(&cfg));
+    Ok((cfg, seq))
+}
+
+/// A training step, lowered and profiled.
+struct Profiled {
+    /// The sequence length the model was built with.
+    seq: usize,
+    program: Program,
+    prof: tessera_profile::Profile,
+    /// Since `start`: resolving, building, lowering and profiling.
+    profile_ms: f64,
+}
+
+/// Builds `cfg`'s training step, lowers and profiles it, and writes the timeline files.
+fn profiled(args: &ProfileArgs, cfg: &ModelConfig, seq: usize, start: Instant) -> Result<Profiled> {
     let opts = BuildOptions { batch: args.batch, seq, dtype: args.dtype.dtype() };
-    let model = build(&cfg, &opts)?;
+    let model = build(cfg, &opts)?;
     let seq = model.seq;
     let train = build_training_graph(model.builder, model.loss, &TrainConfig::default())
         .context("building the training graph")?;
@@ -125,96 +238,7 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
         let title = format!("{} · batch {} · seq {seq} · {}", cfg.name(), args.batch, args.dtype);
         crate::pictures::write_profile_timeline(path, &program, &title)?;
     }
-
-    let m = &prof.memory;
-    let f = &prof.flops;
-    let mut out = String::new();
-    match args.format {
-        OutputFormat::Json => {
-            let by_role: serde_json::Map<String, serde_json::Value> =
-                m.peak_by_role.iter().map(|(r, b)| (r.name().to_string(), json!(b))).collect();
-            let doc = json!({
-                "model": cfg.name(),
-                "batch": args.batch,
-                "seq": seq,
-                "dtype": format!("{:?}", args.dtype).to_lowercase(),
-                "params": prof.params,
-                "flops": f,
-                "memory": {
-                    "params_bytes": m.params_bytes,
-                    "grads_bytes": m.grads_bytes,
-                    "optimizer_bytes": m.optimizer_bytes,
-                    "activations_bytes": m.activations_bytes,
-                    "inputs_bytes": m.inputs_bytes,
-                    "peak_bytes": m.peak_bytes,
-                    "resting_bytes": m.resting_bytes,
-                    "max_workspace_bytes": m.max_workspace_bytes,
-                    "peak_by_role": by_role,
-                    "live_at_peak": m.live_at_peak,
-                    "activations_by_block": m.activations_by_block,
-                },
-                "graph": {
-                    "nodes": program.graph().nodes.len(),
-                    "tensors": program.graph().tensors.len(),
-                    "instructions": program.instrs.len(),
-                },
-                "profile_ms": profile_ms,
-            });
-            print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?;
-        }
-        OutputFormat::Table => {
-            outln!(
-                out,
-                "{} · batch {} · seq {} · {:?} · {} parameters",
-                cfg.name(),
-                args.batch,
-                seq,
-                args.dtype,
-                grouped(prof.params)
-            );
-            out.push('\n');
-            outln!(out, "FLOPs per step");
-            outln!(out, "  forward    {:>14}", count(f.forward));
-            outln!(out, "  backward   {:>14}", count(f.backward));
-            outln!(out, "  optimizer  {:>14}", count(f.optimizer));
-            outln!(out, "  total      {:>14}", count(f.total));
-            outln!(out, "  matmul     {:>14}   (matmuls + attention, fwd + bwd)", count(f.matmul));
-            out.push('\n');
-            outln!(out, "Memory (one device, no sharding)");
-            outln!(out, "  parameters         {:>12}", bytes(m.params_bytes));
-            outln!(out, "  gradients          {:>12}", bytes(m.grads_bytes));
-            outln!(out, "  optimizer state    {:>12}", bytes(m.optimizer_bytes));
-            outln!(out, "  saved activations  {:>12}", bytes(m.activations_bytes));
-            outln!(out, "  inputs             {:>12}", bytes(m.inputs_bytes));
-            outln!(out, "  peak               {:>12}", bytes(m.peak_bytes));
-            out.push('\n');
-            outln!(
-                out,
-                "Live at the peak (instruction {} of {}):",
-                m.peak_instr,
-                program.instrs.len()
-            );
-            for (role, b) in m.peak_by_role.iter().filter(|(_, b)| *b > 0) {
-                outln!(out, "  {:<20} {:>12}", role.name(), bytes(*b));
-            }
-            outln!(out, "Largest groups live at the peak:");
-            for grp in m.live_at_peak.iter().take(8) {
-                outln!(
-                    out,
-                    "  {:>12}  {:<18} {} ({} buffer{})",
-                    bytes(grp.bytes),
-                    grp.role.name(),
-                    if grp.scope.is_empty() { "<root>" } else { &grp.scope },
-                    grp.buffers,
-                    if grp.buffers == 1 { "" } else { "s" }
-                );
-            }
-            out.push('\n');
-            outln!(out, "profiled in {profile_ms:.1} ms");
-            print_stdout(&out)?;
-        }
-    }
-    Ok(())
+    Ok(Profiled { seq, program, prof, profile_ms })
 }
 
 /// Writes `data` to `path` through a temporary file and a rename, so a reader never sees a

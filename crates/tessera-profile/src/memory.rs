@@ -188,7 +188,11 @@ fn live_at(p: &Program, at: usize, workspace: u64) -> (Vec<(Role, u64)>, Vec<Liv
         .into_iter()
         .map(|((scope, role), (bytes, buffers))| LiveGroup { scope, role, bytes, buffers })
         .collect();
-    groups.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.scope.cmp(&b.scope)));
+    // A total order (a parameter and its gradient tie on bytes and scope): the same report on
+    // every run, whatever the hash map's order.
+    groups.sort_by(|a, b| {
+        b.bytes.cmp(&a.bytes).then_with(|| a.scope.cmp(&b.scope)).then_with(|| a.role.cmp(&b.role))
+    });
     groups.truncate(16);
     (by_role, groups)
 }

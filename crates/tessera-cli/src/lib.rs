@@ -1,0 +1,202 @@
+//! The `tessera` command as a library. Library crates return typed errors; here they become one
+//! `error: ...` line on stderr and a non-zero exit (never a panic). Machine-readable output
+//! (`--format json`) is the only thing written to stdout.
+//!
+//! Two front ends share this code: the binary (`main.rs`: [`main`] under a heap-counting
+//! allocator) and the Python package (`crates/tessera-py`), whose `tessera.profile` and
+//! `tessera.plan` call [`json_report`] — the same parsing, defaults, validation and command
+//! code, so their objects are the JSON `tessera profile|plan --format json` prints.
+
+mod calibrate_cmd;
+mod calibrate_gpu;
+mod checkpoint_cmd;
+mod eval_cmd;
+mod export_cmd;
+mod export_plan;
+mod format;
+mod generate_cmd;
+mod inference_cmd;
+mod pictures;
+mod plan_cmd;
+mod plan_file;
+mod profile_cmd;
+mod run_file;
+mod tier_args;
+mod train_cmd;
+mod train_launch;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Automatic parallel training of large models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// FLOPs and memory of one training step, computed symbolically (no tensor is allocated).
+    Profile(profile_cmd::ProfileArgs),
+    /// Train a model on text on N devices with a parallel plan (default: gpt2-tiny on the
+    /// shipped corpus, 4 simulated devices, automatic plan), or on one with --devices 1.
+    Train(Box<train_cmd::TrainArgs>),
+    /// Next-token loss (and logits) of a checkpoint directory over given token ids.
+    Eval(eval_cmd::EvalArgs),
+    /// Generate text from a checkpoint with a KV cache, on one device or a tensor-parallel group.
+    Generate(Box<generate_cmd::GenerateArgs>),
+    /// Gather a checkpoint (sharded or not) into a Hugging Face model directory.
+    Export(export_cmd::ExportArgs),
+    /// Check a checkpoint: `tessera checkpoint verify DIR`.
+    Checkpoint(checkpoint_cmd::CheckpointArgs),
+    /// Find the fastest parallel plan that fits (or evaluate a given one) for a model on a cluster.
+    Plan(Box<plan_cmd::PlanArgs>),
+    /// Measure this CPU (matmul FLOP/s, memory and thread-to-thread bandwidth) and save it as
+    /// the `cpu` device preset used by cluster strings like `4xcpu`.
+    Calibrate(calibrate_cmd::CalibrateArgs),
+}
+
+/// A command line as `tessera` reads it.
+struct Parsed {
+    command: Command,
+    /// `--format json`: a failure is reported as JSON too (`error_json`).
+    json: bool,
+    /// What is wrong with the run file (`--config`), if anything: the command's failure.
+    checked: anyhow::Result<()>,
+}
+
+/// Parses `argv` (program name first): a run file's flags join the command line's, which win
+/// (`run_file`); the flags the user gave are recorded (a plan file supplies the others,
+/// `plan_file`).
+fn parse(argv: Vec<OsString>) -> Result<Parsed, clap::Error> {
+    let run = run_file::expand(&Cli::command(), argv);
+    let matches = Cli::command().try_get_matches_from(&run.argv)?;
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    let json = matches.subcommand().is_some_and(|(_, sub)| {
+        sub.try_get_one::<profile_cmd::OutputFormat>("format").ok().flatten()
+            == Some(&profile_cmd::OutputFormat::Json)
+    });
+    if let Some((_, sub)) = matches.subcommand() {
+        let given =
+            plan_file::Given::from_matches(sub).with_run_file(run.file.as_deref(), &run.ids);
+        match &mut cli.command {
+            Command::Train(args) => args.given = given,
+            Command::Plan(args) => args.given = given,
+            _ => {}
+        }
+    }
+    Ok(Parsed { command: cli.command, json, checked: run.checked })
+}
+
+/// The `tessera` binary: parses the process's arguments, runs the command, reports a failure.
+pub fn main() -> ExitCode {
+    let parsed = parse(std::env::args_os().collect()).unwrap_or_else(|e| e.exit());
+    let json = parsed.json;
+    // A run file the command cannot take is its failure (as JSON too under `--format json`).
+    let result = parsed.checked.and_then(|()| match parsed.command {
+        Command::Profile(args) => profile_cmd::run(&args),
+        Command::Train(args) => train_cmd::run(&args),
+        Command::Eval(args) => eval_cmd::run(&args),
+        Command::Generate(args) => generate_cmd::run(&args),
+        Command::Export(args) => export_cmd::run(&args),
+        Command::Checkpoint(args) => checkpoint_cmd::run(&args),
+        Command::Plan(args) => plan_cmd::run(&args),
+        Command::Calibrate(args) => calibrate_cmd::run(&args),
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let msg = message(&e);
+            eprintln!("error: {msg}");
+            if json {
+                // Machine-readable too: one object on stdout, as a success would print.
+                println!("{}", error_json(&e, &msg));
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One line: the error and its causes, outermost first (what follows `error: ` on stderr).
+fn message(e: &anyhow::Error) -> String {
+    e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ")
+}
+
+/// Why [`json_report`] has no report: the message `tessera` prints after `error: `, and the
+/// error object it prints under `--format json` (`{"kind", "message", ...}`; kind `usage` for a
+/// command line clap refuses, which the binary answers with its usage text instead).
+#[derive(Debug)]
+pub struct ReportError {
+    pub message: String,
+    pub error: serde_json::Value,
+}
+
+/// What `tessera profile|plan ARGS --format json` prints on stdout, as a value: `args` is the
+/// command line after the program name (`["plan", "--model", "gpt2-tiny", ...]`), without
+/// `--format`. Files the flags name (`--timeline`, `--out`, pictures) are written as the
+/// command writes them; nothing is printed.
+pub fn json_report<I, T>(args: I) -> Result<serde_json::Value, ReportError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString>,
+{
+    let usage = |message: String| {
+        let error = serde_json::json!({ "kind": "usage", "message": message });
+        ReportError { message, error }
+    };
+    let mut argv = vec![OsString::from("tessera")];
+    argv.extend(args.into_iter().map(Into::into));
+    let command = argv.get(1).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    if command != "profile" && command != "plan" {
+        return Err(usage(format!(
+            "a JSON report is made by `profile` and `plan`, not by `{command}`"
+        )));
+    }
+    argv.extend(["--format", "json"].map(OsString::from));
+    // clap's text without its own `error: `.
+    let parsed = parse(argv).map_err(|e| {
+        usage(e.render().to_string().trim().trim_start_matches("error: ").to_string())
+    })?;
+    let result = parsed.checked.and_then(|()| match parsed.command {
+        Command::Profile(args) => profile_cmd::report(&args),
+        Command::Plan(args) => plan_cmd::report(&args),
+        _ => unreachable!("checked above: profile or plan"),
+    });
+    result.map_err(|e| {
+        let message = message(&e);
+        let mut doc = error_json(&e, &message);
+        let error = doc["error"].take();
+        ReportError { message, error }
+    })
+}
+
+/// `{"error": {"kind", "message", ...}}`: `infeasible` (with `needed_bytes`, the least memory
+/// per device any plan needs, `budget_bytes`, and the `hint`: what reaches it, what to
+/// change), `invalid` (bad input the planner refused), `internal`, or `failed` (anything
+/// else: files, data, a run that stopped).
+fn error_json(e: &anyhow::Error, message: &str) -> serde_json::Value {
+    use tessera_plan::PlanError;
+    let planner = e.chain().find_map(|c| c.downcast_ref::<PlanError>());
+    let mut error = serde_json::json!({ "message": message });
+    match planner {
+        Some(PlanError::Infeasible { budget, needed, hint }) => {
+            error["kind"] = "infeasible".into();
+            error["needed_bytes"] = (*needed).into();
+            error["budget_bytes"] = (*budget).into();
+            error["hint"] = hint.as_str().into();
+        }
+        Some(PlanError::TierInfeasible { tier, budget, needed, hint }) => {
+            error["kind"] = "infeasible".into();
+            error["tier"] = tier.name().into();
+            error["needed_bytes"] = (*needed).into();
+            error["budget_bytes"] = (*budget).into();
+            error["hint"] = hint.as_str().into();
+        }
+        Some(PlanError::Invalid(_)) => error["kind"] = "invalid".into(),
+        Some(PlanError::Internal(_)) => error["kind"] = "internal".into(),
+        None => error["kind"] = "failed".into(),
+    }
+    serde_json::json!({ "error": error })
+}
