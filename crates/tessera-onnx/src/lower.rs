@@ -91,6 +91,9 @@ impl Importer<'_> {
         node: &NodeProto,
         values: &[Option<Value>],
     ) -> Result<Vec<Value>> {
+        if let Some(v) = self.lower_vision(node, values)? {
+            return Ok(vec![v]);
+        }
         let arg = |i: usize| -> Result<Value> {
             values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
                 node: node.name.clone(),
@@ -99,10 +102,52 @@ impl Importer<'_> {
             })
         };
         let t = |v: Value| Ok(vec![v]);
-        let plain = |id: TensorId| Value::Tensor { id, perm: None };
-        if let Some(v) = self.lower_vision(node, values)? {
-            return t(v);
+        match node.op_type.as_str() {
+            "Identity" | "Dropout" | "Cast" | "Neg" | "Sqrt" | "Exp" | "Log" | "Tanh"
+            | "Sigmoid" | "Relu" | "Reciprocal" | "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min"
+            | "Pow" => self.lower_elementwise(node, values),
+            "MatMul" | "Gemm" => self.lower_linear(node, values),
+            "Transpose" | "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" | "Expand" => {
+                self.lower_layout(node, values)
+            }
+            "Slice" | "Split" | "Concat" => self.lower_slicing(node, values),
+            "Softmax" | "LayerNormalization" | "ReduceMean" | "ReduceSum" => {
+                self.lower_nn(node, values)
+            }
+            "Gather" => t(self.gather(node, &arg(0)?, &arg(1)?)?),
+            "Erf" => Err(self.unsupported(
+                node,
+                "Erf is imported as part of GELU, x · 0.5 · (1 + erf(x / √2)), and here it is not",
+            )),
+            op if SUPPORTED_OPS.contains(&op) => Err(self.unsupported(
+                node,
+                format!(
+                    "{op} is folded when its inputs are constants, but here it reads activations"
+                ),
+            )),
+            op => Err(OnnxError::UnsupportedOp {
+                op: op.to_string(),
+                node: node.name.clone(),
+                used_by: self.used_by(self.index_of(node)),
+                supported: SUPPORTED_OPS.join(", "),
+            }),
         }
+    }
+
+    /// Unary and binary elementwise operators, casts and identities.
+    fn lower_elementwise(
+        &mut self,
+        node: &NodeProto,
+        values: &[Option<Value>],
+    ) -> Result<Vec<Value>> {
+        let arg = |i: usize| -> Result<Value> {
+            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
+                node: node.name.clone(),
+                op: node.op_type.clone(),
+                reason: format!("input {i} is missing"),
+            })
+        };
+        let t = |v: Value| Ok(vec![v]);
         match node.op_type.as_str() {
             "Identity" | "Dropout" | "Cast" => {
                 let x = arg(0)?;
@@ -175,6 +220,22 @@ impl Importer<'_> {
                 })?;
                 t(out)
             }
+            _ => unreachable!("lower_elementwise dispatches only its own operators"),
+        }
+    }
+
+    /// `MatMul` and `Gemm`.
+    fn lower_linear(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Vec<Value>> {
+        let arg = |i: usize| -> Result<Value> {
+            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
+                node: node.name.clone(),
+                op: node.op_type.clone(),
+                reason: format!("input {i} is missing"),
+            })
+        };
+        let t = |v: Value| Ok(vec![v]);
+        let plain = |id: TensorId| Value::Tensor { id, perm: None };
+        match node.op_type.as_str() {
             "MatMul" => t(plain(self.matmul(node, &arg(0)?, &arg(1)?, false, false)?)),
             "Gemm" => {
                 let (ta, tb) =
@@ -194,6 +255,22 @@ impl Importer<'_> {
                 }
                 t(plain(y))
             }
+            _ => unreachable!("lower_linear dispatches only its own operators"),
+        }
+    }
+
+    /// Transposes, reshapes and expands.
+    fn lower_layout(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Vec<Value>> {
+        let arg = |i: usize| -> Result<Value> {
+            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
+                node: node.name.clone(),
+                op: node.op_type.clone(),
+                reason: format!("input {i} is missing"),
+            })
+        };
+        let t = |v: Value| Ok(vec![v]);
+        let plain = |id: TensorId| Value::Tensor { id, perm: None };
+        match node.op_type.as_str() {
             "Transpose" => {
                 let x = arg(0)?;
                 let rank = self.shape_of(&x)?.len();
@@ -275,6 +352,22 @@ impl Importer<'_> {
                 };
                 t(plain(self.b.expand(id, Shape::from(out)).map_err(|e| self.err_ir(node, e))?))
             }
+            _ => unreachable!("lower_layout dispatches only its own operators"),
+        }
+    }
+
+    /// Slices, splits and concatenations.
+    fn lower_slicing(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Vec<Value>> {
+        let arg = |i: usize| -> Result<Value> {
+            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
+                node: node.name.clone(),
+                op: node.op_type.clone(),
+                reason: format!("input {i} is missing"),
+            })
+        };
+        let t = |v: Value| Ok(vec![v]);
+        let plain = |id: TensorId| Value::Tensor { id, perm: None };
+        match node.op_type.as_str() {
             "Slice" => {
                 let x = arg(0)?;
                 let shape = self.shape_of(&x)?;
@@ -341,6 +434,22 @@ impl Importer<'_> {
                 }
                 t(plain(self.b.concat(&ids, a).map_err(|e| self.err_ir(node, e))?))
             }
+            _ => unreachable!("lower_slicing dispatches only its own operators"),
+        }
+    }
+
+    /// Softmax, layer norm and the mean and sum reductions.
+    fn lower_nn(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Vec<Value>> {
+        let arg = |i: usize| -> Result<Value> {
+            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
+                node: node.name.clone(),
+                op: node.op_type.clone(),
+                reason: format!("input {i} is missing"),
+            })
+        };
+        let t = |v: Value| Ok(vec![v]);
+        let plain = |id: TensorId| Value::Tensor { id, perm: None };
+        match node.op_type.as_str() {
             "Softmax" => {
                 let x = arg(0)?;
                 let rank = self.shape_of(&x)?.len() as i64;
@@ -404,23 +513,7 @@ impl Importer<'_> {
                 let id = self.tensor(&x, &node.name, &node.op_type)?;
                 t(plain(self.b.reduce(op, id, &dims, keep).map_err(|e| self.err_ir(node, e))?))
             }
-            "Gather" => t(self.gather(node, &arg(0)?, &arg(1)?)?),
-            "Erf" => Err(self.unsupported(
-                node,
-                "Erf is imported as part of GELU, x · 0.5 · (1 + erf(x / √2)), and here it is not",
-            )),
-            op if SUPPORTED_OPS.contains(&op) => Err(self.unsupported(
-                node,
-                format!(
-                    "{op} is folded when its inputs are constants, but here it reads activations"
-                ),
-            )),
-            op => Err(OnnxError::UnsupportedOp {
-                op: op.to_string(),
-                node: node.name.clone(),
-                used_by: self.used_by(self.index_of(node)),
-                supported: SUPPORTED_OPS.join(", "),
-            }),
+            _ => unreachable!("lower_nn dispatches only its own operators"),
         }
     }
 

@@ -40,50 +40,8 @@ pub(super) fn attention(im: &mut Importer, root: &NodeProto) -> Result<Option<Va
         return Ok(None);
     }
     let axis = crate::attrs::int(softmax, "axis", -1);
-    let mut s = softmax.input[0].clone();
-    let (mut scale, mut masks) = (1.0, Vec::new());
-    let (q_name, kt_name) = loop {
-        let Some(n) = private_producer(im, &s) else { return Ok(None) };
-        match n.op_type.as_str() {
-            "Cast" | "Reshape" => s = n.input[0].clone(),
-            "MatMul" => break (n.input[0].clone(), n.input[1].clone()),
-            "Add" => {
-                // A mask's values are read only if this attention's verdict is not known.
-                let Some((dynamic, fixed)) = split_static(im, n) else { return Ok(None) };
-                masks.push(MaskRef::Add(fixed));
-                s = dynamic;
-            }
-            "Mul" | "Div" | "Max" => {
-                let Some((dynamic, fixed)) = split_static(im, n) else { return Ok(None) };
-                let Some(c) = im.const_input(&fixed)? else { return Ok(None) };
-                match n.op_type.as_str() {
-                    "Mul" => match c.scalar() {
-                        Some(x) => scale *= x,
-                        None => return Ok(None),
-                    },
-                    "Div" if n.input[0] == dynamic => match c.scalar() {
-                        Some(x) => scale /= x,
-                        None => return Ok(None),
-                    },
-                    "Max" if c.scalar().is_some_and(|x| x <= MASKED) => {}
-                    _ => return Ok(None),
-                }
-                s = dynamic;
-            }
-            "Where" => {
-                let (cond, yes, no) = (&n.input[0], n.input[1].clone(), &n.input[2]);
-                if !im.is_static(cond) || !im.is_static(no) || im.is_static(&yes) {
-                    return Ok(None);
-                }
-                let Some(fill) = im.const_input(no)? else { return Ok(None) };
-                if !fill.scalar().is_some_and(|x| x <= MASKED) {
-                    return Ok(None);
-                }
-                masks.push(MaskRef::Keep(cond.clone()));
-                s = yes;
-            }
-            _ => return Ok(None),
-        }
+    let Some((q_name, kt_name, scale, masks)) = score_chain(im, &softmax.input[0])? else {
+        return Ok(None);
     };
     let q = im.value(&q_name)?;
     let q_shape = im.shape_of(&q)?;
@@ -119,43 +77,7 @@ pub(super) fn attention(im: &mut Importer, root: &NodeProto) -> Result<Option<Va
         return Ok(None);
     }
     let (sq, t) = (q_shape[rank - 2], k_shape[rank - 2]);
-    // Judged once per model, sequence and key length (the file's cache), else once per import
-    // for the same mask constants (every layer shares them); only then are masks folded.
-    let verdict = match im.m.attention_verdict(&root.name, sq, t) {
-        Some(v) => v,
-        None => {
-            let mut values = Vec::with_capacity(masks.len());
-            for m in &masks {
-                values.push(match m {
-                    MaskRef::Add(name) => im.const_input(name)?.map(Mask::Add),
-                    MaskRef::Keep(name) => im.const_input(name)?.map(Mask::Keep),
-                });
-            }
-            let Some(values) = values.into_iter().collect::<Option<Vec<Mask>>>() else {
-                return Ok(None);
-            };
-            let key = (
-                values
-                    .iter()
-                    .map(|m| match m {
-                        Mask::Add(c) | Mask::Keep(c) => Rc::as_ptr(c) as usize,
-                    })
-                    .collect::<Vec<usize>>(),
-                sq,
-                t,
-            );
-            let v = match im.verdicts.get(&key) {
-                Some(v) => *v,
-                None => {
-                    let v = allowed(&values, sq, t).map(|a| matches!(a, Allowed::Causal));
-                    im.verdicts.insert(key, v);
-                    v
-                }
-            };
-            im.m.remember_attention_verdict(&root.name, sq, t, v);
-            v
-        }
-    };
+    let Some(verdict) = mask_verdict(im, &root.name, &masks, sq, t)? else { return Ok(None) };
     let causal = match verdict.map(|c| if c { Allowed::Causal } else { Allowed::All }) {
         Some(Allowed::All) => false,
         Some(Allowed::Causal) => true,
@@ -272,4 +194,108 @@ fn allowed(masks: &[Mask], s: usize, t: usize) -> Option<Allowed> {
         keep[k] == (j + s <= i + t)
     });
     causal.then_some(Allowed::Causal)
+}
+
+/// The scores' chain back from a softmax: `MatMul(q, kᵀ)` under scalar scales, masks, clamps,
+/// casts and reshapes. `None` if it is anything else.
+#[allow(clippy::type_complexity)]
+fn score_chain(
+    im: &mut Importer,
+    from: &str,
+) -> Result<Option<(String, String, f64, Vec<MaskRef>)>> {
+    let mut s = from.to_string();
+    let (mut scale, mut masks) = (1.0, Vec::new());
+    let (q_name, kt_name) = loop {
+        let Some(n) = private_producer(im, &s) else { return Ok(None) };
+        match n.op_type.as_str() {
+            "Cast" | "Reshape" => s = n.input[0].clone(),
+            "MatMul" => break (n.input[0].clone(), n.input[1].clone()),
+            "Add" => {
+                // A mask's values are read only if this attention's verdict is not known.
+                let Some((dynamic, fixed)) = split_static(im, n) else { return Ok(None) };
+                masks.push(MaskRef::Add(fixed));
+                s = dynamic;
+            }
+            "Mul" | "Div" | "Max" => {
+                let Some((dynamic, fixed)) = split_static(im, n) else { return Ok(None) };
+                let Some(c) = im.const_input(&fixed)? else { return Ok(None) };
+                match n.op_type.as_str() {
+                    "Mul" => match c.scalar() {
+                        Some(x) => scale *= x,
+                        None => return Ok(None),
+                    },
+                    "Div" if n.input[0] == dynamic => match c.scalar() {
+                        Some(x) => scale /= x,
+                        None => return Ok(None),
+                    },
+                    "Max" if c.scalar().is_some_and(|x| x <= MASKED) => {}
+                    _ => return Ok(None),
+                }
+                s = dynamic;
+            }
+            "Where" => {
+                let (cond, yes, no) = (&n.input[0], n.input[1].clone(), &n.input[2]);
+                if !im.is_static(cond) || !im.is_static(no) || im.is_static(&yes) {
+                    return Ok(None);
+                }
+                let Some(fill) = im.const_input(no)? else { return Ok(None) };
+                if !fill.scalar().is_some_and(|x| x <= MASKED) {
+                    return Ok(None);
+                }
+                masks.push(MaskRef::Keep(cond.clone()));
+                s = yes;
+            }
+            _ => return Ok(None),
+        }
+    };
+    Ok(Some((q_name, kt_name, scale, masks)))
+}
+
+/// Whether the masks leave causal (`Some(true)`) or all (`Some(false)`) scores visible; the
+/// outer `None` when a mask is not a constant (no fusion), the inner when neither.
+fn mask_verdict(
+    im: &mut Importer,
+    root: &str,
+    masks: &[MaskRef],
+    sq: usize,
+    t: usize,
+) -> Result<Option<Option<bool>>> {
+    // Judged once per model, sequence and key length (the file's cache), else once per import
+    // for the same mask constants (every layer shares them); only then are masks folded.
+    let verdict = match im.m.attention_verdict(root, sq, t) {
+        Some(v) => v,
+        None => {
+            let mut values = Vec::with_capacity(masks.len());
+            for m in masks {
+                values.push(match m {
+                    MaskRef::Add(name) => im.const_input(name)?.map(Mask::Add),
+                    MaskRef::Keep(name) => im.const_input(name)?.map(Mask::Keep),
+                });
+            }
+            let Some(values) = values.into_iter().collect::<Option<Vec<Mask>>>() else {
+                return Ok(None);
+            };
+            let key = (
+                values
+                    .iter()
+                    .map(|m| match m {
+                        Mask::Add(c) | Mask::Keep(c) => Rc::as_ptr(c) as usize,
+                    })
+                    .collect::<Vec<usize>>(),
+                sq,
+                t,
+            );
+            let v = match im.verdicts.get(&key) {
+                Some(v) => *v,
+                None => {
+                    let v = allowed(&values, sq, t).map(|a| matches!(a, Allowed::Causal));
+                    im.verdicts.insert(key, v);
+                    v
+                }
+            };
+            im.m.remember_attention_verdict(root, sq, t, v);
+            v
+        }
+    };
+    Ok(Some(verdict))
 }
