@@ -80,6 +80,20 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Xor",
 ];
 
+/// Input `i` of `node`, or the error that it is missing.
+fn input(node: &NodeProto, values: &[Option<Value>], i: usize) -> Result<Value> {
+    values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
+        node: node.name.clone(),
+        op: node.op_type.clone(),
+        reason: format!("input {i} is missing"),
+    })
+}
+
+/// An IR tensor with no pending permutation.
+fn plain(id: TensorId) -> Value {
+    Value::Tensor { id, perm: None }
+}
+
 fn is_identity(p: &[usize]) -> bool {
     p.iter().enumerate().all(|(i, &x)| i == x)
 }
@@ -94,13 +108,7 @@ impl Importer<'_> {
         if let Some(v) = self.lower_vision(node, values)? {
             return Ok(vec![v]);
         }
-        let arg = |i: usize| -> Result<Value> {
-            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
-                node: node.name.clone(),
-                op: node.op_type.clone(),
-                reason: format!("input {i} is missing"),
-            })
-        };
+        let arg = |i: usize| input(node, values, i);
         let t = |v: Value| Ok(vec![v]);
         match node.op_type.as_str() {
             "Identity" | "Dropout" | "Cast" | "Neg" | "Sqrt" | "Exp" | "Log" | "Tanh"
@@ -140,13 +148,7 @@ impl Importer<'_> {
         node: &NodeProto,
         values: &[Option<Value>],
     ) -> Result<Vec<Value>> {
-        let arg = |i: usize| -> Result<Value> {
-            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
-                node: node.name.clone(),
-                op: node.op_type.clone(),
-                reason: format!("input {i} is missing"),
-            })
-        };
+        let arg = |i: usize| input(node, values, i);
         let t = |v: Value| Ok(vec![v]);
         match node.op_type.as_str() {
             "Identity" | "Dropout" | "Cast" => {
@@ -226,15 +228,8 @@ impl Importer<'_> {
 
     /// `MatMul` and `Gemm`.
     fn lower_linear(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Vec<Value>> {
-        let arg = |i: usize| -> Result<Value> {
-            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
-                node: node.name.clone(),
-                op: node.op_type.clone(),
-                reason: format!("input {i} is missing"),
-            })
-        };
+        let arg = |i: usize| input(node, values, i);
         let t = |v: Value| Ok(vec![v]);
-        let plain = |id: TensorId| Value::Tensor { id, perm: None };
         match node.op_type.as_str() {
             "MatMul" => t(plain(self.matmul(node, &arg(0)?, &arg(1)?, false, false)?)),
             "Gemm" => {
@@ -261,15 +256,8 @@ impl Importer<'_> {
 
     /// Transposes, reshapes and expands.
     fn lower_layout(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Vec<Value>> {
-        let arg = |i: usize| -> Result<Value> {
-            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
-                node: node.name.clone(),
-                op: node.op_type.clone(),
-                reason: format!("input {i} is missing"),
-            })
-        };
+        let arg = |i: usize| input(node, values, i);
         let t = |v: Value| Ok(vec![v]);
-        let plain = |id: TensorId| Value::Tensor { id, perm: None };
         match node.op_type.as_str() {
             "Transpose" => {
                 let x = arg(0)?;
@@ -358,15 +346,8 @@ impl Importer<'_> {
 
     /// Slices, splits and concatenations.
     fn lower_slicing(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Vec<Value>> {
-        let arg = |i: usize| -> Result<Value> {
-            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
-                node: node.name.clone(),
-                op: node.op_type.clone(),
-                reason: format!("input {i} is missing"),
-            })
-        };
+        let arg = |i: usize| input(node, values, i);
         let t = |v: Value| Ok(vec![v]);
-        let plain = |id: TensorId| Value::Tensor { id, perm: None };
         match node.op_type.as_str() {
             "Slice" => {
                 let x = arg(0)?;
@@ -440,15 +421,8 @@ impl Importer<'_> {
 
     /// Softmax, layer norm and the mean and sum reductions.
     fn lower_nn(&mut self, node: &NodeProto, values: &[Option<Value>]) -> Result<Vec<Value>> {
-        let arg = |i: usize| -> Result<Value> {
-            values.get(i).cloned().flatten().ok_or_else(|| OnnxError::Unsupported {
-                node: node.name.clone(),
-                op: node.op_type.clone(),
-                reason: format!("input {i} is missing"),
-            })
-        };
+        let arg = |i: usize| input(node, values, i);
         let t = |v: Value| Ok(vec![v]);
-        let plain = |id: TensorId| Value::Tensor { id, perm: None };
         match node.op_type.as_str() {
             "Softmax" => {
                 let x = arg(0)?;
