@@ -38,7 +38,7 @@ pub struct OnnxModel {
     pub outputs: Vec<Port>,
     /// The default-domain opset the file declares.
     pub opset: i64,
-    /// Attention masks judged by earlier imports: (root node, S, T) → causal, unmasked
+    /// Attention masks judged by earlier imports: (the attention's output value, S, T) → causal, unmasked
     /// (`Some(false)`), or neither. A mask is a function of the shapes, so the planner's many
     /// imports at one sequence length fold it once.
     verdicts: std::sync::Mutex<HashMap<(String, usize, usize), Option<bool>>>,

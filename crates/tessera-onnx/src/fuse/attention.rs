@@ -77,7 +77,7 @@ pub(super) fn attention(im: &mut Importer, root: &NodeProto) -> Result<Option<Va
         return Ok(None);
     }
     let (sq, t) = (q_shape[rank - 2], k_shape[rank - 2]);
-    let Some(verdict) = mask_verdict(im, &root.name, &masks, sq, t)? else { return Ok(None) };
+    let Some(verdict) = mask_verdict(im, &root.output[0], &masks, sq, t)? else { return Ok(None) };
     let causal = match verdict.map(|c| if c { Allowed::Causal } else { Allowed::All }) {
         Some(Allowed::All) => false,
         Some(Allowed::Causal) => true,
@@ -252,7 +252,8 @@ fn score_chain(
 }
 
 /// Whether the masks leave causal (`Some(true)`) or all (`Some(false)`) scores visible; the
-/// outer `None` when a mask is not a constant (no fusion), the inner when neither.
+/// outer `None` when a mask is not a constant (no fusion), the inner when neither. `root` is
+/// the attention's output value: unique in a graph, where node names may be empty.
 fn mask_verdict(
     im: &mut Importer,
     root: &str,

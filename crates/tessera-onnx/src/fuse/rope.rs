@@ -27,16 +27,16 @@ pub(super) fn rope(im: &mut Importer, root: &NodeProto) -> Result<Option<Value>>
         parts.push((dynamic, fixed));
     }
     // Which product holds rotate_half?
-    let rotated = |im: &Importer, name: &str| -> Option<(String, String, String)> {
+    // (x, the high-half slice node, the low-half slice node), by node index: exporters may
+    // leave node names empty.
+    let rotated = |im: &Importer, name: &str| -> Option<(String, usize, usize)> {
         let c =
             private_producer(im, name).filter(|n| n.op_type == "Concat" && n.input.len() == 2)?;
         let neg = private_producer(im, &c.input[0]).filter(|n| n.op_type == "Neg")?;
-        let hi =
-            im.producer_of(&neg.input[0]).map(|i| im.node(i)).filter(|n| n.op_type == "Slice")?;
-        let lo =
-            im.producer_of(&c.input[1]).map(|i| im.node(i)).filter(|n| n.op_type == "Slice")?;
-        (hi.input[0] == lo.input[0])
-            .then(|| (hi.input[0].clone(), hi.name.clone(), lo.name.clone()))
+        let hi = im.producer_of(&neg.input[0]).filter(|&i| im.node(i).op_type == "Slice")?;
+        let lo = im.producer_of(&c.input[1]).filter(|&i| im.node(i).op_type == "Slice")?;
+        let x = &im.node(hi).input[0];
+        (*x == im.node(lo).input[0]).then(|| (x.clone(), hi, lo))
     };
     let (x_name, cos_name, sin_name, hi, lo) =
         match (rotated(im, &parts[0].0), rotated(im, &parts[1].0)) {
@@ -55,11 +55,8 @@ pub(super) fn rope(im: &mut Importer, root: &NodeProto) -> Result<Option<Value>>
     if rank != 4 || d % 2 != 0 {
         return Ok(None);
     }
-    let half_ok = |im: &mut Importer, slice_name: &str, from: usize, to: usize| -> Result<bool> {
-        let Some(i) = im.m.graph.node.iter().position(|n| n.name == slice_name) else {
-            return Ok(false);
-        };
-        let n = im.node(i);
+    let half_ok = |im: &mut Importer, slice: usize, from: usize, to: usize| -> Result<bool> {
+        let n = im.node(slice);
         let mut args = Vec::new();
         for a in n.input.iter().skip(1) {
             if !a.is_empty() && !im.is_static(a) {
@@ -73,7 +70,7 @@ pub(super) fn rope(im: &mut Importer, root: &NodeProto) -> Result<Option<Value>>
         let rest_ok = (0..rank - 1).all(|a| p[a] == (0, 1, shape[a]));
         Ok(last_ok && rest_ok)
     };
-    if !half_ok(im, &hi, d / 2, d)? || !half_ok(im, &lo, 0, d / 2)? {
+    if !half_ok(im, hi, d / 2, d)? || !half_ok(im, lo, 0, d / 2)? {
         return Ok(None);
     }
     // Read once per file for these tables at this shape (later imports fold no table), else
