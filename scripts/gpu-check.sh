@@ -6,7 +6,9 @@
 #   scripts/gpu-check.sh [OUT_DIR] [checks...]     # on a machine with an NVIDIA GPU
 #
 # checks: kernels training memory memory-large calibrate speed nccl cli (all but nccl and cli
-# when none is named); TORCH_BASELINE=0 skips the PyTorch runs that go with `speed`. `cli` runs
+# when none is named), and speed-llama (the 1.3B LLaMA's step alone, for a profiler's run:
+# `ncu ... tessera-gpu-check speed-llama`); TORCH_BASELINE=0 skips the PyTorch runs that go
+# with `speed` (on a GPU of over 100 GB, `speed` also runs the LLaMA at batch 8). `cli` runs
 # the `tessera` binary's GPU commands (TESSERA_CLI, default target/release/tessera, built with
 # `--features cuda`).
 #
@@ -51,5 +53,9 @@ fi
 if [ "${TORCH_BASELINE:-1}" != 0 ] && { [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qx speed; }; then
   python3 scripts/torch-train-bench.py gpt2-medium 4 1024 --compile --no-fp32 2>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
   python3 scripts/torch-train-bench.py llama-1.3b 4 2048 --compile --no-fp32 2>>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  if [ "${mib:-0}" -gt 100000 ]; then
+    python3 scripts/torch-train-bench.py llama-1.3b 8 2048 --compile --no-fp32 2>>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
+  fi
 fi
 exit "$rc"

@@ -263,7 +263,7 @@ pub fn backward(
     Ok(vec![dq, dk, dv])
 }
 
-/// The largest half head dim of the `rope` kernel's angle table (`ROPE_MAX_HALF` in kernels.cu).
+/// The largest half head dim of the `rope` kernel's angle table (`ROPE_MAX_HALF` in layers.cu).
 pub const ROPE_MAX_HALF: usize = 512;
 
 pub fn rope(
@@ -282,12 +282,7 @@ pub fn rope(
             x.dims()
         )));
     };
-    let f: Vec<f32> = inv_freq.iter().map(|&v| v as f32).collect();
-    let freq = be.upload_as(
-        &candle_core::Tensor::from_vec(f, inv_freq.len(), &candle_core::Device::Cpu)?,
-        Purpose::Scratch,
-    )?;
-    if d / 2 > ROPE_MAX_HALF || h * d > i32::MAX as usize {
+    if d / 2 > ROPE_MAX_HALF || inv_freq.len() > ROPE_MAX_HALF || h * d > i32::MAX as usize {
         return Err(tessera_runtime::RuntimeError::Unsupported {
             backend: "cuda".into(),
             op: "rope".into(),
@@ -300,24 +295,34 @@ pub fn rope(
     }
     let pos = positions.map(|t| be.dense_pub(t)).transpose()?;
     let y = be.out_f32(out, p)?;
-    // One block per token: its angles once, then every head's pairs.
+    // One block per token with positions given, else one per sequence position over the
+    // batch rows sharing its angles: the angles once per block, then every head's pairs.
     let tokens = x.numel() / (h * d).max(1);
-    launch(
+    let (blocks, batch) = match pos {
+        Some(_) => (tokens, 1),
+        None => (s.min(tokens), tokens / s.max(1)),
+    };
+    let mut freq = crate::launch::RopeFreq { f: [0.0; ROPE_MAX_HALF] };
+    for (f, &v) in freq.f.iter_mut().zip(inv_freq) {
+        *f = v as f32;
+    }
+    crate::launch::launch_then(
         be.gpu(),
         "rope",
-        crate::launch::per_row(tokens),
+        crate::launch::per_row(blocks),
         &[
             Arg::Ptr(x.ptr()),
             Arg::I32(float_code("rope", x.dtype())?),
             Arg::Ptr(pos.as_ref().map_or(0, |t| t.ptr())),
-            Arg::Ptr(freq.ptr()),
             Arg::Ptr(y.ptr()),
             Arg::I32(float_code("rope", y.dtype())?),
             Arg::I64(s as i64),
             Arg::I64(h as i64),
             Arg::I64(d as i64),
             Arg::F32(if inverse { -1.0 } else { 1.0 }),
+            Arg::I64(batch as i64),
         ],
+        Some(&freq),
     )?;
     Ok(y)
 }

@@ -1,5 +1,5 @@
 //! The CUDA [`Backend`]: the executor's values are [`CudaTensor`]s, every IR op a kernel of
-//! `kernels.cu` or a cuBLAS GEMM. Program tensors (bound leaves, nodes' fresh outputs) come
+//! the `.cu` sources or a cuBLAS GEMM. Program tensors (bound leaves, nodes' fresh outputs) come
 //! from the caching allocator as [`Purpose::Program`], so its books match the accountant's;
 //! temporaries a kernel needs are [`Purpose::Scratch`] and reported beside.
 //!
@@ -10,7 +10,7 @@
 
 use crate::alloc::Purpose;
 use crate::gpu::Gpu;
-use crate::launch::{elementwise, launch, per_row, Arg, Attn};
+use crate::launch::{elementwise, elementwise_ops, launch, per_row, Arg, Attn};
 use crate::source::{binary_code, float_code, type_code, unary_code};
 use crate::tensor::{elem_size, row_major, CudaTensor, Layout};
 use candle_core::Tensor;
@@ -33,6 +33,50 @@ pub struct OpTimer {
     /// a step costs the host — unless the launch queue is full, when it waits on the GPU.
     pub issue: Arc<AtomicBool>,
     pub issued: Arc<Mutex<(u64, f64)>>,
+    /// While set (and `on` is not), a pair of CUDA events around each op, with no
+    /// synchronisation: each op's own time on the GPU, the overlap and the launch queue left
+    /// as they are. [`OpTimer::event_times`] reads them once the step is done.
+    pub events: Arc<AtomicBool>,
+    pub recorded: Arc<Mutex<Vec<OpEvents>>>,
+}
+
+/// One op's events (see [`OpTimer::events`]) and the bytes it read and wrote.
+pub struct OpEvents {
+    pub op: &'static str,
+    pub bytes: u64,
+    /// The host's time inside the op's dispatch (allocation, arguments, launches).
+    pub host_s: f64,
+    start: cudarc::driver::CudaEvent,
+    end: cudarc::driver::CudaEvent,
+}
+
+/// Per op kind: calls, seconds on the GPU, bytes read and written, seconds on the host.
+pub type OpKindTimes = BTreeMap<&'static str, (u64, f64, u64, f64)>;
+
+impl OpTimer {
+    /// The recorded ops' GPU time per kind (waits for the events), and the span from the
+    /// first op's start to the last op's end; the records are consumed.
+    pub fn event_times(&self) -> Result<(OpKindTimes, f64)> {
+        let recs =
+            std::mem::take(&mut *self.recorded.lock().map_err(|_| bad("cuda: timer lock".into()))?);
+        let mut by = OpKindTimes::new();
+        for r in &recs {
+            let ms = r.start.elapsed_ms(&r.end).map_err(|e| bad(format!("cuda: event: {e:?}")))?;
+            let e = by.entry(r.op).or_default();
+            e.0 += 1;
+            e.1 += ms as f64 / 1e3;
+            e.2 += r.bytes;
+            e.3 += r.host_s;
+        }
+        let span = match (recs.first(), recs.last()) {
+            (Some(a), Some(b)) => {
+                a.start.elapsed_ms(&b.end).map_err(|e| bad(format!("cuda: event: {e:?}")))? as f64
+                    / 1e3
+            }
+            _ => 0.0,
+        };
+        Ok((by, span))
+    }
 }
 
 /// One GPU as a backend.
@@ -134,7 +178,10 @@ impl Backend for CudaBackend {
     ) -> Result<Vec<CudaTensor>> {
         match self.timer.as_ref().filter(|t| t.on.load(Ordering::Relaxed)) {
             None => match self.timer.as_ref().filter(|t| t.issue.load(Ordering::Relaxed)) {
-                None => self.execute_impl(op, inputs, outputs, at),
+                None => match self.timer.as_ref().filter(|t| t.events.load(Ordering::Relaxed)) {
+                    None => self.execute_impl(op, inputs, outputs, at),
+                    Some(timer) => self.execute_with_events(timer, op, inputs, outputs, at),
+                },
                 Some(timer) => {
                     let t0 = std::time::Instant::now();
                     let out = self.execute_impl(op, inputs, outputs, at)?;
@@ -162,6 +209,33 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// `execute_impl` between two timing events on the GPU's stream (no synchronisation).
+    fn execute_with_events(
+        &self,
+        timer: &OpTimer,
+        op: &Op,
+        inputs: &[&CudaTensor],
+        outputs: &[TensorMeta],
+        at: &MeshPos,
+    ) -> Result<Vec<CudaTensor>> {
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let event = |what| {
+            self.gpu.stream.record_event(timing).map_err(|e| bad(format!("cuda: {what}: {e:?}")))
+        };
+        let start = event("recording an op's start")?;
+        let t0 = std::time::Instant::now();
+        let out = self.execute_impl(op, inputs, outputs, at)?;
+        let host_s = t0.elapsed().as_secs_f64();
+        let end = event("recording an op's end")?;
+        let bytes = inputs.iter().copied().chain(out.iter()).map(|t| t.meta().size_bytes()).sum();
+        timer
+            .recorded
+            .lock()
+            .map_err(|_| bad("cuda: timer lock poisoned".into()))?
+            .push(OpEvents { op: op.name(), bytes, host_s, start, end });
+        Ok(out)
+    }
+
     /// A host tensor's copy on the device, charged as `purpose`.
     pub fn upload_as(&self, t: &Tensor, purpose: Purpose) -> Result<CudaTensor> {
         self.gpu.bind()?;
@@ -325,13 +399,14 @@ impl CudaBackend {
     pub fn cast(&self, x: &CudaTensor, to: DType, p: Purpose) -> Result<CudaTensor> {
         let y = CudaTensor::empty(&self.gpu, x.dims(), to, p)?;
         let n = x.numel();
+        let lx = x.layout()?;
         launch(
             &self.gpu,
             "cast",
-            elementwise(n),
+            elementwise_ops(n, &[(x.base(), lx, x.dtype())], (y.ptr(), to)),
             &[
                 Arg::Ptr(x.base()),
-                Arg::Layout(x.layout()?),
+                Arg::Layout(lx),
                 Arg::I32(type_code(x.dtype())),
                 Arg::Ptr(y.ptr()),
                 Arg::I32(type_code(to)),
@@ -407,14 +482,15 @@ impl CudaBackend {
             Op::Unary(u) => {
                 let y = self.new_out(&out[0], p)?;
                 let n = y.numel();
+                let lx = x[0].layout()?;
                 launch(
                     g,
                     "unary",
-                    elementwise(n),
+                    elementwise_ops(n, &[(x[0].base(), lx, x[0].dtype())], (y.ptr(), y.dtype())),
                     &[
                         Arg::I32(unary_code(*u)),
                         Arg::Ptr(x[0].base()),
-                        Arg::Layout(x[0].layout()?),
+                        Arg::Layout(lx),
                         Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(y.ptr()),
                         Arg::I32(float_code(op.name(), y.dtype())?),
@@ -426,17 +502,19 @@ impl CudaBackend {
             Op::UnaryBackward(u) => {
                 let y = self.new_out(&out[0], p)?;
                 let n = y.numel();
+                let (l0, l1) = (x[0].layout()?, x[1].layout_as(x[0].dims())?);
+                let ins = [(x[0].base(), l0, x[0].dtype()), (x[1].base(), l1, x[1].dtype())];
                 launch(
                     g,
                     "unary_backward",
-                    elementwise(n),
+                    elementwise_ops(n, &ins, (y.ptr(), y.dtype())),
                     &[
                         Arg::I32(unary_code(*u)),
                         Arg::Ptr(x[0].base()),
-                        Arg::Layout(x[0].layout()?),
+                        Arg::Layout(l0),
                         Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(x[1].base()),
-                        Arg::Layout(x[1].layout_as(x[0].dims())?),
+                        Arg::Layout(l1),
                         Arg::I32(float_code(op.name(), x[1].dtype())?),
                         Arg::Ptr(y.ptr()),
                         Arg::I32(float_code(op.name(), y.dtype())?),
@@ -448,17 +526,19 @@ impl CudaBackend {
             Op::Binary(b) => {
                 let y = self.new_out(&out[0], p)?;
                 let (dims, n) = (out[0].shape.dims(), y.numel());
+                let (l0, l1) = (x[0].layout_as(dims)?, x[1].layout_as(dims)?);
+                let ins = [(x[0].base(), l0, x[0].dtype()), (x[1].base(), l1, x[1].dtype())];
                 launch(
                     g,
                     "binary",
-                    elementwise(n),
+                    elementwise_ops(n, &ins, (y.ptr(), y.dtype())),
                     &[
                         Arg::I32(binary_code(*b)),
                         Arg::Ptr(x[0].base()),
-                        Arg::Layout(x[0].layout_as(dims)?),
+                        Arg::Layout(l0),
                         Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(x[1].base()),
-                        Arg::Layout(x[1].layout_as(dims)?),
+                        Arg::Layout(l1),
                         Arg::I32(float_code(op.name(), x[1].dtype())?),
                         Arg::Ptr(y.ptr()),
                         Arg::I32(float_code(op.name(), y.dtype())?),
@@ -473,21 +553,23 @@ impl CudaBackend {
                 }
                 let y = self.new_out(&out[0], p)?;
                 let (dims, n) = (out[0].shape.dims(), y.numel());
+                let ls = [x[0].layout_as(dims)?, x[1].layout_as(dims)?, x[2].layout_as(dims)?];
+                let ins: Vec<_> = (0..3).map(|i| (x[i].base(), ls[i], x[i].dtype())).collect();
                 launch(
                     g,
                     "binary_backward",
-                    elementwise(n),
+                    elementwise_ops(n, &ins, (y.ptr(), y.dtype())),
                     &[
                         Arg::I32(binary_code(*b)),
                         Arg::I32(*wrt as i32),
                         Arg::Ptr(x[0].base()),
-                        Arg::Layout(x[0].layout_as(dims)?),
+                        Arg::Layout(ls[0]),
                         Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(x[1].base()),
-                        Arg::Layout(x[1].layout_as(dims)?),
+                        Arg::Layout(ls[1]),
                         Arg::I32(float_code(op.name(), x[1].dtype())?),
                         Arg::Ptr(x[2].base()),
-                        Arg::Layout(x[2].layout_as(dims)?),
+                        Arg::Layout(ls[2]),
                         Arg::I32(float_code(op.name(), x[2].dtype())?),
                         Arg::Ptr(y.ptr()),
                         Arg::I32(float_code(op.name(), y.dtype())?),
@@ -511,13 +593,14 @@ impl CudaBackend {
                 let n = y.numel();
                 let threshold = (prob * (1u64 << 53) as f64).ceil() as u64;
                 let scale = (1.0 / (1.0 - prob)) as f32;
+                let lx = x[0].layout()?;
                 launch(
                     g,
                     "dropout",
-                    elementwise(n),
+                    elementwise_ops(n, &[(x[0].base(), lx, x[0].dtype())], (y.ptr(), y.dtype())),
                     &[
                         Arg::Ptr(x[0].base()),
-                        Arg::Layout(x[0].layout()?),
+                        Arg::Layout(lx),
                         Arg::I32(float_code(op.name(), x[0].dtype())?),
                         Arg::Ptr(y.ptr()),
                         Arg::I32(float_code(op.name(), y.dtype())?),

@@ -1,6 +1,6 @@
 // Flash attention (FlashAttention-2's scheme) on tensor cores: bf16 q, k, v and dO, f32
 // accumulation, `mma.sync.m16n8k16` (sm_80 and later; the backend uses these kernels only
-// there). Appended to kernels.cu by the crate (module `source`): it uses `Attn`,
+// there). Appended to the other kernels by the crate (module `source`): it uses `Attn`,
 // `attn_pos`, `attn_visible` and the bf16 conversions from there.
 //
 // Layouts: q, out, dO [B,S,H,D]; k, v [B,T,Hkv,D] (GQA: query head h reads kv head
@@ -76,6 +76,33 @@ __device__ __forceinline__ void fa_ldsm_t(const bf16_t* tile, int ld, unsigned* 
     b[0] = b[1] = b[2] = b[3] = 0u;
     __trap();
 #endif
+}
+
+// Fragments from a row-major tile in shared memory by `ldmatrix.x4` (no transpose): one
+// instruction for what four or eight 32-bit shared loads fetched.
+// fa_ldsm_b: B fragments of two adjacent n-tiles from an [n][k] tile (K rows for Q·Kᵀ): at
+// `tile` (n0, k0), b[0..2] is n-tile n0's (k 0-7, k 8-15), b[2..4] n-tile n0+8's. Matrix i
+// covers rows n0 + 8·(i >> 1), columns k0 + 8·(i & 1).
+__device__ __forceinline__ void fa_ldsm_x4(const bf16_t* p, unsigned* r) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(fa_smem_addr(p)));
+#else
+    r[0] = r[1] = r[2] = r[3] = 0u;
+    __trap();
+#endif
+}
+__device__ __forceinline__ void fa_ldsm_b(const bf16_t* tile, int ld, unsigned* b) {
+    const int lane = threadIdx.x & 31, blk = lane >> 3;
+    fa_ldsm_x4(tile + ((blk >> 1) * 8 + (lane & 7)) * ld + (blk & 1) * 8, b);
+}
+// fa_ldsm_a: the A fragment (16×16) at `tile` (m0, k0) of an [m][k] tile: (row g, k 2t..),
+// (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..). Matrix i covers rows
+// m0 + 8·(i & 1), columns k0 + 8·(i >> 1).
+__device__ __forceinline__ void fa_ldsm_a(const bf16_t* tile, int ld, unsigned* a) {
+    const int lane = threadIdx.x & 31, blk = lane >> 3;
+    fa_ldsm_x4(tile + ((blk & 1) * 8 + (lane & 7)) * ld + (blk >> 1) * 8, a);
 }
 
 // Asynchronous global → shared copies (`cp.async`, sm_80): the loads of the next tile are in
@@ -198,13 +225,15 @@ __device__ __forceinline__ void fa_forward(const bf16_t* q, const bf16_t* k, con
         // S = Q·Kᵀ (16 rows × 64 keys per warp).
         float s[FA_BC / 8][4];
 #pragma unroll
-        for (int n = 0; n < FA_BC / 8; ++n) {
+        for (int n = 0; n < FA_BC / 8; n += 2) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            const bf16_t* kr = ks + (n * 8 + g) * LD + 2 * t;
+            s[n + 1][0] = s[n + 1][1] = s[n + 1][2] = s[n + 1][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned bb[2] = {fa_ld32(kr + kk * 16), fa_ld32(kr + kk * 16 + 8)};
+                unsigned bb[4];
+                fa_ldsm_b(ks + n * 8 * LD + kk * 16, LD, bb);
                 fa_mma(s[n], qf[kk], bb);
+                fa_mma(s[n + 1], qf[kk], bb + 2);
             }
         }
         // Scores in base 2 (scale·log2 e folded in, as FlashAttention does), the ALiBi bias, the
@@ -371,8 +400,8 @@ __device__ __forceinline__ void fa_backward(const bf16_t* q, const bf16_t* k, co
     for (int n = 0; n < D / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.0f;
-    const bf16_t* kw = ks + (warp * 16 + g) * LD + 2 * t;
-    const bf16_t* vw = vs + (warp * 16 + g) * LD + 2 * t;
+    const bf16_t* kw = ks + warp * 16 * LD;  // this warp's 16 keys (A fragments by ldmatrix)
+    const bf16_t* vw = vs + warp * 16 * LD;
 
     // Step `it` is query head kvh·group + it / ntiles, query tile ifirst + 32·(it % ntiles).
     // Two stages: step it + 1's tiles are copied in while step it is computed on; the barrier
@@ -407,18 +436,18 @@ __device__ __forceinline__ void fa_backward(const bf16_t* q, const bf16_t* k, co
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const int c = kk * 16;
-            unsigned ka[4] = {fa_ld32(kw + c), fa_ld32(kw + 8 * LD + c), fa_ld32(kw + c + 8),
-                              fa_ld32(kw + 8 * LD + c + 8)};
-            unsigned va[4] = {fa_ld32(vw + c), fa_ld32(vw + 8 * LD + c), fa_ld32(vw + c + 8),
-                              fa_ld32(vw + 8 * LD + c + 8)};
+            unsigned ka[4], va[4];
+            fa_ldsm_a(kw + c, LD, ka);
+            fa_ldsm_a(vw + c, LD, va);
 #pragma unroll
-            for (int n = 0; n < FA_BRB / 8; ++n) {
-                const bf16_t* qr = qt + (n * 8 + g) * LD + 2 * t + c;
-                const bf16_t* dr = dot + (n * 8 + g) * LD + 2 * t + c;
-                unsigned qb2[2] = {fa_ld32(qr), fa_ld32(qr + 8)};
-                unsigned db2[2] = {fa_ld32(dr), fa_ld32(dr + 8)};
-                fa_mma(st[n], ka, qb2);
-                fa_mma(dpt[n], va, db2);
+            for (int n = 0; n < FA_BRB / 8; n += 2) {
+                unsigned qb[4], db[4];
+                fa_ldsm_b(qt + n * 8 * LD + c, LD, qb);
+                fa_ldsm_b(dot + n * 8 * LD + c, LD, db);
+                fa_mma(st[n], ka, qb);
+                fa_mma(st[n + 1], ka, qb + 2);
+                fa_mma(dpt[n], va, db);
+                fa_mma(dpt[n + 1], va, db + 2);
             }
         }
         // Pᵀ (base 2: lse·log2 e subtracted) and dSᵀ = Pᵀ ⊙ (dPᵀ − D); the mask only where a
@@ -470,9 +499,8 @@ __device__ __forceinline__ void fa_backward(const bf16_t* q, const bf16_t* k, co
             float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
             for (int kk = 0; kk < FA_BCB / 16; ++kk) {
-                const bf16_t* sr = dss + (mt * 16 + g) * LDS + kk * 16 + 2 * t;
-                unsigned sa2[4] = {fa_ld32(sr), fa_ld32(sr + 8 * LDS), fa_ld32(sr + 8), fa_ld32(sr + 8 * LDS + 8)};
-                unsigned bk[4];
+                unsigned sa2[4], bk[4];
+                fa_ldsm_a(dss + mt * 16 * LDS + kk * 16, LDS, sa2);
                 fa_ldsm_t(ks + kk * 16 * LD + n * 8, LD, bk);
                 fa_mma(c[0], sa2, bk);
                 fa_mma(c[1], sa2, bk + 2);

@@ -58,7 +58,7 @@ fn driver_err(what: &str, e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Binding(format!("cuda: {what}: {e}"))
 }
 
-/// The kernels the backend launches (each an `extern "C"` function of `kernels.cu`).
+/// The kernels the backend launches (each an `extern "C"` function of the `.cu` sources, `source::KERNELS`).
 pub const FUNCTIONS: &[&str] = &[
     "cast",
     "copy_strided",

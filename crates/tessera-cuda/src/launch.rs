@@ -4,9 +4,10 @@
 use crate::gpu::Gpu;
 use crate::tensor::Layout;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use tessera_ir::DType;
 use tessera_runtime::{Result, RuntimeError};
 
-/// Attention geometry (matches `struct Attn` in `kernels.cu`).
+/// Attention geometry (matches `struct Attn` in `layers.cu`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Attn {
@@ -24,7 +25,7 @@ pub struct Attn {
 // SAFETY: plain old data with the C layout the kernels declare.
 unsafe impl DeviceRepr for Attn {}
 
-/// The dtype codes of a norm kernel's operands (matches `struct NormCodes` in `kernels.cu`).
+/// The dtype codes of a norm kernel's operands (matches `struct NormCodes` in `reduce.cu`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NormCodes {
@@ -62,6 +63,36 @@ pub fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// Whether an operand at `addr` seen through `layout` takes the elementwise kernels' dense
+/// fast path (`vec8_ok` in `kernels.cu`): f32, bf16 or f16, 16-byte aligned at its first
+/// element, dense or a row repeated down the rows with a multiple of 8 columns.
+pub fn dense8(addr: u64, layout: &Layout, dtype: DType) -> bool {
+    let size = match dtype {
+        DType::F32 => 4,
+        DType::BF16 | DType::F16 => 2,
+        _ => return false,
+    };
+    let l = layout.collapsed();
+    let dense = l.ndim == 1 && l.strides[0] == 1;
+    let rows = l.ndim == 2 && l.strides[0] == 0 && l.strides[1] == 1 && l.dims[1] % 8 == 0;
+    (dense || rows) && (addr as i64 + l.offset * size) % 16 == 0
+}
+
+/// The launch of an elementwise kernel over `n` outputs at `out` whose operands are `ins`
+/// (address, layout, dtype): a thread per eight elements when every operand and the output
+/// take the dense fast path, a thread per element otherwise. The kernel decides the path for
+/// itself (its grid-stride loops cover any grid), so this only sizes the grid.
+pub fn elementwise_ops(n: usize, ins: &[(u64, Layout, DType)], out: (u64, DType)) -> LaunchConfig {
+    let fast = ins.iter().all(|(a, l, d)| dense8(*a, l, *d))
+        && matches!(out.1, DType::F32 | DType::BF16 | DType::F16)
+        && out.0.is_multiple_of(16);
+    if fast {
+        elementwise(n.div_ceil(8))
+    } else {
+        elementwise(n)
+    }
+}
+
 /// One block per row (or output element).
 pub fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig {
@@ -72,6 +103,29 @@ pub fn per_row(rows: usize) -> LaunchConfig {
 }
 
 pub fn launch(gpu: &Gpu, name: &'static str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+    launch_then(gpu, name, cfg, args, None::<&i32>)
+}
+
+/// The rotary kernel's inverse frequencies, passed by value in the launch's parameters
+/// (`struct RopeFreq` in `layers.cu`): no upload, which would be a synchronous copy that
+/// drains the GPU's queue in the middle of a step.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RopeFreq {
+    pub f: [f32; crate::attention::ROPE_MAX_HALF],
+}
+
+// SAFETY: plain old data with the C layout the kernel declares.
+unsafe impl DeviceRepr for RopeFreq {}
+
+/// [`launch`] with one more argument after `args`, of any kernel-parameter type.
+pub fn launch_then<T: DeviceRepr>(
+    gpu: &Gpu,
+    name: &'static str,
+    cfg: LaunchConfig,
+    args: &[Arg],
+    last: Option<&T>,
+) -> Result<()> {
     if cfg.grid_dim.0 == 0 {
         return Ok(());
     }
@@ -96,9 +150,52 @@ pub fn launch(gpu: &Gpu, name: &'static str, cfg: LaunchConfig, args: &[Arg]) ->
             Arg::Norm(v) => b.arg(v),
         };
     }
-    // SAFETY: the arguments match the kernel's signature in kernels.cu (one call site per
+    if let Some(v) = last {
+        b.arg(v);
+    }
+    // SAFETY: the arguments match the kernel's signature in the `.cu` sources (one call site per
     // kernel, each checked by the GPU parity run); pointers are live device buffers.
     unsafe { b.launch(cfg) }
         .map(|_| ())
         .map_err(|e| RuntimeError::Binding(format!("cuda: launching {name}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(offset: i64, dims: &[i64], strides: &[i64]) -> Layout {
+        let mut l = Layout { ndim: dims.len() as i32, offset, ..Default::default() };
+        l.dims[..dims.len()].copy_from_slice(dims);
+        l.strides[..strides.len()].copy_from_slice(strides);
+        l
+    }
+
+    /// The grid-sizing predicate takes what the kernels' `vec8_ok` takes: dense or
+    /// row-repeated float operands, 16-byte aligned at their first element.
+    #[test]
+    fn dense_fast_path_predicate() {
+        let dense = layout(0, &[4, 64], &[64, 1]);
+        assert!(dense8(256, &dense, DType::BF16));
+        assert!(dense8(256, &dense, DType::F32));
+        // Aligned base, first element 1 or 4 bf16 elements in: 2 and 8 bytes off.
+        assert!(!dense8(256, &layout(1, &[4, 64], &[64, 1]), DType::BF16));
+        assert!(!dense8(256, &layout(4, &[4, 64], &[64, 1]), DType::BF16));
+        assert!(dense8(256, &layout(8, &[4, 64], &[64, 1]), DType::BF16));
+        assert!(dense8(256, &layout(4, &[4, 64], &[64, 1]), DType::F32));
+        assert!(!dense8(258, &dense, DType::BF16));
+        // A bias repeated down the rows: columns a multiple of 8.
+        assert!(dense8(256, &layout(0, &[4, 64], &[0, 1]), DType::BF16));
+        assert!(!dense8(256, &layout(0, &[4, 12], &[0, 1]), DType::BF16));
+        // Transposed, broadcast scalars and integers take the general path.
+        assert!(!dense8(256, &layout(0, &[64, 4], &[1, 64]), DType::F32));
+        assert!(!dense8(256, &layout(0, &[64], &[0]), DType::F32));
+        assert!(!dense8(256, &dense, DType::I64));
+        // The grid: a thread per eight elements only when every operand and the output qualify.
+        let n = 4 * 64 * 256;
+        let fast = elementwise_ops(n, &[(256, dense, DType::BF16)], (512, DType::BF16));
+        assert_eq!(fast.grid_dim.0 as usize, n / 8 / THREADS as usize);
+        let slow = elementwise_ops(n, &[(256, dense, DType::BF16)], (520, DType::BF16));
+        assert_eq!(slow.grid_dim.0 as usize, n / THREADS as usize);
+    }
 }

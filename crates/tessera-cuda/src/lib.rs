@@ -2,7 +2,8 @@
 //!
 //! - [`gpu::Gpu`] opens a device through the driver API, loaded at run time (cudarc's
 //!   dynamic loading: this crate builds, and CI compiles it, on machines with no CUDA), and
-//!   compiles `kernels.cu` with NVRTC for the device's architecture;
+//!   compiles the kernels (`kernels.cu`, `reduce.cu`, `layers.cu`, `flash.cu`) with NVRTC
+//!   for the device's architecture;
 //! - [`alloc::CachingAllocator`] hands out device memory and keeps the books the memory
 //!   accountant keeps: the Program's live bytes, exactly, with scratch reported beside;
 //! - [`backend::CudaBackend`] runs every training op: cuBLAS GEMMs (bf16 operands with fp32

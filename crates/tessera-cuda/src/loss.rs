@@ -77,10 +77,13 @@ pub fn cross_entropy_backward(
     let div = if sum { 1.0 } else { count.max(1) as f64 };
     let y = be.out_f32(out, p)?;
     let n = y.numel();
+    // A thread per eight logits where the kernel's vector path applies (rows of a multiple of
+    // 8, both tensors 16-byte aligned; it decides for itself, this sizes the grid).
+    let vec = v % 8 == 0 && logits.ptr() % 16 == 0 && y.ptr() % 16 == 0;
     launch(
         be.gpu(),
         "cross_entropy_backward",
-        elementwise(n),
+        elementwise(if vec { n.div_ceil(8) } else { n }),
         &[
             Arg::Ptr(logits.ptr()),
             Arg::I32(float_code("cross_entropy_backward", logits.dtype())?),

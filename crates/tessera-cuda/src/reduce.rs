@@ -103,7 +103,10 @@ impl CudaBackend {
             // Enough blocks to fill the GPU (a thread keeps four loads in flight).
             let chunk = 1 << 12;
             let groups = nr.div_ceil(chunk).min(1024);
-            let chunk = nr.div_ceil(groups);
+            // A multiple of 8, so that each chunk of a dense, aligned tensor starts on a 16-byte
+            // boundary (the kernel's vector loads).
+            let chunk = nr.div_ceil(groups).div_ceil(8) * 8;
+            let groups = nr.div_ceil(chunk);
             let part =
                 CudaTensor::empty(self.gpu(), &[n_out, groups], DType::F64, Purpose::Scratch)?;
             let cfg = cudarc::driver::LaunchConfig {

@@ -4,8 +4,15 @@
 
 use tessera_ir::{BinaryOp, DType, ReduceOp, UnaryOp};
 
-/// `kernels.cu`, then the flash-attention kernels (`flash.cu`, which uses its helpers).
-pub const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("flash.cu"));
+/// `kernels.cu` (helpers, copies, elementwise), `reduce.cu` (reductions, norms), `layers.cu`
+/// (embedding, loss, AdamW, RoPE, unfused attention), then the flash-attention kernels
+/// (`flash.cu`); each uses the helpers of the files before it.
+pub const KERNELS: &str = concat!(
+    include_str!("kernels.cu"),
+    include_str!("reduce.cu"),
+    include_str!("layers.cu"),
+    include_str!("flash.cu")
+);
 
 pub fn unary_code(u: UnaryOp) -> i32 {
     match u {
