@@ -244,6 +244,44 @@ fn check_reductions(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
     }
 }
 
+/// Dropout (not in the tiny presets' steps) on random inputs, f32 and bf16, with an element
+/// count of whole groups of eight and one with a tail (the fast path's two parts): the CPU's
+/// mask, bit for bit.
+fn check_dropout(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
+    let worst = Arc::new(Mutex::new(BTreeMap::new()));
+    let both =
+        Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
+    let mut st = 0x5EED_D50F_0F0F_1234u64;
+    let at = MeshPos::single();
+    let seed = Tensor::from_vec(vec![1234i64], (), &candle_core::Device::Cpu).unwrap();
+    for (r, c) in [(300, 704), (13, 77)] {
+        let v: Vec<f32> = (0..r * c)
+            .map(|_| {
+                st ^= st << 13;
+                st ^= st >> 7;
+                st ^= st << 17;
+                (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect();
+        for dtype in [DType::F32, DType::BF16] {
+            let x = Tensor::from_vec(v.clone(), (r, c), &candle_core::Device::Cpu)
+                .unwrap()
+                .to_dtype(tessera_runtime::tensor::candle_dtype(dtype))
+                .unwrap();
+            let out = TensorMeta { shape: tessera_ir::Shape::from(&[r, c][..]), dtype };
+            let op = Op::Dropout { p: 0.1, stream: 3, shard: None };
+            both.execute(&op, &[&x, &seed], &[out], &at).expect("dropout");
+            for (name, (err, _)) in std::mem::take(&mut *worst.lock().unwrap()) {
+                let ok = err == 0.0;
+                println!("{{\"check\":\"dropout\",\"dtype\":\"{dtype:?}\",\"elements\":{},\"kernel\":\"{name}\",\"rel_err\":{err:e},\"ok\":{ok}}}", r * c);
+                if !ok {
+                    fails.push(format!("dropout {dtype:?} {r}x{c}: rel err {err:e}"));
+                }
+            }
+        }
+    }
+}
+
 /// The shipped corpus, byte-tokenised (what `tessera train` runs by default).
 fn corpus() -> tessera_runtime::data::Dataset {
     use tessera_runtime::data::{Dataset, Tokenizer};
@@ -500,6 +538,7 @@ fn main() {
                 check_attention_variants(&gpu, DType::BF16, d, &mut fails);
             }
             check_reductions(&gpu, &mut fails);
+            check_dropout(&gpu, &mut fails);
         });
     }
     if only("training") {
