@@ -13,71 +13,12 @@ use crate::gpu::Gpu;
 use crate::launch::{elementwise, elementwise_ops, launch, per_row, Arg, Attn};
 use crate::source::{binary_code, float_code, type_code, unary_code};
 use crate::tensor::{elem_size, row_major, CudaTensor, Layout};
+use crate::timer::OpTimer;
 use candle_core::Tensor;
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tessera_ir::dist::{MeshPos, TableRows};
 use tessera_ir::{AttentionSpec, DType, Op, TensorMeta};
 use tessera_runtime::{Backend, Result, RuntimeError};
-
-/// Device time per op kind, when switched on: the backend synchronises around each op (so
-/// the figures are the kernels' own, at the price of the overlap).
-#[derive(Clone, Default)]
-pub struct OpTimer {
-    pub on: Arc<AtomicBool>,
-    /// Op name → (calls, seconds).
-    pub times: Arc<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
-    /// While set (and `on` is not), the host's time inside each op's dispatch, with no
-    /// synchronisation: (ops, seconds). Launches are asynchronous, so this is what issuing
-    /// a step costs the host — unless the launch queue is full, when it waits on the GPU.
-    pub issue: Arc<AtomicBool>,
-    pub issued: Arc<Mutex<(u64, f64)>>,
-    /// While set (and `on` is not), a pair of CUDA events around each op, with no
-    /// synchronisation: each op's own time on the GPU, the overlap and the launch queue left
-    /// as they are. [`OpTimer::event_times`] reads them once the step is done.
-    pub events: Arc<AtomicBool>,
-    pub recorded: Arc<Mutex<Vec<OpEvents>>>,
-}
-
-/// One op's events (see [`OpTimer::events`]) and the bytes it read and wrote.
-pub struct OpEvents {
-    pub op: &'static str,
-    pub bytes: u64,
-    /// The host's time inside the op's dispatch (allocation, arguments, launches).
-    pub host_s: f64,
-    start: cudarc::driver::CudaEvent,
-    end: cudarc::driver::CudaEvent,
-}
-
-/// Per op kind: calls, seconds on the GPU, bytes read and written, seconds on the host.
-pub type OpKindTimes = BTreeMap<&'static str, (u64, f64, u64, f64)>;
-
-impl OpTimer {
-    /// The recorded ops' GPU time per kind (waits for the events), and the span from the
-    /// first op's start to the last op's end; the records are consumed.
-    pub fn event_times(&self) -> Result<(OpKindTimes, f64)> {
-        let recs =
-            std::mem::take(&mut *self.recorded.lock().map_err(|_| bad("cuda: timer lock".into()))?);
-        let mut by = OpKindTimes::new();
-        for r in &recs {
-            let ms = r.start.elapsed_ms(&r.end).map_err(|e| bad(format!("cuda: event: {e:?}")))?;
-            let e = by.entry(r.op).or_default();
-            e.0 += 1;
-            e.1 += ms as f64 / 1e3;
-            e.2 += r.bytes;
-            e.3 += r.host_s;
-        }
-        let span = match (recs.first(), recs.last()) {
-            (Some(a), Some(b)) => {
-                a.start.elapsed_ms(&b.end).map_err(|e| bad(format!("cuda: event: {e:?}")))? as f64
-                    / 1e3
-            }
-            _ => 0.0,
-        };
-        Ok((by, span))
-    }
-}
 
 /// One GPU as a backend.
 #[derive(Clone)]
@@ -176,66 +117,14 @@ impl Backend for CudaBackend {
         outputs: &[TensorMeta],
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
-        match self.timer.as_ref().filter(|t| t.on.load(Ordering::Relaxed)) {
-            None => match self.timer.as_ref().filter(|t| t.issue.load(Ordering::Relaxed)) {
-                None => match self.timer.as_ref().filter(|t| t.events.load(Ordering::Relaxed)) {
-                    None => self.execute_impl(op, inputs, outputs, at),
-                    Some(timer) => self.execute_with_events(timer, op, inputs, outputs, at),
-                },
-                Some(timer) => {
-                    let t0 = std::time::Instant::now();
-                    let out = self.execute_impl(op, inputs, outputs, at)?;
-                    let mut issued =
-                        timer.issued.lock().map_err(|_| bad("cuda: timer lock poisoned".into()))?;
-                    issued.0 += 1;
-                    issued.1 += t0.elapsed().as_secs_f64();
-                    Ok(out)
-                }
-            },
-            Some(timer) => {
-                self.gpu.synchronize()?;
-                let t0 = std::time::Instant::now();
-                let out = self.execute_impl(op, inputs, outputs, at)?;
-                self.gpu.synchronize()?;
-                let mut times =
-                    timer.times.lock().map_err(|_| bad("cuda: timer lock poisoned".into()))?;
-                let e = times.entry(op.name()).or_default();
-                e.0 += 1;
-                e.1 += t0.elapsed().as_secs_f64();
-                Ok(out)
-            }
+        match &self.timer {
+            None => self.execute_impl(op, inputs, outputs, at),
+            Some(timer) => self.execute_timed(timer, op, inputs, outputs, at),
         }
     }
 }
 
 impl CudaBackend {
-    /// `execute_impl` between two timing events on the GPU's stream (no synchronisation).
-    fn execute_with_events(
-        &self,
-        timer: &OpTimer,
-        op: &Op,
-        inputs: &[&CudaTensor],
-        outputs: &[TensorMeta],
-        at: &MeshPos,
-    ) -> Result<Vec<CudaTensor>> {
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let event = |what| {
-            self.gpu.stream.record_event(timing).map_err(|e| bad(format!("cuda: {what}: {e:?}")))
-        };
-        let start = event("recording an op's start")?;
-        let t0 = std::time::Instant::now();
-        let out = self.execute_impl(op, inputs, outputs, at)?;
-        let host_s = t0.elapsed().as_secs_f64();
-        let end = event("recording an op's end")?;
-        let bytes = inputs.iter().copied().chain(out.iter()).map(|t| t.meta().size_bytes()).sum();
-        timer
-            .recorded
-            .lock()
-            .map_err(|_| bad("cuda: timer lock poisoned".into()))?
-            .push(OpEvents { op: op.name(), bytes, host_s, start, end });
-        Ok(out)
-    }
-
     /// A host tensor's copy on the device, charged as `purpose`.
     pub fn upload_as(&self, t: &Tensor, purpose: Purpose) -> Result<CudaTensor> {
         self.gpu.bind()?;
@@ -287,7 +176,7 @@ impl CudaBackend {
         })
     }
 
-    fn execute_impl(
+    pub(crate) fn execute_impl(
         &self,
         op: &Op,
         inputs: &[&CudaTensor],

@@ -35,8 +35,10 @@ mod reduce;
 pub mod rendezvous;
 pub mod source;
 pub mod tensor;
+pub mod timer;
 
-pub use backend::{CudaBackend, OpTimer};
+pub use backend::CudaBackend;
 pub use gpu::Gpu;
 pub use nccl::NcclComm;
 pub use tensor::CudaTensor;
+pub use timer::OpTimer;
