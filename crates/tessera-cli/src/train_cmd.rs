@@ -506,6 +506,26 @@ fn check_resume(
     Ok((m.schedule.with_horizon(args.steps), Some(extended)))
 }
 
+/// The model of the run being resumed must be the saved run's: `--model` (or `--init`) as
+/// the manifest records it, the same preset name or a path to the same file or folder.
+/// Manifests that record none (older checkpoints) are not checked.
+fn check_resumed_model(args: &TrainArgs, saved: &str, dir: &std::path::Path) -> Result<()> {
+    let got = args.init.as_ref().map_or(args.model.clone(), |d| d.display().to_string());
+    let same_path = |a: &str, b: &str| match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    };
+    if saved.is_empty() || saved == got || same_path(saved, &got) {
+        return Ok(());
+    }
+    let flag = if std::path::Path::new(saved).is_dir() { "--init" } else { "--model" };
+    bail!(
+        "{} was saved by a run of {flag} {saved}, and this run's model is {got}: resume with \
+         {flag} {saved}",
+        dir.display()
+    )
+}
+
 /// Plans the run and builds what every device shares, for `local_devices` devices in this
 /// process. Only `rank` 0 writes the step log and draws the progress bar.
 pub fn prepare(
@@ -514,6 +534,12 @@ pub fn prepare(
     local_devices: usize,
     rank: usize,
 ) -> Result<RunContext> {
+    // The saved run's model first: a checkpoint resumed under another model would otherwise
+    // fail later, naming a parameter rather than the flag.
+    let resumed = args.resume.as_ref().map(|dir| MappedCheckpoint::open(dir)).transpose()?;
+    if let Some(ckpt) = &resumed {
+        check_resumed_model(args, &ckpt.manifest.model, &ckpt.dir)?;
+    }
     let cfg = match &args.init {
         Some(dir) => ModelConfig::from_path(dir)
             .with_context(|| format!("--init {}: reading its config.json", dir.display()))?,
@@ -558,9 +584,8 @@ pub fn prepare(
         *predicted_calls.entry(c.op.to_string()).or_insert(0) += 1;
     }
 
-    let (start, steps_done, schedule, extended) = match &args.resume {
-        Some(dir) => {
-            let ckpt = MappedCheckpoint::open(dir)?;
+    let (start, steps_done, schedule, extended) = match resumed {
+        Some(ckpt) => {
             let (schedule, extended) = check_resume(args, &ckpt, &data)?;
             let step = ckpt.manifest.step;
             (Start::Resume(Box::new(ckpt)), step, schedule, extended)

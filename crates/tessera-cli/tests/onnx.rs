@@ -265,3 +265,72 @@ fn an_imported_resnet_and_unet_train_on_the_digits() {
     let mem = &out["memory"];
     assert_eq!(mem["predicted_peak_bytes"], mem["measured_peak_bytes"], "{mem}");
 }
+
+/// A checkpoint saved from an imported model is a model of its own: `eval --model-dir` reads
+/// its graph from the ONNX file its config.json names and its weights from the checkpoint
+/// (after a step at a vanishing learning rate it evaluates as the file does; after real
+/// training, not), `--resume` continues the run bit for bit, and resuming under another model
+/// is refused naming the saved one.
+#[test]
+fn checkpoints_of_imported_models_evaluate_and_resume() {
+    let model = fixture("llama").join("model.onnx");
+    let m = model.to_str().unwrap();
+    let dir = scratch("ckpt");
+    let run = ["train", "--model", m, "--batch", "2", "--seq", "16", "--steps", "3"];
+    let train = |extra: &[&str]| ok_json(&[&run[..], extra, &["--format", "json"]].concat());
+
+    // Resume: two steps, saved, then the third, against three in a row.
+    let straight = train(&[]);
+    let ck = dir.join("ck");
+    let ck = ck.to_str().unwrap();
+    train(&["--stop-after", "2", "--save", ck]);
+    let resumed = train(&["--resume", ck]);
+    assert_eq!(resumed["final_loss"], straight["final_loss"], "resumed {resumed}");
+
+    // Resuming under another model names the saved one.
+    let other = tessera(&[
+        "train",
+        "--model",
+        "llama-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "3",
+        "--resume",
+        ck,
+    ]);
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert!(!other.status.success() && err.contains("resume with --model"), "{err}");
+    assert!(err.contains("model.onnx"), "names the saved model: {err}");
+
+    // Eval of checkpoints against the file itself, on the same tokens.
+    let eval = |model_dir: &str| {
+        let out = ok_json(&[
+            "eval",
+            "--model-dir",
+            model_dir,
+            "--tokens",
+            "1,5,9,2,7,3,8,4",
+            "--format",
+            "json",
+        ]);
+        out["loss"].as_f64().unwrap()
+    };
+    let file_loss = eval(m);
+    let still = dir.join("still");
+    train(&["--stop-after", "1", "--lr", "1e-9", "--save", still.to_str().unwrap()]);
+    let still_loss = eval(still.to_str().unwrap());
+    assert!(
+        (still_loss - file_loss).abs() <= 1e-5 * file_loss,
+        "a checkpoint one step of lr 1e-9 away evaluates as the file: {still_loss} vs {file_loss}"
+    );
+    let trained = dir.join("trained");
+    train(&["--lr", "1e-2", "--save", trained.to_str().unwrap()]);
+    let trained_loss = eval(trained.to_str().unwrap());
+    assert!(
+        (trained_loss - file_loss).abs() > 1e-3,
+        "a trained checkpoint's weights are its own: {trained_loss} vs the file's {file_loss}"
+    );
+}

@@ -16,7 +16,7 @@ use tessera_ir::DType;
 
 /// The `model_type` values a config.json may have.
 pub const SUPPORTED_MODEL_TYPES: &[&str] =
-    &["gpt2", "llama", "mistral", "qwen2", "bloom", "bert", "vit", "mlp"];
+    &["gpt2", "llama", "mistral", "qwen2", "bloom", "bert", "vit", "mlp", "onnx"];
 
 /// Parses a config.json's `text`; `origin` names it in errors, `fallback_name` names the model
 /// when the file has no `_name_or_path`.
@@ -66,11 +66,41 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
         "bert" => bert(&f, name),
         "vit" => vit(&f, name),
         "mlp" => mlp(&f, name),
+        "onnx" => onnx(&f, origin),
         other => Err(ModelError::UnknownModelType {
             found: other.to_string(),
             supported: SUPPORTED_MODEL_TYPES.join(", "),
         }),
     }
+}
+
+/// A checkpoint of a model imported from ONNX (what `train --save` writes for one): its
+/// `onnx_model` is the file the graph is read from, relative to the config's folder when not
+/// absolute; the weights are the checkpoint's.
+fn onnx(f: &Fields, origin: &str) -> Result<ModelConfig> {
+    let Some(file) = f.str("onnx_model")? else {
+        return Err(ModelError::MissingField {
+            model_type: "onnx".into(),
+            field: "onnx_model".into(),
+        });
+    };
+    let mut path = std::path::PathBuf::from(file);
+    if path.is_relative() {
+        if let Some(dir) = std::path::Path::new(origin).parent() {
+            path = dir.join(path);
+        }
+    }
+    if !path.is_file() {
+        return Err(ModelError::invalid(
+            "onnx_model",
+            format!(
+                "{origin} names the ONNX file {} as its graph, which does not exist: put the \
+                 file back there, or set onnx_model to where it is now",
+                path.display()
+            ),
+        ));
+    }
+    crate::onnx::OnnxConfig::open(&path).map(ModelConfig::Onnx)
 }
 
 fn gpt2(f: &Fields, name: String) -> Result<ModelConfig> {

@@ -46,10 +46,13 @@ impl ModelConfig {
             ModelConfig::Vit(c) => vit(c),
             ModelConfig::Mlp(c) => mlp(c),
             ModelConfig::Bloom(c) => bloom(c),
-            // No transformers class reads an ONNX graph: the file it came from is recorded.
+            // No transformers class reads an ONNX graph: the file it came from is recorded,
+            // as an absolute path where it resolves (a checkpoint is read from anywhere).
             ModelConfig::Onnx(c) => {
                 let mut m = Map::new();
-                m.insert("onnx_model".into(), json!(c.path));
+                let path = std::fs::canonicalize(&c.path)
+                    .map_or_else(|_| c.path.clone(), |p| p.display().to_string());
+                m.insert("onnx_model".into(), json!(path));
                 m
             }
         };
