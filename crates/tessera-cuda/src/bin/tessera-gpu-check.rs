@@ -155,15 +155,7 @@ fn check_attention_variants(gpu: &Arc<Gpu>, dtype: DType, d: usize, fails: &mut 
         Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
     let mut st = 0x1234_5678_9ABC_DEF1u64;
     let mut rand = |dims: &[usize]| {
-        let n: usize = dims.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|_| {
-                st ^= st << 13;
-                st ^= st >> 7;
-                st ^= st << 17;
-                (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect();
+        let v = uniform(&mut st, dims.iter().product());
         let x = Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap();
         x.to_dtype(tessera_runtime::tensor::candle_dtype(dtype)).unwrap()
     };
@@ -209,6 +201,18 @@ fn check_attention_variants(gpu: &Arc<Gpu>, dtype: DType, d: usize, fails: &mut 
     }
 }
 
+/// `n` values uniform in [-1, 1) from the xorshift state `st` (the checks' random inputs).
+fn uniform(st: &mut u64, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *st ^= *st << 13;
+            *st ^= *st >> 7;
+            *st ^= *st << 17;
+            (*st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
 /// Reductions by every path the backend takes (column partials, many-block partials, one
 /// block per output) and every op, against the CPU kernels on random inputs.
 fn check_reductions(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
@@ -218,14 +222,7 @@ fn check_reductions(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
         Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
     let mut st = 0x0DDB_1A5E_5BAD_5EEDu64;
     let (r, c) = (300, 700);
-    let v: Vec<f32> = (0..r * c)
-        .map(|_| {
-            st ^= st << 13;
-            st ^= st >> 7;
-            st ^= st << 17;
-            (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect();
+    let v = uniform(&mut st, r * c);
     let x = Tensor::from_vec(v, (r, c), &candle_core::Device::Cpu).unwrap();
     let at = MeshPos::single();
     for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::SumSquares] {
@@ -255,14 +252,7 @@ fn check_dropout(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
     let at = MeshPos::single();
     let seed = Tensor::from_vec(vec![1234i64], (), &candle_core::Device::Cpu).unwrap();
     for (r, c) in [(300, 704), (13, 77)] {
-        let v: Vec<f32> = (0..r * c)
-            .map(|_| {
-                st ^= st << 13;
-                st ^= st >> 7;
-                st ^= st << 17;
-                (st >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect();
+        let v = uniform(&mut st, r * c);
         for dtype in [DType::F32, DType::BF16] {
             let x = Tensor::from_vec(v.clone(), (r, c), &candle_core::Device::Cpu)
                 .unwrap()
