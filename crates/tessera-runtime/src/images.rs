@@ -191,6 +191,16 @@ impl ImageSet {
         max_batches: usize,
         noise: f32,
     ) -> Result<Vec<StepBatch>> {
+        self.val_rows(batch, max_batches)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, rows)| self.denoise_of(&self.val, &rows, noise, seed, u64::MAX - i as u64))
+            .collect()
+    }
+
+    /// The rows of the held-out batches in order, `batch` per batch, full batches only, at
+    /// most `max_batches` (an error if not even one batch fits).
+    fn val_rows(&self, batch: usize, max_batches: usize) -> Result<Vec<Vec<usize>>> {
         let n = self.val_labels.len();
         if batch == 0 || n < batch {
             return Err(err(format!(
@@ -199,13 +209,10 @@ impl ImageSet {
                 self.source
             )));
         }
-        (0..n / batch)
+        Ok((0..n / batch)
             .take(max_batches)
-            .map(|i| {
-                let rows: Vec<usize> = (i * batch..(i + 1) * batch).collect();
-                self.denoise_of(&self.val, &rows, noise, seed, u64::MAX - i as u64)
-            })
-            .collect()
+            .map(|i| (i * batch..(i + 1) * batch).collect())
+            .collect())
     }
 
     /// The mean squared error of the best context-free guess of a clean image: each pixel's
@@ -235,20 +242,9 @@ impl ImageSet {
     /// The held-out images in order, `batch` per batch, full batches only, at most
     /// `max_batches` (an error if not even one batch fits).
     pub fn val_batches(&self, batch: usize, max_batches: usize) -> Result<Vec<StepBatch>> {
-        let n = self.val_labels.len();
-        if batch == 0 || n < batch {
-            return Err(err(format!(
-                "the held-out split of {} has {n} images, fewer than one batch of {batch}; use \
-                 a smaller --batch",
-                self.source
-            )));
-        }
-        (0..n / batch)
-            .take(max_batches)
-            .map(|i| {
-                let rows: Vec<usize> = (i * batch..(i + 1) * batch).collect();
-                self.batch_of(&self.val, &self.val_labels, &rows)
-            })
+        self.val_rows(batch, max_batches)?
+            .into_iter()
+            .map(|rows| self.batch_of(&self.val, &self.val_labels, &rows))
             .collect()
     }
 }
