@@ -24,6 +24,8 @@ pub const PRESETS: &[&str] = &[
     "gpt3-175b",
     "mt-nlg-530b",
     "gpt-1t",
+    "mpt-1b",
+    "mpt-3b",
     "gpt2-tiny",
     "llama2-7b",
     "llama2-13b",
@@ -74,6 +76,8 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         "gpt3-175b" => gpt2_cfg(Gpt2Params::new(name, 50257, 2048, 12288, 96, 96)),
         "mt-nlg-530b" => gpt2_cfg(Gpt2Params::new(name, 50257, 2048, 20480, 105, 128)),
         "gpt-1t" => gpt2_cfg(Gpt2Params::new(name, 50257, 2048, 25600, 128, 160)),
+        "mpt-1b" => gpt2_cfg(Gpt2Params::new(name, 50368, 2048, 2048, 24, 16)),
+        "mpt-3b" => gpt2_cfg(Gpt2Params::new(name, 50368, 2048, 2560, 32, 20)),
         "gpt2-tiny" => {
             // Byte-level vocabulary, no dropout: the model the CPU tests and demos train.
             let mut p = Gpt2Params::new(name, 256, 256, 256, 8, 8);

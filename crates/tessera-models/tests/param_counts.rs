@@ -31,6 +31,9 @@ fn presets_match_hugging_face_counts() {
         ("gpt2-medium", 354_823_168),
         ("gpt2-large", 774_030_080),
         ("gpt2-xl", 1_557_611_200),
+        // llm-foundry's benchmark table (`scripts/train/benchmarking/README.md`, NumParams).
+        ("mpt-1b", 1_315_950_592),
+        ("mpt-3b", 2_651_837_440),
         ("llama2-7b", 6_738_415_616),
         ("llama2-13b", 13_015_864_320),
         ("llama2-70b", 68_976_648_192),

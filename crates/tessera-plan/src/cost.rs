@@ -5,7 +5,7 @@
 //! Constants and their sources are in `cluster.rs` (device presets) and BENCHMARKS.md.
 
 use crate::tiers::{HostTier, NvmeTier};
-use crate::{DeviceSpec, Link};
+use crate::{AxisLink, DeviceSpec};
 use tessera_ir::Tier;
 use tessera_ir::{Collective, CommStep, DType, Op, TensorMeta};
 
@@ -134,7 +134,7 @@ impl CostModel {
     }
 
     /// Time of a sequence of collective steps starting from a local tensor `input`.
-    pub fn reshard_time(&self, links: &[Link], steps: &[CommStep], input: &TensorMeta) -> f64 {
+    pub fn reshard_time(&self, links: &[AxisLink], steps: &[CommStep], input: &TensorMeta) -> f64 {
         let mut shape = input.shape.clone();
         let mut t = 0.0;
         for s in steps {
@@ -159,7 +159,7 @@ impl CostModel {
 /// | all-reduce | 2(n−1)·α + 2(n−1)/n·B/bw |
 /// | all-to-all | (n−1)·α + (n−1)/n·B/bw |
 /// | shard (local slice) | 0 |
-pub fn collective_time(link: Link, n: usize, op: Collective, bytes: u64) -> f64 {
+pub fn collective_time(link: AxisLink, n: usize, op: Collective, bytes: u64) -> f64 {
     crate::reshard::collective_time(op, n, bytes as f64, &link)
 }
 
@@ -169,10 +169,9 @@ pub const BUCKET_BYTES: f64 = 25.0 * 1024.0 * 1024.0;
 
 /// [`collective_time`] with the latency shared across a bucket: the bandwidth term in full, the
 /// latency term for the fraction of a bucket these bytes fill.
-pub fn bucketed_time(link: Link, n: usize, op: Collective, bytes: u64) -> f64 {
+pub fn bucketed_time(link: AxisLink, n: usize, op: Collective, bytes: u64) -> f64 {
     let full = collective_time(link, n, op, bytes);
-    let latency =
-        collective_time(Link { latency_s: link.latency_s, bandwidth: f64::INFINITY }, n, op, 0);
+    let latency = collective_time(link, n, op, 0);
     let share = (bytes as f64 / BUCKET_BYTES).min(1.0);
     full - latency + latency * share
 }

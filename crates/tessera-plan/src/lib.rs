@@ -37,7 +37,7 @@ pub mod tiers;
 pub mod units;
 
 pub use cluster::{Cluster, DeviceSpec, Link};
-pub use mesh::Mesh;
+pub use mesh::{AxisLink, Mesh};
 pub use spec::Spec;
 
 /// Everything that can go wrong while planning, each naming the problem and the fix.

@@ -1,18 +1,53 @@
 //! Logical N-D device meshes. Devices are numbered node-major (`node · gpus_per_node + local`)
 //! and a mesh of shape `[a0, a1, .., ak]` lays them out row-major, so the last axes vary
 //! fastest and stay inside a node: an axis whose span (stride × size) fits in a node talks over
-//! the intra-node link, any other over the inter-node link.
+//! the intra-node link only. An axis that spans nodes has its members on several nodes, `k` of
+//! them on each ([`AxisLink::per_node`]): its collectives move bytes at the inter-node link's
+//! bandwidth per device, and pay the network's latency only for the ring steps between nodes,
+//! the intra-node link's for the others, as NCCL's own tuning model counts them (see
+//! [`crate::reshard::collective_time`]). Charging every one of a 512-member ring's 511 steps
+//! the network's latency made a data-parallel step on 64 nodes slower than measured.
 
 use crate::{Cluster, Link, PlanError, Result};
 use serde::{Deserialize, Serialize};
+
+/// The links one mesh axis's collectives run over.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AxisLink {
+    /// Between members of the axis on one node.
+    pub intra: Link,
+    /// Between nodes, per device.
+    pub inter: Link,
+    /// Members of one group on each node: the axis size when the axis fits in a node (only
+    /// `intra` is used), 1 when every member sits on its own node, in between for an axis that
+    /// spans nodes with several members on each.
+    pub per_node: usize,
+}
+
+impl AxisLink {
+    /// One level: every member talks to the others over `link`.
+    pub fn uniform(link: Link) -> AxisLink {
+        AxisLink { intra: link, inter: link, per_node: 1 }
+    }
+
+    /// The link a point-to-point message between two members may cross: the slowest of the
+    /// axis (a pipeline's stages exchange activations with their neighbours one at a time).
+    pub fn p2p(&self, size: usize) -> Link {
+        if self.per_node >= size {
+            self.intra
+        } else {
+            self.inter
+        }
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Mesh {
     pub shape: Vec<usize>,
     /// Axis names (`dp`, `tp`, or `a0`, `a1`, ..): for display only.
     pub axes: Vec<String>,
-    /// The link each axis' collectives run over.
-    pub links: Vec<Link>,
+    /// The links each axis' collectives run over.
+    pub links: Vec<AxisLink>,
 }
 
 impl Mesh {
@@ -30,12 +65,27 @@ impl Mesh {
         if shape.contains(&0) {
             return Err(PlanError::Invalid(format!("mesh {shape:?} has an axis of size 0")));
         }
+        let gpn = cluster.gpus_per_node;
         let mut links = Vec::with_capacity(shape.len());
         for i in 0..shape.len() {
             let stride: usize = shape[i + 1..].iter().product();
             let span = stride * shape[i];
-            let intra = span <= cluster.gpus_per_node && cluster.gpus_per_node.is_multiple_of(span);
-            links.push(if intra || cluster.nodes == 1 { cluster.intra } else { cluster.inter });
+            let intra = span <= gpn && gpn.is_multiple_of(span);
+            // Members per node of an axis spanning nodes: a group's members sit `stride`
+            // apart, so `gpn / stride` of them share a node when the stride divides the node
+            // (and that count divides the axis); otherwise price the axis as one member per
+            // node (a flat ring over the inter-node link, the slower bound).
+            let per_node = if intra || cluster.nodes == 1 {
+                shape[i]
+            } else if stride < gpn
+                && gpn.is_multiple_of(stride)
+                && shape[i].is_multiple_of(gpn / stride)
+            {
+                gpn / stride
+            } else {
+                1
+            };
+            links.push(AxisLink { intra: cluster.intra, inter: cluster.inter, per_node });
         }
         let axes = (0..shape.len())
             .map(|i| names.get(i).map_or_else(|| format!("a{i}"), |s| s.to_string()))
@@ -43,8 +93,13 @@ impl Mesh {
         Ok(Mesh { shape: shape.to_vec(), axes, links })
     }
 
-    /// A mesh with explicit links (tests, hand-built meshes).
+    /// A mesh with one explicit link per axis (tests, hand-built meshes).
     pub fn with_links(shape: &[usize], links: Vec<Link>) -> Mesh {
+        Mesh::with_axis_links(shape, links.into_iter().map(AxisLink::uniform).collect())
+    }
+
+    /// A mesh with explicit axis links.
+    pub fn with_axis_links(shape: &[usize], links: Vec<AxisLink>) -> Mesh {
         let axes = (0..shape.len()).map(|i| format!("a{i}")).collect();
         Mesh { shape: shape.to_vec(), axes, links }
     }
@@ -53,11 +108,16 @@ impl Mesh {
     /// same links): plans on one map onto the other by renaming axes.
     pub fn equivalent(&self, other: &Mesh) -> bool {
         let key = |m: &Mesh| {
-            let mut k: Vec<(usize, u64, u64)> = m
+            let bits = |l: &Link| [l.latency_s.to_bits(), l.bandwidth.to_bits()];
+            let mut k: Vec<[u64; 6]> = m
                 .shape
                 .iter()
                 .zip(&m.links)
-                .map(|(&s, l)| (s, l.latency_s.to_bits(), l.bandwidth.to_bits()))
+                .map(|(&s, l)| {
+                    let [a, b] = bits(&l.intra);
+                    let [c, d] = bits(&l.inter);
+                    [s as u64, l.per_node.min(s) as u64, a, b, c, d]
+                })
                 .collect();
             k.sort_unstable();
             k
@@ -129,5 +189,27 @@ mod tests {
         let c = Mesh::new(&two, &[2, 8], &[]).unwrap();
         let d = Mesh::new(&two, &[8, 2], &[]).unwrap();
         assert!(!c.equivalent(&d));
+    }
+
+    #[test]
+    fn an_axis_spanning_nodes_knows_its_members_per_node() {
+        let two = Cluster::parse("2x8xH100").unwrap();
+        let per_node = |shape: &[usize]| -> Vec<usize> {
+            Mesh::new(&two, shape, &[]).unwrap().links.iter().map(|l| l.per_node).collect()
+        };
+        // 16 data-parallel ranks: 8 on each node. [2, 8]: one per node, then 8 in a node.
+        assert_eq!(per_node(&[16, 1]), vec![8, 1]);
+        assert_eq!(per_node(&[2, 8]), vec![1, 8]);
+        // dp4 × tp4: a dp group's members sit 4 apart, 2 on each node.
+        assert_eq!(per_node(&[4, 4]), vec![2, 4]);
+        // A stride the node size does not divide: priced as one member per node.
+        let three = Cluster::parse("2x6xH100").unwrap();
+        let m = Mesh::new(&three, &[3, 4], &[]).unwrap();
+        assert_eq!(m.links[0].per_node, 1);
+        // One node: everything intra.
+        let one = Cluster::parse("8xH100").unwrap();
+        let m = Mesh::new(&one, &[8], &[]).unwrap();
+        assert_eq!((m.links[0].per_node, m.links[0].p2p(8)), (8, one.intra));
+        assert_eq!(Mesh::new(&two, &[16, 1], &[]).unwrap().links[0].p2p(16), two.inter);
     }
 }

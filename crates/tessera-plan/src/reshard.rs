@@ -17,7 +17,8 @@
 //! pending sum, so a target pending over an axis the source is not pending over is
 //! unreachable.
 //!
-//! Costs follow the alpha-beta ring model per axis ([`collective_time`]) with `B` the local
+//! Costs follow the alpha-beta ring model per axis ([`collective_time`]; an axis spanning nodes
+//! pays the network's latency on its steps between nodes only) with `B` the local
 //! bytes before the move; every move also pays [`MOVE_TIE_BREAK_S`] so that, among paths of
 //! equal time, the shortest is preferred. [`cheapest_path`] is Dijkstra over specs (packed
 //! into a `u128`, one byte per mesh axis, so the search allocates little); [`ReshardCache`]
@@ -25,7 +26,7 @@
 //! [`brute_force_all`] are exhaustive oracles for tests, built on [`apply_move`] and
 //! [`moves_from`] and so independent of the search.
 
-use crate::{Link, Mesh, Spec};
+use crate::{AxisLink, Link, Mesh, Spec};
 use serde::{Deserialize, Serialize};
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
@@ -129,7 +130,7 @@ pub fn moves_from(mesh: &Mesh, shape: &[usize], spec: &Spec) -> Vec<(CommStep, S
 /// - shard (a local slice): 0
 ///
 /// [`MOVE_TIE_BREAK_S`] is not included.
-pub fn collective_time(op: Collective, n: usize, local_bytes: f64, link: &Link) -> f64 {
+pub fn ring_time(op: Collective, n: usize, local_bytes: f64, link: &Link) -> f64 {
     let m = n.saturating_sub(1) as f64;
     let n = n.max(1) as f64;
     let (alpha, bw) = (link.latency_s, link.bandwidth);
@@ -141,6 +142,33 @@ pub fn collective_time(op: Collective, n: usize, local_bytes: f64, link: &Link) 
         Collective::AllReduce => 2.0 * m * alpha + 2.0 * m / n * local_bytes / bw,
         Collective::Shard { .. } => 0.0,
     }
+}
+
+/// Communication time in seconds of one collective over the `n` devices of a mesh axis, with
+/// `local_bytes` the bytes each device holds before it: a ring ([`ring_time`]). Within a node
+/// the ring runs over the intra-node link. Across nodes its bandwidth is the inter-node link's
+/// per device (the published runs of `scripts/published-runs.tsv` are priced with it), and its
+/// latency is NCCL's own model of a ring (`ncclTopoTuneModel`, `src/graph/tuning.cc`): of the
+/// ring's steps (`n−1`, twice that for an all-reduce) only those between the `m` nodes the
+/// group spans (`m−1`, twice for an all-reduce) wait on the network; the others hop between
+/// members on one node, at the intra-node link's latency. An all-to-all's `n−1` messages go to
+/// `k−1` members on the node and `n−k` on other nodes (`k` members per node).
+pub fn collective_time(op: Collective, n: usize, local_bytes: f64, link: &AxisLink) -> f64 {
+    let k = link.per_node.clamp(1, n.max(1));
+    if k == n {
+        return ring_time(op, n, local_bytes, &link.intra);
+    }
+    let bandwidth_only = Link { latency_s: 0.0, bandwidth: link.inter.bandwidth };
+    let transfer = ring_time(op, n, local_bytes, &bandwidth_only);
+    // Steps of the ring (messages of an all-to-all) over the network and within a node.
+    let nodes = n.div_ceil(k);
+    let (inter, all) = match op {
+        Collective::AllReduce => (2 * (nodes - 1), 2 * (n - 1)),
+        Collective::ReduceScatter { .. } | Collective::AllGather { .. } => (nodes - 1, n - 1),
+        Collective::AllToAll { .. } => (n - k, n - 1),
+        Collective::Shard { .. } => return 0.0,
+    };
+    transfer + inter as f64 * link.inter.latency_s + (all - inter) as f64 * link.intra.latency_s
 }
 
 /// The cost in seconds of `step` applied to a tensor of global `shape` laid out as `from`:
@@ -764,6 +792,44 @@ mod tests {
                 };
                 assert_eq!(a, b, "{from} -> {to}");
             }
+        }
+    }
+
+    #[test]
+    fn rings_across_nodes_pay_the_network_latency_between_nodes_only() {
+        let intra = Link { latency_s: 2e-6, bandwidth: 300e9 };
+        let inter = Link { latency_s: 10e-6, bandwidth: 40e9 };
+        let b = 64e6;
+        let rs = Collective::ReduceScatter { dim: 0 };
+        let ag = Collective::AllGather { dim: 0 };
+        let a2a = Collective::AllToAll { split_dim: 0, concat_dim: 1 };
+        // Within a node: the intra-node ring; one member per node: the inter-node ring.
+        let node = AxisLink { intra, inter, per_node: 8 };
+        assert_eq!(collective_time(rs, 8, b, &node), ring_time(rs, 8, b, &intra));
+        let spread = AxisLink { intra, inter, per_node: 1 };
+        for op in [rs, ag, Collective::AllReduce, a2a] {
+            assert_eq!(collective_time(op, 16, b, &spread), ring_time(op, 16, b, &inter));
+        }
+        // 64 members, 8 on each of 8 nodes (NCCL's tuning model): bytes at the inter-node
+        // bandwidth, 7 network steps and 56 on-node steps (twice each for an all-reduce).
+        let dgx = AxisLink { intra, inter, per_node: 8 };
+        let n = 64.0;
+        let bytes = (n - 1.0) / n * b / inter.bandwidth;
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b;
+        let t = collective_time(rs, 64, b, &dgx);
+        assert!(close(t, bytes + 7.0 * 10e-6 + 56.0 * 2e-6), "{t}");
+        let t = collective_time(ag, 64, b / n, &dgx);
+        assert!(close(t, bytes + 7.0 * 10e-6 + 56.0 * 2e-6), "{t}");
+        let t = collective_time(Collective::AllReduce, 64, b, &dgx);
+        assert!(close(t, 2.0 * bytes + 14.0 * 10e-6 + 112.0 * 2e-6), "{t}");
+        // An all-to-all: 7 messages stay on the node, 56 leave it.
+        let t = collective_time(a2a, 64, b, &dgx);
+        assert!(close(t, bytes + 56.0 * 10e-6 + 7.0 * 2e-6), "{t}");
+        assert_eq!(collective_time(Collective::Shard { dim: 0 }, 64, b, &dgx), 0.0);
+        // Never cheaper than the same bytes within one node, never dearer than the flat ring.
+        for op in [rs, ag, Collective::AllReduce, a2a] {
+            let t = collective_time(op, 64, b, &dgx);
+            assert!(t > ring_time(op, 64, b, &intra) && t < ring_time(op, 64, b, &inter));
         }
     }
 }

@@ -171,7 +171,8 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
         let p = &problems[&(shape.dp * size)];
         let (stage, full) = super::plan::meshes(&req.cluster, &[shape.dp, shape.tp], shape.pp)?;
         let m = req.batch / (shape.dp * size);
-        let link = *full.links.last().ok_or_else(|| PlanError::Internal("no mesh axes".into()))?;
+        let link = full.links.last().ok_or_else(|| PlanError::Internal("no mesh axes".into()))?;
+        let link = link.p2p(shape.pp);
         let at = psearch::ScreenAt { shape: *shape, m, num_blocks: nb, knobs, link, budget, bound };
         psearch::sample_and_screen(p, &stage, &at)
     });

@@ -54,12 +54,12 @@ pub struct PipeUnfinished {
 
 /// The full mesh: the stage's mesh with the pipeline axis appended (last, so the stage's axes
 /// keep their indices; a device's stage is its last coordinate).
-pub fn full_mesh(stage_mesh: &Mesh, devices: usize, link: crate::Link) -> Mesh {
+pub fn full_mesh(stage_mesh: &Mesh, devices: usize, link: crate::AxisLink) -> Mesh {
     let mut shape = stage_mesh.shape.clone();
     let mut links = stage_mesh.links.clone();
     shape.push(devices);
     links.push(link);
-    Mesh::with_links(&shape, links)
+    Mesh::with_axis_links(&shape, links)
 }
 
 /// Steps 1–4 (see the module docs).
@@ -342,7 +342,7 @@ pub fn finish_pipeline(
     let durations: Vec<HashMap<Slot, f64>> =
         devices.iter().map(|d| slot_seconds(&d.lowered, &d.slot_of, full, cost)).collect();
     let map = &u.options.map;
-    let link = full.links[map.axis];
+    let link = full.links[map.axis].p2p(full.shape[map.axis]);
     let bytes: HashMap<(usize, usize), u64> =
         u.devices.iter().flat_map(|d| &d.boundaries).fold(HashMap::new(), |mut acc, b| {
             *acc.entry((b.from, b.to)).or_default() += b.bytes;
