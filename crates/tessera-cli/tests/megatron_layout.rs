@@ -3,7 +3,8 @@
 //! 70B (64 heads, 8 KV heads) and GPT-2 split every weight as Megatron-LM splits it —
 //! column-parallel q/k/v, gate/up, fc and the LM head; row-parallel attention output and
 //! down/fc2 projections; norms replicated — and each device holds exactly the parameter bytes
-//! of Megatron-LM's formula; the embedding table splits by vocabulary rows. Named deviations,
+//! of Megatron-LM's formula; the embedding table splits by vocabulary rows and the loss is
+//! vocabulary-parallel (the logits never gathered). Named deviations,
 //! asserted as such: GPT-2's 50257-token vocabulary (which Megatron-LM pads to a multiple of
 //! 128·tp) splits the table by its hidden features and the head by its input features (the
 //! same bytes), and GPT-2's fused `c_attn` splits by contiguous columns.
@@ -138,12 +139,21 @@ fn llama_weights_split_as_megatron_splits_them() {
                 llama_bytes(vocab, h, l, heads, kv, ffn, tp as u64),
                 "{model} `{config}`: parameter bytes per device"
             );
-            // The loss: whole on the tensor axis without sp, its share of the sequence with.
-            let labels = v["tensors"].as_array().unwrap().iter().find(|t| t["name"] == "labels");
-            let spec = labels.unwrap()["spec"].as_str().unwrap();
-            assert_eq!(spec.contains('1'), config.contains("sp"), "{model} `{config}`: {spec}");
+            // The loss is vocabulary-parallel, as Megatron-LM's: the logits stay split by
+            // vocabulary over the tensor axis, the labels whole on it (with or without sp).
+            let (logits, labels) = loss_specs(&v);
+            assert!(logits.ends_with("S1]"), "{model} `{config}`: the loss reads {logits}");
+            assert!(!labels.contains('1'), "{model} `{config}`: labels {labels}");
         }
     }
+}
+
+/// The specs of the loss's logits and of the labels, as the plan's strategies read them.
+fn loss_specs(v: &serde_json::Value) -> (String, String) {
+    let strategies = v["strategies"].as_array().unwrap();
+    let ce = strategies.iter().find(|s| s["op"] == "cross_entropy").expect("a loss");
+    let spec = |k: usize| ce["inputs"][k].as_str().unwrap().to_string();
+    (spec(0), spec(1))
 }
 
 #[test]
@@ -152,6 +162,11 @@ fn gpt2_weights_split_as_megatron_splits_them() {
         let v = plan("gpt2", config).unwrap();
         let bytes = check_weights(&v, "gpt2", config, 4, 50257);
         assert_eq!(bytes, gpt2_bytes(50257, 1024, 768, 12, 4), "gpt2 `{config}`");
+        // 50257 classes do not split 4 ways (Megatron-LM pads them): the head is row-parallel
+        // and the loss reads whole logits, or with sp its share of the sequence.
+        let (logits, _) = loss_specs(&v);
+        assert!(!logits.ends_with("S1]"), "gpt2 `{config}`: the loss reads {logits}");
+        assert_eq!(logits.contains('1'), config.contains("sp"), "gpt2 `{config}`: {logits}");
     }
     // GPT-2 has 12 heads: Megatron-LM refuses tp8, and so does the config.
     let err = plan("gpt2", "tp8").unwrap_err();

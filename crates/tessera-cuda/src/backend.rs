@@ -643,10 +643,17 @@ impl CudaBackend {
                 )?;
                 one(y)
             }
-            Op::CrossEntropy { ignore_index, sum } => {
+            Op::CrossEntropy { classes: Some(_), .. }
+            | Op::CrossEntropyBackward { classes: Some(_), .. }
+            | Op::LogSumExp => Err(unsupported(
+                op.name(),
+                "the vocabulary-parallel loss (logits split over tensor-parallel GPUs) is not \
+                 yet written for CUDA; one GPU's plan never splits them",
+            )),
+            Op::CrossEntropy { ignore_index, sum, classes: None } => {
                 crate::loss::cross_entropy(self, x[0], x[1], *ignore_index, *sum, out, p)
             }
-            Op::CrossEntropyBackward { ignore_index, sum } => {
+            Op::CrossEntropyBackward { ignore_index, sum, classes: None } => {
                 one(crate::loss::cross_entropy_backward(self, x, *ignore_index, *sum, &out[0], p)?)
             }
             Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),

@@ -389,7 +389,10 @@ impl Builder {
         targets: TensorId,
         ignore_index: Option<i64>,
     ) -> Result<TensorId> {
-        Ok(self.push(Op::CrossEntropy { ignore_index, sum: false }, &[logits, targets])?[0])
+        Ok(self.push(
+            Op::CrossEntropy { ignore_index, sum: false, classes: None },
+            &[logits, targets],
+        )?[0])
     }
     /// Cross-entropy summed over the rows whose target is not `ignore_index` (divide by a
     /// count of those rows over the whole step for a mean that no plan changes).
@@ -399,7 +402,10 @@ impl Builder {
         targets: TensorId,
         ignore_index: Option<i64>,
     ) -> Result<TensorId> {
-        Ok(self.push(Op::CrossEntropy { ignore_index, sum: true }, &[logits, targets])?[0])
+        Ok(self.push(
+            Op::CrossEntropy { ignore_index, sum: true, classes: None },
+            &[logits, targets],
+        )?[0])
     }
     /// Fused attention on `[B,S,H,D]` operands; returns the output.
     pub fn attention(

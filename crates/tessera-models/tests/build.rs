@@ -248,7 +248,7 @@ fn bert_large_parameters_have_hf_names() {
     let loss = g.producer(m.loss);
     assert_eq!(loss.op, Op::Binary(tessera_ir::BinaryOp::Div));
     let sum = g.producer(loss.inputs[0]);
-    assert_eq!(sum.op, Op::CrossEntropy { ignore_index: Some(-100), sum: true });
+    assert_eq!(sum.op, Op::CrossEntropy { ignore_index: Some(-100), sum: true, classes: None });
     assert_eq!(g.find_leaf("num_targets"), Some(loss.inputs[1]));
 }
 

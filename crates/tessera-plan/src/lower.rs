@@ -20,6 +20,7 @@
 //! one Program and N peaks; the device's mesh coordinate selects its shards at run time.
 
 mod hooks;
+mod loss;
 mod replay;
 mod time;
 
@@ -579,6 +580,7 @@ impl<'a> LocalForward<'a> {
                             q.group = self.b.shape(inputs[0]).last();
                         }
                     }
+                    self.vocab_parallel_loss(node, st, &mut local_op, &mut inputs)?;
                     let outs = self.b.push(local_op, &inputs).map_err(|e| {
                         PlanError::Internal(format!(
                             "{name}: sharded {} does not type-check: {e}",
@@ -596,18 +598,13 @@ impl<'a> LocalForward<'a> {
                         }
                     }
                     let mut outs = outs;
-                    if let Op::CrossEntropy { sum: false, .. } = op {
-                        // A mean over local rows: scale to this device's share of the global
-                        // mean over all rows of all micro-batches, a pending sum. (A sum needs
-                        // nothing: its shards and micro-batches add up to the whole.)
-                        let shards: usize =
-                            st.outputs[0].partial.iter().map(|&a| self.mesh.shape[a]).product();
-                        let k = shards * self.micro_batches;
-                        if k > 1 {
-                            let s =
-                                self.b.scalar_like(1.0 / k as f64, outs[0]).map_err(internal)?;
-                            outs[0] = self.b.mul(outs[0], s).map_err(internal)?;
-                        }
+                    // A loss's mean over local rows: scaled to this device's share of the
+                    // global mean, a pending sum.
+                    let share = self.loss_share(op, st);
+                    if share > 1 {
+                        let s =
+                            self.b.scalar_like(1.0 / share as f64, outs[0]).map_err(internal)?;
+                        outs[0] = self.b.mul(outs[0], s).map_err(internal)?;
                     }
                     for (k, &o) in node.outputs.iter().enumerate() {
                         self.home[o.index()] = Some((outs[k], st.outputs[k].clone()));

@@ -12,7 +12,8 @@
 //!   contraction: vocabulary-parallel, the output a pending sum);
 //! - attention: batch and heads (query and KV heads split together, so the split must divide
 //!   the KV heads); sequence and head dim whole;
-//! - cross-entropy: rows split, classes whole; the mean loss becomes a pending sum.
+//! - cross-entropy: rows and classes split (the vocabulary-parallel loss, see `lower/loss.rs`);
+//!   the loss becomes a pending sum; log-sum-exp: its rows.
 //! - vision ops (NCHW): the batch N splits everywhere (data parallel, weights replicated);
 //!   a convolution with `groups == 1` may also split its output channels (the weight by rows,
 //!   dim 0: each device computes its own channels, like a column-parallel matmul) — with groups
@@ -216,12 +217,28 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             l.partial_from = vec![vec![vocab]];
         }
         Op::CrossEntropy { .. } => {
+            // Rows split freely (each shard's loss a share of the mean, a pending sum); so do
+            // the classes: Megatron-LM's vocabulary-parallel loss, whose lowering computes
+            // every row's log-sum-exp over all classes from the shards' (an all-gather of one
+            // number per row and shard) and leaves each shard's part of the loss pending.
             let rows = l.fresh_dims(x[1], |_| true);
+            let classes = l.label(x[0].shape.dims()[rank(x[0]) - 1], true);
             let mut logits = rows.clone();
-            logits.push(None);
+            logits.push(Some(classes));
             l.inputs = vec![logits, rows.clone()];
+            if x.len() == 3 {
+                l.inputs.push(rows.clone()); // a lowered loss's log-sum-exp
+            }
             l.outputs = vec![vec![], rows.clone()];
-            l.partial_from = vec![rows.iter().flatten().copied().collect(), vec![]];
+            let mut pending: Vec<usize> = rows.iter().flatten().copied().collect();
+            pending.push(classes);
+            l.partial_from = vec![pending, vec![]];
+        }
+        Op::LogSumExp => {
+            let r = rank(x[0]);
+            let xi = l.fresh_dims(x[0], |d| d + 1 < r);
+            l.outputs = vec![xi[..r - 1].to_vec()];
+            l.inputs = vec![xi];
         }
         Op::Attention(_) => {
             // q [B,S,H,D], k/v [B,T,Hkv,D] → out [B,S,H,D], lse [B,H,S].
@@ -560,14 +577,19 @@ mod tests {
     }
 
     #[test]
-    fn cross_entropy_loss_is_a_pending_sum_over_split_rows() {
+    fn cross_entropy_loss_is_a_pending_sum_over_split_rows_and_classes() {
         let (lg, t) = (meta(&[4, 8, 10]), TensorMeta::new(vec![4, 8], DType::I64));
         let (loss, lse) = (meta(&[]), meta(&[4, 8]));
-        let op = Op::CrossEntropy { ignore_index: None, sum: false };
+        let op = Op::CrossEntropy { ignore_index: None, sum: false, classes: None };
         let l = labeling(&op, &[&lg, &t], &[&loss, &lse]).unwrap();
         let all = strategies(&l, &[&lg, &t], &[&loss, &lse], &mesh(&[2, 2]), &|_, _| true);
         let s = all.iter().find(|s| s.inputs[1].to_string() == "[S0, S1]").unwrap();
         assert_eq!(s.outputs[0].partial, vec![0, 1]);
-        assert!(all.iter().all(|s| s.inputs[0].dims[2].is_empty()));
+        // The vocabulary-parallel loss: rows over axis 0, classes over axis 1; the targets and
+        // the log-sum-exp whole over the class axis, the loss pending over both.
+        let v = all.iter().find(|s| s.inputs[0].to_string() == "[S0, R, S1]").unwrap();
+        assert_eq!(v.inputs[1].to_string(), "[S0, R]");
+        assert_eq!(v.outputs[1].to_string(), "[S0, R]");
+        assert_eq!(v.outputs[0].partial, vec![0, 1]);
     }
 }

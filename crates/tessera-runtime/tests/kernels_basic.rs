@@ -565,6 +565,11 @@ fn softmax_forward_and_backward() {
             let y = check_layouts(&Op::Softmax, std::slice::from_ref(&x), &what);
             let dy = randn(&mut r, dims);
             check_layouts(&Op::SoftmaxBackward, &[y[0].clone(), dy], &what);
+            check_layouts(
+                &Op::LogSumExp,
+                std::slice::from_ref(&x),
+                &format!("logsumexp of {what}"),
+            );
         }
     }
 }
@@ -780,6 +785,84 @@ fn vocabulary_shards_sum_to_the_whole_lookup() {
     assert_eq!(values(&sum), values(&whole), "the shards' lookups sum to the whole");
 }
 
+/// Megatron-LM's vocabulary-parallel loss: logits split by classes over a mesh axis. Each
+/// shard's log-sum-exp, combined ([`Op::LogSumExp`] over the gathered values), is the whole
+/// row's; the shards' losses sum to the whole loss; each shard's gradient is its columns of
+/// the whole gradient. With and without an ignored target, mean and sum.
+#[test]
+fn vocabulary_parallel_loss_shards_sum_to_the_whole_loss() {
+    use tessera_ir::dist::{MeshPos, ShardOf};
+    let mut r = rng(17);
+    let (rows, v, shards) = (9usize, 12usize, 3usize);
+    let logits = (randn(&mut r, &[rows, v]) * 3.0).unwrap();
+    let values = |t: &Tensor| to_f64_vec(t).unwrap();
+    let run = |op: &Op, x: &[&Tensor], at: &MeshPos| {
+        let metas: Vec<TensorMeta> = x.iter().map(|t| meta_of(t).unwrap()).collect();
+        let refs: Vec<&TensorMeta> = metas.iter().collect();
+        let out = op.infer(&refs).unwrap();
+        kernels::execute_at(op, x, &out, at).unwrap()
+    };
+    let one = MeshPos::single();
+    let n = v / shards;
+    let at = |k: usize| MeshPos::new(&[2, shards], shards + k).unwrap();
+    let part = |k: usize| logits.narrow(1, k * n, n).unwrap();
+    // The global log-sum-exp from the shards' (each shard's column of a [rows, shards]).
+    let locals: Vec<Tensor> = (0..shards)
+        .map(|k| run(&Op::LogSumExp, &[&part(k)], &one).remove(0).reshape((rows, 1)).unwrap())
+        .collect();
+    let gathered = Tensor::cat(&locals, 1).unwrap();
+    let lse = run(&Op::LogSumExp, &[&gathered], &one).remove(0);
+    let whole_lse = run(&Op::LogSumExp, &[&logits], &one).remove(0);
+    for (a, b) in values(&lse).iter().zip(values(&whole_lse)) {
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "log-sum-exp {a} vs {b}");
+    }
+    let classes = Some(ShardOf { global: vec![v], placement: vec![vec![1]], micro_batch: 0 });
+    let dloss = Tensor::new(1.3f32, &Device::Cpu).unwrap();
+    for ignore in [None, Some(-100i64)] {
+        let t: Vec<i64> = (0..rows)
+            .map(
+                |k| if ignore.is_some() && k % 4 == 2 { -100 } else { r.random_range(0..v as i64) },
+            )
+            .collect();
+        let targets = ids_from(t, &[rows]);
+        for sum in [false, true] {
+            let what = format!("ignore={ignore:?} sum={sum}");
+            let whole_op = Op::CrossEntropy { ignore_index: ignore, sum, classes: None };
+            let whole = run(&whole_op, &[&logits, &targets], &one);
+            let back = Op::CrossEntropyBackward { ignore_index: ignore, sum, classes: None };
+            let whole_grad = run(&back, &[&logits, &targets, &whole[1], &dloss], &one).remove(0);
+            let mut loss = 0.0;
+            for k in 0..shards {
+                let op = Op::CrossEntropy { ignore_index: ignore, sum, classes: classes.clone() };
+                let out = run(&op, &[&part(k), &targets, &lse], &at(k));
+                loss += values(&out[0])[0];
+                assert_eq!(values(&out[1]), values(&lse), "{what}: the log-sum-exp passes through");
+                let back = Op::CrossEntropyBackward {
+                    ignore_index: ignore,
+                    sum,
+                    classes: classes.clone(),
+                };
+                let g = run(&back, &[&part(k), &targets, &lse, &dloss], &at(k)).remove(0);
+                let want = values(&whole_grad.narrow(1, k * n, n).unwrap());
+                for (a, b) in values(&g).iter().zip(&want) {
+                    assert!((a - b).abs() <= 1e-6, "{what}: shard {k} gradient {a} vs {b}");
+                }
+            }
+            let want = values(&whole[0])[0];
+            assert!((loss - want).abs() <= 1e-5 * want.abs(), "{what}: loss {loss} vs {want}");
+        }
+    }
+    // A target past the whole vocabulary is named against it, not against the shard's.
+    let bad = ids_from(vec![v as i64; rows], &[rows]);
+    let op = Op::CrossEntropy { ignore_index: None, sum: false, classes };
+    let metas: Vec<TensorMeta> =
+        [&part(0), &bad, &lse].iter().map(|t| meta_of(t).unwrap()).collect();
+    let refs: Vec<&TensorMeta> = metas.iter().collect();
+    let out = op.infer(&refs).unwrap();
+    let e = kernels::execute_at(&op, &[&part(0), &bad, &lse], &out, &at(0)).unwrap_err();
+    assert!(e.to_string().contains(&format!("out of range for {v} classes")), "{e}");
+}
+
 #[test]
 fn embedding_forward_and_backward() {
     let mut r = rng(15);
@@ -828,12 +911,12 @@ fn cross_entropy_forward_and_backward() {
             for sum in [false, true] {
                 let what = format!("cross_entropy {ldims:?} ignore={ignore:?} sum={sum}");
                 let out = check_layouts(
-                    &Op::CrossEntropy { ignore_index: ignore, sum },
+                    &Op::CrossEntropy { ignore_index: ignore, sum, classes: None },
                     &[logits.clone(), targets.clone()],
                     &what,
                 );
                 let dloss = Tensor::new(1.7f32, &Device::Cpu).unwrap();
-                let op = Op::CrossEntropyBackward { ignore_index: ignore, sum };
+                let op = Op::CrossEntropyBackward { ignore_index: ignore, sum, classes: None };
                 let inputs = [logits.clone(), targets.clone(), out[1].clone(), dloss];
                 check_layouts(&op, &inputs, &what);
             }
@@ -843,13 +926,13 @@ fn cross_entropy_forward_and_backward() {
     let logits = randn(&mut r, &[4, 6]);
     let targets = ids_from(vec![-1; 4], &[4]);
     let out = check_kernel(
-        &Op::CrossEntropy { ignore_index: Some(-1), sum: false },
+        &Op::CrossEntropy { ignore_index: Some(-1), sum: false, classes: None },
         &[logits.clone(), targets.clone()],
         "all ignored",
     );
     assert_eq!(out[0].to_scalar::<f32>().unwrap(), 0.0);
     let dloss = Tensor::new(1f32, &Device::Cpu).unwrap();
-    let op = Op::CrossEntropyBackward { ignore_index: Some(-1), sum: false };
+    let op = Op::CrossEntropyBackward { ignore_index: Some(-1), sum: false, classes: None };
     let g = check_kernel(&op, &[logits, targets, out[1].clone(), dloss], "all ignored backward");
     assert!(to_f64_vec(&g[0]).unwrap().iter().all(|&v| v == 0.0));
 }
@@ -886,14 +969,17 @@ fn out_of_range_ids_and_targets_are_clear_errors() {
     let logits = randn(&mut r, &[3, 5]);
     for (bad, ignore) in [(5i64, None), (-100, None), (-1, Some(-100)), (7, Some(-100))] {
         let t = ids_from(vec![0, bad, 4], &[3]);
-        let e = run_err(&Op::CrossEntropy { ignore_index: ignore, sum: false }, &[&logits, &t]);
+        let e = run_err(
+            &Op::CrossEntropy { ignore_index: ignore, sum: false, classes: None },
+            &[&logits, &t],
+        );
         let msg = e.to_string();
         assert!(matches!(e, RuntimeError::Data(_)), "{msg}");
         assert!(msg.contains(&format!("target {bad}")) && msg.contains("5 classes"), "{msg}");
         let lse = randn(&mut r, &[3]);
         let dloss = Tensor::new(1f32, &Device::Cpu).unwrap();
         let e = run_err(
-            &Op::CrossEntropyBackward { ignore_index: ignore, sum: false },
+            &Op::CrossEntropyBackward { ignore_index: ignore, sum: false, classes: None },
             &[&logits, &t, &lse, &dloss],
         );
         assert!(

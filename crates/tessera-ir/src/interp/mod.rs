@@ -205,6 +205,7 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::ReduceBackward { .. }
         | Op::Softmax
         | Op::SoftmaxBackward
+        | Op::LogSumExp
         | Op::Reshape(_)
         | Op::Permute(_)
         | Op::Slice { .. }
@@ -503,7 +504,8 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::CacheWrite | Op::QMatMul(_) => 3,
         Op::SelectPositions => 2,
         Op::Fill { .. } => 0,
-        Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Softmax => 1,
+        Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Softmax | Op::LogSumExp => 1,
+        Op::CrossEntropy { classes: Some(_), .. } => 3,
         Op::Reshape(_) | Op::Permute(_) | Op::Slice { .. } | Op::Pad { .. } | Op::Expand(_) => 1,
         Op::Rope { .. } | Op::Reshard(_) | Op::Transfer { .. } => 1,
         Op::Send(_) | Op::Recv(..) => {
@@ -593,10 +595,19 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::EmbeddingBackward { num_embeddings, rows } => {
             one(embedding_backward(x[0], x[1], *num_embeddings, rows.as_ref())?)
         }
-        Op::CrossEntropy { ignore_index, sum } => cross_entropy(x[0], x[1], *ignore_index, *sum),
-        Op::CrossEntropyBackward { ignore_index, sum } => {
-            one(cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index, *sum)?)
+        Op::CrossEntropy { ignore_index, sum, classes } => {
+            cross_entropy(x[0], x[1], x.get(2).copied(), *ignore_index, *sum, classes.as_ref())
         }
+        Op::CrossEntropyBackward { ignore_index, sum, classes } => one(cross_entropy_backward(
+            x[0],
+            x[1],
+            x[2],
+            x[3],
+            *ignore_index,
+            *sum,
+            classes.as_ref(),
+        )?),
+        Op::LogSumExp => one(logsumexp_rows(x[0])?),
         Op::Attention(spec) => attention(x[0], x[1], x[2], x.get(3).copied(), spec),
         Op::AttentionBackward(spec) => attention_backward(x, spec),
         Op::Rope { inv_freq, inverse } => one(rope(x[0], x.get(1).copied(), inv_freq, *inverse)?),

@@ -84,31 +84,48 @@ pub(super) fn logsumexp(row: &[f64]) -> f64 {
     m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln()
 }
 
-/// The mean (or, `sum`, the sum) over the non-ignored rows.
+/// The mean (or, `sum`, the sum) over the non-ignored rows. With `classes` (the mesh
+/// origin's share of the vocabulary) and each row's log-sum-exp over every class in `lse`:
+/// that shard's part of the loss (see [`crate::Op::CrossEntropy`]).
 pub(super) fn cross_entropy(
     logits: &Value,
     targets: &Value,
+    lse: Option<&Value>,
     ignore_index: Option<i64>,
     sum: bool,
+    classes: Option<&ShardOf>,
 ) -> Result<Vec<Value>, String> {
     let v = check_logits(logits, targets)?;
-    let mut lse = vec![0.0; targets.numel()];
+    let rows = TableRows::of(classes, v, None).map_err(|e| e.to_string())?;
+    if let Some(l) = lse {
+        ensure!(l.shape == targets.shape, "logsumexp {} must have targets' shape", l.shape);
+    }
+    let mut out_lse = vec![0.0; targets.numel()];
     let (mut total, mut count) = (0.0, 0usize);
-    for (r, (&t, l)) in targets.data.iter().zip(&mut lse).enumerate() {
+    for (r, (&t, l)) in targets.data.iter().zip(&mut out_lse).enumerate() {
         let row = &logits.data[r * v..(r + 1) * v];
-        *l = logsumexp(row);
-        if let Some(c) = target_class(t, v, ignore_index)? {
-            total += *l - row[c];
+        *l = match lse {
+            Some(g) => g.data[r],
+            None => logsumexp(row),
+        };
+        if let Some(c) = target_class(t, rows.vocab, ignore_index)? {
+            if rows.first == 0 {
+                total += *l;
+            }
+            if let Some(k) = rows.local(c) {
+                total -= row[k];
+            }
             count += 1;
         }
     }
     let denominator = if sum { 1 } else { count.max(1) };
     Ok(vec![
         Value::scalar(total / denominator as f64),
-        Value { shape: targets.shape.clone(), data: lse },
+        Value { shape: targets.shape.clone(), data: out_lse },
     ])
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn cross_entropy_backward(
     logits: &Value,
     targets: &Value,
@@ -116,27 +133,44 @@ pub(super) fn cross_entropy_backward(
     dloss: &Value,
     ignore_index: Option<i64>,
     sum: bool,
+    classes: Option<&ShardOf>,
 ) -> Result<Value, String> {
     let v = check_logits(logits, targets)?;
+    let rows = TableRows::of(classes, v, None).map_err(|e| e.to_string())?;
     ensure!(lse.shape == targets.shape, "logsumexp {} must have targets' shape", lse.shape);
     ensure!(dloss.numel() == 1, "dloss must be a scalar, got {}", dloss.shape);
-    let mut classes = Vec::with_capacity(targets.numel());
+    let mut picked = Vec::with_capacity(targets.numel());
     for &t in &targets.data {
-        classes.push(target_class(t, v, ignore_index)?);
+        picked.push(target_class(t, rows.vocab, ignore_index)?);
     }
-    let count = classes.iter().filter(|c| c.is_some()).count();
+    let count = picked.iter().filter(|c| c.is_some()).count();
     let g = dloss.data[0] / if sum { 1 } else { count.max(1) } as f64;
     let mut out = vec![0.0; logits.numel()];
-    for (r, c) in classes.into_iter().enumerate() {
+    for (r, c) in picked.into_iter().enumerate() {
         let Some(c) = c else { continue };
         let row = &logits.data[r * v..(r + 1) * v];
         let orow = &mut out[r * v..(r + 1) * v];
         for (o, &l) in orow.iter_mut().zip(row) {
             *o = g * (l - lse.data[r]).exp();
         }
-        orow[c] -= g;
+        if let Some(k) = rows.local(c) {
+            orow[k] -= g;
+        }
     }
     Ok(Value { shape: logits.shape.clone(), data: out })
+}
+
+/// `log Σ exp` over the last dim.
+pub(super) fn logsumexp_rows(x: &Value) -> Result<Value, String> {
+    let v = last_dim(x)?;
+    let dims = x.dims();
+    let shape = Shape::from(dims[..dims.len() - 1].to_vec());
+    let data = if v == 0 {
+        vec![f64::NEG_INFINITY; shape.numel() as usize]
+    } else {
+        x.data.chunks(v).map(logsumexp).collect()
+    };
+    Ok(Value { shape, data })
 }
 
 // ---- attention and rope ----------------------------------------------------------------------

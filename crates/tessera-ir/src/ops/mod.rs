@@ -251,17 +251,34 @@ pub enum Op {
     /// Inputs `[logits [.., V], targets [..]]` → `[loss [] f32, logsumexp [..] f32]`: the mean
     /// over the rows whose target is not `ignore_index`, or with `sum` their sum (a loss
     /// normalised by a count the caller supplies, the same on every shard of every plan).
+    ///
+    /// With `classes` (set by the planner's lowering: Megatron-LM's vocabulary-parallel loss)
+    /// the logits are one device's share of the classes and a third input gives each row's
+    /// log-sum-exp over all of them (`[logits, targets, logsumexp]`, see [`Op::LogSumExp`]): a
+    /// row adds `−logit[target]` on the shard holding its target and its log-sum-exp on the
+    /// shard holding class 0, so the shards' losses add up to the loss (a pending sum); the
+    /// second output is the log-sum-exp input. The logsumexp input takes no gradient: the
+    /// backward's `softmax − onehot` is the whole derivative.
     CrossEntropy {
         ignore_index: Option<i64>,
         #[serde(default)]
         sum: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<crate::dist::ShardOf>,
     },
-    /// Inputs `[logits, targets, logsumexp, dloss]` → dlogits.
+    /// Inputs `[logits, targets, logsumexp, dloss]` → dlogits (with `classes`, of this
+    /// device's classes, from the log-sum-exp over all of them).
     CrossEntropyBackward {
         ignore_index: Option<i64>,
         #[serde(default)]
         sum: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<crate::dist::ShardOf>,
     },
+    /// Inputs `[x [.., n]]` → `[.. ] f32`: `log Σ exp` over the last dim, computed stably (the
+    /// row's maximum factored out). The vocabulary-parallel loss's per-shard and global
+    /// normalisers.
+    LogSumExp,
     /// Fused attention. Inputs `q [B,S,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D]` with H a multiple
     /// of Hkv (GQA) → `[out [B,S,H,D], logsumexp [B,H,S] f32]`. No S×T matrix is saved.
     /// Query `i` sits at position `i + T − S` (the last S of T positions), or, with a fourth
@@ -437,6 +454,7 @@ impl Op {
             Op::Embedding { .. } => "embedding",
             Op::EmbeddingBackward { .. } => "embedding_backward",
             Op::CrossEntropy { .. } => "cross_entropy",
+            Op::LogSumExp => "logsumexp",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Op::Attention(_) => "attention",
             Op::AttentionBackward(_) => "attention_backward",
@@ -506,6 +524,7 @@ impl Op {
             | Op::Reduce { .. }
             | Op::ReduceBackward { .. }
             | Op::Softmax
+            | Op::LogSumExp
             | Op::SoftmaxBackward
             | Op::Reshape(_)
             | Op::Permute(_)
@@ -571,8 +590,9 @@ impl Op {
             Op::EmbeddingBackward { num_embeddings, .. } => {
                 embedding::infer_backward(x, *num_embeddings)
             }
-            Op::CrossEntropy { .. } => loss::infer(x),
+            Op::CrossEntropy { classes, .. } => loss::infer(x, classes.is_some()),
             Op::CrossEntropyBackward { .. } => loss::infer_backward(x),
+            Op::LogSumExp => loss::infer_logsumexp(x),
             Op::Attention(_) => attention::infer(x),
             Op::AttentionBackward(_) => attention::infer_backward(x),
             Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
@@ -636,6 +656,7 @@ impl Op {
             Op::EmbeddingBackward { .. } => embedding::flops_backward(x),
             Op::CrossEntropy { .. } => loss::flops(x),
             Op::CrossEntropyBackward { .. } => loss::flops_backward(x),
+            Op::LogSumExp => loss::flops_logsumexp(x),
             Op::Attention(_) => attention::flops(x),
             Op::AttentionBackward(_) => attention::flops_backward(x),
             Op::Rope { .. } => attention::flops_rope(y),
@@ -681,6 +702,7 @@ impl Op {
             | Op::Reduce { .. }
             | Op::ReduceBackward { .. }
             | Op::Softmax
+            | Op::LogSumExp
             | Op::SoftmaxBackward
             | Op::Permute(_)
             | Op::Slice { .. }
@@ -743,6 +765,7 @@ impl Op {
             | Op::Reduce { .. }
             | Op::ReduceBackward { .. }
             | Op::Softmax
+            | Op::LogSumExp
             | Op::SoftmaxBackward
             | Op::Permute(_)
             | Op::Slice { .. }
@@ -812,6 +835,7 @@ impl Op {
             | Op::Reduce { .. }
             | Op::ReduceBackward { .. }
             | Op::Softmax
+            | Op::LogSumExp
             | Op::SoftmaxBackward
             | Op::Reshape(_)
             | Op::Permute(_)
@@ -846,7 +870,12 @@ impl Op {
             Op::Attention(_) if num_inputs == 4 => vec![true, true, true, false],
             Op::Rope { .. } if num_inputs == 2 => vec![true, false],
             Op::Embedding { .. } => vec![true, false],
-            Op::CrossEntropy { .. } => vec![true, false],
+            // The vocabulary-parallel loss's log-sum-exp input takes no gradient (see the op).
+            Op::CrossEntropy { .. } => {
+                let mut d = all(false);
+                d[0] = true;
+                d
+            }
             Op::Dropout { .. } => vec![true, false],
             Op::Unary(_)
             | Op::Binary(_)
@@ -854,6 +883,7 @@ impl Op {
             | Op::MatMul { .. }
             | Op::Reduce { .. }
             | Op::Softmax
+            | Op::LogSumExp
             | Op::Reshape(_)
             | Op::Permute(_)
             | Op::Slice { .. }
@@ -918,7 +948,10 @@ impl Op {
             Op::LayerNorm { eps } => norm::vjp_layer_norm(cx, *eps),
             Op::RmsNorm { eps } => norm::vjp_rms_norm(cx, *eps),
             Op::Embedding { rows } => embedding::vjp(cx, rows.clone()),
-            Op::CrossEntropy { ignore_index, sum } => loss::vjp(cx, *ignore_index, *sum),
+            Op::CrossEntropy { ignore_index, sum, classes } => {
+                loss::vjp(cx, *ignore_index, *sum, classes)
+            }
+            Op::LogSumExp => loss::vjp_logsumexp(cx),
             Op::Attention(spec) => attention::vjp(cx, spec),
             Op::Rope { inv_freq, inverse } => attention::vjp_rope(cx, inv_freq, *inverse),
             Op::Reshard(spec) => comm::vjp(cx, spec),

@@ -12,16 +12,18 @@
 //!   biases, activations, gating products, the head reshapes, RoPE and attention (by heads);
 //! - the embedding table by vocabulary rows (its output a pending sum), or by its hidden
 //!   features where tp does not divide the vocabulary;
-//! - nothing else: norms, residual adds and the loss see whole tensors on the tensor axis —
-//!   or, with `sp` (Megatron's sequence parallelism), their sequence split over it.
+//! - the loss by vocabulary where the logits arrive so split (Megatron-LM's vocabulary-parallel
+//!   cross-entropy: the logits are never gathered, see `lower/loss.rs`);
+//! - nothing else: norms, residual adds and a loss over whole logits see whole tensors on the
+//!   tensor axis — or, with `sp` (Megatron's sequence parallelism), their sequence split over
+//!   it.
 //!
 //! One rule decides column or row: which split the matmul's input arrives in. No op is
 //! recognised by its name, so every model family built from the IR's ops gets the layout.
 //! Where Megatron-LM differs:
-//! - its loss is vocabulary-parallel (computed on split logits), while here the loss gathers
-//!   the logits' vocabulary (or, with `sp`, takes its share of the sequence); it pads a
-//!   vocabulary tp does not divide, where here the table splits by its hidden features and
-//!   the head by its input features instead (the same bytes per device);
+//! - it pads a vocabulary tp does not divide, where here the table splits by its hidden
+//!   features and the head by its input features instead (the same bytes per device), and
+//!   the loss then reads logits reduced whole (or, with `sp`, its share of the sequence);
 //! - a fused q/k/v weight in Hugging Face's `[q | k | v]` column order (GPT-2's `c_attn`)
 //!   splits by contiguous columns, the same bytes per device, where Megatron-LM stores it
 //!   interleaved per head: q, k and v are gathered after it, and each device takes its heads.
@@ -154,10 +156,15 @@ pub(super) fn tp_labels(
             // Attention (and RoPE before it) by heads, whatever split arrives: where q, k and v
             // come whole (GPT-2's fused c_attn, sliced), each device takes its heads locally.
             Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => (l.inputs[0][2], true),
-            Op::LayerNorm { .. }
-            | Op::RmsNorm { .. }
-            | Op::GroupNorm { .. }
-            | Op::CrossEntropy { .. } => (None, false),
+            // The loss over logits split by vocabulary (the column-parallel head's output) is
+            // vocabulary-parallel, as Megatron-LM's: the logits are never gathered.
+            Op::CrossEntropy { .. } => match at(0) {
+                Some(lab) if l.inputs[0].last().copied().flatten() == Some(lab) => {
+                    (Some(lab), false)
+                }
+                _ => (None, false),
+            },
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::GroupNorm { .. } => (None, false),
             // Everything else carries the split it receives.
             _ => match (0..n.inputs.len()).find_map(at) {
                 Some(lab) => (Some(lab), true),

@@ -9,6 +9,7 @@ use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
 use rayon::prelude::*;
+use tessera_ir::dist::TableRows;
 
 /// Checks `logits [.., V]` against `targets [..]`; returns V.
 fn check(op: &str, logits: &Tensor, targets: &Tensor) -> Result<usize> {
@@ -62,21 +63,40 @@ fn logsumexp(row: &[f32]) -> f64 {
 }
 
 /// `[mean loss over non-ignored rows (0 if none) — or with `sum` their sum —, logsumexp per
-/// row]`, both f32.
+/// row]`, both f32. With `lse` (each row's log-sum-exp over every class) and `classes` (the
+/// share of the vocabulary these logits are): this shard's part of the loss — `−logit[target]`
+/// where it holds the target, the log-sum-exp where it holds class 0 — and `lse` again.
 pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
+    lse: Option<&Tensor>,
     ignore_index: Option<i64>,
     sum: bool,
+    classes: &TableRows,
 ) -> Result<Vec<Tensor>> {
     let v = check("cross_entropy", logits, targets)?;
     let (lc, tc) = (contiguous(logits)?, contiguous(targets)?);
     let (ls, ts) = (read::<f32>(&lc)?, read::<i64>(&tc)?);
-    let count = check_targets("cross_entropy", &ts, v, ignore_index)?;
+    let count = check_targets("cross_entropy", &ts, classes.vocab, ignore_index)?;
+    let given_c = match lse {
+        Some(l) => {
+            expect_f32(l, "cross_entropy", "logsumexp")?;
+            if l.dims() != targets.dims() {
+                return Err(RuntimeError::Binding(format!(
+                    "cross_entropy: logsumexp {:?} must be targets' shape {:?}",
+                    l.dims(),
+                    targets.dims()
+                )));
+            }
+            Some(contiguous(l)?)
+        }
+        None => None,
+    };
+    let given = given_c.as_ref().map(read::<f32>).transpose()?;
     let rows = ts.len();
-    let mut lse = vec![0f32; rows];
+    let mut out_lse = vec![0f32; rows];
     let total: f64 = if v == 0 || rows == 0 {
-        lse.fill(f32::NEG_INFINITY);
+        out_lse.fill(f32::NEG_INFINITY);
         0.0
     } else {
         let per = (CHUNK / v).max(1);
@@ -85,28 +105,39 @@ pub fn cross_entropy(
             for (j, o) in out.iter_mut().enumerate() {
                 let r = r0 + j;
                 let row = &ls[r * v..(r + 1) * v];
-                let l = logsumexp(row);
+                let l = match &given {
+                    Some(g) => g[r] as f64,
+                    None => logsumexp(row),
+                };
                 *o = l as f32;
                 let t = ts[r];
-                if Some(t) != ignore_index {
-                    loss += l - row[t as usize] as f64;
+                if Some(t) == ignore_index {
+                    continue;
+                }
+                if classes.first == 0 {
+                    loss += l;
+                }
+                if let Some(k) = classes.local(t as usize) {
+                    loss -= row[k] as f64;
                 }
             }
             loss
         };
         let partials: Vec<f64> = if rows <= per {
-            vec![task(0, &mut lse)]
+            vec![task(0, &mut out_lse)]
         } else {
-            lse.par_chunks_mut(per).enumerate().map(|(k, c)| task(k * per, c)).collect()
+            out_lse.par_chunks_mut(per).enumerate().map(|(k, c)| task(k * per, c)).collect()
         };
         partials.iter().sum()
     };
     let loss = (total / if sum { 1 } else { count.max(1) } as f64) as f32;
-    Ok(vec![from_vec(vec![loss], &[])?, from_vec(lse, targets.dims())?])
+    Ok(vec![from_vec(vec![loss], &[])?, from_vec(out_lse, targets.dims())?])
 }
 
 /// dlogits = dloss/N · (softmax(logits) − onehot(target)) on non-ignored rows, 0 on ignored
-/// ones, with N the number of non-ignored rows (at least 1), or 1 with `sum`.
+/// ones, with N the number of non-ignored rows (at least 1), or 1 with `sum`. With `classes`
+/// a shard of the vocabulary: its columns, from the log-sum-exp over every class.
+#[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_backward(
     logits: &Tensor,
     targets: &Tensor,
@@ -114,6 +145,7 @@ pub fn cross_entropy_backward(
     dloss: &Tensor,
     ignore_index: Option<i64>,
     sum: bool,
+    classes: &TableRows,
 ) -> Result<Tensor> {
     let v = check("cross_entropy_backward", logits, targets)?;
     expect_f32(lse, "cross_entropy_backward", "logsumexp")?;
@@ -129,7 +161,7 @@ pub fn cross_entropy_backward(
     }
     let (lc, tc, sc) = (contiguous(logits)?, contiguous(targets)?, contiguous(lse)?);
     let (ls, ts, ss) = (read::<f32>(&lc)?, read::<i64>(&tc)?, read::<f32>(&sc)?);
-    let count = check_targets("cross_entropy_backward", &ts, v, ignore_index)?;
+    let count = check_targets("cross_entropy_backward", &ts, classes.vocab, ignore_index)?;
     let dl = dloss.flatten_all()?.to_vec1::<f32>()?[0];
     let g = (dl as f64 / if sum { 1 } else { count.max(1) } as f64) as f32;
     let mut out = vec![0f32; ls.len()];
@@ -144,8 +176,33 @@ pub fn cross_entropy_backward(
             for (o, &l) in orow.iter_mut().zip(row) {
                 *o = g * exp_f32(l - m);
             }
-            orow[t as usize] -= g;
+            if let Some(k) = classes.local(t as usize) {
+                orow[k] -= g;
+            }
         });
     }
     from_vec(out, logits.dims())
+}
+
+/// `log Σ exp` over the last dim of an f32 tensor, f32 out (−∞ for an empty or all −∞ row).
+pub fn logsumexp_rows(x: &Tensor) -> Result<Tensor> {
+    expect_f32(x, "logsumexp", "operand")?;
+    let dims = x.dims();
+    let Some((&v, rest)) = dims.split_last() else {
+        return Err(RuntimeError::Binding("logsumexp: needs at least one dim".into()));
+    };
+    let xc = contiguous(x)?;
+    let xs = read::<f32>(&xc)?;
+    let rows: usize = rest.iter().product();
+    let mut out = vec![f32::NEG_INFINITY; rows];
+    if let Some(per) = CHUNK.checked_div(v) {
+        let per = per.max(1);
+        out.par_chunks_mut(per).enumerate().for_each(|(k, c)| {
+            for (j, o) in c.iter_mut().enumerate() {
+                let r = k * per + j;
+                *o = logsumexp(&xs[r * v..(r + 1) * v]) as f32;
+            }
+        });
+    }
+    from_vec(out, rest)
 }

@@ -90,12 +90,18 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
             let table_rows = TableRows::of(rows.as_ref(), *num_embeddings, Some(at))?;
             one(embedding::embedding_backward(x[0], x[1], *num_embeddings, &table_rows)?)
         }
-        Op::CrossEntropy { ignore_index, sum } => {
-            loss::cross_entropy(x[0], x[1], *ignore_index, *sum)
+        Op::CrossEntropy { ignore_index, sum, classes } => {
+            let v = x[0].dims().last().copied().unwrap_or(0);
+            let rows = TableRows::of(classes.as_ref(), v, Some(at))?;
+            loss::cross_entropy(x[0], x[1], x.get(2).copied(), *ignore_index, *sum, &rows)
         }
-        Op::CrossEntropyBackward { ignore_index, sum } => {
-            one(loss::cross_entropy_backward(x[0], x[1], x[2], x[3], *ignore_index, *sum)?)
+        Op::CrossEntropyBackward { ignore_index, sum, classes } => {
+            let v = x[0].dims().last().copied().unwrap_or(0);
+            let rows = TableRows::of(classes.as_ref(), v, Some(at))?;
+            let (ig, s) = (*ignore_index, *sum);
+            one(loss::cross_entropy_backward(x[0], x[1], x[2], x[3], ig, s, &rows)?)
         }
+        Op::LogSumExp => one(loss::logsumexp_rows(x[0])?),
         Op::Attention(spec) => attention::attention(x[0], x[1], x[2], x.get(3).copied(), spec, at),
         Op::AttentionBackward(spec) => {
             attention::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], spec, at)
