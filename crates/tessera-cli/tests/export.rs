@@ -340,3 +340,48 @@ fn refusals_name_why_and_a_plan_that_exports() {
     assert!(!ok && err.contains("torchtitan trains LLaMA-family models"), "{err}");
     assert!(!err.contains("nearest"), "{err}");
 }
+
+/// A per-op plan that is data parallelism over every device exports as that config (issue 20:
+/// "ZeRO-3 sharded over a 2-D mesh"): the automatic plan of llama3-8b on two 8-GPU nodes
+/// shards ZeRO-3 over a [2, 8] mesh, which is torchtitan's FSDP and DeepSpeed's ZeRO-3 over
+/// all 16 ranks. Megatron-LM (ZeRO-1 at most) still refuses it, naming why.
+#[test]
+fn a_data_parallel_per_op_plan_exports_as_fsdp_over_every_device() {
+    let base =
+        ["plan", "--model", "llama3-8b", "--cluster", "2x8xH100", "--batch", "32", "--seq", "2048"];
+    let (ok, json, err) = tessera(&[&base[..], &["--format", "json"]].concat());
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    // The premise: the search's per-op layout, ZeRO-3 over both axes of a 2-D mesh.
+    assert_eq!(v["layout"], "per-op", "{}", v["config"]);
+    assert_eq!(v["config"], "dp16 tp1 zero3");
+    assert_eq!(v["mesh"]["shape"], serde_json::json!([2, 8]));
+    let param = v["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"].as_str().is_some_and(|n| n.ends_with("q_proj.weight")));
+    assert_eq!(param.unwrap()["spec"], "[S01, R]", "ZeRO-3 over every device");
+    let (ok, toml, err) = tessera(&[&base[..], &["--export", "torchtitan"]].concat());
+    assert!(ok, "{err}");
+    for line in [
+        "data_parallel_replicate_degree = 1",
+        "data_parallel_shard_degree = 16",
+        "tensor_parallel_degree = 1",
+        "local_batch_size = 2",
+        "--nnodes 2 --nproc-per-node 8",
+        "per-op layout on a [2, 8] mesh",
+    ] {
+        assert!(toml.contains(line), "{line} missing in\n{toml}");
+    }
+    let (ok, ds, err) = tessera(&[&base[..], &["--export", "deepspeed"]].concat());
+    assert!(ok, "{err}");
+    let ds: serde_json::Value = serde_json::from_str(&ds).unwrap();
+    assert_eq!(ds["zero_optimization"]["stage"], 3);
+    assert_eq!(
+        (ds["train_batch_size"].clone(), ds["train_micro_batch_size_per_gpu"].clone()),
+        (32.into(), 2.into())
+    );
+    let (ok, _, err) = tessera(&[&base[..], &["--export", "megatron"]].concat());
+    assert!(!ok && err.contains("ZeRO-3") && err.contains("--use-distributed-optimizer"), "{err}");
+}

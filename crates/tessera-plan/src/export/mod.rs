@@ -3,7 +3,8 @@
 //! ([`torchtitan`]).
 //!
 //! An export writes exactly what the plan does, or nothing: a plan the framework cannot
-//! express (a per-op layout, a ZeRO stage or schedule it lacks, a checkpointing pattern it
+//! express (a per-op layout other than data parallelism over every device, a ZeRO stage or
+//! schedule it lacks, a checkpointing pattern it
 //! cannot name, an offload it has no setting for) is a [`Refusal`] naming why and the
 //! configurations nearest to it that the framework can express. Which of those fits and is fastest is the planner's business: the
 //! caller evaluates them ([`crate::planner::plan_fixed`]) and exports the winner again, so a
@@ -140,7 +141,7 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
     if let Some(why) = model_problem {
         return Err(refuse(why, Vec::new()));
     }
-    if plan.layout == "per-op" {
+    if plan.layout == "per-op" && !data_parallel_layout(plan, &cfg) {
         return Err(refuse(
             format!(
                 "the plan is a per-op layout (the search chose each op's sharding, which `{}` \
@@ -157,6 +158,33 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
         Framework::Torchtitan => torchtitan::export(plan, &cfg, ckpt, target),
     }
     .map_err(|why| refuse(why, nearest(framework, &cfg, plan.batch)))
+}
+
+/// Whether a per-op plan is data parallelism over every device, which `cfg` (`dpN tp1 zeroK`)
+/// then says exactly: every forward op's tensors whole or split by their leading (batch) dim
+/// over all of the mesh's axes — parameters whole where they are read, their ZeRO shards over
+/// every device. The search lays such a plan on a mesh of several axes (`[2, 8]` on two nodes)
+/// to price its collectives in two levels, but the sharding is the frameworks' FSDP (ZeRO-3)
+/// or DDP with ZeRO-1/2 over all N ranks, whose collectives NCCL runs over the same two levels
+/// by itself. (HSDP — a replica per node — is not this: the search shards ZeRO state over
+/// every data-parallel axis.)
+fn data_parallel_layout(plan: &Plan, cfg: &ParallelConfig) -> bool {
+    if cfg.tp != 1 || cfg.dp != plan.devices || cfg.pp != 1 || plan.pipeline.is_some() {
+        return false;
+    }
+    let live: Vec<usize> = (0..plan.mesh.shape.len()).filter(|&a| plan.mesh.shape[a] > 1).collect();
+    let batch_split = |spec: &str| -> bool {
+        let Some(s) = crate::Spec::parse(spec) else { return false };
+        let leading_ok = s.dims.first().is_none_or(|d| {
+            let mut d = d.clone();
+            d.sort_unstable();
+            d.is_empty() || d == live
+        });
+        leading_ok && s.dims.iter().skip(1).all(|d| d.is_empty())
+    };
+    plan.strategies
+        .iter()
+        .all(|st| st.inputs.iter().chain(&st.outputs).all(|spec| batch_split(spec)))
 }
 
 /// Configurations near `cfg` that `framework` expresses: its parallelism mapped onto what the
@@ -255,9 +283,17 @@ fn micro_batch_size(plan: &Plan, cfg: &ParallelConfig) -> usize {
 
 /// One header line: what the file holds and what Tessera predicts for it.
 fn summary(plan: &Plan, cfg: &ParallelConfig) -> String {
+    let per_op = if plan.layout == "per-op" {
+        format!(
+            " (its per-op layout on a {:?} mesh: data parallelism over every device)",
+            plan.mesh.shape
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "Tessera plan `{}` for {} on {} (batch {} x seq {}, {}): predicted {:.4} s per step, \
-         peak {} per device",
+        "Tessera plan `{}`{per_op} for {} on {} (batch {} x seq {}, {}): predicted {:.4} s per \
+         step, peak {} per device",
         cfg.canonical(),
         plan.model,
         plan.cluster,
