@@ -275,7 +275,7 @@ pub enum Op {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         classes: Option<crate::dist::ShardOf>,
     },
-    /// Inputs `[x [.., n]]` → `[.. ] f32`: `log Σ exp` over the last dim, computed stably (the
+    /// Inputs `[x [.., n]]` → `[..] f32`: `log Σ exp` over the last dim, computed stably (the
     /// row's maximum factored out). The vocabulary-parallel loss's per-shard and global
     /// normalisers.
     LogSumExp,
