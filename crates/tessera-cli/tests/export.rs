@@ -307,6 +307,20 @@ fn refusals_name_why_and_a_plan_that_exports() {
         assert!(ok, "{suggested} was suggested for {engine} but: {err2}");
         assert!(!out.is_empty());
     }
+    // Tensor parallelism past the KV heads (llama-tiny has 4): Tessera replicates them, the
+    // engines do not; the suggestion cuts tp to the KV heads and exports.
+    let tiny = ["plan", "--model", "llama-tiny", "--cluster", "8xH100", "--batch", "8"];
+    for (engine, how) in [("megatron", "divides the query groups"), ("torchtitan", "wk and wv")] {
+        let (ok, _, err) = tessera(&[&tiny[..], &["--plan", "tp8", "--export", engine]].concat());
+        assert!(!ok && err.contains("4 KV heads") && err.contains(how), "{engine}: {err}");
+        let suggested =
+            err.split("export it with --plan \"").nth(1).and_then(|s| s.split('"').next());
+        let suggested = suggested.unwrap_or_else(|| panic!("no suggestion in {err}"));
+        assert!(suggested.contains("tp4") || suggested.contains("tp2"), "{suggested}");
+        let (ok, _, err2) =
+            tessera(&[&tiny[..], &["--plan", suggested, "--export", engine]].concat());
+        assert!(ok, "{suggested} was suggested for {engine} but: {err2}");
+    }
     // The automatic plan: a per-op layout is refused with the nearest Megatron-LM plan priced;
     // a Megatron one exports.
     let gpt2 = ["plan", "--model", "gpt2", "--cluster", "8xH100", "--batch", "16"];

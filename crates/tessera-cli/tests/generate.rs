@@ -101,8 +101,9 @@ fn greedy_tokens_equal_transformers_generate_on_every_fixture() {
 
 #[test]
 fn tensor_parallel_tokens_are_the_single_device_tokens_and_peaks_as_predicted() {
-    // GPT-2 and BLOOM have 4 heads (tp2, tp4); LLaMA's 2 KV heads allow tp2.
-    for (name, degrees) in [("gpt2", &[2usize, 4][..]), ("bloom", &[2, 4]), ("llama", &[2])] {
+    // GPT-2 and BLOOM have 4 heads (tp2, tp4); LLaMA has 4 query heads and 2 KV heads:
+    // tp4 replicates the KV heads (every device holds both and reads its own).
+    for (name, degrees) in [("gpt2", &[2usize, 4][..]), ("bloom", &[2, 4]), ("llama", &[2, 4])] {
         let dir = fixtures().join(name);
         let expected = read_json(&dir.join("generate.json"));
         let one = generate_fixture(&dir, &expected, &[]);

@@ -7,13 +7,19 @@
 //! vocabulary-parallel (the logits never gathered). Named deviations,
 //! asserted as such: GPT-2's 50257-token vocabulary (which Megatron-LM pads to a multiple of
 //! 128·tp) splits the table by its hidden features and the head by its input features (the
-//! same bytes), and GPT-2's fused `c_attn` splits by contiguous columns.
+//! same bytes), GPT-2's fused `c_attn` splits by contiguous columns, and where tp exceeds
+//! the KV heads (which Megatron-LM refuses) the KV heads are replicated: k/v projections
+//! whole on every device.
 
 use std::process::Command;
 
 fn plan(model: &str, config: &str) -> Result<serde_json::Value, String> {
+    plan_on("8xH100", model, config)
+}
+
+fn plan_on(cluster: &str, model: &str, config: &str) -> Result<serde_json::Value, String> {
     let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(["plan", "--model", model, "--cluster", "8xH100", "--batch", "16", "--seq", "256"])
+        .args(["plan", "--model", model, "--cluster", cluster, "--batch", "16", "--seq", "256"])
         // The layout is the point, not memory: a budget every layout fits.
         .args(["--plan", config, "--memory-budget", "4TiB", "--format", "json"])
         .output()
@@ -37,12 +43,14 @@ enum Split {
 }
 
 /// Megatron-LM's split of a parameter by its module (the independent reference), and the
-/// deviations named in the module docs; `vocab_divides`: tp divides the vocabulary.
-fn megatron_split(name: &str, vocab_divides: bool) -> Split {
+/// deviations named in the module docs; `vocab_divides`: tp divides the vocabulary;
+/// `kv_whole`: tp exceeds the KV heads, which are then replicated (k/v projections whole).
+fn megatron_split(name: &str, vocab_divides: bool, kv_whole: bool) -> Split {
     let module = name.trim_end_matches(".weight").trim_end_matches(".bias");
     let is_bias = name.ends_with(".bias");
     let last = module.rsplit('.').next().unwrap();
     match last {
+        "k_proj" | "v_proj" if kv_whole => Split::Replicated,
         "q_proj" | "k_proj" | "v_proj" | "gate_proj" | "up_proj" | "c_attn" | "c_fc" => {
             Split::Column
         }
@@ -74,6 +82,17 @@ fn out_dim(name: &str, rank: usize) -> usize {
 /// Checks every weight of a plan against Megatron-LM's split, and returns the parameter
 /// bytes one device holds.
 fn check_weights(v: &serde_json::Value, model: &str, config: &str, tp: usize, vocab: usize) -> u64 {
+    check_weights_kv(v, model, config, tp, vocab, false)
+}
+
+fn check_weights_kv(
+    v: &serde_json::Value,
+    model: &str,
+    config: &str,
+    tp: usize,
+    vocab: usize,
+    kv_whole: bool,
+) -> u64 {
     let mut bytes = 0;
     let weights = v["tensors"].as_array().unwrap().iter().filter(|t| {
         let n = t["name"].as_str().unwrap();
@@ -91,7 +110,7 @@ fn check_weights(v: &serde_json::Value, model: &str, config: &str, tp: usize, vo
         let dims: Vec<&str> =
             spec.trim_start_matches('[').trim_end_matches(']').split(", ").collect();
         let split_dim = dims.iter().position(|d| d.contains('1'));
-        let want = megatron_split(name, vocab.is_multiple_of(tp));
+        let want = megatron_split(name, vocab.is_multiple_of(tp), kv_whole);
         let table = name.contains("embed_tokens") || name.contains(".wte.");
         let got = match split_dim {
             None => Split::Replicated,
@@ -171,4 +190,33 @@ fn gpt2_weights_split_as_megatron_splits_them() {
     // GPT-2 has 12 heads: Megatron-LM refuses tp8, and so does the config.
     let err = plan("gpt2", "tp8").unwrap_err();
     assert!(err.contains("tp8") && err.contains("12"), "{err}");
+}
+
+/// Tensor parallelism past the KV heads (Megatron-LM refuses it; vLLM replicates the KV heads):
+/// the query heads and every other Megatron split as before, the k/v projections whole on
+/// every device, and each device's parameter bytes those of the formula with k/v whole.
+#[test]
+fn kv_heads_are_replicated_where_tp_exceeds_them() {
+    // LLaMA-2 70B: 64 query heads, 8 KV heads, on 16 devices; llama-tiny: 8 and 4, on 8.
+    for (cluster, model, config, tp, dims) in [
+        ("2x8xH100", "llama2-70b", "tp16", 16, (32000, 8192, 80, 64, 8, 28672)),
+        ("8xH100", "llama-tiny", "tp8", 8, (256, 256, 8, 8, 4, 688)),
+    ] {
+        let v = plan_on(cluster, model, config).unwrap_or_else(|e| panic!("{model} {config}: {e}"));
+        let (vocab, h, l, heads, kv, ffn) = dims;
+        let bytes = check_weights_kv(&v, model, config, tp, vocab as usize, true);
+        // The formula, k and v whole: per layer q/o and the MLP over tp, k/v whole; the
+        // MLP's 688 features split 8 ways into 86.
+        let hd = h / heads;
+        let tp = tp as u64;
+        let layer = (2 * heads * hd * h + 3 * h * ffn) / tp + 2 * kv * hd * h + 2 * h;
+        let want = 2 * (2 * vocab * h / tp + l * layer + h);
+        assert_eq!(bytes, want, "{model} `{config}`: parameter bytes per device");
+        // Attention reads its query heads split and k, v whole on the tensor axis.
+        let strategies = v["strategies"].as_array().unwrap();
+        let attn = strategies.iter().find(|s| s["op"] == "attention").expect("an attention");
+        let spec = |k: usize| attn["inputs"][k].as_str().unwrap().to_string();
+        assert!(spec(0).contains('1'), "{model}: q {}", spec(0));
+        assert!(!spec(1).contains('1') && !spec(2).contains('1'), "{model}: k {}", spec(1));
+    }
 }

@@ -374,7 +374,8 @@ fn configs(devices: usize) -> Vec<&'static str> {
             "dp4 zero3",
             "auto",
         ],
-        8 => vec!["dp2 tp4", "dp8 zero1", "auto"],
+        // tp8: llama-tiny has 4 KV heads, so its KV heads are replicated past them.
+        8 => vec!["dp2 tp4", "tp8", "dp8 zero1", "auto"],
         _ => unreachable!(),
     }
 }

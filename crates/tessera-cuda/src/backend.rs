@@ -184,6 +184,16 @@ impl CudaBackend {
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
         self.gpu.bind()?;
+        if let Op::Attention(spec) | Op::AttentionBackward(spec) = op {
+            if spec.kv_whole.is_some() {
+                return Err(unsupported(
+                    op.name(),
+                    "tensor parallelism past the KV heads (query heads split over more GPUs \
+                     than there are KV heads) is not implemented on CUDA; use a tp that divides \
+                     the KV heads, or the CPU runtime",
+                ));
+            }
+        }
         // bf16 attention runs fused on tensor cores where the flash kernels apply.
         let flash = match op {
             Op::Attention(spec) => {

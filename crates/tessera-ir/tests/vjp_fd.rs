@@ -675,8 +675,13 @@ fn attentions() {
             let q = cx.param([b, s, h, d]);
             let k = cx.param([b, t, hkv, d]);
             let v = cx.param([b, t, hkv, d]);
-            let spec =
-                AttentionSpec { causal, window, scale: 1.0 / (d as f64).sqrt(), alibi: None };
+            let spec = AttentionSpec {
+                causal,
+                window,
+                scale: 1.0 / (d as f64).sqrt(),
+                alibi: None,
+                kv_whole: None,
+            };
             Ok(vec![cx.b.attention(q, k, v, spec)?])
         });
     }
@@ -764,6 +769,7 @@ fn gpt(b: &mut Builder, c: &GptCfg) -> Result<(TensorId, [TensorId; 3])> {
             window: None,
             scale: 1.0 / ((d / nh) as f64).sqrt(),
             alibi: None,
+            kv_whole: None,
         };
         let a = b.attention(q, k, v, spec)?;
         let a = b.reshape(a, [bs, s, d])?;
@@ -827,6 +833,7 @@ fn llama(
             window: Some(3),
             scale: 1.0 / (hd as f64).sqrt(),
             alibi: None,
+            kv_whole: None,
         };
         let a = b.attention(q, k, v, spec)?;
         let a = b.reshape(a, [bs, s, d])?;

@@ -574,6 +574,18 @@ impl<'a> LocalForward<'a> {
                             });
                         }
                     }
+                    if let Op::Attention(a) = &mut local_op {
+                        // Query heads split past the KV heads (k and v whole): each device's
+                        // heads read the KV heads of their global index.
+                        let (q, k) = (&st.inputs[0], &st.inputs[1]);
+                        if !q.dims[2].is_empty() && k.dims[2].is_empty() {
+                            a.kv_whole = Some(ShardOf {
+                                global: self.g.meta(node.inputs[0]).shape.dims().to_vec(),
+                                placement: q.dims.clone(),
+                                micro_batch: 0,
+                            });
+                        }
+                    }
                     if let Op::QMatMul(q) = &mut local_op {
                         // An int8 row has one scale whatever share of it a device holds.
                         if q.bits == 8 {

@@ -11,7 +11,8 @@
 //! - embedding: ids' dims and the hidden dim (hidden-parallel), or the vocabulary (a
 //!   contraction: vocabulary-parallel, the output a pending sum);
 //! - attention: batch and heads (query and KV heads split together, so the split must divide
-//!   the KV heads); sequence and head dim whole;
+//!   the KV heads); sequence and head dim whole. Megatron's `tpN` past the KV heads uses
+//!   [`attention_kv_whole_labeling`] instead: query heads split, k and v whole;
 //! - cross-entropy: rows and classes split (the vocabulary-parallel loss, see `lower/loss.rs`);
 //!   the loss becomes a pending sum; log-sum-exp: its rows.
 //! - vision ops (NCHW): the batch N splits everywhere (data parallel, weights replicated);
@@ -79,6 +80,27 @@ impl Labeling {
         let dims = meta.shape.dims();
         (0..dims.len()).map(|d| Some(self.label(dims[d], shardable(d)))).collect()
     }
+}
+
+/// Attention split by its query heads alone, k and v whole (every KV head on every device):
+/// tensor parallelism past the KV heads, where each device's heads read the KV heads of
+/// their global index (`AttentionSpec::kv_whole`, set by the lowering). Only Megatron's
+/// layout uses it, for a `tpN` with more devices than KV heads; the search splits query and
+/// KV heads together ([`labeling`]).
+pub fn attention_kv_whole_labeling(x: &[&TensorMeta]) -> Labeling {
+    let mut l = Labeling::default();
+    let q = x[0].shape.dims();
+    let b = l.label(q[0], true);
+    let h = l.label(q[2], true);
+    let q_like = vec![Some(b), None, Some(h), None];
+    let kv = vec![Some(b), None, None, None];
+    l.inputs = vec![q_like.clone(), kv.clone(), kv];
+    if x.len() == 4 {
+        l.inputs.push(vec![Some(b)]);
+    }
+    l.outputs = vec![q_like, vec![Some(b), Some(h), None]];
+    l.partial_from = vec![Vec::new(); 2];
+    l
 }
 
 /// Labels of one op application, or an error for ops that have no forward sharding rule.

@@ -264,7 +264,13 @@ fn check_attention(
     window: Option<usize>,
 ) {
     let mut rng = Rng::new(seed);
-    let spec = AttentionSpec { causal, window, scale: 1.0 / (d as f64).sqrt(), alibi: None };
+    let spec = AttentionSpec {
+        causal,
+        window,
+        scale: 1.0 / (d as f64).sqrt(),
+        alibi: None,
+        kv_whole: None,
+    };
     // Larger logits than uniform [-1, 1) so the softmax is far from flat.
     let q = (rng.tensor(&[b, s, h, d]) * 2.0).unwrap();
     let k = (rng.tensor(&[b, t, hkv, d]) * 2.0).unwrap();
@@ -328,7 +334,8 @@ fn attention_unequal_lengths() {
 fn attention_fully_masked_rows() {
     let _s = serial();
     let mut rng = Rng::new(50);
-    let spec = AttentionSpec { causal: true, window: None, scale: 0.5, alibi: None };
+    let spec =
+        AttentionSpec { causal: true, window: None, scale: 0.5, alibi: None, kv_whole: None };
     let q = rng.tensor(&[1, 6, 2, 4]);
     let k = rng.tensor(&[1, 3, 1, 4]);
     let v = rng.tensor(&[1, 3, 1, 4]);
@@ -408,6 +415,103 @@ fn alibi_attention_forward_and_backward() {
     let start = ids(vec![10, 0], &[b]);
     let q1 = rng.tensor(&[b, 1, h, d]);
     check_kernel(&Op::Attention(spec), &[&q1, &k, &v, &start]);
+}
+
+/// Tensor parallelism past the KV heads: 8 query heads over 8 devices against 2 KV heads that
+/// every device holds whole (`AttentionSpec::kv_whole`). Each device's output and dq are its
+/// heads of the single-device attention's, and the devices' dk and dv (each non-zero on the
+/// KV head its query heads read) sum to the whole dk and dv; the f64 reference interpreter
+/// agrees at the mesh origin.
+#[test]
+fn attention_past_the_kv_heads_is_the_slice_of_the_whole() {
+    use tessera_ir::dist::{MeshPos, ShardOf};
+    use tessera_runtime::kernels::execute_at;
+    let _s = serial();
+    let mut rng = Rng::new(73);
+    let (b, s, h, hkv, d, n) = (2, 9, 8, 2, 4, 8);
+    let whole_spec = AttentionSpec::causal(d);
+    let q = rng.tensor(&[b, s, h, d]);
+    let k = rng.tensor(&[b, s, hkv, d]);
+    let v = rng.tensor(&[b, s, hkv, d]);
+    let dout = rng.tensor(&[b, s, h, d]);
+    let fwd = check_kernel(&Op::Attention(whole_spec.clone()), &[&q, &k, &v]);
+    let bwd = execute(
+        &Op::AttentionBackward(whole_spec.clone()),
+        &[&q, &k, &v, &fwd[0], &fwd[1], &dout],
+        &op_meta(
+            &Op::AttentionBackward(whole_spec.clone()),
+            &[&q, &k, &v, &fwd[0], &fwd[1], &dout],
+        ),
+    )
+    .unwrap();
+    let placement = vec![vec![], vec![], vec![1], vec![]];
+    let spec = AttentionSpec {
+        kv_whole: Some(ShardOf { global: vec![b, s, h, d], placement, micro_batch: 0 }),
+        ..whole_spec
+    };
+    let local = h / n;
+    let heads = |t: &Tensor, dim: usize, r: usize| {
+        t.narrow(dim, r * local, local).unwrap().contiguous().unwrap()
+    };
+    let (mut dk, mut dv) = (k.zeros_like().unwrap(), v.zeros_like().unwrap());
+    for r in 0..n {
+        let at = MeshPos::new(&[1, n], r).unwrap();
+        let ql = heads(&q, 2, r);
+        let x = [&ql, &k, &v];
+        let out = execute_at(
+            &Op::Attention(spec.clone()),
+            &x,
+            &op_meta(&Op::Attention(spec.clone()), &x),
+            &at,
+        )
+        .unwrap();
+        assert!(
+            rel_err(&to_f64_vec(&out[0]).unwrap(), &to_f64_vec(&heads(&fwd[0], 2, r)).unwrap())
+                < 1e-6,
+            "rank {r}: out"
+        );
+        assert!(
+            rel_err(&to_f64_vec(&out[1]).unwrap(), &to_f64_vec(&heads(&fwd[1], 1, r)).unwrap())
+                < 1e-6,
+            "rank {r}: lse"
+        );
+        let dol = heads(&dout, 2, r);
+        let x = [&ql, &k, &v, &out[0], &out[1], &dol];
+        let op = Op::AttentionBackward(spec.clone());
+        let g = execute_at(&op, &x, &op_meta(&op, &x), &at).unwrap();
+        assert!(
+            rel_err(&to_f64_vec(&g[0]).unwrap(), &to_f64_vec(&heads(&bwd[0], 2, r)).unwrap())
+                < 1e-5,
+            "rank {r}: dq"
+        );
+        dk = (dk + &g[1]).unwrap();
+        dv = (dv + &g[2]).unwrap();
+        if r == 0 {
+            // The reference interpreter places its heads at the origin.
+            let want = eval_op(
+                &Op::Attention(spec.clone()),
+                &[&value_of(&ql), &value_of(&k), &value_of(&v)],
+            )
+            .unwrap();
+            assert!(rel_err(&to_f64_vec(&out[0]).unwrap(), &want[0].data) < 1e-5, "interpreter");
+        }
+    }
+    assert!(rel_err(&to_f64_vec(&dk).unwrap(), &to_f64_vec(&bwd[1]).unwrap()) < 1e-5, "dk");
+    assert!(rel_err(&to_f64_vec(&dv).unwrap(), &to_f64_vec(&bwd[2]).unwrap()) < 1e-5, "dv");
+    // Heads that do not group onto the KV heads are refused by name.
+    let bad = AttentionSpec {
+        kv_whole: Some(ShardOf {
+            global: vec![b, s, 7, d],
+            placement: vec![vec![]; 4],
+            micro_batch: 0,
+        }),
+        ..AttentionSpec::causal(d)
+    };
+    let x = [&q, &k, &v];
+    let metas: Vec<TensorMeta> = x.iter().map(|t| meta_of(t).unwrap()).collect();
+    let refs: Vec<&TensorMeta> = metas.iter().collect();
+    let err = Op::Attention(bad).infer(&refs).unwrap_err();
+    assert!(err.to_string().contains("do not group onto key/value heads 2"), "{err}");
 }
 
 #[test]

@@ -183,10 +183,12 @@ struct AttnDims {
     h: usize,
     hkv: usize,
     d: usize,
+    /// Per local query head, the KV head it reads.
+    kv_of: Vec<usize>,
 }
 
 impl AttnDims {
-    fn new(q: &Value, k: &Value, v: &Value) -> Result<AttnDims, String> {
+    fn new(q: &Value, k: &Value, v: &Value, spec: &AttentionSpec) -> Result<AttnDims, String> {
         let (&[b, s, h, d], &[bk, t, hkv, dk]) = (q.dims(), k.dims()) else {
             return Err(format!(
                 "q {} and k {} must be [batch, seq, heads, head_dim]",
@@ -200,14 +202,14 @@ impl AttnDims {
             k.shape,
             q.shape
         );
-        ensure!(hkv > 0 && h % hkv == 0, "query heads {h} must be a multiple of kv heads {hkv}");
-        Ok(AttnDims { b, s, t, h, hkv, d })
+        let kv_of = spec.kv_heads_of(h, hkv, None).map_err(|e| e.to_string())?;
+        Ok(AttnDims { b, s, t, h, hkv, d, kv_of })
     }
     fn q_at(&self, b: usize, i: usize, h: usize) -> usize {
         ((b * self.s + i) * self.h + h) * self.d
     }
     fn kv_at(&self, b: usize, j: usize, h: usize) -> usize {
-        ((b * self.t + j) * self.hkv + h / (self.h / self.hkv)) * self.d
+        ((b * self.t + j) * self.hkv + self.kv_of[h]) * self.d
     }
     fn lse_at(&self, b: usize, h: usize, i: usize) -> usize {
         (b * self.h + h) * self.s + i
@@ -242,7 +244,7 @@ pub(super) fn attention(
     start: Option<&Value>,
     spec: &AttentionSpec,
 ) -> Result<Vec<Value>, String> {
-    let a = AttnDims::new(q, k, v)?;
+    let a = AttnDims::new(q, k, v, spec)?;
     if let Some(st) = start {
         ensure!(st.dims() == [a.b], "start {} must be [batch]", st.shape);
     }
@@ -290,7 +292,7 @@ pub(super) fn attention(
 /// dq = scale·Σ_j dS·k_j, dk_j += scale·dS·q, dv_j += p·dout.
 pub(super) fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<Vec<Value>, String> {
     let (q, k, v, out, lse, dout) = (x[0], x[1], x[2], x[3], x[4], x[5]);
-    let a = AttnDims::new(q, k, v)?;
+    let a = AttnDims::new(q, k, v, spec)?;
     ensure!(out.shape == q.shape && dout.shape == q.shape, "out and dout must have q's shape");
     ensure!(lse.dims() == [a.b, a.h, a.s], "logsumexp {} must be [B,H,S]", lse.shape);
     let slopes = head_slopes(spec, a.h)?;

@@ -17,14 +17,14 @@ fn bshd(m: &TensorMeta, what: &str) -> Result<(usize, usize, usize, usize), Stri
     }
 }
 
-pub(crate) fn infer(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+pub(crate) fn infer(x: &[&TensorMeta], spec: &AttentionSpec) -> Result<Vec<TensorMeta>, String> {
     if x.len() == 4 {
         super::expect_int(x[3], "start")?;
         let b = x[0].shape.dims().first().copied().unwrap_or(0);
         if x[3].shape.dims() != [b] {
             return Err(format!("start {} must be [batch] = [{b}]", x[3]));
         }
-        return infer(&x[..3]);
+        return infer(&x[..3], spec);
     }
     expect_inputs(x, 3)?;
     expect_float(x[0], "q")?;
@@ -39,16 +39,30 @@ pub(crate) fn infer(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
     if bk != b || dk != d {
         return Err(format!("k {} must share batch and head_dim with q {}", x[1], x[0]));
     }
-    if hk == 0 || h % hk != 0 {
-        return Err(format!("query heads {h} must be a multiple of key/value heads {hk}"));
+    match &spec.kv_whole {
+        None if hk == 0 || h % hk != 0 => {
+            return Err(format!("query heads {h} must be a multiple of key/value heads {hk}"));
+        }
+        // Some of the model's query heads against all its KV heads: checked against the
+        // global head count (where the local heads sit needs the device).
+        Some(q) if q.global.get(2).is_none_or(|&g| hk == 0 || g % hk != 0 || h > g) => {
+            return Err(format!(
+                "query heads {h} (of {:?}) do not group onto key/value heads {hk}",
+                q.global
+            ));
+        }
+        _ => {}
     }
     let _ = t;
     Ok(vec![x[0].clone(), TensorMeta::new([b, h, s], DType::F32)])
 }
 
-pub(crate) fn infer_backward(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+pub(crate) fn infer_backward(
+    x: &[&TensorMeta],
+    spec: &AttentionSpec,
+) -> Result<Vec<TensorMeta>, String> {
     expect_inputs(x, 6)?;
-    let fwd = infer(&x[..3])?;
+    let fwd = infer(&x[..3], spec)?;
     if x[3] != &fwd[0] || x[5].shape != fwd[0].shape || x[4] != &fwd[1] {
         return Err("out, logsumexp and dout must match the forward's outputs".into());
     }
@@ -156,6 +170,13 @@ pub struct AttentionSpec {
     /// query at position `p` gains `slope_h · (j − p)`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alibi: Option<Alibi>,
+    /// Tensor parallelism past the KV heads (more devices on the tensor axis than KV heads):
+    /// q holds some of the model's query heads and k/v hold every KV head, so each local
+    /// head reads the KV head of its global index. Set by the planner's lowering: where the
+    /// local q `[B,S,H,D]` sits in the global one. `None`: q's heads map onto k's as
+    /// grouped-query attention does (`h / (H/Hkv)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_whole: Option<crate::dist::ShardOf>,
 }
 
 impl AttentionSpec {
@@ -166,7 +187,41 @@ impl AttentionSpec {
             window: None,
             scale: 1.0 / (head_dim as f64).sqrt(),
             alibi: None,
+            kv_whole: None,
         }
+    }
+
+    /// For each of the `heads` local query heads, the local KV head (of `kv_heads`) it reads,
+    /// on the device at `at` (`None`: the mesh origin). Errs when the heads do not group.
+    pub fn kv_heads_of(
+        &self,
+        heads: usize,
+        kv_heads: usize,
+        at: Option<&crate::dist::MeshPos>,
+    ) -> Result<Vec<usize>> {
+        let bad = |why: String| crate::IrError::Graph(why);
+        let (first, global) = match &self.kv_whole {
+            None => (0, heads),
+            Some(s) => {
+                let global = s.global.get(2).copied().ok_or_else(|| {
+                    bad(format!("attention's q shard {:?} is not [B,S,H,D]", s.global))
+                })?;
+                let first = match at {
+                    Some(at) => at.shard_origin(&s.global, &s.placement)?[2],
+                    None => 0,
+                };
+                (first, global)
+            }
+        };
+        if kv_heads == 0 || !global.is_multiple_of(kv_heads) || first + heads > global {
+            return Err(bad(format!(
+                "query heads {first}..{} of {global} do not group onto {kv_heads} key/value \
+                 heads (the query heads must be a multiple of the key/value heads)",
+                first + heads
+            )));
+        }
+        let group = global / kv_heads;
+        Ok((first..first + heads).map(|h| h / group).collect())
     }
 }
 

@@ -593,8 +593,8 @@ impl Op {
             Op::CrossEntropy { classes, .. } => loss::infer(x, classes.is_some()),
             Op::CrossEntropyBackward { .. } => loss::infer_backward(x),
             Op::LogSumExp => loss::infer_logsumexp(x),
-            Op::Attention(_) => attention::infer(x),
-            Op::AttentionBackward(_) => attention::infer_backward(x),
+            Op::Attention(spec) => attention::infer(x, spec),
+            Op::AttentionBackward(spec) => attention::infer_backward(x, spec),
             Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
             Op::Conv2d(spec) => vision::infer_conv(x, spec),
             Op::Conv2dBackwardInput { spec, input_hw } => {

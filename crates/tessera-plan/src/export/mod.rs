@@ -141,6 +141,9 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
     if let Some(why) = model_problem {
         return Err(refuse(why, Vec::new()));
     }
+    if let Some((why, fitted)) = kv_heads_problem(framework, &cfg, &target.model) {
+        return Err(refuse(why, nearest(framework, &fitted, plan.batch)));
+    }
     if plan.layout == "per-op" && !data_parallel_layout(plan, &cfg) {
         return Err(refuse(
             format!(
@@ -158,6 +161,39 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
         Framework::Torchtitan => torchtitan::export(plan, &cfg, ckpt, target),
     }
     .map_err(|why| refuse(why, nearest(framework, &cfg, plan.batch)))
+}
+
+/// Why `framework` cannot take `cfg`'s tensor parallelism past the model's KV heads (Tessera
+/// replicates them; Megatron-LM divides the query groups by tp, torchtitan splits `wk`/`wv`
+/// column-wise), and the config it can: tp cut to the largest degree dividing both tp and
+/// the KV heads, the rest of the devices to data parallelism.
+fn kv_heads_problem(
+    framework: Framework,
+    cfg: &ParallelConfig,
+    model: &ModelShape,
+) -> Option<(String, ParallelConfig)> {
+    let kv = model.kv_heads;
+    if cfg.tp <= kv || kv == 0 || framework == Framework::DeepSpeed {
+        return None;
+    }
+    let how = match framework {
+        Framework::Megatron => "Megatron-LM divides the query groups by the tensor-parallel size",
+        _ => "torchtitan splits wk and wv column-wise over the tensor-parallel ranks",
+    };
+    let mut t = cfg.tp;
+    let mut k = kv;
+    while k != 0 {
+        (t, k) = (k, t % k);
+    }
+    let fitted = ParallelConfig { tp: t, dp: cfg.dp * cfg.tp / t, ..cfg.clone() };
+    Some((
+        format!(
+            "tp{} exceeds {}'s {kv} KV heads, which Tessera replicates, but {how}, so each rank \
+             needs whole KV heads",
+            cfg.tp, model.name
+        ),
+        fitted,
+    ))
 }
 
 /// Whether a per-op plan is data parallelism over every device, which `cfg` (`dpN tp1 zeroK`)

@@ -26,10 +26,18 @@
 //!   the loss then reads logits reduced whole (or, with `sp`, its share of the sequence);
 //! - a fused q/k/v weight in Hugging Face's `[q | k | v]` column order (GPT-2's `c_attn`)
 //!   splits by contiguous columns, the same bytes per device, where Megatron-LM stores it
-//!   interleaved per head: q, k and v are gathered after it, and each device takes its heads.
+//!   interleaved per head: q, k and v are gathered after it, and each device takes its heads;
+//! - where tp exceeds the KV heads (Megatron-LM divides the query groups by tp, so refuses),
+//!   the KV heads are replicated: attention splits its query heads alone, and the k/v
+//!   projections and what lies between them and attention stay whole on the tensor axis, so
+//!   every device holds every KV head and its heads read theirs (`AttentionSpec::kv_whole`).
+//!   vLLM keeps one KV head per device instead; that needs a spec splitting a dim over part
+//!   of an axis, which specs cannot say.
 
 use super::space::{dim_roles, label_roles};
-use crate::rules::{labeling, strategies, DimRole, Labeling, Strategy};
+use crate::rules::{
+    attention_kv_whole_labeling, labeling, strategies, DimRole, Labeling, Strategy,
+};
 use crate::{Mesh, PlanError, Result};
 use tessera_ir::{Graph, Op, TensorMeta};
 
@@ -60,7 +68,7 @@ pub fn tp_strategies(g: &Graph, mesh: &Mesh) -> Result<Vec<Option<Strategy>>> {
     }
     let roles = dim_roles(g, &labels);
     let pins = if tp > 1 {
-        tp_labels(g, &labels, &roles, false, tp, true).map_err(PlanError::Invalid)?
+        tp_labels(g, &mut labels, &roles, false, tp, true).map_err(PlanError::Invalid)?
     } else {
         vec![None; g.nodes.len()]
     };
@@ -94,18 +102,24 @@ pub fn tp_strategies(g: &Graph, mesh: &Mesh) -> Result<Vec<Option<Strategy>>> {
 /// for the model.
 pub(super) fn tp_labels(
     g: &Graph,
-    labels: &[Option<Labeling>],
+    labels: &mut [Option<Labeling>],
     roles: &[Vec<DimRole>],
     sp: bool,
     tp: usize,
     tied_head_rows: bool,
 ) -> Result<Vec<Option<usize>>, String> {
     let tables = embedding_tables(g);
+    // Past the KV heads: attention splits its query heads alone and what makes k and v
+    // stays whole on the tensor axis.
+    let kv_whole = kv_whole_side(g, labels, tp);
     // Per tensor: the dim Megatron's layout splits over the tensor axis as it leaves its
     // producer (`None`: whole, or a pending sum its consumer reduces).
     let mut split: Vec<Option<usize>> = vec![None; g.tensors.len()];
     let mut pins: Vec<Option<usize>> = vec![None; g.nodes.len()];
     for (i, n) in g.nodes.iter().enumerate() {
+        if kv_whole[i] {
+            continue; // whole on the tensor axis, even with `sp`: attention reads all of k, v
+        }
         let Some(l) = &labels[i] else { continue };
         let at = |k: usize| {
             let d = split[n.inputs[k].index()]?;
@@ -175,8 +189,9 @@ pub(super) fn tp_labels(
             if !l.sizes[lab].is_multiple_of(tp) {
                 return Err(format!(
                     "tp{tp} splits {} ({}) over a dim of {}, which {tp} does not divide: \
-                     Megatron-LM's layout needs the heads, KV heads and features divisible by \
-                     the tensor-parallel degree; use a tp that divides {}",
+                     Megatron-LM's layout needs the heads and features divisible by the \
+                     tensor-parallel degree (the KV heads too, unless tp exceeds them); use a \
+                     tp that divides {}",
                     g.scope_name(n.scope),
                     n.op.name(),
                     l.sizes[lab],
@@ -200,6 +215,58 @@ pub(super) fn tp_labels(
         }
     }
     Ok(pins)
+}
+
+/// Per node, whether it makes the k or v of an attention whose KV heads `tp` exceeds
+/// (Megatron-LM refuses; the KV heads are replicated here, as vLLM does for inference): such
+/// an attention gets [`attention_kv_whole_labeling`] in `labels`, splitting its query heads
+/// alone, and the ops making its k and v — back to and including the projections against a
+/// weight — stay whole on the tensor axis, so every device holds every KV head.
+fn kv_whole_side(g: &Graph, labels: &mut [Option<Labeling>], tp: usize) -> Vec<bool> {
+    let mut side = vec![false; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        if !matches!(n.op, Op::Attention(_)) {
+            continue;
+        }
+        let (q, k) = (g.meta(n.inputs[0]).shape.dims(), g.meta(n.inputs[1]).shape.dims());
+        let (heads, kv_heads) = (q[2], k[2]);
+        if kv_heads >= tp || !heads.is_multiple_of(tp) {
+            continue; // split together, or refused naming the heads tp does not divide
+        }
+        let x: Vec<&TensorMeta> = n.inputs.iter().map(|&t| g.meta(t)).collect();
+        labels[i] = Some(attention_kv_whole_labeling(&x));
+        let mut todo = vec![n.inputs[1], n.inputs[2]];
+        while let Some(t) = todo.pop() {
+            let p = g.tensor(t).producer.index();
+            let node = &g.nodes[p];
+            if node.op.is_leaf() || side[p] {
+                continue;
+            }
+            side[p] = true;
+            match &node.op {
+                // The projection: its weight stays whole; nothing before it is k's alone.
+                Op::MatMul { .. } | Op::QMatMul(_) => {}
+                // Rotary embeddings: the rotated tensor (not the positions).
+                Op::Rope { .. } => todo.push(node.inputs[0]),
+                // Otherwise follow the one activation input (a bias add's other input is a
+                // weight; a cache write's others are the cache and the starts).
+                _ => {
+                    let acts: Vec<_> = node
+                        .inputs
+                        .iter()
+                        .copied()
+                        .filter(|&t| {
+                            !g.nodes[g.tensor(t).producer.index()].op.is_leaf() && !is_weight(g, t)
+                        })
+                        .collect();
+                    if let [one] = acts[..] {
+                        todo.push(one);
+                    }
+                }
+            }
+        }
+    }
+    side
 }
 
 /// Whether `tpN` splits an embedding table `[vocab, hidden]` by vocabulary rows: where tp

@@ -153,7 +153,8 @@ impl<'g> Space<'g> {
         // A config string's tensor axis splits what Megatron-LM's layout splits, op by op.
         let tp_pins = match rule {
             AxisRule::Megatron { sp } if live_axes.contains(&1) => {
-                match super::megatron::tp_labels(g, &labels, &roles, *sp, mesh.shape[1], false) {
+                match super::megatron::tp_labels(g, &mut labels, &roles, *sp, mesh.shape[1], false)
+                {
                     Ok(pins) => Some(pins),
                     Err(why) => return Ok(Space::unsplittable(g, why)),
                 }

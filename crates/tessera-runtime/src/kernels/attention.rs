@@ -74,6 +74,9 @@ struct Geom {
     start: Option<Vec<i64>>,
     /// Per local head, its ALiBi slope (empty without ALiBi).
     slopes: Vec<f32>,
+    /// Per local query head, the KV head it reads (`h / group`, or by its global index when
+    /// k/v hold every KV head and q some of the query heads).
+    kv_of: Vec<usize>,
 }
 
 impl Geom {
@@ -94,13 +97,16 @@ impl Geom {
                 k.dims()
             )));
         }
-        if bk != b || dk != d || hkv == 0 || h % hkv != 0 {
+        if bk != b || dk != d {
             return Err(RuntimeError::Binding(format!(
-                "k {:?} does not fit q {:?} (same batch and head_dim, heads a multiple of kv heads)",
+                "k {:?} does not fit q {:?} (same batch and head_dim)",
                 k.dims(),
                 q.dims()
             )));
         }
+        let kv_of = spec.kv_heads_of(h, hkv, Some(at)).map_err(|e| {
+            RuntimeError::Binding(format!("k {:?} does not fit q {:?}: {e}", k.dims(), q.dims()))
+        })?;
         let start = match start {
             Some(st) => {
                 let v: Vec<i64> = contiguous(st)?.flatten_all()?.to_vec1::<i64>()?;
@@ -130,6 +136,7 @@ impl Geom {
             scale: spec.scale as f32,
             start,
             slopes,
+            kv_of,
         })
     }
 
@@ -149,10 +156,6 @@ impl Geom {
                 *x += slope * (j as i64 - p) as f32;
             }
         }
-    }
-
-    fn group(&self) -> usize {
-        self.h / self.hkv
     }
 
     /// Element offset of q/out/dout row (b, i, h).
@@ -218,7 +221,7 @@ pub fn attention(
     (0..tasks).into_par_iter().for_each_init(Vec::<f32>::new, |scores, task| {
         let (bh, blk) = (task / nblk, task % nblk);
         let (b, h) = (bh / g.h, bh % g.h);
-        let kvh = h / g.group();
+        let kvh = g.kv_of[h];
         let (i0, i1) = (blk * bq, ((blk + 1) * bq).min(g.s));
         let (jlo, jhi) = g.block_keys(b, i0, i1);
         let (rows, tb) = (i1 - i0, jhi - jlo);
@@ -435,7 +438,7 @@ pub fn attention_backward(
             let v_all = vp.get().wrapping_add(g.kv_at(b, 0, kvh));
             let dk_all = dkp.get().wrapping_add(g.kv_at(b, 0, kvh));
             let dv_all = dvp.get().wrapping_add(g.kv_at(b, 0, kvh));
-            for h in kvh * g.group()..(kvh + 1) * g.group() {
+            for h in (0..g.h).filter(|&h| g.kv_of[h] == kvh) {
                 for blk in 0..nblk {
                     let (i0, i1) = (blk * bq, ((blk + 1) * bq).min(g.s));
                     let (jlo, jhi) = g.block_keys(b, i0, i1);
