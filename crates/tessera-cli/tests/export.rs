@@ -48,6 +48,15 @@ const CASES: &[Case] = &[
         "dp2 tp2 pp2 mb8 sched=interleaved:2 ckpt=full",
         "megatron-llama2-7b-interleaved.sh",
     ),
+    (
+        "megatron",
+        "llama3-8b",
+        "2x8xH100",
+        "16",
+        "4096",
+        "dp16 zero1 shard=8 ckpt=full",
+        "megatron-llama3-8b-optimizer-instances.sh",
+    ),
     ("deepspeed", "gpt2", "4xH100", "16", "1024", "dp4 zero2 mb2", "deepspeed-gpt2-zero2.json"),
     (
         "deepspeed",
@@ -120,6 +129,15 @@ const CASES: &[Case] = &[
         "4096",
         "dp4 tp2 pp2 sp mb4 sched=gpipe",
         "torchtitan-llama3-8b-ddp-tp-pp.toml",
+    ),
+    (
+        "torchtitan",
+        "llama3-8b",
+        "2x8xH100",
+        "16",
+        "4096",
+        "dp16 zero3 shard=8 ckpt=full",
+        "torchtitan-llama3-8b-hsdp.toml",
     ),
 ];
 
@@ -290,6 +308,9 @@ fn refusals_name_why_and_a_plan_that_exports() {
         ("deepspeed", "dp8 zero3 offload=grads+opt:8/16", "offloads 8 of the 16 parameter chunks"),
         ("torchtitan", "dp8 zero3 offload=grads+opt", "enable_cpu_offload (FSDP2's CPU offload)"),
         ("megatron", "dp8 zero1 offload=opt", "which have offload settings"),
+        // Hybrid sharding: DeepSpeed removed MiCS; torchtitan's HSDP is FSDP's (ZeRO-3).
+        ("deepspeed", "dp8 zero3 shard=4", "MiCS) was removed"),
+        ("torchtitan", "dp8 zero1 shard=4", "ZeRO-1: torchtitan replicates"),
     ] {
         let args: Vec<&str> =
             base.iter().copied().chain(["--plan", config, "--export", engine]).collect();

@@ -281,3 +281,84 @@ fn explain_has_a_legend_every_block_and_a_peak_made_of_its_parts() {
     assert!((sum - total).abs() <= err, "{rows:?}");
     assert_eq!(total, peak, "the same peak in the table and the memory line");
 }
+
+/// Hybrid sharding (`shard=N`, HSDP) on two 8-GPU nodes: ZeRO-3 shards every parameter over
+/// the 8 GPUs of a node only (the mesh `[2, 8, 1]`, its first axis the replicas), so the
+/// parameter gathers stay on that axis and the gradients are all-reduced over the other; each
+/// device holds 8x less than a replica but 2x more than FSDP over all 16, and the plan file
+/// carries the replica axis (lowered again, the same prediction).
+#[test]
+fn hybrid_sharding_gathers_within_a_node_and_replicates_across() {
+    let run = |config: &str| {
+        let (ok, out, err) = tessera(&[
+            "plan",
+            "--model",
+            "gpt2",
+            "--cluster",
+            "2x8xH100",
+            "--batch",
+            "16",
+            "--seq",
+            "256",
+            "--plan",
+            config,
+            "--format",
+            "json",
+        ]);
+        assert!(ok, "{config}: {err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let hsdp = run("dp16 zero3 shard=8");
+    assert_eq!(hsdp["config"], "dp16 tp1 zero3 shard=8");
+    assert_eq!(hsdp["mesh"]["shape"], serde_json::json!([2, 8, 1]));
+    assert_eq!(hsdp["mesh"]["replicas"], serde_json::json!([0]));
+    let param_elems = |v: &serde_json::Value| -> u64 {
+        v["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["name"].as_str().unwrap().ends_with(".weight"))
+            .map(|t| {
+                t["local_shape"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_u64().unwrap())
+                    .product::<u64>()
+            })
+            .sum()
+    };
+    let (fsdp, ddp) = (run("dp16 zero3"), run("dp16"));
+    let (h, f, d) = (param_elems(&hsdp), param_elems(&fsdp), param_elems(&ddp));
+    // Weights whose leading dim 8 (or 16) does not divide stay whole in both; the rest split.
+    assert!(h > f && h < d, "per-device weight elements: hsdp {h}, fsdp {f}, ddp {d}");
+    // Parameters and their optimizer state never split over the replica axis (the batch does).
+    for t in hsdp["tensors"].as_array().unwrap() {
+        let (name, spec) = (t["name"].as_str().unwrap(), t["spec"].as_str().unwrap());
+        if name.contains(".weight") || name.contains(".bias") {
+            assert!(!spec.contains('0'), "{name}: {spec} splits over the replica axis");
+        }
+    }
+    let collectives = hsdp["collectives"].as_array().unwrap();
+    for c in collectives {
+        if c["op"] == "all_gather" {
+            assert_eq!(c["axis"], 1, "a parameter gather leaves the node: {c}");
+        }
+    }
+    assert!(
+        collectives.iter().any(|c| c["op"] == "all_reduce" && c["axis"] == 0),
+        "no gradient all-reduce across the replicas"
+    );
+    // The plan file keeps the replica axis: lowered again, the same figures.
+    let dir = std::env::temp_dir().join(format!("tessera-hsdp-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("plan.json");
+    std::fs::write(&file, serde_json::to_string(&hsdp).unwrap()).unwrap();
+    let again = run(file.to_str().unwrap());
+    assert_eq!(again["predicted"]["step_time_s"], hsdp["predicted"]["step_time_s"]);
+    assert_eq!(
+        again["predicted"]["peak_bytes_per_device"],
+        hsdp["predicted"]["peak_bytes_per_device"]
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

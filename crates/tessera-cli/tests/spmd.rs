@@ -372,10 +372,13 @@ fn configs(devices: usize) -> Vec<&'static str> {
             "dp4 zero1",
             "dp4 zero2",
             "dp4 zero3",
+            // Hybrid sharding: ZeRO over pairs, the two pairs replicas.
+            "dp4 zero2 shard=2",
+            "dp4 zero3 shard=2",
             "auto",
         ],
         // tp8: llama-tiny has 4 KV heads, so its KV heads are replicated past them.
-        8 => vec!["dp2 tp4", "tp8", "dp8 zero1", "auto"],
+        8 => vec!["dp2 tp4", "tp8", "dp8 zero1", "dp4 tp2 zero3 shard=2", "auto"],
         _ => unreachable!(),
     }
 }

@@ -4,7 +4,7 @@
 //! ```text
 //! config := token ((' ' | '+')+ token)*          case-insensitive, each kind at most once
 //! token  := dpN | tpN | ppN | zeroK | mbN | sp | ckpt=MODE | sched=SCHED | stages=STAGES
-//!         | offload=OFFLOAD | nvme[:N]            N >= 1, K in 0..=3
+//!         | offload=OFFLOAD | nvme[:N] | shard=N  N >= 1, K in 0..=3
 //! MODE   := none | selective | full
 //! SCHED  := gpipe | 1f1b | interleaved:V | zb-h1  V >= 2 (chunks per device)
 //! STAGES := N[:MODE] (',' N[:MODE])*              blocks (and checkpointing) per virtual stage
@@ -14,13 +14,19 @@
 //! `nvme` puts the offloaded chunks' optimizer state on the NVMe, `nvme:K` that of the last K
 //! offloaded chunks (needs `offload=`).
 //!
+//! `shard=N` is hybrid sharding (HSDP; DeepSpeed's MiCS, Megatron-LM's distributed optimizer
+//! instances): ZeRO shards its state over groups of N consecutive data-parallel ranks (one
+//! node's GPUs, say) and each of the dp/N groups holds a whole replica of it, so the
+//! gathers stay within a group and only the gradient all-reduce crosses groups. It needs a
+//! ZeRO stage and 1 < N < dp with N dividing dp.
+//!
 //! Defaults: `dp1 tp1 pp1 zero0 mb1`, no `sp`, no schedule (`sched=` not given: 1F1B, or the
 //! planner's choice), checkpointing searched (no `ckpt=`: the planner picks a mode per block
 //! under the budget). A schedule needs a pipeline: `sched=` with pp1 is refused.
 //!
 //! Canonical form ([`ParallelConfig::canonical`], also `Display`): `dp{dp} tp{tp}` always, then
-//! `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `mb{n}` if n > 1, `sched={schedule}` if given,
-//! `stages={list}` if given (unequal stages, see [`crate::pipeline::layout`]) and `ckpt={mode}`
+//! `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `shard={n}` if given, `mb{n}` if n > 1,
+//! `sched={schedule}` if given, `stages={list}` if given (unequal stages, see [`crate::pipeline::layout`]) and `ckpt={mode}`
 //! if given, then `offload=...` and `nvme` — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
 //! `dp2 tp2 pp4 zero1 mb8 sched=interleaved:2`, or `dp8 tp1` for pure data parallelism. It
 //! parses back to the same config.
@@ -73,6 +79,10 @@ pub struct ParallelConfig {
     /// device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload: Option<Offload>,
+    /// Hybrid sharding: ZeRO shards over groups of this many data-parallel ranks, replicated
+    /// across the groups (see the module docs); `None`: over every data-parallel rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<usize>,
 }
 
 fn one() -> usize {
@@ -85,8 +95,8 @@ fn is_one(n: &usize) -> bool {
 
 const GRAMMAR: &str = "a config is tokens dpN, tpN, ppN, zeroK (K = 0..3), mbN, sp, \
                        ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 and \
-                       stages=N[:MODE],... (with ppN, N > 1), offload=opt|grads+opt|all[:K/16] \
-                       and nvme, separated by spaces or +, e.g. \
+                       stages=N[:MODE],... (with ppN, N > 1), offload=opt|grads+opt|all[:K/16], \
+                       nvme and shard=N, separated by spaces or +, e.g. \
                        `dp2 tp4 sp zero1 mb4 ckpt=selective` or `dp2 tp2 pp4 mb8 sched=1f1b`";
 
 /// The schedules' spellings, for messages.
@@ -105,6 +115,7 @@ impl Default for ParallelConfig {
             schedule: None,
             stages: Vec::new(),
             offload: None,
+            shard: None,
         }
     }
 }
@@ -142,6 +153,9 @@ impl ParallelConfig {
                 let k = positive(raw, k, "nvme:", "nvme:4").map_err(&invalid)?;
                 nvme = Some(Some(u32::try_from(k).unwrap_or(u32::MAX)));
                 "nvme"
+            } else if let Some(n) = tok.strip_prefix("shard=") {
+                cfg.shard = Some(positive(raw, n, "shard=", "shard=8").map_err(&invalid)?);
+                "shard"
             } else if let Some(value) = tok.strip_prefix("offload=") {
                 cfg.offload = Some(Offload::parse_value(raw, value).map_err(&invalid)?);
                 "offload"
@@ -240,6 +254,26 @@ impl ParallelConfig {
             return Err(PlanError::Invalid(
                 "offload with a pipeline (ppN) is not supported yet: drop offload= or ppN".into(),
             ));
+        }
+        if let Some(n) = self.shard {
+            let why = if self.zero == 0 {
+                Some("groups ZeRO's shards: add zero1, zero2 or zero3".to_string())
+            } else if n < 2 || n >= self.dp || !self.dp.is_multiple_of(n) {
+                Some(format!(
+                    "needs a group of 1 < N < dp ranks with N dividing dp{} (shard=dp is plain \
+                     ZeRO: drop shard=)",
+                    self.dp
+                ))
+            } else if self.pp > 1 {
+                Some("with a pipeline (ppN) is not supported yet: drop shard= or ppN".into())
+            } else if self.offload.is_some() {
+                Some("with offload= is not supported yet: drop one of them".into())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(PlanError::Invalid(format!("shard={n} {why}")));
+            }
         }
         if self.sp && self.tp < 2 {
             return Err(PlanError::Invalid(
@@ -373,6 +407,9 @@ impl ParallelConfig {
         if self.zero > 0 {
             s.push_str(&format!(" zero{}", self.zero));
         }
+        if let Some(n) = self.shard {
+            s.push_str(&format!(" shard={n}"));
+        }
         if self.micro_batches > 1 {
             s.push_str(&format!(" mb{}", self.micro_batches));
         }
@@ -389,6 +426,12 @@ impl ParallelConfig {
             s.push_str(&format!(" {o}"));
         }
         s
+    }
+
+    /// Data-parallel groups holding whole replicas of the ZeRO state (dp / shard; 1 without
+    /// hybrid sharding).
+    pub fn replicas(&self) -> usize {
+        self.shard.map_or(1, |n| self.dp / n.max(1))
     }
 
     /// Devices the config spans: dp × tp × pp (saturating; a validated config does not
@@ -465,6 +508,9 @@ impl ParallelConfig {
         }
         if self.zero >= 1 {
             flags.push("--use-distributed-optimizer".into());
+            if self.replicas() > 1 {
+                flags.push(format!("--num-distributed-optimizer-instances {}", self.replicas()));
+            }
         }
         flags
     }

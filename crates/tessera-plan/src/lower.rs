@@ -433,6 +433,10 @@ impl<'a> LocalForward<'a> {
                 }
             }
             let pending: Vec<usize> = pending.unwrap_or_default().into_iter().collect();
+            // Hybrid sharding: ZeRO shards over the pending axes that are not replica axes;
+            // over those the gradient is all-reduced and every group keeps its whole copy.
+            let shardable: Vec<usize> =
+                pending.iter().copied().filter(|a| !self.mesh.replicas.contains(a)).collect();
             let meta = self.g.meta(p);
             let local = stored.local_shape(self.mesh, meta.shape.dims()).ok_or_else(|| {
                 PlanError::Internal(format!(
@@ -440,16 +444,19 @@ impl<'a> LocalForward<'a> {
                     self.g.tensor_scope(p)
                 ))
             })?;
-            let n: usize = pending.iter().map(|&a| self.mesh.shape[a]).product();
+            let n: usize = shardable.iter().map(|&a| self.mesh.shape[a]).product();
             let zero_dim = (0..local.len()).find(|&d| local[d] % n == 0 && local[d] >= n);
             let (zero_axes, zero_dim) = match (zero, zero_dim) {
-                (1..=3, Some(d)) if n > 1 => (pending.clone(), d),
+                (1..=3, Some(d)) if n > 1 => (shardable, d),
                 _ => (Vec::new(), 0),
             };
             let (stored, pending) = if zero == 3 && !zero_axes.is_empty() {
                 let mut s = stored.clone();
                 s.dims[zero_dim].extend(zero_axes.iter().copied());
-                (s, Vec::new())
+                // The gradient arrives reduce-scattered over the ZeRO axes (the gather's
+                // transpose); what is left pends over the replica axes.
+                let rest = pending.iter().copied().filter(|a| !zero_axes.contains(a)).collect();
+                (s, rest)
             } else {
                 (stored, pending)
             };

@@ -48,6 +48,12 @@ pub struct Mesh {
     pub axes: Vec<String>,
     /// The links each axis' collectives run over.
     pub links: Vec<AxisLink>,
+    /// Data-parallel axes whose groups each hold a whole replica of the ZeRO-sharded state
+    /// (hybrid sharding's replicate axis, `shard=N`): ZeRO shards over the other
+    /// data-parallel axes only, and gradients are all-reduced over these. Empty: ZeRO shards
+    /// over every data-parallel axis.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<usize>,
 }
 
 impl Mesh {
@@ -90,7 +96,7 @@ impl Mesh {
         let axes = (0..shape.len())
             .map(|i| names.get(i).map_or_else(|| format!("a{i}"), |s| s.to_string()))
             .collect();
-        Ok(Mesh { shape: shape.to_vec(), axes, links })
+        Ok(Mesh { shape: shape.to_vec(), axes, links, replicas: Vec::new() })
     }
 
     /// A mesh with one explicit link per axis (tests, hand-built meshes).
@@ -101,7 +107,13 @@ impl Mesh {
     /// A mesh with explicit axis links.
     pub fn with_axis_links(shape: &[usize], links: Vec<AxisLink>) -> Mesh {
         let axes = (0..shape.len()).map(|i| format!("a{i}")).collect();
-        Mesh { shape: shape.to_vec(), axes, links }
+        Mesh { shape: shape.to_vec(), axes, links, replicas: Vec::new() }
+    }
+
+    /// The mesh with `axes` as replica axes (see [`Mesh::replicas`]).
+    pub fn with_replicas(mut self, axes: &[usize]) -> Mesh {
+        self.replicas = axes.to_vec();
+        self
     }
 
     /// Whether the two meshes are the same up to the order of their axes (same sizes over the
@@ -109,14 +121,16 @@ impl Mesh {
     pub fn equivalent(&self, other: &Mesh) -> bool {
         let key = |m: &Mesh| {
             let bits = |l: &Link| [l.latency_s.to_bits(), l.bandwidth.to_bits()];
-            let mut k: Vec<[u64; 6]> = m
+            let mut k: Vec<[u64; 7]> = m
                 .shape
                 .iter()
                 .zip(&m.links)
-                .map(|(&s, l)| {
+                .enumerate()
+                .map(|(i, (&s, l))| {
                     let [a, b] = bits(&l.intra);
                     let [c, d] = bits(&l.inter);
-                    [s as u64, l.per_node.min(s) as u64, a, b, c, d]
+                    let replica = m.replicas.contains(&i) as u64;
+                    [s as u64, l.per_node.min(s) as u64, a, b, c, d, replica]
                 })
                 .collect();
             k.sort_unstable();

@@ -20,6 +20,9 @@ fn default_layout() -> String {
 pub struct MeshJson {
     pub shape: Vec<usize>,
     pub axes: Vec<String>,
+    /// Replica axes of hybrid sharding ([`crate::Mesh::replicas`]); absent: none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<usize>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -225,6 +228,9 @@ pub fn describe(
                     s.inputs[0].dims.get(1).is_some_and(|d| d.iter().any(|a| !dp_axes.contains(a)))
                 })
         });
+    // Hybrid sharding: the replica axes' groups each hold a whole copy of the ZeRO state.
+    let replicas: usize = mesh.replicas.iter().map(|&a| mesh.shape[a]).product();
+    let shard = (zero > 0 && replicas > 1 && dp > replicas).then(|| dp / replicas);
     ParallelConfig {
         dp: dp.max(1),
         tp: tp.max(1),
@@ -236,6 +242,7 @@ pub fn describe(
         schedule: None,
         stages: Vec::new(),
         offload: None,
+        shard,
     }
 }
 
@@ -349,7 +356,11 @@ impl Plan {
             seq: cx.seq,
             dtype: cx.dtype.clone(),
             memory_budget_bytes: cx.budget,
-            mesh: MeshJson { shape: mesh.shape.clone(), axes: mesh.axes.clone() },
+            mesh: MeshJson {
+                shape: mesh.shape.clone(),
+                axes: mesh.axes.clone(),
+                replicas: mesh.replicas.clone(),
+            },
             config: cfg.canonical(),
             layout: match e.candidate.rule {
                 crate::search::AxisRule::Megatron { .. } => "megatron".into(),

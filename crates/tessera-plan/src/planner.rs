@@ -107,9 +107,15 @@ impl Request<'_> {
     }
 }
 
+/// A config's mesh: `[dp, tp]`, or with hybrid sharding (`shard=N`) `[dp/N, N, tp]`, the
+/// first axis holding the replicas; the tensor axis is always the last.
 fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     cfg.check_devices(cluster.num_devices())?;
-    Mesh::new(cluster, &[cfg.dp, cfg.tp], &["dp", "tp"])
+    match cfg.shard {
+        Some(n) => Ok(Mesh::new(cluster, &[cfg.replicas(), n, cfg.tp], &["replica", "dp", "tp"])?
+            .with_replicas(&[0])),
+        None => Mesh::new(cluster, &[cfg.dp, cfg.tp], &["dp", "tp"]),
+    }
 }
 
 /// Evaluates a fixed configuration (the best plan within it).
@@ -182,7 +188,7 @@ fn best_megatron(
     let (mut tried, mut fitting) = (0, 0);
     let mut best: Option<(Evaluated, ParallelConfig)> = None;
     for (job, r) in jobs.iter().zip(results) {
-        let Job::Megatron { dp, tp, sp } = *job else { continue };
+        let Job::Megatron { dp, tp, sp, shard } = *job else { continue };
         tried += r.tried;
         fitting += r.fits.len();
         for e in &r.fits {
@@ -198,6 +204,7 @@ fn best_megatron(
                     schedule: None,
                     stages: Vec::new(),
                     offload: None,
+                    shard: shard.filter(|_| e.candidate.zero > 0),
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -477,7 +484,8 @@ pub fn lower_plan_with(
             &req.cluster,
             &file.mesh.shape,
             &file.mesh.axes.iter().map(String::as_str).collect::<Vec<_>>(),
-        )?,
+        )?
+        .with_replicas(&file.mesh.replicas),
     };
     let mb = file.micro_batches.max(1);
     if !req.batch.is_multiple_of(mb) {
@@ -564,6 +572,7 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
                     shape: file.mesh.shape.clone(),
                     axes: exe.mesh.axes[..file.mesh.shape.len()].to_vec(),
                     links: exe.mesh.links[..file.mesh.shape.len()].to_vec(),
+                    replicas: Vec::new(),
                 },
                 None => exe.mesh.clone(),
             },
@@ -641,6 +650,7 @@ fn describe(least: &LeastPeak) -> String {
                 schedule: None,
                 stages: Vec::new(),
                 offload: None,
+                shard: None,
             };
             format!("`{}`", cfg.canonical())
         }

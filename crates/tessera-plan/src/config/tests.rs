@@ -15,6 +15,7 @@ fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> Parall
         schedule: None,
         stages: Vec::new(),
         offload: None,
+        shard: None,
     }
 }
 
@@ -386,6 +387,32 @@ fn offload_parses_round_trips_and_is_checked() {
         ("offload=opt:4/16 nvme:5", "more chunks than the 4 offloaded"),
         ("pp2 offload=opt", "offload with a pipeline"),
         ("offload=opt offload=all", "given twice"),
+    ] {
+        let e = err(s);
+        assert!(e.contains(want), "{s}: {e}");
+    }
+}
+
+#[test]
+fn hybrid_sharding_parses_round_trips_and_is_checked() {
+    let c = ParallelConfig::parse("dp16 zero3 shard=8 mb2").unwrap();
+    assert_eq!((c.shard, c.replicas()), (Some(8), 2));
+    assert_eq!(c.canonical(), "dp16 tp1 zero3 shard=8 mb2");
+    assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c);
+    // Megatron-LM: the distributed optimizer's instances, one per replica group.
+    let c = ParallelConfig::parse("dp8 tp2 zero1 shard=4").unwrap();
+    assert!(c.megatron_flags().ends_with("--num-distributed-optimizer-instances 2"));
+    assert_eq!(ParallelConfig::parse("dp8 zero1").unwrap().replicas(), 1);
+    for (s, want) in [
+        ("dp8 shard=4", "add zero1, zero2 or zero3"),
+        ("dp8 zero3 shard=8", "shard=dp is plain ZeRO"),
+        ("dp8 zero3 shard=3", "N dividing dp8"),
+        ("dp8 zero3 shard=1", "1 < N < dp"),
+        ("dp8 zero3 shard=0", "at least 1"),
+        ("dp8 pp2 zero1 shard=4", "with a pipeline"),
+        ("dp8 zero3 shard=4 offload=all", "with offload="),
+        ("dp8 zero3 shard=4 shard=2", "given twice"),
+        ("dp8 zero3 shard", "unknown token"),
     ] {
         let e = err(s);
         assert!(e.contains(want), "{s}: {e}");

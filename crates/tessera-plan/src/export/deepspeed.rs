@@ -2,8 +2,10 @@
 //! gradient clipping, the ZeRO stage and, with a pipeline, its stage count — and the
 //! `deepspeed` launcher line.
 //!
-//! What DeepSpeed expresses from a config: data parallelism with ZeRO 0–3, gradient
-//! accumulation, its pipeline engine (its own 1F1B-like schedule, even stages, ZeRO-0/1 only),
+//! What DeepSpeed expresses from a config: data parallelism with ZeRO 0–3 over every
+//! data-parallel rank (its hybrid sharding, MiCS, was removed in 0.19, so `shard=N` is
+//! refused), gradient accumulation, its pipeline engine (its own 1F1B-like schedule, even
+//! stages, ZeRO-0/1 only),
 //! full recomputation of every block (the training script wraps each block in
 //! `deepspeed.checkpointing.checkpoint`; the config's `activation_checkpointing` section
 //! configures that call), and ZeRO-Offload / ZeRO-Infinity: `offload_optimizer` (optimizer
@@ -30,6 +32,8 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
         schedule: None,
         stages: Vec::new(),
         offload: None,
+        // ZeRO over every rank: DeepSpeed has no hybrid sharding (see `problem`).
+        shard: None,
         ..cfg.clone()
     };
     if let Some(o) = cfg.offload {
@@ -58,6 +62,13 @@ fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<Str
             "tensor parallelism (tp{}) is not DeepSpeed's own; export to Megatron-LM \
              (Megatron-DeepSpeed) or torchtitan, or plan without it",
             cfg.tp
+        ));
+    }
+    if let Some(n) = cfg.shard {
+        return Some(format!(
+            "shard={n}: DeepSpeed partitions ZeRO state over every data-parallel rank; its \
+             hybrid sharding (MiCS) was removed in 0.19 (`mics_shard_size` is refused, \
+             deepspeedai/DeepSpeed#8489)"
         ));
     }
     if cfg.pp > 1 && cfg.zero >= 2 {

@@ -4,7 +4,8 @@
 //! the user's: they follow as the script's own arguments (`"$@"`).
 //!
 //! What Megatron-LM expresses: tensor, sequence and pipeline parallelism (1F1B, interleaved
-//! 1F1B, first and last stages of their own size), ZeRO-1 as the distributed optimizer, and
+//! 1F1B, first and last stages of their own size), ZeRO-1 as the distributed optimizer (with
+//! `shard=N`, `dp/N` instances of it: `--num-distributed-optimizer-instances`), and
 //! full recomputation of every block (`uniform`) or of the first blocks (`block`, without a
 //! pipeline). Its `selective` recomputes core attention, while Tessera's `selective` keeps
 //! attention outputs and recomputes norms and activations: the two do not match, so a plan
@@ -28,7 +29,12 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
         base.stages.clear();
     }
     base.offload = None;
-    (0..=cfg.zero.min(1)).rev().map(|zero| ParallelConfig { zero, ..base.clone() }).collect()
+    // Hybrid sharding of the distributed optimizer is its instances; ZeRO-0 has no shards.
+    let shard = |zero: u8| if zero == 1 { cfg.shard } else { None };
+    (0..=cfg.zero.min(1))
+        .rev()
+        .map(|zero| ParallelConfig { zero, shard: shard(zero), ..base.clone() })
+        .collect()
 }
 
 /// Why Megatron-LM cannot take the stage layout (`None`: it can).

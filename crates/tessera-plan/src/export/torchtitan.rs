@@ -3,7 +3,8 @@
 //! with the `torchrun` line in its header.
 //!
 //! What torchtitan expresses: ZeRO-0 as DDP (`data_parallel_replicate_degree`), ZeRO-3 as
-//! FSDP2 (`data_parallel_shard_degree`); tensor parallelism, which in torchtitan always
+//! FSDP2 (`data_parallel_shard_degree`), and hybrid sharding (`zero3 shard=N`) as HSDP (both
+//! degrees: dp/N replicas of N-way FSDP); tensor parallelism, which in torchtitan always
 //! shards the norms' sequence (Megatron's sequence parallelism, so `tpN` needs `sp`); pipeline
 //! parallelism with even stages under GPipe or 1F1B; full recomputation of every block, or of
 //! every n-th block (`selective_ac_option = "n"`); FSDP2's CPU offload of parameters,
@@ -41,7 +42,9 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
         3 => &[3],
         _ => &[3, 0],
     };
-    zeros.iter().map(|&zero| ParallelConfig { zero, ..base.clone() }).collect()
+    // Hybrid sharding is HSDP under FSDP2; DDP (ZeRO-0) has nothing to shard.
+    let shard = |zero: u8| if zero == 3 { cfg.shard } else { None };
+    zeros.iter().map(|&zero| ParallelConfig { zero, shard: shard(zero), ..base.clone() }).collect()
 }
 
 /// Why torchtitan cannot train the model at all (`None`: it can).
@@ -173,7 +176,12 @@ pub(super) fn export(
         "mixed_precision_param = \"{}\"\n",
         if plan.dtype == "f32" { "float32" } else { "bfloat16" }
     );
-    let (replicate, shard) = if cfg.zero == 3 { (1, cfg.dp) } else { (cfg.dp, 1) };
+    // FSDP2 over every data-parallel rank, or HSDP: shards within groups of `shard=N`,
+    // replicated across them.
+    let (replicate, shard) = match cfg.zero {
+        3 => (cfg.replicas(), cfg.dp / cfg.replicas()),
+        _ => (cfg.dp, 1),
+    };
     t += &format!(
         "\n[parallelism]\ndata_parallel_replicate_degree = {replicate}\n\
          data_parallel_shard_degree = {shard}\ntensor_parallel_degree = {}\n\

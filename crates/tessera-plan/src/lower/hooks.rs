@@ -75,7 +75,13 @@ impl UpdateHooks for DistHooks<'_> {
             let zd = info.zero_dim;
             spec.dims[zd].extend(info.zero_axes.iter().copied());
             if self.zero == 2 {
-                self.steps(&info.zero_axes, Collective::ReduceScatter { dim: zd })
+                // Reduce-scattered over the ZeRO axes, all-reduced over the replica axes
+                // (hybrid sharding) on the shard.
+                let mut s = self.steps(&info.zero_axes, Collective::ReduceScatter { dim: zd });
+                let rest: Vec<usize> =
+                    info.pending.iter().copied().filter(|a| !info.zero_axes.contains(a)).collect();
+                s.extend(self.steps(&rest, Collective::AllReduce));
+                s
             } else {
                 let mut s = self.steps(&info.pending, Collective::AllReduce);
                 s.extend(self.steps(&info.zero_axes, Collective::Shard { dim: zd }));

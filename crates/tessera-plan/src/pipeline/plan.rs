@@ -124,6 +124,7 @@ pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Me
         shape: stage_shape.to_vec(),
         axes: laid.axes[1..].to_vec(),
         links: laid.links[1..].to_vec(),
+        replicas: Vec::new(),
     };
     let mut full = full_mesh(&stage, pp, laid.links[0]);
     full.axes = stage.axes.iter().cloned().chain(["pp".to_string()]).collect();

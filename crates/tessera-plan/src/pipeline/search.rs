@@ -313,6 +313,7 @@ pub fn config(
         schedule: Some(kind),
         stages: Vec::new(),
         offload: None,
+        shard: None,
     };
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.

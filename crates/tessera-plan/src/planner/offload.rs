@@ -47,7 +47,8 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
     }
     let mut lines = Vec::new();
     for job in megatron_jobs(req) {
-        let Job::Megatron { dp, tp, sp } = job else { continue };
+        // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`).
+        let Job::Megatron { dp, tp, sp, shard: None } = job else { continue };
         let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
         let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {

@@ -82,8 +82,9 @@ pub(super) fn first_fit(
 pub(super) enum Job {
     /// The free per-op ILP on a mesh.
     Free(Mesh),
-    /// A Megatron-style `dp × tp` configuration (sequence parallel on or off).
-    Megatron { dp: usize, tp: usize, sp: bool },
+    /// A Megatron-style `dp × tp` configuration (sequence parallel on or off), ZeRO over every
+    /// data-parallel rank or, with `shard`, within groups of that many (hybrid sharding).
+    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize> },
 }
 
 /// What one job found: per ZeRO stage that fits, the plan at its smallest fitting micro-batch
@@ -110,7 +111,7 @@ pub(super) fn job_space(
 ) -> Result<(Mesh, AxisRule, Vec<usize>)> {
     Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
-        Job::Megatron { dp, tp, sp } => {
+        Job::Megatron { dp, tp, sp, shard } => {
             let cfg = ParallelConfig {
                 dp: *dp,
                 tp: *tp,
@@ -122,6 +123,7 @@ pub(super) fn job_space(
                 schedule: None,
                 stages: Vec::new(),
                 offload: None,
+                shard: *shard,
             };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
@@ -194,7 +196,13 @@ pub(super) fn run_job(
     let (mesh, rule, mbs) = job_space(req, job, mbs)?;
     let mut out = JobResult { tried: 0, fits: Vec::new() };
     let mut previous: Option<f64> = None;
-    for zero in 0..=2u8 {
+    // Hybrid sharding is searched as FSDP's (ZeRO-3, [`run_job_zero3`]): the job without
+    // `shard` covers ZeRO-0, and `shard=N` with ZeRO-1/2 is left to config strings.
+    let first = match job {
+        Job::Megatron { shard: Some(_), .. } => 3,
+        _ => 0,
+    };
+    for zero in first..=2u8 {
         let (tried, e) =
             first_fit(req, p, Scan { mesh: &mesh, rule: &rule, zero, mbs: &mbs }, true)?;
         out.tried += tried;
@@ -353,9 +361,22 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
     let n = req.cluster.num_devices();
     let mut jobs = Vec::new();
     for tp in (1..=req.cluster.gpus_per_node.min(n)).filter(|&t| n.is_multiple_of(t)) {
+        let dp = n / tp;
+        // Hybrid sharding (HSDP: ZeRO-3 over the data-parallel ranks of one node, replicated
+        // across nodes).
+        let per_node = req.cluster.gpus_per_node / tp;
+        let hybrid = (req.cluster.nodes > 1
+            && req.cluster.gpus_per_node.is_multiple_of(tp)
+            && per_node > 1
+            && per_node < dp
+            && dp.is_multiple_of(per_node))
+        .then_some(per_node);
         for sp in [false, true] {
             if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp: n / tp, tp, sp });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None });
+                if hybrid.is_some() {
+                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid });
+                }
             }
         }
     }

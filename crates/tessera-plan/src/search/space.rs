@@ -150,11 +150,14 @@ impl<'g> Space<'g> {
         }
 
         let live_axes: Vec<usize> = (0..mesh.ndim()).filter(|&a| mesh.shape[a] > 1).collect();
+        // A config's mesh: data-parallel axes, then the tensor axis last.
+        let tp_axis = mesh.ndim().saturating_sub(1);
+        let data_axes: Vec<usize> = live_axes.iter().copied().filter(|&a| a != tp_axis).collect();
         // A config string's tensor axis splits what Megatron-LM's layout splits, op by op.
         let tp_pins = match rule {
-            AxisRule::Megatron { sp } if live_axes.contains(&1) => {
-                match super::megatron::tp_labels(g, &mut labels, &roles, *sp, mesh.shape[1], false)
-                {
+            AxisRule::Megatron { sp } if live_axes.contains(&tp_axis) => {
+                let tp = mesh.shape[tp_axis];
+                match super::megatron::tp_labels(g, &mut labels, &roles, *sp, tp, false) {
                     Ok(pins) => Some(pins),
                     Err(why) => return Ok(Space::unsplittable(g, why)),
                 }
@@ -193,10 +196,10 @@ impl<'g> Space<'g> {
                 }
                 match rule {
                     AxisRule::Free => true,
-                    AxisRule::Megatron { .. } => match a {
-                        0 => lab_role[lab] == DimRole::Batch,
-                        _ => tp_pins.as_ref().is_some_and(|p| p[i] == Some(lab)),
-                    },
+                    AxisRule::Megatron { .. } if a == tp_axis => {
+                        tp_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
+                    }
+                    AxisRule::Megatron { .. } => lab_role[lab] == DimRole::Batch,
                 }
             };
             let mut all = strategies(l, &x, &y, mesh, &allow);
@@ -204,12 +207,12 @@ impl<'g> Space<'g> {
                 // Data parallel splits the batch of every op that has one.
                 let has_batch = (0..l.sizes.len())
                     .any(|lab| lab_role[lab] == DimRole::Batch && l.shardable[lab]);
-                if has_batch && mesh.shape[0] > 1 {
-                    all.retain(|s| s.axis_labels[0].is_some());
+                if has_batch {
+                    all.retain(|s| data_axes.iter().all(|&a| s.axis_labels[a].is_some()));
                 }
                 // The tensor axis splits exactly Megatron's label.
                 if let Some(lab) = tp_pins.as_ref().and_then(|p| p[i]) {
-                    all.retain(|s| s.axis_labels[1] == Some(lab));
+                    all.retain(|s| s.axis_labels[tp_axis] == Some(lab));
                     if all.is_empty() {
                         let why = format!(
                             "{} ({}) cannot be split over the tensor-parallel axis as \
