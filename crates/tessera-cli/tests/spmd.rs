@@ -377,8 +377,9 @@ fn configs(devices: usize) -> Vec<&'static str> {
             "dp4 zero3 shard=2",
             "auto",
         ],
-        // tp8: llama-tiny has 4 KV heads, so its KV heads are replicated past them.
-        8 => vec!["dp2 tp4", "tp8", "dp8 zero1", "dp4 tp2 zero3 shard=2", "auto"],
+        // tp8: llama-tiny has 4 KV heads, so its KV heads are replicated past them (with sp,
+        // k and v stay whole while the norms split the sequence).
+        8 => vec!["dp2 tp4", "tp8 sp", "dp8 zero1", "dp4 tp2 zero3 shard=2", "auto"],
         _ => unreachable!(),
     }
 }
