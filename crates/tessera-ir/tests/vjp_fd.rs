@@ -675,13 +675,7 @@ fn attentions() {
             let q = cx.param([b, s, h, d]);
             let k = cx.param([b, t, hkv, d]);
             let v = cx.param([b, t, hkv, d]);
-            let spec = AttentionSpec {
-                causal,
-                window,
-                scale: 1.0 / (d as f64).sqrt(),
-                alibi: None,
-                kv_whole: None,
-            };
+            let spec = AttentionSpec { causal, window, ..AttentionSpec::causal(d) };
             Ok(vec![cx.b.attention(q, k, v, spec)?])
         });
     }
@@ -764,13 +758,7 @@ fn gpt(b: &mut Builder, c: &GptCfg) -> Result<(TensorId, [TensorId; 3])> {
             b.reshape(t, [bs, s, nh, d / nh])
         };
         let (q, k, v) = (split(b, 0)?, split(b, 1)?, split(b, 2)?);
-        let spec = AttentionSpec {
-            causal: true,
-            window: None,
-            scale: 1.0 / ((d / nh) as f64).sqrt(),
-            alibi: None,
-            kv_whole: None,
-        };
+        let spec = AttentionSpec::causal(d / nh);
         let a = b.attention(q, k, v, spec)?;
         let a = b.reshape(a, [bs, s, d])?;
         let mut a = linear(b, "attn.c_proj", a, d, d)?;
@@ -828,13 +816,7 @@ fn llama(
         let v = b.reshape(v, [bs, s, nkv, hd])?;
         let q = b.rope(q, &inv_freq)?;
         let k = b.rope(k, &inv_freq)?;
-        let spec = AttentionSpec {
-            causal: true,
-            window: Some(3),
-            scale: 1.0 / (hd as f64).sqrt(),
-            alibi: None,
-            kv_whole: None,
-        };
+        let spec = AttentionSpec { window: Some(3), ..AttentionSpec::causal(hd) };
         let a = b.attention(q, k, v, spec)?;
         let a = b.reshape(a, [bs, s, d])?;
         let a = lin(b, "self_attn.o_proj", a, d, d)?;

@@ -80,13 +80,7 @@ fn bench_attention(c: &mut Criterion) {
     let fwd_flops = 4 * (b * h * s * s * d) as u64;
     let mut g = c.benchmark_group("attention B=4 S=256 H=12 D=64");
     for causal in [false, true] {
-        let spec = AttentionSpec {
-            causal,
-            window: None,
-            scale: 1.0 / (d as f64).sqrt(),
-            alibi: None,
-            kv_whole: None,
-        };
+        let spec = AttentionSpec { causal, ..AttentionSpec::causal(d) };
         let fwd = Op::Attention(spec.clone());
         let bwd = Op::AttentionBackward(spec);
         let fwd_out = metas(&fwd, &[&q, &k, &v]);

@@ -264,13 +264,7 @@ fn check_attention(
     window: Option<usize>,
 ) {
     let mut rng = Rng::new(seed);
-    let spec = AttentionSpec {
-        causal,
-        window,
-        scale: 1.0 / (d as f64).sqrt(),
-        alibi: None,
-        kv_whole: None,
-    };
+    let spec = AttentionSpec { causal, window, ..AttentionSpec::causal(d) };
     // Larger logits than uniform [-1, 1) so the softmax is far from flat.
     let q = (rng.tensor(&[b, s, h, d]) * 2.0).unwrap();
     let k = (rng.tensor(&[b, t, hkv, d]) * 2.0).unwrap();
@@ -334,8 +328,7 @@ fn attention_unequal_lengths() {
 fn attention_fully_masked_rows() {
     let _s = serial();
     let mut rng = Rng::new(50);
-    let spec =
-        AttentionSpec { causal: true, window: None, scale: 0.5, alibi: None, kv_whole: None };
+    let spec = AttentionSpec { scale: 0.5, ..AttentionSpec::causal(1) };
     let q = rng.tensor(&[1, 6, 2, 4]);
     let k = rng.tensor(&[1, 3, 1, 4]);
     let v = rng.tensor(&[1, 3, 1, 4]);

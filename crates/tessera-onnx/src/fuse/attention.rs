@@ -89,7 +89,7 @@ pub(super) fn attention(im: &mut Importer, root: &NodeProto) -> Result<Option<Va
             ))
         }
     };
-    let spec = AttentionSpec { causal, window: None, scale, alibi: None, kv_whole: None };
+    let spec = AttentionSpec { causal, scale, ..AttentionSpec::causal(1) };
     let node_name = root.name.clone();
     let err = |im: &Importer, e| im.err_ir(root, e);
     let out = if rank == 4 {
