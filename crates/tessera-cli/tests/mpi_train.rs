@@ -156,7 +156,8 @@ fn mpi_equals_threads_and_one_device(
 
 #[test]
 fn mpi_runs_equal_threads_and_one_device() {
-    let plans = [(2, "dp2"), (2, "tp2"), (4, "dp2 tp2")];
+    // `shard=2`: hybrid sharding's three-axis mesh, its groups as MPI communicators.
+    let plans = [(2, "dp2"), (2, "tp2"), (4, "dp2 tp2"), (4, "dp4 zero3 shard=2")];
     mpi_equals_threads_and_one_device("fidelity", "mb1", &plans, false);
 }
 
