@@ -339,6 +339,33 @@ pub fn choose_plan(req: &Request<'_>, plan: &str) -> Result<Plan> {
     }
 }
 
+/// What a reader of the config string would not guess: hybrid sharding's replicas, and KV
+/// heads replicated where the tensor axis splits more query heads than there are KV heads.
+fn layout_notes(p: &Plan) -> String {
+    let mut s = String::new();
+    let replicas: usize = p.mesh.replicas.iter().filter_map(|&a| p.mesh.shape.get(a)).product();
+    if replicas > 1 {
+        let devices: usize = p.mesh.shape.iter().product();
+        s += &format!(
+            "          hybrid sharding: ZeRO shards within groups of {} devices; {replicas} \
+             groups, each a whole replica\n",
+            devices / replicas
+        );
+    }
+    let heads = |spec: &str| tessera_plan::Spec::parse(spec).and_then(|s| s.dims.get(2).cloned());
+    let kv_whole = p.strategies.iter().any(|st| {
+        st.op == "attention"
+            && st.inputs.len() >= 2
+            && heads(&st.inputs[0]).is_some_and(|q| !q.is_empty())
+            && heads(&st.inputs[1]).is_some_and(|k| k.is_empty())
+    });
+    if kv_whole {
+        s += "          KV heads replicated: tp splits the query heads past the KV heads, so \
+              every device\n          holds every KV head (k/v projections whole)\n";
+    }
+    s
+}
+
 fn table(p: &Plan, explain: bool) -> String {
     let pr = &p.predicted;
     let mut s = String::new();
@@ -358,6 +385,7 @@ fn table(p: &Plan, explain: bool) -> String {
             "          per-op layout: the config above is its closest Megatron-style description;\n          \
               save the plan with --out FILE and pass --plan FILE to reuse it exactly\n";
     }
+    s += &layout_notes(p);
     s += &format!(
         "step      {:.4} s   {:.0} tokens/s   MFU {:.1}%\n",
         pr.step_time_s,

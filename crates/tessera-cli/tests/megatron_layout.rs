@@ -219,4 +219,15 @@ fn kv_heads_are_replicated_where_tp_exceeds_them() {
         assert!(spec(0).contains('1'), "{model}: q {}", spec(0));
         assert!(!spec(1).contains('1') && !spec(2).contains('1'), "{model}: k {}", spec(1));
     }
+    // The human-readable plan says so; a tp within the KV heads does not.
+    let text = |config: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["plan", "--model", "llama-tiny", "--cluster", "8xH100", "--plan", config])
+            .args(["--batch", "16", "--seq", "64"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(text("tp8").contains("KV heads replicated"), "{}", text("tp8"));
+    assert!(!text("dp2 tp4").contains("KV heads replicated"));
 }

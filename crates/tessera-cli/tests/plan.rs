@@ -361,6 +361,21 @@ fn hybrid_sharding_gathers_within_a_node_and_replicates_across() {
         hsdp["predicted"]["peak_bytes_per_device"]
     );
     std::fs::remove_dir_all(&dir).ok();
+    // Said in the human-readable plan.
+    let (ok, out, err) = tessera(&[
+        "plan",
+        "--model",
+        "gpt2",
+        "--cluster",
+        "2x8xH100",
+        "--batch",
+        "16",
+        "--seq",
+        "256",
+        "--plan",
+        "dp16 zero3 shard=8",
+    ]);
+    assert!(ok && out.contains("ZeRO shards within groups of 8 devices; 2 groups"), "{out}{err}");
     // The automatic search tries HSDP among the Megatron configurations: on llama3-8b it is
     // their fastest, ahead of FSDP over all 16 (whose gathers cross the nodes).
     let (ok, out, err) = tessera(&[
