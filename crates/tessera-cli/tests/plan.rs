@@ -360,6 +360,23 @@ fn hybrid_sharding_gathers_within_a_node_and_replicates_across() {
         again["predicted"]["peak_bytes_per_device"],
         hsdp["predicted"]["peak_bytes_per_device"]
     );
+    // A hand-edited replica axis the mesh lacks: named, not a panic.
+    let mut bad = hsdp.clone();
+    bad["mesh"]["replicas"] = serde_json::json!([7]);
+    std::fs::write(&file, serde_json::to_string(&bad).unwrap()).unwrap();
+    let (ok, _, err) = tessera(&[
+        "plan",
+        "--model",
+        "gpt2",
+        "--cluster",
+        "2x8xH100",
+        "--plan",
+        file.to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && err.contains("mesh.replicas names axis 7") && !err.contains("panicked"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).ok();
     // Said in the human-readable plan.
     let (ok, out, err) = tessera(&[

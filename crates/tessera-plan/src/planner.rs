@@ -477,6 +477,21 @@ pub fn lower_plan_with(
             crate::plan::PLAN_VERSION
         )));
     }
+    if let Some(&a) = file.mesh.replicas.iter().find(|&&a| a >= file.mesh.shape.len()) {
+        return Err(PlanError::Invalid(format!(
+            "plan file's mesh.replicas names axis {a}, but the mesh {:?} has {} axes: list \
+             axes of the mesh (or drop replicas)",
+            file.mesh.shape,
+            file.mesh.shape.len()
+        )));
+    }
+    if file.pipeline.is_some() && !file.mesh.replicas.is_empty() {
+        return Err(PlanError::Invalid(
+            "plan file has mesh.replicas (hybrid sharding) and a pipeline, which are not \
+             supported together: drop one of them"
+                .into(),
+        ));
+    }
     let mesh = match &file.pipeline {
         // One stage's mesh: the strategies' axes.
         Some(pj) => crate::pipeline::plan::meshes(&req.cluster, &file.mesh.shape, pj.devices)?.0,
