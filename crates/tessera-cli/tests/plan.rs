@@ -395,42 +395,22 @@ fn hybrid_sharding_gathers_within_a_node_and_replicates_across() {
     assert!(ok && out.contains("ZeRO shards within groups of 8 devices; 2 groups"), "{out}{err}");
     // The automatic search tries HSDP among the Megatron configurations: on llama3-8b it is
     // their fastest, ahead of FSDP over all 16 (whose gathers cross the nodes).
-    let (ok, out, err) = tessera(&[
-        "plan",
-        "--model",
-        "llama3-8b",
-        "--cluster",
-        "2x8xH100",
-        "--batch",
-        "32",
-        "--seq",
-        "2048",
-        "--baseline",
-        "megatron",
-        "--format",
-        "json",
-    ]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let llama = |extra: &[&str]| -> serde_json::Value {
+        let base = ["plan", "--model", "llama3-8b", "--cluster", "2x8xH100", "--batch", "32"];
+        let args: Vec<&str> = base
+            .iter()
+            .chain(&["--seq", "2048", "--format", "json"])
+            .chain(extra)
+            .copied()
+            .collect();
+        let (ok, out, err) = tessera(&args);
+        assert!(ok, "{extra:?}: {err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let v = llama(&["--baseline", "megatron"]);
     let best = &v["baselines"]["megatron"];
     assert_eq!(best["config"], "dp16 tp1 zero3 shard=8", "{best}");
-    let (ok, out, err) = tessera(&[
-        "plan",
-        "--model",
-        "llama3-8b",
-        "--cluster",
-        "2x8xH100",
-        "--batch",
-        "32",
-        "--seq",
-        "2048",
-        "--plan",
-        "dp16 zero3",
-        "--format",
-        "json",
-    ]);
-    assert!(ok, "{err}");
-    let fsdp: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let fsdp = llama(&["--plan", "dp16 zero3"]);
     let (h, f) =
         (best["step_time_s"].as_f64().unwrap(), fsdp["predicted"]["step_time_s"].as_f64().unwrap());
     assert!(h < f, "HSDP {h} s vs FSDP {f} s");
