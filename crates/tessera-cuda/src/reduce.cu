@@ -371,6 +371,18 @@ extern "C" __global__ void reduce_partials(int op, const double* part, i64 group
     }
 }
 
+// The same for sums over many partials (the gradient norms' up to 1,024 per output): a block
+// per output, its threads striding over the partials (a chain of dependent loads in one
+// thread took about 50 µs per output).
+extern "C" __global__ void reduce_partials_block(int op, const double* part, i64 groups, i64 sj, i64 sg, i64 r,
+                                                 void* y, int cy) {
+    const i64 j = blockIdx.x;
+    double a = 0.0;
+    for (i64 g = threadIdx.x; g < groups; g += blockDim.x) a += part[j * sj + g * sg];
+    a = block_sum(a);
+    if (threadIdx.x == 0) stf(y, cy, j, (float)(op == 1 ? a / (double)r : a));
+}
+
 // Norm weight (and bias) gradients as column partials: block (32, 8) over 32 columns and
 // row chunk blockIdx.y; pw/pb[blockIdx.y * cols + j] (pb may be null).
 extern "C" __global__ void norm_dw_partial(const void* x, int cx, const void* dy, int cd, const float* stats, i64 rows,
