@@ -78,6 +78,7 @@ pub const FUNCTIONS: &[&str] = &[
     "reduce_cols_partial",
     "reduce_partial",
     "reduce_partials",
+    "reduce_partials_block",
     "embedding",
     "embedding_backward",
     "cross_entropy_rows",

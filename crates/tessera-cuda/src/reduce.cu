@@ -121,6 +121,27 @@ __device__ __forceinline__ bool norm_vec_ok(const void* p, int code, i64 cols) {
                   cols <= 8 * NORM_VEC * (i64)blockDim.x);
 }
 
+// A row's mean (0 for RMS norm) and 1/σ from its NORM_VEC groups of eight in registers.
+__device__ __forceinline__ void norm_stats_vec(const float (&xv)[NORM_VEC][8], int groups, i64 cols, float eps,
+                                               int rms, float* mean, float* rstd) {
+    double s = 0.0, s2 = 0.0;
+    if (!rms) {
+#pragma unroll
+        for (int q = 0; q < NORM_VEC; ++q)
+            if ((int)threadIdx.x + q * (int)blockDim.x < groups)
+#pragma unroll
+                for (int k = 0; k < 8; ++k) s += xv[q][k];
+    }
+    const float m = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
+#pragma unroll
+    for (int q = 0; q < NORM_VEC; ++q)
+        if ((int)threadIdx.x + q * (int)blockDim.x < groups)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) { double d = xv[q][k] - m; s2 += d * d; }
+    *mean = m;
+    *rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
+}
+
 __device__ __forceinline__ void norm_forward_vec(const void* x, const void* w, const void* b, void* y, NormCodes c,
                                                  i64 cols, float eps, int rms) {
     const i64 r0 = (i64)blockIdx.x * cols;
@@ -131,21 +152,8 @@ __device__ __forceinline__ void norm_forward_vec(const void* x, const void* w, c
         const int gi = (int)threadIdx.x + q * (int)blockDim.x;
         if (gi < groups) ld8(x, c.x, r0 + 8 * gi, xv[q]);
     }
-    double s = 0.0, s2 = 0.0;
-    if (!rms) {
-#pragma unroll
-        for (int q = 0; q < NORM_VEC; ++q)
-            if ((int)threadIdx.x + q * (int)blockDim.x < groups)
-#pragma unroll
-                for (int k = 0; k < 8; ++k) s += xv[q][k];
-    }
-    float mean = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
-#pragma unroll
-    for (int q = 0; q < NORM_VEC; ++q)
-        if ((int)threadIdx.x + q * (int)blockDim.x < groups)
-#pragma unroll
-            for (int k = 0; k < 8; ++k) { double d = xv[q][k] - mean; s2 += d * d; }
-    float rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
+    float mean, rstd;
+    norm_stats_vec(xv, groups, cols, eps, rms, &mean, &rstd);
 #pragma unroll
     for (int q = 0; q < NORM_VEC; ++q) {
         const int gi = (int)threadIdx.x + q * (int)blockDim.x;
@@ -196,21 +204,8 @@ __device__ __forceinline__ void norm_backward_dx_vec(const void* x, const void* 
             ld8(dy, k.dy, r0 + 8 * gi, gv[q]);
         }
     }
-    double s = 0.0, s2 = 0.0;
-    if (!rms) {
-#pragma unroll
-        for (int q = 0; q < NORM_VEC; ++q)
-            if ((int)threadIdx.x + q * (int)blockDim.x < groups)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) s += xv[q][e];
-    }
-    float mean = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
-#pragma unroll
-    for (int q = 0; q < NORM_VEC; ++q)
-        if ((int)threadIdx.x + q * (int)blockDim.x < groups)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) { double d = xv[q][e] - mean; s2 += d * d; }
-    float rstd = (float)(1.0 / sqrt(block_sum(s2) / (double)cols + (double)eps));
+    float mean, rstd;
+    norm_stats_vec(xv, groups, cols, eps, rms, &mean, &rstd);
     // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w (no mean(g) term for RMS).
     double a = 0.0, c = 0.0;
 #pragma unroll
@@ -369,6 +364,18 @@ extern "C" __global__ void reduce_partials(int op, const double* part, i64 group
         for (i64 g = 0; g < groups; ++g) a = combine_part(op, a, part[j * sj + g * sg]);
         stf(y, cy, j, (float)(op == 1 ? a / (double)r : a));
     }
+}
+
+// The same for sums over many partials (the gradient norms' up to 1,024 per output): a block
+// per output, its threads striding over the partials (a chain of dependent loads in one
+// thread took about 50 µs per output).
+extern "C" __global__ void reduce_partials_block(int op, const double* part, i64 groups, i64 sj, i64 sg, i64 r,
+                                                 void* y, int cy) {
+    const i64 j = blockIdx.x;
+    double a = 0.0;
+    for (i64 g = threadIdx.x; g < groups; g += blockDim.x) a += part[j * sj + g * sg];
+    a = block_sum(a);
+    if (threadIdx.x == 0) stf(y, cy, j, (float)(op == 1 ? a / (double)r : a));
 }
 
 // Norm weight (and bias) gradients as column partials: block (32, 8) over 32 columns and

@@ -221,7 +221,9 @@ fn check_reductions(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
     let both =
         Both { cpu: CpuBackend::new(0), gpu: CudaBackend::new(gpu.clone()), worst: worst.clone() };
     let mut st = 0x0DDB_1A5E_5BAD_5EEDu64;
-    let (r, c) = (300, 700);
+    // 420,000 elements: a full reduction takes the many-block partials (over 64 of them, so
+    // their block-wide combine too).
+    let (r, c) = (600, 700);
     let v = uniform(&mut st, r * c);
     let x = Tensor::from_vec(v, (r, c), &candle_core::Device::Cpu).unwrap();
     let at = MeshPos::single();
