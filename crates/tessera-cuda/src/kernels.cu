@@ -260,13 +260,38 @@ __device__ __forceinline__ float unary_grad(int op, float v, float g) {
     }
 }
 
-extern "C" __global__ void unary(int op, const void* x, Layout lx, int cx, void* y, int cy, i64 n) {
-    if (vec8_ok(x, lx, cx) && out8_ok(y, cy)) {
-#define UN8(i) { float v[8]; ld8(x, cx, at8(lx, i), v); _Pragma("unroll") for (int k = 0; k < 8; ++k) v[k] = unary_f(op, v[k]); st8(y, cy, i, v); }
-#define UN1(i) stf(y, cy, i, unary_f(op, ldf(x, cx, at8(lx, i))));
-        DENSE8(n, UN8, UN1)
+// The dense paths with the op as a template argument where it is a constant (the activations
+// of real models), so the switch folds away instead of being taken per element; `op` is the
+// runtime code otherwise. The arithmetic is the same.
+template <int OP>
+__device__ __forceinline__ void unary_dense(int op, const void* x, Layout lx, int cx, void* y, int cy, i64 n) {
+    const int o = OP < 0 ? op : OP;
+#define UN8(i) { float v[8]; ld8(x, cx, at8(lx, i), v); _Pragma("unroll") for (int k = 0; k < 8; ++k) v[k] = unary_f(o, v[k]); st8(y, cy, i, v); }
+#define UN1(i) stf(y, cy, i, unary_f(o, ldf(x, cx, at8(lx, i))));
+    DENSE8(n, UN8, UN1)
 #undef UN8
 #undef UN1
+}
+
+template <int OP>
+__device__ __forceinline__ void unary_backward_dense(int op, const void* x, Layout lx, int cx, const void* dy,
+                                                     Layout ld, int cd, void* y, int cy, i64 n) {
+    const int o = OP < 0 ? op : OP;
+#define UB8(i) { float v[8], g[8]; ld8(x, cx, at8(lx, i), v); ld8(dy, cd, at8(ld, i), g); \
+                 _Pragma("unroll") for (int k = 0; k < 8; ++k) v[k] = unary_grad(o, v[k], g[k]); st8(y, cy, i, v); }
+#define UB1(i) stf(y, cy, i, unary_grad(o, ldf(x, cx, at8(lx, i)), ldf(dy, cd, at8(ld, i))));
+    DENSE8(n, UB8, UB1)
+#undef UB8
+#undef UB1
+}
+
+extern "C" __global__ void unary(int op, const void* x, Layout lx, int cx, void* y, int cy, i64 n) {
+    if (vec8_ok(x, lx, cx) && out8_ok(y, cy)) {
+        switch (op) {
+            case 7: unary_dense<7>(op, x, lx, cx, y, cy, n); break;  // GELU (tanh)
+            case 8: unary_dense<8>(op, x, lx, cx, y, cy, n); break;  // SiLU
+            default: unary_dense<-1>(op, x, lx, cx, y, cy, n);
+        }
         return;
     }
     GRID_STRIDE(i, n) { stf(y, cy, i, unary_f(op, ldf(x, cx, at(lx, i)))); }
@@ -275,12 +300,11 @@ extern "C" __global__ void unary(int op, const void* x, Layout lx, int cx, void*
 extern "C" __global__ void unary_backward(int op, const void* x, Layout lx, int cx, const void* dy, Layout ld, int cd,
                                           void* y, int cy, i64 n) {
     if (vec8_ok(x, lx, cx) && vec8_ok(dy, ld, cd) && out8_ok(y, cy)) {
-#define UB8(i) { float v[8], g[8]; ld8(x, cx, at8(lx, i), v); ld8(dy, cd, at8(ld, i), g); \
-                 _Pragma("unroll") for (int k = 0; k < 8; ++k) v[k] = unary_grad(op, v[k], g[k]); st8(y, cy, i, v); }
-#define UB1(i) stf(y, cy, i, unary_grad(op, ldf(x, cx, at8(lx, i)), ldf(dy, cd, at8(ld, i))));
-        DENSE8(n, UB8, UB1)
-#undef UB8
-#undef UB1
+        switch (op) {
+            case 7: unary_backward_dense<7>(op, x, lx, cx, dy, ld, cd, y, cy, n); break;
+            case 8: unary_backward_dense<8>(op, x, lx, cx, dy, ld, cd, y, cy, n); break;
+            default: unary_backward_dense<-1>(op, x, lx, cx, dy, ld, cd, y, cy, n);
+        }
         return;
     }
     GRID_STRIDE(i, n) { stf(y, cy, i, unary_grad(op, ldf(x, cx, at(lx, i)), ldf(dy, cd, at(ld, i)))); }
@@ -297,15 +321,26 @@ __device__ __forceinline__ float binary_f(int op, float p, float q) {
     }
 }
 
+template <int OP>
+__device__ __forceinline__ void binary_dense(int op, const void* a, Layout la, int ca, const void* b, Layout lb,
+                                             int cb, void* y, int cy, i64 n) {
+    const int o = OP < 0 ? op : OP;
+#define BI8(i) { float p[8], q[8]; ld8(a, ca, at8(la, i), p); ld8(b, cb, at8(lb, i), q); \
+                 _Pragma("unroll") for (int k = 0; k < 8; ++k) p[k] = binary_f(o, p[k], q[k]); st8(y, cy, i, p); }
+#define BI1(i) stf(y, cy, i, binary_f(o, ldf(a, ca, at8(la, i)), ldf(b, cb, at8(lb, i))));
+    DENSE8(n, BI8, BI1)
+#undef BI8
+#undef BI1
+}
+
 extern "C" __global__ void binary(int op, const void* a, Layout la, int ca, const void* b, Layout lb, int cb, void* y,
                                   int cy, i64 n) {
     if (vec8_ok(a, la, ca) && vec8_ok(b, lb, cb) && out8_ok(y, cy)) {
-#define BI8(i) { float p[8], q[8]; ld8(a, ca, at8(la, i), p); ld8(b, cb, at8(lb, i), q); \
-                 _Pragma("unroll") for (int k = 0; k < 8; ++k) p[k] = binary_f(op, p[k], q[k]); st8(y, cy, i, p); }
-#define BI1(i) stf(y, cy, i, binary_f(op, ldf(a, ca, at8(la, i)), ldf(b, cb, at8(lb, i))));
-        DENSE8(n, BI8, BI1)
-#undef BI8
-#undef BI1
+        switch (op) {  // as unary's: the common ops with the switch folded
+            case 0: binary_dense<0>(op, a, la, ca, b, lb, cb, y, cy, n); break;
+            case 2: binary_dense<2>(op, a, la, ca, b, lb, cb, y, cy, n); break;
+            default: binary_dense<-1>(op, a, la, ca, b, lb, cb, y, cy, n);
+        }
         return;
     }
     GRID_STRIDE(i, n) { stf(y, cy, i, binary_f(op, ldf(a, ca, at(la, i)), ldf(b, cb, at(lb, i)))); }

@@ -116,25 +116,26 @@ struct NormCodes {
 // multiple of 8 columns, up to 8·NORM_VEC·blockDim.x, with every operand 16-byte aligned and
 // of a float type; the arithmetic per element is the scalar path's.
 #define NORM_VEC 4
-__device__ __forceinline__ bool norm_vec_ok(const void* p, int code, i64 cols) {
+__device__ __forceinline__ bool norm_vec_ok(const void* p, int code, i64 cols, int nv = NORM_VEC) {
     return !p || ((code == 0 || code == 2 || code == 3) && (((u64)p) & 15u) == 0 && (cols & 7) == 0 &&
-                  cols <= 8 * NORM_VEC * (i64)blockDim.x);
+                  cols <= 8 * nv * (i64)blockDim.x);
 }
 
 // A row's mean (0 for RMS norm) and 1/σ from its NORM_VEC groups of eight in registers.
-__device__ __forceinline__ void norm_stats_vec(const float (&xv)[NORM_VEC][8], int groups, i64 cols, float eps,
+template <int NV>
+__device__ __forceinline__ void norm_stats_vec(const float (&xv)[NV][8], int groups, i64 cols, float eps,
                                                int rms, float* mean, float* rstd) {
     double s = 0.0, s2 = 0.0;
     if (!rms) {
 #pragma unroll
-        for (int q = 0; q < NORM_VEC; ++q)
+        for (int q = 0; q < NV; ++q)
             if ((int)threadIdx.x + q * (int)blockDim.x < groups)
 #pragma unroll
                 for (int k = 0; k < 8; ++k) s += xv[q][k];
     }
     const float m = rms ? 0.0f : (float)(block_sum(s) / (double)cols);
 #pragma unroll
-    for (int q = 0; q < NORM_VEC; ++q)
+    for (int q = 0; q < NV; ++q)
         if ((int)threadIdx.x + q * (int)blockDim.x < groups)
 #pragma unroll
             for (int k = 0; k < 8; ++k) { double d = xv[q][k] - m; s2 += d * d; }
@@ -191,13 +192,14 @@ extern "C" __global__ void norm_forward(const void* x, const void* w, const void
 }
 
 // dx per row; each row's mean and rstd go to `stats` [rows, 2] for the weight gradients.
+template <int NV>
 __device__ __forceinline__ void norm_backward_dx_vec(const void* x, const void* w, const void* dy, void* dx,
                                                      NormCodes k, float* stats, i64 cols, float eps, int rms) {
     const i64 r0 = (i64)blockIdx.x * cols;
     const int groups = (int)(cols >> 3);
-    float xv[NORM_VEC][8], gv[NORM_VEC][8];
+    float xv[NV][8], gv[NV][8];
 #pragma unroll
-    for (int q = 0; q < NORM_VEC; ++q) {
+    for (int q = 0; q < NV; ++q) {
         const int gi = (int)threadIdx.x + q * (int)blockDim.x;
         if (gi < groups) {
             ld8(x, k.x, r0 + 8 * gi, xv[q]);
@@ -209,7 +211,7 @@ __device__ __forceinline__ void norm_backward_dx_vec(const void* x, const void* 
     // dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w (no mean(g) term for RMS).
     double a = 0.0, c = 0.0;
 #pragma unroll
-    for (int q = 0; q < NORM_VEC; ++q) {
+    for (int q = 0; q < NV; ++q) {
         const int gi = (int)threadIdx.x + q * (int)blockDim.x;
         if (gi >= groups) continue;
         float wv[8];
@@ -225,7 +227,7 @@ __device__ __forceinline__ void norm_backward_dx_vec(const void* x, const void* 
     float mg = rms ? 0.0f : (float)(block_sum(a) / (double)cols);
     float mgx = (float)(block_sum(c) / (double)cols);
 #pragma unroll
-    for (int q = 0; q < NORM_VEC; ++q) {
+    for (int q = 0; q < NV; ++q) {
         const int gi = (int)threadIdx.x + q * (int)blockDim.x;
         if (gi >= groups) continue;
         float wv[8], o[8];
@@ -244,11 +246,14 @@ __device__ __forceinline__ void norm_backward_dx_vec(const void* x, const void* 
     }
 }
 
-extern "C" __global__ void norm_backward_dx(const void* x, const void* w, const void* dy, void* dx, NormCodes k,
-                                            float* stats, i64 cols, float eps, int rms) {
-    if (norm_vec_ok(x, k.x, cols) && norm_vec_ok(w, k.w, cols) && norm_vec_ok(dy, k.dy, cols) &&
-        norm_vec_ok(dx, k.y, cols)) {
-        norm_backward_dx_vec(x, w, dy, dx, k, stats, cols, eps, rms);
+// The backward's dx: the row in registers (up to NV groups of eight per thread) where the
+// operands allow, else the scalar path below.
+template <int NV>
+__device__ __forceinline__ void norm_backward_dx_body(const void* x, const void* w, const void* dy, void* dx,
+                                                      NormCodes k, float* stats, i64 cols, float eps, int rms) {
+    if (norm_vec_ok(x, k.x, cols, NV) && norm_vec_ok(w, k.w, cols, NV) && norm_vec_ok(dy, k.dy, cols, NV) &&
+        norm_vec_ok(dx, k.y, cols, NV)) {
+        norm_backward_dx_vec<NV>(x, w, dy, dx, k, stats, cols, eps, rms);
         return;
     }
     const i64 r0 = (i64)blockIdx.x * cols;
@@ -277,6 +282,19 @@ extern "C" __global__ void norm_backward_dx(const void* x, const void* w, const 
         stats[2 * blockIdx.x] = mean;
         stats[2 * blockIdx.x + 1] = rstd;
     }
+}
+
+extern "C" __global__ void norm_backward_dx(const void* x, const void* w, const void* dy, void* dx, NormCodes k,
+                                            float* stats, i64 cols, float eps, int rms) {
+    norm_backward_dx_body<NORM_VEC>(x, w, dy, dx, k, stats, cols, eps, rms);
+}
+
+// Rows of at most eight columns per thread (2,048 at 256 threads): one group of eight per
+// thread holds a quarter of the registers, so four times the blocks share an SM (the row's
+// reductions wait on memory; more rows in flight hide it).
+extern "C" __global__ void norm_backward_dx1(const void* x, const void* w, const void* dy, void* dx, NormCodes k,
+                                             float* stats, i64 cols, float eps, int rms) {
+    norm_backward_dx_body<1>(x, w, dy, dx, k, stats, cols, eps, rms);
 }
 
 // ---- two-stage reductions: partial results in f64 scratch, then one pass combining them ----
@@ -403,5 +421,49 @@ extern "C" __global__ void norm_dw_partial(const void* x, int cx, const void* dy
         }
         pw[blockIdx.y * cols + j] = sw;
         if (pb) pb[blockIdx.y * cols + j] = sb;
+    }
+}
+
+// The vector path of norm_dw_partial (columns a multiple of 8, x and dy 16-byte aligned):
+// block (32, 8) over 256 columns, eight per thread by 16-byte loads (the scalar path's
+// two-byte loads kept too few bytes in flight), and row chunk blockIdx.y.
+extern "C" __global__ void norm_dw_partial8(const void* x, int cx, const void* dy, int cd, const float* stats,
+                                            i64 rows, i64 cols, i64 chunk, double* pw, double* pb) {
+    __shared__ double aw[8][256], ab[8][256];
+    const i64 c0 = (i64)blockIdx.x * 256 + 8 * threadIdx.x;
+    const i64 r0 = (i64)blockIdx.y * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    double sw[8], sb[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sw[e] = sb[e] = 0.0;
+    if (c0 < cols)
+        for (i64 r = r0 + threadIdx.y; r < r1; r += 8) {
+            float xv[8], gv[8];
+            ld8(x, cx, r * cols + c0, xv);
+            ld8(dy, cd, r * cols + c0, gv);
+            const float m = stats[2 * r], rs = stats[2 * r + 1];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                sw[e] += (double)gv[e] * ((xv[e] - m) * rs);
+                sb[e] += gv[e];
+            }
+        }
+    // Slot e·32 + lane holds column 8·lane + e: consecutive lanes, consecutive banks.
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        aw[threadIdx.y][e * 32 + threadIdx.x] = sw[e];
+        ab[threadIdx.y][e * 32 + threadIdx.x] = sb[e];
+    }
+    __syncthreads();
+    const int t = threadIdx.y * 32 + threadIdx.x;
+    const i64 j = (i64)blockIdx.x * 256 + 8 * (t & 31) + (t >> 5);
+    if (j < cols) {
+        double a = 0.0, b = 0.0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            a += aw[k][t];
+            b += ab[k][t];
+        }
+        pw[blockIdx.y * cols + j] = a;
+        if (pb) pb[blockIdx.y * cols + j] = b;
     }
 }

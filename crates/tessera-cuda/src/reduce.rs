@@ -279,9 +279,12 @@ impl CudaBackend {
         let rows = x.numel() / cols.max(1);
         let dx = self.new_out(&out[0], p)?;
         let stats = CudaTensor::empty(self.gpu(), &[rows, 2], DType::F32, Purpose::Scratch)?;
+        // Rows of at most eight columns per thread take the kernel built for one group of eight
+        // (fewer registers, more rows in flight).
+        let one_group = cols <= 8 * crate::launch::THREADS as usize;
         launch(
             self.gpu(),
-            "norm_backward_dx",
+            if one_group { "norm_backward_dx1" } else { "norm_backward_dx" },
             per_row(rows),
             &[
                 Arg::Ptr(x.ptr()),
@@ -303,8 +306,15 @@ impl CudaBackend {
         )?;
         let dw = self.new_out(&out[1], p)?;
         let db = if rms { None } else { Some(self.new_out(&out[2], p)?) };
-        // Column sums in two stages: row-chunk partials (coalesced over 32 columns), combined.
-        let (groups, chunk) = row_chunks(rows);
+        // Column sums in two stages: row-chunk partials (coalesced over 32 columns, or 256 by
+        // 16-byte loads where the rows allow), combined.
+        let float = |d: DType| matches!(d, DType::F32 | DType::BF16 | DType::F16);
+        let vec = cols % 8 == 0
+            && x.ptr() % 16 == 0
+            && dy.ptr() % 16 == 0
+            && float(x.dtype())
+            && float(dy.dtype());
+        let (groups, chunk) = if vec { vec_row_chunks(rows) } else { row_chunks(rows) };
         let pw = CudaTensor::empty(self.gpu(), &[groups, cols], DType::F64, Purpose::Scratch)?;
         let pb = if rms {
             None
@@ -313,8 +323,8 @@ impl CudaBackend {
         };
         launch(
             self.gpu(),
-            "norm_dw_partial",
-            col_tiles(cols, groups),
+            if vec { "norm_dw_partial8" } else { "norm_dw_partial" },
+            col_tiles(if vec { cols.div_ceil(8) } else { cols }, groups),
             &[
                 Arg::Ptr(x.ptr()),
                 Arg::I32(float_code("norm_backward", x.dtype())?),
@@ -344,11 +354,46 @@ fn row_chunks(rows: usize) -> (usize, usize) {
     (groups, rows.div_ceil(groups))
 }
 
+/// The same for the 16-byte path: chunks of 32 rows (four per row lane), up to 256 of them,
+/// so that its fewer, wider blocks still fill the GPU.
+fn vec_row_chunks(rows: usize) -> (usize, usize) {
+    let groups = rows.div_ceil(32).clamp(1, 256);
+    (groups, rows.div_ceil(groups))
+}
+
 /// Blocks of 32 columns × 8 row lanes, `groups` row chunks.
 fn col_tiles(cols: usize, groups: usize) -> cudarc::driver::LaunchConfig {
     cudarc::driver::LaunchConfig {
         grid_dim: (cols.div_ceil(32) as u32, groups as u32, 1),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both partial passes of the norm's weight gradient cover every row exactly once (each
+    /// chunk non-empty, the last one ending at or past the rows) within the partial buffer's
+    /// groups, and the 16-byte pass's blocks cover every column.
+    #[test]
+    fn norm_weight_partials_cover_every_row_and_column() {
+        for rows in [1, 7, 31, 32, 33, 255, 256, 257, 4096, 8192, 16384, 100_003] {
+            for (f, max) in
+                [(row_chunks as fn(usize) -> (usize, usize), 128), (vec_row_chunks, 256)]
+            {
+                let (groups, chunk) = f(rows);
+                assert!((1..=max).contains(&groups), "{rows} rows: {groups} groups");
+                assert!(groups * chunk >= rows, "{rows} rows: {groups} × {chunk} miss some");
+                assert!((groups - 1) * chunk < rows, "{rows} rows: the last chunk is empty");
+            }
+        }
+        for cols in [8usize, 64, 248, 256, 264, 2048, 5504] {
+            let cfg = col_tiles(cols.div_ceil(8), 4);
+            // A block is 32 threads of eight columns each.
+            assert!(cfg.grid_dim.0 as usize * 32 * 8 >= cols);
+            assert!((cfg.grid_dim.0 as usize - 1) * 32 * 8 < cols);
+        }
     }
 }
