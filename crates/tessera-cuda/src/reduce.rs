@@ -30,40 +30,22 @@ impl CudaBackend {
         y: &CudaTensor,
     ) -> Result<()> {
         let sg = if sj == 1 { n } else { 1 };
+        let mut args = vec![
+            Arg::I32(code),
+            Arg::Ptr(part.ptr()),
+            Arg::I64(groups as i64),
+            Arg::I64(sj as i64),
+            Arg::I64(sg as i64),
+            Arg::I64(r as i64),
+            Arg::Ptr(y.ptr()),
+            Arg::I32(float_code("reduce", y.dtype())?),
+        ];
         // Sums of many partials for few outputs: a block per output (max keeps the thread).
         if code != crate::source::reduce_code(ReduceOp::Max) && groups >= 64 && n <= 4096 {
-            return launch(
-                self.gpu(),
-                "reduce_partials_block",
-                per_row(n),
-                &[
-                    Arg::I32(code),
-                    Arg::Ptr(part.ptr()),
-                    Arg::I64(groups as i64),
-                    Arg::I64(sj as i64),
-                    Arg::I64(sg as i64),
-                    Arg::I64(r as i64),
-                    Arg::Ptr(y.ptr()),
-                    Arg::I32(float_code("reduce", y.dtype())?),
-                ],
-            );
+            return launch(self.gpu(), "reduce_partials_block", per_row(n), &args);
         }
-        launch(
-            self.gpu(),
-            "reduce_partials",
-            elementwise(n),
-            &[
-                Arg::I32(code),
-                Arg::Ptr(part.ptr()),
-                Arg::I64(groups as i64),
-                Arg::I64(sj as i64),
-                Arg::I64(sg as i64),
-                Arg::I64(r as i64),
-                Arg::Ptr(y.ptr()),
-                Arg::I32(float_code("reduce", y.dtype())?),
-                Arg::I64(n as i64),
-            ],
-        )
+        args.push(Arg::I64(n as i64));
+        launch(self.gpu(), "reduce_partials", elementwise(n), &args)
     }
 
     pub(crate) fn reduce(
