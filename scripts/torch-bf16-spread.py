@@ -8,6 +8,9 @@ same initialisation and data; then both again with the learning rate one f32 ulp
 Prints one JSON line per model and seed: the max |loss difference| of each pair.
 
     python3 scripts/torch-bf16-spread.py [llama-tiny|gpt2-tiny] [seeds]
+
+LR=1e-3 sets another learning rate; SCALED_INIT=1 draws the residual projections as Tessera
+does (std 0.02 / sqrt(2 * layers)) instead of Hugging Face's 0.02.
 """
 import json, os, sys
 import numpy as np
@@ -41,6 +44,13 @@ def batches(seed):
 def curve(name, seed, bf16, lr):
     torch.manual_seed(seed)
     model = build(name)
+    if os.environ.get("SCALED_INIT") == "1":
+        # Tessera's initialisation (tessera-runtime/src/init.rs): the projections that write
+        # into the residual stream drawn with std 0.02 / sqrt(2 * layers) (GPT-2's scaling).
+        layers = model.config.num_hidden_layers
+        for n, p in model.named_parameters():
+            if n.endswith(("o_proj.weight", "down_proj.weight", "c_proj.weight")):
+                torch.nn.init.normal_(p, std=0.02 / (2 * layers) ** 0.5)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     losses = []
     for x, y in batches(seed + 1):
