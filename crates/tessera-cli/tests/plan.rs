@@ -289,8 +289,8 @@ fn explain_has_a_legend_every_block_and_a_peak_made_of_its_parts() {
 /// carries the replica axis (lowered again, the same prediction).
 #[test]
 fn hybrid_sharding_gathers_within_a_node_and_replicates_across() {
-    let run = |config: &str| {
-        let (ok, out, err) = tessera(&[
+    let plan = |config: &str, extra: &[&str]| {
+        let mut args = vec![
             "plan",
             "--model",
             "gpt2",
@@ -302,9 +302,12 @@ fn hybrid_sharding_gathers_within_a_node_and_replicates_across() {
             "256",
             "--plan",
             config,
-            "--format",
-            "json",
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        tessera(&args)
+    };
+    let run = |config: &str| {
+        let (ok, out, err) = plan(config, &["--format", "json"]);
         assert!(ok, "{config}: {err}");
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
@@ -379,19 +382,7 @@ fn hybrid_sharding_gathers_within_a_node_and_replicates_across() {
     );
     std::fs::remove_dir_all(&dir).ok();
     // Said in the human-readable plan.
-    let (ok, out, err) = tessera(&[
-        "plan",
-        "--model",
-        "gpt2",
-        "--cluster",
-        "2x8xH100",
-        "--batch",
-        "16",
-        "--seq",
-        "256",
-        "--plan",
-        "dp16 zero3 shard=8",
-    ]);
+    let (ok, out, err) = plan("dp16 zero3 shard=8", &[]);
     assert!(ok && out.contains("ZeRO shards within groups of 8 devices; 2 groups"), "{out}{err}");
     // The automatic search tries HSDP among the Megatron configurations: on llama3-8b it is
     // their fastest, ahead of FSDP over all 16 (whose gathers cross the nodes).
