@@ -5,7 +5,7 @@
 #
 #   scripts/gpu-check.sh [OUT_DIR] [checks...]     # on a machine with an NVIDIA GPU
 #
-# checks: kernels training memory memory-large calibrate speed nccl cli (all but nccl and cli
+# checks: kernels vision generate training memory memory-large calibrate speed nccl cli (all but nccl and cli
 # when none is named), and speed-llama (the 1.3B LLaMA's step alone, for a profiler's run:
 # `ncu ... tessera-gpu-check speed-llama`); TORCH_BASELINE=0 skips the PyTorch runs that go
 # with `speed` (on a GPU of over 100 GB, `speed` also runs the LLaMA at batch 8). `cli` runs

@@ -680,11 +680,9 @@ impl CudaBackend {
             Op::AdamW(spec) => crate::optim::adamw(self, spec, x),
             Op::Transfer { .. } => one(self.copy(x[0], p)?),
             Op::Reshard(spec) if spec.forward.iter().all(|s| s.size == 1) => one(x[0].clone()),
-            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => Err(unsupported(
-                op.name(),
-                "generation runs on the CPU backend for now (KV-cache and quantised kernels are \
-                 not yet written for CUDA)",
-            )),
+            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => {
+                crate::infer::run(self, op, x, out, p)
+            }
             Op::Conv2d(_)
             | Op::Conv2dBackwardInput { .. }
             | Op::Conv2dBackwardWeight { .. }
@@ -695,11 +693,7 @@ impl CudaBackend {
             | Op::AvgPool2d { .. }
             | Op::AvgPool2dBackward { .. }
             | Op::Upsample2d { .. }
-            | Op::Upsample2dBackward { .. } => Err(unsupported(
-                op.name(),
-                "vision ops (convolution, GroupNorm, pooling, upsampling) run on the CPU backend \
-                 for now (no CUDA kernels yet): train convolutional models with `--device cpu`",
-            )),
+            | Op::Upsample2dBackward { .. } => crate::vision::run(self, op, x, out, p),
             Op::Send(_) | Op::Recv(..) | Op::Reshard(_) => Err(bad(
                 "a transfer between devices needs a communicator: run the plan with the SPMD \
                  runtime"

@@ -148,7 +148,7 @@ impl Gpu {
             .map_err(|e| driver_err("compiling the kernels with NVRTC", format!("{e:?}")))?;
         let module = ctx.load_module(ptx).map_err(|e| driver_err("loading the kernels", e))?;
         let mut funcs = HashMap::new();
-        for &f in FUNCTIONS {
+        for &f in FUNCTIONS.iter().chain(crate::vision::FUNCTIONS).chain(crate::infer::FUNCTIONS) {
             let func = module.load_function(f).map_err(|e| driver_err(f, e))?;
             funcs.insert(f, func);
         }

@@ -26,6 +26,7 @@ pub mod fixtures;
 pub mod flash;
 mod gemm;
 pub mod gpu;
+mod infer;
 pub mod launch;
 mod loss;
 pub mod nccl;
@@ -36,6 +37,7 @@ pub mod rendezvous;
 pub mod source;
 pub mod tensor;
 pub mod timer;
+mod vision;
 
 pub use backend::CudaBackend;
 pub use gpu::Gpu;

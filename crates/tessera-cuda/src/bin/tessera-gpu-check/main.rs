@@ -17,6 +17,9 @@
 //! Output: one JSON object per line (`{"check": ...}`), then a summary; exit code 1 when a
 //! bound fails.
 
+mod infer_check;
+mod vision_check;
+
 use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -532,6 +535,12 @@ fn main() {
             check_reductions(&gpu, &mut fails);
             check_dropout(&gpu, &mut fails);
         });
+    }
+    if only("vision") {
+        step("vision", &mut || vision_check::run(&gpu, &mut fails));
+    }
+    if only("generate") {
+        step("generate", &mut || infer_check::run(&gpu, &mut fails));
     }
     if only("training") {
         step("training", &mut || {

@@ -1,0 +1,1 @@
+// ---- Generation ops (infer.rs): KV-cache write, position selection, quantised matmuls ----

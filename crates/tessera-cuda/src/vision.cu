@@ -1,0 +1,1 @@
+// ---- Vision ops (vision.rs): convolution, GroupNorm, pooling, upsampling ----
