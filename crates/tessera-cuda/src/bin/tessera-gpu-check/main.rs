@@ -280,7 +280,7 @@ fn check_dropout(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
 /// The shipped corpus, byte-tokenised (what `tessera train` runs by default).
 fn corpus() -> tessera_runtime::data::Dataset {
     use tessera_runtime::data::{Dataset, Tokenizer};
-    Dataset::from_text(include_str!("../../../../data/shakespeare.txt"), &Tokenizer::Byte)
+    Dataset::from_text(include_str!("../../../../../data/shakespeare.txt"), &Tokenizer::Byte)
         .expect("corpus")
 }
 
@@ -573,6 +573,7 @@ fn main() {
             // Twice the batch where the GPU holds it (about 70 GB): the step's fixed costs
             // (AdamW, the gradient norm) weigh half as much.
             if gpu.mem_info().is_ok_and(|(_, total)| total > 100_000_000_000) {
+                speed(&gpu, "gpt2-medium", 8, 1024, DType::BF16, 3);
                 speed(&gpu, "llama-1.3b", 8, 2048, DType::BF16, 3);
             }
         });
