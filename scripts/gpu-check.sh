@@ -1,23 +1,37 @@
 #!/usr/bin/env bash
-# The CUDA backend's check on a GPU machine: builds (or takes) the release binary
-# `tessera-gpu-check`, runs every check (kernels against the CPU, loss curves, memory against
-# the prediction, calibration, speed) and the PyTorch baseline for the speed figures.
+# The CUDA backend's checks on a GPU machine, as ordered stages; every figure of BENCHMARKS.md's
+# "CUDA backend" section comes from one of them.
 #
-#   scripts/gpu-check.sh [OUT_DIR] [checks...]     # on a machine with an NVIDIA GPU
+#   scripts/gpu-check.sh [OUT_DIR] [stages...]     # on a machine with an NVIDIA GPU
 #
-# checks: kernels vision generate training memory memory-large calibrate speed nccl cli (all but nccl and cli
-# when none is named), and speed-llama (the 1.3B LLaMA's step alone, for a profiler's run:
-# `ncu ... tessera-gpu-check speed-llama`); TORCH_BASELINE=0 skips the PyTorch runs that go
-# with `speed` (on a GPU of over 100 GB, `speed` also runs the LLaMA at batch 8). `cli` runs
-# the `tessera` binary's GPU commands (TESSERA_CLI, default target/release/tessera, built with
-# `--features cuda`).
+# Stages run in the order given (default: every stage but nccl, compile and speed-llama), each
+# appending its JSON lines to OUT_DIR/checks.jsonl; a failing stage does not stop the others and
+# makes the exit code 1.
+#   kernels vision generate tp training memory memory-large calibrate speed speed-llama nccl
+#            the check binary's own checks (crates/tessera-cuda/src/bin/tessera-gpu-check/):
+#            every op's kernel against the CPU's, the new ops' too; loss curves; memory against
+#            the prediction; the GEMM/bandwidth calibration; speed (GPT-2-medium and the 1.3B
+#            LLaMA, batches 4 and 8 where the GPU holds them); NCCL at world size 1
+#   shared   several devices sharing the GPU against one device, per plan (gpu_shared_check.py)
+#   unet     the ONNX UNet and ResNet train on the GPU at their predicted memory (`tessera train`)
+#   cost     `tessera calibrate --device cuda` (the kernels timed on training steps), then the
+#            planner's step against every `speed` row of this run (gpu_cost_check.py); run after
+#            `speed`
+#   cli      the `tessera` binary's GPU commands: a short bf16 run planned for this GPU
+#   torch    PyTorch eager for the `speed` rows;   compile: torch.compile (slow to compile)
+#   decode   greedy decode speed: `tessera generate --device cuda` against transformers' generate
+#   bf16     bf16 against fp32 over 8 seeds, Tessera and PyTorch autocast from the same start
+#            (scripts/bf16-seeds.sh)
 #
-# The binary is built with `cargo build --release -p tessera-cuda --bin tessera-gpu-check`
-# where Rust is present; on a GPU machine without Rust, carry target/release/tessera-gpu-check.
+# Binaries: TESSERA_GPU_CHECK (default target/release/tessera-gpu-check), TESSERA_CLI (default
+# target/release/tessera, built with `--features cuda`), BF16_SPREAD (the bf16_spread example),
+# built with cargo where Rust is present; on a GPU machine without Rust, carry them.
 set -uo pipefail
 out=${1:-gpu-check-out}; shift || true
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 bin=${TESSERA_GPU_CHECK:-target/release/tessera-gpu-check}
+export TESSERA_CLI=${TESSERA_CLI:-target/release/tessera}
 if [ ! -x "$bin" ]; then
   cargo build --release -p tessera-cuda --bin tessera-gpu-check || exit 1
 fi
@@ -30,32 +44,63 @@ done
 nccl=$(ldconfig -p 2>/dev/null | awk '/libnccl.so.2 /{print $NF; exit}')
 [ -z "$nccl" ] && nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null)
 if [ -n "$nccl" ] && [ -f "$nccl" ]; then
-  mkdir -p "$out/.nccl" && ln -sf "$nccl" "$out/.nccl/libnccl.so" && export LD_LIBRARY_PATH="$(cd "$out/.nccl" && pwd):$LD_LIBRARY_PATH"
+  mkdir -p "$out/.nccl" && ln -sf "$nccl" "$out/.nccl/libnccl.so" && export LD_LIBRARY_PATH="$out/.nccl:$LD_LIBRARY_PATH"
 fi
+# Compiled kernels are kept between the stages' processes.
+export TESSERA_KERNEL_CACHE=${TESSERA_KERNEL_CACHE:-$out/.kernels}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(kernels vision generate tp training memory memory-large speed cost \
+  shared unet cli torch decode bf16)
 rc=0
-checks=()
-for c in "$@"; do [ "$c" != cli ] && checks+=("$c"); done
-if [ $# -eq 0 ] || [ ${#checks[@]} -gt 0 ]; then
-  "$bin" "${checks[@]}" 2> >(tee "$out/stderr.txt" >&2) | tee "$out/checks.jsonl"
-  rc=${PIPESTATUS[0]}
-fi
-if printf '%s\n' "$@" | grep -qx cli; then
-  # The CLI's GPU paths: a short bf16 run, and this GPU measured into a cluster file that the
-  # planner then reads.
-  cli=${TESSERA_CLI:-target/release/tessera}
-  { "$cli" train --device cuda --devices 1 --model gpt2-tiny --dtype bf16 --steps 5 --format json \
-      && "$cli" calibrate --device cuda --out "$out/gpu.json" \
-      && "$cli" plan --model gpt2 --cluster "$out/gpu.json" --format json; } \
-    > "$out/cli.jsonl" 2> "$out/cli-stderr.txt" || { echo '{"check":"cli","ok":false}'; rc=1; }
-  tail -c 2000 "$out/cli.jsonl"
-fi
-if [ "${TORCH_BASELINE:-1}" != 0 ] && { [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qx speed; }; then
-  python3 scripts/torch-train-bench.py gpt2-medium 4 1024 --compile --no-fp32 2>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
-  python3 scripts/torch-train-bench.py llama-1.3b 4 2048 --compile --no-fp32 2>>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
-  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  if [ "${mib:-0}" -gt 100000 ]; then
-    python3 scripts/torch-train-bench.py llama-1.3b 8 2048 --compile --no-fp32 2>>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"
-  fi
-fi
+log() { tee -a "$out/checks.jsonl"; }
+fail() { echo "{\"check\":\"stage\",\"stage\":\"$1\",\"ok\":false}" | log; rc=1; }
+big_gpu() { [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; }
+for s in "${stages[@]}"; do
+  t0=$SECONDS
+  case "$s" in
+    kernels|vision|generate|tp|training|memory|memory-large|calibrate|speed|speed-llama|nccl)
+      "$bin" "$s" 2>>"$out/stderr.txt" | log; [ "${PIPESTATUS[0]}" -eq 0 ] || fail "$s" ;;
+    shared)
+      python3 scripts/gpu_shared_check.py "$out/shared" 2>>"$out/stderr.txt" | log
+      [ "${PIPESTATUS[0]}" -eq 0 ] || fail shared ;;
+    unet)
+      for m in unet resnet; do
+        "$TESSERA_CLI" train --device cuda --model "crates/tessera-cli/tests/fixtures/onnx/$m/model.onnx" \
+          --data data/digits.csv --steps 20 --batch 16 --lr 3e-3 --format json \
+          > "$out/$m.json" 2>>"$out/stderr.txt" || fail "$m"
+        python3 scripts/gpu_train_row.py train_onnx "$m" "$out/$m.json" | log
+        [ "${PIPESTATUS[0]}" -eq 0 ] || fail "$m"
+      done ;;
+    cost)
+      "$TESSERA_CLI" calibrate --device cuda --out "$out/gpu.json" --format json > "$out/calibrate.json" \
+        2>>"$out/stderr.txt" || fail calibrate-cli
+      python3 scripts/gpu_cost_check.py "$out/checks.jsonl" "$out/gpu.json" 2>>"$out/stderr.txt" | log
+      [ "${PIPESTATUS[0]}" -eq 0 ] || fail cost ;;
+    cli)
+      # A short bf16 run planned for this GPU (its preset and free memory), and the plan itself.
+      "$TESSERA_CLI" train --device cuda --model gpt2-tiny --dtype bf16 --steps 5 --format json \
+        > "$out/cli-train.json" 2>>"$out/stderr.txt" || fail cli
+      python3 scripts/gpu_train_row.py cli gpt2-tiny "$out/cli-train.json" | log
+      [ "${PIPESTATUS[0]}" -eq 0 ] || fail cli ;;
+    torch|compile)
+      flag=$([ "$s" = compile ] && echo --compile)
+      rows=("gpt2-medium 4 1024" "llama-1.3b 4 2048")
+      big_gpu && rows+=("gpt2-medium 8 1024" "llama-1.3b 8 2048")
+      for r in "${rows[@]}"; do
+        # shellcheck disable=SC2086
+        python3 scripts/torch-train-bench.py $r $flag --no-fp32 2>>"$out/torch-stderr.txt" | log
+      done ;;
+    decode)
+      if [ -x scripts/gpu-decode-check.sh ]; then
+        scripts/gpu-decode-check.sh "$out" 2>>"$out/stderr.txt" | log; [ "${PIPESTATUS[0]}" -eq 0 ] || fail decode
+      else
+        fail decode
+      fi ;;
+    bf16)
+      scripts/bf16-seeds.sh "$out/bf16" cuda 2>>"$out/stderr.txt" | log; [ "${PIPESTATUS[0]}" -eq 0 ] || fail bf16 ;;
+    *) echo "unknown stage $s" >&2; fail "$s" ;;
+  esac
+  echo "[$s: $((SECONDS - t0)) s]" >&2
+done
 exit "$rc"

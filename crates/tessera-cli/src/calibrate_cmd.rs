@@ -25,12 +25,14 @@ use tessera_plan::{DeviceSpec, Link};
 
 #[derive(Args, Debug)]
 pub struct CalibrateArgs {
-    /// What to measure: this machine's CPU (the `cpu` preset), or GPU 0 (`cuda`: a cluster
-    /// file for `--cluster FILE`; needs `--out` and a `tessera` built with `--features cuda`).
+    /// What to measure: this machine's CPU (the `cpu` preset), or GPU 0 (`cuda`: its rates and
+    /// its kernels timed on training steps, as a cluster file; needs a `tessera` built with
+    /// `--features cuda`).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// Where to write the preset (default: $TESSERA_CPU_PRESET, else
-    /// $XDG_CONFIG_HOME/tessera/cpu.json, else ~/.config/tessera/cpu.json).
+    /// $XDG_CONFIG_HOME/tessera/cpu.json, else ~/.config/tessera/cpu.json; with `--device
+    /// cuda`: $TESSERA_GPU_PRESET, else gpu.json beside it, which `train --device cuda` reads).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Directory on the disk that offloaded state would go to: a 256 MiB file is written,
@@ -105,6 +107,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
             kernel_overhead_s: 1e-6,
             matmul_efficiency: 1.0,
             memory_efficiency: 1.0,
+            kernels: None,
         },
         intra: Link { latency_s: THREAD_LATENCY_S, bandwidth: thread_copy_bandwidth },
         adam_params_per_s: Some(adam_params_per_s),

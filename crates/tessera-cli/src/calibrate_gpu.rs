@@ -1,6 +1,8 @@
-//! `tessera calibrate --device cuda --out FILE`: measure GPU 0 (`tessera_cuda::calibrate`:
-//! GEMM FLOP/s per dtype, device-memory bandwidth, launch cost) and write a one-GPU cluster
-//! file whose device table is the measurement, for `tessera plan|train --cluster FILE`. The
+//! `tessera calibrate --device cuda [--out FILE]`: measure GPU 0 (`tessera_cuda::calibrate`:
+//! GEMM FLOP/s per dtype, device-memory bandwidth, launch cost, and every kernel of real
+//! training steps timed for the cost model) and write a one-GPU cluster file whose device table
+//! is the measurement — by default where `tessera train --device cuda` looks for this GPU's
+//! figures ([`crate::gpu_plan::gpu_calibration_path`]); any file works with `--cluster FILE`. The
 //! links between GPUs are not measured on one GPU: the file carries the preset's links when the
 //! device is a known one (H100, H200, A100), else PCIe and 100 Gb/s figures, and says so.
 
@@ -51,11 +53,15 @@ pub fn cluster_file(f: &DeviceSpec) -> Result<(Value, String)> {
     Ok((v, source))
 }
 
-/// The measured device: achieved rates, so its efficiencies are 1.0.
+/// The measured device: achieved rates, so its efficiencies are 1.0, and the runtime's own
+/// kernels timed on training steps (the cost model's measured kernels).
 #[cfg(feature = "cuda")]
 fn measure() -> Result<DeviceSpec> {
     let gpu = tessera_cuda::Gpu::open(0).context("--device cuda")?;
     let m = tessera_cuda::calibrate::measure(&gpu).context("measuring the GPU")?;
+    let (runs, sweep) =
+        tessera_cuda::calibrate::measure_kernels(&gpu).context("timing the kernels")?;
+    let kernels = tessera_cuda::calibrate::kernel_table(&runs, &sweep);
     Ok(DeviceSpec {
         name: m.name,
         memory_bytes: m.memory_bytes,
@@ -67,6 +73,7 @@ fn measure() -> Result<DeviceSpec> {
         kernel_overhead_s: m.kernel_overhead_s,
         matmul_efficiency: 1.0,
         memory_efficiency: 1.0,
+        kernels: Some(kernels),
     })
 }
 
@@ -87,8 +94,12 @@ fn write_atomic(path: &Path, text: &str) -> Result<()> {
 }
 
 pub fn run(args: &CalibrateArgs) -> Result<()> {
-    let Some(path) = args.out.clone() else {
-        bail!("--device cuda writes a cluster file: give --out FILE (e.g. --out gpu.json)");
+    let Some(path) = args.out.clone().or_else(crate::gpu_plan::gpu_calibration_path) else {
+        bail!(
+            "no default place for the GPU calibration: neither {}, XDG_CONFIG_HOME nor HOME is \
+             set; pass --out FILE",
+            crate::gpu_plan::GPU_PRESET_ENV
+        );
     };
     // Fail before measuring when the file cannot be written.
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -116,8 +127,9 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
              fp32 matmul             {:.1} TFLOP/s\n\
              memory bandwidth        {:.2} TB/s (read + write)\n\
              kernel launch           {:.2} µs\n\
+             kernels timed           {}\n\
              link between GPUs       {link}\n\
-             written to {} (use it with --cluster)\n",
+             written to {} (`--device cuda` reads it for this GPU; or use it with --cluster)\n",
             f.name,
             bytes(f.memory_bytes),
             f.bf16_flops / 1e12,
@@ -125,6 +137,11 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
             f.fp32_flops / 1e12,
             f.memory_bandwidth / 1e12,
             f.kernel_overhead_s * 1e6,
+            f.kernels.as_ref().map_or("none".to_string(), |k| format!(
+                "{} kinds of op ({})",
+                k.curves.len(),
+                k.source
+            )),
             path.display()
         )),
     }
@@ -146,6 +163,7 @@ mod tests {
             kernel_overhead_s: 4e-6,
             matmul_efficiency: 1.0,
             memory_efficiency: 1.0,
+            kernels: None,
         }
     }
 

@@ -55,7 +55,9 @@ pub struct TrainArgs {
     /// Where the kernels run: `cpu`, or `cuda` (GPU i for device i; several over NCCL, untested).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
-    /// The cluster the plan is made for (default `<devices>xcpu`, the calibrated CPU preset).
+    /// The cluster the plan is made for (default: `<devices>xcpu`, the calibrated CPU preset;
+    /// with `--device cuda`, this machine's GPUs: their preset matched by name or their
+    /// `tessera calibrate --device cuda` figures, their free memory as the budget).
     #[arg(long)]
     pub cluster: Option<String>,
     /// `auto`, a config string (`"dp2 tp2 zero1"`), or a plan JSON file (`tessera plan --out`).
@@ -558,8 +560,23 @@ pub fn prepare(
         max_grad_norm: (args.max_grad_norm > 0.0).then_some(args.max_grad_norm),
         ..TrainConfig::default()
     };
-    let cluster_str = args.cluster.clone().unwrap_or_else(|| format!("{devices}xcpu"));
-    let cluster = args.tiers.apply(Cluster::parse(&cluster_str).map_err(plan_err)?)?;
+    let (cluster_str, cluster) = match (&args.cluster, args.device) {
+        (Some(c), _) => (c.clone(), Cluster::parse(c).map_err(plan_err)?),
+        // This machine's GPUs: their preset or calibration, their free memory as the budget.
+        (None, DeviceKind::Cuda) => {
+            let g = crate::gpu_plan::local_cluster(devices)?;
+            if rank == 0 && args.format == crate::profile_cmd::OutputFormat::Table {
+                eprintln!("planning for {} × {} ({})", devices, g.cluster.device.name, g.source);
+            }
+            (format!("this machine's GPUs ({})", g.source), g.cluster)
+        }
+        (None, DeviceKind::Cpu) => {
+            let c = format!("{devices}xcpu");
+            let cluster = Cluster::parse(&c).map_err(plan_err)?;
+            (c, cluster)
+        }
+    };
+    let cluster = args.tiers.apply(cluster)?;
     if cluster.num_devices() != devices {
         bail!(
             "--cluster {cluster_str} has {} devices but --devices is {devices}: make them agree",
@@ -572,7 +589,10 @@ pub fn prepare(
     let req = model.request(cluster, budget);
     let plan = choose_plan(&req, &args.plan).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
-    check_host_memory(&plan.predicted.peak_bytes_per_device, rank, local_devices)?;
+    if args.device == DeviceKind::Cpu {
+        // Simulated devices hold their tensors in this machine's memory (a GPU's are its own).
+        check_host_memory(&plan.predicted.peak_bytes_per_device, rank, local_devices)?;
+    }
     let predicted_comm_bytes: Vec<u64> = match &exe.pipeline {
         Some(p) => {
             p.devices.iter().map(|d| d.lowered.collectives.iter().map(|c| c.bytes).sum()).collect()

@@ -173,28 +173,54 @@ pub fn run_rank(
     }
 }
 
-/// One rank on its GPU: the launcher's local rank (a process per GPU), else the rank (threads,
-/// a GPU each). With several ranks, the communicator the run was started with (threads' or
-/// MPI's) only bootstraps NCCL (rank 0's id, broadcast), and the run's collectives go through
-/// NCCL. Several GPUs are untested: the machines at hand had one.
+/// One rank on its GPU. Under a launcher (a process per GPU) the launcher's local rank picks
+/// the GPU and the ranks talk over NCCL, bootstrapped by the launcher's communicator. As
+/// threads (`--devices N`): with a GPU per device, rank i takes GPU i and NCCL likewise; with
+/// fewer GPUs than devices, the devices share them ([`crate::gpu_plan::placement`]): each
+/// opens GPU `rank mod count` with its own stream and caching allocator, and the threads'
+/// communicator carries the collectives, staged through the host by the executor — so every
+/// plan runs its GPU kernels, and is checked against one device, on a one-GPU machine.
 #[cfg(feature = "cuda")]
 fn run_rank_cuda(
     ctx: &RunContext,
-    bootstrap: Option<Box<dyn Communicator>>,
+    comm: Option<Box<dyn Communicator>>,
     rank: usize,
 ) -> Result<RankOutcome> {
+    use crate::gpu_plan::{placement, Placement};
     let launched = tessera_comm::discover().ok().flatten();
-    let ordinal = launched.and_then(|env| env.local_rank).unwrap_or(rank);
-    let gpu = tessera_cuda::Gpu::open(ordinal)
-        .with_context(|| format!("--device cuda: rank {rank} on GPU {ordinal}"))?;
+    let gpus = tessera_cuda::Gpu::count().map_err(|e| anyhow!(e)).context("--device cuda")?;
+    let place = match launched.filter(|env| env.world_size > 1) {
+        Some(env) => {
+            let local = env.local_rank.unwrap_or(rank);
+            if local >= gpus {
+                bail!(
+                    "--device cuda: local rank {local} of this node has no GPU of its own (the \
+                     node has {gpus}): launch one process per GPU, or run `tessera train \
+                     --device cuda --devices {}` in one process, whose devices share the GPUs",
+                    env.world_size
+                );
+            }
+            Placement::Own { ordinal: local }
+        }
+        None => placement(rank, ctx.local_devices, gpus)?,
+    };
+    let gpu = match place {
+        Placement::Own { ordinal } => tessera_cuda::Gpu::open(ordinal),
+        Placement::Shared { ordinal, .. } => tessera_cuda::Gpu::open_shared(ordinal),
+    }
+    .map_err(|e| anyhow!(e))
+    .with_context(|| format!("--device cuda: rank {rank} on GPU {}", place.ordinal()))?;
     let backend = tessera_cuda::CudaBackend::new(gpu.clone());
-    let Some(mut bootstrap) = bootstrap else {
+    let Some(mut bootstrap) = comm else {
         return run_rank_on(ctx, None, rank, backend);
     };
+    if let Placement::Shared { .. } = place {
+        return run_rank_on(ctx, Some(bootstrap), rank, backend);
+    }
     let timeout = Duration::from_secs_f64(ctx.args.comm_timeout);
     let nccl = tessera_cuda::NcclComm::over(gpu, bootstrap.as_mut())
         .map_err(|e| anyhow!(e))
-        .with_context(|| format!("rank {rank}: setting up NCCL on GPU {ordinal}"))?
+        .with_context(|| format!("rank {rank}: setting up NCCL on GPU {}", place.ordinal()))?
         .with_timeout(timeout);
     let outcome = run_rank_on(ctx, Some(Box::new(nccl)), rank, backend);
     // The bootstrap communicator (MPI's, under mpirun) lives until every rank is done.
@@ -462,6 +488,10 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
             });
             if let Some(h) = heap_peak {
                 doc["memory"]["heap_peak_bytes"] = json!(h);
+            }
+            if !o.allocator_peak.is_empty() {
+                // The GPU allocator's own books (Program tensors), beside the accountant's.
+                doc["memory"]["allocator_peak_bytes"] = json!(o.allocator_peak);
             }
             if let Some(off) = &plan.offload {
                 // Every device runs the same offloaded Program: one prediction for each.

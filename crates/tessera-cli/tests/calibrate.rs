@@ -124,7 +124,8 @@ fn calibrate_rejects_an_unwritable_path() {
 
 /// `calibrate --device cuda` writes a GPU cluster file where there is a GPU; here (no driver)
 /// it stops before measuring, naming the missing driver, and writes nothing. Without `--out`
-/// it names the flag.
+/// it writes where `train --device cuda` looks (`$TESSERA_GPU_PRESET`), or, without a GPU,
+/// nothing there either.
 #[test]
 fn calibrate_on_cuda_measures_or_names_the_missing_driver() {
     let dir = tempfile::tempdir().unwrap();
@@ -141,10 +142,18 @@ fn calibrate_on_cuda_measures_or_names_the_missing_driver() {
         assert!(err.contains("libcuda.so") || err.contains("built without CUDA"), "{err}");
         assert!(!path.exists(), "nothing is written when nothing was measured");
     }
+    let default = dir.path().join("default-gpu.json");
     let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["calibrate", "--device", "cuda"])
+        .env("TESSERA_GPU_PRESET", &default)
         .output()
         .expect("tessera runs");
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--out FILE"));
+    if out.status.success() {
+        let c = Cluster::from_file(&default).expect("the default GPU calibration parses");
+        assert!(c.device.kernels.is_some(), "the kernels were timed: {:?}", c.device.name);
+    } else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("libcuda.so") || err.contains("built without CUDA"), "{err}");
+        assert!(!default.exists(), "nothing is written when nothing was measured");
+    }
 }

@@ -110,6 +110,10 @@ impl Backend for CudaBackend {
         self.gpu.end_step();
     }
 
+    fn allocator_peak_bytes(&self) -> Option<u64> {
+        Some(self.gpu.memory().program.peak)
+    }
+
     fn execute(
         &self,
         op: &Op,
@@ -132,11 +136,16 @@ impl CudaBackend {
             .ok_or_else(|| bad(format!("cuda: cannot upload a {:?} tensor", t.dtype())))?;
         let out = CudaTensor::empty(&self.gpu, t.dims(), meta.dtype, purpose)?;
         let t = t.flatten_all()?;
+        // Ordered on this GPU's stream (a device sharing the GPU has its own), and waited for
+        // before `v` goes: the block may be one the stream's earlier kernels still read.
+        let stream = self.gpu.stream.cu_stream();
         macro_rules! put {
             ($ty:ty) => {{
                 let v = t.to_vec1::<$ty>()?;
-                // SAFETY: `out` holds exactly `v.len()` elements of this type.
-                unsafe { cudarc::driver::result::memcpy_htod_sync(out.ptr(), &v) }
+                // SAFETY: `out` holds exactly `v.len()` elements of this type; `v` outlives the
+                // copy (the stream is synchronised below).
+                unsafe { cudarc::driver::result::memcpy_htod_async(out.ptr(), &v, stream) }
+                    .and_then(|()| self.gpu.stream.synchronize())
             }};
         }
         match t.dtype() {
@@ -157,11 +166,14 @@ impl CudaBackend {
         let v = if v.is_contiguous() { v.clone() } else { self.copy(v, Purpose::Scratch)? };
         let n = v.numel();
         let dims = v.dims().to_vec();
+        let stream = self.gpu.stream.cu_stream();
         macro_rules! get {
             ($ty:ty, $zero:expr) => {{
                 let mut h = vec![$zero; n];
-                // SAFETY: `v` is contiguous with `n` elements of this type.
-                unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut h, v.ptr()) }
+                // SAFETY: `v` is contiguous with `n` elements of this type; the copy is ordered
+                // after the stream's kernels that write it and waited for before `h` is read.
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut h, v.ptr(), stream) }
+                    .and_then(|()| self.gpu.stream.synchronize())
                     .map_err(|e| bad(format!("cuda: download: {e}")))?;
                 Tensor::from_vec(h, dims, &candle_core::Device::Cpu)?
             }};

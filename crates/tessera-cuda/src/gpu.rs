@@ -101,52 +101,161 @@ pub const FUNCTIONS: &[&str] = &[
     "scale_store",
 ];
 
+/// What the driver says of a GPU, before anything is compiled on it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuInfo {
+    /// The marketing name (`NVIDIA H200`).
+    pub name: String,
+    pub total_bytes: u64,
+    /// Free now: what other processes (and this one) have not taken.
+    pub free_bytes: u64,
+}
+
+/// The panic hook is global, and cudarc's dynamic loading panics on a missing library: one
+/// driver call of this kind at a time (ranks open their GPUs from threads), each run with a
+/// silent hook and the hook it found restored.
+fn quietly<T>(f: impl FnOnce() -> T) -> T {
+    static OPENING: Mutex<()> = Mutex::new(());
+    let _one = OPENING.lock().unwrap_or_else(|p| p.into_inner());
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let out = f();
+    std::panic::set_hook(hook);
+    out
+}
+
+fn no_driver() -> RuntimeError {
+    RuntimeError::Binding(
+        "cuda: the NVIDIA driver library (libcuda.so) was not found: run on a machine with an \
+         NVIDIA GPU and driver, or use the CPU (drop --device cuda)"
+            .into(),
+    )
+}
+
+fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    std::panic::catch_unwind(|| CudaContext::new(ordinal))
+        .map_err(|_| no_driver())?
+        .map_err(|e| driver_err(&format!("opening GPU {ordinal}"), e))
+}
+
+/// Where compiled kernels are kept between processes: `$TESSERA_KERNEL_CACHE`, else
+/// `$XDG_CACHE_HOME/tessera/kernels`, else `~/.cache/tessera/kernels`.
+fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+    if let Some(p) = var("TESSERA_KERNEL_CACHE") {
+        return Some(p);
+    }
+    let base = var("XDG_CACHE_HOME")
+        .filter(|p| p.is_absolute())
+        .or_else(|| var("HOME").map(|h| h.join(".cache")))?;
+    Some(base.join("tessera").join("kernels"))
+}
+
+/// The PTX file of these options in the kernel cache: named by an FNV-1a hash of the source
+/// and the options, so an edited kernel or another architecture never reads a stale file.
+fn cached_ptx_path(options: &[String]) -> Option<std::path::PathBuf> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in KERNELS.bytes().chain(options.join(" ").bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    kernel_cache_dir().map(|d| d.join(format!("tessera-{h:016x}.ptx")))
+}
+
+/// Writes `text` beside `path` and renames it over, so a reader never sees half a file; a
+/// cache that cannot be written is only a cache (the next process compiles again).
+fn write_cache(path: &std::path::Path, text: &str) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// The kernels compiled for one architecture, kept for the process (ranks that share a GPU
+/// load the module without compiling it again) and on disk ([`kernel_cache_dir`]: the next
+/// process skips NVRTC's seconds). `fresh` ignores the disk (a cached file the driver
+/// refused).
+fn compiled(major: i32, minor: i32, fresh: bool) -> Result<cudarc::nvrtc::Ptx> {
+    type Cache = HashMap<(i32, i32), cudarc::nvrtc::Ptx>;
+    static PTX: Mutex<Option<Cache>> = Mutex::new(None);
+    let mut cache = PTX.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(ptx) = cache.as_ref().and_then(|c| c.get(&(major, minor))).filter(|_| !fresh) {
+        return Ok(ptx.clone());
+    }
+    let options = vec![format!("--gpu-architecture=compute_{major}{minor}"), "--std=c++17".into()];
+    let on_disk = cached_ptx_path(&options);
+    if let Some(text) = on_disk.as_ref().filter(|_| !fresh).and_then(|p| std::fs::read_to_string(p).ok()) {
+        let ptx = cudarc::nvrtc::Ptx::from_src(text);
+        cache.get_or_insert_with(HashMap::new).insert((major, minor), ptx.clone());
+        return Ok(ptx);
+    }
+    let opts = cudarc::nvrtc::CompileOptions { options, ..Default::default() };
+    let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts))
+        .map_err(|_| {
+            RuntimeError::Binding(
+                "cuda: NVRTC (libnvrtc.so) was not found: add the CUDA toolkit's lib64 \
+                 directory to LD_LIBRARY_PATH"
+                    .into(),
+            )
+        })?
+        .map_err(|e| driver_err("compiling the kernels with NVRTC", format!("{e:?}")))?;
+    if let Some(path) = &on_disk {
+        write_cache(path, &ptx.to_src());
+    }
+    cache.get_or_insert_with(HashMap::new).insert((major, minor), ptx.clone());
+    Ok(ptx)
+}
+
 impl Gpu {
     /// Opens GPU `ordinal`: loads the driver, NVRTC and cuBLAS, compiles the kernels for the
-    /// device's architecture.
+    /// device's architecture. Its work goes to the device's default (legacy) stream.
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
-        // With dynamic loading a missing library is a panic inside cudarc: turn it into an
-        // error (and keep the default hook from printing it meanwhile).
-        // The panic hook is global: one opening at a time (ranks open their GPUs from threads),
-        // so each restores the hook it found.
-        static OPENING: Mutex<()> = Mutex::new(());
-        let _one = OPENING.lock().unwrap_or_else(|p| p.into_inner());
-        let hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let opened = Self::open_quiet(ordinal);
-        std::panic::set_hook(hook);
-        opened
+        quietly(|| Self::open_quiet(ordinal, false))
     }
 
-    fn open_quiet(ordinal: usize) -> Result<Arc<Gpu>> {
-        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| {
-                RuntimeError::Binding(
-                    "cuda: the NVIDIA driver library (libcuda.so) was not found: run on a machine \
-                     with an NVIDIA GPU and driver, or use the CPU (drop --device cuda)"
-                        .into(),
-                )
-            })?
-            .map_err(|e| driver_err(&format!("opening GPU {ordinal}"), e))?;
+    /// Opens GPU `ordinal` as one of several devices that share it: a stream of its own (so
+    /// the sharers' kernels interleave), its own caching allocator (its own books, as the
+    /// memory accountant of its device keeps them), its own cuBLAS handle.
+    pub fn open_shared(ordinal: usize) -> Result<Arc<Gpu>> {
+        quietly(|| Self::open_quiet(ordinal, true))
+    }
+
+    /// The number of GPUs the driver sees (0 without one; an error without a driver).
+    pub fn count() -> Result<usize> {
+        quietly(|| {
+            let n = std::panic::catch_unwind(CudaContext::device_count)
+                .map_err(|_| no_driver())?
+                .map_err(|e| driver_err("counting the GPUs", e))?;
+            Ok(usize::try_from(n).unwrap_or(0))
+        })
+    }
+
+    /// GPU `ordinal`'s name and memory, from the driver alone (nothing compiled).
+    pub fn describe(ordinal: usize) -> Result<GpuInfo> {
+        quietly(|| {
+            let ctx = context(ordinal)?;
+            ctx.bind_to_thread().map_err(|e| driver_err("binding the context", e))?;
+            let name = ctx.name().unwrap_or_else(|_| "NVIDIA GPU".into());
+            let (free, total) =
+                cudarc::driver::result::mem_get_info().map_err(|e| driver_err("memory info", e))?;
+            Ok(GpuInfo { name, total_bytes: total as u64, free_bytes: free as u64 })
+        })
+    }
+
+    fn open_quiet(ordinal: usize, own_stream: bool) -> Result<Arc<Gpu>> {
+        let ctx = context(ordinal)?;
         let (major, minor) =
             ctx.compute_capability().map_err(|e| driver_err("compute capability", e))?;
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![
-                format!("--gpu-architecture=compute_{major}{minor}"),
-                "--std=c++17".into(),
-            ],
-            ..Default::default()
+        let module = match ctx.load_module(compiled(major, minor, false)?) {
+            Ok(m) => m,
+            // A cached file the driver refuses (truncated, another driver's PTX): compile anew.
+            Err(_) => ctx
+                .load_module(compiled(major, minor, true)?)
+                .map_err(|e| driver_err("loading the kernels", e))?,
         };
-        let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts))
-            .map_err(|_| {
-                RuntimeError::Binding(
-                    "cuda: NVRTC (libnvrtc.so) was not found: add the CUDA toolkit's lib64 \
-                     directory to LD_LIBRARY_PATH"
-                        .into(),
-                )
-            })?
-            .map_err(|e| driver_err("compiling the kernels with NVRTC", format!("{e:?}")))?;
-        let module = ctx.load_module(ptx).map_err(|e| driver_err("loading the kernels", e))?;
         let mut funcs = HashMap::new();
         for &f in FUNCTIONS.iter().chain(crate::vision::FUNCTIONS).chain(crate::infer::FUNCTIONS) {
             let func = module.load_function(f).map_err(|e| driver_err(f, e))?;
@@ -165,7 +274,11 @@ impl Gpu {
                 }
             }
         }
-        let stream = ctx.default_stream();
+        let stream = if own_stream {
+            ctx.new_stream().map_err(|e| driver_err("creating a stream", e))?
+        } else {
+            ctx.default_stream()
+        };
         let blas = std::panic::catch_unwind(cudarc::cublas::result::create_handle)
             .map_err(|_| {
                 RuntimeError::Binding(

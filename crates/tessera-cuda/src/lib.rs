@@ -40,7 +40,7 @@ pub mod timer;
 mod vision;
 
 pub use backend::CudaBackend;
-pub use gpu::Gpu;
+pub use gpu::{Gpu, GpuInfo};
 pub use nccl::NcclComm;
 pub use tensor::CudaTensor;
 pub use timer::OpTimer;

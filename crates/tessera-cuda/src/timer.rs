@@ -42,6 +42,8 @@ pub struct OpTimer {
 pub struct OpEvents {
     pub op: &'static str,
     pub bytes: u64,
+    /// The cost model's key and work for the op (`None`: it launches no kernel).
+    pub work: Option<tessera_profile::kernels::KernelWork>,
     /// The host's time inside the op's dispatch (allocation, arguments, launches).
     pub host_s: f64,
     start: cudarc::driver::CudaEvent,
@@ -79,6 +81,26 @@ impl OpTimer {
             _ => 0.0,
         };
         Ok((by, span))
+    }
+
+    /// The recorded ops in order, each as a calibration sample (its kernel key and work, its
+    /// GPU time, its host time; waits for the events); the records are consumed.
+    pub fn samples(&self) -> Result<Vec<tessera_profile::kernels::KernelSample>> {
+        let recs = std::mem::take(&mut *self.recorded.lock().map_err(|_| poisoned())?);
+        recs.into_iter()
+            .map(|r| {
+                let ms = r
+                    .start
+                    .elapsed_ms(&r.end)
+                    .map_err(|e| RuntimeError::Binding(format!("cuda: event: {e:?}")))?;
+                Ok(tessera_profile::kernels::KernelSample {
+                    kind: r.op.to_string(),
+                    work: r.work,
+                    device_s: ms as f64 / 1e3,
+                    host_s: r.host_s,
+                })
+            })
+            .collect()
     }
 }
 
@@ -140,9 +162,14 @@ impl CudaBackend {
         let host_s = t0.elapsed().as_secs_f64();
         let end = event("recording an op's end")?;
         let bytes = inputs.iter().copied().chain(out.iter()).map(|t| t.meta().size_bytes()).sum();
+        let x: Vec<TensorMeta> = inputs.iter().map(|t| t.meta()).collect();
+        let xr: Vec<&TensorMeta> = x.iter().collect();
+        let yr: Vec<&TensorMeta> = outputs.iter().collect();
+        let work = tessera_profile::kernels::kernel_work(op, &xr, &yr);
         timer.recorded.lock().map_err(|_| poisoned())?.push(OpEvents {
             op: op.name(),
             bytes,
+            work,
             host_s,
             start,
             end,

@@ -15,6 +15,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use tessera_ir::DType;
+use tessera_profile::kernels::KernelTable;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -78,6 +79,12 @@ pub struct DeviceSpec {
     /// Fraction of the memory bandwidth that streaming kernels reach (0, 1].
     #[serde(default = "default_memory_efficiency")]
     pub memory_efficiency: f64,
+    /// The runtime's own kernels as `tessera calibrate --device cuda` timed them: where an
+    /// op's kind was measured, the cost model prices it by this table instead of the
+    /// roofline above, and replays the host's issue of the step (see
+    /// [`tessera_profile::kernels`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<KernelTable>,
 }
 
 /// Defaults for files written before these fields existed: typical GPU figures.
@@ -151,6 +158,14 @@ impl DeviceSpec {
                 "device `{name}`: kernel_overhead_s = {} must be seconds >= 0, e.g. 5e-6",
                 self.kernel_overhead_s
             )));
+        }
+        if let Some(k) = &self.kernels {
+            k.validate().map_err(|e| {
+                PlanError::Invalid(format!(
+                    "device `{name}`: its measured kernels: {e}; measure the GPU again with \
+                     `tessera calibrate --device cuda`"
+                ))
+            })?;
         }
         for (field, v) in [
             ("matmul_efficiency", self.matmul_efficiency),
@@ -383,6 +398,7 @@ impl GpuPreset {
             kernel_overhead_s: GPU_KERNEL_OVERHEAD_S,
             matmul_efficiency: self.matmul_efficiency,
             memory_efficiency: MEMORY_EFFICIENCY,
+            kernels: None,
         }
     }
 }
@@ -464,6 +480,7 @@ impl CpuCalibration {
                 kernel_overhead_s: 1e-6,
                 matmul_efficiency: 0.8,
                 memory_efficiency: MEMORY_EFFICIENCY,
+                kernels: None,
             },
             intra: CPU_INTRA_DEFAULT,
             adam_params_per_s: None,

@@ -61,6 +61,8 @@ struct DeviceTable {
     matmul_efficiency: f64,
     #[serde(default = "default_memory_efficiency")]
     memory_efficiency: f64,
+    #[serde(default)]
+    kernels: Option<tessera_profile::kernels::KernelTable>,
 }
 
 /// `[host]`: each key overrides the device family's preset (per device).
@@ -224,7 +226,7 @@ fn device_from_table(table: serde_json::Value) -> Result<DeviceSpec> {
         PlanError::Invalid(format!(
             "device table: {e}; it needs name, memory_bytes, fp32_flops, bf16_flops, \
              fp16_flops, memory_bandwidth (optional: reserve_bytes, kernel_overhead_s, \
-             matmul_efficiency, memory_efficiency)"
+             matmul_efficiency, memory_efficiency, kernels)"
         ))
     })?;
     Ok(DeviceSpec {
@@ -241,6 +243,7 @@ fn device_from_table(table: serde_json::Value) -> Result<DeviceSpec> {
         kernel_overhead_s: t.kernel_overhead_s,
         matmul_efficiency: t.matmul_efficiency,
         memory_efficiency: t.memory_efficiency,
+        kernels: t.kernels,
     })
 }
 

@@ -1,5 +1,7 @@
-//! The cost model, in seconds. Compute is a roofline with a per-kernel overhead; collectives
-//! are alpha-beta over the link of their mesh axis with ring formulas. The same functions price
+//! The cost model, in seconds. Compute is a roofline with a per-kernel overhead, or, on a
+//! device whose kernels `tessera calibrate --device cuda` measured, the measured time of the
+//! op's kind at its size ([`tessera_profile::kernels`]); collectives are alpha-beta over the
+//! link of their mesh axis with ring formulas. The same functions price
 //! strategies for the ILP and walk lowered Programs for the final prediction.
 //!
 //! Constants and their sources are in `cluster.rs` (device presets) and BENCHMARKS.md.
@@ -8,6 +10,7 @@ use crate::tiers::{HostTier, NvmeTier};
 use crate::{AxisLink, DeviceSpec};
 use tessera_ir::Tier;
 use tessera_ir::{Collective, CommStep, DType, Op, TensorMeta};
+use tessera_profile::kernels::kernel_work;
 
 /// Non-tensor-core (SIMT) FP32 throughput as a fraction of the dense matmul peak: H100 SXM
 /// 67 of 495 TFLOP/s (TF32 dense), A100 19.5 of 156 — both ≈ 1/7.5. Elementwise kernels are
@@ -92,6 +95,12 @@ impl CostModel {
         if op.is_leaf() || matches!(op, Op::Reshape(_) | Op::Expand(_) | Op::Reshard(_)) {
             return 0.0;
         }
+        // A measured kernel, where the device was calibrated and met this kind.
+        if let Some(k) = &self.device.kernels {
+            if let Some(secs) = kernel_work(op, x, y).and_then(|w| k.device_seconds(&w)) {
+                return secs + k.gap_s;
+            }
+        }
         let flops = op.flops(x, y);
         let bytes = op.bytes_accessed(x, y) as f64;
         let dtype = x.first().or(y.first()).map_or(DType::F32, |m| m.dtype);
@@ -101,6 +110,13 @@ impl CostModel {
         let compute = flops.matmul as f64 / peak + flops.other as f64 / vector;
         let memory = bytes / (d.memory_bandwidth * d.memory_efficiency);
         compute.max(memory) + d.kernel_overhead_s
+    }
+
+    /// The host's time to dispatch `op` where the device's kernels were measured (the step
+    /// is then replayed as the host issues it: [`crate::lower::StepTime::issue_wait_s`]), else
+    /// `None`: an uncalibrated device is modelled as never waiting on its host.
+    pub fn issue_time(&self, op: &Op) -> Option<f64> {
+        self.device.kernels.as_ref().map(|k| k.host_seconds(op.name()))
     }
 
     /// Time of the AdamW update of `elems` elements of a `dtype` parameter (the kernel lowering

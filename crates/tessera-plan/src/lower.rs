@@ -115,6 +115,10 @@ pub struct StepTime {
     pub offload_exposed_s: f64,
     /// Offload: bytes moved between tiers in one step.
     pub moved_bytes: u64,
+    /// On a calibrated GPU: how long the device waits for the host to issue the step's
+    /// kernels (the in-order launch queue replayed with each op's measured host and device
+    /// time); 0 on devices without measured kernels.
+    pub issue_wait_s: f64,
 }
 
 impl StepTime {

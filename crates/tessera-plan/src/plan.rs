@@ -96,6 +96,10 @@ pub struct Predicted {
     /// Pipelined plans: the share of the devices' time the schedule leaves idle.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bubble_fraction: Option<f64>,
+    /// On a GPU whose kernels were measured: the time the device waits for its host to issue
+    /// the step (part of `step_time_s`).
+    #[serde(default)]
+    pub issue_wait_s: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -311,6 +315,7 @@ impl Plan {
             peak_breakdown: crate::explain::peak_breakdown(m),
             compute_by_op_s: t.compute_by_op_s.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             bubble_fraction: None,
+            issue_wait_s: t.issue_wait_s,
         };
         let lg = e.lowered.program.graph();
         let leaves = lg.leaf_index();

@@ -129,6 +129,7 @@ fn extend_time(long: &StepTime, short: &StepTime, steps: f64) -> StepTime {
         host_compute_s: s(long.host_compute_s, short.host_compute_s),
         offload_exposed_s: s(long.offload_exposed_s, short.offload_exposed_s),
         moved_bytes: bytes(long.moved_bytes, short.moved_bytes, steps),
+        issue_wait_s: s(long.issue_wait_s, short.issue_wait_s),
     }
 }
 

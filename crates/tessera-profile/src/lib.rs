@@ -6,10 +6,13 @@
 //!   them — allocate a `Run`'s fresh outputs, hold its workspace while it runs, release on
 //!   `Free` — giving the peak, what is live at the peak, and a timeline.
 //! - [`profile`]: both, plus the model-state totals, in one [`Profile`].
+//! - [`kernels`]: a device's measured kernel speeds per op kind, the cost model's alternative
+//!   to a roofline with constant efficiencies.
 //!
 //! Units: FLOPs as `u64` counts, memory in bytes (`u64`), time in seconds (`f64`).
 
 mod flops;
+pub mod kernels;
 mod memory;
 
 pub use flops::{count_flops, FlopReport};

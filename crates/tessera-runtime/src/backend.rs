@@ -41,6 +41,13 @@ pub trait Backend: Send + Sync {
     /// into one arena after the first step). Nothing by default.
     fn run_started(&self) {}
     fn run_finished(&self) {}
+    /// The most bytes of Program tensors the device's own allocator has held at once, where
+    /// the backend keeps such books apart from the memory accountant (the CUDA caching
+    /// allocator): the runtime reports it beside the accountant's peak, which it must equal.
+    /// `None` where the accountant's books are the allocations (the CPU).
+    fn allocator_peak_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Host CPU: candle tensors on `Device::Cpu`, kernels in [`crate::kernels`].

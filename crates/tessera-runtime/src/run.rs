@@ -79,6 +79,10 @@ pub struct RankOutcome {
     /// Every rank's measured host-tier peak (offloaded state; 0 without offload).
     pub measured_host_peak: Vec<u64>,
     pub measured_comm: Vec<u64>,
+    /// Every rank's device-allocator peak of Program bytes over its training steps, where the
+    /// backend keeps one ([`crate::Backend::allocator_peak_bytes`]; the CUDA allocator), else
+    /// empty.
+    pub allocator_peak: Vec<u64>,
     /// This rank's collective calls per kind in the last step.
     pub calls: BTreeMap<String, u64>,
     /// Rank 0 only: the held-out loss and top-1 accuracy.
@@ -124,20 +128,27 @@ pub fn run_device<B: Backend>(
             save(trainer, spec)?;
         }
     }
+    // The device allocator's peak over the training steps (before the save's copies and the
+    // evaluation's Program); u64::MAX where the backend keeps no such books.
+    let allocator = trainer.allocator_peak_bytes();
     save(trainer, spec)?;
     out.elapsed_s = start.elapsed().as_secs_f64();
 
-    // Every rank's peak and traffic, on every rank.
+    // Every rank's peaks and traffic, on every rank.
     let n = trainer.mesh().size();
-    let mine = pack(&[measured, last_bytes, measured_host]);
+    let mine = pack(&[measured, last_bytes, measured_host, allocator.unwrap_or(u64::MAX)]);
     let all = match trainer.communicator() {
         Some(c) if n > 1 => c.all_gather(&Group::world(n)?, &mine)?,
         _ => mine,
     };
     let all = unpack(&all);
-    out.measured_peak = all.iter().step_by(3).copied().collect();
-    out.measured_comm = all.iter().skip(1).step_by(3).copied().collect();
-    out.measured_host_peak = all.iter().skip(2).step_by(3).copied().collect();
+    out.measured_peak = all.iter().step_by(4).copied().collect();
+    out.measured_comm = all.iter().skip(1).step_by(4).copied().collect();
+    out.measured_host_peak = all.iter().skip(2).step_by(4).copied().collect();
+    let alloc: Vec<u64> = all.iter().skip(3).step_by(4).copied().collect();
+    if alloc.iter().all(|&a| a != u64::MAX) {
+        out.allocator_peak = alloc;
+    }
 
     if spec.eval_batches > 0 {
         let val = spec.data.val_batches(spec.seed, spec.batch, spec.seq, spec.eval_batches)?;

@@ -491,6 +491,11 @@ impl<B: Backend> Trainer<B> {
         self.exec.accountant().peak_bytes()
     }
     /// This device's collective traffic so far.
+    /// The backend's own allocator's peak of Program bytes ([`Backend::allocator_peak_bytes`]).
+    pub fn allocator_peak_bytes(&self) -> Option<u64> {
+        self.exec.backend().allocator_peak_bytes()
+    }
+
     pub fn comm_stats(&self) -> CommStats {
         self.exec.collectives().map(|r| r.stats()).unwrap_or_default()
     }

@@ -126,14 +126,56 @@ pub fn simulate_time(
     if p.offloads() {
         t.offload_exposed_s = offload_delay(p, cost);
     }
+    if !p.offloads() {
+        t.issue_wait_s = issue_wait(p, cost);
+    }
     t.step_time_s = t.forward_compute_s
         + t.backward_compute_s
         + t.recompute_s
         + t.optimizer_compute_s
         + t.blocking_comm_s
         + t.exposed_comm_s
-        + t.offload_exposed_s;
+        + t.offload_exposed_s
+        + t.issue_wait_s;
     (t, records)
+}
+
+/// How long the device waits for its host over one step, on a device whose kernels were
+/// measured (0 otherwise): one host thread issues the Program's ops in order into the GPU's
+/// in-order queue, op i costing the host `h_i` (its dispatch) and the device `d_i`, so op i
+/// starts at `max(issued_i, end_{i-1})`. A collective or transfer between devices is a
+/// synchronisation (the host copies its operand down), after which the host issues from the
+/// device's end; their own time is priced apart. The wait is the replay's end less the
+/// device's busy time.
+fn issue_wait(p: &Program, cost: &CostModel) -> f64 {
+    if cost.device.kernels.is_none() {
+        return 0.0;
+    }
+    let g = p.graph();
+    let (mut issued, mut end, mut busy) = (0.0f64, 0.0f64, 0.0f64);
+    let mut x: Vec<&TensorMeta> = Vec::new();
+    let mut y: Vec<&TensorMeta> = Vec::new();
+    for instr in &p.instrs {
+        let Instr::Run(id) = *instr else { continue };
+        let n = g.node(id);
+        // Leaves are bound, not run; host-tier ops run on the host beside the device.
+        if n.tier != Tier::Device || (n.op.is_leaf() && !matches!(n.op, Op::Fill { .. })) {
+            continue;
+        }
+        if matches!(n.op, Op::Reshard(_) | Op::Send(_) | Op::Recv(..) | Op::Transfer { .. }) {
+            issued = issued.max(end);
+            continue;
+        }
+        x.clear();
+        y.clear();
+        x.extend(n.inputs.iter().map(|&i| g.meta(i)));
+        y.extend(n.outputs.iter().map(|&o| g.meta(o)));
+        issued += cost.issue_time(&n.op).unwrap_or(0.0);
+        let d = cost.op_time(&n.op, &x, &y);
+        end = end.max(issued) + d;
+        busy += d;
+    }
+    (end - busy).max(0.0)
 }
 
 /// What an offloaded Program's copies and host work add to its step: an event simulation in
