@@ -5,12 +5,16 @@
 #
 #   scripts/gpu-check.sh [OUT_DIR] [checks...]     # on a machine with an NVIDIA GPU
 #
-# checks: kernels vision generate training memory memory-large calibrate speed nccl cli (all but nccl and cli
-# when none is named), and speed-llama (the 1.3B LLaMA's step alone, for a profiler's run:
+# checks: kernels vision generate host flash-bench training memory memory-large calibrate speed nccl cli
+# (all but nccl and cli when none is named), and speed-llama (the 1.3B LLaMA's step alone, for a profiler's run:
 # `ncu ... tessera-gpu-check speed-llama`); TORCH_BASELINE=0 skips the PyTorch runs that go
 # with `speed` (on a GPU of over 100 GB, `speed` also runs the LLaMA at batch 8). `cli` runs
 # the `tessera` binary's GPU commands (TESSERA_CLI, default target/release/tessera, built with
 # `--features cuda`).
+#
+# TESSERA_FLASH_BWD=2 runs the second flash backward (flash_bwd2_*), TESSERA_GEMM=legacy the
+# per-call cublasGemmStridedBatchedEx instead of cuBLASLt's kept plans: run the checks with and
+# without them to check and time both (`host` and `flash-bench` A/B them within one run).
 #
 # The binary is built with `cargo build --release -p tessera-cuda --bin tessera-gpu-check`
 # where Rust is present; on a GPU machine without Rust, carry target/release/tessera-gpu-check.

@@ -851,9 +851,11 @@ __device__ __forceinline__ void fa2_backward(const bf16_t* q, const bf16_t* k, c
         }
 }
 
-// Head dims 64 and 128 (the backend's `flash::HEAD_DIMS2`; 32 keeps the first kernel).
+// Head dims 64 and 128 (the backend's `flash::HEAD_DIMS2`; 32 keeps the first kernel). Head dim
+// 64 runs two blocks per SM (128 registers, a few spilled outside the products; 2 × 108.5 KiB of
+// shared memory), 128 one (254 registers, no spills).
 #define FA2_KERNELS(D)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(FA2_THREADS, 1) flash_bwd2_##D(                           \
+    extern "C" __global__ void __launch_bounds__(FA2_THREADS, (D) <= 64 ? 2 : 1) flash_bwd2_##D(                           \
         const bf16_t* q, const bf16_t* k, const bf16_t* v, const bf16_t* dout, const float* lse,          \
         const float* delta, const float* slopes, Attn a, float* dq_acc, bf16_t* dk, bf16_t* dv) {         \
         fa2_backward<D>(q, k, v, dout, lse, delta, slopes, a, dq_acc, dk, dv);                            \

@@ -10,7 +10,9 @@
 //! 4. **Calibration**: bf16 GEMM FLOP/s and device-to-device copy bandwidth.
 //! 5. **Speed**: tokens/s of bf16 training steps of GPT-2-medium and a 1.3B LLaMA, the host's
 //!    own time to issue a step (`host_issue_s` over `ops_per_step` dispatches), and a synced
-//!    per-op breakdown.
+//!    per-op breakdown; per op kind, the host's time in the issue step (`issue_by_op_*`, waits
+//!    for a full launch queue included) and from an empty queue (`host_synced_by_op_*`, the
+//!    dispatch's own cost), beside each kind's GPU time (`gpu_by_op_*`).
 //! 6. **Host and flash A/B** (`host`, `flash-bench`): a matmul's host cost on each GEMM path
 //!    and whether the paths agree to the bit; each flash backward's time at the LLaMA's sizes
 //!    and the second's agreement with the first (`perf_check`).
