@@ -7,11 +7,14 @@
 # Stages run in the order given (default: every stage but nccl, compile and speed-llama), each
 # appending its JSON lines to OUT_DIR/checks.jsonl; a failing stage does not stop the others and
 # makes the exit code 1.
-#   kernels vision generate tp training memory memory-large calibrate speed speed-llama nccl
+#   kernels vision generate tp host flash-bench training memory memory-large calibrate speed
+#   speed-llama nccl
 #            the check binary's own checks (crates/tessera-cuda/src/bin/tessera-gpu-check/):
 #            every op's kernel against the CPU's, the new ops' too; loss curves; memory against
 #            the prediction; the GEMM/bandwidth calibration; speed (GPT-2-medium and the 1.3B
-#            LLaMA, batches 4 and 8 where the GPU holds them); NCCL at world size 1
+#            LLaMA, batches 4 and 8 where the GPU holds them); the matmuls' host cost per path
+#            (host) and both flash backwards against each other (flash-bench); NCCL at world
+#            size 1
 #   shared   several devices sharing the GPU against one device, per plan (gpu_shared_check.py)
 #   unet     the ONNX UNet and ResNet train on the GPU at their predicted memory (`tessera train`)
 #   cost     `tessera calibrate --device cuda` (the kernels timed on training steps), then the
@@ -26,6 +29,10 @@
 # Binaries: TESSERA_GPU_CHECK (default target/release/tessera-gpu-check), TESSERA_CLI (default
 # target/release/tessera, built with `--features cuda`), BF16_SPREAD (the bf16_spread example),
 # built with cargo where Rust is present; on a GPU machine without Rust, carry them.
+#
+# TESSERA_FLASH_BWD=2 runs the second flash backward (flash_bwd2_*), TESSERA_GEMM=legacy the
+# per-call cublasGemmStridedBatchedEx instead of cuBLASLt's kept plans: run the checks with and
+# without them to check and time both (`host` and `flash-bench` A/B them within one run).
 set -uo pipefail
 out=${1:-gpu-check-out}; shift || true
 mkdir -p "$out"
@@ -59,7 +66,7 @@ big_gpu() { [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nouni
 for s in "${stages[@]}"; do
   t0=$SECONDS
   case "$s" in
-    kernels|vision|generate|tp|training|memory|memory-large|calibrate|speed|speed-llama|nccl)
+    kernels|vision|generate|tp|host|flash-bench|training|memory|memory-large|calibrate|speed|speed-llama|nccl)
       "$bin" "$s" 2>>"$out/stderr.txt" | log; [ "${PIPESTATUS[0]}" -eq 0 ] || fail "$s" ;;
     shared)
       python3 scripts/gpu_shared_check.py "$out/shared" 2>>"$out/stderr.txt" | log

@@ -554,6 +554,315 @@ FA_KERNELS(32)
 FA_KERNELS(64)
 FA_KERNELS(128)
 
+// ---- The second backward (`flash_bwd2_*`, chosen at run time by TESSERA_FLASH_BWD=2): the
+// FlashAttention-2 scheme (Dao 2023, algorithm 2) with a 2-D warp tiling of every product.
+// Block (key tile of FA2_BC = 128, kv head, batch), K and V resident in shared memory; it walks
+// the query tiles of FA2_BR = 64 rows that see its keys (every query head of the group), Q and
+// dO in two stages by `cp.async`. Warp w = 4·wq + wk (wq 0..1, wk 0..3) computes
+//   S = Q·Kᵀ and dP = dO·Vᵀ: queries 32·wq.., keys 32·wk.. (32 × 32, k = D);
+//   P and dS = P ⊙ (dP − D) go to shared memory as bf16 ([query][key]);
+//   dV += Pᵀ·dO and dK += dSᵀ·Q: keys 32·wk.., dims wq·D/2.. (32 × D/2, k = 64 queries), the
+//   accumulators in registers for the whole block;
+//   dQ += dS·K: queries 32·wq.., dims wk·D/4.. (32 × D/4, k = 128 keys), added to the f32
+//   accumulator in global memory (one thread per element per step: with one key tile, as in
+//   the tiny models, the sums are deterministic).
+// Every fragment a warp loads serves two or more MMAs (the first kernel's warps each read the
+// whole Q and dO tiles for 16 keys). Numerics are the first kernel's: the same base-2
+// probabilities from the saved lse, P and dS rounded to bf16 for the products.
+#define FA2_BC 128
+#define FA2_BR 64
+#define FA2_THREADS 256
+#define FA2_QSTAGE(D) (2 * FA2_BR * ((D) + 8))
+#define FA2_META (5 * FA2_BR)
+
+// The A fragment (16×16, rows m0.., k k0..) of the transpose of a row-major [k][m] tile at
+// `tile` (k0, m0): `ldmatrix.x4.trans`, matrix i covering memory rows (k) k0 + 8·(i >> 1),
+// columns (m) m0 + 8·(i & 1). Thread (g, t) gets (Tᵀ[g][2t], Tᵀ[g][2t+1]) = (T[2t][g], T[2t+1][g]).
+__device__ __forceinline__ void fa_ldsm_at(const bf16_t* tile, int ld, unsigned* a) {
+    const int lane = threadIdx.x & 31, blk = lane >> 3;
+    const bf16_t* p = tile + ((blk >> 1) * 8 + (lane & 7)) * ld + (blk & 1) * 8;
+#if __CUDA_ARCH__ >= 800
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(fa_smem_addr(p)));
+#else
+    a[0] = a[1] = a[2] = a[3] = 0u;
+    __trap();
+#endif
+}
+
+// Issues the copies of query tile i0 of head hh (Q, dO of batch row b at qb, dob; its lse and D
+// rows at lseb, deltab) into a stage and writes its rows' data: lse, D, j0 − position (ALiBi's
+// distance), visible keys [lo, hi) within the key tile.
+template <int D>
+__device__ __forceinline__ void fa2_q_async(bf16_t* qstage, float* meta, const bf16_t* qb, const bf16_t* dob,
+                                            const float* lseb, const float* deltab, const Attn& a, i64 b, int hh,
+                                            int i0, i64 j0) {
+    const int qvalid = a.s - i0 < FA2_BR ? (int)(a.s - i0) : FA2_BR;
+    const i64 qs = a.h * D, off = (i64)i0 * qs + hh * D;
+    fa_tile_async<D, FA2_BR, FA2_THREADS>(qstage, qb + off, qvalid, qs);
+    fa_tile_async<D, FA2_BR, FA2_THREADS>(qstage + FA2_BR * (D + 8), dob + off, qvalid, qs);
+    const int c = threadIdx.x;
+    if (c < FA2_BR) {
+        // Rows past the end read zeros; their key range is empty, so nothing uses them.
+        const bool in = c < qvalid;
+        const i64 row = (i64)hh * a.s + i0 + (in ? c : 0);
+        fa_cp4(meta + c, lseb + row, in);
+        fa_cp4(meta + FA2_BR + c, deltab + row, in);
+        i64 p, lo, hi;
+        fa_range(a, 0, b, i0 + c, &p, &lo, &hi);
+        meta[2 * FA2_BR + c] = (float)(j0 - p);
+        ((int*)meta)[3 * FA2_BR + c] = (int)fmax(fmin((double)(lo - j0), (double)FA2_BC), 0.0);
+        ((int*)meta)[4 * FA2_BR + c] = (int)fmax(fmin((double)(hi - j0), (double)FA2_BC), 0.0);
+    }
+}
+
+// Whether every row of query tile i0 sees every key of the key tile at j0 (no mask to apply).
+__device__ __forceinline__ bool fa2_full(const Attn& a, i64 b, i64 i0, i64 j0) {
+    if (i0 + FA2_BR > a.s || j0 + FA2_BC > a.t) return false;
+    i64 p, lo_last, hi_first, x;
+    fa_range(a, 0, b, i0, &p, &x, &hi_first);
+    fa_range(a, 0, b, i0 + FA2_BR - 1, &p, &lo_last, &x);
+    return lo_last <= j0 && hi_first >= j0 + FA2_BC;
+}
+
+template <int D>
+__device__ __forceinline__ void fa2_backward(const bf16_t* q, const bf16_t* k, const bf16_t* v, const bf16_t* dout,
+                                             const float* lse, const float* delta, const float* slopes, Attn a,
+                                             float* dq_acc, bf16_t* dk, bf16_t* dv) {
+    extern __shared__ uint4 fa_smem[];
+    constexpr int LD = D + 8, LDS = FA2_BC + 8;
+    constexpr int DH = D / 2, DQ = D / 4;  // dims per warp: dK and dV, dQ
+    bf16_t* ks = (bf16_t*)fa_smem;
+    bf16_t* vs = ks + FA2_BC * LD;
+    bf16_t* const qstages = vs + FA2_BC * LD;              // two stages of [Q tile, dO tile]
+    bf16_t* ps = qstages + 2 * FA2_QSTAGE(D);              // P, [query][key]
+    bf16_t* dss = ps + FA2_BR * LDS;                       // dS, [query][key]
+    float* const mstages = (float*)(dss + FA2_BR * LDS);   // two stages of FA2_META floats
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wq = warp >> 2, wk = warp & 3;
+    const i64 b = blockIdx.z, kvh = blockIdx.y, j0 = (i64)blockIdx.x * FA2_BC;
+    const i64 group = a.h / a.hkv, qs = a.h * D, kvs = a.hkv * D;
+    const float sl2 = a.scale * FA_LOG2E;  // scores in base 2
+    fa_kv_async<D, FA2_BC, FA2_THREADS>(ks, k + b * a.t * kvs + kvh * D, v + b * a.t * kvs + kvh * D, j0, a.t, kvs);
+    // The query tiles that see these keys: an interval, as positions grow with the row.
+    i64 ifirst = 0, iend = 0;
+    for (i64 i0 = 0; i0 < a.s; i0 += FA2_BR) {
+        i64 last = i0 + FA2_BR - 1 < a.s ? i0 + FA2_BR - 1 : a.s - 1, p_, lo_f, hi_l, x_;
+        fa_range(a, 0, b, i0, &p_, &lo_f, &x_);
+        fa_range(a, 0, b, last, &p_, &x_, &hi_l);
+        if (hi_l <= j0 || lo_f >= j0 + FA2_BC) continue;  // no row of this tile sees these keys
+        if (iend == 0) ifirst = i0;
+        iend = i0 + FA2_BR;
+    }
+    const int ntiles = (int)((iend - ifirst) / FA2_BR), steps = (int)group * ntiles;
+    float dka[2][DH / 8][4], dva[2][DH / 8][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < DH / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dka[m][n][e] = dva[m][n][e] = 0.0f;
+
+    // Step `it` is query head kvh·group + it / ntiles, query tile ifirst + 64·(it % ntiles).
+    // The barrier at the top of a step publishes its tiles (and K, V) and retires the stage the
+    // next copy overwrites, and the P and dS tiles the step before read.
+    const bf16_t* qb = q + b * a.s * qs;
+    const bf16_t* dob = dout + b * a.s * qs;
+    const float* lseb = lse + b * a.h * a.s;
+    const float* deltab = delta + b * a.h * a.s;
+    float* dqb = dq_acc + b * a.s * qs;
+    const int h0 = (int)(kvh * group);
+    if (steps > 0) fa2_q_async<D>(qstages, mstages, qb, dob, lseb, deltab, a, b, h0, (int)ifirst, j0);
+    fa_cp_commit();
+    for (int it = 0; it < steps; ++it) {
+        const int hh = h0 + it / ntiles, i0 = (int)ifirst + (it % ntiles) * FA2_BR;
+        const float slope2 = slopes ? slopes[hh] * FA_LOG2E : 0.0f;
+        const bool full = !slopes && fa2_full(a, b, i0, j0);
+        fa_cp_wait_all();
+        __syncthreads();
+        const bf16_t* qt = qstages + (it & 1) * FA2_QSTAGE(D);
+        const bf16_t* dot = qt + FA2_BR * LD;
+        const float* meta = mstages + (it & 1) * FA2_META;
+        if (it + 1 < steps) {
+            const int nx = it + 1;
+            fa2_q_async<D>(qstages + (nx & 1) * FA2_QSTAGE(D), mstages + (nx & 1) * FA2_META, qb, dob, lseb, deltab,
+                           a, b, h0 + nx / ntiles, (int)ifirst + (nx % ntiles) * FA2_BR, j0);
+        }
+        fa_cp_commit();
+        // S = Q·Kᵀ: 32 queries (two m-tiles) × 32 keys (four n-tiles) per warp.
+        float sc[2][4][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sc[m][n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned qa[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) fa_ldsm_a(qt + (wq * 32 + m * 16) * LD + kk * 16, LD, qa[m]);
+#pragma unroll
+            for (int n = 0; n < 4; n += 2) {
+                unsigned kb[4];
+                fa_ldsm_b(ks + (wk * 32 + n * 8) * LD + kk * 16, LD, kb);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    fa_mma(sc[m][n], qa[m], kb);
+                    fa_mma(sc[m][n + 1], qa[m], kb + 2);
+                }
+            }
+        }
+        // P (base 2: lse·log2 e subtracted), the mask only where a row of the tile misses a
+        // key of it; rounded to bf16 into shared memory.
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = wq * 32 + m * 16 + g + 8 * h;  // the query row, within the tile
+                const float l2 = meta[c] * FA_LOG2E;
+                const float qoff = meta[2 * FA2_BR + c];
+                const int lo = ((const int*)meta)[3 * FA2_BR + c], hi = ((const int*)meta)[4 * FA2_BR + c];
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = wk * 32 + n * 8 + 2 * t + e;  // the key, within the tile
+                        float& s = sc[m][n][2 * h + e];
+                        if (full) {
+                            s = fa_exp2(s * sl2 - l2);
+                        } else {
+                            s = (j >= lo && j < hi) ? fa_exp2(s * sl2 + slope2 * ((float)j + qoff) - l2) : 0.0f;
+                        }
+                    }
+                    *(unsigned*)(ps + c * LDS + wk * 32 + n * 8 + 2 * t) =
+                        fa_pack_f(sc[m][n][2 * h], sc[m][n][2 * h + 1]);
+                }
+            }
+        // dP = dO·Vᵀ, the same tiling, one query m-tile at a time (the registers of the
+        // accumulators, S and dP together are what bound this kernel); dS = P ⊙ (dP − D) into
+        // shared memory.
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            float dp[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned da[4];
+                fa_ldsm_a(dot + (wq * 32 + m * 16) * LD + kk * 16, LD, da);
+#pragma unroll
+                for (int n = 0; n < 4; n += 2) {
+                    unsigned vb[4];
+                    fa_ldsm_b(vs + (wk * 32 + n * 8) * LD + kk * 16, LD, vb);
+                    fa_mma(dp[n], da, vb);
+                    fa_mma(dp[n + 1], da, vb + 2);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = wq * 32 + m * 16 + g + 8 * h;
+                const float dd = meta[FA2_BR + c];
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const float d0 = sc[m][n][2 * h] * (dp[n][2 * h] - dd);
+                    const float d1 = sc[m][n][2 * h + 1] * (dp[n][2 * h + 1] - dd);
+                    *(unsigned*)(dss + c * LDS + wk * 32 + n * 8 + 2 * t) = fa_pack_f(d0, d1);
+                }
+            }
+        }
+        __syncthreads();  // P and dS of every warp are in shared memory
+        // dV += Pᵀ·dO and dK += dSᵀ·Q (scaled at the end): 32 keys × D/2 dims per warp, over
+        // the tile's 64 queries.
+#pragma unroll
+        for (int kk = 0; kk < FA2_BR / 16; ++kk) {
+            unsigned pa[2][4], sa[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                fa_ldsm_at(ps + kk * 16 * LDS + wk * 32 + m * 16, LDS, pa[m]);
+                fa_ldsm_at(dss + kk * 16 * LDS + wk * 32 + m * 16, LDS, sa[m]);
+            }
+#pragma unroll
+            for (int n = 0; n < DH / 8; n += 2) {
+                unsigned bd[4], bq[4];
+                fa_ldsm_t(dot + kk * 16 * LD + wq * DH + n * 8, LD, bd);
+                fa_ldsm_t(qt + kk * 16 * LD + wq * DH + n * 8, LD, bq);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    fa_mma(dva[m][n], pa[m], bd);
+                    fa_mma(dva[m][n + 1], pa[m], bd + 2);
+                    fa_mma(dka[m][n], sa[m], bq);
+                    fa_mma(dka[m][n + 1], sa[m], bq + 2);
+                }
+            }
+        }
+        // dQ += dS·K: 32 queries × D/4 dims per warp, over the 128 keys.
+        float dqa[2][DQ / 8][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < DQ / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dqa[m][n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < FA2_BC / 16; ++kk) {
+            unsigned sa2[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) fa_ldsm_a(dss + (wq * 32 + m * 16) * LDS + kk * 16, LDS, sa2[m]);
+#pragma unroll
+            for (int n = 0; n < DQ / 8; n += 2) {
+                unsigned bk[4];
+                fa_ldsm_t(ks + kk * 16 * LD + wk * DQ + n * 8, LD, bk);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    fa_mma(dqa[m][n], sa2[m], bk);
+                    fa_mma(dqa[m][n + 1], sa2[m], bk + 2);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int qa = i0 + wq * 32 + m * 16 + g + 8 * h;
+                if (qa >= a.s) continue;
+                float* dqr = dqb + (i64)qa * qs + hh * D + wk * DQ + 2 * t;
+#pragma unroll
+                for (int n = 0; n < DQ / 8; ++n) fa_red2(dqr + n * 8, dqa[m][n][2 * h], dqa[m][n][2 * h + 1]);
+            }
+    }
+    fa_cp_wait_all();
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 j = j0 + wk * 32 + m * 16 + g + 8 * h;
+            if (j >= a.t) continue;
+            bf16_t* dkr = dk + (b * a.t + j) * kvs + kvh * D + wq * DH + 2 * t;
+            bf16_t* dvr = dv + (b * a.t + j) * kvs + kvh * D + wq * DH + 2 * t;
+#pragma unroll
+            for (int n = 0; n < DH / 8; ++n) {
+                *(unsigned*)(dkr + n * 8) = fa_pack_f(dka[m][n][2 * h] * a.scale, dka[m][n][2 * h + 1] * a.scale);
+                *(unsigned*)(dvr + n * 8) = fa_pack_f(dva[m][n][2 * h], dva[m][n][2 * h + 1]);
+            }
+        }
+}
+
+// Head dims 64 and 128 (the backend's `flash::HEAD_DIMS2`; 32 keeps the first kernel). Head dim
+// 64 runs two blocks per SM (128 registers, a few spilled outside the products; 2 × 108.5 KiB of
+// shared memory), 128 one (254 registers, no spills).
+#define FA2_KERNELS(D)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(FA2_THREADS, (D) <= 64 ? 2 : 1) flash_bwd2_##D(                           \
+        const bf16_t* q, const bf16_t* k, const bf16_t* v, const bf16_t* dout, const float* lse,          \
+        const float* delta, const float* slopes, Attn a, float* dq_acc, bf16_t* dk, bf16_t* dv) {         \
+        fa2_backward<D>(q, k, v, dout, lse, delta, slopes, a, dq_acc, dk, dv);                            \
+    }
+FA2_KERNELS(64)
+FA2_KERNELS(128)
+
 // D_i = Σ_e dO·O per query row ([B,H,S]) from bf16 out and dO: one warp per row.
 extern "C" __global__ void flash_delta(const bf16_t* out, const bf16_t* dout, float* delta, Attn a) {
     i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // (b·S + i)·H + h

@@ -11,6 +11,15 @@
 //! output and the log-sum-exp, exactly what the CPU kernel saves, so the memory accountant's
 //! charge is unchanged; its scratch is none (forward) or the f32 dQ accumulator and the row
 //! sums D (backward).
+//!
+//! Two backwards: the first (`flash_bwd_*`, the default) gives each warp 16 keys of a block of
+//! 128 and has every warp read the whole Q and dO tiles of each step; the second
+//! (`flash_bwd2_*`, `TESSERA_FLASH_BWD=2`, head dims 64 and 128 on devices with 173 KiB of
+//! shared memory per block) tiles every product over the warps in two dimensions
+//! (FlashAttention-2's scheme: P and dS through shared memory, dK and dV in registers, dQ by
+//! atomic f32 adds into the same accumulator), so each fragment loaded serves several MMAs.
+//! Both compute the same numbers up to the order of f32 sums; the memory they take is the
+//! same (the same scratch, the same outputs).
 
 use crate::alloc::Purpose;
 use crate::attention::alibi_slopes;
@@ -44,6 +53,75 @@ const fn bwd_shared(d: usize) -> usize {
 
 /// The head dims the kernels are instantiated for (`FA_KERNELS` in `flash.cu`).
 pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
+
+/// The second backward's tiles (`FA2_BC`, `FA2_BR`, `FA2_THREADS` in `flash.cu`): a block per
+/// 128 keys, query tiles of 64 rows, 8 warps.
+const BC2: usize = 128;
+const BR2: usize = 64;
+const THREADS2: u32 = 256;
+
+/// The second backward's dynamic shared memory: K and V tiles of 128 keys, two stages of Q and
+/// dO tiles of 64 rows, the P and dS tiles ([64][136]), two stages of five words per query row.
+/// 172.5 KiB at head dim 128: it fits Hopper's 227 KiB per block, not the A100's 163 KiB (where
+/// the first kernel runs instead; see [`backward_kernel`]).
+const fn bwd2_shared(d: usize) -> usize {
+    2 * BC2 * (d + 8) * 2 + 2 * (2 * BR2 * (d + 8) * 2) + 2 * BR2 * (BC2 + 8) * 2 + 2 * 5 * BR2 * 4
+}
+
+/// The head dims of the second backward (`FA2_KERNELS` in `flash.cu`); 32 keeps the first.
+pub const HEAD_DIMS2: [usize; 2] = [64, 128];
+
+fn kernel2(d: usize) -> Option<&'static str> {
+    match d {
+        64 => Some("flash_bwd2_64"),
+        128 => Some("flash_bwd2_128"),
+        _ => None,
+    }
+}
+
+/// The second backward's kernels and their dynamic shared memory, set as their maximum when
+/// the module loads where the device allows that much per block (else they stay unused).
+pub const SHARED_BYTES2: [(&str, usize); 2] =
+    [("flash_bwd2_64", bwd2_shared(64)), ("flash_bwd2_128", bwd2_shared(128))];
+
+/// Which flash backward runs: 1, the first kernel (the default), or 2, the FlashAttention-2
+/// tiling (`flash_bwd2_*`), from `TESSERA_FLASH_BWD` (read once) unless
+/// [`set_backward_version`] chose.
+static VERSION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Chooses the flash backward for the rest of the process (`None`: back to the environment's
+/// choice). For A/B measurements in one process; training should set `TESSERA_FLASH_BWD`.
+pub fn set_backward_version(v: Option<u8>) {
+    VERSION.store(v.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The flash backward in use (see [`set_backward_version`]): 1 or 2.
+pub fn backward_version() -> u8 {
+    static ENV: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    match VERSION.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => *ENV.get_or_init(|| parse_version(std::env::var("TESSERA_FLASH_BWD").ok().as_deref())),
+        v => v,
+    }
+}
+
+fn parse_version(v: Option<&str>) -> u8 {
+    match v.map(str::trim) {
+        Some("2") => 2,
+        _ => 1,
+    }
+}
+
+/// The backward kernel for head dim `d` on this GPU: the second where it is chosen, built for
+/// `d` and its shared memory fits the device; the first otherwise. (name, grid x tile, block
+/// threads, dynamic shared bytes).
+fn backward_kernel(gpu: &crate::gpu::Gpu, d: usize) -> Option<(&'static str, usize, u32, usize)> {
+    if backward_version() == 2 {
+        if let Some(name) = kernel2(d).filter(|n| gpu.has_shared(n)) {
+            return Some((name, BC2, THREADS2, bwd2_shared(d)));
+        }
+    }
+    kernels(d).map(|(_, b)| (b, BCB, THREADS, bwd_shared(d)))
+}
 
 /// The forward and backward kernels of head dim `d`.
 fn kernels(d: usize) -> Option<(&'static str, &'static str)> {
@@ -159,12 +237,12 @@ pub fn backward(
     let dk = be.out_f32(&out[1], p)?;
     let dv = be.out_f32(&out[2], p)?;
     let hd = a.d as usize;
+    let Some((name, keys, threads, shared)) = backward_kernel(g, hd) else { return Ok(None) };
     let cfg = LaunchConfig {
-        grid_dim: ((a.t as usize).div_ceil(BCB) as u32, a.hkv as u32, a.b as u32),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: bwd_shared(hd) as u32,
+        grid_dim: ((a.t as usize).div_ceil(keys) as u32, a.hkv as u32, a.b as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared as u32,
     };
-    let Some((_, name)) = kernels(hd) else { return Ok(None) };
     launch(
         g,
         name,
@@ -203,6 +281,16 @@ pub fn backward(
 mod tests {
     use super::*;
 
+    /// `TESSERA_FLASH_BWD=2` picks the second backward; anything else, or nothing, the first.
+    #[test]
+    fn backward_version_from_the_environment() {
+        assert_eq!(parse_version(Some("2")), 2);
+        assert_eq!(parse_version(Some(" 2 ")), 2);
+        assert_eq!(parse_version(Some("1")), 1);
+        assert_eq!(parse_version(Some("")), 1);
+        assert_eq!(parse_version(None), 1);
+    }
+
     /// The blocks per SM the test below assumes are the ones `flash.cu` declares.
     fn src_has_launch_bounds() -> bool {
         let src = crate::source::KERNELS;
@@ -237,6 +325,29 @@ mod tests {
             );
         }
         assert!(src.contains(&format!("#define FA_THREADS {THREADS} ")));
+        for (tile, value) in [("FA2_BC", BC2), ("FA2_BR", BR2), ("FA2_THREADS", THREADS2 as usize)]
+        {
+            assert!(
+                src.contains(&format!("#define {tile} {value}\n")),
+                "{tile} differs from flash.cu"
+            );
+        }
+        // The second backward: within Hopper's 227 KiB per block; at head dim 64 two blocks
+        // per SM (its launch bounds) within Hopper's 228 KiB per SM (1 KiB per block reserved),
+        // and one within the A100's 163 KiB.
+        assert!(src.contains("__launch_bounds__(FA2_THREADS, (D) <= 64 ? 2 : 1)"));
+        assert!(2 * (bwd2_shared(64) + 1024) <= 228 * 1024);
+        assert_eq!(bwd2_shared(128), 69_632 + 69_632 + 34_816 + 2_560);
+        for (name, bytes) in SHARED_BYTES2 {
+            assert!(bytes <= 227 * 1024, "{name}: {bytes} B");
+            assert!(crate::gpu::FUNCTIONS.contains(&name), "{name} is not loaded");
+        }
+        assert!(bwd2_shared(64) <= 163 * 1024);
+        for d in HEAD_DIMS2 {
+            let name = kernel2(d).expect("a second backward per head dim");
+            assert!(src.contains(&format!("FA2_KERNELS({d})")), "flash.cu lacks {name}");
+            assert!(SHARED_BYTES2.iter().any(|(n, _)| *n == name));
+        }
         assert!(src.contains(&format!("#define FA_THREADS_FWD {THREADS_FWD} ")));
         for d in HEAD_DIMS {
             let (f, b) = kernels(d).expect("a kernel pair per head dim");

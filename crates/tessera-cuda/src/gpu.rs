@@ -1,6 +1,6 @@
-//! One GPU: its context and stream, the NVRTC-compiled kernel module, a cuBLAS handle and the
-//! caching allocator. Opening it loads the driver at run time, so a machine without one gets
-//! an error naming what is missing rather than a crash.
+//! One GPU: its context and stream, the NVRTC-compiled kernel module, cuBLAS and cuBLASLt
+//! handles and the caching allocator. Opening it loads the driver at run time, so a machine
+//! without one gets an error naming what is missing rather than a crash.
 
 use crate::alloc::{AllocStats, Block, CachingAllocator, Purpose, RawMemory};
 use crate::source::KERNELS;
@@ -47,11 +47,16 @@ pub struct Gpu {
     _module: Arc<CudaModule>,
     funcs: HashMap<&'static str, CudaFunction>,
     pub(crate) blas: Mutex<Blas>,
+    /// cuBLASLt: handle, workspace and a plan per GEMM problem (`gemm.rs`), made on first use.
+    pub(crate) lt: Mutex<crate::gemm::LtState>,
     alloc: Mutex<CachingAllocator<DriverMemory>>,
     name: String,
     ordinal: usize,
     /// Compute capability (major, minor): the flash kernels need 8.0 (tensor-core bf16 MMA).
     capability: (i32, i32),
+    /// The kernels whose dynamic shared memory was raised past the default (the flash
+    /// kernels; the second flash backward only where the device allows its tiles per block).
+    shared: Vec<&'static str>,
 }
 
 fn driver_err(what: &str, e: impl std::fmt::Display) -> RuntimeError {
@@ -97,6 +102,8 @@ pub const FUNCTIONS: &[&str] = &[
     "flash_bwd_32",
     "flash_bwd_64",
     "flash_bwd_128",
+    "flash_bwd2_64",
+    "flash_bwd2_128",
     "flash_delta",
     "scale_store",
 ];
@@ -261,16 +268,25 @@ impl Gpu {
             let func = module.load_function(f).map_err(|e| driver_err(f, e))?;
             funcs.insert(f, func);
         }
+        let mut shared = Vec::new();
         if major >= 8 {
             // The flash kernels' tiles live in dynamic shared memory, past the default 48 KiB
-            // for head dim 128.
-            for (f, bytes) in crate::flash::SHARED_BYTES {
+            // for head dim 128. The second backward's are larger than some devices allow a
+            // block (the A100's 163 KiB): those keep the first backward.
+            let optin = ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .map_err(|e| driver_err("shared memory per block", e))?;
+            let optional = crate::flash::SHARED_BYTES2.iter().filter(|(_, b)| *b <= optin as usize);
+            for &(f, bytes) in crate::flash::SHARED_BYTES.iter().chain(optional) {
                 if let Some(func) = funcs.get(f) {
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         bytes as i32,
                     )
                     .map_err(|e| driver_err(f, e))?;
+                    shared.push(f);
                 }
             }
         }
@@ -299,9 +315,11 @@ impl Gpu {
             _module: module,
             funcs,
             blas: Mutex::new(Blas(blas)),
+            lt: Mutex::new(crate::gemm::LtState::default()),
             name,
             ordinal,
             capability: (major, minor),
+            shared,
         }))
     }
 
@@ -317,6 +335,11 @@ impl Gpu {
     /// Compute capability (major, minor).
     pub fn capability(&self) -> (i32, i32) {
         self.capability
+    }
+
+    /// Whether kernel `name`'s dynamic shared memory was set up (see [`Gpu::open`]).
+    pub(crate) fn has_shared(&self, name: &str) -> bool {
+        self.shared.contains(&name)
     }
 
     pub(crate) fn func(&self, name: &'static str) -> Result<&CudaFunction> {
@@ -348,6 +371,12 @@ impl Gpu {
         if let Ok(mut a) = self.alloc.lock() {
             a.release(b);
         }
+    }
+
+    /// Products cuBLASLt ran, and the plans (heuristic queries) it made for them: a repeated
+    /// step makes no new plan.
+    pub fn gemm_lt_counts(&self) -> (u64, u64) {
+        self.lt.lock().map(|s| (s.calls, s.plans_made)).unwrap_or_default()
     }
 
     /// The allocator's books (live, peak and reserved bytes).

@@ -1,9 +1,10 @@
-//! Kernel launches: arguments collected as values (so none is a dangling temporary), then
-//! pushed to cudarc's launch builder; every launch's error is checked.
+//! Kernel launches: arguments collected as values on the stack (so none is a dangling
+//! temporary), then one `cuLaunchKernel`; every launch's error is checked.
 
 use crate::gpu::Gpu;
 use crate::tensor::Layout;
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+use std::ffi::c_void;
 use tessera_ir::DType;
 use tessera_runtime::{Result, RuntimeError};
 
@@ -118,7 +119,14 @@ pub struct RopeFreq {
 // SAFETY: plain old data with the C layout the kernel declares.
 unsafe impl DeviceRepr for RopeFreq {}
 
+/// The most arguments a launch takes (the longest kernel signature, `adamw`, has 21).
+pub const MAX_ARGS: usize = 24;
+
 /// [`launch`] with one more argument after `args`, of any kernel-parameter type.
+///
+/// The arguments are held on the stack and handed to one `cuLaunchKernel`: no allocation per
+/// launch (cudarc's launch builder collects its parameter pointers in a `Vec` and walks its
+/// event lists each time). The context is bound as cudarc's launch binds it.
 pub fn launch_then<T: DeviceRepr>(
     gpu: &Gpu,
     name: &'static str,
@@ -129,35 +137,60 @@ pub fn launch_then<T: DeviceRepr>(
     if cfg.grid_dim.0 == 0 {
         return Ok(());
     }
+    if args.len() >= MAX_ARGS {
+        return Err(RuntimeError::Binding(format!(
+            "cuda: launching {name}: {} arguments (at most {})",
+            args.len(),
+            MAX_ARGS - 1
+        )));
+    }
     let f = gpu.func(name)?;
-    let args: Vec<Arg> = args
-        .iter()
-        .map(|a| match a {
+    let mut vals = [Arg::I32(0); MAX_ARGS];
+    for (v, a) in vals.iter_mut().zip(args) {
+        *v = match a {
             Arg::Layout(l) => Arg::Layout(l.collapsed()),
             other => *other,
-        })
-        .collect();
-    let mut b = gpu.stream.launch_builder(f);
-    for a in &args {
-        match a {
-            Arg::Ptr(v) | Arg::U64(v) => b.arg(v),
-            Arg::I32(v) => b.arg(v),
-            Arg::I64(v) => b.arg(v),
-            Arg::F32(v) => b.arg(v),
-            Arg::F64(v) => b.arg(v),
-            Arg::Layout(v) => b.arg(v),
-            Arg::Attn(v) => b.arg(v),
-            Arg::Norm(v) => b.arg(v),
         };
     }
-    if let Some(v) = last {
-        b.arg(v);
+    let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+    for (p, v) in params.iter_mut().zip(&vals[..args.len()]) {
+        *p = param(v);
     }
+    let mut n = args.len();
+    if let Some(v) = last {
+        params[n] = v as *const T as *mut c_void;
+        n += 1;
+    }
+    let bound = gpu.ctx.bind_to_thread();
     // SAFETY: the arguments match the kernel's signature in the `.cu` sources (one call site per
-    // kernel, each checked by the GPU parity run); pointers are live device buffers.
-    unsafe { b.launch(cfg) }
-        .map(|_| ())
+    // kernel, each checked by the GPU parity run); pointers are live device buffers; `params`
+    // points into `vals` and `last`, which outlive the call (the driver copies the values).
+    bound
+        .and_then(|_| unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                cfg.grid_dim,
+                cfg.block_dim,
+                cfg.shared_mem_bytes,
+                gpu.stream.cu_stream(),
+                &mut params[..n],
+            )
+        })
         .map_err(|e| RuntimeError::Binding(format!("cuda: launching {name}: {e}")))
+}
+
+/// The kernel-parameter pointer of an argument: the address of its value.
+fn param(a: &Arg) -> *mut c_void {
+    match a {
+        Arg::Ptr(v) | Arg::U64(v) => v as *const u64 as *mut c_void,
+        Arg::I32(v) => v as *const i32 as *mut c_void,
+        Arg::I64(v) => v as *const i64 as *mut c_void,
+        Arg::F32(v) => v as *const f32 as *mut c_void,
+        Arg::F64(v) => v as *const f64 as *mut c_void,
+        Arg::Layout(v) => v as *const Layout as *mut c_void,
+        Arg::Attn(v) => v as *const Attn as *mut c_void,
+        Arg::Norm(v) => v as *const NormCodes as *mut c_void,
+    }
 }
 
 #[cfg(test)]
@@ -169,6 +202,31 @@ mod tests {
         l.dims[..dims.len()].copy_from_slice(dims);
         l.strides[..strides.len()].copy_from_slice(strides);
         l
+    }
+
+    /// Each argument's parameter pointer is the address of its value, of the value's size.
+    #[test]
+    fn parameters_point_at_the_values() {
+        let attn =
+            Attn { b: 2, s: 100, t: 130, h: 8, hkv: 2, d: 64, causal: 1, window: 7, scale: 0.5 };
+        let vals = [
+            Arg::Ptr(0xdead_beef_0000),
+            Arg::I32(-7),
+            Arg::I64(-(1 << 40)),
+            Arg::F32(1.5),
+            Arg::F64(-2.25),
+            Arg::Attn(attn),
+        ];
+        // SAFETY: each pointer is read as the type of the value it points at, while `vals` lives.
+        unsafe {
+            assert_eq!(*(param(&vals[0]) as *const u64), 0xdead_beef_0000);
+            assert_eq!(*(param(&vals[1]) as *const i32), -7);
+            assert_eq!(*(param(&vals[2]) as *const i64), -(1 << 40));
+            assert_eq!(*(param(&vals[3]) as *const f32), 1.5);
+            assert_eq!(*(param(&vals[4]) as *const f64), -2.25);
+            let a = &*(param(&vals[5]) as *const Attn);
+            assert_eq!((a.b, a.t, a.window, a.scale), (2, 130, 7, 0.5));
+        }
     }
 
     /// The grid-sizing predicate takes what the kernels' `vec8_ok` takes: dense or

@@ -40,6 +40,7 @@ pub mod timer;
 mod vision;
 
 pub use backend::CudaBackend;
+pub use gemm::{gemm_path, set_gemm_path, GemmPath};
 pub use gpu::{Gpu, GpuInfo};
 pub use nccl::NcclComm;
 pub use tensor::CudaTensor;

@@ -88,11 +88,12 @@ mod tests {
     #[test]
     fn every_launched_kernel_is_defined() {
         for f in FUNCTIONS.iter().chain(crate::vision::FUNCTIONS).chain(crate::infer::FUNCTIONS) {
-            // The flash kernels are instantiated per head dim by a macro.
+            // The flash kernels are instantiated per head dim by macros.
             let head_dim = f.strip_prefix("flash_fwd_").or_else(|| f.strip_prefix("flash_bwd_"));
-            let def = match head_dim {
-                Some(d) => format!("FA_KERNELS({d})"),
-                None => format!("extern \"C\" __global__ void {f}("),
+            let def = match (head_dim, f.strip_prefix("flash_bwd2_")) {
+                (_, Some(d)) => format!("FA2_KERNELS({d})"),
+                (Some(d), None) => format!("FA_KERNELS({d})"),
+                (None, None) => format!("extern \"C\" __global__ void {f}("),
             };
             assert!(KERNELS.contains(&def), "the kernel source does not define {f}");
         }

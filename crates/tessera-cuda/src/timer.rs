@@ -1,7 +1,8 @@
 //! Where a CUDA step's time goes: [`OpTimer`]'s three ways of measuring each op the backend
-//! runs — synchronised around it, the host's time inside its dispatch, or a pair of CUDA
-//! events on the stream with no synchronisation (each op's own GPU time, the bytes it touches
-//! and its dispatch time beside). The GPU check's `speed` reports all three.
+//! runs — synchronised around it (with the host's own dispatch time beside, from an empty
+//! queue), the host's time inside its dispatch, or a pair of CUDA events on the stream with no
+//! synchronisation (each op's own GPU time, the bytes it touches and its dispatch time beside).
+//! The GPU check's `speed` reports all three, each per op kind.
 
 use crate::backend::CudaBackend;
 use crate::tensor::CudaTensor;
@@ -26,11 +27,18 @@ pub struct OpTimer {
     pub on: Arc<AtomicBool>,
     /// Op name → (calls, seconds).
     pub times: Arc<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
+    /// With `on`: op name → (calls, seconds of the host inside the op's dispatch). The queue is
+    /// empty when each op starts (the synchronisation before it), so no launch waits for room
+    /// in it: this is what issuing the op costs the host, with no GPU time in it.
+    pub host_synced: Arc<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
     /// While set (and `on` is not), the host's time inside each op's dispatch, with no
     /// synchronisation: (ops, seconds). Launches are asynchronous, so this is what issuing
     /// a step costs the host — unless the launch queue is full, when it waits on the GPU.
     pub issue: Arc<AtomicBool>,
     pub issued: Arc<Mutex<(u64, f64)>>,
+    /// `issued` per op name: (calls, seconds). A launch that finds the GPU's queue full waits
+    /// for room, and that wait lands on whichever op made it (compare `host_synced`).
+    pub issued_by: Arc<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
     /// While set (and `on` is not), a pair of CUDA events around each op, with no
     /// synchronisation: each op's own time on the GPU, the overlap and the launch queue left
     /// as they are. [`OpTimer::event_times`] reads them once the step is done.
@@ -119,19 +127,30 @@ impl CudaBackend {
             self.gpu().synchronize()?;
             let t0 = Instant::now();
             let out = self.execute_impl(op, inputs, outputs, at)?;
+            let host = t0.elapsed().as_secs_f64();
             self.gpu().synchronize()?;
+            let total = t0.elapsed().as_secs_f64();
             let mut times = timer.times.lock().map_err(|_| poisoned())?;
             let e = times.entry(op.name()).or_default();
             e.0 += 1;
-            e.1 += t0.elapsed().as_secs_f64();
+            e.1 += total;
+            let mut hosts = timer.host_synced.lock().map_err(|_| poisoned())?;
+            let e = hosts.entry(op.name()).or_default();
+            e.0 += 1;
+            e.1 += host;
             return Ok(out);
         }
         if timer.issue.load(Ordering::Relaxed) {
             let t0 = Instant::now();
             let out = self.execute_impl(op, inputs, outputs, at)?;
+            let host = t0.elapsed().as_secs_f64();
             let mut issued = timer.issued.lock().map_err(|_| poisoned())?;
             issued.0 += 1;
-            issued.1 += t0.elapsed().as_secs_f64();
+            issued.1 += host;
+            let mut by = timer.issued_by.lock().map_err(|_| poisoned())?;
+            let e = by.entry(op.name()).or_default();
+            e.0 += 1;
+            e.1 += host;
             return Ok(out);
         }
         if timer.events.load(Ordering::Relaxed) {

@@ -10,14 +10,20 @@
 //! 4. **Calibration**: bf16 GEMM FLOP/s and device-to-device copy bandwidth.
 //! 5. **Speed**: tokens/s of bf16 training steps of GPT-2-medium and a 1.3B LLaMA, the host's
 //!    own time to issue a step (`host_issue_s` over `ops_per_step` dispatches), and a synced
-//!    per-op breakdown.
-//! 6. **NCCL** (only when named): the communicator conformance suite on NCCL and a training
+//!    per-op breakdown; per op kind, the host's time in the issue step (`issue_by_op_*`, waits
+//!    for a full launch queue included) and from an empty queue (`host_synced_by_op_*`, the
+//!    dispatch's own cost), beside each kind's GPU time (`gpu_by_op_*`).
+//! 6. **Host and flash A/B** (`host`, `flash-bench`): a matmul's host cost on each GEMM path
+//!    and whether the paths agree to the bit; each flash backward's time at the LLaMA's sizes
+//!    and the second's agreement with the first (`perf_check`).
+//! 7. **NCCL** (only when named): the communicator conformance suite on NCCL and a training
 //!    step through the SPMD path with an NCCL communicator (`tessera_cuda::nccl_check`).
 //!
 //! Output: one JSON object per line (`{"check": ...}`), then a summary; exit code 1 when a
 //! bound fails.
 
 mod infer_check;
+mod perf_check;
 mod vision_check;
 
 use candle_core::Tensor;
@@ -196,7 +202,8 @@ fn check_attention_variants(gpu: &Arc<Gpu>, dtype: DType, d: usize, fails: &mut 
         let bound = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
         for (op, (err, _)) in std::mem::take(&mut *worst.lock().unwrap()) {
             let ok = err <= bound;
-            println!("{{\"check\":\"attention\",\"case\":\"{name}\",\"dtype\":\"{dtype:?}\",\"head_dim\":{d},\"op\":\"{op}\",\"rel_err\":{err:e},\"bound\":{bound},\"ok\":{ok}}}");
+            let fb = tessera_cuda::flash::backward_version();
+            println!("{{\"check\":\"attention\",\"case\":\"{name}\",\"dtype\":\"{dtype:?}\",\"head_dim\":{d},\"flash_bwd\":{fb},\"op\":\"{op}\",\"rel_err\":{err:e},\"bound\":{bound},\"ok\":{ok}}}");
             if !ok {
                 fails.push(format!("attention {name} {dtype:?} d{d} {op}: rel err {err:e}"));
             }
@@ -452,10 +459,30 @@ fn speed(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DType, st
     let issue_step = t1.elapsed().as_secs_f64();
     timer.issue.store(false, std::sync::atomic::Ordering::Relaxed);
     let (ops, issue_s) = *timer.issued.lock().unwrap();
+    let per_kind = |m: &BTreeMap<&'static str, (u64, f64)>| -> (f64, String) {
+        let mut v: Vec<_> = m.iter().map(|(k, x)| (*k, *x)).collect();
+        v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let total = v.iter().map(|x| x.1 .1).sum();
+        let s: Vec<String> = v
+            .iter()
+            .map(|(k, (c, t))| {
+                format!("\"{k}\":[{c},{:.3},{:.2}]", t * 1e3, t * 1e6 / (*c).max(1) as f64)
+            })
+            .collect();
+        (total, s.join(","))
+    };
+    // Per op kind: calls, host ms, host µs per call, in the issue-timed step (waits for room in a
+    // full launch queue included) ...
+    let (_, issued_by) = per_kind(&timer.issued_by.lock().unwrap());
+    let (lt0, plans0) = gpu.gemm_lt_counts();
     // One more step with a synchronisation around every op: where the time goes.
     timer.on.store(true, std::sync::atomic::Ordering::Relaxed);
     t.step(&data[0].0, &data[0].1).expect("timed step");
     timer.on.store(false, std::sync::atomic::Ordering::Relaxed);
+    // ... and in the synchronised step, where each op starts on an empty queue: the host's own
+    // cost of issuing it, with no wait in it.
+    let (host_synced_s, host_synced_by) = per_kind(&timer.host_synced.lock().unwrap());
+    let (lt1, plans1) = gpu.gemm_lt_counts();
     let mut by: Vec<(&str, (u64, f64))> =
         timer.times.lock().unwrap().iter().map(|(k, v)| (*k, *v)).collect();
     let total: f64 = by.iter().map(|x| x.1 .1).sum();
@@ -482,8 +509,9 @@ fn speed(gpu: &Arc<Gpu>, model: &str, batch: usize, seq: usize, dtype: DType, st
         })
         .collect();
     println!(
-        "{{\"check\":\"speed\",\"model\":\"{model}\",\"dtype\":\"{dtype:?}\",\"batch\":{batch},\"seq\":{seq},\"init_s\":{init:.1},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"flops_per_step\":{flops},\"tflops\":{:.2},\"program_peak\":{},\"scratch_peak\":{},\"ops_per_step\":{ops},\"host_issue_s\":{issue_s:.4},\"issue_step_s\":{issue_step:.4},\"synced_op_seconds\":{total:.4},\"by_op\":{{{}}},\"gpu_busy_s\":{busy:.4},\"gpu_span_s\":{span:.4},\"gpu_by_op_calls_ms_gbps_hostms\":{{{}}}}}",
-        (batch * seq) as f64 / secs, flops as f64 / secs / 1e12, peak.program.peak, peak.scratch.peak, top.join(","), gpu_top.join(",")
+        "{{\"check\":\"speed\",\"model\":\"{model}\",\"dtype\":\"{dtype:?}\",\"batch\":{batch},\"seq\":{seq},\"init_s\":{init:.1},\"step_s\":{secs:.4},\"tokens_per_s\":{:.1},\"flops_per_step\":{flops},\"tflops\":{:.2},\"program_peak\":{},\"scratch_peak\":{},\"ops_per_step\":{ops},\"host_issue_s\":{issue_s:.4},\"issue_step_s\":{issue_step:.4},\"synced_op_seconds\":{total:.4},\"by_op\":{{{}}},\"gpu_busy_s\":{busy:.4},\"gpu_span_s\":{span:.4},\"gpu_by_op_calls_ms_gbps_hostms\":{{{}}},\"issue_by_op_calls_ms_us\":{{{issued_by}}},\"host_synced_s\":{host_synced_s:.4},\"host_synced_by_op_calls_ms_us\":{{{host_synced_by}}},\"flash_bwd\":{},\"gemm\":\"{:?}\",\"gemm_lt_calls_per_step\":{},\"gemm_lt_plans_per_step\":{}}}",
+        (batch * seq) as f64 / secs, flops as f64 / secs / 1e12, peak.program.peak, peak.scratch.peak, top.join(","), gpu_top.join(","),
+        tessera_cuda::flash::backward_version(), tessera_cuda::gemm_path(), lt1 - lt0, plans1 - plans0
     );
 }
 
@@ -511,8 +539,10 @@ fn main() {
     };
     let (free, total) = gpu.mem_info().unwrap_or((0, 0));
     println!(
-        "{{\"check\":\"device\",\"name\":\"{}\",\"free\":{free},\"total\":{total}}}",
-        gpu.device_name()
+        "{{\"check\":\"device\",\"name\":\"{}\",\"free\":{free},\"total\":{total},\"flash_bwd\":{},\"gemm\":\"{:?}\"}}",
+        gpu.device_name(),
+        tessera_cuda::flash::backward_version(),
+        tessera_cuda::gemm_path()
     );
     let only = |what: &str| args.len() < 2 || args.iter().any(|a| a == what);
     let mut fails = Vec::new();
@@ -562,6 +592,12 @@ fn main() {
             check_memory(&gpu, "gpt2-medium", 4, 1024, DType::BF16, true, &mut fails);
             check_memory(&gpu, "llama-1.3b", 4, 2048, DType::BF16, true, &mut fails);
         });
+    }
+    if only("host") {
+        step("host", &mut || perf_check::host(&gpu));
+    }
+    if only("flash-bench") {
+        step("flash-bench", &mut || perf_check::flash_bench(&gpu, &mut fails));
     }
     if only("calibrate") {
         step("calibrate", &mut || calibrate(&gpu));
