@@ -274,3 +274,46 @@ pub fn kernel_table(runs: &[KernelRun], sweep: &[KernelSample]) -> KernelTable {
     table.gap_s = best.2;
     table
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_profile::kernels::{KernelWork, Work};
+
+    fn op(kind: &str, amount: f64, device_s: f64, host_s: f64) -> KernelSample {
+        let work = (kind != "reshape").then(|| KernelWork {
+            key: kind.to_string(),
+            work: Work::Bytes,
+            amount,
+        });
+        KernelSample { kind: kind.into(), work, device_s, host_s }
+    }
+
+    /// Steps whose wall time carries a known executor overhead per op (host side) and gap
+    /// between kernels (device side): the fit finds both, one from the host-bound workload,
+    /// the other from the device-bound one.
+    #[test]
+    fn the_fit_recovers_the_host_overhead_and_the_kernel_gap() {
+        let (extra, gap) = (7e-6, 1.5e-6);
+        // Host-bound: tiny kernels, 20 µs of dispatch each.
+        let small: Vec<KernelSample> = (0..200)
+            .flat_map(|_| [op("binary", 1e3, 2e-6, 20e-6), op("reshape", 0.0, 0.0, 5e-6)])
+            .collect();
+        // Device-bound: 300 µs kernels.
+        let large: Vec<KernelSample> =
+            (0..200).map(|_| op("matmul", 1e9, 300e-6, 30e-6)).collect();
+        let runs: Vec<KernelRun> = [("small", small), ("large", large)]
+            .into_iter()
+            .map(|(what, samples)| {
+                let table = KernelTable::from_samples(&samples, 0.0, String::new());
+                let step_s = replay(&table, &samples, extra, gap);
+                KernelRun { what: what.into(), samples, step_s }
+            })
+            .collect();
+        let t = kernel_table(&runs, &[]);
+        assert!((t.host_overhead_s - extra).abs() < 1e-12, "{}", t.host_overhead_s);
+        assert!((t.gap_s - gap).abs() < 1e-12, "{}", t.gap_s);
+        assert!(t.source.contains("small, large"), "{}", t.source);
+        t.validate().unwrap();
+    }
+}
