@@ -265,13 +265,16 @@ fn col2im(be: &CudaBackend, g: &ConvGeom, col: u64, dx: u64, imgs: usize) -> Res
     launch_then(be.gpu(), "vision_col2im", elementwise(n), &args, Some(g))
 }
 
-/// The chunk's column buffer (scratch), none for a direct convolution.
+/// The chunk's column buffer, none for a direct convolution. It is the op's declared workspace
+/// to the byte (`Op::workspace_bytes`, which the memory accountant charges while the op runs),
+/// so it is Program memory: the allocator's Program peak equals the accountant's where a
+/// convolution sets the step's peak.
 fn columns(be: &CudaBackend, g: &ConvGeom) -> Result<Option<CudaTensor>> {
     if g.direct() {
         return Ok(None);
     }
     let len = g.chunk() * g.col_len();
-    Ok(Some(CudaTensor::empty(be.gpu(), &[len], tessera_ir::DType::F32, Purpose::Scratch)?))
+    Ok(Some(CudaTensor::empty(be.gpu(), &[len], tessera_ir::DType::F32, Purpose::Program)?))
 }
 
 fn addr(t: &CudaTensor, elements: usize) -> u64 {
