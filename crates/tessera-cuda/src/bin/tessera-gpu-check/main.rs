@@ -18,6 +18,7 @@
 //! bound fails.
 
 mod infer_check;
+mod tp_check;
 mod vision_check;
 
 use candle_core::Tensor;
@@ -280,7 +281,7 @@ fn check_dropout(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
 /// The shipped corpus, byte-tokenised (what `tessera train` runs by default).
 fn corpus() -> tessera_runtime::data::Dataset {
     use tessera_runtime::data::{Dataset, Tokenizer};
-    Dataset::from_text(include_str!("../../../../data/shakespeare.txt"), &Tokenizer::Byte)
+    Dataset::from_text(include_str!("../../../../../data/shakespeare.txt"), &Tokenizer::Byte)
         .expect("corpus")
 }
 
@@ -535,6 +536,9 @@ fn main() {
             check_reductions(&gpu, &mut fails);
             check_dropout(&gpu, &mut fails);
         });
+    }
+    if only("tp") {
+        step("tp", &mut || tp_check::run(&gpu, &mut fails));
     }
     if only("vision") {
         step("vision", &mut || vision_check::run(&gpu, &mut fails));
