@@ -26,11 +26,14 @@ pub struct CudaBackend {
     gpu: Arc<Gpu>,
     name: String,
     timer: Option<OpTimer>,
+    /// Bad cross-entropy targets found on the device (module `fault`).
+    fault: Arc<crate::fault::TargetFault>,
 }
 
 impl CudaBackend {
     pub fn new(gpu: Arc<Gpu>) -> CudaBackend {
-        CudaBackend { name: format!("cuda:{}", gpu.ordinal()), gpu, timer: None }
+        let fault = Arc::new(crate::fault::TargetFault::new(gpu.clone()));
+        CudaBackend { name: format!("cuda:{}", gpu.ordinal()), gpu, timer: None, fault }
     }
 
     /// Records device time per op kind into `timer` while `timer.on` is set.
@@ -40,6 +43,9 @@ impl CudaBackend {
     }
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+    pub(crate) fn target_fault(&self) -> &crate::fault::TargetFault {
+        &self.fault
     }
 }
 
@@ -80,6 +86,7 @@ fn native_half(op: &Op) -> bool {
                 | Op::RmsNormBackward { .. }
                 | Op::CrossEntropy { .. }
                 | Op::CrossEntropyBackward { .. }
+                | Op::LogSumExp
         )
 }
 
@@ -94,8 +101,12 @@ impl Backend for CudaBackend {
         self.upload_as(t, Purpose::Program)
     }
 
+    /// Also the synchronisation at which a bad cross-entropy target met since the last one
+    /// surfaces, with the CPU kernel's error (module `fault`).
     fn download(&self, v: &CudaTensor) -> Result<Tensor> {
-        self.download_impl(v)
+        let t = self.download_impl(v)?;
+        self.fault.check()?;
+        Ok(t)
     }
 
     fn meta(&self, v: &CudaTensor) -> Result<TensorMeta> {
@@ -491,38 +502,7 @@ impl CudaBackend {
             }
             Op::Cast(d) => one(self.cast(x[0], *d, p)?),
             Op::Dropout { p: prob, stream, shard } => {
-                if shard.is_some() {
-                    return Err(unsupported("dropout", "a sharded mask (tensor-parallel dropout)"));
-                }
-                if x[1].dtype() != DType::I64 || x[1].numel() != 1 {
-                    return Err(bad(format!(
-                        "dropout: the seed must be an i64 scalar, got {}",
-                        x[1].meta()
-                    )));
-                }
-                let y = self.new_out(&out[0], p)?;
-                let n = y.numel();
-                let threshold = (prob * (1u64 << 53) as f64).ceil() as u64;
-                let scale = (1.0 / (1.0 - prob)) as f32;
-                let lx = x[0].layout()?;
-                launch(
-                    g,
-                    "dropout",
-                    elementwise_ops(n, &[(x[0].base(), lx, x[0].dtype())], (y.ptr(), y.dtype())),
-                    &[
-                        Arg::Ptr(x[0].base()),
-                        Arg::Layout(lx),
-                        Arg::I32(float_code(op.name(), x[0].dtype())?),
-                        Arg::Ptr(y.ptr()),
-                        Arg::I32(float_code(op.name(), y.dtype())?),
-                        Arg::Ptr(x[1].ptr()),
-                        Arg::U64(*stream),
-                        Arg::U64(threshold),
-                        Arg::F32(scale),
-                        Arg::I64(n as i64),
-                    ],
-                )?;
-                one(y)
+                one(crate::dropout::run(self, x, *prob, *stream, shard.as_ref(), at, &out[0], p)?)
             }
             Op::MatMul { trans_a, trans_b } => {
                 one(crate::gemm::matmul(self, x[0], x[1], *trans_a, *trans_b, &out[0], p)?)
@@ -665,19 +645,29 @@ impl CudaBackend {
                 )?;
                 one(y)
             }
-            Op::CrossEntropy { classes: Some(_), .. }
-            | Op::CrossEntropyBackward { classes: Some(_), .. }
-            | Op::LogSumExp => Err(unsupported(
-                op.name(),
-                "the vocabulary-parallel loss (logits split over tensor-parallel GPUs) is not \
-                 yet written for CUDA; one GPU's plan never splits them",
-            )),
-            Op::CrossEntropy { ignore_index, sum, classes: None } => {
-                crate::loss::cross_entropy(self, x[0], x[1], *ignore_index, *sum, out, p)
+            Op::CrossEntropy { ignore_index, sum, classes } => crate::loss::cross_entropy(
+                self,
+                x,
+                *ignore_index,
+                *sum,
+                classes.as_ref(),
+                at,
+                out,
+                p,
+            ),
+            Op::CrossEntropyBackward { ignore_index, sum, classes } => {
+                one(crate::loss::cross_entropy_backward(
+                    self,
+                    x,
+                    *ignore_index,
+                    *sum,
+                    classes.as_ref(),
+                    at,
+                    &out[0],
+                    p,
+                )?)
             }
-            Op::CrossEntropyBackward { ignore_index, sum, classes: None } => {
-                one(crate::loss::cross_entropy_backward(self, x, *ignore_index, *sum, &out[0], p)?)
-            }
+            Op::LogSumExp => one(crate::loss::logsumexp(self, x[0], &out[0], p)?),
             Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),
             Op::AttentionBackward(spec) => crate::attention::backward(self, x, spec, at, out, p),
             Op::Rope { inv_freq, inverse } => one(crate::attention::rope(

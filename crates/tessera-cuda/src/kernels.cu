@@ -374,31 +374,43 @@ extern "C" __global__ void binary_backward(int op, int wrt, const void* a, Layou
     }
 }
 
-// Dropout with the CPU's mask (splitmix-style hash of the element's flat index).
-extern "C" __global__ void dropout(const void* x, Layout lx, int cx, void* y, int cy, const i64* seed, u64 stream,
-                                   u64 threshold, float scale, i64 n) {
+// Dropout with the CPU's mask: a splitmix-style hash of each element's index in the
+// single-device tensor. Unsharded (`dropout`) that is the flat index; for a tensor-parallel
+// shard (`dropout_sharded`) `gmap` maps the flat output index to it: dims the local dims,
+// strides the global tensor's, offset the shard's first element (`ShardOf::index_map`).
+template <bool MAPPED>
+__device__ __forceinline__ void dropout_body(const void* x, const Layout& lx, int cx, void* y, int cy,
+                                             const i64* seed, u64 stream, u64 threshold, float scale,
+                                             const Layout& gmap, i64 n) {
     u64 base = (u64)seed[0] * 0x9E3779B97F4A7C15ull + stream * 0xD1B54A32D192ED03ull;
-#define DROP_KEEP(i, keep)                                   \
+#define DROP_G(i) (MAPPED ? (u64)at(gmap, i) : (u64)(i))
+#define DROP_KEEP(g, keep)                                   \
     {                                                        \
-        u64 z = base + (u64)(i);                             \
+        u64 z = base + (g);                                  \
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;         \
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;         \
         z ^= z >> 31;                                        \
         keep = (z >> 11) >= threshold;                       \
     }
-    if (vec8_ok(x, lx, cx) && out8_ok(y, cy)) {
+    // Eight elements from a multiple of 8 stay in one innermost run of the map when it is a
+    // multiple of 8 long (or the map is one dim): their indices step by its stride.
+    const int nd = MAPPED ? gmap.ndim : 1;
+    const bool run8 = !MAPPED || nd <= 1 || (gmap.dims[nd - 1] & 7) == 0;
+    if (run8 && vec8_ok(x, lx, cx) && out8_ok(y, cy)) {
+        const u64 step = !MAPPED ? 1 : (nd == 0 ? 0 : (u64)gmap.strides[nd - 1]);
 #define DROP8(i)                                                                             \
         {                                                                                    \
             float v[8];                                                                      \
             ld8(x, cx, at8(lx, i), v);                                                       \
+            const u64 g0_ = DROP_G(i);                                                       \
             _Pragma("unroll") for (int e = 0; e < 8; ++e) {                                  \
                 bool keep;                                                                   \
-                DROP_KEEP((i) + e, keep);                                                    \
+                DROP_KEEP(g0_ + (u64)e * step, keep);                                        \
                 v[e] = keep ? v[e] * scale : 0.0f;                                           \
             }                                                                                \
             st8(y, cy, i, v);                                                                \
         }
-#define DROP1(i) { bool keep; DROP_KEEP(i, keep); stf(y, cy, i, keep ? ldf(x, cx, at8(lx, i)) * scale : 0.0f); }
+#define DROP1(i) { bool keep; DROP_KEEP(DROP_G(i), keep); stf(y, cy, i, keep ? ldf(x, cx, at8(lx, i)) * scale : 0.0f); }
         DENSE8(n, DROP8, DROP1)
 #undef DROP8
 #undef DROP1
@@ -406,8 +418,19 @@ extern "C" __global__ void dropout(const void* x, Layout lx, int cx, void* y, in
     }
     GRID_STRIDE(i, n) {
         bool keep;
-        DROP_KEEP(i, keep);
+        DROP_KEEP(DROP_G(i), keep);
         stf(y, cy, i, keep ? ldf(x, cx, at(lx, i)) * scale : 0.0f);
     }
 #undef DROP_KEEP
+#undef DROP_G
+}
+
+extern "C" __global__ void dropout(const void* x, Layout lx, int cx, void* y, int cy, const i64* seed, u64 stream,
+                                   u64 threshold, float scale, i64 n) {
+    dropout_body<false>(x, lx, cx, y, cy, seed, stream, threshold, scale, lx, n);
+}
+
+extern "C" __global__ void dropout_sharded(const void* x, Layout lx, int cx, void* y, int cy, const i64* seed,
+                                           u64 stream, u64 threshold, float scale, Layout gmap, i64 n) {
+    dropout_body<true>(x, lx, cx, y, cy, seed, stream, threshold, scale, gmap, n);
 }

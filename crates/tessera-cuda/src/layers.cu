@@ -19,54 +19,117 @@ extern "C" __global__ void embedding_backward(const i64* ids, const float* dy, f
     }
 }
 
-// ---- fused softmax cross-entropy (targets checked on the host) ----
-extern "C" __global__ void cross_entropy_rows(const void* logits, int cl, const i64* targets, float* lse, float* nll,
-                                              i64 v, i64 ignore, int has_ignore) {
-    const i64 r0 = (i64)blockIdx.x * v;
+// ---- fused softmax cross-entropy. The logits hold classes [first, first + v) of `vocab`
+// (all of them, or a tensor-parallel device's share: the vocabulary-parallel loss). Targets
+// are bounded before any is indexed by; `cross_entropy_targets` counts them and records the
+// first bad one in the backend's fault word (module `fault`). ----
+
+// The log-sum-exp of the v logits from r0 (double, every thread; -inf for an empty or all
+// -inf row). A block per row.
+__device__ __forceinline__ double row_logsumexp(const void* x, int cx, i64 r0, i64 v) {
     float m = -INFINITY;
     double s = 0.0;
-    if ((v & 7) == 0 && out8_ok(logits, cl)) {
+    if ((v & 7) == 0 && out8_ok(x, cx)) {
         // The row by 16-byte loads (eight logits each).
         for (i64 j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
             float lv[8];
-            ld8(logits, cl, r0 + j, lv);
+            ld8(x, cx, r0 + j, lv);
 #pragma unroll
             for (int e = 0; e < 8; ++e) m = fmaxf(m, lv[e]);
         }
         m = block_max(m);
         for (i64 j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
             float lv[8];
-            ld8(logits, cl, r0 + j, lv);
+            ld8(x, cx, r0 + j, lv);
 #pragma unroll
             for (int e = 0; e < 8; ++e) s += exp((double)(lv[e] - m));
         }
     } else {
-        for (i64 j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, ldf(logits, cl, r0 + j));
+        for (i64 j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, ldf(x, cx, r0 + j));
         m = block_max(m);
-        for (i64 j = threadIdx.x; j < v; j += blockDim.x) s += exp((double)(ldf(logits, cl, r0 + j) - m));
+        for (i64 j = threadIdx.x; j < v; j += blockDim.x) s += exp((double)(ldf(x, cx, r0 + j) - m));
     }
     s = block_sum(s);
+    return m == -INFINITY ? -INFINITY : (double)m + log(s);
+}
+
+extern "C" __global__ void logsumexp_rows(const void* x, int cx, float* y, i64 v) {
+    const double l = row_logsumexp(x, cx, (i64)blockIdx.x * v, v);
+    if (threadIdx.x == 0) y[blockIdx.x] = (float)l;
+}
+
+// Per row: its log-sum-exp (computed, or `given`: over every class, the vocabulary-parallel
+// forward) into lse, and its loss part into nll: 0 when ignored, NaN for a bad target, else
+// the log-sum-exp where this shard holds class 0 minus the target's logit where it holds it.
+extern "C" __global__ void cross_entropy_rows(const void* logits, int cl, const i64* targets, const float* given,
+                                              float* lse, double* nll, i64 v, i64 first, i64 vocab, i64 ignore,
+                                              int has_ignore) {
+    const i64 r = blockIdx.x, r0 = r * v;
+    const double l = given ? (double)given[r] : row_logsumexp(logits, cl, r0, v);
     if (threadIdx.x == 0) {
-        double l = m == -INFINITY ? -INFINITY : (double)m + log(s);
-        lse[blockIdx.x] = (float)l;
-        i64 t = targets[blockIdx.x];
-        nll[blockIdx.x] = (has_ignore && t == ignore) ? 0.0f : (float)(l - (double)ldf(logits, cl, r0 + t));
+        lse[r] = (float)l;
+        const i64 t = targets[r];
+        double part = 0.0;
+        if (!(has_ignore && t == ignore)) {
+            if (t < 0 || t >= vocab) {
+                part = NAN;
+            } else {
+                if (first == 0) part = l;
+                const i64 k = t - first;
+                if (k >= 0 && k < v) part -= (double)ldf(logits, cl, r0 + k);
+            }
+        }
+        nll[r] = part;
     }
 }
 
-extern "C" __global__ void sum_to_scalar(const float* x, i64 n, double div, float* y) {
-    double s = 0.0;
-    for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
-    s = block_sum(s);
-    if (threadIdx.x == 0) y[0] = (float)(s / div);
+// One block over the targets: counts the non-ignored ones (the mean's divisor: at least 1, 1
+// with `sum`) and records the first outside [0, vocab) in `fault` unless an earlier op did:
+// [op, flat position, target, vocab, has_ignore, ignore]. The forward (`nll` set) writes the
+// loss Σ nll / divisor (NaN with a bad target); the backward, the divisor into `div`.
+extern "C" __global__ void cross_entropy_targets(const i64* targets, i64 rows, i64 vocab, i64 ignore, int has_ignore,
+                                                 int sum, int op, i64* fault, const double* nll, float* loss,
+                                                 double* div) {
+    __shared__ long long bad;
+    if (threadIdx.x == 0) bad = rows;
+    __syncthreads();
+    double count = 0.0, s = 0.0;
+    long long mine = rows;
+    for (i64 i = threadIdx.x; i < rows; i += blockDim.x) {
+        const i64 t = targets[i];
+        if (has_ignore && t == ignore) continue;
+        if (t < 0 || t >= vocab) {
+            if (i < mine) mine = i;
+            continue;
+        }
+        count += 1.0;
+        if (nll) s += nll[i];
+    }
+    if (mine < rows) atomicMin(&bad, mine);
+    count = block_sum(count);  // its barriers publish `bad`
+    if (nll) s = block_sum(s);
+    if (threadIdx.x != 0) return;
+    const double d = sum ? 1.0 : fmax(count, 1.0);
+    if (bad < rows && fault[0] == 0) {
+        fault[1] = bad;
+        fault[2] = targets[bad];
+        fault[3] = vocab;
+        fault[4] = has_ignore;
+        fault[5] = ignore;
+        fault[0] = op;
+    }
+    if (loss) loss[0] = bad < rows ? NAN : (float)(s / d);
+    if (div) div[0] = d;
 }
 
+// dlogits = dloss / divisor · (softmax − onehot(target)) over this shard's columns, from the
+// log-sum-exp over every class; 0 on ignored rows. A bad target matches no column.
 extern "C" __global__ void cross_entropy_backward(const void* logits, int cl, const i64* targets, const float* lse,
-                                                  const float* dloss, double div, void* dx, int cdx, i64 v,
-                                                  i64 ignore, int has_ignore, i64 n) {
+                                                  const float* dloss, const double* div, void* dx, int cdx, i64 v,
+                                                  i64 first, i64 ignore, int has_ignore, i64 n) {
+    const float g = (float)((double)dloss[0] / div[0]);
     if ((v & 7) == 0 && out8_ok(logits, cl) && out8_ok(dx, cdx)) {
         // Eight logits of one row per thread: one division per eight, 16-byte loads and stores.
-        const float g = (float)((double)dloss[0] / div);
         GRID_STRIDE(gi, n >> 3) {
             const i64 i = gi << 3, r = i / v, j = i - r * v, t = targets[r];
             float o[8];
@@ -77,8 +140,9 @@ extern "C" __global__ void cross_entropy_backward(const void* logits, int cl, co
                 float lv[8];
                 ld8(logits, cl, i, lv);
                 const float l = lse[r];
+                const i64 k = t - first;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) o[e] = g * (expf(lv[e] - l) - (j + e == t ? 1.0f : 0.0f));
+                for (int e = 0; e < 8; ++e) o[e] = g * (expf(lv[e] - l) - (j + e == k ? 1.0f : 0.0f));
             }
             st8(dx, cdx, i, o);
         }
@@ -90,9 +154,8 @@ extern "C" __global__ void cross_entropy_backward(const void* logits, int cl, co
         if (has_ignore && t == ignore) {
             stf(dx, cdx, i, 0.0f);
         } else {
-            float g = (float)((double)dloss[0] / div);
             float p = expf(ldf(logits, cl, i) - lse[r]);
-            stf(dx, cdx, i, g * (p - (j == t ? 1.0f : 0.0f)));
+            stf(dx, cdx, i, g * (p - (j == t - first ? 1.0f : 0.0f)));
         }
     }
 }
@@ -104,7 +167,11 @@ extern "C" __global__ void cross_entropy_backward(const void* logits, int cl, co
 extern "C" __global__ void adamw(void* param, int p_code, const void* grad, int g_code, float* m, float* v,
                                  float* master, const void* lr_p, int lr_code, const void* step_p, int step_code,
                                  const void* norm_p, int norm_code, const void* scale_p, int scale_code,
-                                 double beta1, double beta2, double eps_d, double wd_d, double max_norm, i64 n) {
+                                 double beta1, double beta2, double eps_d, double wd_d, double max_norm, i64 n,
+                                 const i64* fault) {
+    // A bad cross-entropy target this step (the backend's fault word, module `fault`): the
+    // update is not applied; the host reports the target at its next synchronisation.
+    if (fault && fault[0] != 0) return;
     double scale = scale_p ? load_as(scale_p, scale_code, 0) : 1.0;
     double norm = load_as(norm_p, norm_code, 0) * scale;
     if (scale_p && !isfinite(norm)) return;  // an overflowed fp16 step: nothing is written

@@ -22,6 +22,8 @@ pub mod alloc;
 mod attention;
 pub mod backend;
 pub mod calibrate;
+mod dropout;
+mod fault;
 pub mod fixtures;
 pub mod flash;
 mod gemm;

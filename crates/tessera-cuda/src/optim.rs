@@ -81,6 +81,8 @@ pub fn adamw(be: &CudaBackend, spec: &AdamWSpec, x: &[&CudaTensor]) -> Result<Ve
             Arg::F64(spec.weight_decay),
             Arg::F64(spec.max_grad_norm.unwrap_or(-1.0)),
             Arg::I64(n as i64),
+            // Skips the update after a bad cross-entropy target (module `fault`).
+            Arg::Ptr(be.target_fault().for_update()),
         ],
     )?;
     Ok(written)

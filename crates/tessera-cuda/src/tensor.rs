@@ -236,6 +236,36 @@ impl CudaTensor {
             dtype: self.dtype,
         })
     }
+
+    /// A view with the dims permuted (`perm[i]` is the source dim of dim `i`): no copy, so a
+    /// non-contiguous operand (the GPU check feeds kernels such views).
+    pub fn permuted(&self, perm: &[usize]) -> Result<CudaTensor> {
+        let mut seen = vec![false; self.dims.len()];
+        for &p in perm {
+            match seen.get_mut(p) {
+                Some(s) if !*s => *s = true,
+                _ => {
+                    return Err(RuntimeError::Binding(format!(
+                        "permutation {perm:?} of a tensor of {} dims",
+                        self.dims.len()
+                    )))
+                }
+            }
+        }
+        if perm.len() != self.dims.len() {
+            return Err(RuntimeError::Binding(format!(
+                "permutation {perm:?} of a tensor of {} dims",
+                self.dims.len()
+            )));
+        }
+        Ok(CudaTensor {
+            buf: self.buf.clone(),
+            offset: self.offset,
+            dims: perm.iter().map(|&i| self.dims[i]).collect(),
+            strides: perm.iter().map(|&i| self.strides[i]).collect(),
+            dtype: self.dtype,
+        })
+    }
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@
 
 mod infer_check;
 mod perf_check;
+mod tp_check;
 mod vision_check;
 
 use candle_core::Tensor;
@@ -565,6 +566,9 @@ fn main() {
             check_reductions(&gpu, &mut fails);
             check_dropout(&gpu, &mut fails);
         });
+    }
+    if only("tp") {
+        step("tp", &mut || tp_check::run(&gpu, &mut fails));
     }
     if only("vision") {
         step("vision", &mut || vision_check::run(&gpu, &mut fails));
