@@ -154,7 +154,11 @@ pub fn cluster_for(
         (None, Some(p)) => {
             let dev = tessera_plan::cluster::device_preset(p)
                 .with_context(|| format!("the {p} preset"))?;
-            (dev, format!("the {p} preset (datasheet)"), tessera_plan::cluster::interconnect_preset(p))
+            (
+                dev,
+                format!("the {p} preset (datasheet)"),
+                tessera_plan::cluster::interconnect_preset(p),
+            )
         }
         (None, None) => bail!(
             "--device cuda: `{}` has no preset ({}); measure it once with `tessera calibrate \
@@ -191,11 +195,7 @@ pub fn cluster_for(
         (l.0, l.1)
     };
     let cluster = Cluster::new(1, devices, device, intra, inter).map_err(|e| anyhow::anyhow!(e))?;
-    let source = if sharing > 1 {
-        format!("{source}, {sharing} devices per GPU")
-    } else {
-        source
-    };
+    let source = if sharing > 1 { format!("{source}, {sharing} devices per GPU") } else { source };
     Ok(GpuCluster { cluster, source })
 }
 

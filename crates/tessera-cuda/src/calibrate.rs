@@ -300,8 +300,7 @@ mod tests {
             .flat_map(|_| [op("binary", 1e3, 2e-6, 20e-6), op("reshape", 0.0, 0.0, 5e-6)])
             .collect();
         // Device-bound: 300 µs kernels.
-        let large: Vec<KernelSample> =
-            (0..200).map(|_| op("matmul", 1e9, 300e-6, 30e-6)).collect();
+        let large: Vec<KernelSample> = (0..200).map(|_| op("matmul", 1e9, 300e-6, 30e-6)).collect();
         let runs: Vec<KernelRun> = [("small", small), ("large", large)]
             .into_iter()
             .map(|(what, samples)| {

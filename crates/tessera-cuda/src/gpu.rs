@@ -196,7 +196,9 @@ fn compiled(major: i32, minor: i32, fresh: bool) -> Result<cudarc::nvrtc::Ptx> {
     }
     let options = vec![format!("--gpu-architecture=compute_{major}{minor}"), "--std=c++17".into()];
     let on_disk = cached_ptx_path(&options);
-    if let Some(text) = on_disk.as_ref().filter(|_| !fresh).and_then(|p| std::fs::read_to_string(p).ok()) {
+    if let Some(text) =
+        on_disk.as_ref().filter(|_| !fresh).and_then(|p| std::fs::read_to_string(p).ok())
+    {
         let ptx = cudarc::nvrtc::Ptx::from_src(text);
         cache.get_or_insert_with(HashMap::new).insert((major, minor), ptx.clone());
         return Ok(ptx);

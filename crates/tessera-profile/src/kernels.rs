@@ -85,7 +85,11 @@ pub fn kernel_work(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Option<Kern
         }
         _ => {
             let bytes = op.bytes_accessed(x, y) as f64;
-            return Some(KernelWork { key: op.name().to_string(), work: Work::Bytes, amount: bytes });
+            return Some(KernelWork {
+                key: op.name().to_string(),
+                work: Work::Bytes,
+                amount: bytes,
+            });
         }
     };
     Some(KernelWork { key, work: Work::Flops, amount: flops })
