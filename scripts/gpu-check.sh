@@ -21,7 +21,8 @@
 #            planner's step against every `speed` row of this run (gpu_cost_check.py); run after
 #            `speed`
 #   cli      the `tessera` binary's GPU commands: a short bf16 run planned for this GPU
-#   torch    PyTorch eager for the `speed` rows;   compile: torch.compile (slow to compile)
+#   torch    PyTorch eager for the `speed` rows;   compile: torch.compile (slow to compile);
+#            TORCH_ROWS="MODEL BATCH SEQ;..." picks the rows
 #   decode   greedy decode speed: `tessera generate --device cuda` against transformers' generate
 #   bf16     bf16 against fp32 over 8 seeds, Tessera and PyTorch autocast from the same start
 #            (scripts/bf16-seeds.sh)
@@ -94,6 +95,8 @@ for s in "${stages[@]}"; do
       flag=$([ "$s" = compile ] && echo --compile)
       rows=("gpt2-medium 4 1024" "llama-1.3b 4 2048")
       big_gpu && rows+=("gpt2-medium 8 1024" "llama-1.3b 8 2048")
+      # TORCH_ROWS="llama-1.3b 4 2048;gpt2-medium 4 1024" runs those rows alone.
+      [ -n "${TORCH_ROWS:-}" ] && IFS=';' read -r -a rows <<< "$TORCH_ROWS"
       for r in "${rows[@]}"; do
         # shellcheck disable=SC2086
         python3 scripts/torch-train-bench.py $r $flag --no-fp32 2>>"$out/torch-stderr.txt" | log

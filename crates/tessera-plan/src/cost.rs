@@ -92,14 +92,15 @@ impl CostModel {
     /// Time of one kernel on local metas: max(compute, memory) + launch overhead. Views and
     /// leaves cost nothing; collectives are priced by [`CostModel::reshard_time`].
     pub fn op_time(&self, op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> f64 {
-        if op.is_leaf() || matches!(op, Op::Reshape(_) | Op::Expand(_) | Op::Reshard(_)) {
-            return 0.0;
-        }
-        // A measured kernel, where the device was calibrated and met this kind.
+        // A measured kernel, where the device was calibrated and met this kind (fills
+        // included: the runtime launches a kernel for them).
         if let Some(k) = &self.device.kernels {
             if let Some(secs) = kernel_work(op, x, y).and_then(|w| k.device_seconds(&w)) {
                 return secs + k.gap_s;
             }
+        }
+        if op.is_leaf() || matches!(op, Op::Reshape(_) | Op::Expand(_) | Op::Reshard(_)) {
+            return 0.0;
         }
         let flops = op.flops(x, y);
         let bytes = op.bytes_accessed(x, y) as f64;
