@@ -26,11 +26,18 @@ pub struct CudaBackend {
     gpu: Arc<Gpu>,
     name: String,
     timer: Option<OpTimer>,
+    /// Host copies of the generation ops' index tensors, read back once per bound value.
+    ints: Arc<crate::infer::HostInts>,
 }
 
 impl CudaBackend {
     pub fn new(gpu: Arc<Gpu>) -> CudaBackend {
-        CudaBackend { name: format!("cuda:{}", gpu.ordinal()), gpu, timer: None }
+        CudaBackend {
+            name: format!("cuda:{}", gpu.ordinal()),
+            gpu,
+            timer: None,
+            ints: Arc::default(),
+        }
     }
 
     /// Records device time per op kind into `timer` while `timer.on` is set.
@@ -40,6 +47,9 @@ impl CudaBackend {
     }
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+    pub(crate) fn host_ints(&self) -> &crate::infer::HostInts {
+        &self.ints
     }
 }
 
@@ -56,14 +66,15 @@ fn is_half(d: DType) -> bool {
 }
 
 /// Ops that take half-precision operands natively (the rest run in f32 on upcast operands):
-/// those every backend does, GEMMs (bf16 on cuBLAS), copies, and the elementwise kernels, which
-/// load each operand in its own dtype and round the f32 result once (the CPU's upcast-compute-
-/// round, bit for bit, without the f32 copies).
+/// those every backend does, GEMMs (bf16 on cuBLAS), copies, the elementwise kernels and the
+/// quantised matmul, which load each operand in its own dtype and round the f32 result once
+/// (the CPU's upcast-compute-round, without the f32 copies).
 fn native_half(op: &Op) -> bool {
     tessera_runtime::backend::takes_any_dtype(op)
         || matches!(
             op,
             Op::MatMul { .. }
+                | Op::QMatMul(_)
                 | Op::Transfer { .. }
                 | Op::Reshard(_)
                 | Op::Unary(_)

@@ -54,6 +54,28 @@ pub struct Gpu {
     capability: (i32, i32),
 }
 
+/// Runs `f`, which may load the driver: with dynamic loading a missing library is a panic
+/// inside cudarc, which `f` turns into an error; the default hook is kept from printing it
+/// meanwhile. The panic hook is global: one such call at a time (ranks open their GPUs from
+/// threads), each restoring the hook it found.
+fn quietly<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    static OPENING: Mutex<()> = Mutex::new(());
+    let _one = OPENING.lock().unwrap_or_else(|p| p.into_inner());
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let out = f();
+    std::panic::set_hook(hook);
+    out
+}
+
+fn no_driver() -> RuntimeError {
+    RuntimeError::Binding(
+        "cuda: the NVIDIA driver library (libcuda.so) was not found: run on a machine with an \
+         NVIDIA GPU and driver, or use the CPU (drop --device cuda)"
+            .into(),
+    )
+}
+
 fn driver_err(what: &str, e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Binding(format!("cuda: {what}: {e}"))
 }
@@ -105,28 +127,23 @@ impl Gpu {
     /// Opens GPU `ordinal`: loads the driver, NVRTC and cuBLAS, compiles the kernels for the
     /// device's architecture.
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
-        // With dynamic loading a missing library is a panic inside cudarc: turn it into an
-        // error (and keep the default hook from printing it meanwhile).
-        // The panic hook is global: one opening at a time (ranks open their GPUs from threads),
-        // so each restores the hook it found.
-        static OPENING: Mutex<()> = Mutex::new(());
-        let _one = OPENING.lock().unwrap_or_else(|p| p.into_inner());
-        let hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let opened = Self::open_quiet(ordinal);
-        std::panic::set_hook(hook);
-        opened
+        quietly(|| Self::open_quiet(ordinal))
+    }
+
+    /// The number of GPUs the driver sees (an error naming the missing driver where there is
+    /// none): what ranks sharing GPUs are spread over.
+    pub fn count() -> Result<usize> {
+        quietly(|| {
+            std::panic::catch_unwind(CudaContext::device_count)
+                .map_err(|_| no_driver())?
+                .map(|n| n.max(0) as usize)
+                .map_err(|e| driver_err("counting the GPUs", e))
+        })
     }
 
     fn open_quiet(ordinal: usize) -> Result<Arc<Gpu>> {
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| {
-                RuntimeError::Binding(
-                    "cuda: the NVIDIA driver library (libcuda.so) was not found: run on a machine \
-                     with an NVIDIA GPU and driver, or use the CPU (drop --device cuda)"
-                        .into(),
-                )
-            })?
+            .map_err(|_| no_driver())?
             .map_err(|e| driver_err(&format!("opening GPU {ordinal}"), e))?;
         let (major, minor) =
             ctx.compute_capability().map_err(|e| driver_err("compute capability", e))?;
