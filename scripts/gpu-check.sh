@@ -6,7 +6,8 @@
 #   scripts/gpu-check.sh [OUT_DIR] [checks...]     # on a machine with an NVIDIA GPU
 #
 # checks: kernels vision generate training memory memory-large calibrate speed nccl cli (all but nccl and cli
-# when none is named), and speed-llama (the 1.3B LLaMA's step alone, for a profiler's run:
+# when none is named; `generate` also runs scripts/torch-generate-bench.py, the PyTorch side of its
+# decode speed), and speed-llama (the 1.3B LLaMA's step alone, for a profiler's run:
 # `ncu ... tessera-gpu-check speed-llama`); TORCH_BASELINE=0 skips the PyTorch runs that go
 # with `speed` (on a GPU of over 100 GB, `speed` also runs the LLaMA at batch 8). `cli` runs
 # the `tessera` binary's GPU commands (TESSERA_CLI, default target/release/tessera, built with
@@ -49,6 +50,32 @@ if printf '%s\n' "$@" | grep -qx cli; then
       && "$cli" plan --model gpt2 --cluster "$out/gpu.json" --format json; } \
     > "$out/cli.jsonl" 2> "$out/cli-stderr.txt" || { echo '{"check":"cli","ok":false}'; rc=1; }
   tail -c 2000 "$out/cli.jsonl"
+  # `tessera generate --device cuda`: transformers' greedy tokens of the GPT-2 and LLaMA
+  # fixtures, on one device and on two sharing the GPU.
+  python3 - "$cli" >> "$out/cli.jsonl" 2>> "$out/cli-stderr.txt" <<'PY' || rc=1
+import json, subprocess, sys
+ok_all = True
+for name, n in [("gpt2", 1), ("llama", 1), ("gpt2", 2)]:
+    fx = f"crates/tessera-cli/tests/fixtures/hf/{name}"
+    want = json.load(open(f"{fx}/generate.json"))
+    cmd = [sys.argv[1], "generate", "--device", "cuda", "--devices", str(n), "--model-dir", fx,
+           "--max-new-tokens", str(want["max_new_tokens"]), "--format", "json"]
+    for p in want["prompts"]:
+        cmd += ["--tokens", ",".join(map(str, p))]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    got = json.loads(r.stdout) if r.returncode == 0 else {}
+    ok = got.get("new_tokens") == want["new_tokens"]
+    ok_all &= ok
+    line = {"check": "cli_generate", "model": name, "devices": n, "tokens_equal": ok,
+            "decode_tokens_per_s": got.get("decode_tokens_per_s"), "error": r.stderr[-500:] if r.returncode else None, "ok": ok}
+    print(json.dumps(line)); print(json.dumps(line), file=sys.stderr)
+sys.exit(0 if ok_all else 1)
+PY
+fi
+if [ "${TORCH_BASELINE:-1}" != 0 ] && { [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qx generate; }; then
+  # The PyTorch side of `generate`'s decode_speed: transformers' greedy generate, bf16, batch 1,
+  # 128-token prompt, 128 new tokens, the same model configurations.
+  python3 scripts/torch-generate-bench.py gpt2-medium llama-1.3b 2>"$out/torch-generate-stderr.txt" | tee -a "$out/checks.jsonl"
 fi
 if [ "${TORCH_BASELINE:-1}" != 0 ] && { [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qx speed; }; then
   python3 scripts/torch-train-bench.py gpt2-medium 4 1024 --compile --no-fp32 2>"$out/torch-stderr.txt" | tee -a "$out/checks.jsonl"

@@ -280,7 +280,7 @@ fn check_dropout(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
 /// The shipped corpus, byte-tokenised (what `tessera train` runs by default).
 fn corpus() -> tessera_runtime::data::Dataset {
     use tessera_runtime::data::{Dataset, Tokenizer};
-    Dataset::from_text(include_str!("../../../../data/shakespeare.txt"), &Tokenizer::Byte)
+    Dataset::from_text(include_str!("../../../../../data/shakespeare.txt"), &Tokenizer::Byte)
         .expect("corpus")
 }
 
