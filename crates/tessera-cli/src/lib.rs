@@ -15,6 +15,7 @@ mod export_cmd;
 mod export_plan;
 mod format;
 mod generate_cmd;
+mod gpu_ranks;
 mod inference_cmd;
 mod pictures;
 mod plan_cmd;
