@@ -20,10 +20,11 @@
 #   cost     `tessera calibrate --device cuda` (the kernels timed on training steps), then the
 #            planner's step against every `speed` row of this run (gpu_cost_check.py); run after
 #            `speed`
-#   cli      the `tessera` binary's GPU commands: a short bf16 run planned for this GPU
+#   cli      the `tessera` binary's GPU commands: a short bf16 run planned for this GPU, and
+#            `tessera generate --device cuda` against transformers' tokens (gpu_generate_check.py)
 #   torch    PyTorch eager for the `speed` rows;   compile: torch.compile (slow to compile);
 #            TORCH_ROWS="MODEL BATCH SEQ;..." picks the rows
-#   decode   greedy decode speed: `tessera generate --device cuda` against transformers' generate
+#   decode   transformers' greedy decode speed, beside the `generate` check's decode_speed rows
 #   bf16     bf16 against fp32 over 8 seeds, Tessera and PyTorch autocast from the same start
 #            (scripts/bf16-seeds.sh)
 #
@@ -90,7 +91,10 @@ for s in "${stages[@]}"; do
       "$TESSERA_CLI" train --device cuda --model gpt2-tiny --dtype bf16 --steps 5 --format json \
         > "$out/cli-train.json" 2>>"$out/stderr.txt" || fail cli
       python3 scripts/gpu_train_row.py cli gpt2-tiny "$out/cli-train.json" | log
-      [ "${PIPESTATUS[0]}" -eq 0 ] || fail cli ;;
+      [ "${PIPESTATUS[0]}" -eq 0 ] || fail cli
+      # `tessera generate --device cuda` against transformers' greedy tokens.
+      python3 scripts/gpu_generate_check.py 2>>"$out/stderr.txt" | log
+      [ "${PIPESTATUS[0]}" -eq 0 ] || fail cli-generate ;;
     torch|compile)
       flag=$([ "$s" = compile ] && echo --compile)
       rows=("gpt2-medium 4 1024" "llama-1.3b 4 2048")
@@ -102,11 +106,10 @@ for s in "${stages[@]}"; do
         python3 scripts/torch-train-bench.py $r $flag --no-fp32 2>>"$out/torch-stderr.txt" | log
       done ;;
     decode)
-      if [ -x scripts/gpu-decode-check.sh ]; then
-        scripts/gpu-decode-check.sh "$out" 2>>"$out/stderr.txt" | log; [ "${PIPESTATUS[0]}" -eq 0 ] || fail decode
-      else
-        fail decode
-      fi ;;
+      # The PyTorch side of the `generate` check's decode_speed rows: transformers' greedy
+      # generate, bf16, batch 1, a 128-token prompt, 128 new tokens, the same configurations.
+      python3 scripts/torch-generate-bench.py gpt2-medium llama-1.3b 2>>"$out/stderr.txt" | log
+      [ "${PIPESTATUS[0]}" -eq 0 ] || fail decode ;;
     bf16)
       scripts/bf16-seeds.sh "$out/bf16" cuda 2>>"$out/stderr.txt" | log; [ "${PIPESTATUS[0]}" -eq 0 ] || fail bf16 ;;
     *) echo "unknown stage $s" >&2; fail "$s" ;;

@@ -7,9 +7,13 @@
 //! (`tessera_runtime::generate`). Each device reads only its slices of the checkpoint
 //! (quantising its rows as it reads them with `--quantize`); every device samples the same
 //! token from the same gathered logits, and rank 0 streams them.
+//!
+//! `--device cuda` runs each device on a GPU (the same Programs, on the CUDA backend): GPU i for
+//! device i, or GPUs shared round-robin when there are fewer than devices
+//! ([`crate::gpu_plan::rank_placement`]); the devices' collectives go through the host as on the CPU.
 
 use crate::profile_cmd::{print_stdout, OutputFormat};
-use crate::train_cmd::parse_size;
+use crate::train_cmd::{parse_size, DeviceKind};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use serde_json::json;
@@ -28,7 +32,7 @@ use tessera_runtime::data::Tokenizer;
 use tessera_runtime::generate::{Generated, Generator, QuantizedLeaf, StepProgram};
 use tessera_runtime::hf_weights::open_weights;
 use tessera_runtime::sampling::Sampling;
-use tessera_runtime::CpuBackend;
+use tessera_runtime::{Backend, CpuBackend};
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -49,9 +53,14 @@ pub struct GenerateArgs {
     /// holds them).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Simulated devices (threads), one tensor-parallel group.
+    /// Devices, one tensor-parallel group: threads of this process (simulated devices on the
+    /// CPU; with --device cuda, a GPU each, shared round-robin when there are fewer GPUs).
     #[arg(long, default_value_t = 1)]
     pub devices: usize,
+    /// Where the kernels run: `cpu`, or `cuda` (NVIDIA GPUs; needs a `tessera` built with
+    /// `--features cuda` and an NVIDIA driver).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// The parallel layout: `tpN` (Megatron-LM's tensor parallelism over N devices; default
     /// `tp<devices>`).
     #[arg(long)]
@@ -360,16 +369,82 @@ struct Job<'a> {
     tp: usize,
 }
 
+/// A device's generator on the backend `--device` names (launched ranks use its communicator
+/// after the Programs).
+enum DeviceGenerator {
+    Cpu(Generator<CpuBackend>),
+    #[cfg(feature = "cuda")]
+    Cuda(Generator<tessera_cuda::CudaBackend>),
+}
+
+impl DeviceGenerator {
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    fn communicator(&mut self) -> Option<&mut dyn tessera_comm::Communicator> {
+        match self {
+            DeviceGenerator::Cpu(g) => g.communicator(),
+            #[cfg(feature = "cuda")]
+            DeviceGenerator::Cuda(g) => g.communicator(),
+        }
+    }
+}
+
 impl Job<'_> {
-    /// Device `rank` of the group (its communicator `None` on one device): loads its shards,
-    /// generates (rank 0 streams through `show`), and returns what it generated and measured,
-    /// with the generator (its communicator, for calls after the Programs).
+    /// Device `rank` of the group (its communicator `None` on one device) on the backend
+    /// `--device` names: loads its shards, generates (rank 0 streams through `show`), and
+    /// returns what it generated and measured, with the generator (its communicator, for calls
+    /// after the Programs).
     fn device(
         &self,
         rank: usize,
         comm: Option<Box<dyn tessera_comm::Communicator>>,
         show: &(dyn Fn(usize, &[i64]) + Sync),
-    ) -> Result<(Generated, Generator<CpuBackend>)> {
+    ) -> Result<(Generated, DeviceGenerator)> {
+        match self.args.device {
+            DeviceKind::Cpu => {
+                let backends = (CpuBackend::new(rank), CpuBackend::new(rank));
+                let (out, g) = self.device_on(rank, comm, show, backends)?;
+                Ok((out, DeviceGenerator::Cpu(g)))
+            }
+            DeviceKind::Cuda => self.device_cuda(rank, comm, show),
+        }
+    }
+
+    /// Device `rank` on its GPU ([`crate::gpu_plan::rank_placement`]).
+    #[cfg(feature = "cuda")]
+    fn device_cuda(
+        &self,
+        rank: usize,
+        comm: Option<Box<dyn tessera_comm::Communicator>>,
+        show: &(dyn Fn(usize, &[i64]) + Sync),
+    ) -> Result<(Generated, DeviceGenerator)> {
+        let place = crate::gpu_plan::rank_placement(rank, self.tp)?;
+        let gpu = crate::gpu_plan::open(place, rank)?;
+        let be = tessera_cuda::CudaBackend::new(gpu);
+        let (out, g) = self.device_on(rank, comm, show, (be.clone(), be))?;
+        Ok((out, DeviceGenerator::Cuda(g)))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn device_cuda(
+        &self,
+        _rank: usize,
+        _comm: Option<Box<dyn tessera_comm::Communicator>>,
+        _show: &(dyn Fn(usize, &[i64]) + Sync),
+    ) -> Result<(Generated, DeviceGenerator)> {
+        bail!(
+            "--device cuda: this tessera was built without CUDA support; rebuild it with \
+             `cargo build --release --features cuda` (no CUDA toolkit is needed to build)"
+        )
+    }
+
+    /// Device `rank` on `backends` (its prefill's and decode's: handles of one device).
+    fn device_on<B: Backend>(
+        &self,
+        rank: usize,
+        comm: Option<Box<dyn tessera_comm::Communicator>>,
+        show: &(dyn Fn(usize, &[i64]) + Sync),
+        backends: (B, B),
+    ) -> Result<(Generated, Generator<B>)> {
         let mesh = DeviceMesh::new(&[1, self.tp], rank)?;
         let runner: Option<Box<dyn ReshardRunner>> = match comm {
             Some(c) => Some(Box::new(CommRunner::new(c, mesh.clone())?)),
@@ -378,7 +453,7 @@ impl Job<'_> {
         let mut g = Generator::new(
             step_program(&self.planned.prefill),
             step_program(&self.planned.decode),
-            (CpuBackend::new(rank), CpuBackend::new(rank)),
+            backends,
             runner,
             mesh,
             self.args.memory_budget,
@@ -471,6 +546,13 @@ fn run_launched(
     )
 }
 
+fn device_name(d: DeviceKind) -> &'static str {
+    match d {
+        DeviceKind::Cpu => "cpu",
+        DeviceKind::Cuda => "cuda",
+    }
+}
+
 fn decode(tk: &Tokenizer, ids: &[i64]) -> String {
     let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
     tk.decode(&ids).unwrap_or_default()
@@ -504,6 +586,7 @@ fn report(
         let one = prompts.len() == 1;
         let doc = json!({
             "model": cfg.name(),
+            "device": device_name(args.device),
             "devices": tp,
             "config": config,
             "quantize": args.quantize.map(Quantize::name),
@@ -537,11 +620,12 @@ fn report(
     }
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     eprintln!(
-        "{} new tokens in {:.2} s ({:.1} tok/s; first token after {:.3} s) on {tp} device(s), {config}{}",
+        "{} new tokens in {:.2} s ({:.1} tok/s; first token after {:.3} s) on {tp} {} device(s), {config}{}",
         generated,
         total_s,
         tokens_per_s,
         first.time_to_first_token_s,
+        device_name(args.device),
         args.quantize.map_or(String::new(), |q| format!(", {}", q.name()))
     );
     eprintln!(

@@ -6,6 +6,8 @@
 //! Everything here is a function of a [`GpuDescription`], so it is checked on machines without
 //! a GPU by describing one.
 
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use tessera_plan::{Cluster, DeviceSpec, Link};
@@ -224,6 +226,40 @@ pub fn describe() -> Result<GpuDescription> {
         "--device cuda: this tessera was built without CUDA support; rebuild it with \
          `cargo build --release --features cuda` (no CUDA toolkit is needed to build)"
     )
+}
+
+/// Where rank `rank` of the `devices` devices this process runs lands ([`placement`]); a
+/// process started by a launcher (`mpirun`, `torchrun`) takes the GPU of its local rank, which
+/// must exist (one process per GPU).
+#[cfg(feature = "cuda")]
+pub fn rank_placement(rank: usize, devices: usize) -> Result<Placement> {
+    let gpus = tessera_cuda::Gpu::count().context("--device cuda")?;
+    match tessera_comm::discover().ok().flatten().filter(|env| env.world_size > 1) {
+        Some(env) => {
+            let local = env.local_rank.unwrap_or(rank);
+            if local >= gpus {
+                bail!(
+                    "--device cuda: local rank {local} of this node has no GPU of its own (the \
+                     node has {gpus}): launch one process per GPU, or run {} devices in one \
+                     process (`--devices {}`), which share the GPUs",
+                    env.world_size,
+                    env.world_size
+                );
+            }
+            Ok(Placement::Own { ordinal: local })
+        }
+        None => placement(rank, devices, gpus),
+    }
+}
+
+/// Opens the GPU `place` names: a shared one with a stream and allocator of its own.
+#[cfg(feature = "cuda")]
+pub fn open(place: Placement, rank: usize) -> Result<std::sync::Arc<tessera_cuda::Gpu>> {
+    match place {
+        Placement::Own { ordinal } => tessera_cuda::Gpu::open(ordinal),
+        Placement::Shared { ordinal, .. } => tessera_cuda::Gpu::open_shared(ordinal),
+    }
+    .with_context(|| format!("--device cuda: rank {rank} on GPU {}", place.ordinal()))
 }
 
 /// The cluster for `devices` devices on this machine's GPUs (see [`cluster_for`]), reading

@@ -186,30 +186,9 @@ fn run_rank_cuda(
     comm: Option<Box<dyn Communicator>>,
     rank: usize,
 ) -> Result<RankOutcome> {
-    use crate::gpu_plan::{placement, Placement};
-    let launched = tessera_comm::discover().ok().flatten();
-    let gpus = tessera_cuda::Gpu::count().map_err(|e| anyhow!(e)).context("--device cuda")?;
-    let place = match launched.filter(|env| env.world_size > 1) {
-        Some(env) => {
-            let local = env.local_rank.unwrap_or(rank);
-            if local >= gpus {
-                bail!(
-                    "--device cuda: local rank {local} of this node has no GPU of its own (the \
-                     node has {gpus}): launch one process per GPU, or run `tessera train \
-                     --device cuda --devices {}` in one process, whose devices share the GPUs",
-                    env.world_size
-                );
-            }
-            Placement::Own { ordinal: local }
-        }
-        None => placement(rank, ctx.local_devices, gpus)?,
-    };
-    let gpu = match place {
-        Placement::Own { ordinal } => tessera_cuda::Gpu::open(ordinal),
-        Placement::Shared { ordinal, .. } => tessera_cuda::Gpu::open_shared(ordinal),
-    }
-    .map_err(|e| anyhow!(e))
-    .with_context(|| format!("--device cuda: rank {rank} on GPU {}", place.ordinal()))?;
+    use crate::gpu_plan::Placement;
+    let place = crate::gpu_plan::rank_placement(rank, ctx.local_devices)?;
+    let gpu = crate::gpu_plan::open(place, rank)?;
     let backend = tessera_cuda::CudaBackend::new(gpu.clone());
     let Some(mut bootstrap) = comm else {
         return run_rank_on(ctx, None, rank, backend);

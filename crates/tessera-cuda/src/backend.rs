@@ -28,12 +28,20 @@ pub struct CudaBackend {
     timer: Option<OpTimer>,
     /// Bad cross-entropy targets found on the device (module `fault`).
     fault: Arc<crate::fault::TargetFault>,
+    /// Host copies of the generation ops' index tensors, read back once per bound value.
+    ints: Arc<crate::infer::HostInts>,
 }
 
 impl CudaBackend {
     pub fn new(gpu: Arc<Gpu>) -> CudaBackend {
         let fault = Arc::new(crate::fault::TargetFault::new(gpu.clone()));
-        CudaBackend { name: format!("cuda:{}", gpu.ordinal()), gpu, timer: None, fault }
+        CudaBackend {
+            name: format!("cuda:{}", gpu.ordinal()),
+            gpu,
+            timer: None,
+            fault,
+            ints: Arc::default(),
+        }
     }
 
     /// Records device time per op kind into `timer` while `timer.on` is set.
@@ -46,6 +54,9 @@ impl CudaBackend {
     }
     pub(crate) fn target_fault(&self) -> &crate::fault::TargetFault {
         &self.fault
+    }
+    pub(crate) fn host_ints(&self) -> &crate::infer::HostInts {
+        &self.ints
     }
 }
 
@@ -62,14 +73,15 @@ fn is_half(d: DType) -> bool {
 }
 
 /// Ops that take half-precision operands natively (the rest run in f32 on upcast operands):
-/// those every backend does, GEMMs (bf16 on cuBLAS), copies, and the elementwise kernels, which
-/// load each operand in its own dtype and round the f32 result once (the CPU's upcast-compute-
-/// round, bit for bit, without the f32 copies).
+/// those every backend does, GEMMs (bf16 on cuBLAS), copies, the elementwise kernels and the
+/// quantised matmul, which load each operand in its own dtype and round the f32 result once
+/// (the CPU's upcast-compute-round, without the f32 copies).
 fn native_half(op: &Op) -> bool {
     tessera_runtime::backend::takes_any_dtype(op)
         || matches!(
             op,
             Op::MatMul { .. }
+                | Op::QMatMul(_)
                 | Op::Transfer { .. }
                 | Op::Reshard(_)
                 | Op::Unary(_)
