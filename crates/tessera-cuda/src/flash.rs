@@ -12,10 +12,11 @@
 //! charge is unchanged; its scratch is none (forward) or the f32 dQ accumulator and the row
 //! sums D (backward).
 //!
-//! Two backwards: the first (`flash_bwd_*`, the default) gives each warp 16 keys of a block of
-//! 128 and has every warp read the whole Q and dO tiles of each step; the second
-//! (`flash_bwd2_*`, `TESSERA_FLASH_BWD=2`, head dims 64 and 128 on devices with 173 KiB of
-//! shared memory per block) tiles every product over the warps in two dimensions
+//! Two backwards: the first (`flash_bwd_*`) gives each warp 16 keys of a block of 128 and has
+//! every warp read the whole Q and dO tiles of each step; the second (`flash_bwd2_*`, head dims
+//! 64 and 128 on devices with 173 KiB of shared memory per block; the default where its
+//! geometry was checked on a GPU, see [`backward_version`]) tiles every product over the warps
+//! in two dimensions
 //! (FlashAttention-2's scheme: P and dS through shared memory, dK and dV in registers, dQ by
 //! atomic f32 adds into the same accumulator), so each fragment loaded serves several MMAs.
 //! Both compute the same numbers up to the order of f32 sums; the memory they take is the
@@ -84,38 +85,58 @@ fn kernel2(d: usize) -> Option<&'static str> {
 pub const SHARED_BYTES2: [(&str, usize); 2] =
     [("flash_bwd2_64", bwd2_shared(64)), ("flash_bwd2_128", bwd2_shared(128))];
 
-/// Which flash backward runs: 1, the first kernel (the default), or 2, the FlashAttention-2
-/// tiling (`flash_bwd2_*`), from `TESSERA_FLASH_BWD` (read once) unless
-/// [`set_backward_version`] chose.
+/// Which flash backward runs, from `TESSERA_FLASH_BWD` (read once) unless
+/// [`set_backward_version`] chose: 1, the first kernel everywhere; 2, the FlashAttention-2
+/// tiling everywhere it is built; unset (0), the second where its geometry was checked on a
+/// GPU — causal or full masks over S = T, no sliding window, no ALiBi: 1.39× the first on the
+/// 1.3B LLaMA's shape, its dQ/dK/dV within 4e-5 of the first's (BENCHMARKS.md) — and the first
+/// elsewhere.
 static VERSION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Chooses the flash backward for the rest of the process (`None`: back to the environment's
 /// choice). For A/B measurements in one process; training should set `TESSERA_FLASH_BWD`.
 pub fn set_backward_version(v: Option<u8>) {
-    VERSION.store(v.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+    VERSION.store(v.map_or(u8::MAX, |v| v), std::sync::atomic::Ordering::Relaxed);
 }
 
-/// The flash backward in use (see [`set_backward_version`]): 1 or 2.
+/// The flash backward chosen (see [`VERSION`]): 1, 2, or 0 (by geometry).
 pub fn backward_version() -> u8 {
     static ENV: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
     match VERSION.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => *ENV.get_or_init(|| parse_version(std::env::var("TESSERA_FLASH_BWD").ok().as_deref())),
+        u8::MAX | 0 => {
+            *ENV.get_or_init(|| parse_version(std::env::var("TESSERA_FLASH_BWD").ok().as_deref()))
+        }
         v => v,
     }
 }
 
 fn parse_version(v: Option<&str>) -> u8 {
     match v.map(str::trim) {
+        Some("1") => 1,
         Some("2") => 2,
-        _ => 1,
+        _ => 0,
     }
 }
 
-/// The backward kernel for head dim `d` on this GPU: the second where it is chosen, built for
-/// `d` and its shared memory fits the device; the first otherwise. (name, grid x tile, block
-/// threads, dynamic shared bytes).
-fn backward_kernel(gpu: &crate::gpu::Gpu, d: usize) -> Option<(&'static str, usize, u32, usize)> {
-    if backward_version() == 2 {
+/// Whether the second backward runs for this geometry under `version` (see [`VERSION`]).
+fn second_backward(version: u8, a: &Attn, spec: &AttentionSpec) -> bool {
+    match version {
+        1 => false,
+        2 => true,
+        _ => a.s == a.t && spec.window.is_none() && spec.alibi.is_none(),
+    }
+}
+
+/// The backward kernel for head dim `d` on this GPU: the second where [`second_backward`]
+/// picks it, it is built for `d` and its shared memory fits the device; the first otherwise.
+/// (name, grid x tile, block threads, dynamic shared bytes).
+fn backward_kernel(
+    gpu: &crate::gpu::Gpu,
+    a: &Attn,
+    spec: &AttentionSpec,
+) -> Option<(&'static str, usize, u32, usize)> {
+    let d = a.d as usize;
+    if second_backward(backward_version(), a, spec) {
         if let Some(name) = kernel2(d).filter(|n| gpu.has_shared(n)) {
             return Some((name, BC2, THREADS2, bwd2_shared(d)));
         }
@@ -236,8 +257,9 @@ pub fn backward(
     let dq = be.out_f32(&out[0], p)?;
     let dk = be.out_f32(&out[1], p)?;
     let dv = be.out_f32(&out[2], p)?;
-    let hd = a.d as usize;
-    let Some((name, keys, threads, shared)) = backward_kernel(g, hd) else { return Ok(None) };
+    let Some((name, keys, threads, shared)) = backward_kernel(g, &a, spec) else {
+        return Ok(None);
+    };
     let cfg = LaunchConfig {
         grid_dim: ((a.t as usize).div_ceil(keys) as u32, a.hkv as u32, a.b as u32),
         block_dim: (threads, 1, 1),
@@ -281,14 +303,28 @@ pub fn backward(
 mod tests {
     use super::*;
 
-    /// `TESSERA_FLASH_BWD=2` picks the second backward; anything else, or nothing, the first.
+    /// Unset, the second backward runs over the geometries the H200 checked; `1` and `2` force
+    /// one.
+    #[test]
+    fn the_second_backward_is_the_default_where_it_was_checked() {
+        let spec = AttentionSpec::causal(128);
+        let a = Attn { b: 4, s: 2048, t: 2048, h: 16, hkv: 16, d: 128, ..Default::default() };
+        assert!(second_backward(0, &a, &spec), "self-attention over S = T");
+        assert!(!second_backward(0, &Attn { t: 2100, ..a }, &spec), "a KV-cache start");
+        let window = AttentionSpec { window: Some(512), ..spec.clone() };
+        assert!(!second_backward(0, &a, &window), "a sliding window");
+        assert!(second_backward(2, &a, &window) && !second_backward(1, &a, &spec), "forced");
+    }
+
+    /// `TESSERA_FLASH_BWD=1` or `2` forces a backward; anything else, or nothing, chooses by
+    /// geometry.
     #[test]
     fn backward_version_from_the_environment() {
         assert_eq!(parse_version(Some("2")), 2);
         assert_eq!(parse_version(Some(" 2 ")), 2);
         assert_eq!(parse_version(Some("1")), 1);
-        assert_eq!(parse_version(Some("")), 1);
-        assert_eq!(parse_version(None), 1);
+        assert_eq!(parse_version(Some("")), 0);
+        assert_eq!(parse_version(None), 0);
     }
 
     /// The blocks per SM the test below assumes are the ones `flash.cu` declares.

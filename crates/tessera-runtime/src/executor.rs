@@ -501,6 +501,10 @@ impl<B: Backend> Executor<B> {
         // Collectives move host tensors (free on the CPU, where a value is its host tensor).
         let b = &self.backend;
         let outs = match (&node.op, self.collectives.as_mut()) {
+            // A reshard whose forward moves nothing (Megatron's identity "f", whose backward
+            // reduces) is a view of its input, as the Program declares: no copy through the
+            // host, no second buffer on a device.
+            (Op::Reshard(spec), _) if spec.is_view() => vec![inputs[0].clone()],
             (Op::Reshard(spec), Some(runner)) => {
                 vec![b.upload(&runner.reshard(spec, &b.download(inputs[0])?)?)?]
             }
