@@ -191,7 +191,10 @@ pub fn measure_kernels(gpu: &Arc<Gpu>) -> Result<(Vec<KernelRun>, Vec<KernelSamp
 }
 
 /// Matrix products of the shapes transformer layers run (tokens × hidden × hidden'), in bf16
-/// and f32, each timed three times by events: the matmul curve's points past the workloads'.
+/// and f32, in the three layouts training takes (`nt` forward through a Linear weight, `nn`
+/// and `tn` its input and weight gradients), each timed three times by events; and the flash
+/// attention forward and backward over head counts and sequence lengths: the curves' points
+/// past the workloads' sizes.
 fn gemm_sweep(gpu: &Arc<Gpu>) -> Result<Vec<KernelSample>> {
     let timer = OpTimer::default();
     let be = CudaBackend::new(gpu.clone()).with_op_timer(timer.clone());
@@ -199,23 +202,68 @@ fn gemm_sweep(gpu: &Arc<Gpu>) -> Result<Vec<KernelSample>> {
     let shapes = [(4096, 2048, 2048), (8192, 2048, 5632), (8192, 4096, 4096), (16384, 4096, 11008)];
     for dtype in [DType::BF16, DType::F32] {
         for &(m, k, n) in &shapes {
-            let a = random_matrix(&be, m, k, dtype)?;
-            let b = random_matrix(&be, n, k, dtype)?;
-            let meta = TensorMeta { shape: Shape::from(&[m, n][..]), dtype };
-            let mm = Op::MatMul { trans_a: false, trans_b: true };
-            be.execute(&mm, &[&a, &b], std::slice::from_ref(&meta), &at)?;
-            gpu.synchronize()?;
-            timer.events.store(true, Ordering::Relaxed);
-            for _ in 0..3 {
+            for (trans_a, trans_b) in [(false, true), (false, false), (true, false)] {
+                let a = if trans_a {
+                    random_matrix(&be, k, m, dtype)?
+                } else {
+                    random_matrix(&be, m, k, dtype)?
+                };
+                let b = if trans_b {
+                    random_matrix(&be, n, k, dtype)?
+                } else {
+                    random_matrix(&be, k, n, dtype)?
+                };
+                let meta = TensorMeta { shape: Shape::from(&[m, n][..]), dtype };
+                let mm = Op::MatMul { trans_a, trans_b };
                 be.execute(&mm, &[&a, &b], std::slice::from_ref(&meta), &at)?;
+                gpu.synchronize()?;
+                timer.events.store(true, Ordering::Relaxed);
+                for _ in 0..3 {
+                    be.execute(&mm, &[&a, &b], std::slice::from_ref(&meta), &at)?;
+                }
+                timer.events.store(false, Ordering::Relaxed);
+                gpu.synchronize()?;
             }
-            timer.events.store(false, Ordering::Relaxed);
-            gpu.synchronize()?;
         }
     }
+    attention_sweep(&be, &timer)?;
     let samples = timer.samples()?;
     gpu.empty_cache();
     Ok(samples)
+}
+
+/// Causal bf16 flash attention, forward and backward, over batch × heads of 24 to 192 at
+/// sequences of 1024 and 2048 and head dims 64 and 128 (the kernels' occupancy grows with
+/// the number of blocks), each timed twice, into `timer`'s records.
+fn attention_sweep(be: &CudaBackend, timer: &OpTimer) -> Result<()> {
+    let at = MeshPos::single();
+    for d in [64, 128] {
+        for s in [1024, 2048] {
+            for h in [6, 12, 24, 48] {
+                let b = 4;
+                let spec = tessera_ir::AttentionSpec::causal(d);
+                let bshd = |dtype| TensorMeta { shape: Shape::from(&[b, s, h, d][..]), dtype };
+                let lse = TensorMeta { shape: Shape::from(&[b, h, s][..]), dtype: DType::F32 };
+                let q = random_matrix(be, b * s * h, d, DType::BF16)?.reshaped(&[b, s, h, d]);
+                let fwd = Op::Attention(spec.clone());
+                let outs = [bshd(DType::BF16), lse];
+                let y = be.execute(&fwd, &[&q, &q, &q], &outs, &at)?;
+                let bwd = Op::AttentionBackward(spec);
+                let grads = [bshd(DType::BF16), bshd(DType::BF16), bshd(DType::BF16)];
+                let inputs = [&q, &q, &q, &y[0], &y[1], &q];
+                be.execute(&bwd, &inputs, &grads, &at)?;
+                be.gpu().synchronize()?;
+                timer.events.store(true, Ordering::Relaxed);
+                for _ in 0..2 {
+                    be.execute(&fwd, &[&q, &q, &q], &outs, &at)?;
+                    be.execute(&bwd, &inputs, &grads, &at)?;
+                }
+                timer.events.store(false, Ordering::Relaxed);
+                be.gpu().synchronize()?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Random `rows × cols` operands of `dtype` (an xorshift stream in [-0.5, 0.5)).

@@ -35,7 +35,7 @@ pub enum Work {
 /// An op's curve key and its amount of work.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelWork {
-    /// `matmul.bf16`, `attention_backward.bf16.d128.causal`, `rms_norm`, ...
+    /// `matmul.bf16.nt.a8`, `attention_backward.bf16.d128.causal`, `rms_norm`, ...
     pub key: String,
     pub work: Work,
     pub amount: f64,
@@ -74,7 +74,19 @@ pub fn kernel_work(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Option<Kern
     let dtype = x.first().or(y.first()).map_or(DType::F32, |m| m.dtype);
     let flops = op.flops(x, y).total() as f64;
     let key = match op {
-        Op::MatMul { .. } | Op::QMatMul(_) => format!("{}.{}", op.name(), dtype_tag(dtype)),
+        // cuBLAS picks its kernels by layout and alignment as much as by size: GPT-2's Conv1D
+        // weights multiply transposed where LLaMA's Linear ones do not, and a vocabulary of
+        // 50,257 rows leaves no 16-byte alignment; each class gets its own curve.
+        Op::MatMul { trans_a, trans_b } => {
+            let t = |b: bool| if b { 't' } else { 'n' };
+            let aligned = x.iter().all(|m| {
+                let d = m.shape.dims();
+                d.len() < 2 || d[d.len() - 2..].iter().all(|&n| n % 8 == 0)
+            });
+            let class = if aligned { "a8" } else { "u" };
+            format!("matmul.{}.{}{}.{class}", dtype_tag(dtype), t(*trans_a), t(*trans_b))
+        }
+        Op::QMatMul(_) => format!("{}.{}", op.name(), dtype_tag(dtype)),
         Op::Attention(spec) | Op::AttentionBackward(spec) => {
             let d = x.first().and_then(|q| q.shape.dims().last().copied()).unwrap_or(0);
             let mask = if spec.causal { "causal" } else { "full" };
@@ -252,9 +264,14 @@ mod tests {
         let y = meta(&[64, 16], DType::BF16);
         let mm = Op::MatMul { trans_a: false, trans_b: false };
         let w = kernel_work(&mm, &[&a, &b], &[&y]).unwrap();
-        assert_eq!(w.key, "matmul.bf16");
+        assert_eq!(w.key, "matmul.bf16.nn.a8");
         assert_eq!(w.work, Work::Flops);
         assert_eq!(w.amount, 2.0 * 64.0 * 32.0 * 16.0);
+        // A vocabulary of 50,257 classes: no 16-byte alignment, a curve of its own.
+        let (h, v) = (meta(&[64, 32], DType::BF16), meta(&[50257, 32], DType::BF16));
+        let head = Op::MatMul { trans_a: false, trans_b: true };
+        let w = kernel_work(&head, &[&h, &v], &[&meta(&[64, 50257], DType::BF16)]).unwrap();
+        assert_eq!(w.key, "matmul.bf16.nt.u");
         let add = Op::Binary(tessera_ir::BinaryOp::Add);
         let w = kernel_work(&add, &[&y, &y], &[&y]).unwrap();
         assert_eq!((w.key.as_str(), w.work), ("binary", Work::Bytes));
