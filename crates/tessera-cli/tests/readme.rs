@@ -54,6 +54,11 @@ const COVERED: &[(&str, &str, &str)] = &[
         "cuda_cli.rs",
         "train_on_cuda_trains_or_names_the_missing_driver",
     ),
+    (
+        "tessera generate --device cuda",
+        "cuda_cli.rs",
+        "generate_on_cuda_gives_transformers_tokens_or_names_what_is_missing",
+    ),
     ("tessera train --config", "run_file.rs", "the_readme_run_file_commands_run"),
     ("tessera plan --config", "run_file.rs", "the_readme_run_file_commands_run"),
 ];
