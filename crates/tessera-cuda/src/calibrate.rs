@@ -37,20 +37,9 @@ pub struct Measured {
     pub kernel_overhead_s: f64,
 }
 
-/// Random `n × n` operands of `dtype` (an xorshift stream in [-0.5, 0.5)).
+/// Random `n × n` operands of `dtype` (see [`random_matrix`]).
 fn random(be: &CudaBackend, n: usize, dtype: DType) -> Result<CudaTensor> {
-    let mut st = 0x9E37_79B9_7F4A_7C15u64;
-    let host: Vec<f32> = (0..n * n)
-        .map(|_| {
-            st ^= st << 13;
-            st ^= st >> 7;
-            st ^= st << 17;
-            (st >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect();
-    let t = Tensor::from_vec(host, (n, n), &candle_core::Device::Cpu)?;
-    let t = t.to_dtype(tessera_runtime::tensor::candle_dtype(dtype))?;
-    be.upload_as(&t, Purpose::Scratch)
+    random_matrix(be, n, n, dtype)
 }
 
 /// Achieved FLOP/s of `n³` products in `dtype`: 3 warm-ups, then the best of `reps` timed.

@@ -41,19 +41,6 @@ pub struct KernelWork {
     pub amount: f64,
 }
 
-fn dtype_tag(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::Bool => "bool",
-        DType::U8 => "u8",
-    }
-}
-
 /// The curve key and work of running `op` on these metas, or `None` for ops that launch no
 /// kernel (leaves, views, collectives and transfers, which are priced elsewhere).
 pub fn kernel_work(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Option<KernelWork> {
@@ -84,16 +71,16 @@ pub fn kernel_work(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Option<Kern
                 d.len() < 2 || d[d.len() - 2..].iter().all(|&n| n % 8 == 0)
             });
             let class = if aligned { "a8" } else { "u" };
-            format!("matmul.{}.{}{}.{class}", dtype_tag(dtype), t(*trans_a), t(*trans_b))
+            format!("matmul.{}.{}{}.{class}", dtype.name(), t(*trans_a), t(*trans_b))
         }
-        Op::QMatMul(_) => format!("{}.{}", op.name(), dtype_tag(dtype)),
+        Op::QMatMul(_) => format!("{}.{}", op.name(), dtype.name()),
         Op::Attention(spec) | Op::AttentionBackward(spec) => {
             let d = x.first().and_then(|q| q.shape.dims().last().copied()).unwrap_or(0);
             let mask = if spec.causal { "causal" } else { "full" };
-            format!("{}.{}.d{d}.{mask}", op.name(), dtype_tag(dtype))
+            format!("{}.{}.d{d}.{mask}", op.name(), dtype.name())
         }
         Op::Conv2d(_) | Op::Conv2dBackwardInput { .. } | Op::Conv2dBackwardWeight { .. } => {
-            format!("{}.{}", op.name(), dtype_tag(dtype))
+            format!("{}.{}", op.name(), dtype.name())
         }
         _ => {
             let bytes = op.bytes_accessed(x, y) as f64;
