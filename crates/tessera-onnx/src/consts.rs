@@ -55,6 +55,7 @@ pub fn eval(node: &NodeProto, x: &[Option<&Const>]) -> Fold<Option<Vec<Const>>> 
         "Mul" => one(arith(arg(0)?, arg(1)?, |a, b| a * b, |a, b| a.wrapping_mul(b))?),
         "Div" => one(arith(arg(0)?, arg(1)?, |a, b| a / b, |a, b| a.checked_div(b).unwrap_or(0))?),
         "Mod" => one(arith(arg(0)?, arg(1)?, |a, b| a % b, |a, b| a.checked_rem(b).unwrap_or(0))?),
+        "Max" | "Min" if x.len() != 2 => Err(format!("{} of {} inputs", node.op_type, x.len())),
         "Max" => one(arith(arg(0)?, arg(1)?, f64::max, i64::max)?),
         "Min" => one(arith(arg(0)?, arg(1)?, f64::min, i64::min)?),
         "Pow" => {

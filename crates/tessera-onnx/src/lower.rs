@@ -185,6 +185,12 @@ impl Importer<'_> {
                 b.div(one, x)
             })?),
             "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min" => {
+                if values.len() != 2 {
+                    return Err(self.unsupported(
+                        node,
+                        format!("{} of {} inputs (two are read)", node.op_type, values.len()),
+                    ));
+                }
                 let op = match node.op_type.as_str() {
                     "Add" => BinaryOp::Add,
                     "Sub" => BinaryOp::Sub,
@@ -202,6 +208,14 @@ impl Importer<'_> {
                         self.unsupported(node, "a power whose exponent is not a constant scalar")
                     );
                 };
+                if e.fract() != 0.0 && !self.never_negative(&node.input[0]) {
+                    return Err(OnnxError::NegativeBase {
+                        path: self.m.path.display().to_string(),
+                        node: crate::validate::describe(node, self.index_of(node)),
+                        base: node.input[0].clone(),
+                        exponent: e,
+                    });
+                }
                 let x = arg(0)?;
                 let out = self.elementwise1(node, &x, |b, x| match e {
                     1.0 => Ok(x),
@@ -262,9 +276,22 @@ impl Importer<'_> {
             "Transpose" => {
                 let x = arg(0)?;
                 let rank = self.shape_of(&x)?.len();
-                let p: Vec<usize> = attrs::ints(node, "perm")
-                    .map(|p| p.iter().map(|&v| v as usize).collect())
-                    .unwrap_or_else(|| (0..rank).rev().collect());
+                let p: Vec<usize> = match attrs::ints(node, "perm") {
+                    Some(p) if p.len() == rank && crate::validate::is_permutation(&p) => {
+                        p.iter().map(|&v| v as usize).collect()
+                    }
+                    Some(p) => {
+                        return Err(self.unsupported(
+                            node,
+                            format!(
+                                "perm {p:?} is not a permutation of the input's {rank} axes; \
+                                 re-export the model (onnx.checker.check_model with \
+                                 full_check=True rejects it too)"
+                            ),
+                        ))
+                    }
+                    None => (0..rank).rev().collect(),
+                };
                 let (id, old) = match x {
                     Value::Tensor { id, perm } => (id, perm),
                     other => (self.tensor(&other, &node.name, &node.op_type)?, None),
