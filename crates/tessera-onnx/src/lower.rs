@@ -319,12 +319,12 @@ impl Importer<'_> {
                             attrs::int(node, "allowzero", 0),
                         )
                     }
-                    "Flatten" => attrs::axis(attrs::int(node, "axis", 1), shape.len() + 1)
-                        .map(|a| {
+                    "Flatten" => {
+                        attrs::axis_in(attrs::int(node, "axis", 1), shape.len() + 1).map(|a| {
                             let outer: usize = shape[..a].iter().product();
                             vec![outer, shape.iter().product::<usize>() / outer.max(1)]
                         })
-                        .ok_or_else(|| "axis out of range".to_string()),
+                    }
                     op => {
                         let axes_in = match node.input.get(1) {
                             Some(a) if !a.is_empty() => self.const_input(a)?,
@@ -402,8 +402,8 @@ impl Importer<'_> {
             "Split" => {
                 let x = arg(0)?;
                 let shape = self.shape_of(&x)?;
-                let a = attrs::axis(attrs::int(node, "axis", 0), shape.len())
-                    .ok_or_else(|| self.unsupported(node, "axis out of range"))?;
+                let a = attrs::axis_in(attrs::int(node, "axis", 0), shape.len())
+                    .map_err(|r| self.unsupported(node, r))?;
                 let sizes: Vec<usize> = match node.input.get(1).filter(|s| !s.is_empty()) {
                     Some(s) => match self.const_input(s)? {
                         Some(c) => {
@@ -434,8 +434,8 @@ impl Importer<'_> {
             }
             "Concat" => {
                 let first = self.shape_of(&arg(0)?)?;
-                let a = attrs::axis(attrs::int(node, "axis", 0), first.len())
-                    .ok_or_else(|| self.unsupported(node, "axis out of range"))?;
+                let a = attrs::axis_in(attrs::int(node, "axis", 0), first.len())
+                    .map_err(|r| self.unsupported(node, r))?;
                 let mut ids = Vec::new();
                 for v in values.iter().flatten() {
                     ids.push(self.tensor(v, &node.name, &node.op_type)?);
@@ -501,10 +501,7 @@ impl Importer<'_> {
                 let dims: Vec<usize> = match axes {
                     Some(a) if !a.is_empty() => a
                         .iter()
-                        .map(|&v| {
-                            attrs::axis(v, rank)
-                                .ok_or_else(|| self.unsupported(node, "axis out of range"))
-                        })
+                        .map(|&v| attrs::axis_in(v, rank).map_err(|r| self.unsupported(node, r)))
                         .collect::<Result<_>>()?,
                     _ if attrs::int(node, "noop_with_empty_axes", 0) != 0 => return t(x),
                     _ => (0..rank).collect(),
@@ -624,8 +621,7 @@ impl Importer<'_> {
     fn gather(&mut self, node: &NodeProto, data: &Value, idx: &Value) -> Result<Value> {
         let axis = attrs::int(node, "axis", 0);
         let shape = self.shape_of(data)?;
-        let a = attrs::axis(axis, shape.len())
-            .ok_or_else(|| self.unsupported(node, "axis out of range"))?;
+        let a = attrs::axis_in(axis, shape.len()).map_err(|r| self.unsupported(node, r))?;
         if let Some(ids) = self.as_const(idx)? {
             let n = shape[a] as i64;
             let v: Vec<i64> = ids.to_i64().iter().map(|&i| if i < 0 { i + n } else { i }).collect();
