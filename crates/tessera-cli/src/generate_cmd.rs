@@ -248,6 +248,14 @@ fn step_program(s: &GenerationStep) -> StepProgram {
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    if args.model_dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
+        bail!(
+            "--model-dir {}: generate needs a Hugging Face model directory (config.json and \
+             model.safetensors) or a checkpoint directory `train --save` wrote; an ONNX file \
+             is for profile, plan, train (--model) and eval (--model-dir)",
+            args.model_dir.display()
+        );
+    }
     let cfg = ModelConfig::from_path(&args.model_dir)?.without_dropout();
     let vocab =
         cfg.vocab_size().context("generate needs a language model (one with a vocabulary)")?;

@@ -334,3 +334,136 @@ fn checkpoints_of_imported_models_evaluate_and_resume() {
         "a trained checkpoint's weights are its own: {trained_loss} vs the file's {file_loss}"
     );
 }
+
+/// A protobuf writer for the few ONNX messages the malformed-model tests need (the CLI's
+/// tests do not depend on the ONNX crate): fields are (number, payload).
+mod pb {
+    fn varint(out: &mut Vec<u8>, mut v: u64) {
+        while v >= 0x80 {
+            out.push((v as u8) | 0x80);
+            v >>= 7;
+        }
+        out.push(v as u8);
+    }
+    pub fn int(field: u32, v: i64) -> Vec<u8> {
+        let mut out = Vec::new();
+        varint(&mut out, (field as u64) << 3);
+        varint(&mut out, v as u64);
+        out
+    }
+    pub fn bytes(field: u32, v: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        varint(&mut out, ((field as u64) << 3) | 2);
+        varint(&mut out, v.len() as u64);
+        out.extend_from_slice(v);
+        out
+    }
+    pub fn msg(field: u32, parts: &[Vec<u8>]) -> Vec<u8> {
+        bytes(field, &parts.concat())
+    }
+    /// A graph input or output: name, element type (1 float, 7 int64), dims (names dynamic).
+    pub fn port(field: u32, name: &str, elem: i64, dims: &[&str]) -> Vec<u8> {
+        let dims: Vec<Vec<u8>> = dims
+            .iter()
+            .map(|d| match d.parse::<i64>() {
+                Ok(n) => msg(1, &[int(1, n)]),
+                Err(_) => msg(1, &[bytes(2, d.as_bytes())]),
+            })
+            .collect();
+        let tensor = msg(1, &[int(1, elem), msg(2, &dims)]);
+        msg(field, &[bytes(1, name.as_bytes()), msg(2, &[tensor])])
+    }
+    pub fn node(name: &str, op: &str, inputs: &[&str], outputs: &[&str]) -> Vec<u8> {
+        let mut parts: Vec<Vec<u8>> = inputs.iter().map(|i| bytes(1, i.as_bytes())).collect();
+        parts.extend(outputs.iter().map(|o| bytes(2, o.as_bytes())));
+        parts.push(bytes(3, name.as_bytes()));
+        parts.push(bytes(4, op.as_bytes()));
+        msg(1, &parts)
+    }
+    pub fn floats(name: &str, dims: &[i64], v: &[f32]) -> Vec<u8> {
+        let mut parts: Vec<Vec<u8>> = dims.iter().map(|&d| int(1, d)).collect();
+        parts.push(int(2, 1));
+        let data: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        parts.push(bytes(4, &data));
+        parts.push(bytes(8, name.as_bytes()));
+        msg(5, &parts)
+    }
+    /// A model (IR 8, opset 17) of `graph`'s fields.
+    pub fn model(graph: &[Vec<u8>]) -> Vec<u8> {
+        [int(1, 8), msg(8, &[int(2, 17)]), msg(7, graph)].concat()
+    }
+}
+
+/// A tiny causal LM over bytes: input_ids `[batch, seq]` → Gather(emb `[256, 8]`) → MatMul(w
+/// `[8, 256]`) → logits; `emb_at` overrides one embedding value, `mm_inputs` the MatMul's
+/// inputs.
+fn tiny_lm(dir: &Path, emb_at: Option<(usize, f32)>, mm_inputs: &[&str]) -> PathBuf {
+    let mut emb: Vec<f32> = (0..2048).map(|i| (i as f32 * 0.37).sin() * 0.1).collect();
+    if let Some((i, x)) = emb_at {
+        emb[i] = x;
+    }
+    let w: Vec<f32> = (0..2048).map(|i| (i as f32 * 0.11).cos() * 0.1).collect();
+    let graph = [
+        pb::node("/embed/Gather", "Gather", &["emb", "input_ids"], &["h"]),
+        pb::node("/head/MatMul", "MatMul", mm_inputs, &["logits"]),
+        pb::bytes(2, b"tiny"),
+        pb::floats("emb", &[256, 8], &emb),
+        pb::floats("w", &[8, 256], &w),
+        pb::port(11, "input_ids", 7, &["batch", "seq"]),
+        pb::port(12, "logits", 1, &["batch", "seq", "256"]),
+    ];
+    let path = dir.join("tiny.onnx");
+    std::fs::write(&path, pb::model(&graph)).unwrap();
+    path
+}
+
+#[test]
+fn malformed_graphs_are_refused_by_name_not_by_a_panic() {
+    let dir = scratch("malformed");
+    // The well-formed file profiles: the refusals below are the malformations'.
+    let good = tiny_lm(&dir, None, &["h", "w"]);
+    let out =
+        tessera(&["profile", "--model", good.to_str().unwrap(), "--batch", "2", "--seq", "4"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for (inputs, want) in [
+        (&["h"][..], "\"/head/MatMul\" (MatMul, node #1) has 1 inputs, but the operator takes 2"),
+        (&["h", "w", "w"][..], "(MatMul, node #1) has 3 inputs"),
+        (&["logits", "w"][..], "cycle through node \"/head/MatMul\" (MatMul, node #1)"),
+    ] {
+        let model = tiny_lm(&dir, None, inputs);
+        let out = tessera(&["profile", "--model", model.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{inputs:?} was accepted");
+        assert!(err.contains(want) && err.contains("onnx.checker"), "{inputs:?}: {err}");
+        assert!(!err.contains("panicked") && !err.contains("deeper"), "{err}");
+    }
+}
+
+#[test]
+fn a_nan_initialiser_is_refused_by_name_before_training() {
+    let dir = scratch("nan");
+    let train = |model: &Path| {
+        tessera(&["train", "--model", model.to_str().unwrap(), "--steps", "1", "--batch", "2"])
+    };
+    // The same model with finite weights trains: the refusal below is the NaN's.
+    let good = train(&tiny_lm(&dir, None, &["h", "w"]));
+    assert!(good.status.success(), "{}", String::from_utf8_lossy(&good.stderr));
+    let out = train(&tiny_lm(&dir, Some((19, f32::NAN)), &["h", "w"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "trained from a NaN weight: {err}");
+    assert!(err.contains("initialiser emb holds 1 non-finite value(s)"), "{err}");
+    assert!(err.contains("first at element 19 (NaN)"), "{err}");
+    assert!(!err.contains("learning rate") && !err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn generate_on_an_onnx_file_says_what_it_needs() {
+    let dir = scratch("generate");
+    let model = tiny_lm(&dir, None, &["h", "w"]);
+    let out = tessera(&["generate", "--model-dir", model.to_str().unwrap(), "--tokens", "1,2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("generate needs a Hugging Face model directory"), "{err}");
+    assert!(err.contains("an ONNX file is for profile, plan, train"), "{err}");
+    assert!(!err.contains("UTF-8"), "{err}");
+}

@@ -28,3 +28,14 @@ pub fn axis(a: i64, rank: usize) -> Option<usize> {
     let a = if a < 0 { a + r } else { a };
     (0..r).contains(&a).then_some(a as usize)
 }
+
+/// [`axis`], or why not: the axis, the rank and the fix.
+pub fn axis_in(a: i64, rank: usize) -> Result<usize, String> {
+    axis(a, rank).ok_or_else(|| {
+        format!(
+            "axis {a} is out of range for a rank-{rank} tensor (-{rank}..{rank}); the file is \
+             malformed: re-export the model (onnx.checker.check_model(model, full_check=True) \
+             rejects it too)"
+        )
+    })
+}

@@ -55,6 +55,7 @@ pub fn eval(node: &NodeProto, x: &[Option<&Const>]) -> Fold<Option<Vec<Const>>> 
         "Mul" => one(arith(arg(0)?, arg(1)?, |a, b| a * b, |a, b| a.wrapping_mul(b))?),
         "Div" => one(arith(arg(0)?, arg(1)?, |a, b| a / b, |a, b| a.checked_div(b).unwrap_or(0))?),
         "Mod" => one(arith(arg(0)?, arg(1)?, |a, b| a % b, |a, b| a.checked_rem(b).unwrap_or(0))?),
+        "Max" | "Min" if x.len() != 2 => Err(format!("{} of {} inputs", node.op_type, x.len())),
         "Max" => one(arith(arg(0)?, arg(1)?, f64::max, i64::max)?),
         "Min" => one(arith(arg(0)?, arg(1)?, f64::min, i64::min)?),
         "Pow" => {
@@ -85,8 +86,7 @@ pub fn eval(node: &NodeProto, x: &[Option<&Const>]) -> Fold<Option<Vec<Const>>> 
         }
         "Flatten" => {
             let c = arg(0)?;
-            let a = attrs::axis(attrs::int(node, "axis", 1), c.shape.len() + 1)
-                .ok_or("axis out of range")?;
+            let a = attrs::axis_in(attrs::int(node, "axis", 1), c.shape.len() + 1)?;
             let outer = c.shape[..a].iter().product();
             one(c.reshaped(vec![outer, c.numel() / outer.max(1)]))
         }
@@ -221,7 +221,7 @@ fn cast(c: &Const, to: i64) -> Fold<Const> {
 }
 
 fn gather(c: &Const, idx: &Const, axis: i64) -> Fold<Const> {
-    let a = attrs::axis(axis, c.shape.len()).ok_or("axis out of range")?;
+    let a = attrs::axis_in(axis, c.shape.len())?;
     let st = strides(&c.shape);
     let n = c.shape[a] as i64;
     let (outer, inner): (usize, usize) =
@@ -259,10 +259,7 @@ pub fn axes_of(node: &NodeProto, input: Option<&Const>) -> Fold<Option<Vec<i64>>
 
 pub fn unsqueeze_shape(shape: &[usize], axes: &[i64]) -> Fold<Vec<usize>> {
     let rank = shape.len() + axes.len();
-    let mut at: Vec<usize> = axes
-        .iter()
-        .map(|&a| attrs::axis(a, rank).ok_or_else(|| "axis out of range".to_string()))
-        .collect::<Fold<_>>()?;
+    let mut at: Vec<usize> = axes.iter().map(|&a| attrs::axis_in(a, rank)).collect::<Fold<_>>()?;
     at.sort_unstable();
     let mut out = Vec::with_capacity(rank);
     let mut src = shape.iter();
@@ -278,10 +275,7 @@ pub fn unsqueeze_shape(shape: &[usize], axes: &[i64]) -> Fold<Vec<usize>> {
 
 pub fn squeeze_shape(shape: &[usize], axes: Option<&[i64]>) -> Fold<Vec<usize>> {
     let drop: Vec<usize> = match axes {
-        Some(a) => a
-            .iter()
-            .map(|&a| attrs::axis(a, shape.len()).ok_or_else(|| "axis out of range".to_string()))
-            .collect::<Fold<_>>()?,
+        Some(a) => a.iter().map(|&a| attrs::axis_in(a, shape.len())).collect::<Fold<_>>()?,
         None => (0..shape.len()).filter(|&d| shape[d] == 1).collect(),
     };
     if drop.iter().any(|&d| shape[d] != 1) {
@@ -292,7 +286,7 @@ pub fn squeeze_shape(shape: &[usize], axes: Option<&[i64]>) -> Fold<Vec<usize>> 
 
 fn concat(parts: &[&Const], axis: i64) -> Fold<Const> {
     let first = parts.first().ok_or("no inputs")?;
-    let a = attrs::axis(axis, first.shape.len()).ok_or("axis out of range")?;
+    let a = attrs::axis_in(axis, first.shape.len())?;
     let outer: usize = first.shape[..a].iter().product();
     let float = parts.iter().any(|p| p.elem == Elem::Float);
     let mut shape = first.shape.clone();
@@ -331,8 +325,7 @@ pub fn slice_params(shape: &[usize], x: &[Option<&Const>]) -> Fold<Vec<(usize, i
     let steps = get(3).unwrap_or_else(|| vec![1; starts.len()]);
     let mut out: Vec<(usize, i64, usize)> = shape.iter().map(|&n| (0, 1, n)).collect();
     for (k, &start) in starts.iter().enumerate() {
-        let a = attrs::axis(*axes.get(k).ok_or("axes shorter than starts")?, shape.len())
-            .ok_or("axis out of range")?;
+        let a = attrs::axis_in(*axes.get(k).ok_or("axes shorter than starts")?, shape.len())?;
         let n = shape[a] as i64;
         let step = *steps.get(k).ok_or("steps shorter than starts")?;
         if step == 0 {
@@ -453,7 +446,7 @@ fn trilu(c: &Const, k: i64, upper: bool) -> Fold<Const> {
 }
 
 fn cumsum(c: &Const, axis: i64, exclusive: bool, reverse: bool) -> Fold<Const> {
-    let a = attrs::axis(axis, c.shape.len()).ok_or("axis out of range")?;
+    let a = attrs::axis_in(axis, c.shape.len())?;
     guard(&c.shape)?;
     let st = strides(&c.shape);
     let n = c.shape[a];

@@ -326,8 +326,13 @@ impl<'m> Importer<'m> {
             });
         };
         self.depth += 1;
-        if self.depth > 100_000 {
-            return Err(self.unsupported(self.node(i), "the graph is deeper than 100000 nodes"));
+        // The validation bounds the graph's depth; this guards the walk itself.
+        if self.depth > crate::validate::MAX_DEPTH + 1 {
+            return Err(OnnxError::TooDeep {
+                path: self.m.path.display().to_string(),
+                node: crate::validate::describe(self.node(i), i),
+                limit: crate::validate::MAX_DEPTH,
+            });
         }
         let r = self.emit(i);
         self.depth -= 1;
@@ -338,24 +343,49 @@ impl<'m> Importer<'m> {
     }
 
     /// Whether value `name` is a constant once the axes are bound: it depends on no graph
-    /// input except through `Shape`/`Size`. Decided on the graph alone, emitting nothing.
+    /// input except through `Shape`/`Size`. Decided on the graph alone, emitting nothing, by
+    /// an explicit stack (no recursion along the graph's depth).
     pub(crate) fn is_static(&mut self, name: &str) -> bool {
-        if let Some(&s) = self.statics.get(name) {
-            return s;
-        }
-        let s = if self.m.is_initializer(name) {
-            !self.m.is_weight(name)
-        } else if let Some(i) = self.producer_of(name) {
-            let node = self.node(i);
-            match node.op_type.as_str() {
-                "Shape" | "Size" | "Constant" => true,
-                _ => node.input.iter().filter(|x| !x.is_empty()).all(|x| self.is_static(x)),
+        // (value, its inputs already pushed); `open` holds the values whose inputs are being
+        // decided, so a cycle (refused by the validation anyway) cannot loop.
+        let mut stack: Vec<(String, bool)> = vec![(name.to_string(), false)];
+        let mut open: std::collections::HashSet<String> = Default::default();
+        while let Some((top, expanded)) = stack.pop() {
+            if self.statics.contains_key(&top) {
+                continue;
             }
-        } else {
-            false
-        };
-        self.statics.insert(name.to_string(), s);
-        s
+            let s = if self.m.is_initializer(&top) {
+                !self.m.is_weight(&top)
+            } else if let Some(i) = self.producer_of(&top) {
+                let node = self.node(i);
+                match node.op_type.as_str() {
+                    "Shape" | "Size" | "Constant" => true,
+                    _ => {
+                        let ins = || node.input.iter().filter(|x| !x.is_empty());
+                        if !expanded {
+                            let pending: Vec<(String, bool)> = ins()
+                                .filter(|x| {
+                                    !self.statics.contains_key(x.as_str()) && !open.contains(*x)
+                                })
+                                .map(|x| (x.clone(), false))
+                                .collect();
+                            if !pending.is_empty() {
+                                open.insert(top.clone());
+                                stack.push((top, true));
+                                stack.extend(pending);
+                                continue;
+                            }
+                        }
+                        ins().all(|x| self.statics.get(x.as_str()) == Some(&true))
+                    }
+                }
+            } else {
+                false
+            };
+            open.remove(&top);
+            self.statics.insert(top, s);
+        }
+        self.statics.get(name).copied().unwrap_or(false)
     }
 
     /// The constant behind `v`, if it is one.

@@ -185,6 +185,12 @@ impl Importer<'_> {
                 b.div(one, x)
             })?),
             "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min" => {
+                if values.len() != 2 {
+                    return Err(self.unsupported(
+                        node,
+                        format!("{} of {} inputs (two are read)", node.op_type, values.len()),
+                    ));
+                }
                 let op = match node.op_type.as_str() {
                     "Add" => BinaryOp::Add,
                     "Sub" => BinaryOp::Sub,
@@ -202,6 +208,14 @@ impl Importer<'_> {
                         self.unsupported(node, "a power whose exponent is not a constant scalar")
                     );
                 };
+                if e.fract() != 0.0 && !self.never_negative(&node.input[0]) {
+                    return Err(OnnxError::NegativeBase {
+                        path: self.m.path.display().to_string(),
+                        node: crate::validate::describe(node, self.index_of(node)),
+                        base: node.input[0].clone(),
+                        exponent: e,
+                    });
+                }
                 let x = arg(0)?;
                 let out = self.elementwise1(node, &x, |b, x| match e {
                     1.0 => Ok(x),
@@ -262,9 +276,22 @@ impl Importer<'_> {
             "Transpose" => {
                 let x = arg(0)?;
                 let rank = self.shape_of(&x)?.len();
-                let p: Vec<usize> = attrs::ints(node, "perm")
-                    .map(|p| p.iter().map(|&v| v as usize).collect())
-                    .unwrap_or_else(|| (0..rank).rev().collect());
+                let p: Vec<usize> = match attrs::ints(node, "perm") {
+                    Some(p) if p.len() == rank && crate::validate::is_permutation(&p) => {
+                        p.iter().map(|&v| v as usize).collect()
+                    }
+                    Some(p) => {
+                        return Err(self.unsupported(
+                            node,
+                            format!(
+                                "perm {p:?} is not a permutation of the input's {rank} axes; \
+                                 re-export the model (onnx.checker.check_model with \
+                                 full_check=True rejects it too)"
+                            ),
+                        ))
+                    }
+                    None => (0..rank).rev().collect(),
+                };
                 let (id, old) = match x {
                     Value::Tensor { id, perm } => (id, perm),
                     other => (self.tensor(&other, &node.name, &node.op_type)?, None),
@@ -292,12 +319,12 @@ impl Importer<'_> {
                             attrs::int(node, "allowzero", 0),
                         )
                     }
-                    "Flatten" => attrs::axis(attrs::int(node, "axis", 1), shape.len() + 1)
-                        .map(|a| {
+                    "Flatten" => {
+                        attrs::axis_in(attrs::int(node, "axis", 1), shape.len() + 1).map(|a| {
                             let outer: usize = shape[..a].iter().product();
                             vec![outer, shape.iter().product::<usize>() / outer.max(1)]
                         })
-                        .ok_or_else(|| "axis out of range".to_string()),
+                    }
                     op => {
                         let axes_in = match node.input.get(1) {
                             Some(a) if !a.is_empty() => self.const_input(a)?,
@@ -375,8 +402,8 @@ impl Importer<'_> {
             "Split" => {
                 let x = arg(0)?;
                 let shape = self.shape_of(&x)?;
-                let a = attrs::axis(attrs::int(node, "axis", 0), shape.len())
-                    .ok_or_else(|| self.unsupported(node, "axis out of range"))?;
+                let a = attrs::axis_in(attrs::int(node, "axis", 0), shape.len())
+                    .map_err(|r| self.unsupported(node, r))?;
                 let sizes: Vec<usize> = match node.input.get(1).filter(|s| !s.is_empty()) {
                     Some(s) => match self.const_input(s)? {
                         Some(c) => {
@@ -407,8 +434,8 @@ impl Importer<'_> {
             }
             "Concat" => {
                 let first = self.shape_of(&arg(0)?)?;
-                let a = attrs::axis(attrs::int(node, "axis", 0), first.len())
-                    .ok_or_else(|| self.unsupported(node, "axis out of range"))?;
+                let a = attrs::axis_in(attrs::int(node, "axis", 0), first.len())
+                    .map_err(|r| self.unsupported(node, r))?;
                 let mut ids = Vec::new();
                 for v in values.iter().flatten() {
                     ids.push(self.tensor(v, &node.name, &node.op_type)?);
@@ -474,10 +501,7 @@ impl Importer<'_> {
                 let dims: Vec<usize> = match axes {
                     Some(a) if !a.is_empty() => a
                         .iter()
-                        .map(|&v| {
-                            attrs::axis(v, rank)
-                                .ok_or_else(|| self.unsupported(node, "axis out of range"))
-                        })
+                        .map(|&v| attrs::axis_in(v, rank).map_err(|r| self.unsupported(node, r)))
                         .collect::<Result<_>>()?,
                     _ if attrs::int(node, "noop_with_empty_axes", 0) != 0 => return t(x),
                     _ => (0..rank).collect(),
@@ -597,8 +621,7 @@ impl Importer<'_> {
     fn gather(&mut self, node: &NodeProto, data: &Value, idx: &Value) -> Result<Value> {
         let axis = attrs::int(node, "axis", 0);
         let shape = self.shape_of(data)?;
-        let a = attrs::axis(axis, shape.len())
-            .ok_or_else(|| self.unsupported(node, "axis out of range"))?;
+        let a = attrs::axis_in(axis, shape.len()).map_err(|r| self.unsupported(node, r))?;
         if let Some(ids) = self.as_const(idx)? {
             let n = shape[a] as i64;
             let v: Vec<i64> = ids.to_i64().iter().map(|&i| if i < 0 { i + n } else { i }).collect();

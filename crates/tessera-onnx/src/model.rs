@@ -83,6 +83,7 @@ impl OnnxModel {
                 supported: "operators of the default ONNX domain only".into(),
             });
         }
+        crate::validate::validate(&p, &graph)?;
         let inits: HashMap<String, usize> =
             graph.initializer.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         let port = |v: &onnx_protobuf::ValueInfoProto| -> Result<Port> {
@@ -193,11 +194,29 @@ impl OnnxModel {
     }
 
     /// The initialiser `name` as f32 values with its shape (a parameter's starting weights).
+    /// NaN or infinite values (or values beyond f32's range) are refused by name, so that no
+    /// training starts from them.
     pub fn weights_f32(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>> {
-        Ok(self.initializer(name)?.map(|c| {
-            let v = c.to_f64().into_iter().map(|x| x as f32).collect();
-            (c.shape, v)
-        }))
+        let Some(c) = self.initializer(name)? else { return Ok(None) };
+        let v: Vec<f32> = c.to_f64().into_iter().map(|x| x as f32).collect();
+        let mut bad = v.iter().enumerate().filter(|(_, x)| !x.is_finite());
+        if let Some((first_index, &x)) = bad.next() {
+            let stored = self.aliases.get(name).map_or(name, String::as_str);
+            let tensor = if stored == name {
+                name.to_string()
+            } else {
+                format!("{stored} (the value of parameter {name})")
+            };
+            return Err(OnnxError::NonFinite {
+                path: self.path.display().to_string(),
+                tensor,
+                count: 1 + bad.count(),
+                total: v.len(),
+                first_index,
+                first_value: x as f64,
+            });
+        }
+        Ok(Some((c.shape, v)))
     }
 
     /// Name and shape of every weight (float initialiser), in file order, then the merged
