@@ -93,8 +93,15 @@ pub(crate) fn check_scale_config(cfg: &LossScaleConfig) -> Result<()> {
         Ok(())
     } else {
         Err(RuntimeError::Binding(format!(
-            "invalid loss scaling {cfg:?}: need 0 < init_scale ≤ f32::MAX, growth_factor ≥ 1, \
-             0 < backoff_factor < 1 and growth_interval ≥ 1"
+            "invalid loss scaling: initial scale {}, growth factor {}, backoff factor {}, \
+             growth interval {}; need 0 < initial scale ≤ {:e} (f32's largest; --loss-scale), \
+             growth factor ≥ 1, 0 < backoff factor < 1 and growth interval ≥ 1 \
+             (--loss-scale-window)",
+            cfg.init_scale,
+            cfg.growth_factor,
+            cfg.backoff_factor,
+            cfg.growth_interval,
+            f32::MAX
         )))
     }
 }
