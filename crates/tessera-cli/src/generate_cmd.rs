@@ -70,13 +70,13 @@ pub struct GenerateArgs {
     #[arg(long, value_parser = parse_quantize)]
     pub quantize: Option<Quantize>,
     /// 0: greedy; otherwise sample with this temperature.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = crate::limits::temperature)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = crate::limits::temperature)]
     pub temperature: f64,
     /// Sample among the k most likely tokens (0: all).
     #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::limits::top_k())]
     pub top_k: usize,
     /// Sample among the most likely tokens whose probability reaches p.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = crate::limits::top_p)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = crate::limits::top_p)]
     pub top_p: f64,
     #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::limits::seed())]
     pub seed: u64,
@@ -91,7 +91,7 @@ pub struct GenerateArgs {
     #[arg(long, value_parser = parse_size)]
     pub memory_budget: Option<u64>,
     /// Seconds a device waits for the others in a collective before giving up.
-    #[arg(long, default_value_t = 30.0, allow_negative_numbers = true, value_parser = crate::limits::comm_timeout)]
+    #[arg(long, default_value_t = 30.0, allow_hyphen_values = true, value_parser = crate::limits::comm_timeout)]
     pub comm_timeout: f64,
     /// Write the logits each new token was chosen from (JSON: per step, per prompt, the
     /// vocabulary's logits) to this file.

@@ -45,7 +45,10 @@ where
             .parse()
             .map_err(|_| format!("`{s}` is not a whole number: give one in {range}"))?;
         if v < i128::from(lo) || v > i128::from(hi) {
-            return Err(format!("{v} is not in {range}: give a whole number in that range"));
+            return Err(format!(
+                "{} is not in {range}: give a whole number in that range",
+                s.trim()
+            ));
         }
         T::try_from(v as u64).map_err(|_| format!("{v} does not fit in this machine's integers"))
     }
@@ -103,7 +106,7 @@ fn float(s: &str, lo: f64, open: bool, hi: f64, what: &str) -> Result<f64, Strin
     let v: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number: give {what}"))?;
     let above = if open { v > lo } else { v >= lo };
     if !(v.is_finite() && above && v <= hi) {
-        return Err(format!("{v} is not a finite number in {range}: give {what}"));
+        return Err(format!("{} is not a finite number in {range}: give {what}", s.trim()));
     }
     Ok(v)
 }

@@ -65,7 +65,7 @@ pub struct TrainArgs {
     pub plan: String,
     /// Seconds a rank waits in a collective for its peers before the run ends with an error
     /// naming the rank and the collective.
-    #[arg(long, default_value_t = 30.0, allow_negative_numbers = true, value_parser = crate::limits::comm_timeout)]
+    #[arg(long, default_value_t = 30.0, allow_hyphen_values = true, value_parser = crate::limits::comm_timeout)]
     pub comm_timeout: f64,
     /// A preset, a Hugging Face config.json, or a directory holding one: causal LMs learn the
     /// next token, BERT masked positions.
@@ -104,7 +104,7 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub dtype: Precision,
     /// Peak learning rate.
-    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true, value_parser = crate::limits::lr)]
+    #[arg(long, default_value_t = 1e-3, allow_hyphen_values = true, value_parser = crate::limits::lr)]
     pub lr: f64,
     /// Learning-rate schedule over the run's --steps.
     #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
@@ -115,10 +115,10 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1337, allow_negative_numbers = true, value_parser = crate::limits::seed())]
     pub seed: u64,
     /// AdamW weight decay (matrices only).
-    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true, value_parser = crate::limits::weight_decay)]
+    #[arg(long, default_value_t = 0.1, allow_hyphen_values = true, value_parser = crate::limits::weight_decay)]
     pub weight_decay: f64,
     /// Clip gradients to this global norm (0 disables).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = crate::limits::max_grad_norm)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = crate::limits::max_grad_norm)]
     pub max_grad_norm: f64,
     /// Device memory budget, e.g. `512MiB`, `2GiB`: exceeding it is a clear error.
     #[arg(long, value_parser = parse_size)]
@@ -156,7 +156,7 @@ pub struct TrainArgs {
     #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub stop_after: Option<u64>,
     /// fp16: the initial loss scale.
-    #[arg(long, default_value_t = 65536.0, allow_negative_numbers = true, value_parser = crate::limits::loss_scale)]
+    #[arg(long, default_value_t = 65536.0, allow_hyphen_values = true, value_parser = crate::limits::loss_scale)]
     pub loss_scale: f64,
     /// fp16: double the loss scale after this many consecutive steps without overflow.
     #[arg(long, default_value_t = 2000, allow_negative_numbers = true, value_parser = crate::limits::steps())]

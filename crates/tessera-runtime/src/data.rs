@@ -328,11 +328,13 @@ pub fn read_bounded(
     if meta.is_file() {
         let need = meta.len().saturating_mul(factor);
         if let Some(avail) = crate::host::available_memory().filter(|&a| need > a) {
+            let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
             return Err(data_err(format!(
-                "data file {p} is {} bytes; loading it takes about {need} bytes of memory and \
-                 {avail} are available: use a smaller file (a slice of the corpus), or free \
-                 memory",
-                meta.len()
+                "data file {p} is {}; loading it takes about {} of memory and {} are available: \
+                 use a smaller file (a slice of the corpus), or free memory",
+                gib(meta.len()),
+                gib(need),
+                gib(avail)
             )));
         }
         let mut bytes = Vec::new();

@@ -108,3 +108,19 @@ pub(crate) fn check_scale_config(cfg: &LossScaleConfig) -> Result<()> {
 
 /// Key of the loss scaler's state in a checkpoint manifest's `extra`.
 pub const SCALER_KEY: &str = "loss_scaler";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refused configuration reads as figures and the flags that set them, not a Rust
+    /// debug struct (issue 43).
+    #[test]
+    fn a_bad_loss_scale_is_worded_not_debug_printed() {
+        let cfg = LossScaleConfig { init_scale: f64::INFINITY, ..LossScaleConfig::default() };
+        let e = check_scale_config(&cfg).unwrap_err().to_string();
+        assert!(e.contains("initial scale inf") && e.contains("--loss-scale"), "{e}");
+        assert!(!e.contains("LossScaleConfig") && !e.contains('{'), "{e}");
+        assert!(check_scale_config(&LossScaleConfig::default()).is_ok());
+    }
+}
