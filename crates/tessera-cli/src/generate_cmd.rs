@@ -47,7 +47,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub tokens: Vec<String>,
     /// New tokens per prompt.
-    #[arg(long, default_value_t = 32, allow_negative_numbers = true, value_parser = crate::limits::seq())]
+    #[arg(long, default_value_t = 32)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub max_new_tokens: usize,
     /// An HF tokenizer.json (default: the model directory's, else bytes when the vocabulary
     /// holds them).
@@ -55,7 +56,8 @@ pub struct GenerateArgs {
     pub tokenizer: Option<PathBuf>,
     /// Devices, one tensor-parallel group: threads of this process (simulated devices on the
     /// CPU; with --device cuda, a GPU each, shared round-robin when there are fewer GPUs).
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = crate::limits::devices())]
+    #[arg(long, default_value_t = 1)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::devices())]
     pub devices: usize,
     /// Where the kernels run: `cpu`, or `cuda` (NVIDIA GPUs; needs a `tessera` built with
     /// `--features cuda` and an NVIDIA driver).
@@ -70,15 +72,19 @@ pub struct GenerateArgs {
     #[arg(long, value_parser = parse_quantize)]
     pub quantize: Option<Quantize>,
     /// 0: greedy; otherwise sample with this temperature.
-    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = crate::limits::temperature)]
+    #[arg(long, default_value_t = 0.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::temperature)]
     pub temperature: f64,
     /// Sample among the k most likely tokens (0: all).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::limits::top_k())]
+    #[arg(long, default_value_t = 0)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::top_k())]
     pub top_k: usize,
     /// Sample among the most likely tokens whose probability reaches p.
-    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = crate::limits::top_p)]
+    #[arg(long, default_value_t = 1.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::top_p)]
     pub top_p: f64,
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::limits::seed())]
+    #[arg(long, default_value_t = 0)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seed())]
     pub seed: u64,
     /// Stop a prompt at this token (default: config.json's eos_token_id, if any; -1: never).
     #[arg(long, allow_hyphen_values = true, value_parser = crate::limits::eos())]
@@ -91,7 +97,8 @@ pub struct GenerateArgs {
     #[arg(long, value_parser = parse_size)]
     pub memory_budget: Option<u64>,
     /// Seconds a device waits for the others in a collective before giving up.
-    #[arg(long, default_value_t = 30.0, allow_hyphen_values = true, value_parser = crate::limits::comm_timeout)]
+    #[arg(long, default_value_t = 30.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::comm_timeout)]
     pub comm_timeout: f64,
     /// Write the logits each new token was chosen from (JSON: per step, per prompt, the
     /// vocabulary's logits) to this file.

@@ -23,7 +23,8 @@ pub struct InferenceArgs {
     #[arg(long)]
     pub inference: bool,
     /// Inference: tokens generated per prompt.
-    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = crate::limits::seq())]
+    #[arg(long, default_value_t = 128)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub new_tokens: usize,
     /// Inference: weight-only quantisation of the linear layers (int8 or int4).
     #[arg(long, value_parser = crate::generate_cmd::parse_quantize)]

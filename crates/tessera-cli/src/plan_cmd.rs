@@ -37,10 +37,12 @@ pub struct PlanArgs {
     #[arg(long, default_value = "8xH100")]
     pub cluster: String,
     /// Global batch: sequences per training step.
-    #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = crate::limits::batch())]
+    #[arg(long, default_value_t = 8)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::batch())]
     pub batch: usize,
     /// Sequence length. Default: 1024, or the model's positions if it has fewer.
-    #[arg(long, default_value_t = 1024, allow_negative_numbers = true, value_parser = crate::limits::seq())]
+    #[arg(long, default_value_t = 1024)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub seq: usize,
     #[arg(long, value_enum, default_value_t = Precision::Bf16)]
     pub dtype: Precision,

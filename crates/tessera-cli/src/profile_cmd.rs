@@ -53,7 +53,8 @@ pub struct ProfileArgs {
     #[arg(long, default_value = "gpt2")]
     pub model: String,
     /// Global batch: sequences per training step.
-    #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = crate::limits::batch())]
+    #[arg(long, default_value_t = 8)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::batch())]
     pub batch: usize,
     /// Sequence length (ignored by ViT, whose length is set by the image and patch size).
     /// Default: 1024, or the model's positions if it has fewer (gpt2-tiny: 256).

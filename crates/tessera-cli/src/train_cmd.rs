@@ -50,7 +50,8 @@ pub enum DeviceKind {
 pub struct TrainArgs {
     /// Devices to train on: simulated devices (threads) in this process, each with its own
     /// memory accountant and budget. Under mpirun/srun/torchrun, the launcher's world instead.
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = crate::limits::devices())]
+    #[arg(long, default_value_t = 4)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::devices())]
     pub devices: usize,
     /// Where the kernels run: `cpu`, or `cuda` (GPU i for device i; several over NCCL, untested).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
@@ -65,7 +66,8 @@ pub struct TrainArgs {
     pub plan: String,
     /// Seconds a rank waits in a collective for its peers before the run ends with an error
     /// naming the rank and the collective.
-    #[arg(long, default_value_t = 30.0, allow_hyphen_values = true, value_parser = crate::limits::comm_timeout)]
+    #[arg(long, default_value_t = 30.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::comm_timeout)]
     pub comm_timeout: f64,
     /// A preset, a Hugging Face config.json, or a directory holding one: causal LMs learn the
     /// next token, BERT masked positions.
@@ -91,12 +93,15 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = TokenBits::U16)]
     pub token_dtype: TokenBits,
     /// Optimizer steps; also the horizon of the learning-rate schedule.
-    #[arg(long, default_value_t = 150, allow_negative_numbers = true, value_parser = crate::limits::steps())]
+    #[arg(long, default_value_t = 150)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub steps: u64,
     /// Global batch: sequences per step.
-    #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = crate::limits::batch())]
+    #[arg(long, default_value_t = 8)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::batch())]
     pub batch: usize,
-    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = crate::limits::seq())]
+    #[arg(long, default_value_t = 128)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub seq: usize,
     /// fp32, or bf16 / fp16 mixed precision (half-precision weights, activations and
     /// gradients; fp32 master weights and AdamW state; arithmetic in f32). fp16 adds dynamic
@@ -104,7 +109,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub dtype: Precision,
     /// Peak learning rate.
-    #[arg(long, default_value_t = 1e-3, allow_hyphen_values = true, value_parser = crate::limits::lr)]
+    #[arg(long, default_value_t = 1e-3)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::lr)]
     pub lr: f64,
     /// Learning-rate schedule over the run's --steps.
     #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
@@ -112,13 +118,16 @@ pub struct TrainArgs {
     /// Warmup steps of the cosine schedule (default: 5% of --steps).
     #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::warmup())]
     pub warmup: Option<u64>,
-    #[arg(long, default_value_t = 1337, allow_negative_numbers = true, value_parser = crate::limits::seed())]
+    #[arg(long, default_value_t = 1337)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seed())]
     pub seed: u64,
     /// AdamW weight decay (matrices only).
-    #[arg(long, default_value_t = 0.1, allow_hyphen_values = true, value_parser = crate::limits::weight_decay)]
+    #[arg(long, default_value_t = 0.1)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::weight_decay)]
     pub weight_decay: f64,
     /// Clip gradients to this global norm (0 disables).
-    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = crate::limits::max_grad_norm)]
+    #[arg(long, default_value_t = 1.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::max_grad_norm)]
     pub max_grad_norm: f64,
     /// Device memory budget, e.g. `512MiB`, `2GiB`: exceeding it is a clear error.
     #[arg(long, value_parser = parse_size)]
@@ -126,7 +135,8 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub tiers: crate::tier_args::TierArgs,
     /// Held-out batches for the final eval loss.
-    #[arg(long, default_value_t = 8, allow_negative_numbers = true, value_parser = crate::limits::eval_batches())]
+    #[arg(long, default_value_t = 8)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::eval_batches())]
     pub eval_batches: usize,
     /// Write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s; with fp16
     /// also loss_scale and skipped) to this file.
@@ -145,7 +155,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub save: Option<PathBuf>,
     /// Also save every N steps (at least 1; without it, only at the end).
-    #[arg(long, requires = "save", allow_negative_numbers = true, value_parser = crate::limits::steps())]
+    #[arg(long, requires = "save")]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub save_every: Option<u64>,
     /// Resume from a checkpoint saved by `--save` (under any plan or device count). A
     /// `--steps` other than the saved run's extends it, the learning-rate schedule following
@@ -156,10 +167,12 @@ pub struct TrainArgs {
     #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub stop_after: Option<u64>,
     /// fp16: the initial loss scale.
-    #[arg(long, default_value_t = 65536.0, allow_hyphen_values = true, value_parser = crate::limits::loss_scale)]
+    #[arg(long, default_value_t = 65536.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::loss_scale)]
     pub loss_scale: f64,
     /// fp16: double the loss scale after this many consecutive steps without overflow.
-    #[arg(long, default_value_t = 2000, allow_negative_numbers = true, value_parser = crate::limits::steps())]
+    #[arg(long, default_value_t = 2000)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub loss_scale_window: u64,
     /// A TOML run file holding any of these flags by their long names (`model = "gpt2-tiny"`,
     /// `batch = 8`, `memory-budget = "20GiB"`, `explain = true`, lists for repeatable flags);
