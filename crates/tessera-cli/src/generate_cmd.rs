@@ -324,6 +324,12 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         tp,
     };
     let launched = tessera_comm::discover().map_err(|e| anyhow!(e))?.filter(|e| e.world_size > 1);
+    if args.device == DeviceKind::Cpu {
+        // Simulated devices hold their tensors in this process: one under a launcher, else tp.
+        let here = if launched.is_some() { 1 } else { tp as u64 };
+        let peak = planned.prefill.memory.peak_bytes.max(planned.decode.memory.peak_bytes);
+        crate::limits::check_generation_memory(peak.saturating_mul(here))?;
+    }
     let outcomes: Vec<Result<Generated>> = if let Some(env) = launched {
         match run_launched(&job, &env, &show)? {
             Some(outs) => outs.into_iter().map(Ok).collect(),

@@ -230,9 +230,9 @@ pub fn check_train(
 }
 
 /// Under an address-space limit (`ulimit -v`) too small for a run's `need` bytes (`devices`
-/// for the simulated devices, `held` already held), the refusal naming the limit: an
-/// allocation past it would abort the process.
-pub fn check_address_space(need: u64, devices: u64, held: u64) -> anyhow::Result<()> {
+/// for the simulated devices, `held` already held), the refusal naming the limit and `fix`
+/// (what else makes the run smaller): an allocation past the limit would abort the process.
+pub fn check_address_space(need: u64, devices: u64, held: u64, fix: &str) -> anyhow::Result<()> {
     use crate::format::bytes;
     let (Some(limit), Some(room)) =
         (tessera_runtime::host::address_space_limit(), tessera_runtime::host::address_space_room())
@@ -245,14 +245,38 @@ pub fn check_address_space(need: u64, devices: u64, held: u64) -> anyhow::Result
     anyhow::bail!(
         "this run needs about {} of memory (the simulated devices at their predicted peaks, \
          {}, plus {} this process holds) but its address-space limit (ulimit -v) of {} leaves \
-         {} to map: raise the limit (ulimit -v), or train on fewer devices (--devices), with a \
-         smaller --batch or --seq or a smaller model",
+         {} to map: raise the limit (ulimit -v), or {fix}",
         bytes(need),
         bytes(devices),
         bytes(held),
         bytes(limit),
         bytes(room)
     )
+}
+
+/// Before `generate` on the CPU allocates: its devices in this process at their predicted
+/// peak (`devices` bytes together) must fit in the host memory available, under an
+/// address-space limit too; past it the kernel kills the process or an allocation aborts it.
+pub fn check_generation_memory(devices: u64) -> anyhow::Result<()> {
+    use crate::format::bytes;
+    let fix = "generate on fewer prompts, with fewer --max-new-tokens, --quantize int8 or a \
+               smaller --dtype";
+    let Some(available) = tessera_runtime::host::available_memory() else { return Ok(()) };
+    let held = tessera_runtime::alloc::current_bytes();
+    let need = devices.saturating_add(held);
+    if need > available {
+        check_address_space(need, devices, held, fix)?;
+        anyhow::bail!(
+            "this generation needs about {} of host memory (its devices at their predicted \
+             peak, {}, plus {} this process holds) but the machine has {} available: {fix}, \
+             or free memory",
+            bytes(need),
+            bytes(devices),
+            bytes(held),
+            bytes(available)
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

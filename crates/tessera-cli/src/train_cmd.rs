@@ -743,7 +743,9 @@ fn check_host_memory(peaks: &[u64], rank: usize, local: usize) -> Result<()> {
     let held = tessera_runtime::alloc::current_bytes();
     let need = devices.saturating_add(held);
     if need > available {
-        crate::limits::check_address_space(need, devices, held)?;
+        let fix = "train on fewer devices (--devices), with a smaller --batch or --seq or a \
+                   smaller model";
+        crate::limits::check_address_space(need, devices, held, fix)?;
         bail!(
             "this run needs about {} of host memory ({local} simulated device(s) at their \
              predicted peaks, {} together, plus {} this process holds) but the machine has {} \

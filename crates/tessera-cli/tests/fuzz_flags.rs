@@ -56,6 +56,10 @@ fn profile_args() -> impl Strategy<Value = Vec<String>> {
         if infer {
             a.push("--inference".into());
         }
+        // gpt2-tiny's 256 positions hold a prompt of 32 and the default 128 new tokens.
+        if !flags.iter().any(|(f, _)| *f == "--seq") {
+            a.extend(["--seq", "32"].map(String::from));
+        }
         for (f, v) in flags {
             a.push(f.to_string());
             a.push(v);
@@ -182,4 +186,17 @@ fn train_and_generate_refuse_bad_flags_as_json() {
         assert_eq!(v["error"]["kind"], "usage", "{args:?}: {v}");
         assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
     }
+}
+
+/// The runs the cases above edit plan and profile as given, so that an edited value reaches
+/// the commands' own checks and not only the parser's.
+#[test]
+fn the_fuzzed_runs_start_from_ones_that_succeed() {
+    let plan = ["plan", "--model", "gpt2-tiny", "--plan", "dp2", "--cluster", "2xH100"];
+    let plan = [&plan[..], &["--batch", "4", "--seq", "32"]].concat();
+    let v = tessera_cli::json_report(plan).expect("the base plan");
+    assert_eq!(v["devices"], 2, "{v}");
+    let v =
+        tessera_cli::json_report(["profile", "--model", "gpt2-tiny", "--inference", "--seq", "32"]);
+    assert!(v.expect("the base profile").is_object());
 }
