@@ -84,7 +84,7 @@ fn parse(argv: Vec<OsString>) -> Result<Parsed, Refused> {
     let refused = |error| Refused { error, json: argv_wants_json(&run.argv) };
     let matches = Cli::command().try_get_matches_from(&run.argv).map_err(refused)?;
     let mut cli = Cli::from_arg_matches(&matches).map_err(refused)?;
-    let json = wants_json(&matches);
+    let json = wants_json(&matches) || (run.checked.is_err() && run_file::says_json(&matches));
     if let Some((_, sub)) = matches.subcommand() {
         let given =
             plan_file::Given::from_matches(sub).with_run_file(run.file.as_deref(), &run.ids);

@@ -303,3 +303,16 @@ fn hand_edited_plan_files_are_refused_naming_the_field() {
         refused(&[&base[..], &["--plan", e.to_str().unwrap()]].concat(), 1, &[says]);
     }
 }
+
+/// A run file that asks for `format = "json"` has its own refusal reported as JSON too.
+#[test]
+fn a_run_file_asking_for_json_gets_its_refusal_as_json() {
+    let dir = temp("run-file");
+    let file = dir.join("run.toml");
+    std::fs::write(&file, "steps = -5\nformat = \"json\"\n").unwrap();
+    let args = ["train", "--config", file.to_str().unwrap()];
+    let e = json_error(&args);
+    let message = e["message"].as_str().unwrap();
+    assert!(message.contains("`steps = -5`") && message.contains("1..=1000000000"), "{e}");
+    refused(&args, 1, &["run file", "steps = -5"]);
+}
