@@ -316,3 +316,16 @@ fn a_run_file_asking_for_json_gets_its_refusal_as_json() {
     assert!(message.contains("`steps = -5`") && message.contains("1..=1000000000"), "{e}");
     refused(&args, 1, &["run file", "steps = -5"]);
 }
+
+/// A device given where a file is read (a tokenizer, a model config) is refused at a cap, not
+/// read until memory runs out.
+#[test]
+fn devices_as_tokenizer_or_model_are_refused() {
+    refused(
+        &["train", "--devices", "1", "--tokenizer", "/dev/zero"],
+        1,
+        &["/dev/zero is not a regular file", "256 MiB"],
+    );
+    refused(&["train", "--devices", "1", "--model", "/dev/zero"], 1, &["more than 16 MiB"]);
+    refused(&["eval", "--model-dir", "/dev/zero", "--tokens", "1,2"], 1, &["more than 16 MiB"]);
+}

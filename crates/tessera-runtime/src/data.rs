@@ -86,7 +86,8 @@ impl HfTokenizer {
     /// Reads a `tokenizer.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<HfTokenizer> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| {
+        // The JSON and the vocabulary and merges parsed from it.
+        let bytes = read_bounded(path, 16, |e| {
             data_err(format!(
                 "cannot read tokenizer file {}: {e}; pass the path of a Hugging Face \
                  tokenizer.json (or `bytes` for the byte tokenizer)",
