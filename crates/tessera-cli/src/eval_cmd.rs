@@ -45,12 +45,7 @@ pub struct EvalArgs {
 }
 
 fn parse_tokens(s: &str) -> Result<Vec<i64>> {
-    let ids: Vec<i64> = s
-        .split(',')
-        .map(|t| t.trim())
-        .filter(|t| !t.is_empty())
-        .map(|t| t.parse::<i64>().with_context(|| format!("`{t}` in --tokens is not a token id")))
-        .collect::<Result<_>>()?;
+    let ids = crate::limits::token_ids(s)?;
     if ids.len() < 2 {
         bail!("--tokens needs at least two ids (the loss predicts each id from those before it)");
     }

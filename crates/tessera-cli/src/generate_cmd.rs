@@ -48,6 +48,7 @@ pub struct GenerateArgs {
     pub tokens: Vec<String>,
     /// New tokens per prompt.
     #[arg(long, default_value_t = 32)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub max_new_tokens: usize,
     /// An HF tokenizer.json (default: the model directory's, else bytes when the vocabulary
     /// holds them).
@@ -56,6 +57,7 @@ pub struct GenerateArgs {
     /// Devices, one tensor-parallel group: threads of this process (simulated devices on the
     /// CPU; with --device cuda, a GPU each, shared round-robin when there are fewer GPUs).
     #[arg(long, default_value_t = 1)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::devices())]
     pub devices: usize,
     /// Where the kernels run: `cpu`, or `cuda` (NVIDIA GPUs; needs a `tessera` built with
     /// `--features cuda` and an NVIDIA driver).
@@ -71,17 +73,21 @@ pub struct GenerateArgs {
     pub quantize: Option<Quantize>,
     /// 0: greedy; otherwise sample with this temperature.
     #[arg(long, default_value_t = 0.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::temperature)]
     pub temperature: f64,
     /// Sample among the k most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::top_k())]
     pub top_k: usize,
     /// Sample among the most likely tokens whose probability reaches p.
     #[arg(long, default_value_t = 1.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::top_p)]
     pub top_p: f64,
     #[arg(long, default_value_t = 0)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seed())]
     pub seed: u64,
     /// Stop a prompt at this token (default: config.json's eos_token_id, if any; -1: never).
-    #[arg(long, allow_hyphen_values = true)]
+    #[arg(long, allow_hyphen_values = true, value_parser = crate::limits::eos())]
     pub eos: Option<i64>,
     /// Weights, caches and activations dtype.
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
@@ -92,6 +98,7 @@ pub struct GenerateArgs {
     pub memory_budget: Option<u64>,
     /// Seconds a device waits for the others in a collective before giving up.
     #[arg(long, default_value_t = 30.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::comm_timeout)]
     pub comm_timeout: f64,
     /// Write the logits each new token was chosen from (JSON: per step, per prompt, the
     /// vocabulary's logits) to this file.
@@ -145,15 +152,7 @@ fn prompts(args: &GenerateArgs, vocab: usize) -> Result<(Vec<Vec<i64>>, Option<T
     };
     let mut out = Vec::new();
     for t in &args.tokens {
-        let ids: Vec<i64> = t
-            .split(',')
-            .map(str::trim)
-            .filter(|x| !x.is_empty())
-            .map(|x| {
-                x.parse::<i64>().with_context(|| format!("`{x}` in --tokens is not a token id"))
-            })
-            .collect::<Result<_>>()?;
-        out.push(ids);
+        out.push(crate::limits::token_ids(t)?);
     }
     for p in &args.prompt {
         let Some(tk) = &tokenizer else {
@@ -205,7 +204,13 @@ fn plan(
     prompt: usize,
     tp: usize,
 ) -> Result<Planned> {
-    let capacity = prompt + args.max_new_tokens.max(1) - 1;
+    let capacity = crate::limits::kv_capacity(
+        cfg,
+        prompt,
+        args.max_new_tokens,
+        "the longest --prompt/--tokens",
+        "--max-new-tokens",
+    )?;
     let step = |seq: usize| GenerateOptions {
         batch,
         seq,
@@ -282,6 +287,11 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let planned = plan(&cfg, args, batch, longest, tp)?;
     let eos = match args.eos {
         Some(e) if e < 0 => None,
+        Some(e) if e as u64 >= vocab as u64 => bail!(
+            "--eos {e} is outside the model's vocabulary of {vocab} (ids 0 to {}): give an id \
+             below {vocab}, or -1 to never stop early",
+            vocab - 1
+        ),
         Some(e) => Some(e),
         None => config_eos(&args.model_dir),
     };
@@ -322,6 +332,12 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         tp,
     };
     let launched = tessera_comm::discover().map_err(|e| anyhow!(e))?.filter(|e| e.world_size > 1);
+    if args.device == DeviceKind::Cpu {
+        // Simulated devices hold their tensors in this process: one under a launcher, else tp.
+        let here = if launched.is_some() { 1 } else { tp as u64 };
+        let peak = planned.prefill.memory.peak_bytes.max(planned.decode.memory.peak_bytes);
+        crate::limits::check_generation_memory(peak.saturating_mul(here))?;
+    }
     let outcomes: Vec<Result<Generated>> = if let Some(env) = launched {
         match run_launched(&job, &env, &show)? {
             Some(outs) => outs.into_iter().map(Ok).collect(),

@@ -24,6 +24,7 @@ pub struct InferenceArgs {
     pub inference: bool,
     /// Inference: tokens generated per prompt.
     #[arg(long, default_value_t = 128)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub new_tokens: usize,
     /// Inference: weight-only quantisation of the linear layers (int8 or int4).
     #[arg(long, value_parser = crate::generate_cmd::parse_quantize)]
@@ -42,14 +43,8 @@ fn steps(
     if batch == 0 || prompt == 0 || new_tokens == 0 {
         bail!("--batch, --seq (the prompt) and --new-tokens must be at least 1");
     }
-    let opts = |seq| GenerateOptions {
-        batch,
-        seq,
-        capacity: prompt + new_tokens - 1,
-        dtype,
-        quantize,
-        all_logits: false,
-    };
+    let capacity = crate::limits::kv_capacity(cfg, prompt, new_tokens, "--seq", "--new-tokens")?;
+    let opts = |seq| GenerateOptions { batch, seq, capacity, dtype, quantize, all_logits: false };
     let pre = build_generation(cfg, &opts(prompt))?;
     let dec = build_generation(cfg, &opts(1))?;
     Ok(((pre.builder.finish(), pre.logits), (dec.builder.finish(), dec.logits)))

@@ -17,6 +17,7 @@ mod format;
 mod generate_cmd;
 mod gpu_plan;
 mod inference_cmd;
+mod limits;
 mod pictures;
 mod plan_cmd;
 mod plan_file;
@@ -59,6 +60,13 @@ enum Command {
     Calibrate(calibrate_cmd::CalibrateArgs),
 }
 
+/// A command line clap refused, and whether it (with its run file's flags) asked for
+/// `--format json`.
+struct Refused {
+    error: clap::Error,
+    json: bool,
+}
+
 /// A command line as `tessera` reads it.
 struct Parsed {
     command: Command,
@@ -71,14 +79,12 @@ struct Parsed {
 /// Parses `argv` (program name first): a run file's flags join the command line's, which win
 /// (`run_file`); the flags the user gave are recorded (a plan file supplies the others,
 /// `plan_file`).
-fn parse(argv: Vec<OsString>) -> Result<Parsed, clap::Error> {
+fn parse(argv: Vec<OsString>) -> Result<Parsed, Refused> {
     let run = run_file::expand(&Cli::command(), argv);
-    let matches = Cli::command().try_get_matches_from(&run.argv)?;
-    let mut cli = Cli::from_arg_matches(&matches)?;
-    let json = matches.subcommand().is_some_and(|(_, sub)| {
-        sub.try_get_one::<profile_cmd::OutputFormat>("format").ok().flatten()
-            == Some(&profile_cmd::OutputFormat::Json)
-    });
+    let refused = |error| Refused { error, json: argv_wants_json(&run.argv) };
+    let matches = Cli::command().try_get_matches_from(&run.argv).map_err(refused)?;
+    let mut cli = Cli::from_arg_matches(&matches).map_err(refused)?;
+    let json = wants_json(&matches) || (run.checked.is_err() && run_file::says_json(&matches));
     if let Some((_, sub)) = matches.subcommand() {
         let given =
             plan_file::Given::from_matches(sub).with_run_file(run.file.as_deref(), &run.ids);
@@ -91,9 +97,61 @@ fn parse(argv: Vec<OsString>) -> Result<Parsed, clap::Error> {
     Ok(Parsed { command: cli.command, json, checked: run.checked })
 }
 
+/// Whether the (innermost) subcommand of `matches` was given `--format json`: `checkpoint
+/// verify`'s is a level down.
+fn wants_json(matches: &clap::ArgMatches) -> bool {
+    let Some((_, sub)) = matches.subcommand() else { return false };
+    sub.try_get_one::<profile_cmd::OutputFormat>("format").ok().flatten()
+        == Some(&profile_cmd::OutputFormat::Json)
+        || wants_json(sub)
+}
+
+/// Whether a command line clap refused asked for `--format json` (or `--format=json`): its
+/// refusal is then reported as JSON too.
+fn argv_wants_json(argv: &[OsString]) -> bool {
+    argv.iter().zip(argv.iter().skip(1)).any(|(a, b)| a == "--format" && b == "json")
+        || argv.iter().any(|a| a == "--format=json")
+}
+
+/// A command line clap refused: its text on stderr (usage and all), and under `--format json`
+/// the error object `{"error": {"kind": "usage", "message"}}` on stdout; exit status 2.
+/// `--help` and `--version` print as clap prints them.
+fn refuse_usage(Refused { error: e, json }: Refused) -> ExitCode {
+    use clap::error::ErrorKind;
+    let informational = matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    );
+    if informational || !json {
+        e.exit();
+    }
+    let _ = e.print();
+    println!("{}", usage_json(&e));
+    ExitCode::from(2)
+}
+
+/// `{"error": {"kind": "usage", "message"}}` for a command line clap refused: its text without
+/// the usage lines and its own `error: `.
+fn usage_json(e: &clap::Error) -> serde_json::Value {
+    let text = e.render().to_string();
+    let message = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let message = message.trim_start_matches("error: ").to_string();
+    serde_json::json!({ "error": { "kind": "usage", "message": message } })
+}
+
 /// The `tessera` binary: parses the process's arguments, runs the command, reports a failure.
 pub fn main() -> ExitCode {
-    let parsed = parse(std::env::args_os().collect()).unwrap_or_else(|e| e.exit());
+    let parsed = match parse(std::env::args_os().collect()) {
+        Ok(parsed) => parsed,
+        Err(refused) => return refuse_usage(refused),
+    };
     let json = parsed.json;
     // A run file the command cannot take is its failure (as JSON too under `--format json`).
     let result = parsed.checked.and_then(|()| match parsed.command {
@@ -157,8 +215,9 @@ where
     }
     argv.extend(["--format", "json"].map(OsString::from));
     // clap's text without its own `error: `.
-    let parsed = parse(argv).map_err(|e| {
-        usage(e.render().to_string().trim().trim_start_matches("error: ").to_string())
+    let parsed = parse(argv).map_err(|r| {
+        let doc = usage_json(&r.error);
+        usage(doc["error"]["message"].as_str().unwrap_or_default().to_string())
     })?;
     let result = parsed.checked.and_then(|()| match parsed.command {
         Command::Profile(args) => profile_cmd::report(&args),

@@ -38,9 +38,11 @@ pub struct PlanArgs {
     pub cluster: String,
     /// Global batch: sequences per training step.
     #[arg(long, default_value_t = 8)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::batch())]
     pub batch: usize,
     /// Sequence length. Default: 1024, or the model's positions if it has fewer.
     #[arg(long, default_value_t = 1024)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub seq: usize,
     #[arg(long, value_enum, default_value_t = Precision::Bf16)]
     pub dtype: Precision,
@@ -176,7 +178,17 @@ fn planned(
 ) -> Result<Option<(Plan, Option<tessera_plan::pipeline::schedule::Timeline>)>> {
     let mut cluster = Cluster::parse(&args.cluster).map_err(plan_err)?;
     if let Some(r) = &args.reserve {
-        cluster = cluster.with_reserve(parse_bytes(r).map_err(plan_err)?);
+        let reserve = parse_bytes(r).map_err(plan_err)?;
+        let memory = cluster.device.memory_bytes;
+        if reserve >= memory && args.memory_budget.is_none() {
+            bail!(
+                "--reserve {r} leaves nothing of the {} device's {} of memory to plan with: give \
+                 a smaller --reserve (the memory a device keeps for itself)",
+                cluster.device.name,
+                crate::format::bytes(memory)
+            );
+        }
+        cluster = cluster.with_reserve(reserve);
     }
     let cluster = args.tiers.apply(cluster)?;
     let budget = match &args.memory_budget {

@@ -54,10 +54,11 @@ pub struct ProfileArgs {
     pub model: String,
     /// Global batch: sequences per training step.
     #[arg(long, default_value_t = 8)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::batch())]
     pub batch: usize,
     /// Sequence length (ignored by ViT, whose length is set by the image and patch size).
     /// Default: 1024, or the model's positions if it has fewer (gpt2-tiny: 256).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub seq: Option<usize>,
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub dtype: Precision,

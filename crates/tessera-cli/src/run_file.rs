@@ -20,6 +20,16 @@ use std::path::{Path, PathBuf};
 /// takes run files.
 pub const FLAG: &str = "config";
 
+/// Whether the run file the subcommand of `matches` names sets `format = "json"`: a run file
+/// the command cannot take is then reported as JSON, as its flags asked.
+pub fn says_json(matches: &ArgMatches) -> bool {
+    let Some((_, sub)) = matches.subcommand() else { return false };
+    let Some(file) = sub.try_get_one::<PathBuf>(FLAG).ok().flatten() else { return false };
+    let Ok(text) = std::fs::read_to_string(file) else { return false };
+    let Ok(table) = text.parse::<toml::Table>() else { return false };
+    table.get("format").and_then(toml::Value::as_str) == Some("json")
+}
+
 /// The command line with the run file's flags in it.
 pub struct Expanded {
     pub argv: Vec<OsString>,

@@ -51,6 +51,7 @@ pub struct TrainArgs {
     /// Devices to train on: simulated devices (threads) in this process, each with its own
     /// memory accountant and budget. Under mpirun/srun/torchrun, the launcher's world instead.
     #[arg(long, default_value_t = 4)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::devices())]
     pub devices: usize,
     /// Where the kernels run: `cpu`, or `cuda` (GPU i for device i; several over NCCL, untested).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
@@ -66,6 +67,7 @@ pub struct TrainArgs {
     /// Seconds a rank waits in a collective for its peers before the run ends with an error
     /// naming the rank and the collective.
     #[arg(long, default_value_t = 30.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::comm_timeout)]
     pub comm_timeout: f64,
     /// A preset, a Hugging Face config.json, or a directory holding one: causal LMs learn the
     /// next token, BERT masked positions.
@@ -92,11 +94,14 @@ pub struct TrainArgs {
     pub token_dtype: TokenBits,
     /// Optimizer steps; also the horizon of the learning-rate schedule.
     #[arg(long, default_value_t = 150)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub steps: u64,
     /// Global batch: sequences per step.
     #[arg(long, default_value_t = 8)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::batch())]
     pub batch: usize,
     #[arg(long, default_value_t = 128)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub seq: usize,
     /// fp32, or bf16 / fp16 mixed precision (half-precision weights, activations and
     /// gradients; fp32 master weights and AdamW state; arithmetic in f32). fp16 adds dynamic
@@ -105,20 +110,24 @@ pub struct TrainArgs {
     pub dtype: Precision,
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::lr)]
     pub lr: f64,
     /// Learning-rate schedule over the run's --steps.
     #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
     pub schedule: ScheduleKind,
     /// Warmup steps of the cosine schedule (default: 5% of --steps).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::warmup())]
     pub warmup: Option<u64>,
     #[arg(long, default_value_t = 1337)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::seed())]
     pub seed: u64,
     /// AdamW weight decay (matrices only).
     #[arg(long, default_value_t = 0.1)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::weight_decay)]
     pub weight_decay: f64,
     /// Clip gradients to this global norm (0 disables).
     #[arg(long, default_value_t = 1.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::max_grad_norm)]
     pub max_grad_norm: f64,
     /// Device memory budget, e.g. `512MiB`, `2GiB`: exceeding it is a clear error.
     #[arg(long, value_parser = parse_size)]
@@ -127,6 +136,7 @@ pub struct TrainArgs {
     pub tiers: crate::tier_args::TierArgs,
     /// Held-out batches for the final eval loss.
     #[arg(long, default_value_t = 8)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::eval_batches())]
     pub eval_batches: usize,
     /// Write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s; with fp16
     /// also loss_scale and skipped) to this file.
@@ -144,8 +154,9 @@ pub struct TrainArgs {
     /// this directory at the end of the run (atomically: an interrupted save keeps the old one).
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Also save every N steps.
+    /// Also save every N steps (at least 1; without it, only at the end).
     #[arg(long, requires = "save")]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub save_every: Option<u64>,
     /// Resume from a checkpoint saved by `--save` (under any plan or device count). A
     /// `--steps` other than the saved run's extends it, the learning-rate schedule following
@@ -153,13 +164,15 @@ pub struct TrainArgs {
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Stop after this step (the schedule still spans --steps); for tests and preemption.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub stop_after: Option<u64>,
     /// fp16: the initial loss scale.
     #[arg(long, default_value_t = 65536.0)]
+    #[arg(allow_hyphen_values = true, value_parser = crate::limits::loss_scale)]
     pub loss_scale: f64,
     /// fp16: double the loss scale after this many consecutive steps without overflow.
     #[arg(long, default_value_t = 2000)]
+    #[arg(allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub loss_scale_window: u64,
     /// A TOML run file holding any of these flags by their long names (`model = "gpt2-tiny"`,
     /// `batch = 8`, `memory-budget = "20GiB"`, `explain = true`, lists for repeatable flags);
@@ -410,7 +423,7 @@ fn validate(args: &TrainArgs) -> Result<()> {
     if let Some(path) = &args.plot {
         crate::pictures::check_destination(path, "--plot")?;
     }
-    Ok(())
+    crate::limits::check_train(args.steps, args.stop_after, args.lr, args.weight_decay)
 }
 
 pub fn run(args: &TrainArgs) -> Result<()> {
@@ -730,6 +743,9 @@ fn check_host_memory(peaks: &[u64], rank: usize, local: usize) -> Result<()> {
     let held = tessera_runtime::alloc::current_bytes();
     let need = devices.saturating_add(held);
     if need > available {
+        let fix = "train on fewer devices (--devices), with a smaller --batch or --seq or a \
+                   smaller model";
+        crate::limits::check_address_space(need, devices, held, fix)?;
         bail!(
             "this run needs about {} of host memory ({local} simulated device(s) at their \
              predicted peaks, {} together, plus {} this process holds) but the machine has {} \

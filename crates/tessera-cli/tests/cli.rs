@@ -151,8 +151,12 @@ fn unknown_preset_and_missing_file_are_clear_errors() {
 
 #[test]
 fn zero_batch_is_a_clear_error() {
-    let e = expect_clean_error(&["profile", "--model", "gpt2-tiny", "--batch", "0"]);
-    assert!(e.contains("batch"), "{e}");
+    // The parser refuses it, naming the flag and its range (issue 43).
+    let out = tessera(&["profile", "--model", "gpt2-tiny", "--batch", "0"]);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.starts_with("error: ") && err.contains("--batch") && err.contains("1..="), "{err}");
+    assert!(out.stdout.is_empty(), "nothing on stdout without --format json");
 }
 
 /// Without `--seq`, `profile` and `plan` take 1024 positions, or the model's learned positions

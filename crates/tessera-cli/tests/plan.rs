@@ -182,7 +182,11 @@ fn errors_are_json_under_format_json() {
         error(&[SMALL, &["--cluster", "8xH1000", "--format", "json"]].concat())["kind"],
         "invalid"
     );
-    assert_eq!(error(&["train", "--steps", "0", "--format", "json"])["kind"], "failed");
+    // A value the parser refuses is a usage error, on stdout as JSON too (issue 43).
+    let (ok, out, err) = tessera(&["train", "--steps", "0", "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert!(!ok && v["error"]["kind"] == "usage", "{out}");
+    assert!(err.contains("--steps") && err.contains("1..="), "{err}");
     // One device has no data-parallel replicas: the advice does not suggest ZeRO.
     let one =
         [SMALL, &["--cluster", "1xH100", "--plan", "dp1", "--memory-budget", "1MiB"]].concat();

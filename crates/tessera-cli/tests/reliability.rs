@@ -156,12 +156,12 @@ fn a_killed_run_leaves_its_steps_in_the_log() {
 #[test]
 fn flags_out_of_range_are_refused_naming_the_flag() {
     for (flags, says) in [
-        (&["--lr=-1"][..], "--lr -1 must be a positive number"),
-        (&["--lr", "NaN"], "--lr NaN must be a positive number"),
-        (&["--weight-decay=-0.1"], "--weight-decay -0.1 must be 0 or more"),
-        (&["--max-grad-norm=-1"], "--max-grad-norm -1 must be 0 (off) or more"),
+        (&["--lr=-1"][..], "'--lr <LR>': -1 is not a finite number in (0, 10]"),
+        (&["--lr", "NaN"], "'--lr <LR>': NaN is not a finite number in (0, 10]"),
+        (&["--weight-decay=-0.1"], "-0.1 is not a finite number in [0, 10]"),
+        (&["--max-grad-norm=-1"], "-1 is not a finite number in [0, 1000000]"),
         (&["--warmup", "10"], "--warmup 10 is longer than the run (--steps 5)"),
-        (&["--comm-timeout", "0"], "--comm-timeout 0 must be a positive number of seconds"),
+        (&["--comm-timeout", "0"], "0 is not a finite number in (0, 1000000]: give seconds"),
     ] {
         let mut args = vec!["train", "--steps", "5"];
         args.extend(flags);

@@ -109,8 +109,20 @@ impl ModelConfig {
     /// `_name_or_path` in the file, the model is named after its directory.
     pub fn from_path(path: &Path) -> Result<ModelConfig> {
         let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
-        let text = std::fs::read_to_string(&file)
-            .map_err(|source| ModelError::Io { path: file.display().to_string(), source })?;
+        let io = |source| ModelError::Io { path: file.display().to_string(), source };
+        // A config.json is a few KiB: read at most 16 MiB, so that a device (`/dev/zero`) or
+        // a huge file passed as the model is refused, not read until memory runs out.
+        const MAX_CONFIG_BYTES: u64 = 16 << 20;
+        let mut bytes = Vec::new();
+        use std::io::Read as _;
+        std::fs::File::open(&file)
+            .and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes))
+            .map_err(io)?;
+        if bytes.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(io(std::io::Error::other("more than 16 MiB, which no model config is")));
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
         let name = if file.file_name().is_some_and(|n| n == "config.json") {
             file.parent().and_then(Path::file_name)
         } else {

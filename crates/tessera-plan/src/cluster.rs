@@ -639,11 +639,20 @@ fn default_host() -> HostTier {
     HostTier::preset("", 1)
 }
 
+/// The most nodes a cluster may have: the planner's search grows with the device count, and
+/// a count past these is a typo, not a machine (`99999999999xH100` ran for minutes).
+pub const MAX_NODES: usize = 1 << 16;
+/// The most devices one node may have (a single count, `256xH100`, is one node's).
+pub const MAX_DEVICES_PER_NODE: usize = 1 << 12;
+/// The most devices a cluster may have in all.
+pub const MAX_DEVICES: usize = 1 << 16;
+
 const GRAMMAR: &str = "write [NODES x] GPUS x DEVICE, e.g. 8xH100 or 2x8xH100, or a path to a \
                        .toml/.json cluster file";
 
 impl Cluster {
-    /// A checked cluster: at least one node and one device per node, a valid device and links.
+    /// A checked cluster: at least one node and one device per node (at most [`MAX_NODES`]
+    /// of at most [`MAX_DEVICES_PER_NODE`], [`MAX_DEVICES`] in all), a valid device and links.
     pub fn new(
         nodes: usize,
         gpus_per_node: usize,
@@ -657,9 +666,18 @@ impl Cluster {
         if gpus_per_node == 0 {
             return Err(PlanError::Invalid("a cluster needs at least 1 device per node".into()));
         }
-        if nodes.checked_mul(gpus_per_node).is_none() {
+        if nodes > MAX_NODES || gpus_per_node > MAX_DEVICES_PER_NODE {
             return Err(PlanError::Invalid(format!(
-                "{nodes} nodes x {gpus_per_node} devices overflows; use smaller counts"
+                "a cluster of {nodes} node(s) × {gpus_per_node} device(s) per node is past what \
+                 the planner searches (at most {MAX_NODES} nodes of at most \
+                 {MAX_DEVICES_PER_NODE} devices): give smaller counts, e.g. 16x8xH100"
+            )));
+        }
+        let total = nodes.saturating_mul(gpus_per_node);
+        if total > MAX_DEVICES {
+            return Err(PlanError::Invalid(format!(
+                "a cluster of {nodes} nodes × {gpus_per_node} devices is {total} devices, past \
+                 the {MAX_DEVICES} the planner searches: give smaller counts"
             )));
         }
         device.validate()?;

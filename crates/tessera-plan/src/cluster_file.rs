@@ -151,6 +151,12 @@ pub(crate) fn from_file(path: &Path) -> Result<Cluster> {
                 e.message().trim()
             ))
         })?;
+        if let Some(key) = non_finite(&table, "") {
+            return Err(PlanError::Invalid(format!(
+                "cluster file `{p}`: `{key}` is not a finite number (nan and inf are not \
+                 allowed): give a number like 5e-6 or 50e9"
+            )));
+        }
         serde_json::to_value(table).map_err(|e| {
             PlanError::Invalid(format!("cluster file `{p}`: unsupported TOML value: {e}"))
         })?
@@ -159,6 +165,24 @@ pub(crate) fn from_file(path: &Path) -> Result<Cluster> {
             .map_err(|e| PlanError::Invalid(format!("cluster file `{p}` is not valid JSON: {e}")))?
     };
     cluster_from_value(value).map_err(|e| PlanError::Invalid(format!("cluster file `{p}`: {e}")))
+}
+
+/// The dotted key of the first NaN or infinite float in `table` (TOML allows `nan` and
+/// `inf`; JSON, which the file becomes, would read them as null).
+fn non_finite(table: &toml::Table, prefix: &str) -> Option<String> {
+    fn walk(v: &toml::Value, key: String) -> Option<String> {
+        match v {
+            toml::Value::Float(f) if !f.is_finite() => Some(key),
+            toml::Value::Table(t) => non_finite(t, &key),
+            toml::Value::Array(a) => {
+                a.iter().enumerate().find_map(|(i, v)| walk(v, format!("{key}[{i}]")))
+            }
+            _ => None,
+        }
+    }
+    table.iter().find_map(|(k, v)| {
+        walk(v, if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") })
+    })
 }
 
 fn cluster_from_value(value: serde_json::Value) -> Result<Cluster> {

@@ -502,7 +502,12 @@ pub fn lower_plan_with(
         )?
         .with_replicas(&file.mesh.replicas),
     };
-    let mb = file.micro_batches.max(1);
+    if file.micro_batches == 0 {
+        return Err(PlanError::Invalid(
+            "the plan's micro_batches is 0: give 1 (no micro-batching) or more".into(),
+        ));
+    }
+    let mb = file.micro_batches;
     if !req.batch.is_multiple_of(mb) {
         return Err(PlanError::Invalid(format!(
             "batch {} does not split into {mb} micro-batches",
@@ -611,6 +616,7 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
                 hint: "this plan file's worst pipeline stage".into(),
             });
         }
+        check_derived(file, &plan)?;
         return Ok(plan);
     }
     if e.peak_bytes() > req.budget {
@@ -620,7 +626,44 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
             hint: "this plan file's layout".into(),
         });
     }
-    req.to_plan(&e, "file", t0.elapsed().as_secs_f64() * 1e3)
+    let plan = req.to_plan(&e, "file", t0.elapsed().as_secs_f64() * 1e3)?;
+    check_derived(file, &plan)?;
+    Ok(plan)
+}
+
+/// A plan file's `devices`, `config` and `tensors` are what its layout (mesh, strategies,
+/// ZeRO stage, micro-batches, checkpointing) lowers to, not settings: a hand edit of them
+/// would be ignored, so one that disagrees with the lowering is refused, naming the field.
+fn check_derived(file: &Plan, lowered: &Plan) -> Result<()> {
+    let refuse = |field: &str, file_has: String, lowers_to: String| {
+        Err(PlanError::Invalid(format!(
+            "the plan file's `{field}` is {file_has}, but its layout lowers to {lowers_to}: \
+             `{field}` is derived from the mesh and strategies, not a setting; edit those \
+             instead (or re-plan with `tessera plan --out`)"
+        )))
+    };
+    if file.devices != lowered.devices {
+        return refuse("devices", file.devices.to_string(), lowered.devices.to_string());
+    }
+    if file.config != lowered.config {
+        return refuse("config", format!("`{}`", file.config), format!("`{}`", lowered.config));
+    }
+    if file.tensors != lowered.tensors {
+        let differs = file.tensors.iter().zip(&lowered.tensors).find(|(a, b)| a != b);
+        return match differs {
+            Some((a, b)) => refuse(
+                "tensors",
+                format!("{} {} {:?}", a.name, a.spec, a.local_shape),
+                format!("{} {} {:?}", b.name, b.spec, b.local_shape),
+            ),
+            None => refuse(
+                "tensors",
+                format!("{} entries", file.tensors.len()),
+                format!("{} entries", lowered.tensors.len()),
+            ),
+        };
+    }
+    Ok(())
 }
 
 /// The error when nothing fits: the least peak any candidate of the search reaches

@@ -86,7 +86,8 @@ impl HfTokenizer {
     /// Reads a `tokenizer.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<HfTokenizer> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| {
+        // The JSON and the vocabulary and merges parsed from it.
+        let bytes = read_bounded(path, 16, |e| {
             data_err(format!(
                 "cannot read tokenizer file {}: {e}; pass the path of a Hugging Face \
                  tokenizer.json (or `bytes` for the byte tokenizer)",
@@ -307,8 +308,54 @@ fn is_token_file(path: &Path) -> bool {
     path.extension().is_some_and(|e| e.eq_ignore_ascii_case("bin"))
 }
 
-fn read_file(path: &Path) -> Result<Vec<u8>> {
-    let bytes = std::fs::read(path).map_err(|e| {
+/// The most read from a data "file" that is not a regular file (a device such as /dev/zero, a
+/// pipe): its size is unknown until read, so the read stops here and refuses.
+pub const MAX_STREAM_BYTES: u64 = 256 << 20;
+
+/// Reads the data file `path` whole, when it fits: a regular file of `size` bytes must leave
+/// `size × factor` bytes of host memory available (`factor`: what loading makes of each byte —
+/// the bytes, their tokens, the splits); anything else (a device, a pipe) is read up to
+/// [`MAX_STREAM_BYTES`] and refused past it. Without this, `--data /dev/zero` reads until the
+/// kernel kills the process. `io_err` words a failed open or read.
+pub fn read_bounded(
+    path: &Path,
+    factor: u64,
+    io_err: impl Fn(std::io::Error) -> RuntimeError,
+) -> Result<Vec<u8>> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path).map_err(&io_err)?;
+    let meta = file.metadata().map_err(&io_err)?;
+    let p = path.display();
+    if meta.is_file() {
+        let need = meta.len().saturating_mul(factor);
+        if let Some(avail) = crate::host::available_memory().filter(|&a| need > a) {
+            let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+            return Err(data_err(format!(
+                "data file {p} is {}; loading it takes about {} of memory and {} are available: \
+                 use a smaller file (a slice of the corpus), or free memory",
+                gib(meta.len()),
+                gib(need),
+                gib(avail)
+            )));
+        }
+        let mut bytes = Vec::new();
+        file.take(meta.len()).read_to_end(&mut bytes).map_err(&io_err)?;
+        return Ok(bytes);
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_STREAM_BYTES + 1).read_to_end(&mut bytes).map_err(&io_err)?;
+    if bytes.len() as u64 > MAX_STREAM_BYTES {
+        return Err(data_err(format!(
+            "data path {p} is not a regular file (a device or a pipe) and holds more than {} \
+             MiB, the most read from one: write the data to a regular file and pass its path",
+            MAX_STREAM_BYTES >> 20
+        )));
+    }
+    Ok(bytes)
+}
+
+fn read_file(path: &Path, factor: u64) -> Result<Vec<u8>> {
+    let bytes = read_bounded(path, factor, |e| {
         data_err(format!(
             "cannot read data file {}: {e}; check the path (a text file, a .bin token file, or \
              a directory with train.bin and val.bin)",
@@ -326,8 +373,9 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
 
 /// Reads a raw little-endian token file.
 fn read_token_file(path: &Path, dtype: TokenDType) -> Result<Vec<u32>> {
-    let bytes = read_file(path)?;
+    // The bytes, then a u32 token per `size` of them, then the train/val split's copy.
     let size = dtype.size();
+    let bytes = read_file(path, 1 + 8 / size as u64)?;
     if bytes.len() % size != 0 {
         let other = match dtype {
             TokenDType::U16 => "u32",
@@ -436,7 +484,8 @@ impl Dataset {
             let vocab_size = max_id_plus_one(&tokens);
             return Self::split(tokens, vocab_size, opts.val_fraction, source, None);
         }
-        let bytes = read_file(path)?;
+        // The bytes, up to a u32 token per byte, then the train/val split's copy.
+        let bytes = read_file(path, 9)?;
         let tokens = opts.tokenizer.encode_file(&bytes, &source)?;
         if tokens.is_empty() {
             return Err(data_err(format!(

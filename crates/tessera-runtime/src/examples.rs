@@ -60,8 +60,11 @@ pub fn is_jsonl(path: &Path) -> bool {
 
 impl ExampleSet {
     pub fn load(path: &Path, tokenizer: &Tokenizer) -> Result<ExampleSet> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| err(format!("cannot read examples {}: {e}", path.display())))?;
+        let io = |e| err(format!("cannot read examples {}: {e}", path.display()));
+        let bytes = crate::data::read_bounded(path, 9, io)?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            err(format!("examples {} are not UTF-8 text: {e}; save them as UTF-8", path.display()))
+        })?;
         ExampleSet::parse(&text, tokenizer, &path.display().to_string())
     }
 

@@ -38,8 +38,47 @@ fn statvfs_available(_: &Path) -> Option<u64> {
 }
 
 /// The host memory the kernel can still give processes without swapping (Linux'
-/// `MemAvailable`, capped by a cgroup v2 `memory.max` when one is set); `None` elsewhere.
+/// `MemAvailable`, capped by a cgroup v2 `memory.max` when one is set, and by the address
+/// space this process may still map under an `ulimit -v` ([`address_space_room`])); `None`
+/// elsewhere.
 pub fn available_memory() -> Option<u64> {
+    let avail = machine_available_memory()?;
+    Some(address_space_room().map_or(avail, |room| avail.min(room)))
+}
+
+/// The address space this process may still map under its `RLIMIT_AS` (`ulimit -v`): the
+/// limit less what is mapped now (`VmSize`). `None` without a limit or where it cannot be
+/// read. Past it an allocation fails, and Rust aborts the process on a failed allocation.
+pub fn address_space_room() -> Option<u64> {
+    let limit = address_space_limit()?;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(limit.saturating_sub(kib.saturating_mul(1024)))
+}
+
+/// The soft `RLIMIT_AS` of this process, in bytes; `None` when unlimited.
+#[cfg(unix)]
+pub fn address_space_limit() -> Option<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given, which lives for the call.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) };
+    #[allow(clippy::unnecessary_cast)] // rlim_t differs between platforms
+    (rc == 0 && lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur as u64)
+}
+
+#[cfg(not(unix))]
+pub fn address_space_limit() -> Option<u64> {
+    None
+}
+
+fn machine_available_memory() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: u64 = meminfo
         .lines()

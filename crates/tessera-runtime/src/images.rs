@@ -37,14 +37,18 @@ impl ImageSet {
     /// Reads a CSV of images of `shape` (`[channels, height, width]`, the model's) and holds
     /// out the last `val_fraction` of them (rounded up).
     pub fn load_csv(path: &Path, shape: [usize; 3], val_fraction: f64) -> Result<ImageSet> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let io = |e| {
             let hint = if path.ends_with("digits.csv") {
                 " (scripts/setup.sh installs data/digits.csv; or run data/fetch_digits.sh)"
             } else {
                 ""
             };
             err(format!("cannot read image data {}: {e}{hint}", path.display()))
-        })?;
+        };
+        // The text, then an f32 per pixel (a few bytes of text each), then the split's copy.
+        let bytes = crate::data::read_bounded(path, 5, io)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| err(format!("image data {} is not UTF-8 text: {e}", path.display())))?;
         ImageSet::parse_csv(&text, shape, val_fraction, &path.display().to_string())
     }
 

@@ -93,11 +93,34 @@ pub(crate) fn check_scale_config(cfg: &LossScaleConfig) -> Result<()> {
         Ok(())
     } else {
         Err(RuntimeError::Binding(format!(
-            "invalid loss scaling {cfg:?}: need 0 < init_scale ≤ f32::MAX, growth_factor ≥ 1, \
-             0 < backoff_factor < 1 and growth_interval ≥ 1"
+            "invalid loss scaling: initial scale {}, growth factor {}, backoff factor {}, \
+             growth interval {}; need 0 < initial scale ≤ {:e} (f32's largest; --loss-scale), \
+             growth factor ≥ 1, 0 < backoff factor < 1 and growth interval ≥ 1 \
+             (--loss-scale-window)",
+            cfg.init_scale,
+            cfg.growth_factor,
+            cfg.backoff_factor,
+            cfg.growth_interval,
+            f32::MAX
         )))
     }
 }
 
 /// Key of the loss scaler's state in a checkpoint manifest's `extra`.
 pub const SCALER_KEY: &str = "loss_scaler";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refused configuration reads as figures and the flags that set them, not a Rust
+    /// debug struct (issue 43).
+    #[test]
+    fn a_bad_loss_scale_is_worded_not_debug_printed() {
+        let cfg = LossScaleConfig { init_scale: f64::INFINITY, ..LossScaleConfig::default() };
+        let e = check_scale_config(&cfg).unwrap_err().to_string();
+        assert!(e.contains("initial scale inf") && e.contains("--loss-scale"), "{e}");
+        assert!(!e.contains("LossScaleConfig") && !e.contains('{'), "{e}");
+        assert!(check_scale_config(&LossScaleConfig::default()).is_ok());
+    }
+}
