@@ -17,6 +17,7 @@ mod format;
 mod generate_cmd;
 mod gpu_plan;
 mod inference_cmd;
+mod output;
 mod pictures;
 mod plan_cmd;
 mod plan_file;
@@ -24,6 +25,7 @@ mod profile_cmd;
 mod run_file;
 mod tier_args;
 mod train_cmd;
+mod train_guard;
 mod train_launch;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};

@@ -147,6 +147,10 @@ pub struct TrainArgs {
     /// Also save every N steps.
     #[arg(long, requires = "save")]
     pub save_every: Option<u64>,
+    /// Replace the checkpoint `--save` names although this run does not continue it (without
+    /// this flag, a `--save` directory holding a checkpoint must be the one `--resume` names).
+    #[arg(long, requires = "save")]
+    pub overwrite_save: bool,
     /// Resume from a checkpoint saved by `--save` (under any plan or device count). A
     /// `--steps` other than the saved run's extends it, the learning-rate schedule following
     /// the new horizon from the saved step.
@@ -458,6 +462,7 @@ fn check_resume(
     let mut facts = m.extra.clone();
     if let Some(map) = facts.as_object_mut() {
         map.remove(tessera_runtime::loss_scale::SCALER_KEY);
+        map.remove(crate::train_guard::OPTIMIZER_KEY);
     }
     let mut want = run_facts(args, data);
     // Checkpoints saved before the data fingerprint was recorded are compared without it.
@@ -536,11 +541,18 @@ pub fn prepare(
     local_devices: usize,
     rank: usize,
 ) -> Result<RunContext> {
+    crate::train_guard::check_start(args)?;
+    if let Some(dir) = &args.save {
+        tessera_runtime::guard::check_save_dest(dir, args.resume.as_deref(), args.overwrite_save)?;
+    }
     // The saved run's model first: a checkpoint resumed under another model would otherwise
     // fail later, naming a parameter rather than the flag.
     let resumed = args.resume.as_ref().map(|dir| MappedCheckpoint::open(dir)).transpose()?;
     if let Some(ckpt) = &resumed {
         check_resumed_model(args, &ckpt.manifest.model, &ckpt.dir)?;
+    }
+    if let Some(dir) = &args.init {
+        crate::checkpoint_cmd::check_before_load(dir, "--init")?;
     }
     let cfg = match &args.init {
         Some(dir) => ModelConfig::from_path(dir)
@@ -606,6 +618,7 @@ pub fn prepare(
 
     let (start, steps_done, schedule, extended) = match resumed {
         Some(ckpt) => {
+            crate::train_guard::check_resume_settings(args, &ckpt.manifest)?;
             let (schedule, extended) = check_resume(args, &ckpt, &data)?;
             let step = ckpt.manifest.step;
             (Start::Resume(Box::new(ckpt)), step, schedule, extended)
@@ -661,6 +674,8 @@ pub fn prepare(
         let model = args.init.as_ref().map_or(args.model.clone(), |d| d.display().to_string());
         let mut manifest = Manifest::new(0, args.steps, args.seed, model, schedule.clone());
         manifest.extra = run_facts(args, &data);
+        manifest.extra[crate::train_guard::OPTIMIZER_KEY] =
+            crate::train_guard::optimizer_facts(args);
         SaveSpec {
             dir: dir.clone(),
             every: args.save_every,
