@@ -74,7 +74,8 @@ pub struct TrainArgs {
     /// Fine-tune: start from the weights of a Hugging Face checkpoint directory (its
     /// config.json is the model; `model.safetensors` or a sharded index; or a sharded
     /// checkpoint of `train`), with fresh optimizer state, on any plan; each device reads only
-    /// its slices of the files. Takes the place of --model.
+    /// its slices of the files. Takes the place of --model (a --model naming another model is
+    /// refused); not with --resume, which continues a saved run instead.
     #[arg(long, value_name = "DIR")]
     pub init: Option<PathBuf>,
     /// Language models: a text file (byte-level tokens, or --tokenizer), a nanoGPT token file
@@ -154,6 +155,8 @@ pub struct TrainArgs {
     /// Resume from a checkpoint saved by `--save` (under any plan or device count). A
     /// `--steps` other than the saved run's extends it, the learning-rate schedule following
     /// the new horizon from the saved step.
+    /// The saved run's --lr, --schedule, --warmup, --weight-decay and --max-grad-norm are
+    /// kept: a different value is refused, naming the saved one.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Stop after this step (the schedule still spans --steps); for tests and preemption.
