@@ -8,7 +8,14 @@
 #      `tessera checkpoint verify` and `tessera train --resume` must both refuse each;
 #   3. a full file system (a small tmpfs, in a user namespace): a run that could not save is
 #      refused before step 1, and a disk filled up during a run fails that save clearly while
-#      the previous checkpoint stays intact (it verifies) and the failed save leaves nothing.
+#      the previous checkpoint stays intact (it verifies) and the failed save leaves nothing;
+#   4. misuse (issue 43): exports onto the checkpoint, a directory holding it, the working
+#      directory, its parent or another checkpoint (with --force), a --save over another run's
+#      checkpoint or a directory of other files, loads of a checkpoint whose manifest or
+#      config.json was tampered with (eval, generate, train --init), --init with --resume:
+#      each must be refused, and every file there before must be byte-identical after (sha256);
+#      output flags onto a symbolic link, a FIFO and `-` must write through them, keep them
+#      what they were, and leave no temporary file.
 # Prints one JSON object of figures on stdout (progress on stderr); exits non-zero when any
 # check fails.
 #
@@ -183,6 +190,73 @@ PY
 done
 rm -rf "$work/bad"
 
+# ---- 4. misuse --------------------------------------------------------------------------------
+misuse_cases=0 misuse_refused=0 misuse_lost=0
+m=$work/misuse
+mkdir -p "$m/runs"
+tiny=(--devices 1 --steps 1 --batch 2 --seq 16 --eval-batches 0)
+( cd "$m" && "$bin" train "${tiny[@]}" --save runs/ck1 && "$bin" train "${tiny[@]}" --seed 7 --save runs/ck2 ) \
+  >/dev/null 2>"$work/misuse.err" || fail "misuse setup: $(tail -3 "$work/misuse.err")"
+echo "my notes" >"$m/runs/notes.txt"
+mkdir -p "$m/mine" && echo '{}' >"$m/mine/tokenizer.json"
+cp -r "$m/runs/ck1" "$m/bad-manifest" && echo '{}' >"$m/bad-manifest/manifest.json"
+cp -r "$m/runs/ck1" "$m/flipped-manifest"
+python3 - "$m/flipped-manifest/manifest.json" "$m/runs/ck1/config.json" "$m/bad-config/config.json" <<'PY'
+import json, os, sys
+flip, src, dst = sys.argv[1:4]
+data = bytearray(open(flip, "rb").read()); data[len(data) // 2] ^= 0x01
+open(flip, "wb").write(data)
+config = json.load(open(src)); config["layer_norm_epsilon"] = 0.5
+os.makedirs(os.path.dirname(dst), exist_ok=True)
+for f in os.listdir(os.path.dirname(src)):
+    if f != "config.json":
+        open(os.path.join(os.path.dirname(dst), f), "wb").write(open(os.path.join(os.path.dirname(src), f), "rb").read())
+json.dump(config, open(dst, "w"), indent=2)
+PY
+hashes() { (cd "$m" && find . -type f ! -name '.*.lock' -print0 | sort -z | xargs -0 sha256sum); }
+hashes >"$work/misuse.before"
+refused() { # refused DESCRIPTION SAYS COMMAND...: the command must fail (in $m), saying SAYS
+  local what=$1 says=$2; shift 2
+  misuse_cases=$((misuse_cases + 1))
+  if (cd "$m" && "$@") >/dev/null 2>"$work/misuse.err"; then fail "misuse: $what succeeded"; fi
+  grep -q -e "$says" "$work/misuse.err" || fail "misuse: $what: the error does not say \"$says\": $(tail -2 "$work/misuse.err")"
+  misuse_refused=$((misuse_refused + 1))
+}
+refused "export onto a directory holding the checkpoint" "holds the checkpoint being exported" "$bin" export --checkpoint runs/ck1 --hf runs --force
+refused "export onto the checkpoint itself" "is the checkpoint being exported" "$bin" export --checkpoint runs/ck1 --hf runs/ck1 --force
+refused "export onto the working directory" "the working directory" env -C "$m/mine" "$bin" export --checkpoint ../runs/ck1 --hf "$m/mine" --force
+refused "export onto the working directory's parent" "--force never" "$bin" export --checkpoint runs/ck1 --hf "$(dirname "$m")" --force
+refused "export onto another checkpoint" "is a Tessera checkpoint" "$bin" export --checkpoint runs/ck1 --hf runs/ck2 --force
+refused "export onto a directory of other files" "files an export did not write" "$bin" export --checkpoint runs/ck1 --hf mine --force
+refused "train --save over another run's checkpoint" "--overwrite-save" "$bin" train "${tiny[@]}" --save runs/ck2
+refused "train --save over a directory of other files" "not a Tessera checkpoint" "$bin" train "${tiny[@]}" --save runs
+refused "train --init with --resume" "both say where the run starts" "$bin" train "${tiny[@]}" --init runs/ck1 --resume runs/ck2
+for bad in bad-manifest flipped-manifest bad-config; do
+  refused "eval of $bad" "${bad#*-}.json" "$bin" eval --model-dir "$bad" --tokens 1,2,3,4
+  refused "generate from $bad" "${bad#*-}.json" "$bin" generate --model-dir "$bad" --prompt hi --max-new-tokens 2
+  refused "train --init $bad" "${bad#*-}.json" "$bin" train "${tiny[@]}" --init "$bad"
+done
+hashes >"$work/misuse.after"
+misuse_lost=$(diff "$work/misuse.before" "$work/misuse.after" | grep -c '^<' || true)
+[ "$misuse_lost" = 0 ] || fail "misuse: files changed or lost: $(diff "$work/misuse.before" "$work/misuse.after" | head -5)"
+# Output flags: through a symbolic link, into a FIFO, to standard output.
+o=$m/out
+mkdir -p "$o/real" && echo old >"$o/real/plan.json" && ln -s real/plan.json "$o/link.json" && mkfifo "$o/fifo"
+plan=(plan --model gpt2-tiny --cluster 2xcpu --format json)
+misuse_cases=$((misuse_cases + 3))
+"$bin" "${plan[@]}" --out "$o/link.json" >/dev/null 2>"$work/misuse.err" || fail "misuse: plan --out a link: $(tail -2 "$work/misuse.err")"
+[ -L "$o/link.json" ] && grep -q '"version"' "$o/real/plan.json" || fail "misuse: plan --out a link did not write through it"
+cat "$o/fifo" >"$work/fifo.out" &
+reader=$!
+"$bin" "${plan[@]}" --out "$o/fifo" >/dev/null 2>"$work/misuse.err" || fail "misuse: plan --out a FIFO: $(tail -2 "$work/misuse.err")"
+wait "$reader"
+[ -p "$o/fifo" ] && grep -q '"version"' "$work/fifo.out" || fail "misuse: plan --out a FIFO did not write into it"
+"$bin" "${plan[@]}" --out - 2>"$work/misuse.err" | grep -q '"version"' || fail "misuse: plan --out - wrote nothing to stdout"
+stray=$(find "$m" -name '*tmp*' | head -3)
+[ -z "$stray" ] || fail "misuse: temporary files left: $stray"
+say "misuse: $misuse_refused refused, every file kept; output flags wrote through a link, a FIFO and stdout"
+rm -rf "$m"
+
 # ---- 3. full file systems ---------------------------------------------------------------------
 ckpt_bytes=$(du -sb "$work/run-one" | cut -f1)
 full_disk_checks=0
@@ -226,5 +300,6 @@ cat <<JSON
  "kills": $kills_done, "kills_survived": $kills_survived, "verified_after_kill": $verified_after_kill,
  "resumes_bit_exact": $resumes_exact, "corruptions": $corruptions,
  "detected_by_verify": $detected_verify, "detected_by_resume": $detected_resume,
- "full_disk_checks": $full_disk_checks, "bytes_lost": $bytes_lost}
+ "full_disk_checks": $full_disk_checks, "bytes_lost": $bytes_lost,
+ "misuse_cases": $misuse_cases, "misuse_refused": $misuse_refused, "misuse_lost": $misuse_lost}
 JSON

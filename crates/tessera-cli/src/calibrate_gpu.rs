@@ -11,7 +11,6 @@ use crate::format::bytes;
 use crate::profile_cmd::{print_stdout, OutputFormat};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use std::path::Path;
 use tessera_plan::{DeviceSpec, Link};
 
 /// A PCIe 4.0 ×16 link, for devices without a preset (not measured on one GPU).
@@ -85,14 +84,6 @@ fn measure() -> Result<DeviceSpec> {
     )
 }
 
-/// Writes `text` to `path` through a temporary file beside it, so a failure leaves any
-/// earlier file whole.
-fn write_atomic(path: &Path, text: &str) -> Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, text).with_context(|| format!("writing `{}`", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing `{}`", path.display()))
-}
-
 pub fn run(args: &CalibrateArgs) -> Result<()> {
     let Some(path) = args.out.clone().or_else(crate::gpu_plan::gpu_calibration_path) else {
         bail!(
@@ -110,7 +101,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let figures = measure()?;
     let (file, link) = cluster_file(&figures)?;
     let text = serde_json::to_string_pretty(&file)? + "\n";
-    write_atomic(&path, &text)?;
+    crate::output::write_output(&path, text.as_bytes())?;
     let f = &figures;
     match args.format {
         OutputFormat::Json => {

@@ -7,8 +7,8 @@ use crate::profile_cmd::{print_stdout, OutputFormat};
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
-use std::path::PathBuf;
-use tessera_runtime::integrity::verify_checkpoint;
+use std::path::{Path, PathBuf};
+use tessera_runtime::integrity::{check_weights_dir, verify_checkpoint, DirCheck};
 
 #[derive(Args, Debug)]
 pub struct CheckpointArgs {
@@ -66,4 +66,21 @@ fn verify(args: &VerifyArgs) -> Result<()> {
             ))
         }
     }
+}
+
+/// Checks a directory of weights before a command builds a model from it (`eval`, `generate`,
+/// `train --init`), as `verify` and `--resume` do: a Tessera checkpoint's unreadable, empty or
+/// altered manifest is refused, and its `config.json` must match the manifest's checksum; a
+/// checkpoint saved before checksums is loaded with a note saying what was not checked.
+pub fn check_before_load(dir: &Path, flag: &str) -> Result<()> {
+    let checked = check_weights_dir(dir).with_context(|| format!("{flag} {}", dir.display()))?;
+    if checked == DirCheck::NoChecksums {
+        eprintln!(
+            "note: {flag} {}: saved before checkpoints carried checksums; its config.json and \
+             weights cannot be checked against them (weights are still checked for NaN and \
+             infinity); re-save it to add them",
+            dir.display()
+        );
+    }
+    Ok(())
 }

@@ -4,7 +4,7 @@
 //! request (the parity check against `transformers`); a ViT's cross-entropy and top-1
 //! accuracy over the held-out images of a data set (the split `train` holds out).
 
-use crate::profile_cmd::{print_stdout, write_atomic, OutputFormat};
+use crate::profile_cmd::{print_stdout, OutputFormat};
 use crate::train_cmd::DEFAULT_IMAGES;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
@@ -56,6 +56,7 @@ pub fn run(args: &EvalArgs) -> Result<()> {
     let cfg = if args.model_dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
         ModelConfig::resolve(&args.model_dir.display().to_string())?
     } else {
+        crate::checkpoint_cmd::check_before_load(&args.model_dir, "--model-dir")?;
         ModelConfig::from_path(&args.model_dir)?.without_dropout()
     };
     match (&cfg, &args.tokens) {
@@ -145,7 +146,7 @@ fn eval_tokens(args: &EvalArgs, cfg: &ModelConfig, ids: &[i64]) -> Result<()> {
     if let Some(path) = &args.logits {
         let rows: Vec<&[f64]> = flat.chunks(vocab).collect();
         let doc = json!({"shape": [n, vocab], "tokens": ids, "logits": rows});
-        write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
+        crate::output::write_output(path, serde_json::to_string(&doc)?.as_bytes())?;
     }
     match args.format {
         OutputFormat::Json => {

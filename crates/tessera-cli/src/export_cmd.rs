@@ -14,11 +14,16 @@ pub struct ExportArgs {
     /// Checkpoint directory written by `tessera train --save`.
     #[arg(long)]
     pub checkpoint: PathBuf,
-    /// Output directory for the Hugging Face model (written atomically). It must not exist,
-    /// be empty, or hold a previous export; a checkpoint or other files there are refused.
+    /// Output directory for the Hugging Face model (written atomically, with a
+    /// `tessera-export.json` marker). It must not exist, be empty, or hold a previous export:
+    /// a checkpoint, other files, the checkpoint being exported, the working directory or a
+    /// directory holding any of them are refused.
     #[arg(long)]
     pub hf: PathBuf,
-    /// Replace whatever `--hf` holds (a checkpoint's optimizer state and shards included).
+    /// Also replace a directory holding nothing but `config.json` and `model.safetensors`
+    /// without the export marker (an older Tessera's export, or `save_pretrained`'s). Never
+    /// a checkpoint, other files, or a directory holding the checkpoint or the working
+    /// directory.
     #[arg(long)]
     pub force: bool,
 }

@@ -203,7 +203,7 @@ pub fn export_plan(
 pub fn write(e: &Export, out: Option<&Path>) -> Result<()> {
     match out {
         Some(path) => {
-            crate::profile_cmd::write_atomic(path, e.text.as_bytes())
+            crate::output::write_output(path, e.text.as_bytes())
                 .with_context(|| format!("writing the {} export", e.framework))?;
             eprintln!("wrote {} ({})", path.display(), e.framework);
             eprintln!("launch: {}", e.launch.replace("FILE", &path.display().to_string()));

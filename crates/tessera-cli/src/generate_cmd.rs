@@ -261,6 +261,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             args.model_dir.display()
         );
     }
+    crate::checkpoint_cmd::check_before_load(&args.model_dir, "--model-dir")?;
     let cfg = ModelConfig::from_path(&args.model_dir)?.without_dropout();
     let vocab =
         cfg.vocab_size().context("generate needs a language model (one with a vocabulary)")?;
@@ -377,7 +378,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             "new_tokens": outs[0].new_tokens,
             "logits": outs[0].step_logits,
         });
-        crate::profile_cmd::write_atomic(path, serde_json::to_string(&doc)?.as_bytes())?;
+        crate::output::write_output(path, serde_json::to_string(&doc)?.as_bytes())?;
     }
     report(args, &cfg, &planned, &outs, &prompts, tokenizer.as_ref(), tp)
 }

@@ -18,6 +18,7 @@ mod generate_cmd;
 mod gpu_plan;
 mod inference_cmd;
 mod limits;
+mod output;
 mod pictures;
 mod plan_cmd;
 mod plan_file;
@@ -25,6 +26,7 @@ mod profile_cmd;
 mod run_file;
 mod tier_args;
 mod train_cmd;
+mod train_guard;
 mod train_launch;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};

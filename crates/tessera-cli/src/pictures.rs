@@ -3,15 +3,15 @@
 //! (`plan --memory-svg`) and a run's loss curve (`train --plot`).
 //!
 //! The drawing functions return the SVG document; the `write_*` functions give each command
-//! its picture in one call, written atomically ([`write_atomic`]) with errors naming the flag
+//! its picture in one call, written atomically ([`write_output`]) with errors naming the flag
 //! and the file. The memory pictures draw the same simulation the predictions come from
 //! ([`simulate_memory`] over the Program the runtime executes), so the peak they mark is the
 //! maximum of the curve they draw — `plan --memory-svg` refuses to draw a plan whose
 //! predicted peaks its Programs do not reach exactly.
 
 use crate::format::bytes;
+use crate::output::write_output;
 use crate::plan_cmd::plan_err;
-use crate::profile_cmd::write_atomic;
 use crate::train_cmd::RunContext;
 use anyhow::{anyhow, bail, Context, Result};
 use plotters::prelude::*;
@@ -67,7 +67,7 @@ pub fn check_destination(path: &Path, flag: &str) -> Result<()> {
 /// Writes the SVG document `svg` to `path` atomically; errors name `flag` and the file.
 fn write_svg(path: &Path, flag: &str, svg: &str) -> Result<()> {
     check_destination(path, flag)?;
-    write_atomic(path, svg.as_bytes()).with_context(|| format!("{flag} {}", path.display()))
+    write_output(path, svg.as_bytes()).with_context(|| format!("{flag} {}", path.display()))
 }
 
 /// The binary unit a memory picture's axis counts in: the largest of B, KiB, MiB, GiB, TiB

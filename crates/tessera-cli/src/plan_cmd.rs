@@ -1,6 +1,6 @@
 //! `tessera plan`: find (or evaluate) a parallel plan for a model on a cluster.
 
-use crate::profile_cmd::{print_stdout, write_atomic, OutputFormat, Precision};
+use crate::profile_cmd::{print_stdout, OutputFormat, Precision};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
@@ -241,7 +241,7 @@ fn planned(
         };
         let title = format!("{} on {}: `{}`", plan.model, plan.cluster, plan.config);
         let svg = t.svg(&title).map_err(|e| anyhow::anyhow!(e))?;
-        write_atomic(path, svg.as_bytes())?;
+        crate::output::write_output(path, svg.as_bytes())?;
     }
     if let Some(path) = &args.memory_svg {
         crate::pictures::write_plan_memory(path, &req, &plan)?;
@@ -254,7 +254,7 @@ fn planned(
             return Ok(None);
         }
     } else if let Some(out) = &args.out {
-        write_atomic(out, json.as_bytes())?;
+        crate::output::write_output(out, json.as_bytes())?;
     }
     Ok(Some((plan, timeline)))
 }

@@ -233,22 +233,11 @@ fn profiled(args: &ProfileArgs, cfg: &ModelConfig, seq: usize, start: Instant) -
         for p in &trace.timeline {
             csv.push_str(&format!("{},{}\n", p.instr, p.live_bytes));
         }
-        write_atomic(path, csv.as_bytes())?;
+        crate::output::write_output(path, csv.as_bytes())?;
     }
     if let Some(path) = &args.timeline_svg {
         let title = format!("{} · batch {} · seq {seq} · {}", cfg.name(), args.batch, args.dtype);
         crate::pictures::write_profile_timeline(path, &program, &title)?;
     }
     Ok(Profiled { seq, program, prof, profile_ms })
-}
-
-/// Writes `data` to `path` through a temporary file and a rename, so a reader never sees a
-/// half-written file and an interrupted write leaves the old one intact.
-pub fn write_atomic(path: &std::path::Path, data: &[u8]) -> Result<()> {
-    let tmp = path
-        .with_extension(format!("{}.tmp", path.extension().and_then(|e| e.to_str()).unwrap_or("")));
-    std::fs::write(&tmp, data).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
 }

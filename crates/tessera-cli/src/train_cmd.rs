@@ -76,7 +76,8 @@ pub struct TrainArgs {
     /// Fine-tune: start from the weights of a Hugging Face checkpoint directory (its
     /// config.json is the model; `model.safetensors` or a sharded index; or a sharded
     /// checkpoint of `train`), with fresh optimizer state, on any plan; each device reads only
-    /// its slices of the files. Takes the place of --model.
+    /// its slices of the files. Takes the place of --model (a --model naming another model is
+    /// refused); not with --resume, which continues a saved run instead.
     #[arg(long, value_name = "DIR")]
     pub init: Option<PathBuf>,
     /// Language models: a text file (byte-level tokens, or --tokenizer), a nanoGPT token file
@@ -158,9 +159,15 @@ pub struct TrainArgs {
     #[arg(long, requires = "save")]
     #[arg(allow_negative_numbers = true, value_parser = crate::limits::steps())]
     pub save_every: Option<u64>,
+    /// Replace the checkpoint `--save` names although this run does not continue it (without
+    /// this flag, a `--save` directory holding a checkpoint must be the one `--resume` names).
+    #[arg(long, requires = "save")]
+    pub overwrite_save: bool,
     /// Resume from a checkpoint saved by `--save` (under any plan or device count). A
     /// `--steps` other than the saved run's extends it, the learning-rate schedule following
     /// the new horizon from the saved step.
+    /// The saved run's --lr, --schedule, --warmup, --weight-decay and --max-grad-norm are
+    /// kept: a different value is refused, naming the saved one.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Stop after this step (the schedule still spans --steps); for tests and preemption.
@@ -471,6 +478,7 @@ fn check_resume(
     let mut facts = m.extra.clone();
     if let Some(map) = facts.as_object_mut() {
         map.remove(tessera_runtime::loss_scale::SCALER_KEY);
+        map.remove(crate::train_guard::OPTIMIZER_KEY);
     }
     let mut want = run_facts(args, data);
     // Checkpoints saved before the data fingerprint was recorded are compared without it.
@@ -549,11 +557,18 @@ pub fn prepare(
     local_devices: usize,
     rank: usize,
 ) -> Result<RunContext> {
+    crate::train_guard::check_start(args)?;
+    if let Some(dir) = &args.save {
+        tessera_runtime::guard::check_save_dest(dir, args.resume.as_deref(), args.overwrite_save)?;
+    }
     // The saved run's model first: a checkpoint resumed under another model would otherwise
     // fail later, naming a parameter rather than the flag.
     let resumed = args.resume.as_ref().map(|dir| MappedCheckpoint::open(dir)).transpose()?;
     if let Some(ckpt) = &resumed {
         check_resumed_model(args, &ckpt.manifest.model, &ckpt.dir)?;
+    }
+    if let Some(dir) = &args.init {
+        crate::checkpoint_cmd::check_before_load(dir, "--init")?;
     }
     let cfg = match &args.init {
         Some(dir) => ModelConfig::from_path(dir)
@@ -619,6 +634,7 @@ pub fn prepare(
 
     let (start, steps_done, schedule, extended) = match resumed {
         Some(ckpt) => {
+            crate::train_guard::check_resume_settings(args, &ckpt.manifest)?;
             let (schedule, extended) = check_resume(args, &ckpt, &data)?;
             let step = ckpt.manifest.step;
             (Start::Resume(Box::new(ckpt)), step, schedule, extended)
@@ -674,6 +690,8 @@ pub fn prepare(
         let model = args.init.as_ref().map_or(args.model.clone(), |d| d.display().to_string());
         let mut manifest = Manifest::new(0, args.steps, args.seed, model, schedule.clone());
         manifest.extra = run_facts(args, &data);
+        manifest.extra[crate::train_guard::OPTIMIZER_KEY] =
+            crate::train_guard::optimizer_facts(args);
         SaveSpec {
             dir: dir.clone(),
             every: args.save_every,

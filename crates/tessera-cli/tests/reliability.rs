@@ -48,6 +48,13 @@ fn the_drill_loses_nothing_and_detects_every_corruption() {
     assert_eq!(n("detected_by_verify"), n("corruptions"), "{figures}");
     assert_eq!(n("detected_by_resume"), n("corruptions"), "{figures}");
     assert_eq!(n("full_disk_checks"), 2, "{figures}");
+    // Issue 43: 18 misuses refused (exports onto sources, ancestors and checkpoints with
+    // --force, saves over another run's checkpoint, tampered manifests and configs loaded by
+    // eval, generate and train --init, --init with --resume) with every file kept, and 3
+    // output flags written through a link, a FIFO and stdout.
+    assert_eq!(n("misuse_cases"), 21, "{figures}");
+    assert_eq!(n("misuse_refused"), 18, "{figures}");
+    assert_eq!(n("misuse_lost"), 0, "{figures}");
 }
 
 #[test]

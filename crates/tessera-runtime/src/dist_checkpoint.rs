@@ -387,59 +387,31 @@ fn round<T>(
     Ok((mine, values))
 }
 
-/// What a writer may replace at its destination.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Replaces {
-    /// A save: an empty directory or a Tessera checkpoint (the previous save of the run).
-    Checkpoint,
-    /// An export: an empty directory or a previous export (nothing but `config.json` and
-    /// `model.safetensors`) — never a checkpoint, whose optimizer state and shards it would
-    /// destroy.
-    Export,
-}
-
-/// Refuses to replace an existing `dir` that is not what `kind` may replace: the swap replaces
-/// `dir` whole.
-fn refuse_foreign(dir: &Path, kind: Replaces) -> Result<()> {
+/// Refuses to replace an existing `dir` that is neither empty nor a Tessera checkpoint: the
+/// swap replaces `dir` whole. (An export's destination: [`crate::guard::check_export_dest`].)
+fn refuse_foreign(dir: &Path) -> Result<()> {
     if !dir.exists() {
         return Ok(());
     }
-    let mut names = Vec::new();
     if dir.is_dir() {
+        let mut names = Vec::new();
         for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
             names.push(e.map_err(io_err(dir))?.file_name().to_string_lossy().into_owned());
         }
-        let export = |n: &String| n == CONFIG_FILE || n == MODEL_FILE;
-        let checkpoint = names.iter().any(|n| n == MANIFEST_FILE);
-        let ok = match kind {
-            Replaces::Checkpoint => checkpoint,
-            Replaces::Export => names.iter().all(export),
-        };
-        if names.is_empty() || ok {
+        if names.is_empty() || names.iter().any(|n| n == MANIFEST_FILE) {
             return Ok(());
         }
     }
-    let what = match kind {
-        Replaces::Checkpoint => format!("not a Tessera checkpoint (no {MANIFEST_FILE})"),
-        Replaces::Export if names.iter().any(|n| n == MANIFEST_FILE) => format!(
-            "a Tessera checkpoint ({MANIFEST_FILE}, optimizer state{}), which an export would \
-             destroy",
-            if names.iter().any(|n| n == SHARDS_DIR) { ", shards" } else { "" }
-        ),
-        Replaces::Export => {
-            format!("neither empty nor a previous export (only {CONFIG_FILE} and {MODEL_FILE})")
-        }
-    };
-    let hint = match kind {
-        Replaces::Checkpoint => "choose another path",
-        Replaces::Export => "choose another path, or pass --force to replace it",
-    };
-    Err(err(format!("{} exists and is {what}; writing would replace it: {hint}", dir.display())))
+    Err(err(format!(
+        "{} exists and is not a Tessera checkpoint (no {MANIFEST_FILE}); writing would replace \
+         it: choose another path",
+        dir.display()
+    )))
 }
 
 /// Round 2 (rank 0): a clean `DIR.tmp-<step>/shards`.
 fn create_tmp(dir: &Path, parent: &Path, name: &str, tmp: &Path) -> Result<()> {
-    refuse_foreign(dir, Replaces::Checkpoint)?;
+    refuse_foreign(dir)?;
     std::fs::create_dir_all(parent).map_err(io_err(parent))?;
     for stale in leftovers(parent, name, "tmp") {
         let _ = std::fs::remove_dir_all(stale);
@@ -1030,8 +1002,9 @@ pub(crate) fn load_sharded_from(dir: PathBuf) -> Result<Checkpoint> {
 /// and `model.safetensors` (the global parameters under their HF names, tied tensors once,
 /// `{"format": "pt"}`: what `save_checkpoint` writes there and `save_pretrained` would), so
 /// `AutoModelFor*.from_pretrained(out)` loads it. Atomic like a checkpoint save (a sibling
-/// `out.tmp-<pid>` swapped in); refuses an existing `out` that is neither empty nor a previous
-/// export — a checkpoint above all — unless `replace`. The optimizer state is not exported.
+/// `out.tmp-<pid>` swapped in), with [`crate::guard::EXPORT_MARKER`]; `out` must be what
+/// [`crate::guard::check_export_dest`] lets an export replace (`replace`: its `force`). The
+/// optimizer state is not exported.
 pub fn export_hf(ckpt: &Checkpoint, out: &Path, replace: bool) -> Result<()> {
     let mut params: Vec<(String, Tensor)> =
         ckpt.params.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
@@ -1045,10 +1018,8 @@ pub fn export_hf(ckpt: &Checkpoint, out: &Path, replace: bool) -> Result<()> {
     params.sort_by(|a, b| a.0.cmp(&b.0));
     let config =
         config_with_dtype(&ckpt.config_json, params.iter().map(|(_, t)| t.dtype().as_str()))?;
+    crate::guard::check_export_dest(&ckpt.dir, out, replace)?;
     let (parent, name) = split_dir(out)?;
-    if !replace {
-        refuse_foreign(out, Replaces::Export)?;
-    }
     std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
     for stale in leftovers(&parent, &name, "tmp") {
         let _ = std::fs::remove_dir_all(stale);
@@ -1065,6 +1036,10 @@ pub fn export_hf(ckpt: &Checkpoint, out: &Path, replace: bool) -> Result<()> {
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
     let written = write_safetensors(&tmp.join(MODEL_FILE), &params)
         .and_then(|()| write_json(&tmp.join(CONFIG_FILE), &config))
+        .and_then(|()| {
+            let marker = crate::guard::export_marker(&ckpt.dir, ckpt.manifest.step);
+            write_json(&tmp.join(crate::guard::EXPORT_MARKER), &marker)
+        })
         .and_then(|()| swap_in(&tmp, out, &parent, &name));
     if written.is_err() && tmp.exists() {
         let _ = std::fs::remove_dir_all(&tmp);

@@ -237,27 +237,6 @@ impl Problems {
     }
 }
 
-/// The manifest of the Tessera checkpoint at `path` (a directory with `manifest.json`);
-/// `None` for a Hugging Face directory (one whose `manifest.json`, if any, is another tool's).
-fn tessera_manifest(path: &Path) -> Result<Option<crate::checkpoint::Manifest>> {
-    let file = path.join(crate::checkpoint::MANIFEST_FILE);
-    if !path.is_dir() || !file.is_file() {
-        return Ok(None);
-    }
-    match crate::checkpoint::read_manifest(&file) {
-        Ok(m) => Ok(Some(m)),
-        Err(e) => {
-            let ours =
-                std::fs::read_to_string(&file).is_ok_and(|t| t.contains("\"format_version\""));
-            if ours {
-                Err(e)
-            } else {
-                Ok(None)
-            }
-        }
-    }
-}
-
 /// A checkpoint's weights, mapped and checked against a graph, read slice by slice.
 #[derive(Debug)]
 pub struct HfWeights {
@@ -286,7 +265,10 @@ impl HfWeights {
         let mut aliases: BTreeMap<String, (TensorId, usize)> = BTreeMap::new();
         let sharded = paths.len() > 1;
         // A Tessera checkpoint's weights are checked against its manifest's checksums.
-        let manifest = tessera_manifest(path)?;
+        let manifest = crate::integrity::tessera_manifest(path)?;
+        if let Some(m) = &manifest {
+            crate::checkpoint::read_config(path, m)?;
+        }
         let digest = |p: &Path| manifest.as_ref().and_then(|m| checksum_of(p, m));
         let files =
             paths.iter().map(|p| MappedFile::open(p, digest(p))).collect::<Result<Vec<_>>>()?;

@@ -238,6 +238,79 @@ pub(crate) fn check_seal(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+/// The manifest of the Tessera checkpoint at `path`, read as strictly as a resume reads it;
+/// `None` for a directory that is not one (Hugging Face weights, whose `manifest.json`, if
+/// any, is another tool's: a non-empty JSON object without Tessera's keys, in a directory
+/// without optimizer state or shards) and for a file.
+pub(crate) fn tessera_manifest(path: &Path) -> Result<Option<crate::checkpoint::Manifest>> {
+    use crate::checkpoint::{MANIFEST_FILE, OPTIMIZER_FILE};
+    if !path.is_dir() {
+        return Ok(None);
+    }
+    let file = path.join(MANIFEST_FILE);
+    let ours_beside = path.join(OPTIMIZER_FILE).is_file()
+        || path.join(crate::dist_checkpoint::SHARDS_DIR).is_dir();
+    let unreadable = |why: String| {
+        corrupt(format!(
+            "{}: {why}; the checksums of the checkpoint's files are in it, so it cannot be \
+             loaded unchecked: restore the manifest from a copy or re-save the checkpoint \
+             (`tessera checkpoint verify {}` lists every problem)",
+            file.display(),
+            path.display()
+        ))
+    };
+    if !file.exists() {
+        if ours_beside {
+            return Err(unreadable(format!(
+                "missing, but {} holds a Tessera checkpoint's optimizer state or shards",
+                path.display()
+            )));
+        }
+        return Ok(None);
+    }
+    let text =
+        std::fs::read_to_string(&file).map_err(|e| unreadable(format!("unreadable ({e})")))?;
+    let value: Option<serde_json::Value> = serde_json::from_str(&text).ok();
+    let foreign_object = value.as_ref().and_then(|v| v.as_object()).is_some_and(|o| {
+        !o.is_empty()
+            && !["format_version", "checksums", SEAL_KEY, "step", "seed"]
+                .iter()
+                .any(|k| o.contains_key(*k))
+    });
+    if foreign_object && !ours_beside {
+        return Ok(None);
+    }
+    match crate::checkpoint::read_manifest(&file) {
+        Ok(m) => Ok(Some(m)),
+        Err(e) => Err(unreadable(format!("not a sound Tessera manifest ({e})"))),
+    }
+}
+
+/// What [`check_weights_dir`] could check of a directory of weights before they are loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirCheck {
+    /// Not a Tessera checkpoint (Hugging Face weights, an export, an ONNX file): no checksums;
+    /// weights are still checked for NaN and infinity as they are read.
+    NotACheckpoint,
+    /// A Tessera checkpoint saved before checksums: its manifest is read, its config and
+    /// weights cannot be checked against it (weights are checked for NaN and infinity).
+    NoChecksums,
+    /// The manifest's seal and `config.json` match; each tensor is checked when read.
+    Checked,
+}
+
+/// Checks, before a model is built from it, what a load of `path` reads first: a Tessera
+/// checkpoint's manifest (an unreadable, empty or altered one is refused, as a resume refuses
+/// it) and its `config.json` against the manifest's checksum.
+pub fn check_weights_dir(path: &Path) -> Result<DirCheck> {
+    let Some(m) = tessera_manifest(path)? else { return Ok(DirCheck::NotACheckpoint) };
+    if m.checksums.is_empty() {
+        return Ok(DirCheck::NoChecksums);
+    }
+    crate::checkpoint::read_config(path, &m)?;
+    Ok(DirCheck::Checked)
+}
+
 /// What [`verify_checkpoint`] found in a sound checkpoint.
 #[derive(Clone, Debug, Serialize)]
 pub struct VerifyReport {

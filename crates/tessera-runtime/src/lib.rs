@@ -34,6 +34,7 @@ mod error;
 pub mod examples;
 pub mod executor;
 pub mod generate;
+pub mod guard;
 pub mod hf_weights;
 pub mod host;
 pub mod images;

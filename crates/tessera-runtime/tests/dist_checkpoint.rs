@@ -671,7 +671,7 @@ fn export_hf_writes_config_and_global_weights_that_load_into_the_model() {
     let ck = load_checkpoint(&dir).unwrap();
     let out = root.join("hf");
     export_hf(&ck, &out, false).unwrap();
-    assert_eq!(entries(&out), ["config.json", "model.safetensors"]);
+    assert_eq!(entries(&out), ["config.json", "model.safetensors", "tessera-export.json"]);
     assert_eq!(entries(&root), ["ckpt", "hf"]);
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
@@ -696,22 +696,41 @@ fn export_hf_writes_config_and_global_weights_that_load_into_the_model() {
     // Exporting again replaces the previous export.
     export_hf(&ck, &out, false).unwrap();
     assert_eq!(entries(&root), ["ckpt", "hf"]);
-    // Another directory is not replaced.
+    // Another directory is not replaced, --force or not.
     let foreign = root.join("mine");
     std::fs::create_dir(&foreign).unwrap();
     std::fs::write(foreign.join("tokenizer.json"), "{}").unwrap();
-    let e = error_text(export_hf(&ck, &foreign, false));
-    assert!(e.contains("mine") && e.contains("neither empty nor a previous export"), "{e}");
-    assert!(e.contains("--force"), "{e}");
-    assert_eq!(entries(&foreign), ["tokenizer.json"]);
-    // Nor is a checkpoint (issue 17: `export --checkpoint ck --hf ck` destroyed ck): not even
-    // the one being exported; asked to, it is replaced.
-    let e = error_text(export_hf(&ck, &dir, false));
-    assert!(e.contains("a Tessera checkpoint") && e.contains("shards"), "{e}");
+    for force in [false, true] {
+        let e = error_text(export_hf(&ck, &foreign, force));
+        assert!(e.contains("mine") && e.contains("files an export did not write"), "{e}");
+        assert!(e.contains("tokenizer.json") && e.contains("--force never"), "{e}");
+        assert_eq!(entries(&foreign), ["tokenizer.json"]);
+    }
+    // Nor is a checkpoint (issue 17: `export --checkpoint ck --hf ck` destroyed ck; issue 43:
+    // so did --force, and --hf naming a directory above it): not the one being exported, not
+    // a directory holding it, not another one, whatever `replace` says.
+    for force in [false, true] {
+        let e = error_text(export_hf(&ck, &dir, force));
+        assert!(e.contains("the checkpoint being exported") && e.contains("--force"), "{e}");
+        let e = error_text(export_hf(&ck, &root, force));
+        assert!(e.contains("holds the checkpoint being exported"), "{e}");
+        let other = root.join("other-ck");
+        std::fs::create_dir_all(other.join("shards")).unwrap();
+        std::fs::write(other.join("manifest.json"), "{}").unwrap();
+        let e = error_text(export_hf(&ck, &other, force));
+        assert!(e.contains("is a Tessera checkpoint") && e.contains("--force never"), "{e}");
+        assert_eq!(entries(&other), ["manifest.json", "shards"]);
+    }
     assert_eq!(entries(&dir), ["config.json", "manifest.json", "shards"]);
     assert!(load_checkpoint(&dir).is_ok(), "the checkpoint is intact");
-    export_hf(&ck, &foreign, true).unwrap();
-    assert_eq!(entries(&foreign), ["config.json", "model.safetensors"]);
+    // An unmarked export (an older Tessera's, save_pretrained's) is replaced with --force only.
+    let unmarked = root.join("unmarked");
+    std::fs::create_dir(&unmarked).unwrap();
+    std::fs::copy(out.join("config.json"), unmarked.join("config.json")).unwrap();
+    let e = error_text(export_hf(&ck, &unmarked, false));
+    assert!(e.contains("tessera-export.json") && e.contains("pass --force"), "{e}");
+    export_hf(&ck, &unmarked, true).unwrap();
+    assert_eq!(entries(&unmarked), ["config.json", "model.safetensors", "tessera-export.json"]);
 }
 
 /// A checkpoint opened for slice reads gives every device of another mesh exactly its shard
