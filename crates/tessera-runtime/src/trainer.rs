@@ -166,6 +166,8 @@ pub struct Trainer<B: Backend> {
     seed: u64,
     /// Steps completed.
     step: u64,
+    /// Steps completed when this trainer started (0, or the resumed checkpoint's).
+    started_at: u64,
     /// fp16 graphs only.
     scaler: Option<LossScaler>,
     /// The forward-only graph `eval` runs (on rank 0, on gathered parameters): graph, loss,
@@ -267,6 +269,7 @@ impl<B: Backend> Trainer<B> {
             schedule,
             seed,
             step: steps_done,
+            started_at: steps_done,
             scaler,
             eval: None,
         };
@@ -559,8 +562,11 @@ impl<B: Backend> Trainer<B> {
         let loss = self.scalar(self.train.loss)?;
         let mut grad_norm = self.scalar(self.train.grad_norm)?;
         if !loss.is_finite() {
-            return Err(RuntimeError::Data(format!(
-                "step {step}: the loss is {loss}; lower the learning rate (now {lr:.2e})"
+            return Err(RuntimeError::Data(non_finite_loss(
+                step,
+                loss,
+                lr,
+                step == self.started_at + 1,
             )));
         }
         let mut overflow = false;
@@ -822,4 +828,36 @@ fn check_trainable(train: &TrainingGraph, backend: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Why the loss of `step` is `loss`: before any update (`first`) the weights are the finite ones
+/// loaded or initialised, so no learning rate made it; after updates, the step size did.
+fn non_finite_loss(step: u64, loss: f64, lr: f64, first: bool) -> String {
+    if first {
+        format!(
+            "step {step}: the loss is {loss} before any update of this run, from weights checked \
+             finite: an operation of the model made it (an overflow of --dtype bf16/fp16, or an \
+             op undefined on these inputs, e.g. the log or square root of a negative); run with \
+             --dtype f32 to tell the two apart, and check the model's inputs"
+        )
+    } else {
+        format!(
+            "step {step}: the loss is {loss}; the updates diverged: lower the learning rate \
+             (now {lr:.2e}), or check --weight-decay and --max-grad-norm"
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::non_finite_loss;
+
+    #[test]
+    fn a_non_finite_loss_before_any_update_is_not_blamed_on_the_learning_rate() {
+        let first = non_finite_loss(1, f64::NAN, 1e-3, true);
+        assert!(!first.contains("learning rate"), "{first}");
+        assert!(first.contains("before any update") && first.contains("--dtype f32"), "{first}");
+        let later = non_finite_loss(7, f64::INFINITY, 1e-3, false);
+        assert!(later.contains("lower the learning rate (now 1.00e-3)"), "{later}");
+    }
 }
