@@ -68,7 +68,7 @@ pub fn check_resume_settings(args: &TrainArgs, m: &Manifest) -> Result<()> {
     let keep = |flag: &str, got: String, saved: String| -> Result<()> {
         bail!(
             "--{flag} {got} differs from the saved run's {saved} ({dir}); a resumed run keeps \
-             its settings: resume with --{flag} {saved} (or without the flag), or start a new \
+             its settings: resume with --{flag} {saved}, or start a new \
              run with --init {dir} to change it"
         )
     };
