@@ -25,8 +25,9 @@ pub const MAX_LR: f64 = 10.0;
 pub const MAX_WEIGHT_DECAY: f64 = 10.0;
 /// Gradient clipping norm.
 pub const MAX_GRAD_NORM: f64 = 1e6;
-/// fp16's initial loss scale (2^32).
-pub const MAX_LOSS_SCALE: f64 = 4_294_967_296.0;
+/// fp16's initial loss scale: far past any that trains (65,536 is usual), and a scale that
+/// overflows on purpose (the scaler then halves it) stays finite in f32, as does its inverse.
+pub const MAX_LOSS_SCALE: f64 = 1e30;
 /// Sampling temperature.
 pub const MAX_TEMPERATURE: f64 = 100.0;
 /// Sampling's top-k.
