@@ -344,7 +344,15 @@ pub fn choose_plan(req: &Request<'_>, plan: &str) -> Result<Plan> {
             std::fs::read_to_string(plan).with_context(|| format!("reading plan file {plan}"))?;
         let file: Plan = serde_json::from_str(&text)
             .map_err(|e| anyhow::anyhow!("plan file {plan} is not a plan: {e}"))?;
-        planner::plan_from_file(req, &file).map_err(plan_err)
+        let lowered = planner::plan_from_file(req, &file).map_err(plan_err)?;
+        for d in planner::derived_differences(&file, &lowered) {
+            eprintln!(
+                "note: plan file {plan}: {d}; `config` and `tensors` report what `mesh` and \
+                 `strategies` lower to, so the run uses the layout's (edit `strategies` to change \
+                 them)"
+            );
+        }
+        Ok(lowered)
     } else {
         let pc = ParallelConfig::parse(plan).map_err(plan_err)?;
         planner::plan_fixed(req, &pc).map_err(plan_err)

@@ -631,39 +631,45 @@ pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
     Ok(plan)
 }
 
-/// A plan file's `devices`, `config` and `tensors` are what its layout (mesh, strategies,
-/// ZeRO stage, micro-batches, checkpointing) lowers to, not settings: a hand edit of them
-/// would be ignored, so one that disagrees with the lowering is refused, naming the field.
+/// A plan file's `devices` is its mesh's size: a hand edit of it would be ignored, so one that
+/// disagrees is refused. `config` and `tensors` are a report of what the layout lowers to
+/// (editing `strategies` changes them): they are recomputed on load, and
+/// [`derived_differences`] says where a file's differ.
 fn check_derived(file: &Plan, lowered: &Plan) -> Result<()> {
-    let refuse = |field: &str, file_has: String, lowers_to: String| {
-        Err(PlanError::Invalid(format!(
-            "the plan file's `{field}` is {file_has}, but its layout lowers to {lowers_to}: \
-             `{field}` is derived from the mesh and strategies, not a setting; edit those \
-             instead (or re-plan with `tessera plan --out`)"
-        )))
-    };
     if file.devices != lowered.devices {
-        return refuse("devices", file.devices.to_string(), lowered.devices.to_string());
-    }
-    if file.config != lowered.config {
-        return refuse("config", format!("`{}`", file.config), format!("`{}`", lowered.config));
-    }
-    if file.tensors != lowered.tensors {
-        let differs = file.tensors.iter().zip(&lowered.tensors).find(|(a, b)| a != b);
-        return match differs {
-            Some((a, b)) => refuse(
-                "tensors",
-                format!("{} {} {:?}", a.name, a.spec, a.local_shape),
-                format!("{} {} {:?}", b.name, b.spec, b.local_shape),
-            ),
-            None => refuse(
-                "tensors",
-                format!("{} entries", file.tensors.len()),
-                format!("{} entries", lowered.tensors.len()),
-            ),
-        };
+        return Err(PlanError::Invalid(format!(
+            "the plan file's `devices` is {}, but its mesh {:?} holds {}: `devices` is the \
+             mesh's size, not a setting; edit `mesh` (and `strategies`) instead, or re-plan \
+             with `tessera plan --out`",
+            file.devices, file.mesh.shape, lowered.devices
+        )));
     }
     Ok(())
+}
+
+/// Where a plan file's reported `config` and `tensors` differ from what its layout lowers to
+/// (`lowered`, from [`plan_from_file`]): one line each, empty when they agree. They are not
+/// read (the lowering is the plan); a caller says so to the user.
+pub fn derived_differences(file: &Plan, lowered: &Plan) -> Vec<String> {
+    let mut out = Vec::new();
+    if file.config != lowered.config {
+        out.push(format!("`config` is `{}`, the layout's is `{}`", file.config, lowered.config));
+    }
+    if file.tensors != lowered.tensors {
+        let first = file.tensors.iter().zip(&lowered.tensors).find(|(a, b)| a != b);
+        out.push(match first {
+            Some((a, b)) => format!(
+                "`tensors` has {} {} {:?}, the layout gives {} {} {:?}",
+                a.name, a.spec, a.local_shape, b.name, b.spec, b.local_shape
+            ),
+            None => format!(
+                "`tensors` has {} entries, the layout gives {}",
+                file.tensors.len(),
+                lowered.tensors.len()
+            ),
+        });
+    }
+    out
 }
 
 /// The error when nothing fits: the least peak any candidate of the search reaches

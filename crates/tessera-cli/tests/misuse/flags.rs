@@ -275,10 +275,12 @@ fn nan_in_a_cluster_file_names_the_field() {
     );
 }
 
-/// A plan file's derived fields (`devices`, `config`, `tensors`) edited by hand are refused
-/// naming the field; `micro_batches: 0` too. The unedited file plans as written.
+/// A plan file's `devices` that is not its mesh's size, and `micro_batches: 0`, are refused
+/// naming the field; its `config` and `tensors` (a report of what the layout lowers to, which
+/// editing `strategies` changes) are recomputed, and the run says so. The unedited file plans
+/// as written.
 #[test]
-fn hand_edited_plan_files_are_refused_naming_the_field() {
+fn hand_edited_plan_files_are_refused_or_recomputed_and_said() {
     let dir = temp("plan-file");
     let file = dir.join("plan.json");
     let f = file.to_str().unwrap();
@@ -289,18 +291,38 @@ fn hand_edited_plan_files_are_refused_naming_the_field() {
     let plan: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let out = tessera(&[&base[..], &["--plan", f]].concat());
     assert!(out.status.success(), "the unedited file: {}", text(&out.stderr));
-    let edits: [(&str, Value, &str); 4] = [
-        ("/devices", 8.into(), "`devices` is 8"),
-        ("/config", "dp4".into(), "`config` is `dp4`"),
-        ("/tensors/0/spec", "[R, R]".into(), "`tensors` is"),
-        ("/micro_batches", 0.into(), "micro_batches is 0: give 1"),
-    ];
-    for (path, value, says) in edits {
+    let edit = |path: &str, value: Value| {
         let mut edited = plan.clone();
         *edited.pointer_mut(path).unwrap() = value;
         let e = dir.join("edited.json");
         std::fs::write(&e, edited.to_string()).unwrap();
-        refused(&[&base[..], &["--plan", e.to_str().unwrap()]].concat(), 1, &[says]);
+        [&base[..], &["--plan", e.to_str().unwrap(), "--format", "json"]].concat().join("\u{1}")
+    };
+    let args = |joined: &String| joined.split('\u{1}').map(String::from).collect::<Vec<_>>();
+    // Settings the lowering cannot honour: refused.
+    for (path, value, says) in [
+        ("/devices", 8.into(), "`devices` is 8"),
+        ("/micro_batches", 0.into(), "micro_batches is 0: give 1"),
+    ] {
+        let a = args(&edit(path, value));
+        refused(&a.iter().map(String::as_str).collect::<Vec<_>>(), 1, &[says]);
+    }
+    // The report of what the layout lowers to: recomputed, and the run says so.
+    let reference = tessera(&[&base[..], &["--plan", f, "--format", "json"]].concat());
+    for (path, value, says) in [
+        ("/config", "dp4".into(), "`config` is `dp4`, the layout's is `dp2 tp2`"),
+        ("/tensors/0/spec", "[R, R]".into(), "`tensors` has"),
+    ] {
+        let a = args(&edit(path, value));
+        let out = tessera(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let err = text(&out.stderr);
+        assert!(err.contains(says) && err.contains("the run uses the layout's"), "{err}");
+        let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let want: Value = serde_json::from_slice(&reference.stdout).unwrap();
+        for key in ["config", "tensors", "predicted"] {
+            assert_eq!(got[key], want[key], "the edit changed the plan's {key}");
+        }
     }
 }
 
