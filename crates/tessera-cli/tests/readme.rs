@@ -6,9 +6,10 @@
 //! What runs here runs as written, but for three things, all mechanical:
 //! - `tessera` and `cargo run --release --bin tessera --` are this build's binary;
 //! - training is shortened: step counts (`--steps`, `--stop-after`) are divided by ten (at
-//!   least 2), and `--steps 15` is added where a `train` gives none (its default is 150), so
-//!   the suite stays short; everything a command says about checkpoints, plans, devices and
-//!   data still happens;
+//!   least 2), `--steps 8` is added where a `train` gives none (its default is 150) and
+//!   `--eval-batches 1` where it names none (the default is 8), so the suite stays short;
+//!   everything a command says about checkpoints, plans, devices, data and the evaluation
+//!   still happens;
 //! - placeholders ([`PLACEHOLDERS`]) become files: a Hugging Face `config.json` fixture, an
 //!   ONNX fixture, a text file and an offload directory; the repository's `data/` is linked into the scratch
 //!   directory.
@@ -169,7 +170,10 @@ fn tessera_args(cmd: &str) -> Option<Vec<String>> {
     Some(args)
 }
 
-/// Step counts divided by ten (at least 2); `--steps 15` where none is given.
+/// Step counts divided by ten (at least 2); `--steps 8` where none is given (the README's
+/// `--stop-after 50`, cut to 5, stays inside the run); one held-out batch instead of the
+/// default eight where none is named (the evaluation runs, at an eighth of the cost: eight
+/// batches of the README's `--model gpt2` cost more than its two training steps).
 fn shorten(args: &mut Vec<String>) {
     let mut has_steps = false;
     for i in 0..args.len().saturating_sub(1) {
@@ -180,7 +184,10 @@ fn shorten(args: &mut Vec<String>) {
         }
     }
     if !has_steps {
-        args.extend(["--steps".to_string(), "15".to_string()]);
+        args.extend(["--steps".to_string(), "8".to_string()]);
+    }
+    if !args.iter().any(|a| a == "--eval-batches") {
+        args.extend(["--eval-batches".to_string(), "1".to_string()]);
     }
 }
 
