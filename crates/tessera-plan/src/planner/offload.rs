@@ -79,7 +79,7 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
     let mut out = LineResult::default();
     let cand = |mb: usize, chunks: u32, nvme: u32| Candidate {
         mesh: line.mesh.clone(),
-        rule: AxisRule::Megatron { sp: line.sp },
+        rule: AxisRule::Megatron { sp: line.sp, cp: false },
         zero: line.zero,
         micro_batches: mb,
         offload: Some(Offload { kind: line.kind, chunks, nvme }),

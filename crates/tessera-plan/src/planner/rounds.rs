@@ -124,9 +124,11 @@ pub(super) fn job_space(
                 stages: Vec::new(),
                 offload: None,
                 shard: *shard,
+                cp: 1,
+                cp_comm: None,
             };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
-            (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
+            (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp, cp: false }, mbs)
         }
     })
 }
