@@ -297,15 +297,20 @@ pub fn explain_lines(cp: usize, seq: usize, a2a_calls: usize, a2a_bytes: u64) ->
         return Vec::new();
     }
     vec![
+        format!("context parallel: cp{cp}, all-to-all (DeepSpeed-Ulysses)"),
         format!(
-            "context parallel: cp{cp} (all-to-all, DeepSpeed-Ulysses): every activation's \
-             sequence of {seq} splits into {cp} chunks of {} tokens (embedding, norms, \
-             projections, MLP, loss); q, k, v and attention's output split by heads instead",
+            "  every activation's sequence of {seq} splits into {cp} chunks of {} tokens \
+             (embedding, norms,",
             seq / cp
         ),
+        "  projections, MLP, loss); q, k, v and attention's output split by heads instead"
+            .to_string(),
         format!(
-            "context parallel: {a2a_calls} all-to-alls per step around attention (sequence ↔ \
-             heads, forward and backward), {} per device; weight gradients reduce over dp × cp",
+            "  {a2a_calls} all-to-alls per step around attention (sequence <-> heads, forward \
+             and backward),"
+        ),
+        format!(
+            "  {} per device; weight gradients reduce over dp x cp",
             crate::units::format_bytes(a2a_bytes)
         ),
     ]
