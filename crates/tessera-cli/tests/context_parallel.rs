@@ -268,6 +268,34 @@ fn ring_attention_and_heads_cp_does_not_divide_are_refused_by_name() {
     assert!(!out.status.success() && err.contains("multiple of 4"), "{err}");
 }
 
+/// The Megatron grid of the automatic search gains cp for long sequences: llama3-8b at 64K
+/// tokens on 8 H100s, where a sequence split is what fits, is best run as `cp8`.
+#[test]
+fn the_megatron_baseline_splits_a_long_sequence_over_cp() {
+    let out = tessera(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "8xH100",
+        "--batch",
+        "1",
+        "--seq",
+        "65536",
+        "--dtype",
+        "bf16",
+        "--baseline",
+        "megatron",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON plan");
+    let config = doc["config"].as_str().unwrap_or_default();
+    assert!(config.contains("cp8 cp=a2a"), "{config}: {doc}");
+    assert_eq!(doc["mesh"]["axes"], serde_json::json!(["dp", "cp", "tp"]), "{doc}");
+}
+
 #[test]
 fn exports_say_context_parallelism_or_refuse_by_name() {
     let base = ["plan", "--model", "llama3-8b", "--cluster", "8xH100", "--batch", "8"];

@@ -142,6 +142,29 @@ pub fn mesh_shape(dp: usize, cp: usize, tp: usize) -> (Vec<usize>, Vec<&'static 
     }
 }
 
+/// The shortest sequence the automatic search tries context parallelism for: below it the
+/// activations a sequence split saves are small beside the model state, and the Megatron
+/// grid stays as fast as before.
+pub const GRID_MIN_SEQ: usize = 8192;
+
+/// The automatic search's context-parallel candidates on `n` devices (`gpus_per_node` per
+/// node) for a sequence of `seq`: every `(dp, cp, tp)` with cp > 1 dividing the sequence, tp
+/// dividing a node and dp × cp × tp = n — none below [`GRID_MIN_SEQ`]. Heads cp × tp does not
+/// divide are the candidate's own miss (`cp_pins` says why), as tp's are.
+pub fn grid(n: usize, gpus_per_node: usize, seq: usize) -> Vec<(usize, usize, usize)> {
+    if seq < GRID_MIN_SEQ {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for tp in (1..=gpus_per_node.min(n)).filter(|&t| n.is_multiple_of(t)) {
+        let rest = n / tp;
+        for cp in (2..=rest).filter(|&c| rest.is_multiple_of(c) && seq.is_multiple_of(c)) {
+            out.push((rest / cp, cp, tp));
+        }
+    }
+    out
+}
+
 /// The context-parallel axis of a Megatron-rule mesh with a cp axis: the one before the
 /// tensor axis.
 pub fn cp_axis(mesh: &Mesh) -> usize {
@@ -345,5 +368,36 @@ pub fn refuse_export(engine: &str, cp: usize) -> Option<String> {
              --cp-comm-type a2a), or drop cpN"
         )),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_search_grid_tries_cp_for_long_sequences_only() {
+        assert!(grid(8, 8, GRID_MIN_SEQ - 1).is_empty(), "short sequences keep the old grid");
+        let g = grid(8, 8, 65536);
+        assert!(g.iter().all(|&(dp, cp, tp)| dp * cp * tp == 8 && cp > 1), "{g:?}");
+        for want in [(4, 2, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)] {
+            assert!(g.contains(&want), "{want:?} missing from {g:?}");
+        }
+        assert!(g.iter().all(|&(_, _, tp)| tp <= 4), "tp8 leaves no device for cp: {g:?}");
+        // cp divides the sequence.
+        assert!(grid(8, 8, 3 * 4096).iter().all(|&(_, cp, _)| (3 * 4096) % cp == 0));
+        assert_eq!(grid(4, 4, 10_002), vec![(2, 2, 1), (1, 2, 2)]);
+    }
+
+    #[test]
+    fn ring_is_refused_naming_the_fix_and_a2a_is_the_default() {
+        let (mut n, mut comm) = (1, None);
+        let e = parse_token("cp=ring", "cp=ring", &mut n, &mut comm).unwrap().unwrap_err();
+        assert!(e.contains("use cp=a2a"), "{e}");
+        assert_eq!(parse_token("cp4", "cp4", &mut n, &mut comm), Some(Ok("cp")));
+        assert_eq!(n, 4);
+        assert!(parse_token("cpu", "cpu", &mut n, &mut comm).is_none());
+        assert_eq!(canonical(4, None), " cp4 cp=a2a");
+        assert_eq!(canonical(1, None), "");
     }
 }

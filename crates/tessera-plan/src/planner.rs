@@ -191,7 +191,7 @@ fn best_megatron(
     let (mut tried, mut fitting) = (0, 0);
     let mut best: Option<(Evaluated, ParallelConfig)> = None;
     for (job, r) in jobs.iter().zip(results) {
-        let Job::Megatron { dp, tp, sp, shard } = *job else { continue };
+        let Job::Megatron { dp, tp, sp, shard, cp } = *job else { continue };
         tried += r.tried;
         fitting += r.fits.len();
         for e in &r.fits {
@@ -208,7 +208,7 @@ fn best_megatron(
                     stages: Vec::new(),
                     offload: None,
                     shard: shard.filter(|_| e.candidate.zero > 0),
-                    cp: 1,
+                    cp,
                     cp_comm: None,
                 };
                 best = Some((e.clone(), cfg));

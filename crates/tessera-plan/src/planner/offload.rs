@@ -48,7 +48,8 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
     let mut lines = Vec::new();
     for job in megatron_jobs(req) {
         // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`).
-        let Job::Megatron { dp, tp, sp, shard: None } = job else { continue };
+        // Nor with context parallelism (`cpN` refuses `offload=`).
+        let Job::Megatron { dp, tp, sp, shard: None, cp: 1 } = job else { continue };
         let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
         let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
