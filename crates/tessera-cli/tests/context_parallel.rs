@@ -311,6 +311,11 @@ fn exports_say_context_parallelism_or_refuse_by_name() {
         let out = tessera(&[&base[..], &plan, &["--export", engine]].concat());
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(why), "{engine}: {err}");
+        // The nearest plan it suggests folds cp into data parallelism.
+        let suggested =
+            err.split("export it with --plan \"").nth(1).and_then(|s| s.split('"').next());
+        let suggested = suggested.unwrap_or_else(|| panic!("{engine}: no suggestion in {err}"));
+        assert!(!suggested.contains("cp"), "{engine}: {suggested}");
     }
 }
 
