@@ -52,9 +52,9 @@ use std::fmt;
 use std::str::FromStr;
 use tessera_ir::CkptMode;
 
-/// How one training step is split: data-parallel, tensor-parallel and pipeline degrees, ZeRO
-/// stage, micro-batches (gradient accumulation), sequence parallelism and the pipeline
-/// schedule.
+/// How one training step is split: data-parallel, tensor-parallel, context-parallel and
+/// pipeline degrees, ZeRO stage, micro-batches (gradient accumulation), sequence parallelism
+/// and the pipeline schedule.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ParallelConfig {
     /// Data-parallel degree (replicas).
@@ -500,10 +500,11 @@ impl ParallelConfig {
     }
 
     /// The equivalent Megatron-LM flags: `--tensor-model-parallel-size`, then
+    /// `--context-parallel-size N --cp-comm-type a2a` when cp > 1,
     /// `--pipeline-model-parallel-size` when pp > 1, `--num-virtual-stages-per-pipeline-rank V`
     /// for `sched=interleaved:V`, `--sequence-parallel` and `--use-distributed-optimizer`
     /// (ZeRO-1: optimizer state sharded over data-parallel ranks) when set. The data-parallel
-    /// degree is implied by the world size (`dp = world / (tp × pp)`), so it has no flag; `mbN`
+    /// degree is implied by the world size (`dp = world / (tp × cp × pp)`), so it has no flag; `mbN`
     /// is gradient accumulation (the pipeline's micro-batches), which Megatron derives from
     /// `--global-batch-size = N × dp × --micro-batch-size`. ZeRO-2 and -3 have no exact
     /// Megatron flag (the distributed optimizer is the closest, and it is what is emitted);
