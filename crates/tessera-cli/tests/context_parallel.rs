@@ -351,3 +351,32 @@ fn mpi_context_parallel_equals_threads_and_one_device() {
         assert_eq!(mpi, threads, "{plan}: MPI and threads must agree bit for bit");
     }
 }
+
+/// A checkpoint saved under context parallelism (ZeRO shards over dp × cp) resumes under
+/// another plan as the single-device checkpoint does.
+#[test]
+fn a_context_parallel_checkpoint_resumes_under_another_plan() {
+    let dir = temp("resume");
+    let model = model_file(&dir, "llama", LLAMA);
+    let mut resumed = Vec::new();
+    for (devices, plan) in [(1, "mb2"), (4, "dp2 cp2 zero1 mb2")] {
+        let ck = dir.join(format!("ck{devices}"));
+        let n = devices.to_string();
+        let log = dir.join(format!("saved{devices}.jsonl"));
+        let mut args = run_args(&model, plan, log.to_str().unwrap(), "2");
+        args.extend(["--devices", &n, "--save", ck.to_str().unwrap()]);
+        let out = tessera(&args);
+        assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
+        let log = dir.join(format!("resumed{devices}.jsonl"));
+        let mut args = run_args(&model, "tp2 mb2", log.to_str().unwrap(), "4");
+        args.extend(["--devices", "2", "--resume", ck.to_str().unwrap()]);
+        let out = tessera(&args);
+        assert!(out.status.success(), "resume {plan}: {}", String::from_utf8_lossy(&out.stderr));
+        resumed.push(steps_of(&log));
+    }
+    assert_eq!(resumed[0].len(), 2, "steps 3 and 4 resumed");
+    for (k, (one, cp)) in resumed[0].iter().zip(&resumed[1]).enumerate() {
+        assert!(within(one.0, cp.0, 1e-5), "step {}: loss {} vs {}", k + 3, cp.0, one.0);
+        assert!(within(one.1, cp.1, 1e-5), "step {}: norm {} vs {}", k + 3, cp.1, one.1);
+    }
+}
