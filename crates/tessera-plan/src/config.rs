@@ -3,9 +3,11 @@
 //!
 //! ```text
 //! config := token ((' ' | '+')+ token)*          case-insensitive, each kind at most once
-//! token  := dpN | tpN | ppN | zeroK | mbN | sp | ckpt=MODE | sched=SCHED | stages=STAGES
+//! token  := dpN | tpN | cpN | ppN | zeroK | mbN | sp | ckpt=MODE | sched=SCHED | stages=STAGES
+//!         | cp=CP
 //!         | offload=OFFLOAD | nvme[:N] | shard=N  N >= 1, K in 0..=3
 //! MODE   := none | selective | full
+//! CP     := a2a | ring                              ring: refused (not yet)
 //! SCHED  := gpipe | 1f1b | interleaved:V | zb-h1  V >= 2 (chunks per device)
 //! STAGES := N[:MODE] (',' N[:MODE])*              blocks (and checkpointing) per virtual stage
 //! OFFLOAD:= (opt | grads+opt | all) [':' K '/16']  chunks offloaded (default all 16)
@@ -20,18 +22,24 @@
 //! gathers stay within a group and only the gradient all-reduce crosses groups. It needs a
 //! ZeRO stage and 1 < N < dp with N dividing dp.
 //!
-//! Defaults: `dp1 tp1 pp1 zero0 mb1`, no `sp`, no schedule (`sched=` not given: 1F1B, or the
+//! `cpN` is context parallelism (see [`crate::context`]): a mesh axis splitting every
+//! activation's sequence, and attention's heads, exchanged by all-to-alls (DeepSpeed-Ulysses,
+//! `cp=a2a`, the default). `cp=` needs cp > 1; `cp=ring` (ring attention) is refused, naming
+//! the gap and the fix.
+//!
+//! Defaults: `dp1 tp1 cp1 pp1 zero0 mb1`, no `sp`, no schedule (`sched=` not given: 1F1B, or the
 //! planner's choice), checkpointing searched (no `ckpt=`: the planner picks a mode per block
 //! under the budget). A schedule needs a pipeline: `sched=` with pp1 is refused.
 //!
 //! Canonical form ([`ParallelConfig::canonical`], also `Display`): `dp{dp} tp{tp}` always, then
-//! `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `shard={n}` if given, `mb{n}` if n > 1,
+//! `cp{cp} cp=a2a` if cp > 1 (the variant written, so plan files stay unambiguous when ring
+//! attention arrives), `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `shard={n}` if given, `mb{n}` if n > 1,
 //! `sched={schedule}` if given, `stages={list}` if given (unequal stages, see [`crate::pipeline::layout`]) and `ckpt={mode}`
 //! if given, then `offload=...` and `nvme` — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
 //! `dp2 tp2 pp4 zero1 mb8 sched=interleaved:2`, or `dp8 tp1` for pure data parallelism. It
 //! parses back to the same config.
 //!
-//! A config spans dp × tp × pp devices ([`ParallelConfig::check_devices`]). The rules that need
+//! A config spans dp × cp × tp × pp devices ([`ParallelConfig::check_devices`]). The rules that need
 //! the model (enough blocks for the stages and chunks, Megatron's micro-batch rule for
 //! interleaving) are in [`ParallelConfig::check_pipeline`].
 
@@ -44,9 +52,9 @@ use std::fmt;
 use std::str::FromStr;
 use tessera_ir::CkptMode;
 
-/// How one training step is split: data-parallel, tensor-parallel and pipeline degrees, ZeRO
-/// stage, micro-batches (gradient accumulation), sequence parallelism and the pipeline
-/// schedule.
+/// How one training step is split: data-parallel, tensor-parallel, context-parallel and
+/// pipeline degrees, ZeRO stage, micro-batches (gradient accumulation), sequence parallelism
+/// and the pipeline schedule.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ParallelConfig {
     /// Data-parallel degree (replicas).
@@ -83,6 +91,13 @@ pub struct ParallelConfig {
     /// across the groups (see the module docs); `None`: over every data-parallel rank.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<usize>,
+    /// Context-parallel degree (see [`crate::context`]); 1: the sequence is not split.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub cp: usize,
+    /// How the cp axis exchanges keys and values (`None`: the default, all-to-all). Only with
+    /// cp > 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cp_comm: Option<crate::context::CpComm>,
 }
 
 fn one() -> usize {
@@ -93,7 +108,7 @@ fn is_one(n: &usize) -> bool {
     *n == 1
 }
 
-const GRAMMAR: &str = "a config is tokens dpN, tpN, ppN, zeroK (K = 0..3), mbN, sp, \
+const GRAMMAR: &str = "a config is tokens dpN, tpN, cpN (cp=a2a), ppN, zeroK (K = 0..3), mbN, sp, \
                        ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 and \
                        stages=N[:MODE],... (with ppN, N > 1), offload=opt|grads+opt|all[:K/16], \
                        nvme and shard=N, separated by spaces or +, e.g. \
@@ -116,6 +131,8 @@ impl Default for ParallelConfig {
             stages: Vec::new(),
             offload: None,
             shard: None,
+            cp: 1,
+            cp_comm: None,
         }
     }
 }
@@ -143,7 +160,10 @@ impl ParallelConfig {
             if let Some(msg) = bare_keyword(raw, &tok) {
                 return Err(invalid(msg));
             }
-            let kind: &'static str = if tok == "sp" {
+            let cp_token = crate::context::parse_token(raw, &tok, &mut cfg.cp, &mut cfg.cp_comm);
+            let kind: &'static str = if let Some(kind) = cp_token {
+                kind.map_err(&invalid)?
+            } else if tok == "sp" {
                 cfg.sp = true;
                 "sp"
             } else if tok == "nvme" {
@@ -234,14 +254,20 @@ impl ParallelConfig {
                 "dp, tp, pp and mb must be at least 1 (1 means not split)".into(),
             ));
         }
-        let product = [self.tp, self.pp, self.micro_batches]
+        crate::context::validate(
+            self.cp,
+            self.cp_comm,
+            self.shard.is_some(),
+            self.offload.is_some(),
+        )?;
+        let product = [self.tp, self.pp, self.micro_batches, self.cp]
             .iter()
             .try_fold(self.dp, |n, &k| n.checked_mul(k));
         if product.is_none() {
             return Err(PlanError::Invalid(format!(
-                "dp{} × tp{} × pp{} × mb{} overflows: no cluster or batch is that large; use \
-                 smaller degrees",
-                self.dp, self.tp, self.pp, self.micro_batches
+                "dp{} × cp{} × tp{} × pp{} × mb{} overflows: no cluster or batch is that large; \
+                 use smaller degrees",
+                self.dp, self.cp, self.tp, self.pp, self.micro_batches
             )));
         }
         if self.zero > 3 {
@@ -398,6 +424,7 @@ impl ParallelConfig {
     /// sched=1f1b`. The order is the module docs'. Parses back to `self`.
     pub fn canonical(&self) -> String {
         let mut s = format!("dp{} tp{}", self.dp, self.tp);
+        s.push_str(&crate::context::canonical(self.cp, self.cp_comm));
         if self.pp > 1 {
             s.push_str(&format!(" pp{}", self.pp));
         }
@@ -434,10 +461,10 @@ impl ParallelConfig {
         self.shard.map_or(1, |n| self.dp / n.max(1))
     }
 
-    /// Devices the config spans: dp × tp × pp (saturating; a validated config does not
+    /// Devices the config spans: dp × cp × tp × pp (saturating; a validated config does not
     /// overflow).
     pub fn devices(&self) -> usize {
-        self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
+        self.dp.saturating_mul(self.cp).saturating_mul(self.tp).saturating_mul(self.pp)
     }
 
     /// Errs unless the config spans exactly `num_devices`; the message suggests the
@@ -446,7 +473,7 @@ impl ParallelConfig {
         if self.devices() == num_devices {
             return Ok(());
         }
-        let model_parallel = self.tp.saturating_mul(self.pp);
+        let model_parallel = self.cp.saturating_mul(self.tp).saturating_mul(self.pp);
         let fix = if num_devices > 0 && num_devices.is_multiple_of(model_parallel) {
             let fitted = ParallelConfig { dp: num_devices / model_parallel, ..self.clone() };
             format!("e.g. `{}`", fitted.canonical())
@@ -454,21 +481,30 @@ impl ParallelConfig {
             "choose other degrees".to_string()
         };
         Err(PlanError::Invalid(format!(
-            "config `{}` spans dp×tp×pp = {}×{}×{} = {} devices but the cluster has \
-             {num_devices}: choose degrees that multiply to {num_devices}, {fix}",
+            "config `{}` spans {} devices but the cluster has {num_devices}: choose \
+             degrees that multiply to {num_devices}, {fix}",
             self.canonical(),
-            self.dp,
-            self.tp,
-            self.pp,
-            self.devices()
+            match self.cp > 1 {
+                true => format!(
+                    "dp×cp×tp×pp = {}×{}×{}×{} = {}",
+                    self.dp,
+                    self.cp,
+                    self.tp,
+                    self.pp,
+                    self.devices()
+                ),
+                false =>
+                    format!("dp×tp×pp = {}×{}×{} = {}", self.dp, self.tp, self.pp, self.devices()),
+            }
         )))
     }
 
     /// The equivalent Megatron-LM flags: `--tensor-model-parallel-size`, then
+    /// `--context-parallel-size N --cp-comm-type a2a` when cp > 1,
     /// `--pipeline-model-parallel-size` when pp > 1, `--num-virtual-stages-per-pipeline-rank V`
     /// for `sched=interleaved:V`, `--sequence-parallel` and `--use-distributed-optimizer`
     /// (ZeRO-1: optimizer state sharded over data-parallel ranks) when set. The data-parallel
-    /// degree is implied by the world size (`dp = world / (tp × pp)`), so it has no flag; `mbN`
+    /// degree is implied by the world size (`dp = world / (tp × cp × pp)`), so it has no flag; `mbN`
     /// is gradient accumulation (the pipeline's micro-batches), which Megatron derives from
     /// `--global-batch-size = N × dp × --micro-batch-size`. ZeRO-2 and -3 have no exact
     /// Megatron flag (the distributed optimizer is the closest, and it is what is emitted);
@@ -489,6 +525,7 @@ impl ParallelConfig {
     /// [`ParallelConfig::megatron_flags`], one argument (flag and value) per entry.
     pub fn megatron_args(&self) -> Vec<String> {
         let mut flags = vec![format!("--tensor-model-parallel-size {}", self.tp)];
+        flags.extend(crate::context::megatron_args(self.cp, self.cp_comm));
         if self.pp > 1 {
             flags.push(format!("--pipeline-model-parallel-size {}", self.pp));
             if let Some(ScheduleKind::Interleaved { v }) = self.schedule {

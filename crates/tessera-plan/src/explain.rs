@@ -114,6 +114,7 @@ impl Plan {
         s += &self.step_time();
         s += &self.compute_by_op();
         s += &self.collectives_text();
+        s += &self.context_text();
         s += &self.memory_at_peak();
         if let Some(pipe) = &self.pipeline {
             s += &pipe.explain(mb, self.predicted.bubble_fraction, &self.checkpoint);
@@ -328,6 +329,27 @@ impl Plan {
             writeln!(s, "  {:<10} {:<18} {:>8} {:>14}", "phase", "collective", "calls", "bytes");
         for ((phase, op), (count, bytes)) in by_kind {
             let _ = writeln!(s, "  {phase:<10} {op:<18} {count:>8} {:>14}", format_bytes(bytes));
+        }
+        s
+    }
+
+    /// Context parallelism's lines ([`crate::context::explain_lines`]): what the cp axis
+    /// splits and its all-to-all traffic. Empty without a cp axis.
+    fn context_text(&self) -> String {
+        let Some(axis) = self.mesh.axes.iter().position(|a| a == "cp") else {
+            return String::new();
+        };
+        let cp = self.mesh.shape[axis];
+        let a2a = self.collectives.iter().filter(|c| {
+            let op: String =
+                c.op.to_ascii_lowercase().chars().filter(char::is_ascii_alphabetic).collect();
+            c.axis == axis && op.contains("alltoall")
+        });
+        let (calls, bytes) = a2a.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes));
+        let mut s = String::new();
+        for line in crate::context::explain_lines(cp, self.seq, calls, bytes) {
+            s += &line;
+            s.push('\n');
         }
         s
     }

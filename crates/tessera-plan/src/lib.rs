@@ -7,6 +7,7 @@
 //! - [`spec`]: sharding specs (each dim over mesh axes, or a pending sum).
 //! - [`reshard`]: cheapest path between two specs over collective moves, in seconds.
 //! - [`config`]: the parallelism config-string grammar (`dp2 tp4 zero1 mb2 sp`).
+//! - [`context`]: context parallelism (`cpN`, all-to-all): its tokens, pins, explain and export.
 //! - [`export`]: plans as Megatron-LM launches, DeepSpeed configs and torchtitan job files.
 //! - [`ilp`]: the one-hot strategy ILP (HiGHS), with a brute-force oracle for tests.
 //!
@@ -17,6 +18,7 @@ pub mod ckpt_dp;
 pub mod cluster;
 mod cluster_file;
 pub mod config;
+pub mod context;
 pub mod cost;
 pub mod explain;
 pub mod export;

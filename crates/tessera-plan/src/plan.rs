@@ -224,12 +224,16 @@ pub fn describe(
         }
     }
     let dp: usize = dp_axes.iter().map(|&a| mesh.shape[a]).product();
-    let tp = mesh.num_devices() / dp.max(1);
+    let cp = crate::context::describe_cp(g, strategies, mesh, &dp_axes);
+    let tp = mesh.num_devices() / dp.max(1) / cp;
+    let cp_axis = (cp > 1).then(|| mesh.axes.iter().position(|a| a == "cp")).flatten();
     let sp = tp > 1
         && g.nodes.iter().enumerate().any(|(i, n)| {
             matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
                 && strategies[i].as_ref().is_some_and(|s| {
-                    s.inputs[0].dims.get(1).is_some_and(|d| d.iter().any(|a| !dp_axes.contains(a)))
+                    s.inputs[0].dims.get(1).is_some_and(|d| {
+                        d.iter().any(|a| !dp_axes.contains(a) && Some(*a) != cp_axis)
+                    })
                 })
         });
     // Hybrid sharding: the replica axes' groups each hold a whole copy of the ZeRO state.
@@ -247,6 +251,8 @@ pub fn describe(
         stages: Vec::new(),
         offload: None,
         shard,
+        cp,
+        cp_comm: None,
     }
 }
 

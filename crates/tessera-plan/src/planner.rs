@@ -114,7 +114,10 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     match cfg.shard {
         Some(n) => Ok(Mesh::new(cluster, &[cfg.replicas(), n, cfg.tp], &["replica", "dp", "tp"])?
             .with_replicas(&[0])),
-        None => Mesh::new(cluster, &[cfg.dp, cfg.tp], &["dp", "tp"]),
+        None => {
+            let (shape, names) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
+            Mesh::new(cluster, &shape, &names)
+        }
     }
 }
 
@@ -141,7 +144,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     }
     let cand = Candidate {
         mesh,
-        rule: AxisRule::Megatron { sp: cfg.sp },
+        rule: AxisRule::Megatron { sp: cfg.sp, cp: cfg.cp > 1 },
         zero: cfg.zero,
         micro_batches: cfg.micro_batches,
         offload: cfg.offload,
@@ -188,7 +191,7 @@ fn best_megatron(
     let (mut tried, mut fitting) = (0, 0);
     let mut best: Option<(Evaluated, ParallelConfig)> = None;
     for (job, r) in jobs.iter().zip(results) {
-        let Job::Megatron { dp, tp, sp, shard } = *job else { continue };
+        let Job::Megatron { dp, tp, sp, shard, cp } = *job else { continue };
         tried += r.tried;
         fitting += r.fits.len();
         for e in &r.fits {
@@ -205,6 +208,8 @@ fn best_megatron(
                     stages: Vec::new(),
                     offload: None,
                     shard: shard.filter(|_| e.candidate.zero > 0),
+                    cp,
+                    cp_comm: None,
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -702,10 +707,13 @@ fn describe(least: &LeastPeak) -> String {
     let first = ck.modes.values().next().copied();
     let uniform = ck.segments.is_empty() && ck.modes.values().all(|&m| Some(m) == first);
     match &c.rule {
-        AxisRule::Megatron { sp } if uniform => {
+        AxisRule::Megatron { sp, cp } if uniform => {
+            // `[dp, tp]`, or `[dp, cp, tp]` with context parallelism.
+            let at = |k: usize| c.mesh.shape.get(k).copied().unwrap_or(1);
             let cfg = ParallelConfig {
-                dp: c.mesh.shape[0],
-                tp: c.mesh.shape.get(1).copied().unwrap_or(1),
+                dp: at(0),
+                tp: if *cp { at(2) } else { at(1) },
+                cp: if *cp { at(1) } else { 1 },
                 zero: c.zero,
                 micro_batches: c.micro_batches,
                 sp: *sp,
@@ -715,6 +723,7 @@ fn describe(least: &LeastPeak) -> String {
                 stages: Vec::new(),
                 offload: None,
                 shard: None,
+                cp_comm: None,
             };
             format!("`{}`", cfg.canonical())
         }

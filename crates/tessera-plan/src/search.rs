@@ -30,8 +30,10 @@ pub enum AxisRule {
     Free,
     /// A fixed `dp × tp` configuration on a `[dp, tp]` mesh: axis 0 must split the batch of
     /// every op that has one; axis 1 splits what Megatron-LM's tensor (and, with `sp`,
-    /// sequence) parallelism splits, op by op (see `search/megatron.rs`).
-    Megatron { sp: bool },
+    /// sequence) parallelism splits, op by op (see `search/megatron.rs`). With `cp`, the mesh
+    /// is `[dp, cp, tp]` and the axis before the tensor axis is context-parallel: it splits
+    /// every op's sequence, and attention's heads ([`crate::context`]).
+    Megatron { sp: bool, cp: bool },
 }
 
 /// One point of the search space.
@@ -51,7 +53,7 @@ impl Candidate {
     /// ones (a config string reproduces them).
     pub fn order_key(&self) -> (usize, u8, u8, &[usize]) {
         let rule = match self.rule {
-            AxisRule::Megatron { sp } => sp as u8,
+            AxisRule::Megatron { sp, .. } => sp as u8,
             AxisRule::Free => 2,
         };
         (self.micro_batches, self.zero, rule, &self.mesh.shape)
@@ -195,7 +197,7 @@ impl FastestSoFar {
     pub fn seed_pipelined(&self, fastest_s: f64, even_s: Option<f64>) {
         self.record(&AxisRule::Free, fastest_s);
         if let Some(t) = even_s {
-            self.record(&AxisRule::Megatron { sp: false }, t);
+            self.record(&AxisRule::Megatron { sp: false, cp: false }, t);
         }
         self.publish();
     }

@@ -48,8 +48,8 @@ fn priced_micro_batches_equal_the_exact_lowering() {
     for preset in ["llama-tiny", "gpt2-tiny"] {
         let b = builder(preset, 64);
         for (shape, rule, zeros) in [
-            (vec![4, 1], AxisRule::Megatron { sp: false }, vec![0u8, 1, 2, 3]),
-            (vec![2, 2], AxisRule::Megatron { sp: true }, vec![1]),
+            (vec![4, 1], AxisRule::Megatron { sp: false, cp: false }, vec![0u8, 1, 2, 3]),
+            (vec![2, 2], AxisRule::Megatron { sp: true, cp: false }, vec![1]),
             (vec![4], AxisRule::Free, vec![3]),
         ] {
             let axes: Vec<&str> = ["dp", "tp"][..shape.len()].to_vec();
@@ -113,7 +113,7 @@ fn few_micro_batches_are_lowered_as_they_are() {
     let mesh = Mesh::new(&cluster, &[2, 1], &["dp", "tp"]).unwrap();
     let cand = Candidate {
         mesh,
-        rule: AxisRule::Megatron { sp: false },
+        rule: AxisRule::Megatron { sp: false, cp: false },
         zero: 1,
         micro_batches: priced::EXACT_UP_TO,
         offload: None,

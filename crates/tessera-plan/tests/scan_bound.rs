@@ -22,8 +22,8 @@ fn a_miss_never_rules_out_a_count_that_reaches_under_its_bound() {
         for (shape, rule, zero) in [
             (vec![4], AxisRule::Free, 0u8),
             (vec![4], AxisRule::Free, 3),
-            (vec![4, 1], AxisRule::Megatron { sp: false }, 0),
-            (vec![2, 2], AxisRule::Megatron { sp: true }, 1),
+            (vec![4, 1], AxisRule::Megatron { sp: false, cp: false }, 0),
+            (vec![2, 2], AxisRule::Megatron { sp: true, cp: false }, 1),
             (vec![2, 2], AxisRule::Free, 2),
         ] {
             let axes: Vec<&str> = ["dp", "tp"][..shape.len()].to_vec();

@@ -16,6 +16,8 @@ fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> Parall
         stages: Vec::new(),
         offload: None,
         shard: None,
+        cp: 1,
+        cp_comm: None,
     }
 }
 
@@ -417,4 +419,53 @@ fn hybrid_sharding_parses_round_trips_and_is_checked() {
         let e = err(s);
         assert!(e.contains(want), "{s}: {e}");
     }
+}
+
+/// Context parallelism (`cpN`, all-to-all): its tokens, canonical form (the variant written
+/// after tp), device count and flags.
+#[test]
+fn context_parallel_tokens_parse_and_print_canonically() {
+    let c = ParallelConfig::parse("cp2").unwrap();
+    assert_eq!((c.cp, c.cp_comm), (2, None));
+    assert_eq!(c.canonical(), "dp1 tp1 cp2 cp=a2a");
+    let c = ParallelConfig::parse("zero3 CP4 cp=A2A dp2 tp2 sp pp2 mb4").unwrap();
+    assert_eq!((c.cp, c.cp_comm), (4, Some(crate::context::CpComm::A2a)));
+    assert_eq!(c.canonical(), "dp2 tp2 cp4 cp=a2a pp2 sp zero3 mb4");
+    assert_eq!(c.devices(), 2 * 4 * 2 * 2);
+    for s in ["cp2", "dp2 cp2 zero1", "tp2 cp2 sp ckpt=full", "cp4 pp2 mb2", "cp1 dp2"] {
+        let c = ParallelConfig::parse(s).unwrap();
+        let back = ParallelConfig::parse(&c.canonical()).unwrap();
+        // `cp=a2a` is the default: written or not, the same layout.
+        assert_eq!((back.cp, back.canonical()), (c.cp, c.canonical()), "{s}");
+    }
+    // cp1 is no context parallelism: nothing written.
+    assert_eq!(ParallelConfig::parse("cp1 dp2").unwrap().canonical(), "dp2 tp1");
+    assert!(ParallelConfig::parse("dp2 cp2").unwrap().check_devices(4).is_ok());
+    let e = ParallelConfig::parse("dp2 cp2").unwrap().check_devices(8).unwrap_err().to_string();
+    assert!(e.contains("dp×cp×tp×pp = 2×2×1×1 = 4") && e.contains("`dp4 tp1 cp2 cp=a2a`"), "{e}");
+    let flags = ParallelConfig::parse("dp2 tp2 cp2 zero1").unwrap().megatron_flags();
+    assert_eq!(
+        flags,
+        "--tensor-model-parallel-size 2 --context-parallel-size 2 --cp-comm-type a2a \
+         --use-distributed-optimizer"
+    );
+}
+
+#[test]
+fn context_parallel_refusals_name_the_fix() {
+    let e = err("cp2 cp=ring");
+    assert!(e.contains("ring attention") && e.contains("use cp=a2a"), "{e}");
+    let e = err("dp2 cp=a2a");
+    assert!(e.contains("add cpN with N > 1"), "{e}");
+    let e = err("cp1 cp=a2a");
+    assert!(e.contains("add cpN with N > 1"), "{e}");
+    assert!(err("cp0").contains("at least 1"));
+    assert!(err("cp").contains("e.g. cp2"));
+    assert!(err("cp=rings").contains("a2a"));
+    assert!(err("cp2 cp4").contains("given twice"));
+    assert!(err("cp2 cp=a2a cp=a2a").contains("given twice"));
+    let e = err("dp4 cp2 zero1 shard=2");
+    assert!(e.contains("shard=") && e.contains("not supported yet"), "{e}");
+    let e = err("cp2 offload=opt");
+    assert!(e.contains("offload=") && e.contains("not supported yet"), "{e}");
 }

@@ -10,7 +10,7 @@
 //! caller evaluates them ([`crate::planner::plan_fixed`]) and exports the winner again, so a
 //! suggested plan is always one that exports.
 //!
-//! What is read from the plan: its config (dp, tp, pp, sp, ZeRO, micro-batches, schedule,
+//! What is read from the plan: its config (dp, tp, cp, pp, sp, ZeRO, micro-batches, schedule,
 //! stages), per-block checkpointing, batch, sequence, precision and predictions; the model's
 //! architecture comes as a [`ModelShape`] and the machines as a [`Target`].
 
@@ -140,6 +140,16 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
     };
     if let Some(why) = model_problem {
         return Err(refuse(why, Vec::new()));
+    }
+    let engine = match framework {
+        Framework::Megatron => "megatron",
+        Framework::DeepSpeed => "deepspeed",
+        Framework::Torchtitan => "torchtitan",
+    };
+    if let Some(why) = crate::context::refuse_export(engine, cfg.cp) {
+        // The nearest: the context-parallel devices as data-parallel replicas.
+        let flat = ParallelConfig { dp: cfg.dp * cfg.cp, cp: 1, cp_comm: None, ..cfg.clone() };
+        return Err(refuse(why, nearest(framework, &flat, plan.batch)));
     }
     if let Some((why, fitted)) = kv_heads_problem(framework, &cfg, &target.model) {
         return Err(refuse(why, nearest(framework, &fitted, plan.batch)));

@@ -45,7 +45,8 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
     let fwd = (req.build)(req.batch / mb)?;
     let nb = tessera_ir::remat::num_blocks(&fwd.graph) as usize;
     cfg.check_pipeline(nb, Some(mb))?;
-    let (stage, full) = pplan::meshes(&req.cluster, &[cfg.dp, cfg.tp], cfg.pp)?;
+    let (stage_shape, _) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
+    let (stage, full) = pplan::meshes(&req.cluster, &stage_shape, cfg.pp)?;
     // The stage's layout: Megatron's on its mesh, whatever the memory (the pipeline is priced
     // and checked below).
     // One micro-batch suffices to choose it (the layout is per forward node, the same for
@@ -55,7 +56,7 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
     p.batch = req.batch / mb;
     let cand = Candidate {
         mesh: stage.clone(),
-        rule: AxisRule::Megatron { sp: cfg.sp },
+        rule: AxisRule::Megatron { sp: cfg.sp, cp: cfg.cp > 1 },
         zero: cfg.zero,
         micro_batches: 1,
         offload: None,

@@ -118,7 +118,12 @@ pub fn parse_schedule(s: &str) -> Result<ScheduleKind> {
 pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Mesh, Mesh)> {
     let mut physical = vec![pp];
     physical.extend_from_slice(stage_shape);
-    let names: Vec<&str> = ["pp", "dp", "tp"].into_iter().take(physical.len()).collect();
+    // A three-axis stage is `[dp, cp, tp]` (hybrid sharding, the other three-axis stage
+    // mesh, is refused with a pipeline).
+    let stage_names: &[&str] =
+        if stage_shape.len() == 3 { &["dp", "cp", "tp"] } else { &["dp", "tp"] };
+    let names: Vec<&str> =
+        std::iter::once("pp").chain(stage_names.iter().copied()).take(physical.len()).collect();
     let laid = Mesh::new(cluster, &physical, &names)?;
     let stage = Mesh {
         shape: stage_shape.to_vec(),

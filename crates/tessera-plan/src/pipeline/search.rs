@@ -155,7 +155,7 @@ pub fn sample_and_screen(
     let shape = &at.shape;
     let cand = Candidate {
         mesh: stage_mesh.clone(),
-        rule: AxisRule::Megatron { sp: shape.sp },
+        rule: AxisRule::Megatron { sp: shape.sp, cp: false },
         zero: shape.zero,
         micro_batches: 1,
         offload: None,
@@ -314,6 +314,8 @@ pub fn config(
         stages: Vec::new(),
         offload: None,
         shard: None,
+        cp: 1,
+        cp_comm: None,
     };
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.

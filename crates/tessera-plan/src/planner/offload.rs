@@ -48,7 +48,8 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
     let mut lines = Vec::new();
     for job in megatron_jobs(req) {
         // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`).
-        let Job::Megatron { dp, tp, sp, shard: None } = job else { continue };
+        // Nor with context parallelism (`cpN` refuses `offload=`).
+        let Job::Megatron { dp, tp, sp, shard: None, cp: 1 } = job else { continue };
         let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
         let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
@@ -79,7 +80,7 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
     let mut out = LineResult::default();
     let cand = |mb: usize, chunks: u32, nvme: u32| Candidate {
         mesh: line.mesh.clone(),
-        rule: AxisRule::Megatron { sp: line.sp },
+        rule: AxisRule::Megatron { sp: line.sp, cp: false },
         zero: line.zero,
         micro_batches: mb,
         offload: Some(Offload { kind: line.kind, chunks, nvme }),

@@ -82,9 +82,10 @@ pub(super) fn first_fit(
 pub(super) enum Job {
     /// The free per-op ILP on a mesh.
     Free(Mesh),
-    /// A Megatron-style `dp × tp` configuration (sequence parallel on or off), ZeRO over every
-    /// data-parallel rank or, with `shard`, within groups of that many (hybrid sharding).
-    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize> },
+    /// A Megatron-style `dp × cp × tp` configuration (sequence parallel on or off), ZeRO over
+    /// every data-parallel rank or, with `shard`, within groups of that many (hybrid
+    /// sharding); `cp` > 1 only for long sequences ([`crate::context::grid`]).
+    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize },
 }
 
 /// What one job found: per ZeRO stage that fits, the plan at its smallest fitting micro-batch
@@ -111,7 +112,7 @@ pub(super) fn job_space(
 ) -> Result<(Mesh, AxisRule, Vec<usize>)> {
     Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
-        Job::Megatron { dp, tp, sp, shard } => {
+        Job::Megatron { dp, tp, sp, shard, cp } => {
             let cfg = ParallelConfig {
                 dp: *dp,
                 tp: *tp,
@@ -124,9 +125,11 @@ pub(super) fn job_space(
                 stages: Vec::new(),
                 offload: None,
                 shard: *shard,
+                cp: *cp,
+                cp_comm: None,
             };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
-            (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
+            (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp, cp: *cp > 1 }, mbs)
         }
     })
 }
@@ -373,10 +376,18 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
         .then_some(per_node);
         for sp in [false, true] {
             if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1 });
                 if hybrid.is_some() {
-                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid });
+                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid, cp: 1 });
                 }
+            }
+        }
+    }
+    // Context parallelism, for long sequences only (the grid of short ones stays as fast).
+    for (dp, cp, tp) in crate::context::grid(n, req.cluster.gpus_per_node, req.seq) {
+        for sp in [false, true] {
+            if !(sp && tp == 1) {
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp });
             }
         }
     }

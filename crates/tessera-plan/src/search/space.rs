@@ -50,6 +50,21 @@ pub(super) struct Space<'g> {
 
 /// Roles of every tensor dim: batch and sequence from the data inputs, carried by labels.
 pub(super) fn dim_roles(g: &Graph, labels: &[Option<Labeling>]) -> Vec<Vec<DimRole>> {
+    roles_with(g, labels, false)
+}
+
+/// [`dim_roles`], with the sequence carried through attention and RoPE (whose labelings have
+/// no sequence label: they see whole sequences) from q to the output, so the ops after
+/// attention keep their sequence role: what context parallelism splits ([`crate::context`]).
+pub(super) fn context_roles(g: &Graph, labels: &[Option<Labeling>]) -> Vec<Vec<DimRole>> {
+    roles_with(g, labels, true)
+}
+
+fn roles_with(
+    g: &Graph,
+    labels: &[Option<Labeling>],
+    through_attention: bool,
+) -> Vec<Vec<DimRole>> {
     let mut roles: Vec<Vec<DimRole>> =
         g.tensors.iter().map(|t| vec![DimRole::Other; t.meta.shape.rank()]).collect();
     for (i, n) in g.nodes.iter().enumerate() {
@@ -70,6 +85,14 @@ pub(super) fn dim_roles(g: &Graph, labels: &[Option<Labeling>]) -> Vec<Vec<DimRo
                 if let Some(lab) = lab {
                     roles[o.index()][d] = lab_role[*lab];
                 }
+            }
+        }
+        if through_attention && matches!(n.op, Op::Attention(_) | Op::Rope { .. }) {
+            // q [B,S,H,D] → out [B,S,H,D] (and attention's lse [B,H,S]).
+            let seq = roles[n.inputs[0].index()][1];
+            roles[n.outputs[0].index()][1] = seq;
+            if let Some(lse) = n.outputs.get(1) {
+                roles[lse.index()][2] = seq;
             }
         }
     }
@@ -150,12 +173,30 @@ impl<'g> Space<'g> {
         }
 
         let live_axes: Vec<usize> = (0..mesh.ndim()).filter(|&a| mesh.shape[a] > 1).collect();
-        // A config's mesh: data-parallel axes, then the tensor axis last.
+        // A config's mesh: data-parallel axes, then the context-parallel axis (with `cpN`),
+        // then the tensor axis last.
         let tp_axis = mesh.ndim().saturating_sub(1);
-        let data_axes: Vec<usize> = live_axes.iter().copied().filter(|&a| a != tp_axis).collect();
+        let cp_axis = match rule {
+            AxisRule::Megatron { cp: true, .. } => Some(crate::context::cp_axis(mesh)),
+            _ => None,
+        };
+        let data_axes: Vec<usize> =
+            live_axes.iter().copied().filter(|&a| a != tp_axis && Some(a) != cp_axis).collect();
+        // The context-parallel axis splits every sequence, and attention's heads.
+        let cp_pins = match cp_axis {
+            Some(a) => {
+                let roles = context_roles(g, &labels);
+                let tp = mesh.shape[tp_axis];
+                match crate::context::cp_pins(g, &labels, &roles, mesh.shape[a], tp) {
+                    Ok(pins) => Some(pins),
+                    Err(why) => return Ok(Space::unsplittable(g, why)),
+                }
+            }
+            None => None,
+        };
         // A config string's tensor axis splits what Megatron-LM's layout splits, op by op.
         let tp_pins = match rule {
-            AxisRule::Megatron { sp } if live_axes.contains(&tp_axis) => {
+            AxisRule::Megatron { sp, .. } if live_axes.contains(&tp_axis) => {
                 let tp = mesh.shape[tp_axis];
                 match super::megatron::tp_labels(g, &mut labels, &roles, *sp, tp, false) {
                     Ok(pins) => Some(pins),
@@ -199,6 +240,9 @@ impl<'g> Space<'g> {
                     AxisRule::Megatron { .. } if a == tp_axis => {
                         tp_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
                     }
+                    AxisRule::Megatron { .. } if Some(a) == cp_axis => {
+                        cp_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
+                    }
                     AxisRule::Megatron { .. } => lab_role[lab] == DimRole::Batch,
                 }
             };
@@ -209,6 +253,23 @@ impl<'g> Space<'g> {
                     .any(|lab| lab_role[lab] == DimRole::Batch && l.shardable[lab]);
                 if has_batch {
                     all.retain(|s| data_axes.iter().all(|&a| s.axis_labels[a].is_some()));
+                }
+                // The context-parallel axis splits exactly its pinned label, heads tp-major.
+                if let (Some(a), Some(lab)) = (cp_axis, cp_pins.as_ref().and_then(|p| p[i])) {
+                    all.retain(|s| s.axis_labels[a] == Some(lab));
+                    if all.is_empty() {
+                        let why = format!(
+                            "{} ({}) cannot be split over the context-parallel axis on the mesh \
+                             {:?}",
+                            g.scope_name(node.scope),
+                            node.op.name(),
+                            mesh.shape
+                        );
+                        return Ok(Space::unsplittable(g, why));
+                    }
+                    for s in &mut all {
+                        crate::context::order_heads(s, node, a, tp_axis);
+                    }
                 }
                 // The tensor axis splits exactly Megatron's label.
                 if let Some(lab) = tp_pins.as_ref().and_then(|p| p[i]) {

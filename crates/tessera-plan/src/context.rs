@@ -1,0 +1,403 @@
+//! Context parallelism (`cpN`), the all-to-all variant (DeepSpeed-Ulysses; Megatron-LM's
+//! `--cp-comm-type a2a`): a mesh axis `cp` splits the sequence of every activation through the
+//! whole step — embedding, norms, projections, MLP, loss — and, around attention, the heads
+//! instead. Attention and RoPE see whole sequences (their labelings have no sequence label)
+//! but split by heads, so the reshard between a sequence-split tensor and a head-split one is
+//! an all-to-all over the cp axis, found by the reshard search like any other move: q, k and
+//! v go sequence-split → head-split before RoPE and attention, the output head-split →
+//! sequence-split after it (and their gradients the other way in the backward).
+//!
+//! Everything of the axis lives here: its config tokens ([`parse_token`], [`CpComm`]), its
+//! mesh ([`mesh_shape`]), its sharding pins for the search ([`cp_pins`], [`order_heads`]), the
+//! config a plan describes ([`describe_cp`]), its `--explain` lines ([`explain_lines`]) and its
+//! export fields ([`megatron_args`], [`refuse_export`]). The rest of the planner calls in:
+//! - weights are never split over cp, so their gradients are pending sums over it and the
+//!   lowering reduces them over dp × cp, and ZeRO shards over dp × cp (Megatron-LM's
+//!   distributed optimizer shards over its data-parallel-and-context group) — both fall out of
+//!   the generic parameter planning (`lower.rs`, `plan_params`: every live axis a weight is
+//!   not split on is pending);
+//! - with `tpN`, attention's heads split over tp and cp together, tp-major (each tensor rank's
+//!   heads split further over cp), so the all-to-all stays inside each tensor-parallel group's
+//!   heads ([`order_heads`]); the KV heads must divide by cp · tp;
+//! - with `sp`, the norms' sequence splits over cp then tp (cp-major), so `sp`'s gathers stay
+//!   inside each cp rank's chunk.
+//!
+//! Ring attention (`cp=ring`: K/V blocks passed around the cp ring, outputs merged by their
+//! log-sum-exp) needs attention ops that take a block of keys and return partial outputs; it
+//! is parsed and refused ([`parse_token`]).
+
+use crate::rules::{DimRole, Labeling, Strategy};
+use crate::{Mesh, PlanError, Result, Spec};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use tessera_ir::{Graph, Op};
+
+/// How the cp axis exchanges what attention needs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpComm {
+    /// All-to-all (Ulysses): sequence-split to head-split around attention and back.
+    #[default]
+    A2a,
+}
+
+impl fmt::Display for CpComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CpComm::A2a => f.write_str("a2a"),
+        }
+    }
+}
+
+/// The message for `cp=ring`: the gap and the fix.
+pub const RING_REFUSED: &str = "cp=ring (ring attention) is not supported yet: it needs \
+     attention ops over a block of keys that return partial outputs merged by their \
+     log-sum-exp, which the IR does not have; use cp=a2a (all-to-all, DeepSpeed-Ulysses), \
+     which needs the KV heads divisible by cp × tp";
+
+/// A cp token of a config string (lower-cased `tok`, as written `raw`): `Some(Ok(kind))` when
+/// it is one — `"cp"` for `cpN` (its degree written into `degree`), `"cp="` for `cp=a2a`
+/// (into `comm`) — `Some(Err)` when it is one but malformed or refused, `None` otherwise.
+pub fn parse_token(
+    raw: &str,
+    tok: &str,
+    degree: &mut usize,
+    comm: &mut Option<CpComm>,
+) -> Option<Result<&'static str, String>> {
+    if let Some(kind) = tok.strip_prefix("cp=") {
+        return Some(match kind {
+            "a2a" | "ulysses" | "all-to-all" => {
+                *comm = Some(CpComm::A2a);
+                Ok("cp=")
+            }
+            "ring" => Err(RING_REFUSED.to_string()),
+            _ => Err(format!("`{raw}`: context-parallel kinds are a2a (and ring, not yet)")),
+        });
+    }
+    if tok == "cp" {
+        return Some(Err(format!(
+            "`{raw}`: give the context-parallel degree, e.g. cp2 (and optionally cp=a2a)"
+        )));
+    }
+    let digits = tok.strip_prefix("cp")?;
+    if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    Some(match digits.parse::<usize>() {
+        Ok(0) => Err(format!("`{raw}`: cp must be at least 1 (1 means not split)")),
+        Ok(n) => {
+            *degree = n;
+            Ok("cp")
+        }
+        Err(_) => Err(format!("`{raw}`: the number is too large")),
+    })
+}
+
+/// The config rules of the axis: `cp=` needs cp > 1, and hybrid sharding (`shard=`) and
+/// offload do not compose with it yet.
+pub fn validate(cp: usize, comm: Option<CpComm>, shard: bool, offload: bool) -> Result<()> {
+    if cp == 0 {
+        return Err(PlanError::Invalid("cp must be at least 1 (1 means not split)".into()));
+    }
+    if cp == 1 {
+        if let Some(c) = comm {
+            return Err(PlanError::Invalid(format!(
+                "cp={c} chooses how a context-parallel axis exchanges keys and values: add cpN \
+                 with N > 1, e.g. `cp2 cp={c}`"
+            )));
+        }
+        return Ok(());
+    }
+    let why = if shard {
+        Some("hybrid sharding (shard=) with context parallelism is not supported yet: drop one")
+    } else if offload {
+        Some("offload= with context parallelism is not supported yet: drop one of them")
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(PlanError::Invalid(format!("cp{cp}: {why}"))),
+        None => Ok(()),
+    }
+}
+
+/// The canonical tokens of the axis (after `tpN`): `cpN cp=a2a` when cp > 1, else nothing.
+pub fn canonical(cp: usize, comm: Option<CpComm>) -> String {
+    if cp > 1 {
+        format!(" cp{cp} cp={}", comm.unwrap_or_default())
+    } else {
+        String::new()
+    }
+}
+
+/// A config's stage mesh (everything but the pipeline axis) and its axis names: `[dp, tp]`,
+/// or `[dp, cp, tp]` with context parallelism — cp between dp and tp, as Megatron-LM orders
+/// its groups (tp fastest over the devices, then cp, then dp), so cp's all-to-alls stay
+/// inside a node before dp's gradient reductions do.
+pub fn mesh_shape(dp: usize, cp: usize, tp: usize) -> (Vec<usize>, Vec<&'static str>) {
+    if cp > 1 {
+        (vec![dp, cp, tp], vec!["dp", "cp", "tp"])
+    } else {
+        (vec![dp, tp], vec!["dp", "tp"])
+    }
+}
+
+/// The shortest sequence the automatic search tries context parallelism for: below it the
+/// activations a sequence split saves are small beside the model state, and the Megatron
+/// grid stays as fast as before.
+pub const GRID_MIN_SEQ: usize = 8192;
+
+/// The automatic search's context-parallel candidates on `n` devices (`gpus_per_node` per
+/// node) for a sequence of `seq`: every `(dp, cp, tp)` with cp > 1 dividing the sequence, tp
+/// dividing a node and dp × cp × tp = n — none below [`GRID_MIN_SEQ`]. Heads cp × tp does not
+/// divide are the candidate's own miss (`cp_pins` says why), as tp's are.
+pub fn grid(n: usize, gpus_per_node: usize, seq: usize) -> Vec<(usize, usize, usize)> {
+    if seq < GRID_MIN_SEQ {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for tp in (1..=gpus_per_node.min(n)).filter(|&t| n.is_multiple_of(t)) {
+        let rest = n / tp;
+        for cp in (2..=rest).filter(|&c| rest.is_multiple_of(c) && seq.is_multiple_of(c)) {
+            out.push((rest / cp, cp, tp));
+        }
+    }
+    out
+}
+
+/// The context-parallel axis of a Megatron-rule mesh with a cp axis: the one before the
+/// tensor axis.
+pub fn cp_axis(mesh: &Mesh) -> usize {
+    mesh.ndim().saturating_sub(2)
+}
+
+/// The label the cp axis splits at each node (`None`: none — a weight's own ops, a scalar's):
+/// the sequence label wherever a node has one, the heads of attention, RoPE (and a cache
+/// write). `roles` are the dim roles propagated through attention (see
+/// `search::space::context_roles`). Errs, naming the numbers and the fix, where cp (with tp)
+/// does not divide the KV heads or the sequence.
+pub fn cp_pins(
+    g: &Graph,
+    labels: &[Option<Labeling>],
+    roles: &[Vec<DimRole>],
+    cp: usize,
+    tp: usize,
+) -> Result<Vec<Option<usize>>, String> {
+    // The heads first: RoPE comes before the attention whose KV heads bound the split.
+    let split = cp.saturating_mul(tp);
+    for (i, n) in g.nodes.iter().enumerate() {
+        if let (Op::Attention(_), Some(l)) = (&n.op, &labels[i]) {
+            let (heads, kv) = (g.meta(n.inputs[0]).shape.dims()[2], l.sizes[heads_label(l)?]);
+            if !kv.is_multiple_of(split) || !heads.is_multiple_of(split) {
+                return Err(kv_heads_message(g, i, heads, kv, cp, tp));
+            }
+        }
+    }
+    let mut pins = vec![None; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        let Some(l) = &labels[i] else { continue };
+        let pin = match &n.op {
+            Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => Some(heads_label(l)?),
+            _ => {
+                let role = label_roles(g, i, l, roles);
+                (0..l.sizes.len()).find(|&lab| role[lab] == DimRole::Seq && l.shardable[lab])
+            }
+        };
+        if let Some(lab) = pin {
+            let heads = matches!(n.op, Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite);
+            if !heads && !l.sizes[lab].is_multiple_of(cp) {
+                return Err(format!(
+                    "cp{cp} splits the sequence of {} ({}) of length {}, which {cp} does not \
+                     divide: use a sequence that is a multiple of {cp}, or a cp dividing {}",
+                    g.scope_name(n.scope),
+                    n.op.name(),
+                    l.sizes[lab],
+                    l.sizes[lab]
+                ));
+            }
+        }
+        pins[i] = pin;
+    }
+    Ok(pins)
+}
+
+/// The heads label of an attention-like labeling (q's dim 2).
+fn heads_label(l: &Labeling) -> Result<usize, String> {
+    l.inputs
+        .first()
+        .and_then(|q| q.get(2).copied().flatten())
+        .ok_or_else(|| "an attention without a heads label".to_string())
+}
+
+fn kv_heads_message(g: &Graph, i: usize, heads: usize, kv: usize, cp: usize, tp: usize) -> String {
+    let n = &g.nodes[i];
+    let per_tp = if kv.is_multiple_of(tp) { kv / tp } else { 0 };
+    let fits: Vec<String> =
+        (2..=per_tp).filter(|c| per_tp.is_multiple_of(*c)).map(|c| format!("cp{c}")).collect();
+    let fix = if fits.is_empty() {
+        "drop cpN (no context parallelism) or lower tp".to_string()
+    } else {
+        format!("use {} (dividing {kv} KV heads / tp{tp})", fits.join(" or "))
+    };
+    format!(
+        "cp{cp} × tp{tp} = {} splits {} ({})'s heads, but the model has {heads} query and {kv} \
+         KV heads, which {} does not divide: the all-to-all variant gives each device whole \
+         heads; {fix}",
+        cp * tp,
+        g.scope_name(n.scope),
+        n.op.name(),
+        cp * tp
+    )
+}
+
+/// Roles of one node's labels from its inputs' dim roles (see `search::space::label_roles`).
+fn label_roles(g: &Graph, i: usize, l: &Labeling, roles: &[Vec<DimRole>]) -> Vec<DimRole> {
+    let n = &g.nodes[i];
+    let mut lab_role = vec![DimRole::Other; l.sizes.len()];
+    for (k, &t) in n.inputs.iter().enumerate() {
+        for (d, lab) in l.inputs[k].iter().enumerate() {
+            if let Some(lab) = lab {
+                if roles[t.index()][d] != DimRole::Other {
+                    lab_role[*lab] = roles[t.index()][d];
+                }
+            }
+        }
+    }
+    lab_role
+}
+
+/// Puts the tensor axis before the cp axis wherever a strategy splits one dim over both
+/// (attention's and RoPE's heads): each tensor rank keeps its heads, and the all-to-all splits
+/// them further over cp within it. A sequence split over both (`sp`) stays cp-major.
+pub fn order_heads(s: &mut Strategy, n: &tessera_ir::Node, cp_axis: usize, tp_axis: usize) {
+    if !matches!(n.op, Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite) {
+        return;
+    }
+    let fix = |spec: &mut Spec| {
+        for d in &mut spec.dims {
+            if d[..] == [cp_axis, tp_axis] {
+                *d = vec![tp_axis, cp_axis];
+            }
+        }
+    };
+    s.inputs.iter_mut().for_each(fix);
+    s.outputs.iter_mut().for_each(fix);
+}
+
+/// The context-parallel degree a plan's layout shows: the product of the mesh axes named `cp`
+/// that split the sequence (dim 1) of the matmuls' activations. Only meshes with an axis
+/// named `cp` (a config's) have one: a per-op layout that splits a sequence is described as it
+/// was before context parallelism existed.
+pub fn describe_cp(
+    g: &Graph,
+    strategies: &[Option<Strategy>],
+    mesh: &Mesh,
+    dp_axes: &[usize],
+) -> usize {
+    let Some(axis) = mesh.axes.iter().position(|a| a == "cp") else { return 1 };
+    if dp_axes.contains(&axis) || mesh.shape[axis] < 2 {
+        return 1;
+    }
+    let splits = g.nodes.iter().enumerate().any(|(i, n)| {
+        matches!(n.op, Op::MatMul { .. })
+            && g.meta(n.inputs[0]).shape.rank() >= 3
+            && strategies[i]
+                .as_ref()
+                .is_some_and(|s| s.inputs[0].dims.get(1).is_some_and(|d| d.contains(&axis)))
+    });
+    if splits {
+        mesh.shape[axis]
+    } else {
+        1
+    }
+}
+
+/// `--explain`'s lines about context parallelism: which tensors the cp axis splits by their
+/// sequence and by heads, and the all-to-all traffic around attention, per step and device
+/// (`a2a_bytes`: the plan's all-to-all bytes over the cp axis). Empty when cp is 1.
+pub fn explain_lines(cp: usize, seq: usize, a2a_calls: usize, a2a_bytes: u64) -> Vec<String> {
+    if cp < 2 {
+        return Vec::new();
+    }
+    vec![
+        format!("context parallel: cp{cp}, all-to-all (DeepSpeed-Ulysses)"),
+        format!(
+            "  every activation's sequence of {seq} splits into {cp} chunks of {} tokens \
+             (embedding, norms,",
+            seq / cp
+        ),
+        "  projections, MLP, loss); q, k, v and attention's output split by heads instead"
+            .to_string(),
+        format!(
+            "  {a2a_calls} all-to-alls per step around attention (sequence <-> heads, forward \
+             and backward),"
+        ),
+        format!(
+            "  {} per device; weight gradients reduce over dp x cp",
+            crate::units::format_bytes(a2a_bytes)
+        ),
+    ]
+}
+
+/// Megatron-LM's flags for the axis: `--context-parallel-size N --cp-comm-type a2a`.
+pub fn megatron_args(cp: usize, comm: Option<CpComm>) -> Vec<String> {
+    if cp < 2 {
+        return Vec::new();
+    }
+    vec![
+        format!("--context-parallel-size {cp}"),
+        format!("--cp-comm-type {}", comm.unwrap_or_default()),
+    ]
+}
+
+/// Why an engine cannot run a context-parallel plan (`None`: it can, or cp is 1).
+pub fn refuse_export(engine: &str, cp: usize) -> Option<String> {
+    if cp < 2 {
+        return None;
+    }
+    match engine {
+        "torchtitan" => Some(format!(
+            "torchtitan cannot run cp{cp} cp=a2a: its context_parallel_degree is ring attention \
+             only (no all-to-all variant); export to Megatron-LM (--context-parallel-size \
+             {cp} --cp-comm-type a2a), or drop cpN"
+        )),
+        "deepspeed" => Some(format!(
+            "DeepSpeed cannot say cp{cp} in its config: Ulysses sequence parallelism lives in \
+             the model code (deepspeed.sequence.layer.DistributedAttention), not in \
+             ds_config.json; export to Megatron-LM (--context-parallel-size {cp} \
+             --cp-comm-type a2a), or drop cpN"
+        )),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_search_grid_tries_cp_for_long_sequences_only() {
+        assert!(grid(8, 8, GRID_MIN_SEQ - 1).is_empty(), "short sequences keep the old grid");
+        let g = grid(8, 8, 65536);
+        assert!(g.iter().all(|&(dp, cp, tp)| dp * cp * tp == 8 && cp > 1), "{g:?}");
+        for want in [(4, 2, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)] {
+            assert!(g.contains(&want), "{want:?} missing from {g:?}");
+        }
+        assert!(g.iter().all(|&(_, _, tp)| tp <= 4), "tp8 leaves no device for cp: {g:?}");
+        // cp divides the sequence.
+        assert!(grid(8, 8, 3 * 4096).iter().all(|&(_, cp, _)| (3 * 4096) % cp == 0));
+        assert_eq!(grid(4, 4, 10_002), vec![(2, 2, 1), (1, 2, 2)]);
+    }
+
+    #[test]
+    fn ring_is_refused_naming_the_fix_and_a2a_is_the_default() {
+        let (mut n, mut comm) = (1, None);
+        let e = parse_token("cp=ring", "cp=ring", &mut n, &mut comm).unwrap().unwrap_err();
+        assert!(e.contains("use cp=a2a"), "{e}");
+        assert_eq!(parse_token("cp4", "cp4", &mut n, &mut comm), Some(Ok("cp")));
+        assert_eq!(n, 4);
+        assert!(parse_token("cpu", "cpu", &mut n, &mut comm).is_none());
+        assert_eq!(canonical(4, None), " cp4 cp=a2a");
+        assert_eq!(canonical(1, None), "");
+    }
+}
