@@ -72,6 +72,37 @@ impl Request<'_> {
         }
     }
 
+    /// This request with another forward graph builder (the chunked loss's, [`with_loss`]).
+    pub fn with_build<'b>(
+        &self,
+        build: &'b (dyn Fn(usize) -> Result<Forward> + Sync),
+    ) -> Request<'b> {
+        Request {
+            build,
+            model: self.model.clone(),
+            batch: self.batch,
+            seq: self.seq,
+            dtype: self.dtype,
+            cluster: self.cluster.clone(),
+            budget: self.budget,
+            train: self.train.clone(),
+            model_flops: self.model_flops,
+            ckpt: self.ckpt.clone(),
+            pipeline: self.pipeline.clone(),
+            search: self.search.clone(),
+        }
+    }
+
+    /// What the chunked loss's choice reads ([`crate::loss_chunk::choose`]).
+    fn loss_problem(&self) -> crate::loss_chunk::Problem<'_> {
+        crate::loss_chunk::Problem {
+            build: self.build,
+            batch: self.batch,
+            devices: self.cluster.num_devices(),
+            budget: self.budget,
+        }
+    }
+
     fn context<'g>(&self, forward: &'g tessera_ir::Graph) -> PlanContext<'g> {
         PlanContext {
             model: self.model.clone(),
@@ -118,8 +149,38 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     }
 }
 
-/// Evaluates a fixed configuration (the best plan within it).
+/// Runs `f` on `req` with its forward graphs' head and loss fused in chunks of `rows`
+/// ([`crate::loss_chunk`]), or on `req` itself when `rows` is `None`.
+pub fn with_loss<T>(
+    req: &Request<'_>,
+    rows: Option<usize>,
+    f: impl FnOnce(&Request<'_>) -> Result<T>,
+) -> Result<T> {
+    match rows {
+        None => f(req),
+        Some(rows) => {
+            let build = |mb: usize| crate::loss_chunk::build_with(req.build, Some(rows), mb);
+            f(&req.with_build(&build))
+        }
+    }
+}
+
+/// Evaluates a fixed configuration (the best plan within it). The loss runs as `loss=` says,
+/// or as [`crate::loss_chunk::choose`] decides when the config does not say; the plan's
+/// config string names a chunking it chose.
 pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
+    let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
+    let mut plan = with_loss(req, rows, |r| plan_fixed_as_built(r, cfg))?;
+    if let (None, Some(rows)) = (cfg.loss, rows) {
+        let chosen =
+            ParallelConfig { loss: Some(crate::config::LossMode::Chunk(rows)), ..cfg.clone() };
+        plan.config = chosen.canonical();
+    }
+    Ok(plan)
+}
+
+/// [`plan_fixed`] on the request's forward graphs as they are built.
+fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     if cfg.pp > 1 {
         return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
     }
@@ -205,6 +266,7 @@ fn best_megatron(
                     stages: Vec::new(),
                     offload: None,
                     shard: shard.filter(|_| e.candidate.zero > 0),
+                    loss: None,
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -267,6 +329,12 @@ fn exact_fastest(
 
 /// The automatic plan: the fastest fitting candidate of the whole space.
 pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
+    let rows = crate::loss_chunk::choose(req.loss_problem())?;
+    with_loss(req, rows, plan_auto_as_built)
+}
+
+/// [`plan_auto`] on the request's forward graphs as they are built.
+fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
     let t0 = Instant::now();
     let p = req.problem();
     let mbs = req.micro_batch_options();
@@ -470,6 +538,16 @@ pub fn lower_plan_with(
     file: &Plan,
     ckpt: tessera_ir::Checkpointing,
 ) -> Result<Executable> {
+    with_loss(req, file.loss_chunk_rows, |r| lower_plan_as_built(r, file, ckpt))
+}
+
+/// [`lower_plan_with`] on the request's forward graphs as they are built (the plan's chunked
+/// loss already applied).
+fn lower_plan_as_built(
+    req: &Request<'_>,
+    file: &Plan,
+    ckpt: tessera_ir::Checkpointing,
+) -> Result<Executable> {
     if file.version != crate::plan::PLAN_VERSION {
         return Err(PlanError::Invalid(format!(
             "plan file version {} is not supported (this tessera writes version {})",
@@ -582,8 +660,13 @@ fn lower_pipeline_file(
 
 /// Re-lowers a plan file's strategies (hand edits included) with the current cost model.
 pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
+    with_loss(req, file.loss_chunk_rows, |r| plan_from_file_as_built(r, file))
+}
+
+/// [`plan_from_file`] on the request's forward graphs as they are built.
+fn plan_from_file_as_built(req: &Request<'_>, file: &Plan) -> Result<Plan> {
     let t0 = Instant::now();
-    let exe = lower_plan(req, file)?;
+    let exe = lower_plan_as_built(req, file, file.checkpointing())?;
     let e = Evaluated {
         candidate: Candidate {
             // A pipelined plan's strategies are one stage's: its mesh drops the pipeline axis.
@@ -715,6 +798,7 @@ fn describe(least: &LeastPeak) -> String {
                 stages: Vec::new(),
                 offload: None,
                 shard: None,
+                loss: None,
             };
             format!("`{}`", cfg.canonical())
         }

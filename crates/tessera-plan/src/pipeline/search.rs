@@ -314,6 +314,7 @@ pub fn config(
         stages: Vec::new(),
         offload: None,
         shard: None,
+        loss: None,
     };
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.

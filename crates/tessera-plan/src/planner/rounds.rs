@@ -124,6 +124,7 @@ pub(super) fn job_space(
                 stages: Vec::new(),
                 offload: None,
                 shard: *shard,
+                loss: None,
             };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp }, mbs)
