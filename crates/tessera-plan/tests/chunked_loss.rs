@@ -1,0 +1,112 @@
+//! The planner's choice of the chunked loss (`crate::loss_chunk`): a long sequence whose
+//! logits dominate the memory — a Llama 3.2 1B (128,256-token vocabulary) at 128K tokens on
+//! one H100 — is planned with the head and loss fused in chunks, and fits where the whole
+//! logits (`loss=whole`) do not; a short sequence keeps its logits whole and its plan as it
+//! was; a pinned chunk size is the one the plan runs.
+
+use tessera_ir::{DType, Op, TrainConfig};
+use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_plan::config::ParallelConfig;
+use tessera_plan::loss_chunk::{self, CHUNK_SHARE};
+use tessera_plan::plan::Plan;
+use tessera_plan::planner::{plan_auto, plan_fixed, Request};
+use tessera_plan::search::{CkptSearch, Forward};
+use tessera_plan::{Cluster, PlanError};
+
+const VOCAB: u64 = 128_256;
+
+/// Llama 3.2 1B's shape (tied embeddings), as Hugging Face's config.json says.
+fn llama32_1b() -> ModelConfig {
+    let j = serde_json::json!({
+        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": true
+    });
+    ModelConfig::from_hf_json(&j.to_string()).unwrap()
+}
+
+fn plan(seq: usize, config: Option<&str>) -> Result<Plan, PlanError> {
+    let cfg = llama32_1b();
+    let b = move |mb: usize| -> tessera_plan::Result<Forward> {
+        let m = build(&cfg, &BuildOptions::new(mb, seq, DType::BF16))
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+    };
+    let cluster = Cluster::parse("1xH100").unwrap().with_host_memory(0);
+    let req = Request {
+        build: &b,
+        model: "llama3.2-1b".into(),
+        batch: 1,
+        seq,
+        dtype: DType::BF16,
+        budget: cluster.device.usable_bytes(),
+        cluster,
+        train: TrainConfig::default(),
+        model_flops: 1e12,
+        ckpt: CkptSearch::Joint,
+        pipeline: Default::default(),
+        search: Default::default(),
+    };
+    match config {
+        Some(c) => plan_fixed(&req, &ParallelConfig::parse(c)?),
+        None => plan_auto(&req),
+    }
+}
+
+#[test]
+fn long_sequences_chunk_the_loss_and_fit_where_whole_logits_do_not() {
+    let seq = 128 * 1024;
+    let p = plan(seq, None).expect("128K tokens fit one H100 with the loss in chunks");
+    let rows = p.loss_chunk_rows.expect("the search chunks logits that dominate the memory");
+    assert!(p.config.ends_with(&format!("loss=chunk{rows}")), "{}", p.config);
+    // One chunk's f32 logits are a small share of the budget, and a power of two rows.
+    assert!(rows.is_power_of_two() && rows >= 1024, "{rows}");
+    assert!((rows as u64 * VOCAB * 4) as f64 <= CHUNK_SHARE * p.memory_budget_bytes as f64);
+    // The whole [S, V] logits (33.6 GB in bf16, kept to the backward beside their gradient)
+    // do not fit: the least any layout needs is over the budget.
+    match plan(seq, Some("dp1 loss=whole")) {
+        Err(PlanError::Infeasible { needed, budget, .. }) => assert!(needed > budget),
+        other => panic!("whole logits at 128K tokens: {:?}", other.map(|p| p.config)),
+    }
+    // The plan's strategies name the fused op.
+    assert!(p.strategies.iter().any(|s| s.op == "linear_cross_entropy"));
+}
+
+#[test]
+fn short_sequences_keep_their_logits_whole_and_their_plan() {
+    let auto = plan(2048, None).unwrap();
+    assert_eq!(auto.loss_chunk_rows, None, "{}", auto.config);
+    assert!(!auto.config.contains("loss="), "{}", auto.config);
+    assert!(auto.strategies.iter().any(|s| s.op == "cross_entropy"));
+    // The same plan as with the logits pinned whole.
+    let whole = plan(2048, Some(&format!("{} loss=whole", auto.config))).unwrap();
+    assert_eq!(whole.predicted.peak_bytes_per_device, auto.predicted.peak_bytes_per_device);
+    assert_eq!(whole.predicted.step_time_s, auto.predicted.step_time_s);
+}
+
+#[test]
+fn a_pinned_chunk_is_the_plans_and_the_fused_graph_is_the_pairs_shape() {
+    let p = plan(4096, Some("dp1 loss=chunk1000")).unwrap();
+    assert_eq!(p.loss_chunk_rows, Some(1000));
+    assert_eq!(p.config, "dp1 tp1 loss=chunk1000");
+    // The rewrite: the head's matmul and the loss become one op with the loss's outputs.
+    let cfg = ModelConfig::resolve("llama-tiny").unwrap();
+    let m = build(&cfg, &BuildOptions::new(2, 16, DType::F32)).unwrap();
+    let fwd = Forward { graph: m.builder.finish(), loss: m.loss };
+    let sites = loss_chunk::sites(&fwd.graph);
+    assert_eq!(sites.len(), 1);
+    assert_eq!((sites[0].rows, sites[0].classes), (32, 256));
+    let fused = loss_chunk::fuse(&fwd, 8).unwrap();
+    assert_eq!(fused.graph.nodes.len(), fwd.graph.nodes.len() - 1);
+    assert_eq!(fused.graph.meta(fused.loss), fwd.graph.meta(fwd.loss));
+    let count = |g: &tessera_ir::Graph, f: &dyn Fn(&Op) -> bool| {
+        g.nodes.iter().filter(|n| f(&n.op)).count()
+    };
+    assert_eq!(count(&fused.graph, &|o| matches!(o, Op::CrossEntropy { .. })), 0);
+    assert_eq!(
+        count(&fused.graph, &|o| matches!(o, Op::LinearCrossEntropy { chunk_rows: 8, .. })),
+        1
+    );
+    assert!(loss_chunk::sites(&fused.graph).is_empty());
+}
