@@ -17,7 +17,7 @@
 //! exist, at the price of recomputing the logits in the backward (one more GEMM of the head's
 //! size). `loss=whole` keeps the matmul and the loss apart (the `[rows, V]` logits live from
 //! the forward to the backward). Without `loss=` the planner chooses: chunks where one
-//! device's share of the logits is at least an eighth of the memory budget, whole otherwise.
+//! device's share of the logits is at least a quarter of the memory budget, whole otherwise.
 //!
 //! `nvme` puts the offloaded chunks' optimizer state on the NVMe, `nvme:K` that of the last K
 //! offloaded chunks (needs `offload=`).

@@ -67,7 +67,9 @@ fn long_sequences_chunk_the_loss_for_a_lower_peak_and_a_faster_step() {
     let chunk = |r: u64| (r * VOCAB * 4) as f64;
     let budget = p.memory_budget_bytes as f64;
     assert!(rows.is_power_of_two(), "{rows}");
-    assert!(chunk(rows as u64) <= CHUNK_SHARE * budget && chunk(2 * rows as u64) > CHUNK_SHARE * budget);
+    assert!(
+        chunk(rows as u64) <= CHUNK_SHARE * budget && chunk(2 * rows as u64) > CHUNK_SHARE * budget
+    );
     assert!(p.strategies.iter().any(|s| s.op == "linear_cross_entropy"));
     // The whole [S, V] logits (25 GB in bf16, kept to the backward beside their gradient)
     // fit only by recomputing every block: the chunked plan keeps more and steps faster.
