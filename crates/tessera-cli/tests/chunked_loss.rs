@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::time::Duration;
 use tessera_comm::ThreadComm;
-use tessera_ir::{build_training_graph, DType, TrainConfig};
+use tessera_ir::{DType, TrainConfig};
 use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_plan::config::ParallelConfig;
 use tessera_plan::plan::Plan;

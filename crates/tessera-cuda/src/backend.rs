@@ -740,7 +740,8 @@ impl CudaBackend {
         out: &TensorMeta,
         p: Purpose,
     ) -> Result<CudaTensor> {
-        let mut r = self.run(&Op::Binary(b), &[x, y], &[out.clone()], &MeshPos::single(), p)?;
+        let outs = std::slice::from_ref(out);
+        let mut r = self.run(&Op::Binary(b), &[x, y], outs, &MeshPos::single(), p)?;
         r.pop().ok_or_else(|| bad("binary: no output".into()))
     }
     /// Copies `x` into `y`, a contiguous view (of x's element count) into a larger tensor.
