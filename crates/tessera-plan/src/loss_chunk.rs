@@ -177,9 +177,21 @@ pub fn choose(req: Problem<'_>) -> Result<Option<usize>> {
 
 /// The rows per chunk a request runs with: the config's `loss=` when written, else
 /// [`choose`]'s.
+/// A `loss=chunkN` for a model with no head and loss to fuse (an encoder's classifier, a
+/// masked-LM head with a bias) is refused by name rather than ignored.
 pub fn resolve(req: Problem<'_>, pinned: Option<LossMode>) -> Result<Option<usize>> {
     match pinned {
-        Some(m) => Ok(m.chunk_rows()),
+        Some(LossMode::Chunk(rows)) => {
+            if sites(&(req.build)(req.batch)?.graph).is_empty() {
+                return Err(PlanError::Invalid(format!(
+                    "loss=chunk{rows} fuses a causal LM's head (a matmul against a [vocab, \
+                     hidden] weight) with the summed cross-entropy over its logits, and this \
+                     model has no such pair: drop loss="
+                )));
+            }
+            Ok(Some(rows))
+        }
+        Some(LossMode::Whole) => Ok(None),
         None => choose(req),
     }
 }

@@ -125,3 +125,32 @@ fn a_pinned_chunk_is_the_plans_and_the_fused_graph_is_the_pairs_shape() {
     );
     assert!(loss_chunk::sites(&fused.graph).is_empty());
 }
+
+#[test]
+fn a_chunked_loss_for_a_model_without_a_head_to_fuse_is_refused_by_name() {
+    let cfg = ModelConfig::resolve("vit-tiny").unwrap();
+    let b = move |mb: usize| -> tessera_plan::Result<Forward> {
+        let m = build(&cfg, &BuildOptions::new(mb, 1, DType::F32))
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+    };
+    let req = Request {
+        build: &b,
+        model: "vit-tiny".into(),
+        batch: 4,
+        seq: 1,
+        dtype: DType::F32,
+        budget: 1 << 34,
+        cluster: Cluster::parse("1xcpu").unwrap(),
+        train: TrainConfig::default(),
+        model_flops: 1e9,
+        ckpt: CkptSearch::Joint,
+        pipeline: Default::default(),
+        search: Default::default(),
+    };
+    let err = plan_fixed(&req, &ParallelConfig::parse("dp1 loss=chunk8").unwrap()).unwrap_err();
+    assert!(err.to_string().contains("no such pair: drop loss="), "{err}");
+    // Whole is what it runs anyway.
+    let p = plan_fixed(&req, &ParallelConfig::parse("dp1 loss=whole").unwrap()).unwrap();
+    assert_eq!(p.loss_chunk_rows, None);
+}
