@@ -154,3 +154,38 @@ fn a_chunked_loss_for_a_model_without_a_head_to_fuse_is_refused_by_name() {
     let p = plan_fixed(&req, &ParallelConfig::parse("dp1 loss=whole").unwrap()).unwrap();
     assert_eq!(p.loss_chunk_rows, None);
 }
+
+/// Every `scripts/bench-plan.sh` row (model, cluster, batch × seq, budget; bf16) keeps its
+/// logits whole: the choice leaves the benchmark's plans exactly as they were.
+#[test]
+fn bench_plan_rows_keep_their_logits_whole() {
+    let script = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench-plan.sh"),
+    )
+    .unwrap();
+    let rows: Vec<Vec<&str>> = script
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with('"') && l.ends_with('"'))
+        .map(|l| l.trim_matches('"').split_whitespace().collect())
+        .collect();
+    assert!(rows.len() >= 20, "{} rows read from bench-plan.sh", rows.len());
+    for row in rows {
+        let (model, cluster) = (row[0], Cluster::parse(row[1]).unwrap());
+        let (batch, seq): (usize, usize) = (row[2].parse().unwrap(), row[3].parse().unwrap());
+        let budget = match row.get(4) {
+            Some(b) => tessera_plan::units::parse_bytes(b).unwrap(),
+            None => cluster.device.usable_bytes(),
+        };
+        let cfg = ModelConfig::resolve(model).unwrap();
+        let b = move |mb: usize| -> tessera_plan::Result<Forward> {
+            let m = build(&cfg, &BuildOptions::new(mb, seq, DType::BF16))
+                .map_err(|e| PlanError::Invalid(e.to_string()))?;
+            Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+        };
+        // Not vacuous: every row's model has a head and loss the rewrite would fuse.
+        assert_eq!(loss_chunk::sites(&b(batch).unwrap().graph).len(), 1, "{row:?}");
+        let p = loss_chunk::Problem { build: &b, batch, devices: cluster.num_devices(), budget };
+        assert_eq!(loss_chunk::choose(p).unwrap(), None, "{row:?}");
+    }
+}
