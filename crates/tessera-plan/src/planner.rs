@@ -17,8 +17,11 @@
 //! peak any candidate of the search reaches ([`search::LeastPeak`]): a budget of exactly that
 //! finds a plan; under one byte less the error reports it again.
 
+mod loss;
 mod offload;
 mod rounds;
+
+pub use loss::with_loss;
 
 pub(crate) use rounds::parallel_map;
 use rounds::{
@@ -72,37 +75,6 @@ impl Request<'_> {
         }
     }
 
-    /// This request with another forward graph builder (the chunked loss's, [`with_loss`]).
-    pub fn with_build<'b>(
-        &self,
-        build: &'b (dyn Fn(usize) -> Result<Forward> + Sync),
-    ) -> Request<'b> {
-        Request {
-            build,
-            model: self.model.clone(),
-            batch: self.batch,
-            seq: self.seq,
-            dtype: self.dtype,
-            cluster: self.cluster.clone(),
-            budget: self.budget,
-            train: self.train.clone(),
-            model_flops: self.model_flops,
-            ckpt: self.ckpt.clone(),
-            pipeline: self.pipeline.clone(),
-            search: self.search.clone(),
-        }
-    }
-
-    /// What the chunked loss's choice reads ([`crate::loss_chunk::choose`]).
-    fn loss_problem(&self) -> crate::loss_chunk::Problem<'_> {
-        crate::loss_chunk::Problem {
-            build: self.build,
-            batch: self.batch,
-            devices: self.cluster.num_devices(),
-            budget: self.budget,
-        }
-    }
-
     fn context<'g>(&self, forward: &'g tessera_ir::Graph) -> PlanContext<'g> {
         PlanContext {
             model: self.model.clone(),
@@ -146,22 +118,6 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
         Some(n) => Ok(Mesh::new(cluster, &[cfg.replicas(), n, cfg.tp], &["replica", "dp", "tp"])?
             .with_replicas(&[0])),
         None => Mesh::new(cluster, &[cfg.dp, cfg.tp], &["dp", "tp"]),
-    }
-}
-
-/// Runs `f` on `req` with its forward graphs' head and loss fused in chunks of `rows`
-/// ([`crate::loss_chunk`]), or on `req` itself when `rows` is `None`.
-pub fn with_loss<T>(
-    req: &Request<'_>,
-    rows: Option<usize>,
-    f: impl FnOnce(&Request<'_>) -> Result<T>,
-) -> Result<T> {
-    match rows {
-        None => f(req),
-        Some(rows) => {
-            let build = |mb: usize| crate::loss_chunk::build_with(req.build, Some(rows), mb);
-            f(&req.with_build(&build))
-        }
     }
 }
 
