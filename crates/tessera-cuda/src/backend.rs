@@ -680,6 +680,12 @@ impl CudaBackend {
                 )?)
             }
             Op::LogSumExp => one(crate::loss::logsumexp(self, x[0], &out[0], p)?),
+            Op::LinearCrossEntropy { chunk_rows, ignore_index } => {
+                crate::linear_loss::forward(self, x, *chunk_rows, *ignore_index, at, out, p)
+            }
+            Op::LinearCrossEntropyBackward { chunk_rows, ignore_index } => {
+                crate::linear_loss::backward(self, x, *chunk_rows, *ignore_index, at, out, p)
+            }
             Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),
             Op::AttentionBackward(spec) => crate::attention::backward(self, x, spec, at, out, p),
             Op::Rope { inv_freq, inverse } => one(crate::attention::rope(
@@ -724,6 +730,27 @@ impl CudaBackend {
     }
     pub(crate) fn fill_pub(&self, y: &CudaTensor, v: f64) -> Result<()> {
         self.fill(y, v)
+    }
+    /// `a op b` into a fresh tensor of `out`'s meta.
+    pub(crate) fn binary(
+        &self,
+        b: tessera_ir::BinaryOp,
+        x: &CudaTensor,
+        y: &CudaTensor,
+        out: &TensorMeta,
+        p: Purpose,
+    ) -> Result<CudaTensor> {
+        let outs = std::slice::from_ref(out);
+        let mut r = self.run(&Op::Binary(b), &[x, y], outs, &MeshPos::single(), p)?;
+        r.pop().ok_or_else(|| bad("binary: no output".into()))
+    }
+    /// Copies `x` into `y`, a contiguous view (of x's element count) into a larger tensor.
+    pub(crate) fn copy_rows(&self, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
+        if x.numel() != y.numel() {
+            return Err(bad(format!("copy of {} into {}", x.meta(), y.meta())));
+        }
+        let y = y.reshaped(x.dims());
+        self.copy_into(x, &y, y.layout()?)
     }
 }
 

@@ -30,6 +30,7 @@ mod gemm;
 pub mod gpu;
 mod infer;
 pub mod launch;
+mod linear_loss;
 mod loss;
 pub mod nccl;
 pub mod nccl_check;

@@ -214,6 +214,27 @@ impl CudaTensor {
         self.layout_as(&self.dims)
     }
 
+    /// Rows `r0..r1` of a contiguous tensor (along its first dim), a view.
+    pub fn rows(&self, r0: usize, r1: usize) -> Result<CudaTensor> {
+        let n = self.dims.first().copied().unwrap_or(0);
+        if !self.is_contiguous() || r0 > r1 || r1 > n {
+            return Err(RuntimeError::Binding(format!(
+                "rows {r0}..{r1} of a {}tensor of {n} rows",
+                if self.is_contiguous() { "" } else { "non-contiguous " }
+            )));
+        }
+        let per: usize = self.dims[1..].iter().product();
+        let mut dims = self.dims.clone();
+        dims[0] = r1 - r0;
+        Ok(CudaTensor {
+            buf: self.buf.clone(),
+            offset: self.offset + r0 * per,
+            strides: row_major(&dims),
+            dims,
+            dtype: self.dtype,
+        })
+    }
+
     /// A view with new dims (contiguous tensors only).
     pub fn reshaped(&self, dims: &[usize]) -> CudaTensor {
         CudaTensor {

@@ -628,6 +628,22 @@ fn embedding_and_cross_entropy() {
     }
 }
 
+/// The chunked LM head and loss: chunks that divide the rows, that do not, and one chunk
+/// holding every row; ignored rows among them.
+#[test]
+fn linear_cross_entropy() {
+    for chunk_rows in [1usize, 2, 4, 5, 64] {
+        check_vjp(&format!("linear_cross_entropy chunk={chunk_rows}"), |cx| {
+            let x = cx.param([2, 3, 4]);
+            let w = cx.param([5, 4]);
+            let t = cx.ids([2, 3], &[4, -100, 0, 2, 1, 3]);
+            let xs = cx.b.scale(x, 3.0)?;
+            let op = Op::LinearCrossEntropy { chunk_rows, ignore_index: Some(-100) };
+            Ok(vec![cx.b.push1(op, &[xs, w, t])?])
+        });
+    }
+}
+
 #[test]
 fn logsumexp() {
     for shape in [&[5usize][..], &[3, 4], &[2, 3, 5]] {

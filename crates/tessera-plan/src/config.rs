@@ -4,14 +4,21 @@
 //! ```text
 //! config := token ((' ' | '+')+ token)*          case-insensitive, each kind at most once
 //! token  := dpN | tpN | cpN | ppN | zeroK | mbN | sp | ckpt=MODE | sched=SCHED | stages=STAGES
-//!         | cp=CP
-//!         | offload=OFFLOAD | nvme[:N] | shard=N  N >= 1, K in 0..=3
+//!         | cp=CP | offload=OFFLOAD | nvme[:N] | shard=N | loss=LOSS    N >= 1, K in 0..=3
 //! MODE   := none | selective | full
 //! CP     := a2a | ring                              ring: refused (not yet)
 //! SCHED  := gpipe | 1f1b | interleaved:V | zb-h1  V >= 2 (chunks per device)
 //! STAGES := N[:MODE] (',' N[:MODE])*              blocks (and checkpointing) per virtual stage
 //! OFFLOAD:= (opt | grads+opt | all) [':' K '/16']  chunks offloaded (default all 16)
+//! LOSS   := whole | chunkN                       the LM head and loss: whole, or N rows a chunk
 //! ```
+//!
+//! `loss=chunkN` fuses a causal LM's head and its cross-entropy into one op computed N rows
+//! (tokens) at a time ([`crate::loss_chunk`]): no more than one chunk's `[N, V]` logits ever
+//! exist, at the price of recomputing the logits in the backward (one more GEMM of the head's
+//! size). `loss=whole` keeps the matmul and the loss apart (the `[rows, V]` logits live from
+//! the forward to the backward). Without `loss=` the planner chooses: chunks where one
+//! device's share of the logits is at least a quarter of the memory budget, whole otherwise.
 //!
 //! `nvme` puts the offloaded chunks' optimizer state on the NVMe, `nvme:K` that of the last K
 //! offloaded chunks (needs `offload=`).
@@ -35,7 +42,7 @@
 //! `cp{cp} cp=a2a` if cp > 1 (the variant written, so plan files stay unambiguous when ring
 //! attention arrives), `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `shard={n}` if given, `mb{n}` if n > 1,
 //! `sched={schedule}` if given, `stages={list}` if given (unequal stages, see [`crate::pipeline::layout`]) and `ckpt={mode}`
-//! if given, then `offload=...` and `nvme` — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
+//! if given, then `offload=...` and `nvme`, then `loss=...` if given — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
 //! `dp2 tp2 pp4 zero1 mb8 sched=interleaved:2`, or `dp8 tp1` for pure data parallelism. It
 //! parses back to the same config.
 //!
@@ -98,6 +105,52 @@ pub struct ParallelConfig {
     /// cp > 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cp_comm: Option<crate::context::CpComm>,
+    /// The LM head and its loss, whole or in row chunks (`loss=`); `None`: the planner's
+    /// choice ([`crate::loss_chunk::choose`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<LossMode>,
+}
+
+/// How a causal LM's head and cross-entropy run (`loss=whole` / `loss=chunkN`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossMode {
+    /// The head's matmul and the loss apart: the `[rows, V]` logits are a saved activation.
+    Whole,
+    /// Fused and computed this many rows (tokens) at a time (`Op::LinearCrossEntropy`).
+    Chunk(usize),
+}
+
+impl LossMode {
+    /// Rows per chunk, `None` for [`LossMode::Whole`].
+    pub fn chunk_rows(self) -> Option<usize> {
+        match self {
+            LossMode::Whole => None,
+            LossMode::Chunk(n) => Some(n),
+        }
+    }
+
+    fn parse(raw: &str, value: &str) -> std::result::Result<LossMode, String> {
+        if value == "whole" {
+            return Ok(LossMode::Whole);
+        }
+        match value.strip_prefix("chunk") {
+            Some(n) => positive(raw, n, "loss=chunk", "loss=chunk4096").map(LossMode::Chunk),
+            None => Err(format!(
+                "`{raw}`: the loss is loss=whole or loss=chunkN (N rows per chunk, e.g. \
+                 loss=chunk4096)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for LossMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LossMode::Whole => write!(f, "whole"),
+            LossMode::Chunk(n) => write!(f, "chunk{n}"),
+        }
+    }
 }
 
 fn one() -> usize {
@@ -111,7 +164,7 @@ fn is_one(n: &usize) -> bool {
 const GRAMMAR: &str = "a config is tokens dpN, tpN, cpN (cp=a2a), ppN, zeroK (K = 0..3), mbN, sp, \
                        ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 and \
                        stages=N[:MODE],... (with ppN, N > 1), offload=opt|grads+opt|all[:K/16], \
-                       nvme and shard=N, separated by spaces or +, e.g. \
+                       nvme, shard=N and loss=whole|chunkN, separated by spaces or +, e.g. \
                        `dp2 tp4 sp zero1 mb4 ckpt=selective` or `dp2 tp2 pp4 mb8 sched=1f1b`";
 
 /// The schedules' spellings, for messages.
@@ -133,6 +186,7 @@ impl Default for ParallelConfig {
             shard: None,
             cp: 1,
             cp_comm: None,
+            loss: None,
         }
     }
 }
@@ -173,6 +227,9 @@ impl ParallelConfig {
                 let k = positive(raw, k, "nvme:", "nvme:4").map_err(&invalid)?;
                 nvme = Some(Some(u32::try_from(k).unwrap_or(u32::MAX)));
                 "nvme"
+            } else if let Some(value) = tok.strip_prefix("loss=") {
+                cfg.loss = Some(LossMode::parse(raw, value).map_err(&invalid)?);
+                "loss"
             } else if let Some(n) = tok.strip_prefix("shard=") {
                 cfg.shard = Some(positive(raw, n, "shard=", "shard=8").map_err(&invalid)?);
                 "shard"
@@ -452,6 +509,9 @@ impl ParallelConfig {
         if let Some(o) = self.offload {
             s.push_str(&format!(" {o}"));
         }
+        if let Some(l) = self.loss {
+            s.push_str(&format!(" loss={l}"));
+        }
         s
     }
 
@@ -596,6 +656,7 @@ fn bare_keyword(raw: &str, tok: &str) -> Option<String> {
         "stages" => Some(format!(
             "`{raw}`: give the blocks of each virtual stage, e.g. stages=7:full,8,9,8 (with ppN)"
         )),
+        "loss" => Some(format!("`{raw}`: write loss=whole or loss=chunkN, e.g. loss=chunk4096")),
         "sched" => Some(format!(
             "`{raw}`: write sched=gpipe, sched=1f1b, sched=interleaved:V or sched=zb-h1 (with ppN)"
         )),

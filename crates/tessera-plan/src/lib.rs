@@ -24,6 +24,7 @@ pub mod explain;
 pub mod export;
 pub mod generate;
 pub mod ilp;
+pub mod loss_chunk;
 pub mod lower;
 pub mod mesh;
 pub mod offload;

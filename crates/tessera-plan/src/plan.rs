@@ -190,6 +190,19 @@ pub struct Plan {
     /// Absent: everything on the device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload: Option<crate::offload::OffloadJson>,
+    /// The LM head and its loss fused and computed this many rows at a time
+    /// (`Op::LinearCrossEntropy`, [`crate::loss_chunk`]); absent: the logits whole. The
+    /// forward graph the strategies name is the fused one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_chunk_rows: Option<usize>,
+}
+
+/// The chunked loss's rows per chunk in a forward graph (`None`: the logits whole).
+pub fn loss_chunk_rows(g: &Graph) -> Option<usize> {
+    g.nodes.iter().find_map(|n| match n.op {
+        Op::LinearCrossEntropy { chunk_rows, .. } => Some(chunk_rows),
+        _ => None,
+    })
 }
 
 /// What the plan does, as a config string: the axes that split the token ids' batch are data
@@ -253,6 +266,7 @@ pub fn describe(
         shard,
         cp,
         cp_comm: None,
+        loss: loss_chunk_rows(g).map(crate::config::LossMode::Chunk),
     }
 }
 
@@ -397,6 +411,7 @@ impl Plan {
                     cx.host_memory_bytes,
                 )
             }),
+            loss_chunk_rows: loss_chunk_rows(g),
         }
     }
 

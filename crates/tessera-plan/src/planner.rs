@@ -17,8 +17,11 @@
 //! peak any candidate of the search reaches ([`search::LeastPeak`]): a budget of exactly that
 //! finds a plan; under one byte less the error reports it again.
 
+mod loss;
 mod offload;
 mod rounds;
+
+pub use loss::with_loss;
 
 pub(crate) use rounds::parallel_map;
 use rounds::{
@@ -121,8 +124,22 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     }
 }
 
-/// Evaluates a fixed configuration (the best plan within it).
+/// Evaluates a fixed configuration (the best plan within it). The loss runs as `loss=` says,
+/// or as [`crate::loss_chunk::choose`] decides when the config does not say; the plan's
+/// config string names a chunking it chose.
 pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
+    let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
+    let mut plan = with_loss(req, rows, |r| plan_fixed_as_built(r, cfg))?;
+    if let (None, Some(rows)) = (cfg.loss, rows) {
+        let chosen =
+            ParallelConfig { loss: Some(crate::config::LossMode::Chunk(rows)), ..cfg.clone() };
+        plan.config = chosen.canonical();
+    }
+    Ok(plan)
+}
+
+/// [`plan_fixed`] on the request's forward graphs as they are built.
+fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     if cfg.pp > 1 {
         return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
     }
@@ -210,6 +227,7 @@ fn best_megatron(
                     shard: shard.filter(|_| e.candidate.zero > 0),
                     cp,
                     cp_comm: None,
+                    loss: None,
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -272,6 +290,12 @@ fn exact_fastest(
 
 /// The automatic plan: the fastest fitting candidate of the whole space.
 pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
+    let rows = crate::loss_chunk::choose(req.loss_problem())?;
+    with_loss(req, rows, plan_auto_as_built)
+}
+
+/// [`plan_auto`] on the request's forward graphs as they are built.
+fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
     let t0 = Instant::now();
     let p = req.problem();
     let mbs = req.micro_batch_options();
@@ -475,6 +499,16 @@ pub fn lower_plan_with(
     file: &Plan,
     ckpt: tessera_ir::Checkpointing,
 ) -> Result<Executable> {
+    with_loss(req, file.loss_chunk_rows, |r| lower_plan_as_built(r, file, ckpt))
+}
+
+/// [`lower_plan_with`] on the request's forward graphs as they are built (the plan's chunked
+/// loss already applied).
+fn lower_plan_as_built(
+    req: &Request<'_>,
+    file: &Plan,
+    ckpt: tessera_ir::Checkpointing,
+) -> Result<Executable> {
     if file.version != crate::plan::PLAN_VERSION {
         return Err(PlanError::Invalid(format!(
             "plan file version {} is not supported (this tessera writes version {})",
@@ -587,8 +621,13 @@ fn lower_pipeline_file(
 
 /// Re-lowers a plan file's strategies (hand edits included) with the current cost model.
 pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
+    with_loss(req, file.loss_chunk_rows, |r| plan_from_file_as_built(r, file))
+}
+
+/// [`plan_from_file`] on the request's forward graphs as they are built.
+fn plan_from_file_as_built(req: &Request<'_>, file: &Plan) -> Result<Plan> {
     let t0 = Instant::now();
-    let exe = lower_plan(req, file)?;
+    let exe = lower_plan_as_built(req, file, file.checkpointing())?;
     let e = Evaluated {
         candidate: Candidate {
             // A pipelined plan's strategies are one stage's: its mesh drops the pipeline axis.
@@ -724,6 +763,7 @@ fn describe(least: &LeastPeak) -> String {
                 offload: None,
                 shard: None,
                 cp_comm: None,
+                loss: None,
             };
             format!("`{}`", cfg.canonical())
         }

@@ -14,7 +14,8 @@
 //!   the KV heads); sequence and head dim whole. Megatron's `tpN` past the KV heads uses
 //!   [`attention_kv_whole_labeling`] instead: query heads split, k and v whole;
 //! - cross-entropy: rows and classes split (the vocabulary-parallel loss, see `lower/loss.rs`);
-//!   the loss becomes a pending sum; log-sum-exp: its rows.
+//!   the loss becomes a pending sum; log-sum-exp: its rows; the chunked LM head and loss
+//!   (`LinearCrossEntropy`): its rows only, the weight whole, the loss a pending sum.
 //! - vision ops (NCHW): the batch N splits everywhere (data parallel, weights replicated);
 //!   a convolution with `groups == 1` may also split its output channels (the weight by rows,
 //!   dim 0: each device computes its own channels, like a column-parallel matmul) — with groups
@@ -256,6 +257,19 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             pending.push(classes);
             l.partial_from = vec![pending, vec![]];
         }
+        Op::LinearCrossEntropy { .. } => {
+            // The chunked LM head and loss: rows split freely (each shard's loss a pending
+            // sum, the weight's gradient too, as for any replicated input); the hidden
+            // features and the classes stay whole — a split of either would need the logits'
+            // reduction or the log-sum-exp's exchange inside the op (where the tensor axis
+            // splits the vocabulary the planner leaves the pair unfused).
+            let rows = l.fresh_dims(x[2], |_| true);
+            let mut hidden = rows.clone();
+            hidden.push(None);
+            l.inputs = vec![hidden, vec![None, None], rows.clone()];
+            l.outputs = vec![vec![], rows.clone()];
+            l.partial_from = vec![rows.iter().flatten().copied().collect(), vec![]];
+        }
         Op::LogSumExp => {
             let r = rank(x[0]);
             let xi = l.fresh_dims(x[0], |d| d + 1 < r);
@@ -363,6 +377,7 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
         | Op::RmsNormBackward { .. }
         | Op::EmbeddingBackward { .. }
         | Op::CrossEntropyBackward { .. }
+        | Op::LinearCrossEntropyBackward { .. }
         | Op::AttentionBackward(_)
         | Op::AdamW(_)
         | Op::Reshard(_)

@@ -220,6 +220,8 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::EmbeddingBackward { .. }
         | Op::CrossEntropy { .. }
         | Op::CrossEntropyBackward { .. }
+        | Op::LinearCrossEntropy { .. }
+        | Op::LinearCrossEntropyBackward { .. }
         | Op::Attention(_)
         | Op::AttentionBackward(_)
         | Op::Rope { .. }
@@ -521,6 +523,8 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::BinaryBackward { .. } | Op::LayerNorm { .. } | Op::LayerNormBackward { .. } => 3,
         Op::RmsNormBackward { .. } | Op::Attention(_) => 3,
         Op::CrossEntropyBackward { .. } => 4,
+        Op::LinearCrossEntropy { .. } => 3,
+        Op::LinearCrossEntropyBackward { .. } => 5,
         Op::MaxPool2d(_) | Op::AvgPool2d { .. } | Op::AvgPool2dBackward { .. } => 1,
         Op::Upsample2d { .. } | Op::Upsample2dBackward { .. } => 1,
         Op::Conv2d(_) | Op::Conv2dBackwardInput { .. } | Op::Conv2dBackwardWeight { .. } => 2,
@@ -608,6 +612,12 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
             classes.as_ref(),
         )?),
         Op::LogSumExp => one(logsumexp_rows(x[0])?),
+        Op::LinearCrossEntropy { chunk_rows, ignore_index } => {
+            linear_loss::linear_cross_entropy(x[0], x[1], x[2], *chunk_rows, *ignore_index)
+        }
+        Op::LinearCrossEntropyBackward { chunk_rows, ignore_index } => {
+            linear_loss::linear_cross_entropy_backward(x, *chunk_rows, *ignore_index)
+        }
         Op::Attention(spec) => attention(x[0], x[1], x[2], x.get(3).copied(), spec),
         Op::AttentionBackward(spec) => attention_backward(x, spec),
         Op::Rope { inv_freq, inverse } => one(rope(x[0], x.get(1).copied(), inv_freq, *inverse)?),
@@ -637,6 +647,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
 }
 
 mod kernels;
+mod linear_loss;
 mod nn;
 mod vision;
 

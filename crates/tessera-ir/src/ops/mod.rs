@@ -16,6 +16,7 @@ pub(crate) mod embedding;
 pub(crate) mod infer;
 pub(crate) mod layout;
 pub(crate) mod leaf;
+pub mod linear_loss;
 pub(crate) mod loss;
 pub(crate) mod matmul;
 pub(crate) mod norm;
@@ -279,6 +280,23 @@ pub enum Op {
     /// row's maximum factored out). The vocabulary-parallel loss's per-shard and global
     /// normalisers.
     LogSumExp,
+    /// Inputs `[x [.., D], weight [V, D], targets [..]]` → `[loss [] f32, logsumexp [..] f32]`:
+    /// `CrossEntropy { ignore_index, sum: true }` over the logits `x · weightᵀ` (an LM head
+    /// and its loss), computed `chunk_rows` rows at a time so at most one chunk's
+    /// `[chunk_rows, V]` logits exist — the op's workspace — and the whole `[rows, V]` logits
+    /// never do. The planner's fusion of the pair (`tessera-plan`'s `loss_chunk`); the mean is
+    /// the caller's division, as for the summed `CrossEntropy`. See [`linear_loss`].
+    LinearCrossEntropy {
+        chunk_rows: usize,
+        ignore_index: Option<i64>,
+    },
+    /// Inputs `[x, weight, targets, logsumexp, dloss]` → `[dx, dweight]`, each chunk's logits
+    /// recomputed from `x` and `weight` and turned into its gradient with the saved
+    /// log-sum-exp.
+    LinearCrossEntropyBackward {
+        chunk_rows: usize,
+        ignore_index: Option<i64>,
+    },
     /// Fused attention. Inputs `q [B,S,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D]` with H a multiple
     /// of Hkv (GQA) → `[out [B,S,H,D], logsumexp [B,H,S] f32]`. No S×T matrix is saved.
     /// Query `i` sits at position `i + T − S` (the last S of T positions), or, with a fourth
@@ -456,6 +474,8 @@ impl Op {
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::LogSumExp => "logsumexp",
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Op::LinearCrossEntropy { .. } => "linear_cross_entropy",
+            Op::LinearCrossEntropyBackward { .. } => "linear_cross_entropy_backward",
             Op::Attention(_) => "attention",
             Op::AttentionBackward(_) => "attention_backward",
             Op::Rope { .. } => "rope",
@@ -506,6 +526,7 @@ impl Op {
             | Op::Transfer { .. }
             | Op::Embedding { .. }
             | Op::CrossEntropy { .. }
+            | Op::LinearCrossEntropy { .. }
             | Op::Parameter(_)
             | Op::Input(_)
             | Op::OptimizerState { .. }
@@ -538,6 +559,7 @@ impl Op {
             | Op::RmsNormBackward { .. }
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
+            | Op::LinearCrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
             | Op::SelectPositions
             | Op::Rope { .. }
@@ -592,6 +614,10 @@ impl Op {
             }
             Op::CrossEntropy { classes, .. } => loss::infer(x, classes.is_some()),
             Op::CrossEntropyBackward { .. } => loss::infer_backward(x),
+            Op::LinearCrossEntropy { chunk_rows, .. } => linear_loss::infer(x, *chunk_rows),
+            Op::LinearCrossEntropyBackward { chunk_rows, .. } => {
+                linear_loss::infer_backward(x, *chunk_rows)
+            }
             Op::LogSumExp => loss::infer_logsumexp(x),
             Op::Attention(spec) => attention::infer(x, spec),
             Op::AttentionBackward(spec) => attention::infer_backward(x, spec),
@@ -656,6 +682,8 @@ impl Op {
             Op::EmbeddingBackward { .. } => embedding::flops_backward(x),
             Op::CrossEntropy { .. } => loss::flops(x),
             Op::CrossEntropyBackward { .. } => loss::flops_backward(x),
+            Op::LinearCrossEntropy { .. } => linear_loss::flops(x),
+            Op::LinearCrossEntropyBackward { .. } => linear_loss::flops_backward(x),
             Op::LogSumExp => loss::flops_logsumexp(x),
             Op::Attention(_) => attention::flops(x),
             Op::AttentionBackward(_) => attention::flops_backward(x),
@@ -716,6 +744,8 @@ impl Op {
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyBackward { .. }
+            | Op::LinearCrossEntropy { .. }
+            | Op::LinearCrossEntropyBackward { .. }
             | Op::Attention(_)
             | Op::AttentionBackward(_)
             | Op::Rope { .. }
@@ -779,6 +809,8 @@ impl Op {
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyBackward { .. }
+            | Op::LinearCrossEntropy { .. }
+            | Op::LinearCrossEntropyBackward { .. }
             | Op::Attention(_)
             | Op::AttentionBackward(_)
             | Op::KvCache(_)
@@ -802,6 +834,10 @@ impl Op {
     /// Scratch memory the kernel holds while it runs (freed when it returns).
     pub fn workspace_bytes(&self, x: &[&TensorMeta]) -> u64 {
         match self {
+            Op::LinearCrossEntropy { chunk_rows, .. }
+            | Op::LinearCrossEntropyBackward { chunk_rows, .. } => {
+                linear_loss::workspace_bytes(x, *chunk_rows)
+            }
             Op::Attention(_) | Op::AttentionBackward(_) => attention::workspace_bytes(x),
             Op::QMatMul(q) => quant::workspace_bytes(x, *q),
             Op::Conv2d(spec) => vision::workspace_conv(x, spec),
@@ -871,6 +907,8 @@ impl Op {
             Op::Rope { .. } if num_inputs == 2 => vec![true, false],
             Op::Embedding { .. } => vec![true, false],
             // The vocabulary-parallel loss's log-sum-exp input takes no gradient (see the op).
+            // Targets take no gradient.
+            Op::LinearCrossEntropy { .. } => vec![true, true, false],
             Op::CrossEntropy { .. } => {
                 let mut d = all(false);
                 d[0] = true;
@@ -912,6 +950,7 @@ impl Op {
             | Op::RmsNormBackward { .. }
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
+            | Op::LinearCrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
             | Op::Conv2dBackwardInput { .. }
             | Op::Conv2dBackwardWeight { .. }
@@ -948,6 +987,9 @@ impl Op {
             Op::LayerNorm { eps } => norm::vjp_layer_norm(cx, *eps),
             Op::RmsNorm { eps } => norm::vjp_rms_norm(cx, *eps),
             Op::Embedding { rows } => embedding::vjp(cx, rows.clone()),
+            Op::LinearCrossEntropy { chunk_rows, ignore_index } => {
+                linear_loss::vjp(cx, *chunk_rows, *ignore_index)
+            }
             Op::CrossEntropy { ignore_index, sum, classes } => {
                 loss::vjp(cx, *ignore_index, *sum, classes)
             }
@@ -973,6 +1015,7 @@ impl Op {
             | Op::RmsNormBackward { .. }
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
+            | Op::LinearCrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
             | Op::Conv2dBackwardInput { .. }
             | Op::Conv2dBackwardWeight { .. }

@@ -18,6 +18,7 @@ fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> Parall
         shard: None,
         cp: 1,
         cp_comm: None,
+        loss: None,
     }
 }
 
@@ -468,4 +469,34 @@ fn context_parallel_refusals_name_the_fix() {
     assert!(e.contains("shard=") && e.contains("not supported yet"), "{e}");
     let e = err("cp2 offload=opt");
     assert!(e.contains("offload=") && e.contains("not supported yet"), "{e}");
+}
+
+#[test]
+fn loss_chunking_parses_round_trips_and_is_checked() {
+    let c = ParallelConfig::parse("dp2 loss=chunk64").unwrap();
+    assert_eq!(c.loss, Some(LossMode::Chunk(64)));
+    assert_eq!(c.loss.and_then(LossMode::chunk_rows), Some(64));
+    assert_eq!(c.canonical(), "dp2 tp1 loss=chunk64");
+    let w = ParallelConfig::parse("LOSS=WHOLE+dp2").unwrap();
+    assert_eq!(w.loss, Some(LossMode::Whole));
+    assert_eq!(w.loss.and_then(LossMode::chunk_rows), None);
+    assert_eq!(w.canonical(), "dp2 tp1 loss=whole");
+    // Unwritten: the planner's choice, and no token in the canonical form.
+    assert_eq!(ParallelConfig::parse("dp2").unwrap().loss, None);
+    for s in [
+        "dp2 tp2 sp zero1 mb2 ckpt=full loss=chunk4096",
+        "tp2 sp loss=whole",
+        "dp2 zero1 offload=opt loss=chunk8",
+    ] {
+        let c = ParallelConfig::parse(s).unwrap();
+        let back = ParallelConfig::parse(&c.canonical()).unwrap();
+        assert_eq!(back, c, "{s}");
+        assert!(c.canonical().ends_with(&format!("loss={}", c.loss.unwrap())), "{s}");
+    }
+    assert!(err("loss=chunk0").contains("at least 1"), "{}", err("loss=chunk0"));
+    assert!(err("loss=half").contains("loss=whole or loss=chunkN"), "{}", err("loss=half"));
+    assert!(err("loss=chunk").contains("loss=chunk"), "{}", err("loss=chunk"));
+    assert!(err("loss").contains("write loss=whole or loss=chunkN"), "{}", err("loss"));
+    assert!(err("loss=whole loss=chunk2").contains("given twice"));
+    assert!(GRAMMAR.contains("loss=whole|chunkN"));
 }

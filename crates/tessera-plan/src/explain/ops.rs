@@ -93,6 +93,9 @@ fn detail(g: &Graph, n: &Node, residual: bool, stream: &[bool]) -> String {
         }
         Op::Upsample2d { scale } => format!("upsample nearest ×{}", hw(*scale)),
         Op::CrossEntropy { sum: true, .. } => "cross_entropy (sum)".into(),
+        Op::LinearCrossEntropy { chunk_rows, .. } => {
+            format!("lm_head + cross_entropy (sum), {chunk_rows} rows per chunk")
+        }
         Op::Fill { value, .. } => format!("fill {value}"),
         // The rest say all in their name (backward, optimizer and communication ops do not
         // appear in a forward graph).

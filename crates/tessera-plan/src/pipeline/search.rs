@@ -316,6 +316,7 @@ pub fn config(
         shard: None,
         cp: 1,
         cp_comm: None,
+        loss: None,
     };
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.

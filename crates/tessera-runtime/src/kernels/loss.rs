@@ -54,7 +54,7 @@ pub fn check_targets(
 
 /// log Σ exp over a row (−∞ for a row of −∞).
 #[inline]
-fn logsumexp(row: &[f32]) -> f64 {
+pub(super) fn logsumexp(row: &[f32]) -> f64 {
     let m = max_f32(row);
     if m == f32::NEG_INFINITY {
         return f64::NEG_INFINITY;

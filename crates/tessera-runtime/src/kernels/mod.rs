@@ -16,6 +16,7 @@ mod embedding;
 mod infer;
 mod inplace;
 mod layout;
+mod linear_loss;
 mod loss;
 mod matmul;
 mod norm;
@@ -102,6 +103,12 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
             one(loss::cross_entropy_backward(x[0], x[1], x[2], x[3], ig, s, &rows)?)
         }
         Op::LogSumExp => one(loss::logsumexp_rows(x[0])?),
+        Op::LinearCrossEntropy { chunk_rows, ignore_index } => {
+            linear_loss::linear_cross_entropy(x[0], x[1], x[2], *chunk_rows, *ignore_index)
+        }
+        Op::LinearCrossEntropyBackward { chunk_rows, ignore_index } => {
+            linear_loss::linear_cross_entropy_backward(x, *chunk_rows, *ignore_index)
+        }
         Op::Attention(spec) => attention::attention(x[0], x[1], x[2], x.get(3).copied(), spec, at),
         Op::AttentionBackward(spec) => {
             attention::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], spec, at)
