@@ -18,7 +18,10 @@
 //! finds a plan; under one byte less the error reports it again.
 
 mod offload;
+mod pinned;
 mod rounds;
+
+pub use pinned::plan_config;
 
 pub(crate) use rounds::parallel_map;
 use rounds::{
@@ -118,7 +121,9 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     }
 }
 
-/// Evaluates a fixed configuration (the best plan within it).
+/// Evaluates a fixed configuration (the best plan within it): every knob as `cfg` holds it,
+/// checkpointing searched per block when `cfg.ckpt` is `None`. A config string's unwritten
+/// knobs are searched by [`plan_config`].
 pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     if cfg.pp > 1 {
         return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
