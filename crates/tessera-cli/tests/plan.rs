@@ -419,8 +419,8 @@ fn step_and_peak(v: &serde_json::Value) -> (f64, u64) {
 }
 
 /// A config string pins what it writes and the search chooses what it does not (issue 44),
-/// each knob against the same config with the knob written: micro-batches, `sp` and the
-/// pipeline schedule.
+/// each knob against the same config with the knob written: micro-batches, offload, `sp` and
+/// the pipeline schedule.
 #[test]
 fn a_config_string_pins_what_it_writes_and_searches_the_rest() {
     let on = |cluster: &str, config: &str, extra: &[&str]| {
@@ -447,6 +447,18 @@ fn a_config_string_pins_what_it_writes_and_searches_the_rest() {
     let (ok, written, err) = long(config, &budget);
     assert!(ok, "{err}");
     let written: serde_json::Value = serde_json::from_str(&written).unwrap();
+    assert_eq!(step_and_peak(&written), step_and_peak(&free), "{config}");
+    // Offload: where nothing fits on the device, `dp2 mb1 ckpt=none` offloads (the plan of
+    // that offload written out); `offload=none` pins it off.
+    let one = on("2xH100", "dp2 mb1 ckpt=none", &[]);
+    let budget = (step_and_peak(&one).1 * 9 / 10).to_string();
+    let b = ["--memory-budget", budget.as_str()];
+    let off = [&["--cluster", "2xH100", "--plan", "dp2 mb1 ckpt=none offload=none"], &b[..]];
+    fails(&off.concat(), "no plan fits");
+    let free = on("2xH100", "dp2 mb1 ckpt=none", &b);
+    let config = free["config"].as_str().unwrap();
+    assert!(config.contains("offload="), "{config}");
+    let written = on("2xH100", &format!("{config} mb1"), &b);
     assert_eq!(step_and_peak(&written), step_and_peak(&free), "{config}");
     // sp: the faster of on and off, each as written.
     let free = on("2xH100", "tp2 mb1", &[]);
