@@ -24,7 +24,7 @@ pub enum ExportTo {
 }
 
 impl ExportTo {
-    fn framework(self) -> Framework {
+    pub fn framework(self) -> Framework {
         match self {
             ExportTo::Megatron => Framework::Megatron,
             ExportTo::Deepspeed => Framework::DeepSpeed,

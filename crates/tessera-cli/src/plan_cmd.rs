@@ -211,7 +211,8 @@ fn planned(
     let seq = cfg.effective_seq(args.seq);
     let model = PlanModel::new(cfg, args.batch, seq, dtype, &TrainConfig::default())?;
     let req = model.request(cluster, budget);
-    let mut plan = choose_plan(&req, &args.plan)?;
+    let engine = args.export.map(crate::export_plan::ExportTo::framework);
+    let mut plan = choose_plan(&req, &args.plan, engine)?;
     let wants = |b: Baseline| args.baseline.contains(&b) || args.baseline.contains(&Baseline::All);
     if wants(Baseline::Megatron) {
         planner::attach_megatron(&req, &mut plan).map_err(plan_err)?;
@@ -335,8 +336,13 @@ impl PlanModel {
     }
 }
 
-/// `auto`, a plan JSON file, or a config string (`"dp2 tp2 zero1"`).
-pub fn choose_plan(req: &Request<'_>, plan: &str) -> Result<Plan> {
+/// `auto`, a plan JSON file, or a config string (`"dp2 tp2 zero1"`: what it does not write
+/// is searched, within what `engine` runs when the plan is to be exported there).
+pub fn choose_plan(
+    req: &Request<'_>,
+    plan: &str,
+    engine: Option<tessera_plan::export::Framework>,
+) -> Result<Plan> {
     if plan == "auto" {
         planner::plan_auto(req).map_err(plan_err)
     } else if std::path::Path::new(plan).is_file() {
@@ -354,8 +360,8 @@ pub fn choose_plan(req: &Request<'_>, plan: &str) -> Result<Plan> {
         }
         Ok(lowered)
     } else {
-        let pc = ParallelConfig::parse(plan).map_err(plan_err)?;
-        planner::plan_fixed(req, &pc).map_err(plan_err)
+        let (pc, pins) = ParallelConfig::parse_pinned(plan).map_err(plan_err)?;
+        planner::plan_config(req, &pc, pins, engine).map_err(plan_err)
     }
 }
 

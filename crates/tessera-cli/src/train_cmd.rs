@@ -615,7 +615,7 @@ pub fn prepare(
     let model = PlanModel::new(&cfg, args.batch, args.seq, dtype, &train_cfg)?;
     let global_train = &model.global;
     let req = model.request(cluster, budget);
-    let plan = choose_plan(&req, &args.plan).context("planning the run")?;
+    let plan = choose_plan(&req, &args.plan, None).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
     if args.device == DeviceKind::Cpu {
         // Simulated devices hold their tensors in this machine's memory (a GPU's are its own).

@@ -260,10 +260,11 @@ fn pipelined_checkpoints_resume_under_any_plan_and_back() {
 
 #[test]
 fn a_pipelined_plan_lists_its_stages_and_bubble() {
-    let out = plan_tiny(&["--plan", "dp2 pp2 mb4", "--format", "json"]);
+    // The schedule written: unwritten, the planner picks the fastest (ZB-H1 here).
+    let out = plan_tiny(&["--plan", "dp2 pp2 mb4 sched=1f1b", "--format", "json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON plan");
-    assert_eq!(doc["config"], "dp2 tp1 pp2 mb4", "{doc}");
+    assert_eq!(doc["config"], "dp2 tp1 pp2 mb4 sched=1f1b", "{doc}");
     assert_eq!(doc["devices"], 4);
     let p = &doc["pipeline"];
     assert_eq!(p["schedule"], "1f1b", "{p}");
@@ -285,11 +286,11 @@ fn a_pipelined_plan_lists_its_stages_and_bubble() {
 
 #[test]
 fn unequal_stages_are_planned_as_written() {
-    let cfg = "pp4 mb4 stages=1:full,3,2:selective,2";
+    let cfg = "pp4 mb4 sched=1f1b stages=1:full,3,2:selective,2";
     let out = plan_tiny(&["--plan", cfg, "--format", "json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON plan");
-    assert_eq!(doc["config"], "dp1 tp1 pp4 mb4 stages=1:full,3,2:selective,2", "{doc}");
+    assert_eq!(doc["config"], "dp1 tp1 pp4 mb4 sched=1f1b stages=1:full,3,2:selective,2", "{doc}");
     let stages = doc["pipeline"]["stages"].as_array().expect("stages");
     let blocks: Vec<&Value> = stages.iter().map(|s| &s["blocks"]).collect();
     assert_eq!(serde_json::json!(blocks), serde_json::json!([[0, 1], [1, 4], [4, 6], [6, 8]]));
@@ -326,7 +327,7 @@ fn explain_lists_stages_and_draws_the_schedule() {
     let dir = temp("explain");
     let svg = dir.join("schedule.svg");
     let svg_arg = svg.to_str().unwrap();
-    let out = plan_tiny(&["--plan", "pp4 mb4", "--explain", "--schedule-svg", svg_arg]);
+    let out = plan_tiny(&["--plan", "pp4 mb4 sched=1f1b", "--explain", "--schedule-svg", svg_arg]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("pipeline 1f1b over 4 devices, 4 micro-batches, bubble"), "{text}");

@@ -410,3 +410,109 @@ fn hybrid_sharding_gathers_within_a_node_and_replicates_across() {
         (best["step_time_s"].as_f64().unwrap(), fsdp["predicted"]["step_time_s"].as_f64().unwrap());
     assert!(h < f, "HSDP {h} s vs FSDP {f} s");
 }
+
+/// The step time and worst peak of a JSON plan.
+fn step_and_peak(v: &serde_json::Value) -> (f64, u64) {
+    let peaks = v["predicted"]["peak_bytes_per_device"].as_array().unwrap();
+    let peak = peaks.iter().filter_map(|p| p.as_u64()).max().unwrap();
+    (v["predicted"]["step_time_s"].as_f64().unwrap(), peak)
+}
+
+/// A config string pins what it writes and the search chooses what it does not (issue 44),
+/// each knob against the same config with the knob written: micro-batches, offload, `sp` and
+/// the pipeline schedule.
+#[test]
+fn a_config_string_pins_what_it_writes_and_searches_the_rest() {
+    let on = |cluster: &str, config: &str, extra: &[&str]| {
+        plan(&[&["--cluster", cluster, "--plan", config, "--format", "json"], extra].concat())
+    };
+    // Micro-batches: under a budget one micro-batch misses, `dp2 ckpt=none` finds the count
+    // that fits — the plan of that count written out.
+    let long = |config: &str, budget: &str| {
+        let args = ["plan", "--model", "gpt2-tiny", "--batch", "8", "--seq", "256"];
+        let args = [&args[..], &["--cluster", "2xH100", "--plan", config, "--format", "json"]];
+        tessera(&[&args.concat()[..], &["--memory-budget", budget]].concat())
+    };
+    let (ok, one, err) = long("dp2 mb1 ckpt=none", "80GiB");
+    assert!(ok, "{err}");
+    let one: serde_json::Value = serde_json::from_str(&one).unwrap();
+    let budget = (step_and_peak(&one).1 * 95 / 100).to_string();
+    let (ok, _, err) = long("dp2 mb1 ckpt=none offload=none", &budget);
+    assert!(!ok && err.contains("no plan fits"), "{err}");
+    let (ok, free, err) = long("dp2 ckpt=none", &budget);
+    assert!(ok, "{err}");
+    let free: serde_json::Value = serde_json::from_str(&free).unwrap();
+    let config = free["config"].as_str().unwrap();
+    assert!(config.contains(" mb"), "{config}");
+    let (ok, written, err) = long(config, &budget);
+    assert!(ok, "{err}");
+    let written: serde_json::Value = serde_json::from_str(&written).unwrap();
+    assert_eq!(step_and_peak(&written), step_and_peak(&free), "{config}");
+    // Offload: where nothing fits on the device, `dp2 mb1 ckpt=none` offloads (the plan of
+    // that offload written out); `offload=none` pins it off.
+    let one = on("2xH100", "dp2 mb1 ckpt=none", &[]);
+    let budget = (step_and_peak(&one).1 * 9 / 10).to_string();
+    let b = ["--memory-budget", budget.as_str()];
+    let off = [&["--cluster", "2xH100", "--plan", "dp2 mb1 ckpt=none offload=none"], &b[..]];
+    fails(&off.concat(), "no plan fits");
+    let free = on("2xH100", "dp2 mb1 ckpt=none", &b);
+    let config = free["config"].as_str().unwrap();
+    assert!(config.contains("offload="), "{config}");
+    let written = on("2xH100", &format!("{config} mb1"), &b);
+    assert_eq!(step_and_peak(&written), step_and_peak(&free), "{config}");
+    // sp: the faster of on and off, each as written.
+    let free = on("2xH100", "tp2 mb1", &[]);
+    let off = on("2xH100", "tp2 mb1 sp=off", &[]);
+    let sp = on("2xH100", "tp2 mb1 sp", &[]);
+    assert_eq!(
+        (off["config"].as_str(), sp["config"].as_str()),
+        (Some("dp1 tp2"), Some("dp1 tp2 sp"))
+    );
+    let fastest = step_and_peak(&off).0.min(step_and_peak(&sp).0);
+    assert_eq!(step_and_peak(&free).0, fastest, "{}", free["config"]);
+    // The schedule: no slower than each one searched, written out.
+    let free = on("2xH100", "pp2 mb4 ckpt=none", &[]);
+    for sched in ["1f1b", "zb-h1", "interleaved:2"] {
+        let written = on("2xH100", &format!("pp2 mb4 ckpt=none sched={sched}"), &[]);
+        assert!(written["config"].as_str().unwrap().contains(sched), "{}", written["config"]);
+        assert!(
+            step_and_peak(&free).0 <= step_and_peak(&written).0,
+            "{} vs {sched}",
+            free["config"]
+        );
+    }
+}
+
+/// Issue 44's example: the seeds' `dp2 tp2 pp4 zero1` for llama2-70b on two 8-H200 nodes was
+/// refused (one micro-batch needs 2.33 TiB per device); with its micro-batches, `sp`, schedule
+/// and checkpointing searched it plans at least as fast as the automatic plan's form of it,
+/// `dp2 tp2 pp4 sp zero1 mb128 sched=zb-h1`, written out.
+#[test]
+fn a_partial_pipelined_config_plans_as_fast_as_the_automatic_form_of_it() {
+    let run = |config: &str| {
+        let args = [
+            "plan",
+            "--model",
+            "llama2-70b",
+            "--cluster",
+            "2x8xH200",
+            "--batch",
+            "256",
+            "--seq",
+            "4096",
+            "--plan",
+            config,
+            "--format",
+            "json",
+        ];
+        let (ok, out, err) = tessera(&args);
+        assert!(ok, "{config}: {err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let partial = run("dp2 tp2 pp4 zero1");
+    let auto_form = run("dp2 tp2 pp4 sp zero1 mb128 sched=zb-h1 ckpt=none");
+    let config = partial["config"].as_str().unwrap();
+    assert!(config.starts_with("dp2 tp2 pp4") && config.contains("zero1"), "{config}");
+    let (t, a) = (step_and_peak(&partial).0, step_and_peak(&auto_form).0);
+    assert!(t <= a * (1.0 + 1e-9), "`{config}` {t} s vs the automatic form's {a} s");
+}

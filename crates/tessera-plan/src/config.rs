@@ -3,8 +3,9 @@
 //!
 //! ```text
 //! config := token ((' ' | '+')+ token)*          case-insensitive, each kind at most once
-//! token  := dpN | tpN | cpN | ppN | zeroK | mbN | sp | ckpt=MODE | sched=SCHED | stages=STAGES
-//!         | cp=CP | offload=OFFLOAD | nvme[:N] | shard=N | loss=LOSS    N >= 1, K in 0..=3
+//! token  := dpN | tpN | cpN | ppN | zeroK | mbN | sp | sp=off | ckpt=MODE | sched=SCHED
+//!         | stages=STAGES | cp=CP | offload=OFFLOAD | offload=none | nvme[:N] | shard=N
+//!         | loss=LOSS                              N >= 1, K in 0..=3
 //! MODE   := none | selective | full
 //! CP     := a2a | ring                              ring: refused (not yet)
 //! SCHED  := gpipe | 1f1b | interleaved:V | zb-h1  V >= 2 (chunks per device)
@@ -37,6 +38,14 @@
 //! Defaults: `dp1 tp1 cp1 pp1 zero0 mb1`, no `sp`, no schedule (`sched=` not given: 1F1B, or the
 //! planner's choice), checkpointing searched (no `ckpt=`: the planner picks a mode per block
 //! under the budget). A schedule needs a pipeline: `sched=` with pp1 is refused.
+//!
+//! Pinned and free knobs ([`Pins`], from [`ParallelConfig::parse_pinned`]): the degrees and
+//! the ZeRO stage are what the string says (their defaults above), but the micro-batches,
+//! `sp`, the schedule, checkpointing and offload are fixed only when written — `mb1`, `sp` or
+//! `sp=off`, `sched=...`, `ckpt=...`, `offload=...` or `offload=none` — and otherwise chosen
+//! by the planner's search within the named degrees ([`crate::planner::plan_config`]). The
+//! [`ParallelConfig`] a parse returns holds the defaults for the free knobs, so a plan's
+//! `config` (the chosen knobs written canonically) and old plan files read as before.
 //!
 //! Canonical form ([`ParallelConfig::canonical`], also `Display`): `dp{dp} tp{tp}` always, then
 //! `cp{cp} cp=a2a` if cp > 1 (the variant written, so plan files stay unambiguous when ring
@@ -153,6 +162,54 @@ impl fmt::Display for LossMode {
     }
 }
 
+/// Which of the knobs the planner would otherwise choose a config string writes: a written
+/// knob is pinned to its value (`mb1` and `sp=off` included), an unwritten one is searched
+/// ([`crate::planner::plan_config`]). Beside [`ParallelConfig`] rather than inside it (as
+/// `Option`s): the config stays the fully written layout every other reader takes — plans,
+/// exports, the runtime, the ~30 places that build one — and only the entry point of a config
+/// string reads what was left open.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pins {
+    /// `mbN`.
+    pub micro_batches: bool,
+    /// `sp` or `sp=off`.
+    pub sp: bool,
+    /// `sched=`.
+    pub schedule: bool,
+    /// `ckpt=` (or per-stage modes in `stages=`).
+    pub ckpt: bool,
+    /// `offload=` (`offload=none` included).
+    pub offload: bool,
+}
+
+impl Pins {
+    /// Every knob written: the config is the plan's layout exactly.
+    pub const ALL: Pins =
+        Pins { micro_batches: true, sp: true, schedule: true, ckpt: true, offload: true };
+
+    /// The pins of the token kinds a parse saw.
+    fn written(seen: &[&str]) -> Pins {
+        let has = |k: &str| seen.contains(&k);
+        Pins {
+            micro_batches: has("mb"),
+            sp: has("sp"),
+            schedule: has("sched"),
+            ckpt: has("ckpt") || has("stages"),
+            offload: has("offload"),
+        }
+    }
+
+    /// Whether every knob that matters for `cfg` is written: `sp` only with tp > 1, a
+    /// schedule only with a pipeline. Checkpointing and offload are not needed: unwritten,
+    /// a flat config searches checkpointing per block as it always has, and offload is tried
+    /// only when nothing fits without it.
+    pub fn complete_for(&self, cfg: &ParallelConfig) -> bool {
+        self.micro_batches
+            && (self.sp || cfg.tp < 2)
+            && (cfg.pp < 2 || (self.schedule && self.ckpt))
+    }
+}
+
 fn one() -> usize {
     1
 }
@@ -161,10 +218,11 @@ fn is_one(n: &usize) -> bool {
     *n == 1
 }
 
-const GRAMMAR: &str = "a config is tokens dpN, tpN, cpN (cp=a2a), ppN, zeroK (K = 0..3), mbN, sp, \
-                       ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 and \
-                       stages=N[:MODE],... (with ppN, N > 1), offload=opt|grads+opt|all[:K/16], \
-                       nvme, shard=N and loss=whole|chunkN, separated by spaces or +, e.g. \
+const GRAMMAR: &str = "a config is tokens dpN, tpN, cpN (cp=a2a), ppN, zeroK (K = 0..3), mbN, \
+                       sp or sp=off, ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 \
+                       and stages=N[:MODE],... (with ppN, N > 1), \
+                       offload=opt|grads+opt|all[:K/16]|none, nvme, shard=N and \
+                       loss=whole|chunkN, separated by spaces or +, e.g. \
                        `dp2 tp4 sp zero1 mb4 ckpt=selective` or `dp2 tp2 pp4 mb8 sched=1f1b`";
 
 /// The schedules' spellings, for messages.
@@ -192,8 +250,14 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
-    /// Parses and validates a config string (see the module docs).
+    /// Parses and validates a config string (see the module docs); the knobs it does not
+    /// write hold their defaults.
     pub fn parse(s: &str) -> Result<ParallelConfig> {
+        ParallelConfig::parse_pinned(s).map(|(cfg, _)| cfg)
+    }
+
+    /// [`ParallelConfig::parse`], with which of the planner's free knobs the string writes.
+    pub fn parse_pinned(s: &str) -> Result<(ParallelConfig, Pins)> {
         // A message that already quotes the whole config needs no `config ...:` prefix.
         let invalid = |msg: String| {
             if msg.starts_with(&format!("`{}`", s.trim())) {
@@ -217,9 +281,12 @@ impl ParallelConfig {
             let cp_token = crate::context::parse_token(raw, &tok, &mut cfg.cp, &mut cfg.cp_comm);
             let kind: &'static str = if let Some(kind) = cp_token {
                 kind.map_err(&invalid)?
-            } else if tok == "sp" {
-                cfg.sp = true;
+            } else if tok == "sp" || tok == "sp=off" {
+                cfg.sp = tok == "sp";
                 "sp"
+            } else if tok == "offload=none" {
+                cfg.offload = None;
+                "offload"
             } else if tok == "nvme" {
                 nvme = Some(None);
                 "nvme"
@@ -281,6 +348,7 @@ impl ParallelConfig {
         if !any {
             return Err(PlanError::Invalid(format!("empty parallel config; {GRAMMAR}")));
         }
+        let pins = Pins::written(&seen);
         if let Some(k) = nvme {
             let Some(o) = cfg.offload.as_mut() else {
                 return Err(invalid(
@@ -300,7 +368,7 @@ impl ParallelConfig {
             o.nvme = k.unwrap_or(o.chunks);
         }
         cfg.validate().map_err(|e| invalid(e.to_string()))?;
-        Ok(cfg)
+        Ok((cfg, pins))
     }
 
     /// Checks the rules a parsed config obeys (for configs built or deserialised directly).

@@ -19,9 +19,11 @@
 
 mod loss;
 mod offload;
+mod pinned;
 mod rounds;
 
 pub use loss::with_loss;
+pub use pinned::plan_config;
 
 pub(crate) use rounds::parallel_map;
 use rounds::{
@@ -124,9 +126,11 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     }
 }
 
-/// Evaluates a fixed configuration (the best plan within it). The loss runs as `loss=` says,
-/// or as [`crate::loss_chunk::choose`] decides when the config does not say; the plan's
-/// config string names a chunking it chose.
+/// Evaluates a fixed configuration (the best plan within it): every knob as `cfg` holds it,
+/// checkpointing searched per block when `cfg.ckpt` is `None`. A config string's unwritten
+/// knobs are searched by [`plan_config`]. The loss runs as `loss=` says, or as
+/// [`crate::loss_chunk::choose`] decides when the config does not say; the plan's config
+/// string names a chunking it chose.
 pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
     let mut plan = with_loss(req, rows, |r| plan_fixed_as_built(r, cfg))?;
@@ -139,7 +143,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
 }
 
 /// [`plan_fixed`] on the request's forward graphs as they are built.
-fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
+pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     if cfg.pp > 1 {
         return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
     }

@@ -500,3 +500,39 @@ fn loss_chunking_parses_round_trips_and_is_checked() {
     assert!(err("loss=whole loss=chunk2").contains("given twice"));
     assert!(GRAMMAR.contains("loss=whole|chunkN"));
 }
+
+#[test]
+fn written_knobs_are_pinned_and_the_rest_left_to_the_search() {
+    let pins = |s: &str| ParallelConfig::parse_pinned(s).unwrap();
+    // Nothing but degrees: every knob free, the config holding the defaults.
+    let (c, p) = pins("dp2 tp2 pp4 zero1");
+    assert_eq!(p, Pins::default());
+    assert_eq!(
+        (c.micro_batches, c.sp, c.schedule, c.ckpt, c.offload),
+        (1, false, None, None, None)
+    );
+    assert!(!p.complete_for(&c));
+    // Each knob, written at its default value, is pinned there.
+    let (c, p) = pins("dp2 tp2 pp4 zero1 mb1 sp=off sched=1f1b ckpt=none offload=none");
+    assert_eq!(p, Pins::ALL);
+    assert!(p.complete_for(&c));
+    assert_eq!(c, ParallelConfig::parse("dp2 tp2 pp4 zero1 sched=1f1b ckpt=none").unwrap());
+    // `sp=off` and `sp` pin the same knob; the canonical form omits off, as before.
+    let (c, p) = pins("dp2 tp4 sp=off");
+    assert!(p.sp && !c.sp && c.canonical() == "dp2 tp4");
+    assert!(err("dp2 tp4 sp sp=off").contains("`sp` is given twice"));
+    assert!(pins("dp2 tp4 SP=OFF").1.sp);
+    // `offload=none` pins offload off (and `nvme` needs an offload).
+    let (c, p) = pins("dp8 zero3 offload=none");
+    assert!(p.offload && c.offload.is_none());
+    assert!(err("dp8 zero3 offload=none nvme").contains("add offload=opt"));
+    // `stages=` fixes the stages' checkpointing.
+    assert!(pins("pp2 stages=3,5").1.ckpt);
+    // What completeness asks for: sp only with tp, a schedule and checkpointing only with pp.
+    let (c, p) = pins("dp8 mb2");
+    assert!(p.complete_for(&c));
+    let (c, p) = pins("dp2 tp4 mb2");
+    assert!(!p.complete_for(&c));
+    let (c, p) = pins("dp2 pp2 mb4 sched=zb-h1");
+    assert!(!p.complete_for(&c), "checkpointing is searched with a pipeline: {c}");
+}

@@ -56,7 +56,7 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
 }
 
 /// Why DeepSpeed cannot run the plan as it is (`None`: it can).
-fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+pub(super) fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
     if cfg.tp > 1 {
         return Some(format!(
             "tensor parallelism (tp{}) is not DeepSpeed's own; export to Megatron-LM \

@@ -70,7 +70,7 @@ pub(super) fn model_problem(model: &ModelShape) -> Option<String> {
 }
 
 /// Why Megatron-LM cannot run the plan as it is (`None`: it can).
-fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+pub(super) fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
     if let Some(o) = cfg.offload {
         return Some(format!(
             "the plan offloads model state to the host (`{o}`), which this export does not \

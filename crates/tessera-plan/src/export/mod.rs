@@ -173,6 +173,23 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
     .map_err(|why| refuse(why, nearest(framework, &cfg, plan.batch)))
 }
 
+/// Why `framework` cannot run `cfg` checkpointed as `ckpt` on a model of `blocks` blocks
+/// (`None`: it can), whatever the model. The constraint the planner's search of a config
+/// string's free knobs reads when the plan is to be exported ([`crate::planner::plan_config`]):
+/// each engine's rules live here, in its module, and nowhere in the search.
+pub fn runs(
+    framework: Framework,
+    cfg: &ParallelConfig,
+    ckpt: CkptPattern,
+    blocks: usize,
+) -> Option<String> {
+    match framework {
+        Framework::Megatron => megatron::problem(cfg, ckpt, blocks),
+        Framework::DeepSpeed => deepspeed::problem(cfg, ckpt, blocks),
+        Framework::Torchtitan => torchtitan::problem(cfg, ckpt, blocks),
+    }
+}
+
 /// Why `framework` cannot take `cfg`'s tensor parallelism past the model's KV heads (Tessera
 /// replicates them; Megatron-LM divides the query groups by tp, torchtitan splits `wk`/`wv`
 /// column-wise), and the config it can: tp cut to the largest degree dividing both tp and
@@ -279,6 +296,15 @@ pub enum CkptPattern {
 }
 
 impl CkptPattern {
+    /// One mode on every block (`None`: no checkpointing).
+    pub fn uniform(mode: Option<CkptMode>) -> CkptPattern {
+        match mode {
+            None | Some(CkptMode::None) => CkptPattern::None,
+            Some(CkptMode::Selective) => CkptPattern::Selective,
+            Some(CkptMode::Full) => CkptPattern::Full,
+        }
+    }
+
     pub fn of(blocks: &[BlockCkpt]) -> CkptPattern {
         let modes: Vec<CkptMode> = blocks.iter().map(|b| b.mode).collect();
         let all = |m: CkptMode| modes.iter().all(|&x| x == m);

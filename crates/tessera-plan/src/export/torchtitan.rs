@@ -54,7 +54,7 @@ pub(super) fn model_problem(model: &ModelShape) -> Option<String> {
 }
 
 /// Why torchtitan cannot run the plan as it is (`None`: it can).
-fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+pub(super) fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
     if let Some(o) = cfg.offload {
         let every = Offload::all_chunks(OffloadKind::All);
         if o != every || cfg.zero != 3 {

@@ -133,19 +133,47 @@ pub fn fixed_plan(
 /// then the fastest estimates lowered exactly ([`plan_fixed_pipelined`]). Returns the fastest
 /// fitting pipelined plan, if any beats `bound`.
 pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
-    let knobs = &req.pipeline;
     let n = req.cluster.num_devices();
-    let none = PipelinePhase { plan: None, even: None, screened: 0, fitting: 0 };
-    if !knobs.enabled || n < 2 {
-        return Ok(none);
+    if !req.pipeline.enabled || n < 2 {
+        return Ok(PipelinePhase { plan: None, even: None, screened: 0, fitting: 0 });
     }
+    let nb = tessera_ir::remat::num_blocks(&(req.build)(1)?.graph) as usize;
+    let space = PipeSpace {
+        shapes: psearch::shapes(&req.cluster, nb),
+        knobs: req.pipeline.clone(),
+        recut: true,
+        stages: Vec::new(),
+        accept: &|_| true,
+    };
+    best_in(req, bound, &space)
+}
+
+/// The part of the pipeline phase's space one search looks at: the automatic search's is
+/// every shape with the knobs' sizes, schedules and modes, re-cuts included
+/// ([`best_pipelined`]); a config string's is its own shape with its free knobs
+/// ([`crate::planner::plan_config`]).
+pub struct PipeSpace<'a> {
+    pub shapes: Vec<Shape>,
+    /// Micro-batch sizes, schedules, checkpointing modes and how many to verify.
+    pub knobs: psearch::PipelineKnobs,
+    /// Whether the stages of the verified candidates may be re-cut ([`super::balance`]).
+    pub recut: bool,
+    /// The stages every candidate takes (`stages=`; empty: even, or re-cut).
+    pub stages: Vec<crate::pipeline::layout::Stage>,
+    /// Which configurations may be the answer (an export engine's constraint).
+    pub accept: &'a (dyn Fn(&ParallelConfig) -> bool + Sync),
+}
+
+/// [`best_pipelined`] over `space`.
+pub fn best_in(req: &Request<'_>, bound: f64, space: &PipeSpace<'_>) -> Result<PipelinePhase> {
+    let knobs = &space.knobs;
+    let none = PipelinePhase { plan: None, even: None, screened: 0, fitting: 0 };
     let t0 = Instant::now();
     let nb = tessera_ir::remat::num_blocks(&(req.build)(1)?.graph) as usize;
-    let shapes = psearch::shapes(&req.cluster, nb);
     // (shape, micro-batch size): the micro-batch count m = batch / (dp · size) must give every
     // pipeline device work in the steady state (m ≥ pp).
     let mut items: Vec<(Shape, usize)> = Vec::new();
-    for s in &shapes {
+    for s in &space.shapes {
         for &size in &knobs.micro_batch_sizes {
             let per = s.dp * size;
             if size > 0 && req.batch.is_multiple_of(per) && req.batch / per >= s.pp {
@@ -179,7 +207,17 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
     });
     let mut ranked: Vec<Screened> = Vec::new();
     for s in screened {
-        ranked.extend(s?);
+        for mut c in s? {
+            if !space.stages.is_empty() {
+                c.config.stages = space.stages.clone();
+                if c.config.check_pipeline(nb, None).is_err() {
+                    continue;
+                }
+            }
+            if (space.accept)(&c.config) {
+                ranked.push(c);
+            }
+        }
     }
     ranked.sort_by(|a, b| a.estimate.step_time_s.total_cmp(&b.estimate.step_time_s));
     let trace = std::env::var_os("TESSERA_TRACE").is_some();
@@ -195,7 +233,7 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
     // The fastest estimates lowered exactly, even stages first; then the re-cuts whose
     // modelled step beats every fitting even one (and the bound).
     let verify = &ranked[..ranked.len().min(knobs.verify)];
-    let evens = parallel_map(verify, |c| verify_even(req, c));
+    let evens = parallel_map(verify, |c| verify_even(req, c, space.recut));
     let mut best = Best { bound, plan: None, even: None, fitting: 0, trace };
     let mut recuts = Vec::new();
     for (c, v) in verify.iter().zip(evens) {
@@ -244,6 +282,7 @@ pub fn best_pipelined(req: &Request<'_>, bound: f64) -> Result<PipelinePhase> {
 fn verify_even(
     req: &Request<'_>,
     c: &Screened,
+    recut: bool,
 ) -> Result<(Result<Plan>, Option<super::balance::Recut>)> {
     let t0 = Instant::now();
     let even = match lower_fixed(req, &c.config) {
@@ -251,6 +290,9 @@ fn verify_even(
         Err(e @ PlanError::Infeasible { .. }) => return Ok((Err(e), None)),
         Err(e) => return Err(e),
     };
+    if !recut {
+        return Ok((fixed_plan(req, &c.config, even, t0), None));
+    }
     let cost = crate::cost::CostModel::for_cluster(&req.cluster);
     let devices = super::balance::device_costs(&even.lowered, &even.full, &cost);
     let recut =

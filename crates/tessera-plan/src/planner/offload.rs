@@ -33,6 +33,8 @@ struct Line {
     sp: bool,
     zero: u8,
     kind: OffloadKind,
+    /// The micro-batch counts tried, fewest first.
+    mbs: Vec<usize>,
 }
 
 #[derive(Default)]
@@ -54,11 +56,39 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
         let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
             for kind in [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All] {
-                lines.push(Line { mesh: mesh.clone(), sp, zero, kind });
+                let mbs = req.micro_batch_options();
+                lines.push(Line { mesh: mesh.clone(), sp, zero, kind, mbs });
             }
         }
     }
-    let results = parallel_map(&lines, |line| run_line(req, line));
+    run_lines(req, &lines)
+}
+
+/// The phase on one `dp × tp` layout of a config string, its ZeRO stage fixed, `sp` as `sps`
+/// allows and the micro-batch counts `mbs` ([`super::plan_config`], offload not written; the
+/// request's checkpointing search is the config's).
+pub(super) fn run_layout(
+    req: &Request<'_>,
+    (dp, tp): (usize, usize),
+    sps: &[bool],
+    zero: u8,
+    mbs: &[usize],
+) -> Result<OffloadPhase> {
+    if req.cluster.host.memory_bytes == 0 {
+        return Ok(OffloadPhase { fit: None, least_tiers: None });
+    }
+    let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
+    let mut lines = Vec::new();
+    for &sp in sps {
+        for kind in [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All] {
+            lines.push(Line { mesh: mesh.clone(), sp, zero, kind, mbs: mbs.to_vec() });
+        }
+    }
+    run_lines(req, &lines)
+}
+
+fn run_lines(req: &Request<'_>, lines: &[Line]) -> Result<OffloadPhase> {
+    let results = parallel_map(lines, |line| run_line(req, line));
     let mut phase = OffloadPhase { fit: None, least_tiers: None };
     for r in results {
         let r = r?;
@@ -87,7 +117,7 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
     };
     let has_nvme = req.cluster.nvme.is_some_and(|n| n.capacity_bytes > 0);
     let dp = line.mesh.shape[0];
-    for mb in req.micro_batch_options() {
+    for &mb in &line.mbs {
         if !req.batch.is_multiple_of(dp * mb) {
             continue;
         }

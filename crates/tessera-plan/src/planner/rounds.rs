@@ -22,20 +22,15 @@ pub(super) fn first_fit(
     scan: Scan<'_>,
     past_recompute: bool,
 ) -> Result<(usize, Option<Evaluated>)> {
-    let Scan { mesh, rule, zero, mbs } = scan;
+    let Scan { mesh, rule, zero, mbs, offload } = scan;
     let mut tried = 0;
     let mut best: Option<Evaluated> = None;
     // The last miss, and the resting floor of this mesh's devices (the same for every count).
     let mut missed: Option<search::Miss> = None;
     let mut floor: Option<u64> = None;
     for &mb in mbs {
-        let cand = Candidate {
-            mesh: mesh.clone(),
-            rule: rule.clone(),
-            zero,
-            micro_batches: mb,
-            offload: None,
-        };
+        let cand =
+            Candidate { mesh: mesh.clone(), rule: rule.clone(), zero, micro_batches: mb, offload };
         if let (Some(m), Some(f)) = (missed, floor) {
             if m.rules_out(mb, f, req.budget) {
                 // Evaluated after all should nothing fit anywhere (the least peak stays exact).
@@ -98,10 +93,12 @@ pub(super) struct JobResult {
 /// What [`first_fit`] scans: one (mesh, rule, ZeRO stage) over micro-batch counts.
 #[derive(Clone, Copy)]
 pub(super) struct Scan<'a> {
-    mesh: &'a Mesh,
-    rule: &'a AxisRule,
-    zero: u8,
-    mbs: &'a [usize],
+    pub(super) mesh: &'a Mesh,
+    pub(super) rule: &'a AxisRule,
+    pub(super) zero: u8,
+    pub(super) mbs: &'a [usize],
+    /// Model state below the device (a config string's `offload=`); the search's rounds: none.
+    pub(super) offload: Option<crate::offload::Offload>,
 }
 
 /// The job's mesh, axis rule and the micro-batch counts its rule allows.
@@ -145,8 +142,12 @@ pub(super) fn run_job_zero3(
     mbs: &[usize],
 ) -> Result<JobResult> {
     let (mesh, rule, mbs) = job_space(req, job, mbs)?;
-    let (tried, e) =
-        first_fit(req, p, Scan { mesh: &mesh, rule: &rule, zero: 3, mbs: &mbs }, false)?;
+    let (tried, e) = first_fit(
+        req,
+        p,
+        Scan { mesh: &mesh, rule: &rule, zero: 3, mbs: &mbs, offload: None },
+        false,
+    )?;
     Ok(JobResult { tried, fits: e.into_iter().collect() })
 }
 
@@ -207,8 +208,12 @@ pub(super) fn run_job(
         _ => 0,
     };
     for zero in first..=2u8 {
-        let (tried, e) =
-            first_fit(req, p, Scan { mesh: &mesh, rule: &rule, zero, mbs: &mbs }, true)?;
+        let (tried, e) = first_fit(
+            req,
+            p,
+            Scan { mesh: &mesh, rule: &rule, zero, mbs: &mbs, offload: None },
+            true,
+        )?;
         out.tried += tried;
         let needs_more = e
             .as_ref()
@@ -321,7 +326,7 @@ pub(super) fn one_round(
 ) -> Result<Vec<JobResult>> {
     let all = parallel_map(jobs, |j| -> Result<JobResult> {
         let (mesh, rule, allowed) = job_space(req, j, mbs)?;
-        let scan = Scan { mesh: &mesh, rule: &rule, zero: 3, mbs: &allowed };
+        let scan = Scan { mesh: &mesh, rule: &rule, zero: 3, mbs: &allowed, offload: None };
         let (tried, zero3) = first_fit(req, p, scan, true)?;
         let mut r = run_job(req, p, j, mbs)?;
         r.tried += tried;
