@@ -38,9 +38,12 @@ pub fn plan_config(
     // below then sees the fused graph, and the chosen config names a chunking it picked.
     let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
     let mut plan = super::with_loss(req, rows, |r| plan_config_as_built(r, cfg, pins, engine))?;
-    if let (None, Some(rows)) = (cfg.loss, rows) {
+    // The loss as written, or the chunking chosen (a pipelined completion's config is the
+    // pipeline phase's, which does not name it).
+    let loss = cfg.loss.or(rows.map(crate::config::LossMode::Chunk));
+    if loss.is_some() {
         let mut chosen = ParallelConfig::parse(&plan.config)?;
-        chosen.loss = Some(crate::config::LossMode::Chunk(rows));
+        chosen.loss = loss;
         plan.config = chosen.canonical();
     }
     Ok(plan)
