@@ -4,7 +4,10 @@
 //! the kv heads, so GQA needs no copy of K or V), a row kernel applies the masks (causal,
 //! sliding window, KV-cache starts) and ALiBi and takes the softmax, and the products with V
 //! (and, backward, dP, dQ, dK, dV) are GEMMs again: an [H, S, T] f32 scratch per batch
-//! element, reused. Not yet the fused flash kernel (see BENCHMARKS.md).
+//! element, reused. Not yet the fused flash kernel (see BENCHMARKS.md). That scratch is
+//! [`Purpose::Scratch`], reported beside the Program's bytes, not the op's declared workspace
+//! (`min(S, ATTENTION_SCRATCH_ROWS) × T × 4`, which the Program charges and the flash kernels
+//! never use): at long context (H·S·T·4 bytes) this fallback is for short sequences only.
 
 use crate::alloc::Purpose;
 use crate::backend::{geometry, CudaBackend};

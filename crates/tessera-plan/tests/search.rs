@@ -99,6 +99,21 @@ fn long_sequences_under_tensor_parallelism_shard_norms_along_the_sequence() {
     assert!(p.collectives.iter().any(|c| c.phase == "forward" && c.op != "all_reduce"));
 }
 
+/// Attention declares the scores of at most `ATTENTION_SCRATCH_ROWS` query rows as workspace,
+/// not one head's S×T block: at 256K tokens that block alone would be 256 GiB per device
+/// whatever the split; the bound is 4 GiB and a plan fits 8 H100s.
+#[test]
+fn a_quarter_million_tokens_fit_without_an_s_by_t_attention_workspace() {
+    let cfg = llama(1024, 4096, 16);
+    let seq = 262_144;
+    let p = plan_with(&cfg, "8xH100", 1, seq, None, None).unwrap();
+    let peak = p.predicted.peak_bytes_per_device[0];
+    let block = (seq * seq * 4) as u64;
+    assert!(peak < block / 8, "peak {peak} bytes: the S×T block {block} is still charged");
+    let bound = (tessera_ir::ATTENTION_SCRATCH_ROWS * seq * 4) as u64;
+    assert!(peak >= bound, "peak {peak} below the attention workspace {bound} it must hold");
+}
+
 #[test]
 fn predicted_peak_is_the_simulation_of_the_lowered_program_and_zero_shrinks_it() {
     let cfg = ModelConfig::preset("gpt2-tiny").unwrap().without_dropout();

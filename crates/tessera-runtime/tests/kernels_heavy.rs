@@ -293,6 +293,74 @@ fn attention_causal_and_full() {
     }
 }
 
+/// Past the cap on live score rows (scaled down to 128 so that S = 3·cap stays small): on a
+/// pool of more threads than the cap has blocks, the forward and backward keep their scratch
+/// within what `min(S, cap) × T × 4` declares (counted by the global allocator), give the
+/// uncapped kernels' bits, and match the f64 interpreter.
+#[test]
+fn attention_past_the_scratch_cap_keeps_its_declared_workspace() {
+    use tessera_ir::dist::MeshPos;
+    use tessera_runtime::alloc::{current_bytes, peak_bytes, reset_peak};
+    use tessera_runtime::kernels::{attention_backward_within, attention_within};
+    let _s = serial();
+    // Two lanes of one 64-row block forward, one lane of two 64-row buffers backward (the
+    // blocks of the uncapped kernels, so the bits can be compared): on two cores or more,
+    // two backward tasks alive at once would break the bound. T > S (the queries are the
+    // last S of T) so a block's scratch (256 KiB) is well above the allocator's batching.
+    let (cap, b, t, h, hkv, d) = (128usize, 2usize, 1024usize, 4usize, 2usize, 8usize);
+    let s = 3 * cap;
+    let mut rng = Rng::new(13);
+    let spec = AttentionSpec::causal(d);
+    let q = (rng.tensor(&[b, s, h, d]) * 2.0).unwrap();
+    let k = (rng.tensor(&[b, t, hkv, d]) * 2.0).unwrap();
+    let v = rng.tensor(&[b, t, hkv, d]);
+    let dout = rng.tensor(&[b, s, h, d]);
+    let at = MeshPos::single();
+    // The declared bytes at this cap: the IR's formula with `cap` for ATTENTION_SCRATCH_ROWS.
+    let declared = (s.min(cap) * t * 4) as u64;
+    let outputs_fwd = ((b * s * h * d + b * h * s) * 4) as u64;
+    let outputs_bwd = ((b * s * h * d + 2 * b * t * hkv * d) * 4) as u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+    // gemm keeps a thread-local packing slab (the L2's size), made on a thread's first
+    // product: make every thread's before measuring.
+    let (a, w) = (rng.tensor(&[64, 64]), rng.tensor(&[64, 64]));
+    let mm_meta = op_meta(&mm(false, false), &[&a, &w]);
+    pool.broadcast(|_| execute(&mm(false, false), &[&a, &w], &mm_meta).unwrap());
+    // Within 8 KiB of small bookkeeping (rayon jobs, tensor headers).
+    let slack = 8 << 10;
+    let measured = |f: &(dyn Fn() -> Vec<Tensor> + Sync)| -> (Vec<Tensor>, u64) {
+        pool.install(f);
+        let before = current_bytes();
+        reset_peak();
+        let got = pool.install(f);
+        (got, peak_bytes() - before)
+    };
+    let (fwd, extra) = measured(&|| attention_within(&q, &k, &v, None, &spec, &at, cap).unwrap());
+    assert!(
+        extra <= declared + outputs_fwd + slack,
+        "forward held {extra} bytes: declared {declared} + outputs {outputs_fwd}"
+    );
+    let (bwd, extra) = measured(&|| {
+        attention_backward_within(&q, &k, &v, &fwd[0], &fwd[1], &dout, &spec, &at, cap).unwrap()
+    });
+    assert!(
+        extra <= declared + outputs_bwd + slack,
+        "backward held {extra} bytes: declared {declared} + outputs {outputs_bwd}"
+    );
+    // The declared workspace is the IR's: min(S, cap) rows; S ≤ the real cap, so the whole block.
+    let metas: Vec<TensorMeta> = [&q, &k, &v].iter().map(|t| meta_of(t).unwrap()).collect();
+    let refs: Vec<&TensorMeta> = metas.iter().collect();
+    assert_eq!(Op::Attention(spec.clone()).workspace_bytes(&refs), (s * t * 4) as u64);
+    // The same bits as the kernels at the real cap, and the interpreter's values.
+    let whole_fwd = check_kernel(&Op::Attention(spec.clone()), &[&q, &k, &v]);
+    let inputs = [&q, &k, &v, &fwd[0], &fwd[1], &dout];
+    let whole_bwd = check_kernel(&Op::AttentionBackward(spec), &inputs);
+    for (got, want) in fwd.iter().chain(&bwd).zip(whole_fwd.iter().chain(&whole_bwd)) {
+        let (got, want) = (to_f64_vec(got).unwrap(), to_f64_vec(want).unwrap());
+        assert!(got == want, "the capped kernels' bits differ from the uncapped ones'");
+    }
+}
+
 #[test]
 fn attention_sliding_window() {
     let _s = serial();

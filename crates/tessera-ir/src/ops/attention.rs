@@ -2,7 +2,8 @@
 //!
 //! Attention saves its output and a per-row log-sum-exp `[B,H,S]`; the backward recomputes
 //! the probabilities from them, FlashAttention-style, so no S×T matrix outlives a kernel. The
-//! kernel may hold one head's S×T score block as workspace while it runs.
+//! kernel may hold the f32 scores of at most [`ATTENTION_SCRATCH_ROWS`] query rows (all of
+//! one head's S×T block when S is shorter) as workspace while it runs.
 
 use super::{expect_float, expect_inputs, Flops, Op};
 use crate::autodiff::{Grad, VjpCtx};
@@ -90,9 +91,20 @@ pub(crate) fn flops_backward(x: &[&TensorMeta]) -> Flops {
     Flops { matmul: 8 * v, other: 4 * scores }
 }
 
-/// One head's S×T f32 score block.
+/// Query rows whose f32 scores (× every key T) an attention kernel holds at once: the
+/// declared workspace of `Attention` and `AttentionBackward` is `min(S, this) × T × 4` bytes.
+///
+/// One head's whole S×T block grows quadratically (256 GiB at 256K tokens) although a
+/// blocked kernel never needs it: the CPU kernels run their query blocks in at most
+/// `this / rows-per-block` concurrent lanes, so their scratch stays within the bound whatever
+/// the thread count, and FlashAttention holds no score block at all. 4096 keeps every plan
+/// with S ≤ 4096 exactly as it was (there the bound is the whole block).
+pub const ATTENTION_SCRATCH_ROWS: usize = 4096;
+
+/// The f32 scores of `min(S, ATTENTION_SCRATCH_ROWS)` query rows against all T keys (the
+/// backward's two buffers, P and dP, are half as many rows each).
 pub(crate) fn workspace_bytes(x: &[&TensorMeta]) -> u64 {
-    let s = x[0].shape.dim(1) as u64;
+    let s = x[0].shape.dim(1).min(ATTENTION_SCRATCH_ROWS) as u64;
     let t = x[1].shape.dim(1) as u64;
     s * t * DType::F32.size_bytes()
 }

@@ -27,7 +27,7 @@ pub mod vision;
 
 use crate::autodiff::{Grad, VjpCtx};
 use crate::{DType, Result, Shape, TensorMeta};
-pub use attention::{Alibi, AttentionSpec};
+pub use attention::{Alibi, AttentionSpec, ATTENTION_SCRATCH_ROWS};
 pub use comm::{Collective, CommStep, P2p, ReshardSpec};
 pub use quant::QuantSpec;
 use serde::{Deserialize, Serialize};

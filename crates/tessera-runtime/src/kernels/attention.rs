@@ -7,14 +7,27 @@
 //!
 //! Queries are processed in blocks of rows; a block only multiplies against the key range
 //! that some row of it can see (causal and sliding-window masks skip whole key ranges), and
-//! holds its scores in a `rows × keys` scratch, which is at most one head's S×T block (the
-//! declared workspace) per rayon worker. Only `out` and the log-sum-exp `[B,H,S]` are saved;
-//! the backward recomputes the probabilities from q, k and the log-sum-exp.
+//! holds its scores in a `rows × keys` scratch (the backward two: P and dP).
+//!
+//! Memory: the declared workspace is the scores of `min(S, ATTENTION_SCRATCH_ROWS)` query rows
+//! against all T keys. The tasks run in *lanes*: at most `ATTENTION_SCRATCH_ROWS / (rows per
+//! block · buffers)` of them, each taking its tasks one after another with one scratch it
+//! allocates once at the exact size `rows × T` (so no `Vec` growth overshoots), run in parallel.
+//! However many rayon threads there are, and even when a thread waiting inside a
+//! multithreaded gemm steals another lane, at most that many scratches are alive: the bound
+//! holds for long sequences, whose 256K×256K block could never be held. For S below the cap
+//! the lanes are what limits it, not S: with more threads than S has blocks, up to
+//! `threads × 64` rows may be live (as before this bound existed), which is more than the
+//! declared S rows by at most that (small) amount. Only `out` and the log-sum-exp `[B,H,S]`
+//! are saved; the backward recomputes the probabilities from q, k and the log-sum-exp.
+//! Lanes change only which thread runs a block, never a block's arithmetic, so results are
+//! the same bits at any cap.
 //!
 //! Work split: the forward runs over (batch, head, query block) tasks; the backward over
 //! (batch, kv head) tasks, each looping over its group's query heads, so dk and dv are
-//! accumulated by a single task without races (and dq rows belong to one task too). When
-//! there are fewer tasks than threads, the gemms themselves go multithreaded.
+//! accumulated by a single task without races (and dq rows belong to one task too). A lane
+//! takes every `lanes`-th task, so causal blocks of unequal cost spread over the lanes. When
+//! there are fewer lanes than threads, the gemms themselves go multithreaded.
 //!
 //! The softmax rows use a branch-free polynomial `exp` (Cephes' `expf`, ~2 ulp) with lane-wise
 //! max / sum reductions, so they vectorise; they are compiled a second time for AVX2+FMA and
@@ -27,6 +40,7 @@ use candle_core::{DType, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 use tessera_ir::dist::MeshPos;
+use tessera_ir::ops::ATTENTION_SCRATCH_ROWS;
 use tessera_ir::AttentionSpec;
 
 /// Query rows per block.
@@ -187,10 +201,36 @@ impl Geom {
     }
 }
 
-/// Rows of scratch a block may use; `bufs` S-long blocks are held at once, kept within one
-/// head's S×T block.
-fn block_rows(s: usize, bufs: usize) -> usize {
-    BLOCK_ROWS.min((s / bufs).max(1))
+/// Rows of scratch a block may use when it holds `bufs` buffers: within `min(S, cap)` rows.
+fn block_rows(s: usize, bufs: usize, cap: usize) -> usize {
+    BLOCK_ROWS.min((s.min(cap) / bufs).max(1))
+}
+
+/// Runs `tasks` in at most `lanes` parallel lanes (lane `l` takes tasks `l, l + lanes, …` in
+/// order), each lane with one scratch from `make`: no more than `lanes` scratches are ever
+/// alive, whatever the thread count.
+fn in_lanes<S>(
+    tasks: usize,
+    lanes: usize,
+    make: impl Fn() -> S + Sync,
+    f: impl Fn(&mut S, usize) + Sync,
+) {
+    let lanes = lanes.clamp(1, tasks.max(1));
+    (0..lanes).into_par_iter().for_each(|l| {
+        let mut scratch = make();
+        for task in (l..tasks).step_by(lanes) {
+            f(&mut scratch, task);
+        }
+    });
+}
+
+/// The gemms' threading: multithreaded when there are fewer lanes than threads.
+fn gemm_par(tasks: usize, lanes: usize) -> Parallelism {
+    if tasks.min(lanes) < rayon::current_num_threads() {
+        all_threads()
+    } else {
+        Parallelism::None
+    }
 }
 
 /// Fused attention: `[out [B,S,H,D], logsumexp [B,H,S] f32]`; with `start`, row `b`'s queries
@@ -203,54 +243,74 @@ pub fn attention(
     spec: &AttentionSpec,
     at: &MeshPos,
 ) -> Result<Vec<Tensor>> {
+    attention_within(q, k, v, start, spec, at, ATTENTION_SCRATCH_ROWS)
+}
+
+/// [`attention`] holding the scores of at most `cap_rows` query rows at once (the IR's
+/// [`ATTENTION_SCRATCH_ROWS`] in a run; smaller in tests, so a short sequence exceeds it).
+pub fn attention_within(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    start: Option<&Tensor>,
+    spec: &AttentionSpec,
+    at: &MeshPos,
+    cap_rows: usize,
+) -> Result<Vec<Tensor>> {
     expect_f32("attention", &[(q, "q"), (k, "k"), (v, "v")])?;
     let g = Geom::at(q, k, v, start, spec, at)?;
     let (q, k, v) = (contiguous(q)?, contiguous(k)?, contiguous(v)?);
     let (qs, ks, vs) = (read::<f32>(&q)?, read::<f32>(&k)?, read::<f32>(&v)?);
     let mut out = vec![0f32; g.b * g.s * g.h * g.d];
     let mut lse = vec![f32::NEG_INFINITY; g.b * g.h * g.s];
-    let bq = block_rows(g.s, 1);
+    let bq = block_rows(g.s, 1, cap_rows);
     let nblk = g.s.div_ceil(bq);
     let tasks = g.b * g.h * nblk;
+    let lanes = cap_rows / bq;
     let (qp, kp, vp) =
         (SendConstPtr(qs.as_ptr()), SendConstPtr(ks.as_ptr()), SendConstPtr(vs.as_ptr()));
     let (op, lp) = (SendPtr(out.as_mut_ptr()), SendPtr(lse.as_mut_ptr()));
-    let par = if tasks < rayon::current_num_threads() { all_threads() } else { Parallelism::None };
+    let par = gemm_par(tasks, lanes);
     let (hd, kvd) = ((g.h * g.d) as isize, (g.hkv * g.d) as isize);
 
-    (0..tasks).into_par_iter().for_each_init(Vec::<f32>::new, |scores, task| {
-        let (bh, blk) = (task / nblk, task % nblk);
-        let (b, h) = (bh / g.h, bh % g.h);
-        let kvh = g.kv_of[h];
-        let (i0, i1) = (blk * bq, ((blk + 1) * bq).min(g.s));
-        let (jlo, jhi) = g.block_keys(b, i0, i1);
-        let (rows, tb) = (i1 - i0, jhi - jlo);
-        if tb == 0 {
-            return; // every query masked: zero output, lse −∞ (as allocated)
-        }
-        scores.clear();
-        scores.resize(rows * tb, 0.0);
-        let q_blk = MatRef { ptr: qp.get().wrapping_add(g.q_at(b, i0, h)), rs: hd, cs: 1 };
-        let k_blk = MatRef { ptr: kp.get().wrapping_add(g.kv_at(b, jlo, kvh)), rs: kvd, cs: 1 };
-        let v_blk = MatRef { ptr: vp.get().wrapping_add(g.kv_at(b, jlo, kvh)), rs: kvd, cs: 1 };
-        let sc = MatMut { ptr: scores.as_mut_ptr(), rs: tb as isize, cs: 1 };
-        // SAFETY: the views address rows i0..i1 of head h and keys jlo..jhi of kv head kvh,
-        // inside the checked [B,S,H,D] / [B,T,Hkv,D] buffers; `scores` is this task's own.
-        unsafe { gemm_f32(rows, tb, g.d, sc, false, q_blk, k_blk.t(), g.scale, par) };
-        for (r, row) in scores.chunks_mut(tb).enumerate() {
-            let i = i0 + r;
-            g.add_bias(h, g.pos(b, i), jlo, row);
-            let (lo, hi) = g.visible(b, i);
-            let (lo, hi) = (lo.clamp(jlo, jhi) - jlo, hi.clamp(jlo, jhi) - jlo);
-            let l = softmax_row(row, lo, hi);
-            // SAFETY: lse[b, h, i] belongs to this task only.
-            unsafe { *lp.get().add((b * g.h + h) * g.s + i) = l };
-        }
-        let o_blk = MatMut { ptr: op.get().wrapping_add(g.q_at(b, i0, h)), rs: hd, cs: 1 };
-        let p = MatRef { ptr: scores.as_ptr(), rs: tb as isize, cs: 1 };
-        // SAFETY: out rows i0..i1 of head h belong to this task only.
-        unsafe { gemm_f32(rows, g.d, tb, o_blk, false, p, v_blk, 1.0, par) };
-    });
+    in_lanes(
+        tasks,
+        lanes,
+        || Vec::<f32>::with_capacity(bq * g.t),
+        |scores, task| {
+            let (bh, blk) = (task / nblk, task % nblk);
+            let (b, h) = (bh / g.h, bh % g.h);
+            let kvh = g.kv_of[h];
+            let (i0, i1) = (blk * bq, ((blk + 1) * bq).min(g.s));
+            let (jlo, jhi) = g.block_keys(b, i0, i1);
+            let (rows, tb) = (i1 - i0, jhi - jlo);
+            if tb == 0 {
+                return; // every query masked: zero output, lse −∞ (as allocated)
+            }
+            scores.clear();
+            scores.resize(rows * tb, 0.0);
+            let q_blk = MatRef { ptr: qp.get().wrapping_add(g.q_at(b, i0, h)), rs: hd, cs: 1 };
+            let k_blk = MatRef { ptr: kp.get().wrapping_add(g.kv_at(b, jlo, kvh)), rs: kvd, cs: 1 };
+            let v_blk = MatRef { ptr: vp.get().wrapping_add(g.kv_at(b, jlo, kvh)), rs: kvd, cs: 1 };
+            let sc = MatMut { ptr: scores.as_mut_ptr(), rs: tb as isize, cs: 1 };
+            // SAFETY: the views address rows i0..i1 of head h and keys jlo..jhi of kv head kvh,
+            // inside the checked [B,S,H,D] / [B,T,Hkv,D] buffers; `scores` is this task's own.
+            unsafe { gemm_f32(rows, tb, g.d, sc, false, q_blk, k_blk.t(), g.scale, par) };
+            for (r, row) in scores.chunks_mut(tb).enumerate() {
+                let i = i0 + r;
+                g.add_bias(h, g.pos(b, i), jlo, row);
+                let (lo, hi) = g.visible(b, i);
+                let (lo, hi) = (lo.clamp(jlo, jhi) - jlo, hi.clamp(jlo, jhi) - jlo);
+                let l = softmax_row(row, lo, hi);
+                // SAFETY: lse[b, h, i] belongs to this task only.
+                unsafe { *lp.get().add((b * g.h + h) * g.s + i) = l };
+            }
+            let o_blk = MatMut { ptr: op.get().wrapping_add(g.q_at(b, i0, h)), rs: hd, cs: 1 };
+            let p = MatRef { ptr: scores.as_ptr(), rs: tb as isize, cs: 1 };
+            // SAFETY: out rows i0..i1 of head h belong to this task only.
+            unsafe { gemm_f32(rows, g.d, tb, o_blk, false, p, v_blk, 1.0, par) };
+        },
+    );
     drop((qs, ks, vs));
     Ok(vec![from_vec(out, &[g.b, g.s, g.h, g.d])?, from_vec(lse, &[g.b, g.h, g.s])?])
 }
@@ -395,6 +455,23 @@ pub fn attention_backward(
     spec: &AttentionSpec,
     at: &MeshPos,
 ) -> Result<Vec<Tensor>> {
+    attention_backward_within(q, k, v, out, lse, dout, spec, at, ATTENTION_SCRATCH_ROWS)
+}
+
+/// [`attention_backward`] holding the P and dP scores of at most `cap_rows` query rows in all
+/// (see [`attention_within`]).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_within(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    spec: &AttentionSpec,
+    at: &MeshPos,
+    cap_rows: usize,
+) -> Result<Vec<Tensor>> {
     let op = "attention_backward";
     expect_f32(
         op,
@@ -418,10 +495,11 @@ pub fn attention_backward(
     let mut dk = vec![0f32; ks.len()];
     let mut dv = vec![0f32; vs.len()];
 
-    let bq = block_rows(g.s, 2);
+    let bq = block_rows(g.s, 2, cap_rows);
     let nblk = g.s.div_ceil(bq);
     let tasks = g.b * g.hkv;
-    let par = if tasks < rayon::current_num_threads() { all_threads() } else { Parallelism::None };
+    let lanes = cap_rows / (2 * bq);
+    let par = gemm_par(tasks, lanes);
     let (hd, kvd) = ((g.h * g.d) as isize, (g.hkv * g.d) as isize);
     let (qp, kp, vp) =
         (SendConstPtr(qs.as_ptr()), SendConstPtr(ks.as_ptr()), SendConstPtr(vs.as_ptr()));
@@ -430,8 +508,10 @@ pub fn attention_backward(
     let (dqp, dkp, dvp) =
         (SendPtr(dq.as_mut_ptr()), SendPtr(dk.as_mut_ptr()), SendPtr(dv.as_mut_ptr()));
 
-    (0..tasks).into_par_iter().for_each_init(
-        || (Vec::<f32>::new(), Vec::<f32>::new()),
+    in_lanes(
+        tasks,
+        lanes,
+        || (Vec::<f32>::with_capacity(bq * g.t), Vec::<f32>::with_capacity(bq * g.t)),
         |(pbuf, dpbuf), task| {
             let (b, kvh) = (task / g.hkv, task % g.hkv);
             let k_all = kp.get().wrapping_add(g.kv_at(b, 0, kvh));

@@ -25,6 +25,7 @@ mod quant;
 mod reduce;
 mod vision;
 
+pub use attention::{attention_backward_within, attention_within};
 pub use loss::check_targets;
 
 use crate::{Result, RuntimeError};
