@@ -199,7 +199,7 @@ pub fn cp_pins(
         let pin = match &n.op {
             Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => Some(heads_label(l)?),
             _ => {
-                let role = label_roles(g, i, l, roles);
+                let role = crate::search::label_roles(&g.nodes[i], l, roles);
                 (0..l.sizes.len()).find(|&lab| role[lab] == DimRole::Seq && l.shardable[lab])
             }
         };
@@ -248,22 +248,6 @@ fn kv_heads_message(g: &Graph, i: usize, heads: usize, kv: usize, cp: usize, tp:
         n.op.name(),
         cp * tp
     )
-}
-
-/// Roles of one node's labels from its inputs' dim roles (see `search::space::label_roles`).
-fn label_roles(g: &Graph, i: usize, l: &Labeling, roles: &[Vec<DimRole>]) -> Vec<DimRole> {
-    let n = &g.nodes[i];
-    let mut lab_role = vec![DimRole::Other; l.sizes.len()];
-    for (k, &t) in n.inputs.iter().enumerate() {
-        for (d, lab) in l.inputs[k].iter().enumerate() {
-            if let Some(lab) = lab {
-                if roles[t.index()][d] != DimRole::Other {
-                    lab_role[*lab] = roles[t.index()][d];
-                }
-            }
-        }
-    }
-    lab_role
 }
 
 /// Puts the tensor axis before the cp axis wherever a strategy splits one dim over both

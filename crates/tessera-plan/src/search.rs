@@ -7,6 +7,7 @@
 mod megatron;
 mod scan;
 mod space;
+pub(crate) use space::label_roles;
 
 pub use megatron::tp_strategies;
 pub use scan::{resting_floor, Miss};

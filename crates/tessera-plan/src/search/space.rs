@@ -99,7 +99,8 @@ fn roles_with(
     roles
 }
 
-pub(super) fn label_roles(
+/// Roles of one node's labels from its inputs' dim roles (batch, sequence or other).
+pub(crate) fn label_roles(
     n: &tessera_ir::Node,
     l: &Labeling,
     roles: &[Vec<DimRole>],
