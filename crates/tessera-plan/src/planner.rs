@@ -192,9 +192,10 @@ pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Re
                 hint: format!(
                     "`{}` at its most memory-frugal layout; {}",
                     cfg.canonical(),
-                    match cfg.dp > 1 {
+                    // ZeRO shards over the data-parallel (and context-parallel) replicas: none
+                    // to shard over, or sharded already at stage 3.
+                    match cfg.dp * cfg.cp > 1 && cfg.zero < 3 {
                         true => "raise ZeRO, add micro-batches or devices",
-                        // ZeRO shards over data-parallel replicas: none to shard over.
                         false => "add micro-batches or devices",
                     }
                 ),

@@ -269,7 +269,7 @@ fn least(
                 "`{}` with its micro-batches, sp and checkpointing searched, at its most \
                  memory-frugal layout; {}",
                 cfg.canonical(),
-                match cfg.dp > 1 {
+                match cfg.dp * cfg.cp > 1 && cfg.zero < 3 {
                     true => "raise ZeRO, or add devices",
                     false => "add devices",
                 }
