@@ -4,8 +4,10 @@
 //! The costs are *measured on Programs*, not modelled: the graph is lowered three times with
 //! one mode on every block (`none`, `selective`, `full`), and each Program's memory timeline
 //! and cost-model walk give, per block and mode,
-//! - `kept`: the saved-activation bytes the block's forward pass leaves for its backward
-//!   pass (per micro-batch: micro-batches run one after another);
+//! - `kept`: the saved-activation bytes the block's forward pass leaves on the device for its
+//!   backward pass (per micro-batch: micro-batches run one after another; under activation
+//!   offload a full block's input rests on the host and counts nowhere here — its copy back
+//!   is in the backward peaks);
 //! - `recompute_s`: the seconds its recomputation costs (compute and repeated collectives);
 //! - `backward_peak`: the highest live bytes while any of the block's instructions run, minus
 //!   the kept bytes of the blocks before it — so parameters, gradients, optimizer state,
@@ -20,7 +22,7 @@ use crate::ckpt_dp::{self, BlockCost, Chain};
 use crate::cost::CostModel;
 use crate::lower::{finish, Lowered, Unfinished};
 use crate::{Mesh, Result};
-use tessera_ir::{Checkpointing, CkptMode, Instr, Phase, Role};
+use tessera_ir::{Checkpointing, CkptMode, Instr, Phase, Role, Tier};
 use tessera_profile::simulate_memory;
 
 /// Memory resolution of the DP: buckets of the budget. Constraints are checked on exact bytes
@@ -65,7 +67,9 @@ fn measure_lowered(u: &Unfinished, uniform: Vec<Lowered>) -> Measured {
         // Kept bytes per block: saved activations made by the block's forward pass.
         let mut kept = vec![0u64; l];
         for (t, &root) in p.buffer_of.iter().enumerate() {
-            if root.index() != t || p.role[t] != Role::SavedActivation {
+            // Only what rests on the device: activation offload's host copies take none.
+            if root.index() != t || p.role[t] != Role::SavedActivation || p.tier[t] != Tier::Device
+            {
                 continue;
             }
             let n = g.producer(root);

@@ -10,7 +10,8 @@
 //! CP     := a2a | ring                              ring: refused (not yet)
 //! SCHED  := gpipe | 1f1b | interleaved:V | zb-h1  V >= 2 (chunks per device)
 //! STAGES := N[:MODE] (',' N[:MODE])*              blocks (and checkpointing) per virtual stage
-//! OFFLOAD:= (opt | grads+opt | all) [':' K '/16']  chunks offloaded (default all 16)
+//! OFFLOAD:= act | [act '+'] STATE                 act: activation offload
+//! STATE  := (opt | grads+opt | all) [':' K '/16']  chunks offloaded (default all 16)
 //! LOSS   := whole | chunkN                       the LM head and loss: whole, or N rows a chunk
 //! ```
 //!
@@ -22,7 +23,13 @@
 //! device's share of the logits is at least a quarter of the memory budget, whole otherwise.
 //!
 //! `nvme` puts the offloaded chunks' optimizer state on the NVMe, `nvme:K` that of the last K
-//! offloaded chunks (needs `offload=`).
+//! offloaded chunks (needs `offload=` with model state).
+//!
+//! `offload=act` is activation offload (see [`crate::offload`]): the input each fully
+//! checkpointed block keeps for its backward pass rests in host memory, copied down in the
+//! forward pass and fetched back one block ahead of the block's backward pass. It composes with
+//! model-state offload written after it: `offload=act+opt`, `offload=act+grads+opt:8/16 nvme`.
+//! Plan files without it read and write as before.
 //!
 //! `shard=N` is hybrid sharding (HSDP; DeepSpeed's MiCS, Megatron-LM's distributed optimizer
 //! instances): ZeRO shards its state over groups of N consecutive data-parallel ranks (one
@@ -221,7 +228,7 @@ fn is_one(n: &usize) -> bool {
 const GRAMMAR: &str = "a config is tokens dpN, tpN, cpN (cp=a2a), ppN, zeroK (K = 0..3), mbN, \
                        sp or sp=off, ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 \
                        and stages=N[:MODE],... (with ppN, N > 1), \
-                       offload=opt|grads+opt|all[:K/16]|none, nvme, shard=N and \
+                       offload=[act+]opt|grads+opt|all[:K/16]|act|none, nvme, shard=N and \
                        loss=whole|chunkN, separated by spaces or +, e.g. \
                        `dp2 tp4 sp zero1 mb4 ckpt=selective` or `dp2 tp2 pp4 mb8 sched=1f1b`";
 
@@ -269,7 +276,7 @@ impl ParallelConfig {
         let mut cfg = ParallelConfig::default();
         let mut seen: Vec<&'static str> = Vec::new();
         let mut any = false;
-        // `grads+opt` is one offload value, not two tokens joined by `+`.
+        // `grads+opt` and `act+opt` are one offload value, not two tokens joined by `+`.
         let joined = join_grads_opt(s);
         let mut nvme: Option<Option<u32>> = None;
         for raw in joined.split(|c: char| c == '+' || c.is_whitespace()).filter(|t| !t.is_empty()) {
@@ -350,7 +357,7 @@ impl ParallelConfig {
         }
         let pins = Pins::written(&seen);
         if let Some(k) = nvme {
-            let Some(o) = cfg.offload.as_mut() else {
+            let Some(o) = cfg.offload.as_mut().filter(|o| o.moves_state()) else {
                 return Err(invalid(
                     "`nvme` puts offloaded optimizer state on the NVMe: add offload=opt or \
                      offload=grads+opt"
@@ -702,16 +709,20 @@ impl ParallelConfig {
 /// `s` with every `grads+opt` (any case) written `grads_opt`, so splitting on `+` keeps it
 /// whole.
 fn join_grads_opt(s: &str) -> String {
-    let lower = s.to_ascii_lowercase();
-    let mut out = String::with_capacity(s.len());
-    let mut i = 0;
-    while let Some(k) = lower[i..].find("grads+opt") {
-        out.push_str(&s[i..i + k]);
-        out.push_str("grads_opt");
-        i += k + "grads+opt".len();
+    let mut s = s.to_string();
+    for (joined, with) in [("grads+opt", "grads_opt"), ("offload=act+", "offload=act_")] {
+        let lower = s.to_ascii_lowercase();
+        let mut out = String::with_capacity(s.len());
+        let mut i = 0;
+        while let Some(k) = lower[i..].find(joined) {
+            out.push_str(&s[i..i + k]);
+            out.push_str(with);
+            i += k + joined.len();
+        }
+        out.push_str(&s[i..]);
+        s = out;
     }
-    out.push_str(&s[i..]);
-    out
+    s
 }
 
 /// The message for a keyword given without its `=value`, if `tok` is one.
@@ -719,7 +730,12 @@ fn bare_keyword(raw: &str, tok: &str) -> Option<String> {
     match tok {
         "ckpt" => Some(format!("`{raw}`: write ckpt=none, ckpt=selective or ckpt=full")),
         "offload" => Some(format!(
-            "`{raw}`: write offload=opt, offload=grads+opt or offload=all (optionally :K/16)"
+            "`{raw}`: write offload=opt, offload=grads+opt or offload=all (optionally :K/16), \
+             or offload=act (activations), alone or before them: offload=act+opt"
+        )),
+        "act" => Some(format!(
+            "`{raw}`: activation offload is written offload=act, or before model-state \
+             offload: offload=act+opt"
         )),
         "stages" => Some(format!(
             "`{raw}`: give the blocks of each virtual stage, e.g. stages=7:full,8,9,8 (with ppN)"

@@ -19,6 +19,7 @@
 //! Every device runs the same Program (all splits are even), so the per-device Programs are
 //! one Program and N peaks; the device's mesh coordinate selects its shards at run time.
 
+pub mod act_offload;
 mod hooks;
 mod loss;
 mod replay;
@@ -83,6 +84,8 @@ pub struct Unfinished {
     pub micro_batches: usize,
     /// Figures priced for more micro-batches than `training` holds ([`crate::priced`]).
     pub priced: Option<crate::priced::Twin>,
+    /// Activation offload ([`act_offload`]): applied after each checkpointing.
+    pub act_offload: bool,
 }
 
 /// Predicted time of one step, from walking the Program with the cost model.
@@ -193,7 +196,13 @@ pub fn lower_unfinished(
 ) -> Result<Unfinished> {
     let (tg, leaf_specs) = differentiate(forward, loss, strategy, mesh, opts)?;
     let training = replay(&tg, opts.micro_batches)?;
-    Ok(Unfinished { training, leaf_specs, micro_batches: opts.micro_batches.max(1), priced: None })
+    Ok(Unfinished {
+        training,
+        leaf_specs,
+        micro_batches: opts.micro_batches.max(1),
+        priced: None,
+        act_offload: opts.offload.is_some_and(|o| o.act),
+    })
 }
 
 /// Steps 1–2 of the lowering: the per-device training graph of one micro-batch, before the
@@ -243,6 +252,9 @@ pub fn finish(
 ) -> Result<Lowered> {
     let mut tg = rematerialize(&u.training, ckpt)
         .map_err(|e| PlanError::Internal(format!("checkpointing the sharded graph: {e}")))?;
+    if u.act_offload {
+        tg = act_offload::apply(&tg, ckpt)?;
+    }
     tg.layout = leaf_layout(&tg.graph, &u.leaf_specs, u.micro_batches);
     let grads: Vec<TensorId> = tg.params.iter().map(|s| s.grad).collect();
     let program = Program::lower_graph(tg.graph.clone(), vec![tg.loss, tg.grad_norm], &grads);

@@ -12,6 +12,16 @@
 //!
 //! Config-string form: `offload=opt`, `offload=grads+opt:8/16` (the first 8 of the 16 chunks),
 //! `nvme` (every offloaded chunk's state on the NVMe) or `nvme:K` (the last K of them).
+//!
+//! **Activation offload** (`offload=act`, or beside model state `offload=act+opt`,
+//! `offload=act+grads+opt:8/16`): the input each fully checkpointed block keeps for its
+//! backward pass rests in host memory — copied down once made in the forward pass (the device
+//! copy freed after its last forward reader) and fetched back one block ahead of the block's
+//! backward pass, so the copy overlaps the compute of the block before. It is a rewrite of the
+//! checkpointed Program ([`crate::lower::act_offload`]) into `Transfer` instructions, so the
+//! memory simulation (device and host peaks), the cost model's copies and the runtime read
+//! one Program. `offload=act` alone keeps every chunk's model state on the device
+//! ([`Offload::chunks`] 0).
 
 use crate::{PlanError, Result};
 use serde::{Deserialize, Serialize};
@@ -59,16 +69,41 @@ pub struct Offload {
     /// into host memory for its update and written back) instead of in host memory.
     #[serde(default)]
     pub nvme: u32,
+    /// Activation offload: the kept inputs of fully checkpointed blocks rest on the host
+    /// (see the module docs). With `chunks` 0 it is the only offload (`kind` is then unused).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub act: bool,
 }
 
 impl Offload {
     /// Every chunk.
     pub fn all_chunks(kind: OffloadKind) -> Offload {
-        Offload { kind, chunks: CHUNKS, nvme: 0 }
+        Offload { kind, chunks: CHUNKS, nvme: 0, act: false }
     }
 
-    /// Parses the value of `offload=` (lower-cased): `KIND` or `KIND:K/16`.
+    /// Activation offload alone: every chunk's model state on the device.
+    pub fn activations() -> Offload {
+        Offload { kind: OffloadKind::Opt, chunks: 0, nvme: 0, act: true }
+    }
+
+    /// Whether any chunk's model state leaves the device.
+    pub fn moves_state(&self) -> bool {
+        self.chunks > 0
+    }
+
+    /// Parses the value of `offload=` (lower-cased): `KIND` or `KIND:K/16`, each optionally
+    /// after `act+` (written `act_` once the config's `+` joins are undone), or `act` alone.
     pub fn parse_value(raw: &str, value: &str) -> std::result::Result<Offload, String> {
+        if value == "act" {
+            return Ok(Offload::activations());
+        }
+        if let Some(rest) = value.strip_prefix("act_").or_else(|| value.strip_prefix("act+")) {
+            let state = Offload::parse_value(raw, rest)?;
+            if state.act {
+                return Err(format!("`{raw}`: write act once, e.g. offload=act+opt"));
+            }
+            return Ok(Offload { act: true, ..state });
+        }
         let (kind, chunks) = match value.split_once(':') {
             Some((k, c)) => (k, Some(c)),
             None => (value, None),
@@ -80,7 +115,8 @@ impl Offload {
             _ => {
                 return Err(format!(
                     "`{raw}`: offload is opt, grads+opt or all, optionally with the chunks \
-                     offloaded out of {CHUNKS}, e.g. offload=opt or offload=grads+opt:8/{CHUNKS}"
+                     offloaded out of {CHUNKS}, e.g. offload=opt or offload=grads+opt:8/{CHUNKS}, \
+                     and act (activations) alone or before them: offload=act, offload=act+opt"
                 ))
             }
         };
@@ -103,7 +139,7 @@ impl Offload {
                 k
             }
         };
-        Ok(Offload { kind, chunks, nvme: 0 })
+        Ok(Offload { kind, chunks, nvme: 0, act: false })
     }
 
     /// The parameters of `g`'s offloaded chunks with the tier their optimizer state rests in.
@@ -140,9 +176,17 @@ pub fn chunk_of(g: &Graph) -> Vec<(TensorId, u32)> {
 }
 
 impl fmt::Display for Offload {
-    /// `offload=opt`, `offload=grads+opt:8/16 nvme`.
+    /// `offload=opt`, `offload=grads+opt:8/16 nvme`, `offload=act`, `offload=act+opt`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "offload={}", self.kind.name())?;
+        f.write_str("offload=")?;
+        if self.act {
+            f.write_str("act")?;
+            if self.chunks == 0 {
+                return Ok(());
+            }
+            f.write_str("+")?;
+        }
+        f.write_str(self.kind.name())?;
         if self.chunks != CHUNKS {
             write!(f, ":{}/{CHUNKS}", self.chunks)?;
         }
@@ -157,11 +201,18 @@ impl fmt::Display for Offload {
 
 /// Checks a config's offload against what the lowering supports.
 pub fn check(offload: &Offload) -> Result<()> {
-    if offload.chunks == 0 || offload.chunks > CHUNKS {
+    if (offload.chunks == 0 && !offload.act) || offload.chunks > CHUNKS {
         return Err(PlanError::Invalid(format!(
             "offload of {} chunks: give 1 to {CHUNKS}",
             offload.chunks
         )));
+    }
+    if offload.chunks == 0 && offload.nvme > 0 {
+        return Err(PlanError::Invalid(
+            "nvme puts offloaded optimizer state on the NVMe, and offload=act offloads none: \
+             write offload=act+opt nvme"
+                .into(),
+        ));
     }
     Ok(())
 }
@@ -200,6 +251,16 @@ pub struct OffloadJson {
     pub host_memory_bytes: u64,
     /// Peak of the NVMe bytes (0 without `nvme`).
     pub nvme_peak_bytes: u64,
+    /// Activation offload (`offload=act...`): the kept block inputs that rest on the host.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub act: bool,
+    /// Bytes of activations copied to the host in one step (each fetched back once; per
+    /// device, every micro-batch's).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub act_bytes_per_step: u64,
+    /// Kept activations the Program moves to the host in one step.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub act_tensors_per_step: u64,
     /// Seconds of copies, of host work (the offloaded AdamW), and what of them the device's
     /// compute does not hide (part of the step time).
     pub transfer_s: f64,
@@ -209,11 +270,17 @@ pub struct OffloadJson {
     pub hidden_fraction: f64,
 }
 
+fn is_zero(x: &u64) -> bool {
+    *x == 0
+}
+
 impl OffloadJson {
-    /// The section for `offload` on the global forward graph `g`, with the lowered figures.
+    /// The section for `offload` on the global forward graph `g`, with the lowered figures of
+    /// its Program `program`.
     pub fn new(
         offload: &Offload,
         g: &Graph,
+        program: &tessera_ir::Program,
         memory: &tessera_profile::MemoryReport,
         time: &crate::lower::StepTime,
         host_memory_bytes: u64,
@@ -247,8 +314,12 @@ impl OffloadJson {
                 }
             }
         }
+        let (act_tensors, act_bytes) = crate::lower::act_offload::moved(program);
         OffloadJson {
             config: offload.to_string(),
+            act: offload.act,
+            act_bytes_per_step: act_bytes,
+            act_tensors_per_step: act_tensors,
             kind: offload.kind,
             chunks_offloaded: offload.chunks,
             nvme_chunks: offload.nvme.min(offload.chunks),
@@ -266,7 +337,12 @@ impl OffloadJson {
 
     /// The choice it records.
     pub fn choice(&self) -> Offload {
-        Offload { kind: self.kind, chunks: self.chunks_offloaded, nvme: self.nvme_chunks }
+        Offload {
+            kind: self.kind,
+            chunks: self.chunks_offloaded,
+            nvme: self.nvme_chunks,
+            act: self.act,
+        }
     }
 }
 
@@ -310,17 +386,22 @@ impl OffloadJson {
             n if n >= self.chunks_offloaded => "NVMe".to_string(),
             n => format!("host ({n} of them on the NVMe)"),
         };
+        let what = match self.chunks_offloaded {
+            0 => "activations only: every chunk's model state on the device".to_string(),
+            k => format!(
+                "{k} of {CHUNKS} chunks' {} on the {lower}",
+                match self.kind {
+                    OffloadKind::Opt => "optimizer state",
+                    OffloadKind::GradsOpt => "gradients and optimizer state",
+                    OffloadKind::All => "parameters, gradients and optimizer state",
+                }
+            ),
+        };
         let mut s = format!(
-            "offload   {}: {} of {CHUNKS} chunks' {} on the {lower}; host peak {} of {}{}\n\
+            "offload   {}: {what}; host peak {} of {}{}\n\
              \x20         {} moved per step: copies {:.4} s + host AdamW {:.4} s, {:.0}% hidden \
              ({:.4} s exposed)\n",
             self.config,
-            self.chunks_offloaded,
-            match self.kind {
-                OffloadKind::Opt => "optimizer state",
-                OffloadKind::GradsOpt => "gradients and optimizer state",
-                OffloadKind::All => "parameters, gradients and optimizer state",
-            },
             b(self.host_peak_bytes),
             b(self.host_memory_bytes),
             if self.nvme_chunks > 0 {
@@ -334,7 +415,15 @@ impl OffloadJson {
             100.0 * self.hidden_fraction,
             self.exposed_s
         );
-        if chunks {
+        if self.act {
+            s += &format!(
+                "\x20         activations: {} kept block inputs ({}) copied to the host in the \
+                 forward pass, each fetched back one block ahead of its backward pass\n",
+                self.act_tensors_per_step,
+                b(self.act_bytes_per_step)
+            );
+        }
+        if chunks && self.chunks_offloaded > 0 {
             s += "chunk  first parameter                              params      bytes  params  \
                   grads  optimizer\n";
             for c in &self.chunks {

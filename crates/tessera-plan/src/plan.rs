@@ -406,6 +406,7 @@ impl Plan {
                 crate::offload::OffloadJson::new(
                     &o,
                     g,
+                    &e.lowered.program,
                     &e.lowered.memory,
                     &e.lowered.time,
                     cx.host_memory_bytes,

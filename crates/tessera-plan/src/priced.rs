@@ -152,12 +152,14 @@ pub fn lower_unfinished(
         leaf_specs: leaf_specs.clone(),
         micro_batches: REPLICAS - 1,
         priced: None,
+        act_offload: opts.offload.is_some_and(|o| o.act),
     };
     Ok(Unfinished {
         training: replay(&tg, REPLICAS)?,
         leaf_specs,
         micro_batches: REPLICAS,
         priced: Some(Twin { target: m, fewer: Box::new(fewer) }),
+        act_offload: opts.offload.is_some_and(|o| o.act),
     })
 }
 

@@ -373,12 +373,18 @@ fn unequal_stages_parse_round_trip_and_are_checked() {
 fn offload_parses_round_trips_and_is_checked() {
     use crate::offload::{Offload, OffloadKind, CHUNKS};
     let c = ParallelConfig::parse("dp2 zero3 offload=grads+opt:8/16 nvme:2").unwrap();
-    assert_eq!(c.offload, Some(Offload { kind: OffloadKind::GradsOpt, chunks: 8, nvme: 2 }));
+    assert_eq!(
+        c.offload,
+        Some(Offload { kind: OffloadKind::GradsOpt, chunks: 8, nvme: 2, act: false })
+    );
     assert_eq!(c.canonical(), "dp2 tp1 zero3 offload=grads+opt:8/16 nvme:2");
     assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c);
     // `+` joins tokens, but not inside `grads+opt`; `nvme` alone takes every offloaded chunk.
     let c = ParallelConfig::parse("tp2+OFFLOAD=GRADS+OPT+nvme").unwrap();
-    assert_eq!(c.offload, Some(Offload { kind: OffloadKind::GradsOpt, chunks: CHUNKS, nvme: 16 }));
+    assert_eq!(
+        c.offload,
+        Some(Offload { kind: OffloadKind::GradsOpt, chunks: CHUNKS, nvme: 16, act: false })
+    );
     assert_eq!(c.canonical(), "dp1 tp2 offload=grads+opt nvme");
     assert_eq!(ParallelConfig::parse("offload=opt").unwrap().canonical(), "dp1 tp1 offload=opt");
     for (s, want) in [

@@ -36,13 +36,13 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
         shard: None,
         ..cfg.clone()
     };
-    if let Some(o) = cfg.offload {
+    if let Some(o) = cfg.offload.filter(|o| o.moves_state()) {
         // The offload DeepSpeed has nearest to `o` (a plan with offload has no pipeline), and
         // the plan without offload.
         let kind = o.kind.max(OffloadKind::GradsOpt);
         let zero = if kind == OffloadKind::All { 3 } else { flat.zero.max(1) };
         let nvme = if o.nvme > 0 && zero == 3 { CHUNKS } else { 0 };
-        let offload = Some(Offload { kind, chunks: CHUNKS, nvme });
+        let offload = Some(Offload { kind, chunks: CHUNKS, nvme, act: false });
         return vec![ParallelConfig { zero, offload, ..flat.clone() }, flat];
     }
     if cfg.pp == 1 {
@@ -57,6 +57,11 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
 
 /// Why DeepSpeed cannot run the plan as it is (`None`: it can).
 pub(super) fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+    if let Some(o) = cfg.offload.filter(|o| o.act) {
+        return Some(format!(
+            "`{o}`: activation offload (full blocks' kept inputs in host memory): this export does not write DeepSpeed's activation_checkpointing.cpu_checkpointing (which moves every checkpoint to the host, not only full blocks' inputs); plan without offload=act"
+        ));
+    }
     if cfg.tp > 1 {
         return Some(format!(
             "tensor parallelism (tp{}) is not DeepSpeed's own; export to Megatron-LM \

@@ -71,6 +71,11 @@ pub(super) fn model_problem(model: &ModelShape) -> Option<String> {
 
 /// Why Megatron-LM cannot run the plan as it is (`None`: it can).
 pub(super) fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+    if let Some(o) = cfg.offload.filter(|o| o.act) {
+        return Some(format!(
+            "`{o}`: activation offload (full blocks' kept inputs in host memory): this export does not write Megatron-LM's activation CPU offloading; plan without offload=act"
+        ));
+    }
     if let Some(o) = cfg.offload {
         return Some(format!(
             "the plan offloads model state to the host (`{o}`), which this export does not \

@@ -29,7 +29,7 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
     }
     // FSDP2's CPU offload (`enable_cpu_offload`) moves parameters, gradients and optimizer
     // state of every unit: offload=all, every chunk, under full sharding.
-    if cfg.offload.is_some() {
+    if cfg.offload.is_some_and(|o| o.moves_state()) {
         let on_host = ParallelConfig {
             zero: 3,
             offload: Some(Offload::all_chunks(OffloadKind::All)),
@@ -55,6 +55,11 @@ pub(super) fn model_problem(model: &ModelShape) -> Option<String> {
 
 /// Why torchtitan cannot run the plan as it is (`None`: it can).
 pub(super) fn problem(cfg: &ParallelConfig, ckpt: CkptPattern, blocks: usize) -> Option<String> {
+    if let Some(o) = cfg.offload.filter(|o| o.act) {
+        return Some(format!(
+            "`{o}`: activation offload (full blocks' kept inputs in host memory): torchtitan has no setting that keeps checkpointed blocks' inputs in host memory; plan without offload=act"
+        ));
+    }
     if let Some(o) = cfg.offload {
         let every = Offload::all_chunks(OffloadKind::All);
         if o != every || cfg.zero != 3 {

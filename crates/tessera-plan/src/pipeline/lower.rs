@@ -108,6 +108,8 @@ pub fn lower_unfinished(
                 leaf_specs: leaf_specs.clone(),
                 micro_batches: mb,
                 priced: None,
+                // Offload with a pipeline is refused (`ParallelConfig::validate`).
+                act_offload: false,
             },
             slot_of,
             boundaries: fwd.boundaries,

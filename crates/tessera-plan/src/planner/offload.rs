@@ -12,6 +12,13 @@
 //! checkpointing, the Program lowered and simulated — with the offload in its lowering, so a
 //! plan's host and NVMe peaks are its Program's. A fit whose host (or NVMe) peak misses its
 //! tier is kept aside for the error, which then names the least memory per tier that would do.
+//!
+//! Activation offload (`offload=act`, [`crate::lower::act_offload`]) is tried only when none of
+//! those fits every tier — so a plan that fits without it is unchanged: the same lines again
+//! with the kept inputs of fully checkpointed blocks on the host, plus a line offloading
+//! activations alone (no model state: probed once per micro-batch count). The joint
+//! checkpointing of each probe sees what it frees: a full block's input no longer counts as
+//! kept on the device, its copy back is in the block's backward peak.
 
 use super::rounds::{megatron_jobs, parallel_map, Job};
 use super::Request;
@@ -32,7 +39,10 @@ struct Line {
     mesh: Mesh,
     sp: bool,
     zero: u8,
-    kind: OffloadKind,
+    /// The model state offloaded (`None`: none, only activations).
+    kind: Option<OffloadKind>,
+    /// Activation offload.
+    act: bool,
     /// The micro-batch counts tried, fewest first.
     mbs: Vec<usize>,
 }
@@ -55,13 +65,34 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
         let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
         let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
-            for kind in [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All] {
-                let mbs = req.micro_batch_options();
-                lines.push(Line { mesh: mesh.clone(), sp, zero, kind, mbs });
-            }
+            lines.push((mesh.clone(), sp, zero, req.micro_batch_options()));
         }
     }
-    run_lines(req, &lines)
+    run_both(req, &lines)
+}
+
+/// The lines of model-state offload over `(mesh, sp, zero, mbs)`, and, when none fits, the
+/// same with activation offload and activation offload alone.
+fn run_both(req: &Request<'_>, layouts: &[(Mesh, bool, u8, Vec<usize>)]) -> Result<OffloadPhase> {
+    let kinds = [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All];
+    let lines_of = |act: bool| {
+        let mut lines = Vec::new();
+        for (mesh, sp, zero, mbs) in layouts {
+            let kinds = kinds.iter().map(|&k| Some(k));
+            for kind in act.then_some(None).into_iter().chain(kinds) {
+                let (mesh, sp, zero, mbs) = (mesh.clone(), *sp, *zero, mbs.clone());
+                lines.push(Line { mesh, sp, zero, kind, act, mbs });
+            }
+        }
+        lines
+    };
+    let state = run_lines(req, &lines_of(false))?;
+    if state.fit.is_some() {
+        return Ok(state);
+    }
+    let act = run_lines(req, &lines_of(true))?;
+    // The error names model-state offload's least tiers as before when it has them.
+    Ok(OffloadPhase { fit: act.fit, least_tiers: state.least_tiers.or(act.least_tiers) })
 }
 
 /// The phase on one `dp × tp` layout of a config string, its ZeRO stage fixed, `sp` as `sps`
@@ -78,13 +109,8 @@ pub(super) fn run_layout(
         return Ok(OffloadPhase { fit: None, least_tiers: None });
     }
     let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
-    let mut lines = Vec::new();
-    for &sp in sps {
-        for kind in [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All] {
-            lines.push(Line { mesh: mesh.clone(), sp, zero, kind, mbs: mbs.to_vec() });
-        }
-    }
-    run_lines(req, &lines)
+    let layouts: Vec<_> = sps.iter().map(|&sp| (mesh.clone(), sp, zero, mbs.to_vec())).collect();
+    run_both(req, &layouts)
 }
 
 fn run_lines(req: &Request<'_>, lines: &[Line]) -> Result<OffloadPhase> {
@@ -113,13 +139,25 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
         rule: AxisRule::Megatron { sp: line.sp, cp: false },
         zero: line.zero,
         micro_batches: mb,
-        offload: Some(Offload { kind: line.kind, chunks, nvme }),
+        offload: Some(offload_of(line, chunks, nvme)),
     };
     let has_nvme = req.cluster.nvme.is_some_and(|n| n.capacity_bytes > 0);
     let dp = line.mesh.shape[0];
     for &mb in &line.mbs {
         if !req.batch.is_multiple_of(dp * mb) {
             continue;
+        }
+        if line.kind.is_none() {
+            // Activations alone: one probe, no chunks to count.
+            let Some(e) = probe(req, &cand(mb, 0, 0), req.budget)? else { continue };
+            let m = &e.lowered.memory;
+            if crate::offload::check_tiers(&req.cluster, m, "").is_ok() {
+                out.fit = Some(e);
+            } else {
+                let config = describe(line, mb, 0, 0);
+                out.least_tiers = Some((m.host_peak_bytes, m.nvme_peak_bytes, config));
+            }
+            break;
         }
         let Some(all) = probe(req, &cand(mb, CHUNKS, 0), req.budget)? else { continue };
         // The fewest chunks that still fit the device.
@@ -191,10 +229,18 @@ fn describe(line: &Line, mb: usize, chunks: u32, nvme: u32) -> String {
         zero: line.zero,
         micro_batches: mb,
         sp: line.sp,
-        offload: Some(Offload { kind: line.kind, chunks, nvme }),
+        offload: Some(offload_of(line, chunks, nvme)),
         ..Default::default()
     };
     cfg.canonical()
+}
+
+/// The offload a line probes with `chunks` offloaded, the last `nvme` of them on the NVMe.
+fn offload_of(line: &Line, chunks: u32, nvme: u32) -> Offload {
+    match line.kind {
+        Some(kind) => Offload { kind, chunks, nvme, act: line.act },
+        None => Offload::activations(),
+    }
 }
 
 /// The error when not even offloading fits: the device's least peak, or the least host memory
