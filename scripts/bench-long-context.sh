@@ -4,7 +4,8 @@
 # tokens/s, TFLOPs per GPU and peak per device, or the refusal's least peak — so the longest
 # sequence that fits is the last row with a plan. Planner figures (no run); the search time is
 # this machine's. Prints a markdown table.
-# usage: scripts/bench-long-context.sh [path/to/tessera] [cluster ...]
+# usage: [SEQS="262144 327680"] scripts/bench-long-context.sh [path/to/tessera] [cluster ...]
+# (SEQS: the sequence lengths to try, in tokens, ascending; default 8K to 2M in powers of two)
 set -euo pipefail
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
@@ -13,7 +14,7 @@ bin=${1:-target/release/tessera}
 shift || true
 clusters=("$@")
 [ ${#clusters[@]} -gt 0 ] || clusters=(1xH100 1xH200 8xH100)
-seqs=(8192 32768 65536 131072 262144 524288 1048576 2097152)
+read -r -a seqs <<<"${SEQS:-8192 32768 65536 131072 262144 524288 1048576 2097152}"
 echo "| cluster | seq | plan | step (s) | tokens/s | TFLOPs/GPU | peak / device | search (s) |"
 echo "|---|---|---|---|---|---|---|---|"
 for cluster in "${clusters[@]}"; do

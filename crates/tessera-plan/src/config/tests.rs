@@ -403,6 +403,49 @@ fn offload_parses_round_trips_and_is_checked() {
 }
 
 #[test]
+fn activation_offload_parses_round_trips_and_is_checked() {
+    use crate::offload::{Offload, OffloadKind};
+    let c = ParallelConfig::parse("dp1 ckpt=full offload=act").unwrap();
+    assert_eq!(c.offload, Some(Offload::activations()));
+    assert_eq!(c.canonical(), "dp1 tp1 ckpt=full offload=act");
+    // Composed with model state (written after `act+`), `+` inside the value included.
+    for (s, canonical, kind, chunks, nvme) in [
+        ("offload=act+opt", "dp1 tp1 offload=act+opt", OffloadKind::Opt, 16, 0),
+        (
+            "dp2+zero1+OFFLOAD=ACT+GRADS+OPT:8/16+nvme:2",
+            "dp2 tp1 zero1 offload=act+grads+opt:8/16 nvme:2",
+            OffloadKind::GradsOpt,
+            8,
+            2,
+        ),
+        ("offload=act+all nvme", "dp1 tp1 offload=act+all nvme", OffloadKind::All, 16, 16),
+    ] {
+        let c = ParallelConfig::parse(s).unwrap();
+        assert_eq!(c.offload, Some(Offload { kind, chunks, nvme, act: true }), "{s}");
+        assert_eq!(c.canonical(), canonical, "{s}");
+        assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c, "{s}");
+    }
+    // Plan files: a config without it serialises as before (no `act` key) and reads back.
+    let plain = ParallelConfig::parse("offload=opt").unwrap();
+    let json = serde_json::to_string(&plain).unwrap();
+    assert!(!json.contains("act"), "{json}");
+    assert_eq!(serde_json::from_str::<ParallelConfig>(&json).unwrap(), plain);
+    let act = ParallelConfig::parse("offload=act+opt").unwrap();
+    let json = serde_json::to_string(&act).unwrap();
+    assert_eq!(serde_json::from_str::<ParallelConfig>(&json).unwrap(), act);
+    for (s, want) in [
+        ("offload=act nvme", "add offload=opt"),
+        ("offload=opt+act", "offload=act+opt"),
+        ("offload=act+act", "write act once"),
+        ("offload=act+cpu", "offload is opt, grads+opt or all"),
+        ("pp2 offload=act", "offload with a pipeline"),
+    ] {
+        let e = err(s);
+        assert!(e.contains(want), "{s}: {e}");
+    }
+}
+
+#[test]
 fn hybrid_sharding_parses_round_trips_and_is_checked() {
     let c = ParallelConfig::parse("dp16 zero3 shard=8 mb2").unwrap();
     assert_eq!((c.shard, c.replicas()), (Some(8), 2));
