@@ -212,7 +212,7 @@ fn activation_offload_trains_exactly_and_peaks_as_predicted() {
 }
 
 /// `tessera plan --explain` with `offload=act` says what moves; a composed config parses and
-/// prints back canonically.
+/// prints back canonically; every export refuses it by name.
 #[test]
 fn explain_names_activation_offload() {
     let m = model();
@@ -226,4 +226,17 @@ fn explain_names_activation_offload() {
     assert!(text.contains("offload=act+opt"), "{text}");
     let moved = format!("activations: {BLOCKS} kept block inputs");
     assert!(text.contains(&moved), "{text}");
+    let out_dir = tempfile::tempdir().unwrap();
+    for engine in ["deepspeed", "megatron", "torchtitan"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["plan", "--model", &m, "--cluster", "1xcpu", "--batch", "8", "--seq", "128"])
+            .args(["--plan", "dp1 ckpt=full offload=act", "--host-memory", "1GiB"])
+            .args(["--export", engine, "--out"])
+            .arg(out_dir.path().join(engine))
+            .output()
+            .expect("tessera runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{engine}: exported activation offload");
+        assert!(err.contains("`offload=act`: activation offload"), "{engine}: {err}");
+    }
 }
