@@ -3,7 +3,8 @@
 //! blocks of 32 features, 8 × 128 tokens, fp32): the same losses (the copies are exact), the device peak
 //! lower by the kept inputs it moves, and each device's measured device and host peaks equal
 //! to the Program's prediction — on one device and under `dp2 mb2` on two thread devices
-//! (against one device's losses). And `tessera plan --explain` names it.
+//! (against one device's losses), and beside model-state offload (`offload=act+opt`). And
+//! `tessera plan --explain` names it; the exports refuse it.
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -209,6 +210,15 @@ fn activation_offload_trains_exactly_and_peaks_as_predicted() {
     let reference = run(&m, &one).losses;
     with_and_without(&m, 1, "dp1 ckpt=full", &reference, 0.0);
     with_and_without(&m, 2, "dp2 mb2 ckpt=full", &reference, 1e-6);
+    // Beside model-state offload (the host runs AdamW for the chunks it holds).
+    let config = "dp1 ckpt=full offload=act+opt";
+    let (p, e) = plan(&m, 1, config).unwrap();
+    let r = run(&m, &e);
+    assert_losses(&r.losses, &reference, 1e-6, config);
+    assert_eq!(p.predicted.peak_bytes_per_device, r.peaks, "{config}: device peaks");
+    assert_eq!(r.host_peaks, vec![e.lowered.memory.host_peak_bytes], "{config}: host peaks");
+    let input = (BATCH * SEQ) as u64 * HIDDEN * 4;
+    assert!(r.host_peaks[0] > BLOCKS * input, "{config}: inputs and state on the host");
 }
 
 /// `tessera plan --explain` with `offload=act` says what moves; a composed config parses and
