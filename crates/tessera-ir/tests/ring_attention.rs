@@ -231,3 +231,40 @@ fn a_blocks_logsumexp_and_the_merge_match_finite_differences() {
         check_fd(&format!("ring zigzag={zigzag}"), &f, &x, &w, &grads);
     }
 }
+
+/// Causal work per device over a whole ring: zig-zag chunks give every device the same number
+/// of visible (query, key) pairs; contiguous chunks leave the first device with the least.
+/// The pairs are counted by the mask the kernels apply, checked here against a brute count.
+#[test]
+fn zigzag_chunks_balance_causal_work_and_contiguous_do_not() {
+    use tessera_ir::dist::MeshPos;
+    let local = 8;
+    for cp in [2, 4] {
+        let work = |zigzag: bool| -> Vec<u64> {
+            (0..cp)
+                .map(|c| {
+                    let at = MeshPos::new(&[cp], c).unwrap();
+                    (0..cp)
+                        .map(|step| {
+                            let ring = RingBlock { axis: 0, size: cp, step, zigzag };
+                            let spec =
+                                AttentionSpec { ring: Some(ring), ..AttentionSpec::causal(2) };
+                            let (qp, kp) = ring.positions(local, local, Some(&at));
+                            let brute =
+                                qp.iter().flat_map(|p| kp.iter().filter(move |k| *k <= p)).count();
+                            let pairs = spec.visible_pairs(local, local, Some(&at));
+                            assert_eq!(pairs, brute as u64);
+                            pairs
+                        })
+                        .sum()
+                })
+                .collect()
+        };
+        let (zz, contiguous) = (work(true), work(false));
+        let n = (cp * local) as u64;
+        assert_eq!(zz.iter().sum::<u64>(), n * (n + 1) / 2, "every causal pair once");
+        assert_eq!(contiguous.iter().sum::<u64>(), n * (n + 1) / 2);
+        assert!(zz.iter().all(|&w| w == zz[0]), "cp{cp}: zig-zag work {zz:?}");
+        assert!(contiguous[cp - 1] > 2 * contiguous[0], "cp{cp}: contiguous work {contiguous:?}");
+    }
+}

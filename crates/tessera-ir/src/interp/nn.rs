@@ -354,11 +354,16 @@ fn merge_weights(lses: &[&Value], at: usize) -> Vec<f64> {
     lses.iter().map(|v| if l == f64::NEG_INFINITY { 0.0 } else { (v.data[at] - l).exp() }).collect()
 }
 
+/// An attention merge's outputs, log-sum-exps and `[B,S,H,D]`.
+type MergePairs<'a> = (Vec<&'a Value>, Vec<&'a Value>, [usize; 4]);
+
 /// The (out, logsumexp) pairs of an attention merge, checked: `[B,S,H,D]` and `[B,H,S]`.
-fn merge_pairs<'a>(
-    x: &[&'a Value],
-) -> Result<(Vec<&'a Value>, Vec<&'a Value>, [usize; 4]), String> {
-    ensure!(x.len() >= 2 && x.len() % 2 == 0, "attention_merge takes pairs, got {}", x.len());
+fn merge_pairs<'a>(x: &[&'a Value]) -> Result<MergePairs<'a>, String> {
+    ensure!(
+        x.len() >= 2 && x.len().is_multiple_of(2),
+        "attention_merge takes pairs, got {}",
+        x.len()
+    );
     let os: Vec<&Value> = x.iter().step_by(2).copied().collect();
     let ls: Vec<&Value> = x.iter().skip(1).step_by(2).copied().collect();
     let &[b, s, h, d] = os[0].dims() else {

@@ -143,7 +143,7 @@ pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &AttentionSpec) -> Result<Vec<Optio
 
 /// `[o_0, lse_0, o_1, lse_1, …]` → the (o, lse) pairs, checked alike.
 fn merge_pairs<'a>(x: &[&'a TensorMeta]) -> Result<Vec<(&'a TensorMeta, &'a TensorMeta)>, String> {
-    if x.len() < 2 || x.len() % 2 != 0 {
+    if x.len() < 2 || !x.len().is_multiple_of(2) {
         return Err(format!(
             "attention_merge takes (out, logsumexp) pairs, got {} inputs",
             x.len()
@@ -326,6 +326,25 @@ impl AttentionSpec {
             kv_whole: None,
             ring: None,
         }
+    }
+
+    /// The (query, key) pairs this attention's mask leaves visible for `s` queries against
+    /// `t` keys on the device at `at` (per batch row and head): the scores a blocked kernel
+    /// computes, up to its block edges. Under ring attention it measures the balance of the
+    /// work between the devices (zig-zag chunks give each the same).
+    pub fn visible_pairs(&self, s: usize, t: usize, at: Option<&crate::dist::MeshPos>) -> u64 {
+        let (qp, kp): (Vec<i64>, Vec<i64>) = match &self.ring {
+            Some(r) => r.positions(s, t, at),
+            None => ((0..s).map(|i| (i + t - s.min(t)) as i64).collect(), (0..t as i64).collect()),
+        };
+        let before = |p: i64| kp.partition_point(|&x| x < p) as u64;
+        qp.iter()
+            .map(|&p| {
+                let hi = if self.causal { before(p + 1) } else { t as u64 };
+                let lo = self.window.map_or(0, |w| before(p - w as i64 + 1));
+                hi.saturating_sub(lo)
+            })
+            .sum()
     }
 
     /// For each of the `heads` local query heads, the local KV head (of `kv_heads`) it reads,

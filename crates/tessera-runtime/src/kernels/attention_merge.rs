@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor};
 /// The `(out, lse)` pairs made contiguous (out, lse, out, …) and `[B,S,H,D]`, checked.
 fn pairs(op: &str, x: &[&Tensor]) -> Result<(Vec<Tensor>, [usize; 4])> {
     let bad = |why: String| RuntimeError::Binding(format!("{op}: {why}"));
-    if x.len() < 2 || x.len() % 2 != 0 {
+    if x.len() < 2 || !x.len().is_multiple_of(2) {
         return Err(bad(format!("takes (out, logsumexp) pairs, got {} inputs", x.len())));
     }
     let &[b, s, h, d] = x[0].dims() else {
