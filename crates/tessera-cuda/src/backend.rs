@@ -102,6 +102,12 @@ fn native_half(op: &Op) -> bool {
         )
 }
 
+/// Why ring attention does not run here: its block attention (global positions, a
+/// differentiable log-sum-exp) and its merge have no CUDA kernels yet.
+const RING_ON_CUDA: &str = "ring attention (cp=ring) is not implemented on CUDA: its \
+     attention over a block of keys at global positions, the log-sum-exp's gradient and the \
+     merge have CPU kernels only; use cp=a2a on CUDA, or the CPU runtime";
+
 impl Backend for CudaBackend {
     type Value = CudaTensor;
 
@@ -227,6 +233,10 @@ impl CudaBackend {
                      than there are KV heads) is not implemented on CUDA; use a tp that divides \
                      the KV heads, or the CPU runtime",
                 ));
+            }
+            if spec.ring.is_some() || (matches!(op, Op::AttentionBackward(_)) && inputs.len() == 7)
+            {
+                return Err(unsupported(op.name(), RING_ON_CUDA));
             }
         }
         // bf16 attention runs fused on tensor cores where the flash kernels apply.
@@ -688,6 +698,9 @@ impl CudaBackend {
             }
             Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),
             Op::AttentionBackward(spec) => crate::attention::backward(self, x, spec, at, out, p),
+            Op::AttentionMerge | Op::AttentionMergeBackward => {
+                Err(unsupported(op.name(), RING_ON_CUDA))
+            }
             Op::Rope { inv_freq, inverse } => one(crate::attention::rope(
                 self,
                 x[0],

@@ -22,9 +22,46 @@
 //! - with `sp`, the norms' sequence splits over cp then tp (cp-major), so `sp`'s gathers stay
 //!   inside each cp rank's chunk.
 //!
-//! Ring attention (`cp=ring`: K/V blocks passed around the cp ring, outputs merged by their
-//! log-sum-exp) needs attention ops that take a block of keys and return partial outputs; it
-//! is parsed and refused ([`parse_token`]).
+//! # Ring attention (`cp=ring`): the IR is there, the lowering is not yet
+//!
+//! `cp=ring` is parsed and refused by name ([`RING_REFUSED`]). What exists (`tessera-ir`,
+//! interpreter and CPU kernels; CUDA refuses by name):
+//! - `AttentionSpec::ring` ([`tessera_ir::RingBlock`] `{ axis, size, step, zigzag }`): the
+//!   device's queries against the key block of the device `step` places before it on the cp
+//!   ring, at global positions computed from the device's cp coordinate (one Program for
+//!   every device, as `kv_whole` and ALiBi's shard are resolved). Causal and window masks,
+//!   ALiBi read the global positions; a query block that sees none of a key block costs
+//!   nothing (the kernels' key ranges come out empty).
+//! - The log-sum-exp output is differentiable: `AttentionBackward` takes its cotangent as a
+//!   seventh input, `dS = P∘(dP − (D − dlse))`.
+//! - `Op::AttentionMerge` `[o_0, lse_0, …] → o` and its backward: the partial outputs merged
+//!   by their log-sum-exp (blocks that masked a row weigh 0).
+//! - `AttentionSpec::visible_pairs`: the score pairs a device computes, the measure of
+//!   balance. Zig-zag chunks (the sequence in 2·cp chunks, device c holding chunks c and
+//!   2·cp−1−c) give every device exactly the same causal work; contiguous chunks do not.
+//!
+//! The lowering, designed (stages 2–4 of the issue), not built:
+//! - pins: under ring the cp axis splits the sequence everywhere, attention and RoPE included
+//!   (no heads pin; the KV-heads bound is tp's alone); the lowering replaces each attention
+//!   node whose q/k/v arrive sequence-split over cp by `cp` block attentions (`step` 0..cp)
+//!   and one merge, the K/V blocks (`[B, S/cp, Hkv, D]`: only the KV heads travel) passed on
+//!   by `Send`/`Recv` pairs to the next device on the ring; their VJPs carry dK/dV back
+//!   around the ring, so the backward is the autodiff's. `P2p` names an absolute peer (a
+//!   pipeline device's Program is its own): the ring needs a peer relative to the device's
+//!   cp coordinate (`±1 mod cp`), resolved by the runtime's `CommRunner::peer`; under MPI the
+//!   ring's sends must not all block at once (post the receive first, or alternate by parity);
+//!   the trainer's "a Program with a Send is a pipeline stage before the last" test must look
+//!   at the pipeline axis instead;
+//! - zig-zag: a permutation of the sequence at the inputs (`input_ids`, `labels` — the loss
+//!   is a mean, order-free — cut as usual afterwards), so each device's contiguous shard is its
+//!   two chunks; RoPE then needs the global positions (a positions input built the same way,
+//!   or a RoPE resolved from the `RingBlock` like attention), and GPT-2's learned positions
+//!   its `wpe` rows at those positions (an embedding at the positions instead of a slice);
+//! - memory and traffic stay exact because the Sends and Recvs are Program nodes: the memory
+//!   simulation charges the received blocks, and `lower/time.rs` records each as a 2-device
+//!   transfer over the cp axis (as the pipeline's), priced by the link's alpha-beta;
+//! - exports: Megatron-LM `--context-parallel-size N --cp-comm-type p2p`; torchtitan's
+//!   `context_parallel_degree` (its CP is ring attention) stops being refused for ring.
 
 use crate::rules::{DimRole, Labeling, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
@@ -50,9 +87,9 @@ impl fmt::Display for CpComm {
 }
 
 /// The message for `cp=ring`: the gap and the fix.
-pub const RING_REFUSED: &str = "cp=ring (ring attention) is not supported yet: it needs \
-     attention ops over a block of keys that return partial outputs merged by their \
-     log-sum-exp, which the IR does not have; use cp=a2a (all-to-all, DeepSpeed-Ulysses), \
+pub const RING_REFUSED: &str = "cp=ring (ring attention) is not supported yet: the IR \
+     has its block attention and log-sum-exp merge, but the planner does not yet lower a \
+     plan to the ring's sends and receives; use cp=a2a (all-to-all, DeepSpeed-Ulysses), \
      which needs the KV heads divisible by cp × tp";
 
 /// A cp token of a config string (lower-cased `tok`, as written `raw`): `Some(Ok(kind))` when

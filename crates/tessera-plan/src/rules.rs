@@ -379,6 +379,8 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
         | Op::CrossEntropyBackward { .. }
         | Op::LinearCrossEntropyBackward { .. }
         | Op::AttentionBackward(_)
+        | Op::AttentionMerge
+        | Op::AttentionMergeBackward
         | Op::AdamW(_)
         | Op::Reshard(_)
         | Op::Send(_)

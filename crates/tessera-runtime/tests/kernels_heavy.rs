@@ -341,7 +341,7 @@ fn attention_past_the_scratch_cap_keeps_its_declared_workspace() {
         "forward held {extra} bytes: declared {declared} + outputs {outputs_fwd}"
     );
     let (bwd, extra) = measured(&|| {
-        attention_backward_within(&q, &k, &v, &fwd[0], &fwd[1], &dout, &spec, &at, cap).unwrap()
+        attention_backward_within(&[&q, &k, &v, &fwd[0], &fwd[1], &dout], &spec, &at, cap).unwrap()
     });
     assert!(
         extra <= declared + outputs_bwd + slack,
@@ -820,4 +820,92 @@ fn adamw_rejects_step_zero() {
     let inputs = [&p, &g, &m, &v, &lr, &st, &gn];
     let metas = op_meta(&Op::AdamW(spec(None)), &inputs);
     assert!(execute(&Op::AdamW(spec(None)), &inputs, &metas).is_err());
+}
+
+/// Ring attention on the CPU: on every device of a cp ring, the device's queries against each
+/// device's key block (`AttentionSpec::ring`, positions from the mesh coordinate), merged by
+/// log-sum-exp, equal the whole attention's rows; the backward through the merge and the
+/// blocks (with the log-sum-exp's cotangent) gives the whole backward's dq rows, and dk/dv
+/// summed over the devices give the whole dk/dv. At the origin every kernel also matches
+/// the interpreter.
+#[test]
+fn ring_attention_blocks_merged_are_the_whole_on_every_device() {
+    use tessera_ir::dist::MeshPos;
+    use tessera_ir::RingBlock;
+    use tessera_runtime::kernels::execute_at;
+    let _s = serial();
+    let mut rng = Rng::new(91);
+    let (b, h, hkv, d, local) = (2, 4, 2, 4, 6);
+    let run =
+        |op: &Op, x: &[&Tensor], at: &MeshPos| execute_at(op, x, &op_meta(op, x), at).unwrap();
+    let close = |got: &Tensor, want: &Tensor, what: &str| {
+        let e = rel_err(&to_f64_vec(got).unwrap(), &to_f64_vec(want).unwrap());
+        assert!(e < 1e-5, "{what}: relative error {e:e}");
+    };
+    for (cp, zigzag, window) in [(2, true, None), (3, false, None), (4, true, Some(9))] {
+        let n = cp * local;
+        let base = AttentionSpec { window, ..AttentionSpec::causal(d) };
+        let (q, k, v) =
+            (rng.tensor(&[b, n, h, d]), rng.tensor(&[b, n, hkv, d]), rng.tensor(&[b, n, hkv, d]));
+        let dout = rng.tensor(&[b, n, h, d]);
+        let whole = run(&Op::Attention(base.clone()), &[&q, &k, &v], &MeshPos::single());
+        let x = [&q, &k, &v, &whole[0], &whole[1], &dout];
+        let wb = run(&Op::AttentionBackward(base.clone()), &x, &MeshPos::single());
+        let (mut dk, mut dv) = (k.zeros_like().unwrap(), v.zeros_like().unwrap());
+        let ring = |step| RingBlock { axis: 0, size: cp, step, zigzag };
+        let rows = |t: &Tensor, pos: &[i64]| {
+            let ids: Vec<u32> = pos.iter().map(|&p| p as u32).collect();
+            let ids = Tensor::from_vec(ids, &[pos.len()], &Device::Cpu).unwrap();
+            (t.index_select(&ids, 1).unwrap().contiguous().unwrap(), ids)
+        };
+        for c in 0..cp {
+            let at = MeshPos::new(&[cp], c).unwrap();
+            let what = format!("cp{cp} zigzag={zigzag} window={window:?} device {c}");
+            let (ql, _) = rows(&q, &ring(0).positions_of(local, c));
+            let (dl, _) = rows(&dout, &ring(0).positions_of(local, c));
+            let mut blocks = Vec::new();
+            for step in 0..cp {
+                let spec = AttentionSpec { ring: Some(ring(step)), ..base.clone() };
+                let (_, kp) = ring(step).positions(local, local, Some(&at));
+                let ((kb, ids), (vb, _)) = (rows(&k, &kp), rows(&v, &kp));
+                let out = if c == 0 {
+                    check_kernel_floor(
+                        &Op::Attention(spec.clone()),
+                        &[&ql, &kb, &vb],
+                        &[TOL; 2],
+                        1e-30,
+                    )
+                } else {
+                    run(&Op::Attention(spec.clone()), &[&ql, &kb, &vb], &at)
+                };
+                blocks.push((spec, kb, vb, ids, out));
+            }
+            let pairs: Vec<&Tensor> = blocks.iter().flat_map(|b| [&b.4[0], &b.4[1]]).collect();
+            let merged = check_kernel(&Op::AttentionMerge, &pairs).remove(0);
+            close(
+                &merged,
+                &rows(&whole[0], &ring(0).positions_of(local, c)).0,
+                &format!("{what}: out"),
+            );
+            let mut x = pairs.clone();
+            x.push(&dl);
+            let gm = check_kernel_tol(&Op::AttentionMergeBackward, &x, &vec![TOL; 2 * cp]);
+            let mut dq = ql.zeros_like().unwrap();
+            for (r, (spec, kb, vb, ids, out)) in blocks.iter().enumerate() {
+                let x = [&ql, kb, vb, &out[0], &out[1], &gm[2 * r], &gm[2 * r + 1]];
+                let op = Op::AttentionBackward(spec.clone());
+                let g = if c == 0 {
+                    check_kernel_floor(&op, &x, &[TOL; 3], 1e-3)
+                } else {
+                    run(&op, &x, &at)
+                };
+                dq = (dq + &g[0]).unwrap();
+                dk = dk.index_add(ids, &g[1], 1).unwrap();
+                dv = dv.index_add(ids, &g[2], 1).unwrap();
+            }
+            close(&dq, &rows(&wb[0], &ring(0).positions_of(local, c)).0, &format!("{what}: dq"));
+        }
+        close(&dk, &wb[1], &format!("cp{cp}: dk"));
+        close(&dv, &wb[2], &format!("cp{cp}: dv"));
+    }
 }

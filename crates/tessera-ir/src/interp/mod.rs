@@ -62,7 +62,13 @@
 //!   key masked gets a zero output, a log-sum-exp of −∞ and zero gradients. The backward
 //!   recomputes the probabilities from the saved log-sum-exp and uses `Σ_d dout·out` as the
 //!   softmax-backward row term (FlashAttention's `D`); dk and dv sum over the query heads
-//!   sharing a kv head.
+//!   sharing a kv head. With a seventh input (the log-sum-exp's cotangent `dlse`, where ring
+//!   attention's merge read it) the row term is `D − dlse`. With `ring` set
+//!   ([`crate::ops::RingBlock`]), queries and keys sit at their global positions (the mesh
+//!   origin's: the interpreter is one device) and the masks and ALiBi read those.
+//! - **`AttentionMerge`**: `L = log Σ_r exp(lse_r)`, `o = Σ_r exp(lse_r − L)·o_r`; blocks with
+//!   `lse_r = −∞` weigh 0 and a row every block masks is 0. Its backward:
+//!   `do_r = w_r·dout`, `dlse_r = w_r·(Σ_d dout·o_r − Σ_d dout·o)`.
 //! - **`Rope`**: rotate-half layout, position = sequence index `s`; for pair `i < D/2`,
 //!   `θ = s·inv_freq[i]`, `out[i] = x[i]·cos θ − x[i+D/2]·sin θ`,
 //!   `out[i+D/2] = x[i+D/2]·cos θ + x[i]·sin θ`; `inverse` uses −θ.
@@ -224,6 +230,8 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::LinearCrossEntropyBackward { .. }
         | Op::Attention(_)
         | Op::AttentionBackward(_)
+        | Op::AttentionMerge
+        | Op::AttentionMergeBackward
         | Op::Rope { .. }
         | Op::Conv2d(_)
         | Op::Conv2dBackwardInput { .. }
@@ -530,8 +538,12 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::Conv2d(_) | Op::Conv2dBackwardInput { .. } | Op::Conv2dBackwardWeight { .. } => 2,
         Op::MaxPool2dBackward(_) => 2,
         Op::GroupNorm { .. } | Op::GroupNormBackward { .. } => 3,
+        Op::AttentionBackward(_) if x.len() == 7 => 7,
         Op::AttentionBackward(_) => 6,
         Op::Concat { .. } => x.len().max(1),
+        // (out, logsumexp) pairs, and the gradient last in the backward.
+        Op::AttentionMerge => x.len().max(2),
+        Op::AttentionMergeBackward => x.len().max(3),
         Op::AdamW(spec) => {
             let base = 7 + usize::from(spec.grad_scale);
             if x.len() == base + 1 {
@@ -620,6 +632,8 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         }
         Op::Attention(spec) => attention(x[0], x[1], x[2], x.get(3).copied(), spec),
         Op::AttentionBackward(spec) => attention_backward(x, spec),
+        Op::AttentionMerge => one(attention_merge(x)?),
+        Op::AttentionMergeBackward => attention_merge_backward(x),
         Op::Rope { inv_freq, inverse } => one(rope(x[0], x.get(1).copied(), inv_freq, *inverse)?),
         Op::AdamW(spec) => adamw(x, spec),
         Op::Conv2d(spec) => one(vision::conv2d(x[0], x[1], spec)?),

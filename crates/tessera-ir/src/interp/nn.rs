@@ -185,6 +185,8 @@ struct AttnDims {
     d: usize,
     /// Per local query head, the KV head it reads.
     kv_of: Vec<usize>,
+    /// Ring attention: the global positions of the queries and of the keys.
+    ring: Option<(Vec<i64>, Vec<i64>)>,
 }
 
 impl AttnDims {
@@ -203,7 +205,8 @@ impl AttnDims {
             q.shape
         );
         let kv_of = spec.kv_heads_of(h, hkv, None).map_err(|e| e.to_string())?;
-        Ok(AttnDims { b, s, t, h, hkv, d, kv_of })
+        let ring = spec.ring.map(|r| r.positions(s, t, None));
+        Ok(AttnDims { b, s, t, h, hkv, d, kv_of, ring })
     }
     fn q_at(&self, b: usize, i: usize, h: usize) -> usize {
         ((b * self.s + i) * self.h + h) * self.d
@@ -217,14 +220,19 @@ impl AttnDims {
     /// The position of query `i` of row `b`: `start[b] + i` with a start input, else the
     /// last S of T positions.
     fn pos(&self, start: Option<&Value>, b: usize, i: usize) -> i64 {
-        match start {
-            Some(st) => st.data[b] as i64 + i as i64,
-            None => i as i64 + self.t as i64 - self.s as i64,
+        match (start, &self.ring) {
+            (Some(st), _) => st.data[b] as i64 + i as i64,
+            (None, Some((q, _))) => q[i],
+            (None, None) => i as i64 + self.t as i64 - self.s as i64,
         }
+    }
+    /// The position of key `j`.
+    fn key_pos(&self, j: usize) -> i64 {
+        self.ring.as_ref().map_or(j as i64, |(_, k)| k[j])
     }
     /// Whether the query at position `p` may attend to key `j`.
     fn visible(&self, spec: &AttentionSpec, p: i64, j: usize) -> bool {
-        let j = j as i64;
+        let j = self.key_pos(j);
         (!spec.causal || j <= p) && spec.window.is_none_or(|w| j > p - w as i64)
     }
 }
@@ -262,7 +270,7 @@ pub(super) fn attention(
                     *s = if a.visible(spec, p, j) {
                         let ko = a.kv_at(b, j, h);
                         spec.scale * dot(qi, &k.data[ko..ko + a.d])
-                            + slopes[h] * (j as i64 - p) as f64
+                            + slopes[h] * (a.key_pos(j) - p) as f64
                     } else {
                         f64::NEG_INFINITY
                     };
@@ -288,10 +296,14 @@ pub(super) fn attention(
     ])
 }
 
-/// p = exp(s − lse), dP = dout·v, D = dout·out, dS = p·(dP − D);
-/// dq = scale·Σ_j dS·k_j, dk_j += scale·dS·q, dv_j += p·dout.
+/// p = exp(s − lse), dP = dout·v, D = dout·out (less `dlse` with a seventh input),
+/// dS = p·(dP − D); dq = scale·Σ_j dS·k_j, dk_j += scale·dS·q, dv_j += p·dout.
 pub(super) fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<Vec<Value>, String> {
     let (q, k, v, out, lse, dout) = (x[0], x[1], x[2], x[3], x[4], x[5]);
+    let dlse = x.get(6).copied();
+    if let Some(g) = dlse {
+        ensure!(g.shape == lse.shape, "dlogsumexp {} must match logsumexp", g.shape);
+    }
     let a = AttnDims::new(q, k, v, spec)?;
     ensure!(out.shape == q.shape && dout.shape == q.shape, "out and dout must have q's shape");
     ensure!(lse.dims() == [a.b, a.h, a.s], "logsumexp {} must be [B,H,S]", lse.shape);
@@ -309,7 +321,8 @@ pub(super) fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<V
                 let qo = a.q_at(b, i, h);
                 let qi = &q.data[qo..qo + a.d];
                 let gi = &dout.data[qo..qo + a.d];
-                let big_d = dot(gi, &out.data[qo..qo + a.d]);
+                let big_d = dot(gi, &out.data[qo..qo + a.d])
+                    - dlse.map_or(0.0, |g| g.data[a.lse_at(b, h, i)]);
                 let pos = a.pos(None, b, i);
                 for j in 0..a.t {
                     if !a.visible(spec, pos, j) {
@@ -317,7 +330,7 @@ pub(super) fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<V
                     }
                     let ko = a.kv_at(b, j, h);
                     let kj = &k.data[ko..ko + a.d];
-                    let bias = slope * (j as i64 - pos) as f64;
+                    let bias = slope * (a.key_pos(j) - pos) as f64;
                     let p = (spec.scale * dot(qi, kj) + bias - l).exp();
                     let dp = dot(gi, &v.data[ko..ko + a.d]);
                     let ds = p * (dp - big_d);
@@ -333,6 +346,81 @@ pub(super) fn attention_backward(x: &[&Value], spec: &AttentionSpec) -> Result<V
         Value { shape: k.shape.clone(), data: dk },
         Value { shape: v.shape.clone(), data: dv },
     ])
+}
+
+/// The merge weights `w_r = exp(lse_r − L)` of every pair at lse index `at`.
+fn merge_weights(lses: &[&Value], at: usize) -> Vec<f64> {
+    let l = logsumexp(&lses.iter().map(|v| v.data[at]).collect::<Vec<_>>());
+    lses.iter().map(|v| if l == f64::NEG_INFINITY { 0.0 } else { (v.data[at] - l).exp() }).collect()
+}
+
+/// An attention merge's outputs, log-sum-exps and `[B,S,H,D]`.
+type MergePairs<'a> = (Vec<&'a Value>, Vec<&'a Value>, [usize; 4]);
+
+/// The (out, logsumexp) pairs of an attention merge, checked: `[B,S,H,D]` and `[B,H,S]`.
+fn merge_pairs<'a>(x: &[&'a Value]) -> Result<MergePairs<'a>, String> {
+    ensure!(
+        x.len() >= 2 && x.len().is_multiple_of(2),
+        "attention_merge takes pairs, got {}",
+        x.len()
+    );
+    let os: Vec<&Value> = x.iter().step_by(2).copied().collect();
+    let ls: Vec<&Value> = x.iter().skip(1).step_by(2).copied().collect();
+    let &[b, s, h, d] = os[0].dims() else {
+        return Err(format!("out {} must be [B,S,H,D]", os[0].shape));
+    };
+    for (o, l) in os.iter().zip(&ls) {
+        ensure!(o.dims() == [b, s, h, d] && l.dims() == [b, h, s], "merge operands differ");
+    }
+    Ok((os, ls, [b, s, h, d]))
+}
+
+pub(super) fn attention_merge(x: &[&Value]) -> Result<Value, String> {
+    let (os, ls, [b, s, h, d]) = merge_pairs(x)?;
+    let mut out = vec![0.0; os[0].numel()];
+    for (bi, si, hi) in rows_bsh(b, s, h) {
+        let w = merge_weights(&ls, (bi * h + hi) * s + si);
+        let o = ((bi * s + si) * h + hi) * d;
+        for (r, &wr) in w.iter().enumerate() {
+            axpy(&mut out[o..o + d], wr, &os[r].data[o..o + d]);
+        }
+    }
+    Ok(Value { shape: os[0].shape.clone(), data: out })
+}
+
+pub(super) fn attention_merge_backward(x: &[&Value]) -> Result<Vec<Value>, String> {
+    let (dout, pairs) = x.split_last().ok_or("attention_merge_backward takes inputs")?;
+    let (os, ls, [b, s, h, d]) = merge_pairs(pairs)?;
+    ensure!(dout.shape == os[0].shape, "dout {} must match out", dout.shape);
+    let merged = attention_merge(pairs)?;
+    let mut dos: Vec<Vec<f64>> = vec![vec![0.0; dout.numel()]; os.len()];
+    let mut dls: Vec<Vec<f64>> = vec![vec![0.0; b * h * s]; os.len()];
+    for (bi, si, hi) in rows_bsh(b, s, h) {
+        let li = (bi * h + hi) * s + si;
+        let w = merge_weights(&ls, li);
+        let o = ((bi * s + si) * h + hi) * d;
+        let g = &dout.data[o..o + d];
+        let whole = dot(g, &merged.data[o..o + d]);
+        for (r, &wr) in w.iter().enumerate() {
+            axpy(&mut dos[r][o..o + d], wr, g);
+            dls[r][li] = wr * (dot(g, &os[r].data[o..o + d]) - whole);
+        }
+    }
+    Ok(dos
+        .into_iter()
+        .zip(dls)
+        .flat_map(|(o, l)| {
+            [
+                Value { shape: dout.shape.clone(), data: o },
+                Value { shape: Shape::from(vec![b, h, s]), data: l },
+            ]
+        })
+        .collect())
+}
+
+/// Every (b, s, h) of a `[B,S,H,·]` tensor.
+fn rows_bsh(b: usize, s: usize, h: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..b).flat_map(move |bi| (0..s).flat_map(move |si| (0..h).map(move |hi| (bi, si, hi))))
 }
 
 pub(super) fn rope(

@@ -20,6 +20,9 @@ fn bshd(m: &TensorMeta, what: &str) -> Result<(usize, usize, usize, usize), Stri
 
 pub(crate) fn infer(x: &[&TensorMeta], spec: &AttentionSpec) -> Result<Vec<TensorMeta>, String> {
     if x.len() == 4 {
+        if spec.ring.is_some() {
+            return Err("ring attention over a KV cache (a start input) is not defined".into());
+        }
         super::expect_int(x[3], "start")?;
         let b = x[0].shape.dims().first().copied().unwrap_or(0);
         if x[3].shape.dims() != [b] {
@@ -31,6 +34,14 @@ pub(crate) fn infer(x: &[&TensorMeta], spec: &AttentionSpec) -> Result<Vec<Tenso
     expect_float(x[0], "q")?;
     let (b, s, h, d) = bshd(x[0], "q")?;
     let (bk, t, hk, dk) = bshd(x[1], "k")?;
+    if let Some(r) = &spec.ring {
+        if r.size == 0 || r.step >= r.size || (r.zigzag && (s % 2 != 0 || t % 2 != 0)) {
+            return Err(format!(
+                "ring block {r:?} does not fit q {} and k {} (zig-zag halves need even lengths)",
+                x[0], x[1]
+            ));
+        }
+    }
     if x[2] != x[1] {
         return Err(format!("v {} must match k {}", x[2], x[1]));
     }
@@ -62,10 +73,15 @@ pub(crate) fn infer_backward(
     x: &[&TensorMeta],
     spec: &AttentionSpec,
 ) -> Result<Vec<TensorMeta>, String> {
-    expect_inputs(x, 6)?;
+    if x.len() != 7 {
+        expect_inputs(x, 6)?;
+    }
     let fwd = infer(&x[..3], spec)?;
     if x[3] != &fwd[0] || x[5].shape != fwd[0].shape || x[4] != &fwd[1] {
         return Err("out, logsumexp and dout must match the forward's outputs".into());
+    }
+    if x.get(6).is_some_and(|&dlse| dlse != &fwd[1]) {
+        return Err(format!("dlogsumexp {} must match logsumexp {}", x[6], fwd[1]));
     }
     let g = |m: &TensorMeta| TensorMeta { shape: m.shape.clone(), dtype: x[5].dtype };
     Ok(vec![g(x[0]), g(x[1]), g(x[2])])
@@ -115,16 +131,69 @@ pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &AttentionSpec) -> Result<Vec<Optio
             "attention over a KV cache (with a start input) is inference only".into(),
         ));
     }
+    let dout = cx.dy(0)?;
+    let mut x = vec![cx.x(0), cx.x(1), cx.x(2), cx.y(0), cx.y(1), dout];
+    // A log-sum-exp that something read (ring attention's merge): its cotangent too.
     if cx.dout[1].is_some() {
-        return Err(crate::IrError::Graph(
-            "attention's logsumexp output is saved for the backward pass and has no VJP".into(),
+        x.push(cx.dy(1)?);
+    }
+    let g = cx.b.push(Op::AttentionBackward(spec.clone()), &x)?;
+    Ok(g.into_iter().map(|t| Some(Grad::Full(t))).collect())
+}
+
+/// `[o_0, lse_0, o_1, lse_1, …]` → the (o, lse) pairs, checked alike.
+fn merge_pairs<'a>(x: &[&'a TensorMeta]) -> Result<Vec<(&'a TensorMeta, &'a TensorMeta)>, String> {
+    if x.len() < 2 || !x.len().is_multiple_of(2) {
+        return Err(format!(
+            "attention_merge takes (out, logsumexp) pairs, got {} inputs",
+            x.len()
         ));
     }
+    let pairs: Vec<_> = x.chunks(2).map(|p| (p[0], p[1])).collect();
+    let (o, l) = pairs[0];
+    expect_float(o, "out")?;
+    let (b, s, h, _) = bshd(o, "out")?;
+    let want = TensorMeta::new([b, h, s], DType::F32);
+    for &(oi, li) in &pairs {
+        if oi != o || li != &want || l != &want {
+            return Err(format!(
+                "attention_merge: every out must be {o} and every logsumexp {want} (got {oi}, {li})"
+            ));
+        }
+    }
+    Ok(pairs)
+}
+
+/// [`Op::AttentionMerge`]: the partial outputs' merge has their shape.
+pub(crate) fn infer_merge(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+    Ok(vec![merge_pairs(x)?[0].0.clone()])
+}
+
+/// [`Op::AttentionMergeBackward`]: `[pairs…, dout]` → a gradient per pair member.
+pub(crate) fn infer_merge_backward(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
+    let (last, pairs) = x.split_last().ok_or("attention_merge_backward takes inputs")?;
+    let pairs = merge_pairs(pairs)?;
+    if last.shape != pairs[0].0.shape {
+        return Err(format!("dout {last} must match out {}", pairs[0].0));
+    }
+    let d = TensorMeta { shape: last.shape.clone(), dtype: last.dtype };
+    Ok(pairs.iter().flat_map(|(_, l)| [d.clone(), (*l).clone()]).collect())
+}
+
+/// Per output element and pair: a weight and a multiply-add (forward); a dot, two products
+/// (backward).
+pub(crate) fn flops_merge(x: &[&TensorMeta], backward: bool) -> Flops {
+    let pairs = (x.len() / 2) as u64;
+    let numel = x.first().map_or(0, |o| o.numel());
+    Flops::other(if backward { 4 } else { 2 } * pairs * numel)
+}
+
+/// The merge's gradient: every pair's (see [`Op::AttentionMergeBackward`]).
+pub(crate) fn vjp_merge(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Grad>>> {
     let dout = cx.dy(0)?;
-    let g = cx.b.push(
-        Op::AttentionBackward(spec.clone()),
-        &[cx.x(0), cx.x(1), cx.x(2), cx.y(0), cx.y(1), dout],
-    )?;
+    let mut x: Vec<_> = (0..cx.node_inputs()).map(|i| cx.x(i)).collect();
+    x.push(dout);
+    let g = cx.b.push(Op::AttentionMergeBackward, &x)?;
     Ok(g.into_iter().map(|t| Some(Grad::Full(t))).collect())
 }
 
@@ -189,6 +258,61 @@ pub struct AttentionSpec {
     /// grouped-query attention does (`h / (H/Hkv)`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_whole: Option<crate::dist::ShardOf>,
+    /// Ring attention (context parallelism, `cp=ring`): q holds this device's part of the
+    /// sequence and k/v the part of the device `step` places before it on the ring, at their
+    /// global positions (set by the planner's lowering). `None`: q and k are whole sequences.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ring: Option<RingBlock>,
+}
+
+/// Where a device's rows sit in the global sequence under ring attention, and which device's
+/// keys an attention reads. The sequence of `size · len` tokens is cut into chunks: with
+/// `zigzag` false, `size` chunks and the device at cp coordinate `c` holds chunk `c`; with
+/// `zigzag`, `2 · size` chunks and it holds chunks `c` and `2·size − 1 − c` (in that order),
+/// so every device has as many early as late tokens and causal masking leaves each the same
+/// work. Local positions increase with the local index either way, so a causal or
+/// sliding-window mask leaves each query a contiguous range of local keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RingBlock {
+    /// The cp mesh axis.
+    pub axis: usize,
+    /// Devices on the ring (the axis' size).
+    pub size: usize,
+    /// The keys are those of the device at coordinate `(c − step) mod size`.
+    pub step: usize,
+    pub zigzag: bool,
+}
+
+impl RingBlock {
+    /// The global positions of the `len` local rows of the device at cp coordinate `c`.
+    pub fn positions_of(&self, len: usize, c: usize) -> Vec<i64> {
+        if !self.zigzag {
+            return (0..len).map(|i| (c * len + i) as i64).collect();
+        }
+        let half = len / 2;
+        let second = 2 * self.size - 1 - c;
+        (0..len)
+            .map(|i| if i < half { c * half + i } else { second * half + i - half } as i64)
+            .collect()
+    }
+
+    /// This device's cp coordinate (`None`: the mesh origin's, 0).
+    pub fn coord(&self, at: Option<&crate::dist::MeshPos>) -> usize {
+        at.and_then(|a| a.coords.get(self.axis).copied()).unwrap_or(0) % self.size.max(1)
+    }
+
+    /// The global positions of the device's `s` queries and of the `t` keys it reads.
+    pub fn positions(
+        &self,
+        s: usize,
+        t: usize,
+        at: Option<&crate::dist::MeshPos>,
+    ) -> (Vec<i64>, Vec<i64>) {
+        let c = self.coord(at);
+        let n = self.size.max(1);
+        let src = (c + n - self.step % n) % n;
+        (self.positions_of(s, c), self.positions_of(t, src))
+    }
 }
 
 impl AttentionSpec {
@@ -200,7 +324,27 @@ impl AttentionSpec {
             scale: 1.0 / (head_dim as f64).sqrt(),
             alibi: None,
             kv_whole: None,
+            ring: None,
         }
+    }
+
+    /// The (query, key) pairs this attention's mask leaves visible for `s` queries against
+    /// `t` keys on the device at `at` (per batch row and head): the scores a blocked kernel
+    /// computes, up to its block edges. Under ring attention it measures the balance of the
+    /// work between the devices (zig-zag chunks give each the same).
+    pub fn visible_pairs(&self, s: usize, t: usize, at: Option<&crate::dist::MeshPos>) -> u64 {
+        let (qp, kp): (Vec<i64>, Vec<i64>) = match &self.ring {
+            Some(r) => r.positions(s, t, at),
+            None => ((0..s).map(|i| (i + t - s.min(t)) as i64).collect(), (0..t as i64).collect()),
+        };
+        let before = |p: i64| kp.partition_point(|&x| x < p) as u64;
+        qp.iter()
+            .map(|&p| {
+                let hi = if self.causal { before(p + 1) } else { t as u64 };
+                let lo = self.window.map_or(0, |w| before(p - w as i64 + 1));
+                hi.saturating_sub(lo)
+            })
+            .sum()
     }
 
     /// For each of the `heads` local query heads, the local KV head (of `kv_heads`) it reads,

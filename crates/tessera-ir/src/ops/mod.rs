@@ -27,7 +27,7 @@ pub mod vision;
 
 use crate::autodiff::{Grad, VjpCtx};
 use crate::{DType, Result, Shape, TensorMeta};
-pub use attention::{Alibi, AttentionSpec, ATTENTION_SCRATCH_ROWS};
+pub use attention::{Alibi, AttentionSpec, RingBlock, ATTENTION_SCRATCH_ROWS};
 pub use comm::{Collective, CommStep, P2p, ReshardSpec};
 pub use quant::QuantSpec;
 use serde::{Deserialize, Serialize};
@@ -303,8 +303,18 @@ pub enum Op {
     /// input `start [B] i64` (inference over a KV cache), at `start[b] + i`: causally it sees
     /// the keys at positions `≤` its own.
     Attention(AttentionSpec),
-    /// Inputs `[q, k, v, out, logsumexp, dout]` → `[dq, dk, dv]`.
+    /// Inputs `[q, k, v, out, logsumexp, dout]`, and `dlogsumexp` seventh where the
+    /// log-sum-exp was read (ring attention's merge) → `[dq, dk, dv]`. With `D = Σ_d dout·out`
+    /// per row, `dS = P∘(dP − (D − dlogsumexp))`.
     AttentionBackward(AttentionSpec),
+    /// Ring attention's merge of partial attentions over blocks of keys: inputs
+    /// `[o_0, lse_0, o_1, lse_1, …]` (each an [`Op::Attention`]'s outputs, `o [B,S,H,D]`,
+    /// `lse [B,H,S] f32`) → `o = Σ_r w_r·o_r` with `w_r = exp(lse_r − L)`,
+    /// `L = log Σ_r exp(lse_r)` (a row every block masks stays zero).
+    AttentionMerge,
+    /// Inputs `[o_0, lse_0, …, dout]` → `[do_0, dlse_0, …]`: `do_r = w_r·dout`,
+    /// `dlse_r = w_r·(Σ_d dout·o_r − Σ_d dout·o)`.
+    AttentionMergeBackward,
     /// Rotary position embedding on `[B,S,H,D]` (rotate-half layout, positions 0..S, or those of
     /// a second input `positions [B,S] i64`), with one inverse frequency per pair; `inverse`
     /// rotates by −θ (its VJP).
@@ -478,6 +488,8 @@ impl Op {
             Op::LinearCrossEntropyBackward { .. } => "linear_cross_entropy_backward",
             Op::Attention(_) => "attention",
             Op::AttentionBackward(_) => "attention_backward",
+            Op::AttentionMerge => "attention_merge",
+            Op::AttentionMergeBackward => "attention_merge_backward",
             Op::Rope { .. } => "rope",
             Op::Conv2d(_) => "conv2d",
             Op::Conv2dBackwardInput { .. } => "conv2d_backward_input",
@@ -561,6 +573,8 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
+            | Op::AttentionMerge
+            | Op::AttentionMergeBackward
             | Op::SelectPositions
             | Op::Rope { .. }
             | Op::Conv2dBackwardInput { .. }
@@ -621,6 +635,8 @@ impl Op {
             Op::LogSumExp => loss::infer_logsumexp(x),
             Op::Attention(spec) => attention::infer(x, spec),
             Op::AttentionBackward(spec) => attention::infer_backward(x, spec),
+            Op::AttentionMerge => attention::infer_merge(x),
+            Op::AttentionMergeBackward => attention::infer_merge_backward(x),
             Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
             Op::Conv2d(spec) => vision::infer_conv(x, spec),
             Op::Conv2dBackwardInput { spec, input_hw } => {
@@ -687,6 +703,8 @@ impl Op {
             Op::LogSumExp => loss::flops_logsumexp(x),
             Op::Attention(_) => attention::flops(x),
             Op::AttentionBackward(_) => attention::flops_backward(x),
+            Op::AttentionMerge => attention::flops_merge(x, false),
+            Op::AttentionMergeBackward => attention::flops_merge(x, true),
             Op::Rope { .. } => attention::flops_rope(y),
             Op::Conv2d(_) => vision::flops_conv(x, y),
             Op::Conv2dBackwardInput { .. } => vision::flops_conv_backward_input(x),
@@ -748,6 +766,8 @@ impl Op {
             | Op::LinearCrossEntropyBackward { .. }
             | Op::Attention(_)
             | Op::AttentionBackward(_)
+            | Op::AttentionMerge
+            | Op::AttentionMergeBackward
             | Op::Rope { .. }
             | Op::QMatMul(_)
             | Op::Conv2d(_)
@@ -813,6 +833,8 @@ impl Op {
             | Op::LinearCrossEntropyBackward { .. }
             | Op::Attention(_)
             | Op::AttentionBackward(_)
+            | Op::AttentionMerge
+            | Op::AttentionMergeBackward
             | Op::KvCache(_)
             | Op::SelectPositions
             | Op::QMatMul(_)
@@ -854,6 +876,7 @@ impl Op {
             | Op::Upsample2d { .. }
             | Op::Upsample2dBackward { .. } => 0,
             Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions => 0,
+            Op::AttentionMerge | Op::AttentionMergeBackward => 0,
             Op::Send(_)
             | Op::Recv(..)
             | Op::Transfer { .. }
@@ -931,6 +954,7 @@ impl Op {
             | Op::LayerNorm { .. }
             | Op::RmsNorm { .. }
             | Op::Attention(_)
+            | Op::AttentionMerge
             | Op::Rope { .. }
             | Op::Reshard(_)
             | Op::Transfer { .. }
@@ -952,6 +976,7 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
+            | Op::AttentionMergeBackward
             | Op::Conv2dBackwardInput { .. }
             | Op::Conv2dBackwardWeight { .. }
             | Op::GroupNormBackward { .. }
@@ -995,6 +1020,7 @@ impl Op {
             }
             Op::LogSumExp => loss::vjp_logsumexp(cx),
             Op::Attention(spec) => attention::vjp(cx, spec),
+            Op::AttentionMerge => attention::vjp_merge(cx),
             Op::Rope { inv_freq, inverse } => attention::vjp_rope(cx, inv_freq, *inverse),
             Op::Reshard(spec) => comm::vjp(cx, spec),
             Op::Send(p) => comm::vjp_send(cx, *p),
@@ -1017,6 +1043,7 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropyBackward { .. }
             | Op::AttentionBackward(_)
+            | Op::AttentionMergeBackward
             | Op::Conv2dBackwardInput { .. }
             | Op::Conv2dBackwardWeight { .. }
             | Op::GroupNormBackward { .. }

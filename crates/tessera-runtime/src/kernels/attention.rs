@@ -23,6 +23,12 @@
 //! Lanes change only which thread runs a block, never a block's arithmetic, so results are
 //! the same bits at any cap.
 //!
+//! Ring attention (`AttentionSpec::ring`): queries and keys sit at global positions (from the
+//! device's cp coordinate and the ring step), increasing with the local index, so a mask still
+//! leaves each query a contiguous range of local keys (found by binary search) and a block of
+//! queries that sees none of the block's keys costs nothing. The backward's optional seventh
+//! input, the log-sum-exp's cotangent, lowers the row term `D` by it.
+//!
 //! Work split: the forward runs over (batch, head, query block) tasks; the backward over
 //! (batch, kv head) tasks, each looping over its group's query heads, so dk and dv are
 //! accumulated by a single task without races (and dq rows belong to one task too). A lane
@@ -91,6 +97,8 @@ struct Geom {
     /// Per local query head, the KV head it reads (`h / group`, or by its global index when
     /// k/v hold every KV head and q some of the query heads).
     kv_of: Vec<usize>,
+    /// Ring attention: the global positions of the queries and of the keys (both increasing).
+    ring: Option<(Vec<i64>, Vec<i64>)>,
 }
 
 impl Geom {
@@ -138,6 +146,7 @@ impl Geom {
             Some(a) => a.local_slopes(h, Some(at))?.into_iter().map(|x| x as f32).collect(),
             None => Vec::new(),
         };
+        let ring = spec.ring.map(|r| r.positions(s, t, Some(at)));
         Ok(Geom {
             b,
             s,
@@ -151,14 +160,29 @@ impl Geom {
             start,
             slopes,
             kv_of,
+            ring,
         })
     }
 
     /// The position of query `i` of row `b`.
     fn pos(&self, b: usize, i: usize) -> i64 {
-        match &self.start {
-            Some(st) => st[b] + i as i64,
-            None => i as i64 + self.t as i64 - self.s as i64,
+        match (&self.start, &self.ring) {
+            (Some(st), _) => st[b] + i as i64,
+            (None, Some((q, _))) => q[i],
+            (None, None) => i as i64 + self.t as i64 - self.s as i64,
+        }
+    }
+
+    /// The position of key `j`.
+    fn key_pos(&self, j: usize) -> i64 {
+        self.ring.as_ref().map_or(j as i64, |(_, k)| k[j])
+    }
+
+    /// How many keys sit at positions `< p` (keys are in increasing position order).
+    fn keys_before(&self, p: i64) -> usize {
+        match &self.ring {
+            Some((_, k)) => k.partition_point(|&x| x < p),
+            None => p.clamp(0, self.t as i64) as usize,
         }
     }
 
@@ -167,7 +191,7 @@ impl Geom {
     fn add_bias(&self, h: usize, p: i64, jlo: usize, row: &mut [f32]) {
         if let Some(&slope) = self.slopes.get(h) {
             for (x, j) in row.iter_mut().zip(jlo..) {
-                *x += slope * (j as i64 - p) as f32;
+                *x += slope * (self.key_pos(j) - p) as f32;
             }
         }
     }
@@ -185,12 +209,12 @@ impl Geom {
     /// Keys `lo..hi` visible to query `i` of row `b` (empty when `hi <= lo`).
     fn visible(&self, b: usize, i: usize) -> (usize, usize) {
         let p = self.pos(b, i);
-        let hi = if self.causal { (p + 1).clamp(0, self.t as i64) } else { self.t as i64 };
+        let hi = if self.causal { self.keys_before(p + 1) } else { self.t };
         let lo = match self.window {
-            Some(w) => (p - w as i64 + 1).clamp(0, self.t as i64),
+            Some(w) => self.keys_before(p - w as i64 + 1),
             None => 0,
         };
-        (lo as usize, hi as usize)
+        (lo, hi)
     }
 
     /// Keys any query of `i0..i1` of row `b` can see (both bounds are monotone in i).
@@ -443,36 +467,43 @@ fn exp_approx(x: f32) -> f32 {
     y * two_n
 }
 
-/// `[dq, dk, dv]` of fused attention, recomputing the probabilities from `lse`.
-#[allow(clippy::too_many_arguments)]
+/// `[dq, dk, dv]` of fused attention, recomputing the probabilities from `lse`; `x` is
+/// `[q, k, v, out, lse, dout]`, with the log-sum-exp's cotangent `dlse` seventh where it was
+/// read (ring attention's merge): the softmax row term is then `D − dlse`.
 pub fn attention_backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
+    x: &[&Tensor],
     spec: &AttentionSpec,
     at: &MeshPos,
 ) -> Result<Vec<Tensor>> {
-    attention_backward_within(q, k, v, out, lse, dout, spec, at, ATTENTION_SCRATCH_ROWS)
+    attention_backward_within(x, spec, at, ATTENTION_SCRATCH_ROWS)
 }
 
 /// [`attention_backward`] holding the P and dP scores of at most `cap_rows` query rows in all
 /// (see [`attention_within`]).
-#[allow(clippy::too_many_arguments)]
 pub fn attention_backward_within(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
+    x: &[&Tensor],
     spec: &AttentionSpec,
     at: &MeshPos,
     cap_rows: usize,
 ) -> Result<Vec<Tensor>> {
     let op = "attention_backward";
+    let &[q, k, v, out, lse, dout, ..] = x else {
+        return Err(RuntimeError::Binding(format!("{op} takes 6 or 7 inputs, got {}", x.len())));
+    };
+    let dlse = match x.get(6) {
+        Some(&g) if g.dims() == lse.dims() => {
+            expect_f32(op, &[(g, "dlogsumexp")])?;
+            Some(contiguous(g)?)
+        }
+        Some(g) => {
+            return Err(RuntimeError::Binding(format!(
+                "{op}: dlogsumexp {:?} must match logsumexp {:?}",
+                g.dims(),
+                lse.dims()
+            )))
+        }
+        None => None,
+    };
     expect_f32(
         op,
         &[(q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "logsumexp"), (dout, "dout")],
@@ -491,6 +522,8 @@ pub fn attention_backward_within(
     let (out, lse, dout) = (contiguous(out)?, contiguous(lse)?, contiguous(dout)?);
     let (qs, ks, vs) = (read::<f32>(&q)?, read::<f32>(&k)?, read::<f32>(&v)?);
     let (os, ls, dos) = (read::<f32>(&out)?, read::<f32>(&lse)?, read::<f32>(&dout)?);
+    let dlse = dlse.as_ref().map(read::<f32>).transpose()?;
+    let dlse: Option<&[f32]> = dlse.as_deref();
     let mut dq = vec![0f32; qs.len()];
     let mut dk = vec![0f32; ks.len()];
     let mut dv = vec![0f32; vs.len()];
@@ -567,7 +600,8 @@ pub fn attention_backward_within(
                                 std::slice::from_raw_parts(dop.get().add(o), g.d),
                             )
                         };
-                        let big_d: f32 = orow.iter().zip(grow).map(|(a, b)| a * b).sum();
+                        let big_d: f32 = orow.iter().zip(grow).map(|(a, b)| a * b).sum::<f32>()
+                            - dlse.as_ref().map_or(0.0, |dl| dl[(b * g.h + h) * g.s + i]);
                         backward_row(prow, dprow, lo, hi, l, big_d);
                     }
                     let p = MatRef { ptr: pbuf.as_ptr(), rs: tb as isize, cs: 1 };

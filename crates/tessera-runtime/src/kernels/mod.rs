@@ -11,6 +11,7 @@
 //! - arithmetic is f32 with f32 (or wider) accumulation; integer inputs are i64.
 
 mod attention;
+mod attention_merge;
 mod elementwise;
 mod embedding;
 mod infer;
@@ -111,9 +112,9 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
             linear_loss::linear_cross_entropy_backward(x, *chunk_rows, *ignore_index)
         }
         Op::Attention(spec) => attention::attention(x[0], x[1], x[2], x.get(3).copied(), spec, at),
-        Op::AttentionBackward(spec) => {
-            attention::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], spec, at)
-        }
+        Op::AttentionBackward(spec) => attention::attention_backward(x, spec, at),
+        Op::AttentionMerge => one(attention_merge::merge(x)?),
+        Op::AttentionMergeBackward => attention_merge::merge_backward(x),
         Op::Rope { inv_freq, inverse } => {
             one(attention::rope(x[0], x.get(1).copied(), inv_freq, *inverse)?)
         }
