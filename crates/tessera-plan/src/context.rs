@@ -199,7 +199,7 @@ pub fn cp_pins(
         let pin = match &n.op {
             Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => Some(heads_label(l)?),
             _ => {
-                let role = crate::search::label_roles(&g.nodes[i], l, roles);
+                let role = crate::rules::label_roles(&g.nodes[i], l, roles);
                 (0..l.sizes.len()).find(|&lab| role[lab] == DimRole::Seq && l.shardable[lab])
             }
         };

@@ -215,7 +215,7 @@ impl OffloadJson {
         offload: &Offload,
         g: &Graph,
         memory: &tessera_profile::MemoryReport,
-        time: &crate::lower::StepTime,
+        time: &crate::cost::StepTime,
         host_memory_bytes: u64,
     ) -> OffloadJson {
         let mut chunks: Vec<ChunkJson> = Vec::new();

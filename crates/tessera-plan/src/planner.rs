@@ -171,7 +171,7 @@ pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Re
         offload: cfg.offload,
     };
     let found = search::evaluate(&p, &cand, Some(req.budget))?;
-    let found = found.map(|e| crate::priced::exactly(&p, &e)).transpose()?;
+    let found = found.map(|e| crate::search::exactly(&p, &e)).transpose()?;
     match found {
         Some(e) if e.peak_bytes() > req.budget => Err(PlanError::Infeasible {
             budget: req.budget,
@@ -270,7 +270,7 @@ fn fastest<'r>(jobs: &[Job], results: &'r [JobResult]) -> Option<&'r Evaluated> 
     }
 }
 
-/// [`fastest`], lowered exactly ([`crate::priced::exactly`]): the search prices many
+/// [`fastest`], lowered exactly ([`crate::search::exactly`]): the search prices many
 /// micro-batches from a few, and a plan carries its own Program's figures. Should the exact
 /// peak miss the budget (the priced one is the same wherever the micro-batches between the
 /// first and the last are alike), the next fastest is taken.
@@ -282,7 +282,7 @@ fn exact_fastest(
 ) -> Result<Option<Evaluated>> {
     loop {
         let Some(e) = fastest(jobs, results) else { return Ok(None) };
-        let exact = crate::priced::exactly(p, e)?;
+        let exact = crate::search::exactly(p, e)?;
         if exact.peak_bytes() <= req.budget {
             return Ok(Some(exact));
         }
@@ -329,7 +329,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
                 eprintln!("trace: the first round (ZeRO-3) done at {:?}", t0.elapsed());
             }
             // The pipeline phase between the two rounds: bounded by the first round's fastest
-            // fit (its priced step time is its exact one, `crate::priced`), and its plan bounds
+            // fit (its priced step time is its exact one, `crate::lower::priced`), and its plan bounds
             // the second round, which then skips what cannot beat it.
             let bound = fastest(&jobs, &first).map_or(f64::INFINITY, Evaluated::step_time_s);
             let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
@@ -349,7 +349,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
             t0.elapsed()
         );
     }
-    // The Megatron baseline from the search's own figures (priced, see `crate::priced`).
+    // The Megatron baseline from the search's own figures (priced, see `crate::lower::priced`).
     let flat_megatron = best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
     // Every pipelined candidate is a Megatron configuration: the baseline grid includes them.
     let megatron = phase.megatron_baseline(flat_megatron);
@@ -367,7 +367,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
                 let phase = offload::run(req)?;
                 match phase.fit {
                     Some(e) => {
-                        let e = crate::priced::exactly(&req.problem(), &e)?;
+                        let e = crate::search::exactly(&req.problem(), &e)?;
                         crate::offload::check_tiers(&req.cluster, &e.lowered.memory, "")?;
                         req.to_plan(&e, "auto", 0.0)?
                     }
@@ -571,7 +571,15 @@ fn lower_plan_as_built(
         ckpt,
         offload: file.offload_choice(),
     };
-    let lowered = crate::lower::lower(&fwd.graph, fwd.loss, &strategies, &mesh, &p.cost, &opts)?;
+    let lowered = crate::lower::lower(
+        &fwd.graph,
+        fwd.loss,
+        &strategies,
+        &mesh,
+        &p.cost,
+        &opts,
+        crate::lower::Fidelity::Exact,
+    )?;
     Ok(Executable {
         mesh,
         pipeline: None,

@@ -19,7 +19,7 @@ use super::balance::BlockCosts;
 use super::schedule;
 use super::{Pass, ScheduleKind, Slot};
 use crate::config::ParallelConfig;
-use crate::lower::{finish, lower_unfinished, LowerOptions, Lowered};
+use crate::lower::{finish, lower_unfinished, Fidelity, LowerOptions, Lowered};
 use crate::search::{self, AxisRule, Candidate, Problem0};
 use crate::{Cluster, Mesh, PlanError, Result};
 use std::sync::Arc;
@@ -183,7 +183,8 @@ pub fn sample_and_screen(
                 ckpt: Checkpointing::default(),
                 offload: None,
             };
-            let u = lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts)?;
+            let u =
+                lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts, Fidelity::Exact)?;
             finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
         };
         let weight_inputs_bytes = e.lowered.memory.activations_bytes;

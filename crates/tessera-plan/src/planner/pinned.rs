@@ -119,7 +119,7 @@ fn with_offload(
     };
     let phase = offload::run_layout(req, (cfg.dp, cfg.tp), &sps(cfg, pins), cfg.zero, &mbs)?;
     let Some(e) = &phase.fit else { return Err(offload::infeasible(req, &phase, device)) };
-    let e = crate::priced::exactly(&req.problem(), e)?;
+    let e = crate::search::exactly(&req.problem(), e)?;
     let chosen = ParallelConfig {
         sp: matches!(e.candidate.rule, AxisRule::Megatron { sp: true, .. }),
         micro_batches: e.candidate.micro_batches,
@@ -216,7 +216,7 @@ fn flat(
     let mut over: Option<PlanError> = None;
     for (i, e) in &fits {
         let (sp, ckpt, _) = &options[*i];
-        let e = crate::priced::exactly(&problems[*i], e)?;
+        let e = crate::search::exactly(&problems[*i], e)?;
         let chosen = ParallelConfig {
             sp: *sp,
             ckpt: *ckpt,
