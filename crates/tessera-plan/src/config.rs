@@ -59,10 +59,11 @@
 //! the model (enough blocks for the stages and chunks, Megatron's micro-batch rule for
 //! interleaving) are in [`ParallelConfig::check_pipeline`].
 
+pub mod layout;
+
 use crate::offload::Offload;
-use crate::pipeline::layout::{self, Stage};
-use crate::pipeline::ScheduleKind;
 use crate::{PlanError, Result};
+use layout::{ScheduleKind, Stage};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;

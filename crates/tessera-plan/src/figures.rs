@@ -98,6 +98,11 @@ pub struct Lowered {
     pub exact: bool,
 }
 
+/// Bytes by role at the peak instruction of a memory simulation (keys: [`tessera_ir::Role::name`]).
+pub fn peak_breakdown(m: &MemoryReport) -> std::collections::BTreeMap<String, u64> {
+    m.peak_by_role.iter().map(|(r, b)| (r.name().to_string(), *b)).collect()
+}
+
 /// One collective step of the Program.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CollectiveRecord {

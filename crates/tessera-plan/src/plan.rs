@@ -2,8 +2,12 @@
 //! executes. A plan records the mesh, every forward op's strategy (so it can be lowered again
 //! exactly), the collectives of one step, and the predictions taken from the lowered Program.
 
+pub mod ops;
+
 use crate::config::ParallelConfig;
 use crate::lower::CollectiveRecord;
+use crate::pipeline::lower::PipeLowered;
+use crate::pipeline::plan as pipeline_plan;
 use crate::rules::Strategy;
 use crate::search::Evaluated;
 use crate::{Mesh, PlanError, Result, Spec};
@@ -41,7 +45,7 @@ pub struct NodeStrategy {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub block: Option<u32>,
     /// What the op does, in a few words (`silu`, `residual add`, `cast bf16→f32 of o_proj`):
-    /// [`crate::explain::op_details`]. Informative only: a plan file is read without it.
+    /// [`ops::op_details`]. Informative only: a plan file is read without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
     pub inputs: Vec<String>,
@@ -332,7 +336,7 @@ impl Plan {
             grads_bytes: m.grads_bytes,
             optimizer_bytes: m.optimizer_bytes,
             activations_bytes: m.activations_bytes,
-            peak_breakdown: crate::explain::peak_breakdown(m),
+            peak_breakdown: crate::figures::peak_breakdown(m),
             compute_by_op_s: t.compute_by_op_s.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             bubble_fraction: None,
             issue_wait_s: t.issue_wait_s,
@@ -353,7 +357,7 @@ impl Plan {
                 })
             })
             .collect();
-        let details = crate::explain::op_details(g);
+        let details = ops::op_details(g);
         let strategies = g
             .nodes
             .iter()
@@ -532,4 +536,31 @@ fn collective_json(c: &CollectiveRecord) -> CollectiveJson {
         group: c.group,
         bytes: c.bytes,
     }
+}
+/// Rewrites a plan made from one pipeline device's lowering ([`Plan::from_evaluated`])
+/// into the pipelined plan's: every device, the schedule's step time and bubble, the per-rank
+/// peaks, the `pipeline` section.
+pub fn attach_pipeline(plan: &mut Plan, l: &PipeLowered, full: &Mesh, tokens: usize) {
+    let ranks = full.num_devices();
+    let p = &mut plan.predicted;
+    let (old_t, old_n) = (p.step_time_s, plan.devices as f64);
+    p.step_time_s = l.step_time_s;
+    if l.step_time_s > 0.0 {
+        p.mfu *= old_t * old_n / (l.step_time_s * ranks as f64);
+        p.tokens_per_s = tokens as f64 / l.step_time_s;
+    }
+    p.peak_bytes_per_device = pipeline_plan::peaks_per_rank(l, ranks);
+    // What is live at the worst device's peak (the device the plan's other figures are of).
+    if let Some(worst) = l.devices.iter().max_by_key(|d| d.lowered.memory.peak_bytes) {
+        p.peak_breakdown = crate::figures::peak_breakdown(&worst.lowered.memory);
+    }
+    p.bubble_fraction = Some(l.timeline.bubble_fraction());
+    p.comm_bytes_per_device = l
+        .devices
+        .iter()
+        .map(|d| d.lowered.collectives.iter().map(|c| c.bytes).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    plan.devices = ranks;
+    plan.pipeline = Some(pipeline_plan::pipeline_json(l, full));
 }

@@ -20,6 +20,7 @@
 mod loss;
 mod offload;
 mod pinned;
+pub mod pipelined;
 mod rounds;
 
 pub use loss::with_loss;
@@ -96,7 +97,7 @@ impl Request<'_> {
         if !e.lowered.exact {
             return Err(PlanError::Internal(
                 "a plan was made from priced figures, not its own Program's; lower it with \
-                 `priced::exactly` first"
+                 `search::exactly` first"
                     .into(),
             ));
         }
@@ -145,7 +146,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
 /// [`plan_fixed`] on the request's forward graphs as they are built.
 pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     if cfg.pp > 1 {
-        return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
+        return pipelined::plan_fixed_pipelined(req, cfg);
     }
     let t0 = Instant::now();
     let mesh = megatron_mesh(&req.cluster, cfg)?;
@@ -309,7 +310,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
     // Where memory binds, the pipeline phase first: its plans bound one flat round
     // (`PipelineKnobs::first_over_state_share`, `seed`).
     let early = match pipeline_first(req, &p)? {
-        true => Some(crate::pipeline::auto::best_pipelined(req, f64::INFINITY)?),
+        true => Some(pipelined::best_pipelined(req, f64::INFINITY)?),
         false => None,
     };
     if let Some(phase) = &early {
@@ -332,7 +333,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
             // fit (its priced step time is its exact one, `crate::lower::priced`), and its plan bounds
             // the second round, which then skips what cannot beat it.
             let bound = fastest(&jobs, &first).map_or(f64::INFINITY, Evaluated::step_time_s);
-            let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
+            let phase = pipelined::best_pipelined(req, bound)?;
             seed(&p, &phase);
             if trace {
                 eprintln!("trace: the pipeline phase done at {:?}", t0.elapsed());
@@ -383,7 +384,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
 }
 
 /// The pipeline phase's plans as the flat search's bounds ([`search::FastestSoFar`]).
-fn seed(p: &Problem0<'_>, phase: &crate::pipeline::auto::PipelinePhase) {
+fn seed(p: &Problem0<'_>, phase: &pipelined::PipelinePhase) {
     if let Some(plan) = &phase.plan {
         let even = phase.even.as_ref().map(|e| e.predicted.step_time_s);
         p.fastest.seed_pipelined(plan.predicted.step_time_s, even);
@@ -664,7 +665,7 @@ fn plan_from_file_as_built(req: &Request<'_>, file: &Plan) -> Result<Plan> {
     };
     if let Some(l) = &exe.pipeline {
         let mut plan = req.to_plan(&e, "file", t0.elapsed().as_secs_f64() * 1e3)?;
-        crate::pipeline::plan::attach(&mut plan, l, &exe.mesh, req.batch * req.seq);
+        crate::plan::attach_pipeline(&mut plan, l, &exe.mesh, req.batch * req.seq);
         plan.config = file.config.clone();
         if l.peak_bytes() > req.budget {
             return Err(PlanError::Infeasible {
@@ -813,7 +814,7 @@ pub fn attach_megatron(req: &Request<'_>, plan: &mut Plan) -> Result<()> {
     if plan.baselines.megatron.is_none() {
         let flat = megatron(req)?.as_ref().map(|m| baseline_json(req, m));
         let bound = flat.as_ref().map_or(f64::INFINITY, |f| f.step_time_s);
-        let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
+        let phase = pipelined::best_pipelined(req, bound)?;
         plan.baselines.megatron = phase.megatron_baseline(flat);
     }
     Ok(())

@@ -3,17 +3,17 @@
 //! checkpointing, offload — are chosen by the search's own machinery within them: the
 //! micro-batch scan of the flat search ([`super::rounds::first_fit`]) with the joint
 //! checkpoint search, `sp` on and off, the pipeline phase on the config's one shape
-//! ([`crate::pipeline::auto::best_in`]), and the offload phase on its layout when nothing fits
+//! ([`super::pipelined::best_in`]), and the offload phase on its layout when nothing fits
 //! on the devices. With an export engine, only what that engine runs is searched: each
 //! completion is asked of [`crate::export::runs`], and checkpointing is then one mode on every
 //! block (an engine names no per-block mix). A config that writes every knob is planned
 //! exactly as written ([`super::plan_fixed`]).
 
+use super::pipelined::{best_in, PipeSpace};
 use super::rounds::{first_fit, Scan};
 use super::{megatron_mesh, offload, Request};
 use crate::config::{ParallelConfig, Pins};
 use crate::export::{self, CkptPattern, Framework};
-use crate::pipeline::auto::{best_in, PipeSpace};
 use crate::pipeline::search::Shape;
 use crate::pipeline::ScheduleKind;
 use crate::plan::Plan;
@@ -295,7 +295,7 @@ fn pipelined(
     if pins.micro_batches {
         let per = cfg.dp * cfg.micro_batches;
         if !req.batch.is_multiple_of(per) {
-            return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
+            return super::pipelined::plan_fixed_pipelined(req, cfg);
         }
         knobs.micro_batch_sizes = vec![req.batch / per];
     }
@@ -337,5 +337,5 @@ fn pipelined(
         sp: cfg.sp || (!pins.sp && cfg.tp > 1),
         ..cfg.clone()
     };
-    crate::pipeline::auto::plan_fixed_pipelined(req, &frugal)
+    super::pipelined::plan_fixed_pipelined(req, &frugal)
 }
