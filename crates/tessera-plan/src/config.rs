@@ -119,7 +119,16 @@ pub struct ParallelConfig {
     /// choice ([`crate::loss_chunk::choose`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss: Option<LossMode>,
+    /// Seals the struct: outside this module a config is made by [`ParallelConfig::new`] (or
+    /// parsed) and changed by its `with_*` setters, never by a struct literal, so a new knob
+    /// has one default and one place that spells it.
+    #[serde(skip)]
+    built: Built,
 }
+
+/// The private field of [`ParallelConfig`] (not part of the plan file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Built;
 
 /// How a causal LM's head and cross-entropy run (`loss=whole` / `loss=chunkN`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -246,7 +255,90 @@ impl Default for ParallelConfig {
             cp: 1,
             cp_comm: None,
             loss: None,
+            built: Built,
         }
+    }
+}
+
+/// Building a config: `ParallelConfig::new(2, 4).with_zero(1).with_micro_batches(8)`. The
+/// setters do not check; [`ParallelConfig::validate`] does (and [`ParallelConfig::parse`]
+/// validates what it parses).
+impl ParallelConfig {
+    /// `dp × tp`, every other knob at its default: ZeRO 0, one micro-batch, no sequence,
+    /// context or pipeline parallelism, checkpointing, offload and loss chunking left to the
+    /// planner.
+    pub fn new(dp: usize, tp: usize) -> ParallelConfig {
+        ParallelConfig { dp, tp, ..ParallelConfig::default() }
+    }
+
+    /// The data-parallel degree.
+    pub fn with_dp(self, dp: usize) -> ParallelConfig {
+        ParallelConfig { dp, ..self }
+    }
+
+    /// The tensor-parallel degree.
+    pub fn with_tp(self, tp: usize) -> ParallelConfig {
+        ParallelConfig { tp, ..self }
+    }
+
+    /// The ZeRO stage (0–3).
+    pub fn with_zero(self, zero: u8) -> ParallelConfig {
+        ParallelConfig { zero, ..self }
+    }
+
+    /// Micro-batches per step.
+    pub fn with_micro_batches(self, micro_batches: usize) -> ParallelConfig {
+        ParallelConfig { micro_batches, ..self }
+    }
+
+    /// Sequence parallelism on the tensor-parallel axis.
+    pub fn with_sp(self, sp: bool) -> ParallelConfig {
+        ParallelConfig { sp, ..self }
+    }
+
+    /// Checkpointing of every block (`None`: the planner's choice per block).
+    pub fn with_ckpt(self, ckpt: Option<CkptMode>) -> ParallelConfig {
+        ParallelConfig { ckpt, ..self }
+    }
+
+    /// Pipeline stages (devices along the pipeline axis).
+    pub fn with_pp(self, pp: usize) -> ParallelConfig {
+        ParallelConfig { pp, ..self }
+    }
+
+    /// The pipeline schedule (`None`: the default or the planner's choice).
+    pub fn with_schedule(self, schedule: Option<ScheduleKind>) -> ParallelConfig {
+        ParallelConfig { schedule, ..self }
+    }
+
+    /// Each virtual stage's blocks and checkpointing (empty: even stages).
+    pub fn with_stages(self, stages: Vec<Stage>) -> ParallelConfig {
+        ParallelConfig { stages, ..self }
+    }
+
+    /// Model state below the device (`None`: all on the device).
+    pub fn with_offload(self, offload: Option<Offload>) -> ParallelConfig {
+        ParallelConfig { offload, ..self }
+    }
+
+    /// Hybrid sharding's group size (`None`: every data-parallel rank).
+    pub fn with_shard(self, shard: Option<usize>) -> ParallelConfig {
+        ParallelConfig { shard, ..self }
+    }
+
+    /// The context-parallel degree.
+    pub fn with_cp(self, cp: usize) -> ParallelConfig {
+        ParallelConfig { cp, ..self }
+    }
+
+    /// How the context-parallel axis exchanges keys and values (`None`: the default).
+    pub fn with_cp_comm(self, cp_comm: Option<crate::context::CpComm>) -> ParallelConfig {
+        ParallelConfig { cp_comm, ..self }
+    }
+
+    /// The LM head and its loss, whole or chunked (`None`: the planner's choice).
+    pub fn with_loss(self, loss: Option<LossMode>) -> ParallelConfig {
+        ParallelConfig { loss, ..self }
     }
 }
 
@@ -604,7 +696,7 @@ impl ParallelConfig {
         }
         let model_parallel = self.cp.saturating_mul(self.tp).saturating_mul(self.pp);
         let fix = if num_devices > 0 && num_devices.is_multiple_of(model_parallel) {
-            let fitted = ParallelConfig { dp: num_devices / model_parallel, ..self.clone() };
+            let fitted = self.clone().with_dp(num_devices / model_parallel);
             format!("e.g. `{}`", fitted.canonical())
         } else {
             "choose other degrees".to_string()

@@ -256,22 +256,13 @@ pub fn describe(
     // Hybrid sharding: the replica axes' groups each hold a whole copy of the ZeRO state.
     let replicas: usize = mesh.replicas.iter().map(|&a| mesh.shape[a]).product();
     let shard = (zero > 0 && replicas > 1 && dp > replicas).then(|| dp / replicas);
-    ParallelConfig {
-        dp: dp.max(1),
-        tp: tp.max(1),
-        zero,
-        micro_batches: mb,
-        sp,
-        ckpt: None,
-        pp: 1,
-        schedule: None,
-        stages: Vec::new(),
-        offload: None,
-        shard,
-        cp,
-        cp_comm: None,
-        loss: loss_chunk_rows(g).map(crate::config::LossMode::Chunk),
-    }
+    ParallelConfig::new(dp.max(1), tp.max(1))
+        .with_zero(zero)
+        .with_micro_batches(mb)
+        .with_sp(sp)
+        .with_shard(shard)
+        .with_cp(cp)
+        .with_loss(loss_chunk_rows(g).map(crate::config::LossMode::Chunk))
 }
 
 pub struct PlanContext<'a> {

@@ -136,8 +136,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
     let mut plan = with_loss(req, rows, |r| plan_fixed_as_built(r, cfg))?;
     if let (None, Some(rows)) = (cfg.loss, rows) {
-        let chosen =
-            ParallelConfig { loss: Some(crate::config::LossMode::Chunk(rows)), ..cfg.clone() };
+        let chosen = cfg.clone().with_loss(Some(crate::config::LossMode::Chunk(rows)));
         plan.config = chosen.canonical();
     }
     Ok(plan)
@@ -219,22 +218,12 @@ fn best_megatron(
         fitting += r.fits.len();
         for e in &r.fits {
             if best.as_ref().is_none_or(|(b, _)| e.step_time_s() < b.step_time_s()) {
-                let cfg = ParallelConfig {
-                    dp,
-                    tp,
-                    zero: e.candidate.zero,
-                    micro_batches: e.candidate.micro_batches,
-                    sp,
-                    ckpt: None,
-                    pp: 1,
-                    schedule: None,
-                    stages: Vec::new(),
-                    offload: None,
-                    shard: shard.filter(|_| e.candidate.zero > 0),
-                    cp,
-                    cp_comm: None,
-                    loss: None,
-                };
+                let cfg = ParallelConfig::new(dp, tp)
+                    .with_zero(e.candidate.zero)
+                    .with_micro_batches(e.candidate.micro_batches)
+                    .with_sp(sp)
+                    .with_shard(shard.filter(|_| e.candidate.zero > 0))
+                    .with_cp(cp);
                 best = Some((e.clone(), cfg));
             }
         }
@@ -763,22 +752,12 @@ fn describe(least: &LeastPeak) -> String {
         AxisRule::Megatron { sp, cp } if uniform => {
             // `[dp, tp]`, or `[dp, cp, tp]` with context parallelism.
             let at = |k: usize| c.mesh.shape.get(k).copied().unwrap_or(1);
-            let cfg = ParallelConfig {
-                dp: at(0),
-                tp: if *cp { at(2) } else { at(1) },
-                cp: if *cp { at(1) } else { 1 },
-                zero: c.zero,
-                micro_batches: c.micro_batches,
-                sp: *sp,
-                ckpt: first,
-                pp: 1,
-                schedule: None,
-                stages: Vec::new(),
-                offload: None,
-                shard: None,
-                cp_comm: None,
-                loss: None,
-            };
+            let cfg = ParallelConfig::new(at(0), if *cp { at(2) } else { at(1) })
+                .with_cp(if *cp { at(1) } else { 1 })
+                .with_zero(c.zero)
+                .with_micro_batches(c.micro_batches)
+                .with_sp(*sp)
+                .with_ckpt(first);
             format!("`{}`", cfg.canonical())
         }
         _ => {

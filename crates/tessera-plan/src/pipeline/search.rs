@@ -303,22 +303,13 @@ pub fn config(
     kind: ScheduleKind,
     num_blocks: usize,
 ) -> Option<ParallelConfig> {
-    let cfg = ParallelConfig {
-        dp: shape.dp,
-        tp: shape.tp,
-        zero: shape.zero,
-        micro_batches: m,
-        sp: shape.sp,
-        ckpt: (mode != CkptMode::None).then_some(mode),
-        pp: shape.pp,
-        schedule: Some(kind),
-        stages: Vec::new(),
-        offload: None,
-        shard: None,
-        cp: 1,
-        cp_comm: None,
-        loss: None,
-    };
+    let cfg = ParallelConfig::new(shape.dp, shape.tp)
+        .with_zero(shape.zero)
+        .with_micro_batches(m)
+        .with_sp(shape.sp)
+        .with_ckpt((mode != CkptMode::None).then_some(mode))
+        .with_pp(shape.pp)
+        .with_schedule(Some(kind));
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.
     cfg.check_pipeline(num_blocks, Some(m)).ok()?;

@@ -185,15 +185,11 @@ fn probe(req: &Request<'_>, cand: &Candidate, budget: u64) -> Result<Option<Eval
 }
 
 fn describe(line: &Line, mb: usize, chunks: u32, nvme: u32) -> String {
-    let cfg = crate::config::ParallelConfig {
-        dp: line.mesh.shape[0],
-        tp: line.mesh.shape[1],
-        zero: line.zero,
-        micro_batches: mb,
-        sp: line.sp,
-        offload: Some(Offload { kind: line.kind, chunks, nvme }),
-        ..Default::default()
-    };
+    let cfg = crate::config::ParallelConfig::new(line.mesh.shape[0], line.mesh.shape[1])
+        .with_zero(line.zero)
+        .with_micro_batches(mb)
+        .with_sp(line.sp)
+        .with_offload(Some(Offload { kind: line.kind, chunks, nvme }));
     cfg.canonical()
 }
 

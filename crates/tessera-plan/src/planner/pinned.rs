@@ -120,12 +120,11 @@ fn with_offload(
     let phase = offload::run_layout(req, (cfg.dp, cfg.tp), &sps(cfg, pins), cfg.zero, &mbs)?;
     let Some(e) = &phase.fit else { return Err(offload::infeasible(req, &phase, device)) };
     let e = crate::search::exactly(&req.problem(), e)?;
-    let chosen = ParallelConfig {
-        sp: matches!(e.candidate.rule, AxisRule::Megatron { sp: true, .. }),
-        micro_batches: e.candidate.micro_batches,
-        offload: e.candidate.offload,
-        ..cfg.clone()
-    };
+    let chosen = cfg
+        .clone()
+        .with_sp(matches!(e.candidate.rule, AxisRule::Megatron { sp: true, .. }))
+        .with_micro_batches(e.candidate.micro_batches)
+        .with_offload(e.candidate.offload);
     crate::offload::check_tiers(&req.cluster, &e.lowered.memory, &chosen.canonical())?;
     let mut plan = req.to_plan(&e, "fixed", t0.elapsed().as_secs_f64() * 1e3)?;
     plan.config = chosen.canonical();
@@ -175,7 +174,7 @@ fn flat(
     let mut options: Vec<(bool, Option<CkptMode>, CkptSearch)> = Vec::new();
     for sp in sps(cfg, pins) {
         for (mode, search) in &ckpts {
-            let c = ParallelConfig { sp, ckpt: *mode, ..cfg.clone() };
+            let c = cfg.clone().with_sp(sp).with_ckpt(*mode);
             let pattern = mode.map_or(CkptPattern::None, |m| CkptPattern::uniform(Some(m)));
             if runs(&c, pattern) {
                 options.push((sp, *mode, search.clone()));
@@ -217,12 +216,8 @@ fn flat(
     for (i, e) in &fits {
         let (sp, ckpt, _) = &options[*i];
         let e = crate::search::exactly(&problems[*i], e)?;
-        let chosen = ParallelConfig {
-            sp: *sp,
-            ckpt: *ckpt,
-            micro_batches: e.candidate.micro_batches,
-            ..cfg.clone()
-        };
+        let chosen =
+            cfg.clone().with_sp(*sp).with_ckpt(*ckpt).with_micro_batches(e.candidate.micro_batches);
         if e.peak_bytes() > req.budget {
             over.get_or_insert(PlanError::Infeasible {
                 budget: req.budget,
@@ -321,21 +316,20 @@ fn pipelined(
         }
         return Ok(plan);
     }
-    let frugal = ParallelConfig {
-        micro_batches: match pins.micro_batches {
+    let frugal = cfg
+        .clone()
+        .with_micro_batches(match pins.micro_batches {
             true => cfg.micro_batches,
             false => req.batch / cfg.dp,
-        },
-        ckpt: match pins.ckpt {
+        })
+        .with_ckpt(match pins.ckpt {
             true => cfg.ckpt,
             false => Some(CkptMode::Full),
-        },
-        schedule: match pins.schedule {
+        })
+        .with_schedule(match pins.schedule {
             true => cfg.schedule,
             false => None,
-        },
-        sp: cfg.sp || (!pins.sp && cfg.tp > 1),
-        ..cfg.clone()
-    };
+        })
+        .with_sp(cfg.sp || (!pins.sp && cfg.tp > 1));
     super::pipelined::plan_fixed_pipelined(req, &frugal)
 }
