@@ -26,6 +26,7 @@
 //! log-sum-exp) needs attention ops that take a block of keys and return partial outputs; it
 //! is parsed and refused ([`parse_token`]).
 
+use crate::mesh::AxisName;
 use crate::rules::{DimRole, Labeling, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
 use serde::{Deserialize, Serialize};
@@ -134,11 +135,12 @@ pub fn canonical(cp: usize, comm: Option<CpComm>) -> String {
 /// or `[dp, cp, tp]` with context parallelism — cp between dp and tp, as Megatron-LM orders
 /// its groups (tp fastest over the devices, then cp, then dp), so cp's all-to-alls stay
 /// inside a node before dp's gradient reductions do.
-pub fn mesh_shape(dp: usize, cp: usize, tp: usize) -> (Vec<usize>, Vec<&'static str>) {
+pub fn mesh_shape(dp: usize, cp: usize, tp: usize) -> (Vec<usize>, Vec<AxisName>) {
+    use AxisName::{Context, Data, Tensor};
     if cp > 1 {
-        (vec![dp, cp, tp], vec!["dp", "cp", "tp"])
+        (vec![dp, cp, tp], vec![Data, Context, Tensor])
     } else {
-        (vec![dp, tp], vec!["dp", "tp"])
+        (vec![dp, tp], vec![Data, Tensor])
     }
 }
 
@@ -278,7 +280,7 @@ pub fn describe_cp(
     mesh: &Mesh,
     dp_axes: &[usize],
 ) -> usize {
-    let Some(axis) = mesh.axes.iter().position(|a| a == "cp") else { return 1 };
+    let Some(axis) = mesh.axis(AxisName::Context) else { return 1 };
     if dp_axes.contains(&axis) || mesh.shape[axis] < 2 {
         return 1;
     }

@@ -388,7 +388,7 @@ impl Plan {
     /// Context parallelism's lines ([`crate::context::explain_lines`]): what the cp axis
     /// splits and its all-to-all traffic. Empty without a cp axis.
     fn context_text(&self) -> String {
-        let Some(axis) = self.mesh.axes.iter().position(|a| a == "cp") else {
+        let Some(axis) = self.mesh.axis(crate::mesh::AxisName::Context) else {
             return String::new();
         };
         let cp = self.mesh.shape[axis];

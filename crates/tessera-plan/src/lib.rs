@@ -41,7 +41,7 @@ pub mod units;
 
 pub use cluster::{Cluster, DeviceSpec};
 pub use link::Link;
-pub use mesh::{AxisLink, Mesh};
+pub use mesh::{AxisLink, AxisName, Mesh};
 pub use spec::Spec;
 
 /// Everything that can go wrong while planning, each naming the problem and the fix.

@@ -29,6 +29,13 @@ pub struct MeshJson {
     pub replicas: Vec<usize>,
 }
 
+impl MeshJson {
+    /// The axis named `name`, if the plan's mesh has one ([`crate::Mesh::axis`]).
+    pub fn axis(&self, name: crate::mesh::AxisName) -> Option<usize> {
+        self.axes.iter().position(|a| a == name.as_str())
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct TensorPlacement {
     pub name: String,
@@ -243,7 +250,7 @@ pub fn describe(
     let dp: usize = dp_axes.iter().map(|&a| mesh.shape[a]).product();
     let cp = crate::context::describe_cp(g, strategies, mesh, &dp_axes);
     let tp = mesh.num_devices() / dp.max(1) / cp;
-    let cp_axis = (cp > 1).then(|| mesh.axes.iter().position(|a| a == "cp")).flatten();
+    let cp_axis = (cp > 1).then(|| mesh.axis(crate::mesh::AxisName::Context)).flatten();
     let sp = tp > 1
         && g.nodes.iter().enumerate().any(|(i, n)| {
             matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })

@@ -32,6 +32,7 @@ use rounds::{
 };
 
 use crate::config::ParallelConfig;
+use crate::mesh::AxisName;
 use crate::plan::{BaselineJson, Plan, PlanContext};
 use crate::search::{
     self, AxisRule, Candidate, CkptSearch, Evaluated, Forward, LeastPeak, Problem0,
@@ -118,11 +119,13 @@ impl Request<'_> {
 fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     cfg.check_devices(cluster.num_devices())?;
     match cfg.shard {
-        Some(n) => Ok(Mesh::new(cluster, &[cfg.replicas(), n, cfg.tp], &["replica", "dp", "tp"])?
-            .with_replicas(&[0])),
+        Some(n) => {
+            let names = [AxisName::Replica, AxisName::Data, AxisName::Tensor];
+            Ok(Mesh::named(cluster, &[cfg.replicas(), n, cfg.tp], &names)?.with_replicas(&[0]))
+        }
         None => {
             let (shape, names) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
-            Mesh::new(cluster, &shape, &names)
+            Mesh::named(cluster, &shape, &names)
         }
     }
 }

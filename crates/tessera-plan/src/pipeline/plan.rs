@@ -11,6 +11,7 @@ use super::split::StageMap;
 use super::ScheduleKind;
 use crate::cost::CostModel;
 use crate::lower::LowerOptions;
+use crate::mesh::AxisName;
 use crate::rules::Strategy;
 use crate::{Cluster, Mesh, PlanError, Result};
 use serde::{Deserialize, Serialize};
@@ -67,11 +68,12 @@ pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Me
     physical.extend_from_slice(stage_shape);
     // A three-axis stage is `[dp, cp, tp]` (hybrid sharding, the other three-axis stage
     // mesh, is refused with a pipeline).
-    let stage_names: &[&str] =
-        if stage_shape.len() == 3 { &["dp", "cp", "tp"] } else { &["dp", "tp"] };
-    let names: Vec<&str> =
-        std::iter::once("pp").chain(stage_names.iter().copied()).take(physical.len()).collect();
-    let laid = Mesh::new(cluster, &physical, &names)?;
+    use AxisName::{Context, Data, Pipeline, Tensor};
+    let stage_names: &[AxisName] =
+        if stage_shape.len() == 3 { &[Data, Context, Tensor] } else { &[Data, Tensor] };
+    let names: Vec<AxisName> =
+        std::iter::once(Pipeline).chain(stage_names.iter().copied()).take(physical.len()).collect();
+    let laid = Mesh::named(cluster, &physical, &names)?;
     let stage = Mesh {
         shape: stage_shape.to_vec(),
         axes: laid.axes[1..].to_vec(),
@@ -79,7 +81,7 @@ pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Me
         replicas: Vec::new(),
     };
     let mut full = full_mesh(&stage, pp, laid.links[0]);
-    full.axes = stage.axes.iter().cloned().chain(["pp".to_string()]).collect();
+    full.axes = stage.axes.iter().cloned().chain([Pipeline.to_string()]).collect();
     Ok((stage, full))
 }
 

@@ -15,6 +15,7 @@
 
 use super::rounds::{megatron_jobs, parallel_map, Job};
 use super::Request;
+use crate::mesh::AxisName;
 use crate::offload::{Offload, OffloadKind, CHUNKS};
 use crate::search::{self, AxisRule, Candidate, Evaluated};
 use crate::{Mesh, PlanError, Result};
@@ -52,7 +53,7 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
         // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`).
         // Nor with context parallelism (`cpN` refuses `offload=`).
         let Job::Megatron { dp, tp, sp, shard: None, cp: 1 } = job else { continue };
-        let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
+        let mesh = Mesh::named(&req.cluster, &[dp, tp], &[AxisName::Data, AxisName::Tensor])?;
         let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
             for kind in [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All] {
@@ -77,7 +78,7 @@ pub(super) fn run_layout(
     if req.cluster.host.memory_bytes == 0 {
         return Ok(OffloadPhase { fit: None, least_tiers: None });
     }
-    let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
+    let mesh = Mesh::named(&req.cluster, &[dp, tp], &[AxisName::Data, AxisName::Tensor])?;
     let mut lines = Vec::new();
     for &sp in sps {
         for kind in [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All] {
