@@ -7,6 +7,7 @@
 //! *achieved* bus bandwidths (what nccl-tests reports as `busbw`), not the nominal line rate.
 //! Seconds (f64) and bytes (u64) throughout.
 
+pub use crate::link::Link;
 use crate::tiers::{HostTier, NvmeTier};
 use crate::units::format_bytes;
 use crate::{PlanError, Result};
@@ -17,36 +18,10 @@ use std::str::FromStr;
 use tessera_ir::DType;
 use tessera_profile::kernels::KernelTable;
 
+mod file;
+
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-
-/// One level of the interconnect, alpha-beta: a message of B bytes costs
-/// `latency_s + B / bandwidth` per ring step.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Link {
-    pub latency_s: f64,
-    /// Bytes per second each device can send (and receive) at once ("bus bandwidth").
-    pub bandwidth: f64,
-}
-
-impl Link {
-    /// `what` names the link in the error (`intra-node link`).
-    pub fn validate(&self, what: &str) -> Result<()> {
-        if !(self.latency_s.is_finite() && self.latency_s >= 0.0) {
-            return Err(PlanError::Invalid(format!(
-                "{what}: latency_s = {} must be a finite number of seconds >= 0, e.g. 5e-6",
-                self.latency_s
-            )));
-        }
-        if !(self.bandwidth.is_finite() && self.bandwidth > 0.0) {
-            return Err(PlanError::Invalid(format!(
-                "{what}: bandwidth = {} must be a positive number of bytes/s, e.g. 50e9",
-                self.bandwidth
-            )));
-        }
-        Ok(())
-    }
-}
 
 /// The two levels of a device family's interconnect.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -808,7 +783,7 @@ impl Cluster {
     /// `cpu`) needs `capacity`; its bandwidths default to the calibrated disk's (`cpu`), else
     /// to [`NvmeTier::with_capacity`]'s.
     pub fn from_file(path: &Path) -> Result<Cluster> {
-        crate::cluster_file::from_file(path)
+        file::from_file(path)
     }
 
     /// The same cluster with the measured host figures of `cal` (the CPU that simulated `cpu`

@@ -66,10 +66,12 @@
 //! the model (enough blocks for the stages and chunks, Megatron's micro-batch rule for
 //! interleaving) are in [`ParallelConfig::check_pipeline`].
 
+mod builder;
+pub mod layout;
+
 use crate::offload::Offload;
-use crate::pipeline::layout::{self, Stage};
-use crate::pipeline::ScheduleKind;
 use crate::{PlanError, Result};
+use layout::{ScheduleKind, Stage};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -125,7 +127,16 @@ pub struct ParallelConfig {
     /// choice ([`crate::loss_chunk::choose`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss: Option<LossMode>,
+    /// Seals the struct: outside this module a config is made by [`ParallelConfig::new`] (or
+    /// parsed) and changed by its `with_*` setters, never by a struct literal, so a new knob
+    /// has one default and one place that spells it.
+    #[serde(skip)]
+    built: Built,
 }
+
+/// The private field of [`ParallelConfig`] (not part of the plan file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Built;
 
 /// How a causal LM's head and cross-entropy run (`loss=whole` / `loss=chunkN`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -252,6 +263,7 @@ impl Default for ParallelConfig {
             cp: 1,
             cp_comm: None,
             loss: None,
+            built: Built,
         }
     }
 }
@@ -610,7 +622,7 @@ impl ParallelConfig {
         }
         let model_parallel = self.cp.saturating_mul(self.tp).saturating_mul(self.pp);
         let fix = if num_devices > 0 && num_devices.is_multiple_of(model_parallel) {
-            let fitted = ParallelConfig { dp: num_devices / model_parallel, ..self.clone() };
+            let fitted = self.clone().with_dp(num_devices / model_parallel);
             format!("e.g. `{}`", fitted.canonical())
         } else {
             "choose other degrees".to_string()

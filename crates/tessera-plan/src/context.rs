@@ -63,6 +63,7 @@
 //! - exports: Megatron-LM `--context-parallel-size N --cp-comm-type p2p`; torchtitan's
 //!   `context_parallel_degree` (its CP is ring attention) stops being refused for ring.
 
+use crate::mesh::AxisName;
 use crate::rules::{DimRole, Labeling, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
 use serde::{Deserialize, Serialize};
@@ -171,11 +172,12 @@ pub fn canonical(cp: usize, comm: Option<CpComm>) -> String {
 /// or `[dp, cp, tp]` with context parallelism — cp between dp and tp, as Megatron-LM orders
 /// its groups (tp fastest over the devices, then cp, then dp), so cp's all-to-alls stay
 /// inside a node before dp's gradient reductions do.
-pub fn mesh_shape(dp: usize, cp: usize, tp: usize) -> (Vec<usize>, Vec<&'static str>) {
+pub fn mesh_shape(dp: usize, cp: usize, tp: usize) -> (Vec<usize>, Vec<AxisName>) {
+    use AxisName::{Context, Data, Tensor};
     if cp > 1 {
-        (vec![dp, cp, tp], vec!["dp", "cp", "tp"])
+        (vec![dp, cp, tp], vec![Data, Context, Tensor])
     } else {
-        (vec![dp, tp], vec!["dp", "tp"])
+        (vec![dp, tp], vec![Data, Tensor])
     }
 }
 
@@ -236,7 +238,7 @@ pub fn cp_pins(
         let pin = match &n.op {
             Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => Some(heads_label(l)?),
             _ => {
-                let role = crate::search::label_roles(&g.nodes[i], l, roles);
+                let role = crate::rules::label_roles(&g.nodes[i], l, roles);
                 (0..l.sizes.len()).find(|&lab| role[lab] == DimRole::Seq && l.shardable[lab])
             }
         };
@@ -315,7 +317,7 @@ pub fn describe_cp(
     mesh: &Mesh,
     dp_axes: &[usize],
 ) -> usize {
-    let Some(axis) = mesh.axes.iter().position(|a| a == "cp") else { return 1 };
+    let Some(axis) = mesh.axis(AxisName::Context) else { return 1 };
     if dp_axes.contains(&axis) || mesh.shape[axis] < 2 {
         return 1;
     }

@@ -193,6 +193,51 @@ pub fn bucketed_time(link: AxisLink, n: usize, op: Collective, bytes: u64) -> f6
     full - latency + latency * share
 }
 
+/// Predicted time of one step, from walking the Program with the cost model.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepTime {
+    pub forward_compute_s: f64,
+    pub backward_compute_s: f64,
+    pub optimizer_compute_s: f64,
+    /// Forward work re-run in the backward pass (activation checkpointing): compute and the
+    /// collectives it repeats.
+    pub recompute_s: f64,
+    /// `recompute_s` by block index.
+    pub recompute_by_block_s: Vec<f64>,
+    /// Collectives on the critical path (tensor/sequence parallel activations).
+    pub blocking_comm_s: f64,
+    /// Collectives on parameters and gradients (data parallel, ZeRO), which run beside the
+    /// compute of their pass.
+    pub overlapped_comm_s: f64,
+    /// The part of `overlapped_comm_s` that the compute does not hide.
+    pub exposed_comm_s: f64,
+    pub step_time_s: f64,
+    /// Compute seconds per op kind (`matmul`, `attention`, `adamw`, ..), all phases.
+    pub compute_by_op_s: std::collections::BTreeMap<&'static str, f64>,
+    /// Offload: seconds of copies between tiers (host link, NVMe) over the step.
+    pub transfer_s: f64,
+    /// Offload: seconds of host work (the offloaded chunks' AdamW, their norm terms).
+    pub host_compute_s: f64,
+    /// Offload: what copies and host work add to the step beyond the device's own time (the
+    /// rest runs beside the device's compute).
+    pub offload_exposed_s: f64,
+    /// Offload: bytes moved between tiers in one step.
+    pub moved_bytes: u64,
+    /// On a calibrated GPU: how long the device waits for the host to issue the step's
+    /// kernels (the in-order launch queue replayed with each op's measured host and device
+    /// time); 0 on devices without measured kernels.
+    pub issue_wait_s: f64,
+}
+
+impl StepTime {
+    /// The share of the copies and host work of an offloaded step that runs beside the
+    /// device's compute (1: all hidden; `None` without offload).
+    pub fn offload_hidden_fraction(&self) -> Option<f64> {
+        let work = self.transfer_s + self.host_compute_s;
+        (work > 0.0).then(|| (1.0 - self.offload_exposed_s / work).clamp(0.0, 1.0))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,11 +20,12 @@ use tessera_ir::Role;
 /// The columns the explanation keeps to.
 pub const WIDTH: usize = 100;
 
-mod ops;
 mod table;
 
-pub use ops::op_details;
-use ops::{in_block, split_at_block};
+// What each op does in words is recorded in the plan when it is made ([`crate::plan`]).
+pub use crate::figures::peak_breakdown;
+pub use crate::plan::ops::op_details;
+use crate::plan::ops::{in_block, split_at_block};
 use table::{ranges, wrap, Columns, Row};
 
 // ---- memory at the peak ------------------------------------------------------------------
@@ -38,11 +39,6 @@ const ROLES: [(Role, &str, &str); 6] = [
     (Role::Temporary, "temporaries", "activation grads, unsaved values, workspace"),
     (Role::Input, "inputs", "token ids, labels, scalars"),
 ];
-
-/// Bytes by role at the peak instruction of a memory simulation (keys: [`Role::name`]).
-pub fn peak_breakdown(m: &tessera_profile::MemoryReport) -> BTreeMap<String, u64> {
-    m.peak_by_role.iter().map(|(r, b)| (r.name().to_string(), *b)).collect()
-}
 
 /// The non-zero parts of a breakdown, in print order, with their short names and meanings
 /// (roles this build does not know last, under their own names).
@@ -72,6 +68,62 @@ pub(crate) fn live_parts(
         .map(|(name, _, b)| format!("{name} {}", format_bytes(*b)))
         .collect();
     (!items.is_empty()).then(|| wrap(first, &items, " + ", indent))
+}
+
+/// The pipeline's section of `--explain`.
+impl crate::pipeline::plan::PipelineJson {
+    /// The `--explain` section: schedule, bubble, and per stage its blocks, their
+    /// checkpointing (from the plan's per-block `checkpoint`), ranks and the peak of the device
+    /// that runs it (a plan fits when the worst of these fits).
+    pub fn explain(
+        &self,
+        micro_batches: usize,
+        bubble: Option<f64>,
+        checkpoint: &[crate::plan::BlockCkpt],
+    ) -> String {
+        let mut s = format!(
+            "pipeline {} over {} devices, {micro_batches} micro-batches",
+            self.schedule, self.devices
+        );
+        if let Some(b) = bubble {
+            s += &format!(", bubble {:.1}% of device time", 100.0 * b);
+        }
+        s += "\n";
+        s += &format!(
+            "  {:<6} {:<10} {:<10} {:<24} {:>12}\n",
+            "stage", "blocks", "ckpt", "ranks", "peak"
+        );
+        let worst = self.stages.iter().map(|st| st.peak_bytes).max().unwrap_or(0);
+        for (i, st) in self.stages.iter().enumerate() {
+            let ranks: Vec<String> = st.devices.iter().map(usize::to_string).collect();
+            let mut ranks = ranks.join(",");
+            if ranks.len() > 24 {
+                ranks = format!("{} ranks", st.devices.len());
+            }
+            let modes: std::collections::BTreeSet<tessera_ir::CkptMode> = checkpoint
+                .iter()
+                .filter(|c| (st.blocks[0]..st.blocks[1]).contains(&(c.block as usize)))
+                .map(|c| c.mode)
+                .collect();
+            let ckpt = match modes.len() {
+                0 => "none".to_string(),
+                1 => modes.iter().map(|m| m.to_string()).collect(),
+                _ => "mixed".to_string(),
+            };
+            s += &format!(
+                "  {i:<6} {:<10} {ckpt:<10} {ranks:<24} {:>12}{}\n",
+                format!("{}..{}", st.blocks[0], st.blocks[1]),
+                crate::units::format_bytes(st.peak_bytes),
+                if st.peak_bytes == worst { "  (worst)" } else { "" }
+            );
+        }
+        // What is live at each stage's peak: the parts sum to the peak above.
+        for (i, st) in self.stages.iter().enumerate() {
+            let first = format!("  stage {i} at its peak: ");
+            s += &live_parts(&first, &st.peak_breakdown, 4).unwrap_or_default();
+        }
+        s
+    }
 }
 
 impl Plan {
@@ -336,7 +388,7 @@ impl Plan {
     /// Context parallelism's lines ([`crate::context::explain_lines`]): what the cp axis
     /// splits and its all-to-all traffic. Empty without a cp axis.
     fn context_text(&self) -> String {
-        let Some(axis) = self.mesh.axes.iter().position(|a| a == "cp") else {
+        let Some(axis) = self.mesh.axis(crate::mesh::AxisName::Context) else {
             return String::new();
         };
         let cp = self.mesh.shape[axis];
@@ -596,11 +648,14 @@ mod tests {
         assert_eq!(in_block("model.layers.1", Some(1)), "");
         assert_eq!(in_block("model.norm", None), "model.norm");
         assert_eq!(
-            ops::relative("model.layers.0.self_attn", "model.layers.0.self_attn.q_proj"),
+            crate::plan::ops::relative(
+                "model.layers.0.self_attn",
+                "model.layers.0.self_attn.q_proj"
+            ),
             "q_proj"
         );
         assert_eq!(
-            ops::relative("model.layers.0", "model.layers.0.mlp.down_proj"),
+            crate::plan::ops::relative("model.layers.0", "model.layers.0.mlp.down_proj"),
             "mlp.down_proj"
         );
         assert_eq!(ranges(&[0, 1, 2, 4, 5, 7]), "blocks 0–2, 4–5, 7");

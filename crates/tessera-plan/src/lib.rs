@@ -16,14 +16,15 @@
 pub mod ckpt;
 pub mod ckpt_dp;
 pub mod cluster;
-mod cluster_file;
 pub mod config;
 pub mod context;
 pub mod cost;
 pub mod explain;
 pub mod export;
+pub mod figures;
 pub mod generate;
 pub mod ilp;
+pub mod link;
 pub mod loss_chunk;
 pub mod lower;
 pub mod mesh;
@@ -31,7 +32,6 @@ pub mod offload;
 pub mod pipeline;
 pub mod plan;
 pub mod planner;
-pub mod priced;
 pub mod reshard;
 pub mod rules;
 pub mod search;
@@ -39,8 +39,9 @@ pub mod spec;
 pub mod tiers;
 pub mod units;
 
-pub use cluster::{Cluster, DeviceSpec, Link};
-pub use mesh::{AxisLink, Mesh};
+pub use cluster::{Cluster, DeviceSpec};
+pub use link::Link;
+pub use mesh::{AxisLink, AxisName, Mesh};
 pub use spec::Spec;
 
 /// Everything that can go wrong while planning, each naming the problem and the fix.

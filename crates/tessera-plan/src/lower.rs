@@ -22,12 +22,16 @@
 pub mod act_offload;
 mod hooks;
 mod loss;
+pub mod priced;
 mod replay;
 mod time;
 
 pub(crate) use hooks::DistHooks;
 pub(crate) use replay::{replay, replay_tagged, ReplayTag};
 pub use time::simulate_time;
+// The lowering's figures live with the rest of the search's data ([`crate::figures`]).
+pub use crate::cost::StepTime;
+pub use crate::figures::{CollectiveRecord, Lowered};
 
 use crate::cost::CostModel;
 use crate::reshard::cheapest_path;
@@ -41,7 +45,7 @@ use tessera_ir::{
     TrainingGraph,
 };
 use tessera_ir::{StateKind, Tier};
-use tessera_profile::{simulate_memory, MemoryReport};
+use tessera_profile::simulate_memory;
 
 #[derive(Clone, Debug)]
 pub struct LowerOptions {
@@ -55,25 +59,6 @@ pub struct LowerOptions {
     pub offload: Option<crate::offload::Offload>,
 }
 
-/// The lowered plan and everything predicted from it.
-#[derive(Clone, Debug)]
-pub struct Lowered {
-    /// One device's Program (every device runs the same one on its own shards).
-    pub program: Program,
-    pub training: TrainingGraph,
-    pub memory: MemoryReport,
-    pub time: StepTime,
-    pub collectives: Vec<CollectiveRecord>,
-    /// The stored spec of each parameter, its optimizer state (`<param>.adam_m`, `.adam_v`,
-    /// `.master`) and each input, by name.
-    pub leaf_specs: Vec<(String, Spec)>,
-    /// The checkpoint decisions the Program carries out.
-    pub ckpt: Checkpointing,
-    /// `false` when `memory` and `time` are extrapolated to more micro-batches than `program`
-    /// holds ([`crate::priced`]): a search figure, lowered exactly before it becomes a plan.
-    pub exact: bool,
-}
-
 /// A lowered training graph before checkpointing: what [`finish`] turns into Programs, once
 /// per checkpoint choice, without re-running the sharding, autodiff and replay passes.
 #[derive(Clone, Debug)]
@@ -82,67 +67,10 @@ pub struct Unfinished {
     pub leaf_specs: Vec<(String, Spec)>,
     /// Micro-batches `training` replays.
     pub micro_batches: usize,
-    /// Figures priced for more micro-batches than `training` holds ([`crate::priced`]).
-    pub priced: Option<crate::priced::Twin>,
+    /// Figures priced for more micro-batches than `training` holds ([`crate::lower::priced`]).
+    pub priced: Option<priced::Twin>,
     /// Activation offload ([`act_offload`]): applied after each checkpointing.
     pub act_offload: bool,
-}
-
-/// Predicted time of one step, from walking the Program with the cost model.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct StepTime {
-    pub forward_compute_s: f64,
-    pub backward_compute_s: f64,
-    pub optimizer_compute_s: f64,
-    /// Forward work re-run in the backward pass (activation checkpointing): compute and the
-    /// collectives it repeats.
-    pub recompute_s: f64,
-    /// `recompute_s` by block index.
-    pub recompute_by_block_s: Vec<f64>,
-    /// Collectives on the critical path (tensor/sequence parallel activations).
-    pub blocking_comm_s: f64,
-    /// Collectives on parameters and gradients (data parallel, ZeRO), which run beside the
-    /// compute of their pass.
-    pub overlapped_comm_s: f64,
-    /// The part of `overlapped_comm_s` that the compute does not hide.
-    pub exposed_comm_s: f64,
-    pub step_time_s: f64,
-    /// Compute seconds per op kind (`matmul`, `attention`, `adamw`, ..), all phases.
-    pub compute_by_op_s: std::collections::BTreeMap<&'static str, f64>,
-    /// Offload: seconds of copies between tiers (host link, NVMe) over the step.
-    pub transfer_s: f64,
-    /// Offload: seconds of host work (the offloaded chunks' AdamW, their norm terms).
-    pub host_compute_s: f64,
-    /// Offload: what copies and host work add to the step beyond the device's own time (the
-    /// rest runs beside the device's compute).
-    pub offload_exposed_s: f64,
-    /// Offload: bytes moved between tiers in one step.
-    pub moved_bytes: u64,
-    /// On a calibrated GPU: how long the device waits for the host to issue the step's
-    /// kernels (the in-order launch queue replayed with each op's measured host and device
-    /// time); 0 on devices without measured kernels.
-    pub issue_wait_s: f64,
-}
-
-impl StepTime {
-    /// The share of the copies and host work of an offloaded step that runs beside the
-    /// device's compute (1: all hidden; `None` without offload).
-    pub fn offload_hidden_fraction(&self) -> Option<f64> {
-        let work = self.transfer_s + self.host_compute_s;
-        (work > 0.0).then(|| (1.0 - self.offload_exposed_s / work).clamp(0.0, 1.0))
-    }
-}
-
-/// One collective step of the Program.
-#[derive(Clone, Debug, PartialEq)]
-pub struct CollectiveRecord {
-    pub scope: String,
-    pub phase: Phase,
-    pub op: &'static str,
-    pub axis: usize,
-    pub group: usize,
-    /// Bytes this device contributes.
-    pub bytes: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -173,6 +101,17 @@ fn without_partial(spec: &Spec) -> Spec {
     Spec { dims: spec.dims.clone(), partial: Vec::new() }
 }
 
+/// How many micro-batches a lowering replays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fidelity {
+    /// Every micro-batch: the plan's own Program, the figures its runtime measures.
+    Exact,
+    /// Past [`priced::EXACT_UP_TO`] micro-batches, the Programs of [`priced::REPLICAS`] and one
+    /// fewer, with the figures extrapolated and marked inexact ([`priced`]): what the search
+    /// compares candidates by. The plan it picks is lowered exactly.
+    Priced,
+}
+
 /// Lowers `forward` (loss `loss`) under `strategy` (one per node; `None` for leaves).
 pub fn lower(
     forward: &Graph,
@@ -181,8 +120,9 @@ pub fn lower(
     mesh: &Mesh,
     cost: &CostModel,
     opts: &LowerOptions,
+    fidelity: Fidelity,
 ) -> Result<Lowered> {
-    let u = lower_unfinished(forward, loss, strategy, mesh, opts)?;
+    let u = lower_unfinished(forward, loss, strategy, mesh, opts, fidelity)?;
     finish(&u, &opts.ckpt, mesh, cost)
 }
 
@@ -193,7 +133,11 @@ pub fn lower_unfinished(
     strategy: &[Option<Strategy>],
     mesh: &Mesh,
     opts: &LowerOptions,
+    fidelity: Fidelity,
 ) -> Result<Unfinished> {
+    if fidelity == Fidelity::Priced && opts.micro_batches.max(1) > priced::EXACT_UP_TO {
+        return priced::lower_unfinished(forward, loss, strategy, mesh, opts);
+    }
     let (tg, leaf_specs) = differentiate(forward, loss, strategy, mesh, opts)?;
     let training = replay(&tg, opts.micro_batches)?;
     Ok(Unfinished {

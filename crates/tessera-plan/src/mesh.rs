@@ -41,6 +41,42 @@ impl AxisLink {
     }
 }
 
+/// An axis the planner lays out, by what it splits. Its spelling (`dp`, `tp`, ..) is the
+/// axis's name in [`Mesh::axes`], plan files and `--explain`; a mesh may also have unnamed
+/// axes (`a0`, `a1`, ..: the automatic search's) or names read from a plan file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AxisName {
+    /// Hybrid sharding's replica groups (`shard=N`): data-parallel, ZeRO replicated across.
+    Replica,
+    /// Data parallelism: the batch.
+    Data,
+    /// Context parallelism: the sequence (and attention's heads, [`crate::context`]).
+    Context,
+    /// Tensor parallelism: Megatron-style column and row splits.
+    Tensor,
+    /// Pipeline parallelism: the stages.
+    Pipeline,
+}
+
+impl AxisName {
+    /// The name as a mesh spells it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AxisName::Replica => "replica",
+            AxisName::Data => "dp",
+            AxisName::Context => "cp",
+            AxisName::Tensor => "tp",
+            AxisName::Pipeline => "pp",
+        }
+    }
+}
+
+impl std::fmt::Display for AxisName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Mesh {
     pub shape: Vec<usize>,
@@ -97,6 +133,17 @@ impl Mesh {
             .map(|i| names.get(i).map_or_else(|| format!("a{i}"), |s| s.to_string()))
             .collect();
         Ok(Mesh { shape: shape.to_vec(), axes, links, replicas: Vec::new() })
+    }
+
+    /// [`Mesh::new`] with the planner's axis names.
+    pub fn named(cluster: &Cluster, shape: &[usize], names: &[AxisName]) -> Result<Mesh> {
+        let names: Vec<&str> = names.iter().map(|n| n.as_str()).collect();
+        Mesh::new(cluster, shape, &names)
+    }
+
+    /// The axis named `name`, if the mesh has one.
+    pub fn axis(&self, name: AxisName) -> Option<usize> {
+        self.axes.iter().position(|a| a == name.as_str())
     }
 
     /// A mesh with one explicit link per axis (tests, hand-built meshes).

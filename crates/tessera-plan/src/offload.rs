@@ -282,7 +282,7 @@ impl OffloadJson {
         g: &Graph,
         program: &tessera_ir::Program,
         memory: &tessera_profile::MemoryReport,
-        time: &crate::lower::StepTime,
+        time: &crate::cost::StepTime,
         host_memory_bytes: u64,
     ) -> OffloadJson {
         let mut chunks: Vec<ChunkJson> = Vec::new();

@@ -2,8 +2,12 @@
 //! executes. A plan records the mesh, every forward op's strategy (so it can be lowered again
 //! exactly), the collectives of one step, and the predictions taken from the lowered Program.
 
+pub mod ops;
+
 use crate::config::ParallelConfig;
 use crate::lower::CollectiveRecord;
+use crate::pipeline::lower::PipeLowered;
+use crate::pipeline::plan as pipeline_plan;
 use crate::rules::Strategy;
 use crate::search::Evaluated;
 use crate::{Mesh, PlanError, Result, Spec};
@@ -25,6 +29,13 @@ pub struct MeshJson {
     pub replicas: Vec<usize>,
 }
 
+impl MeshJson {
+    /// The axis named `name`, if the plan's mesh has one ([`crate::Mesh::axis`]).
+    pub fn axis(&self, name: crate::mesh::AxisName) -> Option<usize> {
+        self.axes.iter().position(|a| a == name.as_str())
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct TensorPlacement {
     pub name: String,
@@ -41,7 +52,7 @@ pub struct NodeStrategy {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub block: Option<u32>,
     /// What the op does, in a few words (`silu`, `residual add`, `cast bf16→f32 of o_proj`):
-    /// [`crate::explain::op_details`]. Informative only: a plan file is read without it.
+    /// [`ops::op_details`]. Informative only: a plan file is read without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
     pub inputs: Vec<String>,
@@ -239,7 +250,7 @@ pub fn describe(
     let dp: usize = dp_axes.iter().map(|&a| mesh.shape[a]).product();
     let cp = crate::context::describe_cp(g, strategies, mesh, &dp_axes);
     let tp = mesh.num_devices() / dp.max(1) / cp;
-    let cp_axis = (cp > 1).then(|| mesh.axes.iter().position(|a| a == "cp")).flatten();
+    let cp_axis = (cp > 1).then(|| mesh.axis(crate::mesh::AxisName::Context)).flatten();
     let sp = tp > 1
         && g.nodes.iter().enumerate().any(|(i, n)| {
             matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
@@ -252,22 +263,13 @@ pub fn describe(
     // Hybrid sharding: the replica axes' groups each hold a whole copy of the ZeRO state.
     let replicas: usize = mesh.replicas.iter().map(|&a| mesh.shape[a]).product();
     let shard = (zero > 0 && replicas > 1 && dp > replicas).then(|| dp / replicas);
-    ParallelConfig {
-        dp: dp.max(1),
-        tp: tp.max(1),
-        zero,
-        micro_batches: mb,
-        sp,
-        ckpt: None,
-        pp: 1,
-        schedule: None,
-        stages: Vec::new(),
-        offload: None,
-        shard,
-        cp,
-        cp_comm: None,
-        loss: loss_chunk_rows(g).map(crate::config::LossMode::Chunk),
-    }
+    ParallelConfig::new(dp.max(1), tp.max(1))
+        .with_zero(zero)
+        .with_micro_batches(mb)
+        .with_sp(sp)
+        .with_shard(shard)
+        .with_cp(cp)
+        .with_loss(loss_chunk_rows(g).map(crate::config::LossMode::Chunk))
 }
 
 pub struct PlanContext<'a> {
@@ -332,7 +334,7 @@ impl Plan {
             grads_bytes: m.grads_bytes,
             optimizer_bytes: m.optimizer_bytes,
             activations_bytes: m.activations_bytes,
-            peak_breakdown: crate::explain::peak_breakdown(m),
+            peak_breakdown: crate::figures::peak_breakdown(m),
             compute_by_op_s: t.compute_by_op_s.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             bubble_fraction: None,
             issue_wait_s: t.issue_wait_s,
@@ -353,7 +355,7 @@ impl Plan {
                 })
             })
             .collect();
-        let details = crate::explain::op_details(g);
+        let details = ops::op_details(g);
         let strategies = g
             .nodes
             .iter()
@@ -533,4 +535,31 @@ fn collective_json(c: &CollectiveRecord) -> CollectiveJson {
         group: c.group,
         bytes: c.bytes,
     }
+}
+/// Rewrites a plan made from one pipeline device's lowering ([`Plan::from_evaluated`])
+/// into the pipelined plan's: every device, the schedule's step time and bubble, the per-rank
+/// peaks, the `pipeline` section.
+pub fn attach_pipeline(plan: &mut Plan, l: &PipeLowered, full: &Mesh, tokens: usize) {
+    let ranks = full.num_devices();
+    let p = &mut plan.predicted;
+    let (old_t, old_n) = (p.step_time_s, plan.devices as f64);
+    p.step_time_s = l.step_time_s;
+    if l.step_time_s > 0.0 {
+        p.mfu *= old_t * old_n / (l.step_time_s * ranks as f64);
+        p.tokens_per_s = tokens as f64 / l.step_time_s;
+    }
+    p.peak_bytes_per_device = pipeline_plan::peaks_per_rank(l, ranks);
+    // What is live at the worst device's peak (the device the plan's other figures are of).
+    if let Some(worst) = l.devices.iter().max_by_key(|d| d.lowered.memory.peak_bytes) {
+        p.peak_breakdown = crate::figures::peak_breakdown(&worst.lowered.memory);
+    }
+    p.bubble_fraction = Some(l.timeline.bubble_fraction());
+    p.comm_bytes_per_device = l
+        .devices
+        .iter()
+        .map(|d| d.lowered.collectives.iter().map(|c| c.bytes).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    plan.devices = ranks;
+    plan.pipeline = Some(pipeline_plan::pipeline_json(l, full));
 }

@@ -20,6 +20,7 @@
 mod loss;
 mod offload;
 mod pinned;
+pub mod pipelined;
 mod rounds;
 
 pub use loss::with_loss;
@@ -31,6 +32,7 @@ use rounds::{
 };
 
 use crate::config::ParallelConfig;
+use crate::mesh::AxisName;
 use crate::plan::{BaselineJson, Plan, PlanContext};
 use crate::search::{
     self, AxisRule, Candidate, CkptSearch, Evaluated, Forward, LeastPeak, Problem0,
@@ -96,7 +98,7 @@ impl Request<'_> {
         if !e.lowered.exact {
             return Err(PlanError::Internal(
                 "a plan was made from priced figures, not its own Program's; lower it with \
-                 `priced::exactly` first"
+                 `search::exactly` first"
                     .into(),
             ));
         }
@@ -117,11 +119,13 @@ impl Request<'_> {
 fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     cfg.check_devices(cluster.num_devices())?;
     match cfg.shard {
-        Some(n) => Ok(Mesh::new(cluster, &[cfg.replicas(), n, cfg.tp], &["replica", "dp", "tp"])?
-            .with_replicas(&[0])),
+        Some(n) => {
+            let names = [AxisName::Replica, AxisName::Data, AxisName::Tensor];
+            Ok(Mesh::named(cluster, &[cfg.replicas(), n, cfg.tp], &names)?.with_replicas(&[0]))
+        }
         None => {
             let (shape, names) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
-            Mesh::new(cluster, &shape, &names)
+            Mesh::named(cluster, &shape, &names)
         }
     }
 }
@@ -135,8 +139,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
     let mut plan = with_loss(req, rows, |r| plan_fixed_as_built(r, cfg))?;
     if let (None, Some(rows)) = (cfg.loss, rows) {
-        let chosen =
-            ParallelConfig { loss: Some(crate::config::LossMode::Chunk(rows)), ..cfg.clone() };
+        let chosen = cfg.clone().with_loss(Some(crate::config::LossMode::Chunk(rows)));
         plan.config = chosen.canonical();
     }
     Ok(plan)
@@ -145,7 +148,7 @@ pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
 /// [`plan_fixed`] on the request's forward graphs as they are built.
 pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     if cfg.pp > 1 {
-        return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
+        return pipelined::plan_fixed_pipelined(req, cfg);
     }
     let t0 = Instant::now();
     let mesh = megatron_mesh(&req.cluster, cfg)?;
@@ -171,7 +174,7 @@ pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Re
         offload: cfg.offload,
     };
     let found = search::evaluate(&p, &cand, Some(req.budget))?;
-    let found = found.map(|e| crate::priced::exactly(&p, &e)).transpose()?;
+    let found = found.map(|e| crate::search::exactly(&p, &e)).transpose()?;
     match found {
         Some(e) if e.peak_bytes() > req.budget => Err(PlanError::Infeasible {
             budget: req.budget,
@@ -218,22 +221,12 @@ fn best_megatron(
         fitting += r.fits.len();
         for e in &r.fits {
             if best.as_ref().is_none_or(|(b, _)| e.step_time_s() < b.step_time_s()) {
-                let cfg = ParallelConfig {
-                    dp,
-                    tp,
-                    zero: e.candidate.zero,
-                    micro_batches: e.candidate.micro_batches,
-                    sp,
-                    ckpt: None,
-                    pp: 1,
-                    schedule: None,
-                    stages: Vec::new(),
-                    offload: None,
-                    shard: shard.filter(|_| e.candidate.zero > 0),
-                    cp,
-                    cp_comm: None,
-                    loss: None,
-                };
+                let cfg = ParallelConfig::new(dp, tp)
+                    .with_zero(e.candidate.zero)
+                    .with_micro_batches(e.candidate.micro_batches)
+                    .with_sp(sp)
+                    .with_shard(shard.filter(|_| e.candidate.zero > 0))
+                    .with_cp(cp);
                 best = Some((e.clone(), cfg));
             }
         }
@@ -270,7 +263,7 @@ fn fastest<'r>(jobs: &[Job], results: &'r [JobResult]) -> Option<&'r Evaluated> 
     }
 }
 
-/// [`fastest`], lowered exactly ([`crate::priced::exactly`]): the search prices many
+/// [`fastest`], lowered exactly ([`crate::search::exactly`]): the search prices many
 /// micro-batches from a few, and a plan carries its own Program's figures. Should the exact
 /// peak miss the budget (the priced one is the same wherever the micro-batches between the
 /// first and the last are alike), the next fastest is taken.
@@ -282,7 +275,7 @@ fn exact_fastest(
 ) -> Result<Option<Evaluated>> {
     loop {
         let Some(e) = fastest(jobs, results) else { return Ok(None) };
-        let exact = crate::priced::exactly(p, e)?;
+        let exact = crate::search::exactly(p, e)?;
         if exact.peak_bytes() <= req.budget {
             return Ok(Some(exact));
         }
@@ -309,7 +302,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
     // Where memory binds, the pipeline phase first: its plans bound one flat round
     // (`PipelineKnobs::first_over_state_share`, `seed`).
     let early = match pipeline_first(req, &p)? {
-        true => Some(crate::pipeline::auto::best_pipelined(req, f64::INFINITY)?),
+        true => Some(pipelined::best_pipelined(req, f64::INFINITY)?),
         false => None,
     };
     if let Some(phase) = &early {
@@ -329,10 +322,10 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
                 eprintln!("trace: the first round (ZeRO-3) done at {:?}", t0.elapsed());
             }
             // The pipeline phase between the two rounds: bounded by the first round's fastest
-            // fit (its priced step time is its exact one, `crate::priced`), and its plan bounds
+            // fit (its priced step time is its exact one, `crate::lower::priced`), and its plan bounds
             // the second round, which then skips what cannot beat it.
             let bound = fastest(&jobs, &first).map_or(f64::INFINITY, Evaluated::step_time_s);
-            let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
+            let phase = pipelined::best_pipelined(req, bound)?;
             seed(&p, &phase);
             if trace {
                 eprintln!("trace: the pipeline phase done at {:?}", t0.elapsed());
@@ -349,7 +342,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
             t0.elapsed()
         );
     }
-    // The Megatron baseline from the search's own figures (priced, see `crate::priced`).
+    // The Megatron baseline from the search's own figures (priced, see `crate::lower::priced`).
     let flat_megatron = best_megatron(&jobs, &results).map(|m| baseline_json(req, &m));
     // Every pipelined candidate is a Megatron configuration: the baseline grid includes them.
     let megatron = phase.megatron_baseline(flat_megatron);
@@ -367,7 +360,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
                 let phase = offload::run(req)?;
                 match phase.fit {
                     Some(e) => {
-                        let e = crate::priced::exactly(&req.problem(), &e)?;
+                        let e = crate::search::exactly(&req.problem(), &e)?;
                         crate::offload::check_tiers(&req.cluster, &e.lowered.memory, "")?;
                         req.to_plan(&e, "auto", 0.0)?
                     }
@@ -383,7 +376,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
 }
 
 /// The pipeline phase's plans as the flat search's bounds ([`search::FastestSoFar`]).
-fn seed(p: &Problem0<'_>, phase: &crate::pipeline::auto::PipelinePhase) {
+fn seed(p: &Problem0<'_>, phase: &pipelined::PipelinePhase) {
     if let Some(plan) = &phase.plan {
         let even = phase.even.as_ref().map(|e| e.predicted.step_time_s);
         p.fastest.seed_pipelined(plan.predicted.step_time_s, even);
@@ -571,7 +564,15 @@ fn lower_plan_as_built(
         ckpt,
         offload: file.offload_choice(),
     };
-    let lowered = crate::lower::lower(&fwd.graph, fwd.loss, &strategies, &mesh, &p.cost, &opts)?;
+    let lowered = crate::lower::lower(
+        &fwd.graph,
+        fwd.loss,
+        &strategies,
+        &mesh,
+        &p.cost,
+        &opts,
+        crate::lower::Fidelity::Exact,
+    )?;
     Ok(Executable {
         mesh,
         pipeline: None,
@@ -656,7 +657,7 @@ fn plan_from_file_as_built(req: &Request<'_>, file: &Plan) -> Result<Plan> {
     };
     if let Some(l) = &exe.pipeline {
         let mut plan = req.to_plan(&e, "file", t0.elapsed().as_secs_f64() * 1e3)?;
-        crate::pipeline::plan::attach(&mut plan, l, &exe.mesh, req.batch * req.seq);
+        crate::plan::attach_pipeline(&mut plan, l, &exe.mesh, req.batch * req.seq);
         plan.config = file.config.clone();
         if l.peak_bytes() > req.budget {
             return Err(PlanError::Infeasible {
@@ -754,22 +755,12 @@ fn describe(least: &LeastPeak) -> String {
         AxisRule::Megatron { sp, cp } if uniform => {
             // `[dp, tp]`, or `[dp, cp, tp]` with context parallelism.
             let at = |k: usize| c.mesh.shape.get(k).copied().unwrap_or(1);
-            let cfg = ParallelConfig {
-                dp: at(0),
-                tp: if *cp { at(2) } else { at(1) },
-                cp: if *cp { at(1) } else { 1 },
-                zero: c.zero,
-                micro_batches: c.micro_batches,
-                sp: *sp,
-                ckpt: first,
-                pp: 1,
-                schedule: None,
-                stages: Vec::new(),
-                offload: None,
-                shard: None,
-                cp_comm: None,
-                loss: None,
-            };
+            let cfg = ParallelConfig::new(at(0), if *cp { at(2) } else { at(1) })
+                .with_cp(if *cp { at(1) } else { 1 })
+                .with_zero(c.zero)
+                .with_micro_batches(c.micro_batches)
+                .with_sp(*sp)
+                .with_ckpt(first);
             format!("`{}`", cfg.canonical())
         }
         _ => {
@@ -805,7 +796,7 @@ pub fn attach_megatron(req: &Request<'_>, plan: &mut Plan) -> Result<()> {
     if plan.baselines.megatron.is_none() {
         let flat = megatron(req)?.as_ref().map(|m| baseline_json(req, m));
         let bound = flat.as_ref().map_or(f64::INFINITY, |f| f.step_time_s);
-        let phase = crate::pipeline::auto::best_pipelined(req, bound)?;
+        let phase = pipelined::best_pipelined(req, bound)?;
         plan.baselines.megatron = phase.megatron_baseline(flat);
     }
     Ok(())

@@ -52,6 +52,25 @@ pub enum DimRole {
     Other,
 }
 
+/// Roles of one node's labels from its inputs' dim roles (batch, sequence or other).
+pub(crate) fn label_roles(
+    n: &tessera_ir::Node,
+    l: &Labeling,
+    roles: &[Vec<DimRole>],
+) -> Vec<DimRole> {
+    let mut lab_role = vec![DimRole::Other; l.sizes.len()];
+    for (k, &t) in n.inputs.iter().enumerate() {
+        for (d, lab) in l.inputs[k].iter().enumerate() {
+            if let Some(lab) = lab {
+                if roles[t.index()][d] != DimRole::Other {
+                    lab_role[*lab] = roles[t.index()][d];
+                }
+            }
+        }
+    }
+    lab_role
+}
+
 /// An op as iteration dims.
 #[derive(Clone, Debug, Default)]
 pub struct Labeling {

@@ -7,88 +7,23 @@
 mod megatron;
 mod scan;
 mod space;
-pub(crate) use space::label_roles;
 
 pub use megatron::tp_strategies;
-pub use scan::{resting_floor, Miss};
+pub use scan::resting_floor;
+// The data the search's phases exchange ([`crate::figures`]), under their old paths too.
+pub use crate::figures::{AxisRule, Candidate, Evaluated, Forward, LeastPeak, Miss, SharedForward};
 
 use crate::cost::CostModel;
 use crate::ilp::{self, Problem, SolveOptions};
-use crate::lower::{finish, LowerOptions, Lowered};
-// Many micro-batches priced from a few; the plan picked is lowered exactly.
-use crate::priced::{lower, lower_unfinished};
+// Many micro-batches priced from a few ([`Fidelity::Priced`]); the plan picked is lowered
+// exactly ([`exactly`]).
+use crate::lower::{finish, lower, lower_unfinished, Fidelity, LowerOptions, Lowered};
 use crate::reshard::ReshardCache;
 use crate::rules::Strategy;
 use crate::{Mesh, PlanError, Result};
 use space::{build_problem, Space};
 use std::collections::HashMap;
-use tessera_ir::{Checkpointing, CkptMode, Graph, Program, TensorId};
-
-/// Which labels each mesh axis may split.
-#[derive(Clone, Debug, PartialEq)]
-pub enum AxisRule {
-    /// Any axis any label (the automatic search).
-    Free,
-    /// A fixed `dp × tp` configuration on a `[dp, tp]` mesh: axis 0 must split the batch of
-    /// every op that has one; axis 1 splits what Megatron-LM's tensor (and, with `sp`,
-    /// sequence) parallelism splits, op by op (see `search/megatron.rs`). With `cp`, the mesh
-    /// is `[dp, cp, tp]` and the axis before the tensor axis is context-parallel: it splits
-    /// every op's sequence, and attention's heads ([`crate::context`]).
-    Megatron { sp: bool, cp: bool },
-}
-
-/// One point of the search space.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Candidate {
-    pub mesh: Mesh,
-    pub rule: AxisRule,
-    pub zero: u8,
-    pub micro_batches: usize,
-    /// Model state below the device ([`crate::offload`]); `None`: all on the device.
-    pub offload: Option<crate::offload::Offload>,
-}
-
-impl Candidate {
-    /// A total order of candidates, for answers that must not depend on thread timing:
-    /// fewer micro-batches, then lower ZeRO stages, then Megatron-style layouts before per-op
-    /// ones (a config string reproduces them).
-    pub fn order_key(&self) -> (usize, u8, u8, &[usize]) {
-        let rule = match self.rule {
-            AxisRule::Megatron { sp, .. } => sp as u8,
-            AxisRule::Free => 2,
-        };
-        (self.micro_batches, self.zero, rule, &self.mesh.shape)
-    }
-}
-
-/// A solved and lowered candidate.
-#[derive(Clone, Debug)]
-pub struct Evaluated {
-    pub candidate: Candidate,
-    /// Strategy per node of the forward graph (`None` for leaves).
-    pub strategies: Vec<Option<Strategy>>,
-    pub lowered: Lowered,
-    /// The ILP's own estimate (seconds), before lowering.
-    pub ilp_objective_s: f64,
-}
-
-impl Evaluated {
-    pub fn step_time_s(&self) -> f64 {
-        self.lowered.time.step_time_s
-    }
-    pub fn peak_bytes(&self) -> u64 {
-        self.lowered.memory.peak_bytes
-    }
-}
-
-/// The forward graph of one micro-batch and its loss.
-pub struct Forward {
-    pub graph: Graph,
-    pub loss: TensorId,
-}
-
-/// A forward graph with its saved-activation flags, shared by candidates.
-pub type SharedForward = std::sync::Arc<(Forward, Vec<bool>)>;
+use tessera_ir::{Checkpointing, CkptMode, Program};
 
 /// What the search needs besides the candidate: the model (built per micro-batch size), the
 /// device, and the training settings.
@@ -120,38 +55,6 @@ pub struct Problem0<'a> {
     /// The least peak any candidate that did not fit reaches ([`LeastPeak`]): what an
     /// infeasible search reports.
     pub least: std::sync::Mutex<Option<LeastPeak>>,
-}
-
-/// The least per-device peak a candidate reaches under the search's own rules: its most
-/// memory-frugal layout (the ILP minimising its memory rows) with the checkpointing the policy
-/// accepts that keeps the least — for the joint search the plain Program or full recompute,
-/// whichever peaks lower. The search accepts that layout under any budget of at least this
-/// (see [`evaluate`]) and, when nothing fits, evaluates every candidate it enumerates (the
-/// deferred ones included): a budget of the least over a failed search's candidates finds a
-/// plan, and under any smaller one every candidate's most frugal layout misses.
-#[derive(Clone, Debug)]
-pub struct LeastPeak {
-    pub peak_bytes: u64,
-    pub candidate: Candidate,
-    /// The checkpointing that reaches it.
-    pub ckpt: Checkpointing,
-}
-
-impl LeastPeak {
-    /// A total order (ties broken by the candidate), so that the record does not depend on
-    /// which thread finished first.
-    fn key(&self) -> (u64, (usize, u8, u8, &[usize])) {
-        (self.peak_bytes, self.candidate.order_key())
-    }
-
-    /// Keeps `this` in `slot` if it is less than what is there.
-    fn record(slot: &std::sync::Mutex<Option<LeastPeak>>, this: LeastPeak) {
-        if let Ok(mut least) = slot.lock() {
-            if least.as_ref().is_none_or(|l| this.key() < l.key()) {
-                *least = Some(this);
-            }
-        }
-    }
 }
 
 /// The fastest fitting step times found so far, shared by the search's threads: the bound of
@@ -470,7 +373,7 @@ fn evaluate_candidate(
     let local_best = std::cell::Cell::new(f64::INFINITY);
     // Lowers one ILP solution under the policy: `None` when it does not fit.
     let finish_policy = |strategies: &[Option<Strategy>]| -> Result<Option<Lowered>> {
-        let u = lower_unfinished(g, fwd.loss, strategies, mesh, &lopts)?;
+        let u = lower_unfinished(g, fwd.loss, strategies, mesh, &lopts, Fidelity::Priced)?;
         match (&p.ckpt, &fixed_mode) {
             (_, Some(schedule)) => {
                 let l = finish(&u, schedule, mesh, &p.cost)?;
@@ -556,7 +459,15 @@ fn evaluate_candidate(
         // candidate gets (recomputation only adds time; the slacks' layouts rank slower).
         // When another candidate already beats it, the slacks are skipped. (A heuristic bound,
         // unlike the others: it trusts the ILP's ranking, which the lowering refines.)
-        let l = lower(g, fwd.loss, &space.assignment(&free.picks), mesh, &p.cost, &lopts)?;
+        let l = lower(
+            g,
+            fwd.loss,
+            &space.assignment(&free.picks),
+            mesh,
+            &p.cost,
+            &lopts,
+            Fidelity::Priced,
+        )?;
         if l.time.step_time_s > bound {
             return Ok(best);
         }
@@ -635,7 +546,7 @@ fn sharding_only(
         let Some(sol) = ilp::solve(&pr, &p.knobs.solve)? else { break };
         let t_solve = t1.elapsed();
         let strategies = space.assignment(&sol.picks);
-        let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts)?;
+        let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts, Fidelity::Priced)?;
         if std::env::var_os("TESSERA_TRACE").is_some() {
             eprintln!(
                 "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?} ilp {:.4} lowered {:.4} peak {:.2}/{:.2} GiB",
@@ -689,7 +600,8 @@ fn frugal_candidate(
         ckpt: Checkpointing::default(),
         offload: cand.offload,
     };
-    let u = lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts)?;
+    let u =
+        lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts, Fidelity::Priced)?;
     match frugal_fit(p, &u, &cand.mesh, budget, bound)? {
         Frugal::Fits(l) => Ok(Ok((strategies, *l, sol.objective))),
         Frugal::Misses { resting, least } => {
@@ -818,10 +730,39 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
         ckpt,
         offload: cand.offload,
     };
-    let u = lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts)?;
+    let u =
+        lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts, Fidelity::Priced)?;
     // Nothing fits a negative budget: the answer is the least peak.
     Ok(Some(match frugal_fit(p, &u, &cand.mesh, -1.0, f64::INFINITY)? {
         Frugal::Misses { least, .. } => least.0,
         Frugal::Fits(l) => l.memory.peak_bytes,
     }))
+}
+
+/// `e` with its Program lowered exactly (the same layout, ZeRO stage, micro-batches and
+/// checkpointing): `e` itself when it already is.
+pub fn exactly(p: &Problem0<'_>, e: &Evaluated) -> Result<Evaluated> {
+    if e.lowered.exact {
+        return Ok(e.clone());
+    }
+    let mb = e.candidate.micro_batches.max(1);
+    let shared = p.forward(p.batch / mb)?;
+    let fwd = &shared.0;
+    let opts = LowerOptions {
+        zero: e.candidate.zero,
+        micro_batches: mb,
+        train: p.train.clone(),
+        ckpt: e.lowered.ckpt.clone(),
+        offload: e.candidate.offload,
+    };
+    let lowered = lower(
+        &fwd.graph,
+        fwd.loss,
+        &e.strategies,
+        &e.candidate.mesh,
+        &p.cost,
+        &opts,
+        Fidelity::Exact,
+    )?;
+    Ok(Evaluated { lowered, ..e.clone() })
 }

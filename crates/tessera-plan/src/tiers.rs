@@ -5,7 +5,7 @@
 //! split evenly among its GPUs; each GPU has its own PCIe link. Presets carry their sources;
 //! cluster files and the `--host-memory` / `--nvme-size` flags override them.
 
-use crate::cluster::Link;
+use crate::link::Link;
 use crate::units::format_bytes;
 use crate::{PlanError, Result};
 use serde::{Deserialize, Serialize};

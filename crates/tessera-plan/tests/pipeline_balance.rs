@@ -83,7 +83,7 @@ fn the_search_recuts_stages_around_a_heavy_head_and_the_config_reproduces_it() {
     assert_eq!(sizes.iter().sum::<usize>(), 8);
     // The same shape with even stages, lowered exactly: slower (the pass keeps a re-cut only
     // when it is faster).
-    let even = ParallelConfig { stages: Vec::new(), ..config.clone() };
+    let even = config.clone().with_stages(Vec::new());
     let even = plan_fixed(&req, &even).unwrap();
     assert!(
         auto.predicted.step_time_s < even.predicted.step_time_s,
@@ -115,7 +115,7 @@ fn a_recut_fits_where_even_stages_do_not() {
     let config = ParallelConfig::parse(&auto.config).unwrap();
     assert!(config.pp >= 2 && !config.stages.is_empty(), "{}", auto.config);
     assert!(auto.predicted.peak_bytes_per_device.iter().all(|&p| p <= budget), "{auto:?}");
-    let even = ParallelConfig { stages: Vec::new(), ..config.clone() };
+    let even = config.clone().with_stages(Vec::new());
     match plan_fixed(&req, &even) {
         Err(PlanError::Infeasible { needed, .. }) => assert!(needed > budget),
         other => panic!("`{even}` with even stages fits or fails otherwise: {other:?}"),

@@ -1,5 +1,5 @@
 //! The search prices many micro-batches from the Programs of four and three
-//! (`tessera_plan::priced`): every figure it extrapolates must equal the exact lowering's —
+//! (`tessera_plan::lower::priced`): every figure it extrapolates must equal the exact lowering's —
 //! step time and each of its parts, every byte count, the peak — under data, tensor and
 //! sequence parallelism, each ZeRO stage and each checkpointing, and the planner's plans must
 //! carry the exact Program.
@@ -8,9 +8,9 @@ mod common;
 
 use common::{builder, problem};
 use tessera_ir::{Checkpointing, CkptMode, TrainConfig};
-use tessera_plan::lower::{self, LowerOptions, Lowered};
+use tessera_plan::lower::{self, priced, Fidelity, LowerOptions, Lowered};
 use tessera_plan::search::{self, AxisRule, Candidate};
-use tessera_plan::{priced, Cluster, Mesh};
+use tessera_plan::{Cluster, Mesh};
 
 fn close(what: &str, priced: f64, exact: f64) {
     let tol = 1e-9 * exact.abs().max(1e-12);
@@ -87,8 +87,24 @@ fn priced_micro_batches_equal_the_exact_lowering() {
                             offload: None,
                         };
                         let args = (&fwd.graph, fwd.loss, &e.strategies[..], &mesh, &p.cost);
-                        let exact = lower::lower(args.0, args.1, args.2, args.3, args.4, &opts);
-                        let priced = priced::lower(args.0, args.1, args.2, args.3, args.4, &opts);
+                        let exact = lower::lower(
+                            args.0,
+                            args.1,
+                            args.2,
+                            args.3,
+                            args.4,
+                            &opts,
+                            Fidelity::Exact,
+                        );
+                        let priced = lower::lower(
+                            args.0,
+                            args.1,
+                            args.2,
+                            args.3,
+                            args.4,
+                            &opts,
+                            Fidelity::Priced,
+                        );
                         let case =
                             format!("{preset} {shape:?} {rule:?} zero {zero} mb {m} {ckpt:?}");
                         assert_same(&case, &priced.unwrap(), &exact.unwrap());
@@ -96,7 +112,7 @@ fn priced_micro_batches_equal_the_exact_lowering() {
                     }
                     // The search's own figures are priced; the planner's are exact and equal.
                     assert!(!e.lowered.exact);
-                    let exact = priced::exactly(&p, &e).unwrap();
+                    let exact = search::exactly(&p, &e).unwrap();
                     assert_same("the search's pick", &e.lowered, &exact.lowered);
                 }
             }

@@ -4,22 +4,7 @@
 use super::*;
 
 fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> ParallelConfig {
-    ParallelConfig {
-        dp,
-        tp,
-        zero,
-        micro_batches,
-        sp,
-        ckpt: None,
-        pp: 1,
-        schedule: None,
-        stages: Vec::new(),
-        offload: None,
-        shard: None,
-        cp: 1,
-        cp_comm: None,
-        loss: None,
-    }
+    ParallelConfig::new(dp, tp).with_zero(zero).with_micro_batches(micro_batches).with_sp(sp)
 }
 
 fn err(s: &str) -> String {
@@ -75,7 +60,7 @@ fn devices_is_dp_times_tp() {
 }
 
 fn pipe(dp: usize, tp: usize, pp: usize, schedule: Option<ScheduleKind>) -> ParallelConfig {
-    ParallelConfig { dp, tp, pp, schedule, ..ParallelConfig::default() }
+    ParallelConfig::new(dp, tp).with_pp(pp).with_schedule(schedule)
 }
 
 #[test]
@@ -83,11 +68,7 @@ fn pipeline_tokens_parse_and_round_trip() {
     let cases = [
         ("pp4", pipe(1, 1, 4, None), "dp1 tp1 pp4"),
         ("tp2+pp4", pipe(1, 2, 4, None), "dp1 tp2 pp4"),
-        (
-            "dp2 tp2 pp4 zero1",
-            ParallelConfig { zero: 1, ..pipe(2, 2, 4, None) },
-            "dp2 tp2 pp4 zero1",
-        ),
+        ("dp2 tp2 pp4 zero1", pipe(2, 2, 4, None).with_zero(1), "dp2 tp2 pp4 zero1"),
         (
             "pp2 sched=interleaved:2",
             pipe(1, 1, 2, Some(ScheduleKind::Interleaved { v: 2 })),
@@ -100,13 +81,11 @@ fn pipeline_tokens_parse_and_round_trip() {
         ("pp1 dp4", pipe(4, 1, 1, None), "dp4 tp1"),
         (
             "ckpt=full sched=Interleaved:4 mb8 sp tp2 pp3 zero1 dp2",
-            ParallelConfig {
-                zero: 1,
-                micro_batches: 8,
-                sp: true,
-                ckpt: Some(CkptMode::Full),
-                ..pipe(2, 2, 3, Some(ScheduleKind::Interleaved { v: 4 }))
-            },
+            pipe(2, 2, 3, Some(ScheduleKind::Interleaved { v: 4 }))
+                .with_zero(1)
+                .with_micro_batches(8)
+                .with_sp(true)
+                .with_ckpt(Some(CkptMode::Full)),
             "dp2 tp2 pp3 sp zero1 mb8 sched=interleaved:4 ckpt=full",
         ),
     ];
@@ -584,4 +563,24 @@ fn written_knobs_are_pinned_and_the_rest_left_to_the_search() {
     assert!(!p.complete_for(&c));
     let (c, p) = pins("dp2 pp2 mb4 sched=zb-h1");
     assert!(!p.complete_for(&c), "checkpointing is searched with a pipeline: {c}");
+}
+
+#[test]
+fn the_builder_makes_what_the_grammar_parses_and_serde_reads_it_back() {
+    let built = ParallelConfig::new(2, 4)
+        .with_zero(1)
+        .with_micro_batches(8)
+        .with_sp(true)
+        .with_cp(2)
+        .with_ckpt(Some(CkptMode::Full));
+    assert_eq!(built, ParallelConfig::parse("dp2 tp4 cp2 zero1 mb8 sp ckpt=full").unwrap());
+    built.validate().unwrap();
+    // The seal is not part of the plan file: the JSON names the knobs only.
+    let json = serde_json::to_value(&built).unwrap();
+    assert!(json.get("built").is_none(), "{json}");
+    let back: ParallelConfig = serde_json::from_value(json).unwrap();
+    assert_eq!(back, built);
+    // The setters do not check; validate does.
+    let bad = ParallelConfig::new(2, 4).with_micro_batches(0);
+    assert!(bad.validate().unwrap_err().to_string().contains("at least 1"));
 }

@@ -25,17 +25,16 @@ use serde_json::json;
 /// `cfg` mapped onto DeepSpeed: the tensor-parallel devices become data-parallel replicas; a
 /// pipeline keeps ZeRO-0/1 or gives way to data parallelism.
 pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
-    let flat = ParallelConfig {
-        dp: cfg.dp * cfg.tp,
-        tp: 1,
-        sp: false,
-        schedule: None,
-        stages: Vec::new(),
-        offload: None,
+    let flat = cfg
+        .clone()
+        .with_dp(cfg.dp * cfg.tp)
+        .with_tp(1)
+        .with_sp(false)
+        .with_schedule(None)
+        .with_stages(Vec::new())
+        .with_offload(None)
         // ZeRO over every rank: DeepSpeed has no hybrid sharding (see `problem`).
-        shard: None,
-        ..cfg.clone()
-    };
+        .with_shard(None);
     if let Some(o) = cfg.offload.filter(|o| o.moves_state()) {
         // The offload DeepSpeed has nearest to `o` (a plan with offload has no pipeline), and
         // the plan without offload.
@@ -43,14 +42,14 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
         let zero = if kind == OffloadKind::All { 3 } else { flat.zero.max(1) };
         let nvme = if o.nvme > 0 && zero == 3 { CHUNKS } else { 0 };
         let offload = Some(Offload { kind, chunks: CHUNKS, nvme, act: false });
-        return vec![ParallelConfig { zero, offload, ..flat.clone() }, flat];
+        return vec![flat.clone().with_zero(zero).with_offload(offload), flat];
     }
     if cfg.pp == 1 {
         return vec![flat];
     }
-    let mut out = vec![ParallelConfig { zero: flat.zero.min(1), ..flat.clone() }];
+    let mut out = vec![flat.clone().with_zero(flat.zero.min(1))];
     if flat.zero >= 2 {
-        out.push(ParallelConfig { dp: flat.dp * flat.pp, pp: 1, ..flat });
+        out.push(flat.clone().with_dp(flat.dp * flat.pp).with_pp(1));
     }
     out
 }

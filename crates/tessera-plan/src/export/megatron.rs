@@ -33,7 +33,7 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
     let shard = |zero: u8| if zero == 1 { cfg.shard } else { None };
     (0..=cfg.zero.min(1))
         .rev()
-        .map(|zero| ParallelConfig { zero, shard: shard(zero), ..base.clone() })
+        .map(|zero| base.clone().with_zero(zero).with_shard(shard(zero)))
         .collect()
 }
 

@@ -148,7 +148,7 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
     };
     if let Some(why) = crate::context::refuse_export(engine, cfg.cp) {
         // The nearest: the context-parallel devices as data-parallel replicas.
-        let flat = ParallelConfig { dp: cfg.dp * cfg.cp, cp: 1, cp_comm: None, ..cfg.clone() };
+        let flat = cfg.clone().with_dp(cfg.dp * cfg.cp).with_cp(1).with_cp_comm(None);
         return Err(refuse(why, nearest(framework, &flat, plan.batch)));
     }
     if let Some((why, fitted)) = kv_heads_problem(framework, &cfg, &target.model) {
@@ -212,7 +212,7 @@ fn kv_heads_problem(
     while k != 0 {
         (t, k) = (k, t % k);
     }
-    let fitted = ParallelConfig { tp: t, dp: cfg.dp * cfg.tp / t, ..cfg.clone() };
+    let fitted = cfg.clone().with_tp(t).with_dp(cfg.dp * cfg.tp / t);
     Some((
         format!(
             "tp{} exceeds {}'s {kv} KV heads, which Tessera replicates, but {how}, so each rank \
@@ -268,7 +268,7 @@ pub fn nearest(framework: Framework, cfg: &ParallelConfig, batch: usize) -> Vec<
                 continue;
             }
             for m in [CkptMode::None, CkptMode::Full] {
-                let c = ParallelConfig { ckpt: Some(m), micro_batches: mb, ..base.clone() };
+                let c = base.clone().with_ckpt(Some(m)).with_micro_batches(mb);
                 if !out.contains(&c) {
                     out.push(c);
                 }

@@ -23,19 +23,16 @@ use crate::plan::Plan;
 /// `cfg` mapped onto torchtitan: `sp` with tensor parallelism, ZeRO-1/2 as either DDP or
 /// FSDP, GPipe or 1F1B on even stages.
 pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
-    let mut base = ParallelConfig { sp: cfg.tp > 1, stages: Vec::new(), ..cfg.clone() };
+    let mut base = cfg.clone().with_sp(cfg.tp > 1).with_stages(Vec::new());
     if !matches!(base.schedule, None | Some(ScheduleKind::Gpipe | ScheduleKind::OneFOneB)) {
         base.schedule = None;
     }
     // FSDP2's CPU offload (`enable_cpu_offload`) moves parameters, gradients and optimizer
     // state of every unit: offload=all, every chunk, under full sharding.
     if cfg.offload.is_some_and(|o| o.moves_state()) {
-        let on_host = ParallelConfig {
-            zero: 3,
-            offload: Some(Offload::all_chunks(OffloadKind::All)),
-            ..base.clone()
-        };
-        return vec![on_host, ParallelConfig { zero: 3, offload: None, ..base }];
+        let on_host =
+            base.clone().with_zero(3).with_offload(Some(Offload::all_chunks(OffloadKind::All)));
+        return vec![on_host, base.with_zero(3).with_offload(None)];
     }
     let zeros: &[u8] = match cfg.zero {
         0 => &[0],
@@ -44,7 +41,7 @@ pub(super) fn expressible(cfg: &ParallelConfig) -> Vec<ParallelConfig> {
     };
     // Hybrid sharding is HSDP under FSDP2; DDP (ZeRO-0) has nothing to shard.
     let shard = |zero: u8| if zero == 3 { cfg.shard } else { None };
-    zeros.iter().map(|&zero| ParallelConfig { zero, shard: shard(zero), ..base.clone() }).collect()
+    zeros.iter().map(|&zero| base.clone().with_zero(zero).with_shard(shard(zero))).collect()
 }
 
 /// Why torchtitan cannot train the model at all (`None`: it can).

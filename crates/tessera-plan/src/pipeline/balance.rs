@@ -222,7 +222,7 @@ pub fn rebalance(
     let before: Vec<f64> = (0..p).map(|d| secs(d, devices[d].blocks, here)).collect();
     let after: Vec<f64> = chosen.iter().map(|c| c.secs).collect();
     let ratio = makespan(&after) / makespan(&before).max(f64::MIN_POSITIVE);
-    Some(Recut { config: ParallelConfig { stages, ckpt, ..cfg.clone() }, ratio })
+    Some(Recut { config: cfg.clone().with_stages(stages).with_ckpt(ckpt), ratio })
 }
 
 /// Each device's fastest mode that fits it, its blocks fixed (`blocks[d]`): `None` when some

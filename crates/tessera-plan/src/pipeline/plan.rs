@@ -11,6 +11,7 @@ use super::split::StageMap;
 use super::ScheduleKind;
 use crate::cost::CostModel;
 use crate::lower::LowerOptions;
+use crate::mesh::AxisName;
 use crate::rules::Strategy;
 use crate::{Cluster, Mesh, PlanError, Result};
 use serde::{Deserialize, Serialize};
@@ -48,59 +49,6 @@ impl PipelineJson {
         parse_schedule(&self.schedule)
     }
 
-    /// The `--explain` section: schedule, bubble, and per stage its blocks, their
-    /// checkpointing (from the plan's per-block `checkpoint`), ranks and the peak of the device
-    /// that runs it (a plan fits when the worst of these fits).
-    pub fn explain(
-        &self,
-        micro_batches: usize,
-        bubble: Option<f64>,
-        checkpoint: &[crate::plan::BlockCkpt],
-    ) -> String {
-        let mut s = format!(
-            "pipeline {} over {} devices, {micro_batches} micro-batches",
-            self.schedule, self.devices
-        );
-        if let Some(b) = bubble {
-            s += &format!(", bubble {:.1}% of device time", 100.0 * b);
-        }
-        s += "\n";
-        s += &format!(
-            "  {:<6} {:<10} {:<10} {:<24} {:>12}\n",
-            "stage", "blocks", "ckpt", "ranks", "peak"
-        );
-        let worst = self.stages.iter().map(|st| st.peak_bytes).max().unwrap_or(0);
-        for (i, st) in self.stages.iter().enumerate() {
-            let ranks: Vec<String> = st.devices.iter().map(usize::to_string).collect();
-            let mut ranks = ranks.join(",");
-            if ranks.len() > 24 {
-                ranks = format!("{} ranks", st.devices.len());
-            }
-            let modes: std::collections::BTreeSet<tessera_ir::CkptMode> = checkpoint
-                .iter()
-                .filter(|c| (st.blocks[0]..st.blocks[1]).contains(&(c.block as usize)))
-                .map(|c| c.mode)
-                .collect();
-            let ckpt = match modes.len() {
-                0 => "none".to_string(),
-                1 => modes.iter().map(|m| m.to_string()).collect(),
-                _ => "mixed".to_string(),
-            };
-            s += &format!(
-                "  {i:<6} {:<10} {ckpt:<10} {ranks:<24} {:>12}{}\n",
-                format!("{}..{}", st.blocks[0], st.blocks[1]),
-                crate::units::format_bytes(st.peak_bytes),
-                if st.peak_bytes == worst { "  (worst)" } else { "" }
-            );
-        }
-        // What is live at each stage's peak: the parts sum to the peak above.
-        for (i, st) in self.stages.iter().enumerate() {
-            let first = format!("  stage {i} at its peak: ");
-            s += &crate::explain::live_parts(&first, &st.peak_breakdown, 4).unwrap_or_default();
-        }
-        s
-    }
-
     /// Blocks per virtual stage.
     pub fn sizes(&self) -> Vec<usize> {
         self.stages.iter().map(|s| s.blocks[1].saturating_sub(s.blocks[0])).collect()
@@ -120,11 +68,12 @@ pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Me
     physical.extend_from_slice(stage_shape);
     // A three-axis stage is `[dp, cp, tp]` (hybrid sharding, the other three-axis stage
     // mesh, is refused with a pipeline).
-    let stage_names: &[&str] =
-        if stage_shape.len() == 3 { &["dp", "cp", "tp"] } else { &["dp", "tp"] };
-    let names: Vec<&str> =
-        std::iter::once("pp").chain(stage_names.iter().copied()).take(physical.len()).collect();
-    let laid = Mesh::new(cluster, &physical, &names)?;
+    use AxisName::{Context, Data, Pipeline, Tensor};
+    let stage_names: &[AxisName] =
+        if stage_shape.len() == 3 { &[Data, Context, Tensor] } else { &[Data, Tensor] };
+    let names: Vec<AxisName> =
+        std::iter::once(Pipeline).chain(stage_names.iter().copied()).take(physical.len()).collect();
+    let laid = Mesh::named(cluster, &physical, &names)?;
     let stage = Mesh {
         shape: stage_shape.to_vec(),
         axes: laid.axes[1..].to_vec(),
@@ -132,7 +81,7 @@ pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Me
         replicas: Vec::new(),
     };
     let mut full = full_mesh(&stage, pp, laid.links[0]);
-    full.axes = stage.axes.iter().cloned().chain(["pp".to_string()]).collect();
+    full.axes = stage.axes.iter().cloned().chain([Pipeline.to_string()]).collect();
     Ok((stage, full))
 }
 
@@ -180,7 +129,7 @@ pub fn pipeline_json(l: &PipeLowered, full: &Mesh) -> PipelineJson {
                 // The pipeline axis is the mesh's last: rank r runs pipeline device r mod pp.
                 devices: (0..ranks).filter(|r| r % map.devices == d).collect(),
                 peak_bytes: l.devices[d].lowered.memory.peak_bytes,
-                peak_breakdown: crate::explain::peak_breakdown(&l.devices[d].lowered.memory),
+                peak_breakdown: crate::figures::peak_breakdown(&l.devices[d].lowered.memory),
             }
         })
         .collect();
@@ -191,32 +140,4 @@ pub fn pipeline_json(l: &PipeLowered, full: &Mesh) -> PipelineJson {
 pub fn peaks_per_rank(l: &PipeLowered, ranks: usize) -> Vec<u64> {
     let p = l.devices.len().max(1);
     (0..ranks).map(|r| l.devices[r % p].lowered.memory.peak_bytes).collect()
-}
-
-/// Rewrites a plan made from one pipeline device's lowering ([`crate::plan::Plan::from_evaluated`])
-/// into the pipelined plan's: every device, the schedule's step time and bubble, the per-rank
-/// peaks, the `pipeline` section.
-pub fn attach(plan: &mut crate::plan::Plan, l: &PipeLowered, full: &Mesh, tokens: usize) {
-    let ranks = full.num_devices();
-    let p = &mut plan.predicted;
-    let (old_t, old_n) = (p.step_time_s, plan.devices as f64);
-    p.step_time_s = l.step_time_s;
-    if l.step_time_s > 0.0 {
-        p.mfu *= old_t * old_n / (l.step_time_s * ranks as f64);
-        p.tokens_per_s = tokens as f64 / l.step_time_s;
-    }
-    p.peak_bytes_per_device = peaks_per_rank(l, ranks);
-    // What is live at the worst device's peak (the device the plan's other figures are of).
-    if let Some(worst) = l.devices.iter().max_by_key(|d| d.lowered.memory.peak_bytes) {
-        p.peak_breakdown = crate::explain::peak_breakdown(&worst.lowered.memory);
-    }
-    p.bubble_fraction = Some(l.timeline.bubble_fraction());
-    p.comm_bytes_per_device = l
-        .devices
-        .iter()
-        .map(|d| d.lowered.collectives.iter().map(|c| c.bytes).sum::<u64>())
-        .max()
-        .unwrap_or(0);
-    plan.devices = ranks;
-    plan.pipeline = Some(pipeline_json(l, full));
 }

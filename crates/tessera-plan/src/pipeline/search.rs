@@ -19,7 +19,7 @@ use super::balance::BlockCosts;
 use super::schedule;
 use super::{Pass, ScheduleKind, Slot};
 use crate::config::ParallelConfig;
-use crate::lower::{finish, lower_unfinished, LowerOptions, Lowered};
+use crate::lower::{finish, lower_unfinished, Fidelity, LowerOptions, Lowered};
 use crate::search::{self, AxisRule, Candidate, Problem0};
 use crate::{Cluster, Mesh, PlanError, Result};
 use std::sync::Arc;
@@ -183,7 +183,8 @@ pub fn sample_and_screen(
                 ckpt: Checkpointing::default(),
                 offload: None,
             };
-            let u = lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts)?;
+            let u =
+                lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts, Fidelity::Exact)?;
             finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
         };
         let weight_inputs_bytes = e.lowered.memory.activations_bytes;
@@ -302,22 +303,13 @@ pub fn config(
     kind: ScheduleKind,
     num_blocks: usize,
 ) -> Option<ParallelConfig> {
-    let cfg = ParallelConfig {
-        dp: shape.dp,
-        tp: shape.tp,
-        zero: shape.zero,
-        micro_batches: m,
-        sp: shape.sp,
-        ckpt: (mode != CkptMode::None).then_some(mode),
-        pp: shape.pp,
-        schedule: Some(kind),
-        stages: Vec::new(),
-        offload: None,
-        shard: None,
-        cp: 1,
-        cp_comm: None,
-        loss: None,
-    };
+    let cfg = ParallelConfig::new(shape.dp, shape.tp)
+        .with_zero(shape.zero)
+        .with_micro_batches(m)
+        .with_sp(shape.sp)
+        .with_ckpt((mode != CkptMode::None).then_some(mode))
+        .with_pp(shape.pp)
+        .with_schedule(Some(kind));
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.
     cfg.check_pipeline(num_blocks, Some(m)).ok()?;

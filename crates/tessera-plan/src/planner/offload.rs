@@ -22,6 +22,7 @@
 
 use super::rounds::{megatron_jobs, parallel_map, Job};
 use super::Request;
+use crate::mesh::AxisName;
 use crate::offload::{Offload, OffloadKind, CHUNKS};
 use crate::search::{self, AxisRule, Candidate, Evaluated};
 use crate::{Mesh, PlanError, Result};
@@ -62,7 +63,7 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
         // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`).
         // Nor with context parallelism (`cpN` refuses `offload=`).
         let Job::Megatron { dp, tp, sp, shard: None, cp: 1 } = job else { continue };
-        let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
+        let mesh = Mesh::named(&req.cluster, &[dp, tp], &[AxisName::Data, AxisName::Tensor])?;
         let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
             lines.push((mesh.clone(), sp, zero, req.micro_batch_options()));
@@ -108,7 +109,7 @@ pub(super) fn run_layout(
     if req.cluster.host.memory_bytes == 0 {
         return Ok(OffloadPhase { fit: None, least_tiers: None });
     }
-    let mesh = Mesh::new(&req.cluster, &[dp, tp], &["dp", "tp"])?;
+    let mesh = Mesh::named(&req.cluster, &[dp, tp], &[AxisName::Data, AxisName::Tensor])?;
     let layouts: Vec<_> = sps.iter().map(|&sp| (mesh.clone(), sp, zero, mbs.to_vec())).collect();
     run_both(req, &layouts)
 }
@@ -223,15 +224,11 @@ fn probe(req: &Request<'_>, cand: &Candidate, budget: u64) -> Result<Option<Eval
 }
 
 fn describe(line: &Line, mb: usize, chunks: u32, nvme: u32) -> String {
-    let cfg = crate::config::ParallelConfig {
-        dp: line.mesh.shape[0],
-        tp: line.mesh.shape[1],
-        zero: line.zero,
-        micro_batches: mb,
-        sp: line.sp,
-        offload: Some(offload_of(line, chunks, nvme)),
-        ..Default::default()
-    };
+    let cfg = crate::config::ParallelConfig::new(line.mesh.shape[0], line.mesh.shape[1])
+        .with_zero(line.zero)
+        .with_micro_batches(mb)
+        .with_sp(line.sp)
+        .with_offload(Some(offload_of(line, chunks, nvme)));
     cfg.canonical()
 }
 

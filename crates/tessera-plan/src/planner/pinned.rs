@@ -3,17 +3,17 @@
 //! checkpointing, offload — are chosen by the search's own machinery within them: the
 //! micro-batch scan of the flat search ([`super::rounds::first_fit`]) with the joint
 //! checkpoint search, `sp` on and off, the pipeline phase on the config's one shape
-//! ([`crate::pipeline::auto::best_in`]), and the offload phase on its layout when nothing fits
+//! ([`super::pipelined::best_in`]), and the offload phase on its layout when nothing fits
 //! on the devices. With an export engine, only what that engine runs is searched: each
 //! completion is asked of [`crate::export::runs`], and checkpointing is then one mode on every
 //! block (an engine names no per-block mix). A config that writes every knob is planned
 //! exactly as written ([`super::plan_fixed`]).
 
+use super::pipelined::{best_in, PipeSpace};
 use super::rounds::{first_fit, Scan};
 use super::{megatron_mesh, offload, Request};
 use crate::config::{ParallelConfig, Pins};
 use crate::export::{self, CkptPattern, Framework};
-use crate::pipeline::auto::{best_in, PipeSpace};
 use crate::pipeline::search::Shape;
 use crate::pipeline::ScheduleKind;
 use crate::plan::Plan;
@@ -119,13 +119,12 @@ fn with_offload(
     };
     let phase = offload::run_layout(req, (cfg.dp, cfg.tp), &sps(cfg, pins), cfg.zero, &mbs)?;
     let Some(e) = &phase.fit else { return Err(offload::infeasible(req, &phase, device)) };
-    let e = crate::priced::exactly(&req.problem(), e)?;
-    let chosen = ParallelConfig {
-        sp: matches!(e.candidate.rule, AxisRule::Megatron { sp: true, .. }),
-        micro_batches: e.candidate.micro_batches,
-        offload: e.candidate.offload,
-        ..cfg.clone()
-    };
+    let e = crate::search::exactly(&req.problem(), e)?;
+    let chosen = cfg
+        .clone()
+        .with_sp(matches!(e.candidate.rule, AxisRule::Megatron { sp: true, .. }))
+        .with_micro_batches(e.candidate.micro_batches)
+        .with_offload(e.candidate.offload);
     crate::offload::check_tiers(&req.cluster, &e.lowered.memory, &chosen.canonical())?;
     let mut plan = req.to_plan(&e, "fixed", t0.elapsed().as_secs_f64() * 1e3)?;
     plan.config = chosen.canonical();
@@ -175,7 +174,7 @@ fn flat(
     let mut options: Vec<(bool, Option<CkptMode>, CkptSearch)> = Vec::new();
     for sp in sps(cfg, pins) {
         for (mode, search) in &ckpts {
-            let c = ParallelConfig { sp, ckpt: *mode, ..cfg.clone() };
+            let c = cfg.clone().with_sp(sp).with_ckpt(*mode);
             let pattern = mode.map_or(CkptPattern::None, |m| CkptPattern::uniform(Some(m)));
             if runs(&c, pattern) {
                 options.push((sp, *mode, search.clone()));
@@ -216,13 +215,9 @@ fn flat(
     let mut over: Option<PlanError> = None;
     for (i, e) in &fits {
         let (sp, ckpt, _) = &options[*i];
-        let e = crate::priced::exactly(&problems[*i], e)?;
-        let chosen = ParallelConfig {
-            sp: *sp,
-            ckpt: *ckpt,
-            micro_batches: e.candidate.micro_batches,
-            ..cfg.clone()
-        };
+        let e = crate::search::exactly(&problems[*i], e)?;
+        let chosen =
+            cfg.clone().with_sp(*sp).with_ckpt(*ckpt).with_micro_batches(e.candidate.micro_batches);
         if e.peak_bytes() > req.budget {
             over.get_or_insert(PlanError::Infeasible {
                 budget: req.budget,
@@ -295,7 +290,7 @@ fn pipelined(
     if pins.micro_batches {
         let per = cfg.dp * cfg.micro_batches;
         if !req.batch.is_multiple_of(per) {
-            return crate::pipeline::auto::plan_fixed_pipelined(req, cfg);
+            return super::pipelined::plan_fixed_pipelined(req, cfg);
         }
         knobs.micro_batch_sizes = vec![req.batch / per];
     }
@@ -321,21 +316,20 @@ fn pipelined(
         }
         return Ok(plan);
     }
-    let frugal = ParallelConfig {
-        micro_batches: match pins.micro_batches {
+    let frugal = cfg
+        .clone()
+        .with_micro_batches(match pins.micro_batches {
             true => cfg.micro_batches,
             false => req.batch / cfg.dp,
-        },
-        ckpt: match pins.ckpt {
+        })
+        .with_ckpt(match pins.ckpt {
             true => cfg.ckpt,
             false => Some(CkptMode::Full),
-        },
-        schedule: match pins.schedule {
+        })
+        .with_schedule(match pins.schedule {
             true => cfg.schedule,
             false => None,
-        },
-        sp: cfg.sp || (!pins.sp && cfg.tp > 1),
-        ..cfg.clone()
-    };
-    crate::pipeline::auto::plan_fixed_pipelined(req, &frugal)
+        })
+        .with_sp(cfg.sp || (!pins.sp && cfg.tp > 1));
+    super::pipelined::plan_fixed_pipelined(req, &frugal)
 }

@@ -110,22 +110,7 @@ pub(super) fn job_space(
     Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
         Job::Megatron { dp, tp, sp, shard, cp } => {
-            let cfg = ParallelConfig {
-                dp: *dp,
-                tp: *tp,
-                zero: 0,
-                micro_batches: 1,
-                sp: *sp,
-                ckpt: None,
-                pp: 1,
-                schedule: None,
-                stages: Vec::new(),
-                offload: None,
-                shard: *shard,
-                cp: *cp,
-                cp_comm: None,
-                loss: None,
-            };
+            let cfg = ParallelConfig::new(*dp, *tp).with_sp(*sp).with_shard(*shard).with_cp(*cp);
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp, cp: *cp > 1 }, mbs)
         }

@@ -34,7 +34,8 @@
 //!   vLLM keeps one KV head per device instead; that needs a spec splitting a dim over part
 //!   of an axis, which specs cannot say.
 
-use super::space::{dim_roles, label_roles};
+use super::space::dim_roles;
+use crate::rules::label_roles;
 use crate::rules::{
     attention_kv_whole_labeling, labeling, strategies, DimRole, Labeling, Strategy,
 };

@@ -19,32 +19,10 @@
 
 use super::space::optimizer_bytes_per_elem;
 use super::Problem0;
+#[cfg(test)]
+use crate::figures::Miss;
 use crate::Result;
 use tessera_ir::Op;
-
-/// What a candidate that does not fit reached: the least peak of its most frugal layout, and
-/// the bytes resting on a device before a step, at `micro_batches` micro-batches.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Miss {
-    pub micro_batches: usize,
-    pub least_peak: u64,
-    pub resting: u64,
-}
-
-impl Miss {
-    /// The least bytes any layout can peak at with `micro_batches` (≥ this miss's count), for
-    /// a resting floor `floor` (see the module docs).
-    pub fn bound(&self, micro_batches: usize, floor: u64) -> u64 {
-        let floor = floor.min(self.resting).min(self.least_peak);
-        let above = (self.least_peak - floor) as u128 * self.micro_batches as u128;
-        floor + (above / micro_batches.max(1) as u128) as u64
-    }
-
-    /// Whether no layout can fit `budget` with `micro_batches` (more than this miss's count).
-    pub fn rules_out(&self, micro_batches: usize, floor: u64, budget: u64) -> bool {
-        micro_batches > self.micro_batches && self.bound(micro_batches, floor) > budget
-    }
-}
 
 /// The least bytes resting on any one of `devices` devices before a step, whatever the
 /// layout: the parameters and their AdamW state (moments, and the f32 master copy of a

@@ -22,7 +22,7 @@
 use super::{AxisRule, Candidate, Forward, Problem0};
 use crate::ilp::{Choice, Edge, MemRow, Problem};
 use crate::reshard::ReshardCache;
-use crate::rules::{labeling, local_meta, strategies, DimRole, Labeling, Strategy};
+use crate::rules::{label_roles, labeling, local_meta, strategies, DimRole, Labeling, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
 use std::collections::HashMap;
 use tessera_ir::{DType, Graph, NodeId, Op, TensorId, TensorMeta};
@@ -97,25 +97,6 @@ fn roles_with(
         }
     }
     roles
-}
-
-/// Roles of one node's labels from its inputs' dim roles (batch, sequence or other).
-pub(crate) fn label_roles(
-    n: &tessera_ir::Node,
-    l: &Labeling,
-    roles: &[Vec<DimRole>],
-) -> Vec<DimRole> {
-    let mut lab_role = vec![DimRole::Other; l.sizes.len()];
-    for (k, &t) in n.inputs.iter().enumerate() {
-        for (d, lab) in l.inputs[k].iter().enumerate() {
-            if let Some(lab) = lab {
-                if roles[t.index()][d] != DimRole::Other {
-                    lab_role[*lab] = roles[t.index()][d];
-                }
-            }
-        }
-    }
-    lab_role
 }
 
 fn is_follower_op(op: &Op) -> bool {

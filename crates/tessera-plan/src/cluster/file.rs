@@ -2,7 +2,7 @@
 //! is documented on [`Cluster::from_file`]; this module is its parser (the file's tables, sizes
 //! such as `"80GiB"`, and the optional `[host]` / `[nvme]` memory tiers).
 
-use crate::cluster::{
+use super::{
     default_kernel_overhead_s, default_matmul_efficiency, default_memory_efficiency, known_devices,
     named_device, Cluster, CpuCalibration, DeviceSpec, Link,
 };

@@ -1,5 +1,6 @@
-//! Unequal pipeline stages: how many blocks each virtual stage runs and, optionally, its own
-//! activation checkpointing — the `stages=` token of the config grammar.
+//! The pipeline's layout in the config grammar: unequal stages — how many blocks each virtual
+//! stage runs and, optionally, its own activation checkpointing (the `stages=` token) — and the
+//! schedule (`sched=`, [`ScheduleKind`]).
 //!
 //! ```text
 //! stages := STAGE (',' STAGE)*        one per virtual stage (pp · V), in pipeline order
@@ -130,6 +131,50 @@ pub fn from_parts(sizes: &[usize], modes: &[CkptMode], uniform: Option<CkptMode>
             ckpt: (m != uniform.unwrap_or(CkptMode::None)).then_some(m),
         })
         .collect()
+}
+
+/// Which pipeline schedule a plan runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum ScheduleKind {
+    /// All forwards, then all backwards (Huang et al., 2019).
+    Gpipe,
+    /// One forward, one backward in the steady state (PipeDream-Flush, Megatron's default):
+    /// device `d` of `p` holds at most `p - d` micro-batches of activations.
+    #[default]
+    OneFOneB,
+    /// Interleaved 1F1B (Narayanan et al., 2021): each device holds `v` chunks.
+    Interleaved { v: usize },
+    /// Zero-bubble ZB-H1 (Qi et al., 2023): backward split into the input-gradient part `B`
+    /// and the weight-gradient part `W`, which fills the bubbles; 1F1B's memory.
+    ZbH1,
+}
+
+impl ScheduleKind {
+    /// Chunks (virtual stages) per device.
+    pub fn chunks(self) -> usize {
+        match self {
+            ScheduleKind::Interleaved { v } => v.max(1),
+            ScheduleKind::Gpipe | ScheduleKind::OneFOneB | ScheduleKind::ZbH1 => 1,
+        }
+    }
+
+    /// Whether backward is split into `B` (input gradients) and `W` (weight gradients).
+    pub fn splits_backward(self) -> bool {
+        matches!(self, ScheduleKind::ZbH1)
+    }
+}
+
+/// The config-string spelling: `gpipe`, `1f1b`, `interleaved:V`, `zb-h1`.
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScheduleKind::Gpipe => write!(f, "gpipe"),
+            ScheduleKind::OneFOneB => write!(f, "1f1b"),
+            ScheduleKind::Interleaved { v } => write!(f, "interleaved:{v}"),
+            ScheduleKind::ZbH1 => write!(f, "zb-h1"),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -153,7 +153,7 @@ fn from_parameter(g: &Graph, mut t: tessera_ir::TensorId) -> bool {
 }
 
 /// `theirs` with the dotted prefix it shares with `own` removed.
-pub(super) fn relative<'a>(own: &str, theirs: &'a str) -> &'a str {
+pub(crate) fn relative<'a>(own: &str, theirs: &'a str) -> &'a str {
     let mut at = 0;
     for (a, b) in own.split('.').zip(theirs.split('.')) {
         if a != b {
@@ -171,7 +171,7 @@ pub fn in_block(scope: &str, block: Option<u32>) -> &str {
 }
 
 /// `model.layers.3.mlp` in block 3 → (`model.layers`, `mlp`).
-pub(super) fn split_at_block(scope: &str, block: u32) -> Option<(&str, &str)> {
+pub(crate) fn split_at_block(scope: &str, block: u32) -> Option<(&str, &str)> {
     let index = block.to_string();
     let mut at = 0;
     for part in scope.split('.') {

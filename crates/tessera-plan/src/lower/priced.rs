@@ -13,14 +13,13 @@
 //! The search lowers a candidate of `m > 7` micro-batches as the Programs of 4 and 3 and
 //! extrapolates ([`Twin`]): seven replays of the graph instead of `m`, which is what made
 //! large models' searches slow (llama2-70b lowers 16–64 micro-batches of 80 blocks). Its
-//! figures are marked inexact ([`crate::lower::Lowered::exact`]); the plan the search picks
-//! is lowered exactly ([`exactly`]) and checked against the budget again, so what a plan
+//! figures are marked inexact ([`Lowered::exact`]); the plan the search picks
+//! is lowered exactly ([`crate::search::exactly`]) and checked against the budget again, so what a plan
 //! predicts is always its own Program's. `tests/priced.rs` checks that the two agree.
 
+use super::{differentiate, finish, replay, LowerOptions, Lowered, StepTime, Unfinished};
 use crate::cost::CostModel;
-use crate::lower::{differentiate, finish, replay, LowerOptions, Lowered, StepTime, Unfinished};
 use crate::rules::Strategy;
-use crate::search::{Evaluated, Problem0};
 use crate::{Mesh, Result};
 use tessera_ir::{Graph, TensorId};
 use tessera_profile::MemoryReport;
@@ -133,9 +132,9 @@ fn extend_time(long: &StepTime, short: &StepTime, steps: f64) -> StepTime {
     }
 }
 
-/// [`crate::lower::lower_unfinished`] for the search: past [`EXACT_UP_TO`] micro-batches, the
-/// priced pair of [`REPLICAS`] and one fewer, sharing one differentiation.
-pub fn lower_unfinished(
+/// [`super::lower_unfinished`] of more than [`EXACT_UP_TO`] micro-batches, priced: the pair of
+/// [`REPLICAS`] and one fewer micro-batches, sharing one differentiation.
+pub(super) fn lower_unfinished(
     forward: &Graph,
     loss: TensorId,
     strategy: &[Option<Strategy>],
@@ -143,9 +142,6 @@ pub fn lower_unfinished(
     opts: &LowerOptions,
 ) -> Result<Unfinished> {
     let m = opts.micro_batches.max(1);
-    if m <= EXACT_UP_TO {
-        return crate::lower::lower_unfinished(forward, loss, strategy, mesh, opts);
-    }
     let (tg, leaf_specs) = differentiate(forward, loss, strategy, mesh, opts)?;
     let fewer = Unfinished {
         training: replay(&tg, REPLICAS - 1)?,
@@ -161,44 +157,4 @@ pub fn lower_unfinished(
         priced: Some(Twin { target: m, fewer: Box::new(fewer) }),
         act_offload: opts.offload.is_some_and(|o| o.act),
     })
-}
-
-/// [`crate::lower::lower`] for the search (see [`lower_unfinished`]).
-pub fn lower(
-    forward: &Graph,
-    loss: TensorId,
-    strategy: &[Option<Strategy>],
-    mesh: &Mesh,
-    cost: &CostModel,
-    opts: &LowerOptions,
-) -> Result<Lowered> {
-    let u = lower_unfinished(forward, loss, strategy, mesh, opts)?;
-    finish(&u, &opts.ckpt, mesh, cost)
-}
-
-/// `e` with its Program lowered exactly (the same layout, ZeRO stage, micro-batches and
-/// checkpointing): `e` itself when it already is.
-pub fn exactly(p: &Problem0<'_>, e: &Evaluated) -> Result<Evaluated> {
-    if e.lowered.exact {
-        return Ok(e.clone());
-    }
-    let mb = e.candidate.micro_batches.max(1);
-    let shared = p.forward(p.batch / mb)?;
-    let fwd = &shared.0;
-    let opts = LowerOptions {
-        zero: e.candidate.zero,
-        micro_batches: mb,
-        train: p.train.clone(),
-        ckpt: e.lowered.ckpt.clone(),
-        offload: e.candidate.offload,
-    };
-    let lowered = crate::lower::lower(
-        &fwd.graph,
-        fwd.loss,
-        &e.strategies,
-        &e.candidate.mesh,
-        &p.cost,
-        &opts,
-    )?;
-    Ok(Evaluated { lowered, ..e.clone() })
 }

@@ -1,10 +1,10 @@
 //! Pipelines in the planner: a fixed pipelined configuration (`--plan "dp2 tp2 pp4 zero1"`)
-//! and the automatic search's pipeline phase ([`best_pipelined`], see [`super::search`]).
+//! and the automatic search's pipeline phase ([`best_pipelined`], see [`crate::pipeline::search`]).
 
-use super::search::{self as psearch, Screened, Shape};
+use super::{parallel_map, Request};
 use crate::config::ParallelConfig;
+use crate::pipeline::search::{self as psearch, Screened, Shape};
 use crate::plan::{BaselineJson, Plan};
-use crate::planner::{parallel_map, Request};
 use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Problem0};
 use crate::{PlanError, Result};
 use std::collections::BTreeMap;
@@ -99,7 +99,6 @@ pub fn fixed_plan(
     fixed: FixedLowered,
     t0: Instant,
 ) -> Result<Plan> {
-    use crate::pipeline::plan as pplan;
     let FixedLowered { lowered: l, full, stage: e } = fixed;
     let mb = cfg.micro_batches.max(1);
     if l.peak_bytes() > req.budget {
@@ -122,7 +121,7 @@ pub fn fixed_plan(
     let cand = Candidate { micro_batches: mb, ..e.candidate };
     let e = Evaluated { lowered: worst, candidate: cand, ..e };
     let mut plan = req.to_plan(&e, "fixed", t0.elapsed().as_secs_f64() * 1e3)?;
-    pplan::attach(&mut plan, &l, &full, req.batch * req.seq);
+    crate::plan::attach_pipeline(&mut plan, &l, &full, req.batch * req.seq);
     plan.config = cfg.canonical();
     Ok(plan)
 }
@@ -156,7 +155,7 @@ pub struct PipeSpace<'a> {
     pub shapes: Vec<Shape>,
     /// Micro-batch sizes, schedules, checkpointing modes and how many to verify.
     pub knobs: psearch::PipelineKnobs,
-    /// Whether the stages of the verified candidates may be re-cut ([`super::balance`]).
+    /// Whether the stages of the verified candidates may be re-cut ([`crate::pipeline::balance`]).
     pub recut: bool,
     /// The stages every candidate takes (`stages=`; empty: even, or re-cut).
     pub stages: Vec<crate::pipeline::layout::Stage>,
@@ -198,7 +197,8 @@ pub fn best_in(req: &Request<'_>, bound: f64, space: &PipeSpace<'_>) -> Result<P
     let budget = req.budget as f64;
     let screened = parallel_map(&items, |(shape, size)| -> Result<Vec<Screened>> {
         let p = &problems[&(shape.dp * size)];
-        let (stage, full) = super::plan::meshes(&req.cluster, &[shape.dp, shape.tp], shape.pp)?;
+        let (stage, full) =
+            crate::pipeline::plan::meshes(&req.cluster, &[shape.dp, shape.tp], shape.pp)?;
         let m = req.batch / (shape.dp * size);
         let link = full.links.last().ok_or_else(|| PlanError::Internal("no mesh axes".into()))?;
         let link = link.p2p(shape.pp);
@@ -278,12 +278,12 @@ pub fn best_in(req: &Request<'_>, bound: f64, space: &PipeSpace<'_>) -> Result<P
 }
 
 /// Lowers a screened candidate exactly with even stages: its plan (or why it has none) and
-/// the re-cut of its stages and their checkpointing ([`super::balance`]), if one differs.
+/// the re-cut of its stages and their checkpointing ([`crate::pipeline::balance`]), if one differs.
 fn verify_even(
     req: &Request<'_>,
     c: &Screened,
     recut: bool,
-) -> Result<(Result<Plan>, Option<super::balance::Recut>)> {
+) -> Result<(Result<Plan>, Option<crate::pipeline::balance::Recut>)> {
     let t0 = Instant::now();
     let even = match lower_fixed(req, &c.config) {
         Ok(f) => f,
@@ -294,9 +294,14 @@ fn verify_even(
         return Ok((fixed_plan(req, &c.config, even, t0), None));
     }
     let cost = crate::cost::CostModel::for_cluster(&req.cluster);
-    let devices = super::balance::device_costs(&even.lowered, &even.full, &cost);
-    let recut =
-        super::balance::rebalance(&c.config, &even.lowered, &devices, &c.costs, req.budget as f64);
+    let devices = crate::pipeline::balance::device_costs(&even.lowered, &even.full, &cost);
+    let recut = crate::pipeline::balance::rebalance(
+        &c.config,
+        &even.lowered,
+        &devices,
+        &c.costs,
+        req.budget as f64,
+    );
     Ok((fixed_plan(req, &c.config, even, t0), recut))
 }
 
