@@ -222,6 +222,8 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::CrossEntropyBackward { .. }
         | Op::LinearCrossEntropy { .. }
         | Op::LinearCrossEntropyBackward { .. }
+        | Op::TiledMlp(_)
+        | Op::TiledMlpBackward(_)
         | Op::Attention(_)
         | Op::AttentionBackward(_)
         | Op::Rope { .. }
@@ -525,6 +527,8 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::CrossEntropyBackward { .. } => 4,
         Op::LinearCrossEntropy { .. } => 3,
         Op::LinearCrossEntropyBackward { .. } => 5,
+        Op::TiledMlp(spec) => spec.num_inputs(),
+        Op::TiledMlpBackward(spec) => spec.num_inputs() + 1,
         Op::MaxPool2d(_) | Op::AvgPool2d { .. } | Op::AvgPool2dBackward { .. } => 1,
         Op::Upsample2d { .. } | Op::Upsample2dBackward { .. } => 1,
         Op::Conv2d(_) | Op::Conv2dBackwardInput { .. } | Op::Conv2dBackwardWeight { .. } => 2,
@@ -618,6 +622,8 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::LinearCrossEntropyBackward { chunk_rows, ignore_index } => {
             linear_loss::linear_cross_entropy_backward(x, *chunk_rows, *ignore_index)
         }
+        Op::TiledMlp(spec) => one(tiled_mlp::forward(x, spec)?),
+        Op::TiledMlpBackward(spec) => tiled_mlp::backward(x, spec),
         Op::Attention(spec) => attention(x[0], x[1], x[2], x.get(3).copied(), spec),
         Op::AttentionBackward(spec) => attention_backward(x, spec),
         Op::Rope { inv_freq, inverse } => one(rope(x[0], x.get(1).copied(), inv_freq, *inverse)?),
@@ -649,6 +655,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
 mod kernels;
 mod linear_loss;
 mod nn;
+mod tiled_mlp;
 mod vision;
 
 use kernels::*;
