@@ -18,11 +18,13 @@
 //! finds a plan; under one byte less the error reports it again.
 
 mod loss;
+mod mlp;
 mod offload;
 mod pinned;
 mod rounds;
 
 pub use loss::with_loss;
+pub use mlp::with_mlp;
 pub use pinned::plan_config;
 
 pub(crate) use rounds::parallel_map;
@@ -133,13 +135,14 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
 /// string names a chunking it chose.
 pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
-    let mut plan = with_loss(req, rows, |r| plan_fixed_as_built(r, cfg))?;
+    let tile = crate::mlp_tile::resolve(req.mlp_problem(), cfg.mlp)?;
+    let mut plan = with_loss(req, rows, |r| with_mlp(r, tile, |r| plan_fixed_as_built(r, cfg)))?;
     if let (None, Some(rows)) = (cfg.loss, rows) {
         let chosen =
             ParallelConfig { loss: Some(crate::config::LossMode::Chunk(rows)), ..cfg.clone() };
         plan.config = chosen.canonical();
     }
-    Ok(plan)
+    mlp::name_choice(plan, cfg.mlp, tile)
 }
 
 /// [`plan_fixed`] on the request's forward graphs as they are built.
@@ -233,6 +236,7 @@ fn best_megatron(
                     cp,
                     cp_comm: None,
                     loss: None,
+                    mlp: None,
                 };
                 best = Some((e.clone(), cfg));
             }
@@ -296,7 +300,8 @@ fn exact_fastest(
 /// The automatic plan: the fastest fitting candidate of the whole space.
 pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let rows = crate::loss_chunk::choose(req.loss_problem())?;
-    with_loss(req, rows, plan_auto_as_built)
+    let tile = crate::mlp_tile::choose(req.mlp_problem())?;
+    with_loss(req, rows, |r| with_mlp(r, tile, plan_auto_as_built))
 }
 
 /// [`plan_auto`] on the request's forward graphs as they are built.
@@ -504,7 +509,9 @@ pub fn lower_plan_with(
     file: &Plan,
     ckpt: tessera_ir::Checkpointing,
 ) -> Result<Executable> {
-    with_loss(req, file.loss_chunk_rows, |r| lower_plan_as_built(r, file, ckpt))
+    with_loss(req, file.loss_chunk_rows, |r| {
+        with_mlp(r, file.mlp_tile_rows, |r| lower_plan_as_built(r, file, ckpt))
+    })
 }
 
 /// [`lower_plan_with`] on the request's forward graphs as they are built (the plan's chunked
@@ -626,7 +633,9 @@ fn lower_pipeline_file(
 
 /// Re-lowers a plan file's strategies (hand edits included) with the current cost model.
 pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
-    with_loss(req, file.loss_chunk_rows, |r| plan_from_file_as_built(r, file))
+    with_loss(req, file.loss_chunk_rows, |r| {
+        with_mlp(r, file.mlp_tile_rows, |r| plan_from_file_as_built(r, file))
+    })
 }
 
 /// [`plan_from_file`] on the request's forward graphs as they are built.
@@ -769,6 +778,7 @@ fn describe(least: &LeastPeak) -> String {
                 shard: None,
                 cp_comm: None,
                 loss: None,
+                mlp: None,
             };
             format!("`{}`", cfg.canonical())
         }

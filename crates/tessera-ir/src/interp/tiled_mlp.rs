@@ -103,7 +103,7 @@ pub(super) fn backward(x: &[&Value], spec: &MlpSpec) -> Result<Vec<Value>, Strin
         let down = spec.down();
         add_into(&mut grads[down - 1], &weight_grad(spec, &c.g, &dyc)?.data);
         let dg = proj_back(spec, &dyc, x[down])?;
-        let da = match (&c.u, spec.up()) {
+        let (dh, dxc) = match (&c.u, spec.up()) {
             (Some(u), Some(i)) => {
                 let a = super::kernels::map(&c.h, |v| unary(spec.act, v));
                 let du = zip(&dg, &a, |p, q| p * q);
@@ -120,7 +120,6 @@ pub(super) fn backward(x: &[&Value], spec: &MlpSpec) -> Result<Vec<Value>, Strin
                 (dh, dxc)
             }
         };
-        let (dh, dxc) = da;
         add_into(&mut grads[0], &weight_grad(spec, &xc, &dh)?.data);
         if let Some(b) = spec.bias_at() {
             let f = x[b].numel().max(1);

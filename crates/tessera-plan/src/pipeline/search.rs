@@ -317,6 +317,7 @@ pub fn config(
         cp: 1,
         cp_comm: None,
         loss: None,
+        mlp: None,
     };
     // Interleaving needs the blocks to split into pp × V chunks; Megatron also wants the
     // micro-batches a multiple of pp.

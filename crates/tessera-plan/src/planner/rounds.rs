@@ -125,6 +125,7 @@ pub(super) fn job_space(
                 cp: *cp,
                 cp_comm: None,
                 loss: None,
+                mlp: None,
             };
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp, cp: *cp > 1 }, mbs)

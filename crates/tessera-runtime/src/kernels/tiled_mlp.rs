@@ -47,7 +47,7 @@ fn proj_back(spec: &MlpSpec, grad: &Tensor, w: &Tensor, out: usize) -> Result<Te
     matmul(grad, w, false, spec.conv1d, &meta(grad.dims()[0], out))
 }
 
-/// `dw (+)= the weight gradient of a projection from its input `[c, in]` and the gradient of
+/// `dw (+)=` the weight gradient of a projection from its input `[c, in]` and the gradient of
 /// its output `[c, out]`, in the weight's stored layout.
 fn weight_grad(
     spec: &MlpSpec,
@@ -128,7 +128,7 @@ pub fn tiled_mlp_backward(x: &[&Tensor], spec: &MlpSpec) -> Result<Vec<Tensor>> 
         let h = up(spec, x, &xc, f)?;
         let a = unary(spec.act, &h)?;
         let dg = proj_back(spec, &dyc, x[down], f)?;
-        let (dh, mut dxc) = match spec.up() {
+        let (dh, dx_up) = match spec.up() {
             Some(i) => {
                 let u = proj(spec, &xc, x[i], f)?;
                 let g = binary(BinaryOp::Mul, &a, &u, &meta(c, f))?;
@@ -159,13 +159,11 @@ pub fn tiled_mlp_backward(x: &[&Tensor], spec: &MlpSpec) -> Result<Vec<Tensor>> 
             }
         }
         let gx = proj_back(spec, &dh, x[1], d)?;
-        dxc = Some(match dxc {
+        let dxc = match dx_up {
             Some(t) => binary(BinaryOp::Add, &t, &gx, &meta(c, d))?,
             None => gx,
-        });
-        if let Some(t) = dxc {
-            dx.extend_from_slice(&read::<f32>(&t)?);
-        }
+        };
+        dx.extend_from_slice(&read::<f32>(&dxc)?);
         r0 = r1;
     }
     let mut out = vec![from_vec(dx, x[0].dims())?];
