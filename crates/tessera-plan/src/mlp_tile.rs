@@ -20,7 +20,7 @@
 //! `[seq, ffn]` intermediate, split as far as one node's devices split it (tensor or context
 //! parallelism within a node), is at least [`FFN_SHARE`] of the memory budget, with tiles of
 //! the largest power of two rows whose whole-ffn intermediate takes at most [`TILE_SHARE`] of
-//! it. One sequence, not the step's batch: the search's micro-batches and data parallelism
+//! it (and never one under [`FFN_FLOOR_BYTES`]). One sequence, not the step's batch: the search's micro-batches and data parallelism
 //! shrink a batch's share at will, but nothing short of cross-node context parallelism splits
 //! one sequence further. Below the threshold the intermediates barely move the peak and the
 //! recomputation (one more MLP forward per step) would only cost time.
@@ -44,6 +44,11 @@ use tessera_ir::{Builder, Graph, Op, ScopeId, TensorId};
 /// of an H100's budget) whole, and tiles llama3-8b from 512K tokens over 8 H100s (1.9 GB,
 /// 2.2%) or 64K on one, whose backward would hold four to six such intermediates at once.
 pub const FFN_SHARE: f64 = 1.0 / 64.0;
+/// Nor does it tile an intermediate under this many bytes (per device), whatever the budget:
+/// one that small never sets a training peak worth a recomputation, and a choice that
+/// flipped with the budget would make the least memory a search reports (planned again under
+/// that figure as its budget) inexact for small models.
+pub const FFN_FLOOR_BYTES: f64 = (64u64 << 20) as f64;
 /// A tile's `[rows, ffn]` intermediate takes at most this share of the budget.
 pub const TILE_SHARE: f64 = 1.0 / 256.0;
 
@@ -223,7 +228,7 @@ pub fn choose(req: Problem<'_>) -> Result<Option<usize>> {
         return Ok(None);
     };
     let share = site.intermediate_bytes as f64 / req.node_devices.max(1) as f64;
-    if share < FFN_SHARE * req.budget as f64 || site.rows < 2 {
+    if share < FFN_SHARE * req.budget as f64 || share < FFN_FLOOR_BYTES || site.rows < 2 {
         return Ok(None);
     }
     let elem = (site.intermediate_bytes / (site.rows * site.ffn).max(1)).max(1);
