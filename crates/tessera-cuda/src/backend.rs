@@ -696,6 +696,12 @@ impl CudaBackend {
             Op::LinearCrossEntropyBackward { chunk_rows, ignore_index } => {
                 crate::linear_loss::backward(self, x, *chunk_rows, *ignore_index, at, out, p)
             }
+            // The tiled MLP has no CUDA composition yet: plans for a GPU keep the MLP whole
+            // (`mlp=whole`), which the planner's choice does for CUDA clusters.
+            Op::TiledMlp(_) | Op::TiledMlpBackward(_) => Err(unsupported(
+                op.name(),
+                "the tiled MLP (mlp=tileN) runs on the CPU backend only; plan with mlp=whole",
+            )),
             Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),
             Op::AttentionBackward(spec) => crate::attention::backward(self, x, spec, at, out, p),
             Op::AttentionMerge | Op::AttentionMergeBackward => {

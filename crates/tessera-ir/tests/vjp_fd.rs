@@ -644,6 +644,33 @@ fn linear_cross_entropy() {
     }
 }
 
+/// The tiled MLP, gated (SwiGLU, `nn.Linear` weights) and plain (GPT-2's GELU `Conv1D` with
+/// the up projection's bias): chunks that divide the rows, that do not, and one chunk holding
+/// every row.
+#[test]
+fn tiled_mlp() {
+    use tessera_ir::ops::MlpSpec;
+    for chunk_rows in [1usize, 4, 64] {
+        for (act, gated) in [(U::Silu, true), (U::GeluTanh, false)] {
+            let spec = MlpSpec { act, gated, conv1d: !gated, bias: !gated, chunk_rows };
+            check_vjp(&format!("tiled_mlp {spec:?}"), |cx| {
+                let (d, f) = (3, 5);
+                let x = cx.param([2, 3, d]);
+                let mut ins = vec![x];
+                let up = if gated { [f, d] } else { [d, f] };
+                ins.push(cx.param(up));
+                if gated {
+                    ins.push(cx.param(up));
+                } else {
+                    ins.push(cx.param([f]));
+                }
+                ins.push(cx.param([up[1], up[0]]));
+                Ok(vec![cx.b.push1(Op::TiledMlp(spec), &ins)?])
+            });
+        }
+    }
+}
+
 #[test]
 fn logsumexp() {
     for shape in [&[5usize][..], &[3, 4], &[2, 3, 5]] {

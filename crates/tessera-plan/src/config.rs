@@ -5,7 +5,7 @@
 //! config := token ((' ' | '+')+ token)*          case-insensitive, each kind at most once
 //! token  := dpN | tpN | cpN | ppN | zeroK | mbN | sp | sp=off | ckpt=MODE | sched=SCHED
 //!         | stages=STAGES | cp=CP | offload=OFFLOAD | offload=none | nvme[:N] | shard=N
-//!         | loss=LOSS                              N >= 1, K in 0..=3
+//!         | loss=LOSS | mlp=MLP                    N >= 1, K in 0..=3
 //! MODE   := none | selective | full
 //! CP     := a2a | ring                              ring: refused (not yet)
 //! SCHED  := gpipe | 1f1b | interleaved:V | zb-h1  V >= 2 (chunks per device)
@@ -13,6 +13,7 @@
 //! OFFLOAD:= act | [act '+'] STATE                 act: activation offload
 //! STATE  := (opt | grads+opt | all) [':' K '/16']  chunks offloaded (default all 16)
 //! LOSS   := whole | chunkN                       the LM head and loss: whole, or N rows a chunk
+//! MLP    := whole | tileN                        each block's MLP: whole, or N rows a tile
 //! ```
 //!
 //! `loss=chunkN` fuses a causal LM's head and its cross-entropy into one op computed N rows
@@ -21,6 +22,11 @@
 //! size). `loss=whole` keeps the matmul and the loss apart (the `[rows, V]` logits live from
 //! the forward to the backward). Without `loss=` the planner chooses: chunks where one
 //! device's share of the logits is at least a quarter of the memory budget, whole otherwise.
+//!
+//! `mlp=tileN` fuses each transformer block's MLP into one op computed N rows (tokens) at a
+//! time ([`crate::mlp_tile`], ALST's tiled MLP): no `[rows, ffn]` intermediate exists beyond
+//! one tile, at the price of recomputing the MLP's forward in its backward. `mlp=whole` keeps
+//! the MLP's ops apart. Without `mlp=` the planner chooses ([`crate::mlp_tile::choose`]).
 //!
 //! `nvme` puts the offloaded chunks' optimizer state on the NVMe, `nvme:K` that of the last K
 //! offloaded chunks (needs `offload=` with model state).
@@ -58,7 +64,7 @@
 //! `cp{cp} cp=a2a` if cp > 1 (the variant written, so plan files stay unambiguous when ring
 //! attention arrives), `pp{pp}` if pp > 1, `sp`, `zero{k}` if k > 0, `shard={n}` if given, `mb{n}` if n > 1,
 //! `sched={schedule}` if given, `stages={list}` if given (unequal stages, see [`crate::pipeline::layout`]) and `ckpt={mode}`
-//! if given, then `offload=...` and `nvme`, then `loss=...` if given — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
+//! if given, then `offload=...` and `nvme`, then `loss=...` and `mlp=...` if given — e.g. `dp2 tp4 sp zero1 mb4 ckpt=selective`,
 //! `dp2 tp2 pp4 zero1 mb8 sched=interleaved:2`, or `dp8 tp1` for pure data parallelism. It
 //! parses back to the same config.
 //!
@@ -127,11 +133,56 @@ pub struct ParallelConfig {
     /// choice ([`crate::loss_chunk::choose`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss: Option<LossMode>,
+    /// Each block's MLP, whole or in row tiles (`mlp=`); `None`: the planner's choice
+    /// ([`crate::mlp_tile::choose`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp: Option<MlpMode>,
     /// Seals the struct: outside this module a config is made by [`ParallelConfig::new`] (or
     /// parsed) and changed by its `with_*` setters, never by a struct literal, so a new knob
     /// has one default and one place that spells it.
     #[serde(skip)]
     built: Built,
+}
+
+/// How a transformer block's MLP runs (`mlp=whole` / `mlp=tileN`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpMode {
+    /// The MLP's ops apart: its `[rows, ffn]` intermediates whole.
+    Whole,
+    /// Fused and computed this many rows (tokens) at a time (`Op::TiledMlp`).
+    Tile(usize),
+}
+
+impl MlpMode {
+    /// Rows per tile, `None` for [`MlpMode::Whole`].
+    pub fn tile_rows(self) -> Option<usize> {
+        match self {
+            MlpMode::Whole => None,
+            MlpMode::Tile(n) => Some(n),
+        }
+    }
+
+    fn parse(raw: &str, value: &str) -> std::result::Result<MlpMode, String> {
+        if value == "whole" {
+            return Ok(MlpMode::Whole);
+        }
+        match value.strip_prefix("tile") {
+            Some(n) => positive(raw, n, "mlp=tile", "mlp=tile8192").map(MlpMode::Tile),
+            None => Err(format!(
+                "`{raw}`: the MLP is mlp=whole or mlp=tileN (N rows per tile, e.g. mlp=tile8192)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for MlpMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MlpMode::Whole => write!(f, "whole"),
+            MlpMode::Tile(n) => write!(f, "tile{n}"),
+        }
+    }
 }
 
 /// The private field of [`ParallelConfig`] (not part of the plan file).
@@ -240,7 +291,7 @@ const GRAMMAR: &str = "a config is tokens dpN, tpN, cpN (cp=a2a), ppN, zeroK (K 
                        sp or sp=off, ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 \
                        and stages=N[:MODE],... (with ppN, N > 1), \
                        offload=[act+]opt|grads+opt|all[:K/16]|act|none, nvme, shard=N and \
-                       loss=whole|chunkN, separated by spaces or +, e.g. \
+                       loss=whole|chunkN, mlp=whole|tileN, separated by spaces or +, e.g. \
                        `dp2 tp4 sp zero1 mb4 ckpt=selective` or `dp2 tp2 pp4 mb8 sched=1f1b`";
 
 /// The schedules' spellings, for messages.
@@ -263,6 +314,7 @@ impl Default for ParallelConfig {
             cp: 1,
             cp_comm: None,
             loss: None,
+            mlp: None,
             built: Built,
         }
     }
@@ -316,6 +368,9 @@ impl ParallelConfig {
             } else if let Some(value) = tok.strip_prefix("loss=") {
                 cfg.loss = Some(LossMode::parse(raw, value).map_err(&invalid)?);
                 "loss"
+            } else if let Some(value) = tok.strip_prefix("mlp=") {
+                cfg.mlp = Some(MlpMode::parse(raw, value).map_err(&invalid)?);
+                "mlp"
             } else if let Some(n) = tok.strip_prefix("shard=") {
                 cfg.shard = Some(positive(raw, n, "shard=", "shard=8").map_err(&invalid)?);
                 "shard"
@@ -599,6 +654,9 @@ impl ParallelConfig {
         if let Some(l) = self.loss {
             s.push_str(&format!(" loss={l}"));
         }
+        if let Some(m) = self.mlp {
+            s.push_str(&format!(" mlp={m}"));
+        }
         s
     }
 
@@ -753,6 +811,7 @@ fn bare_keyword(raw: &str, tok: &str) -> Option<String> {
             "`{raw}`: give the blocks of each virtual stage, e.g. stages=7:full,8,9,8 (with ppN)"
         )),
         "loss" => Some(format!("`{raw}`: write loss=whole or loss=chunkN, e.g. loss=chunk4096")),
+        "mlp" => Some(format!("`{raw}`: write mlp=whole or mlp=tileN, e.g. mlp=tile8192")),
         "sched" => Some(format!(
             "`{raw}`: write sched=gpipe, sched=1f1b, sched=interleaved:V or sched=zb-h1 (with ppN)"
         )),

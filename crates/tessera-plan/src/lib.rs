@@ -28,6 +28,7 @@ pub mod link;
 pub mod loss_chunk;
 pub mod lower;
 pub mod mesh;
+pub mod mlp_tile;
 pub mod offload;
 pub mod pipeline;
 pub mod plan;

@@ -206,6 +206,19 @@ pub struct Plan {
     /// forward graph the strategies name is the fused one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_chunk_rows: Option<usize>,
+    /// Each block's MLP fused and computed this many rows at a time (`Op::TiledMlp`,
+    /// [`crate::mlp_tile`]); absent: the MLPs whole. The forward graph the strategies name is
+    /// the fused one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_tile_rows: Option<usize>,
+}
+
+/// The tiled MLP's rows per tile in a forward graph (`None`: the MLPs whole).
+pub fn mlp_tile_rows(g: &Graph) -> Option<usize> {
+    g.nodes.iter().find_map(|n| match n.op {
+        Op::TiledMlp(spec) => Some(spec.chunk_rows),
+        _ => None,
+    })
 }
 
 /// The chunked loss's rows per chunk in a forward graph (`None`: the logits whole).
@@ -270,6 +283,7 @@ pub fn describe(
         .with_shard(shard)
         .with_cp(cp)
         .with_loss(loss_chunk_rows(g).map(crate::config::LossMode::Chunk))
+        .with_mlp(mlp_tile_rows(g).map(crate::config::MlpMode::Tile))
 }
 
 pub struct PlanContext<'a> {
@@ -415,6 +429,7 @@ impl Plan {
                 )
             }),
             loss_chunk_rows: loss_chunk_rows(g),
+            mlp_tile_rows: mlp_tile_rows(g),
         }
     }
 

@@ -18,12 +18,14 @@
 //! finds a plan; under one byte less the error reports it again.
 
 mod loss;
+mod mlp;
 mod offload;
 mod pinned;
 pub mod pipelined;
 mod rounds;
 
 pub use loss::with_loss;
+pub use mlp::with_mlp;
 pub use pinned::plan_config;
 
 pub(crate) use rounds::parallel_map;
@@ -137,12 +139,13 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
 /// string names a chunking it chose.
 pub fn plan_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
-    let mut plan = with_loss(req, rows, |r| plan_fixed_as_built(r, cfg))?;
+    let tile = crate::mlp_tile::resolve(req.mlp_problem(), cfg.mlp)?;
+    let mut plan = with_loss(req, rows, |r| with_mlp(r, tile, |r| plan_fixed_as_built(r, cfg)))?;
     if let (None, Some(rows)) = (cfg.loss, rows) {
         let chosen = cfg.clone().with_loss(Some(crate::config::LossMode::Chunk(rows)));
         plan.config = chosen.canonical();
     }
-    Ok(plan)
+    mlp::name_choice(plan, cfg.mlp, tile)
 }
 
 /// [`plan_fixed`] on the request's forward graphs as they are built.
@@ -289,7 +292,8 @@ fn exact_fastest(
 /// The automatic plan: the fastest fitting candidate of the whole space.
 pub fn plan_auto(req: &Request<'_>) -> Result<Plan> {
     let rows = crate::loss_chunk::choose(req.loss_problem())?;
-    with_loss(req, rows, plan_auto_as_built)
+    let tile = crate::mlp_tile::choose(req.mlp_problem())?;
+    with_loss(req, rows, |r| with_mlp(r, tile, plan_auto_as_built))
 }
 
 /// [`plan_auto`] on the request's forward graphs as they are built.
@@ -497,7 +501,9 @@ pub fn lower_plan_with(
     file: &Plan,
     ckpt: tessera_ir::Checkpointing,
 ) -> Result<Executable> {
-    with_loss(req, file.loss_chunk_rows, |r| lower_plan_as_built(r, file, ckpt))
+    with_loss(req, file.loss_chunk_rows, |r| {
+        with_mlp(r, file.mlp_tile_rows, |r| lower_plan_as_built(r, file, ckpt))
+    })
 }
 
 /// [`lower_plan_with`] on the request's forward graphs as they are built (the plan's chunked
@@ -627,7 +633,9 @@ fn lower_pipeline_file(
 
 /// Re-lowers a plan file's strategies (hand edits included) with the current cost model.
 pub fn plan_from_file(req: &Request<'_>, file: &Plan) -> Result<Plan> {
-    with_loss(req, file.loss_chunk_rows, |r| plan_from_file_as_built(r, file))
+    with_loss(req, file.loss_chunk_rows, |r| {
+        with_mlp(r, file.mlp_tile_rows, |r| plan_from_file_as_built(r, file))
+    })
 }
 
 /// [`plan_from_file`] on the request's forward graphs as they are built.

@@ -16,6 +16,9 @@
 //! - cross-entropy: rows and classes split (the vocabulary-parallel loss, see `lower/loss.rs`);
 //!   the loss becomes a pending sum; log-sum-exp: its rows; the chunked LM head and loss
 //!   (`LinearCrossEntropy`): its rows only, the weight whole, the loss a pending sum.
+//! - the tiled MLP (`TiledMlp`): its rows, or its ffn features (the up weights by columns,
+//!   the down weight by rows: Megatron's column- and row-parallel MLP), the output then a
+//!   pending sum; the hidden features whole.
 //! - vision ops (NCHW): the batch N splits everywhere (data parallel, weights replicated);
 //!   a convolution with `groups == 1` may also split its output channels (the weight by rows,
 //!   dim 0: each device computes its own channels, like a column-parallel matmul) — with groups
@@ -289,6 +292,34 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             l.outputs = vec![vec![], rows.clone()];
             l.partial_from = vec![rows.iter().flatten().copied().collect(), vec![]];
         }
+        Op::TiledMlp(spec) => {
+            // The tiled MLP: rows split freely (its weights' gradients pending sums), and the
+            // ffn features — the up projections by columns, the down projection by rows, as
+            // Megatron's tensor parallelism splits the unfused MLP — leaving the output a
+            // pending sum; the hidden features stay whole.
+            let dims = x[0].shape.dims();
+            let xi: Vec<Option<usize>> = (0..dims.len())
+                .map(|d| (d + 1 < dims.len()).then(|| l.label(dims[d], true)))
+                .collect();
+            let ffn_size = x[1].shape.dims()[spec.ffn_dim_of_up()];
+            let f = Some(l.label(ffn_size, true));
+            let up = |ffn_dim: usize| {
+                let mut v = vec![None, None];
+                v[ffn_dim] = f;
+                v
+            };
+            let mut inputs = vec![xi.clone(), up(spec.ffn_dim_of_up())];
+            if spec.gated {
+                inputs.push(up(spec.ffn_dim_of_up()));
+            }
+            if spec.bias {
+                inputs.push(vec![f]);
+            }
+            inputs.push(up(spec.ffn_dim_of_down()));
+            l.inputs = inputs;
+            l.outputs = vec![xi];
+            l.partial_from = vec![f.into_iter().collect()];
+        }
         Op::LogSumExp => {
             let r = rank(x[0]);
             let xi = l.fresh_dims(x[0], |d| d + 1 < r);
@@ -397,6 +428,7 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
         | Op::EmbeddingBackward { .. }
         | Op::CrossEntropyBackward { .. }
         | Op::LinearCrossEntropyBackward { .. }
+        | Op::TiledMlpBackward(_)
         | Op::AttentionBackward(_)
         | Op::AttentionMerge
         | Op::AttentionMergeBackward

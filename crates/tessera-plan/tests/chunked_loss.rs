@@ -61,7 +61,8 @@ fn long_sequences_chunk_the_loss_for_a_lower_peak_and_a_faster_step() {
     let seq = 96 * 1024;
     let p = plan(seq, None).expect("96K tokens fit one H100");
     let rows = p.loss_chunk_rows.expect("the search chunks logits that dominate the memory");
-    assert!(p.config.ends_with(&format!("loss=chunk{rows}")), "{}", p.config);
+    // (The config names the tiled MLP after it: at 96K tokens on one GPU the MLP tiles too.)
+    assert!(p.config.contains(&format!("loss=chunk{rows}")), "{}", p.config);
     // One chunk's f32 logits are at most 1/32 of the budget, the largest power of two rows
     // that are: 4,096 rows of 128,256 classes (2.1 GB) under an H100's 84.4 GB.
     let chunk = |r: u64| (r * VOCAB * 4) as f64;

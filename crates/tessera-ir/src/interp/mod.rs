@@ -228,6 +228,8 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::CrossEntropyBackward { .. }
         | Op::LinearCrossEntropy { .. }
         | Op::LinearCrossEntropyBackward { .. }
+        | Op::TiledMlp(_)
+        | Op::TiledMlpBackward(_)
         | Op::Attention(_)
         | Op::AttentionBackward(_)
         | Op::AttentionMerge
@@ -533,6 +535,8 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::CrossEntropyBackward { .. } => 4,
         Op::LinearCrossEntropy { .. } => 3,
         Op::LinearCrossEntropyBackward { .. } => 5,
+        Op::TiledMlp(spec) => spec.num_inputs(),
+        Op::TiledMlpBackward(spec) => spec.num_inputs() + 1,
         Op::MaxPool2d(_) | Op::AvgPool2d { .. } | Op::AvgPool2dBackward { .. } => 1,
         Op::Upsample2d { .. } | Op::Upsample2dBackward { .. } => 1,
         Op::Conv2d(_) | Op::Conv2dBackwardInput { .. } | Op::Conv2dBackwardWeight { .. } => 2,
@@ -630,6 +634,8 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::LinearCrossEntropyBackward { chunk_rows, ignore_index } => {
             linear_loss::linear_cross_entropy_backward(x, *chunk_rows, *ignore_index)
         }
+        Op::TiledMlp(spec) => one(tiled_mlp::forward(x, spec)?),
+        Op::TiledMlpBackward(spec) => tiled_mlp::backward(x, spec),
         Op::Attention(spec) => attention(x[0], x[1], x[2], x.get(3).copied(), spec),
         Op::AttentionBackward(spec) => attention_backward(x, spec),
         Op::AttentionMerge => one(attention_merge(x)?),
@@ -663,6 +669,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
 mod kernels;
 mod linear_loss;
 mod nn;
+mod tiled_mlp;
 mod vision;
 
 use kernels::*;

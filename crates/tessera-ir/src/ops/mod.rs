@@ -23,6 +23,7 @@ pub(crate) mod norm;
 pub(crate) mod optim;
 pub(crate) mod quant;
 pub(crate) mod reduce;
+pub mod tiled_mlp;
 pub mod vision;
 
 use crate::autodiff::{Grad, VjpCtx};
@@ -31,6 +32,7 @@ pub use attention::{Alibi, AttentionSpec, RingBlock, ATTENTION_SCRATCH_ROWS};
 pub use comm::{Collective, CommStep, P2p, ReshardSpec};
 pub use quant::QuantSpec;
 use serde::{Deserialize, Serialize};
+pub use tiled_mlp::MlpSpec;
 pub use vision::{Conv2dSpec, Pool2dSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -297,6 +299,14 @@ pub enum Op {
         chunk_rows: usize,
         ignore_index: Option<i64>,
     },
+    /// Inputs `[x [.., D], up weight(s), (bias), down weight]` → `[y [.., D]]`: a block's MLP
+    /// (SwiGLU or GPT-2's GELU MLP, [`MlpSpec`]) computed `chunk_rows` rows at a time so at
+    /// most one chunk's `[chunk_rows, F]` intermediates exist — the op's workspace. The
+    /// planner's fusion of the unfused ops (`tessera-plan`'s `mlp_tile`). See [`tiled_mlp`].
+    TiledMlp(MlpSpec),
+    /// Inputs `[x, weights.., dy]` → the gradient of each forward input, each chunk's
+    /// intermediates recomputed from `x` and the weights, the weights' gradients accumulated.
+    TiledMlpBackward(MlpSpec),
     /// Fused attention. Inputs `q [B,S,H,D], k [B,T,Hkv,D], v [B,T,Hkv,D]` with H a multiple
     /// of Hkv (GQA) → `[out [B,S,H,D], logsumexp [B,H,S] f32]`. No S×T matrix is saved.
     /// Query `i` sits at position `i + T − S` (the last S of T positions), or, with a fourth
@@ -486,6 +496,8 @@ impl Op {
             Op::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Op::LinearCrossEntropy { .. } => "linear_cross_entropy",
             Op::LinearCrossEntropyBackward { .. } => "linear_cross_entropy_backward",
+            Op::TiledMlp(_) => "tiled_mlp",
+            Op::TiledMlpBackward(_) => "tiled_mlp_backward",
             Op::Attention(_) => "attention",
             Op::AttentionBackward(_) => "attention_backward",
             Op::AttentionMerge => "attention_merge",
@@ -539,6 +551,7 @@ impl Op {
             | Op::Embedding { .. }
             | Op::CrossEntropy { .. }
             | Op::LinearCrossEntropy { .. }
+            | Op::TiledMlp(_)
             | Op::Parameter(_)
             | Op::Input(_)
             | Op::OptimizerState { .. }
@@ -572,6 +585,7 @@ impl Op {
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropyBackward { .. }
+            | Op::TiledMlpBackward(_)
             | Op::AttentionBackward(_)
             | Op::AttentionMerge
             | Op::AttentionMergeBackward
@@ -629,6 +643,8 @@ impl Op {
             Op::CrossEntropy { classes, .. } => loss::infer(x, classes.is_some()),
             Op::CrossEntropyBackward { .. } => loss::infer_backward(x),
             Op::LinearCrossEntropy { chunk_rows, .. } => linear_loss::infer(x, *chunk_rows),
+            Op::TiledMlp(spec) => tiled_mlp::infer(x, spec),
+            Op::TiledMlpBackward(spec) => tiled_mlp::infer_backward(x, spec),
             Op::LinearCrossEntropyBackward { chunk_rows, .. } => {
                 linear_loss::infer_backward(x, *chunk_rows)
             }
@@ -700,6 +716,8 @@ impl Op {
             Op::CrossEntropyBackward { .. } => loss::flops_backward(x),
             Op::LinearCrossEntropy { .. } => linear_loss::flops(x),
             Op::LinearCrossEntropyBackward { .. } => linear_loss::flops_backward(x),
+            Op::TiledMlp(spec) => tiled_mlp::flops(x, spec),
+            Op::TiledMlpBackward(spec) => tiled_mlp::flops_backward(x, spec),
             Op::LogSumExp => loss::flops_logsumexp(x),
             Op::Attention(_) => attention::flops(x),
             Op::AttentionBackward(_) => attention::flops_backward(x),
@@ -764,6 +782,8 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropy { .. }
             | Op::LinearCrossEntropyBackward { .. }
+            | Op::TiledMlp(_)
+            | Op::TiledMlpBackward(_)
             | Op::Attention(_)
             | Op::AttentionBackward(_)
             | Op::AttentionMerge
@@ -831,6 +851,8 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropy { .. }
             | Op::LinearCrossEntropyBackward { .. }
+            | Op::TiledMlp(_)
+            | Op::TiledMlpBackward(_)
             | Op::Attention(_)
             | Op::AttentionBackward(_)
             | Op::AttentionMerge
@@ -860,6 +882,8 @@ impl Op {
             | Op::LinearCrossEntropyBackward { chunk_rows, .. } => {
                 linear_loss::workspace_bytes(x, *chunk_rows)
             }
+            Op::TiledMlp(spec) => tiled_mlp::workspace_bytes(x, spec, false),
+            Op::TiledMlpBackward(spec) => tiled_mlp::workspace_bytes(x, spec, true),
             Op::Attention(_) | Op::AttentionBackward(_) => attention::workspace_bytes(x),
             Op::QMatMul(q) => quant::workspace_bytes(x, *q),
             Op::Conv2d(spec) => vision::workspace_conv(x, spec),
@@ -963,6 +987,7 @@ impl Op {
             | Op::GroupNorm { .. }
             | Op::MaxPool2d(_)
             | Op::AvgPool2d { .. }
+            | Op::TiledMlp(_)
             | Op::Upsample2d { .. } => all(true),
             Op::Recv(..) => all(false),
             // Backward ops and the optimizer are not differentiated again.
@@ -975,6 +1000,7 @@ impl Op {
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropyBackward { .. }
+            | Op::TiledMlpBackward(_)
             | Op::AttentionBackward(_)
             | Op::AttentionMergeBackward
             | Op::Conv2dBackwardInput { .. }
@@ -1015,6 +1041,7 @@ impl Op {
             Op::LinearCrossEntropy { chunk_rows, ignore_index } => {
                 linear_loss::vjp(cx, *chunk_rows, *ignore_index)
             }
+            Op::TiledMlp(spec) => tiled_mlp::vjp(cx, spec),
             Op::CrossEntropy { ignore_index, sum, classes } => {
                 loss::vjp(cx, *ignore_index, *sum, classes)
             }
@@ -1042,6 +1069,7 @@ impl Op {
             | Op::EmbeddingBackward { .. }
             | Op::CrossEntropyBackward { .. }
             | Op::LinearCrossEntropyBackward { .. }
+            | Op::TiledMlpBackward(_)
             | Op::AttentionBackward(_)
             | Op::AttentionMergeBackward
             | Op::Conv2dBackwardInput { .. }

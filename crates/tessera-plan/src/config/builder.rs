@@ -2,7 +2,7 @@
 //! knob (the struct is sealed, so this is the only way outside `config.rs` besides parsing).
 
 use super::layout::{ScheduleKind, Stage};
-use super::{LossMode, ParallelConfig};
+use super::{LossMode, MlpMode, ParallelConfig};
 use crate::offload::Offload;
 use tessera_ir::CkptMode;
 
@@ -85,5 +85,10 @@ impl ParallelConfig {
     /// The LM head and its loss, whole or chunked (`None`: the planner's choice).
     pub fn with_loss(self, loss: Option<LossMode>) -> ParallelConfig {
         ParallelConfig { loss, ..self }
+    }
+
+    /// Each block's MLP whole or tiled (`None`: the planner's choice).
+    pub fn with_mlp(self, mlp: Option<MlpMode>) -> ParallelConfig {
+        ParallelConfig { mlp, ..self }
     }
 }

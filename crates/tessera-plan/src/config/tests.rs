@@ -530,6 +530,23 @@ fn loss_chunking_parses_round_trips_and_is_checked() {
 }
 
 #[test]
+fn mlp_tiling_parses_round_trips_and_is_checked() {
+    let c = ParallelConfig::parse("dp2 mlp=tile64 loss=chunk8").unwrap();
+    assert_eq!(c.mlp, Some(MlpMode::Tile(64)));
+    assert_eq!(c.mlp.and_then(MlpMode::tile_rows), Some(64));
+    assert_eq!(c.canonical(), "dp2 tp1 loss=chunk8 mlp=tile64");
+    assert_eq!(ParallelConfig::parse(&c.canonical()).unwrap(), c);
+    let w = ParallelConfig::parse("MLP=WHOLE tp2").unwrap();
+    assert_eq!((w.mlp, w.canonical().as_str()), (Some(MlpMode::Whole), "dp1 tp2 mlp=whole"));
+    assert_eq!(ParallelConfig::parse("dp2").unwrap().mlp, None);
+    assert!(err("mlp=tile0").contains("at least 1"), "{}", err("mlp=tile0"));
+    assert!(err("mlp=chunk4").contains("mlp=whole or mlp=tileN"), "{}", err("mlp=chunk4"));
+    assert!(err("mlp").contains("write mlp=whole or mlp=tileN"), "{}", err("mlp"));
+    assert!(err("mlp=whole mlp=tile2").contains("given twice"));
+    assert!(GRAMMAR.contains("mlp=whole|tileN"));
+}
+
+#[test]
 fn written_knobs_are_pinned_and_the_rest_left_to_the_search() {
     let pins = |s: &str| ParallelConfig::parse_pinned(s).unwrap();
     // Nothing but degrees: every knob free, the config holding the defaults.

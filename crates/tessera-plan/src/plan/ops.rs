@@ -93,6 +93,10 @@ fn detail(g: &Graph, n: &Node, residual: bool, stream: &[bool]) -> String {
         }
         Op::Upsample2d { scale } => format!("upsample nearest ×{}", hw(*scale)),
         Op::CrossEntropy { sum: true, .. } => "cross_entropy (sum)".into(),
+        Op::TiledMlp(spec) => {
+            let kind = if spec.gated { "gated" } else { "plain" };
+            format!("tiled {kind} mlp ({}), {} rows per tile", unary(spec.act), spec.chunk_rows)
+        }
         Op::LinearCrossEntropy { chunk_rows, .. } => {
             format!("lm_head + cross_entropy (sum), {chunk_rows} rows per chunk")
         }

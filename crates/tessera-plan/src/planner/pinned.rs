@@ -37,13 +37,18 @@ pub fn plan_config(
     // The loss as `loss=` says or as the planner chooses, as `plan_fixed` does: the search
     // below then sees the fused graph, and the chosen config names a chunking it picked.
     let rows = crate::loss_chunk::resolve(req.loss_problem(), cfg.loss)?;
-    let mut plan = super::with_loss(req, rows, |r| plan_config_as_built(r, cfg, pins, engine))?;
+    let tile = crate::mlp_tile::resolve(req.mlp_problem(), cfg.mlp)?;
+    let mut plan = super::with_loss(req, rows, |r| {
+        super::with_mlp(r, tile, |r| plan_config_as_built(r, cfg, pins, engine))
+    })?;
     // The loss as written, or the chunking chosen (a pipelined completion's config is the
     // pipeline phase's, which does not name it).
     let loss = cfg.loss.or(rows.map(crate::config::LossMode::Chunk));
-    if loss.is_some() {
+    let mlp = cfg.mlp.or(tile.map(crate::config::MlpMode::Tile));
+    if loss.is_some() || mlp.is_some() {
         let mut chosen = ParallelConfig::parse(&plan.config)?;
         chosen.loss = loss;
+        chosen.mlp = mlp;
         plan.config = chosen.canonical();
     }
     Ok(plan)

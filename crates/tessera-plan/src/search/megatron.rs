@@ -179,6 +179,9 @@ pub(super) fn tp_labels(
                 }
                 _ => (None, false),
             },
+            // The tiled MLP as Megatron's MLP: the up projections column-parallel, the down
+            // projection row-parallel — its ffn features split, a pending sum leaving.
+            Op::TiledMlp(spec) => (l.inputs[1][spec.ffn_dim_of_up()], false),
             Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::GroupNorm { .. } => (None, false),
             // Everything else carries the split it receives.
             _ => match (0..n.inputs.len()).find_map(at) {

@@ -24,6 +24,7 @@ mod norm;
 mod optim;
 mod quant;
 mod reduce;
+mod tiled_mlp;
 mod vision;
 
 pub use attention::{attention_backward_within, attention_within};
@@ -111,6 +112,8 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::LinearCrossEntropyBackward { chunk_rows, ignore_index } => {
             linear_loss::linear_cross_entropy_backward(x, *chunk_rows, *ignore_index)
         }
+        Op::TiledMlp(spec) => one(tiled_mlp::tiled_mlp(x, spec)?),
+        Op::TiledMlpBackward(spec) => tiled_mlp::tiled_mlp_backward(x, spec),
         Op::Attention(spec) => attention::attention(x[0], x[1], x[2], x.get(3).copied(), spec, at),
         Op::AttentionBackward(spec) => attention::attention_backward(x, spec, at),
         Op::AttentionMerge => one(attention_merge::merge(x)?),
