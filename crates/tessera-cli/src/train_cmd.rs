@@ -614,7 +614,9 @@ pub fn prepare(
     let budget = args.memory_budget.unwrap_or_else(|| cluster.device.usable_bytes());
     let model = PlanModel::new(&cfg, args.batch, args.seq, dtype, &train_cfg)?;
     let global_train = &model.global;
-    let req = model.request(cluster, budget);
+    let mut req = model.request(cluster, budget);
+    // The CUDA backend has no kernel for the tiled MLP yet: plan its MLPs whole.
+    req.search.tiled_mlp = args.device == DeviceKind::Cpu;
     let plan = choose_plan(&req, &args.plan, None).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
     if args.device == DeviceKind::Cpu {

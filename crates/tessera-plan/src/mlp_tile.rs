@@ -217,11 +217,17 @@ pub struct Problem<'a> {
     pub build: Build<'a>,
     pub node_devices: usize,
     pub budget: u64,
+    /// The runtime has the fused op's kernel ([`crate::search::SearchKnobs::tiled_mlp`]);
+    /// without it the choice keeps MLPs whole and a written `mlp=tileN` is refused.
+    pub runnable: bool,
 }
 
 /// The planner's choice for an unpinned config: `Some(rows per tile)` where the MLP's
 /// intermediates matter for the peak (see the module docs), `None` to keep them whole.
 pub fn choose(req: Problem<'_>) -> Result<Option<usize>> {
+    if !req.runnable {
+        return Ok(None);
+    }
     // One sequence: a micro-batch of one.
     let fwd = (req.build)(1)?;
     let Some(site) = sites(&fwd.graph).into_iter().max_by_key(|s| s.intermediate_bytes) else {
@@ -246,6 +252,12 @@ pub fn choose(req: Problem<'_>) -> Result<Option<usize>> {
 pub fn resolve(req: Problem<'_>, pinned: Option<MlpMode>) -> Result<Option<usize>> {
     match pinned {
         Some(MlpMode::Tile(rows)) => {
+            if !req.runnable {
+                return Err(PlanError::Invalid(format!(
+                    "mlp=tile{rows}: the tiled MLP runs on the CPU backend only so far (no CUDA \
+                     kernel yet): write mlp=whole, or drop mlp= and the planner keeps MLPs whole"
+                )));
+            }
             if sites(&(req.build)(1)?.graph).is_empty() {
                 return Err(PlanError::Invalid(format!(
                     "mlp=tile{rows} fuses a transformer block's MLP (SwiGLU without biases, or \

@@ -198,6 +198,10 @@ pub struct SearchKnobs {
     pub zero_scan_min_gain: f64,
     /// HiGHS's limits for one ILP.
     pub solve: SolveOptions,
+    /// Whether the runtime that will run the plan has a kernel for the tiled MLP
+    /// (`Op::TiledMlp`, [`crate::mlp_tile`]): the CPU backend has, the CUDA backend not yet,
+    /// so `tessera train --device cuda` turns this off and the planner keeps MLPs whole.
+    pub tiled_mlp: bool,
 }
 
 impl Default for SearchKnobs {
@@ -207,6 +211,7 @@ impl Default for SearchKnobs {
             hopeless_over_bound: 1.5,
             zero_scan_min_gain: 0.01,
             solve: SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
+            tiled_mlp: true,
         }
     }
 }

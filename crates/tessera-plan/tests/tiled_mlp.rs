@@ -25,6 +25,11 @@ fn builder(model: &str, seq: usize, dtype: DType) -> Builder {
 }
 
 fn plan(seq: usize, config: &str) -> Result<Plan, PlanError> {
+    plan_on(seq, config, true)
+}
+
+/// `plan` for a runtime with (`tiled_mlp`) or without the tiled MLP's kernel.
+fn plan_on(seq: usize, config: &str, tiled_mlp: bool) -> Result<Plan, PlanError> {
     let b = builder("llama3-8b", seq, DType::BF16);
     let cluster = Cluster::parse("8xH100").unwrap().with_host_memory(0);
     let req = Request {
@@ -39,7 +44,7 @@ fn plan(seq: usize, config: &str) -> Result<Plan, PlanError> {
         model_flops: 1e12,
         ckpt: CkptSearch::Joint,
         pipeline: Default::default(),
-        search: Default::default(),
+        search: tessera_plan::search::SearchKnobs { tiled_mlp, ..Default::default() },
     };
     plan_fixed(&req, &ParallelConfig::parse(config)?)
 }
@@ -127,7 +132,7 @@ fn bench_rows_and_published_runs_keep_their_mlps_whole() {
         // Not vacuous: every model has MLPs the rewrite would tile.
         assert!(!mlp_tile::sites(&b(1).unwrap().graph).is_empty(), "{model}");
         let node_devices = cluster.num_devices().min(cluster.gpus_per_node);
-        let p = Problem { build: &*b, node_devices, budget };
+        let p = Problem { build: &*b, node_devices, budget, runnable: true };
         assert_eq!(mlp_tile::choose(p).unwrap(), None, "{model} {seq}");
         long += usize::from(seq >= 131_072);
     }
@@ -155,8 +160,20 @@ fn the_rewrite_fuses_one_mlp_per_block_and_a_pinned_tile_needs_one() {
         assert!(mlp_tile::sites(&fused.graph).is_empty());
     }
     let b = builder("vit-tiny", 1, DType::F32);
-    let p = Problem { build: &*b, node_devices: 1, budget: 1 << 34 };
+    let p = Problem { build: &*b, node_devices: 1, budget: 1 << 34, runnable: true };
     let pinned = Some(tessera_plan::config::MlpMode::Tile(8));
     let err = mlp_tile::resolve(p, pinned).unwrap_err();
     assert!(err.to_string().contains("no such MLP: drop mlp="), "{err}");
+}
+
+/// A runtime without the fused op's kernel (the CUDA backend, `tessera train --device cuda`):
+/// the same request keeps its MLPs whole, and a written `mlp=tileN` is refused naming the fix.
+#[test]
+fn a_runtime_without_the_kernel_keeps_mlps_whole() {
+    let (seq, base) = (512 * 1024, "dp1 cp8 zero3");
+    let whole = plan_on(seq, base, false).expect("512K tokens fit 8 H100s untiled");
+    assert_eq!(whole.mlp_tile_rows, None);
+    assert!(whole.strategies.iter().all(|s| s.op != "tiled_mlp"));
+    let err = plan_on(seq, &format!("{base} mlp=tile4096"), false).unwrap_err().to_string();
+    assert!(err.contains("mlp=whole") && err.contains("CUDA"), "{err}");
 }

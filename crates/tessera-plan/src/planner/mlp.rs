@@ -12,7 +12,12 @@ impl Request<'_> {
     /// What the tiled MLP's choice reads ([`crate::mlp_tile::choose`]).
     pub(super) fn mlp_problem(&self) -> crate::mlp_tile::Problem<'_> {
         let devices = self.cluster.num_devices().min(self.cluster.gpus_per_node);
-        crate::mlp_tile::Problem { build: self.build, node_devices: devices, budget: self.budget }
+        crate::mlp_tile::Problem {
+            build: self.build,
+            node_devices: devices,
+            budget: self.budget,
+            runnable: self.search.tiled_mlp,
+        }
     }
 }
 
