@@ -629,6 +629,16 @@ impl Reduced {
             if let Some(ks) = local.forest_dp() {
                 return Ok(Some(self.picks(|i| ks[i])));
             }
+            // No memory rows: the MIP below is the answer. Its LP relaxation's bound alone may
+            // prove that no plan costs at most `cutoff` (every plan costs at least the bound),
+            // sparing the MIP; else the MIP runs exactly as without a cutoff.
+            if cutoff.is_finite() {
+                if let Some(bound) = self.lp_bound(opts) {
+                    if bound + self.offset > cutoff * (1.0 + 1e-9) {
+                        return Ok(None);
+                    }
+                }
+            }
         }
         let start = Instant::now();
         let left = || opts.time_limit_s - start.elapsed().as_secs_f64();
@@ -713,6 +723,26 @@ impl Reduced {
             Err(_) if best.is_some() => Ok(best.map(|(ks, _)| self.picks(|i| ks[i]))),
             Err(e) => Err(highs_error(e, opts)),
         }
+    }
+
+    /// The LP relaxation's optimum of the reduced objective (a lower bound of every plan's
+    /// reduced cost); `None` when HiGHS does not solve it (out of time, numerical trouble).
+    fn lp_bound(&self, opts: &SolveOptions) -> Option<f64> {
+        let (model, x, links) =
+            self.cost_model(false, opts, opts.time_limit_s, None, f64::INFINITY);
+        let sol = model.solve().ok()?;
+        let mut bound: f64 = x
+            .iter()
+            .zip(&self.lin)
+            .flat_map(|(xi, li)| xi.iter().zip(li))
+            .map(|(&v, c)| sol.value(v) * c)
+            .sum();
+        for ((_, _, m), (_, _, e)) in self.edges.iter().zip(&links) {
+            for (mr, er) in m.iter().zip(e) {
+                bound += mr.iter().zip(er).map(|(c, &v)| c * sol.value(v)).sum::<f64>();
+            }
+        }
+        Some(bound)
     }
 
     /// The cost MIP, optionally restricted to `allowed` strategies and started from `hint`:

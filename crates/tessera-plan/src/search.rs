@@ -37,8 +37,9 @@ pub struct Problem0<'a> {
     pub knobs: SearchKnobs,
     /// Whether and how activation checkpointing is searched.
     pub ckpt: CkptSearch,
-    /// Forward graphs and their saved-activation sets, per micro-batch size.
-    pub graphs: std::sync::Mutex<HashMap<usize, SharedForward>>,
+    /// Forward graphs and their saved-activation sets, per micro-batch size, and what the
+    /// ILPs built on them share.
+    pub graphs: Graphs,
     /// Step times (f64 bits) of the fastest fitting plans found so far by any job, per axis
     /// rule: the bound that lets the checkpoint search skip layouts that cannot win.
     pub fastest: FastestSoFar,
@@ -127,17 +128,26 @@ impl FastestSoFar {
     }
 }
 
+/// What the candidates of one search share: the forward graph per micro-batch size (with its
+/// saved-activation flags), and the ILPs' edge costs ([`space::EdgeCache`]).
+#[derive(Default)]
+pub struct Graphs {
+    forwards: std::sync::Mutex<HashMap<usize, SharedForward>>,
+    edges: space::EdgeCache,
+}
+
 impl Problem0<'_> {
     /// The forward graph of one micro-batch and which of its tensors the backward pass reads
     /// (built once per micro-batch size and shared by all candidates).
     pub(crate) fn forward(&self, micro_batch: usize) -> Result<SharedForward> {
-        if let Some(f) = self.graphs.lock().ok().and_then(|m| m.get(&micro_batch).cloned()) {
+        if let Some(f) = self.graphs.forwards.lock().ok().and_then(|m| m.get(&micro_batch).cloned())
+        {
             return Ok(f);
         }
         let fwd = (self.build)(micro_batch)?;
         let saved = saved_tensors(&fwd, &self.train)?;
         let f = std::sync::Arc::new((fwd, saved));
-        if let Ok(mut m) = self.graphs.lock() {
+        if let Ok(mut m) = self.graphs.forwards.lock() {
             m.insert(micro_batch, f.clone());
         }
         Ok(f)
@@ -344,12 +354,16 @@ fn evaluate_candidate(
     // The ILP's fastest layout, memory aside: no layout of this candidate is faster by its
     // figures. One more solve (milliseconds) can spare every lowering of a candidate that
     // cannot win ([`SearchKnobs::hopeless_over_bound`]).
+    // With a finite cut the solve stops at the LP bound when that already exceeds it.
+    let cut = p.knobs.hopeless_over_bound * bound;
     let unconstrained = {
         let mut pr = problem.clone();
         pr.budget = f64::INFINITY;
-        ilp::solve(&pr, &p.knobs.solve)?
+        ilp::solve_below(&pr, &p.knobs.solve, cut)?
     };
-    if unconstrained.as_ref().is_some_and(|s| s.objective > p.knobs.hopeless_over_bound * bound) {
+    // Without a budget every layout fits: `None` under a finite cut is a layout priced above it.
+    let cut_off = unconstrained.as_ref().map_or(cut.is_finite(), |s| s.objective > cut);
+    if cut_off {
         return Ok(None);
     }
 

@@ -490,7 +490,90 @@ pub(super) fn build_problem(
         }
     }
 
-    // Edges: resharding between producer and consumer, forward and backward.
+    // Edges: resharding between producer and consumer, forward and backward. They depend on
+    // the mesh, the rule and the micro-batch count only (not the ZeRO stage, the offload or
+    // the budget), so the candidates that differ in those share them ([`EdgeCache`]).
+    let key = (mesh.clone(), cand.rule.clone(), cand.micro_batches);
+    let edges = match p.graphs.edges.get(&key) {
+        Some(edges) => edges,
+        None => p.graphs.edges.insert(key, edge_costs(g, mesh, space, reshard, mbf)),
+    };
+    let mut edge_list = Vec::new();
+    for (&(a, b), cost) in edges.iter() {
+        if a == b {
+            for (s, row) in cost.iter().enumerate() {
+                node_cost[a][s] += row[s];
+            }
+        } else {
+            edge_list.push(Edge { from: a, to: b, cost: cost.clone() });
+        }
+    }
+    edge_list.sort_by_key(|e| (e.from, e.to));
+
+    // Memory rows: inputs + states + all saved activations + one decision's transients.
+    let inputs: f64 = g
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Input(_)))
+        .map(|n| g.meta(n.outputs[0]).size_bytes() as f64 / mesh.num_devices() as f64)
+        .sum();
+    let base: Vec<(usize, Vec<f64>)> = (0..nv)
+        .map(|v| (v, saved_bytes[v].iter().zip(&static_bytes[v]).map(|(a, b)| a + b).collect()))
+        .collect();
+    let memory: Vec<MemRow> = (0..nv)
+        .filter(|&v| temp_bytes[v].iter().any(|&b| b > 0.0))
+        .map(|v| {
+            let mut terms = base.clone();
+            terms.push((v, temp_bytes[v].clone()));
+            MemRow { constant: inputs, terms }
+        })
+        .collect();
+    Ok(Problem {
+        choices: node_cost.into_iter().map(|cost| Choice { cost }).collect(),
+        edges: edge_list,
+        memory,
+        budget,
+    })
+}
+
+/// Pairwise costs by (producer decision, consumer decision): the resharding between producer
+/// and consumer, forward and backward, summed over the tensors between them.
+pub(super) type EdgeCosts = HashMap<(usize, usize), Vec<Vec<f64>>>;
+
+/// Edge costs already built, per (mesh, axis rule, micro-batch count) of one search
+/// ([`Problem0`]'s graphs are fixed): a job's ZeRO stages, and the most frugal layout's ILP,
+/// build the same edges, the costliest part of a 2-D mesh's ILP (every reshard path).
+#[derive(Default)]
+pub struct EdgeCache(std::sync::Mutex<Vec<(EdgeKey, std::sync::Arc<EdgeCosts>)>>);
+
+type EdgeKey = (Mesh, AxisRule, usize);
+
+impl EdgeCache {
+    fn get(&self, key: &EdgeKey) -> Option<std::sync::Arc<EdgeCosts>> {
+        let entries = self.0.lock().ok()?;
+        entries.iter().find(|(k, _)| k == key).map(|(_, e)| e.clone())
+    }
+
+    /// Keeps `edges` under `key` (a thread that built them meanwhile built the same).
+    fn insert(&self, key: EdgeKey, edges: EdgeCosts) -> std::sync::Arc<EdgeCosts> {
+        let edges = std::sync::Arc::new(edges);
+        if let Ok(mut entries) = self.0.lock() {
+            if !entries.iter().any(|(k, _)| *k == key) {
+                entries.push((key, edges.clone()));
+            }
+        }
+        edges
+    }
+}
+
+fn edge_costs(
+    g: &Graph,
+    mesh: &Mesh,
+    space: &Space<'_>,
+    reshard: &mut ReshardCache,
+    mbf: f64,
+) -> EdgeCosts {
+    let live = |a: usize| mesh.shape[a] > 1;
     let mut edge_memo: HashMap<(usize, usize, usize, usize), Vec<Vec<f64>>> = HashMap::new();
     let mut edges: HashMap<(usize, usize), Vec<Vec<f64>>> = HashMap::new();
     for (ci, node) in g.nodes.iter().enumerate() {
@@ -543,40 +626,5 @@ pub(super) fn build_problem(
             }
         }
     }
-    let mut edge_list = Vec::new();
-    for ((a, b), cost) in edges {
-        if a == b {
-            for (s, row) in cost.iter().enumerate() {
-                node_cost[a][s] += row[s];
-            }
-        } else {
-            edge_list.push(Edge { from: a, to: b, cost });
-        }
-    }
-    edge_list.sort_by_key(|e| (e.from, e.to));
-
-    // Memory rows: inputs + states + all saved activations + one decision's transients.
-    let inputs: f64 = g
-        .nodes
-        .iter()
-        .filter(|n| matches!(n.op, Op::Input(_)))
-        .map(|n| g.meta(n.outputs[0]).size_bytes() as f64 / mesh.num_devices() as f64)
-        .sum();
-    let base: Vec<(usize, Vec<f64>)> = (0..nv)
-        .map(|v| (v, saved_bytes[v].iter().zip(&static_bytes[v]).map(|(a, b)| a + b).collect()))
-        .collect();
-    let memory: Vec<MemRow> = (0..nv)
-        .filter(|&v| temp_bytes[v].iter().any(|&b| b > 0.0))
-        .map(|v| {
-            let mut terms = base.clone();
-            terms.push((v, temp_bytes[v].clone()));
-            MemRow { constant: inputs, terms }
-        })
-        .collect();
-    Ok(Problem {
-        choices: node_cost.into_iter().map(|cost| Choice { cost }).collect(),
-        edges: edge_list,
-        memory,
-        budget,
-    })
+    edges
 }
