@@ -26,7 +26,7 @@
 use crate::{PlanError, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
-use tessera_ir::{Graph, TensorId, Tier};
+use tessera_ir::{Graph, Op, Phase, Program, TensorId, Tier};
 
 /// Chunks the parameters are grouped into.
 pub const CHUNKS: u32 = 16;
@@ -314,7 +314,7 @@ impl OffloadJson {
                 }
             }
         }
-        let (act_tensors, act_bytes) = crate::lower::act_offload::moved(program);
+        let (act_tensors, act_bytes) = activations_moved(program);
         OffloadJson {
             config: offload.to_string(),
             act: offload.act,
@@ -441,4 +441,18 @@ impl OffloadJson {
         }
         s
     }
+}
+
+/// The activations a Program moves to the host in one step: how many, and their bytes (the
+/// forward pass's device-to-host copies; model-state copies run in the backward pass and the
+/// optimizer).
+pub fn activations_moved(p: &Program) -> (u64, u64) {
+    let g = p.graph();
+    g.nodes
+        .iter()
+        .filter(|n| {
+            n.phase == Phase::Forward
+                && matches!(n.op, Op::Transfer { from: Tier::Device, to: Tier::Host })
+        })
+        .fold((0, 0), |(k, bytes), n| (k + 1, bytes + g.meta(n.inputs[0]).size_bytes()))
 }

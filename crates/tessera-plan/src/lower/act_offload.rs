@@ -22,7 +22,7 @@ use super::internal;
 use crate::Result;
 use std::collections::BTreeMap;
 use tessera_ir::{
-    Builder, Checkpointing, CkptMode, Graph, Op, Phase, Program, ScopeId, TensorId, Tier,
+    Builder, Checkpointing, CkptMode, Graph, Op, Phase, ScopeId, TensorId, Tier,
     TrainingGraph,
 };
 
@@ -198,16 +198,6 @@ pub(crate) fn apply(tg: &TrainingGraph, ckpt: &Checkpointing) -> Result<Training
     })
 }
 
-/// The activations a Program moves to the host in one step: how many, and their bytes (the
-/// forward pass's device-to-host copies; model-state copies run in the backward pass and the
-/// optimizer).
-pub fn moved(p: &Program) -> (u64, u64) {
-    let g = p.graph();
-    g.nodes
-        .iter()
-        .filter(|n| {
-            n.phase == Phase::Forward
-                && matches!(n.op, Op::Transfer { from: Tier::Device, to: Tier::Host })
-        })
-        .fold((0, 0), |(k, bytes), n| (k + 1, bytes + g.meta(n.inputs[0]).size_bytes()))
-}
+/// The activations a Program moves to the host in one step (kept in [`crate::offload`], which
+/// reports them, below the lowering).
+pub use crate::offload::activations_moved as moved;
