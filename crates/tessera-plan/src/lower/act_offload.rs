@@ -22,8 +22,7 @@ use super::internal;
 use crate::Result;
 use std::collections::BTreeMap;
 use tessera_ir::{
-    Builder, Checkpointing, CkptMode, Graph, Op, Phase, ScopeId, TensorId, Tier,
-    TrainingGraph,
+    Builder, Checkpointing, CkptMode, Graph, Op, Phase, ScopeId, TensorId, Tier, TrainingGraph,
 };
 
 /// The buffer root of each tensor (views and in-place outputs share their input's).
