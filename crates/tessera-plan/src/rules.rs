@@ -368,8 +368,8 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
         | Op::MoeDispatch { .. }
         | Op::MoeCombine => {
             // Replicated only: every dim whole.
-            l.inputs = x.iter().map(|m| vec![None; rank(m)]).collect();
-            l.outputs = y.iter().map(|m| vec![None; rank(m)]).collect();
+            l.inputs = x.iter().map(|m| vec![None; m.shape.rank()]).collect();
+            l.outputs = y.iter().map(|m| vec![None; m.shape.rank()]).collect();
         }
         Op::Parameter(_)
         | Op::Input(_)

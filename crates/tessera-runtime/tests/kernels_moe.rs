@@ -129,10 +129,10 @@ fn slots_dispatch_combine_and_dots() {
     assert!(run(&Op::MoeSlots { experts: 2, capacity: 2 }, &[&i64t(&[2], &[1, 1])]).is_err());
 }
 
-/// Every node of a routed-experts layer's forward and backward graph: the kernel on the
-/// interpreter's values (rounded to f32) against the interpreter on the same values.
-#[test]
-fn a_whole_layer_node_by_node() {
+/// A routed-experts layer (Mixtral router from the tokens, capacity factor 1.0, SwiGLU
+/// experts) with a sum-of-squares loss plus 0.02 × the load-balancing loss, differentiated:
+/// (graph, loss, parameters, their gradients).
+fn layer_graph() -> (tessera_ir::Graph, TensorId, Vec<TensorId>, Vec<TensorId>) {
     let (n, h, f, e, k) = (24usize, 8usize, 6usize, 4usize, 2usize);
     let mut b = Builder::new();
     let x = b.parameter("x", [n, h], DType::F32);
@@ -149,15 +149,27 @@ fn a_whole_layer_node_by_node() {
     let aux = moe::load_balancing_loss(&mut b, &[logits], k).unwrap();
     let aux = b.scale(aux, 0.02).unwrap();
     let loss = b.add(l, aux).unwrap();
-    let params = [x, wr, gate, up, down];
-    tessera_ir::gradients(&mut b, loss, &params).unwrap();
-    let g = b.finish();
+    let params = vec![x, wr, gate, up, down];
+    let grads = tessera_ir::gradients(&mut b, loss, &params).unwrap();
+    let grads = grads.into_iter().map(|g| g.expect("every parameter has a gradient")).collect();
+    (b.finish(), loss, params, grads)
+}
+
+/// Parameter `i`'s values.
+fn param_values(shape: &Shape, i: usize) -> Vec<f32> {
+    values(shape.numel() as usize, 10 + i as u64)
+}
+
+/// Every node of the layer's forward and backward graph: the kernel on the interpreter's
+/// values (rounded to f32) against the interpreter on the same values.
+#[test]
+fn a_whole_layer_node_by_node() {
+    let (g, _, params, _) = layer_graph();
 
     let mut bind: HashMap<TensorId, Value> = HashMap::new();
     for (i, &p) in params.iter().enumerate() {
         let shape = g.shape(p).clone();
-        let v: Vec<f64> =
-            values(shape.numel() as usize, 10 + i as u64).iter().map(|&v| v as f64).collect();
+        let v: Vec<f64> = param_values(&shape, i).iter().map(|&v| v as f64).collect();
         bind.insert(p, Value::new(shape, v));
     }
     let all = interp::eval(&g, &bind).unwrap();
@@ -210,4 +222,30 @@ fn a_whole_layer_node_by_node() {
     // Forward: top-k ×2 (router, aux), take_along, slots, dispatch, combine, scatter (counts);
     // backward: scatter (top-k), dispatch (combine's rows), slot dot (weights), combine.
     assert!(moe_nodes >= 10, "{moe_nodes} MoE nodes");
+}
+
+/// The standing promise for the new ops: the executor's measured peak equals the peak the
+/// profiler predicts from the same Program, whose dispatch buffers are `[E, C, H]`.
+#[test]
+fn measured_peak_equals_the_programs() {
+    let (g, loss, params, grads) = layer_graph();
+    let buffers: u64 = g
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::MoeDispatch { .. }))
+        .map(|n| g.meta(n.outputs[0]).size_bytes())
+        .sum();
+    // Forward: 4 experts × capacity 12 × hidden 8 × 4 bytes; backward: the same again.
+    assert_eq!(buffers, 2 * 4 * 12 * 8 * 4);
+    let program = tessera_ir::Program::lower_graph(g, vec![loss], &grads);
+    let predicted = tessera_profile::simulate_memory(&program).report.peak_bytes;
+    let shapes: Vec<Shape> = params.iter().map(|&p| program.graph().shape(p).clone()).collect();
+    let backend = tessera_runtime::CpuBackend::default();
+    let mut ex = tessera_runtime::Executor::new(program, backend, None);
+    for (i, (&p, shape)) in params.iter().zip(&shapes).enumerate() {
+        ex.bind(p, f32t(param_values(shape, i), shape.dims())).unwrap();
+    }
+    ex.run().unwrap();
+    assert_eq!(ex.accountant().peak_bytes(), predicted);
+    assert!(predicted >= buffers / 2);
 }

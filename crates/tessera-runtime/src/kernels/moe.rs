@@ -103,7 +103,7 @@ pub fn scatter_along(idx: &Tensor, src: &Tensor, size: usize) -> Result<Tensor> 
     for &i in is.iter() {
         index("scatter_along", "index", i, size)?;
     }
-    let rows = if k == 0 { 0 } else { is.len() / k };
+    let rows = is.len().checked_div(k).unwrap_or(0);
     let mut out = vec![0f32; rows * size];
     if size > 0 && k > 0 {
         par_rows(&mut out, size, |r, orow| {
@@ -230,7 +230,7 @@ pub fn moe_dispatch(
 pub fn moe_combine(y: &Tensor, slots: &Tensor, w: Option<&Tensor>) -> Result<Tensor> {
     expect_f32(y, "moe_combine", "y")?;
     let h = last(y, "moe_combine")?;
-    let rows = if h == 0 { 0 } else { y.elem_count() / h };
+    let rows = y.elem_count().checked_div(h).unwrap_or(0);
     let (ss, k) = read_slots(slots, rows, "moe_combine")?;
     let ws = read_weights(w, slots, "moe_combine")?;
     let n = slots.dims()[0];
@@ -264,7 +264,7 @@ pub fn moe_slot_dot(buf: &Tensor, x: &Tensor, slots: &Tensor) -> Result<Tensor> 
     expect_f32(buf, "moe_slot_dot", "buf")?;
     expect_f32(x, "moe_slot_dot", "x")?;
     let h = last(x, "moe_slot_dot")?;
-    let rows = if h == 0 { 0 } else { buf.elem_count() / h };
+    let rows = buf.elem_count().checked_div(h).unwrap_or(0);
     let (ss, k) = read_slots(slots, rows, "moe_slot_dot")?;
     check_rows(x, slots, "moe_slot_dot")?;
     let n = slots.dims()[0];
