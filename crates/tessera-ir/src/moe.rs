@@ -57,6 +57,14 @@ impl RouterSpec {
         }
     }
 
+    /// Qwen2-MoE / Qwen3-MoE: softmax, top-k, renormalised iff `norm_topk_prob`.
+    pub fn qwen_moe(experts: usize, top_k: usize, norm_topk_prob: bool) -> RouterSpec {
+        RouterSpec {
+            normalize: norm_topk_prob.then_some(0.0),
+            ..RouterSpec::mixtral(experts, top_k)
+        }
+    }
+
     /// DeepSeek-V3: sigmoid scores, a selection bias, group-limited top-k, weights normalised
     /// (`norm_topk_prob`) and scaled.
     pub fn deepseek_v3(
@@ -238,12 +246,15 @@ fn limit_to_groups(
     b.mul(choice, mask)
 }
 
-/// Stacked SwiGLU expert weights: `gate`, `up` `[E, H, F]`, `down` `[E, F, H]`.
+/// Stacked SwiGLU expert weights: `gate`, `up` `[E, H, F]`, `down` `[E, F, H]`; or, with
+/// `linear_layout`, as `nn.Linear` stores them (out × in: `gate`, `up` `[E, F, H]`, `down`
+/// `[E, H, F]`), read transposed by the matmuls (no copy).
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertWeights {
     pub gate: TensorId,
     pub up: TensorId,
     pub down: TensorId,
+    pub linear_layout: bool,
 }
 
 /// The routed experts on `x [N, H]`: dispatch into `[E, capacity, H]`, the three batched
@@ -259,11 +270,12 @@ pub fn routed_experts(
     let experts = b.shape(w.gate).dim(0);
     let slots = b.moe_slots(routing.indices, experts, capacity)?;
     let buf = b.moe_dispatch(x, slots, experts, capacity)?;
-    let g = b.matmul(buf, w.gate, false, false)?;
-    let u = b.matmul(buf, w.up, false, false)?;
+    let t = w.linear_layout;
+    let g = b.matmul(buf, w.gate, false, t)?;
+    let u = b.matmul(buf, w.up, false, t)?;
     let g = b.unary(UnaryOp::Silu, g)?;
     let a = b.mul(g, u)?;
-    let y = b.matmul(a, w.down, false, false)?;
+    let y = b.matmul(a, w.down, false, t)?;
     b.moe_combine(y, slots, routing.weights)
 }
 

@@ -357,7 +357,7 @@ impl Layer {
         let up = cx.input(&[e, h, f], self.up.clone());
         let down = cx.input(&[e, f, h], self.down.clone());
         let r = moe::route(&mut cx.b, logits, &RouterSpec::mixtral(e, self.k), None).unwrap();
-        let w = ExpertWeights { gate, up, down };
+        let w = ExpertWeights { gate, up, down, linear_layout: false };
         let y = moe::routed_experts(&mut cx.b, x, &r, &w, capacity).unwrap();
         cx.eval(&[y]).remove(0).data
     }
@@ -458,10 +458,12 @@ fn vjps_against_finite_differences() {
         let wr = c.param(&[h, e]);
         let logits = c.b.matmul(x, wr, false, false)?;
         let r = moe::route(&mut c.b, logits, &RouterSpec::mixtral(e, 2), None)?;
+        // As nn.Linear stores them (out × in), read transposed.
         let w = ExpertWeights {
-            gate: c.param(&[e, h, f]),
-            up: c.param(&[e, h, f]),
-            down: c.param(&[e, f, h]),
+            gate: c.param(&[e, f, h]),
+            up: c.param(&[e, f, h]),
+            down: c.param(&[e, h, f]),
+            linear_layout: true,
         };
         Ok(vec![moe::routed_experts(&mut c.b, x, &r, &w, 2)?])
     });
@@ -509,7 +511,7 @@ fn mixtral_router_matches_a_direct_computation() {
     }
     assert_eq!(&got[0].data[..2], &[2.0, 5.0]);
     // Qwen-MoE without norm_topk_prob: the raw softmax probabilities.
-    let spec = RouterSpec { normalize: None, ..RouterSpec::mixtral(e, k) };
+    let spec = RouterSpec::qwen_moe(e, k, false);
     let raw = route_values(&spec, n, &logits, None);
     let p = softmax(&logits[e..2 * e]);
     let top = ref_top_k(&p, k);

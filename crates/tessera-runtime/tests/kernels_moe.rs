@@ -143,7 +143,14 @@ fn layer_graph() -> (tessera_ir::Graph, TensorId, Vec<TensorId>, Vec<TensorId>) 
     let logits = b.matmul(x, wr, false, false).unwrap();
     let r = moe::route(&mut b, logits, &RouterSpec::mixtral(e, k), None).unwrap();
     let cap = moe::capacity(n, k, e, Some(1.0));
-    let y = moe::routed_experts(&mut b, x, &r, &ExpertWeights { gate, up, down }, cap).unwrap();
+    let y = moe::routed_experts(
+        &mut b,
+        x,
+        &r,
+        &ExpertWeights { gate, up, down, linear_layout: false },
+        cap,
+    )
+    .unwrap();
     let sq = b.mul(y, y).unwrap();
     let l = b.reduce(tessera_ir::ReduceOp::Sum, sq, &[0, 1], false).unwrap();
     let aux = moe::load_balancing_loss(&mut b, &[logits], k).unwrap();
