@@ -310,8 +310,11 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => (max(&[c.vocab_size, 3 * c.n_embd, c.n_inner]), c.n_embd),
             ModelConfig::Llama(c) => {
                 let q = c.num_attention_heads * c.head_dim();
-                let experts = c.moe.as_ref().map_or(0, |m| 2 * m.expert_intermediate_size);
-                (max(&[c.vocab_size, 2 * c.intermediate_size, experts, q, c.hidden_size]), q)
+                // Saturating: a Qwen3-MoE without dense layers never checks its dense width.
+                let experts =
+                    c.moe.as_ref().map_or(0, |m| m.expert_intermediate_size.saturating_mul(2));
+                let dense = c.intermediate_size.saturating_mul(2);
+                (max(&[c.vocab_size, dense, experts, q, c.hidden_size]), q)
             }
             ModelConfig::Bert(c) => {
                 (max(&[c.vocab_size, c.intermediate_size, c.hidden_size]), c.hidden_size)

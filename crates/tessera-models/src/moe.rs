@@ -38,6 +38,12 @@ use tessera_ir::moe::RouterSpec;
 use tessera_ir::moe::{capacity, load_balancing_loss, route, routed_experts, ExpertWeights};
 use tessera_ir::{Builder, DType, TensorId};
 
+/// Upper bound on experts per layer.
+pub const MAX_EXPERTS: usize = 1 << 12;
+
+/// Upper bound on experts summed over the layers (each is three parameters of the graph).
+pub const MAX_EXPERT_LAYERS: usize = 1 << 17;
+
 /// The MoE fields of `MixtralConfig` / `Qwen3MoeConfig`, normalised.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MoeParams {
@@ -101,6 +107,18 @@ impl MoeParams {
 
     pub(crate) fn validate(&self, layers: usize) -> Result<()> {
         positive("num_experts", self.num_experts)?;
+        // Each expert is its own parameters (the Hub's names): bound the graph's size.
+        if self.num_experts > MAX_EXPERTS || self.num_experts * layers > MAX_EXPERT_LAYERS {
+            return Err(ModelError::invalid(
+                "num_experts",
+                format!(
+                    "{} experts in {layers} layers: at most {MAX_EXPERTS} experts and \
+                     {MAX_EXPERT_LAYERS} experts over all layers are supported (released \
+                     models have up to 384)",
+                    self.num_experts
+                ),
+            ));
+        }
         positive("num_experts_per_tok", self.num_experts_per_tok)?;
         positive("moe_intermediate_size", self.expert_intermediate_size)?;
         positive("decoder_sparse_step", self.decoder_sparse_step)?;
