@@ -97,7 +97,7 @@ impl MoeParams {
     pub fn is_sparse(&self, layer: usize) -> bool {
         !self.mlp_only_layers.contains(&layer)
             && self.num_experts > 0
-            && (layer + 1) % self.decoder_sparse_step.max(1) == 0
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
     }
 
     /// The router of this block.
