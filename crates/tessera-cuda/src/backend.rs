@@ -733,6 +733,17 @@ impl CudaBackend {
             | Op::AvgPool2dBackward { .. }
             | Op::Upsample2d { .. }
             | Op::Upsample2dBackward { .. } => crate::vision::run(self, op, x, out, p),
+            Op::TopK { .. }
+            | Op::TakeAlong
+            | Op::ScatterAlong { .. }
+            | Op::MoeSlots { .. }
+            | Op::MoeDispatch { .. }
+            | Op::MoeCombine
+            | Op::MoeSlotDot => Err(unsupported(
+                op.name(),
+                "the mixture-of-experts routing ops have CPU kernels only so far: run the model \
+                 on the CPU backend",
+            )),
             Op::Send(_) | Op::Recv(..) | Op::Reshard(_) => Err(bad(
                 "a transfer between devices needs a communicator: run the plan with the SPMD \
                  runtime"

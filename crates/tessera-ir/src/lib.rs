@@ -14,6 +14,8 @@
 //!   [`Op::Transfer`] moves a value between tiers.
 //! - [`dist`]: the distributed-tensor vocabulary (mesh positions, placements, shard math,
 //!   leaf names) that the planner and the runtime share.
+//! - [`moe`]: mixture-of-experts graphs (routers, routed experts, balancing) on the routing
+//!   ops of [`ops::moe`].
 //! - [`interp`]: a plain-loop f64 reference interpreter, the oracle for tests.
 
 pub mod autodiff;
@@ -23,6 +25,7 @@ mod dtype;
 mod error;
 mod graph;
 pub mod interp;
+pub mod moe;
 pub mod ops;
 mod program;
 pub mod remat;

@@ -7,6 +7,7 @@
 //! [`Gpt2Config::into_params`], edit, and validate again.
 
 use crate::error::{ModelError, Result};
+pub use crate::moe::MoeParams;
 use crate::rope::{self, RopeScaling};
 use serde::Serialize;
 use tessera_ir::{DType, UnaryOp};
@@ -68,7 +69,7 @@ impl Activation {
 
 // ---- validation helpers ----------------------------------------------------------------------
 
-fn positive(field: &str, v: usize) -> Result<()> {
+pub(crate) fn positive(field: &str, v: usize) -> Result<()> {
     if v == 0 {
         return Err(ModelError::invalid(field, "must be at least 1, got 0"));
     }
@@ -122,7 +123,7 @@ fn epsilon(field: &str, eps: f64) -> Result<()> {
 }
 
 /// Sum of products, checked; `None` on overflow.
-fn count(terms: &[&[usize]]) -> Option<u128> {
+pub(crate) fn count(terms: &[&[usize]]) -> Option<u128> {
     terms.iter().try_fold(0u128, |acc, t| {
         let prod = t.iter().try_fold(1u128, |p, &d| p.checked_mul(d as u128))?;
         acc.checked_add(prod)
@@ -276,6 +277,10 @@ pub enum LlamaVariant {
     Llama,
     Mistral,
     Qwen2,
+    /// `MixtralForCausalLM`: Mistral's attention, a sparse MoE block in every layer.
+    Mixtral,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention (q/k RMSNorm per head), sparse MoE blocks.
+    Qwen3Moe,
 }
 
 impl LlamaVariant {
@@ -284,6 +289,8 @@ impl LlamaVariant {
             LlamaVariant::Llama => "llama",
             LlamaVariant::Mistral => "mistral",
             LlamaVariant::Qwen2 => "qwen2",
+            LlamaVariant::Mixtral => "mixtral",
+            LlamaVariant::Qwen3Moe => "qwen3_moe",
         }
     }
 }
@@ -319,6 +326,10 @@ pub struct LlamaParams {
     pub sliding_window: Option<usize>,
     /// Layers with index >= this use the window (Qwen2 `max_window_layers`; else 0).
     pub sliding_window_from_layer: usize,
+    /// RMSNorm of each query and key head before RoPE (`self_attn.q_norm` / `k_norm`: Qwen3).
+    pub qk_norm: bool,
+    /// The sparse MoE blocks (Mixtral, Qwen3-MoE); `None` for a dense model.
+    pub moe: Option<MoeParams>,
     pub dtype: Option<DType>,
 }
 
@@ -338,7 +349,17 @@ impl LlamaParams {
             LlamaVariant::Mistral => (4096 * 32, Some(4096), false, 0),
             // Qwen2's window applies only with `use_sliding_window`, which defaults to false.
             LlamaVariant::Qwen2 => (32768, None, true, 28),
+            LlamaVariant::Mixtral => (4096 * 32, None, false, 0),
+            LlamaVariant::Qwen3Moe => (32768, None, false, 28),
         };
+        let moe = match variant {
+            LlamaVariant::Llama | LlamaVariant::Mistral | LlamaVariant::Qwen2 => None,
+            LlamaVariant::Mixtral => Some(MoeParams::mixtral(intermediate_size)),
+            LlamaVariant::Qwen3Moe => Some(MoeParams::qwen3_moe()),
+        };
+        // MixtralConfig's defaults differ from LlamaConfig's here.
+        let (rms_norm_eps, rope_theta) =
+            if variant == LlamaVariant::Mixtral { (1e-5, 1e6) } else { (1e-6, 10000.0) };
         LlamaParams {
             variant,
             name: name.into(),
@@ -351,8 +372,8 @@ impl LlamaParams {
             head_dim: None,
             max_position_embeddings,
             hidden_act: Activation::Silu,
-            rms_norm_eps: 1e-6,
-            rope_theta: 10000.0,
+            rms_norm_eps,
+            rope_theta,
             rope_scaling: RopeScaling::Default,
             qkv_bias,
             o_bias: false,
@@ -360,6 +381,8 @@ impl LlamaParams {
             tie_word_embeddings: false,
             sliding_window,
             sliding_window_from_layer: from_layer,
+            qk_norm: variant == LlamaVariant::Qwen3Moe,
+            moe,
             dtype: None,
         }
     }
@@ -429,8 +452,16 @@ impl LlamaParams {
                 "must be at least 1 token, or null for full attention",
             ));
         }
+        if let Some(moe) = &self.moe {
+            moe.validate(self.num_hidden_layers)?;
+        }
         within_bound(self.count(head_dim))?;
         Ok(())
+    }
+
+    /// Whether layer `layer` has the sparse MoE block (else the dense SwiGLU MLP).
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
     }
 
     fn count(&self, head_dim: usize) -> Option<u128> {
@@ -444,18 +475,24 @@ impl LlamaParams {
             &[b(self.qkv_bias), h, hd],
             &[b(self.qkv_bias), 2, kv, hd],
             &[b(self.o_bias), d],
-            &[3, d, i],
-            &[b(self.mlp_bias), 2, i],
-            &[b(self.mlp_bias), d],
+            &[b(self.qk_norm), 2, hd],
         ])?;
+        let dense = count(&[&[3, d, i], &[b(self.mlp_bias), 2, i], &[b(self.mlp_bias), d]])?;
+        let layers = (0..self.num_hidden_layers).try_fold(0u128, |acc, l| {
+            let mlp = match &self.moe {
+                Some(moe) if moe.is_sparse(l) => moe.count(d)?,
+                _ => dense,
+            };
+            acc.checked_add(layer.checked_add(mlp)?)
+        })?;
         let lm_head = if self.tie_word_embeddings { 0 } else { v };
         let base = count(&[&[v, d], &[d], &[lm_head, d]])?;
-        layer.checked_mul(self.num_hidden_layers as u128)?.checked_add(base)
+        layers.checked_add(base)
     }
 }
 
 validated_config!(
-    /// A validated LLaMA-family (llama, mistral, qwen2) configuration.
+    /// A validated LLaMA-family (llama, mistral, qwen2, mixtral, qwen3_moe) configuration.
     LlamaConfig,
     LlamaParams
 );

@@ -15,8 +15,19 @@ use serde_json::{Map, Value};
 use tessera_ir::DType;
 
 /// The `model_type` values a config.json may have.
-pub const SUPPORTED_MODEL_TYPES: &[&str] =
-    &["gpt2", "llama", "mistral", "qwen2", "bloom", "bert", "vit", "mlp", "onnx"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "mixtral",
+    "qwen3_moe",
+    "bloom",
+    "bert",
+    "vit",
+    "mlp",
+    "onnx",
+];
 
 /// Parses a config.json's `text`; `origin` names it in errors, `fallback_name` names the model
 /// when the file has no `_name_or_path`.
@@ -62,6 +73,8 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
         "llama" => llama(&f, name, LlamaVariant::Llama),
         "mistral" => llama(&f, name, LlamaVariant::Mistral),
         "qwen2" => llama(&f, name, LlamaVariant::Qwen2),
+        "mixtral" => llama(&f, name, LlamaVariant::Mixtral),
+        "qwen3_moe" => llama(&f, name, LlamaVariant::Qwen3Moe),
         "bloom" => bloom(&f, name),
         "bert" => bert(&f, name),
         "vit" => vit(&f, name),
@@ -127,12 +140,17 @@ fn gpt2(f: &Fields, name: String) -> Result<ModelConfig> {
 }
 
 fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig> {
+    // Qwen3-MoE's `intermediate_size` is only its dense layers' (`mlp_only_layers`) width.
+    let intermediate_size = match variant {
+        LlamaVariant::Qwen3Moe => f.usize("intermediate_size")?.unwrap_or(6144),
+        _ => f.req_usize(&["intermediate_size"])?,
+    };
     let mut p = LlamaParams::new(
         variant,
         name,
         f.req_usize(&["vocab_size"])?,
         f.req_usize(&["hidden_size"])?,
-        f.req_usize(&["intermediate_size"])?,
+        intermediate_size,
         f.req_usize(&["num_hidden_layers"])?,
         f.req_usize(&["num_attention_heads"])?,
     );
@@ -143,6 +161,11 @@ fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig>
     f.set_f64("rms_norm_eps", &mut p.rms_norm_eps)?;
     f.set_bool("tie_word_embeddings", &mut p.tie_word_embeddings)?;
     (p.rope_theta, p.rope_scaling) = rope(f)?;
+    let theta_given = f.value("rope_theta").is_some()
+        || f.object("rope_parameters")?.is_some_and(|m| m.get("rope_theta").is_some());
+    if variant == LlamaVariant::Mixtral && !theta_given {
+        p.rope_theta = 1e6; // MixtralConfig's default
+    }
     match variant {
         LlamaVariant::Llama => {
             let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
@@ -157,7 +180,15 @@ fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig>
                 Some(_) => f.usize("sliding_window")?,
             };
         }
-        LlamaVariant::Qwen2 => {
+        LlamaVariant::Mixtral => {
+            // MixtralConfig's window defaults to none (Mistral's to 4096).
+            p.sliding_window = f.usize("sliding_window")?;
+        }
+        LlamaVariant::Qwen2 | LlamaVariant::Qwen3Moe => {
+            if variant == LlamaVariant::Qwen3Moe {
+                let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
+                (p.qkv_bias, p.o_bias) = (attention_bias, attention_bias);
+            }
             p.sliding_window = if f.bool("use_sliding_window")?.unwrap_or(false) {
                 match f.map.get("sliding_window") {
                     None => Some(4096),
@@ -169,8 +200,47 @@ fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig>
             f.set_usize("max_window_layers", &mut p.sliding_window_from_layer)?;
         }
     }
+    if let Some(moe) = p.moe.as_mut() {
+        moe_fields(f, variant, moe)?;
+    }
     p.dtype = f.dtype()?;
     Ok(ModelConfig::Llama(LlamaConfig::new(p)?))
+}
+
+/// `MixtralConfig` / `Qwen3MoeConfig`'s MoE keys, and tessera's own `capacity_factor`
+/// (absent or null: dropless).
+fn moe_fields(f: &Fields, variant: LlamaVariant, moe: &mut MoeParams) -> Result<()> {
+    if variant == LlamaVariant::Mixtral {
+        f.set_usize("num_local_experts", &mut moe.num_experts)?;
+        if f.f64("router_jitter_noise")?.is_some_and(|x| x != 0.0) {
+            return Err(ModelError::Unsupported {
+                what: "router_jitter_noise".into(),
+                found: format!("{}", f.f64("router_jitter_noise")?.unwrap_or(0.0)),
+                supported: "0 (no jitter on the router's input)".into(),
+            });
+        }
+    } else {
+        // transformers 5 writes Qwen3MoeConfig's `num_experts` under its alias
+        // `num_local_experts`.
+        if let Some(n) = f.usize("num_experts")?.or(f.usize("num_local_experts")?) {
+            moe.num_experts = n;
+        }
+        f.set_usize("moe_intermediate_size", &mut moe.expert_intermediate_size)?;
+        f.set_bool("norm_topk_prob", &mut moe.norm_topk_prob)?;
+        f.set_usize("decoder_sparse_step", &mut moe.decoder_sparse_step)?;
+        if let Some(v) = f.value("mlp_only_layers") {
+            let Value::Array(items) = v else {
+                return Err(f.wrong("mlp_only_layers", "a list of layer indices", v));
+            };
+            moe.mlp_only_layers =
+                items.iter().map(|x| as_usize(x, "mlp_only_layers")).collect::<Result<_>>()?;
+        }
+    }
+    f.set_usize("num_experts_per_tok", &mut moe.num_experts_per_tok)?;
+    f.set_f64("router_aux_loss_coef", &mut moe.router_aux_loss_coef)?;
+    f.set_bool("output_router_logits", &mut moe.output_router_logits)?;
+    moe.capacity_factor = f.f64("capacity_factor")?;
+    Ok(())
 }
 
 /// `(rope_theta, scaling)` from `rope_parameters` (transformers 5) or `rope_theta` +

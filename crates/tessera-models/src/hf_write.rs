@@ -11,7 +11,8 @@
 //!   `bos_token_id`/`eos_token_id` are the last token (50256 for the real vocabulary, and in
 //!   range for small ones).
 //! - LLaMA / Mistral / Qwen2: `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM`;
-//!   `head_dim` only when explicit; `rope_scaling` null for plain RoPE.
+//!   `head_dim` only when explicit; `rope_scaling` null for plain RoPE. Mixtral / Qwen3-MoE:
+//!   `MixtralForCausalLM` / `Qwen3MoeForCausalLM` with their MoE keys.
 //! - BLOOM: `BloomForCausalLM` with BLOOM's own key names (`n_layer`, `n_head`,
 //!   `layer_norm_epsilon`), `pretraining_tp` 1; `bos_token_id`/`eos_token_id` are
 //!   `BloomConfig`'s 1 and 2 (the last token for smaller vocabularies).
@@ -28,7 +29,7 @@
 
 use crate::config::{
     Activation, BertConfig, BloomConfig, Gpt2Config, LlamaConfig, LlamaVariant, MlpConfig,
-    VitConfig,
+    MoeParams, VitConfig,
 };
 use crate::rope::RopeScaling;
 use crate::ModelConfig;
@@ -150,6 +151,8 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
         LlamaVariant::Llama => "LlamaForCausalLM",
         LlamaVariant::Mistral => "MistralForCausalLM",
         LlamaVariant::Qwen2 => "Qwen2ForCausalLM",
+        LlamaVariant::Mixtral => "MixtralForCausalLM",
+        LlamaVariant::Qwen3Moe => "Qwen3MoeForCausalLM",
     };
     let mut m = object(json!({
         "architectures": [architecture],
@@ -181,13 +184,41 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
         LlamaVariant::Mistral => {
             m.insert("sliding_window".into(), json!(c.sliding_window));
         }
-        LlamaVariant::Qwen2 => {
+        LlamaVariant::Qwen2 | LlamaVariant::Qwen3Moe => {
             m.insert("use_sliding_window".into(), json!(c.sliding_window.is_some()));
             m.insert("sliding_window".into(), json!(c.sliding_window));
             m.insert("max_window_layers".into(), json!(c.sliding_window_from_layer));
         }
+        LlamaVariant::Mixtral => {
+            m.insert("sliding_window".into(), json!(c.sliding_window));
+        }
+    }
+    if let Some(moe) = &c.moe {
+        moe_keys(&mut m, c, moe);
     }
     m
+}
+
+/// The MoE keys of `MixtralConfig` / `Qwen3MoeConfig`; `capacity_factor` (tessera's own)
+/// only when set.
+fn moe_keys(m: &mut Map<String, Value>, c: &LlamaConfig, moe: &MoeParams) {
+    if c.variant == LlamaVariant::Qwen3Moe {
+        m.insert("attention_bias".into(), json!(c.qkv_bias));
+        m.insert("num_experts".into(), json!(moe.num_experts));
+        m.insert("moe_intermediate_size".into(), json!(moe.expert_intermediate_size));
+        m.insert("norm_topk_prob".into(), json!(moe.norm_topk_prob));
+        m.insert("decoder_sparse_step".into(), json!(moe.decoder_sparse_step));
+        m.insert("mlp_only_layers".into(), json!(moe.mlp_only_layers));
+    } else {
+        m.insert("num_local_experts".into(), json!(moe.num_experts));
+        m.insert("router_jitter_noise".into(), json!(0.0));
+    }
+    m.insert("num_experts_per_tok".into(), json!(moe.num_experts_per_tok));
+    m.insert("router_aux_loss_coef".into(), json!(moe.router_aux_loss_coef));
+    m.insert("output_router_logits".into(), json!(moe.output_router_logits));
+    if let Some(f) = moe.capacity_factor {
+        m.insert("capacity_factor".into(), json!(f));
+    }
 }
 
 fn bloom(c: &BloomConfig) -> Map<String, Value> {

@@ -30,6 +30,7 @@ mod hf;
 mod hf_write;
 mod llama;
 mod mlp;
+mod moe;
 mod nn;
 mod onnx;
 mod presets;
@@ -38,7 +39,7 @@ mod vit;
 
 pub use config::{
     Activation, BertConfig, BertParams, BloomConfig, BloomParams, Gpt2Config, Gpt2Params,
-    LlamaConfig, LlamaParams, LlamaVariant, MlpConfig, MlpParams, VitConfig, VitParams,
+    LlamaConfig, LlamaParams, LlamaVariant, MlpConfig, MlpParams, MoeParams, VitConfig, VitParams,
     MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS,
 };
 pub use error::{ModelError, Result};
@@ -57,7 +58,7 @@ use tessera_ir::{Builder, DType, TensorId};
 #[serde(tag = "family", rename_all = "snake_case")]
 pub enum ModelConfig {
     Gpt2(Gpt2Config),
-    /// LLaMA, Mistral and Qwen2 (see [`LlamaParams::variant`]).
+    /// LLaMA, Mistral, Qwen2, Mixtral and Qwen3-MoE (see [`LlamaParams::variant`]).
     Llama(LlamaConfig),
     Bert(BertConfig),
     Vit(VitConfig),
@@ -309,7 +310,11 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => (max(&[c.vocab_size, 3 * c.n_embd, c.n_inner]), c.n_embd),
             ModelConfig::Llama(c) => {
                 let q = c.num_attention_heads * c.head_dim();
-                (max(&[c.vocab_size, 2 * c.intermediate_size, q, c.hidden_size]), q)
+                // Saturating: a Qwen3-MoE without dense layers never checks its dense width.
+                let experts =
+                    c.moe.as_ref().map_or(0, |m| m.expert_intermediate_size.saturating_mul(2));
+                let dense = c.intermediate_size.saturating_mul(2);
+                (max(&[c.vocab_size, dense, experts, q, c.hidden_size]), q)
             }
             ModelConfig::Bert(c) => {
                 (max(&[c.vocab_size, c.intermediate_size, c.hidden_size]), c.hidden_size)

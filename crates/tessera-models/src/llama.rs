@@ -1,5 +1,7 @@
 //! LLaMA-family causal language models: `LlamaForCausalLM`, `MistralForCausalLM`,
-//! `Qwen2ForCausalLM`.
+//! `Qwen2ForCausalLM`, and the MoE ones `MixtralForCausalLM` and `Qwen3MoeForCausalLM`, whose
+//! sparse block (`moe.rs`) takes the MLP's place and whose Qwen3 attention RMS-normalises each
+//! query and key head before RoPE (`q_norm`, `k_norm`).
 //!
 //! Papers: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models" and
 //! "Llama 2"; Jiang et al. 2023, "Mistral 7B" (sliding-window attention, GQA); Qwen2 technical
@@ -43,6 +45,7 @@ pub(crate) fn build(
     let mut inputs = Inputs::new();
     let (mut dec, ids) = Decoder::start(&mut b, &mut inputs, opts, generate, v);
     let inv_freq = cfg.inv_freq();
+    let mut router_logits = Vec::new();
 
     b.push_scope("model");
     let embed_vd = b.scoped("embed_tokens", |b| b.parameter("weight", [v, d], dtype));
@@ -51,20 +54,35 @@ pub(crate) fn build(
     for layer in 0..cfg.num_hidden_layers {
         b.set_block(Some(layer as u32));
         b.push_scope(format!("layers.{layer}"));
-        x_bsd = decoder_layer(&mut b, cfg, layer, &mut dec, &inv_freq, x_bsd, dtype)?;
+        x_bsd = decoder_layer(
+            &mut b,
+            cfg,
+            layer,
+            &mut dec,
+            &inv_freq,
+            x_bsd,
+            dtype,
+            &mut router_logits,
+        )?;
         b.pop_scope();
     }
     b.set_block(None);
+    let aux = match (&cfg.moe, dec.generation()) {
+        (Some(moe), None) => crate::moe::aux_loss(&mut b, moe, &router_logits)?,
+        _ => None,
+    };
     let x_bsd = dec.head_rows(&mut b, x_bsd)?;
     let x_bsd = nn::rms_norm_to(&mut b, "norm", x_bsd, cfg.rms_norm_eps, dtype)?;
     b.pop_scope();
 
     let tied = cfg.tie_word_embeddings.then_some(embed_vd);
     let logits_bsv = nn::lm_head(&mut b, x_bsd, tied, v)?;
-    Ok(dec.finish(b, inputs, logits_bsv)?)
+    Ok(dec.finish_with(b, inputs, logits_bsv, aux)?)
 }
 
-/// One decoder layer, inside scope `model.layers.{layer}`.
+/// One decoder layer, inside scope `model.layers.{layer}`; a sparse block's router logits go
+/// to `router_logits`.
+#[allow(clippy::too_many_arguments)]
 fn decoder_layer(
     b: &mut Builder,
     cfg: &LlamaConfig,
@@ -73,6 +91,7 @@ fn decoder_layer(
     inv_freq: &[f64],
     x_bsd: TensorId,
     dtype: DType,
+    router_logits: &mut Vec<TensorId>,
 ) -> IrResult<TensorId> {
     let (d, e) = (cfg.hidden_size, cfg.head_dim());
     let (h, k) = (cfg.num_attention_heads, cfg.num_key_value_heads);
@@ -83,9 +102,13 @@ fn decoder_layer(
         let q_bs_he = dec.linear(b, "q_proj", n_bsd, h * e, cfg.qkv_bias)?;
         let k_bs_ke = dec.linear(b, "k_proj", n_bsd, k * e, cfg.qkv_bias)?;
         let v_bs_ke = dec.linear(b, "v_proj", n_bsd, k * e, cfg.qkv_bias)?;
-        let q_bshe = nn::split_heads(b, q_bs_he, h)?;
-        let k_bske = nn::split_heads(b, k_bs_ke, k)?;
+        let mut q_bshe = nn::split_heads(b, q_bs_he, h)?;
+        let mut k_bske = nn::split_heads(b, k_bs_ke, k)?;
         let v_bske = nn::split_heads(b, v_bs_ke, k)?;
+        if cfg.qk_norm {
+            q_bshe = nn::rms_norm_to(b, "q_norm", q_bshe, eps, dtype)?;
+            k_bske = nn::rms_norm_to(b, "k_norm", k_bske, eps, dtype)?;
+        }
         let q_bshe = dec.rope(b, q_bshe, inv_freq)?;
         let k_bske = dec.rope(b, k_bske, inv_freq)?;
         let spec = AttentionSpec { window: cfg.window(layer), ..AttentionSpec::causal(e) };
@@ -97,6 +120,11 @@ fn decoder_layer(
     let x_bsd = b.add(x_bsd, a_bsd)?;
 
     let n_bsd = nn::rms_norm_to(b, "post_attention_layernorm", x_bsd, eps, dtype)?;
+    if let Some(moe) = cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
+        let m_bsd = crate::moe::sparse_block(b, cfg, moe, n_bsd, router_logits)?;
+        let m_bsd = nn::to(b, m_bsd, nn::RESIDUAL_DTYPE)?;
+        return b.add(x_bsd, m_bsd);
+    }
     let m_bsd = b.scoped("mlp", |b| {
         let i = cfg.intermediate_size;
         let gate_bsi = dec.linear(b, "gate_proj", n_bsd, i, cfg.mlp_bias)?;

@@ -474,13 +474,29 @@ impl Decoder {
     /// themselves, and the built graph.
     pub(crate) fn finish(
         self,
-        mut b: Builder,
+        b: Builder,
         inputs: Inputs,
         logits: TensorId,
     ) -> IrResult<crate::Built> {
+        self.finish_with(b, inputs, logits, None)
+    }
+
+    /// [`Decoder::finish`] with a scalar `aux` term added to the training loss (an MoE
+    /// model's router auxiliary loss); generation ignores it.
+    pub(crate) fn finish_with(
+        self,
+        mut b: Builder,
+        inputs: Inputs,
+        logits: TensorId,
+        aux: Option<TensorId>,
+    ) -> IrResult<crate::Built> {
         let (loss, logits, quantized) = match self {
             Decoder::Train { labels, num_targets } => {
-                (Some(mean_over_targets(&mut b, logits, labels, num_targets)?), logits, Vec::new())
+                let mut loss = mean_over_targets(&mut b, logits, labels, num_targets)?;
+                if let Some(aux) = aux {
+                    loss = b.add(loss, aux)?;
+                }
+                (Some(loss), logits, Vec::new())
             }
             Decoder::Generate(g) => {
                 let l = b.scoped("lm_head", |b| to(b, logits, DType::F32))?;

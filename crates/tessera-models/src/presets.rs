@@ -2,7 +2,9 @@
 //! config.json field for field (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`,
 //! `meta-llama/Llama-2-{7,13,70}b-hf`, `meta-llama/Meta-Llama-3-8B`, `bert-large-uncased`,
 //! `google/vit-base-patch16-224`); `gpt3-175b` is GPT-3's largest model (Brown et al. 2020,
-//! table 2.1) in GPT-2's architecture, and `mt-nlg-530b` (Smith et al. 2022, MT-NLG: 105
+//! table 2.1) in GPT-2's architecture, `mixtral-8x7b` / `mixtral-8x22b` and `qwen3-30b-a3b` /
+//! `qwen3-235b-a22b` the architecture dims of `mistralai/Mixtral-8x{7,22}B-v0.1` and
+//! `Qwen/Qwen3-{30B-A3B,235B-A22B}`, and `mt-nlg-530b` (Smith et al. 2022, MT-NLG: 105
 //! layers, hidden 20480, 128 heads) and `gpt-1t` (Narayanan et al. 2021, table 1: 128 layers,
 //! hidden 25600, 160 heads) the largest GPTs Megatron-LM's papers train and time, in the same
 //! architecture (GPT-2's vocabulary, 2048 positions); `bloom-560m`, `bloom-7b1` and
@@ -34,6 +36,12 @@ pub const PRESETS: &[&str] = &[
     "llama3-70b",
     "llama-1.3b",
     "llama-tiny",
+    "mixtral-8x7b",
+    "mixtral-8x22b",
+    "mixtral-tiny",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
+    "qwen3-moe-tiny",
     "bloom-560m",
     "bloom-7b1",
     "bloom-176b",
@@ -68,6 +76,47 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         p.dtype = Some(DType::BF16);
         llama_cfg(p)
     };
+    let mixtral = |vocab, hidden, intermediate, layers, heads, positions| {
+        let mut p = LlamaParams::new(
+            LlamaVariant::Mixtral,
+            name,
+            vocab,
+            hidden,
+            intermediate,
+            layers,
+            heads,
+        );
+        p.num_key_value_heads = 8;
+        p.max_position_embeddings = positions;
+        p.rms_norm_eps = 1e-5;
+        p.rope_theta = 1e6;
+        p.dtype = Some(DType::BF16);
+        p.moe = Some(MoeParams { router_aux_loss_coef: 0.02, ..MoeParams::mixtral(intermediate) });
+        llama_cfg(p)
+    };
+    let qwen3_moe = |hidden, intermediate, expert, layers, heads| {
+        let mut p = LlamaParams::new(
+            LlamaVariant::Qwen3Moe,
+            name,
+            151936,
+            hidden,
+            intermediate,
+            layers,
+            heads,
+        );
+        p.num_key_value_heads = 4;
+        p.head_dim = Some(128);
+        p.max_position_embeddings = 40960;
+        p.rope_theta = 1e6;
+        p.dtype = Some(DType::BF16);
+        let moe = MoeParams {
+            expert_intermediate_size: expert,
+            norm_topk_prob: true,
+            ..MoeParams::qwen3_moe()
+        };
+        p.moe = Some(moe);
+        llama_cfg(p)
+    };
     match name {
         "gpt2" => gpt2(768, 12, 12),
         "gpt2-medium" => gpt2(1024, 24, 16),
@@ -100,6 +149,36 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
             p.num_key_value_heads = 4;
             p.max_position_embeddings = 256;
             p.rms_norm_eps = 1e-5;
+            llama_cfg(p)
+        }
+        // mistralai/Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1 config.json: 8 experts, top 2,
+        // RoPE base 1e6, no window, bf16.
+        "mixtral-8x7b" => mixtral(32000, 4096, 14336, 32, 32, 32768),
+        "mixtral-8x22b" => mixtral(32000, 6144, 16384, 56, 48, 65536),
+        "mixtral-tiny" => {
+            let mut p = LlamaParams::new(LlamaVariant::Mixtral, name, 256, 64, 96, 2, 4);
+            p.num_key_value_heads = 2;
+            p.max_position_embeddings = 256;
+            p.moe = Some(MoeParams { num_experts: 4, ..MoeParams::mixtral(96) });
+            llama_cfg(p)
+        }
+        // Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json: 128 experts, top 8, head_dim 128,
+        // 4 KV heads, RoPE base 1e6, norm_topk_prob, bf16.
+        "qwen3-30b-a3b" => qwen3_moe(2048, 6144, 768, 48, 32),
+        "qwen3-235b-a22b" => qwen3_moe(4096, 12288, 1536, 94, 64),
+        "qwen3-moe-tiny" => {
+            let mut p = LlamaParams::new(LlamaVariant::Qwen3Moe, name, 256, 64, 128, 2, 4);
+            p.num_key_value_heads = 2;
+            p.head_dim = Some(32);
+            p.max_position_embeddings = 256;
+            let moe = MoeParams {
+                num_experts: 8,
+                num_experts_per_tok: 2,
+                expert_intermediate_size: 32,
+                norm_topk_prob: true,
+                ..MoeParams::qwen3_moe()
+            };
+            p.moe = Some(moe);
             llama_cfg(p)
         }
         "bloom-560m" => bloom_cfg(BloomParams::new(name, 250880, 1024, 24, 16)),

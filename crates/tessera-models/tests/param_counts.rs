@@ -138,3 +138,24 @@ fn llama3_rope_scaling_fixture_matches_published_count() {
     let cfg = ModelConfig::from_path(&fixture("llama-3.2-1b.json")).unwrap();
     check("llama-3.2-1b", &cfg, 1_235_814_400).unwrap();
 }
+
+#[test]
+fn moe_presets_match_hugging_face_counts() {
+    // By hand, per layer: attention d·h·e + 2·d·kv·e + h·e·d, two RMSNorms 2d (+ q/k norms 2e
+    // on Qwen3), the experts E·3·d·f and the router E·d; plus the embedding and the untied
+    // head 2·v·d and the final norm d. Architecture dims from each checkpoint's config.json.
+    // Mixtral-8x7B-v0.1 (v 32000, d 4096, L 32, h 32, kv 8, E 8, f 14336): 46,702,792,704,
+    // transformers' count for the checkpoint (published "46.7B").
+    // Mixtral-8x22B-v0.1 (v 32000, d 6144, L 56, h 48, kv 8, E 8, f 16384): 140.6B
+    // (published "141B").
+    // Qwen3-30B-A3B (v 151936, d 2048, L 48, h 32, kv 4, e 128, E 128, f 768): 30.5B as its
+    // model card says; Qwen3-235B-A22B (d 4096, L 94, h 64, f 1536): 235.1B ("235B").
+    for (name, want) in [
+        ("mixtral-8x7b", 46_702_792_704),
+        ("mixtral-8x22b", 140_620_634_112),
+        ("qwen3-30b-a3b", 30_532_122_624),
+        ("qwen3-235b-a22b", 235_093_634_560),
+    ] {
+        check(name, &ModelConfig::preset(name).unwrap(), want).unwrap();
+    }
+}

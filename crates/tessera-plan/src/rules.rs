@@ -25,6 +25,9 @@
 //!   the channel blocks of x and w are coupled, so grouped convolutions split the batch only;
 //!   pooling and upsampling are per channel, so they also split C; GroupNorm keeps C whole
 //!   (its statistics span a group of channels). Spatial dims stay whole (windows overlap).
+//! - mixture-of-experts routing (top-k, gathers and scatters, slots, dispatch, combine):
+//!   replicated only, for now — no label splits; the expert-parallel axis will give them
+//!   their own rules (the experts' batched matmuls already split E as a batch label).
 //!
 //! Ops that only appear after autodiff (backward ops, the optimizer) get no strategies: the
 //! lowering differentiates the sharded forward graph instead.
@@ -408,11 +411,22 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             l.inputs = vec![o.clone()];
             l.outputs = vec![o];
         }
+        Op::TopK { .. }
+        | Op::TakeAlong
+        | Op::ScatterAlong { .. }
+        | Op::MoeSlots { .. }
+        | Op::MoeDispatch { .. }
+        | Op::MoeCombine => {
+            // Replicated only: every dim whole.
+            l.inputs = x.iter().map(|m| vec![None; m.shape.rank()]).collect();
+            l.outputs = y.iter().map(|m| vec![None; m.shape.rank()]).collect();
+        }
         Op::Parameter(_)
         | Op::Input(_)
         | Op::OptimizerState { .. }
         | Op::KvCache(_)
         | Op::Fill { .. }
+        | Op::MoeSlotDot
         | Op::Conv2dBackwardInput { .. }
         | Op::Conv2dBackwardWeight { .. }
         | Op::GroupNormBackward { .. }

@@ -88,6 +88,11 @@
 //!   `AvgPool2d` divides by `kh·kw` (`count_include_pad`) or by the window's elements inside
 //!   the input; `Upsample2d` repeats each pixel `scale[0]×scale[1]` times and its backward
 //!   sums each block.
+//! - **Mixture-of-experts ops** ([`crate::ops::moe`]): `TopK` sorts each row by value,
+//!   larger first, NaN above numbers, equal values (±0 included) by lower index; indices,
+//!   slots and expert ids must be whole numbers in range (`−1` is a dropped slot); `MoeSlots`
+//!   fills each expert's capacity in row-major `(token, choice)` order; `MoeCombine` adds a
+//!   token's choices in ascending `j`.
 //! - **`AdamW`** implements the formula in the doc comment of [`Op::AdamW`] exactly (the
 //!   `grad_scale` input and its skip-on-overflow rule included); `step` must be ≥ 1 (it is
 //!   1-based). Outputs are fresh values (the in-place aliasing is a memory
@@ -246,6 +251,13 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::AvgPool2dBackward { .. }
         | Op::Upsample2d { .. }
         | Op::Upsample2dBackward { .. }
+        | Op::TopK { .. }
+        | Op::TakeAlong
+        | Op::ScatterAlong { .. }
+        | Op::MoeSlots { .. }
+        | Op::MoeDispatch { .. }
+        | Op::MoeCombine
+        | Op::MoeSlotDot
         | Op::AdamW(_) => false,
     }
 }
@@ -544,6 +556,11 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::GroupNorm { .. } | Op::GroupNormBackward { .. } => 3,
         Op::AttentionBackward(_) if x.len() == 7 => 7,
         Op::AttentionBackward(_) => 6,
+        Op::TopK { .. } | Op::MoeSlots { .. } => 1,
+        Op::TakeAlong | Op::ScatterAlong { .. } => 2,
+        // Optional weights.
+        Op::MoeDispatch { .. } | Op::MoeCombine => x.len().clamp(2, 3),
+        Op::MoeSlotDot => 3,
         Op::Concat { .. } => x.len().max(1),
         // (out, logsumexp) pairs, and the gradient last in the backward.
         Op::AttentionMerge => x.len().max(2),
@@ -663,11 +680,21 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         }
         Op::Upsample2d { scale } => one(vision::upsample2d(x[0], *scale)?),
         Op::Upsample2dBackward { scale } => one(vision::upsample2d_backward(x[0], *scale)?),
+        Op::TopK { k } => moe::top_k(x[0], *k),
+        Op::TakeAlong => one(moe::take_along(x[0], x[1])?),
+        Op::ScatterAlong { size } => one(moe::scatter_along(x[0], x[1], *size)?),
+        Op::MoeSlots { experts, capacity } => one(moe::moe_slots(x[0], *experts, *capacity)?),
+        Op::MoeDispatch { experts, capacity } => {
+            one(moe::moe_dispatch(x[0], x[1], x.get(2).copied(), *experts, *capacity)?)
+        }
+        Op::MoeCombine => one(moe::moe_combine(x[0], x[1], x.get(2).copied())?),
+        Op::MoeSlotDot => one(moe::moe_slot_dot(x[0], x[1], x[2])?),
     }
 }
 
 mod kernels;
 mod linear_loss;
+mod moe;
 mod nn;
 mod tiled_mlp;
 mod vision;

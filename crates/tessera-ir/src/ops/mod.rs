@@ -19,6 +19,7 @@ pub(crate) mod leaf;
 pub mod linear_loss;
 pub(crate) mod loss;
 pub(crate) mod matmul;
+pub mod moe;
 pub(crate) mod norm;
 pub(crate) mod optim;
 pub(crate) mod quant;
@@ -394,6 +395,45 @@ pub enum Op {
     /// Inference only.
     QMatMul(QuantSpec),
 
+    // ---- mixture of experts (see [`moe`]) ------------------------------------------------
+    /// Inputs `[x [.., n]]` → `[values [.., k], indices [.., k] i64]`: the `k` largest of each
+    /// row in descending order, equal values by lower index first (a NaN ranks above every
+    /// number). The values' gradient scatters back to their positions.
+    TopK {
+        k: usize,
+    },
+    /// Inputs `[x [.., n], indices [.., k]]` → `[.., k]`, `out[.., j] = x[.., indices[.., j]]`
+    /// (PyTorch's `gather` along the last dim); an index outside `0..n` is an error.
+    TakeAlong,
+    /// Inputs `[indices [.., k], src [.., k]]` → `[.., size]`: zeros, plus `src[.., j]` added
+    /// at `indices[.., j]` (repeated indices add). The adjoint of [`Op::TakeAlong`]; with a
+    /// `src` of ones, per-row one-hot counts.
+    ScatterAlong {
+        size: usize,
+    },
+    /// Inputs `[indices [N, k]]` (each token's experts) → `[slots [N, k] i64]`: assignment
+    /// `(n, j)` to expert `e` takes slot `e·capacity + c`, `c` its rank among the assignments
+    /// to `e` in row-major `(n, j)` order, or `−1` (dropped) when `c ≥ capacity`. See
+    /// [`moe`] for the drop order.
+    MoeSlots {
+        experts: usize,
+        capacity: usize,
+    },
+    /// Inputs `[x [N, H], slots [N, k]]` plus optional `weights [N, k]` → `[E, C, H]`: row
+    /// `slot[n, j]` is `x[n]` (times `weights[n, j]`); dropped assignments (`−1`) write
+    /// nothing, unfilled rows are zero. A slot used twice is an error.
+    MoeDispatch {
+        experts: usize,
+        capacity: usize,
+    },
+    /// Inputs `[y [E, C, H], slots [N, k]]` plus optional `weights [N, k]` → `[N, H]`:
+    /// `out[n] = Σ_j weights[n, j] · y[slot[n, j]]` over the assignments not dropped, `j`
+    /// ascending (a dropped one adds nothing). The adjoint of [`Op::MoeDispatch`].
+    MoeCombine,
+    /// Inputs `[buf [E, C, H], x [N, H], slots [N, k]]` → `[N, k]`: `⟨buf[slot[n, j]], x[n]⟩`,
+    /// 0 for a dropped assignment — the weights' gradient of dispatch and combine.
+    MoeSlotDot,
+
     // ---- optimizer ----------------------------------------------------------------------
     /// Inputs `[param, grad, m, v, lr, step, grad_norm]` plus `master` under mixed precision,
     /// plus `grad_scale` (last) when the spec's `grad_scale` is set (fp16 loss scaling);
@@ -515,6 +555,13 @@ impl Op {
             Op::Upsample2d { .. } => "upsample2d",
             Op::Upsample2dBackward { .. } => "upsample2d_backward",
             Op::AdamW(_) => "adamw",
+            Op::TopK { .. } => "top_k",
+            Op::TakeAlong => "take_along",
+            Op::ScatterAlong { .. } => "scatter_along",
+            Op::MoeSlots { .. } => "moe_slots",
+            Op::MoeDispatch { .. } => "moe_dispatch",
+            Op::MoeCombine => "moe_combine",
+            Op::MoeSlotDot => "moe_slot_dot",
             Op::Reshard(_) => "reshard",
             Op::Send(_) => "send",
             Op::Recv(..) => "recv",
@@ -600,7 +647,14 @@ impl Op {
             | Op::AvgPool2d { .. }
             | Op::AvgPool2dBackward { .. }
             | Op::Upsample2d { .. }
-            | Op::Upsample2dBackward { .. } => false,
+            | Op::Upsample2dBackward { .. }
+            | Op::TopK { .. }
+            | Op::TakeAlong
+            | Op::ScatterAlong { .. }
+            | Op::MoeSlots { .. }
+            | Op::MoeDispatch { .. }
+            | Op::MoeCombine
+            | Op::MoeSlotDot => false,
         }
     }
 
@@ -671,6 +725,13 @@ impl Op {
             Op::Upsample2d { scale } => vision::infer_upsample(x, *scale),
             Op::Upsample2dBackward { scale } => vision::infer_upsample_backward(x, *scale),
             Op::AdamW(spec) => optim::infer(spec, x),
+            Op::TopK { k } => moe::infer_top_k(x, *k),
+            Op::TakeAlong => moe::infer_take_along(x),
+            Op::ScatterAlong { size } => moe::infer_scatter_along(x, *size),
+            Op::MoeSlots { experts, capacity } => moe::infer_slots(x, *experts, *capacity),
+            Op::MoeDispatch { experts, capacity } => moe::infer_dispatch(x, *experts, *capacity),
+            Op::MoeCombine => moe::infer_combine(x),
+            Op::MoeSlotDot => moe::infer_slot_dot(x),
             Op::Reshard(spec) => comm::infer(x, spec),
             Op::Send(_) => comm::infer_send(x),
             Op::Recv(_, meta) => comm::infer_recv(x, meta),
@@ -735,6 +796,12 @@ impl Op {
             Op::Upsample2d { .. } => Flops::default(),
             Op::Upsample2dBackward { .. } => vision::flops_upsample_backward(x),
             Op::AdamW(_) => optim::flops(x),
+            Op::TopK { k } => moe::flops_top_k(x, *k),
+            Op::TakeAlong | Op::MoeSlots { .. } => Flops::default(),
+            Op::ScatterAlong { .. } => moe::flops_scatter(x),
+            Op::MoeDispatch { .. } => moe::flops_dispatch(x),
+            Op::MoeCombine => moe::flops_combine(x),
+            Op::MoeSlotDot => moe::flops_slot_dot(x),
             Op::Reshard(spec) => comm::flops(spec, x),
             Op::Send(_) | Op::Recv(..) | Op::Transfer { .. } => Flops::default(),
         }
@@ -801,6 +868,13 @@ impl Op {
             | Op::AvgPool2dBackward { .. }
             | Op::Upsample2d { .. }
             | Op::Upsample2dBackward { .. }
+            | Op::TopK { .. }
+            | Op::TakeAlong
+            | Op::ScatterAlong { .. }
+            | Op::MoeSlots { .. }
+            | Op::MoeDispatch { .. }
+            | Op::MoeCombine
+            | Op::MoeSlotDot
             | Op::AdamW(_) => read + written,
             Op::Reshard(spec) => {
                 if spec.is_view() {
@@ -871,7 +945,14 @@ impl Op {
             | Op::AvgPool2d { .. }
             | Op::AvgPool2dBackward { .. }
             | Op::Upsample2d { .. }
-            | Op::Upsample2dBackward { .. } => None,
+            | Op::Upsample2dBackward { .. }
+            | Op::TopK { .. }
+            | Op::TakeAlong
+            | Op::ScatterAlong { .. }
+            | Op::MoeSlots { .. }
+            | Op::MoeDispatch { .. }
+            | Op::MoeCombine
+            | Op::MoeSlotDot => None,
         }
     }
 
@@ -936,6 +1017,13 @@ impl Op {
             | Op::CrossEntropyBackward { .. }
             | Op::Rope { .. }
             | Op::AdamW(_)
+            | Op::TopK { .. }
+            | Op::TakeAlong
+            | Op::ScatterAlong { .. }
+            | Op::MoeSlots { .. }
+            | Op::MoeDispatch { .. }
+            | Op::MoeCombine
+            | Op::MoeSlotDot
             | Op::Reshard(_) => 0,
         }
     }
@@ -962,6 +1050,19 @@ impl Op {
                 d
             }
             Op::Dropout { .. } => vec![true, false],
+            // Indices and slots carry no gradient; rows and weights do.
+            Op::TopK { .. } => vec![true],
+            Op::TakeAlong => vec![true, false],
+            Op::ScatterAlong { .. } => vec![false, true],
+            Op::MoeSlots { .. } => vec![false],
+            Op::MoeDispatch { .. } | Op::MoeCombine => {
+                let mut d = all(false);
+                d[0] = true;
+                if let Some(w) = d.get_mut(2) {
+                    *w = true;
+                }
+                d
+            }
             Op::Unary(_)
             | Op::Binary(_)
             | Op::Cast(_)
@@ -1009,6 +1110,7 @@ impl Op {
             | Op::MaxPool2dBackward(_)
             | Op::AvgPool2dBackward { .. }
             | Op::Upsample2dBackward { .. }
+            | Op::MoeSlotDot
             | Op::AdamW(_) => all(false),
         }
     }
@@ -1060,6 +1162,12 @@ impl Op {
                 vision::vjp_avg_pool(cx, pool, *count_include_pad)
             }
             Op::Upsample2d { scale } => vision::vjp_upsample(cx, *scale),
+            Op::TopK { .. } => moe::vjp_top_k(cx),
+            Op::TakeAlong => moe::vjp_take_along(cx),
+            Op::ScatterAlong { .. } => moe::vjp_scatter_along(cx),
+            Op::MoeSlots { .. } => Ok(vec![None]),
+            Op::MoeDispatch { .. } => moe::vjp_dispatch(cx),
+            Op::MoeCombine => moe::vjp_combine(cx),
             Op::UnaryBackward(_)
             | Op::BinaryBackward { .. }
             | Op::ReduceBackward { .. }
@@ -1078,6 +1186,7 @@ impl Op {
             | Op::MaxPool2dBackward(_)
             | Op::AvgPool2dBackward { .. }
             | Op::Upsample2dBackward { .. }
+            | Op::MoeSlotDot
             | Op::AdamW(_) => Err(crate::IrError::Graph(format!(
                 "{} has no VJP: backward and optimizer ops are not differentiated again",
                 self.name()

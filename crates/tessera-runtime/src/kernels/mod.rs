@@ -20,6 +20,7 @@ mod layout;
 mod linear_loss;
 mod loss;
 mod matmul;
+mod moe;
 mod norm;
 mod optim;
 mod quant;
@@ -125,6 +126,15 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::SelectPositions => one(infer::select_positions(x[0], x[1])?),
         Op::QMatMul(q) => one(quant::qmatmul(x[0], x[1], x[2], *q)?),
         Op::AdamW(spec) => optim::adamw(spec, x),
+        Op::TopK { k } => moe::top_k(x[0], *k),
+        Op::TakeAlong => one(moe::take_along(x[0], x[1])?),
+        Op::ScatterAlong { size } => one(moe::scatter_along(x[0], x[1], *size)?),
+        Op::MoeSlots { experts, capacity } => one(moe::moe_slots(x[0], *experts, *capacity)?),
+        Op::MoeDispatch { experts, capacity } => {
+            one(moe::moe_dispatch(x[0], x[1], x.get(2).copied(), *experts, *capacity)?)
+        }
+        Op::MoeCombine => one(moe::moe_combine(x[0], x[1], x.get(2).copied())?),
+        Op::MoeSlotDot => one(moe::moe_slot_dot(x[0], x[1], x[2])?),
         Op::Conv2d(spec) => one(vision::conv2d(x[0], x[1], spec, &out[0])?),
         Op::Conv2dBackwardInput { spec, .. } => {
             one(vision::conv2d_backward_input(x[0], x[1], spec, &out[0])?)

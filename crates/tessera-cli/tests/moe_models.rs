@@ -1,0 +1,170 @@
+//! The MoE families (`mixtral`, `qwen3_moe`) end to end through the binary: tiny inline
+//! configs train on one device and on the plan the planner picks for two (loss finite and
+//! falling, the first step's loss equal across plans, measured peak == predicted); `profile`
+//! of the `mixtral-8x7b` preset counts the step's matmul FLOPs as the closed form does (the
+//! experts on every capacity row); and `eval` on checkpoints written by `transformers`
+//! (`scripts/make-moe-fixtures.sh`) reproduces its logits and its loss, router auxiliary loss
+//! included.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn tessera(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .current_dir(repo_root())
+        .args(args)
+        .output()
+        .expect("tessera runs")
+}
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn json(out: &Output) -> Value {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+/// A tiny config of `family` written to a temporary config.json; returns its path.
+fn config(family: &str) -> PathBuf {
+    let j = match family {
+        "mixtral" => serde_json::json!({
+            "model_type": "mixtral", "_name_or_path": "mixtral-test", "vocab_size": 256,
+            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "output_router_logits": true,
+            "router_aux_loss_coef": 0.02, "max_position_embeddings": 256
+        }),
+        _ => serde_json::json!({
+            "model_type": "qwen3_moe", "_name_or_path": "qwen3-moe-test", "vocab_size": 256,
+            "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
+            "mlp_only_layers": [0], "output_router_logits": true,
+            "max_position_embeddings": 256
+        }),
+    };
+    let dir = std::env::temp_dir().join(format!("tessera-moe-models-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{family}.json"));
+    std::fs::write(&path, j.to_string()).unwrap();
+    path
+}
+
+fn train(model: &Path, devices: &str) -> Value {
+    json(&tessera(&[
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--batch",
+        "4",
+        "--seq",
+        "32",
+        "--devices",
+        devices,
+        "--format",
+        "json",
+    ]))
+}
+
+fn check_run(family: &str, v: &Value) {
+    let (first, last) = (v["initial_loss"].as_f64().unwrap(), v["final_loss"].as_f64().unwrap());
+    assert!(first.is_finite() && last.is_finite(), "{family}: {v}");
+    assert!(last < first, "{family}: loss did not fall over 3 steps: {first} -> {last}");
+    let m = &v["memory"];
+    assert_eq!(m["measured_peak_bytes"], m["predicted_peak_bytes"], "{family}: {m}");
+}
+
+#[test]
+fn tiny_moe_models_train_on_one_and_two_devices() {
+    for family in ["mixtral", "qwen3_moe"] {
+        let model = config(family);
+        let one = train(&model, "1");
+        check_run(family, &one);
+        assert_eq!(one["devices"], 1);
+        let two = train(&model, "2");
+        check_run(family, &two);
+        // The first step's loss is the untrained model's on the same batch: the plan must not
+        // change it (router aux loss included).
+        let (a, b) = (one["initial_loss"].as_f64().unwrap(), two["initial_loss"].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-5 * a, "{family}: 1 device {a}, plan {} {b}", two["config"]);
+    }
+}
+
+/// Forward matmul FLOPs of Mixtral-8x7B at batch 8 × 1024 by hand (N = 8192 tokens, d 4096,
+/// h 32, kv 8, e 128, E 8, f 14336, v 32000, 32 layers): per layer the projections
+/// 2·N·d·(h·e + 2·kv·e + h·e), attention as dense S×S products 4·N·S·h·e, the router
+/// 2·N·d·E and the experts 3 · 2·E·C·d·f on every capacity row, C = N (dropless: E/k = 4
+/// times the active experts' work); plus the head 2·N·d·v.
+#[test]
+fn profile_of_mixtral_8x7b_counts_the_experts_on_capacity_rows() {
+    let v = json(&tessera(&["profile", "--model", "mixtral-8x7b", "--format", "json"]));
+    let (n, s, d, h, e, kv, experts, f, vocab) =
+        (8192u64, 1024u64, 4096u64, 32u64, 128u64, 8u64, 8u64, 14336u64, 32000u64);
+    let layer = 2 * n * d * (h * e + 2 * kv * e + h * e)
+        + 4 * n * s * h * e
+        + 2 * n * d * experts
+        + 3 * 2 * experts * n * d * f;
+    let want = 32 * layer + 2 * n * d * vocab;
+    assert_eq!(v["flops"]["matmul_forward"].as_u64().unwrap(), want, "{}", v["flops"]);
+    assert_eq!(v["params"], 46_702_792_704u64, "{v}");
+}
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_moe")
+}
+
+/// `eval` on each transformers checkpoint: logits within 1e-4 of transformers', and the loss
+/// (cross-entropy + `router_aux_loss_coef` · load-balancing loss, as transformers computes with
+/// `output_router_logits`) within 1e-5 relative — a bound far below the aux term itself.
+#[test]
+fn eval_matches_transformers_on_moe_checkpoints() {
+    for name in ["mixtral", "qwen3_moe"] {
+        let dir = fixtures().join(name);
+        let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
+        let expected: Value = serde_json::from_str(&text).unwrap();
+        let tokens: Vec<String> = expected["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap().to_string())
+            .collect();
+        let logits_path =
+            std::env::temp_dir().join(format!("tessera-moe-{}-{name}.json", std::process::id()));
+        let out = json(&tessera(&[
+            "eval",
+            "--model-dir",
+            dir.to_str().unwrap(),
+            "--tokens",
+            &tokens.join(","),
+            "--format",
+            "json",
+            "--logits",
+            logits_path.to_str().unwrap(),
+        ]));
+        let loss = out["loss"].as_f64().unwrap();
+        let want = expected["loss"].as_f64().unwrap();
+        let aux = want - expected["ce"].as_f64().unwrap();
+        assert!(aux > 1e-3 * want, "{name}: the fixture's aux term {aux} is too small to test");
+        assert!((loss - want).abs() <= 1e-5 * want, "{name}: loss {loss}, transformers {want}");
+
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&logits_path).unwrap())
+            .expect("logits JSON");
+        let got = doc["logits"].as_array().unwrap();
+        let want = expected["logits"].as_array().unwrap();
+        assert_eq!(got.len(), want.len(), "{name}: rows");
+        let mut worst = 0f64;
+        for (g, w) in got.iter().zip(want) {
+            let (g, w) = (g.as_array().unwrap(), w.as_array().unwrap());
+            assert_eq!(g.len(), w.len(), "{name}: vocabulary");
+            for (a, b) in g.iter().zip(w) {
+                worst = worst.max((a.as_f64().unwrap() - b.as_f64().unwrap()).abs());
+            }
+        }
+        assert!(worst <= 1e-4, "{name}: logits differ from transformers' by up to {worst}");
+    }
+}

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Writes the Hugging Face MoE parity fixtures under crates/tessera-cli/tests/fixtures/hf_moe/.
+
+As scripts/make_hf_fixtures.py does for the dense families: each fixture is a tiny MoE causal
+LM built by `transformers` from an explicit config, its weights re-initialised with a fixed
+seed and a large std, written in fp32 in the Hub's per-expert layout
+(`...experts.{e}.w1.weight` for Mixtral, `...mlp.experts.{e}.gate_proj.weight` for Qwen3-MoE:
+transformers 5 holds the experts fused in memory and converts on load, so the file is written
+from the fused parameters here and reloaded through `from_pretrained` to check the layout), plus
+`expected.json`:
+
+    {"tokens": [...16 ids...],
+     "logits": [[...V...], ...15 rows...],    # model(ids[:-1]).logits[0], fp32
+     "ce": float,                             # mean CE of those logits vs ids[1:], float64
+     "aux_loss": float,                       # transformers' load_balancing_loss over the
+                                              # 15 positions' router logits (fp32)
+     "loss": float}                           # ce + router_aux_loss_coef · aux_loss: what
+                                              # transformers' loss is with output_router_logits
+
+usage: scripts/make-moe-fixtures.sh   (sets up .venv-moe, then runs this)
+"""
+
+import json
+import os
+import platform
+import shutil
+import sys
+
+import safetensors
+import safetensors.torch
+import torch
+import transformers
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "crates", "tessera-cli", "tests", "fixtures", "hf_moe")
+MAX_DIR_BYTES = 1 << 20
+
+TOKENS = [3, 17, 42, 8, 95, 0, 61, 17, 29, 88, 5, 42, 73, 11, 50, 3]
+
+
+def common(**extra):
+    cfg = dict(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        output_router_logits=True,
+        dtype="float32",
+    )
+    cfg.update(extra)
+    return cfg
+
+
+FIXTURES = {
+    # Mixtral: 4 experts of width 48, top 2 renormalised, aux coefficient 0.02, no window.
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        common(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+               router_aux_loss_coef=0.02, sliding_window=None),
+    ),
+    # Qwen3-MoE: q/k norms, head_dim 16 (not hidden/heads), 3 layers of which layer 0 is a
+    # dense MLP (mlp_only_layers), 8 experts of width 32, top 2 not renormalised.
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        common(num_hidden_layers=3, head_dim=16, intermediate_size=80, moe_intermediate_size=32,
+               num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+               mlp_only_layers=[0], router_aux_loss_coef=0.01, rope_theta=1000000.0),
+    ),
+}
+
+
+def reinit(model, seed):
+    """Every parameter ~ N(0, 0.3²), norm weights 1 + N(0, 0.2²), in name order."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            value = 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise
+            p.copy_(value.to(p.dtype))
+
+
+def hub_state_dict(model, model_type):
+    """The state dict in the Hub's per-expert layout (transformers 4.x names)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().contiguous()
+        if name.endswith("experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            f = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                gate, up = t[e, :f], t[e, f:]
+                if model_type == "mixtral":
+                    prefix2 = prefix.replace(".mlp.", ".block_sparse_moe.")
+                    out[f"{prefix2}{e}.w1.weight"] = gate.clone()
+                    out[f"{prefix2}{e}.w3.weight"] = up.clone()
+                else:
+                    out[f"{prefix}{e}.gate_proj.weight"] = gate.clone()
+                    out[f"{prefix}{e}.up_proj.weight"] = up.clone()
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                if model_type == "mixtral":
+                    prefix2 = prefix.replace(".mlp.", ".block_sparse_moe.")
+                    out[f"{prefix2}{e}.w2.weight"] = t[e].clone()
+                else:
+                    out[f"{prefix}{e}.down_proj.weight"] = t[e].clone()
+        elif model_type == "mixtral" and ".mlp.gate." in name:
+            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = t.clone()
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def save(model, config, d):
+    if os.path.isdir(d):
+        shutil.rmtree(d)
+    os.makedirs(d)
+    config.save_pretrained(d)
+    sd = hub_state_dict(model, config.model_type)
+    safetensors.torch.save_file(sd, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    for name in os.listdir(d):
+        if name not in ("config.json", "model.safetensors"):
+            os.remove(os.path.join(d, name))
+    return sd
+
+
+def expected(model, tokens):
+    ids = torch.tensor([tokens], dtype=torch.long)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :-1], output_router_logits=True)
+    logits = out.logits[0].to(torch.float32)
+    ce = torch.nn.functional.cross_entropy(logits.double(), ids[0, 1:]).item()
+    aux = float(out.aux_loss)
+    coef = model.config.router_aux_loss_coef
+    return {
+        "tokens": tokens,
+        "shape": list(logits.shape),
+        "ce": ce,
+        "aux_loss": aux,
+        "router_aux_loss_coef": coef,
+        "loss": ce + coef * aux,
+        "logits": [[float(x) for x in row] for row in logits.tolist()],
+    }
+
+
+def make_fixture(name, seed, config_cls, model_cls, cfg):
+    config = config_cls(**cfg)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    reinit(model, seed)
+    d = os.path.join(OUT, name)
+    sd = save(model, config, d)
+    # Reload the per-expert file as a user would: every tensor must come back.
+    reloaded = model_cls.from_pretrained(d, attn_implementation="eager", dtype=torch.float32)
+    reloaded.eval()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reloaded.state_dict()[k]), f"{name}: {k} changed on reload"
+    exp = expected(reloaded, TOKENS)
+    with open(os.path.join(d, "expected.json"), "w") as f:
+        json.dump(exp, f, separators=(",", ":"))
+        f.write("\n")
+    size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+    assert size < MAX_DIR_BYTES, (name, size)
+    print(f"{name}: {len(sd)} tensors, {size} bytes, loss {exp['loss']:.6f} "
+          f"(ce {exp['ce']:.6f}, aux {exp['aux_loss']:.6f})")
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    for seed, (name, (config_cls, model_cls, cfg)) in enumerate(sorted(FIXTURES.items())):
+        make_fixture(name, 1000 + seed, config_cls, model_cls, cfg)
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+    }
+    with open(os.path.join(OUT, "versions.json"), "w") as f:
+        json.dump(versions, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
