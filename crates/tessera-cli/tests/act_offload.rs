@@ -3,7 +3,8 @@
 //! blocks of 32 features, 8 × 128 tokens, fp32): the same losses (the copies are exact), the device peak
 //! lower by the kept inputs it moves, and each device's measured device and host peaks equal
 //! to the Program's prediction — on one device and under `dp2 mb2` on two thread devices
-//! (against one device's losses), and beside model-state offload (`offload=act+opt`). And
+//! and `cp2` (against one device's losses), and beside model-state offload
+//! (`offload=act+opt`). And
 //! `tessera plan --explain` names it; the exports refuse it.
 
 use std::collections::HashMap;
@@ -162,8 +163,15 @@ fn assert_losses(a: &[f64], b: &[f64], tol: f64, what: &str) {
 
 /// `config` with and without `offload=act`: losses within `tol` of `reference` (and of each
 /// other, exactly: the copies change no value), measured == predicted on the device and the
-/// host, and the device peak lower by at least `removed` bytes. Returns the offloaded plan.
-fn with_and_without(m: &str, devices: usize, config: &str, reference: &[f64], tol: f64) -> Plan {
+/// host, and the device peak lower by at least `min_inputs` blocks' inputs. Returns the offloaded plan.
+fn with_and_without(
+    m: &str,
+    devices: usize,
+    config: &str,
+    reference: &[f64],
+    tol: f64,
+    min_inputs: u64,
+) -> Plan {
     let (kp, ke) = plan(m, devices, config).unwrap();
     let (op, oe) = plan(m, devices, &format!("{config} offload=act")).unwrap();
     assert!(op.config.ends_with("offload=act"), "{}", op.config);
@@ -188,14 +196,14 @@ fn with_and_without(m: &str, devices: usize, config: &str, reference: &[f64], to
     // The device no longer holds them between the passes: without it the peak (in the
     // backward pass) holds every block's input as a saved activation, with it none — the
     // peak moves later in the backward pass, where gradients have grown, so it falls by the
-    // inputs less that growth, still at least two blocks' inputs here.
+    // inputs less that growth, still at least `min_inputs` blocks' inputs here.
     let saved = |p: &Plan| p.predicted.peak_breakdown["saved_activations"];
     assert_eq!(saved(&kp), BLOCKS * input, "`{config}`: every input kept at the peak");
     assert_eq!(saved(&op), 0, "`{config}`: no input kept on the device at the peak");
     let (before, after) = (kr.peaks[0], or.peaks[0]);
     eprintln!("`{config}`: device peak {before} B -> {after} B with offload=act");
     assert!(
-        before >= after + 2 * input,
+        before >= after + min_inputs * input,
         "`{config}`: activation offload removes {} B of device peak; each block's input is \
          {input} B",
         before as i64 - after as i64
@@ -208,8 +216,10 @@ fn activation_offload_trains_exactly_and_peaks_as_predicted() {
     let m = model();
     let (_, one) = plan(&m, 1, "dp1 ckpt=full").unwrap();
     let reference = run(&m, &one).losses;
-    with_and_without(&m, 1, "dp1 ckpt=full", &reference, 0.0);
-    with_and_without(&m, 2, "dp2 mb2 ckpt=full", &reference, 1e-6);
+    with_and_without(&m, 1, "dp1 ckpt=full", &reference, 0.0, 2);
+    with_and_without(&m, 2, "dp2 mb2 ckpt=full", &reference, 1e-6, 2);
+    // Context parallelism: each device keeps (and moves) its half of every block's input.
+    with_and_without(&m, 2, "cp2 ckpt=full", &reference, 1e-5, 1);
     // Beside model-state offload (the host runs AdamW for the chunks it holds).
     let config = "dp1 ckpt=full offload=act+opt";
     let (p, e) = plan(&m, 1, config).unwrap();

@@ -457,7 +457,9 @@ impl ParallelConfig {
             self.cp,
             self.cp_comm,
             self.shard.is_some(),
-            self.offload.is_some(),
+            // Activation offload alone composes (a rewrite of the checkpointed Program); model
+            // state offload's chunks are laid out on a `[dp, tp]` mesh.
+            self.offload.is_some_and(|o| o.moves_state()),
         )?;
         let product = [self.tp, self.pp, self.micro_batches, self.cp]
             .iter()

@@ -132,7 +132,8 @@ pub fn parse_token(
 }
 
 /// The config rules of the axis: `cp=` needs cp > 1, and hybrid sharding (`shard=`) and
-/// offload do not compose with it yet.
+/// model-state offload (`offload` says whether the config moves model state) do not compose
+/// with it yet; activation offload (`offload=act`) does.
 pub fn validate(cp: usize, comm: Option<CpComm>, shard: bool, offload: bool) -> Result<()> {
     if cp == 0 {
         return Err(PlanError::Invalid("cp must be at least 1 (1 means not split)".into()));
@@ -149,7 +150,10 @@ pub fn validate(cp: usize, comm: Option<CpComm>, shard: bool, offload: bool) -> 
     let why = if shard {
         Some("hybrid sharding (shard=) with context parallelism is not supported yet: drop one")
     } else if offload {
-        Some("offload= with context parallelism is not supported yet: drop one of them")
+        Some(
+            "model-state offload (offload=opt, grads+opt, all) with context parallelism is not \
+             supported yet: drop one of them, or offload activations only (offload=act)",
+        )
     } else {
         None
     };

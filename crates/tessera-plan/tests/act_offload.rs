@@ -2,7 +2,8 @@
 //! keep decide the peak, and when no plan fits without them on the device — not even with
 //! every chunk's model state on the host — the search keeps them on the host instead, at a
 //! peak below the least any other plan reaches; a budget that fits without it leaves the plan
-//! as it was.
+//! as it was. With context parallelism, activation offload (the only kind cp composes with) takes
+//! llama3-8b to 2M tokens on 8 H100s.
 
 use tessera_ir::{DType, TrainConfig};
 use tessera_models::{build, BuildOptions, ModelConfig};
@@ -77,4 +78,40 @@ fn long_context_search_offloads_the_kept_block_inputs_when_nothing_else_fits() {
     // With room for the plan without it, the search does not offload activations.
     let p = plan_with(Some(peak(&least) + input), None).unwrap();
     assert!(!p.config.contains("offload=act"), "{}", p.config);
+}
+
+/// With context parallelism (activation offload is the one offload cp composes with): llama3-8b
+/// at 2M tokens on 8 H100s fits only with the kept block inputs on the host — `cp8 zero3`
+/// alone is refused, the search finds a cp plan with `offload=act` within the budget.
+#[test]
+fn context_parallel_plans_offload_activations_at_two_million_tokens() {
+    let seq = 2 * 1024 * 1024;
+    let cfg = ModelConfig::resolve("llama3-8b").unwrap();
+    let b = move |mb: usize| -> tessera_plan::Result<Forward> {
+        let m = build(&cfg, &BuildOptions::new(mb, seq, DType::BF16))
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+    };
+    let cluster = Cluster::parse("8xH100").unwrap();
+    let req = Request {
+        build: &b,
+        model: "llama3-8b".into(),
+        batch: 1,
+        seq,
+        dtype: DType::BF16,
+        budget: cluster.device.usable_bytes(),
+        cluster,
+        train: TrainConfig::default(),
+        model_flops: 1e12,
+        ckpt: tessera_plan::search::CkptSearch::Joint,
+        pipeline: Default::default(),
+        search: Default::default(),
+    };
+    let without = plan_fixed(&req, &ParallelConfig::parse("cp8 zero3").unwrap());
+    assert!(matches!(without, Err(PlanError::Infeasible { .. })), "{without:?}");
+    let p = plan_auto(&req).expect("2M tokens fit 8 H100s with activations on the host");
+    assert!(p.config.contains("cp8") && p.config.contains("offload=act"), "{}", p.config);
+    assert!(p.predicted.peak_bytes_per_device.iter().all(|&b| b <= p.memory_budget_bytes));
+    let o = p.offload.as_ref().expect("the plan records its offload");
+    assert!(o.act && o.chunks_offloaded == 0 && o.act_bytes_per_step > 0, "{o:?}");
 }

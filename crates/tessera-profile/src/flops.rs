@@ -34,20 +34,23 @@ pub fn count_flops(graph: &Graph) -> FlopReport {
         x.extend(node.inputs.iter().map(|&t| graph.meta(t)));
         y.extend(node.outputs.iter().map(|&t| graph.meta(t)));
         let f = node.op.flops(&x, &y);
+        // Saturating: a multi-million-token step's attention alone nears u64's 1.8e19.
+        let add = |a: &mut u64, b: u64| *a = a.saturating_add(b);
         match node.phase {
             Phase::Forward => {
-                r.forward += f.total();
-                r.matmul_forward += f.matmul;
+                add(&mut r.forward, f.total());
+                add(&mut r.matmul_forward, f.matmul);
             }
             Phase::Backward => {
-                r.backward += f.total();
-                r.matmul_backward += f.matmul;
+                add(&mut r.backward, f.total());
+                add(&mut r.matmul_backward, f.matmul);
             }
-            Phase::Recompute => r.recompute += f.total(),
-            Phase::Optimizer => r.optimizer += f.total(),
+            Phase::Recompute => add(&mut r.recompute, f.total()),
+            Phase::Optimizer => add(&mut r.optimizer, f.total()),
         }
     }
-    r.total = r.forward + r.backward + r.recompute + r.optimizer;
-    r.matmul = r.matmul_forward + r.matmul_backward;
+    r.total =
+        [r.backward, r.recompute, r.optimizer].iter().fold(r.forward, |t, &x| t.saturating_add(x));
+    r.matmul = r.matmul_forward.saturating_add(r.matmul_backward);
     r
 }

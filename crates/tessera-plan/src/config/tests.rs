@@ -496,7 +496,10 @@ fn context_parallel_refusals_name_the_fix() {
     let e = err("dp4 cp2 zero1 shard=2");
     assert!(e.contains("shard=") && e.contains("not supported yet"), "{e}");
     let e = err("cp2 offload=opt");
-    assert!(e.contains("offload=") && e.contains("not supported yet"), "{e}");
+    assert!(e.contains("offload=act") && e.contains("not supported yet"), "{e}");
+    // Activation offload alone composes with cp.
+    let c = ParallelConfig::parse("cp2 offload=act").unwrap();
+    assert!(c.offload.is_some_and(|o| o.act && !o.moves_state()));
 }
 
 #[test]

@@ -18,7 +18,9 @@
 //! with the kept inputs of fully checkpointed blocks on the host, plus a line offloading
 //! activations alone (no model state: probed once per micro-batch count). The joint
 //! checkpointing of each probe sees what it frees: a full block's input no longer counts as
-//! kept on the device, its copy back is in the block's backward peak.
+//! kept on the device, its copy back is in the block's backward peak. On the grid's
+//! context-parallel layouts (`dp × cp × tp`) only that last line is tried: activation offload
+//! is the one offload cp composes with.
 
 use super::rounds::{megatron_jobs, parallel_map, Job};
 use super::Request;
@@ -46,7 +48,12 @@ struct Line {
     act: bool,
     /// The micro-batch counts tried, fewest first.
     mbs: Vec<usize>,
+    /// Context-parallel degree (the mesh's middle axis when > 1).
+    cp: usize,
 }
+
+/// A layout the phase offloads on: mesh, sp, ZeRO stage, micro-batch counts, cp degree.
+type Layout = (Mesh, bool, u8, Vec<usize>, usize);
 
 #[derive(Default)]
 struct LineResult {
@@ -60,29 +67,31 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
     }
     let mut lines = Vec::new();
     for job in megatron_jobs(req) {
-        // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`).
-        // Nor with context parallelism (`cpN` refuses `offload=`).
-        let Job::Megatron { dp, tp, sp, shard: None, cp: 1 } = job else { continue };
-        let mesh = Mesh::named(&req.cluster, &[dp, tp], &[AxisName::Data, AxisName::Tensor])?;
-        let zeros: &[u8] = if dp > 1 { &[1, 3] } else { &[0] };
+        // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`); with
+        // context parallelism only activations are offloaded (`cpN` refuses model state).
+        let Job::Megatron { dp, tp, sp, shard: None, cp } = job else { continue };
+        let (shape, names) = crate::context::mesh_shape(dp, cp, tp);
+        let mesh = Mesh::named(&req.cluster, &shape, &names)?;
+        let zeros: &[u8] = if dp * cp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
-            lines.push((mesh.clone(), sp, zero, req.micro_batch_options()));
+            lines.push((mesh.clone(), sp, zero, req.micro_batch_options(), cp));
         }
     }
     run_both(req, &lines)
 }
 
-/// The lines of model-state offload over `(mesh, sp, zero, mbs)`, and, when none fits, the
-/// same with activation offload and activation offload alone.
-fn run_both(req: &Request<'_>, layouts: &[(Mesh, bool, u8, Vec<usize>)]) -> Result<OffloadPhase> {
+/// The lines of model-state offload over `(mesh, sp, zero, mbs, cp)`, and, when none fits,
+/// the same with activation offload and activation offload alone (the only kind a
+/// context-parallel layout, cp > 1, is tried with).
+fn run_both(req: &Request<'_>, layouts: &[Layout]) -> Result<OffloadPhase> {
     let kinds = [OffloadKind::Opt, OffloadKind::GradsOpt, OffloadKind::All];
     let lines_of = |act: bool| {
         let mut lines = Vec::new();
-        for (mesh, sp, zero, mbs) in layouts {
-            let kinds = kinds.iter().map(|&k| Some(k));
+        for (mesh, sp, zero, mbs, cp) in layouts {
+            let kinds = kinds.iter().map(|&k| Some(k)).filter(|_| *cp == 1);
             for kind in act.then_some(None).into_iter().chain(kinds) {
-                let (mesh, sp, zero, mbs) = (mesh.clone(), *sp, *zero, mbs.clone());
-                lines.push(Line { mesh, sp, zero, kind, act, mbs });
+                let (mesh, sp, zero, mbs, cp) = (mesh.clone(), *sp, *zero, mbs.clone(), *cp);
+                lines.push(Line { mesh, sp, zero, kind, act, mbs, cp });
             }
         }
         lines
@@ -110,7 +119,7 @@ pub(super) fn run_layout(
         return Ok(OffloadPhase { fit: None, least_tiers: None });
     }
     let mesh = Mesh::named(&req.cluster, &[dp, tp], &[AxisName::Data, AxisName::Tensor])?;
-    let layouts: Vec<_> = sps.iter().map(|&sp| (mesh.clone(), sp, zero, mbs.to_vec())).collect();
+    let layouts: Vec<_> = sps.iter().map(|&sp| (mesh.clone(), sp, zero, mbs.to_vec(), 1)).collect();
     run_both(req, &layouts)
 }
 
@@ -137,7 +146,7 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
     let mut out = LineResult::default();
     let cand = |mb: usize, chunks: u32, nvme: u32| Candidate {
         mesh: line.mesh.clone(),
-        rule: AxisRule::Megatron { sp: line.sp, cp: false },
+        rule: AxisRule::Megatron { sp: line.sp, cp: line.cp > 1 },
         zero: line.zero,
         micro_batches: mb,
         offload: Some(offload_of(line, chunks, nvme)),
@@ -224,7 +233,9 @@ fn probe(req: &Request<'_>, cand: &Candidate, budget: u64) -> Result<Option<Eval
 }
 
 fn describe(line: &Line, mb: usize, chunks: u32, nvme: u32) -> String {
-    let cfg = crate::config::ParallelConfig::new(line.mesh.shape[0], line.mesh.shape[1])
+    let tp = *line.mesh.shape.last().unwrap_or(&1);
+    let cfg = crate::config::ParallelConfig::new(line.mesh.shape[0], tp)
+        .with_cp(line.cp)
         .with_zero(line.zero)
         .with_micro_batches(mb)
         .with_sp(line.sp)
