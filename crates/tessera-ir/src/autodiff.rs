@@ -434,6 +434,41 @@ pub struct LeafLayout {
     pub micro_batches: Vec<std::collections::BTreeMap<String, TensorId>>,
 }
 
+impl TrainingGraph {
+    /// This step's handles and leaf layout carried onto `graph`, a rewrite of `self.graph`,
+    /// through `f` (each old tensor id to its new one): what a rewrite of a training graph
+    /// (recomputation, activation offload) returns.
+    pub fn try_remap<E>(
+        &self,
+        graph: crate::Graph,
+        mut f: impl FnMut(TensorId) -> std::result::Result<TensorId, E>,
+    ) -> std::result::Result<TrainingGraph, E> {
+        let params = self.params.iter().map(|s| s.try_map(&mut f)).collect::<Result<_, _>>()?;
+        let placements = self
+            .layout
+            .placements
+            .iter()
+            .map(|(&t, p)| Ok((f(t)?, p.clone())))
+            .collect::<Result<_, E>>()?;
+        let micro_batches = self
+            .layout
+            .micro_batches
+            .iter()
+            .map(|g| g.iter().map(|(k, &t)| Ok((k.clone(), f(t)?))).collect::<Result<_, E>>())
+            .collect::<Result<_, E>>()?;
+        Ok(TrainingGraph {
+            loss: f(self.loss)?,
+            grad_norm: f(self.grad_norm)?,
+            lr: f(self.lr)?,
+            step: f(self.step)?,
+            loss_scale: self.loss_scale.map(&mut f).transpose()?,
+            params,
+            layout: LeafLayout { placements, micro_batches },
+            graph,
+        })
+    }
+}
+
 /// Builds the training graph of a forward graph whose scalar `loss` is given.
 pub fn build_training_graph(
     b: Builder,

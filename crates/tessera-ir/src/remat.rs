@@ -240,31 +240,14 @@ pub fn rematerialize(tg: &TrainingGraph, ckpt: &Checkpointing) -> Result<Trainin
             r.map[o.index()] = Some(n);
         }
     }
-    let m = |t: TensorId| r.mapped(t);
-    let params = tg.params.iter().map(|s| s.try_map(m)).collect::<Result<Vec<_>>>()?;
-    let layout = crate::autodiff::LeafLayout {
-        placements: tg
-            .layout
-            .placements
-            .iter()
-            .map(|(&t, p)| Ok((m(t)?, p.clone())))
-            .collect::<Result<_>>()?,
-        micro_batches: tg
-            .layout
-            .micro_batches
-            .iter()
-            .map(|g| g.iter().map(|(k, &t)| Ok((k.clone(), m(t)?))).collect::<Result<_>>())
-            .collect::<Result<_>>()?,
-    };
-    Ok(TrainingGraph {
-        loss: m(tg.loss)?,
-        grad_norm: m(tg.grad_norm)?,
-        lr: m(tg.lr)?,
-        step: m(tg.step)?,
-        loss_scale: tg.loss_scale.map(m).transpose()?,
-        params,
-        layout,
-        graph: r.b.finish(),
+    let Rewriter { b, map, .. } = r;
+    tg.try_remap(b.finish(), |t| mapped_in(&map, t))
+}
+
+/// `t`'s copy in the rewritten graph.
+fn mapped_in(map: &[Option<TensorId>], t: TensorId) -> Result<TensorId> {
+    map[t.index()].ok_or_else(|| {
+        IrError::Graph(format!("checkpointing: {} is read before it is made", t.index()))
     })
 }
 
@@ -279,9 +262,7 @@ struct Rewriter<'a> {
 
 impl Rewriter<'_> {
     fn mapped(&self, t: TensorId) -> Result<TensorId> {
-        self.map[t.index()].ok_or_else(|| {
-            IrError::Graph(format!("checkpointing: {} is read before it is made", t.index()))
-        })
+        mapped_in(&self.map, t)
     }
 
     fn push(&mut self, node: &Node, phase: Phase, ins: &[TensorId]) -> Result<TensorIds> {

@@ -169,32 +169,7 @@ pub(crate) fn apply(tg: &TrainingGraph, ckpt: &Checkpointing) -> Result<Training
             }
         }
     }
-    let m = |t: TensorId| mapped(&map, t);
-    let params = tg.params.iter().map(|s| s.try_map(m)).collect::<Result<Vec<_>>>()?;
-    let layout = tessera_ir::LeafLayout {
-        placements: tg
-            .layout
-            .placements
-            .iter()
-            .map(|(&t, p)| Ok((m(t)?, p.clone())))
-            .collect::<Result<_>>()?,
-        micro_batches: tg
-            .layout
-            .micro_batches
-            .iter()
-            .map(|g| g.iter().map(|(k, &t)| Ok((k.clone(), m(t)?))).collect::<Result<_>>())
-            .collect::<Result<_>>()?,
-    };
-    Ok(TrainingGraph {
-        loss: m(tg.loss)?,
-        grad_norm: m(tg.grad_norm)?,
-        lr: m(tg.lr)?,
-        step: m(tg.step)?,
-        loss_scale: tg.loss_scale.map(m).transpose()?,
-        params,
-        layout,
-        graph: b.finish(),
-    })
+    tg.try_remap(b.finish(), |t| mapped(&map, t))
 }
 
 /// The activations a Program moves to the host in one step (kept in [`crate::offload`], which
