@@ -7,20 +7,13 @@
 //! (`offload=act+opt`). And
 //! `tessera plan --explain` names it; the exports refuse it.
 
-use std::collections::HashMap;
+mod support;
+
 use std::process::Command;
-use std::time::Duration;
-use tessera_comm::ThreadComm;
-use tessera_ir::{DType, TrainConfig};
-use tessera_models::{build, BuildOptions, ModelConfig};
-use tessera_plan::config::ParallelConfig;
+use support::{assert_losses, Measured, Run};
 use tessera_plan::plan::Plan;
-use tessera_plan::planner::{self, Executable, Request};
-use tessera_plan::search::Forward;
-use tessera_plan::{Cluster, PlanError};
-use tessera_runtime::collective::{CommRunner, DeviceMesh};
-use tessera_runtime::init::{init_rules_by_name, InitRule};
-use tessera_runtime::{CpuBackend, DeviceSetup, LrSchedule, StartState, StepBatch, Trainer};
+use tessera_plan::planner::Executable;
+use tessera_plan::PlanError;
 
 const STEPS: u64 = 2;
 const BATCH: usize = 8;
@@ -38,127 +31,25 @@ fn model() -> String {
         "num_key_value_heads": 2, "max_position_embeddings": SEQ, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": false
     });
-    let dir = std::env::temp_dir().join(format!("tessera-act-offload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("llama.json");
-    std::fs::write(&path, j.to_string()).unwrap();
-    path.to_str().unwrap().to_string()
+    support::write_model("act-offload", "llama", &j)
 }
 
-fn schedule() -> LrSchedule {
-    LrSchedule::WarmupCosine { peak: 1e-3, min_lr: 1e-4, warmup: 1, total: STEPS }
-}
-
-fn train_cfg() -> TrainConfig {
-    TrainConfig { weight_decay: 0.1, max_grad_norm: Some(1.0), ..TrainConfig::default() }
-}
-
-fn batch(step: u64) -> StepBatch {
-    let tok = |salt: u64| -> Vec<i64> {
-        (0..(BATCH * SEQ) as u64)
-            .map(|i| (tessera_ir::rng::splitmix64(i ^ salt.wrapping_mul(0x9E37_79B9)) % 64) as i64)
-            .collect()
-    };
-    StepBatch::tokens(tok(step * 2 + 1), tok(step * 2 + 2), BATCH, SEQ).unwrap()
-}
-
-fn request<'a>(
-    builder: &'a (dyn Fn(usize) -> tessera_plan::Result<Forward> + Sync),
-    name: String,
-    devices: usize,
-) -> Request<'a> {
-    let mut cluster = Cluster::parse(&format!("{devices}xcpu")).unwrap();
-    cluster.host.memory_bytes = 1 << 30;
-    Request {
-        build: builder,
-        model: name,
-        batch: BATCH,
-        seq: SEQ,
-        dtype: DType::F32,
-        cluster,
-        budget: 1 << 40,
-        train: train_cfg(),
-        model_flops: 1.0,
-        ckpt: tessera_plan::search::CkptSearch::Joint,
-        pipeline: Default::default(),
-        search: Default::default(),
-    }
-}
+/// The runs' shape (the host holds 1 GiB per device).
+const RUN: Run = Run {
+    batch: BATCH,
+    seq: SEQ,
+    steps: STEPS,
+    seed: SEED,
+    tokens: 64,
+    host_memory: Some(1 << 30),
+};
 
 fn plan(model: &str, devices: usize, config: &str) -> Result<(Plan, Executable), PlanError> {
-    let cfg = ModelConfig::resolve(model).unwrap();
-    let name = cfg.name().to_string();
-    let builder = |mb: usize| -> tessera_plan::Result<Forward> {
-        let m = build(&cfg, &BuildOptions { batch: mb, seq: SEQ, dtype: DType::F32 })
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    };
-    let req = request(&builder, name, devices);
-    let plan = planner::plan_fixed(&req, &ParallelConfig::parse(config)?)?;
-    let exe = planner::lower_plan(&req, &plan)?;
-    Ok((plan, exe))
-}
-
-/// What a run measured: the per-step losses (rank 0's) and each device's device and host
-/// peaks.
-struct Measured {
-    losses: Vec<f64>,
-    peaks: Vec<u64>,
-    host_peaks: Vec<u64>,
+    RUN.plan(model, devices, config)
 }
 
 fn run(model: &str, exe: &Executable) -> Measured {
-    let cfg = ModelConfig::resolve(model).unwrap();
-    let m = build(&cfg, &BuildOptions { batch: BATCH, seq: SEQ, dtype: DType::F32 }).unwrap();
-    let rules: HashMap<String, InitRule> = init_rules_by_name(&m.builder.finish());
-    let n: usize = exe.mesh.shape.iter().product();
-    let comms = ThreadComm::world(n, Duration::from_secs(60)).unwrap();
-    let out: Vec<(Vec<f64>, u64, u64)> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                let rules = &rules;
-                s.spawn(move || {
-                    let mesh = DeviceMesh::new(&exe.mesh.shape, rank).unwrap();
-                    let runner = CommRunner::new(Box::new(comm), mesh.clone()).unwrap();
-                    let setup =
-                        DeviceSetup { mesh, budget: None, host_budget: None, offload_dir: None };
-                    let mut t = Trainer::new(
-                        exe.lowered.training.clone(),
-                        CpuBackend::new(rank),
-                        Some(runner),
-                        setup,
-                        schedule(),
-                        SEED,
-                        StartState::Fresh { rules },
-                    )
-                    .unwrap();
-                    let (mut losses, mut peak, mut host) = (Vec::new(), 0, 0);
-                    for step in 1..=STEPS {
-                        let st = t.step_batch(&batch(step)).unwrap();
-                        losses.push(st.loss);
-                        peak = peak.max(st.peak_bytes);
-                        host = host.max(st.host_peak_bytes);
-                    }
-                    (losses, peak, host)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
-    });
-    Measured {
-        losses: out[0].0.clone(),
-        peaks: out.iter().map(|o| o.1).collect(),
-        host_peaks: out.iter().map(|o| o.2).collect(),
-    }
-}
-
-fn assert_losses(a: &[f64], b: &[f64], tol: f64, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for (s, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= tol * y.abs(), "{what} step {}: {x} vs {y}", s + 1);
-    }
+    RUN.train(model, exe)
 }
 
 /// `config` with and without `offload=act`: losses within `tol` of `reference` (and of each

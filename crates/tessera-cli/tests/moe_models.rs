@@ -6,6 +6,8 @@
 //! (`scripts/make-moe-fixtures.sh`) reproduces its logits and its loss, router auxiliary loss
 //! included.
 
+mod support;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -46,11 +48,7 @@ fn config(family: &str) -> PathBuf {
             "max_position_embeddings": 256
         }),
     };
-    let dir = std::env::temp_dir().join(format!("tessera-moe-models-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{family}.json"));
-    std::fs::write(&path, j.to_string()).unwrap();
-    path
+    PathBuf::from(support::write_model("moe-models", family, &j))
 }
 
 fn train(model: &Path, devices: &str) -> Value {

@@ -9,20 +9,13 @@
 //! 8× wide MLP (512 ffn features) and a small vocabulary, so the MLP's intermediates are what
 //! peaks, as they are at long sequences.
 
-use std::collections::HashMap;
+mod support;
+
 use std::process::Command;
-use std::time::Duration;
-use tessera_comm::ThreadComm;
-use tessera_ir::{DType, TrainConfig};
-use tessera_models::{build, BuildOptions, ModelConfig};
-use tessera_plan::config::ParallelConfig;
+use support::{assert_losses, Measured, Run};
 use tessera_plan::plan::Plan;
-use tessera_plan::planner::{self, Executable, Request};
-use tessera_plan::search::Forward;
-use tessera_plan::{Cluster, PlanError};
-use tessera_runtime::collective::{CommRunner, DeviceMesh};
-use tessera_runtime::init::{init_rules_by_name, InitRule};
-use tessera_runtime::{CpuBackend, DeviceSetup, LrSchedule, StartState, StepBatch, Trainer};
+use tessera_plan::planner::Executable;
+use tessera_plan::PlanError;
 
 const STEPS: u64 = 3;
 const BATCH: usize = 4;
@@ -47,105 +40,21 @@ fn model(family: &str) -> String {
             "tie_word_embeddings": false
         }),
     };
-    let dir = std::env::temp_dir().join(format!("tessera-tiled-mlp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{family}.json"));
-    std::fs::write(&path, j.to_string()).unwrap();
-    path.to_str().unwrap().to_string()
+    support::write_model("tiled-mlp", family, &j)
 }
 
-fn schedule() -> LrSchedule {
-    LrSchedule::WarmupCosine { peak: 1e-3, min_lr: 1e-4, warmup: 1, total: STEPS }
-}
-
-fn train_cfg() -> TrainConfig {
-    TrainConfig { weight_decay: 0.1, max_grad_norm: Some(1.0), ..TrainConfig::default() }
-}
-
-fn batch(step: u64) -> StepBatch {
-    let tok = |salt: u64| -> Vec<i64> {
-        (0..(BATCH * SEQ) as u64)
-            .map(|i| (tessera_ir::rng::splitmix64(i ^ salt.wrapping_mul(0x9E37_79B9)) % 256) as i64)
-            .collect()
-    };
-    StepBatch::tokens(tok(step * 2 + 1), tok(step * 2 + 2), BATCH, SEQ).unwrap()
-}
+/// The runs' shape.
+const RUN: Run =
+    Run { batch: BATCH, seq: SEQ, steps: STEPS, seed: SEED, tokens: 256, host_memory: None };
 
 fn plan(model: &str, devices: usize, config: &str) -> Result<(Plan, Executable), PlanError> {
-    let cfg = ModelConfig::resolve(model).unwrap();
-    let name = cfg.name().to_string();
-    let builder = |mb: usize| -> tessera_plan::Result<Forward> {
-        let m = build(&cfg, &BuildOptions { batch: mb, seq: SEQ, dtype: DType::F32 })
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    };
-    let req = Request {
-        build: &builder,
-        model: name,
-        batch: BATCH,
-        seq: SEQ,
-        dtype: DType::F32,
-        cluster: Cluster::parse(&format!("{devices}xcpu")).unwrap(),
-        budget: 1 << 40,
-        train: train_cfg(),
-        model_flops: 1.0,
-        ckpt: tessera_plan::search::CkptSearch::Joint,
-        pipeline: Default::default(),
-        search: Default::default(),
-    };
-    let plan = planner::plan_fixed(&req, &ParallelConfig::parse(config)?)?;
-    let exe = planner::lower_plan(&req, &plan)?;
-    Ok((plan, exe))
+    RUN.plan(model, devices, config)
 }
 
 /// Per-step losses and each device's measured peak of a plan run on thread devices.
 fn run(model: &str, exe: &Executable) -> (Vec<f64>, Vec<u64>) {
-    let cfg = ModelConfig::resolve(model).unwrap();
-    let m = build(&cfg, &BuildOptions { batch: BATCH, seq: SEQ, dtype: DType::F32 }).unwrap();
-    let rules: HashMap<String, InitRule> = init_rules_by_name(&m.builder.finish());
-    let n: usize = exe.mesh.shape.iter().product();
-    let comms = ThreadComm::world(n, Duration::from_secs(60)).unwrap();
-    let out: Vec<(Vec<f64>, u64)> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                let rules = &rules;
-                s.spawn(move || {
-                    let mesh = DeviceMesh::new(&exe.mesh.shape, rank).unwrap();
-                    let runner = CommRunner::new(Box::new(comm), mesh.clone()).unwrap();
-                    let setup =
-                        DeviceSetup { mesh, budget: None, host_budget: None, offload_dir: None };
-                    let mut t = Trainer::new(
-                        exe.lowered.training.clone(),
-                        CpuBackend::new(rank),
-                        Some(runner),
-                        setup,
-                        schedule(),
-                        SEED,
-                        StartState::Fresh { rules },
-                    )
-                    .unwrap();
-                    let mut losses = Vec::new();
-                    let mut peak = 0;
-                    for step in 1..=STEPS {
-                        let st = t.step_batch(&batch(step)).unwrap();
-                        losses.push(st.loss);
-                        peak = st.peak_bytes;
-                    }
-                    (losses, peak)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
-    });
-    (out[0].0.clone(), out.iter().map(|(_, p)| *p).collect())
-}
-
-fn assert_losses(a: &[f64], b: &[f64], tol: f64, what: &str) {
-    for (s, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= tol * y.abs(), "{what} step {}: {x} vs {y}", s + 1);
-    }
+    let Measured { losses, peaks, .. } = RUN.train(model, exe);
+    (losses, peaks)
 }
 
 /// A whole and a tiled plan of one config: equal losses, measured == predicted peaks, and at
