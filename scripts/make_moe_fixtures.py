@@ -17,6 +17,20 @@ from the fused parameters here and reloaded through `from_pretrained` to check t
      "loss": float}                           # ce + router_aux_loss_coef · aux_loss: what
                                               # transformers' loss is with output_router_logits
 
+and `generate.json`, transformers' greedy `generate` (KV cache) on three prompts, as
+scripts/make_hf_fixtures.py writes it for the dense families (same prompts rule, same checks).
+
+`qwen2_moe` is written by `save_pretrained` itself (transformers converts its fused experts back
+to the Hub's per-expert names on save), the others from the fused parameters as above.
+
+`real_configs/<preset>.json`: the config.json values of the released checkpoints the MoE presets
+reproduce, and `param_counts.json`: transformers' parameter count of each, built on the meta
+device (no memory). Sources of the values: each checkpoint's config.json on the Hugging Face Hub
+(mistralai/Mixtral-8x7B-v0.1, mistralai/Mixtral-8x22B-v0.1, Qwen/Qwen1.5-MoE-A2.7B,
+Qwen/Qwen2-57B-A14B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B), copied here by hand (there is no
+Hub access where this runs); only the fields that shape the model and its defaults matter to the
+count.
+
 usage: scripts/make-moe-fixtures.sh   (sets up .venv-moe, then runs this)
 """
 
@@ -33,9 +47,14 @@ import transformers
 from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_hf_fixtures import generations, write_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "crates", "tessera-cli", "tests", "fixtures", "hf_moe")
@@ -79,6 +98,67 @@ FIXTURES = {
                num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                mlp_only_layers=[0], router_aux_loss_coef=0.01, rope_theta=1000000.0),
     ),
+    # Qwen2-MoE: q/k/v biases, hidden 32, 3 layers of which layer 1 is a dense MLP
+    # (mlp_only_layers), 4 experts of width 16, top 2 not renormalised, a shared expert of width
+    # 24 behind its sigmoid gate.
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        common(hidden_size=32, num_hidden_layers=3, intermediate_size=40,
+               moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
+               num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+               mlp_only_layers=[1], router_aux_loss_coef=0.02, rope_theta=1000000.0),
+    ),
+}
+
+# Released checkpoints' config.json values (see the module docs for the sources).
+REAL_CONFIGS = {
+    "mixtral-8x7b": (MixtralForCausalLM, MixtralConfig, dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
+        router_aux_loss_coef=0.02, sliding_window=None, tie_word_embeddings=False,
+        hidden_act="silu", torch_dtype="bfloat16")),
+    "mixtral-8x22b": (MixtralForCausalLM, MixtralConfig, dict(
+        vocab_size=32000, hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+        num_attention_heads=48, num_key_value_heads=8, max_position_embeddings=65536,
+        num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
+        router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False,
+        hidden_act="silu", torch_dtype="bfloat16")),
+    "qwen1.5-moe-a2.7b": (Qwen2MoeForCausalLM, Qwen2MoeConfig, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=8192,
+        num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1,
+        rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False, sliding_window=32768,
+        max_window_layers=21, router_aux_loss_coef=0.001, tie_word_embeddings=False,
+        hidden_act="silu", torch_dtype="bfloat16")),
+    "qwen2-57b-a14b": (Qwen2MoeForCausalLM, Qwen2MoeConfig, dict(
+        vocab_size=151936, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=2560,
+        shared_expert_intermediate_size=20480, norm_topk_prob=False, decoder_sparse_step=1,
+        rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False, sliding_window=131072,
+        max_window_layers=28, router_aux_loss_coef=0.001, tie_word_embeddings=False,
+        hidden_act="silu", torch_dtype="bfloat16")),
+    "qwen3-30b-a3b": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6, attention_bias=False,
+        use_sliding_window=False, sliding_window=None, max_window_layers=48,
+        router_aux_loss_coef=0.001, tie_word_embeddings=False, hidden_act="silu",
+        torch_dtype="bfloat16")),
+    "qwen3-235b-a22b": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=1536, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6, attention_bias=False,
+        use_sliding_window=False, sliding_window=None, max_window_layers=94,
+        router_aux_loss_coef=0.001, tie_word_embeddings=False, hidden_act="silu",
+        torch_dtype="bfloat16")),
 }
 
 
@@ -128,9 +208,15 @@ def save(model, config, d):
     if os.path.isdir(d):
         shutil.rmtree(d)
     os.makedirs(d)
-    config.save_pretrained(d)
-    sd = hub_state_dict(model, config.model_type)
-    safetensors.torch.save_file(sd, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    if config.model_type == "qwen2_moe":
+        model.save_pretrained(d)
+        sd = safetensors.torch.load_file(os.path.join(d, "model.safetensors"))
+        assert any(".experts.0.gate_proj.weight" in k for k in sd), sorted(sd)
+    else:
+        config.save_pretrained(d)
+        sd = hub_state_dict(model, config.model_type)
+        safetensors.torch.save_file(sd, os.path.join(d, "model.safetensors"),
+                                    metadata={"format": "pt"})
     for name in os.listdir(d):
         if name not in ("config.json", "model.safetensors"):
             os.remove(os.path.join(d, name))
@@ -173,16 +259,40 @@ def make_fixture(name, seed, config_cls, model_cls, cfg):
     with open(os.path.join(d, "expected.json"), "w") as f:
         json.dump(exp, f, separators=(",", ":"))
         f.write("\n")
+    gen, _ = generations(reloaded, reloaded.config)
+    write_json(os.path.join(d, "generate.json"), gen)
     size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
     assert size < MAX_DIR_BYTES, (name, size)
     print(f"{name}: {len(sd)} tensors, {size} bytes, loss {exp['loss']:.6f} "
           f"(ce {exp['ce']:.6f}, aux {exp['aux_loss']:.6f})")
 
 
+def real_counts():
+    """real_configs/<preset>.json and param_counts.json: transformers' count on the meta device."""
+    d = os.path.join(OUT, "real_configs")
+    os.makedirs(d, exist_ok=True)
+    counts = {}
+    for preset, (model_cls, config_cls, values) in sorted(REAL_CONFIGS.items()):
+        config = config_cls(**values)
+        config.save_pretrained(os.path.join(d, "tmp"))
+        os.replace(os.path.join(d, "tmp", "config.json"), os.path.join(d, f"{preset}.json"))
+        shutil.rmtree(os.path.join(d, "tmp"))
+        with torch.device("meta"):
+            model = model_cls(config)
+        counts[preset] = sum(p.numel() for p in model.parameters())
+        print(f"{preset}: {counts[preset]:,} parameters")
+    with open(os.path.join(OUT, "param_counts.json"), "w") as f:
+        json.dump(counts, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
-    for seed, (name, (config_cls, model_cls, cfg)) in enumerate(sorted(FIXTURES.items())):
-        make_fixture(name, 1000 + seed, config_cls, model_cls, cfg)
+    real_counts()
+    # Seeds fixed per fixture (a fixture added later does not change the others' weights).
+    seeds = {"mixtral": 1000, "qwen3_moe": 1001, "qwen2_moe": 1002}
+    for name, (config_cls, model_cls, cfg) in sorted(FIXTURES.items()):
+        make_fixture(name, seeds[name], config_cls, model_cls, cfg)
     versions = {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -1,10 +1,12 @@
-//! The MoE families (`mixtral`, `qwen3_moe`) end to end through the binary: tiny inline
-//! configs train on one device and on the plan the planner picks for two (loss finite and
-//! falling, the first step's loss equal across plans, measured peak == predicted); `profile`
-//! of the `mixtral-8x7b` preset counts the step's matmul FLOPs as the closed form does (the
-//! experts on every capacity row); and `eval` on checkpoints written by `transformers`
-//! (`scripts/make-moe-fixtures.sh`) reproduces its logits and its loss, router auxiliary loss
-//! included.
+//! The MoE families (`mixtral`, `qwen2_moe`, `qwen3_moe`) end to end through the binary: tiny
+//! inline configs train on one device and on the plan the planner picks for two (loss finite
+//! and falling, the first step's loss equal across plans, measured peak == predicted);
+//! `profile` of the `mixtral-8x7b` preset counts the step's matmul FLOPs as the closed form
+//! does (the experts on every capacity row); `profile` of every released MoE preset and of its
+//! config.json counts transformers' parameters; and on checkpoints written by `transformers`
+//! (`scripts/make-moe-fixtures.sh`) `eval` reproduces its logits and its loss (router auxiliary
+//! loss included or not, as the config says), `generate` its greedy tokens (one device and
+//! tp2), and a `train --save` of one writes the Hub's per-expert tensors back one to one.
 
 mod support;
 
@@ -38,6 +40,14 @@ fn config(family: &str) -> PathBuf {
             "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
             "num_experts_per_tok": 2, "output_router_logits": true,
             "router_aux_loss_coef": 0.02, "max_position_embeddings": 256
+        }),
+        "qwen2_moe" => serde_json::json!({
+            "model_type": "qwen2_moe", "_name_or_path": "qwen2-moe-test", "vocab_size": 256,
+            "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+            "num_experts_per_tok": 2, "decoder_sparse_step": 2, "output_router_logits": true,
+            "max_position_embeddings": 256
         }),
         _ => serde_json::json!({
             "model_type": "qwen3_moe", "_name_or_path": "qwen3-moe-test", "vocab_size": 256,
@@ -79,7 +89,7 @@ fn check_run(family: &str, v: &Value) {
 
 #[test]
 fn tiny_moe_models_train_on_one_and_two_devices() {
-    for family in ["mixtral", "qwen3_moe"] {
+    for family in ["mixtral", "qwen2_moe", "qwen3_moe"] {
         let model = config(family);
         let one = train(&model, "1");
         check_run(family, &one);
@@ -116,12 +126,55 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_moe")
 }
 
+/// `eval` of `dir` on `tokens`: (loss, logits rows).
+fn eval(dir: &Path, tokens: &[String], tag: &str) -> (f64, Vec<Vec<f64>>) {
+    let logits_path =
+        std::env::temp_dir().join(format!("tessera-moe-{}-{tag}.json", std::process::id()));
+    let out = json(&tessera(&[
+        "eval",
+        "--model-dir",
+        dir.to_str().unwrap(),
+        "--tokens",
+        &tokens.join(","),
+        "--format",
+        "json",
+        "--logits",
+        logits_path.to_str().unwrap(),
+    ]));
+    let doc: Value =
+        serde_json::from_str(&std::fs::read_to_string(&logits_path).unwrap()).expect("logits JSON");
+    let _ = std::fs::remove_file(&logits_path);
+    (out["loss"].as_f64().unwrap(), rows(&doc["logits"]))
+}
+
+fn rows(v: &Value) -> Vec<Vec<f64>> {
+    let row = |r: &Value| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    v.as_array().unwrap().iter().map(row).collect()
+}
+
+fn max_diff(got: &[Vec<f64>], want: &[Vec<f64>], name: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{name}: rows");
+    let mut worst = 0f64;
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(g.len(), w.len(), "{name}: vocabulary");
+        for (a, b) in g.iter().zip(w) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    worst
+}
+
+const FAMILIES: [&str; 3] = ["mixtral", "qwen2_moe", "qwen3_moe"];
+
 /// `eval` on each transformers checkpoint: logits within 1e-4 of transformers', and the loss
 /// (cross-entropy + `router_aux_loss_coef` · load-balancing loss, as transformers computes with
-/// `output_router_logits`) within 1e-5 relative — a bound far below the aux term itself.
+/// `output_router_logits`) within 1e-5 relative — a bound far below the aux term itself. With
+/// `output_router_logits: false` in its config.json the same checkpoint's loss is the
+/// cross-entropy alone, as transformers' is then.
 #[test]
 fn eval_matches_transformers_on_moe_checkpoints() {
-    for name in ["mixtral", "qwen3_moe"] {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in FAMILIES {
         let dir = fixtures().join(name);
         let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
         let expected: Value = serde_json::from_str(&text).unwrap();
@@ -131,38 +184,89 @@ fn eval_matches_transformers_on_moe_checkpoints() {
             .iter()
             .map(|t| t.as_i64().unwrap().to_string())
             .collect();
-        let logits_path =
-            std::env::temp_dir().join(format!("tessera-moe-{}-{name}.json", std::process::id()));
-        let out = json(&tessera(&[
-            "eval",
-            "--model-dir",
-            dir.to_str().unwrap(),
-            "--tokens",
-            &tokens.join(","),
-            "--format",
-            "json",
-            "--logits",
-            logits_path.to_str().unwrap(),
-        ]));
-        let loss = out["loss"].as_f64().unwrap();
+        let (loss, got) = eval(&dir, &tokens, name);
         let want = expected["loss"].as_f64().unwrap();
-        let aux = want - expected["ce"].as_f64().unwrap();
+        let ce = expected["ce"].as_f64().unwrap();
+        let aux = want - ce;
         assert!(aux > 1e-3 * want, "{name}: the fixture's aux term {aux} is too small to test");
         assert!((loss - want).abs() <= 1e-5 * want, "{name}: loss {loss}, transformers {want}");
-
-        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&logits_path).unwrap())
-            .expect("logits JSON");
-        let got = doc["logits"].as_array().unwrap();
-        let want = expected["logits"].as_array().unwrap();
-        assert_eq!(got.len(), want.len(), "{name}: rows");
-        let mut worst = 0f64;
-        for (g, w) in got.iter().zip(want) {
-            let (g, w) = (g.as_array().unwrap(), w.as_array().unwrap());
-            assert_eq!(g.len(), w.len(), "{name}: vocabulary");
-            for (a, b) in g.iter().zip(w) {
-                worst = worst.max((a.as_f64().unwrap() - b.as_f64().unwrap()).abs());
-            }
-        }
+        let worst = max_diff(&got, &rows(&expected["logits"]), name);
         assert!(worst <= 1e-4, "{name}: logits differ from transformers' by up to {worst}");
+
+        // Without the auxiliary loss: the same weights, output_router_logits false.
+        let plain = tmp.path().join(name);
+        std::fs::create_dir_all(&plain).unwrap();
+        std::fs::copy(dir.join("model.safetensors"), plain.join("model.safetensors")).unwrap();
+        let mut cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        cfg["output_router_logits"] = Value::Bool(false);
+        std::fs::write(plain.join("config.json"), cfg.to_string()).unwrap();
+        let (loss, got) = eval(&plain, &tokens, &format!("{name}-plain"));
+        assert!((loss - ce).abs() <= 1e-5 * ce, "{name} without aux: loss {loss}, ce {ce}");
+        assert!(max_diff(&got, &rows(&expected["logits"]), name) <= 1e-4, "{name} without aux");
+    }
+}
+
+fn ids(v: &Value) -> Vec<i64> {
+    v.as_array().expect("an array").iter().map(|x| x.as_i64().expect("an id")).collect()
+}
+
+/// `generate` of the fixture's prompts together (greedy) with `extra` arguments.
+fn generate(dir: &Path, expected: &Value, extra: &[&str]) -> Value {
+    let prompts: Vec<String> = expected["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| ids(p).iter().map(i64::to_string).collect::<Vec<_>>().join(","))
+        .collect();
+    let max = expected["max_new_tokens"].as_u64().unwrap().to_string();
+    let mut args = vec!["generate", "--model-dir", dir.to_str().unwrap(), "--max-new-tokens", &max];
+    for p in &prompts {
+        args.extend(["--tokens", p]);
+    }
+    args.extend(["--format", "json"]);
+    args.extend_from_slice(extra);
+    json(&tessera(&args))
+}
+
+/// Greedy `generate` (KV cache) gives transformers' `generate` tokens on every MoE fixture, on
+/// one device and under tp2, each device's measured peak its predicted one.
+#[test]
+fn greedy_generation_matches_transformers_on_moe_checkpoints() {
+    for name in FAMILIES {
+        let dir = fixtures().join(name);
+        let text = std::fs::read_to_string(dir.join("generate.json")).unwrap();
+        let expected: Value = serde_json::from_str(&text).unwrap();
+        let want: Vec<Vec<i64>> =
+            expected["new_tokens"].as_array().unwrap().iter().map(ids).collect();
+        for devices in ["1", "2"] {
+            let r = generate(&dir, &expected, &["--devices", devices]);
+            let got: Vec<Vec<i64>> = r["new_tokens"].as_array().unwrap().iter().map(ids).collect();
+            assert_eq!(
+                got, want,
+                "{name} on {devices} device(s): tokens differ from transformers'"
+            );
+            let m = &r["memory"];
+            assert_eq!(m["measured_peak_bytes"], m["predicted_peak_bytes"], "{name}: {m}");
+        }
+    }
+}
+
+/// Parameter counts of the released MoE presets equal transformers' (`param_counts.json`:
+/// the model built from each checkpoint's config.json on the meta device), both as presets
+/// and read from those config.json files.
+#[test]
+fn released_moe_parameter_counts_equal_transformers() {
+    let text = std::fs::read_to_string(fixtures().join("param_counts.json")).unwrap();
+    let counts: Value = serde_json::from_str(&text).unwrap();
+    let counts = counts.as_object().unwrap();
+    assert_eq!(counts.len(), 6, "{counts:?}");
+    for (preset, want) in counts {
+        let file = fixtures().join("real_configs").join(format!("{preset}.json"));
+        for model in [preset.as_str(), file.to_str().unwrap()] {
+            let v = json(&tessera(&["profile", "--model", model, "--format", "json"]));
+            assert_eq!(&v["params"], want, "{model}");
+        }
     }
 }

@@ -246,9 +246,49 @@ fn limit_to_groups(
     b.mul(choice, mask)
 }
 
+/// The scope segment under which a block's stacked expert parameters are named:
+/// `<block>.experts.<proj>.weight`, dim 0 the expert.
+pub const EXPERTS_SCOPE: &str = "experts";
+
+/// The Hub's name of expert `expert`'s slice (row `expert` of dim 0) of the stacked expert
+/// parameter `stacked`: `<block>.experts.<rest>` → `<block>.experts.<expert>.<rest>` (the last
+/// `experts` segment followed by a non-index one). `None` when `stacked` is not so named.
+///
+/// The stacked layout is what the graph holds (`[E, out, in]`, one parameter per projection);
+/// the per-expert one is what checkpoints hold (`block_sparse_moe.experts.N.w1.weight`,
+/// `mlp.experts.N.gate_proj.weight`). Loaders and writers map one to the other with this and
+/// [`stacked_expert_name`].
+pub fn per_expert_name(stacked: &str, expert: usize) -> Option<String> {
+    let segs: Vec<&str> = stacked.split('.').collect();
+    let at = segs.iter().rposition(|s| *s == EXPERTS_SCOPE)?;
+    let next = segs.get(at + 1)?;
+    if next.is_empty() || next.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let (head, tail) = segs.split_at(at + 1);
+    Some(format!("{}.{expert}.{}", head.join("."), tail.join(".")))
+}
+
+/// The inverse of [`per_expert_name`]: `<block>.experts.<N>.<rest>` → (the stacked parameter
+/// `<block>.experts.<rest>`, `N`). `None` when `name` has no such index segment.
+pub fn stacked_expert_name(name: &str) -> Option<(String, usize)> {
+    let segs: Vec<&str> = name.split('.').collect();
+    let at = segs.iter().rposition(|s| *s == EXPERTS_SCOPE)?;
+    let index = segs.get(at + 1)?;
+    if index.is_empty() || !index.bytes().all(|c| c.is_ascii_digit()) || segs.len() < at + 3 {
+        return None;
+    }
+    let expert = index.parse().ok()?;
+    let mut rest = segs[..=at].to_vec();
+    rest.extend_from_slice(&segs[at + 2..]);
+    Some((rest.join("."), expert))
+}
+
 /// Stacked SwiGLU expert weights: `gate`, `up` `[E, H, F]`, `down` `[E, F, H]`; or, with
 /// `linear_layout`, as `nn.Linear` stores them (out × in: `gate`, `up` `[E, F, H]`, `down`
-/// `[E, H, F]`), read transposed by the matmuls (no copy).
+/// `[E, H, F]`), read transposed by the matmuls (no copy). Dim 0 is the expert (of all `E`,
+/// or of a device's share when the caller splits it); models hold them as parameters named
+/// under [`EXPERTS_SCOPE`].
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertWeights {
     pub gate: TensorId,
@@ -260,6 +300,7 @@ pub struct ExpertWeights {
 /// The routed experts on `x [N, H]`: dispatch into `[E, capacity, H]`, the three batched
 /// matmuls over the expert dim, and the weighted combine back to `[N, H]`. Assignments past an
 /// expert's capacity are dropped (see [`crate::ops::moe`]); `capacity = N` is dropless.
+/// `E` is `w.gate`'s dim 0 and must be the router's expert count; `routing.indices` index it.
 pub fn routed_experts(
     b: &mut Builder,
     x: TensorId,
@@ -326,4 +367,43 @@ pub fn bias_update(
     let sign = b.binary(crate::BinaryOp::Min, d, hi)?;
     let step = b.scale(sign, gamma)?;
     b.add(bias, step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_expert_names_map_to_and_from_the_stacked_parameter() {
+        for (stacked, hub) in [
+            (
+                "model.layers.3.block_sparse_moe.experts.w1.weight",
+                "model.layers.3.block_sparse_moe.experts.7.w1.weight",
+            ),
+            (
+                "model.layers.0.mlp.experts.down_proj.weight",
+                "model.layers.0.mlp.experts.7.down_proj.weight",
+            ),
+        ] {
+            assert_eq!(per_expert_name(stacked, 7).as_deref(), Some(hub));
+            assert_eq!(stacked_expert_name(hub), Some((stacked.to_string(), 7)));
+        }
+        // Not stacked experts: a per-expert name, shared experts, plain parameters.
+        for name in [
+            "model.layers.0.mlp.experts.7.down_proj.weight",
+            "model.layers.0.mlp.shared_experts.gate_proj.weight",
+            "model.layers.0.mlp.shared_expert.gate_proj.weight",
+            "model.layers.0.mlp.experts",
+            "model.embed_tokens.weight",
+        ] {
+            assert_eq!(per_expert_name(name, 0), None, "{name}");
+        }
+        for name in [
+            "model.layers.0.mlp.experts.down_proj.weight",
+            "model.layers.0.mlp.shared_experts.0.weight",
+            "model.layers.0.mlp.experts.3",
+        ] {
+            assert_eq!(stacked_expert_name(name), None, "{name}");
+        }
+    }
 }

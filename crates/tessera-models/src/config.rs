@@ -279,6 +279,9 @@ pub enum LlamaVariant {
     Qwen2,
     /// `MixtralForCausalLM`: Mistral's attention, a sparse MoE block in every layer.
     Mixtral,
+    /// `Qwen2MoeForCausalLM`: Qwen2's attention (q/k/v biases), sparse MoE blocks with a
+    /// shared expert behind a sigmoid gate.
+    Qwen2Moe,
     /// `Qwen3MoeForCausalLM`: Qwen3's attention (q/k RMSNorm per head), sparse MoE blocks.
     Qwen3Moe,
 }
@@ -290,6 +293,7 @@ impl LlamaVariant {
             LlamaVariant::Mistral => "mistral",
             LlamaVariant::Qwen2 => "qwen2",
             LlamaVariant::Mixtral => "mixtral",
+            LlamaVariant::Qwen2Moe => "qwen2_moe",
             LlamaVariant::Qwen3Moe => "qwen3_moe",
         }
     }
@@ -328,7 +332,7 @@ pub struct LlamaParams {
     pub sliding_window_from_layer: usize,
     /// RMSNorm of each query and key head before RoPE (`self_attn.q_norm` / `k_norm`: Qwen3).
     pub qk_norm: bool,
-    /// The sparse MoE blocks (Mixtral, Qwen3-MoE); `None` for a dense model.
+    /// The sparse MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE); `None` for a dense model.
     pub moe: Option<MoeParams>,
     pub dtype: Option<DType>,
 }
@@ -350,11 +354,14 @@ impl LlamaParams {
             // Qwen2's window applies only with `use_sliding_window`, which defaults to false.
             LlamaVariant::Qwen2 => (32768, None, true, 28),
             LlamaVariant::Mixtral => (4096 * 32, None, false, 0),
+            // Qwen2MoeAttention: q/k/v with bias, o_proj without.
+            LlamaVariant::Qwen2Moe => (32768, None, true, 28),
             LlamaVariant::Qwen3Moe => (32768, None, false, 28),
         };
         let moe = match variant {
             LlamaVariant::Llama | LlamaVariant::Mistral | LlamaVariant::Qwen2 => None,
             LlamaVariant::Mixtral => Some(MoeParams::mixtral(intermediate_size)),
+            LlamaVariant::Qwen2Moe => Some(MoeParams::qwen2_moe()),
             LlamaVariant::Qwen3Moe => Some(MoeParams::qwen3_moe()),
         };
         // MixtralConfig's defaults differ from LlamaConfig's here.
@@ -492,7 +499,8 @@ impl LlamaParams {
 }
 
 validated_config!(
-    /// A validated LLaMA-family (llama, mistral, qwen2, mixtral, qwen3_moe) configuration.
+    /// A validated LLaMA-family (llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe)
+    /// configuration.
     LlamaConfig,
     LlamaParams
 );

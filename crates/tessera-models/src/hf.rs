@@ -21,6 +21,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "mistral",
     "qwen2",
     "mixtral",
+    "qwen2_moe",
     "qwen3_moe",
     "bloom",
     "bert",
@@ -74,6 +75,7 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
         "mistral" => llama(&f, name, LlamaVariant::Mistral),
         "qwen2" => llama(&f, name, LlamaVariant::Qwen2),
         "mixtral" => llama(&f, name, LlamaVariant::Mixtral),
+        "qwen2_moe" => llama(&f, name, LlamaVariant::Qwen2Moe),
         "qwen3_moe" => llama(&f, name, LlamaVariant::Qwen3Moe),
         "bloom" => bloom(&f, name),
         "bert" => bert(&f, name),
@@ -140,9 +142,11 @@ fn gpt2(f: &Fields, name: String) -> Result<ModelConfig> {
 }
 
 fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig> {
-    // Qwen3-MoE's `intermediate_size` is only its dense layers' (`mlp_only_layers`) width.
+    // Qwen-MoE's `intermediate_size` is only its dense layers' (`mlp_only_layers`,
+    // `decoder_sparse_step`) width: the class default when absent.
     let intermediate_size = match variant {
         LlamaVariant::Qwen3Moe => f.usize("intermediate_size")?.unwrap_or(6144),
+        LlamaVariant::Qwen2Moe => f.usize("intermediate_size")?.unwrap_or(5632),
         _ => f.req_usize(&["intermediate_size"])?,
     };
     let mut p = LlamaParams::new(
@@ -184,7 +188,11 @@ fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig>
             // MixtralConfig's window defaults to none (Mistral's to 4096).
             p.sliding_window = f.usize("sliding_window")?;
         }
-        LlamaVariant::Qwen2 | LlamaVariant::Qwen3Moe => {
+        LlamaVariant::Qwen2 | LlamaVariant::Qwen2Moe | LlamaVariant::Qwen3Moe => {
+            if variant == LlamaVariant::Qwen2Moe {
+                // Qwen2MoeAttention: q/k/v biased (`qkv_bias`, default true), o_proj not.
+                f.set_bool("qkv_bias", &mut p.qkv_bias)?;
+            }
             if variant == LlamaVariant::Qwen3Moe {
                 let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
                 (p.qkv_bias, p.o_bias) = (attention_bias, attention_bias);
@@ -207,8 +215,8 @@ fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig>
     Ok(ModelConfig::Llama(LlamaConfig::new(p)?))
 }
 
-/// `MixtralConfig` / `Qwen3MoeConfig`'s MoE keys, and tessera's own `capacity_factor`
-/// (absent or null: dropless).
+/// `MixtralConfig` / `Qwen2MoeConfig` / `Qwen3MoeConfig`'s MoE keys, and tessera's own
+/// `capacity_factor` (absent or null: dropless).
 fn moe_fields(f: &Fields, variant: LlamaVariant, moe: &mut MoeParams) -> Result<()> {
     if variant == LlamaVariant::Mixtral {
         f.set_usize("num_local_experts", &mut moe.num_experts)?;
@@ -220,7 +228,7 @@ fn moe_fields(f: &Fields, variant: LlamaVariant, moe: &mut MoeParams) -> Result<
             });
         }
     } else {
-        // transformers 5 writes Qwen3MoeConfig's `num_experts` under its alias
+        // transformers 5 writes Qwen-MoE configs' `num_experts` under its alias
         // `num_local_experts`.
         if let Some(n) = f.usize("num_experts")?.or(f.usize("num_local_experts")?) {
             moe.num_experts = n;
@@ -228,6 +236,11 @@ fn moe_fields(f: &Fields, variant: LlamaVariant, moe: &mut MoeParams) -> Result<
         f.set_usize("moe_intermediate_size", &mut moe.expert_intermediate_size)?;
         f.set_bool("norm_topk_prob", &mut moe.norm_topk_prob)?;
         f.set_usize("decoder_sparse_step", &mut moe.decoder_sparse_step)?;
+        if variant == LlamaVariant::Qwen2Moe {
+            if let Some(s) = f.usize("shared_expert_intermediate_size")? {
+                moe.shared_expert_intermediate_size = Some(s);
+            }
+        }
         if let Some(v) = f.value("mlp_only_layers") {
             let Value::Array(items) = v else {
                 return Err(f.wrong("mlp_only_layers", "a list of layer indices", v));

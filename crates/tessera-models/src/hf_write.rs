@@ -11,8 +11,9 @@
 //!   `bos_token_id`/`eos_token_id` are the last token (50256 for the real vocabulary, and in
 //!   range for small ones).
 //! - LLaMA / Mistral / Qwen2: `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM`;
-//!   `head_dim` only when explicit; `rope_scaling` null for plain RoPE. Mixtral / Qwen3-MoE:
-//!   `MixtralForCausalLM` / `Qwen3MoeForCausalLM` with their MoE keys.
+//!   `head_dim` only when explicit; `rope_scaling` null for plain RoPE. Mixtral / Qwen2-MoE /
+//!   Qwen3-MoE: `MixtralForCausalLM` / `Qwen2MoeForCausalLM` / `Qwen3MoeForCausalLM` with
+//!   their MoE keys.
 //! - BLOOM: `BloomForCausalLM` with BLOOM's own key names (`n_layer`, `n_head`,
 //!   `layer_norm_epsilon`), `pretraining_tp` 1; `bos_token_id`/`eos_token_id` are
 //!   `BloomConfig`'s 1 and 2 (the last token for smaller vocabularies).
@@ -152,6 +153,7 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
         LlamaVariant::Mistral => "MistralForCausalLM",
         LlamaVariant::Qwen2 => "Qwen2ForCausalLM",
         LlamaVariant::Mixtral => "MixtralForCausalLM",
+        LlamaVariant::Qwen2Moe => "Qwen2MoeForCausalLM",
         LlamaVariant::Qwen3Moe => "Qwen3MoeForCausalLM",
     };
     let mut m = object(json!({
@@ -184,7 +186,7 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
         LlamaVariant::Mistral => {
             m.insert("sliding_window".into(), json!(c.sliding_window));
         }
-        LlamaVariant::Qwen2 | LlamaVariant::Qwen3Moe => {
+        LlamaVariant::Qwen2 | LlamaVariant::Qwen2Moe | LlamaVariant::Qwen3Moe => {
             m.insert("use_sliding_window".into(), json!(c.sliding_window.is_some()));
             m.insert("sliding_window".into(), json!(c.sliding_window));
             m.insert("max_window_layers".into(), json!(c.sliding_window_from_layer));
@@ -199,11 +201,18 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
     m
 }
 
-/// The MoE keys of `MixtralConfig` / `Qwen3MoeConfig`; `capacity_factor` (tessera's own)
-/// only when set.
+/// The MoE keys of `MixtralConfig` / `Qwen2MoeConfig` / `Qwen3MoeConfig`; `capacity_factor`
+/// (tessera's own) only when set.
 fn moe_keys(m: &mut Map<String, Value>, c: &LlamaConfig, moe: &MoeParams) {
-    if c.variant == LlamaVariant::Qwen3Moe {
-        m.insert("attention_bias".into(), json!(c.qkv_bias));
+    if matches!(c.variant, LlamaVariant::Qwen2Moe | LlamaVariant::Qwen3Moe) {
+        if c.variant == LlamaVariant::Qwen3Moe {
+            m.insert("attention_bias".into(), json!(c.qkv_bias));
+        } else {
+            m.insert("qkv_bias".into(), json!(c.qkv_bias));
+            if let Some(s) = moe.shared_expert_intermediate_size {
+                m.insert("shared_expert_intermediate_size".into(), json!(s));
+            }
+        }
         m.insert("num_experts".into(), json!(moe.num_experts));
         m.insert("moe_intermediate_size".into(), json!(moe.expert_intermediate_size));
         m.insert("norm_topk_prob".into(), json!(moe.norm_topk_prob));

@@ -311,8 +311,10 @@ impl ModelConfig {
             ModelConfig::Llama(c) => {
                 let q = c.num_attention_heads * c.head_dim();
                 // Saturating: a Qwen3-MoE without dense layers never checks its dense width.
-                let experts =
-                    c.moe.as_ref().map_or(0, |m| m.expert_intermediate_size.saturating_mul(2));
+                let experts = c.moe.as_ref().map_or(0, |m| {
+                    let shared = m.shared_expert_intermediate_size.unwrap_or(0);
+                    m.expert_intermediate_size.max(shared).saturating_mul(2)
+                });
                 let dense = c.intermediate_size.saturating_mul(2);
                 (max(&[c.vocab_size, dense, experts, q, c.hidden_size]), q)
             }

@@ -1,16 +1,19 @@
 //! The sparse mixture-of-experts block of the MoE decoder families — `MixtralForCausalLM`
-//! (`block_sparse_moe`) and `Qwen3MoeForCausalLM` (`mlp`) — and its configuration.
+//! (`block_sparse_moe`), `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM` (`mlp`) — and its
+//! configuration.
 //!
-//! Papers: Jiang et al. 2024, "Mixtral of Experts"; Qwen3 technical report (Yang et al. 2025).
-//! Reference implementation: Hugging Face `transformers`, `models/mixtral/modeling_mixtral.py`
-//! and `models/qwen3_moe/modeling_qwen3_moe.py`. The rest of the layer is the LLaMA family's
-//! (`llama.rs`).
+//! Papers: Jiang et al. 2024, "Mixtral of Experts"; Qwen2 technical report (Yang et al. 2024,
+//! the shared expert); Qwen3 technical report (Yang et al. 2025). Reference implementation:
+//! Hugging Face `transformers`, `models/mixtral/modeling_mixtral.py`,
+//! `models/qwen2_moe/modeling_qwen2_moe.py` and `models/qwen3_moe/modeling_qwen3_moe.py`. The
+//! rest of the layer is the LLaMA family's (`llama.rs`).
 //!
 //! ```text
 //! x_nd = h_bsd as [b·s, d]
 //! logits_ne = gate(x_nd)                                   # router, no bias
 //! p = softmax(logits, f32); top-k; renormalise (Mixtral always, Qwen iff norm_topk_prob)
 //! y_nd = Σ_j w_nj · down_e(silu(gate_e x) · up_e x),  e = choice j of token n
+//! y_nd += sigmoid(shared_expert_gate(x_nd)) · shared_expert(x_nd)      # Qwen2-MoE only
 //! ```
 //! The experts run through [`tessera_ir::moe::routed_experts`]: dispatch into `[E, C, d]`,
 //! three batched matmuls over the expert dim, weighted combine. The capacity `C` is dropless
@@ -18,9 +21,12 @@
 //! sets `capacity_factor` (a tessera key, absent from Hugging Face configs), which gives
 //! `C = ceil(factor · b·s · k / E)` and drops the choices past an expert's capacity.
 //!
-//! Weights keep the Hub's per-expert names and `nn.Linear` layouts
-//! (`…experts.{e}.w1.weight [f, d]`), so checkpoints load one to one; the graph stacks them
-//! into `[E, f, d]` per step (a copy of the layer's expert weights, counted in the Program).
+//! Weights: each projection of a layer's experts is one stacked parameter in `nn.Linear`'s
+//! layout, `…experts.w1.weight [E, f, d]` (gate), `w3` (up) `[E, f, d]`, `w2` (down)
+//! `[E, d, f]` (Qwen: `gate_proj`, `up_proj`, `down_proj`), read transposed by the batched
+//! matmuls (no copy per step). Checkpoints keep the Hub's per-expert names
+//! (`…experts.{e}.w1.weight [f, d]`): the loader and the checkpoint writer map row `e` of the
+//! stacked parameter to and from them ([`tessera_ir::moe::per_expert_name`]).
 //!
 //! FLOPs: the expert matmuls are counted on every capacity row, padding included
 //! (`3 · 2·E·C·d·f` per layer forward): with the dropless capacity that is `E/k` times the
@@ -34,17 +40,18 @@ use crate::config::{count, positive, LlamaConfig, LlamaVariant};
 use crate::error::{ModelError, Result};
 use crate::nn::IrResult;
 use serde::Serialize;
-use tessera_ir::moe::RouterSpec;
-use tessera_ir::moe::{capacity, load_balancing_loss, route, routed_experts, ExpertWeights};
-use tessera_ir::{Builder, DType, TensorId};
+use tessera_ir::moe::{
+    capacity, load_balancing_loss, route, routed_experts, ExpertWeights, RouterSpec, EXPERTS_SCOPE,
+};
+use tessera_ir::{Builder, TensorId, UnaryOp};
 
 /// Upper bound on experts per layer.
 pub const MAX_EXPERTS: usize = 1 << 12;
 
-/// Upper bound on experts summed over the layers (each is three parameters of the graph).
+/// Upper bound on experts summed over the layers.
 pub const MAX_EXPERT_LAYERS: usize = 1 << 17;
 
-/// The MoE fields of `MixtralConfig` / `Qwen3MoeConfig`, normalised.
+/// The MoE fields of `MixtralConfig` / `Qwen2MoeConfig` / `Qwen3MoeConfig`, normalised.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MoeParams {
     /// `num_local_experts` (Mixtral), `num_experts` (Qwen).
@@ -64,6 +71,10 @@ pub struct MoeParams {
     pub mlp_only_layers: Vec<usize>,
     /// `None`: dropless. Else each expert takes `ceil(factor · tokens · k / E)` tokens.
     pub capacity_factor: Option<f64>,
+    /// Qwen2-MoE's shared expert (`shared_expert_intermediate_size`): a SwiGLU MLP of this
+    /// width that every token goes through, scaled by `sigmoid(shared_expert_gate(x))`;
+    /// `None` elsewhere.
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 impl MoeParams {
@@ -79,6 +90,20 @@ impl MoeParams {
             decoder_sparse_step: 1,
             mlp_only_layers: Vec::new(),
             capacity_factor: None,
+            shared_expert_intermediate_size: None,
+        }
+    }
+
+    /// `Qwen2MoeConfig`'s defaults (those of Qwen1.5-MoE-A2.7B): 60 experts, top 4, 1408
+    /// wide, no renormalisation, a shared expert 5632 wide.
+    pub fn qwen2_moe() -> MoeParams {
+        MoeParams {
+            num_experts: 60,
+            num_experts_per_tok: 4,
+            expert_intermediate_size: 1408,
+            norm_topk_prob: false,
+            shared_expert_intermediate_size: Some(5632),
+            ..MoeParams::mixtral(1408)
         }
     }
 
@@ -107,7 +132,7 @@ impl MoeParams {
 
     pub(crate) fn validate(&self, layers: usize) -> Result<()> {
         positive("num_experts", self.num_experts)?;
-        // Each expert is its own parameters (the Hub's names): bound the graph's size.
+        // Bounds the per-expert tensors a checkpoint holds (and the loader maps).
         if self.num_experts > MAX_EXPERTS || self.num_experts * layers > MAX_EXPERT_LAYERS {
             return Err(ModelError::invalid(
                 "num_experts",
@@ -122,6 +147,9 @@ impl MoeParams {
         positive("num_experts_per_tok", self.num_experts_per_tok)?;
         positive("moe_intermediate_size", self.expert_intermediate_size)?;
         positive("decoder_sparse_step", self.decoder_sparse_step)?;
+        if let Some(s) = self.shared_expert_intermediate_size {
+            positive("shared_expert_intermediate_size", s)?;
+        }
         if self.num_experts_per_tok > self.num_experts {
             return Err(ModelError::invalid(
                 "num_experts_per_tok",
@@ -154,10 +182,15 @@ impl MoeParams {
         Ok(())
     }
 
-    /// Parameters of one sparse block: the experts and the router.
+    /// Parameters of one sparse block: the experts, the router, and the shared expert with
+    /// its gate.
     pub(crate) fn count(&self, hidden: usize) -> Option<u128> {
         let (e, f) = (self.num_experts, self.expert_intermediate_size);
-        count(&[&[e, 3, hidden, f], &[e, hidden]])
+        let (s, g) = match self.shared_expert_intermediate_size {
+            Some(s) => (s, 1),
+            None => (0, 0),
+        };
+        count(&[&[e, 3, hidden, f], &[e, hidden], &[3, hidden, s], &[g, hidden]])
     }
 }
 
@@ -166,7 +199,8 @@ impl MoeParams {
 fn names(variant: LlamaVariant) -> (&'static str, [&'static str; 3]) {
     match variant {
         LlamaVariant::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-        LlamaVariant::Qwen3Moe
+        LlamaVariant::Qwen2Moe
+        | LlamaVariant::Qwen3Moe
         | LlamaVariant::Llama
         | LlamaVariant::Mistral
         | LlamaVariant::Qwen2 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
@@ -192,38 +226,51 @@ pub(crate) fn sparse_block(
         let logits_ne = crate::nn::linear(b, "gate", x_nd, e, false)?;
         router_logits.push(logits_ne);
         let routing = route(b, logits_ne, &moe.router(), None)?;
-        let w = ExpertWeights {
-            gate: stacked(b, gate, e, [f, d], dtype)?,
-            up: stacked(b, up, e, [f, d], dtype)?,
-            down: stacked(b, down, e, [d, f], dtype)?,
-            linear_layout: true,
-        };
+        let w = b.scoped(EXPERTS_SCOPE, |b| {
+            let mut stacked = |name: &str, shape: [usize; 3]| {
+                b.scoped(name, |b| b.parameter("weight", shape, dtype))
+            };
+            ExpertWeights {
+                gate: stacked(gate, [e, f, d]),
+                up: stacked(up, [e, f, d]),
+                down: stacked(down, [e, d, f]),
+                linear_layout: true,
+            }
+        });
         let c = capacity(tokens, moe.num_experts_per_tok, e, moe.capacity_factor);
-        routed_experts(b, x_nd, &routing, &w, c)
+        let y_nd = routed_experts(b, x_nd, &routing, &w, c)?;
+        match moe.shared_expert_intermediate_size {
+            Some(width) => {
+                let s_nd = shared_expert(b, x_nd, width, cfg)?;
+                b.add(y_nd, s_nd)
+            }
+            None => Ok(y_nd),
+        }
     })?;
     b.reshape(y_nd, dims)
 }
 
-/// The `experts.{i}.{name}.weight` `[out, in]` parameters stacked into `[E, out, in]`.
-fn stacked(
+/// Qwen2-MoE's shared expert on `x_nd`: `sigmoid(shared_expert_gate(x)) ·
+/// down(act(gate(x)) · up(x))`, every projection without bias.
+fn shared_expert(
     b: &mut Builder,
-    name: &str,
-    experts: usize,
-    [out, inp]: [usize; 2],
-    dtype: DType,
+    x_nd: TensorId,
+    width: usize,
+    cfg: &LlamaConfig,
 ) -> IrResult<TensorId> {
-    let mut ws = Vec::with_capacity(experts);
-    for i in 0..experts {
-        let w = b.scoped(format!("experts.{i}"), |b| {
-            b.scoped(name, |b| b.parameter("weight", [out, inp], dtype))
-        });
-        ws.push(b.reshape(w, [1, out, inp])?);
-    }
-    if ws.len() == 1 {
-        Ok(ws[0])
-    } else {
-        b.concat(&ws, 0)
-    }
+    let d = cfg.hidden_size;
+    let y_nd = b.scoped("shared_expert", |b| {
+        let g = crate::nn::linear(b, "gate_proj", x_nd, width, false)?;
+        let g = b.unary(cfg.hidden_act.unary_op(), g)?;
+        let u = crate::nn::linear(b, "up_proj", x_nd, width, false)?;
+        let a = b.mul(g, u)?;
+        crate::nn::linear(b, "down_proj", a, d, false)
+    })?;
+    let gate_n1 = crate::nn::linear(b, "shared_expert_gate", x_nd, 1, false)?;
+    let gate_n1 = b.unary(UnaryOp::Sigmoid, gate_n1)?;
+    let tokens = b.shape(x_nd).dim(0);
+    let gate_nd = b.expand(gate_n1, [tokens, d])?;
+    b.mul(y_nd, gate_nd)
 }
 
 /// `router_aux_loss_coef · load_balancing_loss` over the layers' router logits, when the

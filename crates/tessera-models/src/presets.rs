@@ -2,8 +2,9 @@
 //! config.json field for field (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`,
 //! `meta-llama/Llama-2-{7,13,70}b-hf`, `meta-llama/Meta-Llama-3-8B`, `bert-large-uncased`,
 //! `google/vit-base-patch16-224`); `gpt3-175b` is GPT-3's largest model (Brown et al. 2020,
-//! table 2.1) in GPT-2's architecture, `mixtral-8x7b` / `mixtral-8x22b` and `qwen3-30b-a3b` /
-//! `qwen3-235b-a22b` the architecture dims of `mistralai/Mixtral-8x{7,22}B-v0.1` and
+//! table 2.1) in GPT-2's architecture, `mixtral-8x7b` / `mixtral-8x22b`, `qwen1.5-moe-a2.7b` /
+//! `qwen2-57b-a14b` and `qwen3-30b-a3b` / `qwen3-235b-a22b` the architecture dims of
+//! `mistralai/Mixtral-8x{7,22}B-v0.1`, `Qwen/Qwen1.5-MoE-A2.7B`, `Qwen/Qwen2-57B-A14B` and
 //! `Qwen/Qwen3-{30B-A3B,235B-A22B}`, and `mt-nlg-530b` (Smith et al. 2022, MT-NLG: 105
 //! layers, hidden 20480, 128 heads) and `gpt-1t` (Narayanan et al. 2021, table 1: 128 layers,
 //! hidden 25600, 160 heads) the largest GPTs Megatron-LM's papers train and time, in the same
@@ -39,6 +40,9 @@ pub const PRESETS: &[&str] = &[
     "mixtral-8x7b",
     "mixtral-8x22b",
     "mixtral-tiny",
+    "qwen1.5-moe-a2.7b",
+    "qwen2-57b-a14b",
+    "qwen2-moe-tiny",
     "qwen3-30b-a3b",
     "qwen3-235b-a22b",
     "qwen3-moe-tiny",
@@ -92,6 +96,32 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
         p.rope_theta = 1e6;
         p.dtype = Some(DType::BF16);
         p.moe = Some(MoeParams { router_aux_loss_coef: 0.02, ..MoeParams::mixtral(intermediate) });
+        llama_cfg(p)
+    };
+    // Qwen2-MoE: q/k/v biases, a shared expert beside the routed ones, RoPE base 1e6, bf16.
+    let qwen2_moe = |shape: [usize; 5], kv_heads, positions, experts: [usize; 3]| {
+        let [hidden, intermediate, layers, heads, shared] = shape;
+        let [num_experts, top_k, expert] = experts;
+        let mut p = LlamaParams::new(
+            LlamaVariant::Qwen2Moe,
+            name,
+            151936,
+            hidden,
+            intermediate,
+            layers,
+            heads,
+        );
+        p.num_key_value_heads = kv_heads;
+        p.max_position_embeddings = positions;
+        p.rope_theta = 1e6;
+        p.dtype = Some(DType::BF16);
+        p.moe = Some(MoeParams {
+            num_experts,
+            num_experts_per_tok: top_k,
+            expert_intermediate_size: expert,
+            shared_expert_intermediate_size: Some(shared),
+            ..MoeParams::qwen2_moe()
+        });
         llama_cfg(p)
     };
     let qwen3_moe = |hidden, intermediate, expert, layers, heads| {
@@ -160,6 +190,25 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
             p.num_key_value_heads = 2;
             p.max_position_embeddings = 256;
             p.moe = Some(MoeParams { num_experts: 4, ..MoeParams::mixtral(96) });
+            llama_cfg(p)
+        }
+        // Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen2-57B-A14B config.json: 60 experts top 4 with
+        // a 5632-wide shared expert, and 64 experts top 8 with a 20480-wide one; both without
+        // renormalisation (norm_topk_prob false), a sparse block in every layer.
+        "qwen1.5-moe-a2.7b" => qwen2_moe([2048, 5632, 24, 16, 5632], 16, 8192, [60, 4, 1408]),
+        "qwen2-57b-a14b" => qwen2_moe([3584, 18944, 28, 28, 20480], 4, 131072, [64, 8, 2560]),
+        "qwen2-moe-tiny" => {
+            let mut p = LlamaParams::new(LlamaVariant::Qwen2Moe, name, 256, 64, 128, 2, 4);
+            p.num_key_value_heads = 2;
+            p.max_position_embeddings = 256;
+            let moe = MoeParams {
+                num_experts: 4,
+                num_experts_per_tok: 2,
+                expert_intermediate_size: 32,
+                shared_expert_intermediate_size: Some(48),
+                ..MoeParams::qwen2_moe()
+            };
+            p.moe = Some(moe);
             llama_cfg(p)
         }
         // Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json: 128 experts, top 8, head_dim 128,

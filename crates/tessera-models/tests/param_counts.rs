@@ -150,7 +150,13 @@ fn moe_presets_match_hugging_face_counts() {
     // (published "141B").
     // Qwen3-30B-A3B (v 151936, d 2048, L 48, h 32, kv 4, e 128, E 128, f 768): 30.5B as its
     // model card says; Qwen3-235B-A22B (d 4096, L 94, h 64, f 1536): 235.1B ("235B").
+    // Qwen1.5-MoE-A2.7B (d 2048, L 24, h 16, E 60, f 1408, shared 5632, q/k/v biases): 14.3B
+    // as its model card says; Qwen2-57B-A14B (d 3584, L 28, h 28, kv 4, E 64, f 2560, shared
+    // 20480): 57.4B. All six are transformers' meta-device counts of the checkpoints' configs
+    // (crates/tessera-cli/tests/fixtures/hf_moe/param_counts.json).
     for (name, want) in [
+        ("qwen1.5-moe-a2.7b", 14_315_784_192),
+        ("qwen2-57b-a14b", 57_408_658_944),
         ("mixtral-8x7b", 46_702_792_704),
         ("mixtral-8x22b", 140_620_634_112),
         ("qwen3-30b-a3b", 30_532_122_624),

@@ -5,8 +5,10 @@
 //! ```text
 //! DIR/config.json            the model's Hugging Face config (ModelConfig::to_hf_json), with
 //!                            torch_dtype set to the saved weights' dtype
-//! DIR/model.safetensors      parameters under their HF names, tied tensors once, header
-//!                            metadata {"format": "pt"}: what `save_pretrained` writes
+//! DIR/model.safetensors      parameters under their HF names, tied tensors once, stacked
+//!                            expert parameters as the Hub's per-expert tensors
+//!                            ([`crate::expert_layout`]), header metadata {"format": "pt"}:
+//!                            what `save_pretrained` writes
 //! DIR/optimizer.safetensors  AdamW state keyed `<param>.adam_m`, `<param>.adam_v` and, for
 //!                            low-precision weights, `<param>.master` (see [`optimizer_key`])
 //! DIR/manifest.json          [`Manifest`]: format_version, step, total_steps, seed, model,
@@ -379,7 +381,7 @@ pub fn save_checkpoint(
     let tmp = parent.join(format!("{name}.tmp-{pid}"));
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
     let written = (|| {
-        write_safetensors(&tmp.join(MODEL_FILE), params)?;
+        write_safetensors(&tmp.join(MODEL_FILE), &crate::expert_layout::to_hub_layout(params)?)?;
         write_safetensors(&tmp.join(OPTIMIZER_FILE), optimizer)?;
         write_json(&tmp.join(CONFIG_FILE), &config)?;
         let mut manifest = manifest.clone();
@@ -623,6 +625,7 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let manifest = read_manifest(&manifest_path)?;
     let config_json = read_config(&dir, &manifest)?;
     let params = read_all_tensors(&dir.join(MODEL_FILE), &manifest)?;
+    let params = crate::expert_layout::from_hub_layout(params)?;
     let optimizer = read_all_tensors(&dir.join(OPTIMIZER_FILE), &manifest)?;
     check_tensor_sets(
         params.iter().map(|(n, t)| (n.as_str(), t)),

@@ -1000,7 +1000,8 @@ pub(crate) fn load_sharded_from(dir: PathBuf) -> Result<Checkpoint> {
 
 /// Writes `ckpt`'s model as a Hugging Face directory at `out`: `config.json` (torch_dtype set)
 /// and `model.safetensors` (the global parameters under their HF names, tied tensors once,
-/// `{"format": "pt"}`: what `save_checkpoint` writes there and `save_pretrained` would), so
+/// experts per expert, `{"format": "pt"}`: what `save_checkpoint` writes there and
+/// `save_pretrained` would), so
 /// `AutoModelFor*.from_pretrained(out)` loads it. Atomic like a checkpoint save (a sibling
 /// `out.tmp-<pid>` swapped in), with [`crate::guard::EXPORT_MARKER`]; `out` must be what
 /// [`crate::guard::check_export_dest`] lets an export replace (`replace`: its `force`). The
@@ -1034,6 +1035,7 @@ pub fn export_hf(ckpt: &Checkpoint, out: &Path, replace: bool) -> Result<()> {
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+    let params = crate::expert_layout::to_hub_layout(&params)?;
     let written = write_safetensors(&tmp.join(MODEL_FILE), &params)
         .and_then(|()| write_json(&tmp.join(CONFIG_FILE), &config))
         .and_then(|()| {

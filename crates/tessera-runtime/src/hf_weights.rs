@@ -9,6 +9,9 @@
 //!   `cls.predictions.decoder.weight`, `cls.predictions.decoder.bias`): it fills the tied
 //!   parameter when that is absent, and must equal it when both are present (a difference
 //!   means the weights were not tied: `tie_word_embeddings` in config.json is wrong);
+//! - the Hub's per-expert tensors of a mixture of experts (`…experts.{e}.w1.weight [f, d]`)
+//!   as the rows of the model's stacked parameter (`…experts.w1.weight [E, f, d]`,
+//!   [`crate::expert_layout`]), each read in place; every expert must be there;
 //! - and skips non-parameter buffers (`.attn.bias`, `.attn.masked_bias`,
 //!   `rotary_emb.inv_freq`, `position_ids`) and the heads our models do not build, which
 //!   `transformers`' own `BertForMaskedLM` / `ViTForImageClassification` drop as well
@@ -36,6 +39,7 @@ use candle_core::Tensor;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use tessera_ir::moe::{per_expert_name, stacked_expert_name};
 use tessera_ir::{Graph, TensorId};
 
 /// Prefixes of the head models' base model (`GPT2LMHeadModel.transformer`, ...), absent from
@@ -185,6 +189,27 @@ fn resolve(name: &str, by_name: &HashMap<&str, TensorId>) -> Target {
     Target::Unexpected
 }
 
+/// A per-expert tensor `name` of `shape` (`…experts.{e}.w1.weight`) as row `e` of the graph's
+/// stacked parameter: `None` when the graph has no such parameter, an error text when the
+/// expert or its shape does not fit it.
+fn expert_row(
+    name: &str,
+    shape: &[usize],
+    by_name: &HashMap<&str, TensorId>,
+    graph: &Graph,
+) -> Option<std::result::Result<(TensorId, usize), String>> {
+    let (stacked, e) = stacked_expert_name(name)?;
+    let Target::Param(p) = resolve(&stacked, by_name) else { return None };
+    let dims = graph.shape(p).dims();
+    if dims.first().is_none_or(|&n| e >= n) || &dims[1..] != shape {
+        let param = graph.tensor_scope(p);
+        return Some(Err(format!(
+            "{name}: checkpoint {shape:?}, model expert row of {param} {dims:?}"
+        )));
+    }
+    Some(Ok((p, e)))
+}
+
 /// Everything wrong with a set of weights, reported at once.
 #[derive(Default)]
 struct Problems {
@@ -263,6 +288,8 @@ impl HfWeights {
         // Parameter → (file, checkpoint name), for the parameter itself and for an alias.
         let mut supplied: HashMap<TensorId, (usize, String)> = HashMap::new();
         let mut aliases: BTreeMap<String, (TensorId, usize)> = BTreeMap::new();
+        // Stacked expert parameter → expert → (file, per-expert name).
+        let mut experts: HashMap<TensorId, BTreeMap<usize, (usize, String)>> = HashMap::new();
         let sharded = paths.len() > 1;
         // A Tessera checkpoint's weights are checked against its manifest's checksums.
         let manifest = crate::integrity::tessera_manifest(path)?;
@@ -285,7 +312,19 @@ impl HfWeights {
                 let (p, alias) = match resolve(name, &by_name) {
                     Target::Skipped => continue,
                     Target::Unexpected => {
-                        problems.unexpected.push(format!("{} {shape:?}", at(name)));
+                        match expert_row(name, shape, &by_name, graph) {
+                            Some(Ok((p, e))) => {
+                                let rows = experts.entry(p).or_default();
+                                if let Some((_, first)) = rows.insert(e, (k, name.clone())) {
+                                    let param = graph.tensor_scope(p);
+                                    problems.duplicate.push(format!(
+                                        "{param} expert {e}: as {first} and as {name}"
+                                    ));
+                                }
+                            }
+                            Some(Err(wrong)) => problems.shape.push(at(&wrong)),
+                            None => problems.unexpected.push(format!("{} {shape:?}", at(name))),
+                        }
                         continue;
                     }
                     Target::Param(p) => (p, false),
@@ -327,8 +366,27 @@ impl HfWeights {
                 }
             }
         }
+        let mut stacked = Vec::new();
+        for (p, rows) in experts {
+            let param = graph.tensor_scope(p).to_string();
+            if let Some((_, name)) = supplied.get(&p) {
+                problems.duplicate.push(format!("{param}: as {name} and per expert"));
+                continue;
+            }
+            let n = graph.shape(p).dim(0);
+            let absent: Vec<String> = (0..n)
+                .filter(|e| !rows.contains_key(e))
+                .map(|e| per_expert_name(&param, e).unwrap_or_else(|| format!("{param}[{e}]")))
+                .collect();
+            if !absent.is_empty() {
+                problems.missing.extend(absent);
+                continue;
+            }
+            stacked.push((param, rows.into_values().collect::<Vec<_>>()));
+        }
         for &p in &params {
-            if !supplied.contains_key(&p) {
+            let param = graph.tensor_scope(p);
+            if !supplied.contains_key(&p) && !stacked.iter().any(|(n, _)| n == param) {
                 problems.missing.push(format!(
                     "{} {:?}",
                     graph.tensor_scope(p),
@@ -347,7 +405,7 @@ impl HfWeights {
         let alias_names =
             alias_of.iter().map(|(param, _, name)| (param.clone(), name.clone())).collect();
         Ok(HfWeights {
-            params: MappedTensors::renamed(files.clone(), entries)?,
+            params: MappedTensors::renamed(files.clone(), entries)?.with_stacked(stacked)?,
             aliases: MappedTensors::renamed(files, alias_of)?,
             alias_names,
         })

@@ -18,7 +18,9 @@
 //!   checkpoints, evaluation) that every device of every plan runs.
 //! - [`checkpoint`]: Hugging Face weight import and atomic save/resume checkpoints;
 //!   [`integrity`]: their checksums and the refusal of non-finite weights; [`host`]: disk
-//!   room, host memory and the lock a run takes on its checkpoint directory.
+//!   room, host memory and the lock a run takes on its checkpoint directory;
+//!   [`expert_layout`]: stacked expert parameters saved and loaded as the Hub's per-expert
+//!   tensors.
 //! - [`dist_checkpoint`]: sharded checkpoints of a parallel run (one file per rank, loaded
 //!   back as global tensors under any device count) and Hugging Face export; [`state_table`]:
 //!   which rank holds and writes which chunk of the run's state (stage-local under pipelines).
@@ -33,6 +35,7 @@ pub mod dist_checkpoint;
 mod error;
 pub mod examples;
 pub mod executor;
+pub mod expert_layout;
 pub mod generate;
 pub mod guard;
 pub mod hf_weights;

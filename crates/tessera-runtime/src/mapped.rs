@@ -270,6 +270,64 @@ impl MappedTensors {
         Ok(MappedTensors { files, tensors })
     }
 
+    /// Every tensor of `file` `k` by its name, the Hub's per-expert tensors
+    /// (`…experts.{e}.w1.weight`) stacked into their parameter (`…experts.w1.weight`, dim 0
+    /// the expert: [`crate::expert_layout`]).
+    pub(crate) fn whole_stacking_experts(
+        files: Arc<Vec<MappedFile>>,
+        k: usize,
+    ) -> Result<MappedTensors> {
+        let names = files[k].tensors.keys().map(|n| (n.clone(), k));
+        let (plain, stacked) = crate::expert_layout::group_per_expert(names)?;
+        let entries = plain.into_iter().map(|(n, k)| (n.clone(), k, n)).collect();
+        let stacked = stacked
+            .into_iter()
+            .map(|(key, rows)| (key, rows.into_iter().map(|(n, k)| (k, n)).collect()))
+            .collect();
+        MappedTensors::renamed(files, entries)?.with_stacked(stacked)
+    }
+
+    /// Adds tensors stacked along a new dim 0 from whole tensors of one shape and dtype:
+    /// `(key, [(file, name in the file)] in row order)`, each row read as a piece in place.
+    pub(crate) fn with_stacked(
+        mut self,
+        entries: Vec<(String, Vec<(usize, String)>)>,
+    ) -> Result<MappedTensors> {
+        for (key, rows) in entries {
+            let mut pieces = Vec::with_capacity(rows.len());
+            let mut first: Option<(DType, Vec<usize>, String)> = None;
+            for (e, (k, name)) in rows.into_iter().enumerate() {
+                let (dtype, shape, _) = self.files[k].tensors[&name].clone();
+                let dtype = dtype.map_err(|d| {
+                    err(format!(
+                        "{}: {name} has dtype {d:?}, which Tessera cannot read",
+                        self.files[k].path.display()
+                    ))
+                })?;
+                match &first {
+                    None => first = Some((dtype, shape.clone(), name.clone())),
+                    Some((d, s, n)) if *d != dtype || *s != shape => {
+                        return Err(err(format!(
+                            "{key}: {name} is {dtype:?} {shape:?} but {n} is {d:?} {s:?}; \
+                             every expert of a layer must have one shape and dtype"
+                        )))
+                    }
+                    Some(_) => {}
+                }
+                let mut origin = vec![0; shape.len() + 1];
+                origin[0] = e;
+                let piece_shape = std::iter::once(1).chain(shape).collect();
+                pieces.push(Piece { file: k, name, origin, shape: piece_shape });
+            }
+            let Some((dtype, row, _)) = first else { continue };
+            let shape = std::iter::once(pieces.len()).chain(row).collect();
+            if self.tensors.insert(key.clone(), Stored { shape, dtype, pieces }).is_some() {
+                return Err(err(format!("{key} is given both stacked and per expert")));
+            }
+        }
+        Ok(self)
+    }
+
     /// The names and (shape, dtype) of the tensors.
     pub fn shapes(&self) -> impl Iterator<Item = (&str, &[usize], DType)> {
         self.tensors.iter().map(|(n, s)| (n.as_str(), s.shape.as_slice(), s.dtype))
@@ -392,7 +450,7 @@ impl MappedCheckpoint {
             MappedFile::open(&path, checksum_of(&path, &manifest))
         };
         let files = Arc::new(vec![open(MODEL_FILE)?, open(OPTIMIZER_FILE)?]);
-        let params = MappedTensors::whole(files.clone(), 0)?;
+        let params = MappedTensors::whole_stacking_experts(files.clone(), 0)?;
         let optimizer = MappedTensors::whole(files, 1)?;
         check_optimizer(&params, &optimizer, &dir)?;
         Ok(MappedCheckpoint { manifest, config_json, params, optimizer, dir })

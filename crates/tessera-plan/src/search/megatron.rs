@@ -14,6 +14,10 @@
 //!   features where tp does not divide the vocabulary;
 //! - the loss by vocabulary where the logits arrive so split (Megatron-LM's vocabulary-parallel
 //!   cross-entropy: the logits are never gathered, see `lower/loss.rs`);
+//! - a mixture of experts' experts by their features (column-parallel gate/up, row-parallel
+//!   down, batched over the expert dim; the combine reads their reduced output), while its
+//!   router — a weight matmul whose output a softmax or top-k reads — stays whole (replicated,
+//!   as Megatron-LM's);
 //! - nothing else: norms, residual adds and a loss over whole logits see whole tensors on the
 //!   tensor axis — or, with `sp` (Megatron's sequence parallelism), their sequence split over
 //!   it.
@@ -110,6 +114,7 @@ pub(super) fn tp_labels(
     tied_head_rows: bool,
 ) -> Result<Vec<Option<usize>>, String> {
     let tables = embedding_tables(g);
+    let router = normalised_over_last_dim(g);
     // Past the KV heads: attention splits its query heads alone and what makes k and v
     // stays whole on the tensor axis.
     let kv_whole = kv_whole_side(g, labels, tp);
@@ -127,8 +132,11 @@ pub(super) fn tp_labels(
             l.inputs[k].get(d).copied().flatten()
         };
         let (pin, out_split) = match &n.op {
+            // (A MoE router is not: it is replicated, as Megatron-LM's, its logits whole, and
+            // falls to the last arm.)
             Op::MatMul { .. } | Op::QMatMul(_)
-                if matches!(n.op, Op::QMatMul(_)) || is_weight(g, n.inputs[1]) =>
+                if (matches!(n.op, Op::QMatMul(_)) || is_weight(g, n.inputs[1]))
+                    && !router[n.outputs[0].index()] =>
             {
                 let x = g.meta(n.inputs[0]);
                 let trans_a = matches!(n.op, Op::MatMul { trans_a: true, .. });
@@ -271,6 +279,28 @@ fn kv_whole_side(g: &Graph, labels: &mut [Option<Labeling>], tp: usize) -> Vec<b
         }
     }
     side
+}
+
+/// Per tensor, whether a `Softmax` or a `TopK` reads it (through casts and reshapes): a MoE
+/// router's logits, whose normalisation and top-k read every expert. Megatron-LM replicates
+/// the router, so the matmul making them keeps its weight and output whole.
+fn normalised_over_last_dim(g: &Graph) -> Vec<bool> {
+    let consumers = g.consumers();
+    let mut out = vec![false; g.tensors.len()];
+    // Reverse program order: a tensor's consumers are decided before it.
+    for n in g.nodes.iter().rev() {
+        for &t in &n.outputs {
+            out[t.index()] = consumers[t.index()].iter().any(|c| {
+                let c = &g.nodes[c.index()];
+                match c.op {
+                    Op::Softmax | Op::TopK { .. } => true,
+                    Op::Cast(_) | Op::Reshape(_) => out[c.outputs[0].index()],
+                    _ => false,
+                }
+            });
+        }
+    }
+    out
 }
 
 /// Whether `tpN` splits an embedding table `[vocab, hidden]` by vocabulary rows: where tp
