@@ -1,10 +1,12 @@
-//! The MoE families (`mixtral`, `qwen3_moe`) end to end through the binary: tiny inline
-//! configs train on one device and on the plan the planner picks for two (loss finite and
-//! falling, the first step's loss equal across plans, measured peak == predicted); `profile`
-//! of the `mixtral-8x7b` preset counts the step's matmul FLOPs as the closed form does (the
-//! experts on every capacity row); and `eval` on checkpoints written by `transformers`
+//! The MoE families (`mixtral`, `qwen3_moe`, `deepseek_v3`) end to end through the binary:
+//! tiny inline configs train on one device and on the plan the planner picks for two (loss
+//! finite and falling, the first step's loss equal across plans, measured peak == predicted);
+//! `profile` of the `mixtral-8x7b` preset counts the step's matmul FLOPs as the closed form
+//! does (the experts on every capacity row), and of `deepseek-v3` counts transformers'
+//! parameters; `eval` on checkpoints written by `transformers`
 //! (`scripts/make-moe-fixtures.sh`) reproduces its logits and its loss, router auxiliary loss
-//! included.
+//! included; greedy `generate` on the DeepSeek-V3 checkpoint (compressed latent KV cache)
+//! gives transformers' tokens.
 
 mod support;
 
@@ -38,6 +40,20 @@ fn config(family: &str) -> PathBuf {
             "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
             "num_experts_per_tok": 2, "output_router_logits": true,
             "router_aux_loss_coef": 0.02, "max_position_embeddings": 256
+        }),
+        // MLA with a low-rank q, v narrower than q/k, YaRN; one dense layer, then 8 experts in
+        // 4 groups (2 kept), top 2, a shared expert.
+        "deepseek_v3" => serde_json::json!({
+            "model_type": "deepseek_v3", "_name_or_path": "deepseek-v3-test", "vocab_size": 256,
+            "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "max_position_embeddings": 256,
+            "rope_scaling": {"type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 64, "mscale": 1.0,
+                             "mscale_all_dim": 0.5}
         }),
         _ => serde_json::json!({
             "model_type": "qwen3_moe", "_name_or_path": "qwen3-moe-test", "vocab_size": 256,
@@ -79,7 +95,7 @@ fn check_run(family: &str, v: &Value) {
 
 #[test]
 fn tiny_moe_models_train_on_one_and_two_devices() {
-    for family in ["mixtral", "qwen3_moe"] {
+    for family in ["mixtral", "qwen3_moe", "deepseek_v3"] {
         let model = config(family);
         let one = train(&model, "1");
         check_run(family, &one);
@@ -116,12 +132,59 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_moe")
 }
 
+/// DeepSeek-V3's parameter count equals transformers' on the meta device (the fixture script
+/// builds `DeepseekV3ForCausalLM` from deepseek-ai/DeepSeek-V3's config.json): its parameters
+/// plus the `e_score_correction_bias` buffers, which tessera holds as (constant) parameters.
+#[test]
+fn profile_of_deepseek_v3_counts_transformers_parameters() {
+    let text = std::fs::read_to_string(fixtures().join("deepseek_v3_params.json")).unwrap();
+    let hf: Value = serde_json::from_str(&text).unwrap();
+    let hf = &hf["deepseek-v3"];
+    let want = hf["parameters"].as_u64().unwrap() + hf["e_score_correction_bias"].as_u64().unwrap();
+    let v = json(&tessera(&["profile", "--model", "deepseek-v3", "--format", "json"]));
+    assert_eq!(v["params"].as_u64(), Some(want), "{v}");
+}
+
+/// Greedy generation over DeepSeek-V3's compressed latent KV cache: transformers' `generate`
+/// tokens (its KV cache; `generate.json`), the three prompts of different lengths generated
+/// together; the measured peak is the predicted one, cache included.
+#[test]
+fn deepseek_v3_greedy_tokens_equal_transformers_generate() {
+    let dir = fixtures().join("deepseek_v3");
+    let text = std::fs::read_to_string(dir.join("generate.json")).unwrap();
+    let expected: Value = serde_json::from_str(&text).unwrap();
+    let ids = |v: &Value| -> Vec<i64> {
+        v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+    };
+    let prompts: Vec<String> = expected["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| ids(p).iter().map(i64::to_string).collect::<Vec<_>>().join(","))
+        .collect();
+    let max = expected["max_new_tokens"].to_string();
+    let mut args = vec!["generate", "--model-dir", dir.to_str().unwrap(), "--max-new-tokens", &max];
+    for p in &prompts {
+        args.extend(["--tokens", p.as_str()]);
+    }
+    args.extend(["--format", "json"]);
+    let r = json(&tessera(&args));
+    let want: Vec<Vec<i64>> = expected["new_tokens"].as_array().unwrap().iter().map(ids).collect();
+    let got: Vec<Vec<i64>> = r["new_tokens"].as_array().unwrap().iter().map(ids).collect();
+    assert_eq!(got, want, "tokens differ from transformers' generate");
+    let m = &r["memory"];
+    assert_eq!(m["measured_peak_bytes"], m["predicted_peak_bytes"], "{m}");
+    assert!(m["kv_cache_bytes"].as_u64().unwrap() > 0, "the prediction holds the cache: {m}");
+}
+
 /// `eval` on each transformers checkpoint: logits within 1e-4 of transformers', and the loss
 /// (cross-entropy + `router_aux_loss_coef` · load-balancing loss, as transformers computes with
 /// `output_router_logits`) within 1e-5 relative — a bound far below the aux term itself.
+/// DeepSeek-V3 (MLA, YaRN, group-limited sigmoid routing with a non-zero correction bias,
+/// shared experts) has no auxiliary loss in transformers.
 #[test]
 fn eval_matches_transformers_on_moe_checkpoints() {
-    for name in ["mixtral", "qwen3_moe"] {
+    for name in ["mixtral", "qwen3_moe", "deepseek_v3"] {
         let dir = fixtures().join(name);
         let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
         let expected: Value = serde_json::from_str(&text).unwrap();
@@ -147,7 +210,11 @@ fn eval_matches_transformers_on_moe_checkpoints() {
         let loss = out["loss"].as_f64().unwrap();
         let want = expected["loss"].as_f64().unwrap();
         let aux = want - expected["ce"].as_f64().unwrap();
-        assert!(aux > 1e-3 * want, "{name}: the fixture's aux term {aux} is too small to test");
+        if name == "deepseek_v3" {
+            assert_eq!(aux, 0.0, "{name}: transformers adds no auxiliary loss");
+        } else {
+            assert!(aux > 1e-3 * want, "{name}: the fixture's aux term {aux} is too small to test");
+        }
         assert!((loss - want).abs() <= 1e-5 * want, "{name}: loss {loss}, transformers {want}");
 
         let doc: Value = serde_json::from_str(&std::fs::read_to_string(&logits_path).unwrap())
