@@ -177,6 +177,74 @@ fn deepseek_v3_greedy_tokens_equal_transformers_generate() {
     assert!(m["kv_cache_bytes"].as_u64().unwrap() > 0, "the prediction holds the cache: {m}");
 }
 
+/// Fine-tuning the DeepSeek-V3 checkpoint leaves its `e_score_correction_bias` exactly as
+/// loaded (a transformers buffer: no gradient, no optimizer step; here a parameter whose
+/// gradient is an exact zero) while the router weight it sits beside trains; the saved
+/// checkpoint evaluates again.
+#[test]
+fn fine_tuning_deepseek_v3_keeps_the_correction_bias() {
+    let src = fixtures().join("deepseek_v3");
+    let tmp = std::env::temp_dir().join(format!("tessera-dsv3-ft-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    // Token ids below the fixture's 96-id vocabulary, as a nanoGPT uint16 file.
+    let tokens: Vec<u8> =
+        (0..4096u32).flat_map(|i| (((i * 37 + i / 7) % 96) as u16).to_le_bytes()).collect();
+    let data = tmp.join("tokens.bin");
+    std::fs::write(&data, tokens).unwrap();
+    let save = tmp.join("ft");
+    let args = [
+        "train",
+        "--init",
+        src.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+        "--devices",
+        "1",
+        "--save",
+        save.to_str().unwrap(),
+        "--format",
+        "json",
+    ];
+    let v = json(&tessera(&args));
+    assert!(v["final_loss"].as_f64().unwrap().is_finite(), "{v}");
+    let before = std::fs::read(src.join("model.safetensors")).unwrap();
+    let after = std::fs::read(save.join("model.safetensors")).unwrap();
+    let (before, after) = (
+        safetensors::SafeTensors::deserialize(&before).unwrap(),
+        safetensors::SafeTensors::deserialize(&after).unwrap(),
+    );
+    let mut biases = 0;
+    for layer in 1..3 {
+        let name = format!("model.layers.{layer}.mlp.gate.e_score_correction_bias");
+        let (b, a) = (before.tensor(&name).unwrap(), after.tensor(&name).unwrap());
+        assert_eq!(a.dtype(), safetensors::Dtype::F32, "{name}");
+        assert_eq!(b.data(), a.data(), "{name} changed in training");
+        let w = format!("model.layers.{layer}.mlp.gate.weight");
+        assert_ne!(before.tensor(&w).unwrap().data(), after.tensor(&w).unwrap().data(), "{w}");
+        biases += 1;
+    }
+    assert_eq!(biases, 2);
+    let tokens = "3,17,42,8,95,0,61,17";
+    let e = json(&tessera(&[
+        "eval",
+        "--model-dir",
+        save.to_str().unwrap(),
+        "--tokens",
+        tokens,
+        "--format",
+        "json",
+    ]));
+    assert!(e["loss"].as_f64().unwrap().is_finite(), "{e}");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
 /// `eval` on each transformers checkpoint: logits within 1e-4 of transformers', and the loss
 /// (cross-entropy + `router_aux_loss_coef` · load-balancing loss, as transformers computes with
 /// `output_router_logits`) within 1e-5 relative — a bound far below the aux term itself.

@@ -57,9 +57,13 @@ use tessera_ir::{Builder, DType, TensorId};
 /// A validated model configuration of one of the supported families.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "family", rename_all = "snake_case")]
+// A config is made once per run and passed by reference: the LLaMA family's variant (MoE and
+// MLA settings included) being a few hundred bytes larger than the others costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum ModelConfig {
     Gpt2(Gpt2Config),
-    /// LLaMA, Mistral, Qwen2, Mixtral and Qwen3-MoE (see [`LlamaParams::variant`]).
+    /// LLaMA, Mistral, Qwen2, Mixtral, Qwen3-MoE and DeepSeek-V3 (see
+    /// [`LlamaParams::variant`]).
     Llama(LlamaConfig),
     Bert(BertConfig),
     Vit(VitConfig),

@@ -103,7 +103,7 @@ impl MlaParams {
                 ),
             ));
         }
-        if self.qk_rope_head_dim % 2 != 0 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(ModelError::invalid(
                 "qk_rope_head_dim",
                 format!("RoPE rotates pairs of dims, so {} must be even", self.qk_rope_head_dim),

@@ -224,7 +224,7 @@ impl MoeParams {
         let e = self.num_experts;
         positive("n_group", ds.n_group)?;
         positive("topk_group", ds.topk_group)?;
-        if e % ds.n_group != 0 || e / ds.n_group < 2 {
+        if !e.is_multiple_of(ds.n_group) || e / ds.n_group < 2 {
             return Err(ModelError::invalid(
                 "n_group",
                 format!(
