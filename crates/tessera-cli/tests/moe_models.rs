@@ -109,6 +109,24 @@ fn tiny_moe_models_train_on_one_and_two_devices() {
     }
 }
 
+/// Tensor parallelism splits multi-head latent attention by heads (the shared RoPE key is
+/// broadcast to every head before it is rotated): `tp2` gives the one-device loss, and its
+/// measured peak is its predicted one.
+#[test]
+fn deepseek_v3_trains_under_tensor_parallelism() {
+    let model = config("deepseek_v3");
+    let one = train(&model, "1");
+    let m = model.to_str().unwrap();
+    let args = ["train", "--model", m, "--steps", "3", "--batch", "4", "--seq", "32"];
+    let tp = json(&tessera(
+        &[&args[..], &["--devices", "2", "--plan", "tp2", "--format", "json"]].concat(),
+    ));
+    assert!(tp["config"].as_str().unwrap().contains("tp2"), "{}", tp["config"]);
+    check_run("deepseek_v3 tp2", &tp);
+    let (a, b) = (one["initial_loss"].as_f64().unwrap(), tp["initial_loss"].as_f64().unwrap());
+    assert!((a - b).abs() <= 1e-5 * a, "1 device {a}, tp2 {b}");
+}
+
 /// Forward matmul FLOPs of Mixtral-8x7B at batch 8 × 1024 by hand (N = 8192 tokens, d 4096,
 /// h 32, kv 8, e 128, E 8, f 14336, v 32000, 32 layers): per layer the projections
 /// 2·N·d·(h·e + 2·kv·e + h·e), attention as dense S×S products 4·N·S·h·e, the router

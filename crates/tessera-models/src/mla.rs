@@ -222,12 +222,17 @@ pub(crate) fn attention(
     let k_pe = b.reshape(k_pe, [batch, seq, 1, dr])?;
     let c = nn::rms_norm_to(b, "kv_a_layernorm", c, eps, dtype)?;
     let q_pe = rotate(b, cfg, mla, dec, inv_freq, q_pe)?;
-    let k_pe = rotate(b, cfg, mla, dec, inv_freq, k_pe)?;
 
     // The latents and shared keys attended over: this step's, or the whole cache's.
     let (c, k_pe, start) = match dec.generation() {
-        None => (c, k_pe, None),
+        // Broadcast over the heads before rotating (the same values: RoPE acts per head), so
+        // that tensor parallelism splits the rotation by heads as it does the queries'.
+        None => {
+            let k_pe = b.expand(k_pe, [batch, seq, h, dr])?;
+            (c, rotate(b, cfg, mla, dec, inv_freq, k_pe)?, None)
+        }
         Some(g) => {
+            let k_pe = rotate(b, cfg, mla, dec, inv_freq, k_pe)?;
             let c4 = b.reshape(c, [batch, seq, 1, r])?;
             let latent = b.concat(&[c4, k_pe], 3)?;
             let cache = b.kv_cache("latent_cache", [batch, g.capacity, 1, r + dr], dtype);
@@ -242,7 +247,7 @@ pub(crate) fn attention(
     let kv = nn::split_heads(b, kv, h)?;
     let k_nope = b.slice(kv, 3, 0, dn)?;
     let v = b.slice(kv, 3, dn, dn + dv)?;
-    let k_pe = b.expand(k_pe, [batch, t, h, dr])?;
+    let k_pe = if b.shape(k_pe).dim(2) == h { k_pe } else { b.expand(k_pe, [batch, t, h, dr])? };
     let q = b.concat(&[q_nope, q_pe], 3)?;
     let k = b.concat(&[k_nope, k_pe], 3)?;
 
