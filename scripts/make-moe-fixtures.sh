@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Regenerates the Hugging Face MoE parity fixtures (crates/tessera-cli/tests/fixtures/hf_moe/)
 # that crates/tessera-cli/tests/moe_models.rs checks `tessera eval` / `generate` / `profile`
-# against: tiny Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints written from `transformers` in the
-# Hub's per-expert layout, their logits, loss (router auxiliary loss included) and greedy
-# generations, and the released MoE checkpoints' configs with transformers' parameter counts.
+# against: tiny Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 checkpoints written from
+# `transformers` in the Hub's per-expert layout, their logits, loss (router auxiliary loss
+# included) and greedy generations, the released MoE checkpoints' configs with transformers'
+# parameter counts, and DeepSeek-V3's parameter count on the meta device
+# (deepseek_v3_params.json).
 #
 # usage: scripts/make-moe-fixtures.sh              set up .venv-moe if needed, then generate
 #        scripts/make-moe-fixtures.sh --venv-only  only set up the venv
@@ -18,7 +20,7 @@ cd "$(dirname "$0")/.."
 venv=.venv-moe
 py=$venv/bin/python
 
-ok() { "$py" -c "import torch, transformers, safetensors; torch.ones(2) @ torch.ones(2); from transformers import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM" 2>/dev/null; }
+ok() { "$py" -c "import torch, transformers, safetensors; torch.ones(2) @ torch.ones(2); from transformers import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM" 2>/dev/null; }
 
 if ! [ -x "$py" ]; then
   echo "creating $venv..." >&2

@@ -4,7 +4,8 @@
 As scripts/make_hf_fixtures.py does for the dense families: each fixture is a tiny MoE causal
 LM built by `transformers` from an explicit config, its weights re-initialised with a fixed
 seed and a large std, written in fp32 in the Hub's per-expert layout
-(`...experts.{e}.w1.weight` for Mixtral, `...mlp.experts.{e}.gate_proj.weight` for Qwen3-MoE:
+(`...experts.{e}.w1.weight` for Mixtral, `...mlp.experts.{e}.gate_proj.weight` for Qwen3-MoE
+and DeepSeek-V3:
 transformers 5 holds the experts fused in memory and converts on load, so the file is written
 from the fused parameters here and reloaded through `from_pretrained` to check the layout), plus
 `expected.json`:
@@ -31,6 +32,9 @@ Qwen/Qwen2-57B-A14B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B), copied here by h
 Hub access where this runs); only the fields that shape the model and its defaults matter to the
 count.
 
+Also `deepseek_v3_params.json`: DeepSeek-V3's parameter count on the meta device and the
+numel of its `e_score_correction_bias` buffers.
+
 usage: scripts/make-moe-fixtures.sh   (sets up .venv-moe, then runs this)
 """
 
@@ -45,6 +49,8 @@ import safetensors.torch
 import torch
 import transformers
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Qwen2MoeConfig,
@@ -109,6 +115,25 @@ FIXTURES = {
                num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
                mlp_only_layers=[1], router_aux_loss_coef=0.02, rope_theta=1000000.0),
     ),
+    # DeepSeek-V3: multi-head latent attention with a low-rank q (rank 24) and kv latent (16),
+    # 8 + 4 q/k head dims (interleaved RoPE pairs) and v 8 (narrower: tessera pads it), YaRN
+    # x4 over 32 positions with mscale != mscale_all_dim (attention factor and softmax scale
+    # both != 1); layer 0 dense, then 8 experts of width 16 in 4 groups (2 kept), top 3,
+    # renormalised and scaled by 2.5, two shared experts; a non-zero correction bias (set in
+    # reinit). DeepseekV3ForCausalLM adds no auxiliary loss.
+    "deepseek_v3": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        common(hidden_size=32, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
+               moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+               n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1,
+               routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24,
+               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+               rope_interleave=True, output_router_logits=False, max_position_embeddings=128,
+               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                    original_max_position_embeddings=32, beta_fast=32.0,
+                                    beta_slow=1.0, mscale=0.8, mscale_all_dim=0.5)),
+    ),
 }
 
 # Released checkpoints' config.json values (see the module docs for the sources).
@@ -161,6 +186,19 @@ REAL_CONFIGS = {
         torch_dtype="bfloat16")),
 }
 
+# deepseek-ai/DeepSeek-V3's config.json (architecture keys), for the parameter count.
+DEEPSEEK_V3 = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+    n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu",
+    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                         original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                         mscale=1.0, mscale_all_dim=1.0),
+)
+
 
 def reinit(model, seed):
     """Every parameter ~ N(0, 0.3²), norm weights 1 + N(0, 0.2²), in name order."""
@@ -170,6 +208,11 @@ def reinit(model, seed):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
             value = 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise
             p.copy_(value.to(p.dtype))
+        # DeepSeek-V3's correction bias is a buffer (zeros by default): make it matter.
+        for name, buf in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_((0.3 * torch.randn(buf.shape, generator=g, dtype=torch.float64))
+                          .to(buf.dtype))
 
 
 def hub_state_dict(model, model_type):
@@ -229,8 +272,8 @@ def expected(model, tokens):
         out = model(input_ids=ids[:, :-1], output_router_logits=True)
     logits = out.logits[0].to(torch.float32)
     ce = torch.nn.functional.cross_entropy(logits.double(), ids[0, 1:]).item()
-    aux = float(out.aux_loss)
-    coef = model.config.router_aux_loss_coef
+    aux = float(out.aux_loss) if out.aux_loss is not None else 0.0
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)
     return {
         "tokens": tokens,
         "shape": list(logits.shape),
@@ -286,11 +329,27 @@ def real_counts():
         f.write("\n")
 
 
+def deepseek_v3_count():
+    """DeepSeek-V3's parameter count on the meta device (transformers builds no MTP layer),
+    and the numel of its e_score_correction_bias buffers (which tessera holds as parameters)."""
+    config = DeepseekV3Config(**DEEPSEEK_V3)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    out = {"deepseek-v3": {"parameters": model.num_parameters(), "e_score_correction_bias": bias}}
+    with open(os.path.join(OUT, "deepseek_v3_params.json"), "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print(f"deepseek-v3: {out}")
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     real_counts()
-    # Seeds fixed per fixture (a fixture added later does not change the others' weights).
-    seeds = {"mixtral": 1000, "qwen3_moe": 1001, "qwen2_moe": 1002}
+    deepseek_v3_count()
+    # Seeds fixed per fixture when it was added (a fixture added later does not change the
+    # others' weights; qwen2_moe and deepseek_v3 were added the same day, both with 1002).
+    seeds = {"mixtral": 1000, "qwen3_moe": 1001, "qwen2_moe": 1002, "deepseek_v3": 1002}
     for name, (config_cls, model_cls, cfg) in sorted(FIXTURES.items()):
         make_fixture(name, seeds[name], config_cls, model_cls, cfg)
     versions = {

@@ -59,9 +59,11 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             hidden_dropout: c.resid_pdrop,
             attention_dropout: 0.0,
         },
+        // Multi-head latent attention (DeepSeek-V3): no engine's LLaMA model has it, so it
+        // exports as a model-agnostic one, as BLOOM does.
         ModelConfig::Llama(c) => ModelShape {
             name,
-            family: Family::Llama,
+            family: if c.mla.is_some() { Family::Other } else { Family::Llama },
             layers: c.num_hidden_layers,
             hidden: c.hidden_size,
             heads: c.num_attention_heads,

@@ -35,8 +35,9 @@ pub struct RouterSpec {
     pub top_k: usize,
     pub scoring: Scoring,
     /// Group-limited top-k: `(n_group, topk_group)`. Each group's score is the sum of its two
-    /// best (biased) scores; experts outside the `topk_group` best groups get a choice score
-    /// of 0 (transformers' `masked_fill(…, 0.0)`).
+    /// best (biased) scores; experts outside the `topk_group` best groups are never chosen
+    /// while `top_k` experts remain in the kept groups (transformers 5's
+    /// `masked_fill(…, -inf)`; 4.x filled 0, which a negative correction bias can tell apart).
     pub groups: Option<(usize, usize)>,
     /// Renormalise the chosen scores to sum to one, dividing by `sum + ε`; `None` keeps them.
     pub normalize: Option<f64>,
@@ -215,9 +216,9 @@ pub fn route(
     Ok(Routing { scores, indices, weights })
 }
 
-/// Choice scores `[N, E]` with every expert outside each token's `keep` best groups set to 0;
-/// a group's score is the sum of its two best experts' (DeepSeek-V3's `n_group` /
-/// `topk_group`).
+/// Choice scores `[N, E]` with every expert outside each token's `keep` best groups lowered
+/// by [`GROUP_MASK_PENALTY`] (kept scores unchanged, exactly); a group's score is the sum of its
+/// two best experts' (DeepSeek-V3's `n_group` / `topk_group`).
 fn limit_to_groups(
     b: &mut Builder,
     choice: TensorId,
@@ -243,7 +244,12 @@ fn limit_to_groups(
     let mask = b.reshape(mask, [n, groups, 1])?;
     let mask = b.expand(mask, [n, groups, per])?;
     let mask = b.reshape(mask, [n, e])?;
-    b.mul(choice, mask)
+    // (mask − 1)·P is 0 for a kept expert and −P for the others: transformers' −inf without
+    // the 0·∞ of a multiplied mask.
+    let one = b.scalar_like(1.0, mask)?;
+    let off = b.sub(mask, one)?;
+    let penalty = b.scale(off, GROUP_MASK_PENALTY)?;
+    b.add(choice, penalty)
 }
 
 /// The scope segment under which a block's stacked expert parameters are named:
@@ -283,6 +289,9 @@ pub fn stacked_expert_name(name: &str) -> Option<(String, usize)> {
     rest.extend_from_slice(&segs[at + 2..]);
     Some((rest.join("."), expert))
 }
+/// What group-limited routing subtracts from the choice score of an expert outside the kept
+/// groups: far below any sigmoid score plus correction bias, and finite in f32.
+pub const GROUP_MASK_PENALTY: f64 = 1e30;
 
 /// Stacked SwiGLU expert weights: `gate`, `up` `[E, H, F]`, `down` `[E, F, H]`; or, with
 /// `linear_layout`, as `nn.Linear` stores them (out × in: `gate`, `up` `[E, F, H]`, `down`

@@ -519,7 +519,7 @@ fn mixtral_router_matches_a_direct_computation() {
 }
 
 /// transformers' DeepseekV3 routing, directly: sigmoid, biased choice scores, each group's
-/// top-2 sum, the best `topk_group` groups, 0 elsewhere, top-k, weights from the unbiased
+/// top-2 sum, the best `topk_group` groups, −inf elsewhere, top-k, weights from the unbiased
 /// scores normalised by `sum + 1e-20` and scaled.
 fn deepseek_reference(
     logits: &[f64],
@@ -538,8 +538,9 @@ fn deepseek_reference(
         })
         .collect();
     let kept = ref_top_k(&group_score, keep);
-    let masked: Vec<f64> =
-        (0..e).map(|i| if kept.contains(&(i / per)) { choice[i] } else { 0.0 }).collect();
+    let masked: Vec<f64> = (0..e)
+        .map(|i| if kept.contains(&(i / per)) { choice[i] } else { f64::NEG_INFINITY })
+        .collect();
     let top = ref_top_k(&masked, k);
     let sum: f64 = top.iter().map(|&i| s[i]).sum::<f64>() + 1e-20;
     let w = top.iter().map(|&i| s[i] / sum * scale).collect();
@@ -573,6 +574,30 @@ fn deepseek_v3_router_matches_a_direct_computation() {
         assert!(gs.len() <= groups.1);
     }
     assert!(bias_mattered, "the bias must change some selection");
+}
+
+/// Experts of the dropped groups are never chosen, even when a kept expert's biased score is
+/// negative: transformers 5 masks them with −inf (4.x filled 0, which would pick a dropped
+/// group's expert over a negative kept one). Every group has two experts biased below zero, so
+/// the fifth choice among the two kept groups' eight is a negative one.
+#[test]
+fn deepseek_v3_router_never_chooses_a_dropped_group() {
+    let (n, e, k, groups) = (6, 16, 5, (4, 2));
+    let mut r = StdRng::seed_from_u64(13);
+    let logits: Vec<f64> = (0..n * e).map(|_| r.random_range(-2.0..2.0)).collect();
+    let bias: Vec<f64> = (0..e).map(|i| if i % 4 < 2 { -1.5 } else { 0.0 }).collect();
+    let spec = RouterSpec::deepseek_v3(e, k, groups, true, 2.5);
+    let got = route_values(&spec, n, &logits, Some(&bias));
+    for t in 0..n {
+        let (top, w) = deepseek_reference(&logits[t * e..(t + 1) * e], &bias, groups, k, 2.5);
+        let idx: Vec<f64> = top.iter().map(|&i| i as f64).collect();
+        assert_eq!(&got[0].data[t * k..(t + 1) * k], &idx[..], "token {t}");
+        assert_close(&got[1].data[t * k..(t + 1) * k], &w, 1e-14, "weights");
+        let mut gs: Vec<usize> = top.iter().map(|&i| i / 4).collect();
+        gs.sort();
+        gs.dedup();
+        assert_eq!(gs.len(), 2, "token {t}: choices {top:?} span groups {gs:?}");
+    }
 }
 
 // ---- balancing ------------------------------------------------------------------------------

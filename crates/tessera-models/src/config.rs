@@ -7,7 +7,8 @@
 //! [`Gpt2Config::into_params`], edit, and validate again.
 
 use crate::error::{ModelError, Result};
-pub use crate::moe::MoeParams;
+pub use crate::mla::MlaParams;
+pub use crate::moe::{DeepseekRouting, MoeParams};
 use crate::rope::{self, RopeScaling};
 use serde::Serialize;
 use tessera_ir::{DType, UnaryOp};
@@ -284,6 +285,9 @@ pub enum LlamaVariant {
     Qwen2Moe,
     /// `Qwen3MoeForCausalLM`: Qwen3's attention (q/k RMSNorm per head), sparse MoE blocks.
     Qwen3Moe,
+    /// `DeepseekV3ForCausalLM`: multi-head latent attention (`mla.rs`), dense MLPs in the
+    /// first `first_k_dense_replace` layers, then sigmoid-routed experts with shared experts.
+    DeepseekV3,
 }
 
 impl LlamaVariant {
@@ -295,6 +299,7 @@ impl LlamaVariant {
             LlamaVariant::Mixtral => "mixtral",
             LlamaVariant::Qwen2Moe => "qwen2_moe",
             LlamaVariant::Qwen3Moe => "qwen3_moe",
+            LlamaVariant::DeepseekV3 => "deepseek_v3",
         }
     }
 }
@@ -332,8 +337,12 @@ pub struct LlamaParams {
     pub sliding_window_from_layer: usize,
     /// RMSNorm of each query and key head before RoPE (`self_attn.q_norm` / `k_norm`: Qwen3).
     pub qk_norm: bool,
-    /// The sparse MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE); `None` for a dense model.
+    /// The sparse MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3); `None` for a dense
+    /// model.
     pub moe: Option<MoeParams>,
+    /// Multi-head latent attention (DeepSeek-V3) in place of q/k/v projections; `head_dim`
+    /// is then its query/key head dim and RoPE covers only `qk_rope_head_dim` of it.
+    pub mla: Option<MlaParams>,
     pub dtype: Option<DType>,
 }
 
@@ -357,13 +366,16 @@ impl LlamaParams {
             // Qwen2MoeAttention: q/k/v with bias, o_proj without.
             LlamaVariant::Qwen2Moe => (32768, None, true, 28),
             LlamaVariant::Qwen3Moe => (32768, None, false, 28),
+            LlamaVariant::DeepseekV3 => (4096, None, false, 0),
         };
         let moe = match variant {
             LlamaVariant::Llama | LlamaVariant::Mistral | LlamaVariant::Qwen2 => None,
             LlamaVariant::Mixtral => Some(MoeParams::mixtral(intermediate_size)),
             LlamaVariant::Qwen2Moe => Some(MoeParams::qwen2_moe()),
             LlamaVariant::Qwen3Moe => Some(MoeParams::qwen3_moe()),
+            LlamaVariant::DeepseekV3 => Some(MoeParams::deepseek_v3()),
         };
+        let mla = (variant == LlamaVariant::DeepseekV3).then(MlaParams::deepseek_v3);
         // MixtralConfig's defaults differ from LlamaConfig's here.
         let (rms_norm_eps, rope_theta) =
             if variant == LlamaVariant::Mixtral { (1e-5, 1e6) } else { (1e-6, 10000.0) };
@@ -376,7 +388,7 @@ impl LlamaParams {
             num_hidden_layers,
             num_attention_heads,
             num_key_value_heads: num_attention_heads,
-            head_dim: None,
+            head_dim: mla.as_ref().map(MlaParams::qk_head_dim),
             max_position_embeddings,
             hidden_act: Activation::Silu,
             rms_norm_eps,
@@ -390,6 +402,7 @@ impl LlamaParams {
             sliding_window_from_layer: from_layer,
             qk_norm: variant == LlamaVariant::Qwen3Moe,
             moe,
+            mla,
             dtype: None,
         }
     }
@@ -423,7 +436,8 @@ impl LlamaParams {
             "num_key_value_heads",
             self.num_key_value_heads,
         )?;
-        if head_dim % 2 != 0 {
+        // MLA rotates only its qk_rope_head_dim (checked by MlaParams).
+        if head_dim % 2 != 0 && self.mla.is_none() {
             return Err(ModelError::invalid(
                 "head_dim",
                 format!("RoPE rotates pairs of dims, so head_dim {head_dim} must be even"),
@@ -453,6 +467,28 @@ impl LlamaParams {
             ));
         }
         self.rope_scaling.validate()?;
+        if let Some(mla) = &self.mla {
+            mla.validate(self.num_attention_heads, self.num_key_value_heads)?;
+            if self.head_dim != Some(mla.qk_head_dim()) {
+                return Err(ModelError::invalid(
+                    "head_dim",
+                    format!(
+                        "{:?}: with multi-head latent attention it is qk_nope_head_dim + \
+                         qk_rope_head_dim = {}",
+                        self.head_dim,
+                        mla.qk_head_dim()
+                    ),
+                ));
+            }
+        } else if matches!(self.rope_scaling, RopeScaling::Yarn { .. }) {
+            return Err(ModelError::Unsupported {
+                what: "rope_scaling.rope_type".into(),
+                found: format!("yarn on {}", self.variant.model_type()),
+                supported: "yarn on deepseek_v3 only (the LLaMA layers do not apply YaRN's \
+                            attention factor); default, linear or llama3 elsewhere"
+                    .into(),
+            });
+        }
         if self.sliding_window == Some(0) {
             return Err(ModelError::invalid(
                 "sliding_window",
@@ -475,15 +511,20 @@ impl LlamaParams {
         let (v, d, i) = (self.vocab_size, self.hidden_size, self.intermediate_size);
         let (h, kv, hd) = (self.num_attention_heads, self.num_key_value_heads, head_dim);
         let b = |on: bool| usize::from(on);
-        let layer = count(&[
-            &[2, d],
-            &[2, d, h, hd],
-            &[2, d, kv, hd],
-            &[b(self.qkv_bias), h, hd],
-            &[b(self.qkv_bias), 2, kv, hd],
-            &[b(self.o_bias), d],
-            &[b(self.qk_norm), 2, hd],
-        ])?;
+        let layer = match &self.mla {
+            Some(mla) => {
+                count(&[&[2, d]])?.checked_add(mla.count(d, h, self.qkv_bias, self.o_bias)?)?
+            }
+            None => count(&[
+                &[2, d],
+                &[2, d, h, hd],
+                &[2, d, kv, hd],
+                &[b(self.qkv_bias), h, hd],
+                &[b(self.qkv_bias), 2, kv, hd],
+                &[b(self.o_bias), d],
+                &[b(self.qk_norm), 2, hd],
+            ])?,
+        };
         let dense = count(&[&[3, d, i], &[b(self.mlp_bias), 2, i], &[b(self.mlp_bias), d]])?;
         let layers = (0..self.num_hidden_layers).try_fold(0u128, |acc, l| {
             let mlp = match &self.moe {
@@ -499,8 +540,8 @@ impl LlamaParams {
 }
 
 validated_config!(
-    /// A validated LLaMA-family (llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe)
-    /// configuration.
+    /// A validated LLaMA-family (llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe,
+    /// deepseek_v3) configuration.
     LlamaConfig,
     LlamaParams
 );
@@ -509,9 +550,11 @@ impl LlamaConfig {
     pub fn head_dim(&self) -> usize {
         self.0.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
     }
-    /// The RoPE inverse frequencies after scaling (`head_dim / 2` of them).
+    /// The RoPE inverse frequencies after scaling (`head_dim / 2` of them; under multi-head
+    /// latent attention `qk_rope_head_dim / 2`).
     pub fn inv_freq(&self) -> Vec<f64> {
-        rope::inv_freq(self.head_dim(), self.rope_theta, &self.rope_scaling)
+        let dim = self.mla.as_ref().map_or(self.head_dim(), |m| m.qk_rope_head_dim);
+        rope::inv_freq(dim, self.rope_theta, &self.rope_scaling)
     }
     /// The attention window of layer `layer`, if it uses one.
     pub fn window(&self, layer: usize) -> Option<usize> {

@@ -23,6 +23,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "deepseek_v3",
     "bloom",
     "bert",
     "vit",
@@ -77,6 +78,7 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
         "mixtral" => llama(&f, name, LlamaVariant::Mixtral),
         "qwen2_moe" => llama(&f, name, LlamaVariant::Qwen2Moe),
         "qwen3_moe" => llama(&f, name, LlamaVariant::Qwen3Moe),
+        "deepseek_v3" => llama(&f, name, LlamaVariant::DeepseekV3),
         "bloom" => bloom(&f, name),
         "bert" => bert(&f, name),
         "vit" => vit(&f, name),
@@ -164,7 +166,7 @@ fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig>
     f.set_activation("hidden_act", &mut p.hidden_act)?;
     f.set_f64("rms_norm_eps", &mut p.rms_norm_eps)?;
     f.set_bool("tie_word_embeddings", &mut p.tie_word_embeddings)?;
-    (p.rope_theta, p.rope_scaling) = rope(f)?;
+    (p.rope_theta, p.rope_scaling) = rope(f, p.max_position_embeddings)?;
     let theta_given = f.value("rope_theta").is_some()
         || f.object("rope_parameters")?.is_some_and(|m| m.get("rope_theta").is_some());
     if variant == LlamaVariant::Mixtral && !theta_given {
@@ -187,6 +189,11 @@ fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig>
         LlamaVariant::Mixtral => {
             // MixtralConfig's window defaults to none (Mistral's to 4096).
             p.sliding_window = f.usize("sliding_window")?;
+        }
+        LlamaVariant::DeepseekV3 => {
+            let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
+            (p.qkv_bias, p.o_bias) = (attention_bias, attention_bias);
+            mla_fields(f, &mut p)?;
         }
         LlamaVariant::Qwen2 | LlamaVariant::Qwen2Moe | LlamaVariant::Qwen3Moe => {
             if variant == LlamaVariant::Qwen2Moe {
@@ -215,10 +222,48 @@ fn llama(f: &Fields, name: String, variant: LlamaVariant) -> Result<ModelConfig>
     Ok(ModelConfig::Llama(LlamaConfig::new(p)?))
 }
 
-/// `MixtralConfig` / `Qwen2MoeConfig` / `Qwen3MoeConfig`'s MoE keys, and tessera's own
-/// `capacity_factor` (absent or null: dropless).
+/// `DeepseekV3Config`'s attention keys; `head_dim` is `qk_nope_head_dim + qk_rope_head_dim`
+/// (transformers sets `head_dim` to the RoPE dim, which this crate reads from the MLA fields).
+fn mla_fields(f: &Fields, p: &mut LlamaParams) -> Result<()> {
+    let mla = p.mla.get_or_insert_with(MlaParams::deepseek_v3);
+    if f.map.contains_key("q_lora_rank") {
+        mla.q_lora_rank = f.usize("q_lora_rank")?;
+    }
+    f.set_usize("kv_lora_rank", &mut mla.kv_lora_rank)?;
+    f.set_usize("qk_nope_head_dim", &mut mla.qk_nope_head_dim)?;
+    f.set_usize("qk_rope_head_dim", &mut mla.qk_rope_head_dim)?;
+    f.set_usize("v_head_dim", &mut mla.v_head_dim)?;
+    f.set_bool("rope_interleave", &mut mla.rope_interleave)?;
+    p.head_dim = Some(mla.qk_head_dim());
+    if f.usize("num_key_value_heads")?.is_none() {
+        p.num_key_value_heads = p.num_attention_heads;
+    }
+    Ok(())
+}
+
+/// `MixtralConfig` / `Qwen2MoeConfig` / `Qwen3MoeConfig` / `DeepseekV3Config`'s MoE keys, and
+/// tessera's own `capacity_factor` (absent or null: dropless).
 fn moe_fields(f: &Fields, variant: LlamaVariant, moe: &mut MoeParams) -> Result<()> {
-    if variant == LlamaVariant::Mixtral {
+    if variant == LlamaVariant::DeepseekV3 {
+        if let Some(n) = f.usize("n_routed_experts")?.or(f.usize("num_local_experts")?) {
+            moe.num_experts = n;
+        }
+        f.set_usize("moe_intermediate_size", &mut moe.expert_intermediate_size)?;
+        f.set_bool("norm_topk_prob", &mut moe.norm_topk_prob)?;
+        f.set_usize("first_k_dense_replace", &mut moe.first_dense_layers)?;
+        let ds = moe.deepseek.get_or_insert(DeepseekRouting {
+            n_group: 8,
+            topk_group: 4,
+            routed_scaling_factor: 2.5,
+            n_shared_experts: 1,
+        });
+        f.set_usize("n_group", &mut ds.n_group)?;
+        f.set_usize("topk_group", &mut ds.topk_group)?;
+        f.set_f64("routed_scaling_factor", &mut ds.routed_scaling_factor)?;
+        f.set_usize("n_shared_experts", &mut ds.n_shared_experts)?;
+        // `moe_layer_freq` (DeepSeek's own code) is not read by transformers: every layer
+        // past the dense ones is sparse.
+    } else if variant == LlamaVariant::Mixtral {
         f.set_usize("num_local_experts", &mut moe.num_experts)?;
         if f.f64("router_jitter_noise")?.is_some_and(|x| x != 0.0) {
             return Err(ModelError::Unsupported {
@@ -252,32 +297,37 @@ fn moe_fields(f: &Fields, variant: LlamaVariant, moe: &mut MoeParams) -> Result<
     f.set_usize("num_experts_per_tok", &mut moe.num_experts_per_tok)?;
     f.set_f64("router_aux_loss_coef", &mut moe.router_aux_loss_coef)?;
     f.set_bool("output_router_logits", &mut moe.output_router_logits)?;
+    if variant == LlamaVariant::DeepseekV3 {
+        // DeepseekV3ForCausalLM returns router logits but never adds an auxiliary loss.
+        moe.output_router_logits = false;
+    }
     moe.capacity_factor = f.f64("capacity_factor")?;
     Ok(())
 }
 
 /// `(rope_theta, scaling)` from `rope_parameters` (transformers 5) or `rope_theta` +
-/// `rope_scaling` (4.x).
-fn rope(f: &Fields) -> Result<(f64, RopeScaling)> {
+/// `rope_scaling` (4.x); `max_pos` is YaRN's default original context.
+fn rope(f: &Fields, max_pos: usize) -> Result<(f64, RopeScaling)> {
     if let Some(map) = f.object("rope_parameters")? {
         let rp = Fields { map, model_type: f.model_type, prefix: "rope_parameters." };
         let theta = match rp.f64("rope_theta")? {
             Some(t) => t,
             None => f.f64("rope_theta")?.unwrap_or(10000.0),
         };
-        return Ok((theta, rope_scaling(&rp)?));
+        return Ok((theta, rope_scaling(&rp, max_pos)?));
     }
     let theta = f.f64("rope_theta")?.unwrap_or(10000.0);
     let scaling = match f.object("rope_scaling")? {
         None => RopeScaling::Default,
         Some(map) => {
-            rope_scaling(&Fields { map, model_type: f.model_type, prefix: "rope_scaling." })?
+            let rs = Fields { map, model_type: f.model_type, prefix: "rope_scaling." };
+            rope_scaling(&rs, max_pos)?
         }
     };
     Ok((theta, scaling))
 }
 
-fn rope_scaling(f: &Fields) -> Result<RopeScaling> {
+fn rope_scaling(f: &Fields, max_pos: usize) -> Result<RopeScaling> {
     let kind = match f.str("rope_type")? {
         Some(k) => k,
         None => f.str("type")?.unwrap_or("default"),
@@ -291,6 +341,24 @@ fn rope_scaling(f: &Fields) -> Result<RopeScaling> {
             high_freq_factor: f.req_f64("high_freq_factor")?,
             original_max_position_embeddings: f.req_usize(&["original_max_position_embeddings"])?,
         },
+        // transformers 5 `_compute_yarn_parameters`: a null factor is max_pos / original.
+        "yarn" => {
+            let original = f.usize("original_max_position_embeddings")?.unwrap_or(max_pos);
+            let factor = match f.f64("factor")? {
+                Some(x) => x,
+                None => max_pos as f64 / original.max(1) as f64,
+            };
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: f.f64("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
+                beta_slow: f.f64("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
+                mscale: f.f64("mscale")?,
+                mscale_all_dim: f.f64("mscale_all_dim")?,
+                attention_factor: f.f64("attention_factor")?,
+                truncate: f.bool("truncate")?.unwrap_or(true),
+            }
+        }
         other => {
             return Err(ModelError::Unsupported {
                 what: format!("{}rope_type", f.prefix),

@@ -13,7 +13,8 @@
 //! - LLaMA / Mistral / Qwen2: `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM`;
 //!   `head_dim` only when explicit; `rope_scaling` null for plain RoPE. Mixtral / Qwen2-MoE /
 //!   Qwen3-MoE: `MixtralForCausalLM` / `Qwen2MoeForCausalLM` / `Qwen3MoeForCausalLM` with
-//!   their MoE keys.
+//!   their MoE keys; DeepSeek-V3: `DeepseekV3ForCausalLM` with its MLA and routing keys (no
+//!   `head_dim`: its config class derives it).
 //! - BLOOM: `BloomForCausalLM` with BLOOM's own key names (`n_layer`, `n_head`,
 //!   `layer_norm_epsilon`), `pretraining_tp` 1; `bos_token_id`/`eos_token_id` are
 //!   `BloomConfig`'s 1 and 2 (the last token for smaller vocabularies).
@@ -144,6 +145,35 @@ fn rope_scaling(s: &RopeScaling) -> Value {
             "high_freq_factor": high_freq_factor,
             "original_max_position_embeddings": original_max_position_embeddings,
         }),
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            attention_factor,
+            truncate,
+        } => {
+            let mut m = object(json!({
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "truncate": truncate,
+            }));
+            for (k, v) in [
+                ("mscale", mscale),
+                ("mscale_all_dim", mscale_all_dim),
+                ("attention_factor", attention_factor),
+            ] {
+                if let Some(v) = v {
+                    m.insert(k.into(), json!(v));
+                }
+            }
+            Value::Object(m)
+        }
     }
 }
 
@@ -155,6 +185,7 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
         LlamaVariant::Mixtral => "MixtralForCausalLM",
         LlamaVariant::Qwen2Moe => "Qwen2MoeForCausalLM",
         LlamaVariant::Qwen3Moe => "Qwen3MoeForCausalLM",
+        LlamaVariant::DeepseekV3 => "DeepseekV3ForCausalLM",
     };
     let mut m = object(json!({
         "architectures": [architecture],
@@ -174,7 +205,8 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
         "initializer_range": 0.02,
         "use_cache": true,
     }));
-    if let Some(h) = c.params().head_dim {
+    // DeepseekV3Config derives its own head_dim (the RoPE dim) from the MLA keys.
+    if let Some(h) = c.params().head_dim.filter(|_| c.mla.is_none()) {
         m.insert("head_dim".into(), json!(h));
     }
     match c.variant {
@@ -194,6 +226,17 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
         LlamaVariant::Mixtral => {
             m.insert("sliding_window".into(), json!(c.sliding_window));
         }
+        LlamaVariant::DeepseekV3 => {
+            m.insert("attention_bias".into(), json!(c.qkv_bias));
+            if let Some(mla) = &c.mla {
+                m.insert("q_lora_rank".into(), json!(mla.q_lora_rank));
+                m.insert("kv_lora_rank".into(), json!(mla.kv_lora_rank));
+                m.insert("qk_nope_head_dim".into(), json!(mla.qk_nope_head_dim));
+                m.insert("qk_rope_head_dim".into(), json!(mla.qk_rope_head_dim));
+                m.insert("v_head_dim".into(), json!(mla.v_head_dim));
+                m.insert("rope_interleave".into(), json!(mla.rope_interleave));
+            }
+        }
     }
     if let Some(moe) = &c.moe {
         moe_keys(&mut m, c, moe);
@@ -201,10 +244,19 @@ fn llama(c: &LlamaConfig) -> Map<String, Value> {
     m
 }
 
-/// The MoE keys of `MixtralConfig` / `Qwen2MoeConfig` / `Qwen3MoeConfig`; `capacity_factor`
-/// (tessera's own) only when set.
+/// The MoE keys of `MixtralConfig` / `Qwen2MoeConfig` / `Qwen3MoeConfig` /
+/// `DeepseekV3Config`; `capacity_factor` (tessera's own) only when set.
 fn moe_keys(m: &mut Map<String, Value>, c: &LlamaConfig, moe: &MoeParams) {
-    if matches!(c.variant, LlamaVariant::Qwen2Moe | LlamaVariant::Qwen3Moe) {
+    if let Some(ds) = &moe.deepseek {
+        m.insert("n_routed_experts".into(), json!(moe.num_experts));
+        m.insert("moe_intermediate_size".into(), json!(moe.expert_intermediate_size));
+        m.insert("norm_topk_prob".into(), json!(moe.norm_topk_prob));
+        m.insert("first_k_dense_replace".into(), json!(moe.first_dense_layers));
+        m.insert("n_group".into(), json!(ds.n_group));
+        m.insert("topk_group".into(), json!(ds.topk_group));
+        m.insert("routed_scaling_factor".into(), json!(ds.routed_scaling_factor));
+        m.insert("n_shared_experts".into(), json!(ds.n_shared_experts));
+    } else if matches!(c.variant, LlamaVariant::Qwen2Moe | LlamaVariant::Qwen3Moe) {
         if c.variant == LlamaVariant::Qwen3Moe {
             m.insert("attention_bias".into(), json!(c.qkv_bias));
         } else {

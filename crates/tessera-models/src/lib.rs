@@ -29,6 +29,7 @@ mod gpt2;
 mod hf;
 mod hf_write;
 mod llama;
+mod mla;
 mod mlp;
 mod moe;
 mod nn;
@@ -38,9 +39,9 @@ pub mod rope;
 mod vit;
 
 pub use config::{
-    Activation, BertConfig, BertParams, BloomConfig, BloomParams, Gpt2Config, Gpt2Params,
-    LlamaConfig, LlamaParams, LlamaVariant, MlpConfig, MlpParams, MoeParams, VitConfig, VitParams,
-    MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS,
+    Activation, BertConfig, BertParams, BloomConfig, BloomParams, DeepseekRouting, Gpt2Config,
+    Gpt2Params, LlamaConfig, LlamaParams, LlamaVariant, MlaParams, MlpConfig, MlpParams, MoeParams,
+    VitConfig, VitParams, MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS,
 };
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;
@@ -56,9 +57,13 @@ use tessera_ir::{Builder, DType, TensorId};
 /// A validated model configuration of one of the supported families.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "family", rename_all = "snake_case")]
+// A config is made once per run and passed by reference: the LLaMA family's variant (MoE and
+// MLA settings included) being a few hundred bytes larger than the others costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum ModelConfig {
     Gpt2(Gpt2Config),
-    /// LLaMA, Mistral, Qwen2, Mixtral and Qwen3-MoE (see [`LlamaParams::variant`]).
+    /// LLaMA, Mistral, Qwen2, Mixtral, Qwen3-MoE and DeepSeek-V3 (see
+    /// [`LlamaParams::variant`]).
     Llama(LlamaConfig),
     Bert(BertConfig),
     Vit(VitConfig),
@@ -516,7 +521,10 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
-                supported: "causal language models: gpt2, llama, mistral, qwen2, bloom".into(),
+                supported:
+                    "causal language models: gpt2, llama, mistral, qwen2, mixtral, qwen3_moe, \
+                            deepseek_v3, bloom"
+                        .into(),
             })
         }
     };

@@ -1,7 +1,8 @@
 //! LLaMA-family causal language models: `LlamaForCausalLM`, `MistralForCausalLM`,
-//! `Qwen2ForCausalLM`, and the MoE ones `MixtralForCausalLM` and `Qwen3MoeForCausalLM`, whose
-//! sparse block (`moe.rs`) takes the MLP's place and whose Qwen3 attention RMS-normalises each
-//! query and key head before RoPE (`q_norm`, `k_norm`).
+//! `Qwen2ForCausalLM`, and the MoE ones `MixtralForCausalLM`, `Qwen3MoeForCausalLM` and
+//! `DeepseekV3ForCausalLM`, whose sparse block (`moe.rs`) takes the MLP's place, whose Qwen3
+//! attention RMS-normalises each query and key head before RoPE (`q_norm`, `k_norm`), and
+//! whose DeepSeek-V3 attention is multi-head latent attention (`mla.rs`).
 //!
 //! Papers: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models" and
 //! "Llama 2"; Jiang et al. 2023, "Mistral 7B" (sliding-window attention, GQA); Qwen2 technical
@@ -46,6 +47,7 @@ pub(crate) fn build(
     let (mut dec, ids) = Decoder::start(&mut b, &mut inputs, opts, generate, v);
     let inv_freq = cfg.inv_freq();
     let mut router_logits = Vec::new();
+    let mut buffers = Vec::new();
 
     b.push_scope("model");
     let embed_vd = b.scoped("embed_tokens", |b| b.parameter("weight", [v, d], dtype));
@@ -62,13 +64,19 @@ pub(crate) fn build(
             &inv_freq,
             x_bsd,
             dtype,
-            &mut router_logits,
+            (&mut router_logits, &mut buffers),
         )?;
         b.pop_scope();
     }
     b.set_block(None);
     let aux = match (&cfg.moe, dec.generation()) {
-        (Some(moe), None) => crate::moe::aux_loss(&mut b, moe, &router_logits)?,
+        (Some(moe), None) => {
+            let aux = crate::moe::aux_loss(&mut b, moe, &router_logits)?;
+            match (aux, crate::moe::buffer_anchor(&mut b, &buffers)?) {
+                (Some(a), Some(z)) => Some(b.add(a, z)?),
+                (a, z) => a.or(z),
+            }
+        }
         _ => None,
     };
     let x_bsd = dec.head_rows(&mut b, x_bsd)?;
@@ -80,8 +88,8 @@ pub(crate) fn build(
     Ok(dec.finish_with(b, inputs, logits_bsv, aux)?)
 }
 
-/// One decoder layer, inside scope `model.layers.{layer}`; a sparse block's router logits go
-/// to `router_logits`.
+/// One decoder layer, inside scope `model.layers.{layer}`; a sparse block's router logits and
+/// buffers go to `moe_out`.
 #[allow(clippy::too_many_arguments)]
 fn decoder_layer(
     b: &mut Builder,
@@ -91,7 +99,7 @@ fn decoder_layer(
     inv_freq: &[f64],
     x_bsd: TensorId,
     dtype: DType,
-    router_logits: &mut Vec<TensorId>,
+    moe_out: (&mut Vec<TensorId>, &mut Vec<TensorId>),
 ) -> IrResult<TensorId> {
     let (d, e) = (cfg.hidden_size, cfg.head_dim());
     let (h, k) = (cfg.num_attention_heads, cfg.num_key_value_heads);
@@ -99,6 +107,9 @@ fn decoder_layer(
 
     let n_bsd = nn::rms_norm_to(b, "input_layernorm", x_bsd, eps, dtype)?;
     let a_bsd = b.scoped("self_attn", |b| {
+        if let Some(mla) = &cfg.mla {
+            return crate::mla::attention(b, cfg, mla, dec, inv_freq, n_bsd, dtype);
+        }
         let q_bs_he = dec.linear(b, "q_proj", n_bsd, h * e, cfg.qkv_bias)?;
         let k_bs_ke = dec.linear(b, "k_proj", n_bsd, k * e, cfg.qkv_bias)?;
         let v_bs_ke = dec.linear(b, "v_proj", n_bsd, k * e, cfg.qkv_bias)?;
@@ -121,7 +132,7 @@ fn decoder_layer(
 
     let n_bsd = nn::rms_norm_to(b, "post_attention_layernorm", x_bsd, eps, dtype)?;
     if let Some(moe) = cfg.moe.as_ref().filter(|m| m.is_sparse(layer)) {
-        let m_bsd = crate::moe::sparse_block(b, cfg, moe, n_bsd, router_logits)?;
+        let m_bsd = crate::moe::sparse_block(b, cfg, moe, n_bsd, moe_out.0, moe_out.1)?;
         let m_bsd = nn::to(b, m_bsd, nn::RESIDUAL_DTYPE)?;
         return b.add(x_bsd, m_bsd);
     }

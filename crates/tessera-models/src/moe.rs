@@ -1,6 +1,6 @@
 //! The sparse mixture-of-experts block of the MoE decoder families — `MixtralForCausalLM`
-//! (`block_sparse_moe`), `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM` (`mlp`) — and its
-//! configuration.
+//! (`block_sparse_moe`), `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` and
+//! `DeepseekV3ForCausalLM` (`mlp`) — and its configuration.
 //!
 //! Papers: Jiang et al. 2024, "Mixtral of Experts"; Qwen2 technical report (Yang et al. 2024,
 //! the shared expert); Qwen3 technical report (Yang et al. 2025). Reference implementation:
@@ -32,6 +32,19 @@
 //! (`3 · 2·E·C·d·f` per layer forward): with the dropless capacity that is `E/k` times the
 //! work of the tokens' active experts.
 //!
+//! DeepSeek-V3 (`models/deepseek_v3/modeling_deepseek_v3.py`, `DeepseekV3MoE`): the router
+//! is `mlp.gate.weight` (f32, applied to the f32 hidden state) with sigmoid scores, the
+//! `mlp.gate.e_score_correction_bias` added for choosing only, group-limited top-k and
+//! `routed_scaling_factor` ([`RouterSpec::deepseek_v3`]); `n_shared_experts` shared experts
+//! are one SwiGLU MLP `moe_intermediate_size · n_shared_experts` wide (`mlp.shared_experts`)
+//! added to the routed output; the first `first_k_dense_replace` layers are dense.
+//! The correction bias is a buffer in transformers (no gradient; DeepSeek's trainer moves it
+//! by the balancing rule, transformers never does). The IR has no non-trainable leaf, so here
+//! it is an f32 parameter whose only gradient path is a zero-weighted term of the loss
+//! (`0 · Σ bias`): its gradient is exactly 0, and AdamW (no weight decay on rank-1
+//! parameters) leaves it unchanged, as transformers' training does. It counts in the
+//! parameter total (`n_routed_experts` per MoE layer more than transformers' count).
+//!
 //! Loss: transformers adds `router_aux_loss_coef · load_balancing_loss` to the loss whenever
 //! `output_router_logits` is true (config.json; default false) and labels are given — so the
 //! training step, and `eval`, add it exactly when the config says `output_router_logits: true`.
@@ -43,7 +56,7 @@ use serde::Serialize;
 use tessera_ir::moe::{
     capacity, load_balancing_loss, route, routed_experts, ExpertWeights, RouterSpec, EXPERTS_SCOPE,
 };
-use tessera_ir::{Builder, TensorId, UnaryOp};
+use tessera_ir::{Builder, DType, TensorId, UnaryOp};
 
 /// Upper bound on experts per layer.
 pub const MAX_EXPERTS: usize = 1 << 12;
@@ -75,6 +88,20 @@ pub struct MoeParams {
     /// width that every token goes through, scaled by `sigmoid(shared_expert_gate(x))`;
     /// `None` elsewhere.
     pub shared_expert_intermediate_size: Option<usize>,
+    /// The first layers, dense whatever the rest says (DeepSeek's `first_k_dense_replace`).
+    pub first_dense_layers: usize,
+    /// DeepSeek-V3's routing and shared experts; `None`: softmax routing, no shared expert.
+    pub deepseek: Option<DeepseekRouting>,
+}
+
+/// DeepSeek-V3's router settings and shared experts (`DeepseekV3Config` names).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DeepseekRouting {
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f64,
+    /// Shared experts: one SwiGLU MLP `n_shared_experts ·` the expert width wide.
+    pub n_shared_experts: usize,
 }
 
 impl MoeParams {
@@ -91,6 +118,8 @@ impl MoeParams {
             mlp_only_layers: Vec::new(),
             capacity_factor: None,
             shared_expert_intermediate_size: None,
+            first_dense_layers: 0,
+            deepseek: None,
         }
     }
 
@@ -104,6 +133,25 @@ impl MoeParams {
             norm_topk_prob: false,
             shared_expert_intermediate_size: Some(5632),
             ..MoeParams::mixtral(1408)
+        }
+    }
+
+    /// `DeepseekV3Config`'s defaults: 256 experts in 8 groups (4 kept), top 8, 2048 wide,
+    /// renormalised and scaled by 2.5, one shared expert, 3 dense layers first, no aux loss.
+    pub fn deepseek_v3() -> MoeParams {
+        MoeParams {
+            num_experts: 256,
+            num_experts_per_tok: 8,
+            expert_intermediate_size: 2048,
+            norm_topk_prob: true,
+            first_dense_layers: 3,
+            deepseek: Some(DeepseekRouting {
+                n_group: 8,
+                topk_group: 4,
+                routed_scaling_factor: 2.5,
+                n_shared_experts: 1,
+            }),
+            ..MoeParams::mixtral(2048)
         }
     }
 
@@ -121,13 +169,27 @@ impl MoeParams {
     /// Whether layer `layer` has the sparse block.
     pub fn is_sparse(&self, layer: usize) -> bool {
         !self.mlp_only_layers.contains(&layer)
+            && layer >= self.first_dense_layers
             && self.num_experts > 0
             && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
     }
 
     /// The router of this block.
     pub fn router(&self) -> RouterSpec {
-        RouterSpec::qwen_moe(self.num_experts, self.num_experts_per_tok, self.norm_topk_prob)
+        match &self.deepseek {
+            Some(ds) => RouterSpec::deepseek_v3(
+                self.num_experts,
+                self.num_experts_per_tok,
+                (ds.n_group, ds.topk_group),
+                self.norm_topk_prob,
+                ds.routed_scaling_factor,
+            ),
+            None => RouterSpec::qwen_moe(
+                self.num_experts,
+                self.num_experts_per_tok,
+                self.norm_topk_prob,
+            ),
+        }
     }
 
     pub(crate) fn validate(&self, layers: usize) -> Result<()> {
@@ -171,6 +233,9 @@ impl MoeParams {
                 format!("{} must be a number ≥ 0", self.router_aux_loss_coef),
             ));
         }
+        if let Some(ds) = &self.deepseek {
+            self.validate_deepseek(ds)?;
+        }
         if let Some(f) = self.capacity_factor {
             if !(f.is_finite() && f > 0.0) {
                 return Err(ModelError::invalid(
@@ -182,15 +247,66 @@ impl MoeParams {
         Ok(())
     }
 
-    /// Parameters of one sparse block: the experts, the router, and the shared expert with
-    /// its gate.
+    fn validate_deepseek(&self, ds: &DeepseekRouting) -> Result<()> {
+        let e = self.num_experts;
+        positive("n_group", ds.n_group)?;
+        positive("topk_group", ds.topk_group)?;
+        if !e.is_multiple_of(ds.n_group) || e / ds.n_group < 2 {
+            return Err(ModelError::invalid(
+                "n_group",
+                format!(
+                    "{} groups must divide the {e} routed experts into groups of at least 2 \
+                     (each group scores by its two best experts)",
+                    ds.n_group
+                ),
+            ));
+        }
+        if ds.topk_group > ds.n_group {
+            return Err(ModelError::invalid(
+                "topk_group",
+                format!("{} groups kept of only {} (n_group)", ds.topk_group, ds.n_group),
+            ));
+        }
+        let kept = ds.topk_group * (e / ds.n_group);
+        if self.num_experts_per_tok > kept {
+            return Err(ModelError::invalid(
+                "num_experts_per_tok",
+                format!(
+                    "{} experts per token, but the {} kept groups hold only {kept}",
+                    self.num_experts_per_tok, ds.topk_group
+                ),
+            ));
+        }
+        let s = ds.routed_scaling_factor;
+        if !(s.is_finite() && s > 0.0) {
+            return Err(ModelError::invalid(
+                "routed_scaling_factor",
+                format!("{s} must be a positive number (DeepSeek-V3 uses 2.5)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameters of one sparse block: the experts, the router, Qwen2-MoE's shared expert
+    /// with its gate, DeepSeek-V3's correction bias and shared experts.
     pub(crate) fn count(&self, hidden: usize) -> Option<u128> {
         let (e, f) = (self.num_experts, self.expert_intermediate_size);
         let (s, g) = match self.shared_expert_intermediate_size {
             Some(s) => (s, 1),
             None => (0, 0),
         };
-        count(&[&[e, 3, hidden, f], &[e, hidden], &[3, hidden, s], &[g, hidden]])
+        let (bias, shared) = match &self.deepseek {
+            Some(ds) => (e, ds.n_shared_experts.checked_mul(f)?),
+            None => (0, 0),
+        };
+        count(&[
+            &[e, 3, hidden, f],
+            &[e, hidden],
+            &[3, hidden, s],
+            &[g, hidden],
+            &[bias],
+            &[3, hidden, shared],
+        ])
     }
 }
 
@@ -203,18 +319,21 @@ fn names(variant: LlamaVariant) -> (&'static str, [&'static str; 3]) {
         | LlamaVariant::Qwen3Moe
         | LlamaVariant::Llama
         | LlamaVariant::Mistral
-        | LlamaVariant::Qwen2 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        | LlamaVariant::Qwen2
+        | LlamaVariant::DeepseekV3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     }
 }
 
 /// The sparse block on `h_bsd` (after `post_attention_layernorm`), inside the layer's scope;
-/// its router logits `[b·s, E]` are pushed to `router_logits` (for the auxiliary loss).
+/// its router logits `[b·s, E]` are pushed to `router_logits` (for the auxiliary loss), and
+/// DeepSeek-V3's correction bias to `buffers` (see the module docs).
 pub(crate) fn sparse_block(
     b: &mut Builder,
     cfg: &LlamaConfig,
     moe: &MoeParams,
     h_bsd: TensorId,
     router_logits: &mut Vec<TensorId>,
+    buffers: &mut Vec<TensorId>,
 ) -> IrResult<TensorId> {
     let dims = b.shape(h_bsd).dims().to_vec();
     let (tokens, d) = (dims[..dims.len() - 1].iter().product::<usize>(), cfg.hidden_size);
@@ -223,9 +342,28 @@ pub(crate) fn sparse_block(
     let (scope, [gate, up, down]) = names(cfg.variant);
     let y_nd = b.scoped(scope, |b| {
         let x_nd = b.reshape(h_bsd, [tokens, d])?;
-        let logits_ne = crate::nn::linear(b, "gate", x_nd, e, false)?;
+        let (logits_ne, bias) = match &moe.deepseek {
+            // transformers computes the router logits in f32 (`F.linear(x.float(),
+            // weight.float())`); the weight is stored in the model dtype (an f32 master copy
+            // trains it), the correction bias in f32 as the Hub's checkpoints hold it.
+            Some(_) => b.scoped("gate", |b| {
+                let w = b.parameter("weight", [e, d], dtype);
+                let bias = b.parameter("e_score_correction_bias", [e], DType::F32);
+                let (x, w) = if dtype == DType::F32 {
+                    (x_nd, w)
+                } else {
+                    (b.cast(x_nd, DType::F32)?, b.cast(w, DType::F32)?)
+                };
+                Ok::<_, tessera_ir::IrError>((b.matmul(x, w, false, true)?, Some(bias)))
+            })?,
+            None => (crate::nn::linear(b, "gate", x_nd, e, false)?, None),
+        };
         router_logits.push(logits_ne);
-        let routing = route(b, logits_ne, &moe.router(), None)?;
+        buffers.extend(bias);
+        let mut routing = route(b, logits_ne, &moe.router(), bias)?;
+        if b.dtype(routing.weights) != dtype {
+            routing.weights = b.cast(routing.weights, dtype)?;
+        }
         let w = b.scoped(EXPERTS_SCOPE, |b| {
             let mut stacked = |name: &str, shape: [usize; 3]| {
                 b.scoped(name, |b| b.parameter("weight", shape, dtype))
@@ -239,15 +377,46 @@ pub(crate) fn sparse_block(
         });
         let c = capacity(tokens, moe.num_experts_per_tok, e, moe.capacity_factor);
         let y_nd = routed_experts(b, x_nd, &routing, &w, c)?;
-        match moe.shared_expert_intermediate_size {
+        let y_nd = match moe.shared_expert_intermediate_size {
             Some(width) => {
                 let s_nd = shared_expert(b, x_nd, width, cfg)?;
+                b.add(y_nd, s_nd)?
+            }
+            None => y_nd,
+        };
+        match moe.deepseek.as_ref().map(|ds| ds.n_shared_experts * f) {
+            Some(width) if width > 0 => {
+                let s_nd = b.scoped("shared_experts", |b| swiglu(b, x_nd, width, d))?;
                 b.add(y_nd, s_nd)
             }
-            None => Ok(y_nd),
+            _ => Ok(y_nd),
         }
     })?;
     b.reshape(y_nd, dims)
+}
+
+/// A bias-free SwiGLU MLP `gate_proj`/`up_proj` `width` wide, `down_proj` back to `d`.
+fn swiglu(b: &mut Builder, x: TensorId, width: usize, d: usize) -> IrResult<TensorId> {
+    let g = crate::nn::linear(b, "gate_proj", x, width, false)?;
+    let g = b.unary(tessera_ir::UnaryOp::Silu, g)?;
+    let u = crate::nn::linear(b, "up_proj", x, width, false)?;
+    let a = b.mul(g, u)?;
+    crate::nn::linear(b, "down_proj", a, d, false)
+}
+
+/// `0 · Σ` of each buffer: added to the training loss, it gives the buffers a gradient of
+/// exactly 0 (so the optimizer leaves them as loaded) without changing the loss.
+pub(crate) fn buffer_anchor(b: &mut Builder, buffers: &[TensorId]) -> IrResult<Option<TensorId>> {
+    let mut total: Option<TensorId> = None;
+    for &t in buffers {
+        let s = b.reduce(tessera_ir::ReduceOp::Sum, t, &[0], false)?;
+        let s = b.scale(s, 0.0)?;
+        total = Some(match total {
+            Some(acc) => b.add(acc, s)?,
+            None => s,
+        });
+    }
+    Ok(total)
 }
 
 /// Qwen2-MoE's shared expert on `x_nd`: `sigmoid(shared_expert_gate(x)) ·

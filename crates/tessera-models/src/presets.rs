@@ -5,7 +5,9 @@
 //! table 2.1) in GPT-2's architecture, `mixtral-8x7b` / `mixtral-8x22b`, `qwen1.5-moe-a2.7b` /
 //! `qwen2-57b-a14b` and `qwen3-30b-a3b` / `qwen3-235b-a22b` the architecture dims of
 //! `mistralai/Mixtral-8x{7,22}B-v0.1`, `Qwen/Qwen1.5-MoE-A2.7B`, `Qwen/Qwen2-57B-A14B` and
-//! `Qwen/Qwen3-{30B-A3B,235B-A22B}`, and `mt-nlg-530b` (Smith et al. 2022, MT-NLG: 105
+//! `Qwen/Qwen3-{30B-A3B,235B-A22B}`, `deepseek-v3` the config.json of
+//! `deepseek-ai/DeepSeek-V3` (its multi-token-prediction layer excluded, as transformers
+//! drops it), and `mt-nlg-530b` (Smith et al. 2022, MT-NLG: 105
 //! layers, hidden 20480, 128 heads) and `gpt-1t` (Narayanan et al. 2021, table 1: 128 layers,
 //! hidden 25600, 160 heads) the largest GPTs Megatron-LM's papers train and time, in the same
 //! architecture (GPT-2's vocabulary, 2048 positions); `bloom-560m`, `bloom-7b1` and
@@ -46,6 +48,8 @@ pub const PRESETS: &[&str] = &[
     "qwen3-30b-a3b",
     "qwen3-235b-a22b",
     "qwen3-moe-tiny",
+    "deepseek-v3",
+    "deepseek-v3-tiny",
     "bloom-560m",
     "bloom-7b1",
     "bloom-176b",
@@ -228,6 +232,53 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
                 ..MoeParams::qwen3_moe()
             };
             p.moe = Some(moe);
+            llama_cfg(p)
+        }
+        // deepseek-ai/DeepSeek-V3 config.json: MLA (q rank 1536, kv rank 512, 128 + 64 q/k
+        // head dims, v 128), 3 dense layers, 256 routed experts in 8 groups (4 kept), top 8,
+        // one shared expert, scaling 2.5, YaRN ×40 over 4096 positions, bf16.
+        "deepseek-v3" => {
+            let mut p =
+                LlamaParams::new(LlamaVariant::DeepseekV3, name, 129280, 7168, 18432, 61, 128);
+            p.max_position_embeddings = 163840;
+            p.rope_scaling = crate::rope::RopeScaling::Yarn {
+                factor: 40.0,
+                original_max_position_embeddings: 4096,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: Some(1.0),
+                mscale_all_dim: Some(1.0),
+                attention_factor: None,
+                truncate: true,
+            };
+            p.dtype = Some(DType::BF16);
+            llama_cfg(p)
+        }
+        "deepseek-v3-tiny" => {
+            let mut p = LlamaParams::new(LlamaVariant::DeepseekV3, name, 256, 64, 96, 2, 4);
+            p.max_position_embeddings = 256;
+            p.mla = Some(MlaParams {
+                q_lora_rank: Some(48),
+                kv_lora_rank: 32,
+                qk_nope_head_dim: 16,
+                qk_rope_head_dim: 8,
+                v_head_dim: 16,
+                rope_interleave: true,
+            });
+            p.head_dim = Some(24);
+            p.moe = Some(MoeParams {
+                num_experts: 8,
+                num_experts_per_tok: 2,
+                expert_intermediate_size: 32,
+                first_dense_layers: 1,
+                deepseek: Some(DeepseekRouting {
+                    n_group: 4,
+                    topk_group: 2,
+                    routed_scaling_factor: 2.5,
+                    n_shared_experts: 1,
+                }),
+                ..MoeParams::deepseek_v3()
+            });
             llama_cfg(p)
         }
         "bloom-560m" => bloom_cfg(BloomParams::new(name, 250880, 1024, 24, 16)),

@@ -97,6 +97,12 @@ const ROPE_KEYS: &[&str] = &[
     "high_freq_factor",
     "original_max_position_embeddings",
     "rope_theta",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
 ];
 
 /// The real configs every mutation starts from: the fixtures and every preset.
@@ -244,7 +250,7 @@ fn value() -> impl Strategy<Value = Value> {
 /// A `rope_scaling`-shaped object with hostile values.
 fn rope_object() -> impl Strategy<Value = Value> {
     let kind = prop_oneof![
-        prop::sample::select(vec!["default", "linear", "llama3", "dynamic", ""])
+        prop::sample::select(vec!["default", "linear", "llama3", "yarn", "dynamic", ""])
             .prop_map(Value::from),
         leaf(),
     ];

@@ -385,14 +385,19 @@ fn unknown_preset_lists_presets() {
 fn unsupported_rope_type_lists_supported_ones() {
     let text = r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
-        "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}"#;
+        "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}"#;
     let (e, msg) = err_text(ModelConfig::from_hf_json(text));
     assert!(matches!(e, ModelError::Unsupported { .. }), "{e:?}");
-    assert!(msg.contains("\"yarn\"") && msg.contains("default, linear, llama3"), "{msg}");
+    assert!(msg.contains("\"longrope\"") && msg.contains("default, linear, llama3"), "{msg}");
     // The same through transformers 5's rope_parameters.
     let v5 = text.replace("rope_scaling", "rope_parameters");
     let (_, msg) = err_text(ModelConfig::from_hf_json(&v5));
-    assert!(msg.contains("rope_parameters.rope_type") && msg.contains("\"yarn\""), "{msg}");
+    assert!(msg.contains("rope_parameters.rope_type") && msg.contains("\"longrope\""), "{msg}");
+    // YaRN is read, but only DeepSeek-V3's attention applies its attention factor.
+    let yarn = text.replace("longrope", "yarn");
+    let (e, msg) = err_text(ModelConfig::from_hf_json(&yarn));
+    assert!(matches!(e, ModelError::Unsupported { .. }), "{e:?}");
+    assert!(msg.contains("yarn on llama") && msg.contains("deepseek_v3"), "{msg}");
 }
 
 #[test]

@@ -161,6 +161,12 @@ fn moe_presets_match_hugging_face_counts() {
         ("mixtral-8x22b", 140_620_634_112),
         ("qwen3-30b-a3b", 30_532_122_624),
         ("qwen3-235b-a22b", 235_093_634_560),
+        // DeepSeek-V3 (v 129280, d 7168, L 61 of which 3 dense with i 18432, h 128, MLA q rank
+        // 1536, kv rank 512, q/k 128 + 64, v 128; E 256, f 2048, one shared expert):
+        // transformers' meta-device count 671,026,404,352 (no MTP layer;
+        // crates/tessera-cli/tests/fixtures/hf_moe/deepseek_v3_params.json) plus the 58 MoE
+        // layers' e_score_correction_bias buffers, 58 · 256 = 14,848, held as parameters here.
+        ("deepseek-v3", 671_026_419_200),
     ] {
         check(name, &ModelConfig::preset(name).unwrap(), want).unwrap();
     }
