@@ -15,7 +15,36 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tessera_runtime::run::{Next, StepSource};
-use tessera_runtime::{RuntimeError, StepBatch};
+use tessera_runtime::RuntimeError;
+pub use tessera_runtime::StepBatch;
+
+/// One field's values, C order.
+pub enum Values {
+    I64(Vec<i64>),
+    F32(Vec<f32>),
+}
+
+/// A front end's batch from its fields `(name, shape, values)`: every field with the same
+/// number of rows (its first dimension).
+pub fn batch(fields: Vec<(String, Vec<usize>, Values)>) -> Result<StepBatch> {
+    let mut out = Vec::with_capacity(fields.len());
+    for (name, shape, values) in fields {
+        let n: usize = shape.iter().product();
+        let len = match &values {
+            Values::I64(v) => v.len(),
+            Values::F32(v) => v.len(),
+        };
+        if len != n {
+            anyhow::bail!("data: field `{name}` has {len} values; its shape {shape:?} needs {n}");
+        }
+        let tensor = match values {
+            Values::I64(v) => tessera_runtime::tensor::from_vec(v, &shape)?,
+            Values::F32(v) => tessera_runtime::tensor::from_vec(v, &shape)?,
+        };
+        out.push((name, tensor));
+    }
+    Ok(StepBatch::new(out)?)
+}
 
 /// What a front end says a run does next (the runtime's [`Next`], owned by the front end).
 pub enum Request {

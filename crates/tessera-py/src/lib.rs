@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tessera_cli::hooks::{BatchSource, Events, Hooks, Request};
+use tessera_cli::hooks::{BatchSource, Events, Hooks, Request, StepBatch, Values};
 use tessera_cli::ReportError;
 
 create_exception!(
@@ -275,37 +275,34 @@ impl Drop for Run {
 }
 
 /// A batch from `[(name, kind, shape, bytes), ...]` (see [`Run::answer`]).
-fn batch(fields: &Bound<'_, PyAny>) -> PyResult<tessera_runtime::StepBatch> {
+fn batch(fields: &Bound<'_, PyAny>) -> PyResult<StepBatch> {
     let mut out = Vec::new();
     for field in fields.try_iter()? {
         let (name, kind, shape, data): (String, String, Vec<usize>, Bound<'_, PyBytes>) =
             field?.extract()?;
         let bytes = data.as_bytes();
-        let n: usize = shape.iter().product();
-        let bad = |what: &str| {
-            PyTypeError::new_err(format!("data: field `{name}` of shape {shape:?}: {what}"))
-        };
-        let tensor = match kind.as_str() {
-            "i" if bytes.len() == 8 * n => {
-                let v: Vec<i64> = bytes
+        let values = match kind.as_str() {
+            "i" => Values::I64(
+                bytes
                     .chunks_exact(8)
                     .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                    .collect();
-                tessera_runtime::tensor::from_vec(v, &shape)
-            }
-            "f" if bytes.len() == 4 * n => {
-                let v: Vec<f32> = bytes
+                    .collect(),
+            ),
+            "f" => Values::F32(
+                bytes
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes(c.try_into().unwrap_or([0; 4])))
-                    .collect();
-                tessera_runtime::tensor::from_vec(v, &shape)
+                    .collect(),
+            ),
+            _ => {
+                return Err(PyTypeError::new_err(format!(
+                    "data: field `{name}`: its kind `{kind}` is neither integer nor float"
+                )))
             }
-            "i" | "f" => return Err(bad("its bytes do not match its shape")),
-            _ => return Err(bad("its kind is neither integer nor float")),
         };
-        out.push((name, tensor.map_err(|e| PyValueError::new_err(e.to_string()))?));
+        out.push((name, shape, values));
     }
-    tessera_runtime::StepBatch::new(out).map_err(|e| TesseraError::new_err(e.to_string()))
+    tessera_cli::hooks::batch(out).map_err(|e| TesseraError::new_err(e.to_string()))
 }
 
 #[pymodule(name = "_native")]
