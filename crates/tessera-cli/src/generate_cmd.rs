@@ -607,6 +607,8 @@ fn decode(tk: &Tokenizer, ids: &[i64]) -> String {
     tk.decode(&ids).unwrap_or_default()
 }
 
+/// The generation's report (what `--format json` prints), printed in `--format` when `print`.
+#[allow(clippy::too_many_arguments)]
 fn report(
     args: &GenerateArgs,
     cfg: &ModelConfig,

@@ -204,9 +204,9 @@ impl StepSource for View<'_> {
             .answers
             .lock()
             .map_err(|_| RuntimeError::Data("a device panicked reading data".into()))?;
-        if !answers.contains_key(&call) {
+        if let std::collections::btree_map::Entry::Vacant(slot) = answers.entry(call) {
             let next = s.decide(self.ctx, step).map_err(|e| crate::message(&e));
-            answers.insert(call, Answer { next, left: s.devices });
+            slot.insert(Answer { next, left: s.devices });
         }
         let Some(answer) = answers.get_mut(&call) else {
             return Err(RuntimeError::Data("the step's answer went missing".into()));

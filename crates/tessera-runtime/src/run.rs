@@ -185,7 +185,11 @@ pub fn run_device<B: Backend>(
             observer.after_step(&stats, dt);
             out.steps.push((stats, dt));
         }
-        let due = spec.save.as_ref().and_then(|s| s.every).is_some_and(|k| k > 0 && step % k == 0);
+        let due = spec
+            .save
+            .as_ref()
+            .and_then(|s| s.every)
+            .is_some_and(|k| k > 0 && step.is_multiple_of(k));
         if due && step != spec.last {
             save(trainer, spec)?;
         }
