@@ -2,18 +2,34 @@
 """Checks the installed `tessera` wheel against the `tessera` binary (scripts/check-wheel.sh).
 
 usage: wheel_smoke.py TESSERA_BINARY [GPT2_ONNX_FIXTURE]
+       wheel_smoke.py --sigint-child DATA_DIR SAVE_DIR   (the Ctrl-C check's training loop)
 
 Through `import tessera`: profiles gpt2-tiny and plans llama-tiny on 2xH100, each dict equal to
 `json.loads` of the binary's `--format json` output for the same flags (timings, the keys ending
 in `_ms`, aside; floats to 1e-12 relative); a bad model name raises tessera.TesseraError with the binary's `error:` line;
 an ONNX file (the GPT-2 fixture, when given and present) profiles like a preset; from_torch
-either exports (torch installed) or says how to get torch. Prints PASS at the end.
+either exports (torch installed) or says how to get torch.
+
+Training, evaluation and generation (wheel_train.py): gpt2-tiny trained from a Python
+generator of batches — windows of a token file drawn here by the CLI's documented sampling
+(splitmix64 counters), as lists, numpy arrays or `__array__` objects — gives the per-step
+losses of `tessera train --data` on that file, bit for bit (two simulated devices); eval and
+generate return the binary's JSON; a bad flag raises the CLI's message; Ctrl-C sent to a
+Python training loop ends it with its last checkpoint intact, equal to the CLI's run stopped
+after the same step; a Trainer steps, evaluates and saves. Prints PASS at the end.
 """
 
 import json
 import os
 import subprocess
 import sys
+
+if sys.argv[1] == "--sigint-child":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import wheel_train
+
+    wheel_train.sigint_child(sys.argv[2], sys.argv[3])
+    sys.exit(0)
 
 import tessera
 
@@ -167,4 +183,10 @@ else:
     p = tessera.profile(path, batch=2, seq=8)
     print(f"ok   from_torch: {path} profiles ({p['params']} parameters)")
 
-print("PASS: the tessera wheel installs offline, profiles and plans like the CLI")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import wheel_train
+
+wheel_train.check(binary, os.path.abspath(__file__))
+
+print("PASS: the tessera wheel installs offline; profiles, plans, trains, evaluates and "
+      "generates like the CLI")

@@ -52,7 +52,26 @@ fn parse_tokens(s: &str) -> Result<Vec<i64>> {
     Ok(ids)
 }
 
+/// What `eval` prints: the JSON document and the table line.
+struct Scored {
+    doc: serde_json::Value,
+    table: String,
+}
+
 pub fn run(args: &EvalArgs) -> Result<()> {
+    let scored = score(args)?;
+    match args.format {
+        OutputFormat::Json => print_stdout(&format!("{}\n", scored.doc)),
+        OutputFormat::Table => print_stdout(&scored.table),
+    }
+}
+
+/// What `eval --format json` prints, as a value (the `--logits` file written).
+pub fn report(args: &EvalArgs) -> Result<serde_json::Value> {
+    Ok(score(args)?.doc)
+}
+
+fn score(args: &EvalArgs) -> Result<Scored> {
     let cfg = if args.model_dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
         ModelConfig::resolve(&args.model_dir.display().to_string())?
     } else {
@@ -124,7 +143,7 @@ impl Loaded {
     }
 }
 
-fn eval_tokens(args: &EvalArgs, cfg: &ModelConfig, ids: &[i64]) -> Result<()> {
+fn eval_tokens(args: &EvalArgs, cfg: &ModelConfig, ids: &[i64]) -> Result<Scored> {
     let vocab = cfg.vocab_size().context("eval needs a language model (one with a vocabulary)")?;
     if let Some((pos, id)) = ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= vocab)
     {
@@ -148,17 +167,15 @@ fn eval_tokens(args: &EvalArgs, cfg: &ModelConfig, ids: &[i64]) -> Result<()> {
         let doc = json!({"shape": [n, vocab], "tokens": ids, "logits": rows});
         crate::output::write_output(path, serde_json::to_string(&doc)?.as_bytes())?;
     }
-    match args.format {
-        OutputFormat::Json => {
-            print_stdout(&format!("{}\n", json!({"loss": loss_value, "accuracy": accuracy})))
-        }
-        OutputFormat::Table => print_stdout(&format!(
+    Ok(Scored {
+        doc: json!({"loss": loss_value, "accuracy": accuracy}),
+        table: format!(
             "{}: mean next-token cross-entropy {loss_value:.6}, top-1 accuracy {:.2}% over {n} \
              predictions\n",
             cfg.name(),
             100.0 * accuracy
-        )),
-    }
+        ),
+    })
 }
 
 /// Loss, top-1 accuracy and logits `[n, V]` of `ids` with quantised linear layers: the
@@ -215,7 +232,7 @@ fn quantized_scores(
     Ok((loss / n as f64, hits as f64 / n as f64, flat))
 }
 
-fn eval_images(args: &EvalArgs, cfg: &ModelConfig) -> Result<()> {
+fn eval_images(args: &EvalArgs, cfg: &ModelConfig) -> Result<Scored> {
     let ModelConfig::Vit(c) = cfg else { bail!("not an image classifier") };
     let path = args.data.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_IMAGES));
     let shape = [c.num_channels, c.image_size[0], c.image_size[1]];
@@ -227,17 +244,14 @@ fn eval_images(args: &EvalArgs, cfg: &ModelConfig) -> Result<()> {
     let y = from_vec(images.val_labels.clone(), &[n])?;
     let (loss, (hits, _)) = m.run(&[("pixel_values", x), ("labels", y)], &images.val_labels)?;
     let accuracy = hits as f64 / n as f64;
-    match args.format {
-        OutputFormat::Json => print_stdout(&format!(
-            "{}\n",
-            json!({"loss": loss, "accuracy": accuracy, "examples": n})
-        )),
-        OutputFormat::Table => print_stdout(&format!(
+    Ok(Scored {
+        doc: json!({"loss": loss, "accuracy": accuracy, "examples": n}),
+        table: format!(
             "{}: cross-entropy {loss:.6}, top-1 accuracy {:.2}% over the {n} held-out images of \
              {}\n",
             cfg.name(),
             100.0 * accuracy,
             path.display()
-        )),
-    }
+        ),
+    })
 }

@@ -253,6 +253,26 @@ fn step_program(s: &GenerationStep) -> StepProgram {
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    generate(args, &crate::hooks::Hooks::default(), true).map(|_| ())
+}
+
+/// `generate` for a front end (Python): what `--format json` prints, as a value; each new
+/// token goes to the hooks' events as it comes (`token`: step, tokens (one per prompt), and
+/// with a tokenizer and one prompt the text it adds).
+pub fn report_json(args: &GenerateArgs, hooks: &crate::hooks::Hooks) -> Result<serde_json::Value> {
+    generate(args, hooks, false)?.context(
+        "generate from Python runs on this process's devices; under mpirun/srun/torchrun, run \
+         the `tessera generate` command on every rank",
+    )
+}
+
+/// The generation `args` ask for: the text streamed to stdout and the report printed when
+/// `print`; the report (none on ranks other than 0 under a launcher).
+fn generate(
+    args: &GenerateArgs,
+    hooks: &crate::hooks::Hooks,
+    print: bool,
+) -> Result<Option<serde_json::Value>> {
     if args.model_dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("onnx")) {
         bail!(
             "--model-dir {}: generate needs a Hugging Face model directory (config.json and \
@@ -303,24 +323,27 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         seed: args.seed,
     };
     let source = open_weights(&args.model_dir, &planned.reference)?;
-    let stream = args.format == OutputFormat::Table && batch == 1;
+    let stream = print && args.format == OutputFormat::Table && batch == 1;
     let shown = std::sync::Mutex::new(Vec::<i64>::new());
     let show = |step: usize, tokens: &[i64]| {
-        if !stream {
-            return;
-        }
-        let Some(tk) = &tokenizer else { return };
-        let Ok(mut seen) = shown.lock() else { return };
-        // Print the text the new token adds (decoding the whole tail keeps multi-byte
-        // characters and merges whole).
-        let before = decode(tk, &seen);
-        seen.push(tokens[0]);
-        let after = decode(tk, &seen);
+        // The text the new token adds (decoding the whole tail keeps multi-byte characters
+        // and merges whole).
+        let added = match (&tokenizer, batch, shown.lock()) {
+            (Some(tk), 1, Ok(mut seen)) => {
+                let before = decode(tk, &seen);
+                seen.push(tokens[0]);
+                let after = decode(tk, &seen);
+                Some(after.strip_prefix(before.as_str()).unwrap_or(&after).to_string())
+            }
+            _ => None,
+        };
+        hooks.emit("token", json!({"step": step, "tokens": tokens, "text": added}));
+        let (true, Some(tk), Some(added)) = (stream, &tokenizer, added) else { return };
         let mut out = std::io::stdout().lock();
         if step == 0 {
             let _ = write!(out, "{}", decode(tk, &prompts[0]));
         }
-        let _ = write!(out, "{}", after.strip_prefix(before.as_str()).unwrap_or(&after));
+        let _ = write!(out, "{added}");
         let _ = out.flush();
     };
     let job = Job {
@@ -343,7 +366,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         match run_launched(&job, &env, &show)? {
             Some(outs) => outs.into_iter().map(Ok).collect(),
             // Ranks other than 0 report nothing.
-            None => return Ok(()),
+            None => return Ok(None),
         }
     } else if tp == 1 {
         vec![job.device(0, None, &show).map(|(o, _)| o)]
@@ -380,7 +403,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         });
         crate::output::write_output(path, serde_json::to_string(&doc)?.as_bytes())?;
     }
-    report(args, &cfg, &planned, &outs, &prompts, tokenizer.as_ref(), tp)
+    let doc = report(args, &cfg, &planned, &outs, &prompts, tokenizer.as_ref(), tp, print)?;
+    Ok(Some(doc))
 }
 
 /// What every device of a generation runs.
@@ -583,6 +607,8 @@ fn decode(tk: &Tokenizer, ids: &[i64]) -> String {
     tk.decode(&ids).unwrap_or_default()
 }
 
+/// The generation's report (what `--format json` prints), printed in `--format` when `print`.
+#[allow(clippy::too_many_arguments)]
 fn report(
     args: &GenerateArgs,
     cfg: &ModelConfig,
@@ -591,7 +617,8 @@ fn report(
     prompts: &[Vec<i64>],
     tokenizer: Option<&Tokenizer>,
     tp: usize,
-) -> Result<()> {
+    print: bool,
+) -> Result<serde_json::Value> {
     let first = &outs[0];
     let generated: usize = first.new_tokens.iter().map(Vec::len).sum();
     let total_s = first.time_to_first_token_s + first.decode_s;
@@ -607,33 +634,37 @@ fn report(
         None => vec![String::new(); first.new_tokens.len()],
     };
     let config = format!("tp{tp}");
+    let one = prompts.len() == 1;
+    let doc = json!({
+        "model": cfg.name(),
+        "device": device_name(args.device),
+        "devices": tp,
+        "config": config,
+        "quantize": args.quantize.map(Quantize::name),
+        "prompt_tokens": if one { json!(prompts[0]) } else { json!(prompts) },
+        "new_tokens": if one { json!(first.new_tokens[0]) } else { json!(first.new_tokens) },
+        "text": if one { json!(texts[0]) } else { json!(texts) },
+        "time_to_first_token_s": first.time_to_first_token_s,
+        "decode_s": first.decode_s,
+        "tokens_per_s": tokens_per_s,
+        "decode_tokens_per_s": decode_tokens_per_s,
+        "memory": {
+            "predicted_peak_bytes": vec![predicted; tp],
+            "measured_peak_bytes": measured,
+            "prefill": {"predicted_peak_bytes": pm.peak_bytes,
+                        "measured_peak_bytes": outs.iter().map(|o| o.prefill_peak_bytes).collect::<Vec<_>>()},
+            "decode": {"predicted_peak_bytes": dm.peak_bytes,
+                       "measured_peak_bytes": outs.iter().map(|o| o.decode_peak_bytes).collect::<Vec<_>>()},
+            "weights_bytes": pm.params_bytes,
+            "kv_cache_bytes": pm.kv_cache_bytes,
+        },
+    });
+    if !print {
+        return Ok(doc);
+    }
     if args.format == OutputFormat::Json {
-        let one = prompts.len() == 1;
-        let doc = json!({
-            "model": cfg.name(),
-            "device": device_name(args.device),
-            "devices": tp,
-            "config": config,
-            "quantize": args.quantize.map(Quantize::name),
-            "prompt_tokens": if one { json!(prompts[0]) } else { json!(prompts) },
-            "new_tokens": if one { json!(first.new_tokens[0]) } else { json!(first.new_tokens) },
-            "text": if one { json!(texts[0]) } else { json!(texts) },
-            "time_to_first_token_s": first.time_to_first_token_s,
-            "decode_s": first.decode_s,
-            "tokens_per_s": tokens_per_s,
-            "decode_tokens_per_s": decode_tokens_per_s,
-            "memory": {
-                "predicted_peak_bytes": vec![predicted; tp],
-                "measured_peak_bytes": measured,
-                "prefill": {"predicted_peak_bytes": pm.peak_bytes,
-                            "measured_peak_bytes": outs.iter().map(|o| o.prefill_peak_bytes).collect::<Vec<_>>()},
-                "decode": {"predicted_peak_bytes": dm.peak_bytes,
-                           "measured_peak_bytes": outs.iter().map(|o| o.decode_peak_bytes).collect::<Vec<_>>()},
-                "weights_bytes": pm.params_bytes,
-                "kv_cache_bytes": pm.kv_cache_bytes,
-            },
-        });
-        return print_stdout(&serde_json::to_string_pretty(&doc)?);
+        print_stdout(&serde_json::to_string_pretty(&doc)?)?;
+        return Ok(doc);
     }
     if prompts.len() > 1 {
         for (i, t) in texts.iter().enumerate() {
@@ -660,5 +691,5 @@ fn report(
         mib(pm.kv_cache_bytes),
         measured.iter().map(|&b| format!("{:.2} MiB", mib(b))).collect::<Vec<_>>().join(", ")
     );
-    Ok(())
+    Ok(doc)
 }

@@ -4,8 +4,10 @@
 //!
 //! Two front ends share this code: the binary (`main.rs`: [`main`] under a heap-counting
 //! allocator) and the Python package (`crates/tessera-py`), whose `tessera.profile` and
-//! `tessera.plan` call [`json_report`] — the same parsing, defaults, validation and command
-//! code, so their objects are the JSON `tessera profile|plan --format json` prints.
+//! `tessera.plan`, `tessera.train`, `tessera.eval` and `tessera.generate` call [`run_json`] —
+//! the same parsing, defaults, validation and command code, so their objects are the JSON
+//! `tessera ... --format json` prints. A front end's data, events and stop flag come in as
+//! [`hooks::Hooks`].
 
 mod calibrate_cmd;
 mod calibrate_gpu;
@@ -16,6 +18,7 @@ mod export_plan;
 mod format;
 mod generate_cmd;
 mod gpu_plan;
+pub mod hooks;
 mod inference_cmd;
 mod limits;
 mod output;
@@ -194,11 +197,26 @@ pub struct ReportError {
     pub error: serde_json::Value,
 }
 
-/// What `tessera profile|plan ARGS --format json` prints on stdout, as a value: `args` is the
-/// command line after the program name (`["plan", "--model", "gpt2-tiny", ...]`), without
-/// `--format`. Files the flags name (`--timeline`, `--out`, pictures) are written as the
-/// command writes them; nothing is printed.
+/// What `tessera profile|plan|train|eval|generate ARGS --format json` prints on stdout, as a
+/// value: `args` is the command line after the program name (`["plan", "--model",
+/// "gpt2-tiny", ...]`), without `--format`. Files the flags name (`--timeline`, `--out`,
+/// `--save`, pictures) are written as the command writes them; nothing is printed.
 pub fn json_report<I, T>(args: I) -> Result<serde_json::Value, ReportError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString>,
+{
+    run_json(args, &hooks::Hooks::default())
+}
+
+/// The commands a front end runs for their JSON report ([`run_json`]).
+const JSON_COMMANDS: [&str; 5] = ["profile", "plan", "train", "eval", "generate"];
+
+/// [`json_report`] with a front end's hooks: `train`'s batches, progress and stop flag,
+/// `generate`'s tokens as they come ([`hooks::Hooks`]). The flags are the command line's,
+/// parsed by the same parser into the command's own arguments, so every flag a command
+/// takes reaches it from here.
+pub fn run_json<I, T>(args: I, hooks: &hooks::Hooks) -> Result<serde_json::Value, ReportError>
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString>,
@@ -210,9 +228,10 @@ where
     let mut argv = vec![OsString::from("tessera")];
     argv.extend(args.into_iter().map(Into::into));
     let command = argv.get(1).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-    if command != "profile" && command != "plan" {
+    if !JSON_COMMANDS.contains(&command.as_str()) {
         return Err(usage(format!(
-            "a JSON report is made by `profile` and `plan`, not by `{command}`"
+            "a JSON report is made by {}, not by `{command}`",
+            JSON_COMMANDS.map(|c| format!("`{c}`")).join(", ")
         )));
     }
     argv.extend(["--format", "json"].map(OsString::from));
@@ -224,7 +243,12 @@ where
     let result = parsed.checked.and_then(|()| match parsed.command {
         Command::Profile(args) => profile_cmd::report(&args),
         Command::Plan(args) => plan_cmd::report(&args),
-        _ => unreachable!("checked above: profile or plan"),
+        Command::Train(args) => train_cmd::report(&args, hooks),
+        Command::Eval(args) => eval_cmd::report(&args),
+        Command::Generate(args) => generate_cmd::report_json(&args, hooks),
+        Command::Export(_) | Command::Checkpoint(_) | Command::Calibrate(_) => {
+            unreachable!("checked above: one of JSON_COMMANDS")
+        }
     });
     result.map_err(|e| {
         let message = message(&e);

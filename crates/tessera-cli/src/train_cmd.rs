@@ -330,12 +330,17 @@ pub fn make_schedule(args: &TrainArgs) -> LrSchedule {
 }
 
 /// The settings a resumed run must share with the saved one (besides the seed and the
-/// learning rate): batch, sequence, precision and a fingerprint of the training data.
-pub fn run_facts(args: &TrainArgs, data: &TrainData) -> serde_json::Value {
+/// learning rate): batch, sequence, precision and a fingerprint of the training data (data
+/// from a front end, a Python iterable, is recorded as such: it cannot be fingerprinted).
+pub fn run_facts(args: &TrainArgs, data: Option<&TrainData>) -> serde_json::Value {
+    let fingerprint = data.map_or_else(|| json!(EXTERNAL_DATA), |d| json!(d.fingerprint()));
     json!({"batch": args.batch, "seq": args.seq,
            "dtype": format!("{:?}", args.dtype).to_lowercase(),
-           "data": data.fingerprint()})
+           "data": fingerprint})
 }
+
+/// A run's data fingerprint when its batches come from the front end (Python).
+const EXTERNAL_DATA: &str = "batches from the caller";
 
 /// Where a run's parameters come from.
 pub enum Start {
@@ -373,7 +378,13 @@ pub struct RunContext {
     pub mesh_shape: Vec<usize>,
     pub budget: u64,
     pub schedule: LrSchedule,
-    pub data: TrainData,
+    /// The run's data set (`--data`), for its batches and the held-out evaluation; none when
+    /// the batches come from the front end ([`crate::hooks::Hooks::data`]).
+    pub data: Option<TrainData>,
+    /// Where every device's steps come from (the data set's batches, or the front end's).
+    pub steps: crate::hooks::SharedSteps,
+    /// The front end's hooks (events, stop).
+    pub hooks: crate::hooks::Hooks,
     /// The model's sequence length (`--seq`, or ViT's patches + 1).
     pub seq: usize,
     /// Until every device of this process holds its shards; then dropped.
@@ -433,14 +444,33 @@ fn validate(args: &TrainArgs) -> Result<()> {
     crate::limits::check_train(args.steps, args.stop_after, args.lr, args.weight_decay)
 }
 
-pub fn run(args: &TrainArgs) -> Result<()> {
+/// `args` as the run reads them: a plan file's settings adopted, `--device cuda`'s device
+/// count, the numbers checked.
+fn settled(args: &TrainArgs) -> Result<TrainArgs> {
     let mut args = adopt_plan_file(args)?;
     if args.device == DeviceKind::Cuda && !args.given.gave("devices") {
         // On GPUs, a device is a GPU: one unless asked for more (not 4 simulated ones).
         args.devices = 1;
     }
-    let args = &args;
-    validate(args)?;
+    validate(&args)?;
+    Ok(args)
+}
+
+/// `tessera train` for a front end (Python): the run on this process's devices with the
+/// front end's hooks, and the report `--format json` prints.
+pub fn report(args: &TrainArgs, hooks: &crate::hooks::Hooks) -> Result<serde_json::Value> {
+    let args = settled(args)?;
+    if tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))?.is_some_and(|e| e.world_size > 1) {
+        bail!(
+            "train from Python runs its devices as threads of this process; under              mpirun/srun/torchrun, run the `tessera train` command on every rank"
+        );
+    }
+    let done = crate::train_launch::train_local(&args, args.devices, hooks)?;
+    crate::train_launch::report_json(&done.ctx, &done.outcome, done.heap_peak)
+}
+
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let args = &settled(args)?;
     let launched = tessera_comm::discover().map_err(|e| anyhow::anyhow!(e))?;
     if let Some(env) = launched {
         if env.world_size > 1 {
@@ -472,7 +502,7 @@ fn adopt_plan_file(args: &TrainArgs) -> Result<TrainArgs> {
 fn check_resume(
     args: &TrainArgs,
     ckpt: &MappedCheckpoint,
-    data: &TrainData,
+    data: Option<&TrainData>,
 ) -> Result<(LrSchedule, Option<Extended>)> {
     let m = &ckpt.manifest;
     let mut facts = m.extra.clone();
@@ -556,6 +586,7 @@ pub fn prepare(
     devices: usize,
     local_devices: usize,
     rank: usize,
+    hooks: &crate::hooks::Hooks,
 ) -> Result<RunContext> {
     crate::train_guard::check_start(args)?;
     if let Some(dir) = &args.save {
@@ -576,9 +607,13 @@ pub fn prepare(
         None => ModelConfig::resolve(&args.model)?,
     };
     let dtype = args.dtype.dtype();
-    let data = load_data(args, &cfg)?;
+    // Batches from the front end take the place of `--data` (and of its held-out split).
+    let data = match hooks.caller_data {
+        true => None,
+        false => Some(load_data(args, &cfg)?),
+    };
     let seq = cfg.effective_seq(args.seq);
-    if args.eval_batches > 0 {
+    if let Some(data) = data.as_ref().filter(|_| args.eval_batches > 0) {
         // Before training, not after it: a held-out split too small for one batch.
         data.val_batches(args.seed, args.batch, seq, 1)
             .context("the held-out evaluation at the end (--eval-batches 0 skips it)")?;
@@ -637,7 +672,7 @@ pub fn prepare(
     let (start, steps_done, schedule, extended) = match resumed {
         Some(ckpt) => {
             crate::train_guard::check_resume_settings(args, &ckpt.manifest)?;
-            let (schedule, extended) = check_resume(args, &ckpt, &data)?;
+            let (schedule, extended) = check_resume(args, &ckpt, data.as_ref())?;
             let step = ckpt.manifest.step;
             (Start::Resume(Box::new(ckpt)), step, schedule, extended)
         }
@@ -691,7 +726,7 @@ pub fn prepare(
     let save = args.save.as_ref().map(|dir| {
         let model = args.init.as_ref().map_or(args.model.clone(), |d| d.display().to_string());
         let mut manifest = Manifest::new(0, args.steps, args.seed, model, schedule.clone());
-        manifest.extra = run_facts(args, &data);
+        manifest.extra = run_facts(args, data.as_ref());
         manifest.extra[crate::train_guard::OPTIMIZER_KEY] =
             crate::train_guard::optimizer_facts(args);
         SaveSpec {
@@ -707,7 +742,12 @@ pub fn prepare(
     // instead (`train_launch::Watch`).
     use std::io::IsTerminal as _;
     let tty = std::io::stderr().is_terminal();
-    let bar = if rank == 0 && tty { ProgressBar::new(last_step) } else { ProgressBar::hidden() };
+    let quiet = hooks.events.is_some();
+    let bar = if rank == 0 && tty && !quiet {
+        ProgressBar::new(last_step)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_position(first - 1);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
@@ -735,6 +775,8 @@ pub fn prepare(
         budget,
         schedule,
         data,
+        steps: crate::hooks::SharedSteps::new(hooks.clone(), local_devices),
+        hooks: hooks.clone(),
         seq,
         start: std::sync::RwLock::new(Some(start)),
         bound: std::sync::atomic::AtomicUsize::new(0),

@@ -5,6 +5,7 @@
 //! and traffic are gathered so the summary shows, per device, predicted against measured.
 
 use crate::format::bytes;
+use crate::hooks::Hooks;
 use crate::profile_cmd::{print_stdout, OutputFormat};
 use crate::train_cmd::{prepare, progress, DeviceKind, RunContext, Start, TrainArgs};
 use anyhow::{anyhow, bail, Context, Result};
@@ -19,19 +20,36 @@ use tessera_runtime::{
     Trainer,
 };
 
-/// Plans the run and trains on `devices` devices of this process: one device directly, more as
-/// threads with a communicator each.
+/// Plans the run and trains on `devices` devices of this process, then prints the summary.
 pub fn run_local(args: &TrainArgs, devices: usize) -> Result<()> {
+    let done = train_local(args, devices, &Hooks::default())?;
+    report(&done.ctx, &done.outcome, done.heap_peak)
+}
+
+/// A finished run of this process's devices: its context, rank 0's outcome and the heap peak
+/// (where the allocator counts).
+pub struct Finished {
+    pub ctx: RunContext,
+    pub outcome: RankOutcome,
+    pub heap_peak: Option<u64>,
+}
+
+/// Plans the run and trains on `devices` devices of this process: one device directly, more as
+/// threads with a communicator each. `hooks`: the front end's data, events and stop flag.
+pub fn train_local(args: &TrainArgs, devices: usize, hooks: &Hooks) -> Result<Finished> {
     // The run's heap: what the devices hold, and what loading their state holds (a checkpoint
     // read in `prepare` counts), but not the planner's scratch, freed by then.
     let heap_baseline = alloc::current_bytes();
-    let ctx = prepare(args, devices, devices, 0)?;
+    let ctx = prepare(args, devices, devices, 0, hooks)?;
     alloc::reset_peak();
+    // Only an allocator that counts (the binary's) measures the heap.
+    let heap_peak =
+        || alloc::is_counting().then(|| alloc::peak_bytes().saturating_sub(heap_baseline));
     if devices == 1 {
         let outcome = run_rank(&ctx, None, 0)?;
-        let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
+        let heap_peak = heap_peak();
         ctx.bar.finish_and_clear();
-        return report(&ctx, &outcome, Some(heap_peak));
+        return Ok(Finished { ctx, outcome, heap_peak });
     }
     let timeout = Duration::from_secs_f64(args.comm_timeout);
     let comms = ThreadComm::world(devices, timeout).map_err(|e| anyhow!(e))?;
@@ -55,10 +73,10 @@ pub fn run_local(args: &TrainArgs, devices: usize) -> Result<()> {
             })
             .collect()
     });
-    let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
+    let heap_peak = heap_peak();
     let outcome = first_failure(outcomes)?;
     ctx.bar.finish_and_clear();
-    report(&ctx, &outcome, Some(heap_peak))
+    Ok(Finished { ctx, outcome, heap_peak })
 }
 
 /// Under `mpirun`/`srun`/`torchrun`: this process is one rank of the launcher's world.
@@ -81,7 +99,7 @@ pub fn run_launched(args: &TrainArgs, env: &tessera_comm::LaunchEnv) -> Result<(
         );
     }
     let result = (|| -> Result<Option<RankOutcome>> {
-        let ctx = prepare(args, env.world_size, 1, rank)?;
+        let ctx = prepare(args, env.world_size, 1, rank, &Hooks::default())?;
         // Every rank must run the same Program: compare a fingerprint of the plan.
         let fp = fingerprint(&serde_json::to_string(&ctx.plan.strategies)?);
         let world = tessera_comm::Group::world(env.world_size)?;
@@ -280,13 +298,16 @@ fn run_rank_on<B: Backend>(
             *start = None;
         }
     }
-    if args.eval_batches > 0 {
+    // The held-out evaluation at the end, or one a front end asks for (Trainer.evaluate).
+    if args.eval_batches > 0 || ctx.hooks.steps.is_some() {
         let (graph, loss, logits) = &ctx.eval_model;
         trainer = trainer.with_eval(graph.clone(), *loss, *logits)?;
     }
     trainer.record_timings(args.op_times && rank == 0);
+    let steps = ctx.steps.source(ctx);
     let spec = RunSpec {
-        data: &ctx.data,
+        steps: &steps,
+        data: ctx.data.as_ref(),
         batch: args.batch,
         seq: ctx.seq,
         seed: args.seed,
@@ -297,7 +318,8 @@ fn run_rank_on<B: Backend>(
         log: ctx.log.as_ref(),
     };
     use std::io::IsTerminal as _;
-    let plain = (rank == 0 && !std::io::stderr().is_terminal()).then(Default::default);
+    let quiet = ctx.hooks.events.is_some();
+    let plain = (rank == 0 && !quiet && !std::io::stderr().is_terminal()).then(Default::default);
     let started = std::time::Instant::now();
     let watch = Watch { ctx, fault: Fault::from_env()?, plain, started };
     let mut outcome = run_device(&mut trainer, &spec, &watch)?;
@@ -346,6 +368,20 @@ impl Observer for Watch<'_> {
         }
         self.ctx.bar.set_position(stats.step);
         self.ctx.bar.set_message(msg);
+        let tps = (self.ctx.args.batch * self.ctx.seq) as f64 / seconds;
+        // A skipped fp16 step's norm is not finite, which JSON cannot hold: null.
+        let grad_norm = stats.grad_norm.is_finite().then_some(stats.grad_norm);
+        self.ctx.hooks.emit(
+            "step",
+            json!({"step": stats.step, "last_step": self.ctx.last_step, "loss": stats.loss,
+                   "grad_norm": grad_norm, "lr": stats.lr, "tokens_per_s": tps,
+                   "peak_bytes": stats.peak_bytes}),
+        );
+    }
+
+    fn after_eval(&self, stats: Option<&tessera_runtime::EvalStats>) {
+        let value = stats.map_or(json!(null), |e| json!({"loss": e.loss, "accuracy": e.accuracy}));
+        self.ctx.hooks.emit("eval", value);
     }
 }
 
@@ -405,8 +441,39 @@ impl Fault {
 }
 
 /// Prints the run's summary (rank 0): losses, speed, and per device the predicted against the
-/// measured peak memory and collective traffic.
+/// measured peak memory and collective traffic; `--format json` prints [`report_json`].
 pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Result<()> {
+    match render(ctx, o, heap_peak, ctx.args.format)? {
+        Rendered::Json(doc) => print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?)),
+        Rendered::Table(s) => print_stdout(&s),
+    }
+}
+
+/// The run's report as `--format json` prints it (the `--plot` picture drawn).
+pub fn report_json(
+    ctx: &RunContext,
+    o: &RankOutcome,
+    heap_peak: Option<u64>,
+) -> Result<serde_json::Value> {
+    match render(ctx, o, heap_peak, OutputFormat::Json)? {
+        Rendered::Json(doc) => Ok(doc),
+        Rendered::Table(_) => bail!("the JSON report came out as a table"),
+    }
+}
+
+/// A run's summary in one of the output formats.
+enum Rendered {
+    Json(serde_json::Value),
+    Table(String),
+}
+
+/// The run's summary in `format` (the `--plot` picture drawn).
+fn render(
+    ctx: &RunContext,
+    o: &RankOutcome,
+    heap_peak: Option<u64>,
+    format: OutputFormat,
+) -> Result<Rendered> {
     let args = &ctx.args;
     let n = o.measured_peak.len();
     let (first, last) = match (o.steps.first(), o.steps.last()) {
@@ -418,14 +485,20 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
     let pc = &ctx.predicted_comm_bytes;
     let predicted_comm: Vec<u64> = (0..n).map(|r| pc[r % pc.len().max(1)]).collect();
     let skipped: u64 = o.steps.iter().map(|(s, _)| u64::from(s.skipped)).sum();
-    let (baseline, unigram) = ctx.data.baseline();
+    let (baseline, unigram) = match &ctx.data {
+        Some(d) => {
+            let (b, u) = d.baseline();
+            (Some(b), Some(u))
+        }
+        None => (None, None),
+    };
     let mut op_times = o.op_times.clone();
     op_times.sort_by(|a, b| b.2.total_cmp(&a.2));
     let plan = &ctx.plan;
     if let Some(path) = &args.plot {
         crate::pictures::write_train_plot(path, ctx, o)?;
     }
-    match args.format {
+    match format {
         OutputFormat::Json => {
             let mut doc = json!({
                 "model": ctx.cfg.name(),
@@ -499,7 +572,10 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                     .collect::<serde_json::Map<_, _>>()
                     .into();
             }
-            print_stdout(&format!("{}\n", serde_json::to_string_pretty(&doc)?))
+            if let Some(step) = o.stopped_before {
+                doc["stopped_before_step"] = json!(step);
+            }
+            Ok(Rendered::Json(doc))
         }
         OutputFormat::Table => {
             let mut s = format!(
@@ -520,7 +596,10 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
             if let Some(e) = o.eval {
                 s += &format!(", {:.4} (held-out)", e.loss);
             }
-            s += &format!("; {baseline} {unigram:.4}\n");
+            match (baseline, unigram) {
+                (Some(b), Some(u)) => s += &format!("; {b} {u:.4}\n"),
+                _ => s += "\n",
+            }
             if let Some(a) = o.eval.and_then(|e| e.accuracy) {
                 s += &format!("accuracy  {:.2}% top-1 (held-out)\n", 100.0 * a);
             }
@@ -575,7 +654,7 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                     );
                 }
             }
-            print_stdout(&s)
+            Ok(Rendered::Table(s))
         }
     }
 }

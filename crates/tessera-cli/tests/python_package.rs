@@ -1,8 +1,10 @@
 //! The Python package's promise, tested where it is kept: `tessera.profile` and `tessera.plan`
 //! return what `tessera_cli::json_report` returns (crates/tessera-py turns it into the dict
 //! `json.loads` makes), which must be the JSON `tessera profile|plan --format json` prints —
-//! timings aside — and fail with the CLI's message and error object. Building, installing and
-//! importing the wheel is `scripts/check-wheel.sh`'s (it needs maturin from PyPI).
+//! timings aside — and fail with the CLI's message and error object; `tessera.train`'s batches
+//! and stop reach the run through `tessera_cli::run_json`'s hooks. Building, installing and
+//! importing the wheel, and training from Python, is `scripts/check-wheel.sh`'s (it needs
+//! maturin from PyPI).
 
 use serde_json::Value;
 use std::process::Command;
@@ -147,6 +149,72 @@ fn failures_carry_the_cli_message() {
     let e = tessera_cli::json_report(["profile", "--dtype", "fp64"]).expect_err("fp64");
     assert_eq!(e.error["kind"], "usage");
     assert!(e.message.contains("'fp64'") && e.message.contains("--dtype"), "{}", e.message);
-    let e = tessera_cli::json_report(["train"]).expect_err("train");
-    assert!(e.message.contains("profile") && e.message.contains("plan"), "{}", e.message);
+    // A command with no JSON report (`train`, `eval` and `generate` have one now).
+    let e = tessera_cli::json_report(["export"]).expect_err("export");
+    assert!(e.message.contains("profile") && e.message.contains("train"), "{}", e.message);
+}
+
+/// A front end's batches (here the data set's own windows, handed over one step at a time)
+/// train as `--data` does, on two devices sharing the source: the same losses, bit for bit.
+/// Stopping at a step boundary ends the run there with a report of the steps that ran.
+#[test]
+fn train_takes_batches_and_stops_from_the_front_end() {
+    use std::sync::{Arc, Mutex};
+    use tessera_cli::hooks::{BatchSource, Events, Hooks, Request};
+    use tessera_runtime::data::{DataOptions, Dataset};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens: Vec<u16> = (0..2000u32).map(|i| ((i * 7919 + i / 3) % 256) as u16).collect();
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("train.bin"), &bytes).expect("train.bin");
+    std::fs::write(dir.path().join("val.bin"), &bytes[..800]).expect("val.bin");
+    let data = dir.path().to_str().expect("utf-8 path").to_string();
+    let flags = ["--model", "gpt2-tiny", "--devices", "2", "--plan", "dp2", "--steps", "6"];
+    let shape = ["--batch", "2", "--seq", "16", "--eval-batches", "0"];
+    let (ok, want, stderr) =
+        cli(&[&["train"][..], &flags, &shape, &["--stop-after", "2", "--data", &data]].concat());
+    assert!(ok, "{stderr}");
+
+    struct Windows(Dataset);
+    impl BatchSource for Windows {
+        fn next(&mut self, step: u64) -> anyhow::Result<Request> {
+            if step > 2 {
+                return Ok(Request::Stop);
+            }
+            let b = self.0.train_batch(1337, step, 2, 16)?;
+            Ok(Request::Batch(tessera_runtime::StepBatch::tokens(b.inputs, b.targets, 2, 16)?))
+        }
+    }
+    struct Losses(Mutex<Vec<f64>>);
+    impl Events for Losses {
+        fn event(&self, kind: &str, value: Value) {
+            if kind == "step" {
+                self.0.lock().expect("losses").push(value["loss"].as_f64().unwrap_or(f64::NAN));
+            }
+        }
+    }
+    let dataset = Dataset::load(dir.path(), &DataOptions::default()).expect("data set");
+    let source: Box<dyn BatchSource> = Box::new(Windows(dataset));
+    let losses = Arc::new(Losses(Mutex::new(Vec::new())));
+    let hooks = Hooks {
+        steps: Some(Arc::new(Mutex::new(source))),
+        caller_data: true,
+        events: Some(losses.clone()),
+        stop: None,
+    };
+    let got = tessera_cli::run_json([&["train"][..], &flags, &shape].concat(), &hooks)
+        .unwrap_or_else(|e| panic!("{}", e.message));
+    assert_eq!(got["steps"], 2, "{got}");
+    assert_eq!(got["stopped_before_step"], 3, "{got}");
+    assert_eq!(got["initial_loss"], want["initial_loss"]);
+    assert_eq!(got["final_loss"], want["final_loss"]);
+    assert_eq!(got["memory"]["predicted_peak_bytes"], want["memory"]["predicted_peak_bytes"]);
+    let seen = losses.0.lock().expect("losses").clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(Some(seen[1]), want["final_loss"].as_f64());
+    // The stop flag: set before the run, it ends before step 1, which the report refuses.
+    let stop = Hooks { stop: Some(Arc::new(true.into())), ..Hooks::default() };
+    let e = tessera_cli::run_json([&["train"][..], &flags, &shape].concat(), &stop)
+        .expect_err("no step ran");
+    assert!(e.message.contains("no step ran"), "{}", e.message);
 }

@@ -1,14 +1,15 @@
 //! The one training loop: what every device of every plan (a single device included) runs —
 //! the steps, the step log, the checkpoints, the held-out evaluation and the end-of-run
 //! gathering of every device's peak and traffic. Callers (the CLI) build the [`Trainer`], say
-//! what to run ([`RunSpec`]) and watch it ([`Observer`]: progress, fault injection); they
-//! decide nothing here.
+//! what to run ([`RunSpec`]), where its steps come from ([`StepSource`]: a data set's batches,
+//! or a front end's, with saves, evaluations and an early stop between steps, the same on
+//! every device) and watch it ([`Observer`]: progress, fault injection).
 //!
 //! Checkpoints: a 1-device run writes the Hugging Face directory of [`save_checkpoint`]; a
 //! run on several devices the sharded one of [`save_sharded`] (each rank its own shards);
 //! [`crate::checkpoint::load_checkpoint`] reads both, so either resumes under any plan.
 
-use crate::batch::TrainData;
+use crate::batch::{StepBatch, TrainData};
 use crate::checkpoint::{save_checkpoint, Manifest};
 use crate::dist_checkpoint::save_sharded;
 use crate::loss_scale::{LossScaleState, SCALER_KEY};
@@ -36,10 +37,46 @@ pub struct SaveSpec {
     pub layout: Value,
 }
 
+/// What a device does next, asked of the [`StepSource`] before each step: every device of a
+/// run gets the same answers in the same order.
+pub enum Next {
+    /// Train step `step` on this global batch.
+    Batch(StepBatch),
+    /// Save a checkpoint now (the run's `save` spec), then ask again.
+    Save,
+    /// Evaluate on these global batches now (rank 0's observer gets the result), then ask again.
+    Evaluate(Vec<StepBatch>),
+    /// End the run before this step: save (if saving) and gather, without the held-out eval.
+    Stop,
+}
+
+/// Where a run's steps come from: its data set's batches, or a caller's (a Python iterable),
+/// and when to save, evaluate or stop. `call` counts a device's questions from 0; the devices
+/// of a process share one source, which answers call `k` once for all of them.
+pub trait StepSource: Sync {
+    fn next(&self, rank: usize, call: u64, step: u64) -> Result<Next>;
+}
+
+/// The batches of a data set, step after step ([`TrainData::train_batch`]).
+pub struct DataSteps<'a> {
+    pub data: &'a TrainData,
+    pub seed: u64,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+impl StepSource for DataSteps<'_> {
+    fn next(&self, _rank: usize, _call: u64, step: u64) -> Result<Next> {
+        self.data.train_batch(self.seed, step, self.batch, self.seq).map(Next::Batch)
+    }
+}
+
 /// What a run does, the same on every device.
 pub struct RunSpec<'a> {
-    /// Where the batches come from (token stream, fine-tuning examples, images).
-    pub data: &'a TrainData,
+    /// Where the steps come from.
+    pub steps: &'a dyn StepSource,
+    /// The held-out batches' data set for the final evaluation (none: no final evaluation).
+    pub data: Option<&'a TrainData>,
     /// Global batch (rows per step) and sequence length (the model's: patches + 1 for ViT).
     pub batch: usize,
     pub seq: usize,
@@ -63,6 +100,8 @@ pub trait Observer: Sync {
     }
     /// After each step, on rank 0 only.
     fn after_step(&self, _stats: &StepStats, _seconds: f64) {}
+    /// After an evaluation [`Next::Evaluate`] asked for, on rank 0 only.
+    fn after_eval(&self, _stats: Option<&EvalStats>) {}
 }
 
 /// The no-op observer.
@@ -92,6 +131,8 @@ pub struct RankOutcome {
     pub op_times: Vec<(String, u64, f64)>,
     /// Rank 0, fp16: the loss scale at the end.
     pub loss_scale: Option<f64>,
+    /// The step the run stopped before ([`Next::Stop`]), if it ended early.
+    pub stopped_before: Option<u64>,
 }
 
 /// Runs `spec` on this device: trains, saves, evaluates, and gathers the peaks and traffic.
@@ -106,9 +147,30 @@ pub fn run_device<B: Backend>(
     let mut measured_host = 0u64;
     let mut last_bytes = 0u64;
     let start = Instant::now();
-    for step in spec.first..=spec.last {
+    let mut call = 0u64;
+    let mut step = spec.first;
+    while step <= spec.last {
         observer.before_step(rank, step)?;
-        let batch = spec.data.train_batch(spec.seed, step, spec.batch, spec.seq)?;
+        let next = spec.steps.next(rank, call, step)?;
+        call += 1;
+        let batch = match next {
+            Next::Batch(batch) => batch,
+            Next::Save => {
+                save(trainer, spec)?;
+                continue;
+            }
+            Next::Evaluate(batches) => {
+                let stats = trainer.eval(&batches)?;
+                if rank == 0 {
+                    observer.after_eval(stats.as_ref());
+                }
+                continue;
+            }
+            Next::Stop => {
+                out.stopped_before = Some(step);
+                break;
+            }
+        };
         let before = trainer.comm_stats();
         let t0 = Instant::now();
         let stats = trainer.step_batch(&batch)?;
@@ -123,10 +185,15 @@ pub fn run_device<B: Backend>(
             observer.after_step(&stats, dt);
             out.steps.push((stats, dt));
         }
-        let due = spec.save.as_ref().and_then(|s| s.every).is_some_and(|k| k > 0 && step % k == 0);
+        let due = spec
+            .save
+            .as_ref()
+            .and_then(|s| s.every)
+            .is_some_and(|k| k > 0 && step.is_multiple_of(k));
         if due && step != spec.last {
             save(trainer, spec)?;
         }
+        step += 1;
     }
     // The device allocator's peak over the training steps (before the save's copies and the
     // evaluation's Program); u64::MAX where the backend keeps no such books.
@@ -150,8 +217,9 @@ pub fn run_device<B: Backend>(
         out.allocator_peak = alloc;
     }
 
-    if spec.eval_batches > 0 {
-        let val = spec.data.val_batches(spec.seed, spec.batch, spec.seq, spec.eval_batches)?;
+    if let Some(data) = spec.data.filter(|_| spec.eval_batches > 0 && out.stopped_before.is_none())
+    {
+        let val = data.val_batches(spec.seed, spec.batch, spec.seq, spec.eval_batches)?;
         out.eval = trainer.eval(&val)?;
     }
     Ok(out)
