@@ -31,6 +31,7 @@ pub fn run_local(args: &TrainArgs, devices: usize) -> Result<()> {
         let outcome = run_rank(&ctx, None, 0)?;
         let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
         ctx.bar.finish_and_clear();
+        crate::finetune::after_run(&ctx)?;
         return report(&ctx, &outcome, Some(heap_peak));
     }
     let timeout = Duration::from_secs_f64(args.comm_timeout);
@@ -58,6 +59,7 @@ pub fn run_local(args: &TrainArgs, devices: usize) -> Result<()> {
     let heap_peak = alloc::peak_bytes().saturating_sub(heap_baseline);
     let outcome = first_failure(outcomes)?;
     ctx.bar.finish_and_clear();
+    crate::finetune::after_run(&ctx)?;
     report(&ctx, &outcome, Some(heap_peak))
 }
 
@@ -93,6 +95,7 @@ pub fn run_launched(args: &TrainArgs, env: &tessera_comm::LaunchEnv) -> Result<(
         let outcome = run_rank(&ctx, Some(Box::new(comm)), rank)?;
         if rank == 0 {
             ctx.bar.finish_and_clear();
+            crate::finetune::after_run(&ctx)?;
             report(&ctx, &outcome, None)?;
         }
         Ok(Some(outcome))
@@ -454,7 +457,16 @@ pub fn report(ctx: &RunContext, o: &RankOutcome, heap_peak: Option<u64>) -> Resu
                 "unigram_entropy": unigram,
                 "tokens_per_s": tokens_per_s,
                 "elapsed_s": o.elapsed_s,
+                "parameters": {
+                    "total": ctx.eval_model.0.num_parameters(),
+                    "trainable": ctx.eval_model.0.num_trainable_parameters(),
+                },
                 "memory": {
+                    "predicted_state_bytes": {
+                        "params": plan.predicted.params_bytes,
+                        "grads": plan.predicted.grads_bytes,
+                        "optimizer": plan.predicted.optimizer_bytes,
+                    },
                     "predicted_peak_bytes": ctx.predicted_peak,
                     "measured_peak_bytes": o.measured_peak,
                 },

@@ -29,6 +29,7 @@ mod gpt2;
 mod hf;
 mod hf_write;
 mod llama;
+pub mod lora;
 mod mlp;
 mod moe;
 mod nn;
