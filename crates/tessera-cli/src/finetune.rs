@@ -189,7 +189,7 @@ impl ShardSource for Layered {
 
 /// The LoRA settings of a PEFT `adapter_config.json`, refusing what the rewrite does not do.
 pub fn spec_from_config(doc: &Value, path: &Path) -> Result<LoraSpec> {
-    let at = || format!("{}", path.display());
+    let at = || path.display().to_string();
     let field = |k: &str| doc.get(k).filter(|v| !v.is_null());
     match field("peft_type").and_then(Value::as_str) {
         Some("LORA") => {}
@@ -269,7 +269,12 @@ pub fn adapter_config(spec: &LoraSpec, base: &str) -> Value {
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base,
         "r": spec.rank,
-        "lora_alpha": spec.alpha,
+        // PEFT's `lora_alpha` is an int where it can be.
+        "lora_alpha": if spec.alpha.fract() == 0.0 && spec.alpha < 1e15 {
+            json!(spec.alpha as i64)
+        } else {
+            json!(spec.alpha)
+        },
         "lora_dropout": spec.dropout,
         "target_modules": spec.targets,
         "bias": "none",
@@ -314,10 +319,8 @@ pub fn write_adapter(
 /// The base weights with every adapter merged in (`W + (alpha/r)·B·A`) and the LoRA tensors
 /// removed: what `--merge-into` exports.
 pub fn merge(spec: &LoraSpec, params: &mut HashMap<String, Tensor>) -> Result<usize> {
-    let modules: Vec<String> = params
-        .keys()
-        .filter_map(|n| n.strip_suffix(".lora_A.weight").map(String::from))
-        .collect();
+    let modules: Vec<String> =
+        params.keys().filter_map(|n| n.strip_suffix(".lora_A.weight").map(String::from)).collect();
     for m in &modules {
         let a = params.remove(&lora::lora_a_name(m)).context("lora_A")?;
         let b = params
@@ -352,8 +355,7 @@ pub fn after_run(ctx: &crate::train_cmd::RunContext) -> Result<()> {
     if let Some(dir) = &args.merge_into {
         let mut merged = ckpt;
         merge(&spec, &mut merged.params).context("--merge-into")?;
-        tessera_runtime::dist_checkpoint::export_hf(&merged, dir, true)
-            .context("--merge-into")?;
+        tessera_runtime::dist_checkpoint::export_hf(&merged, dir, true).context("--merge-into")?;
     }
     Ok(())
 }

@@ -490,7 +490,11 @@ pub fn build_training_graph_with(
     // input's gradient only where that input needs one (`VjpCtx::needs`).
     let params = b.graph.trainable_parameters();
     if params.is_empty() {
-        let what = if b.graph.parameters().is_empty() { "no parameters" } else { "every parameter frozen" };
+        let what = if b.graph.parameters().is_empty() {
+            "no parameters"
+        } else {
+            "every parameter frozen"
+        };
         return Err(IrError::Graph(format!(
             "the model has {what}: nothing to train (unfreeze some: check --freeze and --lora)"
         )));

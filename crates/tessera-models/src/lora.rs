@@ -175,7 +175,9 @@ pub fn apply_lora(model: ForwardModel, spec: &LoraSpec) -> Result<(ForwardModel,
         let ins = node
             .inputs
             .iter()
-            .map(|&t| map[t.index()].ok_or_else(|| internal(tessera_ir::IrError::Graph("order".into()))))
+            .map(|&t| {
+                map[t.index()].ok_or_else(|| internal(tessera_ir::IrError::Graph("order".into())))
+            })
             .collect::<Result<Vec<_>>>()?;
         let op = match &node.op {
             Op::Parameter { meta, .. } => Op::Parameter { meta: meta.clone(), frozen: true },
@@ -245,7 +247,8 @@ pub fn apply_lora(model: ForwardModel, spec: &LoraSpec) -> Result<(ForwardModel,
     if let Some(s) = new_seed {
         inputs.push(ModelInput { name: "seed", tensor: s, kind: InputKind::Seed });
     }
-    let model = ForwardModel { builder: b, loss: remap(loss), logits: remap(logits), batch, seq, inputs };
+    let model =
+        ForwardModel { builder: b, loss: remap(loss), logits: remap(logits), batch, seq, inputs };
     Ok((model, sites))
 }
 
@@ -301,11 +304,71 @@ mod tests {
         assert!(!s.targets_module("model.layers.0.self_attn.qq_proj"));
     }
 
+    fn backward_matmuls(g: &Graph) -> usize {
+        g.nodes
+            .iter()
+            .filter(|n| n.phase == tessera_ir::Phase::Backward && matches!(n.op, Op::MatMul { .. }))
+            .count()
+    }
+
+    /// LoRA on llama-tiny: only A and B train, and the backward pass computes no weight
+    /// gradient of a frozen linear (at least one product fewer per frozen linear weight).
+    #[test]
+    fn lora_trains_only_its_adapters_and_skips_frozen_weight_gradients() {
+        let cfg = crate::ModelConfig::resolve("llama-tiny").unwrap();
+        let opts = crate::BuildOptions { batch: 1, seq: 8, dtype: DType::F32 };
+        let train = |m: ForwardModel| {
+            tessera_ir::build_training_graph(m.builder, m.loss, &Default::default()).unwrap()
+        };
+        let full = train(crate::build(&cfg, &opts).unwrap());
+        let spec = LoraSpec::parse("r=2,alpha=4,targets=q_proj,v_proj").unwrap();
+        let (m, sites) = apply_lora(crate::build(&cfg, &opts).unwrap(), &spec).unwrap();
+        let lora = train(m);
+        let layers = full
+            .graph
+            .parameters()
+            .iter()
+            .filter(|&&p| full.graph.tensor_scope(p).ends_with(".input_layernorm.weight"))
+            .count();
+        assert!(layers > 0);
+        assert_eq!(sites.len(), 2 * layers);
+        let trained: Vec<&str> =
+            lora.params.iter().map(|s| lora.graph.tensor_scope(s.param)).collect();
+        assert_eq!(trained.len(), 4 * layers, "{trained:?}");
+        assert!(trained.iter().all(|n| is_lora_name(n)), "{trained:?}");
+        let frozen_linears = lora
+            .graph
+            .frozen_parameters()
+            .into_iter()
+            .filter(|&p| lora.graph.shape(p).rank() == 2)
+            .count();
+        // Full training: one dW per linear weight. LoRA adds four products per site forward
+        // (two) and backward (at most four), and drops every frozen weight's dW.
+        assert!(
+            backward_matmuls(&lora.graph) + frozen_linears
+                <= backward_matmuls(&full.graph) + 4 * sites.len(),
+            "{} backward products with LoRA, {} without, {frozen_linears} frozen",
+            backward_matmuls(&lora.graph),
+            backward_matmuls(&full.graph)
+        );
+        let err = apply_lora(
+            crate::build(&cfg, &opts).unwrap(),
+            &LoraSpec::parse("targets=qkv").unwrap(),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("qkv") && err.contains("q_proj"), "{err}");
+    }
+
     #[test]
     fn globs_match_hf_names() {
         assert!(glob_matches("model.embed_tokens.*", "model.embed_tokens.weight"));
         assert!(glob_matches("*.mlp.*", "model.layers.1.mlp.up_proj.weight"));
-        assert!(glob_matches("model.layers.?.self_attn.*", "model.layers.3.self_attn.q_proj.weight"));
+        assert!(glob_matches(
+            "model.layers.?.self_attn.*",
+            "model.layers.3.self_attn.q_proj.weight"
+        ));
         assert!(!glob_matches("model.layers.?.mlp.*", "model.layers.10.mlp.up_proj.weight"));
     }
 }

@@ -30,10 +30,14 @@ const RESIDUAL_PROJECTIONS: [&str; 5] = [
 pub enum InitRule {
     Zeros,
     Ones,
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
     /// U(−bound, bound): a LoRA `A` as PEFT draws it (`kaiming_uniform_(a=√5)`, whose bound
     /// is 1/√fan_in).
-    Uniform { bound: f64 },
+    Uniform {
+        bound: f64,
+    },
 }
 
 /// A LoRA parameter's rule by its name (`<module>.lora_A.weight [r, in]`: PEFT's kaiming

@@ -431,7 +431,9 @@ impl<B: Backend> Trainer<B> {
                 }
                 StartState::Global { params, .. } => {
                     self.source_shard(*params, &name, p)?.ok_or_else(|| {
-                        binding(format!("no value for frozen parameter `{name}` (checkpoint or init)"))
+                        binding(format!(
+                            "no value for frozen parameter `{name}` (checkpoint or init)"
+                        ))
                     })?
                 }
             };

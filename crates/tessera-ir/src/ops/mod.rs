@@ -581,7 +581,10 @@ impl Op {
 
     /// Leaves whose values the caller binds (everything but constants).
     pub fn is_bound(&self) -> bool {
-        matches!(self, Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_))
+        matches!(
+            self,
+            Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_)
+        )
     }
 
     /// Ops of inference Programs only (no VJP, no training use).
@@ -667,7 +670,9 @@ impl Op {
     /// Output metas for the given input metas, or the reason they do not fit.
     pub fn infer(&self, x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
         match self {
-            Op::Parameter { meta: m, .. } | Op::Input(m) | Op::Fill { meta: m, .. } => leaf::infer(x, m, 0),
+            Op::Parameter { meta: m, .. } | Op::Input(m) | Op::Fill { meta: m, .. } => {
+                leaf::infer(x, m, 0)
+            }
             Op::OptimizerState { meta, .. } => leaf::infer(x, meta, 1),
             Op::KvCache(m) => leaf::infer(x, m, 0),
             Op::CacheWrite => infer::infer_cache_write(x),

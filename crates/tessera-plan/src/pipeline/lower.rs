@@ -243,7 +243,11 @@ fn reorder(
     let mut groups: Vec<Vec<usize>> = vec![Vec::new(); order.len() + 2];
     for (i, node) in g.nodes.iter().enumerate() {
         let group = match slot_of[i] {
-            _ if matches!(node.op, Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. }) => {
+            _ if matches!(
+                node.op,
+                Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. }
+            ) =>
+            {
                 0
             }
             Some(s) => {
