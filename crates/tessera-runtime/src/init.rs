@@ -51,7 +51,7 @@ fn lora_rule(name: &str, dims: &[usize]) -> Option<InitRule> {
 
 /// A uniform in (−1, 1] for element `i` of the stream `key`.
 fn symmetric_unit(seed: u64, key: u64, i: u64) -> f64 {
-    let base = mix(seed ^ mix(key ^ 0x10a_a)).wrapping_add(i);
+    let base = mix(seed ^ mix(key ^ 0x10aa)).wrapping_add(i);
     2.0 * unit(mix(base)) - 1.0
 }
 
