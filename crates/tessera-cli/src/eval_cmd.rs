@@ -16,6 +16,7 @@ use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_runtime::collective::DeviceMesh;
 use tessera_runtime::hf_weights::open_weights;
 use tessera_runtime::images::ImageSet;
+use tessera_runtime::mapped::ShardSource as _;
 use tessera_runtime::tensor::{candle_dtype, from_vec, to_f64_vec};
 use tessera_runtime::trainer::top1_hits;
 use tessera_runtime::{CpuBackend, Executor};
@@ -36,6 +37,10 @@ pub struct EvalArgs {
     /// Write the per-position logits ([n-1, vocab], JSON) to this file.
     #[arg(long)]
     pub logits: Option<PathBuf>,
+    /// Language models: evaluate with a PEFT LoRA adapter (a directory with
+    /// adapter_config.json and adapter_model.safetensors) on the model.
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// Language models: evaluate with the linear layers' weights quantised as `generate
     /// --quantize` runs them (int8 or int4).
     #[arg(long, value_parser = crate::generate_cmd::parse_quantize)]
@@ -78,6 +83,12 @@ fn score(args: &EvalArgs) -> Result<Scored> {
         crate::checkpoint_cmd::check_before_load(&args.model_dir, "--model-dir")?;
         ModelConfig::from_path(&args.model_dir)?.without_dropout()
     };
+    if args.adapter.is_some() && (args.quantize.is_some() || args.tokens.is_none()) {
+        bail!(
+            "--adapter evaluates a language model's LoRA adapter on --tokens, unquantised (drop \
+             --quantize)"
+        );
+    }
     match (&cfg, &args.tokens) {
         (ModelConfig::Vit(_), _) => eval_images(args, &cfg),
         (ModelConfig::Bert(_), _) => bail!(
@@ -102,10 +113,22 @@ struct Loaded {
 impl Loaded {
     fn new(args: &EvalArgs, cfg: &ModelConfig, batch: usize, seq: usize) -> Result<Loaded> {
         let model = build(cfg, &BuildOptions { batch, seq, dtype: DType::F32 })?;
+        let base = model.builder.graph.clone();
+        let (model, adapter) = match &args.adapter {
+            Some(dir) => {
+                let a = crate::finetune::read_adapter(dir)?;
+                let spec = tessera_models::lora::LoraSpec { dropout: 0.0, ..a.spec.clone() };
+                (tessera_models::lora::apply_lora(model, &spec)?.0, a.tensors)
+            }
+            None => (model, Default::default()),
+        };
         let (loss, logits) = (model.loss, model.logits);
         let inputs = model.inputs.iter().map(|i| (i.name, i.tensor)).collect();
         let graph = model.builder.finish();
-        let weights = open_weights(&args.model_dir, &graph)?;
+        let weights = crate::finetune::Layered {
+            first: adapter,
+            rest: open_weights(&args.model_dir, &base)?,
+        };
         let whole = |t: TensorId| vec![Vec::new(); graph.shape(t).rank()];
         let mut values = Vec::new();
         for p in graph.parameters() {

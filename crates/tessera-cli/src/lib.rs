@@ -15,6 +15,7 @@ mod checkpoint_cmd;
 mod eval_cmd;
 mod export_cmd;
 mod export_plan;
+pub mod finetune;
 mod format;
 mod generate_cmd;
 mod gpu_plan;

@@ -54,6 +54,8 @@ pub struct PlanArgs {
     pub reserve: Option<String>,
     #[command(flatten)]
     pub tiers: crate::tier_args::TierArgs,
+    #[command(flatten)]
+    pub finetune: crate::finetune::FinetuneArgs,
     /// `auto`, a config string (`"dp2 tp4 sp zero1 mb2"`), or a plan JSON file.
     #[arg(long, default_value = "auto")]
     pub plan: String,
@@ -209,7 +211,8 @@ fn planned(
     }
     let dtype = args.dtype.dtype();
     let seq = cfg.effective_seq(args.seq);
-    let model = PlanModel::new(cfg, args.batch, seq, dtype, &TrainConfig::default())?;
+    let tune = args.finetune.resolve()?;
+    let model = PlanModel::new(cfg, args.batch, seq, dtype, &TrainConfig::default(), tune)?;
     let req = model.request(cluster, budget);
     let engine = args.export.map(crate::export_plan::ExportTo::framework);
     let mut plan = choose_plan(&req, &args.plan, engine)?;
@@ -294,13 +297,15 @@ impl PlanModel {
         seq: usize,
         dtype: DType,
         train: &TrainConfig,
+        tune: crate::finetune::FineTune,
     ) -> Result<PlanModel> {
-        let full = build(cfg, &BuildOptions { batch, seq, dtype })?;
+        let full = tune.apply(build(cfg, &BuildOptions { batch, seq, dtype })?)?;
         let global = build_training_graph(full.builder, full.loss, train)?;
         let model_flops = tessera_profile::count_flops(&global.graph).matmul as f64;
         let model_cfg = cfg.clone();
         let forward = move |mb: usize| -> tessera_plan::Result<Forward> {
             let m = build(&model_cfg, &BuildOptions { batch: mb, seq, dtype })
+                .and_then(|m| tune.apply(m))
                 .map_err(|e| PlanError::Invalid(e.to_string()))?;
             Ok(Forward { graph: m.builder.finish(), loss: m.loss })
         };

@@ -73,6 +73,8 @@ pub struct ProfileArgs {
     /// Profile generation instead of a training step.
     #[command(flatten)]
     pub infer: crate::inference_cmd::InferenceArgs,
+    #[command(flatten)]
+    pub finetune: crate::finetune::FinetuneArgs,
 }
 
 /// `writeln!` into a `String` (which cannot fail).
@@ -120,6 +122,9 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
         args.dtype,
         grouped(prof.params)
     );
+    if prof.trainable_params != prof.params {
+        outln!(out, "{} of them trainable, the rest frozen", grouped(prof.trainable_params));
+    }
     out.push('\n');
     outln!(out, "FLOPs per step");
     outln!(out, "  forward    {:>14}", count(f.forward));
@@ -176,6 +181,7 @@ pub fn report(args: &ProfileArgs) -> Result<serde_json::Value> {
         "seq": seq,
         "dtype": format!("{:?}", args.dtype).to_lowercase(),
         "params": prof.params,
+        "trainable_params": prof.trainable_params,
         "flops": f,
         "memory": {
             "params_bytes": m.params_bytes,
@@ -219,7 +225,7 @@ struct Profiled {
 /// Builds `cfg`'s training step, lowers and profiles it, and writes the timeline files.
 fn profiled(args: &ProfileArgs, cfg: &ModelConfig, seq: usize, start: Instant) -> Result<Profiled> {
     let opts = BuildOptions { batch: args.batch, seq, dtype: args.dtype.dtype() };
-    let model = build(cfg, &opts)?;
+    let model = args.finetune.resolve()?.apply(build(cfg, &opts)?)?;
     let seq = model.seq;
     let train = build_training_graph(model.builder, model.loss, &TrainConfig::default())
         .context("building the training graph")?;

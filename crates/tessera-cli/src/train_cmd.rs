@@ -163,6 +163,16 @@ pub struct TrainArgs {
     /// this flag, a `--save` directory holding a checkpoint must be the one `--resume` names).
     #[arg(long, requires = "save")]
     pub overwrite_save: bool,
+    #[command(flatten)]
+    pub finetune: crate::finetune::FinetuneArgs,
+    /// LoRA: also write the trained adapter in PEFT's format (adapter_config.json,
+    /// adapter_model.safetensors) to this directory, from the checkpoint --save writes.
+    #[arg(long, value_name = "DIR", requires = "save")]
+    pub save_adapter: Option<PathBuf>,
+    /// LoRA: also write the base with the trained adapter merged in (W + alpha/r·B·A) as a
+    /// Hugging Face directory, from the checkpoint --save writes.
+    #[arg(long, value_name = "DIR", requires = "save")]
+    pub merge_into: Option<PathBuf>,
     /// Resume from a checkpoint saved by `--save` (under any plan or device count). A
     /// `--steps` other than the saved run's extends it, the learning-rate schedule following
     /// the new horizon from the saved step.
@@ -647,7 +657,25 @@ pub fn prepare(
         );
     }
     let budget = args.memory_budget.unwrap_or_else(|| cluster.device.usable_bytes());
-    let model = PlanModel::new(&cfg, args.batch, args.seq, dtype, &train_cfg)?;
+    let tune = args.finetune.resolve()?;
+    if (args.save_adapter.is_some() || args.merge_into.is_some()) && tune.lora.is_none() {
+        bail!("--save-adapter and --merge-into write a LoRA adapter: train with --lora");
+    }
+    if tune.adapter.is_some() && args.init.is_none() && args.resume.is_none() {
+        bail!(
+            "--init-adapter starts LoRA from an adapter trained on a base: give that base with \
+             --init DIR"
+        );
+    }
+    let eval_tune = tune.for_eval();
+    let lora_start = match (&tune.lora, &args.init) {
+        (Some(_), Some(_)) => Some(tune.start_tensors(
+            &tune.apply(build(&cfg, &BuildOptions { batch: 1, seq: 1, dtype })?)?.builder.graph,
+            args.seed,
+        )?),
+        _ => None,
+    };
+    let model = PlanModel::new(&cfg, args.batch, args.seq, dtype, &train_cfg, tune)?;
     let global_train = &model.global;
     let mut req = model.request(cluster, budget);
     // The CUDA backend has no kernel for the tiled MLP yet: plan its MLPs whole.
@@ -678,8 +706,17 @@ pub fn prepare(
         }
         None => match &args.init {
             Some(dir) => {
-                let weights = open_weights(dir, &global_train.graph)
-                    .with_context(|| format!("--init {}", dir.display()))?;
+                let weights = match lora_start {
+                    // The base file holds the base's weights: checked against the base graph.
+                    Some(first) => {
+                        let base = build(&cfg, &BuildOptions { batch: 1, seq: 1, dtype })?;
+                        let rest = open_weights(dir, &base.builder.finish())
+                            .with_context(|| format!("--init {}", dir.display()))?;
+                        Box::new(crate::finetune::Layered { first, rest })
+                    }
+                    None => open_weights(dir, &global_train.graph)
+                        .with_context(|| format!("--init {}", dir.display()))?,
+                };
                 (Start::Weights(weights), 0, make_schedule(args), None)
             }
             // An ONNX file carries its weights: training starts from them.
@@ -716,7 +753,7 @@ pub fn prepare(
         bail!("nothing to do: the run is already at step {steps_done} of {last_step}");
     }
     let eval_opts = BuildOptions { batch: args.batch, seq: args.seq, dtype };
-    let eval = build(&cfg.without_dropout(), &eval_opts)?;
+    let eval = eval_tune.apply(build(&cfg.without_dropout(), &eval_opts)?)?;
     let log = match &args.log_json {
         Some(p) if rank == 0 => Some(Mutex::new(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,

@@ -49,6 +49,7 @@ pub fn train_local(args: &TrainArgs, devices: usize, hooks: &Hooks) -> Result<Fi
         let outcome = run_rank(&ctx, None, 0)?;
         let heap_peak = heap_peak();
         ctx.bar.finish_and_clear();
+        crate::finetune::after_run(&ctx)?;
         return Ok(Finished { ctx, outcome, heap_peak });
     }
     let timeout = Duration::from_secs_f64(args.comm_timeout);
@@ -76,6 +77,7 @@ pub fn train_local(args: &TrainArgs, devices: usize, hooks: &Hooks) -> Result<Fi
     let heap_peak = heap_peak();
     let outcome = first_failure(outcomes)?;
     ctx.bar.finish_and_clear();
+    crate::finetune::after_run(&ctx)?;
     Ok(Finished { ctx, outcome, heap_peak })
 }
 
@@ -111,6 +113,7 @@ pub fn run_launched(args: &TrainArgs, env: &tessera_comm::LaunchEnv) -> Result<(
         let outcome = run_rank(&ctx, Some(Box::new(comm)), rank)?;
         if rank == 0 {
             ctx.bar.finish_and_clear();
+            crate::finetune::after_run(&ctx)?;
             report(&ctx, &outcome, None)?;
         }
         Ok(Some(outcome))
@@ -527,7 +530,16 @@ fn render(
                 "unigram_entropy": unigram,
                 "tokens_per_s": tokens_per_s,
                 "elapsed_s": o.elapsed_s,
+                "parameters": {
+                    "total": ctx.eval_model.0.num_parameters(),
+                    "trainable": ctx.eval_model.0.num_trainable_parameters(),
+                },
                 "memory": {
+                    "predicted_state_bytes": {
+                        "params": plan.predicted.params_bytes,
+                        "grads": plan.predicted.grads_bytes,
+                        "optimizer": plan.predicted.optimizer_bytes,
+                    },
                     "predicted_peak_bytes": ctx.predicted_peak,
                     "measured_peak_bytes": o.measured_peak,
                 },

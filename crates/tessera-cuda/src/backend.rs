@@ -415,7 +415,7 @@ impl CudaBackend {
         let g = &self.gpu;
         let one = |t: CudaTensor| Ok(vec![t]);
         match op {
-            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => {
+            Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => {
                 Err(bad(format!("{} is a leaf: bind it, do not execute it", op.name())))
             }
             Op::Fill { value, meta } => {

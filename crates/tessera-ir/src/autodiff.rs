@@ -486,9 +486,18 @@ pub fn build_training_graph_with(
     cfg: &TrainConfig,
     hooks: &mut dyn UpdateHooks,
 ) -> Result<TrainingGraph> {
-    let params = b.graph.parameters();
+    // Frozen parameters are no `wrt`: no gradient reaches them, and a VJP computes an
+    // input's gradient only where that input needs one (`VjpCtx::needs`).
+    let params = b.graph.trainable_parameters();
     if params.is_empty() {
-        return Err(IrError::Graph("the model has no parameters to train".into()));
+        let what = if b.graph.parameters().is_empty() {
+            "no parameters"
+        } else {
+            "every parameter frozen"
+        };
+        return Err(IrError::Graph(format!(
+            "the model has {what}: nothing to train (unfreeze some: check --freeze and --lora)"
+        )));
     }
     // Loss scaling for fp16 weights (bf16 has fp32's range and needs none).
     let scaled = params.iter().any(|&p| b.dtype(p) == DType::F16);

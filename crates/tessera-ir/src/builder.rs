@@ -223,7 +223,20 @@ impl Builder {
 
     /// A trainable weight named `<scope>.<name>` (its Hugging Face name).
     pub fn parameter(&mut self, name: &str, shape: impl Into<Shape>, dtype: DType) -> TensorId {
-        self.leaf(name, Op::Parameter(TensorMeta::new(shape, dtype)), &[])
+        let meta = TensorMeta::new(shape, dtype);
+        self.leaf(name, Op::Parameter { meta, frozen: false }, &[])
+    }
+
+    /// A weight named like [`Builder::parameter`] that is never trained (see
+    /// [`Op::Parameter`]).
+    pub fn frozen_parameter(
+        &mut self,
+        name: &str,
+        shape: impl Into<Shape>,
+        dtype: DType,
+    ) -> TensorId {
+        let meta = TensorMeta::new(shape, dtype);
+        self.leaf(name, Op::Parameter { meta, frozen: true }, &[])
     }
 
     /// Per-step data named `<scope>.<name>`.

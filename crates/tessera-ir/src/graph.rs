@@ -188,13 +188,53 @@ impl Graph {
         node_id
     }
 
-    /// All trainable parameters in creation order.
+    /// All parameters (weights), trainable or frozen, in creation order: what is loaded,
+    /// initialised and saved.
     pub fn parameters(&self) -> Vec<TensorId> {
         self.nodes
             .iter()
-            .filter(|n| matches!(n.op, Op::Parameter(_)))
+            .filter(|n| matches!(n.op, Op::Parameter { .. }))
             .map(|n| n.outputs[0])
             .collect()
+    }
+
+    /// The parameters that train (get a gradient and optimizer state), in creation order.
+    pub fn trainable_parameters(&self) -> Vec<TensorId> {
+        self.nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Parameter { frozen: false, .. }))
+            .map(|n| n.outputs[0])
+            .collect()
+    }
+
+    /// The frozen parameters (see [`Op::Parameter`]), in creation order.
+    pub fn frozen_parameters(&self) -> Vec<TensorId> {
+        self.nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Parameter { frozen: true, .. }))
+            .map(|n| n.outputs[0])
+            .collect()
+    }
+
+    /// Whether `t` is a frozen parameter.
+    pub fn is_frozen(&self, t: TensorId) -> bool {
+        matches!(self.producer(t).op, Op::Parameter { frozen: true, .. })
+    }
+
+    /// Freezes every parameter whose name `freeze` accepts (and no other); returns how many
+    /// it froze.
+    pub fn freeze_where(&mut self, freeze: impl Fn(&str) -> bool) -> usize {
+        let mut count = 0;
+        for n in &mut self.nodes {
+            let name = &self.scopes[n.scope.0 as usize];
+            if let Op::Parameter { frozen, .. } = &mut n.op {
+                if !*frozen && freeze(name) {
+                    *frozen = true;
+                    count += 1;
+                }
+            }
+        }
+        count
     }
 
     /// All data inputs in creation order.
@@ -202,9 +242,15 @@ impl Graph {
         self.nodes.iter().filter(|n| matches!(n.op, Op::Input(_))).map(|n| n.outputs[0]).collect()
     }
 
-    /// Number of trainable scalars (tied tensors are one parameter, so counted once).
+    /// Number of parameter scalars, frozen ones included (tied tensors are one parameter, so
+    /// counted once).
     pub fn num_parameters(&self) -> u64 {
         self.parameters().iter().map(|&p| self.meta(p).numel()).sum()
+    }
+
+    /// Number of trainable scalars (those [`Graph::trainable_parameters`] holds).
+    pub fn num_trainable_parameters(&self) -> u64 {
+        self.trainable_parameters().iter().map(|&p| self.meta(p).numel()).sum()
     }
 
     /// Finds a leaf (parameter or input) by its full name.

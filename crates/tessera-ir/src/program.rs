@@ -117,7 +117,7 @@ impl Program {
         for node in &g.nodes {
             let out = node.outputs.first().copied();
             match (&node.op, out) {
-                (Op::Parameter(_), Some(o)) => {
+                (Op::Parameter { .. }, Some(o)) => {
                     role[o.index()] = Role::Parameter;
                     resident[o.index()] = true;
                 }

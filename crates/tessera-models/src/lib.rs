@@ -29,6 +29,7 @@ mod gpt2;
 mod hf;
 mod hf_write;
 mod llama;
+pub mod lora;
 mod mla;
 mod mlp;
 mod moe;

@@ -184,7 +184,7 @@ fn prune(b: Builder, outputs: Vec<TensorId>, inputs: Vec<ImportedInput>) -> Resu
         let scope = g.scope_name(node.scope).to_string();
         nb.set_block(node.block);
         let outs: Vec<TensorId> = match &node.op {
-            tessera_ir::Op::Parameter(meta) => {
+            tessera_ir::Op::Parameter { meta, .. } => {
                 vec![nb.parameter(&scope, meta.shape.clone(), meta.dtype)]
             }
             tessera_ir::Op::Input(meta) => vec![nb.input(&scope, meta.shape.clone(), meta.dtype)],

@@ -163,7 +163,7 @@ fn resident(step: &GenerationStep) -> Resident {
     let last_block_node = g.nodes.iter().rposition(|n| n.block.is_some()).unwrap_or(0);
     for n in &g.nodes {
         let (is_cache, bytes) = match &n.op {
-            tessera_ir::Op::Parameter(m) => (false, m.size_bytes()),
+            tessera_ir::Op::Parameter { meta: m, .. } => (false, m.size_bytes()),
             tessera_ir::Op::KvCache(m) => (true, m.size_bytes()),
             _ => continue,
         };

@@ -490,8 +490,8 @@ impl<'a> LocalForward<'a> {
             self.prefetch(id)?;
             match &node.op {
                 // (A prefetched host parameter was made earlier.)
-                Op::Parameter(_) if self.home[node.outputs[0].index()].is_some() => {}
-                Op::Parameter(_) => self.make_param(node.outputs[0])?,
+                Op::Parameter { .. } if self.home[node.outputs[0].index()].is_some() => {}
+                Op::Parameter { .. } => self.make_param(node.outputs[0])?,
                 Op::Input(_) => {
                     let t = node.outputs[0];
                     let spec = self.first_use(t, &consumers)?;
@@ -607,7 +607,11 @@ impl<'a> LocalForward<'a> {
         if self.on_host.contains(&p) {
             self.b.set_leaf_tier(Tier::Host);
         }
-        let lp = self.b.parameter(&name, m.shape.clone(), m.dtype);
+        let lp = if self.g.is_frozen(p) {
+            self.b.frozen_parameter(&name, m.shape.clone(), m.dtype)
+        } else {
+            self.b.parameter(&name, m.shape.clone(), m.dtype)
+        };
         self.b.set_leaf_tier(Tier::Device);
         self.b.set_block(block);
         // Optimizer state lives on the ZeRO-1/2 shard of the stored parameter.
@@ -615,8 +619,10 @@ impl<'a> LocalForward<'a> {
         if matches!(self.zero, 1 | 2) && !info.zero_axes.is_empty() {
             state.dims[info.zero_dim].extend(info.zero_axes.iter().copied());
         }
-        for kind in StateKind::ALL {
-            self.leaf_specs.push((state_key(&name, kind), state.clone()));
+        if !self.g.is_frozen(p) {
+            for kind in StateKind::ALL {
+                self.leaf_specs.push((state_key(&name, kind), state.clone()));
+            }
         }
         self.leaf_specs.push((name, spec.clone()));
         self.local_params.insert(lp, self.params[&p].clone());

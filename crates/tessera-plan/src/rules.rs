@@ -421,7 +421,7 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             l.inputs = x.iter().map(|m| vec![None; m.shape.rank()]).collect();
             l.outputs = y.iter().map(|m| vec![None; m.shape.rank()]).collect();
         }
-        Op::Parameter(_)
+        Op::Parameter { .. }
         | Op::Input(_)
         | Op::OptimizerState { .. }
         | Op::KvCache(_)

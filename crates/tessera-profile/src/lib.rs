@@ -24,8 +24,10 @@ use tessera_ir::Program;
 /// Everything the profiler knows about one training step.
 #[derive(Clone, Debug, Serialize)]
 pub struct Profile {
-    /// Trainable parameters (tied tensors once).
+    /// Parameters, frozen ones included (tied tensors once).
     pub params: u64,
+    /// The parameters that train (no frozen base): what has gradients and optimizer state.
+    pub trainable_params: u64,
     pub flops: FlopReport,
     pub memory: MemoryReport,
 }
@@ -34,5 +36,11 @@ pub struct Profile {
 pub fn profile(program: &Program) -> Profile {
     let flops = count_flops(program.graph());
     let trace = simulate_memory(program);
-    Profile { params: program.graph().num_parameters(), flops, memory: trace.report }
+    let g = program.graph();
+    Profile {
+        params: g.num_parameters(),
+        trainable_params: g.num_trainable_parameters(),
+        flops,
+        memory: trace.report,
+    }
 }

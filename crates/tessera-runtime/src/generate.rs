@@ -334,7 +334,7 @@ pub fn resident_values(
     let mut made: HashMap<String, Tensor> = HashMap::new();
     let g = &step.program.graph;
     let mut out = Vec::new();
-    for n in g.nodes.iter().filter(|n| matches!(n.op, Op::Parameter(_) | Op::KvCache(_))) {
+    for n in g.nodes.iter().filter(|n| matches!(n.op, Op::Parameter { .. } | Op::KvCache(_))) {
         let t = n.outputs[0];
         let name = g.tensor_scope(t).to_string();
         let meta = g.meta(t);

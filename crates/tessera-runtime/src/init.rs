@@ -30,7 +30,29 @@ const RESIDUAL_PROJECTIONS: [&str; 5] = [
 pub enum InitRule {
     Zeros,
     Ones,
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
+    /// U(−bound, bound): a LoRA `A` as PEFT draws it (`kaiming_uniform_(a=√5)`, whose bound
+    /// is 1/√fan_in).
+    Uniform {
+        bound: f64,
+    },
+}
+
+/// A LoRA parameter's rule by its name (`<module>.lora_A.weight [r, in]`: PEFT's kaiming
+/// uniform; `.lora_B.weight`: zeros, so the adapted model starts as the base), if it is one.
+fn lora_rule(name: &str, dims: &[usize]) -> Option<InitRule> {
+    if name.ends_with(".lora_A.weight") && dims.len() == 2 {
+        return Some(InitRule::Uniform { bound: 1.0 / (dims[1].max(1) as f64).sqrt() });
+    }
+    name.ends_with(".lora_B.weight").then_some(InitRule::Zeros)
+}
+
+/// A uniform in (−1, 1] for element `i` of the stream `key`.
+fn symmetric_unit(seed: u64, key: u64, i: u64) -> f64 {
+    let base = mix(seed ^ mix(key ^ 0x10aa)).wrapping_add(i);
+    2.0 * unit(mix(base)) - 1.0
 }
 
 /// The rule for each parameter of `graph`, in `graph.parameters()` order.
@@ -51,6 +73,9 @@ pub fn init_rules(graph: &Graph) -> Vec<(TensorId, InitRule)> {
                 }
             });
             let name = graph.tensor_scope(p);
+            if let Some(rule) = lora_rule(name, graph.shape(p).dims()) {
+                return (p, rule);
+            }
             let rule = match norm_slot {
                 Some(1) => InitRule::Ones,
                 Some(_) => InitRule::Zeros,
@@ -95,6 +120,13 @@ pub fn init_values(name: &str, numel: usize, rule: InitRule, seed: u64) -> Vec<f
             let key = name_key(name);
             // Each element is keyed by its index, so drawing in parallel changes nothing.
             (0..numel as u64).into_par_iter().map(|i| (std * normal(seed, key, i)) as f32).collect()
+        }
+        InitRule::Uniform { bound } => {
+            let key = name_key(name);
+            (0..numel as u64)
+                .into_par_iter()
+                .map(|i| (bound * symmetric_unit(seed, key, i)) as f32)
+                .collect()
         }
     }
 }
@@ -149,6 +181,17 @@ pub fn init_shard(
                 .map(|k| {
                     let g = global_index(k, &lstrides, base, &strides);
                     (std * normal(seed, key, g)) as f32
+                })
+                .collect()
+        }
+        InitRule::Uniform { bound } => {
+            let key = name_key(name);
+            let lstrides = row_major_strides(&local);
+            (0..numel as u64)
+                .into_par_iter()
+                .map(|k| {
+                    let g = global_index(k, &lstrides, base, &strides);
+                    (bound * symmetric_unit(seed, key, g)) as f32
                 })
                 .collect()
         }

@@ -417,6 +417,28 @@ impl<B: Backend> Trainer<B> {
                 self.exec.write_back(stored, state)?;
             }
         }
+        // Frozen parameters: their value only (no optimizer state, never updated).
+        for p in self.train.graph.frozen_parameters() {
+            let name = self.train.graph.tensor_scope(p).to_string();
+            let value = match state {
+                StartState::Fresh { rules } => {
+                    let rule = *rules
+                        .get(&name)
+                        .ok_or_else(|| binding(format!("no init rule for parameter `{name}`")))?;
+                    let (placement, global) = (self.placement(p), self.global_dims(p)?);
+                    let draw = init_shard(&name, rule, &global, &placement, &self.mesh, self.seed)?;
+                    draw.to_dtype(candle_dtype(self.train.graph.meta(p).dtype))?
+                }
+                StartState::Global { params, .. } => {
+                    self.source_shard(*params, &name, p)?.ok_or_else(|| {
+                        binding(format!(
+                            "no value for frozen parameter `{name}` (checkpoint or init)"
+                        ))
+                    })?
+                }
+            };
+            self.exec.bind(p, value)?;
+        }
         Ok(())
     }
 
@@ -691,6 +713,12 @@ impl<B: Backend> Trainer<B> {
                     self.exec.value(t)?.ok_or_else(|| binding(format!("{key} is not bound")))?;
                 out.push((key, value, self.placement(t), kind));
             }
+        }
+        for p in g.frozen_parameters() {
+            let name = g.tensor_scope(p).to_string();
+            let value =
+                self.exec.value(p)?.ok_or_else(|| binding(format!("{name} is not bound")))?;
+            out.push((name, value, self.placement(p), None));
         }
         Ok(out)
     }

@@ -196,7 +196,7 @@ pub fn eval_outputs(
 /// Leaves whose values the caller provides (`Fill` is the one leaf the interpreter makes).
 fn is_bound_leaf(op: &Op) -> bool {
     match op {
-        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => true,
+        Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => true,
         Op::Fill { .. }
         | Op::CacheWrite
         | Op::SelectPositions
@@ -434,6 +434,16 @@ pub fn init_train_state(
             state.insert(master, p.clone());
         }
     }
+    // Frozen parameters carry no state but their value.
+    for f in train.graph.frozen_parameters() {
+        let p = params.get(&f).ok_or_else(|| {
+            IrError::Graph(format!(
+                "{}: no initial value for this frozen parameter",
+                train.graph.tensor_scope(f)
+            ))
+        })?;
+        state.insert(f, p.clone());
+    }
     Ok(state)
 }
 
@@ -519,7 +529,7 @@ macro_rules! ensure {
 /// need to stay in bounds.
 pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
     let n_inputs = match op {
-        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => {
+        Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => {
             return Err(format!("{} takes its value from the bindings", op.name()))
         }
         // Optional inputs: a start per row (attention over a cache), positions (RoPE).
@@ -577,7 +587,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
     ensure!(x.len() == n_inputs, "expects {n_inputs} input(s), got {}", x.len());
     let one = |v: Value| Ok(vec![v]);
     match op {
-        Op::Parameter(_)
+        Op::Parameter { .. }
         | Op::Input(_)
         | Op::OptimizerState { .. }
         | Op::KvCache(_)

@@ -132,8 +132,14 @@ impl AdamWSpec {
 #[serde(rename_all = "snake_case")]
 pub enum Op {
     // ---- leaves -------------------------------------------------------------------------
-    /// A trainable weight. Its node's scope is its full (Hugging Face) name.
-    Parameter(TensorMeta),
+    /// A weight. Its node's scope is its full (Hugging Face) name. A `frozen` one (a LoRA
+    /// base, `--freeze`) is read like any other but never trained: autodiff computes no
+    /// gradient for it and the training graph gives it no optimizer state.
+    Parameter {
+        meta: TensorMeta,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        frozen: bool,
+    },
     /// Data fed each step: token ids, labels, pixels, the learning rate, the RNG seed.
     Input(TensorMeta),
     /// Optimizer state of the parameter given as the node's only input.
@@ -500,7 +506,7 @@ impl Op {
     /// Short name used in errors and printed graphs.
     pub fn name(&self) -> &'static str {
         match self {
-            Op::Parameter(_) => "parameter",
+            Op::Parameter { .. } => "parameter",
             Op::Input(_) => "input",
             Op::OptimizerState { .. } => "optimizer_state",
             Op::Fill { .. } => "fill",
@@ -575,7 +581,10 @@ impl Op {
 
     /// Leaves whose values the caller binds (everything but constants).
     pub fn is_bound(&self) -> bool {
-        matches!(self, Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_))
+        matches!(
+            self,
+            Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_)
+        )
     }
 
     /// Ops of inference Programs only (no VJP, no training use).
@@ -599,7 +608,7 @@ impl Op {
             | Op::CrossEntropy { .. }
             | Op::LinearCrossEntropy { .. }
             | Op::TiledMlp(_)
-            | Op::Parameter(_)
+            | Op::Parameter { .. }
             | Op::Input(_)
             | Op::OptimizerState { .. }
             | Op::KvCache(_)
@@ -661,7 +670,9 @@ impl Op {
     /// Output metas for the given input metas, or the reason they do not fit.
     pub fn infer(&self, x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
         match self {
-            Op::Parameter(m) | Op::Input(m) | Op::Fill { meta: m, .. } => leaf::infer(x, m, 0),
+            Op::Parameter { meta: m, .. } | Op::Input(m) | Op::Fill { meta: m, .. } => {
+                leaf::infer(x, m, 0)
+            }
             Op::OptimizerState { meta, .. } => leaf::infer(x, meta, 1),
             Op::KvCache(m) => leaf::infer(x, m, 0),
             Op::CacheWrite => infer::infer_cache_write(x),
@@ -742,7 +753,7 @@ impl Op {
     /// FLOPs of one application with these input and output metas.
     pub fn flops(&self, x: &[&TensorMeta], y: &[&TensorMeta]) -> Flops {
         match self {
-            Op::Parameter(_)
+            Op::Parameter { .. }
             | Op::Input(_)
             | Op::OptimizerState { .. }
             | Op::Fill { .. }
@@ -814,7 +825,7 @@ impl Op {
         let written: u64 = y.iter().map(|m| m.size_bytes()).sum();
         match self {
             Op::Reshape(_) | Op::Expand(_) => 0,
-            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => 0,
+            Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => 0,
             // Reads the new rows and writes them into the cache.
             Op::CacheWrite => 2 * x[1].size_bytes(),
             Op::SelectPositions => 2 * written,
@@ -895,7 +906,7 @@ impl Op {
             Op::CacheWrite => Some(0),
             Op::Reshard(spec) => spec.is_view().then_some(0),
             Op::Send(_) | Op::Recv(..) | Op::Transfer { .. } => None,
-            Op::Parameter(_)
+            Op::Parameter { .. }
             | Op::Input(_)
             | Op::OptimizerState { .. }
             | Op::Fill { .. }
@@ -985,7 +996,7 @@ impl Op {
             Op::Send(_)
             | Op::Recv(..)
             | Op::Transfer { .. }
-            | Op::Parameter(_)
+            | Op::Parameter { .. }
             | Op::Input(_)
             | Op::OptimizerState { .. }
             | Op::Fill { .. }
@@ -1032,7 +1043,7 @@ impl Op {
     pub fn differentiable_inputs(&self, num_inputs: usize) -> Vec<bool> {
         let all = |b: bool| vec![b; num_inputs];
         match self {
-            Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. } => {
+            Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::Fill { .. } => {
                 all(false)
             }
             // Inference ops are never differentiated.
@@ -1119,7 +1130,7 @@ impl Op {
     /// given the gradients reaching its outputs.
     pub(crate) fn vjp(&self, cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Grad>>> {
         match self {
-            Op::Parameter(_)
+            Op::Parameter { .. }
             | Op::Input(_)
             | Op::OptimizerState { .. }
             | Op::Fill { .. }

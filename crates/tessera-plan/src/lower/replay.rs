@@ -116,7 +116,7 @@ pub(crate) fn replay_tagged(
                 map.get(t).or_else(|| shared.get(t)).copied().unwrap_or(*t)
             };
             let outs = match &n.op {
-                Op::Parameter(_) | Op::OptimizerState { .. } => {
+                Op::Parameter { .. } | Op::OptimizerState { .. } => {
                     if k == 0 {
                         let ins: Vec<TensorId> = n.inputs.iter().map(|t| look(t, &map)).collect();
                         let o = push(&mut b, n, &ins)?;

@@ -41,7 +41,7 @@ pub fn simulate_time(
             // optimizer's collectives run beside the compute, as DDP/FSDP buckets do.
             let is_grad =
                 |t: TensorId| p.role[p.buffer_of[t.index()].index()] == tessera_ir::Role::Gradient;
-            let on_param = matches!(g.producer(n.inputs[0]).op, Op::Parameter(_))
+            let on_param = matches!(g.producer(n.inputs[0]).op, Op::Parameter { .. })
                 || n.phase == Phase::Optimizer
                 || is_grad(n.inputs[0])
                 || is_grad(n.outputs[0]);

@@ -108,7 +108,7 @@ pub fn device_costs(
             // State scales with the parameters it belongs to (one ZeRO stage for all).
             let (mut in_blocks, mut all) = (0.0, 0.0);
             for n in &g.nodes {
-                if let Op::Parameter(_) = n.op {
+                if let Op::Parameter { .. } = n.op {
                     let b = g.meta(n.outputs[0]).size_bytes() as f64;
                     all += b;
                     if n.block.is_some() {

@@ -173,7 +173,7 @@ fn slots_of(
     for (i, node) in g.nodes.iter().enumerate() {
         let tag = tags.get(i).copied().unwrap_or_default();
         let Some(k) = tag.micro_batch else { continue };
-        if matches!(node.op, Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. }) {
+        if matches!(node.op, Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. }) {
             continue;
         }
         let chunk = tag.origin.map_or(0, |o| chunks.get(o.index()).copied().unwrap_or(0));
@@ -243,7 +243,11 @@ fn reorder(
     let mut groups: Vec<Vec<usize>> = vec![Vec::new(); order.len() + 2];
     for (i, node) in g.nodes.iter().enumerate() {
         let group = match slot_of[i] {
-            _ if matches!(node.op, Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. }) => {
+            _ if matches!(
+                node.op,
+                Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. }
+            ) =>
+            {
                 0
             }
             Some(s) => {
@@ -434,7 +438,7 @@ pub(crate) fn node_seconds(
             let input = g.meta(n.inputs[0]);
             let is_grad =
                 |t: TensorId| p.role[p.buffer_of[t.index()].index()] == tessera_ir::Role::Gradient;
-            let on_param = matches!(g.producer(n.inputs[0]).op, Op::Parameter(_))
+            let on_param = matches!(g.producer(n.inputs[0]).op, Op::Parameter { .. })
                 || is_grad(n.inputs[0])
                 || is_grad(n.outputs[0]);
             if on_param {

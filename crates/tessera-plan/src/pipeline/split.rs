@@ -104,7 +104,7 @@ pub(crate) fn assign(g: &Graph, map: &StageMap) -> Result<Vec<Place>> {
     for (i, node) in g.nodes.iter().enumerate() {
         if node.op.is_leaf() && !matches!(node.op, Op::Fill { .. }) {
             place[i] = Place::Leaf;
-            has_param[i] = matches!(node.op, Op::Parameter(_));
+            has_param[i] = matches!(node.op, Op::Parameter { .. });
             continue;
         }
         let mut latest: Option<usize> = None;
@@ -153,7 +153,7 @@ fn param_homes(g: &Graph, place: &[Place]) -> HashMap<TensorId, usize> {
     for (node, &at) in g.nodes.iter().zip(place) {
         let Place::Stage(s) = at else { continue };
         for &t in &node.inputs {
-            if matches!(g.producer(t).op, Op::Parameter(_)) {
+            if matches!(g.producer(t).op, Op::Parameter { .. }) {
                 let e = home.entry(t).or_insert(s);
                 *e = (*e).min(s);
             }
@@ -314,7 +314,7 @@ fn device_forward(
                 b.set_block(node.block);
                 let v = b.push1(node.op.clone(), &[]).map_err(internal)?;
                 chunk_of.resize(b.graph.nodes.len(), 0);
-                if matches!(node.op, Op::Parameter(_)) {
+                if matches!(node.op, Op::Parameter { .. }) {
                     params.insert(t, v);
                 }
                 leaves.insert(t, v);

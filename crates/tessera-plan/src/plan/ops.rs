@@ -148,7 +148,7 @@ fn from_parameter(g: &Graph, mut t: tessera_ir::TensorId) -> bool {
     for _ in 0..4 {
         let p = g.producer(t);
         match p.op {
-            Op::Parameter(_) => return true,
+            Op::Parameter { .. } => return true,
             Op::Cast(_) | Op::Reshape(_) | Op::Expand(_) => t = p.inputs[0],
             _ => return false,
         }

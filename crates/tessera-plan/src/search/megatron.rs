@@ -320,7 +320,7 @@ fn weight_param(g: &Graph, t: tessera_ir::TensorId) -> Option<tessera_ir::Tensor
     loop {
         let p = &g.nodes[g.tensor(t).producer.index()];
         match &p.op {
-            Op::Parameter(_) => return Some(t),
+            Op::Parameter { .. } => return Some(t),
             Op::Cast(_) | Op::Reshape(_) | Op::Permute(_) if p.inputs.len() == 1 => t = p.inputs[0],
             _ => return None,
         }

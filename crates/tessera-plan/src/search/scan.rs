@@ -34,7 +34,7 @@ pub fn resting_floor(p: &Problem0<'_>, micro_batch: usize, devices: usize) -> Re
     let total: f64 = g
         .nodes
         .iter()
-        .filter(|n| matches!(n.op, Op::Parameter(_)))
+        .filter(|n| matches!(n.op, Op::Parameter { .. }))
         .flat_map(|n| &n.outputs)
         .map(|&t| {
             let meta = g.meta(t);

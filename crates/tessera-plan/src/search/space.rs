@@ -419,7 +419,7 @@ pub(super) fn build_problem(
                 tp[s] += node.op.workspace_bytes(&xr) as f64;
                 // Parameters this node reads first: their states, and their gradient traffic.
                 for (k, &t) in node.inputs.iter().enumerate() {
-                    if !matches!(g.producer(t).op, Op::Parameter(_))
+                    if !matches!(g.producer(t).op, Op::Parameter { .. })
                         || consumers[t.index()].first() != Some(&NodeId(i as u32))
                     {
                         continue;

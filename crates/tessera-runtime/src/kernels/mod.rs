@@ -47,7 +47,7 @@ pub fn execute(op: &Op, x: &[&Tensor], out: &[TensorMeta]) -> Result<Vec<Tensor>
 pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> Result<Vec<Tensor>> {
     let one = |t: Tensor| Ok(vec![t]);
     match op {
-        Op::Parameter(_) | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => Err(
+        Op::Parameter { .. } | Op::Input(_) | Op::OptimizerState { .. } | Op::KvCache(_) => Err(
             RuntimeError::Binding(format!("{} is a leaf: bind it, do not execute it", op.name())),
         ),
         Op::Fill { value, meta } => one(elementwise::fill(*value, meta)?),
