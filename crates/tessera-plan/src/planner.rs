@@ -116,20 +116,16 @@ impl Request<'_> {
     }
 }
 
-/// A config's mesh: `[dp, tp]`, or with hybrid sharding (`shard=N`) `[dp/N, N, tp]`, the
-/// first axis holding the replicas; the tensor axis is always the last.
+/// A config's mesh, its axes' ([`crate::axis::stage_mesh`]): `[dp, tp]`, `[dp, cp, tp]` with
+/// context parallelism, or with hybrid sharding (`shard=N`) `[dp/N, N, tp]`, the first axis
+/// holding the replicas; the tensor axis is always the last.
 fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     cfg.check_devices(cluster.num_devices())?;
-    match cfg.shard {
-        Some(n) => {
-            let names = [AxisName::Replica, AxisName::Data, AxisName::Tensor];
-            Ok(Mesh::named(cluster, &[cfg.replicas(), n, cfg.tp], &names)?.with_replicas(&[0]))
-        }
-        None => {
-            let (shape, names) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
-            Mesh::named(cluster, &shape, &names)
-        }
-    }
+    let (shape, names) = crate::axis::stage_mesh(cfg);
+    let replicas: Vec<usize> =
+        (0..names.len()).filter(|&a| names[a] == AxisName::Replica).collect();
+    let mesh = Mesh::named(cluster, &shape, &names)?;
+    Ok(if replicas.is_empty() { mesh } else { mesh.with_replicas(&replicas) })
 }
 
 /// Evaluates a fixed configuration (the best plan within it): every knob as `cfg` holds it,
@@ -537,7 +533,11 @@ fn lower_plan_as_built(
     }
     let mesh = match &file.pipeline {
         // One stage's mesh: the strategies' axes.
-        Some(pj) => crate::pipeline::plan::meshes(&req.cluster, &file.mesh.shape, pj.devices)?.0,
+        Some(pj) => {
+            use crate::pipeline::plan as pplan;
+            let names = pplan::file_stage_names(&file.mesh.shape);
+            pplan::meshes(&req.cluster, &file.mesh.shape, names, pj.devices)?.0
+        }
         None => Mesh::new(
             &req.cluster,
             &file.mesh.shape,
@@ -599,7 +599,12 @@ fn lower_pipeline_file(
     ckpt: tessera_ir::Checkpointing,
 ) -> Result<Executable> {
     use crate::pipeline::plan as pplan;
-    let (stage, full) = pplan::meshes(&req.cluster, &file.mesh.shape, pj.devices)?;
+    let (stage, full) = pplan::meshes(
+        &req.cluster,
+        &file.mesh.shape,
+        pplan::file_stage_names(&file.mesh.shape),
+        pj.devices,
+    )?;
     let map = crate::pipeline::split::StageMap::from_sizes(&pj.sizes(), pj.devices, stage.ndim())?;
     let r = pplan::PipelineRequest {
         forward: &fwd.graph,

@@ -3,6 +3,7 @@
 
 use super::{parallel_map, Request};
 use crate::config::ParallelConfig;
+use crate::mesh::AxisName;
 use crate::pipeline::search::{self as psearch, Screened, Shape};
 use crate::plan::{BaselineJson, Plan};
 use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Problem0};
@@ -45,8 +46,8 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
     let fwd = (req.build)(req.batch / mb)?;
     let nb = tessera_ir::remat::num_blocks(&fwd.graph) as usize;
     cfg.check_pipeline(nb, Some(mb))?;
-    let (stage_shape, _) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
-    let (stage, full) = pplan::meshes(&req.cluster, &stage_shape, cfg.pp)?;
+    let (stage_shape, stage_names) = crate::axis::stage_mesh(cfg);
+    let (stage, full) = pplan::meshes(&req.cluster, &stage_shape, &stage_names, cfg.pp)?;
     // The stage's layout: Megatron's on its mesh, whatever the memory (the pipeline is priced
     // and checked below).
     // One micro-batch suffices to choose it (the layout is per forward node, the same for
@@ -197,8 +198,12 @@ pub fn best_in(req: &Request<'_>, bound: f64, space: &PipeSpace<'_>) -> Result<P
     let budget = req.budget as f64;
     let screened = parallel_map(&items, |(shape, size)| -> Result<Vec<Screened>> {
         let p = &problems[&(shape.dp * size)];
-        let (stage, full) =
-            crate::pipeline::plan::meshes(&req.cluster, &[shape.dp, shape.tp], shape.pp)?;
+        let (stage, full) = crate::pipeline::plan::meshes(
+            &req.cluster,
+            &[shape.dp, shape.tp],
+            &[AxisName::Data, AxisName::Tensor],
+            shape.pp,
+        )?;
         let m = req.batch / (shape.dp * size);
         let link = full.links.last().ok_or_else(|| PlanError::Internal("no mesh axes".into()))?;
         let link = link.p2p(shape.pp);

@@ -79,7 +79,7 @@ pub(super) enum Job {
     Free(Mesh),
     /// A Megatron-style `dp × cp × tp` configuration (sequence parallel on or off), ZeRO over
     /// every data-parallel rank or, with `shard`, within groups of that many (hybrid
-    /// sharding); `cp` > 1 only for long sequences ([`crate::context::grid`]).
+    /// sharding); `cp` > 1 only for long sequences (the axes' grids, [`crate::axis::grid`]).
     Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize },
 }
 
@@ -375,7 +375,14 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
         }
     }
     // Context parallelism, for long sequences only (the grid of short ones stays as fast).
-    for (dp, cp, tp) in crate::context::grid(n, req.cluster.gpus_per_node, req.seq) {
+    let cx = crate::axis::GridContext {
+        devices: n,
+        gpus_per_node: req.cluster.gpus_per_node,
+        nodes: req.cluster.nodes,
+        seq: req.seq,
+    };
+    for cfg in crate::axis::grid(&cx) {
+        let (dp, cp, tp) = (cfg.dp, cfg.cp, cfg.tp);
         for sp in [false, true] {
             if !(sp && tp == 1) {
                 jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp });

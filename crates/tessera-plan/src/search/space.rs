@@ -20,6 +20,7 @@
 //!   misses the budget the ILP is solved again under a tighter one.
 
 use super::{AxisRule, Candidate, Forward, Problem0};
+use crate::axis::{Axis, PinContext, AXES};
 use crate::ilp::{Choice, Edge, MemRow, Problem};
 use crate::reshard::ReshardCache;
 use crate::rules::{label_roles, labeling, local_meta, strategies, DimRole, Labeling, Strategy};
@@ -155,27 +156,41 @@ impl<'g> Space<'g> {
         }
 
         let live_axes: Vec<usize> = (0..mesh.ndim()).filter(|&a| mesh.shape[a] > 1).collect();
-        // A config's mesh: data-parallel axes, then the context-parallel axis (with `cpN`),
-        // then the tensor axis last.
+        // A config's mesh: data-parallel axes, then the axes that pin what they split (the
+        // context-parallel axis with `cpN`), then the tensor axis last.
         let tp_axis = mesh.ndim().saturating_sub(1);
-        let cp_axis = match rule {
-            AxisRule::Megatron { cp: true, .. } => Some(crate::context::cp_axis(mesh)),
-            _ => None,
-        };
-        let data_axes: Vec<usize> =
-            live_axes.iter().copied().filter(|&a| a != tp_axis && Some(a) != cp_axis).collect();
-        // The context-parallel axis splits every sequence, and attention's heads.
-        let cp_pins = match cp_axis {
-            Some(a) => {
-                let roles = context_roles(g, &labels);
-                let tp = mesh.shape[tp_axis];
-                match crate::context::cp_pins(g, &labels, &roles, mesh.shape[a], tp) {
-                    Ok(pins) => Some(pins),
+        // Each registered axis that pins ([`crate::axis::Axis::pins`]) and has a mesh axis
+        // here, in registry order: (the axis, its mesh axis, its label per node).
+        let mut pinned: Vec<(&dyn Axis, usize, Vec<Option<usize>>)> = Vec::new();
+        if let AxisRule::Megatron { sp, .. } = rule {
+            let seq_roles = context_roles(g, &labels);
+            for &axis in AXES {
+                let Some(a) = axis.pinned_axis().and_then(|name| mesh.axis(name)) else {
+                    continue;
+                };
+                if a == tp_axis {
+                    continue;
+                }
+                let mut cx = PinContext {
+                    graph: g,
+                    labels: &mut labels,
+                    roles: &roles,
+                    seq_roles: &seq_roles,
+                    mesh,
+                    axis: a,
+                    sp: *sp,
+                };
+                match axis.pins(&mut cx) {
+                    Ok(pins) => pinned.push((axis, a, pins)),
                     Err(why) => return Ok(Space::unsplittable(g, why)),
                 }
             }
-            None => None,
-        };
+        }
+        let data_axes: Vec<usize> = live_axes
+            .iter()
+            .copied()
+            .filter(|&a| a != tp_axis && pinned.iter().all(|p| p.1 != a))
+            .collect();
         // A config string's tensor axis splits what Megatron-LM's layout splits, op by op.
         let tp_pins = match rule {
             AxisRule::Megatron { sp, .. } if live_axes.contains(&tp_axis) => {
@@ -222,10 +237,10 @@ impl<'g> Space<'g> {
                     AxisRule::Megatron { .. } if a == tp_axis => {
                         tp_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
                     }
-                    AxisRule::Megatron { .. } if Some(a) == cp_axis => {
-                        cp_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
-                    }
-                    AxisRule::Megatron { .. } => lab_role[lab] == DimRole::Batch,
+                    AxisRule::Megatron { .. } => match pinned.iter().find(|p| p.1 == a) {
+                        Some((_, _, pins)) => pins[i] == Some(lab),
+                        None => lab_role[lab] == DimRole::Batch,
+                    },
                 }
             };
             let mut all = strategies(l, &x, &y, mesh, &allow);
@@ -236,21 +251,23 @@ impl<'g> Space<'g> {
                 if has_batch {
                     all.retain(|s| data_axes.iter().all(|&a| s.axis_labels[a].is_some()));
                 }
-                // The context-parallel axis splits exactly its pinned label, heads tp-major.
-                if let (Some(a), Some(lab)) = (cp_axis, cp_pins.as_ref().and_then(|p| p[i])) {
-                    all.retain(|s| s.axis_labels[a] == Some(lab));
+                // A pinning axis splits exactly its pinned label (the context-parallel axis:
+                // heads tp-major, its `order_strategy`).
+                for (axis, a, pins) in &pinned {
+                    let Some(lab) = pins[i] else { continue };
+                    all.retain(|s| s.axis_labels[*a] == Some(lab));
                     if all.is_empty() {
                         let why = format!(
-                            "{} ({}) cannot be split over the context-parallel axis on the mesh \
-                             {:?}",
+                            "{} ({}) cannot be split over {} on the mesh {:?}",
                             g.scope_name(node.scope),
                             node.op.name(),
+                            axis.pin_miss(),
                             mesh.shape
                         );
                         return Ok(Space::unsplittable(g, why));
                     }
                     for s in &mut all {
-                        crate::context::order_heads(s, node, a, tp_axis);
+                        axis.order_strategy(s, node, mesh, *a);
                     }
                 }
                 // The tensor axis splits exactly Megatron's label.

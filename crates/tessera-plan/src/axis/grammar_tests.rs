@@ -1,7 +1,10 @@
 //! Tests of the config-string grammar: parsing, the canonical form, validation and the
 //! flags it maps to.
 
-use super::*;
+use super::grammar::GRAMMAR;
+use crate::config::layout::ScheduleKind;
+use crate::config::{CpComm, LossMode, MlpMode, ParallelConfig, Pins};
+use tessera_ir::CkptMode;
 
 fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> ParallelConfig {
     ParallelConfig::new(dp, tp).with_zero(zero).with_micro_batches(micro_batches).with_sp(sp)
@@ -458,7 +461,7 @@ fn context_parallel_tokens_parse_and_print_canonically() {
     assert_eq!((c.cp, c.cp_comm), (2, None));
     assert_eq!(c.canonical(), "dp1 tp1 cp2 cp=a2a");
     let c = ParallelConfig::parse("zero3 CP4 cp=A2A dp2 tp2 sp pp2 mb4").unwrap();
-    assert_eq!((c.cp, c.cp_comm), (4, Some(crate::context::CpComm::A2a)));
+    assert_eq!((c.cp, c.cp_comm), (4, Some(CpComm::A2a)));
     assert_eq!(c.canonical(), "dp2 tp2 cp4 cp=a2a pp2 sp zero3 mb4");
     assert_eq!(c.devices(), 2 * 4 * 2 * 2);
     for s in ["cp2", "dp2 cp2 zero1", "tp2 cp2 sp ckpt=full", "cp4 pp2 mb2", "cp1 dp2"] {
