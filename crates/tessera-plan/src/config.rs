@@ -396,4 +396,3 @@ impl FromStr for ParallelConfig {
         ParallelConfig::parse(s)
     }
 }
-

@@ -166,8 +166,8 @@ impl ParallelConfig {
     pub fn megatron_args(&self) -> Vec<String> {
         match export_fields(Engine::Megatron, self) {
             ExportFields::Args(args) => args.into_iter().map(|(_, a)| a).collect(),
-            // Megatron-LM runs every axis (no axis refuses it); were one to, its flags are
-            // the ones before it.
+            // No axis refuses Megatron-LM; the export (`export::megatron`) asks the registry
+            // first and reports a refusal by name, so none reaches here.
             ExportFields::Refused { .. } => Vec::new(),
         }
     }

@@ -607,3 +607,31 @@ fn the_builder_makes_what_the_grammar_parses_and_serde_reads_it_back() {
     let bad = ParallelConfig::new(2, 4).with_micro_batches(0);
     assert!(bad.validate().unwrap_err().to_string().contains("at least 1"));
 }
+
+#[test]
+fn validation_errors_are_typed_by_kind_with_the_messages_users_read() {
+    use crate::{ConfigError, PlanError};
+    let sp = ParallelConfig::new(2, 1).with_sp(true).validate();
+    assert!(matches!(sp, Err(ConfigError::Requires { knob: "sp", needs: "tp", .. })), "{sp:?}");
+    let zero = ParallelConfig::new(0, 1).validate();
+    assert!(matches!(zero, Err(ConfigError::Zero { knob: "dp", .. })), "{zero:?}");
+    let stage = ParallelConfig::new(2, 1).with_zero(4).validate();
+    assert!(matches!(stage, Err(ConfigError::OutOfRange { knob: "zero", .. })), "{stage:?}");
+    let cp_shard = ParallelConfig::new(4, 1).with_cp(2).with_zero(1).with_shard(Some(2));
+    let e = cp_shard.validate().expect_err("cp with shard= is refused");
+    assert_eq!(e.knob(), "cp");
+    assert!(matches!(e, ConfigError::Unsupported { with: "shard", .. }), "{e:?}");
+    // A parsed string's error carries the string and reads as before.
+    match ParallelConfig::parse("dp2 sp") {
+        Err(PlanError::Config { config: Some(c), error }) => {
+            assert_eq!(c, "dp2 sp");
+            assert_eq!(error.knob(), "sp");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        err("dp2 sp"),
+        "config `dp2 sp`: sp shards the sequence over the tensor-parallel axis: add tpN with \
+         N > 1"
+    );
+}

@@ -6,7 +6,7 @@ use crate::config::ParallelConfig;
 use crate::mesh::AxisName;
 use crate::pipeline::search::{self as psearch, Screened, Shape};
 use crate::plan::{BaselineJson, Plan};
-use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Problem0};
+use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Search};
 use crate::{PlanError, Result};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -53,8 +53,8 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
     // One micro-batch suffices to choose it (the layout is per forward node, the same for
     // every micro-batch), and is mb times cheaper to lower than all of them.
     let mut p = req.problem();
-    p.ckpt = CkptSearch::Off;
-    p.batch = req.batch / mb;
+    p.problem.ckpt = CkptSearch::Off;
+    p.problem.batch = req.batch / mb;
     let cand = Candidate {
         mesh: stage.clone(),
         rule: AxisRule::Megatron { sp: cfg.sp, cp: cfg.cp > 1 },
@@ -89,7 +89,7 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
         map,
         schedule,
     };
-    let lowered = pplan::lower_pipelined(&r, &p.cost)?;
+    let lowered = pplan::lower_pipelined(&r, &p.problem.cost)?;
     Ok(FixedLowered { lowered, full, stage: e })
 }
 
@@ -186,12 +186,12 @@ pub fn best_in(req: &Request<'_>, bound: f64, space: &PipeSpace<'_>) -> Result<P
     }
     // One problem per micro-batch's global size (dp · size sequences): its forward graph and
     // ILP caches are shared by the shapes that need it.
-    let mut problems: BTreeMap<usize, Problem0<'_>> = BTreeMap::new();
+    let mut problems: BTreeMap<usize, Search<'_>> = BTreeMap::new();
     for (s, size) in &items {
         problems.entry(s.dp * size).or_insert_with(|| {
             let mut p = req.problem();
-            p.batch = s.dp * size;
-            p.ckpt = CkptSearch::Off;
+            p.problem.batch = s.dp * size;
+            p.problem.ckpt = CkptSearch::Off;
             p
         });
     }

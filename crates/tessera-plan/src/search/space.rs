@@ -19,7 +19,7 @@
 //!   activations of all. The exact peak comes from simulating the lowered Program; if it
 //!   misses the budget the ILP is solved again under a tighter one.
 
-use super::{AxisRule, Candidate, Forward, Problem0};
+use super::{AxisRule, Candidate, Forward, Search};
 use crate::axis::{Axis, PinContext, AXES};
 use crate::ilp::{Choice, Edge, MemRow, Problem};
 use crate::reshard::ReshardCache;
@@ -366,7 +366,7 @@ pub(super) fn optimizer_bytes_per_elem(dtype: DType) -> f64 {
 }
 
 pub(super) fn build_problem(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     cand: &Candidate,
     fwd: &Forward,
     space: &Space<'_>,
@@ -421,7 +421,7 @@ pub(super) fn build_problem(
                 };
                 let xr: Vec<&TensorMeta> = x.iter().collect();
                 let yr: Vec<&TensorMeta> = y.iter().collect();
-                let fwd_t = p.cost.op_time(&node.op, &xr, &yr);
+                let fwd_t = p.problem.cost.op_time(&node.op, &xr, &yr);
                 let bwd =
                     if matches!(node.op, Op::MatMul { .. } | Op::Attention(_)) { 2.0 } else { 1.0 };
                 c[s] += fwd_t * (1.0 + bwd) * mbf;
@@ -464,12 +464,12 @@ pub(super) fn build_problem(
                         let grads = if eager_grads { 0.0 } else { eb / gdiv };
                         st[s] += elems * (eb / pdiv + grads);
                         let moved = (share as f64 * eb) as u64;
-                        c[s] += p.cost.offloaded_step_time(share, moved, moved);
+                        c[s] += p.problem.cost.offloaded_step_time(share, moved, moved);
                     } else {
                         st[s] += elems
                             * (eb / pdiv + eb / gdiv + optimizer_bytes_per_elem(meta.dtype) / odiv);
                         // The update runs on this device's share of the optimizer state.
-                        c[s] += p.cost.optimizer_step_time(share, meta.dtype);
+                        c[s] += p.problem.cost.optimizer_step_time(share, meta.dtype);
                     }
                     // Gradient sync over the pending axes (ring all-reduce ≈ reduce-scatter +
                     // all-gather); ZeRO-3 also gathers the weight in forward and backward.
@@ -511,9 +511,9 @@ pub(super) fn build_problem(
     // the mesh, the rule and the micro-batch count only (not the ZeRO stage, the offload or
     // the budget), so the candidates that differ in those share them ([`EdgeCache`]).
     let key = (mesh.clone(), cand.rule.clone(), cand.micro_batches);
-    let edges = match p.graphs.edges.get(&key) {
+    let edges = match p.state.graphs.edges.get(&key) {
         Some(edges) => edges,
-        None => p.graphs.edges.insert(key, edge_costs(g, mesh, space, reshard, mbf)),
+        None => p.state.graphs.edges.insert(key, edge_costs(g, mesh, space, reshard, mbf)),
     };
     let mut edge_list = Vec::new();
     for (&(a, b), cost) in edges.iter() {
@@ -558,7 +558,7 @@ pub(super) fn build_problem(
 pub(super) type EdgeCosts = HashMap<(usize, usize), Vec<Vec<f64>>>;
 
 /// Edge costs already built, per (mesh, axis rule, micro-batch count) of one search
-/// ([`Problem0`]'s graphs are fixed): a job's ZeRO stages, and the most frugal layout's ILP,
+/// ([`Search`]'s graphs are fixed): a job's ZeRO stages, and the most frugal layout's ILP,
 /// build the same edges, the costliest part of a 2-D mesh's ILP (every reshard path).
 #[derive(Default)]
 pub struct EdgeCache(std::sync::Mutex<Vec<(EdgeKey, std::sync::Arc<EdgeCosts>)>>);
