@@ -282,6 +282,10 @@ fn error_json(e: &anyhow::Error, message: &str) -> serde_json::Value {
             error["hint"] = hint.as_str().into();
         }
         Some(PlanError::Invalid(_)) => error["kind"] = "invalid".into(),
+        Some(PlanError::Config { error: e, .. }) => {
+            error["kind"] = "invalid".into();
+            error["knob"] = e.knob().into();
+        }
         Some(PlanError::Internal(_)) => error["kind"] = "internal".into(),
         None => error["kind"] = "failed".into(),
     }

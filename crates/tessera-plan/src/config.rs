@@ -1,5 +1,8 @@
 //! Parallelism config strings: one grammar and one type ([`ParallelConfig`]) for the CLI, plan
-//! files, explanations and tests.
+//! files, explanations and tests. The type and its builder are here; the grammar's code is the
+//! axes' ([`crate::axis`]: each axis parses, checks and spells its own tokens, and
+//! `axis/grammar.rs` runs [`ParallelConfig::parse`], `validate`, `canonical` and the Megatron
+//! flags over them).
 //!
 //! ```text
 //! config := token ((' ' | '+')+ token)*          case-insensitive, each kind at most once
@@ -128,7 +131,7 @@ pub struct ParallelConfig {
     /// How the cp axis exchanges keys and values (`None`: the default, all-to-all). Only with
     /// cp > 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cp_comm: Option<crate::context::CpComm>,
+    pub cp_comm: Option<CpComm>,
     /// The LM head and its loss, whole or in row chunks (`loss=`); `None`: the planner's
     /// choice ([`crate::loss_chunk::choose`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -163,7 +166,7 @@ impl MlpMode {
         }
     }
 
-    fn parse(raw: &str, value: &str) -> std::result::Result<MlpMode, String> {
+    pub(crate) fn parse(raw: &str, value: &str) -> std::result::Result<MlpMode, String> {
         if value == "whole" {
             return Ok(MlpMode::Whole);
         }
@@ -181,6 +184,23 @@ impl fmt::Display for MlpMode {
         match self {
             MlpMode::Whole => write!(f, "whole"),
             MlpMode::Tile(n) => write!(f, "tile{n}"),
+        }
+    }
+}
+
+/// How the cp axis exchanges what attention needs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpComm {
+    /// All-to-all (Ulysses): sequence-split to head-split around attention and back.
+    #[default]
+    A2a,
+}
+
+impl fmt::Display for CpComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CpComm::A2a => f.write_str("a2a"),
         }
     }
 }
@@ -208,7 +228,7 @@ impl LossMode {
         }
     }
 
-    fn parse(raw: &str, value: &str) -> std::result::Result<LossMode, String> {
+    pub(crate) fn parse(raw: &str, value: &str) -> std::result::Result<LossMode, String> {
         if value == "whole" {
             return Ok(LossMode::Whole);
         }
@@ -257,7 +277,7 @@ impl Pins {
         Pins { micro_batches: true, sp: true, schedule: true, ckpt: true, offload: true };
 
     /// The pins of the token kinds a parse saw.
-    fn written(seen: &[&str]) -> Pins {
+    pub(crate) fn written(seen: &[&str]) -> Pins {
         let has = |k: &str| seen.contains(&k);
         Pins {
             micro_batches: has("mb"),
@@ -287,16 +307,6 @@ fn is_one(n: &usize) -> bool {
     *n == 1
 }
 
-const GRAMMAR: &str = "a config is tokens dpN, tpN, cpN (cp=a2a), ppN, zeroK (K = 0..3), mbN, \
-                       sp or sp=off, ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 \
-                       and stages=N[:MODE],... (with ppN, N > 1), \
-                       offload=[act+]opt|grads+opt|all[:K/16]|act|none, nvme, shard=N and \
-                       loss=whole|chunkN, mlp=whole|tileN, separated by spaces or +, e.g. \
-                       `dp2 tp4 sp zero1 mb4 ckpt=selective` or `dp2 tp2 pp4 mb8 sched=1f1b`";
-
-/// The schedules' spellings, for messages.
-const SCHEDULES: &str = "gpipe, 1f1b, interleaved:V (V >= 2 chunks per device) and zb-h1";
-
 impl Default for ParallelConfig {
     fn default() -> ParallelConfig {
         ParallelConfig {
@@ -321,347 +331,6 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
-    /// Parses and validates a config string (see the module docs); the knobs it does not
-    /// write hold their defaults.
-    pub fn parse(s: &str) -> Result<ParallelConfig> {
-        ParallelConfig::parse_pinned(s).map(|(cfg, _)| cfg)
-    }
-
-    /// [`ParallelConfig::parse`], with which of the planner's free knobs the string writes.
-    pub fn parse_pinned(s: &str) -> Result<(ParallelConfig, Pins)> {
-        // A message that already quotes the whole config needs no `config ...:` prefix.
-        let invalid = |msg: String| {
-            if msg.starts_with(&format!("`{}`", s.trim())) {
-                PlanError::Invalid(format!("config {msg}"))
-            } else {
-                PlanError::Invalid(format!("config `{}`: {msg}", s.trim()))
-            }
-        };
-        let mut cfg = ParallelConfig::default();
-        let mut seen: Vec<&'static str> = Vec::new();
-        let mut any = false;
-        // `grads+opt` and `act+opt` are one offload value, not two tokens joined by `+`.
-        let joined = join_grads_opt(s);
-        let mut nvme: Option<Option<u32>> = None;
-        for raw in joined.split(|c: char| c == '+' || c.is_whitespace()).filter(|t| !t.is_empty()) {
-            any = true;
-            let tok = raw.to_ascii_lowercase();
-            if let Some(msg) = bare_keyword(raw, &tok) {
-                return Err(invalid(msg));
-            }
-            let cp_token = crate::context::parse_token(raw, &tok, &mut cfg.cp, &mut cfg.cp_comm);
-            let kind: &'static str = if let Some(kind) = cp_token {
-                kind.map_err(&invalid)?
-            } else if tok == "sp" || tok == "sp=off" {
-                cfg.sp = tok == "sp";
-                "sp"
-            } else if tok == "offload=none" {
-                cfg.offload = None;
-                "offload"
-            } else if tok == "nvme" {
-                nvme = Some(None);
-                "nvme"
-            } else if let Some(k) = tok.strip_prefix("nvme:") {
-                let k = positive(raw, k, "nvme:", "nvme:4").map_err(&invalid)?;
-                nvme = Some(Some(u32::try_from(k).unwrap_or(u32::MAX)));
-                "nvme"
-            } else if let Some(value) = tok.strip_prefix("loss=") {
-                cfg.loss = Some(LossMode::parse(raw, value).map_err(&invalid)?);
-                "loss"
-            } else if let Some(value) = tok.strip_prefix("mlp=") {
-                cfg.mlp = Some(MlpMode::parse(raw, value).map_err(&invalid)?);
-                "mlp"
-            } else if let Some(n) = tok.strip_prefix("shard=") {
-                cfg.shard = Some(positive(raw, n, "shard=", "shard=8").map_err(&invalid)?);
-                "shard"
-            } else if let Some(value) = tok.strip_prefix("offload=") {
-                cfg.offload = Some(Offload::parse_value(raw, value).map_err(&invalid)?);
-                "offload"
-            } else if let Some(mode) = tok.strip_prefix("ckpt=") {
-                cfg.ckpt = Some(CkptMode::parse(mode).ok_or_else(|| {
-                    invalid(format!(
-                        "`{raw}`: checkpoint modes are none, selective and full, e.g. ckpt=full"
-                    ))
-                })?);
-                "ckpt"
-            } else if let Some(list) = tok.strip_prefix("stages=") {
-                cfg.stages = layout::parse_stages(raw, list).map_err(&invalid)?;
-                "stages"
-            } else if let Some(name) = tok.strip_prefix("sched=") {
-                cfg.schedule = Some(schedule(raw, name).map_err(&invalid)?);
-                "sched"
-            } else if let Some(k) = tok.strip_prefix("zero") {
-                let stage = count(raw, k, "zero", "zero1").map_err(&invalid)?;
-                if stage > 3 {
-                    return Err(invalid(format!(
-                        "`{raw}`: ZeRO has stages 0 to 3; write zero1, zero2 or zero3"
-                    )));
-                }
-                cfg.zero = stage as u8;
-                "zero"
-            } else if let Some(n) = tok.strip_prefix("dp") {
-                cfg.dp = positive(raw, n, "dp", "dp8").map_err(&invalid)?;
-                "dp"
-            } else if let Some(n) = tok.strip_prefix("tp") {
-                cfg.tp = positive(raw, n, "tp", "tp4").map_err(&invalid)?;
-                "tp"
-            } else if let Some(n) = tok.strip_prefix("pp") {
-                cfg.pp = positive(raw, n, "pp", "pp4").map_err(&invalid)?;
-                "pp"
-            } else if let Some(n) = tok.strip_prefix("mb") {
-                cfg.micro_batches = positive(raw, n, "mb", "mb4").map_err(&invalid)?;
-                "mb"
-            } else {
-                return Err(invalid(format!("unknown token `{raw}`; {GRAMMAR}")));
-            };
-            if seen.contains(&kind) {
-                return Err(invalid(format!("`{kind}` is given twice; keep one")));
-            }
-            seen.push(kind);
-        }
-        if !any {
-            return Err(PlanError::Invalid(format!("empty parallel config; {GRAMMAR}")));
-        }
-        let pins = Pins::written(&seen);
-        if let Some(k) = nvme {
-            let Some(o) = cfg.offload.as_mut().filter(|o| o.moves_state()) else {
-                return Err(invalid(
-                    "`nvme` puts offloaded optimizer state on the NVMe: add offload=opt or \
-                     offload=grads+opt"
-                        .into(),
-                ));
-            };
-            if k.is_some_and(|k| k > o.chunks) {
-                return Err(invalid(format!(
-                    "nvme:{} is more chunks than the {} offloaded: give at most nvme:{}",
-                    k.unwrap_or(0),
-                    o.chunks,
-                    o.chunks
-                )));
-            }
-            o.nvme = k.unwrap_or(o.chunks);
-        }
-        cfg.validate().map_err(|e| invalid(e.to_string()))?;
-        Ok((cfg, pins))
-    }
-
-    /// Checks the rules a parsed config obeys (for configs built or deserialised directly).
-    /// The rules that need the model are [`ParallelConfig::check_pipeline`]'s.
-    pub fn validate(&self) -> Result<()> {
-        if self.dp == 0 || self.tp == 0 || self.pp == 0 || self.micro_batches == 0 {
-            return Err(PlanError::Invalid(
-                "dp, tp, pp and mb must be at least 1 (1 means not split)".into(),
-            ));
-        }
-        crate::context::validate(
-            self.cp,
-            self.cp_comm,
-            self.shard.is_some(),
-            // Activation offload alone composes (a rewrite of the checkpointed Program); model
-            // state offload's chunks are laid out on a `[dp, tp]` mesh.
-            self.offload.is_some_and(|o| o.moves_state()),
-        )?;
-        let product = [self.tp, self.pp, self.micro_batches, self.cp]
-            .iter()
-            .try_fold(self.dp, |n, &k| n.checked_mul(k));
-        if product.is_none() {
-            return Err(PlanError::Invalid(format!(
-                "dp{} × cp{} × tp{} × pp{} × mb{} overflows: no cluster or batch is that large; \
-                 use smaller degrees",
-                self.dp, self.cp, self.tp, self.pp, self.micro_batches
-            )));
-        }
-        if self.zero > 3 {
-            return Err(PlanError::Invalid(format!(
-                "zero{}: ZeRO has stages 0 to 3; write zero1, zero2 or zero3",
-                self.zero
-            )));
-        }
-        if self.offload.is_some() && self.pp > 1 {
-            return Err(PlanError::Invalid(
-                "offload with a pipeline (ppN) is not supported yet: drop offload= or ppN".into(),
-            ));
-        }
-        if let Some(n) = self.shard {
-            let why = if self.zero == 0 {
-                Some("groups ZeRO's shards: add zero1, zero2 or zero3".to_string())
-            } else if n < 2 || n >= self.dp || !self.dp.is_multiple_of(n) {
-                Some(format!(
-                    "needs a group of 1 < N < dp ranks with N dividing dp{} (shard=dp is plain \
-                     ZeRO: drop shard=)",
-                    self.dp
-                ))
-            } else if self.pp > 1 {
-                Some("with a pipeline (ppN) is not supported yet: drop shard= or ppN".into())
-            } else if self.offload.is_some() {
-                Some("with offload= is not supported yet: drop one of them".into())
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(PlanError::Invalid(format!("shard={n} {why}")));
-            }
-        }
-        if self.sp && self.tp < 2 {
-            return Err(PlanError::Invalid(
-                "sp shards the sequence over the tensor-parallel axis: add tpN with N > 1".into(),
-            ));
-        }
-        if let Some(sched) = self.schedule {
-            if let ScheduleKind::Interleaved { v } = sched {
-                if v < 2 {
-                    return Err(PlanError::Invalid(format!(
-                        "sched=interleaved:{v}: interleaving needs at least 2 chunks per device \
-                         (V >= 2), e.g. sched=interleaved:2; with one chunk write sched=1f1b"
-                    )));
-                }
-            }
-            if self.pp < 2 {
-                return Err(PlanError::Invalid(format!(
-                    "sched={sched}: a schedule needs pp >= 2; add ppN, e.g. `pp2 sched={sched}`"
-                )));
-            }
-        }
-        if !self.stages.is_empty() {
-            let list = layout::format_stages(&self.stages);
-            if self.pp < 2 {
-                return Err(PlanError::Invalid(format!(
-                    "stages={list}: stages need a pipeline; add ppN with N = the number of \
-                     stages, e.g. `pp{} stages={list}`",
-                    self.stages.len().max(2)
-                )));
-            }
-            let chunks = self.schedule.map_or(1, ScheduleKind::chunks);
-            let want = self.pp.saturating_mul(chunks);
-            if self.stages.len() != want {
-                return Err(PlanError::Invalid(format!(
-                    "stages={list} lists {} stages but pp{} makes {want} virtual stages: give \
-                     one block count per virtual stage",
-                    self.stages.len(),
-                    self.pp
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// Checks the config against a model of `num_blocks` repeated blocks (the chain that
-    /// pipeline stages cut): every stage needs a block (pp <= blocks). `interleaved:V` needs a
-    /// block for each of its pp·V virtual stages, V must divide the blocks per stage when the
-    /// blocks split evenly over the stages, and the micro-batch count must be a multiple of pp
-    /// (Megatron's rule for the interleaved schedule). The micro-batch count is the config's
-    /// `mbN` when N > 1, else `micro_batches_hint` (e.g. the count a planner is trying); with
-    /// neither, that rule is not checked. GPipe, 1F1B and ZB-H1 need nothing more.
-    pub fn check_pipeline(
-        &self,
-        num_blocks: usize,
-        micro_batches_hint: Option<usize>,
-    ) -> Result<()> {
-        self.validate()?;
-        let pp = self.pp;
-        if pp == 1 {
-            return Ok(());
-        }
-        if pp > num_blocks {
-            let fix = if num_blocks >= 2 {
-                format!("use pp{num_blocks} or fewer")
-            } else {
-                "drop ppN (no pipeline)".to_string()
-            };
-            return Err(PlanError::Invalid(format!(
-                "pp{pp} needs at least {pp} blocks; the model has {num_blocks}: {fix}"
-            )));
-        }
-        if !self.stages.is_empty() {
-            let chunks = self.schedule.map_or(1, ScheduleKind::chunks);
-            layout::check(&self.stages, pp, chunks, num_blocks)?;
-        }
-        let Some(ScheduleKind::Interleaved { v }) = self.schedule else {
-            return Ok(());
-        };
-        let sched = format!("sched=interleaved:{v}");
-        if pp.checked_mul(v).is_none_or(|stages| stages > num_blocks) {
-            let most = num_blocks / pp;
-            let fix = if most >= 2 {
-                format!("use sched=interleaved:{most} or fewer chunks, or sched=1f1b")
-            } else {
-                "use sched=1f1b (no interleaving)".to_string()
-            };
-            return Err(PlanError::Invalid(format!(
-                "{sched} on pp{pp} makes pp × V = {pp} × {v} virtual stages, each needing a \
-                 block, but the model has {num_blocks} blocks: {fix}"
-            )));
-        }
-        if num_blocks.is_multiple_of(pp) && self.stages.is_empty() {
-            let per_stage = num_blocks / pp;
-            if !per_stage.is_multiple_of(v) {
-                let fits: Vec<String> = (2..=per_stage)
-                    .filter(|w| per_stage.is_multiple_of(*w))
-                    .map(|w| format!("interleaved:{w}"))
-                    .collect();
-                return Err(PlanError::Invalid(format!(
-                    "{sched} on pp{pp}: each stage's {per_stage} blocks ({num_blocks} blocks / \
-                     pp{pp}) do not split into {v} chunks: use V dividing {per_stage} ({}), or \
-                     sched=1f1b",
-                    fits.join(", ")
-                )));
-            }
-        }
-        let mb = if self.micro_batches > 1 { Some(self.micro_batches) } else { micro_batches_hint };
-        if let Some(mb) = mb.filter(|mb| !mb.is_multiple_of(pp)) {
-            let up = mb.div_ceil(pp).saturating_mul(pp);
-            let down = mb / pp * pp;
-            let fix =
-                if down >= pp { format!("use mb{down} or mb{up}") } else { format!("use mb{up}") };
-            return Err(PlanError::Invalid(format!(
-                "{sched} on pp{pp} needs a micro-batch count that is a multiple of pp = {pp} \
-                 (Megatron's interleaved schedule), but it is {mb}: {fix}, or sched=1f1b"
-            )));
-        }
-        Ok(())
-    }
-
-    /// `dp2 tp4 sp zero1 mb4`; `dp8 tp1` for pure data parallelism; `dp2 tp2 pp4 mb8
-    /// sched=1f1b`. The order is the module docs'. Parses back to `self`.
-    pub fn canonical(&self) -> String {
-        let mut s = format!("dp{} tp{}", self.dp, self.tp);
-        s.push_str(&crate::context::canonical(self.cp, self.cp_comm));
-        if self.pp > 1 {
-            s.push_str(&format!(" pp{}", self.pp));
-        }
-        if self.sp {
-            s.push_str(" sp");
-        }
-        if self.zero > 0 {
-            s.push_str(&format!(" zero{}", self.zero));
-        }
-        if let Some(n) = self.shard {
-            s.push_str(&format!(" shard={n}"));
-        }
-        if self.micro_batches > 1 {
-            s.push_str(&format!(" mb{}", self.micro_batches));
-        }
-        if let Some(sched) = self.schedule {
-            s.push_str(&format!(" sched={sched}"));
-        }
-        if !self.stages.is_empty() {
-            s.push_str(&format!(" stages={}", layout::format_stages(&self.stages)));
-        }
-        if let Some(m) = self.ckpt {
-            s.push_str(&format!(" ckpt={m}"));
-        }
-        if let Some(o) = self.offload {
-            s.push_str(&format!(" {o}"));
-        }
-        if let Some(l) = self.loss {
-            s.push_str(&format!(" loss={l}"));
-        }
-        if let Some(m) = self.mlp {
-            s.push_str(&format!(" mlp={m}"));
-        }
-        s
-    }
-
     /// Data-parallel groups holding whole replicas of the ZeRO state (dp / shard; 1 without
     /// hybrid sharding).
     pub fn replicas(&self) -> usize {
@@ -672,91 +341,6 @@ impl ParallelConfig {
     /// overflow).
     pub fn devices(&self) -> usize {
         self.dp.saturating_mul(self.cp).saturating_mul(self.tp).saturating_mul(self.pp)
-    }
-
-    /// Errs unless the config spans exactly `num_devices`; the message suggests the
-    /// data-parallel degree that would fit when there is one.
-    pub fn check_devices(&self, num_devices: usize) -> Result<()> {
-        if self.devices() == num_devices {
-            return Ok(());
-        }
-        let model_parallel = self.cp.saturating_mul(self.tp).saturating_mul(self.pp);
-        let fix = if num_devices > 0 && num_devices.is_multiple_of(model_parallel) {
-            let fitted = self.clone().with_dp(num_devices / model_parallel);
-            format!("e.g. `{}`", fitted.canonical())
-        } else {
-            "choose other degrees".to_string()
-        };
-        Err(PlanError::Invalid(format!(
-            "config `{}` spans {} devices but the cluster has {num_devices}: choose \
-             degrees that multiply to {num_devices}, {fix}",
-            self.canonical(),
-            match self.cp > 1 {
-                true => format!(
-                    "dp×cp×tp×pp = {}×{}×{}×{} = {}",
-                    self.dp,
-                    self.cp,
-                    self.tp,
-                    self.pp,
-                    self.devices()
-                ),
-                false =>
-                    format!("dp×tp×pp = {}×{}×{} = {}", self.dp, self.tp, self.pp, self.devices()),
-            }
-        )))
-    }
-
-    /// The equivalent Megatron-LM flags: `--tensor-model-parallel-size`, then
-    /// `--context-parallel-size N --cp-comm-type a2a` when cp > 1,
-    /// `--pipeline-model-parallel-size` when pp > 1, `--num-virtual-stages-per-pipeline-rank V`
-    /// for `sched=interleaved:V`, `--sequence-parallel` and `--use-distributed-optimizer`
-    /// (ZeRO-1: optimizer state sharded over data-parallel ranks) when set. The data-parallel
-    /// degree is implied by the world size (`dp = world / (tp × cp × pp)`), so it has no flag; `mbN`
-    /// is gradient accumulation (the pipeline's micro-batches), which Megatron derives from
-    /// `--global-batch-size = N × dp × --micro-batch-size`. ZeRO-2 and -3 have no exact
-    /// Megatron flag (the distributed optimizer is the closest, and it is what is emitted);
-    /// they map to DeepSpeed stages — see [`ParallelConfig::deepspeed_config`].
-    ///
-    /// Schedules: Megatron runs 1F1B by default, and interleaved 1F1B with virtual stages.
-    /// `--num-virtual-stages-per-pipeline-rank` is recent Megatron-LM's flag; older releases
-    /// only take `--num-layers-per-virtual-pipeline-stage` (layers / pp / V), which needs the
-    /// model's layer count and is not emitted. GPipe and ZB-H1 have no Megatron-LM flag: those
-    /// configs get 1F1B's flags. Unequal stages (`stages=`) whose middle stages are equal map
-    /// to Megatron-core's `--decoder-first-pipeline-num-layers` and
-    /// `--decoder-last-pipeline-num-layers`; other layouts and per-stage checkpointing have no
-    /// Megatron flag.
-    pub fn megatron_flags(&self) -> String {
-        self.megatron_args().join(" ")
-    }
-
-    /// [`ParallelConfig::megatron_flags`], one argument (flag and value) per entry.
-    pub fn megatron_args(&self) -> Vec<String> {
-        let mut flags = vec![format!("--tensor-model-parallel-size {}", self.tp)];
-        flags.extend(crate::context::megatron_args(self.cp, self.cp_comm));
-        if self.pp > 1 {
-            flags.push(format!("--pipeline-model-parallel-size {}", self.pp));
-            if let Some(ScheduleKind::Interleaved { v }) = self.schedule {
-                flags.push(format!("--num-virtual-stages-per-pipeline-rank {v}"));
-            }
-            let sizes = layout::sizes(&self.stages);
-            if let [first, middle @ .., last] = sizes.as_slice() {
-                let even = middle.first().is_none_or(|m| middle.iter().all(|x| x == m));
-                if self.schedule.map_or(1, ScheduleKind::chunks) == 1 && even {
-                    flags.push(format!("--decoder-first-pipeline-num-layers {first}"));
-                    flags.push(format!("--decoder-last-pipeline-num-layers {last}"));
-                }
-            }
-        }
-        if self.sp {
-            flags.push("--sequence-parallel".into());
-        }
-        if self.zero >= 1 {
-            flags.push("--use-distributed-optimizer".into());
-            if self.replicas() > 1 {
-                flags.push(format!("--num-distributed-optimizer-instances {}", self.replicas()));
-            }
-        }
-        flags
     }
 
     /// The DeepSpeed config fragment: `zero_optimization.stage`, `gradient_accumulation_steps`
@@ -778,77 +362,8 @@ impl ParallelConfig {
     }
 }
 
-/// `s` with every `grads+opt` (any case) written `grads_opt`, so splitting on `+` keeps it
-/// whole.
-fn join_grads_opt(s: &str) -> String {
-    let mut s = s.to_string();
-    for (joined, with) in [("grads+opt", "grads_opt"), ("offload=act+", "offload=act_")] {
-        let lower = s.to_ascii_lowercase();
-        let mut out = String::with_capacity(s.len());
-        let mut i = 0;
-        while let Some(k) = lower[i..].find(joined) {
-            out.push_str(&s[i..i + k]);
-            out.push_str(with);
-            i += k + joined.len();
-        }
-        out.push_str(&s[i..]);
-        s = out;
-    }
-    s
-}
-
-/// The message for a keyword given without its `=value`, if `tok` is one.
-fn bare_keyword(raw: &str, tok: &str) -> Option<String> {
-    match tok {
-        "ckpt" => Some(format!("`{raw}`: write ckpt=none, ckpt=selective or ckpt=full")),
-        "offload" => Some(format!(
-            "`{raw}`: write offload=opt, offload=grads+opt or offload=all (optionally :K/16), \
-             or offload=act (activations), alone or before them: offload=act+opt"
-        )),
-        "act" => Some(format!(
-            "`{raw}`: activation offload is written offload=act, or before model-state \
-             offload: offload=act+opt"
-        )),
-        "stages" => Some(format!(
-            "`{raw}`: give the blocks of each virtual stage, e.g. stages=7:full,8,9,8 (with ppN)"
-        )),
-        "loss" => Some(format!("`{raw}`: write loss=whole or loss=chunkN, e.g. loss=chunk4096")),
-        "mlp" => Some(format!("`{raw}`: write mlp=whole or mlp=tileN, e.g. mlp=tile8192")),
-        "sched" => Some(format!(
-            "`{raw}`: write sched=gpipe, sched=1f1b, sched=interleaved:V or sched=zb-h1 (with ppN)"
-        )),
-        _ => None,
-    }
-}
-
-/// A schedule's name after `sched=` (lower-cased): see [`SCHEDULES`].
-fn schedule(raw: &str, name: &str) -> Result<ScheduleKind, String> {
-    match name {
-        "gpipe" => Ok(ScheduleKind::Gpipe),
-        "1f1b" => Ok(ScheduleKind::OneFOneB),
-        "zb-h1" => Ok(ScheduleKind::ZbH1),
-        "interleaved" => Err(format!(
-            "`{raw}`: give the chunks per device as interleaved:V with V >= 2, e.g. \
-             sched=interleaved:2"
-        )),
-        _ => {
-            let Some(v) = name.strip_prefix("interleaved:") else {
-                return Err(format!("`{raw}`: schedules are {SCHEDULES}, e.g. sched=1f1b"));
-            };
-            let v = count(raw, v, "interleaved:", "interleaved:2")?;
-            if v < 2 {
-                return Err(format!(
-                    "`{raw}`: interleaving needs at least 2 chunks per device (V >= 2), e.g. \
-                     sched=interleaved:2; with one chunk write sched=1f1b"
-                ));
-            }
-            Ok(ScheduleKind::Interleaved { v })
-        }
-    }
-}
-
 /// The count after a token's name: digits only.
-fn count(raw: &str, digits: &str, name: &str, example: &str) -> Result<usize, String> {
+pub(crate) fn count(raw: &str, digits: &str, name: &str, example: &str) -> Result<usize, String> {
     if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
         return Err(format!("`{raw}`: expected a number after `{name}`, e.g. {example}"));
     }
@@ -856,7 +371,12 @@ fn count(raw: &str, digits: &str, name: &str, example: &str) -> Result<usize, St
 }
 
 /// A count that must be at least 1.
-fn positive(raw: &str, digits: &str, name: &str, example: &str) -> Result<usize, String> {
+pub(crate) fn positive(
+    raw: &str,
+    digits: &str,
+    name: &str,
+    example: &str,
+) -> Result<usize, String> {
     let n = count(raw, digits, name, example)?;
     if n == 0 {
         return Err(format!("`{raw}`: {name} must be at least 1 (1 means not split)"));
@@ -876,6 +396,3 @@ impl FromStr for ParallelConfig {
         ParallelConfig::parse(s)
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -166,7 +166,7 @@ impl Plan {
         s += &self.step_time();
         s += &self.compute_by_op();
         s += &self.collectives_text();
-        s += &self.context_text();
+        s += &self.axes_text();
         s += &self.memory_at_peak();
         if let Some(pipe) = &self.pipeline {
             s += &pipe.explain(mb, self.predicted.bubble_fraction, &self.checkpoint);
@@ -385,21 +385,22 @@ impl Plan {
         s
     }
 
-    /// Context parallelism's lines ([`crate::context::explain_lines`]): what the cp axis
-    /// splits and its all-to-all traffic. Empty without a cp axis.
-    fn context_text(&self) -> String {
-        let Some(axis) = self.mesh.axis(crate::mesh::AxisName::Context) else {
-            return String::new();
+    /// The axes' lines ([`crate::axis::Axis::explain_lines`]; context parallelism: what the
+    /// cp axis splits and its all-to-all traffic). Empty when no axis has any.
+    fn axes_text(&self) -> String {
+        let traffic: Vec<crate::axis::Traffic<'_>> = self
+            .collectives
+            .iter()
+            .map(|c| crate::axis::Traffic { axis: c.axis, op: &c.op, bytes: c.bytes })
+            .collect();
+        let cx = crate::axis::ExplainContext {
+            shape: &self.mesh.shape,
+            axes: &self.mesh.axes,
+            seq: self.seq,
+            traffic: &traffic,
         };
-        let cp = self.mesh.shape[axis];
-        let a2a = self.collectives.iter().filter(|c| {
-            let op: String =
-                c.op.to_ascii_lowercase().chars().filter(char::is_ascii_alphabetic).collect();
-            c.axis == axis && op.contains("alltoall")
-        });
-        let (calls, bytes) = a2a.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes));
         let mut s = String::new();
-        for line in crate::context::explain_lines(cp, self.seq, calls, bytes) {
+        for line in crate::axis::explain_lines(&cx) {
             s += &line;
             s.push('\n');
         }

@@ -7,17 +7,19 @@
 //! - [`spec`]: sharding specs (each dim over mesh axes, or a pending sum).
 //! - [`reshard`]: cheapest path between two specs over collective moves, in seconds.
 //! - [`config`]: the parallelism config-string grammar (`dp2 tp4 zero1 mb2 sp`).
-//! - [`context`]: context parallelism (`cpN`, all-to-all): its tokens, pins, explain and export.
+//! - [`axis`]: the planner's axes behind one interface ([`axis::Axis`], [`axis::AXES`]): each
+//!   axis's tokens, rules, mesh axes, search pins, `--explain` lines and export fields;
+//!   [`context`] (`cpN`, all-to-all) is the context-parallel one.
 //! - [`export`]: plans as Megatron-LM launches, DeepSpeed configs and torchtitan job files.
 //! - [`ilp`]: the one-hot strategy ILP (HiGHS), with a brute-force oracle for tests.
 //!
 //! One time unit (seconds, f64) and one memory unit (bytes, u64) everywhere.
 
+pub mod axis;
 pub mod ckpt;
 pub mod ckpt_dp;
 pub mod cluster;
 pub mod config;
-pub mod context;
 pub mod cost;
 pub mod explain;
 pub mod export;
@@ -40,6 +42,7 @@ pub mod spec;
 pub mod tiers;
 pub mod units;
 
+pub use axis::{context, ConfigError};
 pub use cluster::{Cluster, DeviceSpec};
 pub use link::Link;
 pub use mesh::{AxisLink, AxisName, Mesh};
@@ -67,9 +70,22 @@ pub enum PlanError {
         needed = units::format_bytes(*needed)
     )]
     TierInfeasible { tier: tessera_ir::Tier, budget: u64, needed: u64, hint: String },
+    /// A config that breaks a rule, by kind ([`ConfigError`]); `config`: the string it was
+    /// parsed from, quoted in the message.
+    #[error("{}", match config {
+        Some(c) => format!("config `{c}`: {error}"),
+        None => error.to_string(),
+    })]
+    Config { config: Option<String>, error: ConfigError },
     /// An internal failure (the solver, a lowering that does not type-check).
     #[error("{0}")]
     Internal(String),
+}
+
+impl From<ConfigError> for PlanError {
+    fn from(error: ConfigError) -> PlanError {
+        PlanError::Config { config: None, error }
+    }
 }
 
 pub type Result<T, E = PlanError> = std::result::Result<T, E>;

@@ -36,9 +36,7 @@ use rounds::{
 use crate::config::ParallelConfig;
 use crate::mesh::AxisName;
 use crate::plan::{BaselineJson, Plan, PlanContext};
-use crate::search::{
-    self, AxisRule, Candidate, CkptSearch, Evaluated, Forward, LeastPeak, Problem0,
-};
+use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Forward, LeastPeak, Search};
 use crate::{Cluster, Mesh, PlanError, Result};
 use std::time::Instant;
 use tessera_ir::{DType, TrainConfig};
@@ -65,20 +63,15 @@ pub struct Request<'a> {
 }
 
 impl Request<'_> {
-    pub(crate) fn problem(&self) -> Problem0<'_> {
-        Problem0 {
+    pub(crate) fn problem(&self) -> Search<'_> {
+        Search::new(search::SearchProblem {
             build: self.build,
             batch: self.batch,
             cost: crate::cost::CostModel::for_cluster(&self.cluster),
             train: self.train.clone(),
             knobs: self.search.clone(),
             ckpt: self.ckpt.clone(),
-            graphs: Default::default(),
-            fastest: Default::default(),
-            hopeless: Default::default(),
-            least: Default::default(),
-            deferred: Default::default(),
-        }
+        })
     }
 
     fn context<'g>(&self, forward: &'g tessera_ir::Graph) -> PlanContext<'g> {
@@ -116,20 +109,16 @@ impl Request<'_> {
     }
 }
 
-/// A config's mesh: `[dp, tp]`, or with hybrid sharding (`shard=N`) `[dp/N, N, tp]`, the
-/// first axis holding the replicas; the tensor axis is always the last.
+/// A config's mesh, its axes' ([`crate::axis::stage_mesh`]): `[dp, tp]`, `[dp, cp, tp]` with
+/// context parallelism, or with hybrid sharding (`shard=N`) `[dp/N, N, tp]`, the first axis
+/// holding the replicas; the tensor axis is always the last.
 fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     cfg.check_devices(cluster.num_devices())?;
-    match cfg.shard {
-        Some(n) => {
-            let names = [AxisName::Replica, AxisName::Data, AxisName::Tensor];
-            Ok(Mesh::named(cluster, &[cfg.replicas(), n, cfg.tp], &names)?.with_replicas(&[0]))
-        }
-        None => {
-            let (shape, names) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
-            Mesh::named(cluster, &shape, &names)
-        }
-    }
+    let (shape, names) = crate::axis::stage_mesh(cfg);
+    let replicas: Vec<usize> =
+        (0..names.len()).filter(|&a| names[a] == AxisName::Replica).collect();
+    let mesh = Mesh::named(cluster, &shape, &names)?;
+    Ok(if replicas.is_empty() { mesh } else { mesh.with_replicas(&replicas) })
 }
 
 /// Evaluates a fixed configuration (the best plan within it): every knob as `cfg` holds it,
@@ -167,7 +156,7 @@ pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Re
     }
     let mut p = req.problem();
     if let Some(m) = cfg.ckpt {
-        p.ckpt = CkptSearch::Uniform(m);
+        p.problem.ckpt = CkptSearch::Uniform(m);
     }
     let cand = Candidate {
         mesh,
@@ -191,7 +180,7 @@ pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Re
             Ok(plan)
         }
         // The candidate's least peak, as the search found it (`None`: it cannot be lowered).
-        None => match p.least.lock().ok().and_then(|l| l.clone()) {
+        None => match p.state.least.lock().ok().and_then(|l| l.clone()) {
             Some(least) => Err(PlanError::Infeasible {
                 budget: req.budget,
                 needed: least.peak_bytes,
@@ -272,7 +261,7 @@ fn fastest<'r>(jobs: &[Job], results: &'r [JobResult]) -> Option<&'r Evaluated> 
 /// first and the last are alike), the next fastest is taken.
 fn exact_fastest(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     jobs: &[Job],
     results: &mut [JobResult],
 ) -> Result<Option<Evaluated>> {
@@ -380,10 +369,10 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
 }
 
 /// The pipeline phase's plans as the flat search's bounds ([`search::FastestSoFar`]).
-fn seed(p: &Problem0<'_>, phase: &pipelined::PipelinePhase) {
+fn seed(p: &Search<'_>, phase: &pipelined::PipelinePhase) {
     if let Some(plan) = &phase.plan {
         let even = phase.even.as_ref().map(|e| e.predicted.step_time_s);
-        p.fastest.seed_pipelined(plan.predicted.step_time_s, even);
+        p.state.fastest.seed_pipelined(plan.predicted.step_time_s, even);
     }
 }
 
@@ -391,7 +380,7 @@ fn seed(p: &Problem0<'_>, phase: &pipelined::PipelinePhase) {
 /// takes at least [`PipelineKnobs::first_over_state_share`] of the budget.
 ///
 /// [`PipelineKnobs::first_over_state_share`]: crate::pipeline::search::PipelineKnobs
-fn pipeline_first(req: &Request<'_>, p: &Problem0<'_>) -> Result<bool> {
+fn pipeline_first(req: &Request<'_>, p: &Search<'_>) -> Result<bool> {
     if !req.pipeline.enabled || req.cluster.num_devices() < 2 {
         return Ok(false);
     }
@@ -403,7 +392,7 @@ fn pipeline_first(req: &Request<'_>, p: &Problem0<'_>) -> Result<bool> {
 /// baselines): the fastest fitting candidate, if any.
 pub fn auto_with(req: &Request<'_>, ckpt: CkptSearch) -> Result<Option<Evaluated>> {
     let mut p = req.problem();
-    p.ckpt = ckpt;
+    p.problem.ckpt = ckpt;
     let mbs = req.micro_batch_options();
     let jobs = auto_jobs(req)?;
     let results = run_jobs(req, &p, &jobs, &mbs)?;
@@ -537,7 +526,11 @@ fn lower_plan_as_built(
     }
     let mesh = match &file.pipeline {
         // One stage's mesh: the strategies' axes.
-        Some(pj) => crate::pipeline::plan::meshes(&req.cluster, &file.mesh.shape, pj.devices)?.0,
+        Some(pj) => {
+            use crate::pipeline::plan as pplan;
+            let names = pplan::file_stage_names(&file.mesh.shape);
+            pplan::meshes(&req.cluster, &file.mesh.shape, names, pj.devices)?.0
+        }
         None => Mesh::new(
             &req.cluster,
             &file.mesh.shape,
@@ -575,7 +568,7 @@ fn lower_plan_as_built(
         fwd.loss,
         &strategies,
         &mesh,
-        &p.cost,
+        &p.problem.cost,
         &opts,
         crate::lower::Fidelity::Exact,
     )?;
@@ -599,7 +592,12 @@ fn lower_pipeline_file(
     ckpt: tessera_ir::Checkpointing,
 ) -> Result<Executable> {
     use crate::pipeline::plan as pplan;
-    let (stage, full) = pplan::meshes(&req.cluster, &file.mesh.shape, pj.devices)?;
+    let (stage, full) = pplan::meshes(
+        &req.cluster,
+        &file.mesh.shape,
+        pplan::file_stage_names(&file.mesh.shape),
+        pj.devices,
+    )?;
     let map = crate::pipeline::split::StageMap::from_sizes(&pj.sizes(), pj.devices, stage.ndim())?;
     let r = pplan::PipelineRequest {
         forward: &fwd.graph,
@@ -614,7 +612,7 @@ fn lower_pipeline_file(
         map,
         schedule: pj.kind()?,
     };
-    let l = pplan::lower_pipelined(&r, &req.problem().cost)?;
+    let l = pplan::lower_pipelined(&r, &crate::cost::CostModel::for_cluster(&req.cluster))?;
     let lowered = l
         .devices
         .iter()
@@ -733,9 +731,9 @@ pub fn derived_differences(file: &Plan, lowered: &Plan) -> Vec<String> {
 /// The error when nothing fits: the least peak any candidate of the search reaches
 /// ([`LeastPeak`]), which every candidate that did not fit recorded as the search went. A
 /// budget of that figure finds a plan; the search explores nothing more to report it.
-fn infeasible(req: &Request<'_>, p: &Problem0<'_>) -> PlanError {
+fn infeasible(req: &Request<'_>, p: &Search<'_>) -> PlanError {
     let n = req.cluster.num_devices();
-    let Some(least) = p.least.lock().ok().and_then(|l| l.clone()) else {
+    let Some(least) = p.state.least.lock().ok().and_then(|l| l.clone()) else {
         return PlanError::Invalid(format!(
             "no layout of the search splits this model over {n} devices: a degree does not \
              divide the batch, heads or hidden size"

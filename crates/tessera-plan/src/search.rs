@@ -25,9 +25,25 @@ use space::{build_problem, Space};
 use std::collections::HashMap;
 use tessera_ir::{Checkpointing, CkptMode, Program};
 
+/// One search: what it solves ([`SearchProblem`], fixed before it starts) and what its
+/// threads share while it runs ([`SearchState`]). Every phase takes it whole; only the state
+/// changes under it.
+pub struct Search<'a> {
+    pub problem: SearchProblem<'a>,
+    pub state: SearchState,
+}
+
+impl<'a> Search<'a> {
+    /// A search of `problem` from an empty state.
+    pub fn new(problem: SearchProblem<'a>) -> Search<'a> {
+        Search { problem, state: SearchState::default() }
+    }
+}
+
 /// What the search needs besides the candidate: the model (built per micro-batch size), the
-/// device, and the training settings.
-pub struct Problem0<'a> {
+/// device, the training settings and the search's knobs. Immutable while the search runs.
+#[derive(Clone)]
+pub struct SearchProblem<'a> {
     /// Builds the forward graph for a given micro-batch size (global, all devices).
     pub build: &'a (dyn Fn(usize) -> Result<Forward> + Sync),
     pub batch: usize,
@@ -37,6 +53,12 @@ pub struct Problem0<'a> {
     pub knobs: SearchKnobs,
     /// Whether and how activation checkpointing is searched.
     pub ckpt: CkptSearch,
+}
+
+/// What a search's threads share and update while it runs: the forward graphs built so far,
+/// the bounds, the deferred candidates and the least peak.
+#[derive(Default)]
+pub struct SearchState {
     /// Forward graphs and their saved-activation sets, per micro-batch size, and what the
     /// ILPs built on them share.
     pub graphs: Graphs,
@@ -136,18 +158,18 @@ pub struct Graphs {
     edges: space::EdgeCache,
 }
 
-impl Problem0<'_> {
+impl Search<'_> {
     /// The forward graph of one micro-batch and which of its tensors the backward pass reads
     /// (built once per micro-batch size and shared by all candidates).
     pub(crate) fn forward(&self, micro_batch: usize) -> Result<SharedForward> {
-        if let Some(f) = self.graphs.forwards.lock().ok().and_then(|m| m.get(&micro_batch).cloned())
-        {
+        let forwards = &self.state.graphs.forwards;
+        if let Some(f) = forwards.lock().ok().and_then(|m| m.get(&micro_batch).cloned()) {
             return Ok(f);
         }
-        let fwd = (self.build)(micro_batch)?;
-        let saved = saved_tensors(&fwd, &self.train)?;
+        let fwd = (self.problem.build)(micro_batch)?;
+        let saved = saved_tensors(&fwd, &self.problem.train)?;
         let f = std::sync::Arc::new((fwd, saved));
-        if let Ok(mut m) = self.graphs.forwards.lock() {
+        if let Ok(mut m) = forwards.lock() {
             m.insert(micro_batch, f.clone());
         }
         Ok(f)
@@ -241,15 +263,15 @@ pub type Budget = Option<u64>;
 /// sharding-only search ([`CkptSearch::Off`]) walks the same slacks and keeps a layout when it
 /// fits as it is; a fixed schedule (`Uniform`, `Chen`) is applied to each slack's layout.
 ///
-/// Branch and bound with [`Problem0::fastest`] (the fastest fit of the search's previous
+/// Branch and bound with [`SearchState::fastest`] (the fastest fit of the search's previous
 /// phase): a layout whose plain Program is slower than the bound skips the checkpoint DP
 /// (exact: recomputation only adds time), and a candidate whose ILP-fastest layout, lowered,
 /// is slower skips its slacks (heuristic: it trusts the ILP's ranking of layouts). When
 /// nothing fits plainly, one lowering of the ILP's most frugal layout under the most frugal
 /// checkpointing decides whether anything can (and records its least peak in
-/// [`Problem0::least`]); when the resting model state alone misses the budget, the (mesh,
-/// rule, ZeRO stage)'s further candidates are deferred ([`Problem0::hopeless`]).
-pub fn evaluate(p: &Problem0<'_>, cand: &Candidate, budget: Budget) -> Result<Option<Evaluated>> {
+/// [`SearchState::least`]); when the resting model state alone misses the budget, the (mesh,
+/// rule, ZeRO stage)'s further candidates are deferred ([`SearchState::hopeless`]).
+pub fn evaluate(p: &Search<'_>, cand: &Candidate, budget: Budget) -> Result<Option<Evaluated>> {
     Ok(evaluate_traced(p, cand, budget, f64::INFINITY, false)?.fit)
 }
 
@@ -263,9 +285,9 @@ pub struct Outcome {
 
 /// [`evaluate`] where the caller already holds a fit of `bound_s` seconds (a smaller
 /// micro-batch count of the same layout): the same branch and bound as with
-/// [`Problem0::fastest`], against the lower of the two.
+/// [`SearchState::fastest`], against the lower of the two.
 pub fn evaluate_within(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     cand: &Candidate,
     budget: Budget,
     bound_s: f64,
@@ -273,11 +295,11 @@ pub fn evaluate_within(
     evaluate_traced(p, cand, budget, bound_s, false)
 }
 
-/// [`evaluate`] for a candidate [`Problem0::deferred`] holds, whatever
-/// [`Problem0::hopeless`] says. Its (mesh, rule, ZeRO stage)'s state missed the budget, so the
+/// [`evaluate`] for a candidate [`SearchState::deferred`] holds, whatever
+/// [`SearchState::hopeless`] says. Its (mesh, rule, ZeRO stage)'s state missed the budget, so the
 /// sharding-only ILP under the budget is skipped: the most frugal layout decides at once.
 pub fn evaluate_deferred(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     cand: &Candidate,
     budget: Budget,
 ) -> Result<Option<Evaluated>> {
@@ -285,7 +307,7 @@ pub fn evaluate_deferred(
 }
 
 fn evaluate_traced(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     cand: &Candidate,
     budget: Budget,
     outer: f64,
@@ -313,13 +335,13 @@ fn evaluate_traced(
         );
     }
     if let Some(e) = &e {
-        p.fastest.record(&cand.rule, e.step_time_s());
+        p.state.fastest.record(&cand.rule, e.step_time_s());
     }
     Ok(Outcome { fit: e, miss: miss.get() })
 }
 
 fn evaluate_candidate(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     cand: &Candidate,
     budget: f64,
     outer: f64,
@@ -327,19 +349,19 @@ fn evaluate_candidate(
     miss: &std::cell::Cell<Option<Miss>>,
 ) -> Result<Option<Evaluated>> {
     // What a plan of this candidate must beat to matter.
-    let bound = p.fastest.bound(&cand.rule).min(outer);
+    let bound = p.state.fastest.bound(&cand.rule).min(outer);
     let mb = cand.micro_batches.max(1);
-    if !p.batch.is_multiple_of(mb) {
+    if !p.problem.batch.is_multiple_of(mb) {
         return Ok(None);
     }
     let key = (cand.mesh.clone(), cand.rule.clone(), cand.zero);
-    if !deferred && p.hopeless.lock().is_ok_and(|h| h.contains(&key)) {
-        if let Ok(mut d) = p.deferred.lock() {
+    if !deferred && p.state.hopeless.lock().is_ok_and(|h| h.contains(&key)) {
+        if let Ok(mut d) = p.state.deferred.lock() {
             d.push(cand.clone());
         }
         return Ok(None);
     }
-    let shared = p.forward(p.batch / mb)?;
+    let shared = p.forward(p.problem.batch / mb)?;
     let (fwd, saved) = (&shared.0, &shared.1);
     let g = &fwd.graph;
     let mesh = &cand.mesh;
@@ -355,11 +377,11 @@ fn evaluate_candidate(
     // figures. One more solve (milliseconds) can spare every lowering of a candidate that
     // cannot win ([`SearchKnobs::hopeless_over_bound`]).
     // With a finite cut the solve stops at the LP bound when that already exceeds it.
-    let cut = p.knobs.hopeless_over_bound * bound;
+    let cut = p.problem.knobs.hopeless_over_bound * bound;
     let unconstrained = {
         let mut pr = problem.clone();
         pr.budget = f64::INFINITY;
-        ilp::solve_below(&pr, &p.knobs.solve, cut)?
+        ilp::solve_below(&pr, &p.problem.knobs.solve, cut)?
     };
     // Without a budget every layout fits: `None` under a finite cut is a layout priced above it.
     let cut_off = unconstrained.as_ref().map_or(cut.is_finite(), |s| s.objective > cut);
@@ -370,7 +392,7 @@ fn evaluate_candidate(
     let lopts = LowerOptions {
         zero: cand.zero,
         micro_batches: mb,
-        train: p.train.clone(),
+        train: p.problem.train.clone(),
         ckpt: Checkpointing::default(),
         offload: cand.offload,
     };
@@ -382,28 +404,28 @@ fn evaluate_candidate(
     };
     let nb = tessera_ir::remat::num_blocks(g);
     // A schedule fixed in advance (the ILP does not model it, so it is applied afterwards).
-    let fixed_mode = match &p.ckpt {
+    let fixed_mode = match &p.problem.ckpt {
         CkptSearch::Uniform(m) if *m != CkptMode::None => Some(Checkpointing::uniform(nb, *m)),
         CkptSearch::Chen => Some(chen_schedule(nb)),
         _ => None,
     };
     // This candidate's fastest fit so far (a bound for the checkpoint search, like
-    // `p.fastest` across candidates).
+    // `p.state.fastest` across candidates).
     let local_best = std::cell::Cell::new(f64::INFINITY);
     // Lowers one ILP solution under the policy: `None` when it does not fit.
     let finish_policy = |strategies: &[Option<Strategy>]| -> Result<Option<Lowered>> {
         let u = lower_unfinished(g, fwd.loss, strategies, mesh, &lopts, Fidelity::Priced)?;
-        match (&p.ckpt, &fixed_mode) {
+        match (&p.problem.ckpt, &fixed_mode) {
             (_, Some(schedule)) => {
-                let l = finish(&u, schedule, mesh, &p.cost)?;
+                let l = finish(&u, schedule, mesh, &p.problem.cost)?;
                 Ok((l.memory.peak_bytes as f64 <= budget || !budget.is_finite()).then_some(l))
             }
             (CkptSearch::Joint, None) if budget.is_finite() => {
                 let bound = bound.min(local_best.get());
-                crate::ckpt::choose(&u, mesh, &p.cost, budget as u64, bound)
+                crate::ckpt::choose(&u, mesh, &p.problem.cost, budget as u64, bound)
             }
             _ => {
-                let l = finish(&u, &Checkpointing::default(), mesh, &p.cost)?;
+                let l = finish(&u, &Checkpointing::default(), mesh, &p.problem.cost)?;
                 Ok((l.memory.peak_bytes as f64 <= budget || !budget.is_finite()).then_some(l))
             }
         }
@@ -423,7 +445,7 @@ fn evaluate_candidate(
     if !budget.is_finite() {
         return Ok(best);
     }
-    let joint = matches!(p.ckpt, CkptSearch::Joint);
+    let joint = matches!(p.problem.ckpt, CkptSearch::Joint);
     // Nothing to checkpoint: no slack can pay for itself.
     let blockless = nb == 0 && joint;
     let frugal_may_win = cand.zero == 3 && cand.rule == AxisRule::Free && !blockless;
@@ -432,7 +454,7 @@ fn evaluate_candidate(
         // collectives with compute), and under ZeRO-3 on a free mesh its most memory-frugal
         // layout — parameters sharded over every axis, gathered hierarchically — can be faster
         // once lowered than the layout it thinks fastest. It costs one more lowering.
-        if let Some(sol) = ilp::min_peak(&problem, &p.knobs.solve)? {
+        if let Some(sol) = ilp::min_peak(&problem, &p.problem.knobs.solve)? {
             let strategies = space.assignment(&sol.picks);
             if strategies != b.strategies {
                 if let Some(l) = finish_policy(&strategies)? {
@@ -483,7 +505,7 @@ fn evaluate_candidate(
             fwd.loss,
             &space.assignment(&free.picks),
             mesh,
-            &p.cost,
+            &p.problem.cost,
             &lopts,
             Fidelity::Priced,
         )?;
@@ -495,8 +517,8 @@ fn evaluate_candidate(
     // budget's own layout is the first to checkpoint.
     let from_budget = fixed_mode.is_some() || (plain_objective.is_none() && joint);
     let slacks: Vec<f64> = match from_budget {
-        true => [1.0].into_iter().chain(p.knobs.slacks.iter().copied()).collect(),
-        false => p.knobs.slacks.clone(),
+        true => [1.0].into_iter().chain(p.problem.knobs.slacks.iter().copied()).collect(),
+        false => p.problem.knobs.slacks.clone(),
     };
     let mut last = if from_budget { None } else { plain_objective };
     for slack in slacks {
@@ -505,8 +527,8 @@ fn evaluate_candidate(
         // A layout the ILP prices hopelessly above what it must beat is not worth its MIP, nor
         // its lowering (the rule the unconstrained layout met above); the LP bound says so
         // before the MIP runs. Looser slacks may still price lower.
-        let cutoff = p.knobs.hopeless_over_bound * bound.min(local_best.get());
-        let Some(sol) = ilp::solve_below(&pr, &p.knobs.solve, cutoff)? else { continue };
+        let cutoff = p.problem.knobs.hopeless_over_bound * bound.min(local_best.get());
+        let Some(sol) = ilp::solve_below(&pr, &p.problem.knobs.solve, cutoff)? else { continue };
         if last.is_some_and(|o| sol.objective >= o * (1.0 - 1e-3)) {
             // The same layout as the tighter budget gave (or no faster): nothing new to try.
             if sol.objective <= unconstrained * (1.0 + 1e-3) {
@@ -540,7 +562,7 @@ type Fit = (Vec<Option<Strategy>>, Lowered, f64);
 /// the lowered Program's simulated peak (four tries). Returns the fitting layout, if any, and
 /// the objective of the ILP's first solution (`None`: the ILP has none under the budget).
 fn sharding_only(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     cand: &Candidate,
     problem: &Problem,
     space: &Space<'_>,
@@ -552,7 +574,7 @@ fn sharding_only(
     let lopts = LowerOptions {
         zero: cand.zero,
         micro_batches: mb,
-        train: p.train.clone(),
+        train: p.problem.train.clone(),
         ckpt: Checkpointing::default(),
         offload: cand.offload,
     };
@@ -562,10 +584,11 @@ fn sharding_only(
         let mut pr = problem.clone();
         pr.budget = target;
         let t1 = std::time::Instant::now();
-        let Some(sol) = ilp::solve(&pr, &p.knobs.solve)? else { break };
+        let Some(sol) = ilp::solve(&pr, &p.problem.knobs.solve)? else { break };
         let t_solve = t1.elapsed();
         let strategies = space.assignment(&sol.picks);
-        let lowered = lower(g, fwd.loss, &strategies, mesh, &p.cost, &lopts, Fidelity::Priced)?;
+        let lowered =
+            lower(g, fwd.loss, &strategies, mesh, &p.problem.cost, &lopts, Fidelity::Priced)?;
         if std::env::var_os("TESSERA_TRACE").is_some() {
             eprintln!(
                 "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?} ilp {:.4} lowered {:.4} peak {:.2}/{:.2} GiB",
@@ -598,11 +621,11 @@ fn sharding_only(
 /// asked for): its ILP's most memory-frugal layout under the most frugal checkpointing the
 /// policy allows ([`frugal_fit`]). One lowering answers for the whole candidate, where walking
 /// the slacks would lower each of their layouts for nothing. On a miss the candidate's least
-/// peak is recorded ([`Problem0::least`]), and when the state resting before a step alone
+/// peak is recorded ([`SearchState::least`]), and when the state resting before a step alone
 /// misses the budget, its (mesh, rule, ZeRO stage) is marked hopeless. `Err` on a miss, with
 /// how it missed when a layout was lowered ([`Miss`]).
 fn frugal_candidate(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     cand: &Candidate,
     problem: &Problem,
     space: &Space<'_>,
@@ -610,12 +633,12 @@ fn frugal_candidate(
     budget: f64,
     bound: f64,
 ) -> Result<std::result::Result<Fit, Option<Miss>>> {
-    let Some(sol) = ilp::min_peak(problem, &p.knobs.solve)? else { return Ok(Err(None)) };
+    let Some(sol) = ilp::min_peak(problem, &p.problem.knobs.solve)? else { return Ok(Err(None)) };
     let strategies = space.assignment(&sol.picks);
     let lopts = LowerOptions {
         zero: cand.zero,
         micro_batches: cand.micro_batches.max(1),
-        train: p.train.clone(),
+        train: p.problem.train.clone(),
         ckpt: Checkpointing::default(),
         offload: cand.offload,
     };
@@ -627,9 +650,9 @@ fn frugal_candidate(
             let mb = cand.micro_batches.max(1);
             let miss = Miss { micro_batches: mb, least_peak: least.0, resting };
             let least = LeastPeak { peak_bytes: least.0, candidate: cand.clone(), ckpt: least.1 };
-            LeastPeak::record(&p.least, least);
+            LeastPeak::record(&p.state.least, least);
             if resting as f64 > budget {
-                if let Ok(mut h) = p.hopeless.lock() {
+                if let Ok(mut h) = p.state.hopeless.lock() {
                     h.push((cand.mesh.clone(), cand.rule.clone(), cand.zero));
                 }
             }
@@ -666,7 +689,7 @@ enum Frugal {
 /// does not always lower the peak: the recomputed values are live while a block runs
 /// backward). The DP ([`crate::ckpt::choose_after`]) reuses both lowerings.
 fn frugal_fit(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     u: &crate::lower::Unfinished,
     mesh: &Mesh,
     budget: f64,
@@ -674,13 +697,13 @@ fn frugal_fit(
 ) -> Result<Frugal> {
     let nb = tessera_ir::remat::num_blocks(&u.training.graph);
     let fits = |l: &Lowered| l.memory.peak_bytes as f64 <= budget;
-    let finish = |ckpt: &Checkpointing| finish(u, ckpt, mesh, &p.cost);
+    let finish = |ckpt: &Checkpointing| finish(u, ckpt, mesh, &p.problem.cost);
     let miss = |l: &Lowered, ckpt| Frugal::Misses {
         resting: l.memory.resting_bytes,
         least: (l.memory.peak_bytes, ckpt),
     };
-    if !matches!(p.ckpt, CkptSearch::Joint) || nb == 0 {
-        let ckpt = frugal_checkpointing(&p.ckpt, nb);
+    if !matches!(p.problem.ckpt, CkptSearch::Joint) || nb == 0 {
+        let ckpt = frugal_checkpointing(&p.problem.ckpt, nb);
         let l = finish(&ckpt)?;
         return Ok(if fits(&l) { Frugal::Fits(Box::new(l)) } else { miss(&l, ckpt) });
     }
@@ -700,7 +723,7 @@ fn frugal_fit(
     // Full recompute fits, so the choice always finds a plan: full itself at worst (the DP's
     // per-block model can miss where blocks share what they hold — an offloaded parameter
     // prefetched during the block before — and then every choice it verifies misses).
-    match crate::ckpt::choose_after(u, mesh, &p.cost, budget as u64, bound, none, full)? {
+    match crate::ckpt::choose_after(u, mesh, &p.problem.cost, budget as u64, bound, none, full)? {
         Ok(l) => Ok(Frugal::Fits(Box::new(l))),
         Err(_) => Ok(Frugal::Fits(Box::new(finish(&recompute)?))),
     }
@@ -709,10 +732,10 @@ fn frugal_fit(
 /// The error for a config whose candidate cannot be lowered: why `cand`'s rule cannot split
 /// the model on its mesh (a Megatron layout whose heads or features its tensor-parallel degree
 /// does not divide), or else the general reason.
-pub fn cannot_split(p: &Problem0<'_>, cand: &Candidate, config: &str) -> PlanError {
+pub fn cannot_split(p: &Search<'_>, cand: &Candidate, config: &str) -> PlanError {
     let mb = cand.micro_batches.max(1);
     let why = p
-        .forward(p.batch / mb)
+        .forward(p.problem.batch / mb)
         .and_then(|shared| Ok(Space::new(&shared.0.graph, &cand.mesh, &cand.rule)?.unsplittable));
     PlanError::Invalid(match why {
         Ok(Some(why)) => format!("`{config}` cannot split this model: {why}"),
@@ -726,12 +749,12 @@ pub fn cannot_split(p: &Problem0<'_>, cand: &Candidate, config: &str) -> PlanErr
 /// The least peak this candidate reaches in the search ([`LeastPeak`]: the ILP's most
 /// memory-frugal layout under the most frugal checkpointing the policy accepts); `None` when
 /// the model does not split this way.
-pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
+pub fn min_peak(p: &Search<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let mb = cand.micro_batches.max(1);
-    if !p.batch.is_multiple_of(mb) {
+    if !p.problem.batch.is_multiple_of(mb) {
         return Ok(None);
     }
-    let shared = p.forward(p.batch / mb)?;
+    let shared = p.forward(p.problem.batch / mb)?;
     let (fwd, saved) = (&shared.0, &shared.1);
     let space = Space::new(&fwd.graph, &cand.mesh, &cand.rule)?;
     if space.options.contains(&0) {
@@ -739,13 +762,13 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
     }
     let mut reshard = ReshardCache::new(cand.mesh.clone());
     let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, f64::INFINITY)?;
-    let Some(sol) = ilp::min_peak(&problem, &p.knobs.solve)? else { return Ok(None) };
+    let Some(sol) = ilp::min_peak(&problem, &p.problem.knobs.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
     let ckpt = Checkpointing::default();
     let lopts = LowerOptions {
         zero: cand.zero,
         micro_batches: mb,
-        train: p.train.clone(),
+        train: p.problem.train.clone(),
         ckpt,
         offload: cand.offload,
     };
@@ -760,17 +783,17 @@ pub fn min_peak(p: &Problem0<'_>, cand: &Candidate) -> Result<Option<u64>> {
 
 /// `e` with its Program lowered exactly (the same layout, ZeRO stage, micro-batches and
 /// checkpointing): `e` itself when it already is.
-pub fn exactly(p: &Problem0<'_>, e: &Evaluated) -> Result<Evaluated> {
+pub fn exactly(p: &Search<'_>, e: &Evaluated) -> Result<Evaluated> {
     if e.lowered.exact {
         return Ok(e.clone());
     }
     let mb = e.candidate.micro_batches.max(1);
-    let shared = p.forward(p.batch / mb)?;
+    let shared = p.forward(p.problem.batch / mb)?;
     let fwd = &shared.0;
     let opts = LowerOptions {
         zero: e.candidate.zero,
         micro_batches: mb,
-        train: p.train.clone(),
+        train: p.problem.train.clone(),
         ckpt: e.lowered.ckpt.clone(),
         offload: e.candidate.offload,
     };
@@ -779,7 +802,7 @@ pub fn exactly(p: &Problem0<'_>, e: &Evaluated) -> Result<Evaluated> {
         fwd.loss,
         &e.strategies,
         &e.candidate.mesh,
-        &p.cost,
+        &p.problem.cost,
         &opts,
         Fidelity::Exact,
     )?;

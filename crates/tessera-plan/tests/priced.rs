@@ -86,7 +86,8 @@ fn priced_micro_batches_equal_the_exact_lowering() {
                             ckpt: ckpt.clone(),
                             offload: None,
                         };
-                        let args = (&fwd.graph, fwd.loss, &e.strategies[..], &mesh, &p.cost);
+                        let args =
+                            (&fwd.graph, fwd.loss, &e.strategies[..], &mesh, &p.problem.cost);
                         let exact = lower::lower(
                             args.0,
                             args.1,

@@ -78,7 +78,7 @@ impl ParallelConfig {
     }
 
     /// How the context-parallel axis exchanges keys and values (`None`: the default).
-    pub fn with_cp_comm(self, cp_comm: Option<crate::context::CpComm>) -> ParallelConfig {
+    pub fn with_cp_comm(self, cp_comm: Option<super::CpComm>) -> ParallelConfig {
         ParallelConfig { cp_comm, ..self }
     }
 

@@ -18,6 +18,7 @@ pub mod deepspeed;
 pub mod megatron;
 pub mod torchtitan;
 
+use crate::axis::{Engine, ExportFields};
 use crate::config::ParallelConfig;
 use crate::plan::{BlockCkpt, Plan};
 use crate::units::format_bytes;
@@ -142,14 +143,13 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
         return Err(refuse(why, Vec::new()));
     }
     let engine = match framework {
-        Framework::Megatron => "megatron",
-        Framework::DeepSpeed => "deepspeed",
-        Framework::Torchtitan => "torchtitan",
+        Framework::Megatron => Engine::Megatron,
+        Framework::DeepSpeed => Engine::DeepSpeed,
+        Framework::Torchtitan => Engine::Torchtitan,
     };
-    if let Some(why) = crate::context::refuse_export(engine, cfg.cp) {
-        // The nearest: the context-parallel devices as data-parallel replicas.
-        let flat = cfg.clone().with_dp(cfg.dp * cfg.cp).with_cp(1).with_cp_comm(None);
-        return Err(refuse(why, nearest(framework, &flat, plan.batch)));
+    // An axis the engine cannot run refuses, with the nearest config it can.
+    if let ExportFields::Refused { why, nearest: near } = crate::axis::export_fields(engine, &cfg) {
+        return Err(refuse(why, nearest(framework, &near, plan.batch)));
     }
     if let Some((why, fitted)) = kv_heads_problem(framework, &cfg, &target.model) {
         return Err(refuse(why, nearest(framework, &fitted, plan.batch)));

@@ -63,14 +63,26 @@ pub fn parse_schedule(s: &str) -> Result<ScheduleKind> {
 
 /// The full mesh `[stage axes.., pp]`, with links laid out Megatron's way: the pipeline axis
 /// varies slowest over the devices (across nodes first), the tensor axis fastest.
-pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Mesh, Mesh)> {
+/// The axis names of a stage mesh read from a plan file: a three-axis stage is `[dp, cp, tp]`
+/// (hybrid sharding, the other three-axis stage mesh, is refused with a pipeline).
+pub fn file_stage_names(stage_shape: &[usize]) -> &'static [AxisName] {
+    use AxisName::{Context, Data, Tensor};
+    if stage_shape.len() == 3 {
+        &[Data, Context, Tensor]
+    } else {
+        &[Data, Tensor]
+    }
+}
+
+pub fn meshes(
+    cluster: &Cluster,
+    stage_shape: &[usize],
+    stage_names: &[AxisName],
+    pp: usize,
+) -> Result<(Mesh, Mesh)> {
     let mut physical = vec![pp];
     physical.extend_from_slice(stage_shape);
-    // A three-axis stage is `[dp, cp, tp]` (hybrid sharding, the other three-axis stage
-    // mesh, is refused with a pipeline).
-    use AxisName::{Context, Data, Pipeline, Tensor};
-    let stage_names: &[AxisName] =
-        if stage_shape.len() == 3 { &[Data, Context, Tensor] } else { &[Data, Tensor] };
+    use AxisName::Pipeline;
     let names: Vec<AxisName> =
         std::iter::once(Pipeline).chain(stage_names.iter().copied()).take(physical.len()).collect();
     let laid = Mesh::named(cluster, &physical, &names)?;

@@ -20,7 +20,7 @@ use super::schedule;
 use super::{Pass, ScheduleKind, Slot};
 use crate::config::ParallelConfig;
 use crate::lower::{finish, lower_unfinished, Fidelity, LowerOptions, Lowered};
-use crate::search::{self, AxisRule, Candidate, Problem0};
+use crate::search::{self, AxisRule, Candidate, Search};
 use crate::{Cluster, Mesh, PlanError, Result};
 use std::sync::Arc;
 use tessera_ir::{Checkpointing, CkptMode};
@@ -141,14 +141,14 @@ pub fn hop_bytes(g: &tessera_ir::Graph) -> u64 {
     bytes
 }
 
-/// Samples and screens one (shape, micro-batch count): lowers one micro-batch (`p.batch`
+/// Samples and screens one (shape, micro-batch count): lowers one micro-batch (`p.problem.batch`
 /// sequences over the stage's data-parallel replicas) on the stage mesh — the intra-op search's
 /// layout under Megatron's rule for the shape — then each checkpointing mode of the knobs in
 /// order of more recomputation, lazily: a heavier mode is lowered only while the lighter one
 /// leaves a schedule over the memory slack and its fastest estimate beats `bound`
 /// (recomputation only adds time). Returns the candidates the screen passes ([`screen`]).
 pub fn sample_and_screen(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     stage_mesh: &Mesh,
     at: &ScreenAt<'_>,
 ) -> Result<Vec<Screened>> {
@@ -163,7 +163,7 @@ pub fn sample_and_screen(
     let Some(e) = search::evaluate(p, &cand, None)? else {
         return Ok(Vec::new());
     };
-    let fwd = p.forward(p.batch)?;
+    let fwd = p.forward(p.problem.batch)?;
     let g = &fwd.0.graph;
     let nb = tessera_ir::remat::num_blocks(g);
     let hop = hop_bytes(g) / shape.dp.max(1) as u64;
@@ -179,13 +179,13 @@ pub fn sample_and_screen(
             let opts = LowerOptions {
                 zero: shape.zero,
                 micro_batches: 1,
-                train: p.train.clone(),
+                train: p.problem.train.clone(),
                 ckpt: Checkpointing::default(),
                 offload: None,
             };
             let u =
                 lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts, Fidelity::Exact)?;
-            finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.cost)?
+            finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.problem.cost)?
         };
         let weight_inputs_bytes = e.lowered.memory.activations_bytes;
         costs.modes.push(BlockCosts::mode_cost(mode, &lowered));

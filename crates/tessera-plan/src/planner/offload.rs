@@ -24,6 +24,7 @@
 
 use super::rounds::{megatron_jobs, parallel_map, Job};
 use super::Request;
+use crate::config::ParallelConfig;
 use crate::mesh::AxisName;
 use crate::offload::{Offload, OffloadKind, CHUNKS};
 use crate::search::{self, AxisRule, Candidate, Evaluated};
@@ -70,7 +71,7 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
         // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`); with
         // context parallelism only activations are offloaded (`cpN` refuses model state).
         let Job::Megatron { dp, tp, sp, shard: None, cp } = job else { continue };
-        let (shape, names) = crate::context::mesh_shape(dp, cp, tp);
+        let (shape, names) = crate::axis::stage_mesh(&ParallelConfig::new(dp, tp).with_cp(cp));
         let mesh = Mesh::named(&req.cluster, &shape, &names)?;
         let zeros: &[u8] = if dp * cp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {

@@ -17,7 +17,7 @@ use crate::export::{self, CkptPattern, Framework};
 use crate::pipeline::search::Shape;
 use crate::pipeline::ScheduleKind;
 use crate::plan::Plan;
-use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Problem0};
+use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Search};
 use crate::{PlanError, Result};
 use std::time::Instant;
 use tessera_ir::CkptMode;
@@ -192,11 +192,11 @@ fn flat(
         let search = cfg.ckpt.map_or(req.ckpt.clone(), CkptSearch::Uniform);
         options.push((cfg.sp, cfg.ckpt, search));
     }
-    let problems: Vec<Problem0<'_>> = options
+    let problems: Vec<Search<'_>> = options
         .iter()
         .map(|(_, _, search)| {
             let mut p = req.problem();
-            p.ckpt = search.clone();
+            p.problem.ckpt = search.clone();
             p
         })
         .collect();
@@ -254,12 +254,12 @@ fn flat(
 fn least(
     req: &Request<'_>,
     cfg: &ParallelConfig,
-    problems: &[Problem0<'_>],
+    problems: &[Search<'_>],
     first: &Candidate,
 ) -> PlanError {
     let least = problems
         .iter()
-        .filter_map(|p| p.least.lock().ok().and_then(|l| l.as_ref().map(|l| l.peak_bytes)))
+        .filter_map(|p| p.state.least.lock().ok().and_then(|l| l.as_ref().map(|l| l.peak_bytes)))
         .min();
     match least {
         Some(needed) => PlanError::Infeasible {

@@ -3,9 +3,10 @@
 
 use super::{parallel_map, Request};
 use crate::config::ParallelConfig;
+use crate::mesh::AxisName;
 use crate::pipeline::search::{self as psearch, Screened, Shape};
 use crate::plan::{BaselineJson, Plan};
-use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Problem0};
+use crate::search::{self, AxisRule, Candidate, CkptSearch, Evaluated, Search};
 use crate::{PlanError, Result};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -45,15 +46,15 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
     let fwd = (req.build)(req.batch / mb)?;
     let nb = tessera_ir::remat::num_blocks(&fwd.graph) as usize;
     cfg.check_pipeline(nb, Some(mb))?;
-    let (stage_shape, _) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
-    let (stage, full) = pplan::meshes(&req.cluster, &stage_shape, cfg.pp)?;
+    let (stage_shape, stage_names) = crate::axis::stage_mesh(cfg);
+    let (stage, full) = pplan::meshes(&req.cluster, &stage_shape, &stage_names, cfg.pp)?;
     // The stage's layout: Megatron's on its mesh, whatever the memory (the pipeline is priced
     // and checked below).
     // One micro-batch suffices to choose it (the layout is per forward node, the same for
     // every micro-batch), and is mb times cheaper to lower than all of them.
     let mut p = req.problem();
-    p.ckpt = CkptSearch::Off;
-    p.batch = req.batch / mb;
+    p.problem.ckpt = CkptSearch::Off;
+    p.problem.batch = req.batch / mb;
     let cand = Candidate {
         mesh: stage.clone(),
         rule: AxisRule::Megatron { sp: cfg.sp, cp: cfg.cp > 1 },
@@ -88,7 +89,7 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
         map,
         schedule,
     };
-    let lowered = pplan::lower_pipelined(&r, &p.cost)?;
+    let lowered = pplan::lower_pipelined(&r, &p.problem.cost)?;
     Ok(FixedLowered { lowered, full, stage: e })
 }
 
@@ -185,20 +186,24 @@ pub fn best_in(req: &Request<'_>, bound: f64, space: &PipeSpace<'_>) -> Result<P
     }
     // One problem per micro-batch's global size (dp · size sequences): its forward graph and
     // ILP caches are shared by the shapes that need it.
-    let mut problems: BTreeMap<usize, Problem0<'_>> = BTreeMap::new();
+    let mut problems: BTreeMap<usize, Search<'_>> = BTreeMap::new();
     for (s, size) in &items {
         problems.entry(s.dp * size).or_insert_with(|| {
             let mut p = req.problem();
-            p.batch = s.dp * size;
-            p.ckpt = CkptSearch::Off;
+            p.problem.batch = s.dp * size;
+            p.problem.ckpt = CkptSearch::Off;
             p
         });
     }
     let budget = req.budget as f64;
     let screened = parallel_map(&items, |(shape, size)| -> Result<Vec<Screened>> {
         let p = &problems[&(shape.dp * size)];
-        let (stage, full) =
-            crate::pipeline::plan::meshes(&req.cluster, &[shape.dp, shape.tp], shape.pp)?;
+        let (stage, full) = crate::pipeline::plan::meshes(
+            &req.cluster,
+            &[shape.dp, shape.tp],
+            &[AxisName::Data, AxisName::Tensor],
+            shape.pp,
+        )?;
         let m = req.batch / (shape.dp * size);
         let link = full.links.last().ok_or_else(|| PlanError::Internal("no mesh axes".into()))?;
         let link = link.p2p(shape.pp);

@@ -6,7 +6,7 @@
 
 use super::{megatron_mesh, Request};
 use crate::config::ParallelConfig;
-use crate::search::{self, AxisRule, Candidate, Evaluated, Problem0};
+use crate::search::{self, AxisRule, Candidate, Evaluated, Search};
 use crate::{Mesh, Result};
 
 /// The smallest fitting micro-batch count for one (mesh, rule, zero). With `past_recompute`, a
@@ -18,7 +18,7 @@ use crate::{Mesh, Result};
 /// ZeRO-0's whole model, `tests/scan_bound.rs`). Returns the counts tried and the fastest fit.
 pub(super) fn first_fit(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     scan: Scan<'_>,
     past_recompute: bool,
 ) -> Result<(usize, Option<Evaluated>)> {
@@ -34,7 +34,7 @@ pub(super) fn first_fit(
         if let (Some(m), Some(f)) = (missed, floor) {
             if m.rules_out(mb, f, req.budget) {
                 // Evaluated after all should nothing fit anywhere (the least peak stays exact).
-                if let Ok(mut d) = p.deferred.lock() {
+                if let Ok(mut d) = p.state.deferred.lock() {
                     d.push(cand);
                 }
                 continue;
@@ -55,7 +55,8 @@ pub(super) fn first_fit(
             let recomputes = e.lowered.time.recompute_s > 0.0;
             // More micro-batches can save the recomputation at most; when the step without it
             // is already slower than the fastest fit found so far, they cannot win.
-            let cannot_win = e.step_time_s() - e.lowered.time.recompute_s > p.fastest.bound(rule);
+            let cannot_win =
+                e.step_time_s() - e.lowered.time.recompute_s > p.state.fastest.bound(rule);
             if best.as_ref().is_none_or(|b| e.step_time_s() < b.step_time_s()) {
                 best = Some(e);
             }
@@ -79,7 +80,7 @@ pub(super) enum Job {
     Free(Mesh),
     /// A Megatron-style `dp × cp × tp` configuration (sequence parallel on or off), ZeRO over
     /// every data-parallel rank or, with `shard`, within groups of that many (hybrid
-    /// sharding); `cp` > 1 only for long sequences ([`crate::context::grid`]).
+    /// sharding); `cp` > 1 only for long sequences (the axes' grids, [`crate::axis::grid`]).
     Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize },
 }
 
@@ -122,7 +123,7 @@ pub(super) fn job_space(
 /// fastest fit so far ([`search::FastestSoFar`]) bounds the rest of the search early.
 pub(super) fn run_job_zero3(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     job: &Job,
     mbs: &[usize],
 ) -> Result<JobResult> {
@@ -141,7 +142,7 @@ pub(super) fn run_job_zero3(
 /// Returns the counts tried (0 or 1) and the faster fit, if it found one.
 pub(super) fn one_more(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     job: &Job,
     mbs: &[usize],
     fit: &Evaluated,
@@ -151,7 +152,7 @@ pub(super) fn one_more(
     let Some(&next) = mbs.iter().find(|&&m| m > mb) else { return Ok((0, None)) };
     // As in `first_fit`: more micro-batches save the recomputation at most.
     let without = fit.step_time_s() - fit.lowered.time.recompute_s;
-    if fit.lowered.time.recompute_s <= 0.0 || without > p.fastest.bound(&rule) {
+    if fit.lowered.time.recompute_s <= 0.0 || without > p.state.fastest.bound(&rule) {
         return Ok((0, None));
     }
     let cand = Candidate {
@@ -179,7 +180,7 @@ pub(super) fn one_more(
 /// [`run_job_zero3`]'s.)
 pub(super) fn run_job(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     job: &Job,
     mbs: &[usize],
 ) -> Result<JobResult> {
@@ -206,10 +207,11 @@ pub(super) fn run_job(
         let time = e.as_ref().map(Evaluated::step_time_s);
         let gained_by =
             |share: f64| matches!((previous, time), (Some(a), Some(b)) if b < a * (1.0 - share));
-        let (gained, gained_much) = (gained_by(1e-6), gained_by(p.knobs.zero_scan_min_gain));
-        let cannot_win = e
-            .as_ref()
-            .is_some_and(|e| e.step_time_s() - e.lowered.time.recompute_s > p.fastest.bound(&rule));
+        let (gained, gained_much) =
+            (gained_by(1e-6), gained_by(p.problem.knobs.zero_scan_min_gain));
+        let cannot_win = e.as_ref().is_some_and(|e| {
+            e.step_time_s() - e.lowered.time.recompute_s > p.state.fastest.bound(&rule)
+        });
         previous = time.or(previous);
         out.fits.extend(e);
         if zero >= 1 && ((!needs_more && !gained) || (cannot_win && !gained_much)) {
@@ -223,7 +225,7 @@ pub(super) fn run_job(
 /// stages. Results in job order.
 pub(super) fn run_jobs(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     jobs: &[Job],
     mbs: &[usize],
 ) -> Result<Vec<JobResult>> {
@@ -236,13 +238,13 @@ pub(super) fn run_jobs(
 /// fits are published as the second round's bound (the same whatever the timing).
 pub(super) fn first_round(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     jobs: &[Job],
     mbs: &[usize],
 ) -> Result<Vec<JobResult>> {
     let mut first: Vec<JobResult> =
         parallel_map(jobs, |j| run_job_zero3(req, p, j, mbs)).into_iter().collect::<Result<_>>()?;
-    p.fastest.publish();
+    p.state.fastest.publish();
     let fits: Vec<(&Job, &Evaluated)> =
         jobs.iter().zip(&first).filter_map(|(j, r)| Some((j, r.fits.first()?))).collect();
     let more = parallel_map(&fits, |(j, fit)| one_more(req, p, j, mbs, fit));
@@ -253,7 +255,7 @@ pub(super) fn first_round(
             r.fits = vec![e];
         }
     }
-    p.fastest.publish();
+    p.state.fastest.publish();
     Ok(first)
 }
 
@@ -262,7 +264,7 @@ pub(super) fn first_round(
 /// (no other phase has a plan), the deferred candidates are evaluated ([`run_deferred`]).
 pub(super) fn second_round(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     jobs: &[Job],
     mbs: &[usize],
     first: Vec<JobResult>,
@@ -286,7 +288,7 @@ pub(super) fn second_round(
 /// other phase has a plan: [`run_deferred`]).
 fn with_deferred(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     jobs: &[Job],
     mbs: &[usize],
     mut results: Vec<JobResult>,
@@ -304,7 +306,7 @@ fn with_deferred(
 /// the other. The results, in job order, as [`second_round`] gives them.
 pub(super) fn one_round(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     jobs: &[Job],
     mbs: &[usize],
     deferred: bool,
@@ -319,22 +321,23 @@ pub(super) fn one_round(
         Ok(r)
     });
     let results = all.into_iter().collect::<Result<Vec<_>>>()?;
-    p.fastest.publish();
+    p.state.fastest.publish();
     with_deferred(req, p, jobs, mbs, results, deferred)
 }
 
-/// When nothing fitted: the candidates deferred as hopeless ([`Problem0::hopeless`]), whose
+/// When nothing fitted: the candidates deferred as hopeless ([`SearchState::hopeless`]), whose
 /// model state missed the budget at a smaller micro-batch count's most frugal layout — which
 /// says nothing certain about theirs. Their fits join their jobs' results; either way, every
-/// candidate the search enumerates has then recorded its least peak ([`Problem0::least`]).
+/// candidate the search enumerates has then recorded its least peak ([`SearchState::least`]).
 pub(super) fn run_deferred(
     req: &Request<'_>,
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     jobs: &[Job],
     mbs: &[usize],
     results: &mut [JobResult],
 ) -> Result<()> {
-    let mut deferred = p.deferred.lock().map(|mut d| std::mem::take(&mut *d)).unwrap_or_default();
+    let mut deferred =
+        p.state.deferred.lock().map(|mut d| std::mem::take(&mut *d)).unwrap_or_default();
     // In a fixed order: threads deferred them in any.
     deferred.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
     let spaces: Vec<(Mesh, AxisRule)> = jobs
@@ -375,7 +378,14 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
         }
     }
     // Context parallelism, for long sequences only (the grid of short ones stays as fast).
-    for (dp, cp, tp) in crate::context::grid(n, req.cluster.gpus_per_node, req.seq) {
+    let cx = crate::axis::GridContext {
+        devices: n,
+        gpus_per_node: req.cluster.gpus_per_node,
+        nodes: req.cluster.nodes,
+        seq: req.seq,
+    };
+    for cfg in crate::axis::grid(&cx) {
+        let (dp, cp, tp) = (cfg.dp, cfg.cp, cfg.tp);
         for sp in [false, true] {
             if !(sp && tp == 1) {
                 jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp });

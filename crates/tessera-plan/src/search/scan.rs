@@ -14,11 +14,11 @@
 //!
 //! and the counts whose bound misses the budget are skipped without a lowering ([`Miss`]).
 //! Like the least-peak report ([`super::LeastPeak`]), it trusts the ILP's most frugal layout
-//! to be the least a count reaches. Skipped candidates join [`super::Problem0::deferred`], so
+//! to be the least a count reaches. Skipped candidates join [`super::SearchState::deferred`], so
 //! a search where nothing fits still evaluates them and reports its least peak exactly.
 
 use super::space::optimizer_bytes_per_elem;
-use super::Problem0;
+use super::Search;
 #[cfg(test)]
 use crate::figures::Miss;
 use crate::Result;
@@ -28,7 +28,7 @@ use tessera_ir::Op;
 /// layout: the parameters and their AdamW state (moments, and the f32 master copy of a
 /// parameter stored in lower precision), spread evenly over every device. Each element is
 /// held somewhere, so the busiest device holds at least the average.
-pub fn resting_floor(p: &Problem0<'_>, micro_batch: usize, devices: usize) -> Result<u64> {
+pub fn resting_floor(p: &Search<'_>, micro_batch: usize, devices: usize) -> Result<u64> {
     let shared = p.forward(micro_batch)?;
     let g = &shared.0.graph;
     let total: f64 = g

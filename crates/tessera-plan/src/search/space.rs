@@ -19,7 +19,8 @@
 //!   activations of all. The exact peak comes from simulating the lowered Program; if it
 //!   misses the budget the ILP is solved again under a tighter one.
 
-use super::{AxisRule, Candidate, Forward, Problem0};
+use super::{AxisRule, Candidate, Forward, Search};
+use crate::axis::{Axis, PinContext, AXES};
 use crate::ilp::{Choice, Edge, MemRow, Problem};
 use crate::reshard::ReshardCache;
 use crate::rules::{label_roles, labeling, local_meta, strategies, DimRole, Labeling, Strategy};
@@ -155,27 +156,41 @@ impl<'g> Space<'g> {
         }
 
         let live_axes: Vec<usize> = (0..mesh.ndim()).filter(|&a| mesh.shape[a] > 1).collect();
-        // A config's mesh: data-parallel axes, then the context-parallel axis (with `cpN`),
-        // then the tensor axis last.
+        // A config's mesh: data-parallel axes, then the axes that pin what they split (the
+        // context-parallel axis with `cpN`), then the tensor axis last.
         let tp_axis = mesh.ndim().saturating_sub(1);
-        let cp_axis = match rule {
-            AxisRule::Megatron { cp: true, .. } => Some(crate::context::cp_axis(mesh)),
-            _ => None,
-        };
-        let data_axes: Vec<usize> =
-            live_axes.iter().copied().filter(|&a| a != tp_axis && Some(a) != cp_axis).collect();
-        // The context-parallel axis splits every sequence, and attention's heads.
-        let cp_pins = match cp_axis {
-            Some(a) => {
-                let roles = context_roles(g, &labels);
-                let tp = mesh.shape[tp_axis];
-                match crate::context::cp_pins(g, &labels, &roles, mesh.shape[a], tp) {
-                    Ok(pins) => Some(pins),
+        // Each registered axis that pins ([`crate::axis::Axis::pins`]) and has a mesh axis
+        // here, in registry order: (the axis, its mesh axis, its label per node).
+        let mut pinned: Vec<(&dyn Axis, usize, Vec<Option<usize>>)> = Vec::new();
+        if let AxisRule::Megatron { sp, .. } = rule {
+            let seq_roles = context_roles(g, &labels);
+            for &axis in AXES {
+                let Some(a) = axis.pinned_axis().and_then(|name| mesh.axis(name)) else {
+                    continue;
+                };
+                if a == tp_axis {
+                    continue;
+                }
+                let mut cx = PinContext {
+                    graph: g,
+                    labels: &mut labels,
+                    roles: &roles,
+                    seq_roles: &seq_roles,
+                    mesh,
+                    axis: a,
+                    sp: *sp,
+                };
+                match axis.pins(&mut cx) {
+                    Ok(pins) => pinned.push((axis, a, pins)),
                     Err(why) => return Ok(Space::unsplittable(g, why)),
                 }
             }
-            None => None,
-        };
+        }
+        let data_axes: Vec<usize> = live_axes
+            .iter()
+            .copied()
+            .filter(|&a| a != tp_axis && pinned.iter().all(|p| p.1 != a))
+            .collect();
         // A config string's tensor axis splits what Megatron-LM's layout splits, op by op.
         let tp_pins = match rule {
             AxisRule::Megatron { sp, .. } if live_axes.contains(&tp_axis) => {
@@ -222,10 +237,10 @@ impl<'g> Space<'g> {
                     AxisRule::Megatron { .. } if a == tp_axis => {
                         tp_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
                     }
-                    AxisRule::Megatron { .. } if Some(a) == cp_axis => {
-                        cp_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
-                    }
-                    AxisRule::Megatron { .. } => lab_role[lab] == DimRole::Batch,
+                    AxisRule::Megatron { .. } => match pinned.iter().find(|p| p.1 == a) {
+                        Some((_, _, pins)) => pins[i] == Some(lab),
+                        None => lab_role[lab] == DimRole::Batch,
+                    },
                 }
             };
             let mut all = strategies(l, &x, &y, mesh, &allow);
@@ -236,21 +251,23 @@ impl<'g> Space<'g> {
                 if has_batch {
                     all.retain(|s| data_axes.iter().all(|&a| s.axis_labels[a].is_some()));
                 }
-                // The context-parallel axis splits exactly its pinned label, heads tp-major.
-                if let (Some(a), Some(lab)) = (cp_axis, cp_pins.as_ref().and_then(|p| p[i])) {
-                    all.retain(|s| s.axis_labels[a] == Some(lab));
+                // A pinning axis splits exactly its pinned label (the context-parallel axis:
+                // heads tp-major, its `order_strategy`).
+                for (axis, a, pins) in &pinned {
+                    let Some(lab) = pins[i] else { continue };
+                    all.retain(|s| s.axis_labels[*a] == Some(lab));
                     if all.is_empty() {
                         let why = format!(
-                            "{} ({}) cannot be split over the context-parallel axis on the mesh \
-                             {:?}",
+                            "{} ({}) cannot be split over {} on the mesh {:?}",
                             g.scope_name(node.scope),
                             node.op.name(),
+                            axis.pin_miss(),
                             mesh.shape
                         );
                         return Ok(Space::unsplittable(g, why));
                     }
                     for s in &mut all {
-                        crate::context::order_heads(s, node, a, tp_axis);
+                        axis.order_strategy(s, node, mesh, *a);
                     }
                 }
                 // The tensor axis splits exactly Megatron's label.
@@ -349,7 +366,7 @@ pub(super) fn optimizer_bytes_per_elem(dtype: DType) -> f64 {
 }
 
 pub(super) fn build_problem(
-    p: &Problem0<'_>,
+    p: &Search<'_>,
     cand: &Candidate,
     fwd: &Forward,
     space: &Space<'_>,
@@ -404,7 +421,7 @@ pub(super) fn build_problem(
                 };
                 let xr: Vec<&TensorMeta> = x.iter().collect();
                 let yr: Vec<&TensorMeta> = y.iter().collect();
-                let fwd_t = p.cost.op_time(&node.op, &xr, &yr);
+                let fwd_t = p.problem.cost.op_time(&node.op, &xr, &yr);
                 let bwd =
                     if matches!(node.op, Op::MatMul { .. } | Op::Attention(_)) { 2.0 } else { 1.0 };
                 c[s] += fwd_t * (1.0 + bwd) * mbf;
@@ -447,12 +464,12 @@ pub(super) fn build_problem(
                         let grads = if eager_grads { 0.0 } else { eb / gdiv };
                         st[s] += elems * (eb / pdiv + grads);
                         let moved = (share as f64 * eb) as u64;
-                        c[s] += p.cost.offloaded_step_time(share, moved, moved);
+                        c[s] += p.problem.cost.offloaded_step_time(share, moved, moved);
                     } else {
                         st[s] += elems
                             * (eb / pdiv + eb / gdiv + optimizer_bytes_per_elem(meta.dtype) / odiv);
                         // The update runs on this device's share of the optimizer state.
-                        c[s] += p.cost.optimizer_step_time(share, meta.dtype);
+                        c[s] += p.problem.cost.optimizer_step_time(share, meta.dtype);
                     }
                     // Gradient sync over the pending axes (ring all-reduce ≈ reduce-scatter +
                     // all-gather); ZeRO-3 also gathers the weight in forward and backward.
@@ -494,9 +511,9 @@ pub(super) fn build_problem(
     // the mesh, the rule and the micro-batch count only (not the ZeRO stage, the offload or
     // the budget), so the candidates that differ in those share them ([`EdgeCache`]).
     let key = (mesh.clone(), cand.rule.clone(), cand.micro_batches);
-    let edges = match p.graphs.edges.get(&key) {
+    let edges = match p.state.graphs.edges.get(&key) {
         Some(edges) => edges,
-        None => p.graphs.edges.insert(key, edge_costs(g, mesh, space, reshard, mbf)),
+        None => p.state.graphs.edges.insert(key, edge_costs(g, mesh, space, reshard, mbf)),
     };
     let mut edge_list = Vec::new();
     for (&(a, b), cost) in edges.iter() {
@@ -541,7 +558,7 @@ pub(super) fn build_problem(
 pub(super) type EdgeCosts = HashMap<(usize, usize), Vec<Vec<f64>>>;
 
 /// Edge costs already built, per (mesh, axis rule, micro-batch count) of one search
-/// ([`Problem0`]'s graphs are fixed): a job's ZeRO stages, and the most frugal layout's ILP,
+/// ([`Search`]'s graphs are fixed): a job's ZeRO stages, and the most frugal layout's ILP,
 /// build the same edges, the costliest part of a 2-D mesh's ILP (every reshard path).
 #[derive(Default)]
 pub struct EdgeCache(std::sync::Mutex<Vec<(EdgeKey, std::sync::Arc<EdgeCosts>)>>);

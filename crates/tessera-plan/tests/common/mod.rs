@@ -3,7 +3,7 @@
 
 use tessera_ir::{DType, TrainConfig};
 use tessera_models::{build, BuildOptions, ModelConfig};
-use tessera_plan::search::{CkptSearch, Forward, Problem0};
+use tessera_plan::search::{CkptSearch, Forward, Search, SearchProblem};
 use tessera_plan::{Cluster, PlanError};
 
 /// The bf16 forward graph of `preset` (no dropout) at `seq` tokens, per micro-batch size.
@@ -21,18 +21,13 @@ pub fn problem<'a>(
     build: &'a (dyn Fn(usize) -> tessera_plan::Result<Forward> + Sync),
     batch: usize,
     cluster: &Cluster,
-) -> Problem0<'a> {
-    Problem0 {
+) -> Search<'a> {
+    Search::new(SearchProblem {
         build,
         batch,
         cost: tessera_plan::cost::CostModel::new(cluster.device.clone()),
         train: TrainConfig::default(),
         knobs: Default::default(),
         ckpt: CkptSearch::Joint,
-        graphs: Default::default(),
-        fastest: Default::default(),
-        hopeless: Default::default(),
-        least: Default::default(),
-        deferred: Default::default(),
-    }
+    })
 }

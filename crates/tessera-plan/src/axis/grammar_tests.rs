@@ -1,7 +1,10 @@
 //! Tests of the config-string grammar: parsing, the canonical form, validation and the
 //! flags it maps to.
 
-use super::*;
+use super::grammar::GRAMMAR;
+use crate::config::layout::ScheduleKind;
+use crate::config::{CpComm, LossMode, MlpMode, ParallelConfig, Pins};
+use tessera_ir::CkptMode;
 
 fn cfg(dp: usize, tp: usize, zero: u8, micro_batches: usize, sp: bool) -> ParallelConfig {
     ParallelConfig::new(dp, tp).with_zero(zero).with_micro_batches(micro_batches).with_sp(sp)
@@ -458,7 +461,7 @@ fn context_parallel_tokens_parse_and_print_canonically() {
     assert_eq!((c.cp, c.cp_comm), (2, None));
     assert_eq!(c.canonical(), "dp1 tp1 cp2 cp=a2a");
     let c = ParallelConfig::parse("zero3 CP4 cp=A2A dp2 tp2 sp pp2 mb4").unwrap();
-    assert_eq!((c.cp, c.cp_comm), (4, Some(crate::context::CpComm::A2a)));
+    assert_eq!((c.cp, c.cp_comm), (4, Some(CpComm::A2a)));
     assert_eq!(c.canonical(), "dp2 tp2 cp4 cp=a2a pp2 sp zero3 mb4");
     assert_eq!(c.devices(), 2 * 4 * 2 * 2);
     for s in ["cp2", "dp2 cp2 zero1", "tp2 cp2 sp ckpt=full", "cp4 pp2 mb2", "cp1 dp2"] {
@@ -603,4 +606,32 @@ fn the_builder_makes_what_the_grammar_parses_and_serde_reads_it_back() {
     // The setters do not check; validate does.
     let bad = ParallelConfig::new(2, 4).with_micro_batches(0);
     assert!(bad.validate().unwrap_err().to_string().contains("at least 1"));
+}
+
+#[test]
+fn validation_errors_are_typed_by_kind_with_the_messages_users_read() {
+    use crate::{ConfigError, PlanError};
+    let sp = ParallelConfig::new(2, 1).with_sp(true).validate();
+    assert!(matches!(sp, Err(ConfigError::Requires { knob: "sp", needs: "tp", .. })), "{sp:?}");
+    let zero = ParallelConfig::new(0, 1).validate();
+    assert!(matches!(zero, Err(ConfigError::Zero { knob: "dp", .. })), "{zero:?}");
+    let stage = ParallelConfig::new(2, 1).with_zero(4).validate();
+    assert!(matches!(stage, Err(ConfigError::OutOfRange { knob: "zero", .. })), "{stage:?}");
+    let cp_shard = ParallelConfig::new(4, 1).with_cp(2).with_zero(1).with_shard(Some(2));
+    let e = cp_shard.validate().expect_err("cp with shard= is refused");
+    assert_eq!(e.knob(), "cp");
+    assert!(matches!(e, ConfigError::Unsupported { with: "shard", .. }), "{e:?}");
+    // A parsed string's error carries the string and reads as before.
+    match ParallelConfig::parse("dp2 sp") {
+        Err(PlanError::Config { config: Some(c), error }) => {
+            assert_eq!(c, "dp2 sp");
+            assert_eq!(error.knob(), "sp");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        err("dp2 sp"),
+        "config `dp2 sp`: sp shards the sequence over the tensor-parallel axis: add tpN with \
+         N > 1"
+    );
 }

@@ -10,7 +10,9 @@
 //! Everything of the axis lives here: its config tokens ([`parse_token`], [`CpComm`]), its
 //! mesh ([`mesh_shape`]), its sharding pins for the search ([`cp_pins`], [`order_heads`]), the
 //! config a plan describes ([`describe_cp`]), its `--explain` lines ([`explain_lines`]) and its
-//! export fields ([`megatron_args`], [`refuse_export`]). The rest of the planner calls in:
+//! export fields ([`megatron_args`], [`refuse_export`]); [`ContextAxis`] registers them as the
+//! cp axis of [`super::AXES`], through which the grammar, the mesh, the search space,
+//! `--explain` and the exports reach them. The rest of the planner calls in:
 //! - weights are never split over cp, so their gradients are pending sums over it and the
 //!   lowering reduces them over dp × cp, and ZeRO shards over dp × cp (Megatron-LM's
 //!   distributed optimizer shards over its data-parallel-and-context group) — both fall out of
@@ -63,29 +65,17 @@
 //! - exports: Megatron-LM `--context-parallel-size N --cp-comm-type p2p`; torchtitan's
 //!   `context_parallel_degree` (its CP is ring attention) stops being refused for ring.
 
+use super::{Axis, ConfigError, Engine, ExplainContext, ExportFields, GridContext, Parsed};
+use super::{PinContext, Slot, Token};
+use crate::config::ParallelConfig;
 use crate::mesh::AxisName;
 use crate::rules::{DimRole, Labeling, Strategy};
-use crate::{Mesh, PlanError, Result, Spec};
-use serde::{Deserialize, Serialize};
-use std::fmt;
+use crate::{Mesh, Result, Spec};
 use tessera_ir::{Graph, Op};
 
-/// How the cp axis exchanges what attention needs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CpComm {
-    /// All-to-all (Ulysses): sequence-split to head-split around attention and back.
-    #[default]
-    A2a,
-}
-
-impl fmt::Display for CpComm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            CpComm::A2a => f.write_str("a2a"),
-        }
-    }
-}
+/// How the cp axis exchanges what attention needs (a config value, so defined with the
+/// config).
+pub use crate::config::CpComm;
 
 /// The message for `cp=ring`: the gap and the fix.
 pub const RING_REFUSED: &str = "cp=ring (ring attention) is not supported yet: the IR \
@@ -134,31 +124,47 @@ pub fn parse_token(
 /// The config rules of the axis: `cp=` needs cp > 1, and hybrid sharding (`shard=`) and
 /// model-state offload (`offload` says whether the config moves model state) do not compose
 /// with it yet; activation offload (`offload=act`) does.
-pub fn validate(cp: usize, comm: Option<CpComm>, shard: bool, offload: bool) -> Result<()> {
+pub fn validate(
+    cp: usize,
+    comm: Option<CpComm>,
+    shard: bool,
+    offload: bool,
+) -> Result<(), ConfigError> {
     if cp == 0 {
-        return Err(PlanError::Invalid("cp must be at least 1 (1 means not split)".into()));
+        let message = "cp must be at least 1 (1 means not split)".into();
+        return Err(ConfigError::Zero { knob: "cp", message });
     }
     if cp == 1 {
         if let Some(c) = comm {
-            return Err(PlanError::Invalid(format!(
-                "cp={c} chooses how a context-parallel axis exchanges keys and values: add cpN \
-                 with N > 1, e.g. `cp2 cp={c}`"
-            )));
+            return Err(ConfigError::Requires {
+                knob: "cp=",
+                needs: "cp",
+                message: format!(
+                    "cp={c} chooses how a context-parallel axis exchanges keys and values: add \
+                     cpN with N > 1, e.g. `cp2 cp={c}`"
+                ),
+            });
         }
         return Ok(());
     }
     let why = if shard {
-        Some("hybrid sharding (shard=) with context parallelism is not supported yet: drop one")
+        Some((
+            "shard",
+            "hybrid sharding (shard=) with context parallelism is not supported yet: drop one",
+        ))
     } else if offload {
-        Some(
+        Some((
+            "offload",
             "model-state offload (offload=opt, grads+opt, all) with context parallelism is not \
              supported yet: drop one of them, or offload activations only (offload=act)",
-        )
+        ))
     } else {
         None
     };
     match why {
-        Some(why) => Err(PlanError::Invalid(format!("cp{cp}: {why}"))),
+        Some((with, why)) => {
+            Err(ConfigError::Unsupported { knob: "cp", with, message: format!("cp{cp}: {why}") })
+        }
         None => Ok(()),
     }
 }
@@ -395,6 +401,98 @@ pub fn refuse_export(engine: &str, cp: usize) -> Option<String> {
              --cp-comm-type a2a), or drop cpN"
         )),
         _ => None,
+    }
+}
+
+/// The context-parallel axis in the registry ([`super::AXES`]): every method is one of the
+/// functions above.
+pub struct ContextAxis;
+
+impl Axis for ContextAxis {
+    fn name(&self) -> &'static str {
+        "cp"
+    }
+
+    fn parse_token(&self, t: Token<'_>, cfg: &mut ParallelConfig) -> Parsed {
+        parse_token(t.raw, t.lower, &mut cfg.cp, &mut cfg.cp_comm)
+    }
+
+    fn canonical(&self, cfg: &ParallelConfig) -> Vec<(Slot, String)> {
+        let s = canonical(cfg.cp, cfg.cp_comm);
+        let s = s.trim();
+        (!s.is_empty()).then(|| (30, s.to_string())).into_iter().collect()
+    }
+
+    fn validate(&self, cfg: &ParallelConfig) -> Result<(), ConfigError> {
+        // Activation offload alone composes (a rewrite of the checkpointed Program); model
+        // state offload's chunks are laid out on a `[dp, tp]` mesh.
+        let state_offload = cfg.offload.is_some_and(|o| o.moves_state());
+        validate(cfg.cp, cfg.cp_comm, cfg.shard.is_some(), state_offload)
+    }
+
+    /// Between the data axes and the tensor axis (see [`mesh_shape`]).
+    fn mesh_axes(&self, cfg: &ParallelConfig) -> Vec<(Slot, AxisName, usize)> {
+        if cfg.cp > 1 {
+            vec![(30, AxisName::Context, cfg.cp)]
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn grid(&self, cx: &GridContext) -> Vec<ParallelConfig> {
+        grid(cx.devices, cx.gpus_per_node, cx.seq)
+            .into_iter()
+            .map(|(dp, cp, tp)| ParallelConfig::new(dp, tp).with_cp(cp))
+            .collect()
+    }
+
+    fn pinned_axis(&self) -> Option<AxisName> {
+        Some(AxisName::Context)
+    }
+
+    fn pins(&self, cx: &mut PinContext<'_>) -> Result<Vec<Option<usize>>, String> {
+        let tp = cx.mesh.axis(AxisName::Tensor).map_or(1, |a| cx.mesh.shape[a]);
+        cp_pins(cx.graph, cx.labels, cx.seq_roles, cx.mesh.shape[cx.axis], tp)
+    }
+
+    fn pin_miss(&self) -> &'static str {
+        "the context-parallel axis"
+    }
+
+    fn order_strategy(&self, s: &mut Strategy, node: &tessera_ir::Node, mesh: &Mesh, axis: usize) {
+        if let Some(tp_axis) = mesh.axis(AxisName::Tensor) {
+            order_heads(s, node, axis, tp_axis);
+        }
+    }
+
+    fn explain_lines(&self, cx: &ExplainContext<'_>) -> Vec<String> {
+        let Some(axis) = cx.axis(AxisName::Context) else { return Vec::new() };
+        let a2a = cx.traffic.iter().filter(|c| {
+            let op: String =
+                c.op.to_ascii_lowercase().chars().filter(char::is_ascii_alphabetic).collect();
+            c.axis == axis && op.contains("alltoall")
+        });
+        let (calls, bytes) = a2a.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes));
+        explain_lines(cx.shape[axis], cx.seq, calls, bytes)
+    }
+
+    fn export(&self, engine: Engine, cfg: &ParallelConfig) -> ExportFields {
+        let name = match engine {
+            Engine::Megatron => {
+                let args = megatron_args(cfg.cp, cfg.cp_comm);
+                return ExportFields::Args(args.into_iter().map(|a| (20, a)).collect());
+            }
+            Engine::DeepSpeed => "deepspeed",
+            Engine::Torchtitan => "torchtitan",
+        };
+        match refuse_export(name, cfg.cp) {
+            // The nearest: the context-parallel devices as data-parallel replicas.
+            Some(why) => ExportFields::Refused {
+                why,
+                nearest: cfg.clone().with_dp(cfg.dp * cfg.cp).with_cp(1).with_cp_comm(None),
+            },
+            None => ExportFields::Args(Vec::new()),
+        }
     }
 }
 
