@@ -460,6 +460,7 @@ impl ParallelConfig {
             // Activation offload alone composes (a rewrite of the checkpointed Program); model
             // state offload's chunks are laid out on a `[dp, tp]` mesh.
             self.offload.is_some_and(|o| o.moves_state()),
+            self.pp,
         )?;
         let product = [self.tp, self.pp, self.micro_batches, self.cp]
             .iter()

@@ -397,9 +397,15 @@ impl Plan {
                 c.op.to_ascii_lowercase().chars().filter(char::is_ascii_alphabetic).collect();
             c.axis == axis && op.contains("alltoall")
         });
-        let (calls, bytes) = a2a.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes));
+        let ring = |c: &&crate::plan::CollectiveJson| c.axis == axis && c.op == "send";
+        let (comm, (calls, bytes)) = if self.mesh.ring {
+            let sends = self.collectives.iter().filter(ring);
+            (crate::context::CpComm::Ring, sends.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes)))
+        } else {
+            (crate::context::CpComm::A2a, a2a.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes)))
+        };
         let mut s = String::new();
-        for line in crate::context::explain_lines(cp, self.seq, calls, bytes) {
+        for line in crate::context::explain_lines(cp, self.seq, comm, calls, bytes) {
             s += &line;
             s.push('\n');
         }

@@ -127,7 +127,8 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
         }
         None => {
             let (shape, names) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
-            Mesh::named(cluster, &shape, &names)
+            let ring = cfg.cp > 1 && cfg.cp_comm == Some(crate::context::CpComm::Ring);
+            Ok(Mesh::named(cluster, &shape, &names)?.with_ring(ring))
         }
     }
 }
@@ -219,7 +220,7 @@ fn best_megatron(
     let (mut tried, mut fitting) = (0, 0);
     let mut best: Option<(Evaluated, ParallelConfig)> = None;
     for (job, r) in jobs.iter().zip(results) {
-        let Job::Megatron { dp, tp, sp, shard, cp } = *job else { continue };
+        let Job::Megatron { dp, tp, sp, shard, cp, ring } = *job else { continue };
         tried += r.tried;
         fitting += r.fits.len();
         for e in &r.fits {
@@ -229,7 +230,8 @@ fn best_megatron(
                     .with_micro_batches(e.candidate.micro_batches)
                     .with_sp(sp)
                     .with_shard(shard.filter(|_| e.candidate.zero > 0))
-                    .with_cp(cp);
+                    .with_cp(cp)
+                    .with_cp_comm(ring.then_some(crate::context::CpComm::Ring));
                 best = Some((e.clone(), cfg));
             }
         }
@@ -543,7 +545,8 @@ fn lower_plan_as_built(
             &file.mesh.shape,
             &file.mesh.axes.iter().map(String::as_str).collect::<Vec<_>>(),
         )?
-        .with_replicas(&file.mesh.replicas),
+        .with_replicas(&file.mesh.replicas)
+        .with_ring(file.mesh.ring),
     };
     if file.micro_batches == 0 {
         return Err(PlanError::Invalid(
@@ -651,6 +654,7 @@ fn plan_from_file_as_built(req: &Request<'_>, file: &Plan) -> Result<Plan> {
                     axes: exe.mesh.axes[..file.mesh.shape.len()].to_vec(),
                     links: exe.mesh.links[..file.mesh.shape.len()].to_vec(),
                     replicas: Vec::new(),
+                    ring: false,
                 },
                 None => exe.mesh.clone(),
             },

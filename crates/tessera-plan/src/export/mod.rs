@@ -146,7 +146,7 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
         Framework::DeepSpeed => "deepspeed",
         Framework::Torchtitan => "torchtitan",
     };
-    if let Some(why) = crate::context::refuse_export(engine, cfg.cp) {
+    if let Some(why) = crate::context::refuse_export(engine, cfg.cp, cfg.cp_comm) {
         // The nearest: the context-parallel devices as data-parallel replicas.
         let flat = cfg.clone().with_dp(cfg.dp * cfg.cp).with_cp(1).with_cp_comm(None);
         return Err(refuse(why, nearest(framework, &flat, plan.batch)));

@@ -169,7 +169,7 @@ impl<'g> Space<'g> {
             Some(a) => {
                 let roles = context_roles(g, &labels);
                 let tp = mesh.shape[tp_axis];
-                match crate::context::cp_pins(g, &labels, &roles, mesh.shape[a], tp) {
+                match crate::context::cp_pins(g, &labels, &roles, mesh.shape[a], tp, mesh.ring) {
                     Ok(pins) => Some(pins),
                     Err(why) => return Ok(Space::unsplittable(g, why)),
                 }
@@ -252,6 +252,9 @@ impl<'g> Space<'g> {
                     for s in &mut all {
                         crate::context::order_heads(s, node, a, tp_axis);
                     }
+                }
+                if let (Some(a), true) = (cp_axis, mesh.ring) {
+                    crate::context::ring_strategies(&mut all, node, a);
                 }
                 // The tensor axis splits exactly Megatron's label.
                 if let Some(lab) = tp_pins.as_ref().and_then(|p| p[i]) {
