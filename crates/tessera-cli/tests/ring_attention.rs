@@ -194,9 +194,8 @@ fn zigzag_chunks_give_every_device_the_same_attention_work() {
     for (config, devices) in [("cp4 cp=ring", 4), ("dp2 cp2 cp=ring", 4)] {
         let exe = lowered(config, devices).unwrap();
         let shape = exe.mesh.shape.clone();
-        let work: Vec<u64> = (0..devices)
-            .map(|r| visible_pairs(&exe, &MeshPos::new(&shape, r).unwrap()))
-            .collect();
+        let work: Vec<u64> =
+            (0..devices).map(|r| visible_pairs(&exe, &MeshPos::new(&shape, r).unwrap())).collect();
         let (lo, hi) = (*work.iter().min().unwrap(), *work.iter().max().unwrap());
         assert!(hi as f64 <= lo as f64 * 1.01, "{config}: per-device pairs {work:?}");
         let cp = if config.starts_with("cp4") { 4 } else { 2 };
@@ -218,8 +217,7 @@ fn what_ring_attention_does_not_run_yet_is_refused_by_name() {
     let llama = model_file(&dir, "llama", LLAMA);
     let gpt2 = model_file(&dir, "gpt2", GPT2);
     let plan = |model: &str, config: &str, devices: &str| {
-        let args =
-            ["plan", "--model", model, "--cluster", devices, "--batch", "4", "--seq", "256"];
+        let args = ["plan", "--model", model, "--cluster", devices, "--batch", "4", "--seq", "256"];
         tessera(&[&args[..], &["--plan", config]].concat())
     };
     let out = plan(&gpt2, "cp2 cp=ring", "2xcpu");
@@ -232,6 +230,44 @@ fn what_ring_attention_does_not_run_yet_is_refused_by_name() {
     // Ring attention splits no heads over cp: 4 KV heads under tp2 × cp4 plan.
     let out = plan(&llama, "tp2 cp4 cp=ring", "8xcpu");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// `--explain` names the ring and its traffic; the plan's sends are the K/V blocks of every
+/// attention, each way, per micro-batch.
+#[test]
+fn explain_shows_the_ring_traffic() {
+    let dir = temp("explain");
+    let llama = model_file(&dir, "llama", LLAMA);
+    let args = ["plan", "--model", &llama, "--cluster", "2xcpu", "--batch", "4", "--seq", "256"];
+    let out = tessera(&[&args[..], &["--plan", "cp2 cp=ring mb2", "--explain"]].concat());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("context parallel: cp2, ring attention (zig-zag chunks)"), "{text}");
+    // 2 layers × 2 micro-batches × (k, v) × 1 step, forward and backward.
+    assert!(text.contains("16 K/V blocks sent per step around the ring"), "{text}");
+    // Each block is [2, 128, 4 KV heads, 8] in bf16 (the plan's default) = 16 KiB.
+    assert!(text.contains("256.00 KiB per device"), "{text}");
+}
+
+/// Megatron-LM says ring attention as `--cp-comm-type p2p`, torchtitan as its
+/// `context_parallel_degree` (its context parallelism is ring attention); DeepSpeed has none.
+#[test]
+fn exports_say_ring_attention_or_refuse_by_name() {
+    let base = ["plan", "--model", "llama3-8b", "--cluster", "8xH100", "--batch", "8"];
+    let export = |plan: &str, engine: &str| {
+        tessera(&[&base[..], &["--seq", "8192", "--plan", plan, "--export", engine]].concat())
+    };
+    let out = export("dp2 tp2 cp2 cp=ring zero1 ckpt=full", "megatron");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("--context-parallel-size 2 --cp-comm-type p2p"), "{text}");
+    let out = export("dp4 cp2 cp=ring zero3 ckpt=full", "torchtitan");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("context_parallel_degree = 2"), "{text}");
+    let out = export("dp4 cp2 cp=ring zero3 ckpt=full", "deepspeed");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("it has no ring attention"), "{err}");
 }
 
 /// `mpirun -n N tessera train`: equal to the same plan on N threads bit for bit, and so to

@@ -62,7 +62,11 @@
 //! - Not yet: learned position tables (GPT-2's `wpe[0:S]` slice would have to gather each
 //!   device's zig-zag rows) and pipelines (a stage's mesh does not carry the ring) are refused
 //!   by name; the ring's transfers are priced as waited for, not overlapped with the block
-//!   attentions.
+//!   attentions. Every block's partial output and log-sum-exp is saved for its backward and
+//!   received blocks are kept, so a layer holds cp partial outputs (`cp16 cp=ring` needs 289
+//!   GiB per device for llama3-8b at 1M tokens): an online merge (a running output and
+//!   log-sum-exp, K/V passed around again in the backward) would remove it; until then the
+//!   automatic search does not try ring, a config string asks for it.
 
 use crate::mesh::AxisName;
 use crate::rules::{DimRole, Labeling, Strategy};
@@ -224,28 +228,6 @@ pub fn grid(n: usize, gpus_per_node: usize, seq: usize) -> Vec<(usize, usize, us
     out
 }
 
-/// The KV heads of the model `build` makes (its first attention's; `None`: no attention, or
-/// the graph does not build): what decides where the all-to-all can go.
-pub fn kv_heads(build: &(dyn Fn(usize) -> Result<crate::search::Forward> + Sync)) -> Option<usize> {
-    let f = build(1).ok()?;
-    let g = &f.graph;
-    g.nodes.iter().find_map(|n| match n.op {
-        Op::Attention(_) => g.meta(n.inputs[1]).shape.dims().get(2).copied(),
-        _ => None,
-    })
-}
-
-/// Whether the automatic search tries the grid point `(cp, tp)` by ring attention rather
-/// than the all-to-all: where cp × tp does not divide the `kv` KV heads (the all-to-all
-/// would give a device part of a head) and tp alone does, and the sequence divides into
-/// ring attention's 2·cp zig-zag chunks. Elsewhere the all-to-all is tried alone, so the
-/// search's rows that fit it keep their time.
-pub fn ring_instead(kv: Option<usize>, cp: usize, tp: usize, seq: usize) -> bool {
-    kv.is_some_and(|kv| {
-        !kv.is_multiple_of(cp * tp) && kv.is_multiple_of(tp) && seq.is_multiple_of(2 * cp)
-    })
-}
-
 /// The context-parallel axis of a Megatron-rule mesh with a cp axis: the one before the
 /// tensor axis.
 pub fn cp_axis(mesh: &Mesh) -> usize {
@@ -309,7 +291,11 @@ pub fn cp_pins(
             // Ring attention's zig-zag cuts the sequence into 2·cp chunks.
             let unit = if ring { 2 * cp } else { cp };
             if !heads && !l.sizes[lab].is_multiple_of(unit) {
-                let chunks = if ring { format!(" (ring attention's {unit} zig-zag chunks)") } else { String::new() };
+                let chunks = if ring {
+                    format!(" (ring attention's {unit} zig-zag chunks)")
+                } else {
+                    String::new()
+                };
                 return Err(format!(
                     "cp{cp} splits the sequence of {} ({}) of length {}{chunks}, which {unit} \
                      does not divide: use a sequence that is a multiple of {unit}, or a cp \
@@ -438,13 +424,7 @@ pub fn describe_cp(
 /// sequence and by heads, and the traffic around attention, per step and device — `calls`
 /// and `bytes` are the plan's all-to-alls over the cp axis, or under ring attention its sends
 /// (K/V blocks forward, their gradients backward). Empty when cp is 1.
-pub fn explain_lines(
-    cp: usize,
-    seq: usize,
-    comm: CpComm,
-    calls: usize,
-    bytes: u64,
-) -> Vec<String> {
+pub fn explain_lines(cp: usize, seq: usize, comm: CpComm, calls: usize, bytes: u64) -> Vec<String> {
     if cp < 2 {
         return Vec::new();
     }
@@ -478,9 +458,10 @@ pub fn explain_lines(
                 2 * cp
             ),
             format!(
-                "  {calls} K/V blocks sent per step around the ring ({} steps per attention; \
-                 dK/dV back in the backward),",
-                cp - 1
+                "  {calls} K/V blocks sent per step around the ring ({} ring step{} per \
+                 attention; dK/dV back in the backward),",
+                cp - 1,
+                if cp > 2 { "s" } else { "" }
             ),
             per_device,
         ],

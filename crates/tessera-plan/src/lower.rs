@@ -577,19 +577,28 @@ impl<'a> LocalForward<'a> {
                         (Op::Attention(a), Some(axis)) => {
                             ring::check_lse_unread(self.g, id, &consumers)?;
                             let size = self.mesh.shape[axis];
-                            ring::attention(&mut self.b, a, &inputs, axis, size, &mut self.ring_tags)?
+                            ring::attention(
+                                &mut self.b,
+                                a,
+                                &inputs,
+                                axis,
+                                size,
+                                &mut self.ring_tags,
+                            )?
                         }
                         _ => {
                             if let (Op::Rope { .. }, Some(_), 1) = (&local_op, ring, inputs.len()) {
                                 inputs.push(self.ring_positions(&st.inputs[0], &name)?);
                             }
-                            self.b.push(local_op, &inputs).map_err(|e| {
-                                PlanError::Internal(format!(
-                                    "{name}: sharded {} does not type-check: {e}",
-                                    op.name()
-                                ))
-                            })?
-                            .to_vec()
+                            self.b
+                                .push(local_op, &inputs)
+                                .map_err(|e| {
+                                    PlanError::Internal(format!(
+                                        "{name}: sharded {} does not type-check: {e}",
+                                        op.name()
+                                    ))
+                                })?
+                                .to_vec()
                         }
                     };
                     for (k, &o) in outs.iter().enumerate() {

@@ -69,9 +69,9 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
     for job in megatron_jobs(req) {
         // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`); with
         // context parallelism only activations are offloaded (`cpN` refuses model state).
-        let Job::Megatron { dp, tp, sp, shard: None, cp, ring } = job else { continue };
+        let Job::Megatron { dp, tp, sp, shard: None, cp } = job else { continue };
         let (shape, names) = crate::context::mesh_shape(dp, cp, tp);
-        let mesh = Mesh::named(&req.cluster, &shape, &names)?.with_ring(ring);
+        let mesh = Mesh::named(&req.cluster, &shape, &names)?;
         let zeros: &[u8] = if dp * cp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
             lines.push((mesh.clone(), sp, zero, req.micro_batch_options(), cp));

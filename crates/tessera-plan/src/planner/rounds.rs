@@ -79,9 +79,8 @@ pub(super) enum Job {
     Free(Mesh),
     /// A Megatron-style `dp × cp × tp` configuration (sequence parallel on or off), ZeRO over
     /// every data-parallel rank or, with `shard`, within groups of that many (hybrid
-    /// sharding); `cp` > 1 only for long sequences ([`crate::context::grid`]), by ring
-    /// attention (`ring`) where the all-to-all cannot split the KV heads.
-    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize, ring: bool },
+    /// sharding); `cp` > 1 only for long sequences ([`crate::context::grid`]).
+    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize },
 }
 
 /// What one job found: per ZeRO stage that fits, the plan at its smallest fitting micro-batch
@@ -110,12 +109,8 @@ pub(super) fn job_space(
 ) -> Result<(Mesh, AxisRule, Vec<usize>)> {
     Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
-        Job::Megatron { dp, tp, sp, shard, cp, ring } => {
-            let cfg = ParallelConfig::new(*dp, *tp)
-                .with_sp(*sp)
-                .with_shard(*shard)
-                .with_cp(*cp)
-                .with_cp_comm(ring.then_some(crate::context::CpComm::Ring));
+        Job::Megatron { dp, tp, sp, shard, cp } => {
+            let cfg = ParallelConfig::new(*dp, *tp).with_sp(*sp).with_shard(*shard).with_cp(*cp);
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp, cp: *cp > 1 }, mbs)
         }
@@ -372,21 +367,18 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
         .then_some(per_node);
         for sp in [false, true] {
             if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1, ring: false });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1 });
                 if hybrid.is_some() {
-                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid, cp: 1, ring: false });
+                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid, cp: 1 });
                 }
             }
         }
     }
-    // Context parallelism, for long sequences only (the grid of short ones stays as fast); by
-    // ring attention where the all-to-all cannot split the KV heads (cp × tp past them).
-    let kv = crate::context::kv_heads(req.build);
+    // Context parallelism, for long sequences only (the grid of short ones stays as fast).
     for (dp, cp, tp) in crate::context::grid(n, req.cluster.gpus_per_node, req.seq) {
-        let ring = crate::context::ring_instead(kv, cp, tp, req.seq);
         for sp in [false, true] {
             if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ring });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp });
             }
         }
     }
