@@ -228,12 +228,12 @@ pub(crate) fn leaf_layout(
     leaf_specs: &[(String, Spec)],
     micro_batches: usize,
 ) -> LeafLayout {
-    let mut layout = LeafLayout::default();
     // Ring attention's zig-zag chunks reorder the sequence of the data inputs.
-    layout.zigzag = g.nodes.iter().find_map(|n| match &n.op {
+    let zigzag = g.nodes.iter().find_map(|n| match &n.op {
         Op::Attention(a) => a.ring.filter(|r| r.zigzag).map(|r| r.size),
         _ => None,
     });
+    let mut layout = LeafLayout { zigzag, ..LeafLayout::default() };
     let mut data = Vec::new();
     let leaves = g.leaf_index();
     for (name, spec) in leaf_specs {
