@@ -432,6 +432,13 @@ pub struct LeafLayout {
     /// Per micro-batch of an unrolled step, its data inputs by base name (`input_ids`,
     /// `labels`, `seed`, ...). Empty: one micro-batch whose inputs carry the base names.
     pub micro_batches: Vec<std::collections::BTreeMap<String, TensorId>>,
+    /// Ring attention's zig-zag chunks (`Some(n)`: `n` devices on the ring): the runtime
+    /// reorders the sequence (dim 1) of every `[batch, seq, ..]` data input into `2·n` chunks,
+    /// chunk `c` then chunk `2·n − 1 − c` for each `c`, before cutting it as usual, so device
+    /// `c`'s contiguous shard is its two chunks ([`crate::RingBlock`]). A missing
+    /// `position_ids` input is the positions `0..seq` of every row, reordered alike.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zigzag: Option<usize>,
 }
 
 impl TrainingGraph {
@@ -463,7 +470,7 @@ impl TrainingGraph {
             step: f(self.step)?,
             loss_scale: self.loss_scale.map(&mut f).transpose()?,
             params,
-            layout: LeafLayout { placements, micro_batches },
+            layout: LeafLayout { placements, micro_batches, zigzag: self.layout.zigzag },
             graph,
         })
     }

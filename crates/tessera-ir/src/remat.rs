@@ -168,7 +168,10 @@ pub fn dropped_buffers(g: &Graph, ckpt: &Checkpointing) -> Vec<bool> {
         }
         let Some(b) = node.block else { continue };
         let mode = ckpt.mode(b);
+        // A received value is kept: recomputing it would need its sender to send it again
+        // (ring attention's K/V blocks inside a checkpointed block).
         let allowed = match mode {
+            _ if matches!(node.op, crate::Op::Recv(..)) => false,
             CkptMode::None => false,
             CkptMode::Selective => !node.op.kept_by_selective(),
             CkptMode::Full => true,

@@ -195,12 +195,16 @@ pub enum CpComm {
     /// All-to-all (Ulysses): sequence-split to head-split around attention and back.
     #[default]
     A2a,
+    /// Ring attention: K/V blocks passed around the cp ring, partial outputs merged by their
+    /// log-sum-exp (Megatron-LM's `p2p`, torchtitan's context parallelism).
+    Ring,
 }
 
 impl fmt::Display for CpComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             CpComm::A2a => f.write_str("a2a"),
+            CpComm::Ring => f.write_str("ring"),
         }
     }
 }

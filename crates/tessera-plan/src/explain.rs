@@ -398,6 +398,7 @@ impl Plan {
             axes: &self.mesh.axes,
             seq: self.seq,
             traffic: &traffic,
+            ring: self.mesh.ring,
         };
         let mut s = String::new();
         for line in crate::axis::explain_lines(&cx) {

@@ -24,6 +24,7 @@ mod hooks;
 mod loss;
 pub mod priced;
 mod replay;
+mod ring;
 mod time;
 
 pub(crate) use hooks::DistHooks;
@@ -227,7 +228,12 @@ pub(crate) fn leaf_layout(
     leaf_specs: &[(String, Spec)],
     micro_batches: usize,
 ) -> LeafLayout {
-    let mut layout = LeafLayout::default();
+    // Ring attention's zig-zag chunks reorder the sequence of the data inputs.
+    let zigzag = g.nodes.iter().find_map(|n| match &n.op {
+        Op::Attention(a) => a.ring.filter(|r| r.zigzag).map(|r| r.size),
+        _ => None,
+    });
+    let mut layout = LeafLayout { zigzag, ..LeafLayout::default() };
     let mut data = Vec::new();
     let leaves = g.leaf_index();
     for (name, spec) in leaf_specs {
@@ -283,6 +289,10 @@ pub(crate) struct LocalForward<'a> {
     prefetched: HashMap<(TensorId, NodeId), TensorId>,
     /// The forward node being lowered (whose inputs [`LocalForward::fetch`] brings).
     current: NodeId,
+    /// Ring attention's transfers so far ([`ring`]).
+    ring_tags: ring::RingTags,
+    /// Ring attention's `position_ids` input (RoPE at the global positions), once made.
+    ring_positions: Option<TensorId>,
 }
 
 impl<'a> LocalForward<'a> {
@@ -313,6 +323,8 @@ impl<'a> LocalForward<'a> {
             prefetch_at: HashMap::new(),
             prefetched: HashMap::new(),
             current: NodeId(0),
+            ring_tags: ring::RingTags::default(),
+            ring_positions: None,
         };
         lw.plan_params(opts.zero)?;
         lw.plan_prefetch();
@@ -560,12 +572,35 @@ impl<'a> LocalForward<'a> {
                         }
                     }
                     self.vocab_parallel_loss(node, st, &mut local_op, &mut inputs)?;
-                    let outs = self.b.push(local_op, &inputs).map_err(|e| {
-                        PlanError::Internal(format!(
-                            "{name}: sharded {} does not type-check: {e}",
-                            op.name()
-                        ))
-                    })?;
+                    let ring = self.ring_split(node, st);
+                    let outs = match (&local_op, ring) {
+                        (Op::Attention(a), Some(axis)) => {
+                            ring::check_lse_unread(self.g, id, &consumers)?;
+                            let size = self.mesh.shape[axis];
+                            ring::attention(
+                                &mut self.b,
+                                a,
+                                &inputs,
+                                axis,
+                                size,
+                                &mut self.ring_tags,
+                            )?
+                        }
+                        _ => {
+                            if let (Op::Rope { .. }, Some(_), 1) = (&local_op, ring, inputs.len()) {
+                                inputs.push(self.ring_positions(&st.inputs[0], &name)?);
+                            }
+                            self.b
+                                .push(local_op, &inputs)
+                                .map_err(|e| {
+                                    PlanError::Internal(format!(
+                                        "{name}: sharded {} does not type-check: {e}",
+                                        op.name()
+                                    ))
+                                })?
+                                .to_vec()
+                        }
+                    };
                     for (k, &o) in outs.iter().enumerate() {
                         if self.b.meta(o) != &want[k] {
                             return Err(PlanError::Internal(format!(
@@ -592,6 +627,39 @@ impl<'a> LocalForward<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The cp axis an attention or RoPE splits its sequence over under ring attention
+    /// ([`crate::context::ring_strategies`]); `None` for every other node.
+    fn ring_split(&self, node: &tessera_ir::Node, st: &Strategy) -> Option<usize> {
+        if !self.mesh.ring || !matches!(node.op, Op::Attention(_) | Op::Rope { .. }) {
+            return None;
+        }
+        let axis = self.mesh.axis(crate::mesh::AxisName::Context)?;
+        let seq = st.inputs.first()?.dims.get(1)?;
+        seq.contains(&axis).then_some(axis)
+    }
+
+    /// Ring attention's `position_ids` (`[B, S]` of int64, laid out as RoPE's input `x` lays
+    /// out its batch and sequence): the trainer fills it with each token's global position
+    /// (`0..S`, in zig-zag order like the tokens), so RoPE rotates each device's chunks by
+    /// where they sit in the sequence. One input for every RoPE of the graph.
+    fn ring_positions(&mut self, x: &Spec, scope: &str) -> Result<TensorId> {
+        if let Some(t) = self.ring_positions {
+            return Ok(t);
+        }
+        let spec = Spec { dims: x.dims[..2].to_vec(), partial: vec![] };
+        let global = self.g.meta(self.g.node(self.current).inputs[0]).shape.dims()[..2].to_vec();
+        let local = spec.local_shape(self.mesh, &global).ok_or_else(|| {
+            PlanError::Internal(format!("positions {global:?} do not split as {spec}"))
+        })?;
+        let name = "position_ids";
+        self.b.set_scope_path("");
+        let t = self.b.input(name, local, tessera_ir::DType::I64);
+        self.b.set_scope_path(scope);
+        self.leaf_specs.push((name.to_string(), spec));
+        self.ring_positions = Some(t);
+        Ok(t)
     }
 
     /// The local leaf of parameter `p` (in the host tier when it rests there), its stored spec

@@ -90,6 +90,10 @@ pub struct Mesh {
     /// over every data-parallel axis.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<usize>,
+    /// Whether the context-parallel axis (`cp`) runs ring attention (`cp=ring`: K/V blocks
+    /// passed around the axis, [`crate::context`]) rather than the all-to-all.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ring: bool,
 }
 
 impl Mesh {
@@ -132,7 +136,7 @@ impl Mesh {
         let axes = (0..shape.len())
             .map(|i| names.get(i).map_or_else(|| format!("a{i}"), |s| s.to_string()))
             .collect();
-        Ok(Mesh { shape: shape.to_vec(), axes, links, replicas: Vec::new() })
+        Ok(Mesh { shape: shape.to_vec(), axes, links, replicas: Vec::new(), ring: false })
     }
 
     /// [`Mesh::new`] with the planner's axis names.
@@ -154,12 +158,18 @@ impl Mesh {
     /// A mesh with explicit axis links.
     pub fn with_axis_links(shape: &[usize], links: Vec<AxisLink>) -> Mesh {
         let axes = (0..shape.len()).map(|i| format!("a{i}")).collect();
-        Mesh { shape: shape.to_vec(), axes, links, replicas: Vec::new() }
+        Mesh { shape: shape.to_vec(), axes, links, replicas: Vec::new(), ring: false }
     }
 
     /// The mesh with `axes` as replica axes (see [`Mesh::replicas`]).
     pub fn with_replicas(mut self, axes: &[usize]) -> Mesh {
         self.replicas = axes.to_vec();
+        self
+    }
+
+    /// The mesh with its context-parallel axis running ring attention when `ring`.
+    pub fn with_ring(mut self, ring: bool) -> Mesh {
+        self.ring = ring;
         self
     }
 

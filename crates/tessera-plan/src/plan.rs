@@ -27,6 +27,9 @@ pub struct MeshJson {
     /// Replica axes of hybrid sharding ([`crate::Mesh::replicas`]); absent: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<usize>,
+    /// Whether the cp axis runs ring attention ([`crate::Mesh::ring`]); absent: no.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ring: bool,
 }
 
 impl MeshJson {
@@ -282,6 +285,7 @@ pub fn describe(
         .with_sp(sp)
         .with_shard(shard)
         .with_cp(cp)
+        .with_cp_comm((cp > 1 && mesh.ring).then_some(crate::context::CpComm::Ring))
         .with_loss(loss_chunk_rows(g).map(crate::config::LossMode::Chunk))
         .with_mlp(mlp_tile_rows(g).map(crate::config::MlpMode::Tile))
 }
@@ -401,6 +405,7 @@ impl Plan {
                 shape: mesh.shape.clone(),
                 axes: mesh.axes.clone(),
                 replicas: mesh.replicas.clone(),
+                ring: mesh.ring,
             },
             config: cfg.canonical(),
             layout: match e.candidate.rule {

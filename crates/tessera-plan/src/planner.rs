@@ -117,7 +117,8 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
     let (shape, names) = crate::axis::stage_mesh(cfg);
     let replicas: Vec<usize> =
         (0..names.len()).filter(|&a| names[a] == AxisName::Replica).collect();
-    let mesh = Mesh::named(cluster, &shape, &names)?;
+    let ring = cfg.cp > 1 && cfg.cp_comm == Some(crate::context::CpComm::Ring);
+    let mesh = Mesh::named(cluster, &shape, &names)?.with_ring(ring);
     Ok(if replicas.is_empty() { mesh } else { mesh.with_replicas(&replicas) })
 }
 
@@ -536,7 +537,8 @@ fn lower_plan_as_built(
             &file.mesh.shape,
             &file.mesh.axes.iter().map(String::as_str).collect::<Vec<_>>(),
         )?
-        .with_replicas(&file.mesh.replicas),
+        .with_replicas(&file.mesh.replicas)
+        .with_ring(file.mesh.ring),
     };
     if file.micro_batches == 0 {
         return Err(PlanError::Invalid(
@@ -649,6 +651,7 @@ fn plan_from_file_as_built(req: &Request<'_>, file: &Plan) -> Result<Plan> {
                     axes: exe.mesh.axes[..file.mesh.shape.len()].to_vec(),
                     links: exe.mesh.links[..file.mesh.shape.len()].to_vec(),
                     replicas: Vec::new(),
+                    ring: false,
                 },
                 None => exe.mesh.clone(),
             },

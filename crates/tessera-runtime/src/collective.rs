@@ -129,7 +129,8 @@ impl CommRunner {
         Ok(CommRunner { comm, mesh, groups: HashMap::new() })
     }
 
-    /// The rank at coordinate `p.peer` along `p.axis`, every other coordinate this device's.
+    /// The rank at coordinate `p.peer` along `p.axis` (with `p.ring`, `p.peer` places after
+    /// this device's coordinate, around the axis), every other coordinate this device's.
     fn peer(&self, p: &P2p) -> Result<usize> {
         let shape = &self.mesh.shape;
         if p.axis >= shape.len() || p.peer >= shape[p.axis] {
@@ -139,7 +140,7 @@ impl CommRunner {
             )));
         }
         let mut coords = self.mesh.coords.clone();
-        coords[p.axis] = p.peer;
+        coords[p.axis] = if p.ring { (coords[p.axis] + p.peer) % shape[p.axis] } else { p.peer };
         Ok(coords.iter().zip(shape).fold(0, |r, (&c, &n)| r * n + c))
     }
 

@@ -93,7 +93,8 @@ impl MicroLeaves {
             }
         }
         // A pipeline stage before the last has no loss, hence no labels.
-        let stage = g.nodes.iter().any(|n| matches!(n.op, tessera_ir::Op::Send(_)));
+        // (Ring attention's sends pass K/V blocks between the devices of one stage.)
+        let stage = g.nodes.iter().any(|n| matches!(n.op, tessera_ir::Op::Send(p) if !p.ring));
         // The loss's target: class or token `labels`, or a dense model's `targets`.
         if !stage && !leaves.data.iter().any(|(n, _)| n == "labels" || n == "targets") {
             return Err(binding(format!(
@@ -562,6 +563,7 @@ impl<B: Backend> Trainer<B> {
         for (k, leaves) in self.micro.clone().iter().enumerate() {
             for (name, t) in &leaves.data {
                 let part = field(batch, name)?.narrow(0, k * rows, rows)?;
+                let part = zigzag(part, self.train.layout.zigzag)?;
                 let local = self.local(*t, name, &part)?;
                 self.exec.bind(*t, local)?;
             }
@@ -736,17 +738,49 @@ impl<B: Backend> Trainer<B> {
     }
 }
 
-/// Batch field `name`; BERT's `token_type_ids` default to zeros (one segment).
+/// Batch field `name`; BERT's `token_type_ids` default to zeros (one segment), the
+/// `position_ids` a plan adds (ring attention's RoPE, [`LeafLayout::zigzag`]) to `0..seq` in
+/// every row.
 fn field(batch: &StepBatch, name: &str) -> Result<Tensor> {
     match (batch.get(name), batch.get("input_ids")) {
         (Some(v), _) => Ok(v.clone()),
         (None, Some(ids)) if name == "token_type_ids" => Ok(ids.zeros_like()?),
+        (None, Some(ids)) if name == "position_ids" && ids.rank() == 2 => {
+            let (rows, seq) = ids.dims2()?;
+            let pos = Tensor::arange(0i64, seq as i64, ids.device())?;
+            Ok(pos.unsqueeze(0)?.broadcast_as((rows, seq))?.contiguous()?)
+        }
         (None, _) => Err(RuntimeError::Data(format!(
             "the model takes input `{name}`, the batch has {:?}: the data does not fit this \
              model (images for ViT, tokens for language models)",
             batch.names()
         ))),
     }
+}
+
+/// A `[batch, seq, ..]` data input reordered into ring attention's zig-zag chunks (`n`
+/// devices: `2·n` chunks, chunk `c` then `2·n − 1 − c` for each `c`, see
+/// [`LeafLayout::zigzag`]); unchanged without zig-zag or for a tensor of rank < 2.
+fn zigzag(x: Tensor, n: Option<usize>) -> Result<Tensor> {
+    let Some(n) = n.filter(|&n| n > 1) else { return Ok(x) };
+    if x.rank() < 2 {
+        return Ok(x);
+    }
+    let seq = x.dims()[1];
+    if !seq.is_multiple_of(2 * n) {
+        return Err(RuntimeError::Data(format!(
+            "ring attention cuts the sequence into {} zig-zag chunks, which {seq} tokens do \
+             not divide into",
+            2 * n
+        )));
+    }
+    let len = seq / (2 * n);
+    let order: Vec<u32> = (0..n)
+        .flat_map(|c| [c, 2 * n - 1 - c])
+        .flat_map(|chunk| (chunk * len..(chunk + 1) * len).map(|i| i as u32))
+        .collect();
+    let idx = Tensor::new(order.as_slice(), x.device())?;
+    Ok(x.index_select(&idx, 1)?)
 }
 
 /// Every *parameter* (no optimizer state) as a global tensor on `root` only; `None` on the

@@ -146,18 +146,24 @@ pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &ReshardSpec) -> Result<Vec<Option<
 /// value and one (`grad_tag`) for its gradient going back, so the streams sharing a pair of
 /// devices (several boundaries under interleaving, a parameter read by a later stage) never
 /// have to agree on an order.
+///
+/// With `ring` (ring attention's neighbours, context parallelism's `cp=ring`), `peer` is an
+/// offset instead: the device at coordinate `(c + peer) mod size` along `axis`, `c` this
+/// device's — one Program for every device of the ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct P2p {
     pub axis: usize,
     pub peer: usize,
     pub tag: u32,
     pub grad_tag: u32,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ring: bool,
 }
 
 impl P2p {
     /// The transfer the gradient takes: the other way, on the gradient's tag.
     pub fn reversed(self) -> P2p {
-        P2p { axis: self.axis, peer: self.peer, tag: self.grad_tag, grad_tag: self.tag }
+        P2p { tag: self.grad_tag, grad_tag: self.tag, ..self }
     }
 }
 

@@ -24,46 +24,51 @@
 //! - with `sp`, the norms' sequence splits over cp then tp (cp-major), so `sp`'s gathers stay
 //!   inside each cp rank's chunk.
 //!
-//! # Ring attention (`cp=ring`): the IR is there, the lowering is not yet
+//! # Ring attention (`cp=ring`)
 //!
-//! `cp=ring` is parsed and refused by name ([`RING_REFUSED`]). What exists (`tessera-ir`,
-//! interpreter and CPU kernels; CUDA refuses by name):
-//! - `AttentionSpec::ring` ([`tessera_ir::RingBlock`] `{ axis, size, step, zigzag }`): the
-//!   device's queries against the key block of the device `step` places before it on the cp
-//!   ring, at global positions computed from the device's cp coordinate (one Program for
-//!   every device, as `kv_whole` and ALiBi's shard are resolved). Causal and window masks,
-//!   ALiBi read the global positions; a query block that sees none of a key block costs
-//!   nothing (the kernels' key ranges come out empty).
-//! - The log-sum-exp output is differentiable: `AttentionBackward` takes its cotangent as a
-//!   seventh input, `dS = P∘(dP − (D − dlse))`.
-//! - `Op::AttentionMerge` `[o_0, lse_0, …] → o` and its backward: the partial outputs merged
-//!   by their log-sum-exp (blocks that masked a row weigh 0).
-//! - `AttentionSpec::visible_pairs`: the score pairs a device computes, the measure of
-//!   balance. Zig-zag chunks (the sequence in 2·cp chunks, device c holding chunks c and
-//!   2·cp−1−c) give every device exactly the same causal work; contiguous chunks do not.
-//!
-//! The lowering, designed (stages 2–4 of the issue), not built:
-//! - pins: under ring the cp axis splits the sequence everywhere, attention and RoPE included
-//!   (no heads pin; the KV-heads bound is tp's alone); the lowering replaces each attention
-//!   node whose q/k/v arrive sequence-split over cp by `cp` block attentions (`step` 0..cp)
-//!   and one merge, the K/V blocks (`[B, S/cp, Hkv, D]`: only the KV heads travel) passed on
-//!   by `Send`/`Recv` pairs to the next device on the ring; their VJPs carry dK/dV back
-//!   around the ring, so the backward is the autodiff's. `P2p` names an absolute peer (a
-//!   pipeline device's Program is its own): the ring needs a peer relative to the device's
-//!   cp coordinate (`±1 mod cp`), resolved by the runtime's `CommRunner::peer`; under MPI the
-//!   ring's sends must not all block at once (post the receive first, or alternate by parity);
-//!   the trainer's "a Program with a Send is a pipeline stage before the last" test must look
-//!   at the pipeline axis instead;
-//! - zig-zag: a permutation of the sequence at the inputs (`input_ids`, `labels` — the loss
-//!   is a mean, order-free — cut as usual afterwards), so each device's contiguous shard is its
-//!   two chunks; RoPE then needs the global positions (a positions input built the same way,
-//!   or a RoPE resolved from the `RingBlock` like attention), and GPT-2's learned positions
-//!   its `wpe` rows at those positions (an embedding at the positions instead of a slice);
-//! - memory and traffic stay exact because the Sends and Recvs are Program nodes: the memory
-//!   simulation charges the received blocks, and `lower/time.rs` records each as a 2-device
-//!   transfer over the cp axis (as the pipeline's), priced by the link's alpha-beta;
-//! - exports: Megatron-LM `--context-parallel-size N --cp-comm-type p2p`; torchtitan's
-//!   `context_parallel_degree` (its CP is ring attention) stops being refused for ring.
+//! The cp axis splits the sequence everywhere, attention and RoPE included, and K/V blocks
+//! travel around the cp ring (Megatron-LM's `--cp-comm-type p2p`, torchtitan's context
+//! parallelism). A config's mesh says so ([`crate::Mesh::ring`], recorded in the plan file).
+//! - IR (`tessera-ir`, interpreter and CPU kernels; CUDA refuses by name):
+//!   `AttentionSpec::ring` ([`tessera_ir::RingBlock`] `{ axis, size, step, zigzag }`) is the
+//!   device's queries against the key block of the device `step` places before it on the
+//!   ring, at global positions from the device's cp coordinate (one Program for every
+//!   device); the log-sum-exp output is differentiable (`AttentionBackward`'s seventh input);
+//!   `Op::AttentionMerge` combines partial outputs by their log-sum-exp;
+//!   `AttentionSpec::visible_pairs` measures each device's causal work.
+//! - Pins ([`cp_pins`] with `ring`): no heads pin, so the KV-heads bound is tp's alone; the
+//!   sequence must divide into 2·cp zig-zag chunks. [`ring_strategies`] splits attention's and
+//!   RoPE's sequence over cp (a dim their labelings do not name).
+//! - Lowering (`lower/ring.rs`): each such attention becomes `cp` block attentions (`step`
+//!   0..cp) and one merge; before each later step the held K/V block (`[B, S/cp, Hkv, D]`:
+//!   only the KV heads travel) goes to the next device by `Send` and the previous device's
+//!   arrives by `Recv`. `P2p::ring` makes the peer an offset from the device's cp coordinate
+//!   (resolved by the runtime's `CommRunner::peer`); every transfer has its own tags, above
+//!   the pipeline's. The backward is the autodiff's: a `Recv`'s gradient is sent back and a
+//!   `Send`'s received, so dK/dV go around the ring the other way. Sends are non-blocking on
+//!   every transport (threads, MPI), so the ring never waits on itself. The trainer's "a
+//!   Program with a Send is a pipeline stage" test ignores ring sends. Under checkpointing a
+//!   received block is kept, never recomputed (`remat::dropped_buffers`: the sender would
+//!   have to send again).
+//! - Zig-zag: the trainer reorders the sequence of every `[B, S, ..]` data input into 2·cp
+//!   chunks, device c's shard being chunks c and 2·cp−1−c (`LeafLayout::zigzag`, set by the
+//!   lowering when an attention is a ring block); RoPE reads a `position_ids` input the
+//!   lowering adds (filled by the trainer with `0..S` in the same order), so it rotates each
+//!   chunk by its global position. Every device does the same causal work.
+//! - Memory and traffic stay exact because the transfers are Program nodes: the memory
+//!   simulation charges the received blocks, `lower/time.rs` counts each transfer and
+//!   prices each send as a 2-device transfer over the cp axis' link.
+//! - `--explain` shows the blocks sent per step and their bytes per device
+//!   ([`explain_lines`]); exports say Megatron-LM `--context-parallel-size N --cp-comm-type
+//!   p2p` and torchtitan `context_parallel_degree = N`; DeepSpeed refuses by name.
+//! - Not yet: learned position tables (GPT-2's `wpe[0:S]` slice would have to gather each
+//!   device's zig-zag rows) and pipelines (a stage's mesh does not carry the ring) are refused
+//!   by name; the ring's transfers are priced as waited for, not overlapped with the block
+//!   attentions. Every block's partial output and log-sum-exp is saved for its backward and
+//!   received blocks are kept, so a layer holds cp partial outputs (`cp16 cp=ring` needs 289
+//!   GiB per device for llama3-8b at 1M tokens): an online merge (a running output and
+//!   log-sum-exp, K/V passed around again in the backward) would remove it; until then the
+//!   automatic search does not try ring, a config string asks for it.
 
 use super::{Axis, ConfigError, Engine, ExplainContext, ExportFields, GridContext, Parsed};
 use super::{PinContext, Slot, Token};
@@ -77,11 +82,10 @@ use tessera_ir::{Graph, Op};
 /// config).
 pub use crate::config::CpComm;
 
-/// The message for `cp=ring`: the gap and the fix.
-pub const RING_REFUSED: &str = "cp=ring (ring attention) is not supported yet: the IR \
-     has its block attention and log-sum-exp merge, but the planner does not yet lower a \
-     plan to the ring's sends and receives; use cp=a2a (all-to-all, DeepSpeed-Ulysses), \
-     which needs the KV heads divisible by cp × tp";
+/// The message for `cp=ring` with a pipeline: the gap and the fix.
+pub const RING_PIPELINE_REFUSED: &str = "cp=ring (ring attention) with a pipeline (ppN) is not \
+     supported yet: a pipeline stage's mesh does not carry the ring; use cp=a2a with ppN, or \
+     drop ppN";
 
 /// A cp token of a config string (lower-cased `tok`, as written `raw`): `Some(Ok(kind))` when
 /// it is one — `"cp"` for `cpN` (its degree written into `degree`), `"cp="` for `cp=a2a`
@@ -98,8 +102,11 @@ pub fn parse_token(
                 *comm = Some(CpComm::A2a);
                 Ok("cp=")
             }
-            "ring" => Err(RING_REFUSED.to_string()),
-            _ => Err(format!("`{raw}`: context-parallel kinds are a2a (and ring, not yet)")),
+            "ring" | "p2p" => {
+                *comm = Some(CpComm::Ring);
+                Ok("cp=")
+            }
+            _ => Err(format!("`{raw}`: context-parallel kinds are a2a and ring")),
         });
     }
     if tok == "cp" {
@@ -123,12 +130,14 @@ pub fn parse_token(
 
 /// The config rules of the axis: `cp=` needs cp > 1, and hybrid sharding (`shard=`) and
 /// model-state offload (`offload` says whether the config moves model state) do not compose
-/// with it yet; activation offload (`offload=act`) does.
+/// with it yet; activation offload (`offload=act`) does; ring attention does not compose with
+/// a pipeline (`pp` > 1) yet.
 pub fn validate(
     cp: usize,
     comm: Option<CpComm>,
     shard: bool,
     offload: bool,
+    pp: usize,
 ) -> Result<(), ConfigError> {
     if cp == 0 {
         let message = "cp must be at least 1 (1 means not split)".into();
@@ -147,7 +156,9 @@ pub fn validate(
         }
         return Ok(());
     }
-    let why = if shard {
+    let why = if comm == Some(CpComm::Ring) && pp > 1 {
+        Some(("pp", RING_PIPELINE_REFUSED))
+    } else if shard {
         Some((
             "shard",
             "hybrid sharding (shard=) with context parallelism is not supported yet: drop one",
@@ -231,10 +242,29 @@ pub fn cp_pins(
     roles: &[Vec<DimRole>],
     cp: usize,
     tp: usize,
+    ring: bool,
 ) -> Result<Vec<Option<usize>>, String> {
-    // The heads first: RoPE comes before the attention whose KV heads bound the split.
+    // The heads first: RoPE comes before the attention whose KV heads bound the split. Ring
+    // attention splits no heads over cp: the bound is tp's alone (`search/megatron.rs`).
     let split = cp.saturating_mul(tp);
-    for (i, n) in g.nodes.iter().enumerate() {
+    if ring {
+        // Learned positions (GPT-2's `wpe[0:S]`): a slice of a parameter by the sequence,
+        // which zig-zag chunks would have to gather at each device's positions instead.
+        let learned = g.nodes.iter().find(|n| {
+            matches!(n.op, Op::Slice { .. })
+                && n.inputs
+                    .first()
+                    .is_some_and(|&t| matches!(g.producer(t).op, Op::Parameter { .. }))
+        });
+        if let Some(n) = learned {
+            return Err(format!(
+                "cp{cp} cp=ring: {} is a learned position table sliced by the sequence, which \
+                 ring attention's zig-zag chunks do not read yet; use cp{cp} cp=a2a",
+                g.scope_name(n.scope)
+            ));
+        }
+    }
+    for (i, n) in g.nodes.iter().enumerate().filter(|_| !ring) {
         if let (Op::Attention(_), Some(l)) = (&n.op, &labels[i]) {
             let (heads, kv) = (g.meta(n.inputs[0]).shape.dims()[2], l.sizes[heads_label(l)?]);
             if !kv.is_multiple_of(split) || !heads.is_multiple_of(split) {
@@ -246,6 +276,9 @@ pub fn cp_pins(
     for (i, n) in g.nodes.iter().enumerate() {
         let Some(l) = &labels[i] else { continue };
         let pin = match &n.op {
+            // Under ring attention their sequence splits, a dim their labelings do not name
+            // ([`ring_strategies`]).
+            Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite if ring => None,
             Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite => Some(heads_label(l)?),
             _ => {
                 let role = crate::rules::label_roles(&g.nodes[i], l, roles);
@@ -254,10 +287,18 @@ pub fn cp_pins(
         };
         if let Some(lab) = pin {
             let heads = matches!(n.op, Op::Attention(_) | Op::Rope { .. } | Op::CacheWrite);
-            if !heads && !l.sizes[lab].is_multiple_of(cp) {
+            // Ring attention's zig-zag cuts the sequence into 2·cp chunks.
+            let unit = if ring { 2 * cp } else { cp };
+            if !heads && !l.sizes[lab].is_multiple_of(unit) {
+                let chunks = if ring {
+                    format!(" (ring attention's {unit} zig-zag chunks)")
+                } else {
+                    String::new()
+                };
                 return Err(format!(
-                    "cp{cp} splits the sequence of {} ({}) of length {}, which {cp} does not \
-                     divide: use a sequence that is a multiple of {cp}, or a cp dividing {}",
+                    "cp{cp} splits the sequence of {} ({}) of length {}{chunks}, which {unit} \
+                     does not divide: use a sequence that is a multiple of {unit}, or a cp \
+                     dividing {}",
                     g.scope_name(n.scope),
                     n.op.name(),
                     l.sizes[lab],
@@ -317,6 +358,39 @@ pub fn order_heads(s: &mut Strategy, n: &tessera_ir::Node, cp_axis: usize, tp_ax
     s.outputs.iter_mut().for_each(fix);
 }
 
+/// Ring attention's layouts of attention and RoPE (`cp=ring`): each strategy `all` holds (none
+/// splits over the cp axis `a`) with the sequence split over `a` — q, k, v, the output, its
+/// log-sum-exp, RoPE's input, positions and output — and the work split over it. The
+/// lowering ([`crate::lower`]'s ring pass) turns such an attention into the ring's block
+/// attentions, transfers and merge, and such a RoPE into one at the global positions.
+pub fn ring_strategies(all: &mut [Strategy], n: &tessera_ir::Node, a: usize) {
+    let split = |spec: &mut Spec, dim: usize| {
+        if let Some(d) = spec.dims.get_mut(dim) {
+            d.insert(0, a);
+        }
+    };
+    for s in all.iter_mut() {
+        match &n.op {
+            Op::Attention(_) if n.inputs.len() == 3 => {
+                s.inputs.iter_mut().for_each(|x| split(x, 1));
+                split(&mut s.outputs[0], 1);
+                if let Some(lse) = s.outputs.get_mut(1) {
+                    split(lse, 2);
+                }
+            }
+            Op::Rope { .. } => {
+                s.inputs.iter_mut().for_each(|x| split(x, 1));
+                split(&mut s.outputs[0], 1);
+            }
+            _ => continue,
+        }
+        if !s.compute_axes.contains(&a) {
+            s.compute_axes.push(a);
+            s.compute_axes.sort_unstable();
+        }
+    }
+}
+
 /// The context-parallel degree a plan's layout shows: the product of the mesh axes named `cp`
 /// that split the sequence (dim 1) of the matmuls' activations. Only meshes with an axis
 /// named `cp` (a config's) have one: a per-op layout that splits a sequence is described as it
@@ -346,59 +420,90 @@ pub fn describe_cp(
 }
 
 /// `--explain`'s lines about context parallelism: which tensors the cp axis splits by their
-/// sequence and by heads, and the all-to-all traffic around attention, per step and device
-/// (`a2a_bytes`: the plan's all-to-all bytes over the cp axis). Empty when cp is 1.
-pub fn explain_lines(cp: usize, seq: usize, a2a_calls: usize, a2a_bytes: u64) -> Vec<String> {
+/// sequence and by heads, and the traffic around attention, per step and device — `calls`
+/// and `bytes` are the plan's all-to-alls over the cp axis, or under ring attention its sends
+/// (K/V blocks forward, their gradients backward). Empty when cp is 1.
+pub fn explain_lines(cp: usize, seq: usize, comm: CpComm, calls: usize, bytes: u64) -> Vec<String> {
     if cp < 2 {
         return Vec::new();
     }
-    vec![
-        format!("context parallel: cp{cp}, all-to-all (DeepSpeed-Ulysses)"),
-        format!(
-            "  every activation's sequence of {seq} splits into {cp} chunks of {} tokens \
-             (embedding, norms,",
-            seq / cp
-        ),
-        "  projections, MLP, loss); q, k, v and attention's output split by heads instead"
-            .to_string(),
-        format!(
-            "  {a2a_calls} all-to-alls per step around attention (sequence <-> heads, forward \
-             and backward),"
-        ),
-        format!(
-            "  {} per device; weight gradients reduce over dp x cp",
-            crate::units::format_bytes(a2a_bytes)
-        ),
-    ]
+    let split = format!(
+        "  every activation's sequence of {seq} splits into {cp} chunks of {} tokens (embedding, \
+         norms,",
+        seq / cp
+    );
+    let per_device = format!(
+        "  {} per device; weight gradients reduce over dp x cp",
+        crate::units::format_bytes(bytes)
+    );
+    match comm {
+        CpComm::A2a => vec![
+            format!("context parallel: cp{cp}, all-to-all (DeepSpeed-Ulysses)"),
+            split,
+            "  projections, MLP, loss); q, k, v and attention's output split by heads instead"
+                .to_string(),
+            format!(
+                "  {calls} all-to-alls per step around attention (sequence <-> heads, forward \
+                 and backward),"
+            ),
+            per_device,
+        ],
+        CpComm::Ring => vec![
+            format!("context parallel: cp{cp}, ring attention (zig-zag chunks)"),
+            split,
+            format!(
+                "  projections, attention, MLP, loss); device c holds chunks c and {} - c of {}",
+                2 * cp - 1,
+                2 * cp
+            ),
+            format!(
+                "  {calls} K/V blocks sent per step around the ring ({} ring step{} per \
+                 attention; dK/dV back in the backward),",
+                cp - 1,
+                if cp > 2 { "s" } else { "" }
+            ),
+            per_device,
+        ],
+    }
 }
 
-/// Megatron-LM's flags for the axis: `--context-parallel-size N --cp-comm-type a2a`.
+/// Megatron-LM's flags for the axis: `--context-parallel-size N --cp-comm-type a2a` (or
+/// `p2p`, its ring attention).
 pub fn megatron_args(cp: usize, comm: Option<CpComm>) -> Vec<String> {
     if cp < 2 {
         return Vec::new();
     }
     vec![
         format!("--context-parallel-size {cp}"),
-        format!("--cp-comm-type {}", comm.unwrap_or_default()),
+        format!("--cp-comm-type {}", megatron_comm(comm.unwrap_or_default())),
     ]
 }
 
-/// Why an engine cannot run a context-parallel plan (`None`: it can, or cp is 1).
-pub fn refuse_export(engine: &str, cp: usize) -> Option<String> {
+/// Why an engine cannot run a context-parallel plan (`None`: it can, or cp is 1): torchtitan
+/// runs ring attention only, DeepSpeed neither variant from its config.
+pub fn refuse_export(engine: &str, cp: usize, comm: Option<CpComm>) -> Option<String> {
     if cp < 2 {
         return None;
     }
-    match engine {
-        "torchtitan" => Some(format!(
+    let comm = comm.unwrap_or_default();
+    let megatron = format!(
+        "export to Megatron-LM (--context-parallel-size {cp} --cp-comm-type {})",
+        megatron_comm(comm)
+    );
+    match (engine, comm) {
+        ("torchtitan", CpComm::Ring) => None,
+        ("torchtitan", CpComm::A2a) => Some(format!(
             "torchtitan cannot run cp{cp} cp=a2a: its context_parallel_degree is ring attention \
-             only (no all-to-all variant); export to Megatron-LM (--context-parallel-size \
-             {cp} --cp-comm-type a2a), or drop cpN"
+             only (no all-to-all variant); use cp{cp} cp=ring, {megatron}, or drop cpN"
         )),
-        "deepspeed" => Some(format!(
+        ("deepspeed", CpComm::A2a) => Some(format!(
             "DeepSpeed cannot say cp{cp} in its config: Ulysses sequence parallelism lives in \
              the model code (deepspeed.sequence.layer.DistributedAttention), not in \
-             ds_config.json; export to Megatron-LM (--context-parallel-size {cp} \
-             --cp-comm-type a2a), or drop cpN"
+             ds_config.json; {megatron}, or drop cpN"
+        )),
+        ("deepspeed", CpComm::Ring) => Some(format!(
+            "DeepSpeed cannot say cp{cp} cp=ring: it has no ring attention; {megatron}, or \
+             drop cpN"
         )),
         _ => None,
     }
@@ -427,7 +532,7 @@ impl Axis for ContextAxis {
         // Activation offload alone composes (a rewrite of the checkpointed Program); model
         // state offload's chunks are laid out on a `[dp, tp]` mesh.
         let state_offload = cfg.offload.is_some_and(|o| o.moves_state());
-        validate(cfg.cp, cfg.cp_comm, cfg.shard.is_some(), state_offload)
+        validate(cfg.cp, cfg.cp_comm, cfg.shard.is_some(), state_offload, cfg.pp)
     }
 
     /// Between the data axes and the tensor axis (see [`mesh_shape`]).
@@ -452,7 +557,7 @@ impl Axis for ContextAxis {
 
     fn pins(&self, cx: &mut PinContext<'_>) -> Result<Vec<Option<usize>>, String> {
         let tp = cx.mesh.axis(AxisName::Tensor).map_or(1, |a| cx.mesh.shape[a]);
-        cp_pins(cx.graph, cx.labels, cx.seq_roles, cx.mesh.shape[cx.axis], tp)
+        cp_pins(cx.graph, cx.labels, cx.seq_roles, cx.mesh.shape[cx.axis], tp, cx.mesh.ring)
     }
 
     fn pin_miss(&self) -> &'static str {
@@ -465,15 +570,31 @@ impl Axis for ContextAxis {
         }
     }
 
+    /// Under ring attention, attention's and RoPE's sequence splits over the axis too.
+    fn adjust_strategies(
+        &self,
+        all: &mut [Strategy],
+        node: &tessera_ir::Node,
+        mesh: &Mesh,
+        axis: usize,
+    ) {
+        if mesh.ring {
+            ring_strategies(all, node, axis);
+        }
+    }
+
     fn explain_lines(&self, cx: &ExplainContext<'_>) -> Vec<String> {
         let Some(axis) = cx.axis(AxisName::Context) else { return Vec::new() };
-        let a2a = cx.traffic.iter().filter(|c| {
+        // The ring's traffic is its block sends; the all-to-all variant's its all-to-alls.
+        let ours = |c: &&super::Traffic<'_>| {
             let op: String =
                 c.op.to_ascii_lowercase().chars().filter(char::is_ascii_alphabetic).collect();
-            c.axis == axis && op.contains("alltoall")
-        });
-        let (calls, bytes) = a2a.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes));
-        explain_lines(cx.shape[axis], cx.seq, calls, bytes)
+            c.axis == axis && if cx.ring { op == "send" } else { op.contains("alltoall") }
+        };
+        let comm = if cx.ring { CpComm::Ring } else { CpComm::A2a };
+        let (calls, bytes) =
+            cx.traffic.iter().filter(ours).fold((0, 0), |(n, b), c| (n + 1, b + c.bytes));
+        explain_lines(cx.shape[axis], cx.seq, comm, calls, bytes)
     }
 
     fn export(&self, engine: Engine, cfg: &ParallelConfig) -> ExportFields {
@@ -485,7 +606,7 @@ impl Axis for ContextAxis {
             Engine::DeepSpeed => "deepspeed",
             Engine::Torchtitan => "torchtitan",
         };
-        match refuse_export(name, cfg.cp) {
+        match refuse_export(name, cfg.cp, cfg.cp_comm) {
             // The nearest: the context-parallel devices as data-parallel replicas.
             Some(why) => ExportFields::Refused {
                 why,
@@ -493,6 +614,14 @@ impl Axis for ContextAxis {
             },
             None => ExportFields::Args(Vec::new()),
         }
+    }
+}
+
+/// Megatron-LM's `--cp-comm-type` for a variant: `a2a`, or `p2p` for the ring.
+fn megatron_comm(comm: CpComm) -> &'static str {
+    match comm {
+        CpComm::A2a => "a2a",
+        CpComm::Ring => "p2p",
     }
 }
 
@@ -515,14 +644,20 @@ mod tests {
     }
 
     #[test]
-    fn ring_is_refused_naming_the_fix_and_a2a_is_the_default() {
+    fn ring_parses_and_a2a_is_the_default() {
         let (mut n, mut comm) = (1, None);
-        let e = parse_token("cp=ring", "cp=ring", &mut n, &mut comm).unwrap().unwrap_err();
-        assert!(e.contains("use cp=a2a"), "{e}");
+        assert_eq!(parse_token("cp=ring", "cp=ring", &mut n, &mut comm), Some(Ok("cp=")));
+        assert_eq!(comm, Some(CpComm::Ring));
         assert_eq!(parse_token("cp4", "cp4", &mut n, &mut comm), Some(Ok("cp")));
         assert_eq!(n, 4);
         assert!(parse_token("cpu", "cpu", &mut n, &mut comm).is_none());
         assert_eq!(canonical(4, None), " cp4 cp=a2a");
+        assert_eq!(canonical(4, Some(CpComm::Ring)), " cp4 cp=ring");
         assert_eq!(canonical(1, None), "");
+        let e = validate(2, Some(CpComm::Ring), false, false, 2).unwrap_err().to_string();
+        assert!(e.contains("pipeline") && e.contains("cp=a2a"), "{e}");
+        assert_eq!(megatron_args(2, Some(CpComm::Ring))[1], "--cp-comm-type p2p");
+        assert!(refuse_export("torchtitan", 2, Some(CpComm::Ring)).is_none());
+        assert!(refuse_export("torchtitan", 2, None).is_some_and(|e| e.contains("cp=ring")));
     }
 }

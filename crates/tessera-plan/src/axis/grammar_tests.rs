@@ -485,7 +485,7 @@ fn context_parallel_tokens_parse_and_print_canonically() {
 
 #[test]
 fn context_parallel_refusals_name_the_fix() {
-    let e = err("cp2 cp=ring");
+    let e = err("cp2 pp2 cp=ring");
     assert!(e.contains("ring attention") && e.contains("use cp=a2a"), "{e}");
     let e = err("dp2 cp=a2a");
     assert!(e.contains("add cpN with N > 1"), "{e}");

@@ -107,6 +107,8 @@ pub struct ExplainContext<'a> {
     pub seq: usize,
     /// The step's collectives per device: mesh axis, collective name, bytes.
     pub traffic: &'a [Traffic<'a>],
+    /// The mesh's cp axis is a ring (ring attention's sends, not all-to-alls).
+    pub ring: bool,
 }
 
 impl ExplainContext<'_> {
@@ -197,6 +199,11 @@ pub trait Axis: Sync {
 
     /// Adjusts a strategy that splits a node over the axis (axis order within a dim).
     fn order_strategy(&self, _s: &mut Strategy, _node: &Node, _mesh: &Mesh, _axis: usize) {}
+
+    /// Adjusts every strategy of a node (pinned or not) once the pins have filtered them: an
+    /// axis that splits more than its pinned label (ring attention splits attention's
+    /// sequence) adds it here.
+    fn adjust_strategies(&self, _all: &mut [Strategy], _node: &Node, _mesh: &Mesh, _axis: usize) {}
 
     /// Its lines in `--explain` (none: empty).
     fn explain_lines(&self, _cx: &ExplainContext<'_>) -> Vec<String> {

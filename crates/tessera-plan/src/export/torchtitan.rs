@@ -190,6 +190,11 @@ pub(super) fn export(
          pipeline_parallel_degree = {}\n",
         cfg.tp, cfg.pp
     );
+    if cfg.cp > 1 {
+        // torchtitan's context parallelism is ring attention (`cp=ring`; the others are
+        // refused by `context::refuse_export`).
+        t += &format!("context_parallel_degree = {}\n", cfg.cp);
+    }
     if cfg.pp > 1 {
         let schedule = match cfg.schedule {
             Some(ScheduleKind::Gpipe) => "GPipe",

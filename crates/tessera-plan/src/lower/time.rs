@@ -79,11 +79,18 @@ pub fn simulate_time(
             continue;
         }
         if let Op::Send(pp) | Op::Recv(pp, _) = &n.op {
-            // Priced on the schedule's critical path (`pipeline::lower`), counted here.
+            // A pipeline's are priced on the schedule's critical path (`pipeline::lower`),
+            // counted here.
             let meta = match &n.op {
                 Op::Recv(_, m) => m,
                 _ => g.meta(n.inputs[0]),
             };
+            if let (true, Op::Send(_)) = (pp.ring, &n.op) {
+                // Ring attention's: a 2-device transfer over the cp axis, waited for (every
+                // device sends and receives one block at a time; priced once, at the send).
+                let link = mesh.links[pp.axis].p2p(mesh.shape[pp.axis]);
+                t.blocking_comm_s += link.latency_s + meta.size_bytes() as f64 / link.bandwidth;
+            }
             records.push(CollectiveRecord {
                 scope: g.scope_name(n.scope).to_string(),
                 phase: n.phase,

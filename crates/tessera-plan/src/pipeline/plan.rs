@@ -91,6 +91,7 @@ pub fn meshes(
         axes: laid.axes[1..].to_vec(),
         links: laid.links[1..].to_vec(),
         replicas: Vec::new(),
+        ring: false,
     };
     let mut full = full_mesh(&stage, pp, laid.links[0]);
     full.axes = stage.axes.iter().cloned().chain([Pipeline.to_string()]).collect();

@@ -212,6 +212,7 @@ impl Cut<'_> {
             peer: self.map.device_of(peer_stage).0,
             tag,
             grad_tag: tag + 1,
+            ring: false,
         })
     }
 }

@@ -270,6 +270,11 @@ impl<'g> Space<'g> {
                         axis.order_strategy(s, node, mesh, *a);
                     }
                 }
+                // An axis may widen what its strategies split (ring attention: attention's
+                // and RoPE's sequence), pinned label or not.
+                for (axis, a, _) in &pinned {
+                    axis.adjust_strategies(&mut all, node, mesh, *a);
+                }
                 // The tensor axis splits exactly Megatron's label.
                 if let Some(lab) = tp_pins.as_ref().and_then(|p| p[i]) {
                     all.retain(|s| s.axis_labels[tp_axis] == Some(lab));
