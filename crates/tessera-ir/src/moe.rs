@@ -85,14 +85,14 @@ impl RouterSpec {
     }
 }
 
-/// What a router gives a layer.
+/// What a router gives a layer (`..`: the logits' leading dims, e.g. `[N]` or `[G, n]`).
 #[derive(Clone, Copy, Debug)]
 pub struct Routing {
-    /// `[N, E]`, f32 (f64 for f64 logits): the softmax or sigmoid scores (unbiased).
+    /// `[.., E]`, f32 (f64 for f64 logits): the softmax or sigmoid scores (unbiased).
     pub scores: TensorId,
-    /// `[N, k]` i64: each token's experts, best first.
+    /// `[.., k]` i64: each token's experts, best first.
     pub indices: TensorId,
-    /// `[N, k]` in the logits' dtype: each choice's weight in the combine.
+    /// `[.., k]` in the logits' dtype: each choice's weight in the combine.
     pub weights: TensorId,
 }
 
@@ -161,7 +161,7 @@ fn to_f32(b: &mut Builder, x: TensorId) -> Result<TensorId> {
     }
 }
 
-/// `logits [N, E]` → the routing. `bias [E]` (f32) is DeepSeek-V3's
+/// `logits [.., E]` (a token per row) → the routing. `bias [E]` (f32) is DeepSeek-V3's
 /// `e_score_correction_bias`: added to the scores for choosing only, never to the weights.
 pub fn route(
     b: &mut Builder,
@@ -169,12 +169,14 @@ pub fn route(
     spec: &RouterSpec,
     bias: Option<TensorId>,
 ) -> Result<Routing> {
-    let &[_, e] = b.shape(logits).dims() else {
+    let (e, rank) = (b.shape(logits).last(), b.shape(logits).rank());
+    if rank < 2 || (spec.groups.is_some() && rank != 2) {
         return Err(IrError::Graph(format!(
-            "router logits {} must be [tokens, experts]",
+            "router logits {} must be [.., tokens, experts] ([tokens, experts] with \
+             group-limited routing)",
             b.meta(logits)
         )));
-    };
+    }
     if e != spec.experts {
         return Err(IrError::Graph(format!(
             "router logits have {e} experts, the spec {}",
@@ -197,7 +199,7 @@ pub fn route(
     let (_, indices) = b.top_k(choice, spec.top_k)?;
     let mut weights = b.take_along(scores, indices)?;
     if let Some(eps) = spec.normalize {
-        let sum = b.reduce(ReduceOp::Sum, weights, &[1], true)?;
+        let sum = b.reduce(ReduceOp::Sum, weights, &[rank - 1], true)?;
         let sum = if eps == 0.0 {
             sum
         } else {
@@ -257,9 +259,17 @@ pub struct ExpertWeights {
     pub linear_layout: bool,
 }
 
-/// The routed experts on `x [N, H]`: dispatch into `[E, capacity, H]`, the three batched
-/// matmuls over the expert dim, and the weighted combine back to `[N, H]`. Assignments past an
-/// expert's capacity are dropped (see [`crate::ops::moe`]); `capacity = N` is dropless.
+/// The routed experts on `x [G, n, H]` routed by `routing` (`[G, n, k]`; `x [N, H]` is one
+/// group): `G` routing
+/// groups of `n` tokens each (GShard's groups; see [`crate::ops::moe`]'s capacity), each
+/// dispatched into its own `[E, capacity, H]` buffer; the groups' buffers are laid out
+/// expert-major (`[E, G·capacity, H]`, a permute) for the three batched matmuls over the
+/// expert dim, and back for the weighted combine to `[G, n, H]`. Assignments past an
+/// expert's capacity in their group are dropped; `capacity = n` is dropless.
+///
+/// The permutes are where expert parallelism moves tokens: before them a plan splits the
+/// groups (the tokens' batch), after them the experts, so the reshard between is an
+/// all-to-all whose size is the capacity's.
 pub fn routed_experts(
     b: &mut Builder,
     x: TensorId,
@@ -267,15 +277,34 @@ pub fn routed_experts(
     w: &ExpertWeights,
     capacity: usize,
 ) -> Result<TensorId> {
+    if let &[n, h] = b.shape(x).dims() {
+        // One group: `[N, H]` routed by `[N, k]`.
+        let k = b.shape(routing.indices).last();
+        let one = Routing {
+            scores: routing.scores,
+            indices: b.reshape(routing.indices, [1, n, k])?,
+            weights: b.reshape(routing.weights, [1, n, k])?,
+        };
+        let x = b.reshape(x, [1, n, h])?;
+        let y = routed_experts(b, x, &one, w, capacity)?;
+        return b.reshape(y, [n, h]);
+    }
+    let &[groups, _, h] = b.shape(x).dims() else {
+        return Err(IrError::Graph(format!("routed tokens {} must be [G, n, H]", b.meta(x))));
+    };
     let experts = b.shape(w.gate).dim(0);
     let slots = b.moe_slots(routing.indices, experts, capacity)?;
     let buf = b.moe_dispatch(x, slots, experts, capacity)?;
+    let buf = b.permute(buf, &[1, 0, 2, 3])?;
+    let buf = b.reshape(buf, [experts, groups * capacity, h])?;
     let t = w.linear_layout;
     let g = b.matmul(buf, w.gate, false, t)?;
     let u = b.matmul(buf, w.up, false, t)?;
     let g = b.unary(UnaryOp::Silu, g)?;
     let a = b.mul(g, u)?;
     let y = b.matmul(a, w.down, false, t)?;
+    let y = b.reshape(y, [experts, groups, capacity, h])?;
+    let y = b.permute(y, &[1, 0, 2, 3])?;
     b.moe_combine(y, slots, routing.weights)
 }
 

@@ -125,6 +125,10 @@ pub struct ParallelConfig {
     /// Context-parallel degree (see [`crate::context`]); 1: the sequence is not split.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub cp: usize,
+    /// Expert-parallel degree (see [`crate::expert`]): an axis inside the data-parallel
+    /// group; the tokens split over dp × ep, the experts over ep. 1: not split.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub ep: usize,
     /// How the cp axis exchanges keys and values (`None`: the default, all-to-all). Only with
     /// cp > 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -312,6 +316,7 @@ impl Default for ParallelConfig {
             offload: None,
             shard: None,
             cp: 1,
+            ep: 1,
             cp_comm: None,
             loss: None,
             mlp: None,
@@ -350,7 +355,10 @@ impl ParallelConfig {
                 return Err(invalid(msg));
             }
             let cp_token = crate::context::parse_token(raw, &tok, &mut cfg.cp, &mut cfg.cp_comm);
+            let ep_token = crate::expert::parse_token(raw, &tok, &mut cfg.ep);
             let kind: &'static str = if let Some(kind) = cp_token {
+                kind.map_err(&invalid)?
+            } else if let Some(kind) = ep_token {
                 kind.map_err(&invalid)?
             } else if tok == "sp" || tok == "sp=off" {
                 cfg.sp = tok == "sp";
@@ -461,7 +469,12 @@ impl ParallelConfig {
             // state offload's chunks are laid out on a `[dp, tp]` mesh.
             self.offload.is_some_and(|o| o.moves_state()),
         )?;
-        let product = [self.tp, self.pp, self.micro_batches, self.cp]
+        crate::expert::validate(
+            self.ep,
+            self.shard.is_some(),
+            self.offload.is_some_and(|o| o.moves_state()),
+        )?;
+        let product = [self.tp, self.pp, self.micro_batches, self.cp, self.ep]
             .iter()
             .try_fold(self.dp, |n, &k| n.checked_mul(k));
         if product.is_none() {
@@ -624,7 +637,7 @@ impl ParallelConfig {
     /// `dp2 tp4 sp zero1 mb4`; `dp8 tp1` for pure data parallelism; `dp2 tp2 pp4 mb8
     /// sched=1f1b`. The order is the module docs'. Parses back to `self`.
     pub fn canonical(&self) -> String {
-        let mut s = format!("dp{} tp{}", self.dp, self.tp);
+        let mut s = format!("dp{}{} tp{}", self.dp, crate::expert::canonical(self.ep), self.tp);
         s.push_str(&crate::context::canonical(self.cp, self.cp_comm));
         if self.pp > 1 {
             s.push_str(&format!(" pp{}", self.pp));
@@ -671,7 +684,11 @@ impl ParallelConfig {
     /// Devices the config spans: dp × cp × tp × pp (saturating; a validated config does not
     /// overflow).
     pub fn devices(&self) -> usize {
-        self.dp.saturating_mul(self.cp).saturating_mul(self.tp).saturating_mul(self.pp)
+        self.dp
+            .saturating_mul(self.ep)
+            .saturating_mul(self.cp)
+            .saturating_mul(self.tp)
+            .saturating_mul(self.pp)
     }
 
     /// Errs unless the config spans exactly `num_devices`; the message suggests the
@@ -680,7 +697,8 @@ impl ParallelConfig {
         if self.devices() == num_devices {
             return Ok(());
         }
-        let model_parallel = self.cp.saturating_mul(self.tp).saturating_mul(self.pp);
+        let model_parallel =
+            self.ep.saturating_mul(self.cp).saturating_mul(self.tp).saturating_mul(self.pp);
         let fix = if num_devices > 0 && num_devices.is_multiple_of(model_parallel) {
             let fitted = self.clone().with_dp(num_devices / model_parallel);
             format!("e.g. `{}`", fitted.canonical())
@@ -691,10 +709,11 @@ impl ParallelConfig {
             "config `{}` spans {} devices but the cluster has {num_devices}: choose \
              degrees that multiply to {num_devices}, {fix}",
             self.canonical(),
-            match self.cp > 1 {
+            match self.cp > 1 || self.ep > 1 {
                 true => format!(
-                    "dp×cp×tp×pp = {}×{}×{}×{} = {}",
+                    "dp×ep×cp×tp×pp = {}×{}×{}×{}×{} = {}",
                     self.dp,
+                    self.ep,
                     self.cp,
                     self.tp,
                     self.pp,
@@ -733,6 +752,7 @@ impl ParallelConfig {
     pub fn megatron_args(&self) -> Vec<String> {
         let mut flags = vec![format!("--tensor-model-parallel-size {}", self.tp)];
         flags.extend(crate::context::megatron_args(self.cp, self.cp_comm));
+        flags.extend(crate::expert::megatron_args(self.ep));
         if self.pp > 1 {
             flags.push(format!("--pipeline-model-parallel-size {}", self.pp));
             if let Some(ScheduleKind::Interleaved { v }) = self.schedule {

@@ -167,6 +167,7 @@ impl Plan {
         s += &self.compute_by_op();
         s += &self.collectives_text();
         s += &self.context_text();
+        s += &self.expert_text();
         s += &self.memory_at_peak();
         if let Some(pipe) = &self.pipeline {
             s += &pipe.explain(mb, self.predicted.bubble_fraction, &self.checkpoint);
@@ -400,6 +401,28 @@ impl Plan {
         let (calls, bytes) = a2a.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes));
         let mut s = String::new();
         for line in crate::context::explain_lines(cp, self.seq, calls, bytes) {
+            s += &line;
+            s.push('\n');
+        }
+        s
+    }
+
+    /// Expert parallelism's lines ([`crate::expert::explain_lines`]): experts per device, the
+    /// capacity and the all-to-all traffic over the ep axis. Empty without an ep axis.
+    fn expert_text(&self) -> String {
+        let (Some(axis), Some(facts)) =
+            (self.mesh.axis(crate::mesh::AxisName::Expert), self.experts.as_ref())
+        else {
+            return String::new();
+        };
+        let a2a = self.collectives.iter().filter(|c| {
+            let op: String =
+                c.op.to_ascii_lowercase().chars().filter(char::is_ascii_alphabetic).collect();
+            c.axis == axis && op.contains("alltoall")
+        });
+        let (calls, bytes) = a2a.fold((0, 0), |(n, b), c| (n + 1, b + c.bytes));
+        let mut s = String::new();
+        for line in crate::expert::explain_lines(self.mesh.shape[axis], facts, calls, bytes) {
             s += &line;
             s.push('\n');
         }

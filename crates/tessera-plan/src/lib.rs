@@ -19,6 +19,7 @@ pub mod cluster;
 pub mod config;
 pub mod context;
 pub mod cost;
+pub mod expert;
 pub mod explain;
 pub mod export;
 pub mod figures;

@@ -126,7 +126,7 @@ fn megatron_mesh(cluster: &Cluster, cfg: &ParallelConfig) -> Result<Mesh> {
             Ok(Mesh::named(cluster, &[cfg.replicas(), n, cfg.tp], &names)?.with_replicas(&[0]))
         }
         None => {
-            let (shape, names) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
+            let (shape, names) = crate::expert::mesh_shape(cfg.dp, cfg.ep, cfg.cp, cfg.tp);
             Mesh::named(cluster, &shape, &names)
         }
     }
@@ -155,14 +155,14 @@ pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Re
     }
     let t0 = Instant::now();
     let mesh = megatron_mesh(&req.cluster, cfg)?;
-    if !req.batch.is_multiple_of(cfg.dp * cfg.micro_batches) {
+    if !req.batch.is_multiple_of(cfg.dp * cfg.ep * cfg.micro_batches) {
         return Err(PlanError::Invalid(format!(
             "batch {} does not split into {} data-parallel replicas × {} micro-batches: use a batch \
              that is a multiple of {}",
             req.batch,
-            cfg.dp,
+            cfg.dp * cfg.ep,
             cfg.micro_batches,
-            cfg.dp * cfg.micro_batches
+            cfg.dp * cfg.ep * cfg.micro_batches
         )));
     }
     let mut p = req.problem();

@@ -151,6 +151,11 @@ pub fn export(framework: Framework, plan: &Plan, target: &Target) -> Result<Expo
         let flat = cfg.clone().with_dp(cfg.dp * cfg.cp).with_cp(1).with_cp_comm(None);
         return Err(refuse(why, nearest(framework, &flat, plan.batch)));
     }
+    if let Some(why) = crate::expert::refuse_export(engine, cfg.ep) {
+        // The nearest: the expert-parallel devices as data-parallel replicas.
+        let flat = cfg.clone().with_dp(cfg.dp * cfg.ep).with_ep(1);
+        return Err(refuse(why, nearest(framework, &flat, plan.batch)));
+    }
     if let Some((why, fitted)) = kv_heads_problem(framework, &cfg, &target.model) {
         return Err(refuse(why, nearest(framework, &fitted, plan.batch)));
     }

@@ -64,13 +64,24 @@ pub fn parse_schedule(s: &str) -> Result<ScheduleKind> {
 /// The full mesh `[stage axes.., pp]`, with links laid out Megatron's way: the pipeline axis
 /// varies slowest over the devices (across nodes first), the tensor axis fastest.
 pub fn meshes(cluster: &Cluster, stage_shape: &[usize], pp: usize) -> Result<(Mesh, Mesh)> {
-    let mut physical = vec![pp];
-    physical.extend_from_slice(stage_shape);
     // A three-axis stage is `[dp, cp, tp]` (hybrid sharding, the other three-axis stage
-    // mesh, is refused with a pipeline).
-    use AxisName::{Context, Data, Pipeline, Tensor};
+    // mesh, is refused with a pipeline; an ep axis comes named, [`meshes_named`]).
+    use AxisName::{Context, Data, Tensor};
     let stage_names: &[AxisName] =
         if stage_shape.len() == 3 { &[Data, Context, Tensor] } else { &[Data, Tensor] };
+    meshes_named(cluster, stage_shape, stage_names, pp)
+}
+
+/// [`meshes`] with the stage axes' names given.
+pub fn meshes_named(
+    cluster: &Cluster,
+    stage_shape: &[usize],
+    stage_names: &[AxisName],
+    pp: usize,
+) -> Result<(Mesh, Mesh)> {
+    let mut physical = vec![pp];
+    physical.extend_from_slice(stage_shape);
+    use AxisName::Pipeline;
     let names: Vec<AxisName> =
         std::iter::once(Pipeline).chain(stage_names.iter().copied()).take(physical.len()).collect();
     let laid = Mesh::named(cluster, &physical, &names)?;

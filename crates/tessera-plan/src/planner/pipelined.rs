@@ -33,20 +33,20 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
     use crate::pipeline::plan as pplan;
     cfg.check_devices(req.cluster.num_devices())?;
     let mb = cfg.micro_batches.max(1);
-    if !req.batch.is_multiple_of(cfg.dp * mb) {
+    if !req.batch.is_multiple_of(cfg.dp * cfg.ep * mb) {
         return Err(PlanError::Invalid(format!(
             "batch {} does not split into {} data-parallel replicas × {mb} micro-batches: use a \
              batch that is a multiple of {}",
             req.batch,
-            cfg.dp,
-            cfg.dp * mb
+            cfg.dp * cfg.ep,
+            cfg.dp * cfg.ep * mb
         )));
     }
     let fwd = (req.build)(req.batch / mb)?;
     let nb = tessera_ir::remat::num_blocks(&fwd.graph) as usize;
     cfg.check_pipeline(nb, Some(mb))?;
-    let (stage_shape, _) = crate::context::mesh_shape(cfg.dp, cfg.cp, cfg.tp);
-    let (stage, full) = pplan::meshes(&req.cluster, &stage_shape, cfg.pp)?;
+    let (stage_shape, names) = crate::expert::mesh_shape(cfg.dp, cfg.ep, cfg.cp, cfg.tp);
+    let (stage, full) = pplan::meshes_named(&req.cluster, &stage_shape, &names, cfg.pp)?;
     // The stage's layout: Megatron's on its mesh, whatever the memory (the pipeline is priced
     // and checked below).
     // One micro-batch suffices to choose it (the layout is per forward node, the same for

@@ -162,8 +162,29 @@ impl<'g> Space<'g> {
             AxisRule::Megatron { cp: true, .. } => Some(crate::context::cp_axis(mesh)),
             _ => None,
         };
-        let data_axes: Vec<usize> =
-            live_axes.iter().copied().filter(|&a| a != tp_axis && Some(a) != cp_axis).collect();
+        // A config's expert-parallel axis (named `ep`, [`crate::expert`]).
+        let ep_axis = match rule {
+            AxisRule::Megatron { .. } => {
+                mesh.axis(crate::mesh::AxisName::Expert).filter(|a| live_axes.contains(a))
+            }
+            AxisRule::Free => None,
+        };
+        let data_axes: Vec<usize> = live_axes
+            .iter()
+            .copied()
+            .filter(|&a| a != tp_axis && Some(a) != cp_axis && Some(a) != ep_axis)
+            .collect();
+        // The expert-parallel axis splits the experts of the experts' ops, the batch elsewhere.
+        let ep_pins = match ep_axis {
+            Some(a) => {
+                let dp = data_axes.iter().map(|&d| mesh.shape[d]).product();
+                match crate::expert::ep_pins(g, &labels, &roles, mesh.shape[a], dp) {
+                    Ok(pins) => Some(pins),
+                    Err(why) => return Ok(Space::unsplittable(g, why)),
+                }
+            }
+            None => None,
+        };
         // The context-parallel axis splits every sequence, and attention's heads.
         let cp_pins = match cp_axis {
             Some(a) => {
@@ -225,6 +246,9 @@ impl<'g> Space<'g> {
                     AxisRule::Megatron { .. } if Some(a) == cp_axis => {
                         cp_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
                     }
+                    AxisRule::Megatron { .. } if Some(a) == ep_axis => {
+                        ep_pins.as_ref().is_some_and(|p| p[i] == Some(lab))
+                    }
                     AxisRule::Megatron { .. } => lab_role[lab] == DimRole::Batch,
                 }
             };
@@ -251,6 +275,20 @@ impl<'g> Space<'g> {
                     }
                     for s in &mut all {
                         crate::context::order_heads(s, node, a, tp_axis);
+                    }
+                }
+                // The expert-parallel axis splits exactly its pinned label.
+                if let (Some(a), Some(pin)) = (ep_axis, ep_pins.as_ref().and_then(|p| p[i])) {
+                    all.retain(|s| crate::expert::keeps_pin(s, a, pin));
+                    if all.is_empty() {
+                        let why = format!(
+                            "{} ({}) cannot be split over the expert-parallel axis on the mesh \
+                             {:?}",
+                            g.scope_name(node.scope),
+                            node.op.name(),
+                            mesh.shape
+                        );
+                        return Ok(Space::unsplittable(g, why));
                     }
                 }
                 // The tensor axis splits exactly Megatron's label.
