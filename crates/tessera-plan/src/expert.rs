@@ -293,7 +293,7 @@ pub fn explain_lines(
         ),
         format!(
             "  {a2a_calls} all-to-alls per step around the experts (dispatch and combine, \
-             forward and backward),"
+             forward, recompute and backward),"
         ),
         format!(
             "  {} per device; expert gradients reduce over dp, the rest over dp x ep",

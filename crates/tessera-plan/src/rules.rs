@@ -26,7 +26,7 @@
 //!   pooling and upsampling are per channel, so they also split C; GroupNorm keeps C whole
 //!   (its statistics span a group of channels). Spatial dims stay whole (windows overlap).
 //! - mixture-of-experts routing: top-k, gathers and scatters split every dim but the last
-//!   (per row); slots, dispatch and combine split their routing groups (the leading dims, a
+//!   (per row; of routed tokens `[G.., n, ·]` the groups only); slots, dispatch and combine split their routing groups (the leading dims, a
 //!   group's capacity never sees another group's tokens) and dispatch and combine the hidden
 //!   dim; a group's tokens and the buffer's experts and capacity stay whole. The experts'
 //!   batched matmuls split E as a batch label: the expert-parallel axis ([`crate::expert`]).
@@ -414,9 +414,12 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             l.outputs = vec![o];
         }
         Op::TopK { .. } | Op::TakeAlong | Op::ScatterAlong { .. } => {
-            // Per row: every leading dim splits, the last stays whole.
+            // Per row: the leading dims split, the last stays whole. Routed tokens
+            // `[G.., n, ·]` (rank 3 and up) keep a group's tokens `n` whole as the slots
+            // after them do, so a group's integer routes are made where they are used and
+            // never travel (collectives carry floats: the router's scores are gathered).
             let r = rank(y[0]);
-            let o = l.fresh_dims(y[0], |d| d + 1 < r);
+            let o = l.fresh_dims(y[0], |d| d + 1 < r && (r < 3 || d + 2 < r));
             let mut lead = o.clone();
             lead[r - 1] = None;
             l.inputs = x.iter().map(|_| lead.clone()).collect();
