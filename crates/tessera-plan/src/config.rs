@@ -709,8 +709,8 @@ impl ParallelConfig {
             "config `{}` spans {} devices but the cluster has {num_devices}: choose \
              degrees that multiply to {num_devices}, {fix}",
             self.canonical(),
-            match self.cp > 1 || self.ep > 1 {
-                true => format!(
+            match (self.ep > 1, self.cp > 1) {
+                (true, _) => format!(
                     "dp×ep×cp×tp×pp = {}×{}×{}×{}×{} = {}",
                     self.dp,
                     self.ep,
@@ -719,7 +719,15 @@ impl ParallelConfig {
                     self.pp,
                     self.devices()
                 ),
-                false =>
+                (false, true) => format!(
+                    "dp×cp×tp×pp = {}×{}×{}×{} = {}",
+                    self.dp,
+                    self.cp,
+                    self.tp,
+                    self.pp,
+                    self.devices()
+                ),
+                (false, false) =>
                     format!("dp×tp×pp = {}×{}×{} = {}", self.dp, self.tp, self.pp, self.devices()),
             }
         )))

@@ -437,10 +437,8 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
         Op::MoeDispatch { .. } | Op::MoeCombine => {
             // Tokens `[G.., n, H]` ↔ buffer `[G.., E, C, H]`, slots `[G.., n, k]`: the groups
             // and the hidden dim split; a group's tokens, its experts and capacity stay whole.
-            let tok = match op {
-                Op::MoeDispatch { .. } => x[0],
-                _ => y[0],
-            };
+            let dispatch = matches!(op, Op::MoeDispatch { .. });
+            let tok = if dispatch { x[0] } else { y[0] };
             let g = rank(tok) - 2;
             let groups: Vec<Option<usize>> =
                 (0..g).map(|d| Some(l.label(tok.shape.dim(d), true))).collect();
@@ -451,10 +449,7 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             bf.extend([None, None, Some(h)]);
             let mut slots = groups;
             slots.extend([None, None]);
-            let (first, out) = match op {
-                Op::MoeDispatch { .. } => (t, bf),
-                _ => (bf, t),
-            };
+            let (first, out) = if dispatch { (t, bf) } else { (bf, t) };
             l.inputs = vec![first, slots.clone()];
             if x.len() == 3 {
                 l.inputs.push(slots);
