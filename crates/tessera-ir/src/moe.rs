@@ -86,14 +86,14 @@ impl RouterSpec {
     }
 }
 
-/// What a router gives a layer.
+/// What a router gives a layer (`..`: the logits' leading dims, e.g. `[N]` or `[G, n]`).
 #[derive(Clone, Copy, Debug)]
 pub struct Routing {
-    /// `[N, E]`, f32 (f64 for f64 logits): the softmax or sigmoid scores (unbiased).
+    /// `[.., E]`, f32 (f64 for f64 logits): the softmax or sigmoid scores (unbiased).
     pub scores: TensorId,
-    /// `[N, k]` i64: each token's experts, best first.
+    /// `[.., k]` i64: each token's experts, best first.
     pub indices: TensorId,
-    /// `[N, k]` in the logits' dtype: each choice's weight in the combine.
+    /// `[.., k]` in the logits' dtype: each choice's weight in the combine.
     pub weights: TensorId,
 }
 
@@ -162,7 +162,7 @@ fn to_f32(b: &mut Builder, x: TensorId) -> Result<TensorId> {
     }
 }
 
-/// `logits [N, E]` → the routing. `bias [E]` (f32) is DeepSeek-V3's
+/// `logits [.., E]` (a token per row) → the routing. `bias [E]` (f32) is DeepSeek-V3's
 /// `e_score_correction_bias`: added to the scores for choosing only, never to the weights.
 pub fn route(
     b: &mut Builder,
@@ -170,12 +170,13 @@ pub fn route(
     spec: &RouterSpec,
     bias: Option<TensorId>,
 ) -> Result<Routing> {
-    let &[_, e] = b.shape(logits).dims() else {
+    let (e, rank) = (b.shape(logits).last(), b.shape(logits).rank());
+    if rank < 2 {
         return Err(IrError::Graph(format!(
-            "router logits {} must be [tokens, experts]",
+            "router logits {} must be [.., tokens, experts]",
             b.meta(logits)
         )));
-    };
+    }
     if e != spec.experts {
         return Err(IrError::Graph(format!(
             "router logits have {e} experts, the spec {}",
@@ -198,7 +199,7 @@ pub fn route(
     let (_, indices) = b.top_k(choice, spec.top_k)?;
     let mut weights = b.take_along(scores, indices)?;
     if let Some(eps) = spec.normalize {
-        let sum = b.reduce(ReduceOp::Sum, weights, &[1], true)?;
+        let sum = b.reduce(ReduceOp::Sum, weights, &[rank - 1], true)?;
         let sum = if eps == 0.0 {
             sum
         } else {
@@ -216,16 +217,24 @@ pub fn route(
     Ok(Routing { scores, indices, weights })
 }
 
-/// Choice scores `[N, E]` with every expert outside each token's `keep` best groups lowered
-/// by [`GROUP_MASK_PENALTY`] (kept scores unchanged, exactly); a group's score is the sum of its
-/// two best experts' (DeepSeek-V3's `n_group` / `topk_group`).
+/// Choice scores `[.., N, E]` with every expert outside each token's `keep` best groups
+/// lowered by [`GROUP_MASK_PENALTY`] (kept scores unchanged, exactly); a group's score is the
+/// sum of its two best experts' (DeepSeek-V3's `n_group` / `topk_group`). Leading (routing
+/// group) dims are flattened into the tokens and restored.
 fn limit_to_groups(
     b: &mut Builder,
     choice: TensorId,
     groups: usize,
     keep: usize,
 ) -> Result<TensorId> {
-    let &[n, e] = b.shape(choice).dims() else {
+    let dims = b.shape(choice).dims().to_vec();
+    if dims.len() > 2 {
+        let (tokens, e) = (dims[..dims.len() - 1].iter().product::<usize>(), dims[dims.len() - 1]);
+        let flat = b.reshape(choice, [tokens, e])?;
+        let limited = limit_to_groups(b, flat, groups, keep)?;
+        return b.reshape(limited, dims);
+    }
+    let &[n, e] = dims.as_slice() else {
         return Err(IrError::Graph("choice scores must be [tokens, experts]".into()));
     };
     if groups == 0 || e % groups != 0 || keep == 0 || keep > groups || e / groups < 2 {
@@ -306,10 +315,17 @@ pub struct ExpertWeights {
     pub linear_layout: bool,
 }
 
-/// The routed experts on `x [N, H]`: dispatch into `[E, capacity, H]`, the three batched
-/// matmuls over the expert dim, and the weighted combine back to `[N, H]`. Assignments past an
-/// expert's capacity are dropped (see [`crate::ops::moe`]); `capacity = N` is dropless.
-/// `E` is `w.gate`'s dim 0 and must be the router's expert count; `routing.indices` index it.
+/// The routed experts on `x [G, n, H]` routed by `routing` (`[G, n, k]`; `x [N, H]` is one
+/// group): `G` routing groups of `n` tokens each (GShard's groups; see [`crate::ops::moe`]'s
+/// capacity), each dispatched into its own `[E, capacity, H]` buffer; the groups' buffers are
+/// laid out expert-major (`[E, G·capacity, H]`, a permute) for the three batched matmuls over
+/// the expert dim, and back for the weighted combine to `[G, n, H]`. Assignments past an
+/// expert's capacity in their group are dropped; `capacity = n` is dropless. `E` is
+/// `w.gate`'s dim 0 and must be the router's expert count; `routing.indices` index it.
+///
+/// The permutes are where expert parallelism moves tokens: before them a plan splits the
+/// groups (the tokens' batch), after them the experts, so the reshard between is an
+/// all-to-all whose size is the capacity's.
 pub fn routed_experts(
     b: &mut Builder,
     x: TensorId,
@@ -317,15 +333,34 @@ pub fn routed_experts(
     w: &ExpertWeights,
     capacity: usize,
 ) -> Result<TensorId> {
+    if let &[n, h] = b.shape(x).dims() {
+        // One group: `[N, H]` routed by `[N, k]`.
+        let k = b.shape(routing.indices).last();
+        let one = Routing {
+            scores: routing.scores,
+            indices: b.reshape(routing.indices, [1, n, k])?,
+            weights: b.reshape(routing.weights, [1, n, k])?,
+        };
+        let x = b.reshape(x, [1, n, h])?;
+        let y = routed_experts(b, x, &one, w, capacity)?;
+        return b.reshape(y, [n, h]);
+    }
+    let &[groups, _, h] = b.shape(x).dims() else {
+        return Err(IrError::Graph(format!("routed tokens {} must be [G, n, H]", b.meta(x))));
+    };
     let experts = b.shape(w.gate).dim(0);
     let slots = b.moe_slots(routing.indices, experts, capacity)?;
     let buf = b.moe_dispatch(x, slots, experts, capacity)?;
+    let buf = b.permute(buf, &[1, 0, 2, 3])?;
+    let buf = b.reshape(buf, [experts, groups * capacity, h])?;
     let t = w.linear_layout;
     let g = b.matmul(buf, w.gate, false, t)?;
     let u = b.matmul(buf, w.up, false, t)?;
     let g = b.unary(UnaryOp::Silu, g)?;
     let a = b.mul(g, u)?;
     let y = b.matmul(a, w.down, false, t)?;
+    let y = b.reshape(y, [experts, groups, capacity, h])?;
+    let y = b.permute(y, &[1, 0, 2, 3])?;
     b.moe_combine(y, slots, routing.weights)
 }
 

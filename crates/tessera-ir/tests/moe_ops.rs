@@ -379,6 +379,56 @@ fn dispatch_experts_combine_equal_a_dense_loop() {
     assert_close(&l.graph(2), &want, 1e-12, "capacity 2");
 }
 
+impl Layer {
+    /// The layer on `groups` routing groups of `n / groups` tokens each (`[G, n/G, ·]`).
+    fn grouped(&self, groups: usize, capacity: usize) -> Vec<f64> {
+        let (n, h, f, e) = (self.n, self.h, self.f, self.e);
+        let mut cx = Case::new(0);
+        let x = cx.input(&[groups, n / groups, h], self.x.clone());
+        let logits = cx.input(&[groups, n / groups, e], self.logits.clone());
+        let gate = cx.input(&[e, h, f], self.gate.clone());
+        let up = cx.input(&[e, h, f], self.up.clone());
+        let down = cx.input(&[e, f, h], self.down.clone());
+        let r = moe::route(&mut cx.b, logits, &RouterSpec::mixtral(e, self.k), None).unwrap();
+        let w = ExpertWeights { gate, up, down, linear_layout: false };
+        let y = moe::routed_experts(&mut cx.b, x, &r, &w, capacity).unwrap();
+        cx.eval(&[y]).remove(0).data
+    }
+
+    /// Tokens `lo..hi` as a layer of their own.
+    fn rows(&self, lo: usize, hi: usize) -> Layer {
+        Layer {
+            n: hi - lo,
+            x: self.x[lo * self.h..hi * self.h].to_vec(),
+            logits: self.logits[lo * self.e..hi * self.e].to_vec(),
+            gate: self.gate.clone(),
+            up: self.up.clone(),
+            down: self.down.clone(),
+            ..*self
+        }
+    }
+}
+
+/// Routing per group: each group's capacity sees only its own tokens, so the grouped layer
+/// equals every group run alone — what lets a plan split the groups over devices and drop
+/// exactly what one device drops.
+#[test]
+fn each_routing_group_drops_as_if_alone() {
+    let l = Layer::random(11, 12, 6, 5, 4, 2);
+    for capacity in [4usize, 2, 1] {
+        let grouped = l.grouped(3, capacity);
+        let mut alone = Vec::new();
+        for g in 0..3 {
+            let part = l.rows(4 * g, 4 * g + 4);
+            let (want, _) = part.reference(capacity);
+            alone.extend(want);
+        }
+        assert_close(&grouped, &alone, 1e-12, &format!("3 groups, capacity {capacity}"));
+    }
+    // One group is the ungrouped layer.
+    assert_close(&l.grouped(1, 5), &l.graph(5), 1e-12, "one group");
+}
+
 #[test]
 fn flops_and_memory_follow_the_capacity() {
     let (n, h, f, e, k, c) = (12usize, 6usize, 5usize, 4usize, 2usize, 5usize);

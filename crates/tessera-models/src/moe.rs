@@ -15,11 +15,24 @@
 //! y_nd = Σ_j w_nj · down_e(silu(gate_e x) · up_e x),  e = choice j of token n
 //! y_nd += sigmoid(shared_expert_gate(x_nd)) · shared_expert(x_nd)      # Qwen2-MoE only
 //! ```
-//! The experts run through [`tessera_ir::moe::routed_experts`]: dispatch into `[E, C, d]`,
-//! three batched matmuls over the expert dim, weighted combine. The capacity `C` is dropless
-//! (`C = b·s`: every choice is kept, so the result equals transformers') unless the config
-//! sets `capacity_factor` (a tessera key, absent from Hugging Face configs), which gives
-//! `C = ceil(factor · b·s · k / E)` and drops the choices past an expert's capacity.
+//! The experts run through [`tessera_ir::moe::routed_experts`]: each sequence is one routing
+//! group (GShard's groups), dispatched into its own `[E, C, d]` buffer; the groups' buffers
+//! go expert-major for the three batched matmuls over the expert dim, and back for the
+//! weighted combine.
+//!
+//! # Capacity: which tokens drop
+//!
+//! The capacity `C` is per expert **and per sequence**. Without `capacity_factor` it is
+//! dropless (`C = s`: every choice is kept, so the result equals transformers', whose Mixtral
+//! and Qwen-MoE never drop). With `capacity_factor` (a tessera key, absent from Hugging Face
+//! configs) `C = min(s, ceil(factor · s · k / E))`, and within each sequence every expert
+//! keeps the choices of its `C` earliest tokens (token order, then choice order): a later
+//! token routed to a full expert gets nothing from that expert, keeps its other choices, and
+//! its weights are not renormalised. Because a sequence's drops depend on that sequence
+//! alone, the batch size, micro-batching and every plan (dp, ep, tp, pp, cp, ZeRO) drop
+//! exactly the same tokens as one device. (Before expert parallelism the capacity was over
+//! the whole micro-batch, `ceil(factor · b·s · k / E)`, so a micro-batch's split changed what
+//! dropped.)
 //!
 //! Weights: each projection of a layer's experts is one stacked parameter in `nn.Linear`'s
 //! layout, `…experts.w1.weight [E, f, d]` (gate), `w3` (up) `[E, f, d]`, `w2` (down)
@@ -336,12 +349,16 @@ pub(crate) fn sparse_block(
     buffers: &mut Vec<TensorId>,
 ) -> IrResult<TensorId> {
     let dims = b.shape(h_bsd).dims().to_vec();
-    let (tokens, d) = (dims[..dims.len() - 1].iter().product::<usize>(), cfg.hidden_size);
+    let tokens = dims[..dims.len() - 1].iter().product::<usize>();
+    // One routing group per sequence (the capacity's group, see the module doc).
+    let groups = if dims.len() >= 3 { dims[0] } else { 1 };
+    let (n, d) = (tokens / groups.max(1), cfg.hidden_size);
     let (e, f) = (moe.num_experts, moe.expert_intermediate_size);
     let dtype = b.dtype(h_bsd);
     let (scope, [gate, up, down]) = names(cfg.variant);
     let y_nd = b.scoped(scope, |b| {
         let x_nd = b.reshape(h_bsd, [tokens, d])?;
+        let x_gnd = b.reshape(h_bsd, [groups, n, d])?;
         let (logits_ne, bias) = match &moe.deepseek {
             // transformers computes the router logits in f32 (`F.linear(x.float(),
             // weight.float())`); the weight is stored in the model dtype (an f32 master copy
@@ -360,7 +377,8 @@ pub(crate) fn sparse_block(
         };
         router_logits.push(logits_ne);
         buffers.extend(bias);
-        let mut routing = route(b, logits_ne, &moe.router(), bias)?;
+        let logits_gne = b.reshape(logits_ne, [groups, n, e])?;
+        let mut routing = route(b, logits_gne, &moe.router(), bias)?;
         if b.dtype(routing.weights) != dtype {
             routing.weights = b.cast(routing.weights, dtype)?;
         }
@@ -375,8 +393,9 @@ pub(crate) fn sparse_block(
                 linear_layout: true,
             }
         });
-        let c = capacity(tokens, moe.num_experts_per_tok, e, moe.capacity_factor);
-        let y_nd = routed_experts(b, x_nd, &routing, &w, c)?;
+        let c = capacity(n, moe.num_experts_per_tok, e, moe.capacity_factor);
+        let y_gnd = routed_experts(b, x_gnd, &routing, &w, c)?;
+        let y_nd = b.reshape(y_gnd, [tokens, d])?;
         let y_nd = match moe.shared_expert_intermediate_size {
             Some(width) => {
                 let s_nd = shared_expert(b, x_nd, width, cfg)?;

@@ -128,6 +128,10 @@ pub struct ParallelConfig {
     /// Context-parallel degree (see [`crate::context`]); 1: the sequence is not split.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub cp: usize,
+    /// Expert-parallel degree (see [`crate::expert`]): an axis inside the data-parallel
+    /// group; the tokens split over dp × ep, the experts over ep. 1: not split.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub ep: usize,
     /// How the cp axis exchanges keys and values (`None`: the default, all-to-all). Only with
     /// cp > 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -326,6 +330,7 @@ impl Default for ParallelConfig {
             offload: None,
             shard: None,
             cp: 1,
+            ep: 1,
             cp_comm: None,
             loss: None,
             mlp: None,
@@ -344,7 +349,11 @@ impl ParallelConfig {
     /// Devices the config spans: dp × cp × tp × pp (saturating; a validated config does not
     /// overflow).
     pub fn devices(&self) -> usize {
-        self.dp.saturating_mul(self.cp).saturating_mul(self.tp).saturating_mul(self.pp)
+        self.dp
+            .saturating_mul(self.ep)
+            .saturating_mul(self.cp)
+            .saturating_mul(self.tp)
+            .saturating_mul(self.pp)
     }
 
     /// The DeepSpeed config fragment: `zero_optimization.stage`, `gradient_accumulation_steps`

@@ -399,6 +399,7 @@ impl Plan {
             seq: self.seq,
             traffic: &traffic,
             ring: self.mesh.ring,
+            experts: self.experts.as_ref(),
         };
         let mut s = String::new();
         for line in crate::axis::explain_lines(&cx) {

@@ -42,7 +42,7 @@ pub mod spec;
 pub mod tiers;
 pub mod units;
 
-pub use axis::{context, ConfigError};
+pub use axis::{context, expert, ConfigError};
 pub use cluster::{Cluster, DeviceSpec};
 pub use link::Link;
 pub use mesh::{AxisLink, AxisName, Mesh};

@@ -52,6 +52,9 @@ pub enum AxisName {
     Data,
     /// Context parallelism: the sequence (and attention's heads, [`crate::context`]).
     Context,
+    /// Expert parallelism: the batch, and the experts of the experts' ops
+    /// ([`crate::expert`]).
+    Expert,
     /// Tensor parallelism: Megatron-style column and row splits.
     Tensor,
     /// Pipeline parallelism: the stages.
@@ -65,6 +68,7 @@ impl AxisName {
             AxisName::Replica => "replica",
             AxisName::Data => "dp",
             AxisName::Context => "cp",
+            AxisName::Expert => "ep",
             AxisName::Tensor => "tp",
             AxisName::Pipeline => "pp",
         }

@@ -214,6 +214,9 @@ pub struct Plan {
     /// the fused one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mlp_tile_rows: Option<usize>,
+    /// The model's routed experts ([`crate::expert::expert_facts`]); absent: no MoE layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<crate::expert::ExpertFacts>,
 }
 
 /// The tiled MLP's rows per tile in a forward graph (`None`: the MLPs whole).
@@ -266,6 +269,9 @@ pub fn describe(
     let dp: usize = dp_axes.iter().map(|&a| mesh.shape[a]).product();
     let cp = crate::context::describe_cp(g, strategies, mesh, &dp_axes);
     let tp = mesh.num_devices() / dp.max(1) / cp;
+    // The ep axis splits the batch with dp (one of `dp_axes`) and the experts.
+    let ep = crate::expert::describe_ep(g, strategies, mesh);
+    let dp = if dp.is_multiple_of(ep) { dp / ep } else { dp };
     let cp_axis = (cp > 1).then(|| mesh.axis(crate::mesh::AxisName::Context)).flatten();
     let sp = tp > 1
         && g.nodes.iter().enumerate().any(|(i, n)| {
@@ -286,6 +292,7 @@ pub fn describe(
         .with_shard(shard)
         .with_cp(cp)
         .with_cp_comm((cp > 1 && mesh.ring).then_some(crate::context::CpComm::Ring))
+        .with_ep(ep)
         .with_loss(loss_chunk_rows(g).map(crate::config::LossMode::Chunk))
         .with_mlp(mlp_tile_rows(g).map(crate::config::MlpMode::Tile))
 }
@@ -435,6 +442,7 @@ impl Plan {
             }),
             loss_chunk_rows: loss_chunk_rows(g),
             mlp_tile_rows: mlp_tile_rows(g),
+            experts: crate::expert::expert_facts(g),
         }
     }
 

@@ -145,14 +145,14 @@ pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Re
     }
     let t0 = Instant::now();
     let mesh = megatron_mesh(&req.cluster, cfg)?;
-    if !req.batch.is_multiple_of(cfg.dp * cfg.micro_batches) {
+    if !req.batch.is_multiple_of(cfg.dp * cfg.ep * cfg.micro_batches) {
         return Err(PlanError::Invalid(format!(
             "batch {} does not split into {} data-parallel replicas × {} micro-batches: use a batch \
              that is a multiple of {}",
             req.batch,
-            cfg.dp,
+            cfg.dp * cfg.ep,
             cfg.micro_batches,
-            cfg.dp * cfg.micro_batches
+            cfg.dp * cfg.ep * cfg.micro_batches
         )));
     }
     let mut p = req.problem();

@@ -25,9 +25,11 @@
 //!   the channel blocks of x and w are coupled, so grouped convolutions split the batch only;
 //!   pooling and upsampling are per channel, so they also split C; GroupNorm keeps C whole
 //!   (its statistics span a group of channels). Spatial dims stay whole (windows overlap).
-//! - mixture-of-experts routing (top-k, gathers and scatters, slots, dispatch, combine):
-//!   replicated only, for now — no label splits; the expert-parallel axis will give them
-//!   their own rules (the experts' batched matmuls already split E as a batch label).
+//! - mixture-of-experts routing: top-k, gathers and scatters split every dim but the last
+//!   (per row; of routed tokens `[G.., n, ·]` the groups only); slots, dispatch and combine split their routing groups (the leading dims, a
+//!   group's capacity never sees another group's tokens) and dispatch and combine the hidden
+//!   dim; a group's tokens and the buffer's experts and capacity stay whole. The experts'
+//!   batched matmuls split E as a batch label: the expert-parallel axis ([`crate::expert`]).
 //!
 //! Ops that only appear after autodiff (backward ops, the optimizer) get no strategies: the
 //! lowering differentiates the sharded forward graph instead.
@@ -411,15 +413,48 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             l.inputs = vec![o.clone()];
             l.outputs = vec![o];
         }
-        Op::TopK { .. }
-        | Op::TakeAlong
-        | Op::ScatterAlong { .. }
-        | Op::MoeSlots { .. }
-        | Op::MoeDispatch { .. }
-        | Op::MoeCombine => {
-            // Replicated only: every dim whole.
-            l.inputs = x.iter().map(|m| vec![None; m.shape.rank()]).collect();
-            l.outputs = y.iter().map(|m| vec![None; m.shape.rank()]).collect();
+        Op::TopK { .. } | Op::TakeAlong | Op::ScatterAlong { .. } => {
+            // Per row: the leading dims split, the last stays whole. Routed tokens
+            // `[G.., n, ·]` (rank 3 and up) keep a group's tokens `n` whole as the slots
+            // after them do, so a group's integer routes are made where they are used and
+            // never travel (collectives carry floats: the router's scores are gathered).
+            let r = rank(y[0]);
+            let o = l.fresh_dims(y[0], |d| d + 1 < r && (r < 3 || d + 2 < r));
+            let mut lead = o.clone();
+            lead[r - 1] = None;
+            l.inputs = x.iter().map(|_| lead.clone()).collect();
+            l.outputs = y.iter().map(|_| lead.clone()).collect();
+        }
+        Op::MoeSlots { .. } => {
+            // Per routing group (the leading dims); a group's tokens and choices stay whole.
+            let r = rank(y[0]);
+            let mut o = l.fresh_dims(y[0], |d| d + 2 < r);
+            o[r - 2] = None;
+            o[r - 1] = None;
+            l.inputs = vec![o.clone()];
+            l.outputs = vec![o];
+        }
+        Op::MoeDispatch { .. } | Op::MoeCombine => {
+            // Tokens `[G.., n, H]` ↔ buffer `[G.., E, C, H]`, slots `[G.., n, k]`: the groups
+            // and the hidden dim split; a group's tokens, its experts and capacity stay whole.
+            let dispatch = matches!(op, Op::MoeDispatch { .. });
+            let tok = if dispatch { x[0] } else { y[0] };
+            let g = rank(tok) - 2;
+            let groups: Vec<Option<usize>> =
+                (0..g).map(|d| Some(l.label(tok.shape.dim(d), true))).collect();
+            let h = l.label(tok.shape.dim(g + 1), true);
+            let mut t = groups.clone();
+            t.extend([None, Some(h)]);
+            let mut bf = groups.clone();
+            bf.extend([None, None, Some(h)]);
+            let mut slots = groups;
+            slots.extend([None, None]);
+            let (first, out) = if dispatch { (t, bf) } else { (bf, t) };
+            l.inputs = vec![first, slots.clone()];
+            if x.len() == 3 {
+                l.inputs.push(slots);
+            }
+            l.outputs = vec![out];
         }
         Op::Parameter { .. }
         | Op::Input(_)

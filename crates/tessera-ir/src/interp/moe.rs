@@ -70,34 +70,59 @@ pub(super) fn scatter_along(idx: &Value, src: &Value, size: usize) -> Result<Val
     Ok(out)
 }
 
-/// Slots in row-major `(n, j)` order: each expert's first `capacity` assignments, the rest −1.
+/// `slots [.., n, k]`: the assignments per group (`n·k`).
+fn per_group(slots: &Value) -> Result<usize, String> {
+    let d = slots.dims();
+    ensure!(d.len() >= 2, "slots {} must be [.., tokens, k]", slots.shape);
+    Ok(d[d.len() - 2] * d[d.len() - 1])
+}
+
+/// Slots in row-major `(n, j)` order within each group (the leading dims): each expert's
+/// first `capacity` assignments of the group, the rest −1.
 pub(super) fn moe_slots(idx: &Value, experts: usize, capacity: usize) -> Result<Value, String> {
-    let mut used = vec![0usize; experts];
+    let per = per_group(idx)?;
     let mut data = Vec::with_capacity(idx.numel());
-    for &e in &idx.data {
-        let e = index_in(e, experts, "expert index")?;
-        data.push(if used[e] < capacity { (e * capacity + used[e]) as f64 } else { -1.0 });
-        used[e] += 1;
+    for group in idx.data.chunks(per.max(1)) {
+        let mut used = vec![0usize; experts];
+        for &e in group {
+            let e = index_in(e, experts, "expert index")?;
+            data.push(if used[e] < capacity { (e * capacity + used[e]) as f64 } else { -1.0 });
+            used[e] += 1;
+        }
     }
     Ok(Value { shape: idx.shape.clone(), data })
 }
 
-/// Each slot's assignment `n·k + j` (None: padding); a slot used twice is an error.
-pub(super) fn slot_owners(slots: &[f64], rows: usize) -> Result<Vec<Option<usize>>, String> {
-    let mut owner = vec![None; rows];
-    for (a, &s) in slots.iter().enumerate() {
+/// Assignment `a`'s row of the buffer: its group's block of `rows` rows, then its slot.
+fn buffer_row(a: usize, s: f64, per: usize, rows: usize) -> Result<usize, String> {
+    Ok((a / per.max(1)) * rows + index_in(s, rows, "slot")?)
+}
+
+/// Each buffer row's assignment (None: padding); a slot used twice is an error. `rows`: the
+/// rows of one group's buffer (`E·C`).
+fn slot_owners(slots: &Value, rows: usize, total: usize) -> Result<Vec<Option<usize>>, String> {
+    let per = per_group(slots)?;
+    let mut owner = vec![None; total];
+    for (a, &s) in slots.data.iter().enumerate() {
         if s == -1.0 {
             continue;
         }
-        let s = index_in(s, rows, "slot")?;
-        ensure!(owner[s].is_none(), "slot {s} is assigned twice: slots must come from moe_slots");
-        owner[s] = Some(a);
+        let r = buffer_row(a, s, per, rows)?;
+        ensure!(r < total, "slot {s} of assignment {a} is past the buffer");
+        ensure!(owner[r].is_none(), "slot {s} is assigned twice: slots must come from moe_slots");
+        owner[r] = Some(a);
     }
     Ok(owner)
 }
 
 fn weight(w: Option<&Value>, a: usize) -> f64 {
     w.map_or(1.0, |w| w.data[a])
+}
+
+/// The rows of one group's buffer `[.., E, C, H]`: `E·C`.
+fn group_rows(buf_dims: &[usize]) -> usize {
+    let r = buf_dims.len();
+    buf_dims[r - 3] * buf_dims[r - 2]
 }
 
 pub(super) fn moe_dispatch(
@@ -108,8 +133,12 @@ pub(super) fn moe_dispatch(
     capacity: usize,
 ) -> Result<Value, String> {
     let (h, k) = (last_dim(x)?, last_dim(slots)?);
-    let mut out = Value::zeros([experts, capacity, h]);
-    let owners = slot_owners(&slots.data, experts * capacity)?;
+    let sd = slots.dims();
+    let mut dims = sd[..sd.len() - 2].to_vec();
+    dims.extend([experts, capacity, h]);
+    let mut out = Value::zeros(dims);
+    let rows = experts * capacity;
+    let owners = slot_owners(slots, rows, out.numel() / h.max(1))?;
     for (s, owner) in owners.iter().enumerate() {
         if let Some(a) = *owner {
             let (n, c) = (a / k.max(1), weight(w, a));
@@ -123,14 +152,17 @@ pub(super) fn moe_dispatch(
 
 pub(super) fn moe_combine(y: &Value, slots: &Value, w: Option<&Value>) -> Result<Value, String> {
     let (h, k) = (last_dim(y)?, last_dim(slots)?);
-    let rows = y.numel() / h.max(1);
-    let n = slots.numel() / k.max(1);
-    let mut out = Value::zeros([n, h]);
+    ensure!(y.dims().len() >= 3, "expert outputs {} must be [.., E, C, H]", y.shape);
+    let (rows, per) = (group_rows(y.dims()), per_group(slots)?);
+    let sd = slots.dims();
+    let mut dims = sd[..sd.len() - 1].to_vec();
+    dims.push(h);
+    let mut out = Value::zeros(dims);
     for (a, &s) in slots.data.iter().enumerate() {
         if s == -1.0 {
             continue;
         }
-        let (s, c) = (index_in(s, rows, "slot")?, weight(w, a));
+        let (s, c) = (buffer_row(a, s, per, rows)?, weight(w, a));
         let t = a / k;
         for (o, &v) in out.data[t * h..(t + 1) * h].iter_mut().zip(&y.data[s * h..]) {
             *o += c * v;
@@ -141,13 +173,14 @@ pub(super) fn moe_combine(y: &Value, slots: &Value, w: Option<&Value>) -> Result
 
 pub(super) fn moe_slot_dot(buf: &Value, x: &Value, slots: &Value) -> Result<Value, String> {
     let (h, k) = (last_dim(x)?, last_dim(slots)?);
-    let rows = buf.numel() / h.max(1);
+    ensure!(buf.dims().len() >= 3, "buffer {} must be [.., E, C, H]", buf.shape);
+    let (rows, per) = (group_rows(buf.dims()), per_group(slots)?);
     let mut data = vec![0.0; slots.numel()];
     for (a, &s) in slots.data.iter().enumerate() {
         if s == -1.0 {
             continue;
         }
-        let (s, t) = (index_in(s, rows, "slot")?, a / k);
+        let (s, t) = (buffer_row(a, s, per, rows)?, a / k);
         data[a] = (0..h).map(|i| buf.data[s * h + i] * x.data[t * h + i]).sum();
     }
     Ok(Value { shape: slots.shape.clone(), data })

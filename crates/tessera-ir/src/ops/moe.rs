@@ -9,14 +9,19 @@
 //!
 //! # Capacity and drops
 //!
-//! [`Op::MoeSlots`] turns each token's chosen experts `[N, k]` into slots of the
+//! Routing is per **group** (GShard's groups): every routing op may carry leading dims
+//! `[G.., n, ·]`, each group routed on its own into its own buffer `[G.., E, C, ·]`.
+//! [`Op::MoeSlots`] turns each token's chosen experts `[.., n, k]` into slots of its group's
 //! expert-batched buffer `[E, C, ·]`: assignment `(n, j)` (token `n`'s `j`-th choice, expert
-//! `e`) gets slot `e·C + c`, `c` the number of assignments to `e` that come before it in
-//! row-major `(n, j)` order — so each expert's rows hold its tokens in token order — or `−1`
-//! when `c ≥ C`: the expert is full and that assignment is **dropped** (the token gets nothing
-//! from that expert; its other choices stand). As top-k picks distinct experts per token,
-//! every expert keeps its `C` earliest tokens. Dropless routing is `C = N` ([`capacity`]).
-//! Slots of the buffer no token fills are zero padding; the Program holds the whole buffer.
+//! `e`) gets slot `e·C + c`, `c` the number of assignments to `e` in the same group that come
+//! before it in row-major `(n, j)` order — so each expert's rows hold its tokens in token
+//! order — or `−1` when `c ≥ C`: the expert is full for that group and that assignment is
+//! **dropped** (the token gets nothing from that expert; its other choices stand). As top-k
+//! picks distinct experts per token, every expert keeps the `C` earliest tokens of each group.
+//! Dropless routing is `C = n` ([`capacity`]). Slots of the buffer no token fills are zero
+//! padding; the Program holds the whole buffer. A group's slots never depend on another
+//! group's tokens, so a plan that splits the groups over devices drops exactly what one
+//! device drops.
 
 use super::{expect_float, expect_inputs, expect_int, Flops, Op};
 use crate::autodiff::{Grad, VjpCtx};
@@ -90,15 +95,17 @@ pub(crate) fn infer_scatter_along(
     Ok(vec![TensorMeta { shape: Shape::from(dims), dtype: x[1].dtype }])
 }
 
-fn expect_routes(m: &TensorMeta, what: &str) -> Result<(usize, usize), String> {
+/// Routes `[.., n, k]` (integer): the group dims, `n` and `k`.
+fn expect_routes<'a>(m: &'a TensorMeta, what: &str) -> Result<(&'a [usize], usize, usize), String> {
     expect_int(m, what)?;
-    match m.shape.dims() {
-        &[n, k] => Ok((n, k)),
-        _ => Err(format!("{what} {m} must be [tokens, k]")),
+    let d = m.shape.dims();
+    match d.len() {
+        r if r >= 2 => Ok((&d[..r - 2], d[r - 2], d[r - 1])),
+        _ => Err(format!("{what} {m} must be [.., tokens, k]")),
     }
 }
 
-/// `[indices [N, k]]` → `[slots [N, k] i64]`.
+/// `[indices [.., n, k]]` → `[slots [.., n, k] i64]`.
 pub(crate) fn infer_slots(
     x: &[&TensorMeta],
     experts: usize,
@@ -112,7 +119,7 @@ pub(crate) fn infer_slots(
     Ok(vec![TensorMeta { shape: x[0].shape.clone(), dtype: DType::I64 }])
 }
 
-/// The optional third input: weights `[N, k]` of the rows' dtype.
+/// The optional third input: weights `[.., n, k]` of the rows' dtype.
 fn check_weights(x: &[&TensorMeta], slots: &TensorMeta, dtype: DType) -> Result<(), String> {
     if x.len() != 2 && x.len() != 3 {
         return Err(format!("expects 2 or 3 inputs (the third: weights), got {}", x.len()));
@@ -125,7 +132,7 @@ fn check_weights(x: &[&TensorMeta], slots: &TensorMeta, dtype: DType) -> Result<
     Ok(())
 }
 
-/// `[x [N, H], slots [N, k] (, weights [N, k])]` → `[E, C, H]`.
+/// `[x [.., n, H], slots [.., n, k] (, weights [.., n, k])]` → `[.., E, C, H]`.
 pub(crate) fn infer_dispatch(
     x: &[&TensorMeta],
     experts: usize,
@@ -135,45 +142,61 @@ pub(crate) fn infer_dispatch(
         return Err(format!("expects 2 or 3 inputs, got {}", x.len()));
     };
     expect_float(tokens, "tokens")?;
-    let (n, _) = expect_routes(slots, "slots")?;
-    let &[nx, h] = tokens.shape.dims() else {
-        return Err(format!("tokens {tokens} must be [tokens, hidden]"));
-    };
-    if nx != n {
-        return Err(format!("tokens {tokens} and slots {slots} disagree on the token count"));
+    let (groups, n, _) = expect_routes(slots, "slots")?;
+    let td = tokens.shape.dims();
+    if td.len() != groups.len() + 2 || &td[..groups.len()] != groups || td[groups.len()] != n {
+        return Err(format!(
+            "tokens {tokens} and slots {slots} disagree on the groups or the token count"
+        ));
     }
     if experts == 0 || capacity == 0 {
         return Err(format!("experts ({experts}) and capacity ({capacity}) must be positive"));
     }
     check_weights(x, slots, tokens.dtype)?;
-    Ok(vec![TensorMeta::new([experts, capacity, h], tokens.dtype)])
+    let mut dims = groups.to_vec();
+    dims.extend([experts, capacity, td[groups.len() + 1]]);
+    Ok(vec![TensorMeta { shape: Shape::from(dims), dtype: tokens.dtype }])
 }
 
-/// `[y [E, C, H], slots [N, k] (, weights [N, k])]` → `[N, H]`.
+/// `[y [.., E, C, H], slots [.., n, k] (, weights [.., n, k])]` → `[.., n, H]`.
 pub(crate) fn infer_combine(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
     let Some((&y, &slots)) = x.first().zip(x.get(1)) else {
         return Err(format!("expects 2 or 3 inputs, got {}", x.len()));
     };
     expect_float(y, "expert outputs")?;
-    let (n, _) = expect_routes(slots, "slots")?;
-    let &[_, _, h] = y.shape.dims() else {
-        return Err(format!("expert outputs {y} must be [experts, capacity, hidden]"));
-    };
+    let (groups, n, _) = expect_routes(slots, "slots")?;
+    let yd = y.shape.dims();
+    if yd.len() != groups.len() + 3 || &yd[..groups.len()] != groups {
+        return Err(format!(
+            "expert outputs {y} must be [.., experts, capacity, hidden] as {slots}"
+        ));
+    }
     check_weights(x, slots, y.dtype)?;
-    Ok(vec![TensorMeta::new([n, h], y.dtype)])
+    let mut dims = groups.to_vec();
+    dims.extend([n, yd[groups.len() + 2]]);
+    Ok(vec![TensorMeta { shape: Shape::from(dims), dtype: y.dtype }])
 }
 
-/// `[buf [E, C, H], x [N, H], slots [N, k]]` → `[N, k]`.
+/// `[buf [.., E, C, H], x [.., n, H], slots [.., n, k]]` → `[.., n, k]`.
 pub(crate) fn infer_slot_dot(x: &[&TensorMeta]) -> Result<Vec<TensorMeta>, String> {
     expect_inputs(x, 3)?;
-    let (n, k) = expect_routes(x[2], "slots")?;
-    let (&[_, _, h], &[nx, hx]) = (x[0].shape.dims(), x[1].shape.dims()) else {
-        return Err(format!("buffer {} must be [E, C, H] and rows {} [N, H]", x[0], x[1]));
-    };
-    if h != hx || nx != n || x[0].dtype != x[1].dtype {
-        return Err(format!("buffer {}, rows {} and slots {} disagree", x[0], x[1], x[2]));
+    let (groups, n, _) = expect_routes(x[2], "slots")?;
+    let (bd, xd) = (x[0].shape.dims(), x[1].shape.dims());
+    let g = groups.len();
+    let ok = bd.len() == g + 3
+        && xd.len() == g + 2
+        && &bd[..g] == groups
+        && &xd[..g] == groups
+        && xd[g] == n
+        && bd[g + 2] == xd[g + 1]
+        && x[0].dtype == x[1].dtype;
+    if !ok {
+        return Err(format!(
+            "buffer {} must be [.., E, C, H], rows {} [.., n, H] as slots {}",
+            x[0], x[1], x[2]
+        ));
     }
-    Ok(vec![TensorMeta::new([n, k], x[1].dtype)])
+    Ok(vec![TensorMeta { shape: x[2].shape.clone(), dtype: x[1].dtype }])
 }
 
 /// A k-pass selection: one comparison per element per selected value.
@@ -259,7 +282,8 @@ pub(crate) fn vjp_combine(cx: &mut VjpCtx<'_>) -> Result<Vec<Option<Grad>>> {
     let mut grads = vec![None; cx.node_inputs()];
     if cx.needs[0] {
         let d = cx.b.shape(y).dims().to_vec();
-        let op = Op::MoeDispatch { experts: d[0], capacity: d[1] };
+        let r = d.len();
+        let op = Op::MoeDispatch { experts: d[r - 3], capacity: d[r - 2] };
         let mut ins = vec![dout, slots];
         if weighted {
             ins.push(cx.x(2));

@@ -7,7 +7,7 @@ use super::{export_fields, ConfigError, Engine, ExportFields, Token, AXES};
 use crate::config::{ParallelConfig, Pins};
 use crate::{PlanError, Result};
 
-pub(super) const GRAMMAR: &str = "a config is tokens dpN, tpN, cpN (cp=a2a), ppN, zeroK (K = 0..3), mbN, \
+pub(super) const GRAMMAR: &str = "a config is tokens dpN, epN, tpN, cpN (cp=a2a|ring), ppN, zeroK (K = 0..3), mbN, \
                        sp or sp=off, ckpt=none|selective|full, sched=gpipe|1f1b|interleaved:V|zb-h1 \
                        and stages=N[:MODE],... (with ppN, N > 1), \
                        offload=[act+]opt|grads+opt|all[:K/16]|act|none, nvme, shard=N and \
@@ -82,7 +82,13 @@ impl ParallelConfig {
                 message: "cp must be at least 1 (1 means not split)".into(),
             });
         }
-        let product = [self.tp, self.pp, self.micro_batches, self.cp]
+        if self.ep == 0 {
+            return Err(ConfigError::Zero {
+                knob: "ep",
+                message: "ep must be at least 1 (1 means not split)".into(),
+            });
+        }
+        let product = [self.tp, self.pp, self.micro_batches, self.cp, self.ep]
             .iter()
             .try_fold(self.dp, |n, &k| n.checked_mul(k));
         if product.is_none() {
@@ -112,7 +118,8 @@ impl ParallelConfig {
         if self.devices() == num_devices {
             return Ok(());
         }
-        let model_parallel = self.cp.saturating_mul(self.tp).saturating_mul(self.pp);
+        let model_parallel =
+            self.ep.saturating_mul(self.cp).saturating_mul(self.tp).saturating_mul(self.pp);
         let fix = if num_devices > 0 && num_devices.is_multiple_of(model_parallel) {
             let fitted = self.clone().with_dp(num_devices / model_parallel);
             format!("e.g. `{}`", fitted.canonical())
@@ -123,8 +130,17 @@ impl ParallelConfig {
             "config `{}` spans {} devices but the cluster has {num_devices}: choose \
              degrees that multiply to {num_devices}, {fix}",
             self.canonical(),
-            match self.cp > 1 {
-                true => format!(
+            match (self.ep > 1, self.cp > 1) {
+                (true, _) => format!(
+                    "dp×ep×cp×tp×pp = {}×{}×{}×{}×{} = {}",
+                    self.dp,
+                    self.ep,
+                    self.cp,
+                    self.tp,
+                    self.pp,
+                    self.devices()
+                ),
+                (false, true) => format!(
                     "dp×cp×tp×pp = {}×{}×{}×{} = {}",
                     self.dp,
                     self.cp,
@@ -132,7 +148,7 @@ impl ParallelConfig {
                     self.pp,
                     self.devices()
                 ),
-                false =>
+                (false, false) =>
                     format!("dp×tp×pp = {}×{}×{} = {}", self.dp, self.tp, self.pp, self.devices()),
             }
         )))

@@ -28,6 +28,7 @@
 pub mod context;
 mod data;
 mod error;
+pub mod expert;
 mod grammar;
 #[cfg(test)]
 mod grammar_tests;
@@ -44,10 +45,10 @@ use crate::{AxisName, Mesh};
 use tessera_ir::{Graph, Node};
 
 /// Where a token or a flag goes among the others' (ascending): each axis places its own, with
-/// gaps left for new axes. The canonical config string: `dp` 10, `tp` 20, `cp` 30, `pp` 40,
+/// gaps left for new axes. The canonical config string: `dp` 10, `ep` 15, `tp` 20, `cp` 30, `pp` 40,
 /// `sp` 50, `zero` 60, `shard=` 70, `mb` 80, `sched=` 90, `stages=` 100, `ckpt=` 110,
-/// `offload=` 120, `loss=` 130, `mlp=` 140. The stage mesh: `replica` 0, `dp` 10, `cp` 30,
-/// `tp` 90. Megatron-LM's flags: tp 10, cp 20, pp 30, sp 40, the distributed optimizer 50.
+/// `offload=` 120, `loss=` 130, `mlp=` 140. The stage mesh: `replica` 0, `dp` 10, `ep` 20, `cp` 30,
+/// `tp` 90. Megatron-LM's flags: tp 10, cp 20, ep 25, pp 30, sp 40, the distributed optimizer 50.
 pub type Slot = u16;
 
 /// One token of a config string: as written (`raw`, for messages) and lower-cased (`lower`,
@@ -109,6 +110,8 @@ pub struct ExplainContext<'a> {
     pub traffic: &'a [Traffic<'a>],
     /// The mesh's cp axis is a ring (ring attention's sends, not all-to-alls).
     pub ring: bool,
+    /// The model's experts (count, capacity), when it has any.
+    pub experts: Option<&'a expert::ExpertFacts>,
 }
 
 impl ExplainContext<'_> {
@@ -221,6 +224,7 @@ pub trait Axis: Sync {
 /// search space, `--explain` and the exports iterate this list.
 pub static AXES: &[&dyn Axis] = &[
     &data::DataAxis,
+    &expert::ExpertAxis,
     &context::ContextAxis,
     &tensor::TensorAxis,
     &pipeline::PipelineAxis,

@@ -77,6 +77,11 @@ impl ParallelConfig {
         ParallelConfig { cp, ..self }
     }
 
+    /// The expert-parallel degree ([`crate::expert`]).
+    pub fn with_ep(self, ep: usize) -> ParallelConfig {
+        ParallelConfig { ep, ..self }
+    }
+
     /// How the context-parallel axis exchanges keys and values (`None`: the default).
     pub fn with_cp_comm(self, cp_comm: Option<super::CpComm>) -> ParallelConfig {
         ParallelConfig { cp_comm, ..self }

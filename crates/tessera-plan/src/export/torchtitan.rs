@@ -180,9 +180,11 @@ pub(super) fn export(
     );
     // FSDP2 over every data-parallel rank, or HSDP: shards within groups of `shard=N`,
     // replicated across them.
+    // Expert parallelism borrows its ranks from the data-parallel ones (dp × ep of them).
+    let dp = cfg.dp * cfg.ep;
     let (replicate, shard) = match cfg.zero {
-        3 => (cfg.replicas(), cfg.dp / cfg.replicas()),
-        _ => (cfg.dp, 1),
+        3 => (cfg.replicas(), dp / cfg.replicas()),
+        _ => (dp, 1),
     };
     t += &format!(
         "\n[parallelism]\ndata_parallel_replicate_degree = {replicate}\n\
@@ -190,6 +192,10 @@ pub(super) fn export(
          pipeline_parallel_degree = {}\n",
         cfg.tp, cfg.pp
     );
+    if let Some(line) = crate::expert::torchtitan_degree(cfg.ep) {
+        t += &line;
+        t.push('\n');
+    }
     if cfg.cp > 1 {
         // torchtitan's context parallelism is ring attention (`cp=ring`; the others are
         // refused by `context::refuse_export`).

@@ -69,7 +69,8 @@ fn plan_config_as_built(
     let t0 = Instant::now();
     // Context parallelism under a pipeline is planned as written: the pipeline phase's shapes
     // have no cp axis yet.
-    let exact = cfg.cp > 1 && cfg.pp > 1;
+    // So is expert parallelism (the searched knobs' meshes have no ep axis).
+    let exact = (cfg.cp > 1 && cfg.pp > 1) || cfg.ep > 1;
     if exact || (pins.complete_for(cfg) && (engine.is_none() || pins.ckpt)) {
         return with_offload(req, cfg, pins, super::plan_fixed_as_built(req, cfg), t0);
     }
@@ -105,7 +106,13 @@ fn with_offload(
     };
     // Offload is refused with a pipeline and with hybrid sharding (`ParallelConfig::validate`).
     // So is it with context parallelism (`context::validate`).
-    if pins.offload || cfg.offload.is_some() || cfg.pp > 1 || cfg.shard.is_some() || cfg.cp > 1 {
+    if pins.offload
+        || cfg.offload.is_some()
+        || cfg.pp > 1
+        || cfg.shard.is_some()
+        || cfg.cp > 1
+        || cfg.ep > 1
+    {
         return Err(device);
     }
     // The phase's probes search checkpointing as the config says, over its micro-batches.

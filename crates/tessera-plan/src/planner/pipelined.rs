@@ -34,13 +34,13 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
     use crate::pipeline::plan as pplan;
     cfg.check_devices(req.cluster.num_devices())?;
     let mb = cfg.micro_batches.max(1);
-    if !req.batch.is_multiple_of(cfg.dp * mb) {
+    if !req.batch.is_multiple_of(cfg.dp * cfg.ep * mb) {
         return Err(PlanError::Invalid(format!(
             "batch {} does not split into {} data-parallel replicas × {mb} micro-batches: use a \
              batch that is a multiple of {}",
             req.batch,
-            cfg.dp,
-            cfg.dp * mb
+            cfg.dp * cfg.ep,
+            cfg.dp * cfg.ep * mb
         )));
     }
     let fwd = (req.build)(req.batch / mb)?;

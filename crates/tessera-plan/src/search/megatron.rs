@@ -191,10 +191,12 @@ pub(super) fn tp_labels(
             // projection row-parallel — its ffn features split, a pending sum leaving.
             Op::TiledMlp(spec) => (l.inputs[1][spec.ffn_dim_of_up()], false),
             Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::GroupNorm { .. } => (None, false),
-            // Everything else carries the split it receives.
+            // Everything else carries the split it receives — where it can: an op that needs
+            // that dim whole (the MoE router's softmax over the experts a column-parallel gate
+            // splits) gathers it.
             _ => match (0..n.inputs.len()).find_map(at) {
-                Some(lab) => (Some(lab), true),
-                None => (None, false),
+                Some(lab) if l.shardable[lab] => (Some(lab), true),
+                _ => (None, false),
             },
         };
         if let Some(lab) = pin {

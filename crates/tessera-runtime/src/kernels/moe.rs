@@ -121,43 +121,63 @@ pub fn scatter_along(idx: &Tensor, src: &Tensor, size: usize) -> Result<Tensor> 
     from_vec(out, &dims)
 }
 
-/// Each expert's first `capacity` assignments in row-major `(n, j)` order; the rest −1.
+/// `[.., n, k]`: the assignments of one group (`n·k`) and `k`.
+fn group_shape(t: &Tensor, op: &str, what: &str) -> Result<(usize, usize)> {
+    match t.dims() {
+        &[.., n, k] => Ok((n * k, k)),
+        d => Err(bad(op, format!("{what} {d:?} must be [.., tokens, k]"))),
+    }
+}
+
+/// Each expert's first `capacity` assignments of each group (the leading dims) in row-major
+/// `(n, j)` order; the rest −1.
 pub fn moe_slots(idx: &Tensor, experts: usize, capacity: usize) -> Result<Tensor> {
     expect_i64(idx, "moe_slots", "expert indices")?;
+    let (per, _) = group_shape(idx, "moe_slots", "expert indices")?;
     let ic = contiguous(idx)?;
     let is = read::<i64>(&ic)?;
-    let mut used = vec![0usize; experts];
     let mut out = Vec::with_capacity(is.len());
-    for &e in is.iter() {
-        let e = index("moe_slots", "expert index", e, experts)?;
-        out.push(if used[e] < capacity { (e * capacity + used[e]) as i64 } else { -1 });
-        used[e] += 1;
+    for group in is.chunks(per.max(1)) {
+        let mut used = vec![0usize; experts];
+        for &e in group {
+            let e = index("moe_slots", "expert index", e, experts)?;
+            out.push(if used[e] < capacity { (e * capacity + used[e]) as i64 } else { -1 });
+            used[e] += 1;
+        }
     }
     from_vec(out, idx.dims())
 }
 
-/// `slots` as host values, each in `0..rows` or −1.
+/// The rows of one group's buffer `[.., E, C, H]` (`E·C`).
+fn group_rows(buf: &Tensor, op: &str) -> Result<usize> {
+    match buf.dims() {
+        &[.., e, c, _] => Ok(e * c),
+        d => Err(bad(op, format!("buffer {d:?} must be [.., experts, capacity, hidden]"))),
+    }
+}
+
+/// `slots` as rows of the whole buffer (each group's block of `rows` rows, then the slot), or
+/// −1; and `k`.
 fn read_slots(slots: &Tensor, rows: usize, op: &str) -> Result<(Vec<i64>, usize)> {
     expect_i64(slots, op, "slots")?;
-    let &[_, k] = slots.dims() else {
-        return Err(bad(op, format!("slots {:?} must be [tokens, k]", slots.dims())));
-    };
+    let (per, k) = group_shape(slots, op, "slots")?;
     let sc = contiguous(slots)?;
-    let ss = read::<i64>(&sc)?.to_vec();
-    for &s in &ss {
-        if s != -1 {
-            index(op, "slot", s, rows)?;
+    let mut ss = read::<i64>(&sc)?.to_vec();
+    for (a, s) in ss.iter_mut().enumerate() {
+        if *s != -1 {
+            *s = ((a / per.max(1)) * rows + index(op, "slot", *s, rows)?) as i64;
         }
     }
     Ok((ss, k))
 }
 
-/// Token rows `[N, H]` must match the slots' `N`.
+/// Token rows `[.., n, H]` must match the slots' `[.., n, k]`.
 fn check_rows(x: &Tensor, slots: &Tensor, op: &str) -> Result<()> {
-    if x.dims().len() == 2 && x.dims()[0] == slots.dims()[0] {
+    let (xd, sd) = (x.dims(), slots.dims());
+    if xd.len() == sd.len() && xd[..xd.len() - 1] == sd[..sd.len() - 1] {
         Ok(())
     } else {
-        Err(bad(op, format!("rows {:?} and slots {:?} disagree", x.dims(), slots.dims())))
+        Err(bad(op, format!("rows {xd:?} and slots {sd:?} disagree")))
     }
 }
 
@@ -176,7 +196,7 @@ fn read_weights(w: Option<&Tensor>, slots: &Tensor, op: &str) -> Result<Option<V
     }
 }
 
-/// `[x [N, H], slots [N, k] (, weights)]` → `[E, C, H]`.
+/// `[x [.., n, H], slots [.., n, k] (, weights)]` → `[.., E, C, H]`.
 pub fn moe_dispatch(
     x: &Tensor,
     slots: &Tensor,
@@ -186,11 +206,13 @@ pub fn moe_dispatch(
 ) -> Result<Tensor> {
     expect_f32(x, "moe_dispatch", "x")?;
     let h = last(x, "moe_dispatch")?;
-    let rows = experts * capacity;
-    let (ss, k) = read_slots(slots, rows, "moe_dispatch")?;
+    let sd = slots.dims();
+    let lead = &sd[..sd.len().saturating_sub(2)];
+    let total = lead.iter().product::<usize>() * experts * capacity;
+    let (ss, k) = read_slots(slots, experts * capacity, "moe_dispatch")?;
     check_rows(x, slots, "moe_dispatch")?;
     let ws = read_weights(w, slots, "moe_dispatch")?;
-    let mut owner = vec![usize::MAX; rows];
+    let mut owner = vec![usize::MAX; total];
     for (a, &s) in ss.iter().enumerate() {
         if s == -1 {
             continue;
@@ -204,7 +226,7 @@ pub fn moe_dispatch(
     }
     let xc = contiguous(x)?;
     let xs = read::<f32>(&xc)?;
-    let mut out = vec![0f32; rows * h];
+    let mut out = vec![0f32; total * h];
     if h > 0 {
         par_rows(&mut out, h, |s, orow| {
             let a = owner[s];
@@ -223,19 +245,23 @@ pub fn moe_dispatch(
             }
         });
     }
-    from_vec(out, &[experts, capacity, h])
+    let mut dims = lead.to_vec();
+    dims.extend([experts, capacity, h]);
+    from_vec(out, &dims)
 }
 
-/// `[y [E, C, H], slots [N, k] (, weights)]` → `[N, H]`.
+/// `[y [.., E, C, H], slots [.., n, k] (, weights)]` → `[.., n, H]`.
 pub fn moe_combine(y: &Tensor, slots: &Tensor, w: Option<&Tensor>) -> Result<Tensor> {
     expect_f32(y, "moe_combine", "y")?;
     let h = last(y, "moe_combine")?;
-    let rows = y.elem_count().checked_div(h).unwrap_or(0);
-    let (ss, k) = read_slots(slots, rows, "moe_combine")?;
+    let (ss, k) = read_slots(slots, group_rows(y, "moe_combine")?, "moe_combine")?;
     let ws = read_weights(w, slots, "moe_combine")?;
-    let n = slots.dims()[0];
+    let n = slots.elem_count().checked_div(k).unwrap_or(0);
     let yc = contiguous(y)?;
     let ys = read::<f32>(&yc)?;
+    if ss.iter().any(|&s| s != -1 && (s as usize + 1) * h > ys.len()) {
+        return Err(bad("moe_combine", format!("slots past the buffer {:?}", y.dims())));
+    }
     let mut out = vec![0f32; n * h];
     if h > 0 {
         par_rows(&mut out, h, |t, orow| {
@@ -256,20 +282,25 @@ pub fn moe_combine(y: &Tensor, slots: &Tensor, w: Option<&Tensor>) -> Result<Ten
             }
         });
     }
-    from_vec(out, &[n, h])
+    let sd = slots.dims();
+    let mut dims = sd[..sd.len() - 1].to_vec();
+    dims.push(h);
+    from_vec(out, &dims)
 }
 
-/// `[buf [E, C, H], x [N, H], slots [N, k]]` → `[N, k]`.
+/// `[buf [.., E, C, H], x [.., n, H], slots [.., n, k]]` → `[.., n, k]`.
 pub fn moe_slot_dot(buf: &Tensor, x: &Tensor, slots: &Tensor) -> Result<Tensor> {
     expect_f32(buf, "moe_slot_dot", "buf")?;
     expect_f32(x, "moe_slot_dot", "x")?;
     let h = last(x, "moe_slot_dot")?;
-    let rows = buf.elem_count().checked_div(h).unwrap_or(0);
-    let (ss, k) = read_slots(slots, rows, "moe_slot_dot")?;
+    let (ss, k) = read_slots(slots, group_rows(buf, "moe_slot_dot")?, "moe_slot_dot")?;
     check_rows(x, slots, "moe_slot_dot")?;
-    let n = slots.dims()[0];
+    let n = slots.elem_count().checked_div(k).unwrap_or(0);
     let (bc, xc) = (contiguous(buf)?, contiguous(x)?);
     let (bs, xs) = (read::<f32>(&bc)?, read::<f32>(&xc)?);
+    if ss.iter().any(|&s| s != -1 && (s as usize + 1) * h > bs.len()) {
+        return Err(bad("moe_slot_dot", format!("slots past the buffer {:?}", buf.dims())));
+    }
     let mut out = vec![0f32; n * k];
     if k > 0 {
         par_rows(&mut out, k, |t, orow| {
@@ -288,5 +319,5 @@ pub fn moe_slot_dot(buf: &Tensor, x: &Tensor, slots: &Tensor) -> Result<Tensor> 
             }
         });
     }
-    from_vec(out, &[n, k])
+    from_vec(out, slots.dims())
 }
