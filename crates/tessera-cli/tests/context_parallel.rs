@@ -6,9 +6,13 @@
 //! than a test needs), fp32. What does not compose is refused by name: KV heads that cp × tp
 //! does not divide, and the engines that cannot say it. Ring attention: `ring_attention.rs`.
 
+mod support;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use support::axis_runs::{
+    self, assert_accounted, assert_follows, model_file, mpirun, run_args, steps_of, tessera, Shape,
+};
 use tessera_ir::{DType, Op};
 use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_plan::config::ParallelConfig;
@@ -31,90 +35,23 @@ const GPT2: &str = r#"{"model_type": "gpt2", "_name_or_path": "gpt2-cp-tiny", "n
   "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 256, "embd_pdrop": 0.0,
   "resid_pdrop": 0.0, "attn_pdrop": 0.0}"#;
 
+const SHAPE: Shape = Shape { batch: BATCH, seq: SEQ, steps: STEPS };
+
 fn temp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("context-parallel-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    axis_runs::temp("context-parallel", name)
 }
 
-/// The model's config.json, written once per test.
-fn model_file(dir: &Path, name: &str, json: &str) -> String {
-    let path = dir.join(format!("{name}.json"));
-    std::fs::write(&path, json).unwrap();
-    path.to_str().unwrap().to_string()
-}
-
-fn tessera(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("tessera runs")
-}
-
-/// The training flags every run shares (`--devices` or `mpirun` say how many devices).
-fn run_args<'a>(model: &'a str, plan: &'a str, log: &'a str, steps: &'a str) -> Vec<&'a str> {
-    vec![
-        "train",
-        "--model",
-        model,
-        "--steps",
-        steps,
-        "--batch",
-        "4",
-        "--seq",
-        "256",
-        "--plan",
-        plan,
-        "--eval-batches",
-        "0",
-        "--format",
-        "json",
-        "--log-json",
-        log,
-    ]
-}
-
-/// Trains `model` under `plan` on `devices` threads: the report and `(loss, grad_norm)` per
-/// step.
+/// Trains `model` under `plan` on `devices` threads ([`axis_runs::train`]).
 fn train(dir: &Path, model: &str, devices: usize, plan: &str) -> (Value, Vec<(f64, f64)>) {
-    let tag = format!("{devices}-{}", plan.replace([' ', ':', '='], "_"));
-    let log = dir.join(format!("{tag}.jsonl"));
-    let (log_s, steps, n) = (log.to_str().unwrap(), STEPS.to_string(), devices.to_string());
-    let mut args = run_args(model, plan, log_s, &steps);
-    args.extend(["--devices", &n]);
-    let out = tessera(&args);
-    assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
-    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-    (doc, steps_of(&log))
-}
-
-/// `(loss, grad_norm)` per step of a `--log-json` file.
-fn steps_of(log: &Path) -> Vec<(f64, f64)> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            (v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap())
-        })
-        .collect()
-}
-
-fn within(a: f64, b: f64, rel: f64) -> bool {
-    (a - b).abs() <= rel * a.abs().max(b.abs())
+    axis_runs::train(dir, model, devices, plan, SHAPE)
 }
 
 /// The run against one device's, step by step, and every device's measured peak and
 /// collective bytes against the plan's prediction.
 fn check_run(what: &str, doc: &Value, steps: &[(f64, f64)], single: &[(f64, f64)]) {
-    assert_eq!(steps.len(), single.len(), "{what}: steps logged");
-    for (k, (s, p)) in single.iter().zip(steps).enumerate() {
-        assert!(within(s.0, p.0, 1e-5), "{what} step {}: loss {} vs {}", k + 1, p.0, s.0);
-        assert!(within(s.1, p.1, 1e-5), "{what} step {}: norm {} vs {}", k + 1, p.1, s.1);
-    }
-    let m = &doc["memory"];
-    assert_eq!(m["measured_peak_bytes"], m["predicted_peak_bytes"], "{what}: {m}");
+    assert_follows(what, steps, single, 1);
+    assert_accounted(what, doc);
     let c = &doc["comm"];
-    assert_eq!(c["measured_bytes"], c["predicted_bytes"], "{what}: {c}");
     // The all-to-alls around attention ran: the sequence really was split.
     let a2a = c["measured_calls"]["all_to_all"].as_u64().unwrap_or(0);
     assert!(a2a > 0, "{what}: no all-to-all was counted: {c}");
@@ -326,21 +263,8 @@ fn mpi_context_parallel_equals_threads_and_one_device() {
     let (_, single) = train(&dir, &model, 1, "mb2");
     for (n, plan) in [(2, "cp2 mb2"), (4, "dp2 cp2 mb2")] {
         let log = dir.join(format!("mpi{n}.jsonl"));
-        let steps = STEPS.to_string();
-        let args = run_args(&model, plan, log.to_str().unwrap(), &steps);
-        let out = Command::new("mpirun")
-            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n"])
-            .arg(n.to_string())
-            .arg(env!("CARGO_BIN_EXE_tessera"))
-            .args(&args)
-            .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run mpirun ({e}): run scripts/setup.sh"));
-        assert!(out.status.success(), "mpirun {plan}: {}", String::from_utf8_lossy(&out.stderr));
-        let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-        assert_eq!(doc["devices"], n, "{doc}");
+        let args = run_args(&model, plan, log.to_str().unwrap(), SHAPE, STEPS);
+        let doc = mpirun(n, &args);
         let mpi = steps_of(&log);
         check_run(&format!("mpirun -n {n} `{plan}`"), &doc, &mpi, &single);
         let (_, threads) = train(&dir, &model, n, plan);
@@ -359,20 +283,17 @@ fn a_context_parallel_checkpoint_resumes_under_another_plan() {
         let ck = dir.join(format!("ck{devices}"));
         let n = devices.to_string();
         let log = dir.join(format!("saved{devices}.jsonl"));
-        let mut args = run_args(&model, plan, log.to_str().unwrap(), "2");
-        args.extend(["--devices", &n, "--save", ck.to_str().unwrap()]);
+        let mut args = run_args(&model, plan, log.to_str().unwrap(), SHAPE, 2);
+        args.extend(["--devices", &n, "--save", ck.to_str().unwrap()].map(String::from));
         let out = tessera(&args);
         assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
         let log = dir.join(format!("resumed{devices}.jsonl"));
-        let mut args = run_args(&model, "tp2 mb2", log.to_str().unwrap(), "4");
-        args.extend(["--devices", "2", "--resume", ck.to_str().unwrap()]);
+        let mut args = run_args(&model, "tp2 mb2", log.to_str().unwrap(), SHAPE, 4);
+        args.extend(["--devices", "2", "--resume", ck.to_str().unwrap()].map(String::from));
         let out = tessera(&args);
         assert!(out.status.success(), "resume {plan}: {}", String::from_utf8_lossy(&out.stderr));
         resumed.push(steps_of(&log));
     }
     assert_eq!(resumed[0].len(), 2, "steps 3 and 4 resumed");
-    for (k, (one, cp)) in resumed[0].iter().zip(&resumed[1]).enumerate() {
-        assert!(within(one.0, cp.0, 1e-5), "step {}: loss {} vs {}", k + 3, cp.0, one.0);
-        assert!(within(one.1, cp.1, 1e-5), "step {}: norm {} vs {}", k + 3, cp.1, one.1);
-    }
+    assert_follows("resumed under tp2", &resumed[1], &resumed[0], 3);
 }

@@ -7,9 +7,14 @@
 //! equals the same plan on threads bit for bit. The planner takes `ep8` for Mixtral-8x7B on
 //! 8 H100s, says it in `--explain` and exports it to Megatron-LM.
 
+mod support;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use support::axis_runs::{
+    self, assert_accounted, assert_follows, model_file, mpirun, run_args, steps_of, tessera,
+    within, Shape,
+};
 
 const STEPS: usize = 10;
 
@@ -29,88 +34,23 @@ fn mixtral(capacity_factor: Option<f64>) -> String {
     j.to_string()
 }
 
+const SHAPE: Shape = Shape { batch: 8, seq: 16, steps: STEPS };
+
 fn temp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("expert-parallel-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    axis_runs::temp("expert-parallel", name)
 }
 
-fn model_file(dir: &Path, name: &str, json: &str) -> String {
-    let path = dir.join(format!("{name}.json"));
-    std::fs::write(&path, json).unwrap();
-    path.to_str().unwrap().to_string()
-}
-
-fn tessera(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("tessera runs")
-}
-
-/// The training flags every run shares: batch 8 of 16 tokens (each sequence a routing group).
-fn run_args<'a>(model: &'a str, plan: &'a str, log: &'a str, steps: &'a str) -> Vec<&'a str> {
-    vec![
-        "train",
-        "--model",
-        model,
-        "--steps",
-        steps,
-        "--batch",
-        "8",
-        "--seq",
-        "16",
-        "--plan",
-        plan,
-        "--eval-batches",
-        "0",
-        "--format",
-        "json",
-        "--log-json",
-        log,
-    ]
-}
-
+/// Trains `model` under `plan` on `devices` threads ([`axis_runs::train`]).
 fn train(dir: &Path, model: &str, devices: usize, plan: &str) -> (Value, Vec<(f64, f64)>) {
-    let stem = Path::new(model).file_stem().unwrap().to_string_lossy().to_string();
-    let tag = format!("{stem}-{devices}-{}", plan.replace([' ', ':', '='], "_"));
-    let log = dir.join(format!("{tag}.jsonl"));
-    let (log_s, steps, n) = (log.to_str().unwrap(), STEPS.to_string(), devices.to_string());
-    let mut args = run_args(model, plan, log_s, &steps);
-    args.extend(["--devices", &n]);
-    let out = tessera(&args);
-    assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
-    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-    (doc, steps_of(&log))
-}
-
-/// `(loss, grad_norm)` per step of a `--log-json` file.
-fn steps_of(log: &Path) -> Vec<(f64, f64)> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            (v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap())
-        })
-        .collect()
-}
-
-fn within(a: f64, b: f64, rel: f64) -> bool {
-    (a - b).abs() <= rel * a.abs().max(b.abs())
+    axis_runs::train(dir, model, devices, plan, SHAPE)
 }
 
 /// The run against one device's, step by step, and every device's measured peak and
 /// collective bytes against the plan's prediction; the experts' all-to-alls ran.
 fn check_run(what: &str, doc: &Value, steps: &[(f64, f64)], single: &[(f64, f64)]) {
-    assert_eq!(steps.len(), single.len(), "{what}: steps logged");
-    for (k, (s, p)) in single.iter().zip(steps).enumerate() {
-        assert!(within(s.0, p.0, 1e-5), "{what} step {}: loss {} vs {}", k + 1, p.0, s.0);
-        assert!(within(s.1, p.1, 1e-5), "{what} step {}: norm {} vs {}", k + 1, p.1, s.1);
-    }
-    let m = &doc["memory"];
-    assert_eq!(m["measured_peak_bytes"], m["predicted_peak_bytes"], "{what}: {m}");
+    assert_follows(what, steps, single, 1);
+    assert_accounted(what, doc);
     let c = &doc["comm"];
-    assert_eq!(c["measured_bytes"], c["predicted_bytes"], "{what}: {c}");
     let a2a = c["measured_calls"]["all_to_all"].as_u64().unwrap_or(0);
     assert!(a2a > 0, "{what}: no all-to-all was counted: {c}");
     assert!(doc["config"].as_str().is_some_and(|s| s.contains("ep")), "{what}: {doc}");
@@ -249,20 +189,8 @@ fn mpi_expert_parallel_equals_threads() {
     let (_, single) = train(&dir, &model, 1, "mb2");
     let plan = "ep2 mb2";
     let log = dir.join("mpi2.jsonl");
-    let steps = STEPS.to_string();
-    let args = run_args(&model, plan, log.to_str().unwrap(), &steps);
-    let out = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "2"])
-        .arg(env!("CARGO_BIN_EXE_tessera"))
-        .args(&args)
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run mpirun ({e}): run scripts/setup.sh"));
-    assert!(out.status.success(), "mpirun {plan}: {}", String::from_utf8_lossy(&out.stderr));
-    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-    assert_eq!(doc["devices"], 2, "{doc}");
+    let args = run_args(&model, plan, log.to_str().unwrap(), SHAPE, STEPS);
+    let doc = mpirun(2, &args);
     let mpi = steps_of(&log);
     check_run(&format!("mpirun -n 2 `{plan}`"), &doc, &mpi, &single);
     let (_, threads) = train(&dir, &model, 2, plan);

@@ -8,9 +8,13 @@
 //! what ring attention does not run yet is refused by name: learned positions (GPT-2's
 //! `wpe`) and pipelines.
 
+mod support;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use support::axis_runs::{
+    self, assert_accounted, assert_follows, model_file, mpirun, run_args, steps_of, tessera, Shape,
+};
 use tessera_ir::dist::MeshPos;
 use tessera_ir::{DType, Op};
 use tessera_models::{build, BuildOptions, ModelConfig};
@@ -34,89 +38,23 @@ const GPT2: &str = r#"{"model_type": "gpt2", "_name_or_path": "gpt2-ring-tiny", 
   "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 256, "embd_pdrop": 0.0,
   "resid_pdrop": 0.0, "attn_pdrop": 0.0}"#;
 
+const SHAPE: Shape = Shape { batch: BATCH, seq: SEQ, steps: STEPS };
+
 fn temp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ring-attention-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    axis_runs::temp("ring-attention", name)
 }
 
-fn model_file(dir: &Path, name: &str, json: &str) -> String {
-    let path = dir.join(format!("{name}.json"));
-    std::fs::write(&path, json).unwrap();
-    path.to_str().unwrap().to_string()
-}
-
-fn tessera(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("tessera runs")
-}
-
-/// The training flags every run shares (`--devices` or `mpirun` say how many devices).
-fn run_args<'a>(model: &'a str, plan: &'a str, log: &'a str, steps: &'a str) -> Vec<&'a str> {
-    vec![
-        "train",
-        "--model",
-        model,
-        "--steps",
-        steps,
-        "--batch",
-        "4",
-        "--seq",
-        "256",
-        "--plan",
-        plan,
-        "--eval-batches",
-        "0",
-        "--format",
-        "json",
-        "--log-json",
-        log,
-    ]
-}
-
-/// Trains `model` under `plan` on `devices` threads: the report and `(loss, grad_norm)` per
-/// step.
+/// Trains `model` under `plan` on `devices` threads ([`axis_runs::train`]).
 fn train(dir: &Path, model: &str, devices: usize, plan: &str) -> (Value, Vec<(f64, f64)>) {
-    let tag = format!("{devices}-{}", plan.replace([' ', ':', '='], "_"));
-    let log = dir.join(format!("{tag}.jsonl"));
-    let (log_s, steps, n) = (log.to_str().unwrap(), STEPS.to_string(), devices.to_string());
-    let mut args = run_args(model, plan, log_s, &steps);
-    args.extend(["--devices", &n]);
-    let out = tessera(&args);
-    assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
-    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-    (doc, steps_of(&log))
-}
-
-/// `(loss, grad_norm)` per step of a `--log-json` file.
-fn steps_of(log: &Path) -> Vec<(f64, f64)> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            (v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap())
-        })
-        .collect()
-}
-
-fn within(a: f64, b: f64, rel: f64) -> bool {
-    (a - b).abs() <= rel * a.abs().max(b.abs())
+    axis_runs::train(dir, model, devices, plan, SHAPE)
 }
 
 /// The run against one device's, step by step, and every device's measured peak and
 /// communication bytes against the plan's prediction; the ring's sends ran.
 fn check_run(what: &str, doc: &Value, steps: &[(f64, f64)], single: &[(f64, f64)]) {
-    assert_eq!(steps.len(), single.len(), "{what}: steps logged");
-    for (k, (s, p)) in single.iter().zip(steps).enumerate() {
-        assert!(within(s.0, p.0, 1e-5), "{what} step {}: loss {} vs {}", k + 1, p.0, s.0);
-        assert!(within(s.1, p.1, 1e-5), "{what} step {}: norm {} vs {}", k + 1, p.1, s.1);
-    }
-    let m = &doc["memory"];
-    assert_eq!(m["measured_peak_bytes"], m["predicted_peak_bytes"], "{what}: {m}");
+    assert_follows(what, steps, single, 1);
+    assert_accounted(what, doc);
     let c = &doc["comm"];
-    assert_eq!(c["measured_bytes"], c["predicted_bytes"], "{what}: {c}");
     let calls = &c["measured_calls"];
     let sends = calls["send"].as_u64().unwrap_or(0);
     assert!(sends > 0, "{what}: no K/V block was sent: {c}");
@@ -280,21 +218,8 @@ fn mpi_ring_attention_equals_threads() {
     let (_, single) = train(&dir, &model, 1, "mb2");
     for (n, plan) in [(2, "cp2 cp=ring mb2"), (4, "dp2 cp2 cp=ring mb2")] {
         let log = dir.join(format!("mpi{n}.jsonl"));
-        let steps = STEPS.to_string();
-        let args = run_args(&model, plan, log.to_str().unwrap(), &steps);
-        let out = Command::new("mpirun")
-            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n"])
-            .arg(n.to_string())
-            .arg(env!("CARGO_BIN_EXE_tessera"))
-            .args(&args)
-            .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run mpirun ({e}): run scripts/setup.sh"));
-        assert!(out.status.success(), "mpirun {plan}: {}", String::from_utf8_lossy(&out.stderr));
-        let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
-        assert_eq!(doc["devices"], n, "{doc}");
+        let args = run_args(&model, plan, log.to_str().unwrap(), SHAPE, STEPS);
+        let doc = mpirun(n, &args);
         let mpi = steps_of(&log);
         check_run(&format!("mpirun -n {n} `{plan}`"), &doc, &mpi, &single);
         let (_, threads) = train(&dir, &model, n, plan);

@@ -173,28 +173,32 @@ pub fn init_shard(
     let data = match rule {
         InitRule::Zeros => vec![0.0; numel],
         InitRule::Ones => vec![1.0; numel],
+        // Each element's value is keyed by (seed, name, global index): a shard draws its
+        // slice of the whole tensor's values.
         InitRule::Normal { std } => {
             let key = name_key(name);
-            let lstrides = row_major_strides(&local);
-            (0..numel as u64)
-                .into_par_iter()
-                .map(|k| {
-                    let g = global_index(k, &lstrides, base, &strides);
-                    (std * normal(seed, key, g)) as f32
-                })
-                .collect()
+            keyed(numel, &local, base, &strides, |g| std * normal(seed, key, g))
         }
         InitRule::Uniform { bound } => {
             let key = name_key(name);
-            let lstrides = row_major_strides(&local);
-            (0..numel as u64)
-                .into_par_iter()
-                .map(|k| {
-                    let g = global_index(k, &lstrides, base, &strides);
-                    (bound * symmetric_unit(seed, key, g)) as f32
-                })
-                .collect()
+            keyed(numel, &local, base, &strides, |g| bound * symmetric_unit(seed, key, g))
         }
     };
     from_vec(data, &local)
+}
+
+/// The `numel` values of a local block `local` (its first element at global index `base`, the
+/// tensor's row-major `strides`), each `value(global index)`.
+fn keyed(
+    numel: usize,
+    local: &[usize],
+    base: u64,
+    strides: &[u64],
+    value: impl Fn(u64) -> f64 + Sync,
+) -> Vec<f32> {
+    let lstrides = row_major_strides(local);
+    (0..numel as u64)
+        .into_par_iter()
+        .map(|k| value(global_index(k, &lstrides, base, strides)) as f32)
+        .collect()
 }

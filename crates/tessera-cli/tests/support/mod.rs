@@ -2,8 +2,11 @@
 //! config planned exactly on `Nxcpu` (thread devices) for a model given as a config.json, and
 //! trained a few steps on those devices from a fixed seed, returning rank 0's per-step losses
 //! and each device's measured device and host peaks — what the tests hold against one device
-//! and against the plan's prediction.
+//! and against the plan's prediction. The parallel-axis tests' runs of the binary itself are
+//! [`axis_runs`]'s.
 #![allow(dead_code)] // each test binary uses its part
+
+pub mod axis_runs;
 
 use std::collections::HashMap;
 use std::time::Duration;
