@@ -136,6 +136,9 @@ def cli_losses(binary, *args):
 def sigint_child(data, save):
     """The Ctrl-C check's Python training loop: trains the small GPT-2 from a generator,
     saving every step, printing each step; the parent interrupts it."""
+    # Python raises KeyboardInterrupt on SIGINT only if SIGINT was not ignored when it
+    # started; a child of a background job (`cmd &` in a script, nohup) inherits SIG_IGN.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(os.path.join(data, "train.bin"), "rb") as f:
         raw = f.read()
     tokens = list(struct.unpack(f"<{len(raw) // 2}H", raw))
