@@ -92,3 +92,32 @@ fn dynamo_exports_evaluate_to_pytorchs_loss() {
         assert!((loss - expected).abs() <= 1e-5 * expected, "{name}: loss {loss} vs {expected}");
     }
 }
+
+#[test]
+fn a_dynamo_export_trains_with_memory_as_predicted() {
+    // The folded Linear transposes are parameters read through a pending transpose, the tied
+    // head one parameter: two devices, memory and traffic as the Program predicts.
+    for name in ["gpt2", "opt"] {
+        let model = fixture(name).join("model.onnx");
+        let out = ok_json(&[
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--devices",
+            "2",
+            "--format",
+            "json",
+        ]);
+        let first = out["initial_loss"].as_f64().unwrap_or_else(|| panic!("{name}: {out}"));
+        assert!(first.is_finite() && (first - 256f64.ln()).abs() < 0.5, "{name}: {first}");
+        let mem = &out["memory"];
+        assert_eq!(mem["predicted_peak_bytes"], mem["measured_peak_bytes"], "{name}: {mem}");
+        assert_eq!(out["comm"]["predicted_bytes"], out["comm"]["measured_bytes"], "{name}");
+    }
+}
