@@ -14,6 +14,10 @@ pub fn float(node: &NodeProto, name: &str, default: f64) -> f64 {
     attr(node, name).map_or(default, |a| a.f as f64)
 }
 
+pub fn string(node: &NodeProto, name: &str) -> Option<String> {
+    attr(node, name).map(|a| String::from_utf8_lossy(&a.s).into_owned())
+}
+
 pub fn ints(node: &NodeProto, name: &str) -> Option<Vec<i64>> {
     attr(node, name).map(|a| a.ints.clone())
 }

@@ -74,6 +74,7 @@ pub fn eval(node: &NodeProto, x: &[Option<&Const>]) -> Fold<Option<Vec<Const>>> 
         "Where" => one(where_(arg(0)?, arg(1)?, arg(2)?)?),
         "Cast" => one(cast(arg(0)?, attrs::int(node, "to", 1))?),
         "Gather" => one(gather(arg(0)?, arg(1)?, attrs::int(node, "axis", 0))?),
+        "GatherND" => one(gather_nd(arg(0)?, arg(1)?, attrs::int(node, "batch_dims", 0))?),
         "Unsqueeze" => {
             let axes = axes_of(node, x.get(1).copied().flatten())?.ok_or("no axes")?;
             let c = arg(0)?;
@@ -246,6 +247,47 @@ fn gather(c: &Const, idx: &Const, axis: i64) -> Fold<Const> {
     let mut shape = c.shape[..a].to_vec();
     shape.extend(&idx.shape);
     shape.extend(&c.shape[a + 1..]);
+    Ok(c.gather_flat(shape, flat.into_iter()))
+}
+
+/// ONNX `GatherND`: index tuples of the last axis of `idx` into `c`, after `b` batch axes
+/// the two share.
+fn gather_nd(c: &Const, idx: &Const, b: i64) -> Fold<Const> {
+    let (r, q) = (c.shape.len(), idx.shape.len());
+    let b = usize::try_from(b).map_err(|_| format!("batch_dims {b} is negative"))?;
+    let k = *idx.shape.last().ok_or("GatherND of scalar indices")?;
+    if b >= r.min(q) || b + k > r || idx.shape[..b] != c.shape[..b] {
+        return Err(format!(
+            "indices {:?} (batch_dims {b}) do not index data {:?}",
+            idx.shape, c.shape
+        ));
+    }
+    let st = strides(&c.shape);
+    let lead = &idx.shape[..q - 1];
+    let tuples = lead.iter().product::<usize>();
+    let inner: usize = c.shape[b + k..].iter().product();
+    guard(&[tuples, inner])?;
+    let ids = idx.to_i64();
+    let lead_st = strides(lead);
+    let mut flat = Vec::with_capacity(tuples * inner);
+    for j in 0..tuples {
+        let mut off = 0usize;
+        for d in 0..b {
+            off += (j / lead_st[d]) % lead[d] * st[d];
+        }
+        for t in 0..k {
+            let n = c.shape[b + t] as i64;
+            let i = ids[j * k + t];
+            let i = if i < 0 { i + n } else { i };
+            if !(0..n).contains(&i) {
+                return Err(format!("index {i} outside 0..{n}"));
+            }
+            off += i as usize * st[b + t];
+        }
+        flat.extend(off..off + inner);
+    }
+    let mut shape = lead.to_vec();
+    shape.extend(&c.shape[b + k..]);
     Ok(c.gather_flat(shape, flat.into_iter()))
 }
 

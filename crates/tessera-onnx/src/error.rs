@@ -94,6 +94,14 @@ pub enum OnnxError {
          variance plus epsilon) and re-export the model"
     )]
     NegativeBase { path: String, node: String, base: String, exponent: f64 },
+    /// A parameter PyTorch's dynamo exporter folded into a constant it cannot be read back
+    /// from (a slice of it computed for the static input shape).
+    #[error(
+        "{path}: the exporter folded parameter {parameter} into constant {value}: {reason}; \
+         export with dynamic_shapes for the batch and sequence axes (as tessera.from_torch \
+         does), or with optimize=False, so that the parameter stays an initialiser"
+    )]
+    FoldedParameter { path: String, parameter: String, value: String, reason: String },
     /// The IR refused a node (shapes or dtypes it cannot accept).
     #[error("node {node} ({op}): {source}")]
     Ir {

@@ -317,7 +317,16 @@ impl<'m> Importer<'m> {
             return Ok(v.clone());
         }
         if self.m.is_initializer(name) {
-            return Ok(Value::Init(name.to_string()));
+            // A dynamo export's folded copy of a parameter reads as the parameter.
+            let v = match self.m.read_as(name).cloned() {
+                Some(r) if r.transposed => {
+                    Value::Tensor { id: self.parameter(&r.param)?, perm: Some(vec![1, 0]) }
+                }
+                Some(r) => Value::Init(r.param),
+                None => Value::Init(name.to_string()),
+            };
+            self.memo.insert(name.to_string(), v.clone());
+            return Ok(v);
         }
         let Some(i) = self.producer_of(name) else {
             return Err(OnnxError::Model {
@@ -434,6 +443,12 @@ impl<'m> Importer<'m> {
 
     /// The parameter for initialiser `name` (created once, named as in the file).
     pub(crate) fn parameter(&mut self, name: &str) -> Result<TensorId> {
+        // A dynamo export's renamed or cast copy of a parameter is that parameter.
+        let resolved = match self.m.read_as(name) {
+            Some(r) if !r.transposed => r.param.clone(),
+            _ => name.to_string(),
+        };
+        let name = resolved.as_str();
         if let Some(&t) = self.params.get(name) {
             return Ok(t);
         }
@@ -467,7 +482,16 @@ impl<'m> Importer<'m> {
         match v {
             Value::Tensor { id, perm: None } => Ok(*id),
             Value::Tensor { id, perm: Some(p) } => self.b.permute(*id, p).map_err(err),
-            Value::Init(name) => self.parameter(name),
+            Value::Init(name) if self.m.is_weight(name) => self.parameter(name),
+            // A float initialiser a dynamo export's signature does not list is a constant.
+            Value::Init(_) => match self.as_const(v)? {
+                Some(c) => self.tensor(&Value::Const(c), node, op),
+                None => Err(OnnxError::Unsupported {
+                    node: node.to_string(),
+                    op: op.to_string(),
+                    reason: "an initialiser vanished".into(),
+                }),
+            },
             Value::Const(c) => match c.scalar() {
                 Some(x) if c.elem == Elem::Float => {
                     let dtype = self.dtype;

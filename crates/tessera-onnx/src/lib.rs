@@ -25,6 +25,7 @@ mod lower;
 pub mod model;
 mod sign;
 pub mod tensor;
+mod torch_meta;
 mod validate;
 mod vision;
 

@@ -35,6 +35,8 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Flatten",
     "Floor",
     "Gather",
+    "GatherND",
+    "Gelu",
     "Gemm",
     "GlobalAveragePool",
     "Greater",
@@ -112,8 +114,8 @@ impl Importer<'_> {
         let t = |v: Value| Ok(vec![v]);
         match node.op_type.as_str() {
             "Identity" | "Dropout" | "Cast" | "Neg" | "Sqrt" | "Exp" | "Log" | "Tanh"
-            | "Sigmoid" | "Relu" | "Reciprocal" | "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min"
-            | "Pow" => self.lower_elementwise(node, values),
+            | "Sigmoid" | "Relu" | "Reciprocal" | "Gelu" | "Add" | "Sub" | "Mul" | "Div"
+            | "Max" | "Min" | "Pow" => self.lower_elementwise(node, values),
             "MatMul" | "Gemm" => self.lower_linear(node, values),
             "Transpose" | "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" | "Expand" => {
                 self.lower_layout(node, values)
@@ -177,6 +179,20 @@ impl Importer<'_> {
                     "Tanh" => UnaryOp::Tanh,
                     "Sigmoid" => UnaryOp::Sigmoid,
                     _ => UnaryOp::Relu,
+                };
+                t(self.elementwise1(node, &arg(0)?, |b, x| b.unary(op, x))?)
+            }
+            // Opset 20's Gelu: exact (erf) or, with approximate="tanh", the tanh form.
+            "Gelu" => {
+                let op = match crate::attrs::string(node, "approximate").as_deref() {
+                    None | Some("none") => UnaryOp::Gelu,
+                    Some("tanh") => UnaryOp::GeluTanh,
+                    Some(other) => {
+                        return Err(self.unsupported(
+                            node,
+                            format!("Gelu with approximate=\"{other}\" (none and tanh are read)"),
+                        ))
+                    }
                 };
                 t(self.elementwise1(node, &arg(0)?, |b, x| b.unary(op, x))?)
             }

@@ -42,6 +42,9 @@ pub struct OnnxModel {
     /// (`Some(false)`), or neither. A mask is a function of the shapes, so the planner's many
     /// imports at one sequence length fold it once.
     verdicts: std::sync::Mutex<HashMap<(String, usize, usize), Option<bool>>>,
+    /// What a dynamo export's metadata says about its parameters ([`crate::torch_meta`]);
+    /// `None` for files without it (TorchScript exports): every float initialiser a weight.
+    torch: Option<crate::torch_meta::TorchParams>,
     /// Rotary tables read by earlier imports: "cos|sin|shape" → what they were.
     ropes: std::sync::Mutex<HashMap<String, crate::import::RopeRead>>,
 }
@@ -120,6 +123,7 @@ impl OnnxModel {
             })
             .map(|n| (n.output[0].clone(), n.input[0].clone()))
             .collect();
+        let torch = crate::torch_meta::read(&graph, &inits, path)?;
         let inputs = graph
             .input
             .iter()
@@ -138,6 +142,7 @@ impl OnnxModel {
             inputs,
             outputs,
             opset,
+            torch,
             verdicts: Default::default(),
             ropes: Default::default(),
         })
@@ -164,14 +169,43 @@ impl OnnxModel {
 
     /// Whether `name` is an initialiser or a parameter merged into one ([`OnnxModel::aliases`]).
     pub fn is_initializer(&self, name: &str) -> bool {
-        self.inits.contains_key(name) || self.aliases.contains_key(name)
+        self.inits.contains_key(name)
+            || self.aliases.contains_key(name)
+            || self
+                .torch
+                .as_ref()
+                .is_some_and(|t| t.aliases.contains_key(name) || t.transposed.contains_key(name))
+    }
+
+    /// The initialiser holding parameter (or initialiser) `name`'s value, and whether it
+    /// holds it transposed.
+    fn source<'a>(&'a self, name: &'a str) -> (&'a str, bool) {
+        if let Some(t) = &self.torch {
+            if let Some(f) = t.transposed.get(name) {
+                return (f, true);
+            }
+            if let Some(a) = t.aliases.get(name) {
+                return (a, false);
+            }
+        }
+        (self.aliases.get(name).map_or(name, String::as_str), false)
+    }
+
+    /// How graph value `name`, an initialiser, is read when it is not read as itself: as
+    /// another parameter (a tied or renamed weight) or as a parameter's transpose.
+    pub(crate) fn read_as(&self, name: &str) -> Option<&crate::torch_meta::ReadAs> {
+        let r = self.torch.as_ref()?.reads.get(name)?;
+        (r.param != name || r.transposed).then_some(r)
     }
 
     /// The initialiser `name` (or the one a merged parameter's value is in), decoded.
     pub fn initializer(&self, name: &str) -> Result<Option<Const>> {
-        let name = self.aliases.get(name).map_or(name, String::as_str);
+        let (name, transposed) = self.source(name);
         match self.inits.get(name) {
-            Some(&i) => decode(&self.graph.initializer[i], self.dir()).map(Some),
+            Some(&i) => {
+                let c = decode(&self.graph.initializer[i], self.dir())?;
+                Ok(Some(if transposed { c.permuted(&[1, 0]).materialize() } else { c }))
+            }
             None => Ok(None),
         }
     }
@@ -179,14 +213,23 @@ impl OnnxModel {
     /// Shape and element kind of initialiser `name` (or a merged parameter's), read from its
     /// header: no data is decoded.
     pub fn initializer_meta(&self, name: &str) -> Option<(Vec<usize>, Option<Elem>)> {
-        let name = self.aliases.get(name).map_or(name, String::as_str);
+        let (name, transposed) = self.source(name);
         let t = &self.graph.initializer[*self.inits.get(name)?];
-        Some((t.dims.iter().map(|&d| d.max(0) as usize).collect(), elem_of(t.data_type)))
+        let mut dims: Vec<usize> = t.dims.iter().map(|&d| d.max(0) as usize).collect();
+        if transposed {
+            dims.reverse();
+        }
+        Some((dims, elem_of(t.data_type)))
     }
 
     /// Whether initialiser `name` is a weight (a float tensor): a parameter of the graph.
     /// Integer and boolean initialisers are constants.
     pub fn is_weight(&self, name: &str) -> bool {
+        if let Some(t) = &self.torch {
+            return t.reads.contains_key(name)
+                || t.aliases.contains_key(name)
+                || t.transposed.contains_key(name);
+        }
         let name = self.aliases.get(name).map_or(name, String::as_str);
         self.inits
             .get(name)
@@ -222,6 +265,14 @@ impl OnnxModel {
     /// Name and shape of every weight (float initialiser), in file order, then the merged
     /// parameters ([`OnnxModel::aliases`]) by name.
     pub fn weight_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        if let Some(t) = &self.torch {
+            // The parameters the graph reads, once each, in `named_parameters()` order.
+            return t
+                .order
+                .iter()
+                .map(|n| (n.clone(), self.initializer_meta(n).map(|m| m.0).unwrap_or_default()))
+                .collect();
+        }
         let dims = |t: &onnx_protobuf::TensorProto| -> Vec<usize> {
             t.dims.iter().map(|&d| d.max(0) as usize).collect()
         };

@@ -456,26 +456,28 @@ def from_torch(module, example_inputs, path=None):
     ``example_inputs``: a tensor or a tuple of tensors, as ``torch.onnx.export`` takes them. An
     integer tensor ``[batch, sequence]`` is ``input_ids`` (both axes dynamic, so ``batch=`` and
     ``seq=`` bind them); a floating one is ``pixel_values`` (batch dynamic). The output is
-    ``logits``. The export is the one the importer is tested on: the TorchScript exporter
-    (``dynamo=False``), opset 17, no constant folding (initialisers keep PyTorch's parameter
-    names), in eval mode. ``path``: default a fresh temporary directory's ``model.onnx``.
+    ``logits``. The export is what current PyTorch does by default: ``torch.onnx.export``'s
+    dynamo exporter (opset 18 and later, its optimizer on, the weights in ``model.onnx.data``
+    beside the file), in eval mode, with ``dynamic_shapes`` naming the batch (and sequence)
+    axes. ``path``: default a fresh temporary directory's ``model.onnx``.
     """
     try:
         import torch
     except ImportError as e:
         raise ImportError(
             "tessera.from_torch exports through torch.onnx, and torch is not installed: "
-            "pip install torch onnx, or export the model yourself and pass the .onnx file as "
-            "model="
+            "pip install torch onnx onnxscript, or export the model yourself and pass the "
+            ".onnx file as model="
         ) from e
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if path is None:
         path = os.path.join(tempfile.mkdtemp(prefix="tessera-"), "model.onnx")
     path = os.fspath(path)
+    dim = torch.export.Dim
     if inputs and torch.is_floating_point(inputs[0]):
-        input_name, axes = "pixel_values", {0: "batch"}
+        input_name, axes = "pixel_values", {0: dim("batch")}
     else:
-        input_name, axes = "input_ids", {0: "batch", 1: "sequence"}
+        input_name, axes = "input_ids", {0: dim("batch"), 1: dim("sequence")}
     training = module.training
     module.eval()
     try:
@@ -483,13 +485,9 @@ def from_torch(module, example_inputs, path=None):
             module,
             inputs,
             path,
-            export_params=True,
-            opset_version=17,
-            do_constant_folding=False,
-            dynamo=False,
             input_names=[input_name],
             output_names=["logits"],
-            dynamic_axes={input_name: axes, "logits": axes},
+            dynamic_shapes=(axes,) + (None,) * (len(inputs) - 1),
         )
     finally:
         module.train(training)
