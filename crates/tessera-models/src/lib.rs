@@ -30,6 +30,7 @@ mod hf;
 mod hf_write;
 mod llama;
 pub mod lora;
+pub mod qlora;
 mod mla;
 mod mlp;
 mod moe;
