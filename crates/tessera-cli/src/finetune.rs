@@ -21,9 +21,9 @@ use std::path::{Path, PathBuf};
 use tessera_ir::Graph;
 use tessera_models::lora::{self, LoraSpec};
 use tessera_models::{ForwardModel, Quantize};
-use tessera_runtime::generate::QuantizedLeaf;
 use tessera_runtime::collective::DeviceMesh;
 use tessera_runtime::collective::Placement;
+use tessera_runtime::generate::QuantizedLeaf;
 use tessera_runtime::mapped::ShardSource;
 
 /// PEFT's prefix of every adapter tensor name (`PeftModel` → `LoraModel` → the base model).

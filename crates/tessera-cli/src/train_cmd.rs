@@ -716,14 +716,13 @@ pub fn prepare(
                         let rest = open_weights(dir, &base.builder.finish())
                             .with_context(|| format!("--init {}", dir.display()))?;
                         // QLoRA: the base's linears quantised as they are read.
-                        let rest: Box<dyn ShardSource + Send> =
-                            match args.finetune.quantize_base {
-                                Some(_) => Box::new(crate::finetune::Quantizing::new(
-                                    &global_train.graph,
-                                    rest,
-                                )),
-                                None => rest,
-                            };
+                        let rest: Box<dyn ShardSource + Send> = match args.finetune.quantize_base {
+                            Some(_) => Box::new(crate::finetune::Quantizing::new(
+                                &global_train.graph,
+                                rest,
+                            )),
+                            None => rest,
+                        };
                         Box::new(crate::finetune::Layered { first, rest })
                     }
                     None => open_weights(dir, &global_train.graph)

@@ -345,17 +345,41 @@ fn pattern_data(dir: &Path) -> PathBuf {
     data
 }
 
-const QLORA_SPEC: &str = "r=4,alpha=8,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+const QLORA_SPEC: &str =
+    "r=4,alpha=8,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
 
 /// `tessera train` of LoRA (all seven linears) from `base` on `data` for 30 steps with a
 /// held-out evaluation; returns the report and per-step losses.
 fn finetune(dir: &Path, base: &Path, data: &Path, extra: &[&str]) -> (Value, Vec<f64>) {
     let log = dir.join("log.jsonl");
     let mut args = vec![
-        "train", "--init", base.to_str().unwrap(), "--data", data.to_str().unwrap(),
-        "--lora", QLORA_SPEC, "--steps", "30", "--batch", "4", "--seq", "16", "--lr", "2e-2",
-        "--schedule", "constant", "--weight-decay", "0", "--max-grad-norm", "0",
-        "--eval-batches", "8", "--format", "json", "--log-json", log.to_str().unwrap(),
+        "train",
+        "--init",
+        base.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--lora",
+        QLORA_SPEC,
+        "--steps",
+        "30",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--lr",
+        "2e-2",
+        "--schedule",
+        "constant",
+        "--weight-decay",
+        "0",
+        "--max-grad-norm",
+        "0",
+        "--eval-batches",
+        "8",
+        "--format",
+        "json",
+        "--log-json",
+        log.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
     let report: Value = serde_json::from_str(&tessera(&args)).unwrap();
@@ -422,7 +446,8 @@ fn qlora_int4_base_trains_as_lora_on_its_dequantised_base() {
     let base = fixture().join("base");
     let (deq, quant_bytes, quant_elems) = dequantised_base(&dir);
 
-    let (float_run, float_losses) = finetune(&scratch("qlora-float"), &base, &data, &["--devices", "1"]);
+    let (float_run, float_losses) =
+        finetune(&scratch("qlora-float"), &base, &data, &["--devices", "1"]);
     let (q_run, q_losses) = finetune(
         &scratch("qlora-int4"),
         &base,
@@ -433,7 +458,11 @@ fn qlora_int4_base_trains_as_lora_on_its_dequantised_base() {
 
     // The int4 base is its dequantised float base, step for step.
     for (s, (a, b)) in q_losses.iter().zip(&deq_losses).enumerate() {
-        assert!((a - b).abs() <= 1e-5, "step {}: QLoRA {a}, LoRA on the dequantised base {b}", s + 1);
+        assert!(
+            (a - b).abs() <= 1e-5,
+            "step {}: QLoRA {a}, LoRA on the dequantised base {b}",
+            s + 1
+        );
     }
     let held_out = |r: &Value| r["eval_loss"].as_f64().unwrap();
     assert!((held_out(&q_run) - held_out(&deq_run)).abs() <= 1e-5);
@@ -492,7 +521,8 @@ fn qlora_refuses_what_it_cannot_run_by_name() {
     assert!(err.contains("--quantize-base int4") && err.contains("--lora"), "{err}");
     let err = run(&["--model", "llama-tiny", "--lora", "r=2", "--quantize-base", "int8"]);
     assert!(err.contains("--init"), "{err}");
-    let err = run(&["--init", base, "--lora", "r=2", "--quantize-base", "int4", "--device", "cuda"]);
+    let err =
+        run(&["--init", base, "--lora", "r=2", "--quantize-base", "int4", "--device", "cuda"]);
     assert!(err.contains("not implemented on CUDA"), "{err}");
     let err = run(&["--init", base, "--lora", "r=2", "--quantize-base", "int3"]);
     assert!(err.contains("int8 or int4"), "{err}");

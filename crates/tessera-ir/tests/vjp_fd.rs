@@ -1208,9 +1208,8 @@ fn quantised_matmul_input_gradient() {
         let graph = check_vjp(&name, |cx| {
             let k = *xs.last().unwrap();
             let x = cx.param(xs);
-            let codes: Vec<f64> = (0..n * q.row_bytes(k))
-                .map(|_| cx.rng.random_range(0..256) as f64)
-                .collect();
+            let codes: Vec<f64> =
+                (0..n * q.row_bytes(k)).map(|_| cx.rng.random_range(0..256) as f64).collect();
             let w = cx.input([n, q.row_bytes(k)], DType::U8, codes);
             let scales = cx.uniform(n * k / q.group, 0.01, 0.1);
             let s = cx.input([n, k / q.group], DType::F32, scales);

@@ -30,13 +30,13 @@ mod hf;
 mod hf_write;
 mod llama;
 pub mod lora;
-pub mod qlora;
 mod mla;
 mod mlp;
 mod moe;
 mod nn;
 mod onnx;
 mod presets;
+pub mod qlora;
 pub mod rope;
 mod vit;
 

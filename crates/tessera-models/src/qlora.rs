@@ -71,7 +71,8 @@ pub fn quantize_base(
             let (n, k) = (g.shape(w).dim(0), g.shape(w).dim(1));
             let spec = q.spec(k);
             let qw = b.frozen_parameter(&name, [n, spec.row_bytes(k)], DType::U8);
-            let scales = b.frozen_parameter(&format!("{name}_scale"), [n, k / spec.group], DType::F32);
+            let scales =
+                b.frozen_parameter(&format!("{name}_scale"), [n, k / spec.group], DType::F32);
             held[w.index()] = Some((qw, scales, spec));
             quantized.push(QuantizedWeight {
                 weight: qw,

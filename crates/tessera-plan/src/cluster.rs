@@ -158,8 +158,9 @@ impl DeviceSpec {
 
 /// The preset names [`device_preset`] and the cluster strings accept (case-insensitive; `-`,
 /// `_` and spaces are ignored, so `a100_80g` and `RTX 4090` work too).
-pub const DEVICE_NAMES: &[&str] =
-    &["H100", "H200", "A100-40G", "A100-80G", "V100", "RTX3060", "RTX3080", "RTX4090", "A6000", "cpu"];
+pub const DEVICE_NAMES: &[&str] = &[
+    "H100", "H200", "A100-40G", "A100-80G", "V100", "RTX3060", "RTX3080", "RTX4090", "A6000", "cpu",
+];
 
 /// A GPU preset: datasheet figures plus the family's interconnect.
 struct GpuPreset {

@@ -1218,12 +1218,10 @@ impl Op {
                 self.name()
             ))),
             Op::QMatMul(q) => quant::vjp(cx, *q),
-            Op::CacheWrite | Op::SelectPositions => {
-                Err(crate::IrError::Graph(format!(
-                    "{} is an inference op: inference Programs are not differentiated",
-                    self.name()
-                )))
-            }
+            Op::CacheWrite | Op::SelectPositions => Err(crate::IrError::Graph(format!(
+                "{} is an inference op: inference Programs are not differentiated",
+                self.name()
+            ))),
         }
     }
 }
