@@ -348,9 +348,9 @@ fn pattern_data(dir: &Path) -> PathBuf {
 const QLORA_SPEC: &str =
     "r=4,alpha=8,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
 
-/// `tessera train` of LoRA (all seven linears) from `base` on `data` for 30 steps with a
+/// `tessera train` of LoRA (all seven linears) from `base` on `data` for `steps` steps with a
 /// held-out evaluation; returns the report and per-step losses.
-fn finetune(dir: &Path, base: &Path, data: &Path, extra: &[&str]) -> (Value, Vec<f64>) {
+fn finetune(dir: &Path, base: &Path, data: &Path, steps: &str, extra: &[&str]) -> (Value, Vec<f64>) {
     let log = dir.join("log.jsonl");
     let mut args = vec![
         "train",
@@ -403,7 +403,7 @@ fn dequantised_base(dir: &Path) -> (PathBuf, u64, u64) {
     let mut weights = load(&base.join("model.safetensors"));
     let (mut bytes, mut elems) = (0u64, 0u64);
     let linear = |n: &str| n.starts_with("model.layers.") && n.ends_with("_proj.weight");
-    for (name, t) in weights.iter_mut().filter(|(n, _)| linear(n)) {
+    for (name, t) in weights.iter_mut().filter(|(n, _)| linear(n.as_str())) {
         let (n, k) = t.dims2().unwrap();
         let spec = tessera_models::Quantize::Int4.spec(k);
         let (codes, scales) = tessera_runtime::quantize::quantize(t, spec).unwrap();
@@ -447,14 +447,15 @@ fn qlora_int4_base_trains_as_lora_on_its_dequantised_base() {
     let (deq, quant_bytes, quant_elems) = dequantised_base(&dir);
 
     let (float_run, float_losses) =
-        finetune(&scratch("qlora-float"), &base, &data, &["--devices", "1"]);
+        finetune(&scratch("qlora-float"), &base, &data, "30", &["--devices", "1"]);
     let (q_run, q_losses) = finetune(
         &scratch("qlora-int4"),
         &base,
         &data,
+        "30",
         &["--quantize-base", "int4", "--devices", "1"],
     );
-    let (deq_run, deq_losses) = finetune(&scratch("qlora-deq"), &deq, &data, &["--devices", "1"]);
+    let (deq_run, deq_losses) = finetune(&scratch("qlora-deq"), &deq, &data, "30", &["--devices", "1"]);
 
     // The int4 base is its dequantised float base, step for step.
     for (s, (a, b)) in q_losses.iter().zip(&deq_losses).enumerate() {
@@ -497,7 +498,8 @@ fn qlora_int4_base_trains_as_lora_on_its_dequantised_base() {
             &scratch(&format!("qlora-{}", plan.replace(' ', "-"))),
             &base,
             &data,
-            &["--quantize-base", "int4", "--devices", "2", "--plan", plan, "--steps", "5"],
+            "5",
+            &["--quantize-base", "int4", "--devices", "2", "--plan", plan],
         );
         for (s, (a, b)) in losses.iter().zip(&q_losses).enumerate() {
             assert!((a - b).abs() <= 1e-5, "{plan} step {}: {a} vs one device {b}", s + 1);
