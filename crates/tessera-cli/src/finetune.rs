@@ -2,6 +2,10 @@
 //! `plan` and `profile`), and what a LoRA run writes: a PEFT adapter (`--save-adapter`) or the
 //! base with the adapter merged in (`--merge-into`).
 //!
+//! QLoRA (`--quantize-base int4|int8` with `--lora`): the frozen base's linear weights held
+//! as generation's `--quantize` holds them (`tessera_models::qlora`), quantised from the float
+//! checkpoint as they are read ([`Quantizing`]).
+//!
 //! The graph side is `tessera_models::lora` (the rewrite and the freezing); this file reads
 //! and writes PEFT's files:
 //! - `adapter_config.json`: PEFT's `LoraConfig` (`peft_type: "LORA"`, `r`, `lora_alpha`,
@@ -16,9 +20,10 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tessera_ir::Graph;
 use tessera_models::lora::{self, LoraSpec};
-use tessera_models::ForwardModel;
+use tessera_models::{ForwardModel, Quantize};
 use tessera_runtime::collective::DeviceMesh;
 use tessera_runtime::collective::Placement;
+use tessera_runtime::generate::QuantizedLeaf;
 use tessera_runtime::mapped::ShardSource;
 
 /// PEFT's prefix of every adapter tensor name (`PeftModel` → `LoraModel` → the base model).
@@ -41,6 +46,11 @@ pub struct FinetuneArgs {
     /// rank, alpha and targets unless --lora does; they must agree).
     #[arg(long, value_name = "DIR")]
     pub init_adapter: Option<PathBuf>,
+    /// QLoRA: hold the frozen base's linear weights quantised, as `generate --quantize` does
+    /// (int4: one scale per 128 input features; int8: one per output channel), under LoRA
+    /// adapters that train in the run's dtype. Needs --lora (and, to train, --init DIR).
+    #[arg(long, value_name = "BITS", value_parser = crate::generate_cmd::parse_quantize)]
+    pub quantize_base: Option<Quantize>,
 }
 
 /// A PEFT adapter read from disk: its LoRA settings and tensors by our names
@@ -57,6 +67,8 @@ pub struct FineTune {
     pub freeze: Vec<String>,
     pub lora: Option<LoraSpec>,
     pub adapter: Option<Adapter>,
+    /// QLoRA's quantised base.
+    pub quantize_base: Option<Quantize>,
 }
 
 impl FinetuneArgs {
@@ -90,7 +102,19 @@ impl FinetuneArgs {
             (None, Some(a)) => Some(a.spec.clone()),
             (None, None) => None,
         };
-        Ok(FineTune { freeze: self.freeze.clone(), lora, adapter })
+        if let (Some(q), None) = (self.quantize_base, &lora) {
+            bail!(
+                "--quantize-base {} holds the frozen base of a LoRA run quantised (QLoRA): give \
+                 --lora too",
+                q.name()
+            );
+        }
+        Ok(FineTune {
+            freeze: self.freeze.clone(),
+            lora,
+            adapter,
+            quantize_base: self.quantize_base,
+        })
     }
 }
 
@@ -112,6 +136,7 @@ impl FineTune {
             freeze: self.freeze.clone(),
             lora: self.lora.clone().map(|l| LoraSpec { dropout: 0.0, ..l }),
             adapter: None,
+            quantize_base: self.quantize_base,
         }
     }
 
@@ -123,6 +148,9 @@ impl FineTune {
         };
         if !self.freeze.is_empty() {
             lora::freeze(&mut model.builder.graph, &self.freeze)?;
+        }
+        if let Some(q) = self.quantize_base {
+            model = tessera_models::qlora::quantize_base(model, q)?.0;
         }
         Ok(model)
     }
@@ -184,6 +212,103 @@ impl ShardSource for Layered {
             Some(t) => Ok(Some(t)),
             None => self.rest.shard_of(name, placement, mesh, dtype),
         }
+    }
+}
+
+/// What a QLoRA training run refuses, by name, before it loads anything.
+pub fn check_qlora_run(args: &crate::train_cmd::TrainArgs, q: Quantize) -> Result<()> {
+    let flag = format!("--quantize-base {}", q.name());
+    if args.device == crate::train_cmd::DeviceKind::Cuda {
+        bail!("{flag}: {QLORA_ON_CUDA}");
+    }
+    if args.devices > 1 {
+        bail!(
+            "{flag}: QLoRA trains on one device so far (--devices 1); across devices the \
+             quantised base's shards are not yet bound as the plan lays them out (ZeRO-3 \
+             measured more than predicted), so multi-device QLoRA is refused"
+        );
+    }
+    if args.init.is_none() {
+        bail!(
+            "{flag} quantises a trained base as it is read: give the base with --init DIR \
+             (a Hugging Face model directory)"
+        );
+    }
+    if args.resume.is_some() {
+        bail!("{flag}: resuming a QLoRA run is not supported yet; start it again from --init");
+    }
+    if args.merge_into.is_some() {
+        bail!(
+            "{flag}: --merge-into would merge into the quantised base; save the adapter \
+             (--save-adapter) and merge it into the float base with a LoRA run's --merge-into"
+        );
+    }
+    Ok(())
+}
+
+/// Why QLoRA does not train on CUDA (the CUDA backend refuses the op by the same words).
+pub const QLORA_ON_CUDA: &str = "QLoRA (--quantize-base) is not implemented on CUDA: the \
+     quantised matmul's backward (dy · dequant(W)) has a CPU kernel only so far; train it on \
+     the CPU runtime (--device cpu), or train LoRA on a float base on CUDA";
+
+/// The quantised weights of a QLoRA graph (its `QMatMul`s' weights and scales), each made
+/// from the float checkpoint tensor of the weight's name.
+pub fn quantized_leaves(graph: &Graph) -> Vec<QuantizedLeaf> {
+    let mut out: Vec<QuantizedLeaf> = Vec::new();
+    for n in &graph.nodes {
+        let tessera_ir::Op::QMatMul(spec) = n.op else { continue };
+        let weight = graph.tensor_scope(n.inputs[1]).to_string();
+        if out.iter().any(|q| q.weight == weight) {
+            continue;
+        }
+        out.push(QuantizedLeaf {
+            source: weight.clone(),
+            scales: graph.tensor_scope(n.inputs[2]).to_string(),
+            weight,
+            transposed: false,
+            spec,
+        });
+    }
+    out
+}
+
+/// A weight source that quantises the QLoRA base's linear weights as they are read: the
+/// whole float tensor from `rest`, quantised (`tessera_runtime::quantize`, what generation's
+/// `--quantize` does), then this device's shard of the codes or scales.
+pub struct Quantizing {
+    /// By the `u8` weight's name and by its scales' name.
+    pub leaves: HashMap<String, QuantizedLeaf>,
+    pub rest: Box<dyn ShardSource + Send>,
+}
+
+impl Quantizing {
+    pub fn new(graph: &Graph, rest: Box<dyn ShardSource + Send>) -> Quantizing {
+        let leaves = quantized_leaves(graph)
+            .into_iter()
+            .flat_map(|q| [(q.weight.clone(), q.clone()), (q.scales.clone(), q)])
+            .collect();
+        Quantizing { leaves, rest }
+    }
+}
+
+impl ShardSource for Quantizing {
+    fn shard_of(
+        &self,
+        name: &str,
+        placement: &Placement,
+        mesh: &DeviceMesh,
+        dtype: candle_core::DType,
+    ) -> tessera_runtime::Result<Option<Tensor>> {
+        let Some(q) = self.leaves.get(name) else {
+            return self.rest.shard_of(name, placement, mesh, dtype);
+        };
+        let whole: Placement = vec![Vec::new(); 2];
+        let Some(w) = self.rest.shard_of(&q.source, &whole, mesh, candle_core::DType::F32)? else {
+            return Ok(None);
+        };
+        let (codes, scales) = tessera_runtime::quantize::quantize(&w, q.spec)?;
+        let t = if name == q.weight { codes } else { scales };
+        Ok(Some(tessera_runtime::collective::shard(mesh, &t, placement, name)?))
     }
 }
 

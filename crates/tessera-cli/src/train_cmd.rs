@@ -599,6 +599,9 @@ pub fn prepare(
     hooks: &crate::hooks::Hooks,
 ) -> Result<RunContext> {
     crate::train_guard::check_start(args)?;
+    if let Some(q) = args.finetune.quantize_base {
+        crate::finetune::check_qlora_run(args, q)?;
+    }
     if let Some(dir) = &args.save {
         tessera_runtime::guard::check_save_dest(dir, args.resume.as_deref(), args.overwrite_save)?;
     }
@@ -712,6 +715,14 @@ pub fn prepare(
                         let base = build(&cfg, &BuildOptions { batch: 1, seq: 1, dtype })?;
                         let rest = open_weights(dir, &base.builder.finish())
                             .with_context(|| format!("--init {}", dir.display()))?;
+                        // QLoRA: the base's linears quantised as they are read.
+                        let rest: Box<dyn ShardSource + Send> = match args.finetune.quantize_base {
+                            Some(_) => Box::new(crate::finetune::Quantizing::new(
+                                &global_train.graph,
+                                rest,
+                            )),
+                            None => rest,
+                        };
                         Box::new(crate::finetune::Layered { first, rest })
                     }
                     None => open_weights(dir, &global_train.graph)

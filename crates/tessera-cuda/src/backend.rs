@@ -102,6 +102,11 @@ fn native_half(op: &Op) -> bool {
         )
 }
 
+/// Why QLoRA does not train here: the quantised matmul's input gradient has no CUDA kernel.
+pub const QLORA_ON_CUDA: &str = "QLoRA (--quantize-base) is not implemented on CUDA: the \
+     quantised matmul's backward (dy · dequant(W)) has a CPU kernel only so far; train it on \
+     the CPU runtime (--device cpu), or train LoRA on a float base on CUDA";
+
 /// Why ring attention does not run here: its block attention (global positions, a
 /// differentiable log-sum-exp) and its merge have no CUDA kernels yet.
 const RING_ON_CUDA: &str = "ring attention (cp=ring) is not implemented on CUDA: its \
@@ -744,6 +749,7 @@ impl CudaBackend {
                 "the mixture-of-experts routing ops have CPU kernels only so far: run the model \
                  on the CPU backend",
             )),
+            Op::QMatMulBackward(_) => Err(unsupported(op.name(), QLORA_ON_CUDA)),
             Op::Send(_) | Op::Recv(..) | Op::Reshard(_) => Err(bad(
                 "a transfer between devices needs a communicator: run the plan with the SPMD \
                  runtime"

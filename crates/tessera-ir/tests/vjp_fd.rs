@@ -1189,3 +1189,39 @@ fn unbound_leaf_is_named() {
     let err = interp::eval(&b.graph, &bad).unwrap_err();
     assert!(err.to_string().contains("encoder.weight") && err.to_string().contains("[4]"), "{err}");
 }
+
+// ---- quantised matmul (QLoRA's frozen base) ------------------------------------------------
+
+/// `x · dequant(w)ᵀ` differentiated in x (the weight is frozen: codes and scales are inputs),
+/// int8 per row and int4 in groups, through `QMatMulBackward`.
+#[test]
+fn quantised_matmul_input_gradient() {
+    use tessera_ir::QuantSpec;
+    let cases: [(&[usize], usize, QuantSpec); 4] = [
+        (&[3, 8], 5, QuantSpec { bits: 8, group: 8 }),
+        (&[2, 3, 8], 4, QuantSpec { bits: 8, group: 4 }),
+        (&[2, 3, 8], 5, QuantSpec { bits: 4, group: 4 }),
+        (&[4, 12], 3, QuantSpec { bits: 4, group: 2 }),
+    ];
+    for (xs, n, q) in cases {
+        let name = format!("qmatmul {xs:?} n={n} bits={} group={}", q.bits, q.group);
+        let graph = check_vjp(&name, |cx| {
+            let k = *xs.last().unwrap();
+            let x = cx.param(xs);
+            let codes: Vec<f64> =
+                (0..n * q.row_bytes(k)).map(|_| cx.rng.random_range(0..256) as f64).collect();
+            let w = cx.input([n, q.row_bytes(k)], DType::U8, codes);
+            let scales = cx.uniform(n * k / q.group, 0.01, 0.1);
+            let s = cx.input([n, k / q.group], DType::F32, scales);
+            Ok(vec![cx.b.qmatmul(x, w, s, q)?])
+        });
+        assert!(has_backward(&graph, |op| matches!(op, Op::QMatMulBackward(_))), "{name}");
+    }
+    // Shapes that do not fit are refused, naming both.
+    let mut b = Builder::new();
+    let dy = b.input("dy", [2, 6], DType::F32);
+    let w = b.input("w", [5, 4], DType::U8);
+    let s = b.input("s", [5, 2], DType::F32);
+    let err = b.push1(Op::QMatMulBackward(QuantSpec { bits: 8, group: 2 }), &[dy, w, s]);
+    assert!(err.unwrap_err().to_string().contains("output features"));
+}

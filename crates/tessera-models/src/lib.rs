@@ -36,6 +36,7 @@ mod moe;
 mod nn;
 mod onnx;
 mod presets;
+pub mod qlora;
 pub mod rope;
 mod vit;
 

@@ -158,8 +158,9 @@ impl DeviceSpec {
 
 /// The preset names [`device_preset`] and the cluster strings accept (case-insensitive; `-`,
 /// `_` and spaces are ignored, so `a100_80g` and `RTX 4090` work too).
-pub const DEVICE_NAMES: &[&str] =
-    &["H100", "H200", "A100-40G", "A100-80G", "V100", "RTX3060", "RTX3080", "RTX4090", "cpu"];
+pub const DEVICE_NAMES: &[&str] = &[
+    "H100", "H200", "A100-40G", "A100-80G", "V100", "RTX3060", "RTX3080", "RTX4090", "A6000", "cpu",
+];
 
 /// A GPU preset: datasheet figures plus the family's interconnect.
 struct GpuPreset {
@@ -315,6 +316,21 @@ const GPU_PRESETS: &[GpuPreset] = &[
         bf16_flops: 165.2e12,
         fp16_flops: 165.2e12,
         memory_bandwidth: 1.008e12,
+        matmul_efficiency: GEFORCE_MATMUL_EFFICIENCY,
+        links: GEFORCE_LINKS,
+    },
+    // NVIDIA RTX A6000 datasheet (GA102, 48 GB GDDR6 with ECC): tensor 309.7 TFLOPS with
+    // sparsity → 154.8 dense (workstation parts run FP32 accumulate at the full rate); FP32
+    // 38.7; 768 GB/s; PCIe 4.0 x16 (the optional NVLink bridge is not modelled). 49,140 MiB as
+    // reported by nvidia-smi. The QLoRA paper's 48 GB GPU (65B on one card).
+    GpuPreset {
+        name: "A6000",
+        keys: &["a6000", "rtxa6000", "a600048g", "a600048gb", "rtxa600048gb"],
+        memory_mib: 49_140,
+        fp32_flops: 38.7e12,
+        bf16_flops: 154.8e12,
+        fp16_flops: 154.8e12,
+        memory_bandwidth: 768e9,
         matmul_efficiency: GEFORCE_MATMUL_EFFICIENCY,
         links: GEFORCE_LINKS,
     },

@@ -565,10 +565,15 @@ impl<'a> LocalForward<'a> {
                             });
                         }
                     }
+                    // An int8 row has one scale whatever share of it a device holds.
                     if let Op::QMatMul(q) = &mut local_op {
-                        // An int8 row has one scale whatever share of it a device holds.
                         if q.bits == 8 {
                             q.group = self.b.shape(inputs[0]).last();
+                        }
+                    }
+                    if let Op::QMatMulBackward(q) = &mut local_op {
+                        if q.bits == 8 {
+                            q.group = self.b.shape(inputs[1]).dim(1);
                         }
                     }
                     self.vocab_parallel_loss(node, st, &mut local_op, &mut inputs)?;

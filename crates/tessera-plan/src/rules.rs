@@ -392,6 +392,26 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
             l.outputs = vec![o];
             l.partial_from = vec![vec![k]];
         }
+        Op::QMatMulBackward(q) => {
+            // dy [.., N] · dequant(w [N, K·bits/8]) → dx [.., K]: QMatMul's labels with x and
+            // y exchanged; a split N leaves a pending sum, a split K whole bytes and groups.
+            let (dy, out) = (dims(x[0]), dims(y[0]));
+            let r = out.len();
+            let batch: Vec<Option<usize>> =
+                (0..r - 1).map(|d| Some(l.label(out[d], true))).collect();
+            let n = l.label(dy[r - 1], true);
+            let k_size = out[r - 1];
+            let groups = k_size / q.group.max(1);
+            let k = l.label(if q.bits == 8 { k_size } else { groups }, true);
+            let mut dyi = batch.clone();
+            dyi.push(Some(n));
+            let scale_k = if q.bits == 8 { None } else { Some(k) };
+            l.inputs = vec![dyi, vec![Some(n), Some(k)], vec![Some(n), scale_k]];
+            let mut o = batch;
+            o.push(Some(k));
+            l.outputs = vec![o];
+            l.partial_from = vec![vec![n]];
+        }
         Op::Conv2d(spec) => {
             // x [N,C,H,W] * w [O,C/g,kh,kw] → y [N,O,Ho,Wo].
             let n = l.label(x[0].shape.dim(0), true);

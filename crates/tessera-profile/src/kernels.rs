@@ -73,7 +73,7 @@ pub fn kernel_work(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Option<Kern
             let class = if aligned { "a8" } else { "u" };
             format!("matmul.{}.{}{}.{class}", dtype.name(), t(*trans_a), t(*trans_b))
         }
-        Op::QMatMul(_) => format!("{}.{}", op.name(), dtype.name()),
+        Op::QMatMul(_) | Op::QMatMulBackward(_) => format!("{}.{}", op.name(), dtype.name()),
         Op::Attention(spec) | Op::AttentionBackward(spec) => {
             let d = x.first().and_then(|q| q.shape.dims().last().copied()).unwrap_or(0);
             let mask = if spec.causal { "causal" } else { "full" };

@@ -201,6 +201,7 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::CacheWrite
         | Op::SelectPositions
         | Op::QMatMul(_)
+        | Op::QMatMulBackward(_)
         | Op::Reshard(_)
         | Op::Send(_)
         | Op::Recv(..)
@@ -535,7 +536,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         // Optional inputs: a start per row (attention over a cache), positions (RoPE).
         Op::Attention(_) if x.len() == 4 => 4,
         Op::Rope { .. } if x.len() == 2 => 2,
-        Op::CacheWrite | Op::QMatMul(_) => 3,
+        Op::CacheWrite | Op::QMatMul(_) | Op::QMatMulBackward(_) => 3,
         Op::SelectPositions => 2,
         Op::Fill { .. } => 0,
         Op::Unary(_) | Op::Cast(_) | Op::Reduce { .. } | Op::Softmax | Op::LogSumExp => 1,
@@ -598,6 +599,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::CacheWrite => one(cache_write(x[0], x[1], x[2])?),
         Op::SelectPositions => one(select_positions(x[0], x[1])?),
         Op::QMatMul(q) => one(qmatmul(x[0], x[1], x[2], *q)?),
+        Op::QMatMulBackward(q) => one(qmatmul_backward(x[0], x[1], x[2], *q)?),
         Op::Fill { value, meta } => one(Value::full(meta.shape.clone(), *value)),
         // A copy between memory tiers: the same value.
         Op::Transfer { .. } => one(x[0].clone()),

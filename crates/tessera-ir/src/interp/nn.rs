@@ -546,6 +546,32 @@ pub(super) fn qmatmul(
     Ok(Value { shape: Shape::from(out), data })
 }
 
+/// `dx = dy · dequant(w)`: `[.., N]` → `[.., K]`.
+pub(super) fn qmatmul_backward(
+    dy: &Value,
+    w: &Value,
+    scales: &Value,
+    q: crate::QuantSpec,
+) -> Result<Value, String> {
+    let n = *dy.dims().last().ok_or("dy has no features")?;
+    ensure!(w.dims().len() == 2 && w.dims()[0] == n, "weight {} has not {n} rows", w.shape);
+    let k = w.dims()[1] * 8 / q.bits as usize;
+    let wf = dequantize(w, scales, q, k);
+    let m = dy.numel() / n.max(1);
+    let mut data = vec![0.0; m * k];
+    for i in 0..m {
+        for j in 0..n {
+            let g = dy.data[i * n + j];
+            for (d, &wv) in data[i * k..(i + 1) * k].iter_mut().zip(&wf[j * k..(j + 1) * k]) {
+                *d += g * wv;
+            }
+        }
+    }
+    let mut out = dy.dims().to_vec();
+    *out.last_mut().unwrap_or(&mut 0) = k;
+    Ok(Value { shape: Shape::from(out), data })
+}
+
 // ---- optimizer -------------------------------------------------------------------------------
 
 pub(super) fn adamw(x: &[&Value], spec: &AdamWSpec) -> Result<Vec<Value>, String> {

@@ -397,9 +397,13 @@ pub enum Op {
     /// `x[b, index[b]]` (the last prompt position of each sequence). Inference only.
     SelectPositions,
     /// Inputs `[x [.., K], weight [N, K·bits/8] u8, scales [N, K/group] f32]` → `[.., N]` in
-    /// x's dtype: `x · dequant(weight)ᵀ`, dequantised inside the kernel ([`QuantSpec`]).
-    /// Inference only.
+    /// x's dtype: `x · dequant(weight)ᵀ`, dequantised inside the kernel ([`QuantSpec`]). In
+    /// generation, and as a frozen base's linear when training (QLoRA): the weight and scales
+    /// take no gradient, x's is [`Op::QMatMulBackward`].
     QMatMul(QuantSpec),
+    /// Inputs `[dy [.., N], weight [N, K·bits/8] u8, scales [N, K/group] f32]` → `dx [.., K]`
+    /// in dy's dtype: `dy · dequant(weight)`, the input gradient of [`Op::QMatMul`].
+    QMatMulBackward(QuantSpec),
 
     // ---- mixture of experts (see [`moe`]) ------------------------------------------------
     /// Inputs `[x [.., n]]` → `[values [.., k], indices [.., k] i64]`: the `k` largest of each
@@ -514,6 +518,7 @@ impl Op {
             Op::CacheWrite => "cache_write",
             Op::SelectPositions => "select_positions",
             Op::QMatMul(_) => "qmatmul",
+            Op::QMatMulBackward(_) => "qmatmul_backward",
             Op::Unary(_) => "unary",
             Op::UnaryBackward(_) => "unary_backward",
             Op::Binary(_) => "binary",
@@ -589,7 +594,7 @@ impl Op {
 
     /// Ops of inference Programs only (no VJP, no training use).
     pub fn inference_only(&self) -> bool {
-        matches!(self, Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_))
+        matches!(self, Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions)
     }
 
     /// Whether `selective` activation checkpointing keeps this op's outputs: matmuls, fused
@@ -648,6 +653,7 @@ impl Op {
             | Op::SelectPositions
             | Op::Rope { .. }
             | Op::Conv2dBackwardInput { .. }
+            | Op::QMatMulBackward(_)
             | Op::Conv2dBackwardWeight { .. }
             | Op::GroupNorm { .. }
             | Op::GroupNormBackward { .. }
@@ -678,6 +684,7 @@ impl Op {
             Op::CacheWrite => infer::infer_cache_write(x),
             Op::SelectPositions => infer::infer_select(x),
             Op::QMatMul(q) => quant::infer(x, *q),
+            Op::QMatMulBackward(q) => quant::infer_backward(x, *q),
             Op::Unary(_) => elementwise::infer_unary(x),
             Op::UnaryBackward(_) => elementwise::infer_unary_backward(x),
             Op::Binary(_) => elementwise::infer_binary(x),
@@ -761,6 +768,7 @@ impl Op {
             | Op::CacheWrite
             | Op::SelectPositions => Flops::default(),
             Op::QMatMul(_) => quant::flops(x, y),
+            Op::QMatMulBackward(_) => quant::flops_backward(x, y),
             Op::Unary(u) => elementwise::flops_unary(*u, y),
             Op::UnaryBackward(u) => elementwise::flops_unary_backward(*u, y),
             Op::Binary(_) => elementwise::flops_binary(y),
@@ -870,6 +878,7 @@ impl Op {
             | Op::QMatMul(_)
             | Op::Conv2d(_)
             | Op::Conv2dBackwardInput { .. }
+            | Op::QMatMulBackward(_)
             | Op::Conv2dBackwardWeight { .. }
             | Op::GroupNorm { .. }
             | Op::GroupNormBackward { .. }
@@ -948,6 +957,7 @@ impl Op {
             | Op::Rope { .. }
             | Op::Conv2d(_)
             | Op::Conv2dBackwardInput { .. }
+            | Op::QMatMulBackward(_)
             | Op::Conv2dBackwardWeight { .. }
             | Op::GroupNorm { .. }
             | Op::GroupNormBackward { .. }
@@ -978,6 +988,7 @@ impl Op {
             Op::TiledMlpBackward(spec) => tiled_mlp::workspace_bytes(x, spec, true),
             Op::Attention(_) | Op::AttentionBackward(_) => attention::workspace_bytes(x),
             Op::QMatMul(q) => quant::workspace_bytes(x, *q),
+            Op::QMatMulBackward(q) => quant::workspace_bytes_backward(x, *q),
             Op::Conv2d(spec) => vision::workspace_conv(x, spec),
             Op::Conv2dBackwardInput { spec, .. } => vision::workspace_conv_backward_input(x, spec),
             Op::Conv2dBackwardWeight { spec, kernel_hw } => {
@@ -1047,7 +1058,9 @@ impl Op {
                 all(false)
             }
             // Inference ops are never differentiated.
-            Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => all(false),
+            Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions => all(false),
+            // A quantised weight is frozen: only x carries a gradient.
+            Op::QMatMul(_) => vec![true, false, false],
             // Positions and starts carry no gradient.
             Op::Attention(_) if num_inputs == 4 => vec![true, true, true, false],
             Op::Rope { .. } if num_inputs == 2 => vec![true, false],
@@ -1116,6 +1129,7 @@ impl Op {
             | Op::AttentionBackward(_)
             | Op::AttentionMergeBackward
             | Op::Conv2dBackwardInput { .. }
+            | Op::QMatMulBackward(_)
             | Op::Conv2dBackwardWeight { .. }
             | Op::GroupNormBackward { .. }
             | Op::MaxPool2dBackward(_)
@@ -1192,6 +1206,7 @@ impl Op {
             | Op::AttentionBackward(_)
             | Op::AttentionMergeBackward
             | Op::Conv2dBackwardInput { .. }
+            | Op::QMatMulBackward(_)
             | Op::Conv2dBackwardWeight { .. }
             | Op::GroupNormBackward { .. }
             | Op::MaxPool2dBackward(_)
@@ -1202,12 +1217,11 @@ impl Op {
                 "{} has no VJP: backward and optimizer ops are not differentiated again",
                 self.name()
             ))),
-            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => {
-                Err(crate::IrError::Graph(format!(
-                    "{} is an inference op: inference Programs are not differentiated",
-                    self.name()
-                )))
-            }
+            Op::QMatMul(q) => quant::vjp(cx, *q),
+            Op::CacheWrite | Op::SelectPositions => Err(crate::IrError::Graph(format!(
+                "{} is an inference op: inference Programs are not differentiated",
+                self.name()
+            ))),
         }
     }
 }

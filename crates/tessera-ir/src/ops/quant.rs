@@ -45,6 +45,69 @@ pub(crate) fn flops(x: &[&TensorMeta], y: &[&TensorMeta]) -> Flops {
     Flops { matmul: 2 * y[0].numel() * k, other: n * k }
 }
 
+/// `[dy [.., N], weight [N, K·bits/8] u8, scales [N, K/group] f32]` → `dx [.., K]` in dy's
+/// dtype: `dy · dequant(weight)`, the input gradient of [`Op::QMatMul`](super::Op::QMatMul).
+pub(crate) fn infer_backward(x: &[&TensorMeta], q: QuantSpec) -> Result<Vec<TensorMeta>, String> {
+    expect_inputs(x, 3)?;
+    expect_float(x[0], "dy")?;
+    if !matches!(q.bits, 4 | 8) || q.group == 0 {
+        return Err(format!(
+            "quantisation of {} bits in groups of {}: give 8 or 4 bits",
+            q.bits, q.group
+        ));
+    }
+    let (w, s) = (x[1].shape.dims(), x[2].shape.dims());
+    if x[1].dtype != DType::U8 || x[2].dtype != DType::F32 || w.len() != 2 || s.len() != 2 {
+        return Err(format!("weight {} must be u8 [N, ·] and scales {} f32 [N, ·]", x[1], x[2]));
+    }
+    let k = w[1] * 8 / q.bits as usize;
+    let dy = x[0].shape.dims();
+    if dy.last() != Some(&w[0]) || s[0] != w[0] || !k.is_multiple_of(q.group) || s[1] != k / q.group
+    {
+        return Err(format!(
+            "dy {} must end in the weight's {} output features, scales {} be [{}, {}]",
+            x[0],
+            w[0],
+            x[2],
+            w[0],
+            k / q.group.max(1)
+        ));
+    }
+    let mut out = dy.to_vec();
+    *out.last_mut().unwrap_or(&mut 0) = k;
+    Ok(vec![TensorMeta { shape: Shape::from(out), dtype: x[0].dtype }])
+}
+
+/// 2·M·N·K as a dense matmul, plus the dequantisation.
+pub(crate) fn flops_backward(x: &[&TensorMeta], y: &[&TensorMeta]) -> Flops {
+    let n = x[1].shape.dim(0) as u64;
+    let k = y[0].shape.dims().last().copied().unwrap_or(0) as u64;
+    Flops { matmul: 2 * x[0].numel() * k, other: n * k }
+}
+
+/// One tile of dequantised weight rows (f32), as the forward kernel.
+pub(crate) fn workspace_bytes_backward(x: &[&TensorMeta], q: QuantSpec) -> u64 {
+    let n = x[1].shape.dim(0) as u64;
+    let k = (x[1].shape.dim(1) * 8 / q.bits.max(1) as usize) as u64;
+    n.min(QMATMUL_TILE_ROWS) * k * 4
+}
+
+/// The VJP of `y = x · dequant(w)ᵀ`: `dx = dy · dequant(w)` ([`Op::QMatMulBackward`]); the
+/// weight and its scales take no gradient (a quantised weight is frozen).
+pub(crate) fn vjp(
+    cx: &mut crate::autodiff::VjpCtx<'_>,
+    q: QuantSpec,
+) -> crate::Result<Vec<Option<crate::autodiff::Grad>>> {
+    let mut grads = vec![None, None, None];
+    if cx.needs[0] {
+        let dy = cx.dy(0)?;
+        let (w, s) = (cx.x(1), cx.x(2));
+        let dx = cx.b.push1(super::Op::QMatMulBackward(q), &[dy, w, s])?;
+        grads[0] = Some(crate::autodiff::Grad::Full(dx));
+    }
+    Ok(grads)
+}
+
 /// One tile of dequantised weight rows (f32) per worker: at most 64 rows of K.
 pub(crate) fn workspace_bytes(x: &[&TensorMeta], _q: QuantSpec) -> u64 {
     let k = x[0].shape.dims().last().copied().unwrap_or(0) as u64;

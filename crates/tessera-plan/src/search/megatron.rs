@@ -134,8 +134,9 @@ pub(super) fn tp_labels(
         let (pin, out_split) = match &n.op {
             // (A MoE router is not: it is replicated, as Megatron-LM's, its logits whole, and
             // falls to the last arm.)
-            Op::MatMul { .. } | Op::QMatMul(_)
-                if (matches!(n.op, Op::QMatMul(_)) || is_weight(g, n.inputs[1]))
+            Op::MatMul { .. } | Op::QMatMul(_) | Op::QMatMulBackward(_)
+                if (matches!(n.op, Op::QMatMul(_) | Op::QMatMulBackward(_))
+                    || is_weight(g, n.inputs[1]))
                     && !router[n.outputs[0].index()] =>
             {
                 let x = g.meta(n.inputs[0]);

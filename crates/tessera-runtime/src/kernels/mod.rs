@@ -125,6 +125,7 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::CacheWrite => one(infer::cache_write(x[0], x[1], x[2])?),
         Op::SelectPositions => one(infer::select_positions(x[0], x[1])?),
         Op::QMatMul(q) => one(quant::qmatmul(x[0], x[1], x[2], *q)?),
+        Op::QMatMulBackward(q) => one(quant::qmatmul_backward(x[0], x[1], x[2], *q)?),
         Op::AdamW(spec) => optim::adamw(spec, x),
         Op::TopK { k } => moe::top_k(x[0], *k),
         Op::TakeAlong => one(moe::take_along(x[0], x[1])?),

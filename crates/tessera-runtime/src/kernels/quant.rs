@@ -118,6 +118,71 @@ pub fn qmatmul(x: &Tensor, w: &Tensor, scales: &Tensor, q: QuantSpec) -> Result<
     from_vec(out, &dims)
 }
 
+/// `dy [.., N] f32 · dequant(w [N, K·bits/8] u8, scales [N, K/group] f32)` → `dx [.., K]`: the
+/// input gradient of [`qmatmul`]. Tiles of ≤ [`TILE_ROWS`] weight rows are dequantised into
+/// one f32 scratch `[64, K]` (the workspace the op declares) and each adds its
+/// `dy[:, tile] · tile` into dx with `gemm`.
+pub fn qmatmul_backward(dy: &Tensor, w: &Tensor, scales: &Tensor, q: QuantSpec) -> Result<Tensor> {
+    if dy.dtype() != DType::F32 || w.dtype() != DType::U8 || scales.dtype() != DType::F32 {
+        return Err(bad(format!(
+            "dy {:?}, weight {:?}, scales {:?}: expected f32, u8, f32",
+            dy.dtype(),
+            w.dtype(),
+            scales.dtype()
+        )));
+    }
+    let Some((&n, lead)) = dy.dims().split_last() else {
+        return Err(bad("dy has no features".into()));
+    };
+    let &[wn, rb] = w.dims() else { return Err(bad(format!("weight {:?} is not 2-d", w.dims()))) };
+    if !matches!(q.bits, 4 | 8) || q.group == 0 {
+        return Err(bad(format!("{} bits in groups of {}: give 8 or 4 bits", q.bits, q.group)));
+    }
+    let k = rb * 8 / q.bits as usize;
+    let groups = k / q.group;
+    if wn != n || k % q.group != 0 || scales.dims() != [n, groups] {
+        return Err(bad(format!(
+            "dy {:?}, weight {:?}, scales {:?} do not fit ({} bits, groups of {})",
+            dy.dims(),
+            w.dims(),
+            scales.dims(),
+            q.bits,
+            q.group
+        )));
+    }
+    let m: usize = lead.iter().product();
+    let mut dims = dy.dims().to_vec();
+    if let Some(l) = dims.last_mut() {
+        *l = k;
+    }
+    let mut out = vec![0f32; m * k];
+    if m > 0 && n > 0 && k > 0 {
+        let (dy, w, scales) = (contiguous(dy)?, contiguous(w)?, contiguous(scales)?);
+        let (ys, ws, ss) = (read::<f32>(&dy)?, read::<u8>(&w)?, read::<f32>(&scales)?);
+        let wt = Weights { codes: &ws, scales: &ss, n, k, rb, groups, q };
+        let t = TILE_ROWS.min(n);
+        let mut tile = vec![0f32; t * k];
+        let par = match rayon::current_num_threads() {
+            0 | 1 => Parallelism::None,
+            p => Parallelism::Rayon(p),
+        };
+        for j0 in (0..n).step_by(t) {
+            let rows = t.min(n - j0);
+            tile[..rows * k].par_chunks_mut(k).enumerate().for_each(|(r, dst)| {
+                let (codes, scales) = wt.row(j0 + r);
+                dequantize_row(codes, scales, q, dst);
+            });
+            let lhs = MatRef { ptr: ys.as_ptr().wrapping_add(j0), rs: n as isize, cs: 1 };
+            let rhs = MatRef { ptr: tile.as_ptr(), rs: k as isize, cs: 1 };
+            let dst = MatMut { ptr: out.as_mut_ptr(), rs: k as isize, cs: 1 };
+            // SAFETY: dy is [m, n] (columns j0..j0+rows read, row stride n), the tile holds
+            // rows × k, out is [m, k]; out overlaps neither and this thread alone writes it.
+            unsafe { gemm_f32(m, k, rows, dst, j0 > 0, lhs, rhs, 1.0, par) };
+        }
+    }
+    from_vec(out, &dims)
+}
+
 // ---- few rows of x: per output feature ------------------------------------------------------
 
 /// Codes per vector step: 8 f32 lanes (one AVX2 register).
