@@ -52,6 +52,10 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
     };
     let model_type = match map.get("model_type") {
         Some(Value::String(s)) => s.as_str(),
+        // diffusers configs name their class instead.
+        None | Some(Value::Null) if map.contains_key("_class_name") => {
+            return diffusers(map, &map["_class_name"], origin, fallback_name)
+        }
         None | Some(Value::Null) => {
             return Err(ModelError::MissingField {
                 model_type: String::new(),
@@ -89,6 +93,32 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
             supported: SUPPORTED_MODEL_TYPES.join(", "),
         }),
     }
+}
+
+/// A diffusers config (`_class_name`, no `model_type`): the class's own parser.
+fn diffusers(
+    map: &Map<String, Value>,
+    class: &Value,
+    origin: &str,
+    fallback_name: Option<&str>,
+) -> Result<ModelConfig> {
+    let class = match class {
+        Value::String(s) => s.as_str(),
+        other => {
+            return Err(ModelError::invalid(
+                "_class_name",
+                format!(
+                    "{origin}: must be a string such as \"UNet2DConditionModel\", got {}",
+                    json_kind(other)
+                ),
+            ))
+        }
+    };
+    let name = match map.get("_name_or_path") {
+        Some(Value::String(n)) if !n.is_empty() => n.clone(),
+        _ => fallback_name.unwrap_or(class).to_string(),
+    };
+    crate::diffusion::parse(map, class, name)
 }
 
 /// A checkpoint of a model imported from ONNX (what `train --save` writes for one): its

@@ -24,6 +24,7 @@
 mod bert;
 mod bloom;
 mod config;
+pub mod diffusion;
 mod error;
 mod gpt2;
 mod hf;
@@ -44,6 +45,7 @@ pub use config::{
     Gpt2Params, LlamaConfig, LlamaParams, LlamaVariant, MlaParams, MlpConfig, MlpParams, MoeParams,
     VitConfig, VitParams, MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS,
 };
+pub use diffusion::{UNetConfig, UNetParams};
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;
 pub use nn::{Quantize, QuantizedWeight, IGNORE_INDEX, INT4_GROUP};
@@ -73,6 +75,8 @@ pub enum ModelConfig {
     Bloom(BloomConfig),
     /// A model imported from an ONNX file (`torch.onnx.export`).
     Onnx(OnnxConfig),
+    /// diffusers' `UNet2DConditionModel` (a `config.json` with `_class_name`).
+    UNet(UNetConfig),
 }
 
 impl ModelConfig {
@@ -102,8 +106,11 @@ impl ModelConfig {
                 (p.hidden_dropout, p.attention_dropout) = (0.0, 0.0);
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
-            // An ONNX file exported in eval mode holds no dropout.
-            ModelConfig::Llama(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => self.clone(),
+            // An ONNX file exported in eval mode holds no dropout; the UNet has none.
+            ModelConfig::Llama(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Onnx(_)
+            | ModelConfig::UNet(_) => self.clone(),
         }
     }
 
@@ -159,6 +166,40 @@ impl ModelConfig {
         Err(ModelError::UnknownPreset { name: spec.to_string(), presets: PRESETS.join(", ") })
     }
 
+    /// The same diffusion model on `side × side` samples (`--image-size`: the latent side for
+    /// a latent model); refused for the other families, whose input size is not an image's.
+    pub fn with_image_size(&self, side: usize) -> Result<ModelConfig> {
+        match self {
+            ModelConfig::UNet(c) => c.with_sample_size(side).map(ModelConfig::UNet),
+            ModelConfig::Gpt2(_)
+            | ModelConfig::Llama(_)
+            | ModelConfig::Bert(_)
+            | ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Bloom(_)
+            | ModelConfig::Onnx(_) => Err(ModelError::Unsupported {
+                what: "--image-size for model family".into(),
+                found: self.family().into(),
+                supported: "diffusion models (unet); a ViT's image size is its config's".into(),
+            }),
+        }
+    }
+
+    /// The sequence length a command uses when none is given, where the family fixes one:
+    /// a diffusion model's text tokens, [`diffusion::DEFAULT_TEXT_TOKENS`] (CLIP's 77).
+    pub fn default_seq(&self) -> Option<usize> {
+        match self {
+            ModelConfig::UNet(_) => Some(diffusion::DEFAULT_TEXT_TOKENS),
+            ModelConfig::Gpt2(_)
+            | ModelConfig::Llama(_)
+            | ModelConfig::Bert(_)
+            | ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Bloom(_)
+            | ModelConfig::Onnx(_) => None,
+        }
+    }
+
     /// The preset name, the config's `_name_or_path`, or its directory's name.
     pub fn name(&self) -> &str {
         match self {
@@ -169,10 +210,11 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => &c.name,
             ModelConfig::Bloom(c) => &c.name,
             ModelConfig::Onnx(c) => &c.name,
+            ModelConfig::UNet(c) => &c.name,
         }
     }
 
-    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom` or `onnx`.
+    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx` or `unet`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::Gpt2(_) => "gpt2",
@@ -182,6 +224,7 @@ impl ModelConfig {
             ModelConfig::Mlp(_) => "mlp",
             ModelConfig::Bloom(_) => "bloom",
             ModelConfig::Onnx(_) => "onnx",
+            ModelConfig::UNet(_) => "unet",
         }
     }
 
@@ -203,6 +246,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.len(),
             ModelConfig::Bloom(c) => c.n_layer,
             ModelConfig::Onnx(c) => c.num_blocks,
+            ModelConfig::UNet(c) => c.num_blocks(),
         }
     }
 
@@ -216,6 +260,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.iter().copied().max().unwrap_or(c.input_dim),
             ModelConfig::Bloom(c) => c.hidden_size,
             ModelConfig::Onnx(c) => c.widest,
+            ModelConfig::UNet(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
         }
     }
 
@@ -227,6 +272,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.num_attention_heads),
             ModelConfig::Vit(c) => Some(c.num_attention_heads),
             ModelConfig::Bloom(c) => Some(c.n_head),
+            ModelConfig::UNet(c) => c.heads.iter().copied().max(),
             ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => None,
         }
     }
@@ -247,7 +293,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.vocab_size),
             ModelConfig::Bloom(c) => Some(c.vocab_size),
             ModelConfig::Onnx(c) => c.vocab_size(),
-            ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
+            ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::UNet(_) => None,
         }
     }
 
@@ -261,7 +307,8 @@ impl ModelConfig {
             ModelConfig::Llama(_)
             | ModelConfig::Bloom(_)
             | ModelConfig::Vit(_)
-            | ModelConfig::Mlp(_) => None,
+            | ModelConfig::Mlp(_)
+            | ModelConfig::UNet(_) => None,
         }
     }
 
@@ -275,10 +322,12 @@ impl ModelConfig {
                 OnnxTask::CausalLm { .. } => c.fixed_seq().unwrap_or(requested),
                 OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => 1,
             },
+            // A diffusion model's sequence is its text tokens.
             ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
-            | ModelConfig::Bloom(_) => requested,
+            | ModelConfig::Bloom(_)
+            | ModelConfig::UNet(_) => requested,
         }
     }
 
@@ -292,6 +341,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
             ModelConfig::Onnx(_) => None,
+            ModelConfig::UNet(c) => c.dtype,
         }
     }
 
@@ -306,6 +356,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.num_parameters(),
             ModelConfig::Bloom(c) => c.num_parameters(),
             ModelConfig::Onnx(c) => c.num_parameters,
+            ModelConfig::UNet(c) => c.num_parameters(),
         }
     }
 
@@ -336,6 +387,8 @@ impl ModelConfig {
                 (max(&[c.vocab_size, 3 * c.hidden_size, c.mlp_width()]), c.hidden_size)
             }
             ModelConfig::Onnx(c) => (c.widest, c.widest),
+            // The sample's `[B, C, H, W]` activations are checked by the builder.
+            ModelConfig::UNet(c) => (c.cross_attention_dim, c.cross_attention_dim),
         }
     }
 }
@@ -390,6 +443,12 @@ pub enum InputKind {
     Positions,
     /// Generation: `[B]`, the step position whose logits each row wants.
     LastIndex,
+    /// Diffusion: `[B]` f32, each sample's timestep (diffusers' `timestep`; integers in
+    /// `0..num_train_timesteps` in training, any real value is accepted).
+    Timesteps,
+    /// Diffusion: `[B, T, D]` conditioning states in the model dtype (the text encoder's
+    /// `encoder_hidden_states`, T tokens of width `cross_attention_dim`).
+    Condition,
 }
 
 /// One data input of a built model.
@@ -518,7 +577,11 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         ModelConfig::Gpt2(c) => gpt2::build(c, &build_opts, Some(opts))?,
         ModelConfig::Llama(c) => llama::build(c, &build_opts, Some(opts))?,
         ModelConfig::Bloom(c) => bloom::build(c, &build_opts, Some(opts))?,
-        ModelConfig::Bert(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => {
+        ModelConfig::Bert(_)
+        | ModelConfig::Vit(_)
+        | ModelConfig::Mlp(_)
+        | ModelConfig::Onnx(_)
+        | ModelConfig::UNet(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -573,6 +636,7 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Vit(c) => vit::build(c, &opts),
         ModelConfig::Mlp(c) => mlp::build(c, &opts),
         ModelConfig::Onnx(c) => onnx::build(c, &opts),
+        ModelConfig::UNet(c) => diffusion::build_unet(c, &opts),
     }
 }
 
