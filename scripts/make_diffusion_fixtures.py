@@ -1,4 +1,4 @@
-"""Regenerates crates/tessera-cli/tests/fixtures/diffusers_unet/ (see scripts/make-diffusion-fixtures.sh).
+"""Regenerates crates/tessera-cli/tests/fixtures/diffusers_unet/ (run by scripts/make-diffusion-fixtures.sh).
 
 - sd15/config.json, sd2/config.json: the published UNet configs of Stable Diffusion 1.5
   (runwayml/stable-diffusion-v1-5, unet/config.json) and 2 (stabilityai/stable-diffusion-2-base,
