@@ -103,3 +103,44 @@ fn tiny_sd2_style_unet_matches_diffusers() {
 fn tiny_sd15_style_unet_matches_diffusers() {
     parity("tiny_sd15");
 }
+
+fn tessera(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().unwrap()
+}
+
+/// `profile` of a diffusion config: 77 text tokens and the config's `sample_size` unless
+/// `--seq` / `--image-size` say otherwise (the data inputs' bytes show the shapes built).
+#[test]
+fn profile_defaults_to_the_sample_size_and_77_text_tokens() {
+    let dir = fixtures().join("tiny_sd2");
+    let dir = dir.to_str().unwrap();
+    let inputs_bytes = |extra: &[&str]| {
+        let mut args = vec!["profile", "--model", dir, "--batch", "2", "--format", "json"];
+        args.extend(extra);
+        let out = tessera(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (v["seq"].as_u64().unwrap(), v["memory"]["inputs_bytes"].as_u64().unwrap())
+    };
+    // sample and target [2, 4, side, side], timestep [2], encoder_hidden_states [2, T, 8]; f32.
+    let bytes = |side: u64, tokens: u64| 4 * 2 * (2 * 4 * side * side + 1 + tokens * 8);
+    assert_eq!(inputs_bytes(&[]), (77, bytes(8, 77)));
+    assert_eq!(inputs_bytes(&["--seq", "5", "--image-size", "16"]), (5, bytes(16, 5)));
+    // A side the down path cannot halve is refused by name.
+    let out = tessera(&["profile", "--model", dir, "--image-size", "9"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sample_size"));
+}
+
+#[test]
+fn unknown_diffusers_classes_and_settings_are_refused_by_name() {
+    let err = |json: &str| ModelConfig::from_hf_json(json).unwrap_err().to_string();
+    let e = err(r#"{"_class_name": "UNet3DConditionModel"}"#);
+    assert!(e.contains("UNet3DConditionModel") && e.contains("UNet2DConditionModel"), "{e}");
+    let e = err(r#"{"_class_name": "UNet2DConditionModel", "class_embed_type": "timestep"}"#);
+    assert!(e.contains("class_embed_type"), "{e}");
+    let e = err(
+        r#"{"_class_name": "UNet2DConditionModel", "down_block_types": ["SimpleCrossAttnDownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D"]}"#,
+    );
+    assert!(e.contains("SimpleCrossAttnDownBlock2D"), "{e}");
+}

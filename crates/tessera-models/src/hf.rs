@@ -50,12 +50,16 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
             format!("must be a JSON object of settings, got {}", json_kind(&value)),
         ));
     };
+    // diffusers writes `_class_name` instead of `model_type`.
+    if let Some(class) = map.get("_class_name").and_then(Value::as_str) {
+        let name = match map.get("_name_or_path").and_then(Value::as_str) {
+            Some(n) if !n.is_empty() => n.to_string(),
+            _ => fallback_name.unwrap_or(class).to_string(),
+        };
+        return crate::diffusion::parse(map, class, name);
+    }
     let model_type = match map.get("model_type") {
         Some(Value::String(s)) => s.as_str(),
-        // diffusers configs name their class instead.
-        None | Some(Value::Null) if map.contains_key("_class_name") => {
-            return diffusers(map, &map["_class_name"], origin, fallback_name)
-        }
         None | Some(Value::Null) => {
             return Err(ModelError::MissingField {
                 model_type: String::new(),
@@ -93,32 +97,6 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
             supported: SUPPORTED_MODEL_TYPES.join(", "),
         }),
     }
-}
-
-/// A diffusers config (`_class_name`, no `model_type`): the class's own parser.
-fn diffusers(
-    map: &Map<String, Value>,
-    class: &Value,
-    origin: &str,
-    fallback_name: Option<&str>,
-) -> Result<ModelConfig> {
-    let class = match class {
-        Value::String(s) => s.as_str(),
-        other => {
-            return Err(ModelError::invalid(
-                "_class_name",
-                format!(
-                    "{origin}: must be a string such as \"UNet2DConditionModel\", got {}",
-                    json_kind(other)
-                ),
-            ))
-        }
-    };
-    let name = match map.get("_name_or_path") {
-        Some(Value::String(n)) if !n.is_empty() => n.clone(),
-        _ => fallback_name.unwrap_or(class).to_string(),
-    };
-    crate::diffusion::parse(map, class, name)
 }
 
 /// A checkpoint of a model imported from ONNX (what `train --save` writes for one): its

@@ -443,8 +443,8 @@ pub enum InputKind {
     Positions,
     /// Generation: `[B]`, the step position whose logits each row wants.
     LastIndex,
-    /// Diffusion: `[B]` f32, each sample's timestep (diffusers' `timestep`; integers in
-    /// `0..num_train_timesteps` in training, any real value is accepted).
+    /// Diffusion: `[B]` f32, each row's timestep (`0..num_train_timesteps`, fractional when
+    /// sampling).
     Timesteps,
     /// Diffusion: `[B, T, D]` conditioning states in the model dtype (the text encoder's
     /// `encoder_hidden_states`, T tokens of width `cross_attention_dim`).
