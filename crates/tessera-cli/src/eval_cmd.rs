@@ -120,6 +120,10 @@ fn score(args: &EvalArgs) -> Result<Scored> {
             "eval has no data loader for the mlp model: give its named inputs with --inputs \
              IN.safetensors --outputs OUT.safetensors"
         ),
+        (ModelConfig::ClipText(_), _) => bail!(
+            "CLIP's text encoder has no next-token loss: run it on named inputs with --inputs \
+             IN.safetensors (input_ids) --outputs OUT.safetensors"
+        ),
         (_, None) => bail!("--tokens is required for a language model: comma-separated ids"),
         (_, Some(tokens)) => eval_tokens(args, &cfg, &parse_tokens(tokens)?),
     }

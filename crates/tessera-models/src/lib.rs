@@ -23,6 +23,7 @@
 
 mod bert;
 mod bloom;
+mod clip;
 mod config;
 mod error;
 mod gpt2;
@@ -39,6 +40,7 @@ mod presets;
 pub mod rope;
 mod vit;
 
+pub use clip::{ClipActivation, ClipTextConfig, ClipTextParams};
 pub use config::{
     Activation, BertConfig, BertParams, BloomConfig, BloomParams, DeepseekRouting, Gpt2Config,
     Gpt2Params, LlamaConfig, LlamaParams, LlamaVariant, MlaParams, MlpConfig, MlpParams, MoeParams,
@@ -73,6 +75,8 @@ pub enum ModelConfig {
     Bloom(BloomConfig),
     /// A model imported from an ONNX file (`torch.onnx.export`).
     Onnx(OnnxConfig),
+    /// CLIP's text encoder (`CLIPTextModel`): Stable Diffusion's text conditioning.
+    ClipText(ClipTextConfig),
 }
 
 impl ModelConfig {
@@ -103,7 +107,11 @@ impl ModelConfig {
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
             // An ONNX file exported in eval mode holds no dropout.
-            ModelConfig::Llama(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => self.clone(),
+            // CLIP's dropouts are not modelled (SD keeps the encoder frozen, in eval mode).
+            ModelConfig::Llama(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Onnx(_)
+            | ModelConfig::ClipText(_) => self.clone(),
         }
     }
 
@@ -169,10 +177,11 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => &c.name,
             ModelConfig::Bloom(c) => &c.name,
             ModelConfig::Onnx(c) => &c.name,
+            ModelConfig::ClipText(c) => &c.name,
         }
     }
 
-    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom` or `onnx`.
+    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx` or `clip_text`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::Gpt2(_) => "gpt2",
@@ -182,6 +191,7 @@ impl ModelConfig {
             ModelConfig::Mlp(_) => "mlp",
             ModelConfig::Bloom(_) => "bloom",
             ModelConfig::Onnx(_) => "onnx",
+            ModelConfig::ClipText(_) => "clip_text",
         }
     }
 
@@ -189,6 +199,7 @@ impl ModelConfig {
     pub fn model_type(&self) -> &'static str {
         match self {
             ModelConfig::Llama(c) => c.variant.model_type(),
+            ModelConfig::ClipText(_) => "clip_text_model",
             _ => self.family(),
         }
     }
@@ -203,6 +214,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.len(),
             ModelConfig::Bloom(c) => c.n_layer,
             ModelConfig::Onnx(c) => c.num_blocks,
+            ModelConfig::ClipText(c) => c.num_hidden_layers,
         }
     }
 
@@ -216,6 +228,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.iter().copied().max().unwrap_or(c.input_dim),
             ModelConfig::Bloom(c) => c.hidden_size,
             ModelConfig::Onnx(c) => c.widest,
+            ModelConfig::ClipText(c) => c.hidden_size,
         }
     }
 
@@ -227,6 +240,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.num_attention_heads),
             ModelConfig::Vit(c) => Some(c.num_attention_heads),
             ModelConfig::Bloom(c) => Some(c.n_head),
+            ModelConfig::ClipText(c) => Some(c.num_attention_heads),
             ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => None,
         }
     }
@@ -247,6 +261,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.vocab_size),
             ModelConfig::Bloom(c) => Some(c.vocab_size),
             ModelConfig::Onnx(c) => c.vocab_size(),
+            ModelConfig::ClipText(c) => Some(c.vocab_size),
             ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
         }
     }
@@ -258,6 +273,7 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => Some(c.n_positions),
             ModelConfig::Bert(c) => Some(c.max_position_embeddings),
             ModelConfig::Onnx(c) => c.fixed_seq(),
+            ModelConfig::ClipText(c) => Some(c.max_position_embeddings),
             ModelConfig::Llama(_)
             | ModelConfig::Bloom(_)
             | ModelConfig::Vit(_)
@@ -278,7 +294,8 @@ impl ModelConfig {
             ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
-            | ModelConfig::Bloom(_) => requested,
+            | ModelConfig::Bloom(_)
+            | ModelConfig::ClipText(_) => requested,
         }
     }
 
@@ -291,6 +308,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
+            ModelConfig::ClipText(c) => c.dtype,
             ModelConfig::Onnx(_) => None,
         }
     }
@@ -306,6 +324,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.num_parameters(),
             ModelConfig::Bloom(c) => c.num_parameters(),
             ModelConfig::Onnx(c) => c.num_parameters,
+            ModelConfig::ClipText(c) => c.num_parameters(),
         }
     }
 
@@ -336,6 +355,9 @@ impl ModelConfig {
                 (max(&[c.vocab_size, 3 * c.hidden_size, c.mlp_width()]), c.hidden_size)
             }
             ModelConfig::Onnx(c) => (c.widest, c.widest),
+            ModelConfig::ClipText(c) => {
+                (max(&[c.vocab_size, c.intermediate_size, c.hidden_size]), c.hidden_size)
+            }
         }
     }
 }
@@ -518,7 +540,11 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         ModelConfig::Gpt2(c) => gpt2::build(c, &build_opts, Some(opts))?,
         ModelConfig::Llama(c) => llama::build(c, &build_opts, Some(opts))?,
         ModelConfig::Bloom(c) => bloom::build(c, &build_opts, Some(opts))?,
-        ModelConfig::Bert(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => {
+        ModelConfig::Bert(_)
+        | ModelConfig::Vit(_)
+        | ModelConfig::Mlp(_)
+        | ModelConfig::Onnx(_)
+        | ModelConfig::ClipText(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -573,6 +599,7 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Vit(c) => vit::build(c, &opts),
         ModelConfig::Mlp(c) => mlp::build(c, &opts),
         ModelConfig::Onnx(c) => onnx::build(c, &opts),
+        ModelConfig::ClipText(c) => clip::build(c, &opts),
     }
 }
 
