@@ -3,15 +3,12 @@
 //! counts of the real SD 1.5 and SD 2 configs, and on two tiny checkpoints saved by
 //! `save_pretrained` (SD 2's style: linear projections, a head count per block; SD 1.5's: conv
 //! projections, one head count) the prediction and every parameter's gradient of the MSE loss,
-//! run by the runtime's CPU executor on the checkpoint's weights.
+//! as `tessera eval --inputs --outputs --grads` computes them from the checkpoint's files.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use tessera_ir::{gradients, DType, Program, TensorId};
-use tessera_models::{build, BuildOptions, ModelConfig};
-use tessera_runtime::hf_weights::load_hf_weights;
+use tessera_models::ModelConfig;
 use tessera_runtime::tensor::to_f64_vec;
-use tessera_runtime::{CpuBackend, Executor};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/diffusers_unet")
@@ -46,52 +43,44 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
     got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max) / scale
 }
 
+/// `tessera eval --model-dir DIR --inputs DIR/inputs.safetensors --outputs OUT --grads` on a
+/// fixture: the prediction, the loss and every parameter's gradient against diffusers'.
 fn parity(name: &str) {
     let dir = fixtures().join(name);
-    let cfg = ModelConfig::from_path(&dir).unwrap();
-    let inputs = read(&dir.join("inputs.safetensors"));
-    let outputs = read(&dir.join("outputs.safetensors"));
-    let (batch, tokens) =
-        (inputs["encoder_hidden_states"].0[0], inputs["encoder_hidden_states"].0[1]);
-    let fm = build(&cfg, &BuildOptions { batch, seq: tokens, dtype: DType::F32 }).unwrap();
-    let mut b = fm.builder;
-    let params = b.graph.parameters();
-    let grads: Vec<TensorId> =
-        gradients(&mut b, fm.loss, &params).unwrap().into_iter().map(|g| g.unwrap()).collect();
-    let graph = b.finish();
-    let weights = load_hf_weights(&dir, &graph).unwrap();
-    let mut wanted = vec![fm.loss, fm.logits];
-    wanted.extend(&grads);
-    let program = Program::lower_graph(graph.clone(), wanted.clone(), &grads);
-    let mut exec = Executor::new(program, CpuBackend::new(0), None);
-    for (p, t) in weights {
-        exec.bind(p, t).unwrap();
-    }
-    for input in &fm.inputs {
-        let (dims, data) = &inputs[input.name];
-        assert_eq!(dims.as_slice(), graph.shape(input.tensor).dims(), "{}", input.name);
-        let data: Vec<f32> = data.iter().map(|&x| x as f32).collect();
-        exec.bind(input.tensor, tessera_runtime::tensor::from_vec(data, dims).unwrap()).unwrap();
-    }
-    exec.run().unwrap();
-    let get = |t: TensorId| to_f64_vec(exec.get(t).unwrap()).unwrap();
-    let loss = get(fm.loss)[0];
-    let want_loss = outputs["loss"].1[0];
+    let out = std::env::temp_dir()
+        .join(format!("tessera-unet-{}-{name}.safetensors", std::process::id()));
+    let (d, i, o) = (dir.to_str().unwrap(), dir.join("inputs.safetensors"), out.to_str().unwrap());
+    let run = tessera(&[
+        "eval",
+        "--model-dir",
+        d,
+        "--inputs",
+        i.to_str().unwrap(),
+        "--outputs",
+        o,
+        "--grads",
+    ]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let got = read(&out);
+    std::fs::remove_file(&out).unwrap();
+    let want = read(&dir.join("outputs.safetensors"));
+    let (loss, want_loss) = (got["loss"].1[0], want["loss"].1[0]);
     assert!(
         (loss - want_loss).abs() < 1e-5 * want_loss.abs().max(1.0),
         "{name}: loss {loss} vs {want_loss}"
     );
-    let err = rel_err(&get(fm.logits), &outputs["sample"].1);
+    assert_eq!(got["logits"].0, want["sample"].0, "{name}: prediction shape");
+    let err = rel_err(&got["logits"].1, &want["sample"].1);
     assert!(err < 1e-4, "{name}: prediction off by {err:.2e}");
-    for (&p, &g) in params.iter().zip(&grads) {
-        let pname = graph.tensor_scope(p);
-        let want = &outputs[&format!("grad.{pname}")];
-        assert_eq!(want.0.as_slice(), graph.shape(p).dims(), "{pname}");
-        let err = rel_err(&get(g), &want.1);
-        assert!(err < 1e-4, "{name}: gradient of {pname} off by {err:.2e}");
+    let grads: Vec<&String> = want.keys().filter(|k| k.starts_with("grad.")).collect();
+    for g in grads {
+        let ours = got.get(g).unwrap_or_else(|| panic!("{name}: no {g} in eval's output"));
+        assert_eq!(ours.0, want[g].0, "{g}");
+        let err = rel_err(&ours.1, &want[g].1);
+        assert!(err < 1e-4, "{name}: {g} off by {err:.2e}");
     }
-    // Every gradient diffusers computed is one of ours.
-    assert_eq!(outputs.len(), params.len() + 2, "{name}");
+    // Every gradient eval wrote is one diffusers computed.
+    assert_eq!(got.len(), want.len(), "{name}: {:?}", got.keys().collect::<Vec<_>>());
 }
 
 #[test]

@@ -50,6 +50,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => vit(c),
             ModelConfig::Mlp(c) => mlp(c),
             ModelConfig::Bloom(c) => bloom(c),
+            ModelConfig::ClipText(c) => clip_text(c),
             // No transformers class reads an ONNX graph: the file it came from is recorded,
             // as an absolute path where it resolves (a checkpoint is read from anywhere).
             ModelConfig::Onnx(c) => {
@@ -67,6 +68,27 @@ impl ModelConfig {
         map.insert("torch_dtype".into(), json!(hf_dtype(self.dtype().unwrap_or(DType::F32))));
         Value::Object(map)
     }
+}
+
+/// `CLIPTextConfig`'s fields.
+fn clip_text(c: &crate::ClipTextConfig) -> Map<String, Value> {
+    let act = match c.hidden_act {
+        crate::ClipActivation::QuickGelu => "quick_gelu",
+        crate::ClipActivation::Gelu => "gelu",
+        crate::ClipActivation::GeluTanh => "gelu_pytorch_tanh",
+    };
+    let v = json!({
+        "architectures": ["CLIPTextModel"],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": act,
+        "layer_norm_eps": c.layer_norm_eps,
+    });
+    v.as_object().cloned().unwrap_or_default()
 }
 
 /// The `torch.dtype` name (`float32`, `bfloat16`, ...).

@@ -23,6 +23,7 @@
 
 mod bert;
 mod bloom;
+mod clip;
 mod config;
 pub mod diffusion;
 mod error;
@@ -40,6 +41,7 @@ mod presets;
 pub mod rope;
 mod vit;
 
+pub use clip::{ClipActivation, ClipTextConfig, ClipTextParams};
 pub use config::{
     Activation, BertConfig, BertParams, BloomConfig, BloomParams, DeepseekRouting, Gpt2Config,
     Gpt2Params, LlamaConfig, LlamaParams, LlamaVariant, MlaParams, MlpConfig, MlpParams, MoeParams,
@@ -77,6 +79,8 @@ pub enum ModelConfig {
     Onnx(OnnxConfig),
     /// diffusers' `UNet2DConditionModel` (a `config.json` with `_class_name`).
     UNet(UNetConfig),
+    /// CLIP's text encoder (`CLIPTextModel`): Stable Diffusion's text conditioning.
+    ClipText(ClipTextConfig),
 }
 
 impl ModelConfig {
@@ -107,10 +111,12 @@ impl ModelConfig {
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
             // An ONNX file exported in eval mode holds no dropout; the UNet has none.
+            // CLIP's dropouts are not modelled (SD keeps the encoder frozen, in eval mode).
             ModelConfig::Llama(_)
             | ModelConfig::Mlp(_)
             | ModelConfig::Onnx(_)
-            | ModelConfig::UNet(_) => self.clone(),
+            | ModelConfig::UNet(_)
+            | ModelConfig::ClipText(_) => self.clone(),
         }
     }
 
@@ -177,7 +183,8 @@ impl ModelConfig {
             | ModelConfig::Vit(_)
             | ModelConfig::Mlp(_)
             | ModelConfig::Bloom(_)
-            | ModelConfig::Onnx(_) => Err(ModelError::Unsupported {
+            | ModelConfig::Onnx(_)
+            | ModelConfig::ClipText(_) => Err(ModelError::Unsupported {
                 what: "--image-size for model family".into(),
                 found: self.family().into(),
                 supported: "diffusion models (unet); a ViT's image size is its config's".into(),
@@ -196,7 +203,8 @@ impl ModelConfig {
             | ModelConfig::Vit(_)
             | ModelConfig::Mlp(_)
             | ModelConfig::Bloom(_)
-            | ModelConfig::Onnx(_) => None,
+            | ModelConfig::Onnx(_)
+            | ModelConfig::ClipText(_) => None,
         }
     }
 
@@ -211,10 +219,12 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => &c.name,
             ModelConfig::Onnx(c) => &c.name,
             ModelConfig::UNet(c) => &c.name,
+            ModelConfig::ClipText(c) => &c.name,
         }
     }
 
-    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx` or `unet`.
+    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx`, `unet` or
+    /// `clip_text`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::Gpt2(_) => "gpt2",
@@ -225,6 +235,7 @@ impl ModelConfig {
             ModelConfig::Bloom(_) => "bloom",
             ModelConfig::Onnx(_) => "onnx",
             ModelConfig::UNet(_) => "unet",
+            ModelConfig::ClipText(_) => "clip_text",
         }
     }
 
@@ -232,6 +243,7 @@ impl ModelConfig {
     pub fn model_type(&self) -> &'static str {
         match self {
             ModelConfig::Llama(c) => c.variant.model_type(),
+            ModelConfig::ClipText(_) => "clip_text_model",
             _ => self.family(),
         }
     }
@@ -247,6 +259,7 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => c.n_layer,
             ModelConfig::Onnx(c) => c.num_blocks,
             ModelConfig::UNet(c) => c.num_blocks(),
+            ModelConfig::ClipText(c) => c.num_hidden_layers,
         }
     }
 
@@ -261,6 +274,7 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => c.hidden_size,
             ModelConfig::Onnx(c) => c.widest,
             ModelConfig::UNet(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
+            ModelConfig::ClipText(c) => c.hidden_size,
         }
     }
 
@@ -273,6 +287,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => Some(c.num_attention_heads),
             ModelConfig::Bloom(c) => Some(c.n_head),
             ModelConfig::UNet(c) => c.heads.iter().copied().max(),
+            ModelConfig::ClipText(c) => Some(c.num_attention_heads),
             ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => None,
         }
     }
@@ -293,6 +308,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.vocab_size),
             ModelConfig::Bloom(c) => Some(c.vocab_size),
             ModelConfig::Onnx(c) => c.vocab_size(),
+            ModelConfig::ClipText(c) => Some(c.vocab_size),
             ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::UNet(_) => None,
         }
     }
@@ -304,6 +320,7 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => Some(c.n_positions),
             ModelConfig::Bert(c) => Some(c.max_position_embeddings),
             ModelConfig::Onnx(c) => c.fixed_seq(),
+            ModelConfig::ClipText(c) => Some(c.max_position_embeddings),
             ModelConfig::Llama(_)
             | ModelConfig::Bloom(_)
             | ModelConfig::Vit(_)
@@ -327,7 +344,8 @@ impl ModelConfig {
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
             | ModelConfig::Bloom(_)
-            | ModelConfig::UNet(_) => requested,
+            | ModelConfig::UNet(_)
+            | ModelConfig::ClipText(_) => requested,
         }
     }
 
@@ -340,6 +358,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
+            ModelConfig::ClipText(c) => c.dtype,
             ModelConfig::Onnx(_) => None,
             ModelConfig::UNet(c) => c.dtype,
         }
@@ -357,6 +376,7 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => c.num_parameters(),
             ModelConfig::Onnx(c) => c.num_parameters,
             ModelConfig::UNet(c) => c.num_parameters(),
+            ModelConfig::ClipText(c) => c.num_parameters(),
         }
     }
 
@@ -389,6 +409,9 @@ impl ModelConfig {
             ModelConfig::Onnx(c) => (c.widest, c.widest),
             // The sample's `[B, C, H, W]` activations are checked by the builder.
             ModelConfig::UNet(c) => (c.cross_attention_dim, c.cross_attention_dim),
+            ModelConfig::ClipText(c) => {
+                (max(&[c.vocab_size, c.intermediate_size, c.hidden_size]), c.hidden_size)
+            }
         }
     }
 }
@@ -581,7 +604,8 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         | ModelConfig::Vit(_)
         | ModelConfig::Mlp(_)
         | ModelConfig::Onnx(_)
-        | ModelConfig::UNet(_) => {
+        | ModelConfig::UNet(_)
+        | ModelConfig::ClipText(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -637,6 +661,7 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Mlp(c) => mlp::build(c, &opts),
         ModelConfig::Onnx(c) => onnx::build(c, &opts),
         ModelConfig::UNet(c) => diffusion::build_unet(c, &opts),
+        ModelConfig::ClipText(c) => clip::build(c, &opts),
     }
 }
 

@@ -4,7 +4,8 @@
 //! tensor to the graph parameter of the same name (parameters carry their Hugging Face names).
 //! It also accepts:
 //! - base-model checkpoints whose names lack the head model's prefix (`transformer.`,
-//!   `model.`, `bert.`, `vit.`), such as the original `gpt2` one (`h.0.attn.c_attn.weight`);
+//!   `model.`, `bert.`, `vit.`, `text_model.`), such as the original `gpt2` one
+//!   (`h.0.attn.c_attn.weight`) or a transformers 5 `CLIPTextModel`;
 //! - legacy LayerNorm names `*.gamma` / `*.beta` (old BERT checkpoints);
 //! - for tied weights, the redundant second name `transformers` may store (`lm_head.weight`,
 //!   `cls.predictions.decoder.weight`, `cls.predictions.decoder.bias`): it fills the tied
@@ -45,7 +46,9 @@ use tessera_ir::{Graph, TensorId};
 
 /// Prefixes of the head models' base model (`GPT2LMHeadModel.transformer`, ...), absent from
 /// base-model checkpoints.
-const BASE_PREFIXES: &[&str] = &["transformer.", "model.", "bert.", "vit."];
+/// CLIP's text encoder is `text_model.` in transformers 4.x checkpoints (Stable Diffusion's)
+/// and has no prefix in 5.x's `CLIPTextModel.save_pretrained`.
+const BASE_PREFIXES: &[&str] = &["transformer.", "model.", "bert.", "vit.", "text_model."];
 
 /// `(alias, parameter)`: names `transformers` may store for a tied parameter.
 const TIED_ALIASES: &[(&str, &str)] = &[
