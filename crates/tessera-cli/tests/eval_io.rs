@@ -270,6 +270,7 @@ fn refused(model: &Path, inputs: &[(&str, Raw)], extra: &[&str], tag: &str) -> S
 fn bad_inputs_are_refused_by_name() {
     let dir = fixtures().join("hf/gpt2");
     let ids = Raw::i64s(&[2, 4], &[1, 2, 3, 4, 5, 6, 7, 8]);
+    #[allow(clippy::type_complexity)] // a table of cases, read once below
     let cases: Vec<(Vec<(&str, Raw)>, &[&str], &[&str])> = vec![
         // An unknown name: listed against the model's inputs.
         (
