@@ -11,12 +11,12 @@ use candle_core::Tensor;
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
-use tessera_ir::{DType, Program, TensorId};
-use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_ir::{DType, Graph, Program, TensorId};
+use tessera_models::{build, BuildOptions, ForwardModel, ModelConfig};
 use tessera_runtime::collective::DeviceMesh;
 use tessera_runtime::hf_weights::open_weights;
 use tessera_runtime::images::ImageSet;
-use tessera_runtime::mapped::ShardSource as _;
+use tessera_runtime::mapped::ShardSource;
 use tessera_runtime::tensor::{candle_dtype, from_vec, to_f64_vec};
 use tessera_runtime::trainer::top1_hits;
 use tessera_runtime::{CpuBackend, Executor};
@@ -45,6 +45,22 @@ pub struct EvalArgs {
     /// --quantize` runs them (int8 or int4).
     #[arg(long, value_parser = crate::generate_cmd::parse_quantize)]
     pub quantize: Option<tessera_models::Quantize>,
+    /// Any model: a safetensors file of the model's named inputs (`input_ids`, `labels`,
+    /// `pixel_values`, `sample`, `timestep`, ...), each of the dtype and shape the model
+    /// takes; batch and sequence come from their shapes. The loss's inputs (`labels`,
+    /// `target`) are optional: without them no `loss` is written.
+    #[arg(long, value_name = "IN.safetensors", requires = "outputs",
+          conflicts_with_all = ["tokens", "data", "logits", "quantize"])]
+    pub inputs: Option<PathBuf>,
+    /// With --inputs: write the model's named outputs here (safetensors): `logits` (the model
+    /// output, whatever the family) and `loss` (an f32 scalar) when the loss's inputs are
+    /// given.
+    #[arg(long, value_name = "OUT.safetensors", requires = "inputs")]
+    pub outputs: Option<PathBuf>,
+    /// With --outputs: also write each trainable parameter's gradient of the loss, as
+    /// `grad.<Hugging Face weight name>` (needs the loss's inputs).
+    #[arg(long, requires = "outputs")]
+    pub grads: bool,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
 }
@@ -58,7 +74,7 @@ fn parse_tokens(s: &str) -> Result<Vec<i64>> {
 }
 
 /// What `eval` prints: the JSON document and the table line.
-struct Scored {
+pub(crate) struct Scored {
     doc: serde_json::Value,
     table: String,
 }
@@ -83,6 +99,10 @@ fn score(args: &EvalArgs) -> Result<Scored> {
         crate::checkpoint_cmd::check_before_load(&args.model_dir, "--model-dir")?;
         ModelConfig::from_path(&args.model_dir)?.without_dropout()
     };
+    if let (Some(inputs), Some(outputs)) = (&args.inputs, &args.outputs) {
+        let written = crate::eval_io::run(args, &cfg, inputs, outputs)?;
+        return Ok(Scored { doc: written.doc(), table: written.table(&cfg, outputs) });
+    }
     if args.adapter.is_some() && (args.quantize.is_some() || args.tokens.is_none()) {
         bail!(
             "--adapter evaluates a language model's LoRA adapter on --tokens, unquantised (drop \
@@ -96,10 +116,62 @@ fn score(args: &EvalArgs) -> Result<Scored> {
              qwen2) and the accuracy of image classifiers (vit); a masked LM's held-out loss is \
              in `tessera train`'s report (eval_loss)"
         ),
-        (ModelConfig::Mlp(_), _) => bail!("eval has no data loader for the mlp model"),
+        (ModelConfig::Mlp(_), _) => bail!(
+            "eval has no data loader for the mlp model: give its named inputs with --inputs \
+             IN.safetensors --outputs OUT.safetensors"
+        ),
+        (ModelConfig::ClipText(_), _) => bail!(
+            "CLIP's text encoder has no next-token loss: run it on named inputs with --inputs \
+             IN.safetensors (input_ids) --outputs OUT.safetensors"
+        ),
         (_, None) => bail!("--tokens is required for a language model: comma-separated ids"),
         (_, Some(tokens)) => eval_tokens(args, &cfg, &parse_tokens(tokens)?),
     }
+}
+
+/// A model built for eval at a batch and sequence (with `--adapter`'s LoRA applied), and the
+/// source of its weights (the adapter's first, then the checkpoint's).
+pub(crate) struct Prepared {
+    pub model: ForwardModel,
+    pub weights: crate::finetune::Layered,
+}
+
+/// Builds `cfg` at `batch` x `seq` (f32) and opens `--model-dir`'s weights for it.
+pub(crate) fn prepare(
+    args: &EvalArgs,
+    cfg: &ModelConfig,
+    batch: usize,
+    seq: usize,
+) -> Result<Prepared> {
+    let model = build(cfg, &BuildOptions { batch, seq, dtype: DType::F32 })?;
+    let base = model.builder.graph.clone();
+    let (model, adapter) = match &args.adapter {
+        Some(dir) => {
+            let a = crate::finetune::read_adapter(dir)?;
+            let spec = tessera_models::lora::LoraSpec { dropout: 0.0, ..a.spec.clone() };
+            (tessera_models::lora::apply_lora(model, &spec)?.0, a.tensors)
+        }
+        None => (model, Default::default()),
+    };
+    let weights =
+        crate::finetune::Layered { first: adapter, rest: open_weights(&args.model_dir, &base)? };
+    Ok(Prepared { model, weights })
+}
+
+/// Every parameter of `graph` (whole, on one device) read from `weights`, in its dtype.
+pub(crate) fn parameter_values(
+    graph: &Graph,
+    weights: &dyn ShardSource,
+) -> Result<Vec<(TensorId, Tensor)>> {
+    let whole = |t: TensorId| vec![Vec::new(); graph.shape(t).rank()];
+    let mut values = Vec::new();
+    for p in graph.parameters() {
+        let name = graph.tensor_scope(p);
+        let dtype = candle_dtype(graph.meta(p).dtype);
+        let v = weights.shard_of(name, &whole(p), &DeviceMesh::single(), dtype)?;
+        values.push((p, v.with_context(|| format!("no value for parameter {name}"))?));
+    }
+    Ok(values)
 }
 
 /// A forward graph with its checkpoint weights bound, ready for its inputs.
@@ -112,31 +184,11 @@ struct Loaded {
 
 impl Loaded {
     fn new(args: &EvalArgs, cfg: &ModelConfig, batch: usize, seq: usize) -> Result<Loaded> {
-        let model = build(cfg, &BuildOptions { batch, seq, dtype: DType::F32 })?;
-        let base = model.builder.graph.clone();
-        let (model, adapter) = match &args.adapter {
-            Some(dir) => {
-                let a = crate::finetune::read_adapter(dir)?;
-                let spec = tessera_models::lora::LoraSpec { dropout: 0.0, ..a.spec.clone() };
-                (tessera_models::lora::apply_lora(model, &spec)?.0, a.tensors)
-            }
-            None => (model, Default::default()),
-        };
+        let Prepared { model, weights } = prepare(args, cfg, batch, seq)?;
         let (loss, logits) = (model.loss, model.logits);
         let inputs = model.inputs.iter().map(|i| (i.name, i.tensor)).collect();
         let graph = model.builder.finish();
-        let weights = crate::finetune::Layered {
-            first: adapter,
-            rest: open_weights(&args.model_dir, &base)?,
-        };
-        let whole = |t: TensorId| vec![Vec::new(); graph.shape(t).rank()];
-        let mut values = Vec::new();
-        for p in graph.parameters() {
-            let name = graph.tensor_scope(p);
-            let dtype = candle_dtype(graph.meta(p).dtype);
-            let v = weights.shard_of(name, &whole(p), &DeviceMesh::single(), dtype)?;
-            values.push((p, v.with_context(|| format!("no value for parameter {name}"))?));
-        }
+        let values = parameter_values(&graph, &weights)?;
         let program = Program::lower_graph(graph, vec![loss, logits], &[]);
         let mut exec = Executor::new(program, CpuBackend::new(0), None);
         for (t, value) in values {

@@ -125,7 +125,11 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             attention_dropout: 0.0,
         },
         // An imported graph names no architecture an engine would rebuild.
-        ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => ModelShape {
+        ModelConfig::Vit(_)
+        | ModelConfig::Mlp(_)
+        | ModelConfig::Onnx(_)
+        | ModelConfig::ClipText(_)
+        | ModelConfig::UNet(_) => ModelShape {
             name,
             family: Family::Other,
             layers: 0,

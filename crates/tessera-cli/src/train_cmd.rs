@@ -307,6 +307,10 @@ pub fn load_data(args: &TrainArgs, cfg: &ModelConfig) -> Result<TrainData> {
             "`train` has no data loader for the mlp model's feature vectors; train a language \
              model or ViT, or profile and plan the mlp"
         ),
+        ModelConfig::ClipText(_) => bail!(
+            "`train` has no data for CLIP's text encoder (Stable Diffusion keeps it frozen); run \
+             it with `tessera eval --inputs/--outputs`, or profile and plan it"
+        ),
         _ => {}
     }
     let vocab = cfg.vocab_size().unwrap_or(0);

@@ -143,10 +143,34 @@ pub(crate) fn self_attention(
     bias: bool,
     causal: bool,
 ) -> IrResult<TensorId> {
+    self_attention_with(b, x_bsd, heads, head_dim, ["query", "key", "value"], bias, causal)
+}
+
+/// [`self_attention`] with biased projections named `names` (q, k, v): CLIP's `q_proj`, ...
+pub(crate) fn self_attention_named(
+    b: &mut Builder,
+    x_bsd: TensorId,
+    heads: usize,
+    head_dim: usize,
+    names: [&str; 3],
+    causal: bool,
+) -> IrResult<TensorId> {
+    self_attention_with(b, x_bsd, heads, head_dim, names, true, causal)
+}
+
+fn self_attention_with(
+    b: &mut Builder,
+    x_bsd: TensorId,
+    heads: usize,
+    head_dim: usize,
+    [q, k, v]: [&str; 3],
+    bias: bool,
+    causal: bool,
+) -> IrResult<TensorId> {
     let width = heads * head_dim;
-    let q_bsd = nn::linear(b, "query", x_bsd, width, bias)?;
-    let k_bsd = nn::linear(b, "key", x_bsd, width, bias)?;
-    let v_bsd = nn::linear(b, "value", x_bsd, width, bias)?;
+    let q_bsd = nn::linear(b, q, x_bsd, width, bias)?;
+    let k_bsd = nn::linear(b, k, x_bsd, width, bias)?;
+    let v_bsd = nn::linear(b, v, x_bsd, width, bias)?;
     let q_bshe = nn::split_heads(b, q_bsd, heads)?;
     let k_bshe = nn::split_heads(b, k_bsd, heads)?;
     let v_bshe = nn::split_heads(b, v_bsd, heads)?;

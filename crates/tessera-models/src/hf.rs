@@ -29,6 +29,8 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "vit",
     "mlp",
     "onnx",
+    "clip_text_model",
+    "clip",
 ];
 
 /// Parses a config.json's `text`; `origin` names it in errors, `fallback_name` names the model
@@ -50,6 +52,14 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
             format!("must be a JSON object of settings, got {}", json_kind(&value)),
         ));
     };
+    // diffusers writes `_class_name` instead of `model_type`.
+    if let Some(class) = map.get("_class_name").and_then(Value::as_str) {
+        let name = match map.get("_name_or_path").and_then(Value::as_str) {
+            Some(n) if !n.is_empty() => n.to_string(),
+            _ => fallback_name.unwrap_or(class).to_string(),
+        };
+        return crate::diffusion::parse(map, class, name);
+    }
     let model_type = match map.get("model_type") {
         Some(Value::String(s)) => s.as_str(),
         None | Some(Value::Null) => {
@@ -84,6 +94,11 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
         "vit" => vit(&f, name),
         "mlp" => mlp(&f, name),
         "onnx" => onnx(&f, origin),
+        "clip_text_model" => clip_text(&f, name),
+        "clip" => match f.object("text_config")? {
+            Some(map) => clip_text(&Fields { map, model_type, prefix: "text_config." }, name),
+            None => Err(f.missing("text_config")),
+        },
         other => Err(ModelError::UnknownModelType {
             found: other.to_string(),
             supported: SUPPORTED_MODEL_TYPES.join(", "),
@@ -475,6 +490,29 @@ fn mlp(f: &Fields, name: String) -> Result<ModelConfig> {
     let num_classes = f.req_usize(&["num_classes"])?;
     let p = MlpParams { name, input_dim, hidden_dims, num_classes, dtype: f.dtype()? };
     Ok(ModelConfig::Mlp(MlpConfig::new(p)?))
+}
+
+/// A `CLIPTextConfig` (SD's `text_encoder/config.json`, or a `CLIPConfig`'s `text_config`):
+/// every field has transformers' default.
+fn clip_text(f: &Fields, name: String) -> Result<ModelConfig> {
+    use crate::clip::{ClipActivation, ClipTextConfig, ClipTextParams};
+    let mut p = ClipTextParams::new(name);
+    f.set_usize("vocab_size", &mut p.vocab_size)?;
+    f.set_usize("hidden_size", &mut p.hidden_size)?;
+    f.set_usize("intermediate_size", &mut p.intermediate_size)?;
+    f.set_usize("num_hidden_layers", &mut p.num_hidden_layers)?;
+    f.set_usize("num_attention_heads", &mut p.num_attention_heads)?;
+    f.set_usize("max_position_embeddings", &mut p.max_position_embeddings)?;
+    f.set_f64("layer_norm_eps", &mut p.layer_norm_eps)?;
+    if let Some(act) = f.str("hidden_act")? {
+        p.hidden_act = ClipActivation::from_hf(act).ok_or_else(|| ModelError::Unsupported {
+            what: format!("{}hidden_act", f.prefix),
+            found: act.to_string(),
+            supported: ClipActivation::SUPPORTED.to_string(),
+        })?;
+    }
+    p.dtype = f.dtype()?;
+    Ok(ModelConfig::ClipText(ClipTextConfig::new(p)?))
 }
 
 // ---- typed field access ----------------------------------------------------------------------

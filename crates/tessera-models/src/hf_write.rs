@@ -21,6 +21,7 @@
 //! - BERT: `BertForMaskedLM`, absolute positions. ViT: `ViTForImageClassification` with an
 //!   `id2label` of `LABEL_i` (transformers' own default names).
 //! - MLP: our own `model_type: "mlp"` (no `architectures`).
+//! - UNet: diffusers' `UNet2DConditionModel` config (`_class_name`, no `model_type`).
 //!
 //! `torch_dtype` is the config's dtype, `float32` when it states none.
 //!
@@ -49,6 +50,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => vit(c),
             ModelConfig::Mlp(c) => mlp(c),
             ModelConfig::Bloom(c) => bloom(c),
+            ModelConfig::ClipText(c) => clip_text(c),
             // No transformers class reads an ONNX graph: the file it came from is recorded,
             // as an absolute path where it resolves (a checkpoint is read from anywhere).
             ModelConfig::Onnx(c) => {
@@ -58,12 +60,35 @@ impl ModelConfig {
                 m.insert("onnx_model".into(), json!(path));
                 m
             }
+            // diffusers configs have `_class_name` and no `model_type`.
+            ModelConfig::UNet(c) => return c.to_diffusers_json(),
         };
         map.insert("_name_or_path".into(), json!(self.name()));
         map.insert("model_type".into(), json!(self.model_type()));
         map.insert("torch_dtype".into(), json!(hf_dtype(self.dtype().unwrap_or(DType::F32))));
         Value::Object(map)
     }
+}
+
+/// `CLIPTextConfig`'s fields.
+fn clip_text(c: &crate::ClipTextConfig) -> Map<String, Value> {
+    let act = match c.hidden_act {
+        crate::ClipActivation::QuickGelu => "quick_gelu",
+        crate::ClipActivation::Gelu => "gelu",
+        crate::ClipActivation::GeluTanh => "gelu_pytorch_tanh",
+    };
+    let v = json!({
+        "architectures": ["CLIPTextModel"],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": act,
+        "layer_norm_eps": c.layer_norm_eps,
+    });
+    v.as_object().cloned().unwrap_or_default()
 }
 
 /// The `torch.dtype` name (`float32`, `bfloat16`, ...).

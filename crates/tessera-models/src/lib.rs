@@ -23,7 +23,9 @@
 
 mod bert;
 mod bloom;
+mod clip;
 mod config;
+pub mod diffusion;
 mod error;
 mod gpt2;
 mod hf;
@@ -40,11 +42,13 @@ pub mod qlora;
 pub mod rope;
 mod vit;
 
+pub use clip::{ClipActivation, ClipTextConfig, ClipTextParams};
 pub use config::{
     Activation, BertConfig, BertParams, BloomConfig, BloomParams, DeepseekRouting, Gpt2Config,
     Gpt2Params, LlamaConfig, LlamaParams, LlamaVariant, MlaParams, MlpConfig, MlpParams, MoeParams,
     VitConfig, VitParams, MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS,
 };
+pub use diffusion::{UNetConfig, UNetParams};
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;
 pub use nn::{Quantize, QuantizedWeight, IGNORE_INDEX, INT4_GROUP};
@@ -74,6 +78,10 @@ pub enum ModelConfig {
     Bloom(BloomConfig),
     /// A model imported from an ONNX file (`torch.onnx.export`).
     Onnx(OnnxConfig),
+    /// diffusers' `UNet2DConditionModel` (a `config.json` with `_class_name`).
+    UNet(UNetConfig),
+    /// CLIP's text encoder (`CLIPTextModel`): Stable Diffusion's text conditioning.
+    ClipText(ClipTextConfig),
 }
 
 impl ModelConfig {
@@ -103,8 +111,13 @@ impl ModelConfig {
                 (p.hidden_dropout, p.attention_dropout) = (0.0, 0.0);
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
-            // An ONNX file exported in eval mode holds no dropout.
-            ModelConfig::Llama(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => self.clone(),
+            // An ONNX file exported in eval mode holds no dropout; the UNet has none.
+            // CLIP's dropouts are not modelled (SD keeps the encoder frozen, in eval mode).
+            ModelConfig::Llama(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Onnx(_)
+            | ModelConfig::UNet(_)
+            | ModelConfig::ClipText(_) => self.clone(),
         }
     }
 
@@ -160,6 +173,42 @@ impl ModelConfig {
         Err(ModelError::UnknownPreset { name: spec.to_string(), presets: PRESETS.join(", ") })
     }
 
+    /// The same diffusion model on `side × side` samples (`--image-size`: the latent side for
+    /// a latent model); refused for the other families, whose input size is not an image's.
+    pub fn with_image_size(&self, side: usize) -> Result<ModelConfig> {
+        match self {
+            ModelConfig::UNet(c) => c.with_sample_size(side).map(ModelConfig::UNet),
+            ModelConfig::Gpt2(_)
+            | ModelConfig::Llama(_)
+            | ModelConfig::Bert(_)
+            | ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Bloom(_)
+            | ModelConfig::Onnx(_)
+            | ModelConfig::ClipText(_) => Err(ModelError::Unsupported {
+                what: "--image-size for model family".into(),
+                found: self.family().into(),
+                supported: "diffusion models (unet); a ViT's image size is its config's".into(),
+            }),
+        }
+    }
+
+    /// The sequence length a command uses when none is given, where the family fixes one:
+    /// a diffusion model's text tokens, [`diffusion::DEFAULT_TEXT_TOKENS`] (CLIP's 77).
+    pub fn default_seq(&self) -> Option<usize> {
+        match self {
+            ModelConfig::UNet(_) => Some(diffusion::DEFAULT_TEXT_TOKENS),
+            ModelConfig::Gpt2(_)
+            | ModelConfig::Llama(_)
+            | ModelConfig::Bert(_)
+            | ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Bloom(_)
+            | ModelConfig::Onnx(_)
+            | ModelConfig::ClipText(_) => None,
+        }
+    }
+
     /// The preset name, the config's `_name_or_path`, or its directory's name.
     pub fn name(&self) -> &str {
         match self {
@@ -170,10 +219,13 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => &c.name,
             ModelConfig::Bloom(c) => &c.name,
             ModelConfig::Onnx(c) => &c.name,
+            ModelConfig::UNet(c) => &c.name,
+            ModelConfig::ClipText(c) => &c.name,
         }
     }
 
-    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom` or `onnx`.
+    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx`, `unet` or
+    /// `clip_text`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::Gpt2(_) => "gpt2",
@@ -183,6 +235,8 @@ impl ModelConfig {
             ModelConfig::Mlp(_) => "mlp",
             ModelConfig::Bloom(_) => "bloom",
             ModelConfig::Onnx(_) => "onnx",
+            ModelConfig::UNet(_) => "unet",
+            ModelConfig::ClipText(_) => "clip_text",
         }
     }
 
@@ -190,6 +244,7 @@ impl ModelConfig {
     pub fn model_type(&self) -> &'static str {
         match self {
             ModelConfig::Llama(c) => c.variant.model_type(),
+            ModelConfig::ClipText(_) => "clip_text_model",
             _ => self.family(),
         }
     }
@@ -204,6 +259,8 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.len(),
             ModelConfig::Bloom(c) => c.n_layer,
             ModelConfig::Onnx(c) => c.num_blocks,
+            ModelConfig::UNet(c) => c.num_blocks(),
+            ModelConfig::ClipText(c) => c.num_hidden_layers,
         }
     }
 
@@ -217,6 +274,8 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.iter().copied().max().unwrap_or(c.input_dim),
             ModelConfig::Bloom(c) => c.hidden_size,
             ModelConfig::Onnx(c) => c.widest,
+            ModelConfig::UNet(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
+            ModelConfig::ClipText(c) => c.hidden_size,
         }
     }
 
@@ -228,6 +287,8 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.num_attention_heads),
             ModelConfig::Vit(c) => Some(c.num_attention_heads),
             ModelConfig::Bloom(c) => Some(c.n_head),
+            ModelConfig::UNet(c) => c.heads.iter().copied().max(),
+            ModelConfig::ClipText(c) => Some(c.num_attention_heads),
             ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => None,
         }
     }
@@ -248,7 +309,8 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.vocab_size),
             ModelConfig::Bloom(c) => Some(c.vocab_size),
             ModelConfig::Onnx(c) => c.vocab_size(),
-            ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
+            ModelConfig::ClipText(c) => Some(c.vocab_size),
+            ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::UNet(_) => None,
         }
     }
 
@@ -259,10 +321,12 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => Some(c.n_positions),
             ModelConfig::Bert(c) => Some(c.max_position_embeddings),
             ModelConfig::Onnx(c) => c.fixed_seq(),
+            ModelConfig::ClipText(c) => Some(c.max_position_embeddings),
             ModelConfig::Llama(_)
             | ModelConfig::Bloom(_)
             | ModelConfig::Vit(_)
-            | ModelConfig::Mlp(_) => None,
+            | ModelConfig::Mlp(_)
+            | ModelConfig::UNet(_) => None,
         }
     }
 
@@ -276,10 +340,13 @@ impl ModelConfig {
                 OnnxTask::CausalLm { .. } => c.fixed_seq().unwrap_or(requested),
                 OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => 1,
             },
+            // A diffusion model's sequence is its text tokens.
             ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
-            | ModelConfig::Bloom(_) => requested,
+            | ModelConfig::Bloom(_)
+            | ModelConfig::UNet(_)
+            | ModelConfig::ClipText(_) => requested,
         }
     }
 
@@ -292,7 +359,9 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
+            ModelConfig::ClipText(c) => c.dtype,
             ModelConfig::Onnx(_) => None,
+            ModelConfig::UNet(c) => c.dtype,
         }
     }
 
@@ -307,6 +376,8 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.num_parameters(),
             ModelConfig::Bloom(c) => c.num_parameters(),
             ModelConfig::Onnx(c) => c.num_parameters,
+            ModelConfig::UNet(c) => c.num_parameters(),
+            ModelConfig::ClipText(c) => c.num_parameters(),
         }
     }
 
@@ -337,6 +408,11 @@ impl ModelConfig {
                 (max(&[c.vocab_size, 3 * c.hidden_size, c.mlp_width()]), c.hidden_size)
             }
             ModelConfig::Onnx(c) => (c.widest, c.widest),
+            // The sample's `[B, C, H, W]` activations are checked by the builder.
+            ModelConfig::UNet(c) => (c.cross_attention_dim, c.cross_attention_dim),
+            ModelConfig::ClipText(c) => {
+                (max(&[c.vocab_size, c.intermediate_size, c.hidden_size]), c.hidden_size)
+            }
         }
     }
 }
@@ -391,6 +467,12 @@ pub enum InputKind {
     Positions,
     /// Generation: `[B]`, the step position whose logits each row wants.
     LastIndex,
+    /// Diffusion: `[B]` f32, each row's timestep (`0..num_train_timesteps`, fractional when
+    /// sampling).
+    Timesteps,
+    /// Diffusion: `[B, T, D]` conditioning states in the model dtype (the text encoder's
+    /// `encoder_hidden_states`, T tokens of width `cross_attention_dim`).
+    Condition,
 }
 
 /// One data input of a built model.
@@ -519,7 +601,12 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         ModelConfig::Gpt2(c) => gpt2::build(c, &build_opts, Some(opts))?,
         ModelConfig::Llama(c) => llama::build(c, &build_opts, Some(opts))?,
         ModelConfig::Bloom(c) => bloom::build(c, &build_opts, Some(opts))?,
-        ModelConfig::Bert(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => {
+        ModelConfig::Bert(_)
+        | ModelConfig::Vit(_)
+        | ModelConfig::Mlp(_)
+        | ModelConfig::Onnx(_)
+        | ModelConfig::UNet(_)
+        | ModelConfig::ClipText(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -574,6 +661,8 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Vit(c) => vit::build(c, &opts),
         ModelConfig::Mlp(c) => mlp::build(c, &opts),
         ModelConfig::Onnx(c) => onnx::build(c, &opts),
+        ModelConfig::UNet(c) => diffusion::build_unet(c, &opts),
+        ModelConfig::ClipText(c) => clip::build(c, &opts),
     }
 }
 
