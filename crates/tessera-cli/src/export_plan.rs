@@ -128,7 +128,9 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
         ModelConfig::Vit(_)
         | ModelConfig::Mlp(_)
         | ModelConfig::Onnx(_)
-        | ModelConfig::ClipText(_) => ModelShape {
+        | ModelConfig::UNet(_)
+        | ModelConfig::ClipText(_)
+        | ModelConfig::Vae(_) => ModelShape {
             name,
             family: Family::Other,
             layers: 0,

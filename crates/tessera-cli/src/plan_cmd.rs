@@ -40,10 +40,16 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 8)]
     #[arg(allow_negative_numbers = true, value_parser = crate::limits::batch())]
     pub batch: usize,
-    /// Sequence length. Default: 1024, or the model's positions if it has fewer.
+    /// Sequence length (a diffusion model's text tokens). Default: 1024, or the model's
+    /// positions if it has fewer; 77 text tokens for a diffusion model.
     #[arg(long, default_value_t = 1024)]
     #[arg(allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub seq: usize,
+    /// A diffusion model's sample side (latents for a latent model, square). Default: the
+    /// config's `sample_size`. Not recorded in a plan file: to train at another size, set
+    /// `sample_size` in the config.
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::seq())]
+    pub image_size: Option<usize>,
     #[arg(long, value_enum, default_value_t = Precision::Bf16)]
     pub dtype: Precision,
     /// Per-device memory budget (512MiB, 20GiB); default: the device's memory minus its reserve.
@@ -162,7 +168,17 @@ fn resolve(args: &PlanArgs) -> Result<(PlanArgs, ModelConfig)> {
         given.flag("dtype", &mut a.dtype),
     )?;
     let args = &a;
-    let cfg = ModelConfig::resolve(&args.model)?;
+    let mut cfg = ModelConfig::resolve(&args.model)?;
+    if let Some(side) = args.image_size {
+        if args.out.is_some() {
+            bail!(
+                "--image-size is not recorded in a plan file, so a run of it would build the \
+                 config's sample_size: set sample_size in {} instead of passing --image-size",
+                args.model
+            );
+        }
+        cfg = cfg.with_image_size(side)?;
+    }
     // No --seq (and no plan file's): 1024, or the model's positions if it has fewer.
     let mut a = args.clone();
     if !args.given.has("seq") && !std::path::Path::new(&args.plan).is_file() {

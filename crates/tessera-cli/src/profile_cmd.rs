@@ -56,10 +56,15 @@ pub struct ProfileArgs {
     #[arg(long, default_value_t = 8)]
     #[arg(allow_negative_numbers = true, value_parser = crate::limits::batch())]
     pub batch: usize,
-    /// Sequence length (ignored by ViT, whose length is set by the image and patch size).
-    /// Default: 1024, or the model's positions if it has fewer (gpt2-tiny: 256).
+    /// Sequence length (ignored by ViT, whose length is set by the image and patch size; a
+    /// diffusion model's text tokens). Default: 1024, or the model's positions if it has fewer
+    /// (gpt2-tiny: 256); 77 text tokens for a diffusion model.
     #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::seq())]
     pub seq: Option<usize>,
+    /// A diffusion model's sample side (latents for a latent model, square). Default: the
+    /// config's `sample_size`.
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::limits::seq())]
+    pub image_size: Option<usize>,
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub dtype: Precision,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
@@ -95,9 +100,10 @@ pub fn print_stdout(text: &str) -> Result<()> {
     }
 }
 
-/// The sequence length when none is given: 1024, or the model's learned positions if fewer.
+/// The sequence length when none is given: a diffusion model's 77 text tokens, else 1024, or
+/// the model's learned positions if fewer.
 pub fn default_seq(cfg: &ModelConfig) -> usize {
-    cfg.max_seq().map_or(1024, |m| m.min(1024))
+    cfg.default_seq().unwrap_or_else(|| cfg.max_seq().map_or(1024, |m| m.min(1024)))
 }
 
 pub fn run(args: &ProfileArgs) -> Result<()> {
@@ -207,7 +213,10 @@ pub fn report(args: &ProfileArgs) -> Result<serde_json::Value> {
 
 /// The model and the sequence length of a profile (`--seq`, else [`default_seq`]).
 fn resolve(args: &ProfileArgs) -> Result<(ModelConfig, usize)> {
-    let cfg = ModelConfig::resolve(&args.model)?;
+    let mut cfg = ModelConfig::resolve(&args.model)?;
+    if let Some(side) = args.image_size {
+        cfg = cfg.with_image_size(side)?;
+    }
     let seq = args.seq.unwrap_or_else(|| default_seq(&cfg));
     Ok((cfg, seq))
 }

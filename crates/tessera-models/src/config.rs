@@ -131,7 +131,7 @@ pub(crate) fn count(terms: &[&[usize]]) -> Option<u128> {
     })
 }
 
-fn within_bound(n: Option<u128>) -> Result<u64> {
+pub(crate) fn within_bound(n: Option<u128>) -> Result<u64> {
     match n {
         Some(n) if n <= MAX_PARAMETERS => Ok(n as u64),
         _ => Err(ModelError::invalid(

@@ -52,6 +52,14 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
             format!("must be a JSON object of settings, got {}", json_kind(&value)),
         ));
     };
+    // diffusers writes `_class_name` instead of `model_type`.
+    if let Some(class) = map.get("_class_name").and_then(Value::as_str) {
+        let name = match map.get("_name_or_path").and_then(Value::as_str) {
+            Some(n) if !n.is_empty() => n.to_string(),
+            _ => fallback_name.unwrap_or(class).to_string(),
+        };
+        return crate::diffusion::parse(map, class, name);
+    }
     let model_type = match map.get("model_type") {
         Some(Value::String(s)) => s.as_str(),
         None | Some(Value::Null) => {

@@ -21,6 +21,7 @@
 //! - BERT: `BertForMaskedLM`, absolute positions. ViT: `ViTForImageClassification` with an
 //!   `id2label` of `LABEL_i` (transformers' own default names).
 //! - MLP: our own `model_type: "mlp"` (no `architectures`).
+//! - UNet: diffusers' `UNet2DConditionModel` config (`_class_name`, no `model_type`).
 //!
 //! `torch_dtype` is the config's dtype, `float32` when it states none.
 //!
@@ -59,6 +60,9 @@ impl ModelConfig {
                 m.insert("onnx_model".into(), json!(path));
                 m
             }
+            // diffusers configs have `_class_name` and no `model_type`.
+            ModelConfig::UNet(c) => return c.to_diffusers_json(),
+            ModelConfig::Vae(c) => return c.to_diffusers_json(),
         };
         map.insert("_name_or_path".into(), json!(self.name()));
         map.insert("model_type".into(), json!(self.model_type()));

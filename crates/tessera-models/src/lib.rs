@@ -25,6 +25,7 @@ mod bert;
 mod bloom;
 mod clip;
 mod config;
+pub mod diffusion;
 mod error;
 mod gpt2;
 mod hf;
@@ -46,6 +47,7 @@ pub use config::{
     Gpt2Params, LlamaConfig, LlamaParams, LlamaVariant, MlaParams, MlpConfig, MlpParams, MoeParams,
     VitConfig, VitParams, MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS,
 };
+pub use diffusion::{UNetConfig, UNetParams, VaeConfig, VaeParams, VaePart};
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;
 pub use nn::{Quantize, QuantizedWeight, IGNORE_INDEX, INT4_GROUP};
@@ -75,8 +77,12 @@ pub enum ModelConfig {
     Bloom(BloomConfig),
     /// A model imported from an ONNX file (`torch.onnx.export`).
     Onnx(OnnxConfig),
+    /// diffusers' `UNet2DConditionModel` (a `config.json` with `_class_name`).
+    UNet(UNetConfig),
     /// CLIP's text encoder (`CLIPTextModel`): Stable Diffusion's text conditioning.
     ClipText(ClipTextConfig),
+    /// diffusers' `AutoencoderKL` (Stable Diffusion's VAE): its encoder, decoder, or both.
+    Vae(VaeConfig),
 }
 
 impl ModelConfig {
@@ -106,11 +112,13 @@ impl ModelConfig {
                 (p.hidden_dropout, p.attention_dropout) = (0.0, 0.0);
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
-            // An ONNX file exported in eval mode holds no dropout.
-            // CLIP's dropouts are not modelled (SD keeps the encoder frozen, in eval mode).
+            // An ONNX file exported in eval mode holds no dropout; the UNet has none.
             ModelConfig::Llama(_)
             | ModelConfig::Mlp(_)
             | ModelConfig::Onnx(_)
+            | ModelConfig::UNet(_)
+            | ModelConfig::Vae(_)
+            // CLIP's dropouts are not modelled (SD keeps the encoder frozen, in eval mode).
             | ModelConfig::ClipText(_) => self.clone(),
         }
     }
@@ -167,6 +175,45 @@ impl ModelConfig {
         Err(ModelError::UnknownPreset { name: spec.to_string(), presets: PRESETS.join(", ") })
     }
 
+    /// The same diffusion model on `side × side` samples (`--image-size`: the latent side for
+    /// a latent model); refused for the other families, whose input size is not an image's.
+    pub fn with_image_size(&self, side: usize) -> Result<ModelConfig> {
+        match self {
+            ModelConfig::UNet(c) => c.with_sample_size(side).map(ModelConfig::UNet),
+            ModelConfig::Vae(c) => c.with_sample_size(side).map(ModelConfig::Vae),
+            ModelConfig::ClipText(_)
+            | ModelConfig::Gpt2(_)
+            | ModelConfig::Llama(_)
+            | ModelConfig::Bert(_)
+            | ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Bloom(_)
+            | ModelConfig::Onnx(_) => Err(ModelError::Unsupported {
+                what: "--image-size for model family".into(),
+                found: self.family().into(),
+                supported: "diffusion models (unet, vae); a ViT's image size is its config's"
+                    .into(),
+            }),
+        }
+    }
+
+    /// The sequence length a command uses when none is given, where the family fixes one:
+    /// a diffusion model's text tokens, [`diffusion::DEFAULT_TEXT_TOKENS`] (CLIP's 77).
+    pub fn default_seq(&self) -> Option<usize> {
+        match self {
+            ModelConfig::UNet(_) => Some(diffusion::DEFAULT_TEXT_TOKENS),
+            ModelConfig::ClipText(_)
+            | ModelConfig::Vae(_)
+            | ModelConfig::Gpt2(_)
+            | ModelConfig::Llama(_)
+            | ModelConfig::Bert(_)
+            | ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Bloom(_)
+            | ModelConfig::Onnx(_) => None,
+        }
+    }
+
     /// The preset name, the config's `_name_or_path`, or its directory's name.
     pub fn name(&self) -> &str {
         match self {
@@ -177,11 +224,13 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => &c.name,
             ModelConfig::Bloom(c) => &c.name,
             ModelConfig::Onnx(c) => &c.name,
+            ModelConfig::UNet(c) => &c.name,
             ModelConfig::ClipText(c) => &c.name,
+            ModelConfig::Vae(c) => &c.name,
         }
     }
 
-    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx` or `clip_text`.
+    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx` or `unet`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::Gpt2(_) => "gpt2",
@@ -191,7 +240,9 @@ impl ModelConfig {
             ModelConfig::Mlp(_) => "mlp",
             ModelConfig::Bloom(_) => "bloom",
             ModelConfig::Onnx(_) => "onnx",
+            ModelConfig::UNet(_) => "unet",
             ModelConfig::ClipText(_) => "clip_text",
+            ModelConfig::Vae(_) => "vae",
         }
     }
 
@@ -214,7 +265,9 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.len(),
             ModelConfig::Bloom(c) => c.n_layer,
             ModelConfig::Onnx(c) => c.num_blocks,
+            ModelConfig::UNet(c) => c.num_blocks(),
             ModelConfig::ClipText(c) => c.num_hidden_layers,
+            ModelConfig::Vae(c) => c.num_blocks(),
         }
     }
 
@@ -228,7 +281,9 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.iter().copied().max().unwrap_or(c.input_dim),
             ModelConfig::Bloom(c) => c.hidden_size,
             ModelConfig::Onnx(c) => c.widest,
+            ModelConfig::UNet(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
             ModelConfig::ClipText(c) => c.hidden_size,
+            ModelConfig::Vae(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
         }
     }
 
@@ -240,8 +295,9 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.num_attention_heads),
             ModelConfig::Vit(c) => Some(c.num_attention_heads),
             ModelConfig::Bloom(c) => Some(c.n_head),
+            ModelConfig::UNet(c) => c.heads.iter().copied().max(),
             ModelConfig::ClipText(c) => Some(c.num_attention_heads),
-            ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => None,
+            ModelConfig::Mlp(_) | ModelConfig::Onnx(_) | ModelConfig::Vae(_) => None,
         }
     }
 
@@ -262,7 +318,10 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => Some(c.vocab_size),
             ModelConfig::Onnx(c) => c.vocab_size(),
             ModelConfig::ClipText(c) => Some(c.vocab_size),
-            ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
+            ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::UNet(_)
+            | ModelConfig::Vae(_) => None,
         }
     }
 
@@ -273,11 +332,13 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => Some(c.n_positions),
             ModelConfig::Bert(c) => Some(c.max_position_embeddings),
             ModelConfig::Onnx(c) => c.fixed_seq(),
-            ModelConfig::ClipText(c) => Some(c.max_position_embeddings),
             ModelConfig::Llama(_)
             | ModelConfig::Bloom(_)
             | ModelConfig::Vit(_)
-            | ModelConfig::Mlp(_) => None,
+            | ModelConfig::Mlp(_)
+            | ModelConfig::UNet(_)
+            | ModelConfig::Vae(_) => None,
+            ModelConfig::ClipText(c) => Some(c.max_position_embeddings),
         }
     }
 
@@ -286,15 +347,17 @@ impl ModelConfig {
     pub fn effective_seq(&self, requested: usize) -> usize {
         match self {
             ModelConfig::Vit(c) => c.seq_len(),
-            ModelConfig::Mlp(_) => 1,
+            ModelConfig::Mlp(_) | ModelConfig::Vae(_) => 1,
             ModelConfig::Onnx(c) => match c.task {
                 OnnxTask::CausalLm { .. } => c.fixed_seq().unwrap_or(requested),
                 OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => 1,
             },
+            // A diffusion model's sequence is its text tokens.
             ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
             | ModelConfig::Bloom(_)
+            | ModelConfig::UNet(_)
             | ModelConfig::ClipText(_) => requested,
         }
     }
@@ -308,8 +371,10 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
-            ModelConfig::ClipText(c) => c.dtype,
             ModelConfig::Onnx(_) => None,
+            ModelConfig::UNet(c) => c.dtype,
+            ModelConfig::ClipText(c) => c.dtype,
+            ModelConfig::Vae(c) => c.dtype,
         }
     }
 
@@ -324,7 +389,9 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.num_parameters(),
             ModelConfig::Bloom(c) => c.num_parameters(),
             ModelConfig::Onnx(c) => c.num_parameters,
+            ModelConfig::UNet(c) => c.num_parameters(),
             ModelConfig::ClipText(c) => c.num_parameters(),
+            ModelConfig::Vae(c) => c.num_parameters(),
         }
     }
 
@@ -355,8 +422,20 @@ impl ModelConfig {
                 (max(&[c.vocab_size, 3 * c.hidden_size, c.mlp_width()]), c.hidden_size)
             }
             ModelConfig::Onnx(c) => (c.widest, c.widest),
+            // The sample's `[B, C, H, W]` activations are checked by the builder.
+            ModelConfig::UNet(c) => (c.cross_attention_dim, c.cross_attention_dim),
             ModelConfig::ClipText(c) => {
                 (max(&[c.vocab_size, c.intermediate_size, c.hidden_size]), c.hidden_size)
+            }
+            // One "position" of H·W pixels at the widest channel count; attention over the
+            // mid block's (H/f)·(W/f) positions.
+            ModelConfig::Vae(c) => {
+                let (side, widest) = (c.sample_size, max(&c.block_out_channels));
+                let mid = (side / c.downscale()).saturating_mul(side / c.downscale());
+                (
+                    side.saturating_mul(side).saturating_mul(widest),
+                    mid.saturating_mul(mid).saturating_mul(widest),
+                )
             }
         }
     }
@@ -412,6 +491,12 @@ pub enum InputKind {
     Positions,
     /// Generation: `[B]`, the step position whose logits each row wants.
     LastIndex,
+    /// Diffusion: `[B]` f32, each row's timestep (`0..num_train_timesteps`, fractional when
+    /// sampling).
+    Timesteps,
+    /// Diffusion: `[B, T, D]` conditioning states in the model dtype (the text encoder's
+    /// `encoder_hidden_states`, T tokens of width `cross_attention_dim`).
+    Condition,
 }
 
 /// One data input of a built model.
@@ -544,7 +629,9 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         | ModelConfig::Vit(_)
         | ModelConfig::Mlp(_)
         | ModelConfig::Onnx(_)
-        | ModelConfig::ClipText(_) => {
+        | ModelConfig::UNet(_)
+        | ModelConfig::ClipText(_)
+        | ModelConfig::Vae(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -599,7 +686,9 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Vit(c) => vit::build(c, &opts),
         ModelConfig::Mlp(c) => mlp::build(c, &opts),
         ModelConfig::Onnx(c) => onnx::build(c, &opts),
+        ModelConfig::UNet(c) => diffusion::build_unet(c, &opts),
         ModelConfig::ClipText(c) => clip::build(c, &opts),
+        ModelConfig::Vae(c) => diffusion::build_vae(c, &opts),
     }
 }
 

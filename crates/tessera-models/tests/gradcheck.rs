@@ -2,7 +2,7 @@
 //!
 //! 1. **Gradients of whole training graphs** (the `gpt2-tiny`, `llama-tiny` and `bloom-tiny`
 //!    presets as they are, a tiny BERT, a tiny ViT, a tiny GPT-2 with dropout, a 6-head BLOOM
-//!    with dropout and an untied head): seeded random parameters and data,
+//!    with dropout and an untied head, a tiny diffusers UNet): seeded random parameters and data,
 //!    `tessera_ir::gradients` of the loss w.r.t. every parameter, evaluated by
 //!    `interp::eval_outputs`. With millions of scalars, gradients are checked through
 //!    directional derivatives: for a random direction `d` supported on one parameter tensor
@@ -103,8 +103,13 @@ impl Model {
                     }
                     labels
                 }
-                InputKind::Pixels | InputKind::Features | InputKind::Targets => {
-                    uniform(&mut rng, n, 1.0)
+                InputKind::Pixels
+                | InputKind::Features
+                | InputKind::Targets
+                | InputKind::Condition => uniform(&mut rng, n, 1.0),
+                // Timesteps in 0..1000, as a DDPM schedule draws them.
+                InputKind::Timesteps => {
+                    uniform(&mut rng, n, 1.0).iter().map(|u| 500.0 * (u + 1.0)).collect()
                 }
                 InputKind::Seed => vec![0x5eed_1234 as f64],
                 // The labels come first: count the ones that are not ignored.
@@ -449,6 +454,35 @@ fn bloom_with_six_heads_and_dropout_gradients() {
 // ---- independent forward references --------------------------------------------------------
 
 /// The forward node under `scope` that `is` picks (the first, or the only one).
+/// diffusers' `UNet2DConditionModel` in miniature: one cross-attention and one plain block
+/// each way, linear projections, SD 2's per-block head counts, a 4×4 sample, 3 text tokens.
+const UNET_TINY: &str = r#"{"_class_name": "UNet2DConditionModel", "_name_or_path": "unet-tiny",
+    "sample_size": 4, "block_out_channels": [4, 8], "layers_per_block": 1,
+    "norm_num_groups": 2, "cross_attention_dim": 4, "attention_head_dim": [1, 2],
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "use_linear_projection": true}"#;
+
+#[test]
+fn unet_tiny_gradients() {
+    let mut m = Model::new(&hf(UNET_TINY), 2, 3, 8);
+    m.gradcheck(&[
+        "time_embedding.linear_1.weight",
+        "conv_in.weight",
+        "down_blocks.0.resnets.0.conv1.weight",
+        "down_blocks.0.resnets.0.time_emb_proj.weight",
+        "down_blocks.0.attentions.0.norm.weight",
+        "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight",
+        "down_blocks.0.attentions.0.transformer_blocks.0.ff.net.0.proj.weight",
+        "down_blocks.0.downsamplers.0.conv.weight",
+        "mid_block.attentions.0.proj_in.weight",
+        "up_blocks.0.resnets.0.conv_shortcut.weight",
+        "up_blocks.0.upsamplers.0.conv.weight",
+        "up_blocks.1.attentions.1.transformer_blocks.0.attn1.to_q.weight",
+        "conv_norm_out.weight",
+        "conv_out.bias",
+    ]);
+}
+
 fn node_in<'a>(m: &'a Model, scope: &str, is: impl Fn(&Op) -> bool) -> &'a Node {
     m.graph
         .nodes
