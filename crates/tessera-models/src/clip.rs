@@ -117,7 +117,7 @@ impl ClipTextParams {
                 ),
             ));
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(ModelError::invalid(
                 "hidden_size",
                 format!(

@@ -251,7 +251,7 @@ impl UNetParams {
                 ));
             }
         }
-        if self.sample_size % (1 << (n - 1)) != 0 {
+        if !self.sample_size.is_multiple_of(1 << (n - 1)) {
             return Err(ModelError::invalid(
                 "sample_size",
                 format!(

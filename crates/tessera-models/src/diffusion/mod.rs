@@ -1,20 +1,15 @@
 //! Diffusion models in diffusers' layout: a `config.json` with a `_class_name` (and no
 //! `model_type`) is a diffusers model, dispatched here by class name.
 //!
-//! - [`blocks`]: reusable diffusers blocks (ResnetBlock2D, down/upsampling, the timestep
+//! - `blocks`: reusable diffusers blocks (ResnetBlock2D, down/upsampling, the timestep
 //!   embedding, Transformer2DModel, the spatial attention block).
-//! - [`unet`]: `UNet2DConditionModel`.
+//! - `unet`: `UNet2DConditionModel`.
 //!
-//! Inputs (diffusers' forward-argument names): `sample [B,C,H,W]` ([`InputKind::Pixels`],
-//! images or latents), `timestep [B]` f32 ([`InputKind::Timesteps`]),
-//! `encoder_hidden_states [B,T,D]` ([`InputKind::Condition`]) and the training `target
-//! [B,C,H,W]` ([`InputKind::Targets`]). The output (`ForwardModel::logits`) is the prediction
+//! Inputs (diffusers' forward-argument names): `sample [B,C,H,W]` (`InputKind::Pixels`,
+//! images or latents), `timestep [B]` f32 (`InputKind::Timesteps`),
+//! `encoder_hidden_states [B,T,D]` (`InputKind::Condition`) and the training `target
+//! [B,C,H,W]` (`InputKind::Targets`). The output (`ForwardModel::logits`) is the prediction
 //! `[B,C,H,W]`; the loss is its mean squared error against `target`, in f32.
-//!
-//! [`InputKind::Pixels`]: crate::InputKind::Pixels
-//! [`InputKind::Timesteps`]: crate::InputKind::Timesteps
-//! [`InputKind::Condition`]: crate::InputKind::Condition
-//! [`InputKind::Targets`]: crate::InputKind::Targets
 
 pub(crate) mod blocks;
 mod config;

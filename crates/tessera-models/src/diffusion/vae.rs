@@ -195,7 +195,7 @@ impl VaeParams {
             }
         }
         let f = 1usize << (n - 1);
-        if self.sample_size % f != 0 || self.sample_size > 1 << 16 {
+        if !self.sample_size.is_multiple_of(f) || self.sample_size > 1 << 16 {
             return Err(ModelError::invalid(
                 "sample_size",
                 format!(
