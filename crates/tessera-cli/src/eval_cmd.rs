@@ -57,6 +57,11 @@ pub struct EvalArgs {
     /// given.
     #[arg(long, value_name = "OUT.safetensors", requires = "inputs")]
     pub outputs: Option<PathBuf>,
+    /// With --inputs: the part of a model that has several — an AutoencoderKL's `encoder`
+    /// (`sample` → latent mean), `decoder` (`z` → image) or `autoencoder` (`sample` →
+    /// reconstruction; the default).
+    #[arg(long, value_name = "PART", requires = "inputs")]
+    pub component: Option<String>,
     /// With --outputs: also write each trainable parameter's gradient of the loss, as
     /// `grad.<Hugging Face weight name>` (needs the loss's inputs).
     #[arg(long, requires = "outputs")]
@@ -120,9 +125,10 @@ fn score(args: &EvalArgs) -> Result<Scored> {
             "eval has no data loader for the mlp model: give its named inputs with --inputs \
              IN.safetensors --outputs OUT.safetensors"
         ),
-        (ModelConfig::ClipText(_), _) => bail!(
-            "CLIP's text encoder has no next-token loss: run it on named inputs with --inputs \
-             IN.safetensors (input_ids) --outputs OUT.safetensors"
+        (ModelConfig::ClipText(_) | ModelConfig::Vae(_) | ModelConfig::UNet(_), _) => bail!(
+            "{} has no next-token loss or accuracy: run it on named inputs with --inputs \
+             IN.safetensors --outputs OUT.safetensors",
+            cfg.name()
         ),
         (_, None) => bail!("--tokens is required for a language model: comma-separated ids"),
         (_, Some(tokens)) => eval_tokens(args, &cfg, &parse_tokens(tokens)?),
@@ -143,8 +149,16 @@ pub(crate) fn prepare(
     batch: usize,
     seq: usize,
 ) -> Result<Prepared> {
-    let model = build(cfg, &BuildOptions { batch, seq, dtype: DType::F32 })?;
-    let base = model.builder.graph.clone();
+    let opts = BuildOptions { batch, seq, dtype: DType::F32 };
+    let model = build(cfg, &opts)?;
+    // The checkpoint holds the whole model: a VAE's part is checked against both parts.
+    let base = match cfg {
+        ModelConfig::Vae(c) if c.part != tessera_models::VaePart::Autoencoder => {
+            let whole = ModelConfig::Vae(c.with_part(tessera_models::VaePart::Autoencoder));
+            build(&whole, &opts)?.builder.graph
+        }
+        _ => model.builder.graph.clone(),
+    };
     let (model, adapter) = match &args.adapter {
         Some(dir) => {
             let a = crate::finetune::read_adapter(dir)?;

@@ -18,7 +18,7 @@
 //! executor on one device). A parameter the loss does not reach gets zeros.
 
 use crate::eval_cmd::{parameter_values, prepare, EvalArgs, Prepared};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -130,12 +130,43 @@ fn read_inputs(path: &Path) -> Result<HashMap<String, Tensor>> {
         .with_context(|| format!("--inputs {}: not a readable safetensors file", path.display()))
 }
 
-/// The batch (first dimension of the given inputs) and sequence (second dimension of a given
-/// token input) to build at, read against a probe build of the model at batch 1, sequence 1.
-fn batch_and_seq(cfg: &ModelConfig, given: &HashMap<String, Tensor>) -> Result<(usize, usize)> {
+/// The part `--component` names of a model with several (an AutoencoderKL's).
+fn component(cfg: &ModelConfig, part: Option<&str>) -> Result<ModelConfig> {
+    use tessera_models::VaePart;
+    match (cfg, part) {
+        (ModelConfig::Vae(c), Some(name)) => match VaePart::parse(name) {
+            Some(p) => Ok(ModelConfig::Vae(c.with_part(p))),
+            None => bail!("--component {name}: an AutoencoderKL's parts are {}", VaePart::NAMES),
+        },
+        (_, Some(name)) => bail!(
+            "--component {name}: {} is one model; --component picks an AutoencoderKL's part ({})",
+            cfg.name(),
+            VaePart::NAMES
+        ),
+        (_, None) => Ok(cfg.clone()),
+    }
+}
+
+/// The image side a diffusion model is built at (its config's `sample_size`).
+fn image_side(cfg: &ModelConfig) -> Option<usize> {
+    match cfg {
+        ModelConfig::UNet(c) => Some(c.sample_size),
+        ModelConfig::Vae(c) => Some(c.sample_size),
+        _ => None,
+    }
+}
+
+/// The model to build and the batch (first dimension of the given inputs) and sequence
+/// (second dimension of a given token input) to build it at, read against a probe build of
+/// the model at batch 1, sequence 1. A diffusion model is resized to square images given at
+/// another side than its config's (`sample`, `z`: the side scales with the input's).
+fn shape_from_inputs(
+    cfg: &ModelConfig,
+    given: &HashMap<String, Tensor>,
+) -> Result<(ModelConfig, usize, usize)> {
     let probe = build(cfg, &BuildOptions::new(1, 1, DType::F32))?;
     let graph = &probe.builder.graph;
-    let (mut batch, mut seq) = (None, None);
+    let (mut batch, mut seq, mut sized) = (None, None, None);
     for input in &probe.inputs {
         let Some(t) = given.get(input.name) else { continue };
         let rank = graph.shape(input.tensor).rank();
@@ -143,6 +174,18 @@ fn batch_and_seq(cfg: &ModelConfig, given: &HashMap<String, Tensor>) -> Result<(
             continue; // a scalar, or a mismatch reported against the built graph
         }
         batch.get_or_insert(t.dims()[0]);
+        let (want, got) = (graph.shape(input.tensor).dims(), t.dims());
+        if let (InputKind::Pixels, Some(side), 4) = (&input.kind, image_side(cfg), rank) {
+            if sized.is_none() && got[2] == got[3] && got[2..] != want[2..] && want[2] > 0 {
+                let new_side = side * got[2] / want[2];
+                if new_side * want[2] == side * got[2] {
+                    let what = format!("`{}` {:?}", input.name, got);
+                    sized = Some(cfg.with_image_size(new_side).with_context(|| {
+                        format!("--inputs: {} asks for {new_side}-pixel images", what)
+                    })?);
+                }
+            }
+        }
         // A diffusion model's sequence is its conditioning's tokens (`encoder_hidden_states`).
         let token = matches!(
             input.kind,
@@ -155,7 +198,7 @@ fn batch_and_seq(cfg: &ModelConfig, given: &HashMap<String, Tensor>) -> Result<(
             seq.get_or_insert(t.dims()[1]);
         }
     }
-    Ok((batch.unwrap_or(1), seq.unwrap_or(1)))
+    Ok((sized.unwrap_or_else(|| cfg.clone()), batch.unwrap_or(1), seq.unwrap_or(1)))
 }
 
 /// Inputs that the model output reads (through any chain of nodes).
@@ -311,6 +354,7 @@ pub(crate) fn run(
     inputs: &Path,
     out: &Path,
 ) -> Result<Written> {
+    let cfg = &component(cfg, args.component.as_deref())?;
     let given = read_inputs(inputs)?;
     if given.is_empty() {
         let probe = build(cfg, &BuildOptions::new(1, 1, DType::F32))?;
@@ -319,7 +363,8 @@ pub(crate) fn run(
             InputError::Empty { path, model: cfg.name().into(), inputs: listing(&probe) }.into()
         );
     }
-    let (batch, seq) = batch_and_seq(cfg, &given)?;
+    let (sized, batch, seq) = shape_from_inputs(cfg, &given)?;
+    let cfg = &sized;
     let Prepared { mut model, weights } = prepare(args, cfg, batch, seq).with_context(|| {
         format!("building {} at batch {batch}, sequence {seq} (from --inputs' shapes)", cfg.name())
     })?;

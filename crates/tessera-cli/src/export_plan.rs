@@ -128,8 +128,9 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
         ModelConfig::Vit(_)
         | ModelConfig::Mlp(_)
         | ModelConfig::Onnx(_)
+        | ModelConfig::UNet(_)
         | ModelConfig::ClipText(_)
-        | ModelConfig::UNet(_) => ModelShape {
+        | ModelConfig::Vae(_) => ModelShape {
             name,
             family: Family::Other,
             layers: 0,

@@ -307,9 +307,10 @@ pub fn load_data(args: &TrainArgs, cfg: &ModelConfig) -> Result<TrainData> {
             "`train` has no data loader for the mlp model's feature vectors; train a language \
              model or ViT, or profile and plan the mlp"
         ),
-        ModelConfig::ClipText(_) => bail!(
-            "`train` has no data for CLIP's text encoder (Stable Diffusion keeps it frozen); run \
-             it with `tessera eval --inputs/--outputs`, or profile and plan it"
+        ModelConfig::ClipText(_) | ModelConfig::Vae(_) => bail!(
+            "`train` has no data for {} (Stable Diffusion keeps its text encoder and VAE \
+             frozen); run it with `tessera eval --inputs/--outputs`, or profile and plan it",
+            cfg.name()
         ),
         _ => {}
     }

@@ -266,12 +266,14 @@ fn refused(model: &Path, inputs: &[(&str, Raw)], extra: &[&str], tag: &str) -> S
     stderr
 }
 
+/// A bad `--inputs` file: its tensors, extra flags, and what the error must say.
+type Case<'a> = (Vec<(&'a str, Raw)>, &'a [&'a str], &'a [&'a str]);
+
 #[test]
 fn bad_inputs_are_refused_by_name() {
     let dir = fixtures().join("hf/gpt2");
     let ids = Raw::i64s(&[2, 4], &[1, 2, 3, 4, 5, 6, 7, 8]);
-    #[allow(clippy::type_complexity)] // a table of cases, read once below
-    let cases: Vec<(Vec<(&str, Raw)>, &[&str], &[&str])> = vec![
+    let cases: Vec<Case> = vec![
         // An unknown name: listed against the model's inputs.
         (
             vec![("input_ids", ids.clone()), ("attention_mask", ids.clone())],

@@ -1,8 +1,9 @@
 //! Stable Diffusion's frozen components against their reference libraries, through
 //! `tessera eval --inputs/--outputs` on the fixtures of `tests/fixtures/clip_vae/` (written by
 //! its `make_fixtures.py` with `save_pretrained`): CLIP's text encoder (`last_hidden_state`,
-//! quick_gelu and gelu variants) against `transformers`, and the parameter counts of SD 1.5's
-//! and SD 2's text encoders against `transformers`' own.
+//! quick_gelu and gelu variants) against `transformers`, diffusers' `AutoencoderKL` (the
+//! encoder's latent mean, the decoder's image) against `diffusers`, and the parameter counts
+//! of SD 1.5's and SD 2's text encoders and SD's VAE against the reference libraries' own.
 
 use safetensors::SafeTensors;
 use serde_json::Value;
@@ -37,6 +38,28 @@ fn read(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
             (n, (v.shape().to_vec(), vals.collect()))
         })
         .collect()
+}
+
+/// Writes the f32 tensors `names` of `from` into a safetensors file of their own.
+fn subset(from: &Path, names: &[&str], tag: &str) -> PathBuf {
+    let all = read(from);
+    let bytes: Vec<(&str, Vec<usize>, Vec<u8>)> = names
+        .iter()
+        .map(|n| {
+            let (shape, v) = &all[*n];
+            (*n, shape.clone(), v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect())
+        })
+        .collect();
+    let views = bytes.iter().map(|(n, shape, data)| {
+        (
+            *n,
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                .unwrap(),
+        )
+    });
+    let path = scratch(tag).join("in.safetensors");
+    safetensors::tensor::serialize_to_file(views, None, &path).unwrap();
+    path
 }
 
 /// `tessera eval --model-dir DIR --inputs IN --outputs OUT [extra]`, the outputs read back.
@@ -97,4 +120,41 @@ fn clip_text_parameter_counts_match_transformers() {
     let clip = serde_json::json!({"model_type": "clip", "text_config": counts["sd15_text_encoder"]["config"]});
     let cfg = ModelConfig::from_hf_json(&clip.to_string()).expect("a clip config parses");
     assert_eq!(cfg.num_parameters(), counts["sd15_text_encoder"]["parameters"].as_u64().unwrap());
+}
+
+#[test]
+fn vae_encoder_and_decoder_match_diffusers() {
+    let dir = fixtures().join("vae");
+    let inputs = dir.join("inputs.safetensors");
+    let want = read(&dir.join("expected.safetensors"));
+    let sample = subset(&inputs, &["sample"], "vae-sample");
+    let out = eval(&dir, &sample, &["--component", "encoder"], "vae-encoder");
+    assert_close(&out["logits"], &want["latent_mean"], 1e-4, "encoder latent mean");
+    let z = subset(&inputs, &["z"], "vae-z");
+    let out = eval(&dir, &z, &["--component", "decoder"], "vae-decoder");
+    assert_close(&out["logits"], &want["decoded"], 1e-4, "decoder image");
+    // The default part is the whole autoencoder: an image back.
+    let out = eval(&dir, &sample, &[], "vae-autoencoder");
+    assert_eq!(out["logits"].0, [2, 3, 16, 16]);
+
+    // The parts' inputs are named; a wrong one lists them, a wrong part is named.
+    let refused = |args: &[&str]| {
+        let mut all = vec!["eval", "--model-dir", dir.to_str().unwrap(), "--outputs", "/dev/null"];
+        all.extend(args);
+        let o = Command::new(env!("CARGO_BIN_EXE_tessera")).args(&all).output().unwrap();
+        assert!(!o.status.success());
+        String::from_utf8_lossy(&o.stderr).to_string()
+    };
+    let e = refused(&["--inputs", sample.to_str().unwrap(), "--component", "decoder"]);
+    assert!(e.contains("`sample` is not an input") && e.contains("`z` (f32 "), "{e}");
+    let e = refused(&["--inputs", sample.to_str().unwrap(), "--component", "unet"]);
+    assert!(e.contains("--component unet") && e.contains("encoder, decoder"), "{e}");
+}
+
+#[test]
+fn sd_vae_parameter_count_matches_diffusers() {
+    let text = std::fs::read_to_string(fixtures().join("param_counts.json")).unwrap();
+    let counts: Value = serde_json::from_str(&text).unwrap();
+    let cfg = ModelConfig::from_hf_json(&counts["sd_vae"]["config"].to_string()).expect("parses");
+    assert_eq!(cfg.num_parameters(), counts["sd_vae"]["parameters"].as_u64().unwrap());
 }

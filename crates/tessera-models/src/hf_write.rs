@@ -62,6 +62,7 @@ impl ModelConfig {
             }
             // diffusers configs have `_class_name` and no `model_type`.
             ModelConfig::UNet(c) => return c.to_diffusers_json(),
+            ModelConfig::Vae(c) => return c.to_diffusers_json(),
         };
         map.insert("_name_or_path".into(), json!(self.name()));
         map.insert("model_type".into(), json!(self.model_type()));

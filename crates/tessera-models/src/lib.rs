@@ -48,7 +48,7 @@ pub use config::{
     Gpt2Params, LlamaConfig, LlamaParams, LlamaVariant, MlaParams, MlpConfig, MlpParams, MoeParams,
     VitConfig, VitParams, MAX_HEAD_DIM, MAX_LAYERS, MAX_PARAMETERS,
 };
-pub use diffusion::{UNetConfig, UNetParams};
+pub use diffusion::{UNetConfig, UNetParams, VaeConfig, VaeParams, VaePart};
 pub use error::{ModelError, Result};
 pub use hf::SUPPORTED_MODEL_TYPES;
 pub use nn::{Quantize, QuantizedWeight, IGNORE_INDEX, INT4_GROUP};
@@ -82,6 +82,8 @@ pub enum ModelConfig {
     UNet(UNetConfig),
     /// CLIP's text encoder (`CLIPTextModel`): Stable Diffusion's text conditioning.
     ClipText(ClipTextConfig),
+    /// diffusers' `AutoencoderKL` (Stable Diffusion's VAE): its encoder, decoder, or both.
+    Vae(VaeConfig),
 }
 
 impl ModelConfig {
@@ -112,11 +114,12 @@ impl ModelConfig {
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
             // An ONNX file exported in eval mode holds no dropout; the UNet has none.
-            // CLIP's dropouts are not modelled (SD keeps the encoder frozen, in eval mode).
             ModelConfig::Llama(_)
             | ModelConfig::Mlp(_)
             | ModelConfig::Onnx(_)
             | ModelConfig::UNet(_)
+            | ModelConfig::Vae(_)
+            // CLIP's dropouts are not modelled (SD keeps the encoder frozen, in eval mode).
             | ModelConfig::ClipText(_) => self.clone(),
         }
     }
@@ -178,7 +181,9 @@ impl ModelConfig {
     pub fn with_image_size(&self, side: usize) -> Result<ModelConfig> {
         match self {
             ModelConfig::UNet(c) => c.with_sample_size(side).map(ModelConfig::UNet),
-            ModelConfig::Gpt2(_)
+            ModelConfig::Vae(c) => c.with_sample_size(side).map(ModelConfig::Vae),
+            ModelConfig::ClipText(_)
+            | ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
             | ModelConfig::Vit(_)
@@ -188,7 +193,8 @@ impl ModelConfig {
             | ModelConfig::ClipText(_) => Err(ModelError::Unsupported {
                 what: "--image-size for model family".into(),
                 found: self.family().into(),
-                supported: "diffusion models (unet); a ViT's image size is its config's".into(),
+                supported: "diffusion models (unet, vae); a ViT's image size is its config's"
+                    .into(),
             }),
         }
     }
@@ -198,7 +204,9 @@ impl ModelConfig {
     pub fn default_seq(&self) -> Option<usize> {
         match self {
             ModelConfig::UNet(_) => Some(diffusion::DEFAULT_TEXT_TOKENS),
-            ModelConfig::Gpt2(_)
+            ModelConfig::ClipText(_)
+            | ModelConfig::Vae(_)
+            | ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
             | ModelConfig::Vit(_)
@@ -221,11 +229,12 @@ impl ModelConfig {
             ModelConfig::Onnx(c) => &c.name,
             ModelConfig::UNet(c) => &c.name,
             ModelConfig::ClipText(c) => &c.name,
+            ModelConfig::Vae(c) => &c.name,
         }
     }
 
-    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx`, `unet` or
-    /// `clip_text`.
+    /// The family: `gpt2`, `llama`, `bert`, `vit`, `mlp`, `bloom`, `onnx`, `unet`, `clip_text`
+    /// or `vae`.
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::Gpt2(_) => "gpt2",
@@ -237,6 +246,7 @@ impl ModelConfig {
             ModelConfig::Onnx(_) => "onnx",
             ModelConfig::UNet(_) => "unet",
             ModelConfig::ClipText(_) => "clip_text",
+            ModelConfig::Vae(_) => "vae",
         }
     }
 
@@ -261,6 +271,7 @@ impl ModelConfig {
             ModelConfig::Onnx(c) => c.num_blocks,
             ModelConfig::UNet(c) => c.num_blocks(),
             ModelConfig::ClipText(c) => c.num_hidden_layers,
+            ModelConfig::Vae(c) => c.num_blocks(),
         }
     }
 
@@ -276,6 +287,7 @@ impl ModelConfig {
             ModelConfig::Onnx(c) => c.widest,
             ModelConfig::UNet(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
             ModelConfig::ClipText(c) => c.hidden_size,
+            ModelConfig::Vae(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
         }
     }
 
@@ -289,7 +301,7 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => Some(c.n_head),
             ModelConfig::UNet(c) => c.heads.iter().copied().max(),
             ModelConfig::ClipText(c) => Some(c.num_attention_heads),
-            ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => None,
+            ModelConfig::Mlp(_) | ModelConfig::Onnx(_) | ModelConfig::Vae(_) => None,
         }
     }
 
@@ -310,7 +322,10 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => Some(c.vocab_size),
             ModelConfig::Onnx(c) => c.vocab_size(),
             ModelConfig::ClipText(c) => Some(c.vocab_size),
-            ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::UNet(_) => None,
+            ModelConfig::Vit(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::UNet(_)
+            | ModelConfig::Vae(_) => None,
         }
     }
 
@@ -321,12 +336,13 @@ impl ModelConfig {
             ModelConfig::Gpt2(c) => Some(c.n_positions),
             ModelConfig::Bert(c) => Some(c.max_position_embeddings),
             ModelConfig::Onnx(c) => c.fixed_seq(),
-            ModelConfig::ClipText(c) => Some(c.max_position_embeddings),
             ModelConfig::Llama(_)
             | ModelConfig::Bloom(_)
             | ModelConfig::Vit(_)
             | ModelConfig::Mlp(_)
-            | ModelConfig::UNet(_) => None,
+            | ModelConfig::UNet(_)
+            | ModelConfig::Vae(_) => None,
+            ModelConfig::ClipText(c) => Some(c.max_position_embeddings),
         }
     }
 
@@ -335,7 +351,7 @@ impl ModelConfig {
     pub fn effective_seq(&self, requested: usize) -> usize {
         match self {
             ModelConfig::Vit(c) => c.seq_len(),
-            ModelConfig::Mlp(_) => 1,
+            ModelConfig::Mlp(_) | ModelConfig::Vae(_) => 1,
             ModelConfig::Onnx(c) => match c.task {
                 OnnxTask::CausalLm { .. } => c.fixed_seq().unwrap_or(requested),
                 OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => 1,
@@ -359,9 +375,10 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
-            ModelConfig::ClipText(c) => c.dtype,
             ModelConfig::Onnx(_) => None,
             ModelConfig::UNet(c) => c.dtype,
+            ModelConfig::ClipText(c) => c.dtype,
+            ModelConfig::Vae(c) => c.dtype,
         }
     }
 
@@ -378,6 +395,7 @@ impl ModelConfig {
             ModelConfig::Onnx(c) => c.num_parameters,
             ModelConfig::UNet(c) => c.num_parameters(),
             ModelConfig::ClipText(c) => c.num_parameters(),
+            ModelConfig::Vae(c) => c.num_parameters(),
         }
     }
 
@@ -412,6 +430,16 @@ impl ModelConfig {
             ModelConfig::UNet(c) => (c.cross_attention_dim, c.cross_attention_dim),
             ModelConfig::ClipText(c) => {
                 (max(&[c.vocab_size, c.intermediate_size, c.hidden_size]), c.hidden_size)
+            }
+            // One "position" of H·W pixels at the widest channel count; attention over the
+            // mid block's (H/f)·(W/f) positions.
+            ModelConfig::Vae(c) => {
+                let (side, widest) = (c.sample_size, max(&c.block_out_channels));
+                let mid = (side / c.downscale()).saturating_mul(side / c.downscale());
+                (
+                    side.saturating_mul(side).saturating_mul(widest),
+                    mid.saturating_mul(mid).saturating_mul(widest),
+                )
             }
         }
     }
@@ -606,7 +634,8 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         | ModelConfig::Mlp(_)
         | ModelConfig::Onnx(_)
         | ModelConfig::UNet(_)
-        | ModelConfig::ClipText(_) => {
+        | ModelConfig::ClipText(_)
+        | ModelConfig::Vae(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -663,6 +692,7 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Onnx(c) => onnx::build(c, &opts),
         ModelConfig::UNet(c) => diffusion::build_unet(c, &opts),
         ModelConfig::ClipText(c) => clip::build(c, &opts),
+        ModelConfig::Vae(c) => diffusion::build_vae(c, &opts),
     }
 }
 

@@ -364,7 +364,7 @@ fn at_most_two_blocks(cfg: &ModelConfig) -> ModelConfig {
         // Not made from a config.json: never generated here.
         ModelConfig::Onnx(_) => cfg.clone(),
         // Not generated here (its fuzzing is not written); kept as it is.
-        ModelConfig::UNet(_) => cfg.clone(),
+        ModelConfig::UNet(_) | ModelConfig::Vae(_) => cfg.clone(),
     }
 }
 

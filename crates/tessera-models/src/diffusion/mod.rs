@@ -14,8 +14,10 @@
 pub(crate) mod blocks;
 mod config;
 mod unet;
+mod vae;
 
 pub use config::{DownBlock, UNetConfig, UNetParams, UpBlock, SUPPORTED_CLASS_NAMES};
+pub use vae::{VaeConfig, VaeParams, VaePart};
 
 use crate::error::{ModelError, Result};
 use crate::{BuildOptions, ForwardModel, ModelConfig};
@@ -29,6 +31,7 @@ pub(crate) fn parse(
 ) -> Result<ModelConfig> {
     match class_name {
         "UNet2DConditionModel" => config::parse_unet(map, name).map(ModelConfig::UNet),
+        "AutoencoderKL" => vae::parse(map, name).map(ModelConfig::Vae),
         other => Err(ModelError::Unsupported {
             what: "diffusers `_class_name`".into(),
             found: other.into(),
@@ -63,6 +66,11 @@ pub(crate) fn build_unet(cfg: &UNetConfig, opts: &BuildOptions) -> Result<Forwar
         ));
     }
     unet::build(cfg, opts, cfg.sample_size)
+}
+
+/// Builds an `AutoencoderKL`'s part at `opts.batch` on its `sample_size` images.
+pub(crate) fn build_vae(cfg: &VaeConfig, opts: &BuildOptions) -> Result<ForwardModel> {
+    vae::build(cfg, opts)
 }
 
 /// Parameters of `cfg`: its graph built at the smallest sample and one token, counted.
