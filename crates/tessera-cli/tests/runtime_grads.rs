@@ -74,9 +74,11 @@ fn check(name: &str, cfg: &ModelConfig, batch: usize, seq: usize) {
                 f32_values.insert(input.tensor, vec![n as f32]);
                 continue;
             }
-            InputKind::Pixels | InputKind::Features | InputKind::Targets => {
-                panic!("{name}: token models only")
-            }
+            InputKind::Pixels
+            | InputKind::Features
+            | InputKind::Targets
+            | InputKind::Timesteps
+            | InputKind::ClassLabels { .. } => panic!("{name}: token models only"),
             InputKind::CacheStart | InputKind::Positions | InputKind::LastIndex => {
                 panic!("{name}: a training graph has no generation inputs")
             }

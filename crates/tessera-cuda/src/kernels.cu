@@ -237,7 +237,9 @@ __device__ __forceinline__ float unary_f(int op, float v) {
         case 7: return gelu_tanh(v);
         case 8: return v * sigmoidf_(v);
         case 9: return v > 0.0f ? v : 0.0f;
-        default: return sigmoidf_(v);
+        case 10: return sigmoidf_(v);
+        case 11: return sinf(v);
+        default: return cosf(v);
     }
 }
 
@@ -256,7 +258,9 @@ __device__ __forceinline__ float unary_grad(int op, float v, float g) {
         case 7: return g * gelu_tanh_grad(v);
         case 8: { float s = sigmoidf_(v); return g * (s * (1.0f + v * (1.0f - s))); }
         case 9: return v > 0.0f ? g : 0.0f;
-        default: { float s = sigmoidf_(v); return g * s * (1.0f - s); }
+        case 10: { float s = sigmoidf_(v); return g * s * (1.0f - s); }
+        case 11: return g * cosf(v);
+        default: return -g * sinf(v);
     }
 }
 

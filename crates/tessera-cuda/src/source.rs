@@ -30,6 +30,8 @@ pub fn unary_code(u: UnaryOp) -> i32 {
         UnaryOp::Silu => 8,
         UnaryOp::Relu => 9,
         UnaryOp::Sigmoid => 10,
+        UnaryOp::Sin => 11,
+        UnaryOp::Cos => 12,
     }
 }
 
@@ -114,13 +116,15 @@ mod tests {
             UnaryOp::Silu,
             UnaryOp::Relu,
             UnaryOp::Sigmoid,
+            UnaryOp::Sin,
+            UnaryOp::Cos,
         ];
         let mut codes: Vec<i32> = unary.iter().map(|&u| unary_code(u)).collect();
         codes.sort();
-        assert_eq!(codes, (0..11).collect::<Vec<_>>(), "unary codes are 0..11, distinct");
+        assert_eq!(codes, (0..13).collect::<Vec<_>>(), "unary codes are 0..13, distinct");
         // The last code is the `default:` case; the others are explicit cases in both
         // switches (forward and gradient).
-        for c in 0..10 {
+        for c in 0..12 {
             assert!(KERNELS.matches(&format!("case {c}:")).count() >= 2, "case {c}");
         }
         let braces = KERNELS.matches('{').count();

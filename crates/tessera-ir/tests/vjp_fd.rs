@@ -216,15 +216,23 @@ fn unary_ops() {
         U::Silu,
         U::Relu,
         U::Sigmoid,
+        U::Sin,
+        U::Cos,
     ];
     for u in all {
         check_vjp(&format!("unary {u:?}"), |cx| {
             let data = match u {
                 U::Log | U::Sqrt | U::Rsqrt => cx.uniform(12, 0.5, 2.0),
                 U::Relu => cx.signed(12, 0.1, 1.0),
-                U::Neg | U::Exp | U::Tanh | U::Gelu | U::GeluTanh | U::Silu | U::Sigmoid => {
-                    cx.uniform(12, -2.0, 2.0)
-                }
+                U::Neg
+                | U::Exp
+                | U::Tanh
+                | U::Gelu
+                | U::GeluTanh
+                | U::Silu
+                | U::Sigmoid
+                | U::Sin
+                | U::Cos => cx.uniform(12, -2.0, 2.0),
             };
             let x = cx.param_data([3, 4], data);
             Ok(vec![cx.b.unary(u, x)?])

@@ -50,6 +50,21 @@ pub(crate) fn parse(text: &str, origin: &str, fallback_name: Option<&str>) -> Re
             format!("must be a JSON object of settings, got {}", json_kind(&value)),
         ));
     };
+    // diffusers writes `_class_name` instead of `model_type`.
+    if let Some(class) = map.get("_class_name").and_then(Value::as_str) {
+        let name = match map.get("_name_or_path").and_then(Value::as_str) {
+            Some(n) if !n.is_empty() => n.to_string(),
+            _ => fallback_name.unwrap_or(class).to_string(),
+        };
+        return match class {
+            crate::diffusion::DIT_CLASS_NAME => crate::diffusion::dit_from_diffusers(map, name),
+            other => Err(ModelError::Unsupported {
+                what: "diffusers _class_name".into(),
+                found: other.to_string(),
+                supported: crate::diffusion::DIT_CLASS_NAME.into(),
+            }),
+        };
+    }
     let model_type = match map.get("model_type") {
         Some(Value::String(s)) => s.as_str(),
         None | Some(Value::Null) => {

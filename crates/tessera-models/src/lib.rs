@@ -24,6 +24,7 @@
 mod bert;
 mod bloom;
 mod config;
+pub mod diffusion;
 mod error;
 mod gpt2;
 mod hf;
@@ -73,6 +74,8 @@ pub enum ModelConfig {
     Bloom(BloomConfig),
     /// A model imported from an ONNX file (`torch.onnx.export`).
     Onnx(OnnxConfig),
+    /// diffusers' `DiTTransformer2DModel` (class-conditional image diffusion).
+    Dit(diffusion::DitConfig),
 }
 
 impl ModelConfig {
@@ -102,8 +105,11 @@ impl ModelConfig {
                 (p.hidden_dropout, p.attention_dropout) = (0.0, 0.0);
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
-            // An ONNX file exported in eval mode holds no dropout.
-            ModelConfig::Llama(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => self.clone(),
+            // An ONNX file exported in eval mode holds no dropout; DiT is built without it.
+            ModelConfig::Llama(_)
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Onnx(_)
+            | ModelConfig::Dit(_) => self.clone(),
         }
     }
 
@@ -169,6 +175,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => &c.name,
             ModelConfig::Bloom(c) => &c.name,
             ModelConfig::Onnx(c) => &c.name,
+            ModelConfig::Dit(c) => &c.name,
         }
     }
 
@@ -182,6 +189,7 @@ impl ModelConfig {
             ModelConfig::Mlp(_) => "mlp",
             ModelConfig::Bloom(_) => "bloom",
             ModelConfig::Onnx(_) => "onnx",
+            ModelConfig::Dit(_) => "dit",
         }
     }
 
@@ -203,6 +211,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.len(),
             ModelConfig::Bloom(c) => c.n_layer,
             ModelConfig::Onnx(c) => c.num_blocks,
+            ModelConfig::Dit(c) => c.num_layers,
         }
     }
 
@@ -216,6 +225,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.hidden_dims.iter().copied().max().unwrap_or(c.input_dim),
             ModelConfig::Bloom(c) => c.hidden_size,
             ModelConfig::Onnx(c) => c.widest,
+            ModelConfig::Dit(c) => c.inner_dim(),
         }
     }
 
@@ -227,6 +237,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.num_attention_heads),
             ModelConfig::Vit(c) => Some(c.num_attention_heads),
             ModelConfig::Bloom(c) => Some(c.n_head),
+            ModelConfig::Dit(c) => Some(c.num_attention_heads),
             ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => None,
         }
     }
@@ -247,7 +258,7 @@ impl ModelConfig {
             ModelConfig::Bert(c) => Some(c.vocab_size),
             ModelConfig::Bloom(c) => Some(c.vocab_size),
             ModelConfig::Onnx(c) => c.vocab_size(),
-            ModelConfig::Vit(_) | ModelConfig::Mlp(_) => None,
+            ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Dit(_) => None,
         }
     }
 
@@ -261,7 +272,8 @@ impl ModelConfig {
             ModelConfig::Llama(_)
             | ModelConfig::Bloom(_)
             | ModelConfig::Vit(_)
-            | ModelConfig::Mlp(_) => None,
+            | ModelConfig::Mlp(_)
+            | ModelConfig::Dit(_) => None,
         }
     }
 
@@ -271,6 +283,7 @@ impl ModelConfig {
         match self {
             ModelConfig::Vit(c) => c.seq_len(),
             ModelConfig::Mlp(_) => 1,
+            ModelConfig::Dit(c) => c.num_patches(),
             ModelConfig::Onnx(c) => match c.task {
                 OnnxTask::CausalLm { .. } => c.fixed_seq().unwrap_or(requested),
                 OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => 1,
@@ -291,6 +304,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
+            ModelConfig::Dit(c) => c.dtype,
             ModelConfig::Onnx(_) => None,
         }
     }
@@ -306,6 +320,7 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => c.num_parameters(),
             ModelConfig::Bloom(c) => c.num_parameters(),
             ModelConfig::Onnx(c) => c.num_parameters,
+            ModelConfig::Dit(c) => c.num_parameters(),
         }
     }
 
@@ -336,6 +351,11 @@ impl ModelConfig {
                 (max(&[c.vocab_size, 3 * c.hidden_size, c.mlp_width()]), c.hidden_size)
             }
             ModelConfig::Onnx(c) => (c.widest, c.widest),
+            ModelConfig::Dit(c) => {
+                let (d, p) = (c.inner_dim(), c.patch_size);
+                let patch = c.in_channels.max(c.out_channels) * p * p;
+                (max(&[patch, 6 * d, 4 * d, crate::diffusion::TIMESTEP_FEATURES]), d)
+            }
         }
     }
 }
@@ -390,6 +410,12 @@ pub enum InputKind {
     Positions,
     /// Generation: `[B]`, the step position whose logits each row wants.
     LastIndex,
+    /// Diffusion: `[B]` f32, each row's timestep (`0..num_train_timesteps`, fractional when
+    /// sampling).
+    Timesteps,
+    /// Diffusion: `[B]` i64 class conditions in `0..=num_classes`, `num_classes` being the
+    /// null (unconditional) class of classifier-free guidance.
+    ClassLabels { num_classes: usize },
 }
 
 /// One data input of a built model.
@@ -518,7 +544,11 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         ModelConfig::Gpt2(c) => gpt2::build(c, &build_opts, Some(opts))?,
         ModelConfig::Llama(c) => llama::build(c, &build_opts, Some(opts))?,
         ModelConfig::Bloom(c) => bloom::build(c, &build_opts, Some(opts))?,
-        ModelConfig::Bert(_) | ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => {
+        ModelConfig::Bert(_)
+        | ModelConfig::Vit(_)
+        | ModelConfig::Mlp(_)
+        | ModelConfig::Onnx(_)
+        | ModelConfig::Dit(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -572,6 +602,7 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Bert(c) => bert::build(c, &opts),
         ModelConfig::Vit(c) => vit::build(c, &opts),
         ModelConfig::Mlp(c) => mlp::build(c, &opts),
+        ModelConfig::Dit(c) => diffusion::build_dit(c, &opts),
         ModelConfig::Onnx(c) => onnx::build(c, &opts),
     }
 }

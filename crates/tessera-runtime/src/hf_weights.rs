@@ -1,5 +1,6 @@
 //! Hugging Face weights: [`load_hf_weights`] reads `model.safetensors`, a sharded
-//! `model.safetensors.index.json` (+ its shards) or one `.safetensors` file, and maps every
+//! `model.safetensors.index.json` (+ its shards), diffusers' `diffusion_pytorch_model.safetensors`
+//! (or its index) or one `.safetensors` file, and maps every
 //! tensor to the graph parameter of the same name (parameters carry their Hugging Face names).
 //! It also accepts:
 //! - base-model checkpoints whose names lack the head model's prefix (`transformer.`,
@@ -61,7 +62,14 @@ const BUFFER_SUFFIXES: &[&str] =
 /// Prefixes of heads our models do not build (transformers' MaskedLM / classifier drop them).
 const UNBUILT_HEADS: &[&str] = &["bert.pooler.", "pooler.", "cls.seq_relationship.", "vit.pooler."];
 
-/// The safetensors files of the weights at `path`, and the index file if sharded.
+/// diffusers' names for a model's weights and their shard index (`save_pretrained` of a
+/// `ModelMixin`), read where `model.safetensors` is absent.
+const DIFFUSERS_FILES: (&str, &str) =
+    ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json");
+
+/// The safetensors files of the weights at `path` (`model.safetensors`, else diffusers'
+/// `diffusion_pytorch_model.safetensors`, or their shard indexes), and the index file if
+/// sharded.
 fn weight_files(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
     let is_index = |p: &Path| p.to_string_lossy().ends_with(".index.json");
     if path.is_file() {
@@ -77,13 +85,15 @@ fn weight_files(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
             path.display()
         )));
     }
-    let single = path.join(MODEL_FILE);
-    if single.is_file() {
-        return Ok((vec![single], None));
-    }
-    let index = path.join(MODEL_INDEX_FILE);
-    if index.is_file() {
-        return Ok((index_shards(&index)?, Some(index)));
+    for (file, index_file) in [(MODEL_FILE, MODEL_INDEX_FILE), DIFFUSERS_FILES] {
+        let single = path.join(file);
+        if single.is_file() {
+            return Ok((vec![single], None));
+        }
+        let index = path.join(index_file);
+        if index.is_file() {
+            return Ok((index_shards(&index)?, Some(index)));
+        }
     }
     let hint = if path.join("pytorch_model.bin").exists()
         || path.join("pytorch_model.bin.index.json").exists()

@@ -95,11 +95,13 @@ impl MicroLeaves {
         // A pipeline stage before the last has no loss, hence no labels.
         // (Ring attention's sends pass K/V blocks between the devices of one stage.)
         let stage = g.nodes.iter().any(|n| matches!(n.op, tessera_ir::Op::Send(p) if !p.ring));
-        // The loss's target: class or token `labels`, or a dense model's `targets`.
-        if !stage && !leaves.data.iter().any(|(n, _)| n == "labels" || n == "targets") {
+        // The loss's target: class or token `labels`, a dense model's `targets`, or a
+        // diffusion model's `target` (diffusers' name).
+        let is_target = |n: &str| matches!(n, "labels" | "targets" | "target");
+        if !stage && !leaves.data.iter().any(|(n, _)| is_target(n)) {
             return Err(binding(format!(
-                "the program has no `labels` or `targets` input for micro-batch {k}: `train` \
-                 needs a model with a loss over them"
+                "the program has no `labels`, `targets` or `target` input for micro-batch {k}: \
+                 `train` needs a model with a loss over them"
             )));
         }
         Ok(leaves)

@@ -221,7 +221,7 @@ const SHAPES: &[&[usize]] = &[&[7], &[3, 33], &[2, 3, 5, 7], &[4, 1, 9], &[64, 3
 
 // ---- elementwise ----------------------------------------------------------------------------
 
-const UNARY: [UnaryOp; 11] = [
+const UNARY: [UnaryOp; 13] = [
     UnaryOp::Neg,
     UnaryOp::Exp,
     UnaryOp::Log,
@@ -233,6 +233,8 @@ const UNARY: [UnaryOp; 11] = [
     UnaryOp::Silu,
     UnaryOp::Relu,
     UnaryOp::Sigmoid,
+    UnaryOp::Sin,
+    UnaryOp::Cos,
 ];
 
 fn unary_input(r: &mut StdRng, u: UnaryOp, dims: &[usize]) -> Tensor {

@@ -158,6 +158,8 @@ pub(super) fn unary(u: UnaryOp, x: f64) -> f64 {
             }
         }
         UnaryOp::Sigmoid => sigmoid(x),
+        UnaryOp::Sin => x.sin(),
+        UnaryOp::Cos => x.cos(),
     }
 }
 
@@ -193,6 +195,8 @@ pub(super) fn unary_derivative(u: UnaryOp, x: f64) -> f64 {
             let s = sigmoid(x);
             s * (1.0 - s)
         }
+        UnaryOp::Sin => x.cos(),
+        UnaryOp::Cos => -x.sin(),
     }
 }
 

@@ -59,6 +59,7 @@ pub fn unary_flops_per_element(u: UnaryOp) -> u64 {
     match u {
         UnaryOp::Neg | UnaryOp::Relu => 1,
         UnaryOp::Exp | UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Tanh => 1,
+        UnaryOp::Sin | UnaryOp::Cos => 1,
         UnaryOp::Sigmoid => 3,
         UnaryOp::Silu => 4,
         UnaryOp::Gelu | UnaryOp::GeluTanh => 8,

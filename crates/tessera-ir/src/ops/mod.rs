@@ -52,6 +52,10 @@ pub enum UnaryOp {
     Silu,
     Relu,
     Sigmoid,
+    /// sin x (the diffusion models' sinusoidal timestep embedding).
+    Sin,
+    /// cos x.
+    Cos,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

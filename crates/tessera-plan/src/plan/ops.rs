@@ -202,6 +202,8 @@ fn unary(u: UnaryOp) -> &'static str {
         UnaryOp::Silu => "silu",
         UnaryOp::Relu => "relu",
         UnaryOp::Sigmoid => "sigmoid",
+        UnaryOp::Sin => "sin",
+        UnaryOp::Cos => "cos",
     }
 }
 

@@ -607,6 +607,8 @@ pub fn unary(u: UnaryOp, x: &Tensor) -> Result<Tensor> {
         UnaryOp::Silu => map1(x, |v| v * sigmoid_parts(v).0),
         UnaryOp::Relu => map1(x, |v| if v > 0.0 { v } else { 0.0 }),
         UnaryOp::Sigmoid => map1(x, |v| sigmoid_parts(v).0),
+        UnaryOp::Sin => map1(x, f32::sin),
+        UnaryOp::Cos => map1(x, f32::cos),
     }
 }
 
@@ -635,6 +637,8 @@ pub fn unary_backward(u: UnaryOp, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
         UnaryOp::Silu => map2(x, dy, &dims, |v, g| g * silu_grad(v)),
         UnaryOp::Relu => map2(x, dy, &dims, |v, g| if v > 0.0 { g } else { 0.0 }),
         UnaryOp::Sigmoid => map2(x, dy, &dims, |v, g| g * sigmoid_parts(v).1),
+        UnaryOp::Sin => map2(x, dy, &dims, |v, g| g * v.cos()),
+        UnaryOp::Cos => map2(x, dy, &dims, |v, g| -g * v.sin()),
     }
 }
 
