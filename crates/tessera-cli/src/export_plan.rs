@@ -125,26 +125,28 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             attention_dropout: 0.0,
         },
         // An imported graph names no architecture an engine would rebuild.
-        ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) => ModelShape {
-            name,
-            family: Family::Other,
-            layers: 0,
-            hidden: 0,
-            heads: 0,
-            kv_heads: 0,
-            head_dim: 0,
-            ffn_hidden: 0,
-            vocab: 0,
-            max_positions: 0,
-            rope_theta: None,
-            norm_eps: 0.0,
-            linear_bias: true,
-            qkv_bias: false,
-            gelu_tanh: false,
-            tied_embeddings: false,
-            hidden_dropout: 0.0,
-            attention_dropout: 0.0,
-        },
+        ModelConfig::Vit(_) | ModelConfig::Mlp(_) | ModelConfig::Onnx(_) | ModelConfig::Dit(_) => {
+            ModelShape {
+                name,
+                family: Family::Other,
+                layers: 0,
+                hidden: 0,
+                heads: 0,
+                kv_heads: 0,
+                head_dim: 0,
+                ffn_hidden: 0,
+                vocab: 0,
+                max_positions: 0,
+                rope_theta: None,
+                norm_eps: 0.0,
+                linear_bias: true,
+                qkv_bias: false,
+                gelu_tanh: false,
+                tied_embeddings: false,
+                hidden_dropout: 0.0,
+                attention_dropout: 0.0,
+            }
+        }
     }
 }
 

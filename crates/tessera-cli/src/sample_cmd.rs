@@ -17,7 +17,6 @@ use tessera_models::{build, BuildOptions, ModelConfig};
 use tessera_runtime::collective::DeviceMesh;
 use tessera_runtime::diffusion::{Sampler, SamplerKind};
 use tessera_runtime::hf_weights::open_weights;
-use tessera_runtime::mapped::ShardSource as _;
 use tessera_runtime::tensor::{candle_dtype, from_vec, to_f64_vec};
 use tessera_runtime::{CpuBackend, Executor};
 

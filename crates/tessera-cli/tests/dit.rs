@@ -179,7 +179,8 @@ fn ddim_and_euler_steps_equal_diffusers() {
             assert!(e < 1e-3, "{what}: timesteps differ by {e}");
             if kind == SamplerKind::Euler {
                 let e = rel_err(&s.sigmas, &list(&format!("euler.{pname}.sigmas")), 1e-3);
-                assert!(e < 1e-5, "{what}: sigmas differ by {e:.1e}");
+                let want = list(&format!("euler.{pname}.sigmas"));
+                assert!(e < 1e-5, "{what}: sigmas differ by {e:.1e}: {:?} vs {want:?}", s.sigmas);
                 let want = meta["steps"][format!("euler.{pname}.init_noise_sigma")].as_f64();
                 assert!((s.init_noise_sigma() - want.unwrap()).abs() < 1e-3, "{what}");
             }

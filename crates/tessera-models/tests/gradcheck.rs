@@ -379,7 +379,7 @@ fn dit_tiny_gradients() {
         "pos_embed.proj.weight",
         "pos_embed.proj.bias",
         "transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight",
-        "transformer_blocks.0.norm1.emb.class_embedder.embedding_table",
+        "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight",
         "transformer_blocks.0.norm1.linear.weight",
         "transformer_blocks.1.norm1.linear.bias",
         "transformer_blocks.1.attn1.to_q.weight",

@@ -3,8 +3,9 @@
 //! `timestep`, `class_labels` and `target`, and steps a sample during generation.
 //!
 //! - [`NoiseSchedule`]: diffusers' `DDPMScheduler` betas and `alphas_cumprod` for
-//!   `beta_schedule` `linear`, `scaled_linear` and `squaredcos_cap_v2` (computed in f64;
-//!   diffusers rounds to f32, the tests compare within f32 rounding).
+//!   `beta_schedule` `linear`, `scaled_linear` and `squaredcos_cap_v2`, rounded to f32 where
+//!   diffusers holds f32 (so the schedule and Euler's σ near t = 0, where `1 − ᾱ` cancels,
+//!   are diffusers' own values).
 //! - [`DiffusionObjective`]: row `r` of training step `s` takes image `draw(seed, s, r)` (the
 //!   image set's own draw), timestep `t ~ U{0..T}` and noise `ε ~ N(0, I)` keyed by
 //!   `(seed, s, r)` with the counter-based generator — the same values on every device of
@@ -170,12 +171,15 @@ impl NoiseSchedule {
                     .collect()
             }
         };
-        let mut acc = 1.0;
+        // As diffusers holds them: f32 betas, f32 alphas `1 − β`, their running product
+        // accumulated wider (torch's CPU cumprod) and stored as f32.
+        let betas: Vec<f64> = betas.iter().map(|&b| f64::from(b as f32)).collect();
+        let mut acc = 1.0f64;
         let alphas_cumprod = betas
             .iter()
-            .map(|b| {
-                acc *= 1.0 - b;
-                acc
+            .map(|&b| {
+                acc *= f64::from(1.0f32 - b as f32);
+                f64::from(acc as f32)
             })
             .collect();
         NoiseSchedule { betas, alphas_cumprod }
@@ -352,8 +356,15 @@ impl Sampler {
             }
             // `linspace` from T−1 down to 0, σ interpolated linearly in t, then 0.
             SamplerKind::Euler => {
-                let full: Vec<f64> =
-                    schedule.alphas_cumprod.iter().map(|a| ((1.0 - a) / a).sqrt()).collect();
+                // σ_t = √((1 − ᾱ_t)/ᾱ_t) in f32, as diffusers computes it from its f32 ᾱ.
+                let full: Vec<f64> = schedule
+                    .alphas_cumprod
+                    .iter()
+                    .map(|&a| {
+                        let a = a as f32;
+                        f64::from(((1.0 - a) / a).sqrt())
+                    })
+                    .collect();
                 let ts: Vec<f64> = (0..steps)
                     .rev()
                     .map(|i| {

@@ -9,7 +9,7 @@
 //! x_bnd = patchify(hidden_states) · pos_embed.proj.weightᵀ + bias + pos_nd   # stride-p conv
 //! t_bf  = [cos(t·ω), sin(t·ω)]      ω_j = exp(−ln(10⁴)·j/(F/2 − 1)), F = 256 (flip, shift 1)
 //! for each block (each has its own timestep and class embedders, as diffusers builds them):
-//!     c_bd = linear_2(silu(linear_1(t_bf))) + class_embedder.embedding_table[class_labels]
+//!     c_bd = linear_2(silu(linear_1(t_bf))) + class_embedder.embedding_table.weight[class_labels]
 //!     shift/scale/gate (msa, mlp) = chunk₆(norm1.linear(silu(c_bd)))
 //!     x += gate_msa · attn1(LN₁(x)·(1 + scale_msa) + shift_msa)          # LN without affine
 //!     x += gate_mlp · ff(LN₃(x)·(1 + scale_mlp) + shift_mlp)             # gelu-tanh MLP, 4d
@@ -224,12 +224,7 @@ impl DitConfig {
     /// The `config.json` diffusers' `save_pretrained` writes for this model (read back by
     /// [`from_diffusers`]).
     pub fn to_diffusers_json(&self) -> Value {
-        let dtype = match self.dtype {
-            Some(DType::BF16) => "bfloat16",
-            Some(DType::F16) => "float16",
-            _ => "float32",
-        };
-        serde_json::json!({
+        let mut map = serde_json::json!({
             "_class_name": DIT_CLASS_NAME,
             "_name_or_path": self.name,
             "num_attention_heads": self.num_attention_heads,
@@ -248,8 +243,18 @@ impl DitConfig {
             "norm_type": "ada_norm_zero",
             "norm_elementwise_affine": false,
             "norm_eps": self.norm_eps,
-            "torch_dtype": dtype,
-        })
+        });
+        // diffusers writes no dtype; one a config states is kept.
+        let dtype = match self.dtype {
+            Some(DType::BF16) => Some("bfloat16"),
+            Some(DType::F16) => Some("float16"),
+            Some(DType::F32) => Some("float32"),
+            _ => None,
+        };
+        if let Some(d) = dtype {
+            map["torch_dtype"] = Value::from(d);
+        }
+        map
     }
 
     fn count(&self) -> Option<u128> {
@@ -474,9 +479,8 @@ fn block(
                 let h = b.unary(UnaryOp::Silu, h)?;
                 nn::linear(b, "linear_2", h, d, true)
             })?;
-            let ce_bd = b.scoped("class_embedder", |b| {
-                let table =
-                    b.parameter("embedding_table", [cfg.num_classes + 1, d], b.dtype(te_bd));
+            let ce_bd = b.scoped("class_embedder.embedding_table", |b| {
+                let table = b.parameter("weight", [cfg.num_classes + 1, d], b.dtype(te_bd));
                 b.embedding(table, cond.labels_b)
             })?;
             b.add(te_bd, ce_bd)
