@@ -216,16 +216,31 @@ fn tiny_dit_trains_like_one_device_under_every_plan() {
     let dir = axis_runs::temp("dit", "fidelity");
     let model = model_file(&dir, "dit-fid", DIT_DIGITS);
     let shape = Shape { batch: 8, seq: 16, steps: 10 };
-    let (_, single) = axis_runs::train(&dir, &model, 1, "dp1", shape);
+    let train = |devices: usize, plan: &str| {
+        let log = dir.join(format!("{devices}-{}.jsonl", plan.replace([' ', '='], "_")));
+        let mut args = axis_runs::run_args(&model, plan, log.to_str().unwrap(), shape, shape.steps);
+        args.extend(["--devices".into(), devices.to_string(), "--data".into(), digits()]);
+        let out = axis_runs::tessera(&args);
+        assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+        (doc, axis_runs::steps_of(&log))
+    };
+    let (_, single) = train(1, "dp1");
     assert!(single.iter().all(|s| s.0.is_finite() && s.0 > 0.0), "{single:?}");
     for (devices, plan) in
         [(2, "dp2"), (2, "tp2"), (2, "dp2 zero3"), (2, "dp2 ckpt=full"), (2, "tp2 ckpt=full")]
     {
-        let (doc, steps) = axis_runs::train(&dir, &model, devices, plan, shape);
+        let (doc, steps) = train(devices, plan);
         let what = format!("dit `{plan}`");
         assert_follows(&what, &steps, &single, 1);
         assert_accounted(&what, &doc);
     }
+}
+
+/// The shipped digits (`scripts/setup.sh` installs them).
+fn digits() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/digits.csv");
+    path.to_str().unwrap().to_string()
 }
 
 /// The class a ViT checkpoint gives each of `images` (`[n, 1, 8, 8]` in `[-1, 1]`).
@@ -262,8 +277,8 @@ fn classify(vit_dir: &Path, images: &Tensor) -> Vec<usize> {
 #[test]
 fn dit_tiny_draws_digits_a_classifier_recognises() {
     let dir = axis_runs::temp("dit", "learning");
-    let digits = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/digits.csv");
-    let digits = digits.to_str().unwrap();
+    let digits = digits();
+    let digits = digits.as_str();
     let run = |args: &[&str]| {
         let out = axis_runs::tessera(args);
         assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));

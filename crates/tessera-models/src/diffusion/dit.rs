@@ -21,11 +21,11 @@
 //! The fixed 2-D sin-cos position table is diffusers' `get_2d_sincos_pos_embed` (positions
 //! `0..G` along each side, the first half of the width from the column index, the second
 //! from the row index, each `[sin(p·ω), cos(p·ω)]` with `ω_k = 10⁴^(−k/(d/4))`). It is not a
-//! weight (diffusers does not save it): it is computed in the graph as a rotation of the
-//! constant vector `[0…0, 1…1]` by the IR's `Rope` op at positions `0..G` (inverse rotation:
-//! `[x₁cos θ + x₂sin θ, x₂cos θ − x₁sin θ]` = `[sin θ, cos θ]`), so no tensor literal is needed.
+//! weight (diffusers does not save it): it is computed in the graph from two constant vectors
+//! (the positions and `ω`, scalar fills: the IR has no tensor literal) by an f32 outer product
+//! and the IR's `sin`/`cos` (diffusers computes it in f64; the difference is below 1e-6).
 //! The timestep frequencies `ω` are a constant vector of F/2 scalar fills, computed in f32 the
-//! way diffusers computes them; `t·ω` is an f32 product and `sin`/`cos` are the IR's unary ops.
+//! way diffusers computes them; `t·ω` is an f32 product, then `sin`/`cos`.
 //!
 //! Class labels index a table of `num_embeds_ada_norm + 1` rows: the last is diffusers' "null"
 //! class (`class_dropout_prob` 0.1 > 0 always adds it), the condition classifier-free guidance
@@ -561,8 +561,8 @@ fn timestep_features(b: &mut Builder, t_b: TensorId, dtype: DType) -> IrResult<T
     nn::to(b, t_bf, dtype)
 }
 
-/// A constant f32 vector: a concatenation of scalar fills (the IR has no tensor literal; this
-/// is used once per graph, for the timestep frequencies).
+/// A constant f32 vector: a concatenation of scalar fills (the IR has no tensor literal; used
+/// once per graph for the timestep frequencies, the positions and the position frequencies).
 fn constant_vector(b: &mut Builder, values: &[f64]) -> IrResult<TensorId> {
     let parts = values.iter().map(|&v| b.fill(v, [1], DType::F32)).collect::<IrResult<Vec<_>>>()?;
     b.concat(&parts, 0)
@@ -574,11 +574,17 @@ fn position_table(b: &mut Builder, g: usize, d: usize, dtype: DType) -> IrResult
     let quarter = d / 4;
     let omega: Vec<f64> =
         (0..quarter).map(|k| 1.0 / 10000f64.powf(k as f64 / quarter as f64)).collect();
-    // Rotating [0…0, 1…1] by −p·ω gives [sin(p·ω), cos(p·ω)] at positions p = 0..g.
-    let zeros = b.fill(0.0, [1, g, 1, quarter], DType::F32)?;
-    let ones = b.fill(1.0, [1, g, 1, quarter], DType::F32)?;
-    let unit = b.concat(&[zeros, ones], 3)?;
-    let e = b.push1(tessera_ir::Op::Rope { inv_freq: omega, inverse: true }, &[unit])?;
+    // [sin(p·ω), cos(p·ω)] at positions p = 0..g: an f32 outer product of two constant
+    // vectors, then the IR's sin and cos.
+    let positions: Vec<f64> = (0..g).map(|p| p as f64).collect();
+    let p_g1 = constant_vector(b, &positions)?;
+    let p_g1 = b.reshape(p_g1, [g, 1])?;
+    let w_1q = constant_vector(b, &omega)?;
+    let w_1q = b.reshape(w_1q, [1, quarter])?;
+    let arg_gq = b.matmul(p_g1, w_1q, false, false)?;
+    let sin = b.unary(UnaryOp::Sin, arg_gq)?;
+    let cos = b.unary(UnaryOp::Cos, arg_gq)?;
+    let e = b.concat(&[sin, cos], 1)?;
     let e_gh = b.reshape(e, [g, d / 2])?;
     let cols = b.reshape(e_gh, [1, g, d / 2])?;
     let cols = b.expand(cols, [g, g, d / 2])?;
