@@ -356,6 +356,12 @@ fn at_most_two_blocks(cfg: &ModelConfig) -> ModelConfig {
             p.hidden_dims.truncate(2);
             ModelConfig::Mlp(MlpConfig::new(p).expect(valid))
         }
+        // Fewer layers keep every other field valid.
+        ModelConfig::Dit(c) => {
+            let mut c = c.clone();
+            c.num_layers = c.num_layers.min(2);
+            ModelConfig::Dit(c)
+        }
         // Not made from a config.json: never generated here.
         ModelConfig::Onnx(_) => cfg.clone(),
     }

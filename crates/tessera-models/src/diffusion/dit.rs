@@ -131,6 +131,22 @@ impl DitConfig {
                 format!("{} layers: at most {}", p.num_layers, crate::MAX_LAYERS),
             ));
         }
+        // Sizes far beyond any model, refused before any product of them is taken.
+        for (field, v, max) in [
+            ("num_attention_heads", p.num_attention_heads, 1 << 16),
+            ("attention_head_dim", p.attention_head_dim, 1 << 16),
+            ("in_channels", p.in_channels, 1 << 16),
+            ("out_channels", p.out_channels.unwrap_or(0), 1 << 17),
+            ("sample_size", p.sample_size, 1 << 16),
+            ("num_embeds_ada_norm", p.num_embeds_ada_norm, 1 << 30),
+        ] {
+            if v > max {
+                return Err(ModelError::invalid(
+                    field,
+                    format!("{v} is beyond any model (at most {max}); check for a typo"),
+                ));
+            }
+        }
         if p.sample_size % p.patch_size != 0 {
             return Err(ModelError::invalid(
                 "sample_size",
