@@ -147,7 +147,7 @@ impl DitConfig {
                 ));
             }
         }
-        if p.sample_size % p.patch_size != 0 {
+        if !p.sample_size.is_multiple_of(p.patch_size) {
             return Err(ModelError::invalid(
                 "sample_size",
                 format!(
@@ -158,7 +158,7 @@ impl DitConfig {
             ));
         }
         let inner = p.num_attention_heads * p.attention_head_dim;
-        if inner % 4 != 0 {
+        if !inner.is_multiple_of(4) {
             return Err(ModelError::invalid(
                 "attention_head_dim",
                 format!(
