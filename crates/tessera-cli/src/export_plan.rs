@@ -130,7 +130,8 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
         | ModelConfig::Onnx(_)
         | ModelConfig::UNet(_)
         | ModelConfig::ClipText(_)
-        | ModelConfig::Vae(_) => ModelShape {
+        | ModelConfig::Vae(_)
+        | ModelConfig::Dit(_) => ModelShape {
             name,
             family: Family::Other,
             layers: 0,

@@ -12,6 +12,7 @@
 mod calibrate_cmd;
 mod calibrate_gpu;
 mod checkpoint_cmd;
+mod diffusion_args;
 mod eval_cmd;
 mod eval_io;
 mod export_cmd;
@@ -27,8 +28,10 @@ mod output;
 mod pictures;
 mod plan_cmd;
 mod plan_file;
+mod png;
 mod profile_cmd;
 mod run_file;
+mod sample_cmd;
 mod tier_args;
 mod train_cmd;
 mod train_guard;
@@ -56,6 +59,9 @@ enum Command {
     Eval(eval_cmd::EvalArgs),
     /// Generate text from a checkpoint with a KV cache, on one device or a tensor-parallel group.
     Generate(Box<generate_cmd::GenerateArgs>),
+    /// Draw images from a class-conditional diffusion model (DiT) with DDIM or Euler and
+    /// classifier-free guidance, as a PNG grid.
+    Sample(Box<sample_cmd::SampleArgs>),
     /// Gather a checkpoint (sharded or not) into a Hugging Face model directory.
     Export(export_cmd::ExportArgs),
     /// Check a checkpoint: `tessera checkpoint verify DIR`.
@@ -166,6 +172,7 @@ pub fn main() -> ExitCode {
         Command::Train(args) => train_cmd::run(&args),
         Command::Eval(args) => eval_cmd::run(&args),
         Command::Generate(args) => generate_cmd::run(&args),
+        Command::Sample(args) => sample_cmd::run(&args),
         Command::Export(args) => export_cmd::run(&args),
         Command::Checkpoint(args) => checkpoint_cmd::run(&args),
         Command::Plan(args) => plan_cmd::run(&args),
@@ -248,7 +255,10 @@ where
         Command::Train(args) => train_cmd::report(&args, hooks),
         Command::Eval(args) => eval_cmd::report(&args),
         Command::Generate(args) => generate_cmd::report_json(&args, hooks),
-        Command::Export(_) | Command::Checkpoint(_) | Command::Calibrate(_) => {
+        Command::Export(_)
+        | Command::Checkpoint(_)
+        | Command::Calibrate(_)
+        | Command::Sample(_) => {
             unreachable!("checked above: one of JSON_COMMANDS")
         }
     });

@@ -22,6 +22,7 @@ use tessera_plan::planner;
 use tessera_plan::Cluster;
 use tessera_runtime::checkpoint::Manifest;
 use tessera_runtime::data::{DataOptions, Dataset, MaskedLm, Objective, TokenDType, Tokenizer};
+use tessera_runtime::diffusion::DiffusionObjective;
 use tessera_runtime::examples::{is_jsonl, ExampleSet};
 use tessera_runtime::hf_weights::open_weights;
 use tessera_runtime::images::ImageSet;
@@ -87,6 +88,8 @@ pub struct TrainArgs {
     /// class); default data/digits.csv, which scripts/setup.sh installs.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    #[command(flatten)]
+    pub diffusion: crate::diffusion_args::DiffusionArgs,
     /// Hugging Face tokenizer.json to encode a text corpus (default: bytes).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -302,6 +305,16 @@ pub fn load_data(args: &TrainArgs, cfg: &ModelConfig) -> Result<TrainData> {
                     c.path
                 ),
             });
+        }
+        ModelConfig::Dit(c) => {
+            let path = args.data.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_IMAGES));
+            let shape = [c.in_channels, c.sample_size, c.sample_size];
+            let images = ImageSet::load_csv(&path, shape, 0.2)?;
+            images.validate(c.num_classes)?;
+            let schedule = args.diffusion.schedule(&args.model)?;
+            let objective =
+                DiffusionObjective::new(schedule, args.diffusion.cond_drop_prob, c.num_classes)?;
+            return Ok(TrainData::Diffusion { images, objective });
         }
         ModelConfig::Mlp(_) => bail!(
             "`train` has no data loader for the mlp model's feature vectors; train a language \

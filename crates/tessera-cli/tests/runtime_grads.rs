@@ -78,7 +78,8 @@ fn check(name: &str, cfg: &ModelConfig, batch: usize, seq: usize) {
             | InputKind::Features
             | InputKind::Targets
             | InputKind::Timesteps
-            | InputKind::Condition => panic!("{name}: token models only"),
+            | InputKind::Condition
+            | InputKind::ClassLabels { .. } => panic!("{name}: token models only"),
             InputKind::CacheStart | InputKind::Positions | InputKind::LastIndex => {
                 panic!("{name}: a training graph has no generation inputs")
             }

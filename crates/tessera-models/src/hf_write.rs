@@ -51,6 +51,8 @@ impl ModelConfig {
             ModelConfig::Mlp(c) => mlp(c),
             ModelConfig::Bloom(c) => bloom(c),
             ModelConfig::ClipText(c) => clip_text(c),
+            // A diffusers model: its own config layout (`_class_name`, no `model_type`).
+            ModelConfig::Dit(c) => return c.to_diffusers_json(),
             // No transformers class reads an ONNX graph: the file it came from is recorded,
             // as an absolute path where it resolves (a checkpoint is read from anywhere).
             ModelConfig::Onnx(c) => {

@@ -84,6 +84,8 @@ pub enum ModelConfig {
     ClipText(ClipTextConfig),
     /// diffusers' `AutoencoderKL` (Stable Diffusion's VAE): its encoder, decoder, or both.
     Vae(VaeConfig),
+    /// diffusers' `DiTTransformer2DModel` (class-conditional image diffusion).
+    Dit(diffusion::DitConfig),
 }
 
 impl ModelConfig {
@@ -113,13 +115,14 @@ impl ModelConfig {
                 (p.hidden_dropout, p.attention_dropout) = (0.0, 0.0);
                 ModelConfig::Bloom(BloomConfig::new(p).expect(VALID))
             }
-            // An ONNX file exported in eval mode holds no dropout; the UNet has none.
+            // An ONNX file exported in eval mode holds no dropout; the UNet and DiT have none.
             ModelConfig::Llama(_)
             | ModelConfig::Mlp(_)
             | ModelConfig::Onnx(_)
             | ModelConfig::UNet(_)
             | ModelConfig::Vae(_)
             // CLIP's dropouts are not modelled (SD keeps the encoder frozen, in eval mode).
+            | ModelConfig::Dit(_)
             | ModelConfig::ClipText(_) => self.clone(),
         }
     }
@@ -182,7 +185,7 @@ impl ModelConfig {
         match self {
             ModelConfig::UNet(c) => c.with_sample_size(side).map(ModelConfig::UNet),
             ModelConfig::Vae(c) => c.with_sample_size(side).map(ModelConfig::Vae),
-            ModelConfig::ClipText(_)
+            ModelConfig::Dit(_)
             | ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
             | ModelConfig::Bert(_)
@@ -193,7 +196,7 @@ impl ModelConfig {
             | ModelConfig::ClipText(_) => Err(ModelError::Unsupported {
                 what: "--image-size for model family".into(),
                 found: self.family().into(),
-                supported: "diffusion models (unet, vae); a ViT's image size is its config's"
+                supported: "diffusion models (unet, vae); a ViT's or DiT's image size is its config's"
                     .into(),
             }),
         }
@@ -204,7 +207,7 @@ impl ModelConfig {
     pub fn default_seq(&self) -> Option<usize> {
         match self {
             ModelConfig::UNet(_) => Some(diffusion::DEFAULT_TEXT_TOKENS),
-            ModelConfig::ClipText(_)
+            ModelConfig::Dit(_)
             | ModelConfig::Vae(_)
             | ModelConfig::Gpt2(_)
             | ModelConfig::Llama(_)
@@ -230,6 +233,7 @@ impl ModelConfig {
             ModelConfig::UNet(c) => &c.name,
             ModelConfig::ClipText(c) => &c.name,
             ModelConfig::Vae(c) => &c.name,
+            ModelConfig::Dit(c) => &c.name,
         }
     }
 
@@ -247,6 +251,7 @@ impl ModelConfig {
             ModelConfig::UNet(_) => "unet",
             ModelConfig::ClipText(_) => "clip_text",
             ModelConfig::Vae(_) => "vae",
+            ModelConfig::Dit(_) => "dit",
         }
     }
 
@@ -272,6 +277,7 @@ impl ModelConfig {
             ModelConfig::UNet(c) => c.num_blocks(),
             ModelConfig::ClipText(c) => c.num_hidden_layers,
             ModelConfig::Vae(c) => c.num_blocks(),
+            ModelConfig::Dit(c) => c.num_layers,
         }
     }
 
@@ -288,6 +294,7 @@ impl ModelConfig {
             ModelConfig::UNet(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
             ModelConfig::ClipText(c) => c.hidden_size,
             ModelConfig::Vae(c) => c.block_out_channels.iter().copied().max().unwrap_or(0),
+            ModelConfig::Dit(c) => c.inner_dim(),
         }
     }
 
@@ -301,6 +308,7 @@ impl ModelConfig {
             ModelConfig::Bloom(c) => Some(c.n_head),
             ModelConfig::UNet(c) => c.heads.iter().copied().max(),
             ModelConfig::ClipText(c) => Some(c.num_attention_heads),
+            ModelConfig::Dit(c) => Some(c.num_attention_heads),
             ModelConfig::Mlp(_) | ModelConfig::Onnx(_) | ModelConfig::Vae(_) => None,
         }
     }
@@ -325,7 +333,8 @@ impl ModelConfig {
             ModelConfig::Vit(_)
             | ModelConfig::Mlp(_)
             | ModelConfig::UNet(_)
-            | ModelConfig::Vae(_) => None,
+            | ModelConfig::Vae(_)
+            | ModelConfig::Dit(_) => None,
         }
     }
 
@@ -341,7 +350,8 @@ impl ModelConfig {
             | ModelConfig::Vit(_)
             | ModelConfig::Mlp(_)
             | ModelConfig::UNet(_)
-            | ModelConfig::Vae(_) => None,
+            | ModelConfig::Vae(_)
+            | ModelConfig::Dit(_) => None,
             ModelConfig::ClipText(c) => Some(c.max_position_embeddings),
         }
     }
@@ -352,6 +362,7 @@ impl ModelConfig {
         match self {
             ModelConfig::Vit(c) => c.seq_len(),
             ModelConfig::Mlp(_) | ModelConfig::Vae(_) => 1,
+            ModelConfig::Dit(c) => c.num_patches(),
             ModelConfig::Onnx(c) => match c.task {
                 OnnxTask::CausalLm { .. } => c.fixed_seq().unwrap_or(requested),
                 OnnxTask::ImageClassifier { .. } | OnnxTask::Regression { .. } => 1,
@@ -375,6 +386,7 @@ impl ModelConfig {
             ModelConfig::Vit(c) => c.dtype,
             ModelConfig::Mlp(c) => c.dtype,
             ModelConfig::Bloom(c) => c.dtype,
+            ModelConfig::Dit(c) => c.dtype,
             ModelConfig::Onnx(_) => None,
             ModelConfig::UNet(c) => c.dtype,
             ModelConfig::ClipText(c) => c.dtype,
@@ -396,6 +408,7 @@ impl ModelConfig {
             ModelConfig::UNet(c) => c.num_parameters(),
             ModelConfig::ClipText(c) => c.num_parameters(),
             ModelConfig::Vae(c) => c.num_parameters(),
+            ModelConfig::Dit(c) => c.num_parameters(),
         }
     }
 
@@ -440,6 +453,11 @@ impl ModelConfig {
                     side.saturating_mul(side).saturating_mul(widest),
                     mid.saturating_mul(mid).saturating_mul(widest),
                 )
+            }
+            ModelConfig::Dit(c) => {
+                let (d, p) = (c.inner_dim(), c.patch_size);
+                let patch = c.in_channels.max(c.out_channels) * p * p;
+                (max(&[patch, 6 * d, 4 * d, crate::diffusion::TIMESTEP_FEATURES]), d)
             }
         }
     }
@@ -501,6 +519,9 @@ pub enum InputKind {
     /// Diffusion: `[B, T, D]` conditioning states in the model dtype (the text encoder's
     /// `encoder_hidden_states`, T tokens of width `cross_attention_dim`).
     Condition,
+    /// Diffusion: `[B]` i64 class conditions in `0..=num_classes`, `num_classes` being the
+    /// null (unconditional) class of classifier-free guidance.
+    ClassLabels { num_classes: usize },
 }
 
 /// One data input of a built model.
@@ -635,7 +656,8 @@ pub fn build_generation(cfg: &ModelConfig, opts: &GenerateOptions) -> Result<Gen
         | ModelConfig::Onnx(_)
         | ModelConfig::UNet(_)
         | ModelConfig::ClipText(_)
-        | ModelConfig::Vae(_) => {
+        | ModelConfig::Vae(_)
+        | ModelConfig::Dit(_) => {
             return Err(ModelError::Unsupported {
                 what: "generation".into(),
                 found: cfg.family().into(),
@@ -689,6 +711,7 @@ pub fn build(cfg: &ModelConfig, opts: &BuildOptions) -> Result<ForwardModel> {
         ModelConfig::Bert(c) => bert::build(c, &opts),
         ModelConfig::Vit(c) => vit::build(c, &opts),
         ModelConfig::Mlp(c) => mlp::build(c, &opts),
+        ModelConfig::Dit(c) => diffusion::build_dit(c, &opts),
         ModelConfig::Onnx(c) => onnx::build(c, &opts),
         ModelConfig::UNet(c) => diffusion::build_unet(c, &opts),
         ModelConfig::ClipText(c) => clip::build(c, &opts),

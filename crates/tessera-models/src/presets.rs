@@ -16,6 +16,7 @@
 //! `BloomConfig`'s defaults for the rest (no dtype stated); the rest are our own.
 
 use crate::config::*;
+use crate::diffusion::{DitConfig, DitParams};
 use crate::error::{ModelError, Result};
 use crate::ModelConfig;
 use tessera_ir::DType;
@@ -59,6 +60,8 @@ pub const PRESETS: &[&str] = &[
     "vit-base",
     "vit-tiny",
     "mlp",
+    "dit-xl-2",
+    "dit-tiny",
 ];
 
 pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
@@ -313,6 +316,17 @@ pub(crate) fn preset(name: &str) -> Result<ModelConfig> {
             p.num_channels = 1;
             p.num_labels = 10;
             Ok(ModelConfig::Vit(VitConfig::new(p)?))
+        }
+        // diffusers' DiT-XL/2 at 256 px (a 32×32×4 latent, learned sigma, ImageNet classes).
+        "dit-xl-2" => Ok(ModelConfig::Dit(DitConfig::new(DitParams::xl_2(name))?)),
+        "dit-tiny" => {
+            // Class-conditional diffusion on the 8×8 grey digits (data/digits.csv): 2×2
+            // patches (16 tokens), width 64, 3 blocks, ε-prediction (no learned sigma).
+            let mut p = DitParams::xl_2(name);
+            (p.num_attention_heads, p.attention_head_dim, p.num_layers) = (4, 16, 3);
+            (p.in_channels, p.out_channels, p.sample_size, p.patch_size) = (1, Some(1), 8, 2);
+            p.num_embeds_ada_norm = 10;
+            Ok(ModelConfig::Dit(DitConfig::new(p)?))
         }
         "mlp" => {
             let p = MlpParams {

@@ -33,6 +33,8 @@ fn every_preset_builds_and_differentiates() {
         let expected_seq = match name {
             "vit-base" => 197, // 14·14 patches + [CLS]
             "vit-tiny" => 17,  // 4·4 patches + [CLS]
+            "dit-xl-2" => 256, // 16·16 patches
+            "dit-tiny" => 16,  // 4·4 patches
             "mlp" => 1,
             _ => 16,
         };

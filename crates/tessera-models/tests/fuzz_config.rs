@@ -361,6 +361,12 @@ fn at_most_two_blocks(cfg: &ModelConfig) -> ModelConfig {
             p.num_hidden_layers = p.num_hidden_layers.min(2);
             ModelConfig::ClipText(tessera_models::ClipTextConfig::new(p).expect(valid))
         }
+        // Fewer layers keep every other field valid.
+        ModelConfig::Dit(c) => {
+            let mut c = c.clone();
+            c.num_layers = c.num_layers.min(2);
+            ModelConfig::Dit(c)
+        }
         // Not made from a config.json: never generated here.
         ModelConfig::Onnx(_) => cfg.clone(),
         // Not generated here (its fuzzing is not written); kept as it is.

@@ -111,6 +111,8 @@ impl Model {
                 InputKind::Timesteps => {
                     uniform(&mut rng, n, 1.0).iter().map(|u| 500.0 * (u + 1.0)).collect()
                 }
+                // The null class included.
+                InputKind::ClassLabels { num_classes } => ints(&mut rng, num_classes + 1),
                 InputKind::Seed => vec![0x5eed_1234 as f64],
                 // The labels come first: count the ones that are not ignored.
                 InputKind::TargetCount => {
@@ -366,6 +368,30 @@ fn vit_tiny_gradients() {
         "vit.layernorm.weight",
         "classifier.weight",
         "classifier.bias",
+    ]);
+}
+
+/// diffusers' `DiTTransformer2DModel`: 2 blocks, width 16, 2 channels with a learned sigma.
+const DIT_TINY: &str = r#"{"_class_name": "DiTTransformer2DModel", "_name_or_path": "dit-tiny",
+    "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 2, "out_channels": 4,
+    "num_layers": 2, "sample_size": 8, "patch_size": 2, "num_embeds_ada_norm": 5}"#;
+
+#[test]
+fn dit_tiny_gradients() {
+    let mut m = Model::new(&hf(DIT_TINY), 2, 1, 8);
+    m.gradcheck(&[
+        "pos_embed.proj.weight",
+        "pos_embed.proj.bias",
+        "transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight",
+        "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight",
+        "transformer_blocks.0.norm1.linear.weight",
+        "transformer_blocks.1.norm1.linear.bias",
+        "transformer_blocks.1.attn1.to_q.weight",
+        "transformer_blocks.1.attn1.to_out.0.weight",
+        "transformer_blocks.0.ff.net.0.proj.weight",
+        "transformer_blocks.1.ff.net.2.bias",
+        "proj_out_1.weight",
+        "proj_out_2.weight",
     ]);
 }
 

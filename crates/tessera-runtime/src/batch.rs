@@ -108,6 +108,9 @@ pub enum TrainData {
     /// Images for a dense model (an imported UNet): noisy images in, clean images as the
     /// targets, Gaussian noise of standard deviation `noise`.
     Denoise { images: ImageSet, noise: f32 },
+    /// Labelled images for a class-conditional diffusion model (DiT): noised images, timesteps,
+    /// (sometimes dropped) classes and the noise or velocity as the target.
+    Diffusion { images: ImageSet, objective: crate::diffusion::DiffusionObjective },
 }
 
 impl TrainData {
@@ -122,6 +125,9 @@ impl TrainData {
             TrainData::Images(i) => i.train_batch(seed, step, batch),
             TrainData::Denoise { images, noise } => {
                 images.train_denoise_batch(seed, step, batch, *noise)
+            }
+            TrainData::Diffusion { images, objective } => {
+                objective.train_batch(images, seed, step, batch)
             }
         }
     }
@@ -144,6 +150,9 @@ impl TrainData {
             TrainData::Images(i) => i.val_batches(batch, max_batches),
             TrainData::Denoise { images, noise } => {
                 images.val_denoise_batches(seed, batch, max_batches, *noise)
+            }
+            TrainData::Diffusion { images, objective } => {
+                objective.val_batches(images, seed, batch, max_batches)
             }
         }
     }
@@ -169,6 +178,8 @@ impl TrainData {
                 ("class entropy", unigram_entropy_nats(&labels, i.num_classes))
             }
             TrainData::Denoise { images, .. } => ("mean-image error", images.pixel_variance()),
+            // Predicting zero noise scores E[ε²] = 1 (ε-prediction; about 1 for v too).
+            TrainData::Diffusion { .. } => ("zero prediction", 1.0),
         }
     }
 
@@ -197,6 +208,11 @@ impl TrainData {
                 images.train.iter().for_each(|&p| eat(u64::from(p.to_bits())));
                 eat(u64::from(noise.to_bits()) | 1 << 62);
             }
+            TrainData::Diffusion { images, objective } => {
+                images.train.iter().for_each(|&p| eat(u64::from(p.to_bits())));
+                images.train_labels.iter().for_each(|&l| eat(l as u64));
+                eat(objective.cond_drop_prob.to_bits() | 1 << 61);
+            }
         }
         format!("{h:016x}")
     }
@@ -208,6 +224,7 @@ impl TrainData {
             TrainData::Examples(e) => &e.source,
             TrainData::Images(i) => &i.source,
             TrainData::Denoise { images, .. } => &images.source,
+            TrainData::Diffusion { images, .. } => &images.source,
         }
     }
 }

@@ -31,6 +31,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod collective;
 pub mod data;
+pub mod diffusion;
 pub mod dist_checkpoint;
 mod error;
 pub mod examples;

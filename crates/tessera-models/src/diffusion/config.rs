@@ -12,7 +12,8 @@ use serde_json::{Map, Value};
 use tessera_ir::DType;
 
 /// The `_class_name`s of diffusers models this crate builds.
-pub const SUPPORTED_CLASS_NAMES: &[&str] = &["UNet2DConditionModel", "AutoencoderKL"];
+pub const SUPPORTED_CLASS_NAMES: &[&str] =
+    &["UNet2DConditionModel", "AutoencoderKL", "DiTTransformer2DModel"];
 
 /// One of the down path's blocks (`down_block_types`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

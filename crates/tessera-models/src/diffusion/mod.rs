@@ -4,6 +4,8 @@
 //! - `blocks`: reusable diffusers blocks (ResnetBlock2D, down/upsampling, the timestep
 //!   embedding, Transformer2DModel, the spatial attention block).
 //! - `unet`: `UNet2DConditionModel`.
+//! - `dit`: `DiTTransformer2DModel` (inputs `hidden_states`, `timestep`, `class_labels`).
+//! - `vae`: `AutoencoderKL`.
 //!
 //! Inputs (diffusers' forward-argument names): `sample [B,C,H,W]` (`InputKind::Pixels`,
 //! images or latents), `timestep [B]` f32 (`InputKind::Timesteps`),
@@ -13,10 +15,13 @@
 
 pub(crate) mod blocks;
 mod config;
+mod dit;
 mod unet;
 mod vae;
 
 pub use config::{DownBlock, UNetConfig, UNetParams, UpBlock, SUPPORTED_CLASS_NAMES};
+pub(crate) use dit::build as build_dit;
+pub use dit::{DitConfig, DitParams, DIT_CLASS_NAME, TIMESTEP_FEATURES};
 pub use vae::{VaeConfig, VaeParams, VaePart};
 
 use crate::error::{ModelError, Result};
@@ -32,6 +37,7 @@ pub(crate) fn parse(
     match class_name {
         "UNet2DConditionModel" => config::parse_unet(map, name).map(ModelConfig::UNet),
         "AutoencoderKL" => vae::parse(map, name).map(ModelConfig::Vae),
+        DIT_CLASS_NAME => dit::from_diffusers(map, name),
         other => Err(ModelError::Unsupported {
             what: "diffusers `_class_name`".into(),
             found: other.into(),
