@@ -270,7 +270,7 @@ fn imbalance_and_capacity_reach_the_plan() {
     let base = [
         "plan",
         "--model",
-        &model,
+        model.as_str(),
         "--cluster",
         "8xH100",
         "--batch",
@@ -313,7 +313,7 @@ fn exports_name_the_experts() {
         let mut args = vec![
             "plan",
             "--model",
-            &model,
+            model.as_str(),
             "--cluster",
             "8xH100",
             "--batch",
