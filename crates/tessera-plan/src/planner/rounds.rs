@@ -401,7 +401,8 @@ pub(super) fn megatron_jobs(req: &Request<'_>, experts: usize) -> Vec<Job> {
         for sp in [false, true] {
             // Megatron-LM runs expert with tensor parallelism only with sequence parallelism
             // (its MoE README).
-            if !(sp && tp == 1) && !(ep > 1 && tp > 1 && !sp) {
+            let megatron_runs = if tp == 1 { !sp } else { sp || ep == 1 };
+            if megatron_runs {
                 jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ep });
             }
         }
