@@ -7,7 +7,9 @@ use anyhow::{Context, Result};
 use clap::ValueEnum;
 use std::path::Path;
 use tessera_models::{Activation, ModelConfig};
-use tessera_plan::export::{self, Export, Family, Framework, ModelShape, Refusal, Target};
+use tessera_plan::export::{
+    self, Export, Family, Framework, ModelExperts, ModelShape, Refusal, Target,
+};
 use tessera_plan::plan::Plan;
 use tessera_plan::planner::{self, Request};
 use tessera_plan::PlanError;
@@ -58,6 +60,7 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             tied_embeddings: c.tie_word_embeddings,
             hidden_dropout: c.resid_pdrop,
             attention_dropout: 0.0,
+            experts: None,
         },
         // Multi-head latent attention (DeepSeek-V3): no engine's LLaMA model has it, so it
         // exports as a model-agnostic one, as BLOOM does.
@@ -80,6 +83,7 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             tied_embeddings: c.tie_word_embeddings,
             hidden_dropout: 0.0,
             attention_dropout: 0.0,
+            experts: c.moe.as_ref().map(|m| model_experts(m, c.num_hidden_layers)),
         },
         ModelConfig::Bert(c) => ModelShape {
             name,
@@ -100,6 +104,7 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             tied_embeddings: c.tie_word_embeddings,
             hidden_dropout: c.hidden_dropout_prob,
             attention_dropout: 0.0,
+            experts: None,
         },
         // ALiBi positions: no engine's GPT or LLaMA model takes them (Megatron-LM has no
         // `--position-embedding-type alibi`, torchtitan trains LLaMA only), so BLOOM exports
@@ -123,6 +128,7 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             tied_embeddings: c.tie_word_embeddings,
             hidden_dropout: c.hidden_dropout,
             attention_dropout: 0.0,
+            experts: None,
         },
         // An imported graph names no architecture an engine would rebuild.
         ModelConfig::Vit(_)
@@ -150,7 +156,22 @@ pub fn model_shape(cfg: &ModelConfig) -> ModelShape {
             tied_embeddings: false,
             hidden_dropout: 0.0,
             attention_dropout: 0.0,
+            experts: None,
         },
+    }
+}
+
+/// A mixture of experts' routed experts as the exports name them.
+fn model_experts(m: &tessera_models::MoeParams, layers: usize) -> ModelExperts {
+    ModelExperts {
+        experts: m.num_experts,
+        top_k: m.num_experts_per_tok,
+        ffn_hidden: m.expert_intermediate_size,
+        sparse_layers: (0..layers).map(|l| m.is_sparse(l)).collect(),
+        capacity_factor: m.capacity_factor,
+        renormalise: m.norm_topk_prob,
+        aux_loss_coeff: m.output_router_logits.then_some(m.router_aux_loss_coef),
+        shared_expert: m.shared_expert_intermediate_size.map(|w| (w, true)),
     }
 }
 

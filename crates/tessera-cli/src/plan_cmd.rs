@@ -68,6 +68,19 @@ pub struct PlanArgs {
     /// Compare with a baseline search (repeatable: `--baseline chen --baseline megatron`).
     #[arg(long, value_enum)]
     pub baseline: Vec<Baseline>,
+    /// Routing imbalance of a mixture of experts: the busiest expert's tokens over the
+    /// balanced share, which prices the grouped expert GEMMs. Default 1.0: balanced routing,
+    /// as published MoE throughput is measured (Megatron-LM's MoE benchmarks force or await
+    /// balanced routing).
+    #[arg(long, default_value_t = 1.0, value_name = "F", value_parser = parse_imbalance)]
+    pub moe_imbalance: f64,
+    /// A mixture of experts' capacity factor: `model` (the config's `capacity_factor`; none:
+    /// dropless), `dropless`, a number (each expert holds `ceil(F · seq · k / E)` tokens of a
+    /// sequence), or `auto`: the smallest of 1, 1.25, 1.5, 2 that holds the busiest expert's
+    /// tokens at --moe-imbalance (dropless past 2) — a smaller capacity is never slower nor
+    /// larger, so that is the fastest that drops no token at the stated imbalance.
+    #[arg(long, default_value = "model", value_name = "F", value_parser = parse_capacity)]
+    pub capacity_factor: CapacityArg,
     /// Print the per-op strategies of one block and the collectives of a step.
     #[arg(long)]
     pub explain: bool,
@@ -187,6 +200,74 @@ fn resolve(args: &PlanArgs) -> Result<(PlanArgs, ModelConfig)> {
     Ok((a, cfg))
 }
 
+/// `--capacity-factor`: what sets a mixture of experts' capacity.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CapacityArg {
+    /// The model config's own `capacity_factor` (none: dropless).
+    Model,
+    Dropless,
+    /// The smallest candidate factor at least the routing imbalance.
+    Auto,
+    Factor(f64),
+}
+
+fn parse_capacity(s: &str) -> std::result::Result<CapacityArg, String> {
+    match s {
+        "model" => Ok(CapacityArg::Model),
+        "dropless" => Ok(CapacityArg::Dropless),
+        "auto" => Ok(CapacityArg::Auto),
+        _ => match s.parse::<f64>() {
+            Ok(f) if f.is_finite() && f > 0.0 => Ok(CapacityArg::Factor(f)),
+            _ => Err(format!(
+                "`{s}`: give model, dropless, auto or a positive capacity factor like 1.25"
+            )),
+        },
+    }
+}
+
+/// The capacity factors `--capacity-factor auto` takes from (Switch Transformer's and
+/// GShard's range; Megatron-LM's token-drop examples use 1.0).
+const AUTO_CAPACITY: [f64; 4] = [1.0, 1.25, 1.5, 2.0];
+
+/// `cfg` with its experts' capacity as `arg` says (`imbalance`: --moe-imbalance); a model
+/// without experts refuses any but `model`.
+pub fn with_capacity(cfg: &ModelConfig, arg: CapacityArg, imbalance: f64) -> Result<ModelConfig> {
+    let factor = match arg {
+        CapacityArg::Model => return Ok(cfg.clone()),
+        CapacityArg::Dropless => None,
+        CapacityArg::Factor(f) => Some(f),
+        CapacityArg::Auto => AUTO_CAPACITY.iter().copied().find(|&f| f >= imbalance),
+    };
+    let ModelConfig::Llama(c) = cfg else {
+        bail!(
+            "--capacity-factor sets a mixture of experts' capacity, but {} has no experts: drop it",
+            cfg.name()
+        );
+    };
+    if c.moe.is_none() {
+        bail!(
+            "--capacity-factor sets a mixture of experts' capacity, but {} has no experts: drop it",
+            cfg.name()
+        );
+    }
+    let mut p = c.clone().into_params();
+    if let Some(m) = p.moe.as_mut() {
+        m.capacity_factor = factor;
+    }
+    Ok(ModelConfig::Llama(tessera_models::LlamaConfig::new(p)?))
+}
+
+/// `--moe-imbalance F`: a finite number ≥ 1 (1: balanced routing).
+fn parse_imbalance(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f >= 1.0 => Ok(f),
+        _ => Err(format!(
+            "`{s}`: give the busiest expert's tokens over the balanced share, a number >= 1 \
+             (1.0: balanced routing; 1.5: the busiest expert gets 50% more)"
+        )),
+    }
+}
+
 /// Plans `args`' training run and writes the files its flags name; `None` when the plan was
 /// exported to stdout (`--export` without `--out`). With the plan, a pipeline's simulated
 /// schedule when a picture or `--explain` needs it.
@@ -194,6 +275,7 @@ fn planned(
     args: &PlanArgs,
     cfg: &ModelConfig,
 ) -> Result<Option<(Plan, Option<tessera_plan::pipeline::schedule::Timeline>)>> {
+    let cfg = &with_capacity(cfg, args.capacity_factor, args.moe_imbalance)?;
     let mut cluster = Cluster::parse(&args.cluster).map_err(plan_err)?;
     if let Some(r) = &args.reserve {
         let reserve = parse_bytes(r).map_err(plan_err)?;
@@ -229,7 +311,8 @@ fn planned(
     let seq = cfg.effective_seq(args.seq);
     let tune = args.finetune.resolve()?;
     let model = PlanModel::new(cfg, args.batch, seq, dtype, &TrainConfig::default(), tune)?;
-    let req = model.request(cluster, budget);
+    let mut req = model.request(cluster, budget);
+    req.search.moe_imbalance = args.moe_imbalance;
     let engine = args.export.map(crate::export_plan::ExportTo::framework);
     let mut plan = choose_plan(&req, &args.plan, engine)?;
     let wants = |b: Baseline| args.baseline.contains(&b) || args.baseline.contains(&Baseline::All);

@@ -25,13 +25,76 @@ pub struct CostModel {
     pub host: HostTier,
     /// The device's share of the host's NVMe, if any.
     pub nvme: Option<NvmeTier>,
+    /// Routing imbalance of a mixture of experts: the busiest expert's tokens over the
+    /// balanced share (`k · n / E` of a group's `n` tokens), ≥ 1 ([`CostModel::expert_share`]).
+    /// 1 (the default) is balanced routing, the regime published MoE throughput is measured
+    /// in (Megatron-LM's MoE README: `--moe-router-force-load-balancing` exists "for
+    /// benchmarking purposes only", its example run is to be timed after 500 iterations, once
+    /// the early imbalance is gone; NVIDIA's Megatron-MoE-ModelZoo reports Qwen3-235B at 295
+    /// TFLOP/s per H100 forced balanced against 237 dropless).
+    pub moe_imbalance: f64,
 }
 
 impl CostModel {
     /// The device alone, with a desktop host tier (see [`CostModel::for_cluster`]).
     pub fn new(device: DeviceSpec) -> CostModel {
         let is_cpu = device.name.eq_ignore_ascii_case("cpu");
-        CostModel { device, is_cpu, host: HostTier::preset("", 1), nvme: None }
+        CostModel { device, is_cpu, host: HostTier::preset("", 1), nvme: None, moe_imbalance: 1.0 }
+    }
+
+    /// The model with routing imbalance `f` (see [`CostModel::moe_imbalance`]).
+    pub fn with_moe_imbalance(mut self, f: f64) -> CostModel {
+        self.moe_imbalance = f;
+        self
+    }
+
+    /// The share of an expert matmul's capacity rows the busiest expert fills, in a graph with
+    /// routed experts (`None` without): `min(1, f · k · n / (E · C))` for `E` experts of
+    /// capacity `C` per group of `n` tokens each choosing `k`, `f` the imbalance. The Program
+    /// holds every capacity row (its memory and its all-to-alls are the capacity's), but a
+    /// grouped GEMM runs the rows routed to it, and the busiest expert sets the pace of the
+    /// devices that wait for it: every expert is priced at the busiest one's rows.
+    pub fn expert_share(&self, g: &tessera_ir::Graph) -> Option<f64> {
+        let slots = g.nodes.iter().find(|n| matches!(n.op, Op::MoeSlots { .. }))?;
+        let Op::MoeSlots { experts, capacity } = slots.op else { return None };
+        let d = g.meta(slots.inputs[0]).shape.dims().to_vec();
+        let (n, k) = match d.as_slice() {
+            [.., n, k] => (*n, *k),
+            _ => return None,
+        };
+        let busiest = self.moe_imbalance.max(1.0) * (k * n) as f64 / experts.max(1) as f64;
+        Some((busiest / capacity.max(1) as f64).min(1.0))
+    }
+
+    /// [`CostModel::op_time`] of a node of a graph whose experts fill `expert_share` of their
+    /// capacity rows ([`CostModel::expert_share`]): an expert matmul (a batched matmul of two
+    /// rank-3 operands, which only the experts' `[E, rows, ·]` products are in a model with
+    /// experts: linear layers have 2-D weights) runs that share of its work, never less than
+    /// reading its smaller operand (the weights, when few tokens reach them).
+    pub fn node_time(
+        &self,
+        op: &Op,
+        x: &[&TensorMeta],
+        y: &[&TensorMeta],
+        expert_share: Option<f64>,
+    ) -> f64 {
+        let full = self.op_time(op, x, y);
+        let Some(share) = expert_share else { return full };
+        let expert = matches!(op, Op::MatMul { .. })
+            && x.len() == 2
+            && x.iter().all(|m| m.shape.rank() == 3);
+        if !expert || share >= 1.0 {
+            return full;
+        }
+        let fixed = match &self.device.kernels {
+            Some(k) => k.gap_s,
+            None => self.device.kernel_overhead_s,
+        };
+        let d = &self.device;
+        let floor = x.iter().map(|m| m.size_bytes()).min().unwrap_or(0) as f64
+            / (d.memory_bandwidth * d.memory_efficiency);
+        let work = (full - fixed).max(0.0);
+        fixed + (work * share).max(floor.min(work))
     }
 
     /// The cluster's device with its host and NVMe tiers.
@@ -241,6 +304,44 @@ impl StepTime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One MoE layer's slots and an expert matmul: `E` experts of capacity `c`, groups of `n`
+    /// tokens choosing `k`.
+    fn routed(n: usize, k: usize, e: usize, c: usize) -> tessera_ir::Graph {
+        let mut b = tessera_ir::Builder::new();
+        let idx = b.input("idx", [2, n, k], DType::I64);
+        b.moe_slots(idx, e, c).expect("slots");
+        b.finish()
+    }
+
+    #[test]
+    fn expert_matmuls_run_the_busiest_experts_rows() {
+        let m = CostModel::new(crate::cluster::device_preset("H100").expect("preset"));
+        // Dropless: 64 tokens, top-2 of 8: 16 rows per expert of 64 (a quarter), balanced.
+        let g = routed(64, 2, 8, 64);
+        assert_eq!(m.expert_share(&g), Some(0.25));
+        assert_eq!(m.clone().with_moe_imbalance(2.0).expert_share(&g), Some(0.5));
+        // Never more than the capacity holds: capacity factor 1 at imbalance 1.5.
+        let g1 = routed(64, 2, 8, 16);
+        assert_eq!(m.clone().with_moe_imbalance(1.5).expert_share(&g1), Some(1.0));
+        // A graph without experts has no share; a dense matmul is priced as it was.
+        let mut b = tessera_ir::Builder::new();
+        b.input("x", [4, 4], DType::F32);
+        assert_eq!(m.expert_share(&b.finish()), None);
+        let big = TensorMeta::new(tessera_ir::Shape::new(vec![8, 4096, 4096]), DType::BF16);
+        let w = TensorMeta::new(tessera_ir::Shape::new(vec![8, 4096, 4096]), DType::BF16);
+        let op = Op::MatMul { trans_a: false, trans_b: true };
+        let full = m.op_time(&op, &[&big, &w], &[&big]);
+        assert_eq!(m.node_time(&op, &[&big, &w], &[&big], None), full);
+        // A quarter of the rows: about a quarter of the time (the weights' read a floor).
+        let quarter = m.node_time(&op, &[&big, &w], &[&big], Some(0.25));
+        let overhead = m.device.kernel_overhead_s;
+        assert!((quarter - overhead - 0.25 * (full - overhead)).abs() < 1e-12, "{quarter} {full}");
+        // A 2-D weight is a dense layer's: not an expert matmul.
+        let w2 = TensorMeta::new(tessera_ir::Shape::new(vec![4096, 4096]), DType::BF16);
+        let dense = m.op_time(&op, &[&big, &w2], &[&big]);
+        assert_eq!(m.node_time(&op, &[&big, &w2], &[&big], Some(0.25)), dense);
+    }
 
     #[test]
     fn optimizer_step_is_memory_bound_and_scales_with_elements() {

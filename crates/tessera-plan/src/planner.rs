@@ -67,7 +67,8 @@ impl Request<'_> {
         Search::new(search::SearchProblem {
             build: self.build,
             batch: self.batch,
-            cost: crate::cost::CostModel::for_cluster(&self.cluster),
+            cost: crate::cost::CostModel::for_cluster(&self.cluster)
+                .with_moe_imbalance(self.search.moe_imbalance),
             train: self.train.clone(),
             knobs: self.search.clone(),
             ckpt: self.ckpt.clone(),
@@ -201,6 +202,13 @@ pub(super) fn plan_fixed_as_built(req: &Request<'_>, cfg: &ParallelConfig) -> Re
     }
 }
 
+/// Experts per MoE layer of the search's model (0: none), from its forward graph of one
+/// micro-batch (the search builds that one anyway).
+fn model_experts(p: &Search<'_>) -> Result<usize> {
+    let shared = p.forward(p.problem.batch)?;
+    Ok(crate::expert::expert_facts(&shared.0.graph).map_or(0, |f| f.experts))
+}
+
 /// The best Megatron configuration among job results, with the counts tried and fitting.
 fn best_megatron(
     jobs: &[Job],
@@ -209,7 +217,7 @@ fn best_megatron(
     let (mut tried, mut fitting) = (0, 0);
     let mut best: Option<(Evaluated, ParallelConfig)> = None;
     for (job, r) in jobs.iter().zip(results) {
-        let Job::Megatron { dp, tp, sp, shard, cp } = *job else { continue };
+        let Job::Megatron { dp, tp, sp, shard, cp, ep } = *job else { continue };
         tried += r.tried;
         fitting += r.fits.len();
         for e in &r.fits {
@@ -219,7 +227,8 @@ fn best_megatron(
                     .with_micro_batches(e.candidate.micro_batches)
                     .with_sp(sp)
                     .with_shard(shard.filter(|_| e.candidate.zero > 0))
-                    .with_cp(cp);
+                    .with_cp(cp)
+                    .with_ep(ep);
                 best = Some((e.clone(), cfg));
             }
         }
@@ -232,7 +241,7 @@ fn best_megatron(
 pub fn megatron(req: &Request<'_>) -> Result<Option<(Evaluated, ParallelConfig, usize, usize)>> {
     let p = req.problem();
     let mbs = req.micro_batch_options();
-    let jobs = megatron_jobs(req);
+    let jobs = megatron_jobs(req, model_experts(&p)?);
     let results = run_jobs(req, &p, &jobs, &mbs)?;
     Ok(best_megatron(&jobs, &results))
 }
@@ -291,7 +300,7 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
     let t0 = Instant::now();
     let p = req.problem();
     let mbs = req.micro_batch_options();
-    let jobs = auto_jobs(req)?;
+    let jobs = auto_jobs(req, model_experts(&p)?)?;
     let trace = std::env::var_os("TESSERA_TRACE").is_some();
     // Where memory binds, the pipeline phase first: its plans bound one flat round
     // (`PipelineKnobs::first_over_state_share`, `seed`).
@@ -395,7 +404,7 @@ pub fn auto_with(req: &Request<'_>, ckpt: CkptSearch) -> Result<Option<Evaluated
     let mut p = req.problem();
     p.problem.ckpt = ckpt;
     let mbs = req.micro_batch_options();
-    let jobs = auto_jobs(req)?;
+    let jobs = auto_jobs(req, model_experts(&p)?)?;
     let results = run_jobs(req, &p, &jobs, &mbs)?;
     Ok(fastest(&jobs, &results).cloned())
 }
@@ -614,7 +623,9 @@ fn lower_pipeline_file(
         map,
         schedule: pj.kind()?,
     };
-    let l = pplan::lower_pipelined(&r, &crate::cost::CostModel::for_cluster(&req.cluster))?;
+    let cost = crate::cost::CostModel::for_cluster(&req.cluster)
+        .with_moe_imbalance(req.search.moe_imbalance);
+    let l = pplan::lower_pipelined(&r, &cost)?;
     let lowered = l
         .devices
         .iter()

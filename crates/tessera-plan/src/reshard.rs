@@ -152,14 +152,23 @@ pub fn ring_time(op: Collective, n: usize, local_bytes: f64, link: &Link) -> f64
 /// ring's steps (`n−1`, twice that for an all-reduce) only those between the `m` nodes the
 /// group spans (`m−1`, twice for an all-reduce) wait on the network; the others hop between
 /// members on one node, at the intra-node link's latency. An all-to-all's `n−1` messages go to
-/// `k−1` members on the node and `n−k` on other nodes (`k` members per node).
+/// `k−1` members on the node and `n−k` on other nodes (`k` members per node), and so do its
+/// bytes: `(k−1)/n·B` over the intra-node link beside `(n−k)/n·B` over the network, the slower
+/// of the two setting the time (expert parallelism's dispatch and combine across nodes move
+/// part of their tokens over NVLink; a ring's steps all wait on its slowest link).
 pub fn collective_time(op: Collective, n: usize, local_bytes: f64, link: &AxisLink) -> f64 {
     let k = link.per_node.clamp(1, n.max(1));
     if k == n {
         return ring_time(op, n, local_bytes, &link.intra);
     }
     let bandwidth_only = Link { latency_s: 0.0, bandwidth: link.inter.bandwidth };
-    let transfer = ring_time(op, n, local_bytes, &bandwidth_only);
+    let transfer = match op {
+        Collective::AllToAll { .. } => {
+            let share = |members: usize| members as f64 / n as f64 * local_bytes;
+            (share(k - 1) / link.intra.bandwidth).max(share(n - k) / link.inter.bandwidth)
+        }
+        _ => ring_time(op, n, local_bytes, &bandwidth_only),
+    };
     // Steps of the ring (messages of an all-to-all) over the network and within a node.
     let nodes = n.div_ceil(k);
     let (inter, all) = match op {
@@ -822,9 +831,15 @@ mod tests {
         assert!(close(t, bytes + 7.0 * 10e-6 + 56.0 * 2e-6), "{t}");
         let t = collective_time(Collective::AllReduce, 64, b, &dgx);
         assert!(close(t, 2.0 * bytes + 14.0 * 10e-6 + 112.0 * 2e-6), "{t}");
-        // An all-to-all: 7 messages stay on the node, 56 leave it.
+        // An all-to-all: 7 messages stay on the node, 56 leave it, and so do their bytes:
+        // 7/64 of them over NVLink beside 56/64 over the network, the slower setting the time.
         let t = collective_time(a2a, 64, b, &dgx);
-        assert!(close(t, bytes + 56.0 * 10e-6 + 7.0 * 2e-6), "{t}");
+        let network = 56.0 / n * b / inter.bandwidth;
+        assert!(network > 7.0 / n * b / intra.bandwidth);
+        assert!(close(t, network + 56.0 * 10e-6 + 7.0 * 2e-6), "{t}");
+        // Two nodes of 8 (ep16 on 2x8xH100): half the bytes stay on the node.
+        let t = collective_time(a2a, 16, b, &dgx);
+        assert!(close(t, 8.0 / 16.0 * b / inter.bandwidth + 8.0 * 10e-6 + 7.0 * 2e-6), "{t}");
         assert_eq!(collective_time(Collective::Shard { dim: 0 }, 64, b, &dgx), 0.0);
         // Never cheaper than the same bytes within one node, never dearer than the flat ring.
         for op in [rs, ag, Collective::AllReduce, a2a] {

@@ -234,6 +234,9 @@ pub struct SearchKnobs {
     /// (`Op::TiledMlp`, [`crate::mlp_tile`]): the CPU backend has, the CUDA backend not yet,
     /// so `tessera train --device cuda` turns this off and the planner keeps MLPs whole.
     pub tiled_mlp: bool,
+    /// Routing imbalance of a mixture of experts' grouped GEMMs (`--moe-imbalance`; 1:
+    /// balanced, see [`CostModel::moe_imbalance`]).
+    pub moe_imbalance: f64,
 }
 
 impl Default for SearchKnobs {
@@ -244,6 +247,7 @@ impl Default for SearchKnobs {
             zero_scan_min_gain: 0.01,
             solve: SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
             tiled_mlp: true,
+            moe_imbalance: 1.0,
         }
     }
 }

@@ -31,7 +31,8 @@
 //!   tokens are gathered over cp before the router's top-k and sliced after the combine.
 
 use super::{
-    Axis, ConfigError, Engine, ExplainContext, ExportFields, Parsed, PinContext, Slot, Token,
+    Axis, ConfigError, Engine, ExplainContext, ExportFields, GridContext, Parsed, PinContext, Slot,
+    Token,
 };
 use crate::config::ParallelConfig;
 use crate::mesh::AxisName;
@@ -221,6 +222,26 @@ pub fn ep_pins(
     Ok(pins)
 }
 
+/// The automatic search's expert-parallel layouts `(dp, ep, tp)` on `n` devices for a model
+/// with `experts` experts per layer (none without experts): every tensor-parallel degree that
+/// divides a node (as the dp × tp grid's), and every ep > 1 that divides both the experts and
+/// the data-parallel ranks left (ep is carved from them, Megatron-LM's
+/// `--expert-model-parallel-size`). Within a node or across nodes alike: the all-to-alls are
+/// priced on the links they cross (`reshard::collective_time`).
+pub fn grid(n: usize, gpus_per_node: usize, experts: usize) -> Vec<(usize, usize, usize)> {
+    let mut out = Vec::new();
+    if experts < 2 {
+        return out;
+    }
+    for tp in (1..=gpus_per_node.min(n)).filter(|&t| n.is_multiple_of(t)) {
+        let rest = n / tp;
+        for ep in (2..=rest).filter(|&e| rest.is_multiple_of(e) && experts.is_multiple_of(e)) {
+            out.push((rest / ep, ep, tp));
+        }
+    }
+    out
+}
+
 /// Whether the strategy splits exactly the pinned label over the ep axis.
 pub fn keeps_pin(s: &Strategy, axis: usize, pin: usize) -> bool {
     s.axis_labels[axis] == Some(pin)
@@ -258,59 +279,87 @@ pub struct ExpertFacts {
     /// Tokens per routing group and the capacity per expert and group.
     pub group_tokens: usize,
     pub capacity: usize,
+    /// Experts each token is routed to (0 in plan files written before it was recorded).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub top_k: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// The experts of a forward graph: from its first dispatch (`[G.., n, H]` tokens into
-/// `[G.., E, C, H]`). `None` without experts.
+/// `[G.., E, C, H]`) and its slots (`[G.., n, k]` choices). `None` without experts.
 pub fn expert_facts(g: &Graph) -> Option<ExpertFacts> {
     let dispatches: Vec<&tessera_ir::Node> =
         g.nodes.iter().filter(|n| matches!(n.op, Op::MoeDispatch { .. })).collect();
     let first = dispatches.first()?;
     let Op::MoeDispatch { experts, capacity } = first.op else { return None };
     let x = g.meta(first.inputs[0]).shape.dims().to_vec();
+    let top_k = g
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::MoeSlots { .. }))
+        .and_then(|n| g.meta(n.inputs[0]).shape.dims().last().copied())
+        .unwrap_or(0);
     Some(ExpertFacts {
         experts,
         layers: dispatches.len(),
         group_tokens: x.get(x.len().wrapping_sub(2)).copied().unwrap_or(0),
         capacity,
+        top_k,
     })
 }
 
-/// `--explain`'s lines about expert parallelism: experts per device, the capacity, and the
-/// all-to-all traffic around the experts per step and device (`a2a_bytes`: the plan's
-/// all-to-all bytes over the ep axis). Empty when ep is 1.
+/// `--explain`'s lines about the experts: experts per device, the capacity and the routed
+/// tokens the grouped GEMMs are priced at, and under expert parallelism the all-to-all
+/// traffic around the experts per step and device (`a2a_bytes`: the plan's all-to-all bytes
+/// over the ep axis).
 pub fn explain_lines(
     ep: usize,
     facts: &ExpertFacts,
     a2a_calls: usize,
     a2a_bytes: u64,
 ) -> Vec<String> {
-    if ep < 2 {
-        return Vec::new();
-    }
     let dropless = facts.capacity >= facts.group_tokens;
-    vec![
+    let mut out = vec![if ep < 2 {
+        format!(
+            "experts: {} per device, not split ({} MoE layers; epN splits them)",
+            facts.experts, facts.layers
+        )
+    } else {
         format!(
             "expert parallel: ep{ep}, {} experts per device ({} per MoE layer, {} layers)",
             facts.experts / ep.max(1),
             facts.experts,
             facts.layers
-        ),
-        format!(
-            "  capacity {} tokens per expert and sequence of {} ({}); tokens split over dp x ep",
-            facts.capacity,
-            facts.group_tokens,
-            if dropless { "dropless" } else { "later tokens past it dropped" }
-        ),
-        format!(
+        )
+    }];
+    out.push(format!(
+        "  capacity {} tokens per expert and sequence of {} ({}); tokens split over dp x ep",
+        facts.capacity,
+        facts.group_tokens,
+        if dropless { "dropless" } else { "later tokens past it dropped" }
+    ));
+    if facts.top_k > 0 {
+        let balanced = (facts.top_k * facts.group_tokens) as f64 / facts.experts.max(1) as f64;
+        out.push(format!(
+            "  routed: top-{} of {}, {balanced:.1} tokens per expert and sequence when balanced; \
+             the grouped GEMMs run the busiest expert's (x --moe-imbalance, at most the capacity)",
+            facts.top_k, facts.experts
+        ));
+    }
+    if ep >= 2 {
+        out.push(format!(
             "  {a2a_calls} all-to-alls per step around the experts (dispatch and combine, \
              forward, recompute and backward),"
-        ),
-        format!(
+        ));
+        out.push(format!(
             "  {} per device; expert gradients reduce over dp, the rest over dp x ep",
             crate::units::format_bytes(a2a_bytes)
-        ),
-    ]
+        ));
+    }
+    out
 }
 
 /// Megatron-LM's flag for the axis: `--expert-model-parallel-size N` when ep > 1.
@@ -321,21 +370,62 @@ pub fn megatron_args(ep: usize) -> Vec<String> {
     vec![format!("--expert-model-parallel-size {ep}")]
 }
 
-/// Megatron-LM's flags for a model's experts: `--num-experts E --moe-router-topk k`, and the
-/// capacity factor (`--moe-expert-capacity-factor f` with `--moe-token-drop-policy
-/// position`: Megatron drops by position, as tessera keeps each expert's earliest tokens)
-/// when the model drops tokens. Megatron's capacity is per its micro-batch's tokens on a
-/// rank, tessera's per sequence: equal when a rank's micro-batch is one sequence.
-pub fn megatron_model_args(experts: usize, top_k: usize, factor: Option<f64>) -> Vec<String> {
-    if experts == 0 {
-        return Vec::new();
+/// Megatron-LM's flags for a model's routed experts (its MoE README, "MoE Related
+/// Arguments"): `--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`, the MoE layers
+/// (`--moe-layer-freq` as a Python list expression when some layers are dense), the router
+/// (Megatron's default softmax over the chosen logits is the renormalised top-k; without
+/// renormalisation `--moe-router-pre-softmax`), the auxiliary loss as the model's loss has it
+/// (else `--moe-router-load-balancing-type none`), a shared expert, the all-to-all dispatcher
+/// when ep > 1, and the capacity: `--moe-expert-capacity-factor f --moe-token-drop-policy
+/// position --moe-pad-expert-input-to-capacity` (tessera keeps each expert's earliest tokens
+/// and holds the capacity's buffer). Megatron's capacity is per rank's micro-batch tokens,
+/// tessera's per sequence: the same when a rank's micro-batch is one sequence.
+pub fn megatron_model_args(m: &crate::export::ModelExperts, ep: usize) -> Vec<String> {
+    let mut out = vec![
+        format!("--num-experts {}", m.experts),
+        format!("--moe-router-topk {}", m.top_k),
+        format!("--moe-ffn-hidden-size {}", m.ffn_hidden),
+    ];
+    if m.sparse_layers.iter().any(|s| !s) {
+        out.push(format!("--moe-layer-freq \"{}\"", layer_pattern(&m.sparse_layers)));
     }
-    let mut out = vec![format!("--num-experts {experts}"), format!("--moe-router-topk {top_k}")];
-    if let Some(f) = factor {
+    if !m.renormalise {
+        out.push("--moe-router-pre-softmax".into());
+    }
+    match m.aux_loss_coeff {
+        Some(c) => {
+            out.push(format!("--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff {c}"))
+        }
+        None => out.push("--moe-router-load-balancing-type none".into()),
+    }
+    if let Some((width, gated)) = m.shared_expert {
+        out.push(format!("--moe-shared-expert-intermediate-size {width}"));
+        if gated {
+            out.push("--moe-shared-expert-gate".into());
+        }
+    }
+    if ep > 1 {
+        out.push("--moe-token-dispatcher-type alltoall".into());
+    }
+    if let Some(f) = m.capacity_factor {
         out.push(format!("--moe-expert-capacity-factor {f}"));
-        out.push("--moe-token-drop-policy position".to_string());
+        out.push("--moe-token-drop-policy position --moe-pad-expert-input-to-capacity".into());
     }
     out
+}
+
+/// The MoE layers as Megatron-LM's `--moe-layer-freq` list expression, run-length coded:
+/// `([0]*1+[1]*26)`.
+fn layer_pattern(sparse: &[bool]) -> String {
+    let mut runs: Vec<(bool, usize)> = Vec::new();
+    for &s in sparse {
+        match runs.last_mut() {
+            Some((v, n)) if *v == s => *n += 1,
+            _ => runs.push((s, 1)),
+        }
+    }
+    let parts: Vec<String> = runs.iter().map(|(v, n)| format!("[{}]*{n}", u8::from(*v))).collect();
+    format!("({})", parts.join("+"))
 }
 
 /// torchtitan's `[parallelism]` degree for the axis: `expert_parallel_degree = N`.
@@ -391,6 +481,13 @@ impl Axis for ExpertAxis {
         }
     }
 
+    fn grid(&self, cx: &GridContext) -> Vec<ParallelConfig> {
+        grid(cx.devices, cx.gpus_per_node, cx.experts)
+            .into_iter()
+            .map(|(dp, ep, tp)| ParallelConfig::new(dp, tp).with_ep(ep))
+            .collect()
+    }
+
     fn pinned_axis(&self) -> Option<AxisName> {
         Some(AxisName::Expert)
     }
@@ -410,8 +507,9 @@ impl Axis for ExpertAxis {
     }
 
     fn explain_lines(&self, cx: &ExplainContext<'_>) -> Vec<String> {
-        let (Some(axis), Some(facts)) = (cx.axis(AxisName::Expert), cx.experts) else {
-            return Vec::new();
+        let Some(facts) = cx.experts else { return Vec::new() };
+        let Some(axis) = cx.axis(AxisName::Expert) else {
+            return explain_lines(1, facts, 0, 0);
         };
         let a2a = cx.traffic.iter().filter(|c| {
             let op: String =
@@ -464,12 +562,58 @@ mod tests {
     }
 
     #[test]
+    fn the_grid_carves_ep_from_the_data_parallel_ranks() {
+        // 8 devices, 8 experts: ep 2, 4, 8 at tp 1; ep 2, 4 at tp 2; ep 2 at tp 4.
+        let g = grid(8, 8, 8);
+        assert!(
+            g.contains(&(1, 8, 1)) && g.contains(&(2, 2, 2)) && g.contains(&(1, 2, 4)),
+            "{g:?}"
+        );
+        assert_eq!(g.len(), 6, "{g:?}");
+        assert!(g.iter().all(|&(dp, ep, tp)| dp * ep * tp == 8 && 8 % ep == 0));
+        // Six experts: ep never 4 or 8.
+        assert!(grid(8, 8, 6).iter().all(|&(_, ep, _)| ep == 2), "{:?}", grid(8, 8, 6));
+        // No experts, no grid.
+        assert!(grid(8, 8, 0).is_empty());
+    }
+
+    #[test]
     fn megatron_flags_name_experts_topk_and_capacity() {
         assert_eq!(megatron_args(8), vec!["--expert-model-parallel-size 8".to_string()]);
-        let a = megatron_model_args(8, 2, Some(1.25));
-        assert!(a.contains(&"--num-experts 8".to_string()), "{a:?}");
-        assert!(a.contains(&"--moe-router-topk 2".to_string()), "{a:?}");
-        assert!(a.contains(&"--moe-expert-capacity-factor 1.25".to_string()), "{a:?}");
-        assert!(megatron_args(1).is_empty() && megatron_model_args(0, 0, None).is_empty());
+        let mut m = crate::export::ModelExperts {
+            experts: 8,
+            top_k: 2,
+            ffn_hidden: 14336,
+            sparse_layers: vec![true; 4],
+            capacity_factor: Some(1.25),
+            renormalise: true,
+            aux_loss_coeff: Some(0.02),
+            shared_expert: None,
+        };
+        let a = megatron_model_args(&m, 8).join(" ");
+        for flag in [
+            "--num-experts 8",
+            "--moe-router-topk 2",
+            "--moe-ffn-hidden-size 14336",
+            "--moe-expert-capacity-factor 1.25",
+            "--moe-token-drop-policy position",
+            "--moe-pad-expert-input-to-capacity",
+            "--moe-aux-loss-coeff 0.02",
+            "--moe-token-dispatcher-type alltoall",
+        ] {
+            assert!(a.contains(flag), "{flag}: {a}");
+        }
+        assert!(!a.contains("--moe-layer-freq") && !a.contains("pre-softmax"), "{a}");
+        // Dropless, a dense first layer, no renormalisation, no aux loss, ep 1.
+        m.capacity_factor = None;
+        m.sparse_layers = vec![false, true, true];
+        m.renormalise = false;
+        m.aux_loss_coeff = None;
+        let a = megatron_model_args(&m, 1).join(" ");
+        assert!(a.contains("--moe-layer-freq \"([0]*1+[1]*2)\""), "{a}");
+        assert!(a.contains("--moe-router-pre-softmax"), "{a}");
+        assert!(a.contains("--moe-router-load-balancing-type none"), "{a}");
+        assert!(!a.contains("capacity") && !a.contains("dispatcher"), "{a}");
+        assert!(megatron_args(1).is_empty());
     }
 }

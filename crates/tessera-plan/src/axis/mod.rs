@@ -129,13 +129,15 @@ pub struct Traffic<'a> {
     pub bytes: u64,
 }
 
-/// What the automatic search tries: the cluster and the model's sequence.
+/// What the automatic search tries: the cluster and the model's sequence and experts.
 #[derive(Clone, Copy, Debug)]
 pub struct GridContext {
     pub devices: usize,
     pub gpus_per_node: usize,
     pub nodes: usize,
     pub seq: usize,
+    /// Experts per MoE layer of the model (0: it has none).
+    pub experts: usize,
 }
 
 /// One parallel axis or step knob of the planner (see the module docs). Every method but

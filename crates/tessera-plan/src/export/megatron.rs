@@ -196,6 +196,9 @@ pub(super) fn export(
         batch.push(format!("--clip-grad {clip:?}"));
     }
     groups.push(batch);
+    if let Some(m) = &target.model.experts {
+        groups.push(crate::expert::megatron_model_args(m, cfg.ep));
+    }
     groups.push(cfg.megatron_args());
     let recompute = recompute_flags(ckpt);
     if !recompute.is_empty() {

@@ -27,6 +27,7 @@ pub fn simulate_time(
     cost: &CostModel,
 ) -> (StepTime, Vec<CollectiveRecord>) {
     let g = p.graph();
+    let experts = cost.expert_share(g);
     let mut t = StepTime::default();
     let (mut ov_fwd, mut ov_bwd) = (0.0, 0.0);
     let mut records = Vec::new();
@@ -115,7 +116,7 @@ pub fn simulate_time(
             t.host_compute_s += cost.op_time_in(n.tier, &n.op, &x, &y);
             continue;
         }
-        let secs = cost.op_time(&n.op, &x, &y);
+        let secs = cost.node_time(&n.op, &x, &y, experts);
         if secs > 0.0 {
             *t.compute_by_op_s.entry(n.op.name()).or_default() += secs;
         }
@@ -159,6 +160,7 @@ fn issue_wait(p: &Program, cost: &CostModel) -> f64 {
         return 0.0;
     }
     let g = p.graph();
+    let experts = cost.expert_share(g);
     let (mut issued, mut end, mut busy) = (0.0f64, 0.0f64, 0.0f64);
     let mut x: Vec<&TensorMeta> = Vec::new();
     let mut y: Vec<&TensorMeta> = Vec::new();
@@ -178,7 +180,7 @@ fn issue_wait(p: &Program, cost: &CostModel) -> f64 {
         x.extend(n.inputs.iter().map(|&i| g.meta(i)));
         y.extend(n.outputs.iter().map(|&o| g.meta(o)));
         issued += cost.issue_time(&n.op).unwrap_or(0.0);
-        let d = cost.op_time(&n.op, &x, &y);
+        let d = cost.node_time(&n.op, &x, &y, experts);
         end = end.max(issued) + d;
         busy += d;
     }
@@ -205,6 +207,7 @@ fn offload_delay(p: &Program, cost: &CostModel) -> f64 {
         Nvme,
     }
     let g = p.graph();
+    let experts = cost.expert_share(g);
     let mut ready = vec![0.0f64; g.tensors.len()];
     let mut free = [0.0f64; 5];
     let (mut device_busy, mut end, mut issued) = (0.0f64, 0.0f64, 0.0f64);
@@ -228,7 +231,7 @@ fn offload_delay(p: &Program, cost: &CostModel) -> f64 {
             }
             Op::Reshard(_) | Op::Send(_) | Op::Recv(..) => (Res::Device, 0.0),
             _ if n.tier != Tier::Device => (Res::Host, cost.op_time_in(n.tier, &n.op, &x, &y)),
-            _ => (Res::Device, cost.op_time(&n.op, &x, &y)),
+            _ => (Res::Device, cost.node_time(&n.op, &x, &y, experts)),
         };
         let inputs = n.inputs.iter().map(|&i| ready[i.index()]).fold(0.0, f64::max);
         let start = free[res as usize].max(inputs).max(issued);

@@ -91,6 +91,7 @@ pub fn device_costs(
                 peak_bytes: dev.lowered.memory.peak_bytes as f64,
                 ..DeviceCost::default()
             };
+            let experts = cost.expert_share(g);
             for instr in &p.instrs {
                 let tessera_ir::Instr::Run(id) = *instr else { continue };
                 let Some(slot) = dev.slot_of.get(id.index()).copied().flatten() else { continue };
@@ -98,7 +99,7 @@ pub fn device_costs(
                 if slot.micro_batch != 0 || n.phase == Phase::Optimizer {
                     continue;
                 }
-                let secs = node_seconds(p, id, full, cost);
+                let secs = node_seconds(p, id, full, cost, experts);
                 match (n.block, n.phase) {
                     (Some(_), Phase::Recompute) => c.recompute_s += secs,
                     (Some(_), _) => c.block_s += secs,

@@ -411,6 +411,7 @@ fn slot_seconds(
 ) -> HashMap<Slot, f64> {
     let p = &l.program;
     let g = p.graph();
+    let experts = cost.expert_share(g);
     let mut out: HashMap<Slot, f64> = HashMap::new();
     for instr in &p.instrs {
         let tessera_ir::Instr::Run(id) = *instr else { continue };
@@ -418,17 +419,19 @@ fn slot_seconds(
         if g.node(id).phase == Phase::Optimizer {
             continue;
         }
-        *out.entry(s).or_default() += node_seconds(p, id, full, cost);
+        *out.entry(s).or_default() += node_seconds(p, id, full, cost, experts);
     }
     out
 }
 
-/// Seconds of one node of a device's Program on its critical path (see [`slot_seconds`]).
+/// Seconds of one node of a device's Program on its critical path (see [`slot_seconds`]);
+/// `experts`: the Program's [`CostModel::expert_share`].
 pub(crate) fn node_seconds(
     p: &tessera_ir::Program,
     id: NodeId,
     full: &Mesh,
     cost: &CostModel,
+    experts: Option<f64>,
 ) -> f64 {
     let g = p.graph();
     let n = g.node(id);
@@ -461,7 +464,7 @@ pub(crate) fn node_seconds(
         op => {
             let x: Vec<_> = n.inputs.iter().map(|&i| g.meta(i)).collect();
             let y: Vec<_> = n.outputs.iter().map(|&o| g.meta(o)).collect();
-            cost.op_time(op, &x, &y)
+            cost.node_time(op, &x, &y, experts)
         }
     }
 }

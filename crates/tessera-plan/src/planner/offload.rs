@@ -67,10 +67,11 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
         return Ok(OffloadPhase { fit: None, least_tiers: None });
     }
     let mut lines = Vec::new();
-    for job in megatron_jobs(req) {
+    // No expert-parallel lines: `epN` refuses model-state offload (`axis/expert.rs`).
+    for job in megatron_jobs(req, 0) {
         // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`); with
         // context parallelism only activations are offloaded (`cpN` refuses model state).
-        let Job::Megatron { dp, tp, sp, shard: None, cp } = job else { continue };
+        let Job::Megatron { dp, tp, sp, shard: None, cp, ep: 1 } = job else { continue };
         let (shape, names) = crate::axis::stage_mesh(&ParallelConfig::new(dp, tp).with_cp(cp));
         let mesh = Mesh::named(&req.cluster, &shape, &names)?;
         let zeros: &[u8] = if dp * cp > 1 { &[1, 3] } else { &[0] };

@@ -298,7 +298,8 @@ fn verify_even(
     if !recut {
         return Ok((fixed_plan(req, &c.config, even, t0), None));
     }
-    let cost = crate::cost::CostModel::for_cluster(&req.cluster);
+    let cost = crate::cost::CostModel::for_cluster(&req.cluster)
+        .with_moe_imbalance(req.search.moe_imbalance);
     let devices = crate::pipeline::balance::device_costs(&even.lowered, &even.full, &cost);
     let recut = crate::pipeline::balance::rebalance(
         &c.config,

@@ -78,10 +78,11 @@ pub(super) fn first_fit(
 pub(super) enum Job {
     /// The free per-op ILP on a mesh.
     Free(Mesh),
-    /// A Megatron-style `dp × cp × tp` configuration (sequence parallel on or off), ZeRO over
-    /// every data-parallel rank or, with `shard`, within groups of that many (hybrid
-    /// sharding); `cp` > 1 only for long sequences (the axes' grids, [`crate::axis::grid`]).
-    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize },
+    /// A Megatron-style `dp × ep × cp × tp` configuration (sequence parallel on or off), ZeRO
+    /// over every data-parallel rank or, with `shard`, within groups of that many (hybrid
+    /// sharding); `cp` > 1 only for long sequences, `ep` > 1 only for a model with experts
+    /// (the axes' grids, [`crate::axis::grid`]).
+    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize, ep: usize },
 }
 
 /// What one job found: per ZeRO stage that fits, the plan at its smallest fitting micro-batch
@@ -110,9 +111,15 @@ pub(super) fn job_space(
 ) -> Result<(Mesh, AxisRule, Vec<usize>)> {
     Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
-        Job::Megatron { dp, tp, sp, shard, cp } => {
-            let cfg = ParallelConfig::new(*dp, *tp).with_sp(*sp).with_shard(*shard).with_cp(*cp);
-            let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
+        Job::Megatron { dp, tp, sp, shard, cp, ep } => {
+            let cfg = ParallelConfig::new(*dp, *tp)
+                .with_sp(*sp)
+                .with_shard(*shard)
+                .with_cp(*cp)
+                .with_ep(*ep);
+            let replicas = dp * ep;
+            let mbs =
+                mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * replicas)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp, cp: *cp > 1 }, mbs)
         }
     })
@@ -354,7 +361,10 @@ pub(super) fn run_deferred(
     Ok(())
 }
 
-pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
+/// Every Megatron-style layout of the search: `dp × tp` within a node (sp on and off, hybrid
+/// sharding across nodes), then the axes' grids ([`crate::axis::grid`]: context parallelism
+/// for long sequences, expert parallelism for a model with `experts` experts per layer).
+pub(super) fn megatron_jobs(req: &Request<'_>, experts: usize) -> Vec<Job> {
     let n = req.cluster.num_devices();
     let mut jobs = Vec::new();
     for tp in (1..=req.cluster.gpus_per_node.min(n)).filter(|&t| n.is_multiple_of(t)) {
@@ -370,33 +380,39 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
         .then_some(per_node);
         for sp in [false, true] {
             if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1 });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1, ep: 1 });
                 if hybrid.is_some() {
-                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid, cp: 1 });
+                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid, cp: 1, ep: 1 });
                 }
             }
         }
     }
-    // Context parallelism, for long sequences only (the grid of short ones stays as fast).
+    // Context parallelism, for long sequences only (the grid of short ones stays as fast);
+    // expert parallelism, for a model with experts only.
     let cx = crate::axis::GridContext {
         devices: n,
         gpus_per_node: req.cluster.gpus_per_node,
         nodes: req.cluster.nodes,
         seq: req.seq,
+        experts,
     };
     for cfg in crate::axis::grid(&cx) {
-        let (dp, cp, tp) = (cfg.dp, cfg.cp, cfg.tp);
+        let (dp, cp, tp, ep) = (cfg.dp, cfg.cp, cfg.tp, cfg.ep);
         for sp in [false, true] {
-            if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp });
+            // Megatron-LM runs expert with tensor parallelism only with sequence parallelism
+            // (its MoE README).
+            let megatron_runs = if tp == 1 { !sp } else { sp || ep == 1 };
+            if megatron_runs {
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ep });
             }
         }
     }
     jobs
 }
 
-/// Every job of the automatic search: the free ILP on each mesh, then every Megatron layout.
-pub(super) fn auto_jobs(req: &Request<'_>) -> Result<Vec<Job>> {
+/// Every job of the automatic search: the free ILP on each mesh, then every Megatron layout
+/// (`experts`: the model's experts per layer, 0 without).
+pub(super) fn auto_jobs(req: &Request<'_>, experts: usize) -> Result<Vec<Job>> {
     let n = req.cluster.num_devices();
     let mut meshes: Vec<Mesh> = vec![Mesh::new(&req.cluster, &[n], &[])?];
     for t in 2..=req.cluster.gpus_per_node.min(n) {
@@ -411,7 +427,7 @@ pub(super) fn auto_jobs(req: &Request<'_>) -> Result<Vec<Job>> {
     }
     // The free 2-D meshes are the slowest jobs: they go first so the threads stay busy.
     let mut jobs: Vec<Job> = meshes.into_iter().rev().map(Job::Free).collect();
-    jobs.extend(megatron_jobs(req));
+    jobs.extend(megatron_jobs(req, experts));
     Ok(jobs)
 }
 

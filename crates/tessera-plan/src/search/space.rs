@@ -382,6 +382,7 @@ pub(super) fn build_problem(
     let g = &fwd.graph;
     let mesh = &cand.mesh;
     let mbf = cand.micro_batches.max(1) as f64;
+    let experts = p.problem.cost.expert_share(g);
     let nv = space.heads.len();
     let mut node_cost: Vec<Vec<f64>> = space.options.iter().map(|&o| vec![0.0; o]).collect();
     let mut saved_bytes: Vec<Vec<f64>> = node_cost.clone();
@@ -426,7 +427,7 @@ pub(super) fn build_problem(
                 };
                 let xr: Vec<&TensorMeta> = x.iter().collect();
                 let yr: Vec<&TensorMeta> = y.iter().collect();
-                let fwd_t = p.problem.cost.op_time(&node.op, &xr, &yr);
+                let fwd_t = p.problem.cost.node_time(&node.op, &xr, &yr, experts);
                 let bwd =
                     if matches!(node.op, Op::MatMul { .. } | Op::Attention(_)) { 2.0 } else { 1.0 };
                 c[s] += fwd_t * (1.0 + bwd) * mbf;
