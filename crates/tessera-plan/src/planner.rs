@@ -209,7 +209,7 @@ fn best_megatron(
     let (mut tried, mut fitting) = (0, 0);
     let mut best: Option<(Evaluated, ParallelConfig)> = None;
     for (job, r) in jobs.iter().zip(results) {
-        let Job::Megatron { dp, tp, sp, shard, cp } = *job else { continue };
+        let Job::Megatron { dp, tp, sp, shard, cp, ring } = *job else { continue };
         tried += r.tried;
         fitting += r.fits.len();
         for e in &r.fits {
@@ -219,7 +219,8 @@ fn best_megatron(
                     .with_micro_batches(e.candidate.micro_batches)
                     .with_sp(sp)
                     .with_shard(shard.filter(|_| e.candidate.zero > 0))
-                    .with_cp(cp);
+                    .with_cp(cp)
+                    .with_cp_comm(ring.then_some(crate::context::CpComm::Ring));
                 best = Some((e.clone(), cfg));
             }
         }

@@ -234,6 +234,10 @@ pub struct SearchKnobs {
     /// (`Op::TiledMlp`, [`crate::mlp_tile`]): the CPU backend has, the CUDA backend not yet,
     /// so `tessera train --device cuda` turns this off and the planner keeps MLPs whole.
     pub tiled_mlp: bool,
+    /// Whether the automatic search tries ring attention (`cp=ring`) where the all-to-all
+    /// variant cannot split the KV heads: the CPU backend runs it, the CUDA backend not yet,
+    /// so `tessera train --device cuda` turns this off.
+    pub ring: bool,
 }
 
 impl Default for SearchKnobs {
@@ -244,6 +248,7 @@ impl Default for SearchKnobs {
             zero_scan_min_gain: 0.01,
             solve: SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
             tiled_mlp: true,
+            ring: true,
         }
     }
 }

@@ -80,8 +80,9 @@ pub(super) enum Job {
     Free(Mesh),
     /// A Megatron-style `dp × cp × tp` configuration (sequence parallel on or off), ZeRO over
     /// every data-parallel rank or, with `shard`, within groups of that many (hybrid
-    /// sharding); `cp` > 1 only for long sequences (the axes' grids, [`crate::axis::grid`]).
-    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize },
+    /// sharding); `cp` > 1 only for long sequences (the axes' grids, [`crate::axis::grid`]),
+    /// by ring attention with `ring` (else the all-to-all variant).
+    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize, ring: bool },
 }
 
 /// What one job found: per ZeRO stage that fits, the plan at its smallest fitting micro-batch
@@ -110,8 +111,13 @@ pub(super) fn job_space(
 ) -> Result<(Mesh, AxisRule, Vec<usize>)> {
     Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
-        Job::Megatron { dp, tp, sp, shard, cp } => {
-            let cfg = ParallelConfig::new(*dp, *tp).with_sp(*sp).with_shard(*shard).with_cp(*cp);
+        Job::Megatron { dp, tp, sp, shard, cp, ring } => {
+            let comm = ring.then_some(crate::context::CpComm::Ring);
+            let cfg = ParallelConfig::new(*dp, *tp)
+                .with_sp(*sp)
+                .with_shard(*shard)
+                .with_cp(*cp)
+                .with_cp_comm(comm);
             let mbs = mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * dp)).collect();
             (megatron_mesh(&req.cluster, &cfg)?, AxisRule::Megatron { sp: *sp, cp: *cp > 1 }, mbs)
         }
@@ -370,9 +376,9 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
         .then_some(per_node);
         for sp in [false, true] {
             if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1 });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1, ring: false });
                 if hybrid.is_some() {
-                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid, cp: 1 });
+                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid, cp: 1, ring: false });
                 }
             }
         }
@@ -384,15 +390,33 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
         nodes: req.cluster.nodes,
         seq: req.seq,
     };
-    for cfg in crate::axis::grid(&cx) {
+    let grid = crate::axis::grid(&cx);
+    // Ring attention where the all-to-all variant cannot go: cp × tp past the KV heads.
+    let kv_heads = if grid.is_empty() || !req.search.ring { None } else { kv_heads(req) };
+    for cfg in grid {
         let (dp, cp, tp) = (cfg.dp, cfg.cp, cfg.tp);
+        let ring = kv_heads.is_some_and(|kv| !kv.is_multiple_of(cp * tp));
         for sp in [false, true] {
             if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ring: false });
+                if ring {
+                    jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ring: true });
+                }
             }
         }
     }
     jobs
+}
+
+/// The KV heads of the model's first attention (`None`: it has none, or it does not build).
+fn kv_heads(req: &Request<'_>) -> Option<usize> {
+    let f = (req.build)(1).ok()?;
+    f.graph.nodes.iter().find_map(|n| match n.op {
+        tessera_ir::Op::Attention(_) if n.inputs.len() == 3 => {
+            f.graph.meta(n.inputs[1]).shape.dims().get(2).copied()
+        }
+        _ => None,
+    })
 }
 
 /// Every job of the automatic search: the free ILP on each mesh, then every Megatron layout.
