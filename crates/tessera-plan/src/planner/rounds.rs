@@ -391,11 +391,13 @@ pub(super) fn megatron_jobs(req: &Request<'_>) -> Vec<Job> {
         seq: req.seq,
     };
     let grid = crate::axis::grid(&cx);
-    // Ring attention where the all-to-all variant cannot go: cp × tp past the KV heads.
+    // Ring attention where the all-to-all variant cannot go: cp × tp past the KV heads; at
+    // most cp 64, whose 6·(cp − 1) tags per attention keep a 32-layer model within the
+    // transport's tags (`lower/ring.rs` refuses past them, which would end the search).
     let kv_heads = if grid.is_empty() || !req.search.ring { None } else { kv_heads(req) };
     for cfg in grid {
         let (dp, cp, tp) = (cfg.dp, cfg.cp, cfg.tp);
-        let ring = kv_heads.is_some_and(|kv| !kv.is_multiple_of(cp * tp));
+        let ring = cp <= 64 && kv_heads.is_some_and(|kv| !kv.is_multiple_of(cp * tp));
         for sp in [false, true] {
             if !(sp && tp == 1) {
                 jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ring: false });
