@@ -701,6 +701,7 @@ pub fn prepare(
     let mut req = model.request(cluster, budget);
     // The CUDA backend has no kernel for the tiled MLP yet: plan its MLPs whole.
     req.search.tiled_mlp = args.device == DeviceKind::Cpu;
+    req.search.ring = args.device == DeviceKind::Cpu;
     let plan = choose_plan(&req, &args.plan, None).context("planning the run")?;
     let exe = planner::lower_plan(&req, &plan).map_err(plan_err)?;
     if args.device == DeviceKind::Cpu {

@@ -709,7 +709,7 @@ impl CudaBackend {
             )),
             Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),
             Op::AttentionBackward(spec) => crate::attention::backward(self, x, spec, at, out, p),
-            Op::AttentionMerge | Op::AttentionMergeBackward => {
+            Op::AttentionMerge | Op::AttentionMergeBackward | Op::RingMerge(_) => {
                 Err(unsupported(op.name(), RING_ON_CUDA))
             }
             Op::Rope { inv_freq, inverse } => one(crate::attention::rope(

@@ -235,9 +235,11 @@ pub fn gradients_seeded(
 }
 
 /// Sends and receives between pipeline stages: differentiated even where no gradient reaches
-/// them (the gradient transfer is the peer's counterpart and must happen).
+/// them (the gradient transfer is the peer's counterpart and must happen). Ring attention's
+/// transfers (`P2p::ring`) are not: its lowering places them in both passes (the backward's
+/// in [`Op::RingMerge`]'s VJP), so the autodiff leaves them alone.
 fn is_transfer(op: &Op) -> bool {
-    matches!(op, Op::Send(_) | Op::Recv(..))
+    matches!(op, Op::Send(p) | Op::Recv(p, _) if !p.ring)
 }
 
 /// Optimizer settings baked into the training graph. The learning rate and step counter are

@@ -43,8 +43,8 @@ pub use error::{IrError, Result};
 pub use graph::{Graph, Node, NodeId, Phase, ScopeId, Tensor, TensorId, TensorIds};
 pub use ops::{
     AdamWSpec, Alibi, AttentionSpec, BinaryOp, Collective, CommStep, Conv2dSpec, Flops, Op, P2p,
-    Pool2dSpec, QuantSpec, ReduceOp, ReshardSpec, RingBlock, StateKind, UnaryOp,
-    ATTENTION_SCRATCH_ROWS,
+    Pool2dSpec, QuantSpec, ReduceOp, ReshardSpec, RingBackward, RingBlock, RingMerge, StateKind,
+    UnaryOp, ATTENTION_SCRATCH_ROWS,
 };
 pub use program::{Instr, Program, Role};
 pub use remat::{rematerialize, Checkpointing, CkptMode};

@@ -168,10 +168,12 @@ pub fn dropped_buffers(g: &Graph, ckpt: &Checkpointing) -> Vec<bool> {
         }
         let Some(b) = node.block else { continue };
         let mode = ckpt.mode(b);
-        // A received value is kept: recomputing it would need its sender to send it again
-        // (ring attention's K/V blocks inside a checkpointed block).
+        // A received value is kept: recomputing it would need its sender to send it again.
+        // So is ring attention's output and log-sum-exp (its last merge): recomputing them
+        // would run the ring again.
+        let ring_out = matches!(&node.op, crate::Op::RingMerge(m) if m.backward.is_some());
         let allowed = match mode {
-            _ if matches!(node.op, crate::Op::Recv(..)) => false,
+            _ if matches!(node.op, crate::Op::Recv(..)) || ring_out => false,
             CkptMode::None => false,
             CkptMode::Selective => !node.op.kept_by_selective(),
             CkptMode::Full => true,

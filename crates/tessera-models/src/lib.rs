@@ -196,8 +196,9 @@ impl ModelConfig {
             | ModelConfig::ClipText(_) => Err(ModelError::Unsupported {
                 what: "--image-size for model family".into(),
                 found: self.family().into(),
-                supported: "diffusion models (unet, vae); a ViT's or DiT's image size is its config's"
-                    .into(),
+                supported:
+                    "diffusion models (unet, vae); a ViT's or DiT's image size is its config's"
+                        .into(),
             }),
         }
     }

@@ -217,7 +217,7 @@ fn best_megatron(
     let (mut tried, mut fitting) = (0, 0);
     let mut best: Option<(Evaluated, ParallelConfig)> = None;
     for (job, r) in jobs.iter().zip(results) {
-        let Job::Megatron { dp, tp, sp, shard, cp, ep } = *job else { continue };
+        let Job::Megatron { dp, tp, sp, shard, cp, ep, ring } = *job else { continue };
         tried += r.tried;
         fitting += r.fits.len();
         for e in &r.fits {
@@ -228,7 +228,8 @@ fn best_megatron(
                     .with_sp(sp)
                     .with_shard(shard.filter(|_| e.candidate.zero > 0))
                     .with_cp(cp)
-                    .with_ep(ep);
+                    .with_ep(ep)
+                    .with_cp_comm(ring.then_some(crate::context::CpComm::Ring));
                 best = Some((e.clone(), cfg));
             }
         }

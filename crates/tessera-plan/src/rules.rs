@@ -501,6 +501,7 @@ pub fn labeling(op: &Op, x: &[&TensorMeta], y: &[&TensorMeta]) -> Result<Labelin
         | Op::AttentionBackward(_)
         | Op::AttentionMerge
         | Op::AttentionMergeBackward
+        | Op::RingMerge(_)
         | Op::AdamW(_)
         | Op::Reshard(_)
         | Op::Send(_)

@@ -237,6 +237,10 @@ pub struct SearchKnobs {
     /// Routing imbalance of a mixture of experts' grouped GEMMs (`--moe-imbalance`; 1:
     /// balanced, see [`CostModel::moe_imbalance`]).
     pub moe_imbalance: f64,
+    /// Whether the automatic search tries ring attention (`cp=ring`) where the all-to-all
+    /// variant cannot split the KV heads: the CPU backend runs it, the CUDA backend not yet,
+    /// so `tessera train --device cuda` turns this off.
+    pub ring: bool,
 }
 
 impl Default for SearchKnobs {
@@ -248,6 +252,7 @@ impl Default for SearchKnobs {
             solve: SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
             tiled_mlp: true,
             moe_imbalance: 1.0,
+            ring: true,
         }
     }
 }

@@ -240,6 +240,7 @@ fn is_bound_leaf(op: &Op) -> bool {
         | Op::AttentionBackward(_)
         | Op::AttentionMerge
         | Op::AttentionMergeBackward
+        | Op::RingMerge(_)
         | Op::Rope { .. }
         | Op::Conv2d(_)
         | Op::Conv2dBackwardInput { .. }
@@ -576,6 +577,14 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         // (out, logsumexp) pairs, and the gradient last in the backward.
         Op::AttentionMerge => x.len().max(2),
         Op::AttentionMergeBackward => x.len().max(3),
+        // Two pairs, and the device's own q, k, v on a ring's last merge.
+        Op::RingMerge(m) => {
+            if m.backward.is_some() {
+                7
+            } else {
+                4
+            }
+        }
         Op::AdamW(spec) => {
             let base = 7 + usize::from(spec.grad_scale);
             if x.len() == base + 1 {
@@ -669,6 +678,7 @@ pub fn eval_op(op: &Op, x: &[&Value]) -> Result<Vec<Value>, String> {
         Op::AttentionBackward(spec) => attention_backward(x, spec),
         Op::AttentionMerge => one(attention_merge(x)?),
         Op::AttentionMergeBackward => attention_merge_backward(x),
+        Op::RingMerge(_) => ring_merge(&x[..4]),
         Op::Rope { inv_freq, inverse } => one(rope(x[0], x.get(1).copied(), inv_freq, *inverse)?),
         Op::AdamW(spec) => adamw(x, spec),
         Op::Conv2d(spec) => one(vision::conv2d(x[0], x[1], spec)?),

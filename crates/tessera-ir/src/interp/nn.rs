@@ -388,6 +388,15 @@ pub(super) fn attention_merge(x: &[&Value]) -> Result<Value, String> {
     Ok(Value { shape: os[0].shape.clone(), data: out })
 }
 
+/// [`crate::Op::RingMerge`]'s forward: the two pairs' merge and `log(exp(l_run) + exp(l_s))`
+/// (inputs past the pairs only feed its backward).
+pub(super) fn ring_merge(x: &[&Value]) -> Result<Vec<Value>, String> {
+    let o = attention_merge(x)?;
+    let (l0, l1) = (x[1], x[3]);
+    let data = l0.data.iter().zip(&l1.data).map(|(&a, &b)| logsumexp(&[a, b])).collect();
+    Ok(vec![o, Value { shape: l0.shape.clone(), data }])
+}
+
 pub(super) fn attention_merge_backward(x: &[&Value]) -> Result<Vec<Value>, String> {
     let (dout, pairs) = x.split_last().ok_or("attention_merge_backward takes inputs")?;
     let (os, ls, [b, s, h, d]) = merge_pairs(pairs)?;

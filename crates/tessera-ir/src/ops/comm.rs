@@ -149,7 +149,9 @@ pub(crate) fn vjp(cx: &mut VjpCtx<'_>, spec: &ReshardSpec) -> Result<Vec<Option<
 ///
 /// With `ring` (ring attention's neighbours, context parallelism's `cp=ring`), `peer` is an
 /// offset instead: the device at coordinate `(c + peer) mod size` along `axis`, `c` this
-/// device's — one Program for every device of the ring.
+/// device's — one Program for every device of the ring. Ring transfers are not
+/// differentiated (the ring's lowering places the backward's own, see
+/// [`super::ring`]); their `grad_tag` is unused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct P2p {
     pub axis: usize,

@@ -24,6 +24,7 @@ pub(crate) mod norm;
 pub(crate) mod optim;
 pub(crate) mod quant;
 pub(crate) mod reduce;
+pub mod ring;
 pub mod tiled_mlp;
 pub mod vision;
 
@@ -32,6 +33,7 @@ use crate::{DType, Result, Shape, TensorMeta};
 pub use attention::{Alibi, AttentionSpec, RingBlock, ATTENTION_SCRATCH_ROWS};
 pub use comm::{Collective, CommStep, P2p, ReshardSpec};
 pub use quant::QuantSpec;
+pub use ring::{RingBackward, RingMerge};
 use serde::{Deserialize, Serialize};
 pub use tiled_mlp::MlpSpec;
 pub use vision::{Conv2dSpec, Pool2dSpec};
@@ -336,6 +338,10 @@ pub enum Op {
     /// Inputs `[o_0, lse_0, …, dout]` → `[do_0, dlse_0, …]`: `do_r = w_r·dout`,
     /// `dlse_r = w_r·(Σ_d dout·o_r − Σ_d dout·o)`.
     AttentionMergeBackward,
+    /// Ring attention's online merge ([`ring`]): `[o_run, lse_run, o_s, lse_s]` → the merged
+    /// `[o, lse]`; on a ring's last merge (`backward`) also the device's own `q, k, v`, and
+    /// its VJP is the whole ring's backward (K/V around the ring again, dK/dV home).
+    RingMerge(RingMerge),
     /// Rotary position embedding on `[B,S,H,D]` (rotate-half layout, positions 0..S, or those of
     /// a second input `positions [B,S] i64`), with one inverse frequency per pair; `inverse`
     /// rotates by −θ (its VJP).
@@ -557,6 +563,7 @@ impl Op {
             Op::AttentionBackward(_) => "attention_backward",
             Op::AttentionMerge => "attention_merge",
             Op::AttentionMergeBackward => "attention_merge_backward",
+            Op::RingMerge(_) => "ring_merge",
             Op::Rope { .. } => "rope",
             Op::Conv2d(_) => "conv2d",
             Op::Conv2dBackwardInput { .. } => "conv2d_backward_input",
@@ -609,6 +616,7 @@ impl Op {
         match self {
             Op::MatMul { .. }
             | Op::Attention(_)
+            | Op::RingMerge(_)
             | Op::Reshard(_)
             | Op::Send(_)
             | Op::Recv(..)
@@ -729,6 +737,7 @@ impl Op {
             Op::AttentionBackward(spec) => attention::infer_backward(x, spec),
             Op::AttentionMerge => attention::infer_merge(x),
             Op::AttentionMergeBackward => attention::infer_merge_backward(x),
+            Op::RingMerge(m) => ring::infer(x, m),
             Op::Rope { inv_freq, .. } => attention::infer_rope(x, inv_freq),
             Op::Conv2d(spec) => vision::infer_conv(x, spec),
             Op::Conv2dBackwardInput { spec, input_hw } => {
@@ -807,6 +816,7 @@ impl Op {
             Op::AttentionBackward(_) => attention::flops_backward(x),
             Op::AttentionMerge => attention::flops_merge(x, false),
             Op::AttentionMergeBackward => attention::flops_merge(x, true),
+            Op::RingMerge(_) => ring::flops(x),
             Op::Rope { .. } => attention::flops_rope(y),
             Op::Conv2d(_) => vision::flops_conv(x, y),
             Op::Conv2dBackwardInput { .. } => vision::flops_conv_backward_input(x),
@@ -877,6 +887,7 @@ impl Op {
             | Op::Attention(_)
             | Op::AttentionBackward(_)
             | Op::AttentionMerge
+            | Op::RingMerge(_)
             | Op::AttentionMergeBackward
             | Op::Rope { .. }
             | Op::QMatMul(_)
@@ -954,6 +965,7 @@ impl Op {
             | Op::Attention(_)
             | Op::AttentionBackward(_)
             | Op::AttentionMerge
+            | Op::RingMerge(_)
             | Op::AttentionMergeBackward
             | Op::KvCache(_)
             | Op::SelectPositions
@@ -1007,7 +1019,7 @@ impl Op {
             | Op::Upsample2d { .. }
             | Op::Upsample2dBackward { .. } => 0,
             Op::KvCache(_) | Op::CacheWrite | Op::SelectPositions => 0,
-            Op::AttentionMerge | Op::AttentionMergeBackward => 0,
+            Op::AttentionMerge | Op::AttentionMergeBackward | Op::RingMerge(_) => 0,
             Op::Send(_)
             | Op::Recv(..)
             | Op::Transfer { .. }
@@ -1119,6 +1131,14 @@ impl Op {
             | Op::TiledMlp(_)
             | Op::Upsample2d { .. } => all(true),
             Op::Recv(..) => all(false),
+            // Only a last merge's own q, k, v: the chain before it takes no gradient.
+            Op::RingMerge(m) => {
+                let mut d = all(false);
+                if m.backward.is_some() {
+                    d.iter_mut().skip(4).for_each(|x| *x = true);
+                }
+                d
+            }
             // Backward ops and the optimizer are not differentiated again.
             Op::UnaryBackward(_)
             | Op::BinaryBackward { .. }
@@ -1179,6 +1199,7 @@ impl Op {
             Op::LogSumExp => loss::vjp_logsumexp(cx),
             Op::Attention(spec) => attention::vjp(cx, spec),
             Op::AttentionMerge => attention::vjp_merge(cx),
+            Op::RingMerge(m) => ring::vjp(cx, m),
             Op::Rope { inv_freq, inverse } => attention::vjp_rope(cx, inv_freq, *inverse),
             Op::Reshard(spec) => comm::vjp(cx, spec),
             Op::Send(p) => comm::vjp_send(cx, *p),

@@ -34,22 +34,28 @@
 //!   device's queries against the key block of the device `step` places before it on the
 //!   ring, at global positions from the device's cp coordinate (one Program for every
 //!   device); the log-sum-exp output is differentiable (`AttentionBackward`'s seventh input);
-//!   `Op::AttentionMerge` combines partial outputs by their log-sum-exp;
+//!   `Op::RingMerge` folds a block's partial output into the running output and log-sum-exp
+//!   (the online merge), the last merge of a ring carrying the ring's backward as its VJP;
 //!   `AttentionSpec::visible_pairs` measures each device's causal work.
 //! - Pins ([`cp_pins`] with `ring`): no heads pin, so the KV-heads bound is tp's alone; the
 //!   sequence must divide into 2·cp zig-zag chunks. [`ring_strategies`] splits attention's and
 //!   RoPE's sequence over cp (a dim their labelings do not name).
 //! - Lowering (`lower/ring.rs`): each such attention becomes `cp` block attentions (`step`
-//!   0..cp) and one merge; before each later step the held K/V block (`[B, S/cp, Hkv, D]`:
-//!   only the KV heads travel) goes to the next device by `Send` and the previous device's
-//!   arrives by `Recv`. `P2p::ring` makes the peer an offset from the device's cp coordinate
-//!   (resolved by the runtime's `CommRunner::peer`); every transfer has its own tags, above
-//!   the pipeline's. The backward is the autodiff's: a `Recv`'s gradient is sent back and a
-//!   `Send`'s received, so dK/dV go around the ring the other way. Sends are non-blocking on
-//!   every transport (threads, MPI), so the ring never waits on itself. The trainer's "a
-//!   Program with a Send is a pipeline stage" test ignores ring sends. Under checkpointing a
-//!   received block is kept, never recomputed (`remat::dropped_buffers`: the sender would
-//!   have to send again).
+//!   0..cp), each later one folded into the running output and log-sum-exp by a
+//!   `RingMerge` as its block arrives (the online merge: one block's partials live at a
+//!   time); before each later step the held K/V block (`[B, S/cp, Hkv, D]`: only the KV heads
+//!   travel) goes to the next device by `Send` and the previous device's arrives by `Recv`.
+//!   `P2p::ring` makes the peer an offset from the device's cp coordinate (resolved by the
+//!   runtime's `CommRunner::peer`); every transfer has its own tag, above the pipeline's.
+//!   Ring transfers are outside the autodiff: the backward is the last merge's VJP
+//!   (`tessera_ir::ops::ring`), FlashAttention's over blocks — from the saved final output
+//!   and log-sum-exp it recomputes each block's share as K/V go around the ring again, dQ
+//!   summed locally and dK/dV travelling with their blocks home (`4·(cp − 1)` sends per
+//!   attention, Megatron-LM's count). Sends are non-blocking on every transport (threads,
+//!   MPI), so the ring never waits on itself. The trainer's "a Program with a Send is a
+//!   pipeline stage" test ignores ring sends. Under checkpointing the ring's output and
+//!   log-sum-exp are kept, never recomputed (`remat::dropped_buffers`: that would run the
+//!   ring again), and a received block dies within the forward.
 //! - Zig-zag: the trainer reorders the sequence of every `[B, S, ..]` data input into 2·cp
 //!   chunks, device c's shard being chunks c and 2·cp−1−c (`LeafLayout::zigzag`, set by the
 //!   lowering when an attention is a ring block); RoPE reads a `position_ids` input the
@@ -61,14 +67,16 @@
 //! - `--explain` shows the blocks sent per step and their bytes per device
 //!   ([`explain_lines`]); exports say Megatron-LM `--context-parallel-size N --cp-comm-type
 //!   p2p` and torchtitan `context_parallel_degree = N`; DeepSpeed refuses by name.
+//! - Pricing (`lower/time.rs`): each ring transfer overlaps the next block attention, so a
+//!   ring step costs the longer of its transfer and its block's compute.
+//! - Search: the automatic search tries ring attention beside the all-to-all variant where
+//!   the latter cannot go — cp × tp past the KV heads (`planner::rounds::megatron_jobs`);
+//!   `tessera train --device cuda` turns it off (`SearchKnobs::ring`: the CUDA backend has
+//!   no ring kernels yet), and a model ring refuses (learned positions) is the candidate's
+//!   own miss.
 //! - Not yet: learned position tables (GPT-2's `wpe[0:S]` slice would have to gather each
 //!   device's zig-zag rows) and pipelines (a stage's mesh does not carry the ring) are refused
-//!   by name; the ring's transfers are priced as waited for, not overlapped with the block
-//!   attentions. Every block's partial output and log-sum-exp is saved for its backward and
-//!   received blocks are kept, so a layer holds cp partial outputs (`cp16 cp=ring` needs 289
-//!   GiB per device for llama3-8b at 1M tokens): an online merge (a running output and
-//!   log-sum-exp, K/V passed around again in the backward) would remove it; until then the
-//!   automatic search does not try ring, a config string asks for it.
+//!   by name; CUDA refuses the ring's ops by name.
 
 use super::{Axis, ConfigError, Engine, ExplainContext, ExportFields, GridContext, Parsed};
 use super::{PinContext, Slot, Token};
@@ -458,7 +466,7 @@ pub fn explain_lines(cp: usize, seq: usize, comm: CpComm, calls: usize, bytes: u
             ),
             format!(
                 "  {calls} K/V blocks sent per step around the ring ({} ring step{} per \
-                 attention; dK/dV back in the backward),",
+                 attention; K/V again with dK/dV in the backward),",
                 cp - 1,
                 if cp > 2 { "s" } else { "" }
             ),

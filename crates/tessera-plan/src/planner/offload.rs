@@ -71,9 +71,10 @@ pub(super) fn run(req: &Request<'_>) -> Result<OffloadPhase> {
     for job in megatron_jobs(req, 0) {
         // Offload with hybrid sharding is not supported (`shard=` refuses `offload=`); with
         // context parallelism only activations are offloaded (`cpN` refuses model state).
-        let Job::Megatron { dp, tp, sp, shard: None, cp, ep: 1 } = job else { continue };
+        // (Ring attention's jobs too: their mesh says so.)
+        let Job::Megatron { dp, tp, sp, shard: None, cp, ep: 1, ring } = job else { continue };
         let (shape, names) = crate::axis::stage_mesh(&ParallelConfig::new(dp, tp).with_cp(cp));
-        let mesh = Mesh::named(&req.cluster, &shape, &names)?;
+        let mesh = Mesh::named(&req.cluster, &shape, &names)?.with_ring(ring);
         let zeros: &[u8] = if dp * cp > 1 { &[1, 3] } else { &[0] };
         for &zero in zeros {
             lines.push((mesh.clone(), sp, zero, req.micro_batch_options(), cp));

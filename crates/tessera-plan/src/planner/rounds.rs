@@ -80,9 +80,18 @@ pub(super) enum Job {
     Free(Mesh),
     /// A Megatron-style `dp × ep × cp × tp` configuration (sequence parallel on or off), ZeRO
     /// over every data-parallel rank or, with `shard`, within groups of that many (hybrid
-    /// sharding); `cp` > 1 only for long sequences, `ep` > 1 only for a model with experts
-    /// (the axes' grids, [`crate::axis::grid`]).
-    Megatron { dp: usize, tp: usize, sp: bool, shard: Option<usize>, cp: usize, ep: usize },
+    /// sharding); `cp` > 1 only for long sequences, by ring attention with `ring` (else the
+    /// all-to-all variant); `ep` > 1 only for a model with experts (the axes' grids,
+    /// [`crate::axis::grid`]).
+    Megatron {
+        dp: usize,
+        tp: usize,
+        sp: bool,
+        shard: Option<usize>,
+        cp: usize,
+        ep: usize,
+        ring: bool,
+    },
 }
 
 /// What one job found: per ZeRO stage that fits, the plan at its smallest fitting micro-batch
@@ -111,12 +120,14 @@ pub(super) fn job_space(
 ) -> Result<(Mesh, AxisRule, Vec<usize>)> {
     Ok(match job {
         Job::Free(mesh) => (mesh.clone(), AxisRule::Free, mbs.to_vec()),
-        Job::Megatron { dp, tp, sp, shard, cp, ep } => {
+        Job::Megatron { dp, tp, sp, shard, cp, ep, ring } => {
+            let comm = ring.then_some(crate::context::CpComm::Ring);
             let cfg = ParallelConfig::new(*dp, *tp)
                 .with_sp(*sp)
                 .with_shard(*shard)
                 .with_cp(*cp)
-                .with_ep(*ep);
+                .with_ep(*ep)
+                .with_cp_comm(comm);
             let replicas = dp * ep;
             let mbs =
                 mbs.iter().copied().filter(|m| req.batch.is_multiple_of(m * replicas)).collect();
@@ -380,9 +391,17 @@ pub(super) fn megatron_jobs(req: &Request<'_>, experts: usize) -> Vec<Job> {
         .then_some(per_node);
         for sp in [false, true] {
             if !(sp && tp == 1) {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1, ep: 1 });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp: 1, ep: 1, ring: false });
                 if hybrid.is_some() {
-                    jobs.push(Job::Megatron { dp, tp, sp, shard: hybrid, cp: 1, ep: 1 });
+                    jobs.push(Job::Megatron {
+                        dp,
+                        tp,
+                        sp,
+                        shard: hybrid,
+                        cp: 1,
+                        ep: 1,
+                        ring: false,
+                    });
                 }
             }
         }
@@ -396,18 +415,38 @@ pub(super) fn megatron_jobs(req: &Request<'_>, experts: usize) -> Vec<Job> {
         seq: req.seq,
         experts,
     };
-    for cfg in crate::axis::grid(&cx) {
+    let grid = crate::axis::grid(&cx);
+    // Ring attention where the all-to-all variant cannot go: cp × tp past the KV heads; at
+    // most cp 64, whose 6·(cp − 1) tags per attention keep a 32-layer model within the
+    // transport's tags (`lower/ring.rs` refuses past them, which would end the search).
+    let kv_heads = if grid.is_empty() || !req.search.ring { None } else { kv_heads(req) };
+    for cfg in grid {
         let (dp, cp, tp, ep) = (cfg.dp, cfg.cp, cfg.tp, cfg.ep);
+        let ring = cp <= 64 && kv_heads.is_some_and(|kv| !kv.is_multiple_of(cp * tp));
         for sp in [false, true] {
             // Megatron-LM runs expert with tensor parallelism only with sequence parallelism
             // (its MoE README).
             let megatron_runs = if tp == 1 { !sp } else { sp || ep == 1 };
             if megatron_runs {
-                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ep });
+                jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ep, ring: false });
+                if ring {
+                    jobs.push(Job::Megatron { dp, tp, sp, shard: None, cp, ep, ring: true });
+                }
             }
         }
     }
     jobs
+}
+
+/// The KV heads of the model's first attention (`None`: it has none, or it does not build).
+fn kv_heads(req: &Request<'_>) -> Option<usize> {
+    let f = (req.build)(1).ok()?;
+    f.graph.nodes.iter().find_map(|n| match n.op {
+        tessera_ir::Op::Attention(_) if n.inputs.len() == 3 => {
+            f.graph.meta(n.inputs[1]).shape.dims().get(2).copied()
+        }
+        _ => None,
+    })
 }
 
 /// Every job of the automatic search: the free ILP on each mesh, then every Megatron layout

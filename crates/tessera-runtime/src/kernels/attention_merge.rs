@@ -119,3 +119,32 @@ pub fn merge_backward(x: &[&Tensor]) -> Result<Vec<Tensor>> {
     }
     Ok(out)
 }
+
+/// `Op::RingMerge`: `x` is `[o_run, lse_run, o_s, lse_s, ..]` → `[o, lse]`, the two pairs'
+/// merge and `log(exp(lse_run) + exp(lse_s))` (a last merge's further inputs, its own q, k,
+/// v, feed only its backward).
+pub fn ring_merge(x: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let Some(pair) = x.get(..4) else {
+        return Err(RuntimeError::Binding(format!(
+            "ring_merge takes 4 or 7 inputs, got {}",
+            x.len()
+        )));
+    };
+    let o = merge(pair)?;
+    let (l0, l1) = (contiguous(pair[1])?, contiguous(pair[3])?);
+    let (a, b) = (read::<f32>(&l0)?, read::<f32>(&l1)?);
+    let lse: Vec<f32> = a
+        .iter()
+        .zip(b.iter())
+        .map(|(&a, &b)| {
+            let m = a.max(b);
+            if m == f32::NEG_INFINITY {
+                m
+            } else {
+                m + ((a - m).exp() + (b - m).exp()).ln()
+            }
+        })
+        .collect();
+    let dims = pair[1].dims().to_vec();
+    Ok(vec![o, from_vec(lse, &dims)?])
+}

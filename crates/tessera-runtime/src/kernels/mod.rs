@@ -119,6 +119,7 @@ pub fn execute_at(op: &Op, x: &[&Tensor], out: &[TensorMeta], at: &MeshPos) -> R
         Op::AttentionBackward(spec) => attention::attention_backward(x, spec, at),
         Op::AttentionMerge => one(attention_merge::merge(x)?),
         Op::AttentionMergeBackward => attention_merge::merge_backward(x),
+        Op::RingMerge(_) => attention_merge::ring_merge(x),
         Op::Rope { inv_freq, inverse } => {
             one(attention::rope(x[0], x.get(1).copied(), inv_freq, *inverse)?)
         }
