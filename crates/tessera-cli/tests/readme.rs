@@ -11,7 +11,7 @@
 //!   everything a command says about checkpoints, plans, devices, data and the evaluation
 //!   still happens;
 //! - placeholders ([`PLACEHOLDERS`]) become files: a Hugging Face `config.json` fixture, an
-//!   ONNX fixture, a text file and an offload directory; the repository's `data/` is linked into the scratch
+//!   ONNX fixture, diffusers UNet fixtures, a text file and an offload directory; the repository's `data/` is linked into the scratch
 //!   directory.
 //!
 //! A command whose README comment says it fails ([`FAILS`]) must fail with the message named.
@@ -70,6 +70,12 @@ const PLACEHOLDERS: &[(&str, &str)] = &[
     ("my.txt", "my.txt"),
     ("/mnt/nvme/tessera", "nvme-dir"),
     ("my-model.onnx", "crates/tessera-cli/tests/fixtures/onnx/llama/model.onnx"),
+    ("path/to/unet/config.json", "crates/tessera-cli/tests/fixtures/diffusers_unet/sd2/config.json"),
+    ("path/to/tiny-unet", "crates/tessera-cli/tests/fixtures/diffusers_unet/tiny_sd2"),
+    (
+        "path/to/tiny-unet-inputs.safetensors",
+        "crates/tessera-cli/tests/fixtures/diffusers_unet/tiny_sd2/inputs.safetensors",
+    ),
 ];
 
 /// Commands the README says fail, and a fragment of the error they must print.
