@@ -70,7 +70,10 @@ const PLACEHOLDERS: &[(&str, &str)] = &[
     ("my.txt", "my.txt"),
     ("/mnt/nvme/tessera", "nvme-dir"),
     ("my-model.onnx", "crates/tessera-cli/tests/fixtures/onnx/llama/model.onnx"),
-    ("path/to/unet/config.json", "crates/tessera-cli/tests/fixtures/diffusers_unet/sd2/config.json"),
+    (
+        "path/to/unet/config.json",
+        "crates/tessera-cli/tests/fixtures/diffusers_unet/sd2/config.json",
+    ),
     ("path/to/tiny-unet", "crates/tessera-cli/tests/fixtures/diffusers_unet/tiny_sd2"),
     (
         "path/to/tiny-unet-inputs.safetensors",
