@@ -3,52 +3,15 @@
 //! gradients. The imported graph, run by the IR's reference interpreter (f64) with the
 //! file's initialisers, must reproduce them.
 
-use std::collections::HashMap;
+mod support;
+
 use std::path::PathBuf;
-use tessera_ir::interp::{self, Value};
-use tessera_ir::{gradients, DType, TensorId};
+use support::pytorch::{self, Loss};
+use tessera_ir::DType;
 use tessera_onnx::{import, Bind, OnnxError, OnnxModel};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tessera-cli/tests/fixtures/onnx").join(name)
-}
-
-/// The reference tensors as (shape, f64 values).
-fn reference(name: &str) -> HashMap<String, (Vec<usize>, Vec<f64>)> {
-    let bytes = std::fs::read(fixture(name).join("reference.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(n, v)| {
-            let d = v.data();
-            let vals: Vec<f64> = match v.dtype() {
-                safetensors::Dtype::F32 => d
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
-                    .collect(),
-                safetensors::Dtype::I64 => d
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-                other => panic!("unexpected dtype {other:?}"),
-            };
-            (n, (v.shape().to_vec(), vals))
-        })
-        .collect()
-}
-
-fn num_parameters(name: &str) -> u64 {
-    let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
-    let j: serde_json::Value = serde_json::from_str(&text).unwrap();
-    j["num_parameters"].as_u64().unwrap()
-}
-
-/// Largest |a - b| over the largest |b| (or 1e-30).
-fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-    let scale = b.iter().map(|y| y.abs()).fold(1e-30, f64::max);
-    diff / scale
 }
 
 /// How many nodes of the graph run `op` (by its debug name's head).
@@ -60,82 +23,9 @@ fn count(graph: &tessera_ir::Graph, op: &str) -> usize {
         .count()
 }
 
-/// The loss PyTorch took of the fixture's output.
-#[derive(Clone, Copy)]
-enum Loss {
-    /// Cross-entropy of `[.., V]` logits against `labels` (mean).
-    CrossEntropy,
-    /// Mean squared error against `target`.
-    Mse,
-}
-
-/// Imports fixture `name` (data input `input` bound to the reference tensor of that name),
-/// takes PyTorch's loss of its output, runs forward and backward in the reference interpreter
-/// and checks output, loss and every gradient against PyTorch. Returns the forward graph.
+/// Fixture `name` against PyTorch ([`pytorch::check`]).
 fn check(name: &str, input: &str, loss_kind: Loss) -> tessera_ir::Graph {
-    let model = OnnxModel::open(&fixture(name).join("model.onnx")).unwrap();
-    let refs = reference(name);
-    let (x_shape, x) = refs[input].clone();
-    let (batch, seq) = (x_shape[0], x_shape.get(1).copied().unwrap_or(1));
-    let dtype_of =
-        |v: &str| if v == "input_ids" || v == "labels" { DType::I64 } else { DType::F32 };
-    let mut imp = import(&model, &Bind { batch, seq, dtype: DType::F32 }).unwrap();
-    let out_t = imp.outputs[0];
-    let b = &mut imp.builder;
-    let (target_name, target_shape) = match loss_kind {
-        Loss::CrossEntropy => ("labels", refs["labels"].0.clone()),
-        Loss::Mse => ("target", refs["target"].0.clone()),
-    };
-    let target = b.input(target_name, target_shape.clone(), dtype_of(target_name));
-    let loss = match loss_kind {
-        Loss::CrossEntropy => b.cross_entropy(out_t, target, None).unwrap(),
-        Loss::Mse => {
-            let d = b.sub(out_t, target).unwrap();
-            let sq = b.mul(d, d).unwrap();
-            let dims: Vec<usize> = (0..target_shape.len()).collect();
-            b.reduce(tessera_ir::ReduceOp::Mean, sq, &dims, false).unwrap()
-        }
-    };
-    let params = b.graph.parameters();
-    let numel: u64 = params.iter().map(|&p| b.shape(p).numel()).sum();
-    assert_eq!(numel, num_parameters(name), "{name}: parameter count");
-    let forward = b.graph.clone();
-    let grads = gradients(b, loss, &params).unwrap();
-    let graph = b.graph.clone();
-    let mut bind: HashMap<TensorId, Value> = HashMap::new();
-    bind.insert(imp.inputs[0].tensor, Value::new(x_shape.clone(), x));
-    bind.insert(target, Value::new(target_shape.clone(), refs[target_name].1.clone()));
-    for &p in &params {
-        let pname = graph.tensor_scope(p);
-        let (shape, w) = model.weights_f32(pname).unwrap().unwrap();
-        bind.insert(p, Value::new(shape, w.into_iter().map(f64::from).collect()));
-    }
-    let mut wanted = vec![out_t, loss];
-    wanted.extend(grads.iter().map(|g| g.expect("every parameter reaches the loss")));
-    let out = interp::eval_outputs(&graph, &bind, &wanted).unwrap();
-    let e = rel_err(&out[0].data, &refs["logits"].1);
-    assert!(e < 1e-4, "{name}: output differs from PyTorch's by {e:e} (relative)");
-    let e = (out[1].item() - refs["loss"].1[0]).abs();
-    assert!(e < 1e-4, "{name}: loss {} vs PyTorch {}", out[1].item(), refs["loss"].1[0]);
-    // Gradients: relative to the largest gradient of the model (some are zero but for
-    // rounding: softmax ignores a per-key bias).
-    let global = refs
-        .iter()
-        .filter(|(k, _)| k.starts_with("grad."))
-        .flat_map(|(_, v)| v.1.iter())
-        .fold(0.0f64, |m, x| m.max(x.abs()));
-    for (k, &p) in params.iter().enumerate() {
-        let pname = graph.tensor_scope(p);
-        let r = &refs[&format!("grad.{pname}")].1;
-        let got = &out[2 + k].data;
-        let diff = got.iter().zip(r).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-        let own = r.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-        assert!(
-            diff <= 1e-4 * own.max(1e-3 * global),
-            "{name}: gradient of {pname} differs by {diff:e} (its largest {own:e})"
-        );
-    }
-    forward
+    pytorch::check(&fixture(name), name, input, loss_kind)
 }
 
 fn check_lm(name: &str) -> tessera_ir::Graph {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod pytorch;
+
 use onnx_protobuf::{
     attribute_proto::AttributeType, tensor_proto::DataType, tensor_shape_proto, AttributeProto,
     GraphProto, Message, ModelProto, NodeProto, OperatorSetIdProto, TensorProto, TensorShapeProto,
