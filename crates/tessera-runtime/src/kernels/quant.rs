@@ -140,7 +140,7 @@ pub fn qmatmul_backward(dy: &Tensor, w: &Tensor, scales: &Tensor, q: QuantSpec) 
     }
     let k = rb * 8 / q.bits as usize;
     let groups = k / q.group;
-    if wn != n || k % q.group != 0 || scales.dims() != [n, groups] {
+    if wn != n || !k.is_multiple_of(q.group) || scales.dims() != [n, groups] {
         return Err(bad(format!(
             "dy {:?}, weight {:?}, scales {:?} do not fit ({} bits, groups of {})",
             dy.dims(),
