@@ -60,6 +60,7 @@ fn preset_memory_matches_nvidia_smi() {
         ("RTX3060", 12_288),
         ("RTX3080", 10_240),
         ("RTX4090", 24_564),
+        ("A6000", 49_140),
     ];
     for (name, mib) in want {
         let d = device_preset(name).unwrap();

@@ -370,6 +370,27 @@ pub fn megatron_args(ep: usize) -> Vec<String> {
     vec![format!("--expert-model-parallel-size {ep}")]
 }
 
+/// A mixture of experts' routed experts, as the export's MoE arguments name them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelExperts {
+    /// Experts per MoE layer and experts each token is routed to.
+    pub experts: usize,
+    pub top_k: usize,
+    /// Each expert's SwiGLU width.
+    pub ffn_hidden: usize,
+    /// Whether each layer is an MoE layer (the others are dense).
+    pub sparse_layers: Vec<bool>,
+    /// The capacity factor (`None`: dropless).
+    pub capacity_factor: Option<f64>,
+    /// Top-k weights renormalised to sum to one (softmax over the chosen logits); else the
+    /// softmax over every expert before top-k.
+    pub renormalise: bool,
+    /// The auxiliary load-balancing loss's coefficient, when the loss includes it.
+    pub aux_loss_coeff: Option<f64>,
+    /// A shared expert's width and whether a sigmoid gate scales it (Qwen2-MoE).
+    pub shared_expert: Option<(usize, bool)>,
+}
+
 /// Megatron-LM's flags for a model's routed experts (its MoE README, "MoE Related
 /// Arguments"): `--num-experts`, `--moe-router-topk`, `--moe-ffn-hidden-size`, the MoE layers
 /// (`--moe-layer-freq` as a Python list expression when some layers are dense), the router
@@ -380,7 +401,7 @@ pub fn megatron_args(ep: usize) -> Vec<String> {
 /// position --moe-pad-expert-input-to-capacity` (tessera keeps each expert's earliest tokens
 /// and holds the capacity's buffer). Megatron's capacity is per rank's micro-batch tokens,
 /// tessera's per sequence: the same when a rank's micro-batch is one sequence.
-pub fn megatron_model_args(m: &crate::export::ModelExperts, ep: usize) -> Vec<String> {
+pub fn megatron_model_args(m: &ModelExperts, ep: usize) -> Vec<String> {
     let mut out = vec![
         format!("--num-experts {}", m.experts),
         format!("--moe-router-topk {}", m.top_k),
@@ -580,7 +601,7 @@ mod tests {
     #[test]
     fn megatron_flags_name_experts_topk_and_capacity() {
         assert_eq!(megatron_args(8), vec!["--expert-model-parallel-size 8".to_string()]);
-        let mut m = crate::export::ModelExperts {
+        let mut m = ModelExperts {
             experts: 8,
             top_k: 2,
             ffn_hidden: 14336,

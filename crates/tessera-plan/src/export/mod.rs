@@ -99,26 +99,9 @@ pub struct ModelShape {
     pub experts: Option<ModelExperts>,
 }
 
-/// A mixture of experts' routed experts, as the export's MoE arguments name them.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ModelExperts {
-    /// Experts per MoE layer and experts each token is routed to.
-    pub experts: usize,
-    pub top_k: usize,
-    /// Each expert's SwiGLU width.
-    pub ffn_hidden: usize,
-    /// Whether each layer is an MoE layer (the others are dense).
-    pub sparse_layers: Vec<bool>,
-    /// The capacity factor (`None`: dropless).
-    pub capacity_factor: Option<f64>,
-    /// Top-k weights renormalised to sum to one (softmax over the chosen logits); else the
-    /// softmax over every expert before top-k.
-    pub renormalise: bool,
-    /// The auxiliary load-balancing loss's coefficient, when the loss includes it.
-    pub aux_loss_coeff: Option<f64>,
-    /// A shared expert's width and whether a sigmoid gate scales it (Qwen2-MoE).
-    pub shared_expert: Option<(usize, bool)>,
-}
+/// A mixture of experts' routed experts (defined beside the expert axis, which writes their
+/// Megatron-LM arguments).
+pub use crate::axis::expert::ModelExperts;
 
 /// Where and how the exported job runs.
 #[derive(Clone, Debug, PartialEq)]
