@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Training-step throughput of Tessera vs PyTorch CPU (torch==2.5.1) on the same GPT-2 shapes,
-# in one run on this machine. Prints Markdown for BENCHMARKS.md: per case, steady-state
-# tokens/s of `tessera train` and of scripts/bench_torch_gpt2.py (SDPA attention, and eager
-# matmul+softmax attention), the ratio Tessera / PyTorch (> 1: Tessera is faster), the
+# Training-step throughput of Tessera vs PyTorch CPU (torch==2.5.1) on the same GPT-2 and LLaMA
+# shapes, in fp32 and bf16, in one run on this machine. Prints Markdown for BENCHMARKS.md: per
+# case, steady-state tokens/s of `tessera train` and of scripts/bench_torch_lm.py (SDPA
+# attention, and eager matmul+softmax attention; bf16 is PyTorch's CPU autocast, SDPA only),
+# the ratio Tessera / PyTorch (> 1: Tessera is faster), the
 # machine facts, how busy the rest of the machine was during each run (a case is re-run once
 # if it was busy), and Tessera's per-op breakdown.
 #
 # Tessera's figure excludes step 1 (computed from --log-json's per-step tokens_per_s);
 # PyTorch's excludes its warmup steps. Both use 2 threads (rayon's default here = nproc;
-# torch.set_num_threads(2)), fp32, AdamW(0.9, 0.95, eps 1e-8, wd 0.1 on matrices), clip 1.0.
+# torch.set_num_threads(2)), AdamW(0.9, 0.95, eps 1e-8, wd 0.1 on matrices), clip 1.0.
 #
 # usage: scripts/bench-vs-torch.sh            (raw JSON is kept in target/bench-vs-torch/)
-# env:   BENCH_CASES="model batch seq tessera_steps torch_steps eager_steps;..." to override
+# env:   BENCH_CASES="model batch seq tessera_steps torch_steps eager_steps dtype;..." to
+#        override (eager_steps 0: no eager run; dtype fp32 or bf16)
 #        BENCH_MAX_BUSY=25  background CPU busy % above which a case is re-run once
 #        BENCH_WAIT=180     seconds to wait, before each case, for the machine to be quiet
 set -euo pipefail
@@ -68,13 +70,13 @@ sys.exit(rc)
 PY
 }
 
-run_tessera() {  # model batch seq steps tag
-  measure "$out/$5.json" "$out/$5.load" "$bin" train --devices 1 --model "$1" --batch "$2" --seq "$3" \
-    --steps "$4" --eval-batches 1 --format json --op-times --log-json "$out/$5.steps.jsonl"
+run_tessera() {  # model batch seq steps dtype tag
+  measure "$out/$6.json" "$out/$6.load" "$bin" train --devices 1 --model "$1" --batch "$2" --seq "$3" \
+    --steps "$4" --dtype "$5" --eval-batches 1 --format json --op-times --log-json "$out/$6.steps.jsonl"
 }
-run_torch() {  # model batch seq steps attn tag
-  measure "$out/$6.json" "$out/$6.load" "$py" scripts/bench_torch_gpt2.py --model "$1" \
-    --batch "$2" --seq "$3" --steps "$4" --warmup 2 --attn "$5" --threads "$threads"
+run_torch() {  # model batch seq steps attn dtype tag
+  measure "$out/$7.json" "$out/$7.load" "$py" scripts/bench_torch_lm.py --model "$1" \
+    --batch "$2" --seq "$3" --steps "$4" --warmup 2 --attn "$5" --dtype "$6" --threads "$threads"
 }
 # Waits (up to $wait_s s) until the machine, idle on our side, is busy at most $max_busy %
 # over 5 s: another engineer's build or test run would otherwise share the 2 cores.
@@ -98,21 +100,27 @@ worst_load() {  # tag -> highest background busy % among the case's three runs
   cat "$out/$1".*.load | awk '$2 > m {m = $2} END {print m + 0}'
 }
 
-cases=${BENCH_CASES:-"gpt2 4 256 8 5 4;gpt2-tiny 16 128 30 15 15"}
+cases=${BENCH_CASES:-"gpt2 4 256 8 5 4 fp32;gpt2-tiny 16 128 30 15 15 fp32;llama-tiny 16 128 30 15 15 fp32;gpt2 4 256 8 5 0 bf16;gpt2-tiny 16 128 30 15 0 bf16;llama-tiny 16 128 30 15 0 bf16"}
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 start=$(date +%s)
 : > "$out/cases.txt"
 IFS=';' read -ra case_list <<< "$cases"
 for c in "${case_list[@]}"; do
-  read -r model batch seq tsteps psteps esteps <<< "$c"
-  tag="$model-b$batch-s$seq"
+  read -r model batch seq tsteps psteps esteps dtype <<< "$c"
+  dtype=${dtype:-fp32}
+  tag="$model-b$batch-s$seq-$dtype"
   for attempt in 1 2; do
     rm -f "$out/$tag".*
     wait_quiet
     echo "[$(date +%T)] $tag (load average $(cut -d' ' -f1 /proc/loadavg))" >&2
-    echo "  tessera ($tsteps steps)" >&2;          run_tessera "$model" "$batch" "$seq" "$tsteps" "$tag.tessera"
-    echo "  pytorch sdpa (2+$psteps steps)" >&2;   run_torch "$model" "$batch" "$seq" "$psteps" sdpa "$tag.torch-sdpa"
-    echo "  pytorch eager (2+$esteps steps)" >&2;  run_torch "$model" "$batch" "$seq" "$esteps" eager "$tag.torch-eager"
+    echo "  tessera $dtype ($tsteps steps)" >&2
+    run_tessera "$model" "$batch" "$seq" "$tsteps" "$dtype" "$tag.tessera"
+    echo "  pytorch sdpa $dtype (2+$psteps steps)" >&2
+    run_torch "$model" "$batch" "$seq" "$psteps" sdpa "$dtype" "$tag.torch-sdpa"
+    if [ "$esteps" -gt 0 ]; then
+      echo "  pytorch eager $dtype (2+$esteps steps)" >&2
+      run_torch "$model" "$batch" "$seq" "$esteps" eager "$dtype" "$tag.torch-eager"
+    fi
     worst=$(worst_load "$tag")
     if [ "$worst" -le "$max_busy" ]; then break; fi
     if [ "$attempt" = 1 ]; then
@@ -155,22 +163,26 @@ if noisy:
           f"{', '.join(sorted(n[:-5] for n in noisy))}: these figures are not representative "
           "(PyTorch's OpenMP threads suffer far more from sharing the cores than Tessera's).**")
     print()
-print("| case | Tessera tokens/s | PyTorch SDPA tokens/s | Tessera / PyTorch SDPA | PyTorch eager tokens/s | Tessera / PyTorch eager |")
-print("|---|---:|---:|---:|---:|---:|")
+def eager(tag):
+    p = os.path.join(out, f"{tag}.torch-eager.json")
+    return json.load(open(p)) if os.path.exists(p) else None
+print("| case | dtype | Tessera tokens/s | PyTorch SDPA tokens/s | Tessera / PyTorch SDPA | PyTorch eager tokens/s | Tessera / PyTorch eager |")
+print("|---|---|---:|---:|---:|---:|---:|")
 attempts = {}
-breakdown = None
+breakdowns = []
 threads = None
 for line in open(os.path.join(out, "cases.txt")):
     tag, attempt = line.split()
     attempts[tag] = attempt
     doc, t, n = steady(tag)
-    s, e = load(f"{tag}.torch-sdpa.json"), load(f"{tag}.torch-eager.json")
+    s, e = load(f"{tag}.torch-sdpa.json"), eager(tag)
     threads = s["threads"]
     case = f"{doc['model']} batch {doc['batch']} × seq {doc['seq']}"
-    print(f"| {case} | {t:,.0f} | {s['tokens_per_s']:,.0f} | {t / s['tokens_per_s']:.2f}× "
-          f"| {e['tokens_per_s']:,.0f} | {t / e['tokens_per_s']:.2f}× |")
-    if breakdown is None and "op_times" in doc:
-        breakdown = (case, doc)
+    ecol = f"{e['tokens_per_s']:,.0f} | {t / e['tokens_per_s']:.2f}×" if e else "— | —"
+    print(f"| {case} | {s['dtype']} | {t:,.0f} | {s['tokens_per_s']:,.0f} | "
+          f"{t / s['tokens_per_s']:.2f}× | {ecol} |")
+    if "op_times" in doc:
+        breakdowns.append((f"{case}, {s['dtype']}", doc))
 print()
 print(f"- Machine: {cpu} ({isa}), nproc {os.cpu_count()}, {mem} GiB RAM, {platform.platform()}")
 print(f"- Date: {time.strftime('%Y-%m-%d %H:%M %Z')}; Tessera {rev}; torch {torch.__version__} "
@@ -178,22 +190,24 @@ print(f"- Date: {time.strftime('%Y-%m-%d %H:%M %Z')}; Tessera {rev}; torch {torc
       f"{threads} threads; Tessera: rayon default ({os.cpu_count()} threads)")
 print("- Tessera: `tessera train --steps N --format json --op-times --log-json F` on the "
       "shipped corpus; tokens/s over steps 2..N from the per-step log. PyTorch: "
-      "`scripts/bench_torch_gpt2.py`, random tokens, 2 warmup steps then timed steps.")
+      "`scripts/bench_torch_lm.py`, random tokens, 2 warmup steps then timed steps "
+      "(bf16: `torch.autocast('cpu', torch.bfloat16)`).")
 for line in open(os.path.join(out, "cases.txt")):
     tag = line.split()[0]
     doc, t, n = steady(tag)
-    s, e = load(f"{tag}.torch-sdpa.json"), load(f"{tag}.torch-eager.json")
+    s, e = load(f"{tag}.torch-sdpa.json"), eager(tag)
+    etxt = f"eager {e['timed_steps']} timed, {e['step_s']:.2f} s/step; " if e else ""
+    ebg = bg(tag, 'torch-eager') if e else "—"
     print(f"- {tag}: Tessera {doc['steps']} steps ({n} timed; all-steps average "
           f"{doc['tokens_per_s']:,.0f} tokens/s, loss {doc['initial_loss']:.3f} → {doc['final_loss']:.3f}); "
-          f"PyTorch SDPA {s['timed_steps']} timed steps, {s['step_s']:.2f} s/step; eager "
-          f"{e['timed_steps']} timed, {e['step_s']:.2f} s/step; params {s['params']:,}; "
+          f"PyTorch SDPA {s['timed_steps']} timed steps, {s['step_s']:.2f} s/step; {etxt}"
+          f"params {s['params']:,}; PyTorch loss {s['initial_loss']:.3f} → {s['final_loss']:.3f}; "
           f"rest of machine busy during the runs (Tessera/SDPA/eager): {bg(tag, 'tessera')}/"
-          f"{bg(tag, 'torch-sdpa')}/{bg(tag, 'torch-eager')}"
+          f"{bg(tag, 'torch-sdpa')}/{ebg}"
           + (f"; re-run after a busy first attempt" if attempts[tag] != "1" else ""))
 print(f"- Load average (1/5/15 min) before: {os.environ['LOAD_BEFORE']}, after: "
       f"{os.environ['LOAD_AFTER']}; benchmark wall time {os.environ['ELAPSED']} s")
-if breakdown:
-    case, doc = breakdown
+for case, doc in breakdowns:
     ops = doc["op_times"]
     total = sum(o["seconds"] for o in ops.values())
     print()
@@ -202,6 +216,6 @@ if breakdown:
     print()
     print("| op | seconds | share | calls |")
     print("|---|---:|---:|---:|")
-    for k, o in sorted(ops.items(), key=lambda kv: -kv[1]["seconds"]):
+    for k, o in sorted(ops.items(), key=lambda kv: -kv[1]["seconds"])[:12]:
         print(f"| {k} | {o['seconds']:.2f} | {100 * o['seconds'] / max(total, 1e-12):.1f}% | {o['calls']} |")
 PY

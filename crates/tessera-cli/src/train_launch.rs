@@ -14,6 +14,7 @@ use std::time::Duration;
 use tessera_comm::{CommError, Communicator, ThreadComm};
 use tessera_ir::CkptMode;
 use tessera_runtime::collective::{CommRunner, DeviceMesh};
+use tessera_runtime::executor::OpTimeRow;
 use tessera_runtime::run::{restore_extra, run_device, Observer, RankOutcome, RunSpec};
 use tessera_runtime::{
     alloc, Backend, CpuBackend, DeviceSetup, LossScaleConfig, RuntimeError, StartState, StepStats,
@@ -329,7 +330,9 @@ fn run_rank_on<B: Backend>(
     if rank == 0 {
         outcome.op_times = trainer
             .timings()
-            .map(|t| t.iter().map(|(k, o)| (k.to_string(), o.calls, o.seconds)).collect())
+            .map(|t| {
+                t.iter().map(|(k, o)| OpTimeRow { kind: k.to_string(), time: *o }).collect()
+            })
             .unwrap_or_default();
         outcome.loss_scale = trainer.loss_scale_state().map(|s| s.scale);
     }
@@ -496,7 +499,7 @@ fn render(
         None => (None, None),
     };
     let mut op_times = o.op_times.clone();
-    op_times.sort_by(|a, b| b.2.total_cmp(&a.2));
+    op_times.sort_by(|a, b| b.time.seconds.total_cmp(&a.time.seconds));
     let plan = &ctx.plan;
     if let Some(path) = &args.plot {
         crate::pictures::write_train_plot(path, ctx, o)?;
@@ -580,7 +583,14 @@ fn render(
             if args.op_times {
                 doc["op_times"] = op_times
                     .iter()
-                    .map(|(k, calls, s)| (k.clone(), json!({"calls": calls, "seconds": s})))
+                    .map(|o| {
+                        let t = o.time;
+                        let mut v = json!({"calls": t.calls, "seconds": t.seconds, "flops": t.flops});
+                        if let Some(g) = o.gflop_per_s() {
+                            v["gflop_per_s"] = json!(g);
+                        }
+                        (o.kind.clone(), v)
+                    })
                     .collect::<serde_json::Map<_, _>>()
                     .into();
             }
@@ -657,11 +667,13 @@ fn render(
                 );
             }
             if args.op_times {
-                let total: f64 = op_times.iter().map(|o| o.2).sum();
+                let total: f64 = op_times.iter().map(|o| o.time.seconds).sum();
                 s += "where the time goes (rank 0, all steps):\n";
-                for (k, calls, secs) in &op_times {
+                for o in &op_times {
+                    let (k, calls, secs) = (&o.kind, o.time.calls, o.time.seconds);
+                    let rate = o.gflop_per_s().map(|g| format!("  {g:.1} GFLOP/s")).unwrap_or_default();
                     s += &format!(
-                        "  {k:<24} {secs:>8.2} s  {:>5.1}%  {calls} calls\n",
+                        "  {k:<24} {secs:>8.2} s  {:>5.1}%  {calls} calls{rate}\n",
                         100.0 * secs / total.max(1e-12)
                     );
                 }

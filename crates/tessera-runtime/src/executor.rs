@@ -29,11 +29,29 @@ use tessera_ir::{Instr, Op, Program, TensorId, TensorMeta, Tier};
 /// NVMe reads started ahead of the instruction that needs them.
 pub const NVME_PREFETCH: usize = 2;
 
-/// Wall time spent in one op kind (`matmul`, `attention_backward`, ...).
+/// Wall time spent in one op kind (`matmul`, `attention_backward`, ...), and the FLOPs those
+/// calls did by the IR's count (`Op::flops`), so a kind's achieved GFLOP/s inside a step can
+/// be set beside its kernel micro-benchmark.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OpTime {
     pub calls: u64,
     pub seconds: f64,
+    pub flops: u64,
+}
+
+/// One op kind's [`OpTime`] under its name, as a run reports it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OpTimeRow {
+    pub kind: String,
+    pub time: OpTime,
+}
+
+impl OpTimeRow {
+    /// Achieved GFLOP/s (None for kinds that do no FLOPs or took no measurable time).
+    pub fn gflop_per_s(&self) -> Option<f64> {
+        (self.time.flops > 0 && self.time.seconds > 0.0)
+            .then(|| self.time.flops as f64 / self.time.seconds / 1e9)
+    }
 }
 
 pub struct Executor<B: Backend> {
@@ -517,9 +535,13 @@ impl<B: Backend> Executor<B> {
             _ => b.execute(&node.op, &inputs, metas, &self.at)?,
         };
         if let (Some(t0), Some(timings)) = (started, self.timings.as_mut()) {
+            let seconds = t0.elapsed().as_secs_f64();
+            let x: Vec<&TensorMeta> = node.inputs.iter().map(|&t| g.meta(t)).collect();
+            let flops = node.op.flops(&x, &metas.iter().collect::<Vec<_>>()).total();
             let e = timings.entry(what).or_default();
             e.calls += 1;
-            e.seconds += t0.elapsed().as_secs_f64();
+            e.seconds += seconds;
+            e.flops += flops;
         }
         if outs.len() != node.outputs.len() {
             return Err(RuntimeError::Binding(format!(

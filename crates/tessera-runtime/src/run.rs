@@ -127,8 +127,8 @@ pub struct RankOutcome {
     /// Rank 0 only: the held-out loss and top-1 accuracy.
     pub eval: Option<EvalStats>,
     pub elapsed_s: f64,
-    /// Rank 0, when its trainer recorded them: wall time per op kind `(kind, calls, seconds)`.
-    pub op_times: Vec<(String, u64, f64)>,
+    /// Rank 0, when its trainer recorded them: wall time and FLOPs per op kind.
+    pub op_times: Vec<crate::executor::OpTimeRow>,
     /// Rank 0, fp16: the loss scale at the end.
     pub loss_scale: Option<f64>,
     /// The step the run stopped before ([`Next::Stop`]), if it ended early.
