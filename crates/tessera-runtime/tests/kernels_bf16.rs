@@ -41,7 +41,10 @@ impl Rng {
 
 /// Both kernels where this CPU runs them; the native one must be there when the CPU says so.
 fn kernels() -> Vec<Bf16Kernel> {
+    #[cfg(target_arch = "x86_64")]
     let native = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    let native = false;
     assert_eq!(Bf16Kernel::native().is_some(), native, "dispatch follows the CPU's features");
     let mut k = vec![Bf16Kernel::Portable];
     if native {
@@ -221,7 +224,7 @@ fn losses(dtype: tessera_ir::DType, backend: CpuBackend, steps: u64) -> Vec<f64>
     let predicted = tessera_profile::simulate_memory(t.program()).report.peak_bytes;
     let tokens = |salt: u64| -> Vec<i64> {
         (0..(batch * seq) as u64)
-            .map(|i| ((i * 2_654_435_761 ^ salt * 40_503) % 61) as i64)
+            .map(|i| (((i * 2_654_435_761) ^ (salt * 40_503)) % 61) as i64)
             .collect()
     };
     (1..=steps)

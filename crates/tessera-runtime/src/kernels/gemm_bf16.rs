@@ -141,8 +141,12 @@ pub(super) unsafe fn gemm_bf16(
     let kp = k.div_ceil(2).max(1);
     let words_per_col = kp * 4;
     let nc = (B_PANEL_BYTES / words_per_col / NR * NR).clamp(NR, n.next_multiple_of(NR));
-    let mc = (A_BLOCK_BYTES / words_per_col / MR * MR).clamp(MR, m.next_multiple_of(MR));
     let threads = if parallel { rayon::current_num_threads().max(1) } else { 1 };
+    // Row blocks within the budget, and at least four per thread where m allows (so uneven
+    // blocks balance); every output element's sum is the same whatever the blocking.
+    let mc = (A_BLOCK_BYTES / words_per_col / MR * MR)
+        .min(m.div_ceil(4 * threads).next_multiple_of(MR))
+        .clamp(MR, m.next_multiple_of(MR));
     let mut bpack: Vec<u32> = Vec::new();
     for jc in (0..n).step_by(nc) {
         let ncur = nc.min(n - jc);
