@@ -14,13 +14,19 @@
 //! `[8, 64, 56, 56]` through a 3×3 kernel with padding 1, and a pointwise 1×1 projection
 //! `256 → 64`; their FLOPs are the IR's `2·N·O·Ho·Wo·(C/g)·kh·kw`.
 //!
-//! `cargo bench -p tessera-runtime --bench kernels -- --quick`
+//! bf16 matmul (bf16 operands, f32 accumulation, bf16 result: the `--dtype bf16` path on a
+//! CPU with AVX512_BF16) runs at the f32 matmul's shapes and at attention's two products
+//! (`[B·H, S, D] · [B·H, S, D]ᵀ` and `[B·H, S, S] · [B·H, S, D]`), each printed beside the f32
+//! figure of the same product.
+//!
+//! `cargo bench -p tessera-runtime --bench kernels -- --quick` (a filter such as `bf16` also
+//! limits the printed GFLOP/s timings to the cases whose names contain it).
 
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::time::{Duration, Instant};
 use tessera_ir::{AttentionSpec, Conv2dSpec, DType, Op, QuantSpec, Shape, TensorMeta};
-use tessera_runtime::kernels::execute;
+use tessera_runtime::kernels::{execute, Bf16Kernel};
 use tessera_runtime::quantize::quantize;
 use tessera_runtime::tensor::meta_of;
 
@@ -33,8 +39,26 @@ fn metas(op: &Op, x: &[&Tensor]) -> Vec<TensorMeta> {
     op.infer(&m.iter().collect::<Vec<_>>()).unwrap()
 }
 
-/// Runs `f` for about a second and prints its GFLOP/s.
-fn report(name: &str, flops: u64, mut f: impl FnMut()) {
+/// Whether a timing named `name` is wanted: it contains one of the command line's filters
+/// (the arguments that are not flags), or there are none.
+fn wanted(name: &str) -> bool {
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
+}
+
+/// Runs `f` for about a second and prints its GFLOP/s (nothing when filtered out).
+fn report(name: &str, flops: u64, f: impl FnMut()) {
+    if let Some(gflops) = timed(name, flops, f) {
+        println!("{name}: {gflops}");
+    }
+}
+
+/// Times `f` for about a second: its ms/call, GFLOP/s and threads as text, or `None` when the
+/// filters leave `name` out.
+fn timed(name: &str, flops: u64, mut f: impl FnMut()) -> Option<String> {
+    if !wanted(name) {
+        return None;
+    }
     f();
     let (start, mut iters) = (Instant::now(), 0u32);
     while start.elapsed() < Duration::from_secs(1) || iters < 3 {
@@ -42,12 +66,12 @@ fn report(name: &str, flops: u64, mut f: impl FnMut()) {
         iters += 1;
     }
     let secs = start.elapsed().as_secs_f64() / iters as f64;
-    println!(
-        "{name}: {:.2} ms/call, {:.1} GFLOP/s ({} threads)",
+    Some(format!(
+        "{:.2} ms/call, {:.1} GFLOP/s ({} threads)",
         secs * 1e3,
         flops as f64 / secs / 1e9,
         rayon::current_num_threads()
-    );
+    ))
 }
 
 fn bench_matmul(c: &mut Criterion) {
@@ -67,6 +91,46 @@ fn bench_matmul(c: &mut Criterion) {
         report(&format!("matmul {name}"), flops, || {
             execute(&op, &[&a, rhs], &out).unwrap();
         });
+    }
+    g.finish();
+}
+
+fn bench_matmul_bf16(c: &mut Criterion) {
+    if Bf16Kernel::native().is_none() {
+        println!("matmul bf16: this CPU has no AVX512_BF16 (bf16 products run on f32 upcasts)");
+        return;
+    }
+    let (bh, s, d) = (4 * 12, 256, 64);
+    let cases = [
+        ("1024x768 @ 768x3072", [1, 1024, 768, 3072], false),
+        ("1024x768 @ (3072x768)T", [1, 1024, 768, 3072], true),
+        ("attention 48x[256x64 @ (256x64)T]", [bh, s, d, s], true),
+        ("attention 48x[256x256 @ 256x64]", [bh, s, s, d], false),
+    ];
+    let mut g = c.benchmark_group("matmul bf16");
+    for (name, [batch, m, k, n], tb) in cases {
+        let op = Op::MatMul { trans_a: false, trans_b: tb };
+        let a = rand(&[batch, m, k]);
+        let b = if tb { rand(&[batch, n, k]) } else { rand(&[batch, k, n]) };
+        let (a16, b16) = (
+            a.to_dtype(candle_core::DType::BF16).unwrap(),
+            b.to_dtype(candle_core::DType::BF16).unwrap(),
+        );
+        let (out, out16) = (metas(&op, &[&a, &b]), metas(&op, &[&a16, &b16]));
+        let flops = 2 * (batch * m * k * n) as u64;
+        g.throughput(Throughput::Elements(flops));
+        g.bench_function(format!("bf16 {name}"), |bch| {
+            bch.iter(|| execute(&op, &[&a16, &b16], &out16).unwrap())
+        });
+        let label = format!("matmul bf16 {name}");
+        if let Some(bf16) = timed(&label, flops, || {
+            execute(&op, &[&a16, &b16], &out16).unwrap();
+        }) {
+            let f32 = timed(&label, flops, || {
+                execute(&op, &[&a, &b], &out).unwrap();
+            });
+            println!("{label}: {bf16}; f32: {}", f32.unwrap_or_default());
+        }
     }
     g.finish();
 }
@@ -185,6 +249,6 @@ fn bench_conv(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = bench_matmul, bench_attention, bench_qmatmul, bench_conv
+    targets = bench_matmul, bench_matmul_bf16, bench_attention, bench_qmatmul, bench_conv
 }
 criterion_main!(benches);

@@ -54,11 +54,30 @@ pub trait Backend: Send + Sync {
 pub struct CpuBackend {
     name: String,
     device: Device,
+    /// bf16 matrix products run on their bf16 operands (`vdpbf16ps`, f32 accumulation)
+    /// rather than on f32 upcasts: on where the CPU has AVX512_BF16.
+    bf16_gemm: bool,
 }
 
 impl CpuBackend {
     pub fn new(index: usize) -> CpuBackend {
-        CpuBackend { name: format!("cpu:{index}"), device: Device::Cpu }
+        CpuBackend {
+            name: format!("cpu:{index}"),
+            device: Device::Cpu,
+            bf16_gemm: kernels::Bf16Kernel::native().is_some(),
+        }
+    }
+
+    /// The same backend running bf16 matrix products like every other half-precision op:
+    /// f32 upcasts of the operands, the f32 GEMM, the result rounded (what a CPU without
+    /// AVX512_BF16 does; tests compare the two).
+    pub fn upcasting_bf16(self) -> CpuBackend {
+        CpuBackend { bf16_gemm: false, ..self }
+    }
+
+    /// Whether bf16 matrix products run natively on bf16 operands.
+    pub fn native_bf16_gemm(&self) -> bool {
+        self.bf16_gemm
     }
 
     pub fn device(&self) -> &Device {
@@ -95,7 +114,7 @@ impl Backend for CpuBackend {
         outputs: &[TensorMeta],
         at: &MeshPos,
     ) -> Result<Vec<Tensor>> {
-        if !needs_upcast(op, inputs) {
+        if !needs_upcast(op, inputs) || (self.bf16_gemm && native_bf16(op, inputs)) {
             return kernels::execute_at(op, inputs, outputs, at);
         }
         // Mixed precision on the CPU: bf16/f16 tensors are stored as such, and arithmetic
@@ -133,6 +152,12 @@ impl Backend for CpuBackend {
 fn needs_upcast(op: &Op, inputs: &[&Tensor]) -> bool {
     let half = inputs.iter().any(|t| matches!(t.dtype(), DType::BF16 | DType::F16));
     half && !takes_any_dtype(op)
+}
+
+/// Whether the CPU's bf16 kernels run `op` on these inputs as they are: a matrix product of
+/// two bf16 operands (its output is the IR's declared dtype, written by the kernel).
+fn native_bf16(op: &Op, inputs: &[&Tensor]) -> bool {
+    matches!(op, Op::MatMul { .. }) && inputs.iter().all(|t| t.dtype() == DType::BF16)
 }
 
 /// The ops every backend runs on half-precision operands as they are, without the f32 upcast

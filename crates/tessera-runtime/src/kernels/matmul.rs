@@ -10,9 +10,11 @@
 //!
 //! The helpers [`gemm_f32`], [`MatRef`] and [`MatMut`] are shared with the attention kernels.
 
+use super::gemm_bf16::{gemm_bf16, Bf16Dst, Bf16Kernel, Bf16Ref};
 use crate::{Result, RuntimeError};
 use candle_core::{DType, Layout, Storage, Tensor};
 use gemm::Parallelism;
+use half::bf16;
 use rayon::prelude::*;
 use tessera_ir::TensorMeta;
 
@@ -174,10 +176,19 @@ fn max_index(layout: &Layout) -> Option<usize> {
 }
 
 fn f32_slice<'a>(s: &'a Storage, layout: &Layout, what: &str) -> Result<&'a [f32]> {
+    host_slice::<f32>(s, layout, what)
+}
+
+/// The elements of a CPU storage as `T`, checked to hold everything `layout` addresses.
+fn host_slice<'a, T: candle_core::WithDType>(
+    s: &'a Storage,
+    layout: &Layout,
+    what: &str,
+) -> Result<&'a [T]> {
     let Storage::Cpu(c) = s else {
         return Err(RuntimeError::Binding("the CPU backend got a tensor on another device".into()));
     };
-    let data = c.as_slice::<f32>()?;
+    let data = c.as_slice::<T>()?;
     if let Some(hi) = max_index(layout) {
         if hi >= data.len() {
             return Err(RuntimeError::Binding(format!(
@@ -226,13 +237,24 @@ pub fn matmul(
     trans_b: bool,
     out: &TensorMeta,
 ) -> Result<Tensor> {
-    if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
-        return Err(unsupported(format!(
-            "only f32 operands are supported on the CPU, got {:?} x {:?} (cast to f32 first)",
-            a.dtype(),
-            b.dtype()
-        )));
-    }
+    let bf16_kernel =
+        match (a.dtype(), b.dtype()) {
+            (DType::F32, DType::F32) => None,
+            (DType::BF16, DType::BF16) => match Bf16Kernel::native() {
+                Some(kernel) => Some(kernel),
+                None => return Err(unsupported(
+                    "bf16 operands need AVX512_BF16 on the CPU (the backend upcasts them to f32 \
+                     elsewhere)"
+                        .into(),
+                )),
+            },
+            (da, db) => {
+                return Err(unsupported(format!(
+                    "only f32 (and bf16 with AVX512_BF16) operands are supported on the CPU, got \
+                 {da:?} x {db:?} (cast to f32 first)"
+                )))
+            }
+        };
     let (ad, bd) = (a.dims(), b.dims());
     if ad.len() < 2 || bd.len() < 2 {
         return Err(RuntimeError::Binding(format!("matmul operands {ad:?} x {bd:?} need 2 dims")));
@@ -252,6 +274,9 @@ pub fn matmul(
             if trans_a { "ᵀ" } else { "" },
             if trans_b { "ᵀ" } else { "" }
         )));
+    }
+    if let Some(kernel) = bf16_kernel {
+        return matmul_bf16(a, b, trans_a, trans_b, out, [m, n, k], kernel);
     }
     let nbatch: usize = batch.iter().product();
     let mut y = vec![0f32; nbatch * m * n];
@@ -286,14 +311,7 @@ pub fn matmul(
     }
 
     // One gemm per output batch element.
-    let index = |mut flat: usize| {
-        let mut idx = vec![0; batch.len()];
-        for (i, &d) in batch.iter().enumerate().rev() {
-            idx[i] = flat % d;
-            flat /= d;
-        }
-        idx
-    };
+    let index = |flat: usize| batch_index(batch, flat);
     let (pa, pb) = (SendConstPtr(pa), SendConstPtr(pb));
     let run = |bi: usize, c: &mut [f32], par: Parallelism| {
         let idx = index(bi);
@@ -319,4 +337,122 @@ pub fn matmul(
     }
     drop((ga, gb));
     crate::tensor::from_vec(y, od)
+}
+
+/// The multi-index of flat output batch element `flat`.
+fn batch_index(batch: &[usize], mut flat: usize) -> Vec<usize> {
+    let mut idx = vec![0; batch.len()];
+    for (i, &d) in batch.iter().enumerate().rev() {
+        idx[i] = flat % d;
+        flat /= d;
+    }
+    idx
+}
+
+/// [`matmul`] on bf16 operands with f32 accumulation ([`gemm_bf16`]): the result is written
+/// in the IR's output dtype (bf16, rounded once, or f32) and nothing else is allocated beyond
+/// the kernel's bounded packing panels. The same folding and batch split as the f32 path.
+fn matmul_bf16(
+    a: &Tensor,
+    b: &Tensor,
+    trans_a: bool,
+    trans_b: bool,
+    out: &TensorMeta,
+    [m, n, k]: [usize; 3],
+    kernel: Bf16Kernel,
+) -> Result<Tensor> {
+    let od = out.shape.dims();
+    let batch = &od[..od.len() - 2];
+    let nbatch: usize = batch.iter().product();
+    let len = nbatch * m * n;
+    let (mut y32, mut y16) = match out.dtype {
+        tessera_ir::DType::F32 => (vec![0f32; len], Vec::new()),
+        tessera_ir::DType::BF16 => (Vec::new(), vec![bf16::ZERO; len]),
+        other => {
+            return Err(unsupported(format!("bf16 operands give bf16 or f32, not {other}")));
+        }
+    };
+    let finish = |y32: Vec<f32>, y16: Vec<bf16>| match out.dtype {
+        tessera_ir::DType::F32 => crate::tensor::from_vec(y32, od),
+        _ => crate::tensor::from_vec(y16, od),
+    };
+    if len == 0 {
+        return finish(y32, y16);
+    }
+    // The output's base pointer as a `Bf16Dst` of row stride n (offset per product below).
+    let base = if y16.is_empty() {
+        Bf16Dst::F32 { ptr: y32.as_mut_ptr(), rs: n as isize, cs: 1 }
+    } else {
+        Bf16Dst::Bf16 { ptr: y16.as_mut_ptr().cast(), rs: n as isize, cs: 1 }
+    };
+    let offset = |d: Bf16Dst, by: usize| match d {
+        Bf16Dst::F32 { ptr, rs, cs } => Bf16Dst::F32 { ptr: ptr.wrapping_add(by), rs, cs },
+        Bf16Dst::Bf16 { ptr, rs, cs } => Bf16Dst::Bf16 { ptr: ptr.wrapping_add(by), rs, cs },
+    };
+    if k == 0 {
+        // An empty sum: zeros, as allocated.
+        return finish(y32, y16);
+    }
+
+    let (ga, la) = a.storage_and_layout();
+    let (gb, lb) = b.storage_and_layout();
+    let opa = Operand::new(la, trans_a, batch, "a")?;
+    let opb = Operand::new(lb, trans_b, batch, "b")?;
+    let pa = SendConstPtr(host_slice::<bf16>(&ga, la, "a")?.as_ptr().cast::<u16>());
+    let pb = SendConstPtr(host_slice::<bf16>(&gb, lb, "b")?.as_ptr().cast::<u16>());
+    let rhs_at = |off: usize| Bf16Ref {
+        ptr: pb.get().wrapping_add(off),
+        rs: opb.rs as isize,
+        cs: opb.cs as isize,
+    };
+
+    // One big gemm: B is the same matrix for every batch element and A's rows fold.
+    if opb.batch_invariant() {
+        if let Some(rs) = opa.folded_row_stride(batch, m) {
+            let lhs = Bf16Ref {
+                ptr: pa.get().wrapping_add(opa.offset),
+                rs: rs as isize,
+                cs: opa.cs as isize,
+            };
+            // SAFETY: every addressed element lies inside the checked layouts; y is fresh;
+            // the kernel is native to this CPU.
+            unsafe {
+                gemm_bf16(nbatch * m, n, k, base, lhs, rhs_at(opb.offset), 1.0, kernel, true)
+            };
+            drop((ga, gb));
+            return finish(y32, y16);
+        }
+    }
+
+    // One gemm per output batch element, in parallel over small ones.
+    let run = |bi: usize, parallel: bool| {
+        let idx = batch_index(batch, bi);
+        let lhs = Bf16Ref {
+            ptr: pa.get().wrapping_add(opa.at(&idx)),
+            rs: opa.rs as isize,
+            cs: opa.cs as isize,
+        };
+        // SAFETY: in bounds of the checked layouts; the m×n block at bi·m·n is this batch
+        // element's own; the kernel is native to this CPU.
+        unsafe {
+            gemm_bf16(
+                m,
+                n,
+                k,
+                offset(base, bi * m * n),
+                lhs,
+                rhs_at(opb.at(&idx)),
+                1.0,
+                kernel,
+                parallel,
+            )
+        };
+    };
+    if m * n * k < SMALL_PRODUCT && nbatch > 1 {
+        (0..nbatch).into_par_iter().for_each(|bi| run(bi, false));
+    } else {
+        (0..nbatch).for_each(|bi| run(bi, true));
+    }
+    drop((ga, gb));
+    finish(y32, y16)
 }
