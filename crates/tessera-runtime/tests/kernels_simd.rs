@@ -180,6 +180,6 @@ fn wide_kernels_equal_the_baseline_bit_for_bit() {
         }
         s
     };
-    same("adamw f32", &Op::AdamW(spec), &|| state(false));
+    same("adamw f32", &Op::AdamW(spec.clone()), &|| state(false));
     same("adamw bf16 + master", &Op::AdamW(spec), &|| state(true));
 }
