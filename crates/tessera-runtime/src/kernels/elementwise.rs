@@ -13,6 +13,7 @@
 //! vectorisable [`exp_f64`]; exact GELU uses an f64 erfc (Cephes' rational approximations).
 //! Outputs are within a few f32 ulps of the exact value.
 
+use super::simd::wide;
 use crate::tensor::{candle_dtype, from_vec};
 use crate::{Result, RuntimeError};
 use candle_core::{DType as CDType, Device, Layout, Storage, StorageRef, Tensor, WithDType};
@@ -208,14 +209,16 @@ fn map1<F: Fn(f32) -> f32 + Sync>(x: &Tensor, f: F) -> Result<Tensor> {
     let dx = vx.data::<f32>()?;
     let mut out = vec![0f32; numel(&dims)];
     walk(&mut out, &dims, [&sx], [vx.offset()], |o, _, [i], [s]| {
-        if s == 1 {
-            let n = o.len();
-            for (o, &v) in o.iter_mut().zip(&dx[i..i + n]) {
-                *o = f(v);
-            }
-        } else {
-            for (k, o) in o.iter_mut().enumerate() {
-                *o = f(dx[i + k * s]);
+        wide! {
+            if s == 1 {
+                let n = o.len();
+                for (o, &v) in o.iter_mut().zip(&dx[i..i + n]) {
+                    *o = f(v);
+                }
+            } else {
+                for (k, o) in o.iter_mut().enumerate() {
+                    *o = f(dx[i + k * s]);
+                }
             }
         }
     });
@@ -234,28 +237,30 @@ fn map2<F: Fn(f32, f32) -> f32 + Sync>(
     let (da, db) = (va.data::<f32>()?, vb.data::<f32>()?);
     let mut out = vec![0f32; numel(dims)];
     walk(&mut out, dims, [&sa, &sb], [va.offset(), vb.offset()], |o, _, [ia, ib], st| {
-        let n = o.len();
-        match st {
-            [1, 1] => {
-                for ((o, &x), &y) in o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]) {
-                    *o = f(x, y);
+        wide! {
+            let n = o.len();
+            match st {
+                [1, 1] => {
+                    for ((o, &x), &y) in o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]) {
+                        *o = f(x, y);
+                    }
                 }
-            }
-            [1, 0] => {
-                let y = db[ib];
-                for (o, &x) in o.iter_mut().zip(&da[ia..ia + n]) {
-                    *o = f(x, y);
+                [1, 0] => {
+                    let y = db[ib];
+                    for (o, &x) in o.iter_mut().zip(&da[ia..ia + n]) {
+                        *o = f(x, y);
+                    }
                 }
-            }
-            [0, 1] => {
-                let x = da[ia];
-                for (o, &y) in o.iter_mut().zip(&db[ib..ib + n]) {
-                    *o = f(x, y);
+                [0, 1] => {
+                    let x = da[ia];
+                    for (o, &y) in o.iter_mut().zip(&db[ib..ib + n]) {
+                        *o = f(x, y);
+                    }
                 }
-            }
-            [ja, jb] => {
-                for (k, o) in o.iter_mut().enumerate() {
-                    *o = f(da[ia + k * ja], db[ib + k * jb]);
+                [ja, jb] => {
+                    for (k, o) in o.iter_mut().enumerate() {
+                        *o = f(da[ia + k * ja], db[ib + k * jb]);
+                    }
                 }
             }
         }
@@ -277,16 +282,18 @@ fn map3<F: Fn(f32, f32, f32) -> f32 + Sync>(
     let mut out = vec![0f32; numel(dims)];
     let offs = [va.offset(), vb.offset(), vc.offset()];
     walk(&mut out, dims, [&sa, &sb, &sc], offs, |o, _, [ia, ib, ic], st| {
-        let n = o.len();
-        if st == [1, 1, 1] {
-            let it = o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]).zip(&dc[ic..ic + n]);
-            for (((o, &x), &y), &z) in it {
-                *o = f(x, y, z);
-            }
-        } else {
-            let [ja, jb, jc] = st;
-            for (k, o) in o.iter_mut().enumerate() {
-                *o = f(da[ia + k * ja], db[ib + k * jb], dc[ic + k * jc]);
+        wide! {
+            let n = o.len();
+            if st == [1, 1, 1] {
+                let it = o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]).zip(&dc[ic..ic + n]);
+                for (((o, &x), &y), &z) in it {
+                    *o = f(x, y, z);
+                }
+            } else {
+                let [ja, jb, jc] = st;
+                for (k, o) in o.iter_mut().enumerate() {
+                    *o = f(da[ia + k * ja], db[ib + k * jb], dc[ic + k * jc]);
+                }
             }
         }
     });
@@ -295,7 +302,7 @@ fn map3<F: Fn(f32, f32, f32) -> f32 + Sync>(
 
 /// Σ f(x) accumulated in f64 over eight independent lanes (vectorisable, and accurate: each
 /// lane sums n/8 terms in f64).
-#[inline]
+#[inline(always)]
 pub(super) fn sum_by(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
     let mut acc = [0f64; 8];
     let (chunks, rest) = xs.as_chunks::<8>();
@@ -309,7 +316,7 @@ pub(super) fn sum_by(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
 }
 
 /// Σ f(x, y) over two equally long slices, accumulated as [`sum_by`].
-#[inline]
+#[inline(always)]
 pub(super) fn sum_by2(xs: &[f32], ys: &[f32], f: impl Fn(f32, f32) -> f64) -> f64 {
     debug_assert_eq!(xs.len(), ys.len());
     let mut acc = [0f64; 8];
@@ -325,7 +332,7 @@ pub(super) fn sum_by2(xs: &[f32], ys: &[f32], f: impl Fn(f32, f32) -> f64) -> f6
 
 /// Maximum of a slice (NaN ignored, as `f64::max` folds do; −∞ for an empty slice). A
 /// compare-and-select per lane: vectorises to `maxps`, unlike `f32::max`.
-#[inline]
+#[inline(always)]
 pub(super) fn max_f32(xs: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let (chunks, rest) = xs.as_chunks::<8>();
@@ -340,7 +347,7 @@ pub(super) fn max_f32(xs: &[f32]) -> f32 {
 
 /// Σ e^{x − m} in f64: exponentials of blocks of 512 into a stack buffer (a vectorised map),
 /// then an f64 sum of the block — twice as fast as converting inside one fused loop.
-#[inline]
+#[inline(always)]
 pub(super) fn sum_exp(xs: &[f32], m: f32) -> f64 {
     let mut buf = [0f32; 512];
     let mut total = 0.0;
@@ -791,14 +798,16 @@ pub fn dropout(
     let dx = vx.data::<f32>()?;
     let mut out = vec![0f32; numel(&dims)];
     walk(&mut out, &dims, [&sx], [vx.offset()], |o, flat, [i], [s]| {
-        for (k, o) in o.iter_mut().enumerate() {
-            let index = match &index_map {
-                None => (flat + k) as u64,
-                Some((base, strides)) => {
-                    tessera_ir::dist::global_index((flat + k) as u64, &local, *base, strides)
-                }
-            };
-            *o = if mask.keep(index) { dx[i + k * s] * scale } else { 0.0 };
+        wide! {
+            for (k, o) in o.iter_mut().enumerate() {
+                let index = match &index_map {
+                    None => (flat + k) as u64,
+                    Some((base, strides)) => {
+                        tessera_ir::dist::global_index((flat + k) as u64, &local, *base, strides)
+                    }
+                };
+                *o = if mask.keep(index) { dx[i + k * s] * scale } else { 0.0 };
+            }
         }
     });
     from_vec(out, &dims)

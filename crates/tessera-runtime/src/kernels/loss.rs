@@ -5,6 +5,7 @@
 
 use super::elementwise::{exp_f32, expect_f32, expect_i64, max_f32, sum_exp, CHUNK};
 use super::reduce::par_rows;
+use super::simd::wide;
 use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
@@ -53,7 +54,7 @@ pub fn check_targets(
 }
 
 /// log Σ exp over a row (−∞ for a row of −∞).
-#[inline]
+#[inline(always)]
 pub(super) fn logsumexp(row: &[f32]) -> f64 {
     let m = max_f32(row);
     if m == f32::NEG_INFINITY {
@@ -101,6 +102,7 @@ pub fn cross_entropy(
     } else {
         let per = (CHUNK / v).max(1);
         let task = |r0: usize, out: &mut [f32]| -> f64 {
+            wide! {
             let mut loss = 0.0;
             for (j, o) in out.iter_mut().enumerate() {
                 let r = r0 + j;
@@ -122,6 +124,7 @@ pub fn cross_entropy(
                 }
             }
             loss
+            }
         };
         let partials: Vec<f64> = if rows <= per {
             vec![task(0, &mut out_lse)]
@@ -173,8 +176,10 @@ pub fn cross_entropy_backward(
             }
             let row = &ls[r * v..(r + 1) * v];
             let m = ss[r];
-            for (o, &l) in orow.iter_mut().zip(row) {
-                *o = g * exp_f32(l - m);
+            wide! {
+                for (o, &l) in orow.iter_mut().zip(row) {
+                    *o = g * exp_f32(l - m);
+                }
             }
             if let Some(k) = classes.local(t as usize) {
                 orow[k] -= g;
@@ -198,9 +203,11 @@ pub fn logsumexp_rows(x: &Tensor) -> Result<Tensor> {
     if let Some(per) = CHUNK.checked_div(v) {
         let per = per.max(1);
         out.par_chunks_mut(per).enumerate().for_each(|(k, c)| {
-            for (j, o) in c.iter_mut().enumerate() {
-                let r = k * per + j;
-                *o = logsumexp(&xs[r * v..(r + 1) * v]) as f32;
+            wide! {
+                for (j, o) in c.iter_mut().enumerate() {
+                    let r = k * per + j;
+                    *o = logsumexp(&xs[r * v..(r + 1) * v]) as f32;
+                }
             }
         });
     }

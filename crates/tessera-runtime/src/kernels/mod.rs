@@ -28,6 +28,7 @@ mod norm;
 mod optim;
 mod quant;
 mod reduce;
+pub mod simd;
 mod tiled_mlp;
 mod vision;
 

@@ -9,6 +9,7 @@
 
 use super::elementwise::{expect_f32, sum_by, sum_by2, unsupported, CHUNK};
 use super::reduce::par_rows;
+use super::simd::wide;
 use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
@@ -42,7 +43,7 @@ fn check(op: &str, x: &Tensor, ws: &[(&Tensor, &str)], dy: Option<&Tensor>) -> R
 }
 
 /// (mean, 1/sqrt(var + eps)) of a row, biased variance, two passes in f64.
-#[inline]
+#[inline(always)]
 fn row_stats(xr: &[f32], eps: f64) -> (f64, f64) {
     let n = xr.len() as f64;
     let mean = sum_by(xr, |v| v as f64) / n;
@@ -54,14 +55,14 @@ fn row_stats(xr: &[f32], eps: f64) -> (f64, f64) {
 }
 
 /// 1/sqrt(mean(x²) + eps) of a row.
-#[inline]
+#[inline(always)]
 fn rms_rstd(xr: &[f32], eps: f64) -> f64 {
     let ms = sum_by(xr, |v| (v as f64) * (v as f64)) / xr.len() as f64;
     1.0 / (ms + eps).sqrt()
 }
 
 /// Σ f(a, b, c) over three equally long slices in eight f64 lanes.
-#[inline]
+#[inline(always)]
 fn sum_by3(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f64) -> f64 {
     let mut acc = [0f64; 8];
     let (mut ia, mut ib, mut ic) = (a.chunks_exact(8), b.chunks_exact(8), c.chunks_exact(8));
@@ -133,10 +134,12 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     let mut out = vec![0f32; xs.len()];
     if d > 0 {
         par_rows(&mut out, d, |r, orow| {
-            let xr = &xs[r * d..(r + 1) * d];
-            let (mean, rstd) = row_stats(xr, eps);
-            for (((o, &v), &w), &b) in orow.iter_mut().zip(xr).zip(ws.iter()).zip(bs.iter()) {
-                *o = ((v as f64 - mean) * rstd * w as f64 + b as f64) as f32;
+            wide! {
+                let xr = &xs[r * d..(r + 1) * d];
+                let (mean, rstd) = row_stats(xr, eps);
+                for (((o, &v), &w), &b) in orow.iter_mut().zip(xr).zip(ws.iter()).zip(bs.iter()) {
+                    *o = ((v as f64 - mean) * rstd * w as f64 + b as f64) as f32;
+                }
             }
         });
     }
@@ -155,20 +158,22 @@ pub fn layer_norm_backward(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Res
     } else {
         let ws: &[f32] = &ws;
         rows_with_partials(&mut dx, d, 2, |r, dxr, parts| {
-            let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
-            let (mean, rstd) = row_stats(xr, eps);
-            let (dw, db) = parts.split_at_mut(1);
-            for (((aw, ab), &v), &g) in dw[0].iter_mut().zip(db[0].iter_mut()).zip(xr).zip(gr) {
-                *aw += g as f64 * ((v as f64 - mean) * rstd);
-                *ab += g as f64;
-            }
-            let n = d as f64;
-            let mean_g = sum_by2(gr, ws, |g, w| g as f64 * w as f64) / n;
-            let mean_gx =
-                sum_by3(gr, ws, xr, |g, w, v| g as f64 * w as f64 * ((v as f64 - mean) * rstd)) / n;
-            for (((o, &v), &g), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(ws) {
-                let xhat = (v as f64 - mean) * rstd;
-                *o = (rstd * (g as f64 * w as f64 - mean_g - xhat * mean_gx)) as f32;
+            wide! {
+                let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
+                let (mean, rstd) = row_stats(xr, eps);
+                let (dw, db) = parts.split_at_mut(1);
+                for (((aw, ab), &v), &g) in dw[0].iter_mut().zip(db[0].iter_mut()).zip(xr).zip(gr) {
+                    *aw += g as f64 * ((v as f64 - mean) * rstd);
+                    *ab += g as f64;
+                }
+                let n = d as f64;
+                let mean_g = sum_by2(gr, ws, |g, w| g as f64 * w as f64) / n;
+                let mean_gx =
+                    sum_by3(gr, ws, xr, |g, w, v| g as f64 * w as f64 * ((v as f64 - mean) * rstd)) / n;
+                for (((o, &v), &g), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(ws) {
+                    let xhat = (v as f64 - mean) * rstd;
+                    *o = (rstd * (g as f64 * w as f64 - mean_g - xhat * mean_gx)) as f32;
+                }
             }
         })
     };
@@ -187,10 +192,12 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let mut out = vec![0f32; xs.len()];
     if d > 0 {
         par_rows(&mut out, d, |r, orow| {
-            let xr = &xs[r * d..(r + 1) * d];
-            let rs = rms_rstd(xr, eps);
-            for ((o, &v), &w) in orow.iter_mut().zip(xr).zip(ws.iter()) {
-                *o = (v as f64 * rs * w as f64) as f32;
+            wide! {
+                let xr = &xs[r * d..(r + 1) * d];
+                let rs = rms_rstd(xr, eps);
+                for ((o, &v), &w) in orow.iter_mut().zip(xr).zip(ws.iter()) {
+                    *o = (v as f64 * rs * w as f64) as f32;
+                }
             }
         });
     }
@@ -209,15 +216,17 @@ pub fn rms_norm_backward(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Resul
     } else {
         let ws: &[f32] = &ws;
         rows_with_partials(&mut dx, d, 1, |r, dxr, parts| {
-            let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
-            let rs = rms_rstd(xr, eps);
-            for ((aw, &v), &g) in parts[0].iter_mut().zip(xr).zip(gr) {
-                *aw += g as f64 * v as f64 * rs;
-            }
-            let mean_gx = sum_by3(gr, ws, xr, |g, w, v| g as f64 * w as f64 * v as f64) / d as f64;
-            let r3 = rs * rs * rs * mean_gx;
-            for (((o, &v), &g), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(ws) {
-                *o = (rs * (g as f64 * w as f64) - v as f64 * r3) as f32;
+            wide! {
+                let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
+                let rs = rms_rstd(xr, eps);
+                for ((aw, &v), &g) in parts[0].iter_mut().zip(xr).zip(gr) {
+                    *aw += g as f64 * v as f64 * rs;
+                }
+                let mean_gx = sum_by3(gr, ws, xr, |g, w, v| g as f64 * w as f64 * v as f64) / d as f64;
+                let r3 = rs * rs * rs * mean_gx;
+                for (((o, &v), &g), &w) in dxr.iter_mut().zip(xr).zip(gr).zip(ws) {
+                    *o = (rs * (g as f64 * w as f64) - v as f64 * r3) as f32;
+                }
             }
         })
     };

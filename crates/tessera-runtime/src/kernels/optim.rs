@@ -12,6 +12,7 @@
 //! f16 / f32) is overwritten with its rounded value.
 
 use super::inplace::{with_slice_mut, Elem};
+use super::simd::wide;
 use crate::tensor::{contiguous, read};
 use crate::{Result, RuntimeError};
 use candle_core::{CpuStorage, DType, Tensor};
@@ -213,9 +214,11 @@ fn run<P: Elem, G: Elem>(
                     .zip(ms.par_chunks_mut(CHUNK))
                     .zip(vs.par_chunks_mut(CHUNK))
                     .for_each(|(((ps, gs), ms), vs)| {
-                        for (((p, g), m), v) in ps.iter_mut().zip(gs).zip(ms).zip(vs) {
-                            let (w, m2, v2) = update(c, p.get(), g.get(), *m, *v);
-                            (*p, *m, *v) = (P::put(w), m2, v2);
+                        wide! {
+                            for (((p, g), m), v) in ps.iter_mut().zip(gs).zip(ms).zip(vs) {
+                                let (w, m2, v2) = update(c, p.get(), g.get(), *m, *v);
+                                (*p, *m, *v) = (P::put(w), m2, v2);
+                            }
                         }
                     });
                 Ok(())
@@ -228,11 +231,13 @@ fn run<P: Elem, G: Elem>(
                         .zip(ms.par_chunks_mut(CHUNK))
                         .zip(vs.par_chunks_mut(CHUNK))
                         .for_each(|((((ps, ws), gs), ms), vs)| {
-                            for ((((p, w), g), m), v) in
-                                ps.iter_mut().zip(ws).zip(gs).zip(ms).zip(vs)
-                            {
-                                let (w2, m2, v2) = update(c, *w, g.get(), *m, *v);
-                                (*p, *w, *m, *v) = (P::put(w2), w2, m2, v2);
+                            wide! {
+                                for ((((p, w), g), m), v) in
+                                    ps.iter_mut().zip(ws).zip(gs).zip(ms).zip(vs)
+                                {
+                                    let (w2, m2, v2) = update(c, *w, g.get(), *m, *v);
+                                    (*p, *w, *m, *v) = (P::put(w2), w2, m2, v2);
+                                }
                             }
                         });
                     Ok(())

@@ -12,6 +12,7 @@
 use super::elementwise::{
     exp_f32, expect_f32, max_f32, numel, sum_by, sum_by2, unsupported, walk, View, CHUNK,
 };
+use super::simd::wide;
 use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
@@ -469,14 +470,16 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
     let mut out = vec![0f32; xs.len()];
     if d > 0 {
         par_rows(&mut out, d, |r, orow| {
-            let xr = &xs[r * d..(r + 1) * d];
-            let m = max_f32(xr);
-            for (o, &v) in orow.iter_mut().zip(xr) {
-                *o = exp_f32(v - m);
-            }
-            let inv = (1.0 / sum_by(orow, |v| v as f64)) as f32;
-            for o in orow.iter_mut() {
-                *o *= inv;
+            wide! {
+                let xr = &xs[r * d..(r + 1) * d];
+                let m = max_f32(xr);
+                for (o, &v) in orow.iter_mut().zip(xr) {
+                    *o = exp_f32(v - m);
+                }
+                let inv = (1.0 / sum_by(orow, |v| v as f64)) as f32;
+                for o in orow.iter_mut() {
+                    *o *= inv;
+                }
             }
         });
     }
@@ -500,10 +503,12 @@ pub fn softmax_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let mut out = vec![0f32; ys.len()];
     if d > 0 {
         par_rows(&mut out, d, |r, orow| {
-            let (yr, gr) = (&ys[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
-            let s = sum_by2(yr, gr, |y, g| y as f64 * g as f64);
-            for ((o, &y), &g) in orow.iter_mut().zip(yr).zip(gr) {
-                *o = (y as f64 * (g as f64 - s)) as f32;
+            wide! {
+                let (yr, gr) = (&ys[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
+                let s = sum_by2(yr, gr, |y, g| y as f64 * g as f64);
+                for ((o, &y), &g) in orow.iter_mut().zip(yr).zip(gr) {
+                    *o = (y as f64 * (g as f64 - s)) as f32;
+                }
             }
         });
     }
