@@ -189,3 +189,61 @@ pub(crate) fn check_lse_unread(
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_ir::DType;
+
+    /// Ring transfers of `x` on `tags`, each a `Send` then its `Recv` unless `split` (every
+    /// send first, then every receive).
+    fn ring_graph(tags: &[u32], split: bool) -> tessera_ir::Graph {
+        let mut b = Builder::new();
+        let x = b.input("x", [2, 4], DType::F32);
+        let meta = b.meta(x).clone();
+        let p = |tag| P2p { axis: 0, peer: 1, tag, grad_tag: tag, ring: true };
+        let recv = |b: &mut Builder, tag| {
+            b.push1(Op::Recv(P2p { peer: 3, ..p(tag) }, meta.clone()), &[]).unwrap();
+        };
+        for &tag in tags {
+            b.push(Op::Send(p(tag)), &[x]).unwrap();
+            if !split {
+                recv(&mut b, tag);
+            }
+        }
+        if split {
+            tags.iter().for_each(|&tag| recv(&mut b, tag));
+        }
+        b.finish()
+    }
+
+    #[test]
+    fn reused_tags_pass_only_when_each_send_meets_its_receive_first() {
+        // Two rings on the same two tags, each transfer received before the tag's next send.
+        assert!(check_streams(&ring_graph(
+            &[FIRST_TAG, FIRST_TAG + 1, FIRST_TAG, FIRST_TAG + 1],
+            false
+        ))
+        .is_ok());
+        // Distinct tags may wait: every stream has one message in flight.
+        assert!(check_streams(&ring_graph(&[FIRST_TAG, FIRST_TAG + 1], true)).is_ok());
+        // A tag sent twice before its first receive could hand the receiver the wrong block.
+        let e = check_streams(&ring_graph(&[FIRST_TAG, FIRST_TAG], true)).unwrap_err();
+        assert!(e.to_string().contains("a second send on tag 16384"), "{e}");
+    }
+
+    #[test]
+    fn one_ring_fits_the_transports_tags_up_to_max_ring() {
+        // The last tag of a ring of `cp` (its backward's last), for the largest ring and one more.
+        let last = |cp: usize| FIRST_TAG + 6 * (cp as u32 - 1) - 1;
+        assert_eq!(MAX_RING, 2729);
+        assert!(
+            last(MAX_RING) <= tessera_comm_max_tag() && last(MAX_RING + 1) > tessera_comm_max_tag()
+        );
+        let t = RingTags::new(MAX_RING).unwrap();
+        assert_eq!(t.backward() + RingBackward::transfers(MAX_RING) - 1, last(MAX_RING));
+        assert!(supports(128) && !supports(MAX_RING + 1));
+        let e = RingTags::new(MAX_RING + 1).unwrap_err().to_string();
+        assert!(e.contains("use cp=a2a or cp ≤ 2729"), "{e}");
+    }
+}
