@@ -240,7 +240,8 @@ fn a_128_device_ring_reuses_its_tags_and_every_send_meets_its_receive() {
                 assert_eq!(p.peer, 1, "a ring send goes to the next device");
                 let before = open.insert((p.axis, p.tag), n.inputs[0]);
                 assert!(before.is_none(), "tag {}: two sends before a receive", p.tag);
-                (sends, _) = (sends + 1, tags.insert(p.tag));
+                sends += 1;
+                tags.insert(p.tag);
             }
             Op::Recv(p, meta) if p.ring => {
                 assert_eq!(p.peer, 127, "a ring receive comes from the previous device");

@@ -95,7 +95,8 @@ pub(crate) fn check_streams(g: &tessera_ir::Graph) -> Result<()> {
         };
         match &n.op {
             Op::Send(p) if p.ring => {
-                if open.insert((p.axis, p.tag), tessera_ir::NodeId(i as u32)).is_some() {
+                let waiting = open.insert((p.axis, p.tag), tessera_ir::NodeId(i as u32));
+                if waiting.is_some() {
                     return bad(&format!("a second send on tag {} before a receive", p.tag));
                 }
             }
