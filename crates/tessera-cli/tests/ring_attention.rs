@@ -140,7 +140,16 @@ fn the_online_merge_saves_no_partials_for_the_backward() {
 
 /// The plan of `config` for the llama model on `devices` CPU devices, lowered.
 fn lowered(config: &str, devices: usize) -> Result<planner::Executable, PlanError> {
-    let cfg = ModelConfig::from_hf_json(LLAMA).unwrap();
+    lowered_model(LLAMA, config, devices)
+}
+
+/// The plan of `config` for the model of HF config `json` on `devices` CPU devices, lowered.
+fn lowered_model(
+    json: &str,
+    config: &str,
+    devices: usize,
+) -> Result<planner::Executable, PlanError> {
+    let cfg = ModelConfig::from_hf_json(json).unwrap();
     let builder = |b: usize| -> tessera_plan::Result<Forward> {
         let m = build(&cfg, &BuildOptions { batch: b, seq: SEQ, dtype: DType::F32 })
             .map_err(|e| PlanError::Invalid(e.to_string()))?;
@@ -205,6 +214,49 @@ fn zigzag_chunks_give_every_device_the_same_attention_work() {
             }
         }
     }
+}
+
+/// A ring of 128 devices over 24 layers: `24 × 6 × 127` = 18,288 ring transfers, more than
+/// the 16,368 tags the transport has above the pipeline's (the old one-tag-per-transfer
+/// scheme refused it; the search stopped at cp 64). Every ring reuses one ring's tags, which
+/// the per-tag FIFO streams of every transport make safe when, on each tag, sends and
+/// receives alternate in Program order (every device runs the same Program in order): then
+/// the k-th message a device receives on a tag is the k-th its predecessor sent on it. This
+/// checks that pairing on the lowered Program, independently of the planner's own check.
+#[test]
+fn a_128_device_ring_reuses_its_tags_and_every_send_meets_its_receive() {
+    const LAYERS: usize = 24;
+    let deep =
+        LLAMA.replace(r#""num_hidden_layers": 2"#, &format!(r#""num_hidden_layers": {LAYERS}"#));
+    let exe = lowered_model(&deep, "cp128 cp=ring", 128).unwrap();
+    let g = exe.lowered.program.graph();
+    // Per (axis, tag): the send waiting for its receive.
+    let mut open: std::collections::HashMap<(usize, u32), tessera_ir::TensorId> =
+        Default::default();
+    let (mut sends, mut tags) = (0usize, std::collections::BTreeSet::new());
+    for n in &g.nodes {
+        match &n.op {
+            Op::Send(p) if p.ring => {
+                assert_eq!(p.peer, 1, "a ring send goes to the next device");
+                let before = open.insert((p.axis, p.tag), n.inputs[0]);
+                assert!(before.is_none(), "tag {}: two sends before a receive", p.tag);
+                sends += 1;
+                tags.insert(p.tag);
+            }
+            Op::Recv(p, meta) if p.ring => {
+                assert_eq!(p.peer, 127, "a ring receive comes from the previous device");
+                let sent = open.remove(&(p.axis, p.tag));
+                let sent = sent.unwrap_or_else(|| panic!("tag {}: a receive with no send", p.tag));
+                assert_eq!(g.meta(sent), meta, "tag {}: the receive's block differs", p.tag);
+            }
+            _ => {}
+        }
+    }
+    assert!(open.is_empty(), "sends never received: {open:?}");
+    assert_eq!(sends, LAYERS * 6 * 127, "2·(cp − 1) forward and 4·(cp − 1) backward per layer");
+    assert!(sends > 32_751 - 16_384 + 1, "more transfers than the tags above the pipeline's");
+    assert_eq!(tags.len(), 6 * 127, "one ring's tags, reused by every layer");
+    assert!(tags.last().is_some_and(|&t| t <= 32_751), "tags within MPI's guarantee: {tags:?}");
 }
 
 #[test]

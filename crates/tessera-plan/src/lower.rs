@@ -24,7 +24,7 @@ mod hooks;
 mod loss;
 pub mod priced;
 mod replay;
-mod ring;
+pub mod ring;
 mod time;
 
 pub(crate) use hooks::DistHooks;
@@ -201,6 +201,9 @@ pub fn finish(
         tg = act_offload::apply(&tg, ckpt)?;
     }
     tg.layout = leaf_layout(&tg.graph, &u.leaf_specs, u.micro_batches);
+    if tg.layout.zigzag.is_some() {
+        ring::check_streams(&tg.graph)?;
+    }
     let grads: Vec<TensorId> = tg.params.iter().map(|s| s.grad).collect();
     let program = Program::lower_graph(tg.graph.clone(), vec![tg.loss, tg.grad_norm], &grads);
     let memory = simulate_memory(&program).report;
@@ -289,8 +292,6 @@ pub(crate) struct LocalForward<'a> {
     prefetched: HashMap<(TensorId, NodeId), TensorId>,
     /// The forward node being lowered (whose inputs [`LocalForward::fetch`] brings).
     current: NodeId,
-    /// Ring attention's transfers so far ([`ring`]).
-    ring_tags: ring::RingTags,
     /// Ring attention's `position_ids` input (RoPE at the global positions), once made.
     ring_positions: Option<TensorId>,
 }
@@ -323,7 +324,6 @@ impl<'a> LocalForward<'a> {
             prefetch_at: HashMap::new(),
             prefetched: HashMap::new(),
             current: NodeId(0),
-            ring_tags: ring::RingTags::default(),
             ring_positions: None,
         };
         lw.plan_params(opts.zero)?;
@@ -588,7 +588,7 @@ impl<'a> LocalForward<'a> {
                                 &inputs,
                                 axis,
                                 size,
-                                &mut self.ring_tags,
+                                ring::RingTags::new(size)?,
                             )?
                         }
                         _ => {

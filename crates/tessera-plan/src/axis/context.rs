@@ -46,7 +46,10 @@
 //!   time); before each later step the held K/V block (`[B, S/cp, Hkv, D]`: only the KV heads
 //!   travel) goes to the next device by `Send` and the previous device's arrives by `Recv`.
 //!   `P2p::ring` makes the peer an offset from the device's cp coordinate (resolved by the
-//!   runtime's `CommRunner::peer`); every transfer has its own tag, above the pipeline's.
+//!   runtime's `CommRunner::peer`); each transfer of a ring has its own tag, above the
+//!   pipeline's, and every ring of the Program reuses them (per-tag FIFO streams, checked to
+//!   pair in Program order: `lower/ring.rs`), so a Program needs `6·(cp − 1)` tags whatever
+//!   its layers: up to cp 2,729.
 //!   Ring transfers are outside the autodiff: the backward is the last merge's VJP
 //!   (`tessera_ir::ops::ring`), FlashAttention's over blocks — from the saved final output
 //!   and log-sum-exp it recomputes each block's share as K/V go around the ring again, dQ

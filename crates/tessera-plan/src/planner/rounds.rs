@@ -416,13 +416,14 @@ pub(super) fn megatron_jobs(req: &Request<'_>, experts: usize) -> Vec<Job> {
         experts,
     };
     let grid = crate::axis::grid(&cx);
-    // Ring attention where the all-to-all variant cannot go: cp × tp past the KV heads; at
-    // most cp 64, whose 6·(cp − 1) tags per attention keep a 32-layer model within the
-    // transport's tags (`lower/ring.rs` refuses past them, which would end the search).
+    // Ring attention where the all-to-all variant cannot go: cp × tp past the KV heads, and
+    // the ring's tags fit the transport's (every ring of a Program reuses one ring's
+    // 6·(cp − 1) tags: up to cp 2,729, `lower::ring::MAX_RING`).
     let kv_heads = if grid.is_empty() || !req.search.ring { None } else { kv_heads(req) };
     for cfg in grid {
         let (dp, cp, tp, ep) = (cfg.dp, cfg.cp, cfg.tp, cfg.ep);
-        let ring = cp <= 64 && kv_heads.is_some_and(|kv| !kv.is_multiple_of(cp * tp));
+        let ring = crate::lower::ring::supports(cp)
+            && kv_heads.is_some_and(|kv| !kv.is_multiple_of(cp * tp));
         for sp in [false, true] {
             // Megatron-LM runs expert with tensor parallelism only with sequence parallelism
             // (its MoE README).
