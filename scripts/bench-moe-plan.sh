@@ -18,6 +18,9 @@ cases=(
   "qwen3-30b-a3b 2x8xH100 128 4096 --capacity-factor auto"
   "deepseek-v3 32x8xH100 1024 4096 --capacity-factor auto"
 )
+profile=$(case "$bin" in *release*) echo release ;; *) echo debug ;; esac)
+echo "Timed $(date -u +%F) on $(nproc) cores of a shared machine, $profile build: search times are upper bounds (the main session may re-time them idle)."
+echo
 echo "| model | cluster | batch × seq | plan | step (s) | Megatron best | step (s) | ratio | peak / budget | search (s) |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
 for c in "${cases[@]}"; do

@@ -539,8 +539,8 @@ fn lower_plan_as_built(
         // One stage's mesh: the strategies' axes.
         Some(pj) => {
             use crate::pipeline::plan as pplan;
-            let names = pplan::file_stage_names(&file.mesh.shape);
-            pplan::meshes(&req.cluster, &file.mesh.shape, names, pj.devices)?.0
+            let names = pplan::file_stage_names(&file.mesh);
+            pplan::meshes(&req.cluster, &file.mesh.shape, &names, pj.devices)?.0
         }
         None => Mesh::new(
             &req.cluster,
@@ -607,7 +607,7 @@ fn lower_pipeline_file(
     let (stage, full) = pplan::meshes(
         &req.cluster,
         &file.mesh.shape,
-        pplan::file_stage_names(&file.mesh.shape),
+        &pplan::file_stage_names(&file.mesh),
         pj.devices,
     )?;
     let map = crate::pipeline::split::StageMap::from_sizes(&pj.sizes(), pj.devices, stage.ndim())?;

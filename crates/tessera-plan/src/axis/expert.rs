@@ -18,15 +18,15 @@
 //!   `sparse_block`): a split of the batch never changes which tokens drop, so every plan
 //!   drops what one device drops with the same capacity;
 //! - non-expert weights are not split over ep, so their gradients are pending sums over it and
-//!   reduce over dp × ep; the expert matmuls split E over ep, so what they give the stacked
-//!   weights is each device's own experts' gradient (generic parameter planning, `lower.rs`:
-//!   every live axis a weight is not split on is pending). The model stacks its per-expert
-//!   parameters into `[E, f, d]` each step (a `Concat`, whose concat dim cannot split): the
-//!   stack is replicated and each device slices its experts locally (no communication), so
-//!   the per-expert parameters are replicated over ep and their gradients, zero outside a
-//!   device's experts, reduce over dp × ep — correct, but ZeRO of expert parameters "over the
-//!   ranks holding the same experts" needs the loader to hold stacked parameters (split over
-//!   ep directly), which this axis then pins like any weight;
+//!   reduce over dp × ep; the expert matmuls split E over ep, and the stacked expert
+//!   parameters `[E, out, in]` are stored split over ep (each device holds its `E / ep`
+//!   experts), so their gradients reduce over dp only and ZeRO shards them over the dp ranks
+//!   that hold the same experts (generic parameter planning, `lower.rs`: every live axis a
+//!   weight is not split on is pending);
+//! - with `ppN` each stage's mesh is `[dp, ep, tp]` ([`crate::axis::stage_mesh`]): a stage
+//!   holds its own layers' experts split over its ep group, and a plan file names the axes
+//!   (`pipeline::plan::file_stage_names`; a plan *file* with ep still trains off the config
+//!   string's run, see ARCHITECTURE.md);
 //! - with `cpN` the routing ops keep the sequence whole (a group is a sequence), so the
 //!   tokens are gathered over cp before the router's top-k and sliced after the combine.
 

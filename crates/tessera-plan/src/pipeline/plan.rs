@@ -61,19 +61,27 @@ pub fn parse_schedule(s: &str) -> Result<ScheduleKind> {
     cfg.schedule.ok_or_else(|| PlanError::Invalid(format!("unknown pipeline schedule `{s}`")))
 }
 
-/// The full mesh `[stage axes.., pp]`, with links laid out Megatron's way: the pipeline axis
-/// varies slowest over the devices (across nodes first), the tensor axis fastest.
-/// The axis names of a stage mesh read from a plan file: a three-axis stage is `[dp, cp, tp]`
-/// (hybrid sharding, the other three-axis stage mesh, is refused with a pipeline).
-pub fn file_stage_names(stage_shape: &[usize]) -> &'static [AxisName] {
-    use AxisName::{Context, Data, Tensor};
-    if stage_shape.len() == 3 {
-        &[Data, Context, Tensor]
-    } else {
-        &[Data, Tensor]
+/// The axis names of a stage mesh read from a plan file: the file's own names when every one
+/// is an axis the planner lays out (`dp`, `ep`, `cp`, `tp`: a stage `[dp, ep, tp]` of expert
+/// parallelism has three axes as `[dp, cp, tp]` has), else by rank — a three-axis stage is
+/// `[dp, cp, tp]` (hybrid sharding, the other three-axis stage mesh, is refused with a
+/// pipeline), a two-axis one `[dp, tp]`.
+pub fn file_stage_names(mesh: &crate::plan::MeshJson) -> Vec<AxisName> {
+    use AxisName::{Context, Data, Expert, Tensor};
+    let named: Option<Vec<AxisName>> = mesh
+        .axes
+        .iter()
+        .map(|a| [Data, Expert, Context, Tensor].into_iter().find(|n| n.as_str() == a))
+        .collect();
+    match named {
+        Some(n) if n.len() == mesh.shape.len() => n,
+        _ if mesh.shape.len() == 3 => vec![Data, Context, Tensor],
+        _ => vec![Data, Tensor],
     }
 }
 
+/// The full mesh `[stage axes.., pp]`, with links laid out Megatron's way: the pipeline axis
+/// varies slowest over the devices (across nodes first), the tensor axis fastest.
 pub fn meshes(
     cluster: &Cluster,
     stage_shape: &[usize],
@@ -153,4 +161,40 @@ pub fn pipeline_json(l: &PipeLowered, full: &Mesh) -> PipelineJson {
 pub fn peaks_per_rank(l: &PipeLowered, ranks: usize) -> Vec<u64> {
     let p = l.devices.len().max(1);
     (0..ranks).map(|r| l.devices[r % p].lowered.memory.peak_bytes).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::MeshJson;
+
+    fn mesh(shape: &[usize], axes: &[&str]) -> MeshJson {
+        MeshJson {
+            shape: shape.to_vec(),
+            axes: axes.iter().map(|a| a.to_string()).collect(),
+            replicas: Vec::new(),
+            ring: false,
+        }
+    }
+
+    /// A plan file's stage keeps its own axis names (ep's stage is `[dp, ep, tp]`, as long as
+    /// cp's); names it does not lay out fall back to the stage's rank.
+    #[test]
+    fn a_file_stage_keeps_its_axis_names() {
+        use AxisName::{Context, Data, Expert, Tensor};
+        assert_eq!(
+            file_stage_names(&mesh(&[1, 2, 1], &["dp", "ep", "tp"])),
+            [Data, Expert, Tensor]
+        );
+        assert_eq!(
+            file_stage_names(&mesh(&[2, 2, 1], &["dp", "cp", "tp"])),
+            [Data, Context, Tensor]
+        );
+        assert_eq!(
+            file_stage_names(&mesh(&[2, 2, 1], &["a0", "a1", "a2"])),
+            [Data, Context, Tensor]
+        );
+        assert_eq!(file_stage_names(&mesh(&[2, 2], &["dp", "tp"])), [Data, Tensor]);
+        assert_eq!(file_stage_names(&mesh(&[2, 2], &[])), [Data, Tensor]);
+    }
 }
