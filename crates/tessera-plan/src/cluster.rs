@@ -159,7 +159,8 @@ impl DeviceSpec {
 /// The preset names [`device_preset`] and the cluster strings accept (case-insensitive; `-`,
 /// `_` and spaces are ignored, so `a100_80g` and `RTX 4090` work too).
 pub const DEVICE_NAMES: &[&str] = &[
-    "H100", "H200", "A100-40G", "A100-80G", "V100", "RTX3060", "RTX3080", "RTX4090", "A6000", "cpu",
+    "H100", "H200", "A100-40G", "A100-80G", "V100", "RTX3050", "RTX3060", "RTX3080", "RTX4090",
+    "A6000", "cpu",
 ];
 
 /// A GPU preset: datasheet figures plus the family's interconnect.
@@ -278,6 +279,22 @@ const GPU_PRESETS: &[GpuPreset] = &[
         memory_bandwidth: 900e9,
         matmul_efficiency: VOLTA_MATMUL_EFFICIENCY,
         links: VOLTA_LINKS,
+    },
+    // NVIDIA GeForce RTX 3050 (desktop, 8 GB, GA106; the 8 GB card of Colossal-AI's Stable
+    // Diffusion fine-tuning blog): NVIDIA's specifications page, 2,560 CUDA cores (20 SMs) at
+    // 1.78 GHz boost, FP32 9.1 TFLOPS; 8 GB GDDR6 at 14 Gbps on 128 bits, 224 GB/s. Tensor
+    // rate from the GA102 whitepaper's per-SM figure (1,024 dense FP16 FLOPs per SM per clock
+    // with FP16 accumulate, half with FP32): 36.4 dense, 18.2 with FP32 accumulate.
+    GpuPreset {
+        name: "RTX3050",
+        keys: &["rtx3050", "3050", "rtx30508g", "rtx30508gb"],
+        memory_mib: 8_192,
+        fp32_flops: 9.1e12,
+        bf16_flops: 18.2e12,
+        fp16_flops: 18.2e12,
+        memory_bandwidth: 224e9,
+        matmul_efficiency: GEFORCE_MATMUL_EFFICIENCY,
+        links: GEFORCE_LINKS,
     },
     // NVIDIA Ampere GA102 whitepaper (GA106 figures), RTX 3060 12 GB: FP16/BF16 tensor
     // 51.2 TFLOPS dense with FP16 accumulate, 25.6 with FP32 accumulate; FP32 12.7; 360 GB/s.

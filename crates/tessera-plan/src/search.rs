@@ -38,6 +38,15 @@ impl<'a> Search<'a> {
     pub fn new(problem: SearchProblem<'a>) -> Search<'a> {
         Search { problem, state: SearchState::default() }
     }
+
+    /// A search of the same problem from an empty state but for the forward graphs and edge
+    /// costs built so far, which it shares with this one (the offload phase's probes: each
+    /// needs bounds and hopeless marks of its own, not graphs of its own — rebuilding and
+    /// differentiating the forward graph per probe was most of a UNet's offload phase).
+    pub fn sharing_graphs(&self) -> Search<'a> {
+        let state = SearchState { graphs: self.state.graphs.clone(), ..SearchState::default() };
+        Search { problem: self.problem.clone(), state }
+    }
 }
 
 /// What the search needs besides the candidate: the model (built per micro-batch size), the
@@ -60,8 +69,9 @@ pub struct SearchProblem<'a> {
 #[derive(Default)]
 pub struct SearchState {
     /// Forward graphs and their saved-activation sets, per micro-batch size, and what the
-    /// ILPs built on them share.
-    pub graphs: Graphs,
+    /// ILPs built on them share: they depend on the model and the micro-batch alone, so
+    /// searches of one request may share them ([`Search::sharing_graphs`]).
+    pub graphs: std::sync::Arc<Graphs>,
     /// Step times (f64 bits) of the fastest fitting plans found so far by any job, per axis
     /// rule: the bound that lets the checkpoint search skip layouts that cannot win.
     pub fastest: FastestSoFar,

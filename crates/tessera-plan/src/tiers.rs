@@ -143,7 +143,9 @@ impl NvmeTier {
             "A100-40G" | "A100-80G" => Some(dc(4 * 3_840_000_000_000)),
             // DGX-2: 8 × 3.84 TB NVMe per 16 GPUs.
             "V100" => Some(dc(8 * 3_840_000_000_000)),
-            "RTX3060" | "RTX3080" | "RTX4090" => Some(NvmeTier::with_capacity(1_000_000_000_000)),
+            "RTX3050" | "RTX3060" | "RTX3080" | "RTX4090" => {
+                Some(NvmeTier::with_capacity(1_000_000_000_000))
+            }
             _ => None,
         }
     }

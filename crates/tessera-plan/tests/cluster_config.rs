@@ -57,6 +57,7 @@ fn preset_memory_matches_nvidia_smi() {
         ("A100-40G", 40_960),
         ("A100-80G", 81_920),
         ("V100", 32_510),
+        ("RTX3050", 8_192),
         ("RTX3060", 12_288),
         ("RTX3080", 10_240),
         ("RTX4090", 24_564),
@@ -90,6 +91,8 @@ fn preset_flops_and_links() {
     // MAMF table: 271.2 of 312 TFLOPS.
     assert!((device_preset("A100-80G").unwrap().matmul_efficiency - 271.2 / 312.0).abs() < 0.01);
     assert_eq!(device_preset("rtx3060").unwrap().bf16_flops, 25.6e12);
+    let rtx3050 = device_preset("RTX 3050").unwrap();
+    assert_eq!((rtx3050.bf16_flops, rtx3050.memory_bandwidth), (18.2e12, 224e9));
     assert_eq!(device_preset("rtx3080").unwrap().fp32_flops, 29.8e12);
     assert_eq!(device_preset("rtx4090").unwrap().memory_bandwidth, 1.008e12);
 

@@ -27,7 +27,7 @@ use super::Request;
 use crate::config::ParallelConfig;
 use crate::mesh::AxisName;
 use crate::offload::{Offload, OffloadKind, CHUNKS};
-use crate::search::{self, AxisRule, Candidate, Evaluated};
+use crate::search::{self, AxisRule, Candidate, Evaluated, Search};
 use crate::{Mesh, PlanError, Result};
 use tessera_ir::Tier;
 
@@ -127,7 +127,9 @@ pub(super) fn run_layout(
 }
 
 fn run_lines(req: &Request<'_>, lines: &[Line]) -> Result<OffloadPhase> {
-    let results = parallel_map(lines, |line| run_line(req, line));
+    // Every probe shares the forward graphs and edge costs (`Search::sharing_graphs`).
+    let base = req.problem();
+    let results = parallel_map(lines, |line| run_line(req, &base, line));
     let mut phase = OffloadPhase { fit: None, least_tiers: None };
     for r in results {
         let r = r?;
@@ -145,7 +147,7 @@ fn run_lines(req: &Request<'_>, lines: &[Line]) -> Result<OffloadPhase> {
     Ok(phase)
 }
 
-fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
+fn run_line(req: &Request<'_>, base: &Search<'_>, line: &Line) -> Result<LineResult> {
     let mut out = LineResult::default();
     let cand = |mb: usize, chunks: u32, nvme: u32| Candidate {
         mesh: line.mesh.clone(),
@@ -162,7 +164,7 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
         }
         if line.kind.is_none() {
             // Activations alone: one probe, no chunks to count.
-            let Some(e) = probe(req, &cand(mb, 0, 0), req.budget)? else { continue };
+            let Some(e) = probe(base, &cand(mb, 0, 0), req.budget)? else { continue };
             let m = &e.lowered.memory;
             if crate::offload::check_tiers(&req.cluster, m, "").is_ok() {
                 out.fit = Some(e);
@@ -172,12 +174,12 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
             }
             break;
         }
-        let Some(all) = probe(req, &cand(mb, CHUNKS, 0), req.budget)? else { continue };
+        let Some(all) = probe(base, &cand(mb, CHUNKS, 0), req.budget)? else { continue };
         // The fewest chunks that still fit the device.
         let (mut lo, mut hi, mut best) = (0u32, CHUNKS, all);
         while hi - lo > 1 {
             let mid = (lo + hi) / 2;
-            match probe(req, &cand(mb, mid, 0), req.budget)? {
+            match probe(base, &cand(mb, mid, 0), req.budget)? {
                 Some(e) => {
                     hi = mid;
                     best = e;
@@ -192,13 +194,14 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
         if !host_fits(&best) && has_nvme {
             // The fewest of them whose state on the NVMe lets the host hold the rest: every
             // one first (the least the host can need), then bisection.
-            if let Some(e) = probe(req, &cand(mb, chunks, chunks), req.budget)? {
+            if let Some(e) = probe(base, &cand(mb, chunks, chunks), req.budget)? {
                 let fits = host_fits(&e);
                 (best, nvme) = (e, chunks);
                 let mut lo = 0u32;
                 while fits && nvme - lo > 1 {
                     let mid = (lo + nvme) / 2;
-                    match probe(req, &cand(mb, chunks, mid), req.budget)?.filter(|e| host_fits(e)) {
+                    match probe(base, &cand(mb, chunks, mid), req.budget)?.filter(|e| host_fits(e))
+                    {
                         Some(e) => (best, nvme) = (e, mid),
                         None => lo = mid,
                     }
@@ -217,11 +220,12 @@ fn run_line(req: &Request<'_>, line: &Line) -> Result<LineResult> {
     Ok(out)
 }
 
-/// A candidate's fastest fit on the device (`None`: nothing fits it). Each probe has a problem
-/// of its own: the search's per-problem memory (a layout's state marked hopeless, the least
-/// peaks) is keyed without the offload, which changes what a layout holds.
-fn probe(req: &Request<'_>, cand: &Candidate, budget: u64) -> Result<Option<Evaluated>> {
-    let p = req.problem();
+/// A candidate's fastest fit on the device (`None`: nothing fits it). Each probe has a search
+/// state of its own: the search's per-problem memory (a layout's state marked hopeless, the
+/// least peaks) is keyed without the offload, which changes what a layout holds. The forward
+/// graphs and edge costs, which the offload does not change, are `base`'s.
+fn probe(base: &Search<'_>, cand: &Candidate, budget: u64) -> Result<Option<Evaluated>> {
+    let p = base.sharing_graphs();
     match search::evaluate(&p, cand, Some(budget)) {
         Ok(e) => Ok(e.filter(|e| e.peak_bytes() <= budget)),
         // One candidate the lowering cannot carry out does not end the search: it is a miss.

@@ -540,15 +540,32 @@ pub(super) fn build_problem(
         .filter(|n| matches!(n.op, Op::Input(_)))
         .map(|n| g.meta(n.outputs[0]).size_bytes() as f64 / mesh.num_devices() as f64)
         .sum();
-    let base: Vec<(usize, Vec<f64>)> = (0..nv)
-        .map(|v| (v, saved_bytes[v].iter().zip(&static_bytes[v]).map(|(a, b)| a + b).collect()))
-        .collect();
+    // A decision with one strategy is a constant: its bytes go into the rows' constant instead
+    // of a term. Every row holds every decision's resident bytes, so the rows are quadratic in
+    // the decisions: a model without repeated blocks (a UNet: ~800 decisions) on one device,
+    // where every decision has one strategy, made ~700,000 terms per ILP that the ILP's own
+    // reductions then folded into the same constants.
+    let resident = |v: usize| -> Vec<f64> {
+        saved_bytes[v].iter().zip(&static_bytes[v]).map(|(a, b)| a + b).collect()
+    };
+    let single = |v: usize| space.options[v] == 1;
+    let mut constant = inputs;
+    let mut base: Vec<(usize, Vec<f64>)> = Vec::new();
+    for v in 0..nv {
+        match single(v) {
+            true => constant += resident(v)[0],
+            false => base.push((v, resident(v))),
+        }
+    }
     let memory: Vec<MemRow> = (0..nv)
         .filter(|&v| temp_bytes[v].iter().any(|&b| b > 0.0))
-        .map(|v| {
-            let mut terms = base.clone();
-            terms.push((v, temp_bytes[v].clone()));
-            MemRow { constant: inputs, terms }
+        .map(|v| match single(v) {
+            true => MemRow { constant: constant + temp_bytes[v][0], terms: base.clone() },
+            false => {
+                let mut terms = base.clone();
+                terms.push((v, temp_bytes[v].clone()));
+                MemRow { constant, terms }
+            }
         })
         .collect();
     Ok(Problem {
@@ -650,4 +667,72 @@ fn edge_costs(
         }
     }
     edges
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::search::{CkptSearch, SearchKnobs, SearchProblem};
+    use crate::Cluster;
+
+    /// A tiny diffusers UNet: no repeated blocks, so a decision per op.
+    const UNET: &str = r#"{"_class_name": "UNet2DConditionModel", "sample_size": 4,
+        "block_out_channels": [4, 8], "layers_per_block": 1, "norm_num_groups": 2,
+        "cross_attention_dim": 4, "attention_head_dim": [2, 2],
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "use_linear_projection": true}"#;
+
+    fn unet(mb: usize) -> Result<Forward> {
+        let cfg = tessera_models::ModelConfig::from_hf_json(UNET).unwrap();
+        let opts = tessera_models::BuildOptions::new(mb, 3, DType::F32);
+        let fm = tessera_models::build(&cfg, &opts).unwrap();
+        Ok(Forward { graph: fm.builder.finish(), loss: fm.loss })
+    }
+
+    /// The ILP of the tiny UNet on `devices` CPU devices (a 1-D mesh, per-op rule).
+    fn problem(devices: usize) -> (Problem, Vec<usize>) {
+        let cluster = Cluster::parse(&format!("{devices}xcpu")).unwrap();
+        let search = Search::new(SearchProblem {
+            build: &unet,
+            batch: 2,
+            cost: crate::cost::CostModel::for_cluster(&cluster),
+            train: tessera_ir::TrainConfig::default(),
+            knobs: SearchKnobs::default(),
+            ckpt: CkptSearch::Joint,
+        });
+        let shared = search.forward(2).unwrap();
+        let (fwd, saved) = (&shared.0, &shared.1);
+        let mesh = Mesh::new(&cluster, &[devices], &["dp"]).unwrap();
+        let cand = Candidate {
+            mesh: mesh.clone(),
+            rule: AxisRule::Free,
+            zero: 0,
+            micro_batches: 1,
+            offload: None,
+        };
+        let space = Space::new(&fwd.graph, &mesh, &cand.rule).unwrap();
+        let mut reshard = ReshardCache::new(mesh);
+        let p = build_problem(&search, &cand, fwd, &space, saved, &mut reshard, 1e12).unwrap();
+        (p, space.options.clone())
+    }
+
+    /// Memory rows name only decisions with a choice: on one device, where every decision has
+    /// one strategy, they are constants (the rows cost O(decisions), not O(decisions²)); on two,
+    /// no row names a decision with one strategy.
+    #[test]
+    fn rows_name_only_decisions_with_a_choice() {
+        let (one, options) = problem(1);
+        assert!(one.choices.len() > 100, "a decision per op: {}", one.choices.len());
+        assert!(options.iter().all(|&o| o == 1));
+        assert!(one.memory.iter().all(|r| r.terms.is_empty()));
+        let (_, peak) = crate::ilp::evaluate(&one, &vec![0; one.choices.len()]);
+        let most = one.memory.iter().map(|r| r.constant).fold(0.0, f64::max);
+        assert!(peak > 0.0 && peak == most);
+
+        let (two, options) = problem(2);
+        assert!(options.iter().any(|&o| o > 1) && options.contains(&1));
+        for row in &two.memory {
+            assert!(row.terms.iter().all(|(v, _)| options[*v] > 1), "a single-strategy term");
+        }
+    }
 }
