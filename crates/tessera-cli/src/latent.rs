@@ -189,8 +189,8 @@ impl Frozen {
             let value = match feeds.iter().find(|(n, _)| n == name) {
                 Some((_, v)) => v.clone(),
                 None => {
-                    let meta = self.graph.meta(*t);
-                    Tensor::zeros(meta.shape.dims(), candle_dtype(meta.dtype), &Device::Cpu)?
+                    let dtype = candle_dtype(self.graph.meta(*t).dtype);
+                    Tensor::zeros(self.graph.shape(*t).dims(), dtype, &Device::Cpu)?
                 }
             };
             self.exec.bind(*t, value)?;
