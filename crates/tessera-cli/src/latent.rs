@@ -155,7 +155,7 @@ fn rows_i64(ids: &[i64], rows: &[usize], l: usize) -> Result<Tensor> {
 
 /// A frozen module's forward Program on one device, weights bound from its directory.
 pub struct Frozen {
-    exec: Executor,
+    exec: Executor<CpuBackend>,
     graph: Graph,
     inputs: Vec<(String, TensorId)>,
     output: TensorId,
