@@ -13,6 +13,7 @@ mod calibrate_cmd;
 mod calibrate_gpu;
 mod checkpoint_cmd;
 mod diffusion_args;
+pub mod latent;
 mod eval_cmd;
 mod eval_io;
 mod export_cmd;

@@ -1,12 +1,21 @@
-//! A minimal PNG encoder for 8-bit grey images (`tessera sample`'s grids): no compression
+//! A minimal PNG encoder for 8-bit grey and RGB images (`tessera sample`'s grids): no compression
 //! (the zlib stream holds stored deflate blocks), which every PNG reader accepts; the images
 //! are a few tens of KiB. No image crate is vendored, and this is all the format needs.
 
 /// The PNG file of a `width × height` grey image (row-major bytes).
 pub fn encode_grey(pixels: &[u8], width: usize, height: usize) -> Vec<u8> {
-    assert_eq!(pixels.len(), width * height, "one byte per pixel");
-    let mut raw = Vec::with_capacity((width + 1) * height);
-    for row in pixels.chunks(width) {
+    encode(pixels, width, height, 1)
+}
+
+/// The PNG file of a `width × height` RGB image (row-major, interleaved bytes).
+pub fn encode_rgb(pixels: &[u8], width: usize, height: usize) -> Vec<u8> {
+    encode(pixels, width, height, 3)
+}
+
+fn encode(pixels: &[u8], width: usize, height: usize, channels: usize) -> Vec<u8> {
+    assert_eq!(pixels.len(), width * height * channels, "one byte per channel and pixel");
+    let mut raw = Vec::with_capacity((width * channels + 1) * height);
+    for row in pixels.chunks(width * channels) {
         raw.push(0); // filter type None
         raw.extend_from_slice(row);
     }
@@ -14,7 +23,8 @@ pub fn encode_grey(pixels: &[u8], width: usize, height: usize) -> Vec<u8> {
     let mut ihdr = Vec::new();
     ihdr.extend((width as u32).to_be_bytes());
     ihdr.extend((height as u32).to_be_bytes());
-    ihdr.extend([8, 0, 0, 0, 0]); // 8 bits, greyscale, deflate, adaptive filter, no interlace
+    // 8 bits, greyscale (0) or truecolour (2), deflate, adaptive filter, no interlace.
+    ihdr.extend([8, if channels == 3 { 2 } else { 0 }, 0, 0, 0]);
     chunk(&mut png, b"IHDR", &ihdr);
     chunk(&mut png, b"IDAT", &zlib_stored(&raw));
     chunk(&mut png, b"IEND", &[]);

@@ -7,13 +7,18 @@
 //! Euler (discrete) scheduler ([`tessera_runtime::diffusion::Sampler`]). The initial noise of
 //! row `r` is keyed by `(seed, r)` with the counter-based generator, so a run is reproducible.
 //! Pixels are mapped from `[-1, 1]` to 0..255 and clamped; channel 0 is drawn in grey.
+//!
+//! A text-conditioned UNet (`--model-dir PIPE/unet` of a diffusers pipeline) draws one row per
+//! `--prompt` instead: the prompts and the empty prompt are encoded by the pipeline's frozen
+//! CLIP text encoder, the loop runs the UNet with those states, and the final latents ÷
+//! `scaling_factor` go through the VAE's decoder ([`crate::latent::Pipeline`]); the grid is RGB.
 
 use crate::diffusion_args::DiffusionArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use tessera_ir::{DType, Program, TensorId};
-use tessera_models::{build, BuildOptions, ModelConfig};
+use tessera_models::{build, BuildOptions, ModelConfig, UNetConfig};
 use tessera_runtime::collective::DeviceMesh;
 use tessera_runtime::diffusion::{Sampler, SamplerKind};
 use tessera_runtime::hf_weights::open_weights;
@@ -25,6 +30,9 @@ pub struct SampleArgs {
     /// A trained DiT: a checkpoint of `train --save` or a diffusers model directory.
     #[arg(long, value_name = "DIR")]
     pub model_dir: PathBuf,
+    /// A text-conditioned UNet: a prompt to draw (one grid row each; repeat the flag).
+    #[arg(long = "prompt", value_name = "TEXT")]
+    pub prompts: Vec<String>,
     /// The classes to draw, comma-separated (one grid row each).
     #[arg(long, value_delimiter = ',', default_value = "0,1,2,3,4,5,6,7,8,9")]
     pub classes: Vec<i64>,
@@ -71,7 +79,7 @@ pub struct Samples {
 
 pub fn run(args: &SampleArgs) -> Result<()> {
     let s = sample(args)?;
-    let rows = args.classes.len();
+    let rows = if args.prompts.is_empty() { args.classes.len() } else { args.prompts.len() };
     let png = png_grid(&s.images, s.shape, rows, args.per_class, args.zoom.max(1));
     std::fs::write(&args.out, png)
         .with_context(|| format!("cannot write {}", args.out.display()))?;
@@ -98,6 +106,9 @@ pub fn run(args: &SampleArgs) -> Result<()> {
 /// Runs the sampler (see the module docs).
 pub fn sample(args: &SampleArgs) -> Result<Samples> {
     let cfg = ModelConfig::from_path(&args.model_dir)?;
+    if let ModelConfig::UNet(unet) = &cfg {
+        return sample_text(args, &cfg, unet);
+    }
     let ModelConfig::Dit(dit) = &cfg else {
         bail!("`sample` draws from diffusion models (DiT); {} is a {}", cfg.name(), cfg.family())
     };
@@ -185,8 +196,74 @@ pub fn sample(args: &SampleArgs) -> Result<Samples> {
     Ok(Samples { images: x, shape: [c, side, side], labels })
 }
 
-/// A grey PNG of `rows × cols` images (channel 0 of each), `[-1, 1]` → 0..255, each pixel a
-/// `zoom × zoom` square, one pixel of black between images.
+/// Samples of a text-conditioned UNet, one row of `--per-class` per prompt (module docs).
+fn sample_text(args: &SampleArgs, cfg: &ModelConfig, unet: &UNetConfig) -> Result<Samples> {
+    if args.per_class == 0 || args.prompts.is_empty() {
+        bail!("nothing to draw: give --prompt TEXT (one or more) and --per-class ≥ 1");
+    }
+    let pipe = crate::latent::Pipeline::beside(&args.model_dir)?;
+    pipe.picture_side(unet)?;
+    let kind = match args.sampler {
+        SamplerChoice::Ddim => SamplerKind::Ddim,
+        SamplerChoice::Euler => SamplerKind::Euler,
+    };
+    let model = args.model_dir.display().to_string();
+    let sampler = Sampler::new(kind, args.diffusion.schedule(&model)?, args.steps)?;
+    let n = args.prompts.len() * args.per_class;
+    let labels: Vec<i64> = (0..args.prompts.len() as i64)
+        .flat_map(|p| std::iter::repeat_n(p, args.per_class))
+        .collect();
+    let texts: Vec<&str> = args.prompts.iter().map(String::as_str).collect();
+    let prompt_states = pipe.encode_text(&texts)?;
+    let null_states = pipe.encode_text(&[""])?;
+    let (l, d) = (pipe.tokenizer.max_length, unet.cross_attention_dim);
+    let guided = args.guidance_scale != 1.0;
+    let batch = if guided { 2 * n } else { n };
+    let mut states = Vec::with_capacity(batch * l * d);
+    for &p in &labels {
+        let p = p as usize;
+        states.extend_from_slice(&prompt_states[p * l * d..(p + 1) * l * d]);
+    }
+    if guided {
+        for _ in 0..n {
+            states.extend_from_slice(&null_states);
+        }
+    }
+    let (c, side) = (unet.in_channels, unet.sample_size);
+    let k = c * side * side;
+    let mut frozen = crate::latent::Frozen::new(cfg, &args.model_dir, batch, l)?;
+    let sigma0 = sampler.init_noise_sigma();
+    let mut x: Vec<f32> = (0..n * k)
+        .map(|i| (sigma0 * tessera_runtime::init::normal(args.seed, 0x5a3_91e, i as u64)) as f32)
+        .collect();
+    let dims = [batch, c, side, side];
+    let states = from_vec(states, &[batch, l, d])?;
+    for i in 0..sampler.timesteps.len() {
+        let scaled = sampler.scale_model_input(i, &x);
+        let mut model_in = scaled.clone();
+        if guided {
+            model_in.extend_from_slice(&scaled);
+        }
+        let t = sampler.timesteps[i] as f32;
+        let out = frozen.run(vec![
+            ("sample", from_vec(model_in, &dims)?),
+            ("timestep", from_vec(vec![t; batch], &[batch])?),
+            ("encoder_hidden_states", states.clone()),
+        ])?;
+        let s = args.guidance_scale as f32;
+        let pred: Vec<f32> = match guided {
+            true => (0..n * k).map(|j| out[n * k + j] + s * (out[j] - out[n * k + j])).collect(),
+            false => out,
+        };
+        x = sampler.step(i, &pred, &x);
+    }
+    let images = pipe.decode(&x, n, side)?;
+    let out_side = (images.len() / n / 3).isqrt();
+    Ok(Samples { images, shape: [3, out_side, out_side], labels })
+}
+
+/// A PNG of `rows × cols` images, `[-1, 1]` → 0..255, each pixel a `zoom × zoom` square, one
+/// pixel of black between images: RGB for 3-channel images, else channel 0 in grey.
 pub fn png_grid(
     images: &[f32],
     shape: [usize; 3],
@@ -194,22 +271,29 @@ pub fn png_grid(
     cols: usize,
     zoom: usize,
 ) -> Vec<u8> {
-    let [_, h, w] = shape;
+    let [c, h, w] = shape;
     let k: usize = shape.iter().product();
+    let ch = if c == 3 { 3 } else { 1 };
     let (cell_h, cell_w) = (h * zoom + 1, w * zoom + 1);
     let (height, width) = (rows * cell_h + 1, cols * cell_w + 1);
-    let mut pixels = vec![0u8; height * width];
+    let mut pixels = vec![0u8; height * width * ch];
     for r in 0..rows {
         for col in 0..cols {
-            let img = &images[(r * cols + col) * k..][..h * w];
+            let img = &images[(r * cols + col) * k..][..k];
             for y in 0..h * zoom {
                 for xx in 0..w * zoom {
-                    let v = img[(y / zoom) * w + xx / zoom];
-                    let g = ((f64::from(v) + 1.0) * 127.5).round().clamp(0.0, 255.0) as u8;
-                    pixels[(r * cell_h + 1 + y) * width + col * cell_w + 1 + xx] = g;
+                    for q in 0..ch {
+                        let v = img[(q * h + y / zoom) * w + xx / zoom];
+                        let g = ((f64::from(v) + 1.0) * 127.5).round().clamp(0.0, 255.0) as u8;
+                        let at = (r * cell_h + 1 + y) * width + col * cell_w + 1 + xx;
+                        pixels[at * ch + q] = g;
+                    }
                 }
             }
         }
     }
-    crate::png::encode_grey(&pixels, width, height)
+    match ch {
+        3 => crate::png::encode_rgb(&pixels, width, height),
+        _ => crate::png::encode_grey(&pixels, width, height),
+    }
 }

@@ -85,7 +85,10 @@ pub struct TrainArgs {
     /// (.bin), a directory with train.bin and val.bin, or fine-tuning examples (.jsonl: one
     /// {"text"} or {"prompt", "completion"} object per line; the loss counts completion tokens
     /// only). Default: the shipped Shakespeare corpus. ViT: a CSV of images (pixels, then the
-    /// class); default data/digits.csv, which scripts/setup.sh installs.
+    /// class); default data/digits.csv, which scripts/setup.sh installs. A diffusers UNet
+    /// (`--model PIPE/unet`): a folder of PNG/JPEG pictures with captions (a .txt of the same
+    /// stem, or metadata.jsonl lines {"file_name", "text"}), encoded by the pipeline's frozen
+    /// VAE and CLIP text encoder.
     #[arg(long)]
     pub data: Option<PathBuf>,
     #[command(flatten)]
@@ -315,6 +318,19 @@ pub fn load_data(args: &TrainArgs, cfg: &ModelConfig) -> Result<TrainData> {
             let objective =
                 DiffusionObjective::new(schedule, args.diffusion.cond_drop_prob, c.num_classes)?;
             return Ok(TrainData::Diffusion { images, objective });
+        }
+        ModelConfig::UNet(c) => {
+            let Some(data) = &args.data else {
+                bail!(
+                    "a UNet2DConditionModel trains on captioned pictures: pass --data DIR (PNG/JPEG \
+                     files, each with a caption in a .txt of the same stem or in metadata.jsonl)"
+                )
+            };
+            let unet_dir = args.init.clone().unwrap_or_else(|| PathBuf::from(&args.model));
+            let latents = crate::latent::text_latents(&unet_dir, c, data)?;
+            let schedule = args.diffusion.schedule(&unet_dir.display().to_string())?;
+            let objective = DiffusionObjective::new(schedule, args.diffusion.cond_drop_prob, 0)?;
+            return Ok(TrainData::TextDiffusion { data: latents, objective });
         }
         ModelConfig::Mlp(_) => bail!(
             "`train` has no data loader for the mlp model's feature vectors; train a language \
@@ -643,7 +659,11 @@ pub fn prepare(
         true => None,
         false => Some(load_data(args, &cfg)?),
     };
-    let seq = cfg.effective_seq(args.seq);
+    let seq = match &data {
+        // A text-conditioned UNet's sequence is its tokenizer's length (the captions').
+        Some(TrainData::TextDiffusion { data, .. }) => data.seq,
+        _ => cfg.effective_seq(args.seq),
+    };
     if let Some(data) = data.as_ref().filter(|_| args.eval_batches > 0) {
         // Before training, not after it: a held-out split too small for one batch.
         data.val_batches(args.seed, args.batch, seq, 1)
@@ -696,7 +716,7 @@ pub fn prepare(
         )?),
         _ => None,
     };
-    let model = PlanModel::new(&cfg, args.batch, args.seq, dtype, &train_cfg, tune)?;
+    let model = PlanModel::new(&cfg, args.batch, seq, dtype, &train_cfg, tune)?;
     let global_train = &model.global;
     let mut req = model.request(cluster, budget);
     // The CUDA backend has no kernel for the tiled MLP yet: plan its MLPs whole.
@@ -782,7 +802,7 @@ pub fn prepare(
     if first > last_step {
         bail!("nothing to do: the run is already at step {steps_done} of {last_step}");
     }
-    let eval_opts = BuildOptions { batch: args.batch, seq: args.seq, dtype };
+    let eval_opts = BuildOptions { batch: args.batch, seq, dtype };
     let eval = eval_tune.apply(build(&cfg.without_dropout(), &eval_opts)?)?;
     let log = match &args.log_json {
         Some(p) if rank == 0 => Some(Mutex::new(std::io::BufWriter::new(

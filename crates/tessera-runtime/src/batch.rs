@@ -111,6 +111,12 @@ pub enum TrainData {
     /// Labelled images for a class-conditional diffusion model (DiT): noised images, timesteps,
     /// (sometimes dropped) classes and the noise or velocity as the target.
     Diffusion { images: ImageSet, objective: crate::diffusion::DiffusionObjective },
+    /// Captioned pictures for a text-conditioned latent diffusion model (Stable Diffusion's
+    /// UNet), encoded by its frozen VAE and text encoder before training.
+    TextDiffusion {
+        data: crate::diffusion_text::TextLatents,
+        objective: crate::diffusion::DiffusionObjective,
+    },
 }
 
 impl TrainData {
@@ -128,6 +134,9 @@ impl TrainData {
             }
             TrainData::Diffusion { images, objective } => {
                 objective.train_batch(images, seed, step, batch)
+            }
+            TrainData::TextDiffusion { data, objective } => {
+                data.train_batch(objective, seed, step, batch)
             }
         }
     }
@@ -154,6 +163,9 @@ impl TrainData {
             TrainData::Diffusion { images, objective } => {
                 objective.val_batches(images, seed, batch, max_batches)
             }
+            TrainData::TextDiffusion { data, objective } => {
+                data.val_batches(objective, seed, batch, max_batches)
+            }
         }
     }
 
@@ -179,7 +191,9 @@ impl TrainData {
             }
             TrainData::Denoise { images, .. } => ("mean-image error", images.pixel_variance()),
             // Predicting zero noise scores E[ε²] = 1 (ε-prediction; about 1 for v too).
-            TrainData::Diffusion { .. } => ("zero prediction", 1.0),
+            TrainData::Diffusion { .. } | TrainData::TextDiffusion { .. } => {
+                ("zero prediction", 1.0)
+            }
         }
     }
 
@@ -213,6 +227,11 @@ impl TrainData {
                 images.train_labels.iter().for_each(|&l| eat(l as u64));
                 eat(objective.cond_drop_prob.to_bits() | 1 << 61);
             }
+            TrainData::TextDiffusion { data, objective } => {
+                data.latents.iter().for_each(|&p| eat(u64::from(p.to_bits())));
+                data.states.iter().for_each(|&p| eat(u64::from(p.to_bits())));
+                eat(objective.cond_drop_prob.to_bits() | 1 << 60);
+            }
         }
         format!("{h:016x}")
     }
@@ -225,6 +244,7 @@ impl TrainData {
             TrainData::Images(i) => &i.source,
             TrainData::Denoise { images, .. } => &images.source,
             TrainData::Diffusion { images, .. } => &images.source,
+            TrainData::TextDiffusion { data, .. } => &data.source,
         }
     }
 }
