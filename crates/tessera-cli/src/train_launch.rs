@@ -330,9 +330,7 @@ fn run_rank_on<B: Backend>(
     if rank == 0 {
         outcome.op_times = trainer
             .timings()
-            .map(|t| {
-                t.iter().map(|(k, o)| OpTimeRow { kind: k.to_string(), time: *o }).collect()
-            })
+            .map(|t| t.iter().map(|(k, o)| OpTimeRow { kind: k.to_string(), time: *o }).collect())
             .unwrap_or_default();
         outcome.loss_scale = trainer.loss_scale_state().map(|s| s.scale);
     }
@@ -585,7 +583,8 @@ fn render(
                     .iter()
                     .map(|o| {
                         let t = o.time;
-                        let mut v = json!({"calls": t.calls, "seconds": t.seconds, "flops": t.flops});
+                        let mut v =
+                            json!({"calls": t.calls, "seconds": t.seconds, "flops": t.flops});
                         if let Some(g) = o.gflop_per_s() {
                             v["gflop_per_s"] = json!(g);
                         }
@@ -671,7 +670,8 @@ fn render(
                 s += "where the time goes (rank 0, all steps):\n";
                 for o in &op_times {
                     let (k, calls, secs) = (&o.kind, o.time.calls, o.time.seconds);
-                    let rate = o.gflop_per_s().map(|g| format!("  {g:.1} GFLOP/s")).unwrap_or_default();
+                    let rate =
+                        o.gflop_per_s().map(|g| format!("  {g:.1} GFLOP/s")).unwrap_or_default();
                     s += &format!(
                         "  {k:<24} {secs:>8.2} s  {:>5.1}%  {calls} calls{rate}\n",
                         100.0 * secs / total.max(1e-12)

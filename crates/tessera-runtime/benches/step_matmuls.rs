@@ -53,15 +53,18 @@ fn step(case: &Case) -> Executor<CpuBackend> {
     let values = tessera_runtime::init::init_parameters(&graph, 1).expect("init");
     let mut kept = vec![loss];
     kept.extend(&grad_ids);
-    let mut exec = Executor::new(Program::lower_graph(graph, kept, &grad_ids), CpuBackend::new(0), None);
+    let mut exec =
+        Executor::new(Program::lower_graph(graph, kept, &grad_ids), CpuBackend::new(0), None);
     for (t, v) in values {
         exec.bind(t, v).expect("bind a parameter");
     }
     let (b, s, cpu) = (case.batch, case.seq, &Device::Cpu);
     for i in inputs {
         let v = match i.kind {
-            InputKind::TokenIds { vocab_size } | InputKind::Labels { num_classes: vocab_size, .. } => {
-                let ids: Vec<i64> = (0..b * s).map(|k| ((k * 7919 + 13) % vocab_size) as i64).collect();
+            InputKind::TokenIds { vocab_size }
+            | InputKind::Labels { num_classes: vocab_size, .. } => {
+                let ids: Vec<i64> =
+                    (0..b * s).map(|k| ((k * 7919 + 13) % vocab_size) as i64).collect();
                 Tensor::from_vec(ids, (b, s), cpu)
             }
             InputKind::Seed => Tensor::new(1i64, cpu),
@@ -151,7 +154,8 @@ fn isolated(calls: &[MatMulCall], runs: usize) -> (u64, f64, BTreeMap<String, (u
 
 fn bench(c: &mut Criterion) {
     let case = case();
-    let runs: usize = std::env::var("STEP_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let runs: usize =
+        std::env::var("STEP_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
     let mut exec = step(&case);
     let calls = matmuls(&exec);
     let step_flops: u64 = calls.iter().map(flops).sum();

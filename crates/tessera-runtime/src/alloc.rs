@@ -149,7 +149,7 @@ impl BlockCache {
         let mut c = Self::lock()?;
         c.live += size;
         if let Some(i) = c.slots.iter().position(|s| s.0 == size && s.1 == layout.align()) {
-            let (_, _, addr) = std::mem::replace(&mut c.slots[i], (0, 0, 0));
+            let (_, _, addr) = std::mem::take(&mut c.slots[i]);
             c.cached -= size;
             return Some(addr as *mut u8);
         }
