@@ -168,7 +168,15 @@ impl Frozen {
         let inputs = fm.inputs.iter().map(|i| (i.name.to_string(), i.tensor)).collect();
         let output = fm.logits;
         let graph = fm.builder.finish();
-        let weights = open_weights(dir, &graph)
+        // The checkpoint holds the whole autoencoder: a VAE's part is checked against both.
+        let base = match cfg {
+            ModelConfig::Vae(c) if c.part != VaePart::Autoencoder => {
+                let whole = ModelConfig::Vae(c.with_part(VaePart::Autoencoder));
+                build(&whole, &BuildOptions::new(batch, seq, DType::F32))?.builder.finish()
+            }
+            _ => graph.clone(),
+        };
+        let weights = open_weights(dir, &base)
             .with_context(|| format!("{}: the weights of {}", dir.display(), cfg.name()))?;
         let program = Program::lower_graph(graph.clone(), vec![output], &[]);
         let mut exec = Executor::new(program, CpuBackend::new(0), None);

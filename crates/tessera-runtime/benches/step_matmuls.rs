@@ -40,8 +40,24 @@ fn case() -> Case {
     }
 }
 
-/// The forward + backward Program of `case` with its leaves bound, ready to run.
-fn step(case: &Case) -> Executor<CpuBackend> {
+/// A step's Program on its executor, with the batch it binds before each run (the Program
+/// frees its inputs after their last use).
+struct Step {
+    exec: Executor<CpuBackend>,
+    batch: Vec<(tessera_ir::TensorId, Tensor)>,
+}
+
+impl Step {
+    fn run(&mut self) {
+        for (t, v) in &self.batch {
+            self.exec.bind(*t, v.clone()).expect("bind an input");
+        }
+        self.exec.run().expect("step");
+    }
+}
+
+/// The forward + backward Program of `case` with its parameters bound.
+fn step(case: &Case) -> Step {
     let cfg = ModelConfig::resolve(&case.model).expect("a preset name");
     let mut m = build(&cfg, &BuildOptions::new(case.batch, case.seq, DType::F32)).expect("build");
     let params = m.builder.graph.trainable_parameters();
@@ -59,6 +75,7 @@ fn step(case: &Case) -> Executor<CpuBackend> {
         exec.bind(t, v).expect("bind a parameter");
     }
     let (b, s, cpu) = (case.batch, case.seq, &Device::Cpu);
+    let mut batch = Vec::new();
     for i in inputs {
         let v = match i.kind {
             InputKind::TokenIds { vocab_size }
@@ -71,9 +88,9 @@ fn step(case: &Case) -> Executor<CpuBackend> {
             InputKind::TargetCount => Tensor::new((b * s) as f32, cpu),
             other => panic!("step_matmuls benches token models; input {:?} is {other:?}", i.name),
         };
-        exec.bind(i.tensor, v.expect("an input tensor")).expect("bind an input");
+        batch.push((i.tensor, v.expect("an input tensor")));
     }
-    exec
+    Step { exec, batch }
 }
 
 /// Every MatMul of the Program: its operand metas, transposes and output meta.
@@ -110,15 +127,15 @@ fn rand(meta: &TensorMeta) -> Tensor {
 }
 
 /// Runs the step `runs` times with timings; the matmul kind's (flops, seconds).
-fn in_step(exec: &mut Executor<CpuBackend>, runs: usize) -> (u64, f64, f64) {
-    exec.run().expect("warm-up step");
-    exec.record_timings(true);
+fn in_step(step: &mut Step, runs: usize) -> (u64, f64, f64) {
+    step.run();
+    step.exec.record_timings(true);
     let t0 = Instant::now();
     for _ in 0..runs {
-        exec.run().expect("step");
+        step.run();
     }
     let wall = t0.elapsed().as_secs_f64();
-    let t = exec.timings().and_then(|t| t.get("matmul").copied()).unwrap_or_default();
+    let t = step.exec.timings().and_then(|t| t.get("matmul").copied()).unwrap_or_default();
     (t.flops, t.seconds, wall)
 }
 
@@ -156,10 +173,10 @@ fn bench(c: &mut Criterion) {
     let case = case();
     let runs: usize =
         std::env::var("STEP_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
-    let mut exec = step(&case);
-    let calls = matmuls(&exec);
+    let mut step = step(&case);
+    let calls = matmuls(&step.exec);
     let step_flops: u64 = calls.iter().map(flops).sum();
-    let (f_in, s_in, wall) = in_step(&mut exec, runs);
+    let (f_in, s_in, wall) = in_step(&mut step, runs);
     let (f_out, s_out, per_shape) = isolated(&calls, runs);
     let (g_in, g_out) = (f_in as f64 / s_in / 1e9, f_out as f64 / s_out / 1e9);
     println!(
@@ -185,7 +202,7 @@ fn bench(c: &mut Criterion) {
     g.sample_size(10).measurement_time(Duration::from_secs(10));
     g.throughput(Throughput::Elements(step_flops));
     g.bench_function(format!("{}_fwd_bwd", case.model), |bch| {
-        bch.iter(|| exec.run().expect("step"))
+        bch.iter(|| step.run())
     });
     g.finish();
 }

@@ -55,7 +55,8 @@ pub struct CpuBackend {
     name: String,
     device: Device,
     /// bf16 matrix products run on their bf16 operands (`vdpbf16ps`, f32 accumulation)
-    /// rather than on f32 upcasts: on where the CPU has AVX512_BF16.
+    /// rather than on f32 upcasts: opt-in ([`CpuBackend::with_native_bf16`]), where the CPU
+    /// has AVX512_BF16.
     bf16_gemm: bool,
 }
 
@@ -64,8 +65,17 @@ impl CpuBackend {
         CpuBackend {
             name: format!("cpu:{index}"),
             device: Device::Cpu,
-            bf16_gemm: kernels::Bf16Kernel::native().is_some(),
+            // Off by default: with the `gemm` crate's AVX-512 kernels the f32 GEMM on upcast
+            // operands (104–132 GFLOP/s at 1024×768×3072 on 2 cores) beats the bf16 kernel
+            // (60 GFLOP/s) — BENCHMARKS.md, CPU training throughput.
+            bf16_gemm: false,
         }
+    }
+
+    /// The same backend running bf16 matrix products on the bf16 kernel
+    /// (`kernels::gemm_bf16`) where the CPU has AVX512_BF16 (unchanged where it has not).
+    pub fn with_native_bf16(self) -> CpuBackend {
+        CpuBackend { bf16_gemm: kernels::Bf16Kernel::native().is_some(), ..self }
     }
 
     /// The same backend running bf16 matrix products like every other half-precision op:

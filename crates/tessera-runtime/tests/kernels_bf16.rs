@@ -198,7 +198,8 @@ fn backend_bf16_matmul_native_and_upcast_agree() {
     let (a, b) = (rng.tensor(&[2, 19, 70]), rng.tensor(&[45, 70]));
     let op = Op::MatMul { trans_a: false, trans_b: true };
     let out = op.infer(&[&meta_of(&a).unwrap(), &meta_of(&b).unwrap()]).unwrap();
-    let native = CpuBackend::new(0);
+    assert!(!CpuBackend::new(0).native_bf16_gemm(), "opt-in: the upcast path is the default");
+    let native = CpuBackend::new(0).with_native_bf16();
     assert_eq!(native.native_bf16_gemm(), Bf16Kernel::native().is_some());
     let up = CpuBackend::new(0).upcasting_bf16();
     let at = MeshPos::single();
@@ -244,7 +245,7 @@ fn losses(dtype: tessera_ir::DType, backend: CpuBackend, steps: u64) -> Vec<f64>
 fn bf16_training_on_the_native_gemm_tracks_fp32() {
     let steps = 10;
     let fp32 = losses(tessera_ir::DType::F32, CpuBackend::new(0), steps);
-    let native = losses(tessera_ir::DType::BF16, CpuBackend::new(0), steps);
+    let native = losses(tessera_ir::DType::BF16, CpuBackend::new(0).with_native_bf16(), steps);
     let upcast = losses(tessera_ir::DType::BF16, CpuBackend::new(0).upcasting_bf16(), steps);
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     for (name, run) in [("native", &native), ("upcast", &upcast)] {
