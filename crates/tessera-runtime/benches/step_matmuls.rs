@@ -201,9 +201,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("step_matmuls");
     g.sample_size(10).measurement_time(Duration::from_secs(10));
     g.throughput(Throughput::Elements(step_flops));
-    g.bench_function(format!("{}_fwd_bwd", case.model), |bch| {
-        bch.iter(|| step.run())
-    });
+    g.bench_function(format!("{}_fwd_bwd", case.model), |bch| bch.iter(|| step.run()));
     g.finish();
 }
 
