@@ -539,7 +539,7 @@ fn lower_plan_as_built(
         // One stage's mesh: the strategies' axes.
         Some(pj) => {
             use crate::pipeline::plan as pplan;
-            let names = pplan::file_stage_names(&file.mesh);
+            let names = pplan::file_stage_names(&file.mesh.axes, file.mesh.shape.len());
             pplan::meshes(&req.cluster, &file.mesh.shape, &names, pj.devices)?.0
         }
         None => Mesh::new(
@@ -607,7 +607,7 @@ fn lower_pipeline_file(
     let (stage, full) = pplan::meshes(
         &req.cluster,
         &file.mesh.shape,
-        &pplan::file_stage_names(&file.mesh),
+        &pplan::file_stage_names(&file.mesh.axes, file.mesh.shape.len()),
         pj.devices,
     )?;
     let map = crate::pipeline::split::StageMap::from_sizes(&pj.sizes(), pj.devices, stage.ndim())?;

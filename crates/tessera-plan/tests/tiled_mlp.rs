@@ -129,8 +129,13 @@ fn bench_rows_and_published_runs_keep_their_mlps_whole() {
             None => cluster.device.usable_bytes(),
         };
         let b = builder(&model, seq, DType::BF16);
-        // Not vacuous: every model has MLPs the rewrite would tile.
-        assert!(!mlp_tile::sites(&b(1).unwrap().graph).is_empty(), "{model}");
+        // Not vacuous: every dense model has MLPs the rewrite would tile (a mixture of experts
+        // has expert MLPs, which it does not tile).
+        if mlp_tile::sites(&b(1).unwrap().graph).is_empty() {
+            let moe = ["mixtral", "qwen3-30b", "moe", "deepseek"].iter().any(|m| model.contains(m));
+            assert!(moe, "{model}");
+            continue;
+        }
         let node_devices = cluster.num_devices().min(cluster.gpus_per_node);
         let p = Problem { build: &*b, node_devices, budget, runnable: true };
         assert_eq!(mlp_tile::choose(p).unwrap(), None, "{model} {seq}");

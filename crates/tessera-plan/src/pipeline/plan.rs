@@ -66,16 +66,15 @@ pub fn parse_schedule(s: &str) -> Result<ScheduleKind> {
 /// parallelism has three axes as `[dp, cp, tp]` has), else by rank — a three-axis stage is
 /// `[dp, cp, tp]` (hybrid sharding, the other three-axis stage mesh, is refused with a
 /// pipeline), a two-axis one `[dp, tp]`.
-pub fn file_stage_names(mesh: &crate::plan::MeshJson) -> Vec<AxisName> {
+pub fn file_stage_names(axes: &[String], rank: usize) -> Vec<AxisName> {
     use AxisName::{Context, Data, Expert, Tensor};
-    let named: Option<Vec<AxisName>> = mesh
-        .axes
+    let named: Option<Vec<AxisName>> = axes
         .iter()
         .map(|a| [Data, Expert, Context, Tensor].into_iter().find(|n| n.as_str() == a))
         .collect();
     match named {
-        Some(n) if n.len() == mesh.shape.len() => n,
-        _ if mesh.shape.len() == 3 => vec![Data, Context, Tensor],
+        Some(n) if n.len() == rank => n,
+        _ if rank == 3 => vec![Data, Context, Tensor],
         _ => vec![Data, Tensor],
     }
 }
@@ -166,15 +165,14 @@ pub fn peaks_per_rank(l: &PipeLowered, ranks: usize) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::MeshJson;
 
-    fn mesh(shape: &[usize], axes: &[&str]) -> MeshJson {
-        MeshJson {
-            shape: shape.to_vec(),
-            axes: axes.iter().map(|a| a.to_string()).collect(),
-            replicas: Vec::new(),
-            ring: false,
-        }
+    /// A plan file's stage mesh as `file_stage_names` reads it: its axis names and rank.
+    fn mesh(shape: &[usize], axes: &[&str]) -> (Vec<String>, usize) {
+        (axes.iter().map(|a| a.to_string()).collect(), shape.len())
+    }
+
+    fn file_stage_names(m: &(Vec<String>, usize)) -> Vec<AxisName> {
+        super::file_stage_names(&m.0, m.1)
     }
 
     /// A plan file's stage keeps its own axis names (ep's stage is `[dp, ep, tp]`, as long as
