@@ -148,22 +148,14 @@ pub fn sample(args: &SampleArgs) -> Result<Samples> {
         exec.bind(p, v.with_context(|| format!("no value for parameter {name}"))?)?;
     }
 
-    let sigma0 = sampler.init_noise_sigma();
-    let mut x: Vec<f32> = (0..n * k)
-        .map(|i| (sigma0 * tessera_runtime::init::normal(args.seed, 0x5a3_91e, i as u64)) as f32)
-        .collect();
     let mut class_in = labels.clone();
     if guided {
         class_in.extend(std::iter::repeat_n(dit.num_classes as i64, n));
     }
     let dims = [batch, c, side, side];
-    for i in 0..sampler.timesteps.len() {
-        let scaled = sampler.scale_model_input(i, &x);
-        let mut model_in = scaled.clone();
-        if guided {
-            model_in.extend_from_slice(&scaled);
-        }
-        let t = sampler.timesteps[i] as f32;
+    // The prediction is the first C channels of each row (a learned sigma follows).
+    let o = dit.out_channels * side * side;
+    let x = denoise(&sampler, args.seed, n, k, args.guidance_scale, |model_in, t| {
         for &(name, tensor) in &inputs {
             let value = match name {
                 "hidden_states" => from_vec(model_in.clone(), &dims)?,
@@ -177,22 +169,8 @@ pub fn sample(args: &SampleArgs) -> Result<Samples> {
         }
         exec.run()?;
         let out = to_f64_vec(exec.get(logits).context("the model output was not kept")?)?;
-        // The prediction is the first C channels of each row (a learned sigma follows).
-        let o = dit.out_channels * side * side;
-        let pred = |row: usize| &out[row * o..row * o + k];
-        let mut guided_out = Vec::with_capacity(n * k);
-        for row in 0..n {
-            let cond = pred(row);
-            if guided {
-                let uncond = pred(n + row);
-                let s = args.guidance_scale;
-                guided_out.extend(cond.iter().zip(uncond).map(|(c, u)| (u + s * (c - u)) as f32));
-            } else {
-                guided_out.extend(cond.iter().map(|&v| v as f32));
-            }
-        }
-        x = sampler.step(i, &guided_out, &x);
-    }
+        Ok((0..batch).flat_map(|row| out[row * o..row * o + k].iter().map(|&v| v as f32)).collect())
+    })?;
     Ok(Samples { images: x, shape: [c, side, side], labels })
 }
 
@@ -232,34 +210,56 @@ fn sample_text(args: &SampleArgs, cfg: &ModelConfig, unet: &UNetConfig) -> Resul
     let (c, side) = (unet.in_channels, unet.sample_size);
     let k = c * side * side;
     let mut frozen = crate::latent::Frozen::new(cfg, &args.model_dir, batch, l)?;
-    let sigma0 = sampler.init_noise_sigma();
-    let mut x: Vec<f32> = (0..n * k)
-        .map(|i| (sigma0 * tessera_runtime::init::normal(args.seed, 0x5a3_91e, i as u64)) as f32)
-        .collect();
     let dims = [batch, c, side, side];
     let states = from_vec(states, &[batch, l, d])?;
+    let x = denoise(&sampler, args.seed, n, k, args.guidance_scale, |model_in, t| {
+        frozen.run(vec![
+            ("sample", from_vec(model_in, &dims)?),
+            ("timestep", from_vec(vec![t; batch], &[batch])?),
+            ("encoder_hidden_states", states.clone()),
+        ])
+    })?;
+    let images = pipe.decode(&x, n, side)?;
+    let out_side = (images.len() / n / 3).isqrt();
+    Ok(Samples { images, shape: [3, out_side, out_side], labels })
+}
+
+/// The sampling loop DiT and the UNet share: `n` samples of `k` values from seeded noise; each
+/// timestep gives `model` the scaled samples (twice under guidance: the conditioned rows, then
+/// the unconditioned) and the timestep, and wants `k` predicted values per row back; guided
+/// predictions are `u + s·(c − u)`.
+fn denoise(
+    sampler: &Sampler,
+    seed: u64,
+    n: usize,
+    k: usize,
+    guidance_scale: f64,
+    mut model: impl FnMut(Vec<f32>, f32) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    let guided = guidance_scale != 1.0;
+    let sigma0 = sampler.init_noise_sigma();
+    let mut x: Vec<f32> = (0..n * k)
+        .map(|i| (sigma0 * tessera_runtime::init::normal(seed, 0x5a3_91e, i as u64)) as f32)
+        .collect();
     for i in 0..sampler.timesteps.len() {
         let scaled = sampler.scale_model_input(i, &x);
         let mut model_in = scaled.clone();
         if guided {
             model_in.extend_from_slice(&scaled);
         }
-        let t = sampler.timesteps[i] as f32;
-        let out = frozen.run(vec![
-            ("sample", from_vec(model_in, &dims)?),
-            ("timestep", from_vec(vec![t; batch], &[batch])?),
-            ("encoder_hidden_states", states.clone()),
-        ])?;
-        let s = args.guidance_scale as f32;
+        let out = model(model_in, sampler.timesteps[i] as f32)?;
         let pred: Vec<f32> = match guided {
-            true => (0..n * k).map(|j| out[n * k + j] + s * (out[j] - out[n * k + j])).collect(),
+            true => (0..n * k)
+                .map(|j| {
+                    let (c, u) = (f64::from(out[j]), f64::from(out[n * k + j]));
+                    (u + guidance_scale * (c - u)) as f32
+                })
+                .collect(),
             false => out,
         };
         x = sampler.step(i, &pred, &x);
     }
-    let images = pipe.decode(&x, n, side)?;
-    let out_side = (images.len() / n / 3).isqrt();
-    Ok(Samples { images, shape: [3, out_side, out_side], labels })
+    Ok(x)
 }
 
 /// A PNG of `rows × cols` images, `[-1, 1]` → 0..255, each pixel a `zoom × zoom` square, one

@@ -256,6 +256,11 @@ impl ModelConfig {
         }
     }
 
+    /// Whether the model has mixture-of-experts layers (routed expert MLPs).
+    pub fn is_moe(&self) -> bool {
+        matches!(self, ModelConfig::Llama(c) if c.moe.is_some())
+    }
+
     /// The Hugging Face `model_type` (`mistral` and `qwen2` are of the `llama` family).
     pub fn model_type(&self) -> &'static str {
         match self {
