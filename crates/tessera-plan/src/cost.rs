@@ -272,6 +272,10 @@ pub struct StepTime {
     /// Collectives on parameters and gradients (data parallel, ZeRO), which run beside the
     /// compute of their pass.
     pub overlapped_comm_s: f64,
+    /// The part of `overlapped_comm_s` issued in the forward pass (parameter gathers), which
+    /// only the forward compute hides; the rest hides behind the backward pass and its
+    /// recomputation.
+    pub overlapped_forward_comm_s: f64,
     /// The part of `overlapped_comm_s` that the compute does not hide.
     pub exposed_comm_s: f64,
     pub step_time_s: f64,

@@ -138,3 +138,62 @@ fn few_micro_batches_are_lowered_as_they_are() {
     let e = search::evaluate(&p, &cand, None).unwrap().unwrap();
     assert!(e.lowered.exact, "{} micro-batches are replayed exactly", priced::EXACT_UP_TO);
 }
+
+/// The exact lowering of `strategies` on `mesh` at `m` micro-batches (ZeRO-1, no
+/// checkpointing), at `fidelity`.
+fn lowered_at(
+    fwd: &tessera_plan::search::Forward,
+    strategies: &[Option<tessera_plan::rules::Strategy>],
+    mesh: &Mesh,
+    cost: &tessera_plan::cost::CostModel,
+    m: usize,
+    fidelity: Fidelity,
+) -> Lowered {
+    let opts = LowerOptions {
+        zero: 1,
+        micro_batches: m,
+        train: TrainConfig::default(),
+        ckpt: Checkpointing::default(),
+        offload: None,
+    };
+    lower::lower(&fwd.graph, fwd.loss, strategies, mesh, cost, &opts, fidelity).unwrap()
+}
+
+/// A gradient reduction that the backward passes of four micro-batches do not hide is hidden
+/// by sixteen: the exposed collectives are not linear in the micro-batch count, and pricing
+/// them as if they were put a step below its own Program's (issue 45: Mixtral's
+/// `dp4 tp4 sp zero1 mb32` was priced at 4.66 s in the search and lowered to 9.55 s, so the
+/// search answered it over faster plans). The link between the data-parallel ranks is slowed
+/// until the reduction takes eight micro-batches' backward compute.
+#[test]
+fn a_reduction_the_backward_passes_outgrow_is_priced_as_its_program() {
+    let m = 16;
+    let b = builder("llama-tiny", 32);
+    let fwd = b(2).unwrap();
+    let mut cluster = Cluster::parse("2xH100").unwrap();
+    let rule = AxisRule::Megatron { sp: false, cp: false };
+    let cand = |cluster: &Cluster| Candidate {
+        mesh: Mesh::new(cluster, &[2, 1], &["dp", "tp"]).unwrap(),
+        rule: rule.clone(),
+        zero: 1,
+        micro_batches: m,
+        offload: None,
+    };
+    let p = problem(&b, 2 * m, &cluster);
+    let cost = p.problem.cost.clone();
+    let e = search::evaluate(&p, &cand(&cluster), None).unwrap().unwrap();
+    // The reduction and one micro-batch's backward compute on the node's own link.
+    let c = cand(&cluster);
+    let four = lowered_at(&fwd, &e.strategies, &c.mesh, &cost, 4, Fidelity::Exact);
+    let reduce = four.time.overlapped_comm_s - four.time.overlapped_forward_comm_s;
+    let backward = four.time.backward_compute_s / 4.0;
+    assert!(reduce > 0.0 && backward > 0.0, "a reduction {reduce} s, a backward {backward} s");
+    cluster.intra.latency_s = 0.0;
+    cluster.intra.bandwidth *= reduce / (8.0 * backward);
+    let mesh = cand(&cluster).mesh;
+    let at = |m, fidelity| lowered_at(&fwd, &e.strategies, &mesh, &cost, m, fidelity);
+    let (four, exact) = (at(4, Fidelity::Exact), at(m, Fidelity::Exact));
+    assert!(four.time.exposed_comm_s > 0.0, "four micro-batches leave the reduction exposed");
+    assert_eq!(exact.time.exposed_comm_s, 0.0, "{m} micro-batches hide it");
+    assert_same("a reduction hidden past four micro-batches", &at(m, Fidelity::Priced), &exact);
+}

@@ -3,12 +3,17 @@
 //! Gradient accumulation replays one micro-batch's graph `m` times ([`crate::lower`]): the
 //! first micro-batch starts the accumulators, the last one synchronises gradients early, and
 //! every one between runs the same instructions on the same state. So once there is a
-//! micro-batch between the first and the last, every figure the lowering predicts — the step
-//! time and its parts, each byte count, the peak — grows by the same amount per micro-batch
-//! (the step time already from two; the peak may sit in the last micro-batch with two and in a
-//! middle one from three on, so it needs three):
+//! micro-batch between the first and the last, every figure the lowering predicts — the parts
+//! of the step time, each byte count, the peak — grows by the same amount per micro-batch
+//! (the step time's parts already from two; the peak may sit in the last micro-batch with two
+//! and in a middle one from three on, so it needs three):
 //!
 //! `x(m) = x(4) + (m − 4) · (x(4) − x(3))`.
+//!
+//! All but one: the collectives the compute does not hide are a difference clamped at zero,
+//! not linear in `m` (a gradient reduction exposed under four micro-batches' backward passes
+//! hides under thirty-two), so they — and the step time that sums them — are recomputed from
+//! the extrapolated parts.
 //!
 //! The search lowers a candidate of `m > 7` micro-batches as the Programs of 4 and 3 and
 //! extrapolates ([`Twin`]): seven replays of the graph instead of `m`, which is what made
@@ -102,9 +107,14 @@ fn extend_memory(long: &MemoryReport, short: &MemoryReport, steps: f64) -> Memor
     }
 }
 
+/// Every part of the step that grows by the same amount per micro-batch, extrapolated; the
+/// exposed collectives and the step recomputed from them. The exposed part is a difference
+/// clamped at zero (collectives less the compute that hides them): a gradient reduction that
+/// four micro-batches' backward passes do not hide is hidden by thirty-two, so extrapolating
+/// it (or the step that holds it) would price the step below its own Program's.
 fn extend_time(long: &StepTime, short: &StepTime, steps: f64) -> StepTime {
     let s = |l: f64, sh: f64| secs(l, sh, steps);
-    StepTime {
+    let mut t = StepTime {
         forward_compute_s: s(long.forward_compute_s, short.forward_compute_s),
         backward_compute_s: s(long.backward_compute_s, short.backward_compute_s),
         optimizer_compute_s: s(long.optimizer_compute_s, short.optimizer_compute_s),
@@ -117,8 +127,12 @@ fn extend_time(long: &StepTime, short: &StepTime, steps: f64) -> StepTime {
             .collect(),
         blocking_comm_s: s(long.blocking_comm_s, short.blocking_comm_s),
         overlapped_comm_s: s(long.overlapped_comm_s, short.overlapped_comm_s),
-        exposed_comm_s: s(long.exposed_comm_s, short.exposed_comm_s),
-        step_time_s: s(long.step_time_s, short.step_time_s),
+        overlapped_forward_comm_s: s(
+            long.overlapped_forward_comm_s,
+            short.overlapped_forward_comm_s,
+        ),
+        exposed_comm_s: 0.0,
+        step_time_s: 0.0,
         compute_by_op_s: long
             .compute_by_op_s
             .iter()
@@ -129,7 +143,10 @@ fn extend_time(long: &StepTime, short: &StepTime, steps: f64) -> StepTime {
         offload_exposed_s: s(long.offload_exposed_s, short.offload_exposed_s),
         moved_bytes: bytes(long.moved_bytes, short.moved_bytes, steps),
         issue_wait_s: s(long.issue_wait_s, short.issue_wait_s),
-    }
+    };
+    t.exposed_comm_s = super::time::exposed_comm(&t);
+    t.step_time_s = super::time::step_of_parts(&t);
+    t
 }
 
 /// [`super::lower_unfinished`] of more than [`EXACT_UP_TO`] micro-batches, priced: the pair of

@@ -138,24 +138,42 @@ pub fn simulate_time(
     }
     t.blocking_comm_s += ring_pending;
     t.overlapped_comm_s = ov_fwd + ov_bwd;
-    // Recomputation runs inside the backward pass, so gradient reductions hide behind it too.
-    t.exposed_comm_s = (ov_fwd - t.forward_compute_s).max(0.0)
-        + (ov_bwd - t.backward_compute_s - t.recompute_s).max(0.0);
+    t.overlapped_forward_comm_s = ov_fwd;
+    t.exposed_comm_s = exposed_comm(&t);
     if p.offloads() {
         t.offload_exposed_s = offload_delay(p, cost);
     }
     if !p.offloads() {
         t.issue_wait_s = issue_wait(p, cost);
     }
-    t.step_time_s = t.forward_compute_s
+    t.step_time_s = step_of_parts(&t);
+    (t, records)
+}
+
+/// The part of the overlapped collectives that the compute of their pass does not hide:
+/// parameter gathers behind the forward compute, the rest (gradient reductions, the
+/// optimizer's collectives) behind the backward compute — recomputation runs inside the
+/// backward pass, so they hide behind it too. Not linear in the micro-batch count (a fixed
+/// gradient reduction hides once the backward passes outgrow it), so priced Programs
+/// recompute it from their extrapolated parts ([`super::priced`]).
+pub(crate) fn exposed_comm(t: &StepTime) -> f64 {
+    let ov_fwd = t.overlapped_forward_comm_s;
+    let ov_bwd = t.overlapped_comm_s - ov_fwd;
+    (ov_fwd - t.forward_compute_s).max(0.0)
+        + (ov_bwd - t.backward_compute_s - t.recompute_s).max(0.0)
+}
+
+/// The step time of `t`'s parts: compute, the collectives on the critical path and what the
+/// overlapped ones, the offload copies and the host's issue leave exposed.
+pub(crate) fn step_of_parts(t: &StepTime) -> f64 {
+    t.forward_compute_s
         + t.backward_compute_s
         + t.recompute_s
         + t.optimizer_compute_s
         + t.blocking_comm_s
         + t.exposed_comm_s
         + t.offload_exposed_s
-        + t.issue_wait_s;
-    (t, records)
+        + t.issue_wait_s
 }
 
 /// How long the device waits for its host over one step, on a device whose kernels were
