@@ -754,6 +754,42 @@ mod tests {
         (p, space.options.clone())
     }
 
+    /// The space a search shares between candidates ([`SpaceCache`]) gives each ZeRO stage the
+    /// same ILP as a space built afresh, and is built once per (micro-batch size, mesh, rule).
+    #[test]
+    fn a_shared_space_builds_the_same_problem() {
+        let cluster = Cluster::parse("2xcpu").unwrap();
+        let search = Search::new(SearchProblem {
+            build: &unet,
+            batch: 2,
+            cost: crate::cost::CostModel::for_cluster(&cluster),
+            train: tessera_ir::TrainConfig::default(),
+            knobs: SearchKnobs::default(),
+            ckpt: CkptSearch::Joint,
+        });
+        let shared = search.forward(2).unwrap();
+        let (fwd, saved) = (&shared.0, &shared.1);
+        let mesh = Mesh::new(&cluster, &[2], &["dp"]).unwrap();
+        let spaces = &search.state.graphs.spaces;
+        let first = spaces.get(2, &fwd.graph, &mesh, &AxisRule::Free).unwrap();
+        for zero in [3, 0] {
+            let cand = Candidate {
+                mesh: mesh.clone(),
+                rule: AxisRule::Free,
+                zero,
+                micro_batches: 1,
+                offload: None,
+            };
+            let cached = spaces.get(2, &fwd.graph, &mesh, &cand.rule).unwrap();
+            assert!(std::sync::Arc::ptr_eq(&first, &cached), "built again");
+            let fresh = Space::new(&fwd.graph, &mesh, &cand.rule).unwrap();
+            let a = build_problem(&search, &cand, fwd, &cached, saved, 1e12).unwrap();
+            let b = build_problem(&search, &cand, fwd, &fresh, saved, 1e12).unwrap();
+            assert!(a.choices.iter().any(|c| c.cost.len() > 1), "no choice to compare");
+            assert_eq!(a, b, "zero {zero}");
+        }
+    }
+
     /// Memory rows name only decisions with a choice: on one device, where every decision has
     /// one strategy, they are constants (the rows cost O(decisions), not O(decisions²)); on two,
     /// no row names a decision with one strategy.
