@@ -729,16 +729,20 @@ mod tests {
     }
 
     /// The ILP of the tiny UNet on `devices` CPU devices (a 1-D mesh, per-op rule).
-    fn problem(devices: usize) -> (Problem, Vec<usize>) {
-        let cluster = Cluster::parse(&format!("{devices}xcpu")).unwrap();
-        let search = Search::new(SearchProblem {
+    fn search(cluster: &Cluster) -> Search<'static> {
+        Search::new(SearchProblem {
             build: &unet,
             batch: 2,
-            cost: crate::cost::CostModel::for_cluster(&cluster),
+            cost: crate::cost::CostModel::for_cluster(cluster),
             train: tessera_ir::TrainConfig::default(),
             knobs: SearchKnobs::default(),
             ckpt: CkptSearch::Joint,
-        });
+        })
+    }
+
+    fn problem(devices: usize) -> (Problem, Vec<usize>) {
+        let cluster = Cluster::parse(&format!("{devices}xcpu")).unwrap();
+        let search = search(&cluster);
         let shared = search.forward(2).unwrap();
         let (fwd, saved) = (&shared.0, &shared.1);
         let mesh = Mesh::new(&cluster, &[devices], &["dp"]).unwrap();
@@ -754,37 +758,27 @@ mod tests {
         (p, space.options.clone())
     }
 
-    /// The space a search shares between candidates ([`SpaceCache`]) gives each ZeRO stage the
-    /// same ILP as a space built afresh, and is built once per (micro-batch size, mesh, rule).
+    /// The space a search shares between candidates ([`SpaceCache`]) is built once per
+    /// (micro-batch size, mesh, rule) and gives each ZeRO stage the ILP a fresh search builds.
     #[test]
     fn a_shared_space_builds_the_same_problem() {
         let cluster = Cluster::parse("2xcpu").unwrap();
-        let search = Search::new(SearchProblem {
-            build: &unet,
-            batch: 2,
-            cost: crate::cost::CostModel::for_cluster(&cluster),
-            train: tessera_ir::TrainConfig::default(),
-            knobs: SearchKnobs::default(),
-            ckpt: CkptSearch::Joint,
-        });
-        let shared = search.forward(2).unwrap();
-        let (fwd, saved) = (&shared.0, &shared.1);
         let mesh = Mesh::new(&cluster, &[2], &["dp"]).unwrap();
-        let spaces = &search.state.graphs.spaces;
-        let first = spaces.get(2, &fwd.graph, &mesh, &AxisRule::Free).unwrap();
+        let shared = search(&cluster);
+        let spaces = &shared.state.graphs.spaces;
+        let fwd = shared.forward(2).unwrap();
+        let first = spaces.get(2, &fwd.0.graph, &mesh, &AxisRule::Free).unwrap();
         for zero in [3, 0] {
-            let cand = Candidate {
-                mesh: mesh.clone(),
-                rule: AxisRule::Free,
-                zero,
-                micro_batches: 1,
-                offload: None,
-            };
-            let cached = spaces.get(2, &fwd.graph, &mesh, &cand.rule).unwrap();
-            assert!(std::sync::Arc::ptr_eq(&first, &cached), "built again");
-            let fresh = Space::new(&fwd.graph, &mesh, &cand.rule).unwrap();
-            let a = build_problem(&search, &cand, fwd, &cached, saved, 1e12).unwrap();
-            let b = build_problem(&search, &cand, fwd, &fresh, saved, 1e12).unwrap();
+            let rule = AxisRule::Free;
+            let cand =
+                Candidate { mesh: mesh.clone(), rule, zero, micro_batches: 1, offload: None };
+            let space = spaces.get(2, &fwd.0.graph, &mesh, &cand.rule).unwrap();
+            assert!(std::sync::Arc::ptr_eq(&first, &space), "built again");
+            let a = build_problem(&shared, &cand, &fwd.0, &space, &fwd.1, 1e12).unwrap();
+            let fresh = search(&cluster);
+            let f = fresh.forward(2).unwrap();
+            let space = Space::new(&f.0.graph, &mesh, &cand.rule).unwrap();
+            let b = build_problem(&fresh, &cand, &f.0, &space, &f.1, 1e12).unwrap();
             assert!(a.choices.iter().any(|c| c.cost.len() > 1), "no choice to compare");
             assert_eq!(a, b, "zero {zero}");
         }
