@@ -18,7 +18,6 @@ use crate::ilp::{self, Problem, SolveOptions};
 // Many micro-batches priced from a few ([`Fidelity::Priced`]); the plan picked is lowered
 // exactly ([`exactly`]).
 use crate::lower::{finish, lower, lower_unfinished, Fidelity, LowerOptions, Lowered};
-use crate::reshard::ReshardCache;
 use crate::rules::Strategy;
 use crate::{Mesh, PlanError, Result};
 use space::{build_problem, Space};
@@ -166,6 +165,7 @@ impl FastestSoFar {
 pub struct Graphs {
     forwards: std::sync::Mutex<HashMap<usize, SharedForward>>,
     edges: space::EdgeCache,
+    spaces: space::SpaceCache,
 }
 
 impl Search<'_> {
@@ -384,13 +384,12 @@ fn evaluate_candidate(
     let (fwd, saved) = (&shared.0, &shared.1);
     let g = &fwd.graph;
     let mesh = &cand.mesh;
-    let space = Space::new(g, mesh, &cand.rule)?;
+    let space = p.state.graphs.spaces.get(p.problem.batch / mb, g, mesh, &cand.rule)?;
     if space.options.contains(&0) {
         return Ok(None);
     }
     let t0 = std::time::Instant::now();
-    let mut reshard = ReshardCache::new(mesh.clone());
-    let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, budget)?;
+    let problem = build_problem(p, cand, fwd, &space, saved, budget)?;
     let t_build = t0.elapsed();
     // The ILP's fastest layout, memory aside: no layout of this candidate is faster by its
     // figures. One more solve (milliseconds) can spare every lowering of a candidate that
@@ -584,7 +583,7 @@ fn sharding_only(
     p: &Search<'_>,
     cand: &Candidate,
     problem: &Problem,
-    space: &Space<'_>,
+    space: &Space,
     fwd: &Forward,
     budget: f64,
     t_build: std::time::Duration,
@@ -647,7 +646,7 @@ fn frugal_candidate(
     p: &Search<'_>,
     cand: &Candidate,
     problem: &Problem,
-    space: &Space<'_>,
+    space: &Space,
     fwd: &Forward,
     budget: f64,
     bound: f64,
@@ -775,12 +774,12 @@ pub fn min_peak(p: &Search<'_>, cand: &Candidate) -> Result<Option<u64>> {
     }
     let shared = p.forward(p.problem.batch / mb)?;
     let (fwd, saved) = (&shared.0, &shared.1);
-    let space = Space::new(&fwd.graph, &cand.mesh, &cand.rule)?;
+    let space =
+        p.state.graphs.spaces.get(p.problem.batch / mb, &fwd.graph, &cand.mesh, &cand.rule)?;
     if space.options.contains(&0) {
         return Ok(None);
     }
-    let mut reshard = ReshardCache::new(cand.mesh.clone());
-    let problem = build_problem(p, cand, fwd, &space, saved, &mut reshard, f64::INFINITY)?;
+    let problem = build_problem(p, cand, fwd, &space, saved, f64::INFINITY)?;
     let Some(sol) = ilp::min_peak(&problem, &p.problem.knobs.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
     let ckpt = Checkpointing::default();

@@ -31,9 +31,12 @@ use tessera_ir::{DType, Graph, NodeId, Op, TensorId, TensorMeta};
 /// Per-strategy node cost, saved, static and transient bytes (memoised per representative).
 type NodeCosts = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 
-/// Everything about one forward graph on one mesh that does not depend on the ILP's picks.
-pub(super) struct Space<'g> {
-    g: &'g Graph,
+/// Everything about one forward graph on one mesh that does not depend on the ILP's picks
+/// (nor on the ZeRO stage, the offload or the budget: built once per micro-batch size, mesh and
+/// axis rule of a search, [`SpaceCache`]).
+pub(super) struct Space {
+    /// Nodes of the graph it was built on.
+    nodes: usize,
     /// Decision index per node (None: leaf).
     var_of: Vec<Option<usize>>,
     /// Per decision: its head node and its number of strategies.
@@ -113,8 +116,8 @@ fn local_bytes(meta: &TensorMeta, spec: &Spec, mesh: &Mesh) -> f64 {
     local_meta(meta, spec, mesh).map_or(f64::INFINITY, |m| m.size_bytes() as f64)
 }
 
-impl<'g> Space<'g> {
-    pub(super) fn new(g: &'g Graph, mesh: &Mesh, rule: &AxisRule) -> Result<Space<'g>> {
+impl Space {
+    pub(super) fn new(g: &Graph, mesh: &Mesh, rule: &AxisRule) -> Result<Space> {
         let n = g.nodes.len();
         let mut labels: Vec<Option<Labeling>> = Vec::with_capacity(n);
         for node in &g.nodes {
@@ -331,13 +334,13 @@ impl<'g> Space<'g> {
                 chosen[i] = all;
             }
         }
-        Ok(Space { g, var_of, heads, options, chosen, rep, unsplittable: None })
+        Ok(Space { nodes: n, var_of, heads, options, chosen, rep, unsplittable: None })
     }
 
     /// A space with no candidate, and why.
-    fn unsplittable(g: &'g Graph, why: String) -> Space<'g> {
+    fn unsplittable(g: &Graph, why: String) -> Space {
         Space {
-            g,
+            nodes: g.nodes.len(),
             var_of: Vec::new(),
             heads: Vec::new(),
             options: vec![0],
@@ -349,9 +352,7 @@ impl<'g> Space<'g> {
 
     /// The per-node strategies of a set of picks.
     pub(super) fn assignment(&self, picks: &[usize]) -> Vec<Option<Strategy>> {
-        (0..self.g.nodes.len())
-            .map(|i| self.var_of[i].map(|v| self.chosen(i)[picks[v]].clone()))
-            .collect()
+        (0..self.nodes).map(|i| self.var_of[i].map(|v| self.chosen(i)[picks[v]].clone())).collect()
     }
 
     /// Node `i`'s strategy per pick of its decision.
@@ -374,9 +375,8 @@ pub(super) fn build_problem(
     p: &Search<'_>,
     cand: &Candidate,
     fwd: &Forward,
-    space: &Space<'_>,
+    space: &Space,
     saved: &[bool],
-    reshard: &mut ReshardCache,
     budget: f64,
 ) -> Result<Problem> {
     let g = &fwd.graph;
@@ -519,7 +519,10 @@ pub(super) fn build_problem(
     let key = (mesh.clone(), cand.rule.clone(), cand.micro_batches);
     let edges = match p.state.graphs.edges.get(&key) {
         Some(edges) => edges,
-        None => p.state.graphs.edges.insert(key, edge_costs(g, mesh, space, reshard, mbf)),
+        None => {
+            let mut reshard = ReshardCache::new(mesh.clone());
+            p.state.graphs.edges.insert(key, edge_costs(g, mesh, space, &mut reshard, mbf))
+        }
     };
     let mut edge_list = Vec::new();
     for (&(a, b), cost) in edges.iter() {
@@ -606,10 +609,47 @@ impl EdgeCache {
     }
 }
 
+/// Spaces already built, per (micro-batch size, mesh, axis rule) of one search: a job's ZeRO
+/// stages, its deferred candidates and the offload phase's probes solve ILPs over the same
+/// space.
+#[derive(Default)]
+pub struct SpaceCache(std::sync::Mutex<Vec<(SpaceKey, std::sync::Arc<Space>)>>);
+
+type SpaceKey = (usize, Mesh, AxisRule);
+
+impl SpaceCache {
+    /// The space of `g` (the forward graph of `micro_batch` samples) on `mesh` under `rule`.
+    pub(super) fn get(
+        &self,
+        micro_batch: usize,
+        g: &Graph,
+        mesh: &Mesh,
+        rule: &AxisRule,
+    ) -> Result<std::sync::Arc<Space>> {
+        let found = |entries: &[(SpaceKey, std::sync::Arc<Space>)]| {
+            entries
+                .iter()
+                .find(|((b, m, r), _)| *b == micro_batch && m == mesh && r == rule)
+                .map(|(_, s)| s.clone())
+        };
+        if let Some(s) = self.0.lock().ok().and_then(|e| found(&e)) {
+            return Ok(s);
+        }
+        let space = std::sync::Arc::new(Space::new(g, mesh, rule)?);
+        if let Ok(mut entries) = self.0.lock() {
+            // A thread that built it meanwhile built the same.
+            if found(&entries).is_none() {
+                entries.push(((micro_batch, mesh.clone(), rule.clone()), space.clone()));
+            }
+        }
+        Ok(space)
+    }
+}
+
 fn edge_costs(
     g: &Graph,
     mesh: &Mesh,
-    space: &Space<'_>,
+    space: &Space,
     reshard: &mut ReshardCache,
     mbf: f64,
 ) -> EdgeCosts {
@@ -657,7 +697,6 @@ fn edge_costs(
                 }
                 m
             });
-            let m = m.clone();
             let e = edges.entry((pv, cv)).or_insert_with(|| vec![vec![0.0; m[0].len()]; m.len()]);
             for (s, row) in m.iter().enumerate() {
                 for (u, c) in row.iter().enumerate() {
@@ -690,16 +729,20 @@ mod tests {
     }
 
     /// The ILP of the tiny UNet on `devices` CPU devices (a 1-D mesh, per-op rule).
-    fn problem(devices: usize) -> (Problem, Vec<usize>) {
-        let cluster = Cluster::parse(&format!("{devices}xcpu")).unwrap();
-        let search = Search::new(SearchProblem {
+    fn search(cluster: &Cluster) -> Search<'static> {
+        Search::new(SearchProblem {
             build: &unet,
             batch: 2,
-            cost: crate::cost::CostModel::for_cluster(&cluster),
+            cost: crate::cost::CostModel::for_cluster(cluster),
             train: tessera_ir::TrainConfig::default(),
             knobs: SearchKnobs::default(),
             ckpt: CkptSearch::Joint,
-        });
+        })
+    }
+
+    fn problem(devices: usize) -> (Problem, Vec<usize>) {
+        let cluster = Cluster::parse(&format!("{devices}xcpu")).unwrap();
+        let search = search(&cluster);
         let shared = search.forward(2).unwrap();
         let (fwd, saved) = (&shared.0, &shared.1);
         let mesh = Mesh::new(&cluster, &[devices], &["dp"]).unwrap();
@@ -711,9 +754,34 @@ mod tests {
             offload: None,
         };
         let space = Space::new(&fwd.graph, &mesh, &cand.rule).unwrap();
-        let mut reshard = ReshardCache::new(mesh);
-        let p = build_problem(&search, &cand, fwd, &space, saved, &mut reshard, 1e12).unwrap();
+        let p = build_problem(&search, &cand, fwd, &space, saved, 1e12).unwrap();
         (p, space.options.clone())
+    }
+
+    /// The space a search shares between candidates ([`SpaceCache`]) is built once per
+    /// (micro-batch size, mesh, rule) and gives each ZeRO stage the ILP a fresh search builds.
+    #[test]
+    fn a_shared_space_builds_the_same_problem() {
+        let cluster = Cluster::parse("2xcpu").unwrap();
+        let mesh = Mesh::new(&cluster, &[2], &["dp"]).unwrap();
+        let shared = search(&cluster);
+        let spaces = &shared.state.graphs.spaces;
+        let fwd = shared.forward(2).unwrap();
+        let first = spaces.get(2, &fwd.0.graph, &mesh, &AxisRule::Free).unwrap();
+        for zero in [3, 0] {
+            let rule = AxisRule::Free;
+            let cand =
+                Candidate { mesh: mesh.clone(), rule, zero, micro_batches: 1, offload: None };
+            let space = spaces.get(2, &fwd.0.graph, &mesh, &cand.rule).unwrap();
+            assert!(std::sync::Arc::ptr_eq(&first, &space), "built again");
+            let a = build_problem(&shared, &cand, &fwd.0, &space, &fwd.1, 1e12).unwrap();
+            let fresh = search(&cluster);
+            let f = fresh.forward(2).unwrap();
+            let space = Space::new(&f.0.graph, &mesh, &cand.rule).unwrap();
+            let b = build_problem(&fresh, &cand, &f.0, &space, &f.1, 1e12).unwrap();
+            assert!(a.choices.iter().any(|c| c.cost.len() > 1), "no choice to compare");
+            assert_eq!(a, b, "zero {zero}");
+        }
     }
 
     /// Memory rows name only decisions with a choice: on one device, where every decision has
