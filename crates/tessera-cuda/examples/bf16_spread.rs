@@ -179,7 +179,10 @@ fn dump_start(
         params,
         optimizer: HashMap::new(),
         config_json: cfg.to_hf_json(),
-        dir: dir.to_path_buf(),
+        // The checkpoint lives in memory only: its directory must not be the export's (the
+        // export guard refuses to replace the checkpoint it exports), so name a sibling that
+        // is never written.
+        dir: dir.with_extension("in-memory"),
     };
     tessera_runtime::dist_checkpoint::export_hf(&ckpt, dir, true).expect("export");
     let tc = TrainConfig::default();
