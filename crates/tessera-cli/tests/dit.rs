@@ -248,7 +248,8 @@ fn tiny_dit_trains_like_one_device_under_every_plan() {
         // An offloaded plan's host memory peaks where its Program says, above nothing.
         let host = &doc["memory"]["host_peak_bytes"];
         assert_eq!(host["predicted"], host["measured"], "{what}: host peaks {host}");
-        let held = host["measured"].as_array().is_some_and(|h| h.iter().all(|b| b.as_u64() > Some(0)));
+        let held =
+            host["measured"].as_array().is_some_and(|h| h.iter().all(|b| b.as_u64() > Some(0)));
         assert_eq!(held, plan.contains("offload="), "{what}: host peaks {host}");
     }
 }

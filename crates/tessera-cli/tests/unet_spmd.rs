@@ -87,13 +87,16 @@ fn single() -> Vec<(f64, f64)> {
 }
 
 fn request(devices: usize) -> Request<'static> {
+    // 1 GiB of host memory per device, for the offloaded plans' model state.
+    let mut cluster = Cluster::parse(&format!("{devices}xcpu")).unwrap();
+    cluster.host.memory_bytes = 1 << 30;
     Request {
         build: &forward,
         model: "unet-tiny".into(),
         batch: BATCH,
         seq: TOKENS,
         dtype: DType::F32,
-        cluster: Cluster::parse(&format!("{devices}xcpu")).unwrap(),
+        cluster,
         budget: 1 << 40,
         train: train_cfg(),
         model_flops: 1.0,
