@@ -3,8 +3,9 @@
 //! run by the runtime's f32 CPU kernels on the fixture's inputs must give diffusers' output
 //! and every parameter's gradient of the MSE within 1e-4; DiT-XL/2's parameter count equals
 //! diffusers'; the diffusion objective's schedules and the samplers' steps equal diffusers'.
-//! Training: a tiny DiT trains under `dp2`, `tp2`, `dp2 zero3` and with checkpointing like one
-//! device (per-step loss and gradient norm within 1e-5, peaks and traffic as predicted), and
+//! Training: a tiny DiT trains under `dp2`, `tp2`, `dp2 zero3`, with checkpointing and with its
+//! model state offloaded to host memory like one device (per-step loss and gradient norm within
+//! 1e-5 for 10 steps, device and host peaks and traffic as predicted), and
 //! `dit-tiny` trained on the digits draws digits a ViT trained on the digits recognises as
 //! the requested class.
 
@@ -217,9 +218,13 @@ fn tiny_dit_trains_like_one_device_under_every_plan() {
     let model = model_file(&dir, "dit-fid", DIT_DIGITS);
     let shape = Shape { batch: 8, seq: 16, steps: 10 };
     let train = |devices: usize, plan: &str| {
-        let log = dir.join(format!("{devices}-{}.jsonl", plan.replace([' ', '='], "_")));
+        let tag = plan.replace([' ', '=', '+'], "_");
+        let log = dir.join(format!("{devices}-{tag}.jsonl"));
         let mut args = axis_runs::run_args(&model, plan, log.to_str().unwrap(), shape, shape.steps);
         args.extend(["--devices".into(), devices.to_string(), "--data".into(), digits()]);
+        if plan.contains("offload=") {
+            args.extend(["--host-memory".into(), "1GiB".into()]);
+        }
         let out = axis_runs::tessera(&args);
         assert!(out.status.success(), "{plan}: {}", String::from_utf8_lossy(&out.stderr));
         let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
@@ -227,13 +232,25 @@ fn tiny_dit_trains_like_one_device_under_every_plan() {
     };
     let (_, single) = train(1, "dp1");
     assert!(single.iter().all(|s| s.0.is_finite() && s.0 > 0.0), "{single:?}");
-    for (devices, plan) in
-        [(2, "dp2"), (2, "tp2"), (2, "dp2 zero3"), (2, "dp2 ckpt=full"), (2, "tp2 ckpt=full")]
-    {
-        let (doc, steps) = train(devices, plan);
+    for plan in [
+        "dp2",
+        "tp2",
+        "dp2 zero3",
+        "dp2 ckpt=full",
+        "tp2 ckpt=full",
+        "dp2 offload=all",
+        "dp2 zero3 offload=grads+opt",
+    ] {
+        let (doc, steps) = train(2, plan);
         let what = format!("dit `{plan}`");
         assert_follows(&what, &steps, &single, 1);
         assert_accounted(&what, &doc);
+        // An offloaded plan's host memory peaks where its Program says, above nothing.
+        let host = &doc["memory"]["host_peak_bytes"];
+        assert_eq!(host["predicted"], host["measured"], "{what}: host peaks {host}");
+        let held =
+            host["measured"].as_array().is_some_and(|h| h.iter().all(|b| b.as_u64() > Some(0)));
+        assert_eq!(held, plan.contains("offload="), "{what}: host peaks {host}");
     }
 }
 

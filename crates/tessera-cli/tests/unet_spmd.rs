@@ -2,8 +2,10 @@
 //! self- and cross-attention, skip concatenations, down- and upsampling) trained by the SPMD
 //! runtime on simulated devices under dp2, dp2 with ZeRO-3 and tp2 (the planner's Megatron
 //! layout: attention by heads, the GEGLU MLP by columns and rows, convolutions and GroupNorm
-//! whole with the resharding that needs) computes what one device computes (per-step loss and gradient norm within 1e-5 relative), and every device peaks at
-//! exactly the memory the plan predicts. The inputs are synthetic (seeded draws of `sample`,
+//! whole with the resharding that needs), each of them with every block checkpointed, and with
+//! its model state offloaded to host memory (and with that, ZeRO-3 and checkpointing),
+//! computes what one device computes (per-step loss and gradient norm within 1e-5 relative,
+//! 10 steps), and every device peaks at exactly the device and host memory the plan predicts. The inputs are synthetic (seeded draws of `sample`,
 //! `timestep`, `encoder_hidden_states` and `target`): the fidelity of the parallel step, not
 //! the diffusion objective, is what is checked.
 
@@ -21,7 +23,7 @@ use tessera_runtime::init::init_rules_by_name;
 use tessera_runtime::tensor::from_vec;
 use tessera_runtime::{CpuBackend, DeviceSetup, LrSchedule, StartState, StepBatch, Trainer};
 
-const STEPS: u64 = 3;
+const STEPS: u64 = 10;
 const BATCH: usize = 4;
 const TOKENS: usize = 3;
 const SEED: u64 = 4747;
@@ -85,13 +87,16 @@ fn single() -> Vec<(f64, f64)> {
 }
 
 fn request(devices: usize) -> Request<'static> {
+    // 1 GiB of host memory per device, for the offloaded plans' model state.
+    let mut cluster = Cluster::parse(&format!("{devices}xcpu")).unwrap();
+    cluster.host.memory_bytes = 1 << 30;
     Request {
         build: &forward,
         model: "unet-tiny".into(),
         batch: BATCH,
         seq: TOKENS,
         dtype: DType::F32,
-        cluster: Cluster::parse(&format!("{devices}xcpu")).unwrap(),
+        cluster,
         budget: 1 << 40,
         train: train_cfg(),
         model_flops: 1.0,
@@ -107,14 +112,14 @@ fn plan(devices: usize, config: &str) -> Plan {
 }
 
 /// `plan` on its devices (simulated): per-step (loss, grad norm) of rank 0; checks each
-/// device's peak against the plan's prediction.
+/// device's peak, and its host peak, against the plan's prediction.
 fn parallel(plan: &Plan, config: &str) -> Vec<(f64, f64)> {
     let devices: usize = plan.mesh.shape.iter().product();
     let req = request(devices);
     let exe = planner::lower_plan(&req, plan).unwrap_or_else(|e| panic!("{config}: {e}"));
     let rules = init_rules_by_name(&forward(BATCH).unwrap().graph);
     let comms = ThreadComm::world(devices, Duration::from_secs(60)).unwrap();
-    let results: Vec<(Vec<(f64, f64)>, u64)> = std::thread::scope(|s| {
+    let results: Vec<(Vec<(f64, f64)>, u64, u64)> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .into_iter()
             .enumerate()
@@ -135,24 +140,28 @@ fn parallel(plan: &Plan, config: &str) -> Vec<(f64, f64)> {
                         StartState::Fresh { rules },
                     )
                     .unwrap();
-                    let (mut steps, mut peak) = (Vec::new(), 0);
+                    let (mut steps, mut peak, mut host) = (Vec::new(), 0, 0);
                     for s in 1..=STEPS {
                         let st = t.step_batch(&batch(s)).unwrap();
                         steps.push((st.loss, st.grad_norm));
-                        peak = st.peak_bytes;
+                        peak = peak.max(st.peak_bytes);
+                        host = host.max(st.host_peak_bytes);
                     }
-                    (steps, peak)
+                    (steps, peak, host)
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
     });
-    for (rank, (_, peak)) in results.iter().enumerate() {
+    for (rank, (_, peak, host)) in results.iter().enumerate() {
         assert_eq!(*peak, exe.lowered.memory.peak_bytes, "{config} rank {rank}: peak");
         assert_eq!(
             plan.predicted.peak_bytes_per_device[rank], *peak,
             "{config} rank {rank}: the plan's predicted peak"
         );
+        assert_eq!(*host, exe.lowered.memory.host_peak_bytes, "{config} rank {rank}: host peak");
+        let offloads = plan.offload.as_ref().is_some_and(|o| o.chunks_offloaded > 0);
+        assert_eq!(*host > 0, offloads, "{config} rank {rank}: host peak {host} B");
     }
     results.into_iter().next().expect("rank 0").0
 }
@@ -166,7 +175,17 @@ fn tiny_unet_data_and_tensor_parallel_plans_match_one_device() {
     let reference = single();
     // The parameters move: the gradient norm changes from step to step.
     assert!(rel(reference[2].1, reference[0].1) > 1e-3, "{reference:?}");
-    for config in ["dp2", "dp2 zero3", "tp2"] {
+    for config in [
+        "dp2",
+        "dp2 zero3",
+        "tp2",
+        "dp2 ckpt=full",
+        "dp2 zero3 ckpt=full",
+        "tp2 ckpt=full",
+        "dp2 offload=all",
+        "tp2 offload=grads+opt",
+        "dp2 zero3 ckpt=full offload=all",
+    ] {
         let steps = parallel(&plan(2, config), config);
         for (i, ((l, g), (l1, g1))) in steps.iter().zip(&reference).enumerate() {
             assert!(
