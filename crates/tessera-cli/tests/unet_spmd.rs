@@ -111,6 +111,9 @@ fn plan(devices: usize, config: &str) -> Plan {
         .unwrap_or_else(|e| panic!("{config}: {e}"))
 }
 
+/// One device's run: per-step (loss, grad norm), its peak and its host peak.
+type DeviceRun = (Vec<(f64, f64)>, u64, u64);
+
 /// `plan` on its devices (simulated): per-step (loss, grad norm) of rank 0; checks each
 /// device's peak, and its host peak, against the plan's prediction.
 fn parallel(plan: &Plan, config: &str) -> Vec<(f64, f64)> {
@@ -119,7 +122,7 @@ fn parallel(plan: &Plan, config: &str) -> Vec<(f64, f64)> {
     let exe = planner::lower_plan(&req, plan).unwrap_or_else(|e| panic!("{config}: {e}"));
     let rules = init_rules_by_name(&forward(BATCH).unwrap().graph);
     let comms = ThreadComm::world(devices, Duration::from_secs(60)).unwrap();
-    let results: Vec<(Vec<(f64, f64)>, u64, u64)> = std::thread::scope(|s| {
+    let results: Vec<DeviceRun> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .into_iter()
             .enumerate()
