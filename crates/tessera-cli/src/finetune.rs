@@ -464,7 +464,7 @@ pub fn merge(spec: &LoraSpec, params: &mut HashMap<String, Tensor>) -> Result<us
 
 /// After a LoRA run (rank 0): the adapter (`--save-adapter`) and the merged model
 /// (`--merge-into`), read back from the checkpoint `--save` wrote at the last step.
-pub fn after_run(ctx: &crate::train_cmd::RunContext) -> Result<()> {
+pub fn after_run(ctx: &crate::train_prepare::RunContext) -> Result<()> {
     let args = &ctx.args;
     if args.save_adapter.is_none() && args.merge_into.is_none() {
         return Ok(());

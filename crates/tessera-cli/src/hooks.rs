@@ -8,7 +8,7 @@
 //! other device gets the same answer — so a stop or a batch from Python is one decision for
 //! all of them, taken at a step boundary.
 
-use crate::train_cmd::RunContext;
+use crate::train_prepare::RunContext;
 use anyhow::{Context, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;

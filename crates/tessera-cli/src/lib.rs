@@ -37,6 +37,7 @@ mod tier_args;
 mod train_cmd;
 mod train_guard;
 mod train_launch;
+mod train_prepare;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::ffi::OsString;

@@ -12,7 +12,7 @@
 use crate::format::bytes;
 use crate::output::write_output;
 use crate::plan_cmd::plan_err;
-use crate::train_cmd::RunContext;
+use crate::train_prepare::RunContext;
 use anyhow::{anyhow, bail, Context, Result};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};

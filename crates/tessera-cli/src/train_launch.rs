@@ -7,7 +7,8 @@
 use crate::format::bytes;
 use crate::hooks::Hooks;
 use crate::profile_cmd::{print_stdout, OutputFormat};
-use crate::train_cmd::{prepare, progress, DeviceKind, RunContext, Start, TrainArgs};
+use crate::train_cmd::{DeviceKind, TrainArgs};
+use crate::train_prepare::{prepare, progress, RunContext, Start};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::json;
 use std::time::Duration;
