@@ -152,7 +152,8 @@ fn predicted_step_time_is_within_the_bound_of_published_runs() {
     let (mut narrow, mut wide) = (Vec::new(), Vec::new());
     let mut report = String::new();
     for Run { name: run, bound, measured, predicted, .. } in &runs {
-        let predicted = predicted.as_ref().unwrap_or_else(|e| panic!("{run}: refused by the planner: {e}"));
+        let predicted =
+            predicted.as_ref().unwrap_or_else(|e| panic!("{run}: refused by the planner: {e}"));
         let error = predicted / measured - 1.0;
         report += &format!(
             "{run}: measured {measured} s, predicted {predicted:.3} s ({:+.1}%, bound {:.0}%)\n",
