@@ -8,9 +8,11 @@
 # their outputs (text states, latents) are the UNet's inputs. Prints a Markdown table: the
 # plan, its predicted per-device peak against the budget, the host peak, the predicted step,
 # the search's wall time. A case no plan fits prints the planner's reason.
-# usage: scripts/bench-sd-plan.sh [path/to/tessera]
+# usage: scripts/bench-sd-plan.sh [path/to/tessera] [regex]  (regex: only the cases it matches,
+# written "model cluster batch mode", e.g. 'A100|lora')
 set -euo pipefail
 bin=${1:-target/release/tessera}
+only=${2:-.}
 [ -x "$bin" ] || cargo build --release -q --bin tessera
 fx="$(dirname "$0")/../crates/tessera-cli/tests/fixtures/diffusers_unet"
 lora="r=4,alpha=4,dropout=0,targets=to_q,to_k,to_v,to_out.0"
@@ -25,6 +27,7 @@ cases=(
 echo "| UNet | cluster | batch | trains | plan | device peak / budget | host peak | predicted step | search |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for c in "${cases[@]}"; do
+  [[ $c =~ $only ]] || continue
   read -r model cluster batch mode <<<"$c"
   flags=(--model "$fx/$model/config.json" --cluster "$cluster" --batch "$batch" --image-size 64 --seq 77)
   trains="UNet (AdamW)"

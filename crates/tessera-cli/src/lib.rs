@@ -12,6 +12,7 @@
 mod calibrate_cmd;
 mod calibrate_gpu;
 mod checkpoint_cmd;
+pub mod denoise_infer;
 mod diffusion_args;
 mod eval_cmd;
 mod eval_io;

@@ -112,6 +112,12 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
     }
     let start = Instant::now();
     let (cfg, seq) = resolve(args)?;
+    if args.infer.inference && crate::denoise_infer::is_denoiser(&cfg) {
+        let (dtype, q) = (args.dtype.dtype(), args.infer.quantize);
+        return print_stdout(&crate::denoise_infer::profile_table(
+            &cfg, args.batch, seq, dtype, q,
+        )?);
+    }
     if args.infer.inference {
         return crate::inference_cmd::profile(args, &cfg, seq);
     }
@@ -173,6 +179,10 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
 pub fn report(args: &ProfileArgs) -> Result<serde_json::Value> {
     let start = Instant::now();
     let (cfg, seq) = resolve(args)?;
+    if args.infer.inference && crate::denoise_infer::is_denoiser(&cfg) {
+        let (dtype, q) = (args.dtype.dtype(), args.infer.quantize);
+        return crate::denoise_infer::profile_report(&cfg, args.batch, seq, dtype, q);
+    }
     if args.infer.inference {
         return crate::inference_cmd::profile_report(args, &cfg, seq);
     }

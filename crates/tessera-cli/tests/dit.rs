@@ -3,9 +3,9 @@
 //! run by the runtime's f32 CPU kernels on the fixture's inputs must give diffusers' output
 //! and every parameter's gradient of the MSE within 1e-4; DiT-XL/2's parameter count equals
 //! diffusers'; the diffusion objective's schedules and the samplers' steps equal diffusers'.
-//! Training: a tiny DiT trains under `dp2`, `tp2`, `dp2 zero3` and with checkpointing like one
-//! device (per-step loss and gradient norm within 1e-5 for 10 steps, device and host peaks and
-//! traffic as predicted), and
+//! Training: a tiny DiT trains under `dp2`, `tp2`, `dp2 zero3`, with checkpointing and with
+//! its model state offloaded to host memory like one device (per-step loss and gradient norm
+//! within 1e-5 for 10 steps, device and host peaks and traffic as predicted), and
 //! `dit-tiny` trained on the digits draws digits a ViT trained on the digits recognises as
 //! the requested class.
 
@@ -232,7 +232,15 @@ fn tiny_dit_trains_like_one_device_under_every_plan() {
     };
     let (_, single) = train(1, "dp1");
     assert!(single.iter().all(|s| s.0.is_finite() && s.0 > 0.0), "{single:?}");
-    for plan in ["dp2", "tp2", "dp2 zero3", "dp2 ckpt=full", "tp2 ckpt=full"] {
+    for plan in [
+        "dp2",
+        "tp2",
+        "dp2 zero3",
+        "dp2 ckpt=full",
+        "tp2 ckpt=full",
+        "dp2 offload=all",
+        "tp2 ckpt=full offload=grads+opt",
+    ] {
         let (doc, steps) = train(2, plan);
         let what = format!("dit `{plan}`");
         assert_follows(&what, &steps, &single, 1);

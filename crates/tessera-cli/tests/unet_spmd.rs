@@ -120,6 +120,12 @@ fn parallel(plan: &Plan, config: &str) -> Vec<(f64, f64)> {
     let devices: usize = plan.mesh.shape.iter().product();
     let req = request(devices);
     let exe = planner::lower_plan(&req, plan).unwrap_or_else(|e| panic!("{config}: {e}"));
+    if let Some(o) = &plan.offload {
+        // The plan's figure is the one `tessera train` reports as predicted: its Program and the
+        // one lowered from the plan file must be the same.
+        let host = exe.lowered.memory.host_peak_bytes;
+        assert_eq!(o.host_peak_bytes, host, "{config}: the plan's host peak vs its Program's");
+    }
     let rules = init_rules_by_name(&forward(BATCH).unwrap().graph);
     let comms = ThreadComm::world(devices, Duration::from_secs(60)).unwrap();
     let results: Vec<DeviceRun> = std::thread::scope(|s| {

@@ -346,7 +346,10 @@ impl<'a> LocalForward<'a> {
             }
         }
         let consumers = g.consumers();
-        for &p in &self.on_host {
+        // In the graph's parameter order, not the set's: fetches due at one node are emitted
+        // in this order, and the Program (its host peak among them) must be the same at every
+        // lowering of the plan — the search's and the runtime's.
+        for p in g.parameters().into_iter().filter(|p| self.on_host.contains(p)) {
             for &c in &consumers[p.index()] {
                 let here = g.node(c).block;
                 let before = (0..c.index())
