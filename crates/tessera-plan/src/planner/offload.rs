@@ -108,6 +108,32 @@ fn run_both(req: &Request<'_>, layouts: &[Layout]) -> Result<OffloadPhase> {
     Ok(OffloadPhase { fit: act.fit, least_tiers: state.least_tiers.or(act.least_tiers) })
 }
 
+/// Whether no plan can fit the devices without offload, whatever its layout: right before
+/// the optimizer step every parameter, its gradient (the gradient-norm clip reads them all
+/// before any update) and its AdamW state are each held somewhere, so the busiest device holds
+/// at least their average over every device. Mixtral-8x7B on `8xH100` (46.7 B parameters ×
+/// 16 bytes over 8 devices: 87 GiB of a 78.6 GiB budget) is such a case: the flat search and
+/// the pipeline phase would lower every candidate to learn it. Without the clip (or without
+/// host memory to offload to) the answer is no.
+pub(super) fn device_state_cannot_fit(req: &Request<'_>, p: &Search<'_>) -> Result<bool> {
+    if req.cluster.host.memory_bytes == 0 || req.train.max_grad_norm.is_none() {
+        return Ok(false);
+    }
+    let n = req.cluster.num_devices().max(1);
+    let shared = p.forward(req.batch)?;
+    let g = &shared.0.graph;
+    // Gradients: one element of the parameter's dtype each.
+    let grads: f64 = g
+        .nodes
+        .iter()
+        .filter(|node| matches!(node.op, tessera_ir::Op::Parameter { .. }))
+        .flat_map(|node| &node.outputs)
+        .map(|&t| g.meta(t).size_bytes() as f64)
+        .sum();
+    let resting = search::resting_floor(p, req.batch, n)? as f64;
+    Ok(resting + grads / n as f64 > req.budget as f64)
+}
+
 /// The phase on one `dp × tp` layout of a config string, its ZeRO stage fixed, `sp` as `sps`
 /// allows and the micro-batch counts `mbs` ([`super::plan_config`], offload not written; the
 /// request's checkpointing search is the config's).
