@@ -823,6 +823,35 @@ mod tests {
         }
     }
 
+    /// DeepSeek-V3's tiny preset (one dense layer, then sparse ones) with `layers` layers: the
+    /// decisions with a choice of a 2-device free ILP (each layer's scalar auxiliary-loss ops,
+    /// outside the blocks, are decisions of one strategy: constants to the ILP).
+    fn deepseek_decisions(layers: usize) -> usize {
+        let mut cfg = tessera_models::ModelConfig::preset("deepseek-v3-tiny").unwrap();
+        if let tessera_models::ModelConfig::Llama(c) = &mut cfg {
+            let mut p = c.params().clone();
+            p.num_hidden_layers = layers;
+            *c = tessera_models::LlamaConfig::new(p).unwrap();
+        }
+        let opts = tessera_models::BuildOptions::new(2, 16, DType::F32);
+        let fm = tessera_models::build(&cfg, &opts).unwrap();
+        let g = fm.builder.finish();
+        let cluster = Cluster::parse("2xcpu").unwrap();
+        let mesh = Mesh::new(&cluster, &[2], &["dp"]).unwrap();
+        let space = Space::new(&g, &mesh, &AxisRule::Free).unwrap();
+        space.options.iter().filter(|&&o| o > 1).count()
+    }
+
+    /// Sparse layers after dense ones share the decisions of the first sparse layer alike
+    /// (before, each kept the decisions of its experts, router and MLP: dozens): each more
+    /// adds at most one, its auxiliary loss's per-expert statistics outside the blocks.
+    #[test]
+    fn sparse_layers_after_dense_ones_share_decisions() {
+        let counts: Vec<usize> = [3, 4, 6].into_iter().map(deepseek_decisions).collect();
+        assert!(counts[0] > 20, "{counts:?}");
+        assert!(counts[1] <= counts[0] + 1 && counts[2] <= counts[1] + 2, "{counts:?}");
+    }
+
     /// Memory rows name only decisions with a choice: on one device, where every decision has
     /// one strategy, they are constants (the rows cost O(decisions), not O(decisions²)); on two,
     /// no row names a decision with one strategy.
