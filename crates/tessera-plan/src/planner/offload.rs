@@ -122,16 +122,30 @@ pub(super) fn device_state_cannot_fit(req: &Request<'_>, p: &Search<'_>) -> Resu
     let n = req.cluster.num_devices().max(1);
     let shared = p.forward(req.batch)?;
     let g = &shared.0.graph;
-    // Gradients: one element of the parameter's dtype each.
-    let grads: f64 = g
+    // A trained parameter: itself, its gradient (one element of its dtype each) and its AdamW
+    // state; a frozen one (LoRA's base weights): itself only.
+    let total: f64 = g
         .nodes
         .iter()
-        .filter(|node| matches!(node.op, tessera_ir::Op::Parameter { .. }))
-        .flat_map(|node| &node.outputs)
-        .map(|&t| g.meta(t).size_bytes() as f64)
+        .filter_map(|node| match node.op {
+            tessera_ir::Op::Parameter { frozen, .. } => Some((node, frozen)),
+            _ => None,
+        })
+        .flat_map(|(node, frozen)| node.outputs.iter().map(move |&t| (t, frozen)))
+        .map(|(t, frozen)| {
+            let meta = g.meta(t);
+            let bytes = meta.size_bytes() as f64;
+            match frozen {
+                true => bytes,
+                false => {
+                    // Adam's moments, and the f32 master copy of a lower-precision one.
+                    let opt = if meta.dtype == tessera_ir::DType::F32 { 8.0 } else { 12.0 };
+                    2.0 * bytes + meta.numel() as f64 * opt
+                }
+            }
+        })
         .sum();
-    let resting = search::resting_floor(p, req.batch, n)? as f64;
-    Ok(resting + grads / n as f64 > req.budget as f64)
+    Ok(total / n as f64 > req.budget as f64)
 }
 
 /// The phase on one `dp × tp` layout of a config string, its ZeRO stage fixed, `sp` as `sps`
