@@ -50,8 +50,12 @@
 //! took three quarters of the time on 2-D-mesh ILPs), with the time limit and relative MIP gap
 //! of [`SolveOptions`] (`mip_rel_gap = 0` also sets `mip_abs_gap = 0`: a proven optimum). The
 //! gap is relative to the whole objective: HiGHS sees the reduced one, so it also gets the
-//! matching absolute gap (the relative gap times the LP bound plus the reductions' constant). When the time limit stops
-//! the search, the best plan found is returned; without one, an error.
+//! matching absolute gap (the relative gap times the LP bound plus the reductions' constant).
+//! When a limit stops the search — the time limit, or the node limit
+//! ([`SolveOptions::mip_max_nodes`], which stops every run at the same point whatever the
+//! machine's load) — the best plan found is returned; without one, a greedy plan (per decision
+//! the cheapest strategy, else the fewest bytes, repaired until every row fits, polished); only
+//! when neither fits, an error.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -119,11 +123,15 @@ pub struct SolveOptions {
     /// objective: the constants the reductions take out count, so a gap of 1% means 1% of the
     /// plan's estimated step time, not of the part that still depends on the choices.
     pub mip_rel_gap: f64,
+    /// Branch-and-bound nodes after which HiGHS stops and returns its best plan (`None`: no
+    /// limit). Unlike the time limit, it stops every run at the same point whatever the
+    /// machine's load.
+    pub mip_max_nodes: Option<u64>,
 }
 
 impl Default for SolveOptions {
     fn default() -> Self {
-        SolveOptions { time_limit_s: 10.0, mip_rel_gap: 1e-4 }
+        SolveOptions { time_limit_s: 10.0, mip_rel_gap: 1e-4, mip_max_nodes: None }
     }
 }
 
@@ -721,7 +729,11 @@ impl Reduced {
             }
             Ok(None) => Ok(None),
             Err(_) if best.is_some() => Ok(best.map(|(ks, _)| self.picks(|i| ks[i]))),
-            Err(e) => Err(highs_error(e, opts)),
+            // HiGHS stopped (time or node limit) before any plan: the greedy one, if it fits.
+            Err(e) => match local.fallback() {
+                Some(ks) => Ok(Some(self.picks(|i| ks[i]))),
+                None => Err(highs_error(e, opts)),
+            },
         }
     }
 
@@ -1101,6 +1113,28 @@ impl<'a> Local<'a> {
         self.polish(ks);
     }
 
+    /// A plan without HiGHS, for when its limits stop it before it found one: per node the
+    /// cheapest strategy, repaired until every row fits, else per node the fewest bytes,
+    /// repaired; then polished. `None` when neither repair fits.
+    fn fallback(&self) -> Option<Vec<usize>> {
+        let cheapest: Vec<usize> = (0..self.red.alive.len())
+            .map(|i| match self.size(i) > 1 {
+                true => argmax(self.red.lin[i].iter().map(|c| -c)),
+                false => 0,
+            })
+            .collect();
+        for mut ks in [cheapest, self.fewest_bytes()] {
+            let mut rowv = self.row_values(&ks);
+            if self.repair(&mut ks, &mut rowv) {
+                self.polish(&mut ks);
+                if self.fits(&ks) {
+                    return Some(ks);
+                }
+            }
+        }
+        None
+    }
+
     /// Per node, the strategy with the fewest bytes summed over its rows.
     fn fewest_bytes(&self) -> Vec<usize> {
         (0..self.red.alive.len())
@@ -1200,6 +1234,9 @@ fn configure(model: HighsProblem, opts: &SolveOptions, time_limit_s: f64) -> Hig
         .set_option("presolve", "off");
     if gap == 0.0 {
         model = model.set_option("mip_abs_gap", 0.0);
+    }
+    if let Some(nodes) = opts.mip_max_nodes {
+        model = model.set_option("mip_max_nodes", nodes.min(i32::MAX as u64) as i32);
     }
     model
 }

@@ -303,6 +303,19 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
     let mbs = req.micro_batch_options();
     let jobs = auto_jobs(req, model_experts(&p)?)?;
     let trace = std::env::var_os("TESSERA_TRACE").is_some();
+    // When the model state alone cannot fit the devices, the offload phase at once: the flat
+    // and pipelined phases could only learn it candidate by candidate. Should the offload
+    // phase find nothing either, the search below runs for the error's least peak.
+    if offload::device_state_cannot_fit(req, &p)? {
+        let phase = offload::run(req)?;
+        if let Some(e) = phase.fit {
+            let e = crate::search::exactly(&req.problem(), &e)?;
+            crate::offload::check_tiers(&req.cluster, &e.lowered.memory, "")?;
+            let mut plan = req.to_plan(&e, "auto", 0.0)?;
+            plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
+            return Ok(plan);
+        }
+    }
     // Where memory binds, the pipeline phase first: its plans bound one flat round
     // (`PipelineKnobs::first_over_state_share`, `seed`).
     let early = match pipeline_first(req, &p)? {

@@ -259,7 +259,14 @@ impl Default for SearchKnobs {
             slacks: vec![1.5, 2.5, 4.0, 8.0],
             hopeless_over_bound: 1.5,
             zero_scan_min_gain: 0.01,
-            solve: SolveOptions { time_limit_s: 5.0, mip_rel_gap: 1e-2 },
+            // The node limit stops an ILP at the same point on a busy machine as on an idle
+            // one; the time limit is the backstop, and a limit that stops HiGHS before it
+            // found a plan falls back to a greedy one (`crate::ilp`).
+            solve: SolveOptions {
+                time_limit_s: 5.0,
+                mip_rel_gap: 1e-2,
+                mip_max_nodes: Some(10_000),
+            },
             tiled_mlp: true,
             moe_imbalance: 1.0,
             ring: true,

@@ -11,7 +11,7 @@ use tessera_plan::ilp::{
 use tessera_plan::PlanError;
 
 fn exact() -> SolveOptions {
-    SolveOptions { time_limit_s: 60.0, mip_rel_gap: 0.0 }
+    SolveOptions { time_limit_s: 60.0, mip_rel_gap: 0.0, mip_max_nodes: None }
 }
 
 /// Costs: zeros, log-uniform over 1e-9..1e3 s, and a few small integers (ties).
@@ -345,4 +345,39 @@ fn chain_of_2000_solves() {
     let t = Instant::now();
     assert!(solve(&below, &opts).unwrap().is_none());
     eprintln!("chain 2000x8, budget below the least peak: {:.2} s", t.elapsed().as_secs_f64());
+}
+
+/// A limit that stops HiGHS before it found any plan (here a time limit of 0 s: the LP
+/// relaxation and the MIP stop at once, on any machine) no longer ends in an error: the
+/// answer is the greedy fallback, a plan that fits, whose figures are its exact evaluation
+/// and which no fitting plan of the brute-force oracle undercuts by more than it costs.
+/// The same problem under a node limit with a generous time limit is solved exactly.
+#[test]
+fn a_limit_that_stops_highs_early_returns_a_fitting_plan() {
+    // Four decisions, each trading time for memory, in a ring (so no forest DP), under a
+    // budget that binds: a plan that takes the fastest strategy everywhere does not fit.
+    let choices: Vec<Choice> =
+        (0..4).map(|i| Choice { cost: vec![1.0 + i as f64, 2.0 + i as f64, 4.0] }).collect();
+    let link = vec![vec![0.0, 0.5, 1.0], vec![0.5, 0.0, 0.5], vec![1.0, 0.5, 0.0]];
+    let edges: Vec<Edge> =
+        (0..4).map(|i| Edge { from: i, to: (i + 1) % 4, cost: link.clone() }).collect();
+    let bytes = vec![8.0, 4.0, 1.0];
+    let memory = vec![
+        MemRow { constant: 2.0, terms: (0..4).map(|i| (i, bytes.clone())).collect() },
+        MemRow { constant: 0.0, terms: vec![(0, vec![9.0, 5.0, 0.0]), (2, bytes.clone())] },
+    ];
+    let p = Problem { choices, edges, memory, budget: 20.0 };
+    let best = brute_force(&p).expect("the fewest bytes everywhere fit");
+    assert!(!fits(&p, &[0; 4]), "the budget must bind");
+
+    let stopped = SolveOptions { time_limit_s: 0.0, mip_rel_gap: 0.0, mip_max_nodes: Some(0) };
+    let s = solve(&p, &stopped).unwrap().expect("a fitting plan exists");
+    assert!(fits(&p, &s.picks));
+    assert_eq!(evaluate(&p, &s.picks), (s.objective, s.peak));
+    assert!(s.objective >= best.objective - 1e-12);
+
+    let nodes = SolveOptions { time_limit_s: 60.0, mip_rel_gap: 0.0, mip_max_nodes: Some(1_000) };
+    let s = solve(&p, &nodes).unwrap().expect("a fitting plan exists");
+    assert!(fits(&p, &s.picks));
+    assert!((s.objective - best.objective).abs() <= 1e-9, "{} vs {}", s.objective, best.objective);
 }

@@ -108,6 +108,46 @@ fn run_both(req: &Request<'_>, layouts: &[Layout]) -> Result<OffloadPhase> {
     Ok(OffloadPhase { fit: act.fit, least_tiers: state.least_tiers.or(act.least_tiers) })
 }
 
+/// Whether no plan can fit the devices without offload, whatever its layout: right before
+/// the optimizer step every parameter, its gradient (the gradient-norm clip reads them all
+/// before any update) and its AdamW state are each held somewhere, so the busiest device holds
+/// at least their average over every device. Mixtral-8x7B on `8xH100` (46.7 B parameters ×
+/// 16 bytes over 8 devices: 87 GiB of a 78.6 GiB budget) is such a case: the flat search and
+/// the pipeline phase would lower every candidate to learn it. Without the clip (or without
+/// host memory to offload to) the answer is no.
+pub(super) fn device_state_cannot_fit(req: &Request<'_>, p: &Search<'_>) -> Result<bool> {
+    if req.cluster.host.memory_bytes == 0 || req.train.max_grad_norm.is_none() {
+        return Ok(false);
+    }
+    let n = req.cluster.num_devices().max(1);
+    let shared = p.forward(req.batch)?;
+    let g = &shared.0.graph;
+    // A trained parameter: itself, its gradient (one element of its dtype each) and its AdamW
+    // state; a frozen one (LoRA's base weights): itself only.
+    let total: f64 = g
+        .nodes
+        .iter()
+        .filter_map(|node| match node.op {
+            tessera_ir::Op::Parameter { frozen, .. } => Some((node, frozen)),
+            _ => None,
+        })
+        .flat_map(|(node, frozen)| node.outputs.iter().map(move |&t| (t, frozen)))
+        .map(|(t, frozen)| {
+            let meta = g.meta(t);
+            let bytes = meta.size_bytes() as f64;
+            match frozen {
+                true => bytes,
+                false => {
+                    // Adam's moments, and the f32 master copy of a lower-precision one.
+                    let opt = if meta.dtype == tessera_ir::DType::F32 { 8.0 } else { 12.0 };
+                    2.0 * bytes + meta.numel() as f64 * opt
+                }
+            }
+        })
+        .sum();
+    Ok(total / n as f64 > req.budget as f64)
+}
+
 /// The phase on one `dp × tp` layout of a config string, its ZeRO stage fixed, `sp` as `sps`
 /// allows and the micro-batch counts `mbs` ([`super::plan_config`], offload not written; the
 /// request's checkpointing search is the config's).

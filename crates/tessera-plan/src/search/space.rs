@@ -111,6 +111,70 @@ fn metas<'a>(g: &'a Graph, ts: &[TensorId]) -> Vec<&'a TensorMeta> {
     ts.iter().map(|&t| g.meta(t)).collect()
 }
 
+/// Block sharing: per node, the node whose decision it copies (itself if none). A block whose
+/// ops (op, input and output shapes, in order) are those of an earlier block copies the first
+/// such block op by op; any other block copies the first block position by position where the
+/// k-th ops agree. Models whose blocks are all alike (dense decoders) share every block with
+/// the first; a mixture of experts whose first layers are dense (DeepSeek-V3's
+/// `first_k_dense_replace`) shares its sparse layers with the first sparse one — not only
+/// their attention with the first dense layer, which left ~40 decisions per sparse layer.
+fn block_sharing(g: &Graph) -> Vec<usize> {
+    let n = g.nodes.len();
+    let mut rep: Vec<usize> = (0..n).collect();
+    // Each block's non-leaf nodes, in order, blocks in order of appearance.
+    let mut order: Vec<u32> = Vec::new();
+    let mut members: HashMap<u32, Vec<usize>> = HashMap::new();
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Some(b) = node.block else { continue };
+        if node.op.is_leaf() {
+            continue;
+        }
+        members
+            .entry(b)
+            .or_insert_with(|| {
+                order.push(b);
+                Vec::new()
+            })
+            .push(i);
+    }
+    let same = |r: usize, i: usize| {
+        let (a, node) = (&g.nodes[r], &g.nodes[i]);
+        a.op == node.op
+            && metas(g, &a.inputs) == metas(g, &node.inputs)
+            && metas(g, &a.outputs) == metas(g, &node.outputs)
+    };
+    // Blocks that copy no earlier block whole: the first block, then each new structure.
+    let mut leaders: Vec<&[usize]> = Vec::new();
+    for b in &order {
+        let nodes = &members[b];
+        let whole = leaders
+            .iter()
+            .skip(1)
+            .find(|l| l.len() == nodes.len() && l.iter().zip(nodes).all(|(&r, &i)| same(r, i)));
+        match (whole, leaders.first()) {
+            (Some(l), _) => {
+                for (&r, &i) in l.iter().zip(nodes) {
+                    rep[i] = rep[r];
+                }
+            }
+            (None, Some(first)) => {
+                for (&r, &i) in first.iter().zip(nodes) {
+                    if same(r, i) {
+                        rep[i] = r;
+                    }
+                }
+                // A block the first copies whole is no new structure.
+                let copies_first = first.len() == nodes.len() && nodes.iter().all(|&i| rep[i] != i);
+                if !copies_first {
+                    leaders.push(nodes);
+                }
+            }
+            (None, None) => leaders.push(nodes),
+        }
+    }
+    rep
+}
+
 /// Bytes of a tensor under a spec on this mesh.
 fn local_bytes(meta: &TensorMeta, spec: &Spec, mesh: &Mesh) -> f64 {
     local_meta(meta, spec, mesh).map_or(f64::INFINITY, |m| m.size_bytes() as f64)
@@ -131,32 +195,7 @@ impl Space {
         }
         let roles = dim_roles(g, &labels);
 
-        // Block sharing: the k-th op of block b copies the k-th op of the first block.
-        let mut rep: Vec<usize> = (0..n).collect();
-        let mut first_of_pos: HashMap<usize, usize> = HashMap::new();
-        let mut pos_in_block: HashMap<u32, usize> = HashMap::new();
-        let mut first_block: Option<u32> = None;
-        for (i, node) in g.nodes.iter().enumerate() {
-            let Some(b) = node.block else { continue };
-            if node.op.is_leaf() {
-                continue;
-            }
-            let fb = *first_block.get_or_insert(b);
-            let pos = pos_in_block.entry(b).or_insert(0);
-            let k = *pos;
-            *pos += 1;
-            if b == fb {
-                first_of_pos.insert(k, i);
-            } else if let Some(&r) = first_of_pos.get(&k) {
-                let a = &g.nodes[r];
-                let same = a.op == node.op
-                    && metas(g, &a.inputs) == metas(g, &node.inputs)
-                    && metas(g, &a.outputs) == metas(g, &node.outputs);
-                if same {
-                    rep[i] = r;
-                }
-            }
-        }
+        let rep = block_sharing(g);
 
         let live_axes: Vec<usize> = (0..mesh.ndim()).filter(|&a| mesh.shape[a] > 1).collect();
         // A config's mesh: data-parallel axes, then the axes that pin what they split (the
@@ -782,6 +821,35 @@ mod tests {
             assert!(a.choices.iter().any(|c| c.cost.len() > 1), "no choice to compare");
             assert_eq!(a, b, "zero {zero}");
         }
+    }
+
+    /// DeepSeek-V3's tiny preset (one dense layer, then sparse ones) with `layers` layers: the
+    /// decisions with a choice of a 2-device free ILP (each layer's scalar auxiliary-loss ops,
+    /// outside the blocks, are decisions of one strategy: constants to the ILP).
+    fn deepseek_decisions(layers: usize) -> usize {
+        let mut cfg = tessera_models::ModelConfig::preset("deepseek-v3-tiny").unwrap();
+        if let tessera_models::ModelConfig::Llama(c) = &mut cfg {
+            let mut p = c.params().clone();
+            p.num_hidden_layers = layers;
+            *c = tessera_models::LlamaConfig::new(p).unwrap();
+        }
+        let opts = tessera_models::BuildOptions::new(2, 16, DType::F32);
+        let fm = tessera_models::build(&cfg, &opts).unwrap();
+        let g = fm.builder.finish();
+        let cluster = Cluster::parse("2xcpu").unwrap();
+        let mesh = Mesh::new(&cluster, &[2], &["dp"]).unwrap();
+        let space = Space::new(&g, &mesh, &AxisRule::Free).unwrap();
+        space.options.iter().filter(|&&o| o > 1).count()
+    }
+
+    /// Sparse layers after dense ones share the decisions of the first sparse layer alike
+    /// (before, each kept the decisions of its experts, router and MLP: dozens): each more
+    /// adds at most one, its auxiliary loss's per-expert statistics outside the blocks.
+    #[test]
+    fn sparse_layers_after_dense_ones_share_decisions() {
+        let counts: Vec<usize> = [3, 4, 6].into_iter().map(deepseek_decisions).collect();
+        assert!(counts[0] > 20, "{counts:?}");
+        assert!(counts[1] <= counts[0] + 1 && counts[2] <= counts[1] + 2, "{counts:?}");
     }
 
     /// Memory rows name only decisions with a choice: on one device, where every decision has
