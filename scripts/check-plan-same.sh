@@ -33,15 +33,16 @@ for row in "${rows[@]}"; do
   if [ -n "${dtype:-}" ]; then args+=(--dtype "$dtype"); else args+=(--baseline megatron); fi
   for side in before after; do
     bin=${!side}
-    "$bin" "${args[@]}" >"$tmp/$side.json" 2>&1 || true
-    python3 - "$tmp/$side.json" <<'PY'
+    # stdout alone is the JSON; a refusal (no JSON) is compared by its message on stderr
+    "$bin" "${args[@]}" >"$tmp/$side.json" 2>"$tmp/$side.err" || true
+    python3 - "$tmp/$side.json" "$tmp/$side.err" <<'PY'
 import json, sys
-path = sys.argv[1]
-text = open(path).read()
+path, err = sys.argv[1], sys.argv[2]
 try:
-    d = json.loads(text)
+    d = json.loads(open(path).read())
 except ValueError:
-    sys.exit(0)  # a refusal: compared as text
+    open(path, "a").write(open(err).read())  # a refusal: compared as text
+    sys.exit(0)
 d.pop("search_ms", None)
 open(path, "w").write(json.dumps(d, indent=1, sort_keys=True))
 PY
