@@ -51,7 +51,7 @@ PY
     echo "same: $row ($(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("config"))' "$tmp/after.json" 2>/dev/null || head -c 80 "$tmp/after.json"))"
   else
     echo "DIFFERENT: $row"
-    diff "$tmp/before.json" "$tmp/after.json" | head -20
+    diff "$tmp/before.json" "$tmp/after.json" | head -20 || true
     status=1
   fi
 done
