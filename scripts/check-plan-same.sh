@@ -6,6 +6,9 @@
 # usage: scripts/check-plan-same.sh path/to/tessera-before path/to/tessera-after [row ...]
 # (a row: "model cluster batch seq [budget|-] [dtype]", with `--baseline megatron` unless a dtype
 # is given, as in bench-plan.sh; default: the rows below)
+# Known: "llama3-8b 1xH100 1 65536 - bf16" differs between two runs of one binary (which AdamW
+# moments the offload section lists, and the last digits of its transfer times): check a
+# difference there against BEFORE run twice.
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BEFORE AFTER [row ...]" >&2; exit 2; }
 before=$1 after=$2
