@@ -6,6 +6,9 @@
 # usage: scripts/check-plan-same.sh path/to/tessera-before path/to/tessera-after [row ...]
 # (a row: "model cluster batch seq [budget|-] [dtype]", with `--baseline megatron` unless a dtype
 # is given, as in bench-plan.sh; default: the rows below)
+# Known: "llama3-8b 1xH100 1 65536 - bf16" differs between two runs of one binary (which AdamW
+# moments the offload section lists, and the last digits of its transfer times): check a
+# difference there against BEFORE run twice.
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BEFORE AFTER [row ...]" >&2; exit 2; }
 before=$1 after=$2
@@ -33,15 +36,16 @@ for row in "${rows[@]}"; do
   if [ -n "${dtype:-}" ]; then args+=(--dtype "$dtype"); else args+=(--baseline megatron); fi
   for side in before after; do
     bin=${!side}
-    "$bin" "${args[@]}" >"$tmp/$side.json" 2>&1 || true
-    python3 - "$tmp/$side.json" <<'PY'
+    # stdout alone is the JSON; a refusal (no JSON) is compared by its message on stderr
+    "$bin" "${args[@]}" >"$tmp/$side.json" 2>"$tmp/$side.err" || true
+    python3 - "$tmp/$side.json" "$tmp/$side.err" <<'PY'
 import json, sys
-path = sys.argv[1]
-text = open(path).read()
+path, err = sys.argv[1], sys.argv[2]
 try:
-    d = json.loads(text)
+    d = json.loads(open(path).read())
 except ValueError:
-    sys.exit(0)  # a refusal: compared as text
+    open(path, "a").write(open(err).read())  # a refusal: compared as text
+    sys.exit(0)
 d.pop("search_ms", None)
 open(path, "w").write(json.dumps(d, indent=1, sort_keys=True))
 PY
@@ -50,7 +54,7 @@ PY
     echo "same: $row ($(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("config"))' "$tmp/after.json" 2>/dev/null || head -c 80 "$tmp/after.json"))"
   else
     echo "DIFFERENT: $row"
-    diff "$tmp/before.json" "$tmp/after.json" | head -20
+    diff "$tmp/before.json" "$tmp/after.json" | head -20 || true
     status=1
   fi
 done

@@ -396,18 +396,18 @@ fn evaluate_candidate(
         return Ok(None);
     }
     let t0 = std::time::Instant::now();
-    let problem = build_problem(p, cand, fwd, &space, saved, budget)?;
+    // One problem for every solve of this candidate: only its budget changes between them
+    // (cloning its memory rows, quadratic in the decisions, per solve was a visible cost).
+    let mut problem = build_problem(p, cand, fwd, &space, saved, budget)?;
     let t_build = t0.elapsed();
     // The ILP's fastest layout, memory aside: no layout of this candidate is faster by its
     // figures. One more solve (milliseconds) can spare every lowering of a candidate that
     // cannot win ([`SearchKnobs::hopeless_over_bound`]).
     // With a finite cut the solve stops at the LP bound when that already exceeds it.
     let cut = p.problem.knobs.hopeless_over_bound * bound;
-    let unconstrained = {
-        let mut pr = problem.clone();
-        pr.budget = f64::INFINITY;
-        ilp::solve_below(&pr, &p.problem.knobs.solve, cut)?
-    };
+    let unconstrained = with_budget(&mut problem, f64::INFINITY, |pr| {
+        ilp::solve_below(pr, &p.problem.knobs.solve, cut)
+    })?;
     // Without a budget every layout fits: `None` under a finite cut is a layout priced above it.
     let cut_off = unconstrained.as_ref().map_or(cut.is_finite(), |s| s.objective > cut);
     if cut_off {
@@ -460,7 +460,7 @@ fn evaluate_candidate(
     let mut best: Option<Evaluated> = None;
     let mut plain_objective = None;
     if fixed_mode.is_none() && !deferred {
-        let (fit, objective) = sharding_only(p, cand, &problem, &space, fwd, budget, t_build)?;
+        let (fit, objective) = sharding_only(p, cand, &mut problem, &space, fwd, budget, t_build)?;
         plain_objective = objective;
         if let Some((strategies, lowered, objective)) = fit {
             local_best.set(lowered.time.step_time_s);
@@ -547,13 +547,14 @@ fn evaluate_candidate(
     };
     let mut last = if from_budget { None } else { plain_objective };
     for slack in slacks {
-        let mut pr = problem.clone();
-        pr.budget = budget * slack;
         // A layout the ILP prices hopelessly above what it must beat is not worth its MIP, nor
         // its lowering (the rule the unconstrained layout met above); the LP bound says so
         // before the MIP runs. Looser slacks may still price lower.
         let cutoff = p.problem.knobs.hopeless_over_bound * bound.min(local_best.get());
-        let Some(sol) = ilp::solve_below(&pr, &p.problem.knobs.solve, cutoff)? else { continue };
+        let sol = with_budget(&mut problem, budget * slack, |pr| {
+            ilp::solve_below(pr, &p.problem.knobs.solve, cutoff)
+        })?;
+        let Some(sol) = sol else { continue };
         if last.is_some_and(|o| sol.objective >= o * (1.0 - 1e-3)) {
             // The same layout as the tighter budget gave (or no faster): nothing new to try.
             if sol.objective <= unconstrained * (1.0 + 1e-3) {
@@ -580,6 +581,20 @@ fn evaluate_candidate(
     Ok(best)
 }
 
+/// `solve` on `problem` under `budget`, the problem's own budget restored afterwards (the
+/// search's solves differ only in their budgets: setting it in place spares a copy of the
+/// problem per solve).
+fn with_budget<T>(
+    problem: &mut Problem,
+    budget: f64,
+    solve: impl FnOnce(&Problem) -> Result<T>,
+) -> Result<T> {
+    let own = std::mem::replace(&mut problem.budget, budget);
+    let out = solve(problem);
+    problem.budget = own;
+    out
+}
+
 /// A layout, lowered, with its ILP objective.
 type Fit = (Vec<Option<Strategy>>, Lowered, f64);
 
@@ -589,7 +604,7 @@ type Fit = (Vec<Option<Strategy>>, Lowered, f64);
 fn sharding_only(
     p: &Search<'_>,
     cand: &Candidate,
-    problem: &Problem,
+    problem: &mut Problem,
     space: &Space,
     fwd: &Forward,
     budget: f64,
@@ -606,10 +621,9 @@ fn sharding_only(
     let mut target = budget;
     let mut plain_objective = None;
     for _ in 0..4 {
-        let mut pr = problem.clone();
-        pr.budget = target;
         let t1 = std::time::Instant::now();
-        let Some(sol) = ilp::solve(&pr, &p.problem.knobs.solve)? else { break };
+        let sol = with_budget(problem, target, |pr| ilp::solve(pr, &p.problem.knobs.solve))?;
+        let Some(sol) = sol else { break };
         let t_solve = t1.elapsed();
         let strategies = space.assignment(&sol.picks);
         let lowered =
