@@ -118,7 +118,12 @@ fn bench_rows_and_published_runs_keep_their_mlps_whole() {
     for tsv in ["published-runs.tsv", "published-runs-outside.tsv"] {
         for l in read(tsv).lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
             let f: Vec<&str> = l.split('\t').collect();
-            rows.push((f[1].into(), f[2].into(), f[4].parse().unwrap(), None));
+            // A model is a preset or a config.json path from the repository's root.
+            let model = match ModelConfig::preset(f[1]) {
+                Ok(_) => f[1].to_string(),
+                Err(_) => root.join("..").join(f[1]).to_string_lossy().into_owned(),
+            };
+            rows.push((model, f[2].into(), f[4].parse().unwrap(), None));
         }
     }
     let mut long = 0;
@@ -132,7 +137,7 @@ fn bench_rows_and_published_runs_keep_their_mlps_whole() {
         // Not vacuous: every dense model has MLPs the rewrite would tile (a mixture of experts
         // has expert MLPs, which it does not tile).
         if mlp_tile::sites(&b(1).unwrap().graph).is_empty() {
-            assert!(ModelConfig::preset(&model).unwrap().is_moe(), "{model} has no MLP to tile");
+            assert!(ModelConfig::resolve(&model).unwrap().is_moe(), "{model} has no MLP to tile");
             continue;
         }
         let node_devices = cluster.num_devices().min(cluster.gpus_per_node);
