@@ -72,3 +72,34 @@ fn a_miss_never_rules_out_a_count_that_reaches_under_its_bound() {
     }
     assert!(checked >= 40, "only {checked} pairs checked");
 }
+
+/// The resting floor counts AdamW state only for trained parameters: under LoRA the frozen base
+/// rests at its own bytes, the adapters with their moments and f32 masters (counted here from
+/// the graph's parameters independently, bf16: 2 bytes each, and 12 bytes of state for the
+/// trained ones).
+#[test]
+fn the_resting_floor_of_a_lora_model_counts_no_state_for_its_frozen_base() {
+    use tessera_ir::{DType, Op};
+    use tessera_models::{build, lora, BuildOptions, ModelConfig};
+    let cfg = ModelConfig::preset("llama-tiny").unwrap().without_dropout();
+    let spec = lora::LoraSpec::parse("r=4").unwrap();
+    let b = move |mb: usize| {
+        let m = build(&cfg, &BuildOptions::new(mb, 32, DType::BF16))
+            .map_err(|e| tessera_plan::PlanError::Invalid(e.to_string()))?;
+        let (m, _) = lora::apply_lora(m, &spec)
+            .map_err(|e| tessera_plan::PlanError::Invalid(e.to_string()))?;
+        Ok(tessera_plan::search::Forward { graph: m.builder.finish(), loss: m.loss })
+    };
+    let g = b(1).unwrap().graph;
+    let (mut frozen, mut trained) = (0u64, 0u64);
+    for n in &g.nodes {
+        if let Op::Parameter { frozen: f, .. } = n.op {
+            let elems: u64 = n.outputs.iter().map(|&t| g.meta(t).numel() as u64).sum();
+            *(if f { &mut frozen } else { &mut trained }) += elems;
+        }
+    }
+    assert!(frozen > 0 && trained > 0, "LoRA: {frozen} frozen, {trained} trained elements");
+    let cluster = Cluster::parse("4xH100").unwrap();
+    let floor = search::resting_floor(&problem(&b, 8, &cluster), 2, 4).unwrap();
+    assert_eq!(floor, (2 * frozen + (2 + 12) * trained) / 4);
+}

@@ -25,20 +25,29 @@ use crate::Result;
 use tessera_ir::Op;
 
 /// The least bytes resting on any one of `devices` devices before a step, whatever the
-/// layout: the parameters and their AdamW state (moments, and the f32 master copy of a
-/// parameter stored in lower precision), spread evenly over every device. Each element is
-/// held somewhere, so the busiest device holds at least the average.
+/// layout: the parameters and the AdamW state of the trained ones (moments, and the f32 master
+/// copy of a parameter stored in lower precision; a frozen one, LoRA's base, has none), spread
+/// evenly over every device. Each element is held somewhere, so the busiest device holds at
+/// least the average. (Counting optimizer state for frozen weights would overstate the floor,
+/// and with it the scan's bound: a count that fits could be skipped.)
 pub fn resting_floor(p: &Search<'_>, micro_batch: usize, devices: usize) -> Result<u64> {
     let shared = p.forward(micro_batch)?;
     let g = &shared.0.graph;
     let total: f64 = g
         .nodes
         .iter()
-        .filter(|n| matches!(n.op, Op::Parameter { .. }))
-        .flat_map(|n| &n.outputs)
-        .map(|&t| {
+        .filter_map(|n| match n.op {
+            Op::Parameter { frozen, .. } => Some(n.outputs.iter().map(move |&t| (t, frozen))),
+            _ => None,
+        })
+        .flatten()
+        .map(|(t, frozen)| {
             let meta = g.meta(t);
-            meta.size_bytes() as f64 + meta.numel() as f64 * optimizer_bytes_per_elem(meta.dtype)
+            let state = match frozen {
+                true => 0.0,
+                false => meta.numel() as f64 * optimizer_bytes_per_elem(meta.dtype),
+            };
+            meta.size_bytes() as f64 + state
         })
         .sum();
     Ok((total / devices.max(1) as f64).floor() as u64)
