@@ -21,8 +21,8 @@ cases=(
   "llama2-70b 1xA6000 4 512 qlora"
   "llama2-70b 2xRTX4090 1 2048 qlora"
 )
-echo "| model | cluster | batch × seq | base | plan | peak / budget | predicted tokens/s | trainable | params + grads + optimizer |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| model | cluster | batch × seq | base | plan | peak / budget | predicted tokens/s | params (predicted.params_bytes) |"
+echo "|---|---|---|---|---|---|---|---|"
 for c in "${cases[@]}"; do
   read -r model cluster batch seq mode <<<"$c"
   flags=(--lora "$spec" --dtype bf16)
@@ -36,14 +36,11 @@ d = json.loads('''$out''')
 m, c, b, s, base = sys.argv[1:]
 p = d["predicted"]
 g = lambda x: x / 2**30
-st = d.get("memory", {}).get("state_bytes") or p.get("state_bytes") or {}
-parts = " + ".join(f"{g(st[k]):.2f}" for k in ("params", "grads", "optimizer") if k in st)
-tr = d.get("parameters", {}).get("trainable", "?")
-print(f"| {m} | {c} | {b} × {s} | {base} | {d['config']} | {g(max(p['peak_bytes_per_device'])):.1f} / {g(d['memory_budget_bytes']):.1f} GiB | {p['tokens_per_s']:.0f} | {tr} | {parts} GiB |")
+print(f"| {m} | {c} | {b} × {s} | {base} | {d['config']} | {g(max(p['peak_bytes_per_device'])):.1f} / {g(d['memory_budget_bytes']):.1f} GiB | {p['tokens_per_s']:.0f} | {g(p['params_bytes']):.2f} GiB |")
 PY
   else
     why=$(timeout 600 "$bin" plan --model "$model" --cluster "$cluster" --batch "$batch" --seq "$seq" \
       "${flags[@]}" 2>&1 | tr '\n' ' ' | head -c 200)
-    echo "| $model | $cluster | $batch × $seq | $base | (no plan: $why) | | | | |"
+    echo "| $model | $cluster | $batch × $seq | $base | (no plan: $why) | | | |"
   fi
 done
