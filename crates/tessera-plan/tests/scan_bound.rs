@@ -94,7 +94,7 @@ fn the_resting_floor_of_a_lora_model_counts_no_state_for_its_frozen_base() {
     let (mut frozen, mut trained) = (0u64, 0u64);
     for n in &g.nodes {
         if let Op::Parameter { frozen: f, .. } = n.op {
-            let elems: u64 = n.outputs.iter().map(|&t| g.meta(t).numel() as u64).sum();
+            let elems: u64 = n.outputs.iter().map(|&t| g.meta(t).numel()).sum();
             *(if f { &mut frozen } else { &mut trained }) += elems;
         }
     }
