@@ -6,6 +6,7 @@
 
 mod megatron;
 mod scan;
+mod sharing;
 mod space;
 
 pub use megatron::tp_strategies;

@@ -19,6 +19,7 @@
 //!   activations of all. The exact peak comes from simulating the lowered Program; if it
 //!   misses the budget the ILP is solved again under a tighter one.
 
+use super::sharing::metas;
 use super::{AxisRule, Candidate, Forward, Search};
 use crate::axis::{Axis, PinContext, AXES};
 use crate::ilp::{Choice, Edge, MemRow, Problem};
@@ -107,74 +108,6 @@ fn is_follower_op(op: &Op) -> bool {
     matches!(op, Op::Unary(_) | Op::Cast(_) | Op::Dropout { .. } | Op::Reshape(_) | Op::Permute(_))
 }
 
-fn metas<'a>(g: &'a Graph, ts: &[TensorId]) -> Vec<&'a TensorMeta> {
-    ts.iter().map(|&t| g.meta(t)).collect()
-}
-
-/// Block sharing: per node, the node whose decision it copies (itself if none). A block whose
-/// ops (op, input and output shapes, in order) are those of an earlier block copies the first
-/// such block op by op; any other block copies the first block position by position where the
-/// k-th ops agree. Models whose blocks are all alike (dense decoders) share every block with
-/// the first; a mixture of experts whose first layers are dense (DeepSeek-V3's
-/// `first_k_dense_replace`) shares its sparse layers with the first sparse one — not only
-/// their attention with the first dense layer, which left ~40 decisions per sparse layer.
-fn block_sharing(g: &Graph) -> Vec<usize> {
-    let n = g.nodes.len();
-    let mut rep: Vec<usize> = (0..n).collect();
-    // Each block's non-leaf nodes, in order, blocks in order of appearance.
-    let mut order: Vec<u32> = Vec::new();
-    let mut members: HashMap<u32, Vec<usize>> = HashMap::new();
-    for (i, node) in g.nodes.iter().enumerate() {
-        let Some(b) = node.block else { continue };
-        if node.op.is_leaf() {
-            continue;
-        }
-        members
-            .entry(b)
-            .or_insert_with(|| {
-                order.push(b);
-                Vec::new()
-            })
-            .push(i);
-    }
-    let same = |r: usize, i: usize| {
-        let (a, node) = (&g.nodes[r], &g.nodes[i]);
-        a.op == node.op
-            && metas(g, &a.inputs) == metas(g, &node.inputs)
-            && metas(g, &a.outputs) == metas(g, &node.outputs)
-    };
-    // Blocks that copy no earlier block whole: the first block, then each new structure.
-    let mut leaders: Vec<&[usize]> = Vec::new();
-    for b in &order {
-        let nodes = &members[b];
-        let whole = leaders
-            .iter()
-            .skip(1)
-            .find(|l| l.len() == nodes.len() && l.iter().zip(nodes).all(|(&r, &i)| same(r, i)));
-        match (whole, leaders.first()) {
-            (Some(l), _) => {
-                for (&r, &i) in l.iter().zip(nodes) {
-                    rep[i] = rep[r];
-                }
-            }
-            (None, Some(first)) => {
-                for (&r, &i) in first.iter().zip(nodes) {
-                    if same(r, i) {
-                        rep[i] = r;
-                    }
-                }
-                // A block the first copies whole is no new structure.
-                let copies_first = first.len() == nodes.len() && nodes.iter().all(|&i| rep[i] != i);
-                if !copies_first {
-                    leaders.push(nodes);
-                }
-            }
-            (None, None) => leaders.push(nodes),
-        }
-    }
-    rep
-}
-
 /// Bytes of a tensor under a spec on this mesh.
 fn local_bytes(meta: &TensorMeta, spec: &Spec, mesh: &Mesh) -> f64 {
     local_meta(meta, spec, mesh).map_or(f64::INFINITY, |m| m.size_bytes() as f64)
@@ -195,7 +128,7 @@ impl Space {
         }
         let roles = dim_roles(g, &labels);
 
-        let rep = block_sharing(g);
+        let rep = super::sharing::block_sharing(g);
 
         let live_axes: Vec<usize> = (0..mesh.ndim()).filter(|&a| mesh.shape[a] > 1).collect();
         // A config's mesh: data-parallel axes, then the axes that pin what they split (the
