@@ -2,7 +2,7 @@
 # int8 inference of Stable Diffusion's UNet (issue 47, the seeds' 2.5×): one denoising step's
 # UNet forward (`tessera profile --inference`), SD 2 and SD 1.5 at 64×64 latents and 77 text
 # tokens, batch 2 (one picture with classifier-free guidance), its weights in fp32, bf16, or
-# bf16 with every linear weight held int8 (`--quantize int8`; convolutions stay bf16). Prints a
+# bf16 with every linear and convolution weight held int8 (`--quantize int8`). Prints a
 # Markdown table of the profile's weights, activations and peak.
 # usage: scripts/bench-sd-infer.sh [path/to/tessera] [batch]
 set -euo pipefail

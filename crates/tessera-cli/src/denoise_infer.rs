@@ -3,9 +3,10 @@
 //! classifier-free guidance, twice the pictures) — as a forward-only Program on one device:
 //! the weights in the model's dtype, or with `--quantize` every linear layer's weight held as
 //! int8 (one scale per output channel) or int4, as generation holds an LLM's
-//! ([`tessera_models::qlora::quantize_base`]'s rewrite of `x · Wᵀ` products into
-//! [`tessera_ir::Op::QMatMul`]). Convolution weights, norms and embeddings stay in the
-//! model's dtype: the IR has no quantised convolution yet.
+//! ([`tessera_models::qlora::quantize_for_inference`]'s rewrite of `x · Wᵀ` products into
+//! [`tessera_ir::Op::QMatMul`]), and with int8 every convolution weight too (int8 codes, one
+//! scale per output channel, dequantised into the model's dtype just before its `Conv2d`).
+//! Norms and embeddings stay in the model's dtype, and with int4 the convolutions do.
 //!
 //! The Program is the model's forward pruned to its output (no training loss, no target
 //! input), lowered as the runtime runs it, so its simulated peak is the one the runtime's
@@ -31,8 +32,8 @@ pub struct DenoiseStep {
 }
 
 /// The forward of `cfg` at `batch` (`seq` text tokens for a text-conditioned UNet), every
-/// parameter frozen, pruned to the model's output and, with `quantize`, its linears held
-/// quantised; lowered with the output kept.
+/// parameter frozen, pruned to the model's output and, with `quantize`, its linears (and
+/// with int8 its convolutions) held quantised; lowered with the output kept.
 pub fn denoise_step(
     cfg: &ModelConfig,
     batch: usize,
@@ -45,7 +46,7 @@ pub fn denoise_step(
     let mut model = prune_to_output(model)?;
     let mut quantized = 0;
     if let Some(q) = quantize {
-        let (m, weights) = tessera_models::qlora::quantize_base(model, q)?;
+        let (m, weights) = tessera_models::qlora::quantize_for_inference(model, q)?;
         model = m;
         quantized = weights.len();
     }
@@ -170,7 +171,10 @@ pub fn profile_table(
             "".into()
         },
         dtype.name(),
-        quantize.map_or(String::new(), |q| format!(", {} linear weights", q.name())),
+        quantize.map_or(String::new(), |q| match q {
+            Quantize::Int8 => ", int8 linear and convolution weights".to_string(),
+            _ => format!(", {} linear weights", q.name()),
+        }),
         r["profile_ms"].as_f64().unwrap_or(0.0),
         b("weights_bytes"),
         b("quantized_weights_bytes"),

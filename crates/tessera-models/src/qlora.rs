@@ -45,6 +45,64 @@ pub fn quantize_base(
     model: ForwardModel,
     q: Quantize,
 ) -> Result<(ForwardModel, Vec<QuantizedWeight>)> {
+    quantize_with(model, q, false)
+}
+
+/// [`quantize_base`] for a forward-only (inference) graph: the linears as there and, with
+/// int8, every frozen convolution weight too — `u8` codes `[O, I·kh·kw]` with one f32 scale
+/// per output channel (the linears' int8 format, one group a row), dequantised into the
+/// model's dtype just before its `Conv2d` (cast, −128, × scale, reshape: a transient of one
+/// weight at a time). Not for training: a convolution's input gradient would keep the
+/// dequantised weight alive until the backward. int4 leaves the convolutions in float (its
+/// nibbles need a kernel to unpack).
+pub fn quantize_for_inference(
+    model: ForwardModel,
+    q: Quantize,
+) -> Result<(ForwardModel, Vec<QuantizedWeight>)> {
+    quantize_with(model, q, q == Quantize::Int8)
+}
+
+/// Whether parameter node `p`'s weight is a frozen 4-D float tensor read only as a
+/// convolution's weight.
+fn conv_quantizable(g: &Graph, node: &tessera_ir::Node, uses: &[tessera_ir::NodeId]) -> bool {
+    let Op::Parameter { meta, frozen: true } = &node.op else { return false };
+    let w = node.outputs[0];
+    meta.shape.rank() == 4
+        && meta.dtype.is_float()
+        && g.tensor_scope(w).ends_with(".weight")
+        && !uses.is_empty()
+        && uses.iter().all(|&u| {
+            let n = g.node(u);
+            matches!(n.op, Op::Conv2d(_)) && n.inputs.get(1) == Some(&w) && n.inputs[0] != w
+        })
+}
+
+/// The int8 codes and scales of conv weight `w` (`[O, I, kh, kw]` in `dtype`) and its
+/// dequantisation: returns (codes, scales, the dequantised weight).
+fn dequantized_conv(
+    b: &mut Builder,
+    name: &str,
+    dims: &[usize],
+    dtype: DType,
+) -> tessera_ir::Result<(TensorId, TensorId, TensorId, tessera_ir::QuantSpec)> {
+    let o = dims[0];
+    let k: usize = dims[1..].iter().product();
+    let spec = tessera_ir::QuantSpec { bits: 8, group: k };
+    let codes = b.frozen_parameter(name, [o, spec.row_bytes(k)], DType::U8);
+    let scales = b.frozen_parameter(&format!("{name}_scale"), [o, 1], DType::F32);
+    let q = b.cast(codes, dtype)?;
+    let zero = b.scalar_like(-f64::from(spec.offset()), q)?;
+    let q = b.add(q, zero)?;
+    let s = if dtype == DType::F32 { scales } else { b.cast(scales, dtype)? };
+    let w = b.mul(q, s)?;
+    Ok((codes, scales, b.reshape(w, dims.to_vec())?, spec))
+}
+
+fn quantize_with(
+    model: ForwardModel,
+    q: Quantize,
+    convs: bool,
+) -> Result<(ForwardModel, Vec<QuantizedWeight>)> {
     let ForwardModel { builder, loss, logits, batch, seq, mut inputs } = model;
     let g = builder.finish();
     let internal = |e: tessera_ir::IrError| ModelError::Invalid {
@@ -65,6 +123,22 @@ pub fn quantize_base(
         b.set_scope_id(node.scope);
         b.set_block(node.block);
         b.set_phase(node.phase);
+        if convs && conv_quantizable(&g, node, &consumers[node.outputs[0].index()]) {
+            let w = node.outputs[0];
+            let name = g.tensor_scope(w).to_string();
+            let (codes, scales, deq, spec) =
+                dequantized_conv(&mut b, &name, g.shape(w).dims(), g.meta(w).dtype)
+                    .map_err(internal)?;
+            map[w.index()] = Some(deq);
+            quantized.push(QuantizedWeight {
+                weight: codes,
+                scales,
+                source: name,
+                transposed: false,
+                spec,
+            });
+            continue;
+        }
         if quantizable(&g, node, &consumers[node.outputs[0].index()]) {
             let w = node.outputs[0];
             let name = g.tensor_scope(w).to_string();
