@@ -126,7 +126,8 @@ extern "C" __global__ void moe_combine(const float* y, const i64* slots, const f
 }
 
 // out [tokens, k] (`total` = tokens·k): assignment a's buffer row dotted with its token's row of
-// x, in f64 in order; 0 for a dropped assignment.
+// x, in f64 in order from -0 (Rust's f64 `sum`), so an all -0 dot keeps its sign as on the CPU;
+// 0 for a dropped assignment.
 extern "C" __global__ void moe_slot_dot(const float* buf, const float* x, const i64* slots, float* out, i64 per,
                                         i64 rows, i64 k, i64 h, i64 total) {
     GRID_STRIDE(a, total) {
@@ -135,7 +136,7 @@ extern "C" __global__ void moe_slot_dot(const float* buf, const float* x, const 
         if (s >= 0 && s < rows) {
             const float* b = buf + ((a / per) * rows + s) * h;
             const float* xr = x + (a / k) * h;
-            double d = 0.0;
+            double d = -0.0;
             for (i64 c = 0; c < h; ++c) d += (double)b[c] * (double)xr[c];
             r = (float)d;
         }

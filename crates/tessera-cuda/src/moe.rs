@@ -51,7 +51,9 @@ fn values(op: &str, what: &str, t: &CudaTensor) -> Result<()> {
         DType::F32 => Ok(()),
         d => Err(unsupported(
             op,
-            format!("{what} is {d:?}: the routing kernels compute in f32 (half operands are upcast)"),
+            format!(
+                "{what} is {d:?}: the routing kernels compute in f32 (half operands are upcast)"
+            ),
         )),
     }
 }
@@ -83,7 +85,9 @@ fn group_rows(buf: &CudaTensor, slots: &CudaTensor, op: &str) -> Result<usize> {
         &[.., e, c, _] if bd.len() == sd.len() + 1 && bd[..bd.len() - 3] == sd[..sd.len() - 2] => {
             Ok(e * c)
         }
-        d => Err(bad(op, format!("buffer {d:?} must be [.., experts, capacity, hidden] as {sd:?}"))),
+        d => {
+            Err(bad(op, format!("buffer {d:?} must be [.., experts, capacity, hidden] as {sd:?}")))
+        }
     }
 }
 
@@ -150,7 +154,11 @@ pub(crate) fn run(
     if x.len() < lo || x.len() > hi || out.len() != outs {
         return Err(bad(
             name,
-            format!("{} inputs and {} outputs (it takes {lo}..={hi} and gives {outs})", x.len(), out.len()),
+            format!(
+                "{} inputs and {} outputs (it takes {lo}..={hi} and gives {outs})",
+                x.len(),
+                out.len()
+            ),
         ));
     }
     let one = |t: CudaTensor| Ok(vec![t]);
@@ -189,7 +197,8 @@ fn top_k(
     let rows = x.numel() / n;
     if rows > 0 {
         let xs = be.dense_pub(x)?;
-        let args = [Arg::Ptr(xs.ptr()), Arg::Ptr(vals.ptr()), Arg::Ptr(idx.ptr()), i(rows), i(n), i(k)];
+        let args =
+            [Arg::Ptr(xs.ptr()), Arg::Ptr(vals.ptr()), Arg::Ptr(idx.ptr()), i(rows), i(n), i(k)];
         launch(be.gpu(), "moe_top_k", elementwise(rows), &args)?;
     }
     Ok(vec![vals, idx])
@@ -214,7 +223,8 @@ fn take_along(
     let total = y.numel();
     if total > 0 {
         let (xs, is) = (be.dense_pub(x)?, be.dense_pub(idx)?);
-        let args = [Arg::Ptr(xs.ptr()), Arg::Ptr(is.ptr()), Arg::Ptr(y.ptr()), i(n), i(k), i(total)];
+        let args =
+            [Arg::Ptr(xs.ptr()), Arg::Ptr(is.ptr()), Arg::Ptr(y.ptr()), i(n), i(k), i(total)];
         launch(be.gpu(), "moe_take_along", elementwise(total), &args)?;
     }
     Ok(y)
@@ -246,7 +256,8 @@ fn scatter_along(
             return Ok(y);
         }
         let (is, ss) = (be.dense_pub(idx)?, be.dense_pub(src)?);
-        let args = [Arg::Ptr(is.ptr()), Arg::Ptr(ss.ptr()), Arg::Ptr(y.ptr()), i(k), i(size), i(total)];
+        let args =
+            [Arg::Ptr(is.ptr()), Arg::Ptr(ss.ptr()), Arg::Ptr(y.ptr()), i(k), i(size), i(total)];
         launch(be.gpu(), "moe_scatter_along", elementwise(total), &args)?;
     }
     Ok(y)
@@ -274,7 +285,8 @@ fn slots(
     let groups = total / per;
     if experts > 0 {
         let is = be.dense_pub(idx)?;
-        let args = [Arg::Ptr(is.ptr()), Arg::Ptr(y.ptr()), i(groups), i(per), i(experts), i(capacity)];
+        let args =
+            [Arg::Ptr(is.ptr()), Arg::Ptr(y.ptr()), i(groups), i(per), i(experts), i(capacity)];
         launch(be.gpu(), "moe_slots", elementwise(groups * experts), &args)?;
     }
     Ok(y)

@@ -67,8 +67,8 @@ fn meta(t: &Tensor) -> TensorMeta {
 fn mismatch(a: &Tensor, b: &Tensor) -> Result<f64> {
     let a = a.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?;
     let b = b.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?;
-    let same = a.len() == b.len()
-        && a.iter().zip(&b).all(|(x, y)| x == y || (x.is_nan() && y.is_nan()));
+    let same =
+        a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x == y || (x.is_nan() && y.is_nan()));
     Ok(if same { 0.0 } else { 1.0 })
 }
 
@@ -105,7 +105,8 @@ impl Cases<'_> {
         let metas: Vec<TensorMeta> = x.iter().map(|t| meta(t)).collect();
         let refs: Vec<&TensorMeta> = metas.iter().collect();
         let res = op.infer(&refs).map_err(|e| e.to_string()).and_then(|out| {
-            let want = self.cpu.execute(op, x, &out, &MeshPos::single()).map_err(|e| e.to_string())?;
+            let want =
+                self.cpu.execute(op, x, &out, &MeshPos::single()).map_err(|e| e.to_string())?;
             let got = self.on_gpu(op, x, strided, &out).map_err(|e| e.to_string())?;
             Ok((want, got))
         });
