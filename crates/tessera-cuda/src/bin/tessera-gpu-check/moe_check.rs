@@ -30,19 +30,18 @@ pub fn run(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
         st: 0x0E0E_5EED_1234_9876u64,
         fails,
     };
-    // (group dims, tokens, experts, k, capacity factor, hidden, ties in the logits)
-    let cases: [(&[usize], usize, usize, usize, Option<f64>, usize, bool); 7] = [
-        (&[], 16, 4, 1, Some(1.0), 8, false),
-        (&[2], 33, 8, 2, Some(1.0), 24, false),
-        (&[2], 33, 8, 2, None, 24, false),
-        (&[3], 64, 16, 2, Some(0.5), 40, false),
-        (&[2], 20, 6, 2, Some(1.25), 16, true),
-        (&[1, 2], 10, 4, 2, Some(1.0), 8, true),
-        (&[], 300, 8, 1, None, 72, false),
+    let cases = [
+        Config { groups: &[], n: 16, e: 4, k: 1, factor: Some(1.0), h: 8, ties: false },
+        Config { groups: &[2], n: 33, e: 8, k: 2, factor: Some(1.0), h: 24, ties: false },
+        Config { groups: &[2], n: 33, e: 8, k: 2, factor: None, h: 24, ties: false },
+        Config { groups: &[3], n: 64, e: 16, k: 2, factor: Some(0.5), h: 40, ties: false },
+        Config { groups: &[2], n: 20, e: 6, k: 2, factor: Some(1.25), h: 16, ties: true },
+        Config { groups: &[1, 2], n: 10, e: 4, k: 2, factor: Some(1.0), h: 8, ties: true },
+        Config { groups: &[], n: 300, e: 8, k: 1, factor: None, h: 72, ties: false },
     ];
     for dtype in [DType::F32, DType::BF16] {
-        for &(groups, n, e, k, factor, h, ties) in &cases {
-            c.case(groups, [n, e, k, h], factor, ties, dtype);
+        for cfg in &cases {
+            c.case(cfg, dtype);
         }
     }
     for model in MODELS {
@@ -50,6 +49,18 @@ pub fn run(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
             check_kernels(gpu, model, dtype, c.fails);
         }
     }
+}
+
+/// One routing configuration: group dims, tokens per group, experts, k, the capacity factor
+/// (`None`: dropless), hidden size, and whether the router logits are full of ties.
+struct Config {
+    groups: &'static [usize],
+    n: usize,
+    e: usize,
+    k: usize,
+    factor: Option<f64>,
+    h: usize,
+    ties: bool,
 }
 
 struct Cases<'a> {
@@ -165,16 +176,9 @@ impl Cases<'_> {
         got.iter().map(|t| self.gpu.download(t)).collect()
     }
 
-    /// Every routing op at one configuration: `[n, e, k, h]` = tokens per group, experts, k,
-    /// hidden.
-    fn case(
-        &mut self,
-        groups: &[usize],
-        [n, e, k, h]: [usize; 4],
-        factor: Option<f64>,
-        ties: bool,
-        dtype: DType,
-    ) {
+    /// Every routing op at one configuration.
+    fn case(&mut self, cfg: &Config, dtype: DType) {
+        let Config { groups, n, e, k, factor, h, ties } = *cfg;
         let cap = tessera_ir::ops::moe::capacity(n, k, e, factor);
         let case = format!(
             "groups {groups:?} n {n} experts {e} k {k} capacity {cap} ({}) h {h}{}",
