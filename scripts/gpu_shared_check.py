@@ -1,7 +1,8 @@
 """Several devices on one GPU, checked against one device: `tessera train --device cuda
 --devices N --plan P` on a machine with fewer GPUs than N runs N devices that share a GPU (own
 streams and allocators; collectives staged through the host), each running its plan's GPU
-kernels. For gpt2-tiny and llama-tiny in fp32, every plan's per-step losses and gradient norms
+kernels. For gpt2-tiny and llama-tiny in fp32 (and mixtral-tiny under the EXTRA plans: the
+MoE routing kernels, expert parallelism), every plan's per-step losses and gradient norms
 must equal the one-device run's within 1e-5 (relative), and each device's caching-allocator
 peak must equal its predicted peak to the byte (and the accountant's).
 
@@ -17,6 +18,8 @@ CLI = os.environ.get("TESSERA_CLI", "target/release/tessera")
 DEVICE = os.environ.get("TESSERA_DEVICE", "cuda")
 PLANS = [(2, "dp2"), (2, "tp2"), (4, "dp2 tp2 sp"), (2, "pp2 mb4"), (4, "dp4 zero3")]
 MODELS = ["gpt2-tiny", "llama-tiny"]
+# Runs beside MODELS × PLANS: (model, devices, plan).
+EXTRA = [("mixtral-tiny", 2, "ep2"), ("mixtral-tiny", 2, "dp2")]
 TOL = 1e-5
 STEPS = 12
 
@@ -45,14 +48,17 @@ def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "gpu-shared-out"
     os.makedirs(out, exist_ok=True)
     fails = []
-    for model in MODELS:
+    runs = {m: list(PLANS) for m in MODELS}
+    for model, devices, plan in EXTRA:
+        runs.setdefault(model, []).append((devices, plan))
+    for model, plans in runs.items():
         base, base_steps, secs, err = train(out, model, 1, None, "one")
         if base is None:
             print(json.dumps({"check": "shared", "model": model, "plan": "one device", "ok": False,
                               "error": err}), flush=True)
             fails.append(f"{model} one device: {err[-300:]}")
             continue
-        for devices, plan in PLANS:
+        for devices, plan in plans:
             rep, steps, secs, err = train(out, model, devices, plan, plan.replace(" ", "_"))
             if rep is None:
                 print(json.dumps({"check": "shared", "model": model, "plan": plan, "ok": False,

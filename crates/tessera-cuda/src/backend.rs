@@ -744,11 +744,7 @@ impl CudaBackend {
             | Op::MoeSlots { .. }
             | Op::MoeDispatch { .. }
             | Op::MoeCombine
-            | Op::MoeSlotDot => Err(unsupported(
-                op.name(),
-                "the mixture-of-experts routing ops have CPU kernels only so far: run the model \
-                 on the CPU backend",
-            )),
+            | Op::MoeSlotDot => crate::moe::run(self, op, x, out, p),
             Op::QMatMulBackward(_) => Err(unsupported(op.name(), QLORA_ON_CUDA)),
             Op::Send(_) | Op::Recv(..) | Op::Reshard(_) => Err(bad(
                 "a transfer between devices needs a communicator: run the plan with the SPMD \

@@ -268,7 +268,12 @@ impl Gpu {
                 .map_err(|e| driver_err("loading the kernels", e))?,
         };
         let mut funcs = HashMap::new();
-        for &f in FUNCTIONS.iter().chain(crate::vision::FUNCTIONS).chain(crate::infer::FUNCTIONS) {
+        let all = FUNCTIONS
+            .iter()
+            .chain(crate::vision::FUNCTIONS)
+            .chain(crate::infer::FUNCTIONS)
+            .chain(crate::moe::FUNCTIONS);
+        for &f in all {
             let func = module.load_function(f).map_err(|e| driver_err(f, e))?;
             funcs.insert(f, func);
         }

@@ -32,6 +32,7 @@ mod infer;
 pub mod launch;
 mod linear_loss;
 mod loss;
+mod moe;
 pub mod nccl;
 pub mod nccl_check;
 mod optim;

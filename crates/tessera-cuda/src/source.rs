@@ -6,15 +6,16 @@ use tessera_ir::{BinaryOp, DType, ReduceOp, UnaryOp};
 
 /// `kernels.cu` (helpers, copies, elementwise), `reduce.cu` (reductions, norms), `layers.cu`
 /// (embedding, loss, AdamW, RoPE, unfused attention), then the flash-attention kernels
-/// (`flash.cu`), the vision ops (`vision.cu`) and the generation ops (`infer.cu`); each uses
-/// the helpers of the files before it.
+/// (`flash.cu`), the vision ops (`vision.cu`), the generation ops (`infer.cu`) and the
+/// mixture-of-experts routing ops (`moe.cu`); each uses the helpers of the files before it.
 pub const KERNELS: &str = concat!(
     include_str!("kernels.cu"),
     include_str!("reduce.cu"),
     include_str!("layers.cu"),
     include_str!("flash.cu"),
     include_str!("vision.cu"),
-    include_str!("infer.cu")
+    include_str!("infer.cu"),
+    include_str!("moe.cu")
 );
 
 pub fn unary_code(u: UnaryOp) -> i32 {
@@ -89,7 +90,12 @@ mod tests {
     /// Every kernel the backend loads is defined (with C linkage) in the source.
     #[test]
     fn every_launched_kernel_is_defined() {
-        for f in FUNCTIONS.iter().chain(crate::vision::FUNCTIONS).chain(crate::infer::FUNCTIONS) {
+        for f in FUNCTIONS
+            .iter()
+            .chain(crate::vision::FUNCTIONS)
+            .chain(crate::infer::FUNCTIONS)
+            .chain(crate::moe::FUNCTIONS)
+        {
             // The flash kernels are instantiated per head dim by macros.
             let head_dim = f.strip_prefix("flash_fwd_").or_else(|| f.strip_prefix("flash_bwd_"));
             let def = match (head_dim, f.strip_prefix("flash_bwd2_")) {

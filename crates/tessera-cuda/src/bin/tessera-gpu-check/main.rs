@@ -16,13 +16,16 @@
 //! 6. **Host and flash A/B** (`host`, `flash-bench`): a matmul's host cost on each GEMM path
 //!    and whether the paths agree to the bit; each flash backward's time at the LLaMA's sizes
 //!    and the second's agreement with the first (`perf_check`).
-//! 7. **NCCL** (only when named): the communicator conformance suite on NCCL and a training
+//! 7. **MoE** (`moe`): the routing kernels against the CPU's on random inputs, and the tiny MoE
+//!    presets' training steps on both backends (`moe_check`).
+//! 8. **NCCL** (only when named): the communicator conformance suite on NCCL and a training
 //!    step through the SPMD path with an NCCL communicator (`tessera_cuda::nccl_check`).
 //!
 //! Output: one JSON object per line (`{"check": ...}`), then a summary; exit code 1 when a
 //! bound fails.
 
 mod infer_check;
+mod moe_check;
 mod perf_check;
 mod tp_check;
 mod vision_check;
@@ -572,6 +575,9 @@ fn main() {
     }
     if only("vision") {
         step("vision", &mut || vision_check::run(&gpu, &mut fails));
+    }
+    if only("moe") {
+        step("moe", &mut || moe_check::run(&gpu, &mut fails));
     }
     if only("generate") {
         step("generate", &mut || infer_check::run(&gpu, &mut fails));
