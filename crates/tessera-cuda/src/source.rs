@@ -6,7 +6,8 @@ use tessera_ir::{BinaryOp, DType, ReduceOp, UnaryOp};
 
 /// `kernels.cu` (helpers, copies, elementwise), `reduce.cu` (reductions, norms), `layers.cu`
 /// (embedding, loss, AdamW, RoPE, unfused attention), then the flash-attention kernels
-/// (`flash.cu`), the vision ops (`vision.cu`) and the generation ops (`infer.cu`); each uses
+/// (`flash.cu`), the vision ops (`vision.cu`), the generation ops (`infer.cu`) and ring
+/// attention's merges (`ring.cu`); each uses
 /// the helpers of the files before it.
 pub const KERNELS: &str = concat!(
     include_str!("kernels.cu"),
@@ -14,7 +15,8 @@ pub const KERNELS: &str = concat!(
     include_str!("layers.cu"),
     include_str!("flash.cu"),
     include_str!("vision.cu"),
-    include_str!("infer.cu")
+    include_str!("infer.cu"),
+    include_str!("ring.cu")
 );
 
 pub fn unary_code(u: UnaryOp) -> i32 {
