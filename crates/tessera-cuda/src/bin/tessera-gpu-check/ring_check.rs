@@ -79,7 +79,8 @@ impl Cases<'_> {
     fn line(&mut self, case: &str, op: &str, dtype: DType, err: Result<f64, String>) {
         let b = bound(dtype);
         let (ok, detail) = match &err {
-            Ok(e) => (*e <= b, format!("\"rel_err\":\"{e:e}\",\"bound\":\"{b:e}\"")),
+            Ok(e) if e.is_finite() => (*e <= b, format!("\"rel_err\":{e:e},\"bound\":{b:e}")),
+            Ok(e) => (false, format!("\"rel_err\":\"{e}\",\"bound\":{b:e}")),
             Err(e) => (false, format!("\"error\":{e:?}")),
         };
         println!(
