@@ -232,9 +232,9 @@ fn merges(c: &mut Cases, dtype: DType) {
     let all_masked = Tensor::full(f32::NEG_INFINITY, &[B, H, S], &Device::Cpu).expect("a fill");
     let refs: Vec<&Tensor> = pairs.iter().collect();
     let merge = Op::AttentionMerge;
-    c.case("3 pairs", &merge, &refs, &[xm.clone()], &["out"], &at);
+    c.case("3 pairs", &merge, &refs, std::slice::from_ref(&xm), &["out"], &at);
     let masked = [&pairs[0], &all_masked, &pairs[2], &all_masked];
-    c.case("all masked", &merge, &masked, &[xm.clone()], &["out"], &at);
+    c.case("all masked", &merge, &masked, std::slice::from_ref(&xm), &["out"], &at);
     let dout = c.rand(&[B, S, H, D], 1.0, dtype);
     let mut xb = refs.clone();
     xb.push(&dout);
