@@ -17,9 +17,11 @@ CLI = os.environ.get("TESSERA_CLI", "target/release/tessera")
 DEVICE = os.environ.get("TESSERA_DEVICE", "cuda")
 PLANS = [(2, "dp2"), (2, "tp2"), (4, "dp2 tp2 sp"), (2, "pp2 mb4"), (4, "dp4 zero3")]
 # Context parallelism: all-to-all (both models), ring attention (llama-tiny: ring does not
-# split GPT-2's learned position table yet), its kernels also checked by `tessera-gpu-check ring`.
+# split GPT-2's learned position table yet), its kernels also checked by `tessera-gpu-check ring`;
+# and tp8 on llama-tiny's 4 KV heads (tensor parallelism past the KV heads, the same check).
 PLANS += [(2, "cp2")]
-RING_PLANS = {"llama-tiny": [(2, "cp2 cp=ring"), (4, "cp4 cp=ring"), (4, "dp2 cp2 cp=ring")]}
+MODEL_PLANS = {"llama-tiny": [(2, "cp2 cp=ring"), (4, "cp4 cp=ring"), (4, "dp2 cp2 cp=ring"),
+                              (8, "tp8")]}
 MODELS = ["gpt2-tiny", "llama-tiny"]
 TOL = 1e-5
 STEPS = 12
@@ -56,7 +58,7 @@ def main():
                               "error": err}), flush=True)
             fails.append(f"{model} one device: {err[-300:]}")
             continue
-        for devices, plan in PLANS + RING_PLANS.get(model, []):
+        for devices, plan in PLANS + MODEL_PLANS.get(model, []):
             rep, steps, secs, err = train(out, model, devices, plan, plan.replace(" ", "_"))
             if rep is None:
                 print(json.dumps({"check": "shared", "model": model, "plan": plan, "ok": False,
