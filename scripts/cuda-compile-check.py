@@ -11,7 +11,8 @@ or ptxas fails.
 """
 import ctypes, glob, os, subprocess, sys, tempfile
 
-SOURCES = ["kernels.cu", "reduce.cu", "layers.cu", "flash.cu", "vision.cu", "infer.cu", "moe.cu"]  # source::KERNELS, in order
+SOURCES = ["kernels.cu", "reduce.cu", "layers.cu", "flash.cu", "vision.cu", "infer.cu", "moe.cu",
+           "ring.cu"]  # source::KERNELS, in order
 
 def main():
     import nvidia

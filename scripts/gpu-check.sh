@@ -7,7 +7,7 @@
 # Stages run in the order given (default: every stage but nccl, compile and speed-llama), each
 # appending its JSON lines to OUT_DIR/checks.jsonl; a failing stage does not stop the others and
 # makes the exit code 1.
-#   kernels vision moe generate tp host flash-bench training memory memory-large calibrate speed
+#   kernels vision moe ring generate tp host flash-bench training memory memory-large calibrate speed
 #   speed-llama nccl
 #            the check binary's own checks (crates/tessera-cuda/src/bin/tessera-gpu-check/):
 #            every op's kernel against the CPU's, the new ops' too; loss curves; memory against
@@ -59,7 +59,7 @@ fi
 export TESSERA_KERNEL_CACHE=${TESSERA_KERNEL_CACHE:-$out/.kernels}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(kernels vision moe generate tp training memory memory-large speed cost \
+[ ${#stages[@]} -eq 0 ] && stages=(kernels vision moe ring generate tp training memory memory-large speed cost \
   shared unet cli torch decode bf16)
 rc=0
 log() { tee -a "$out/checks.jsonl"; }
@@ -68,7 +68,7 @@ big_gpu() { [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nouni
 for s in "${stages[@]}"; do
   t0=$SECONDS
   case "$s" in
-    kernels|vision|moe|generate|tp|host|flash-bench|training|memory|memory-large|calibrate|speed|speed-llama|nccl)
+    kernels|vision|moe|ring|generate|tp|host|flash-bench|training|memory|memory-large|calibrate|speed|speed-llama|nccl)
       "$bin" "$s" 2>>"$out/stderr.txt" | log; [ "${PIPESTATUS[0]}" -eq 0 ] || fail "$s" ;;
     shared)
       python3 scripts/gpu_shared_check.py "$out/shared" 2>>"$out/stderr.txt" | log

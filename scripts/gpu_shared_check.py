@@ -17,6 +17,12 @@ CLI = os.environ.get("TESSERA_CLI", "target/release/tessera")
 # the CPU has no allocator books apart from the accountant's).
 DEVICE = os.environ.get("TESSERA_DEVICE", "cuda")
 PLANS = [(2, "dp2"), (2, "tp2"), (4, "dp2 tp2 sp"), (2, "pp2 mb4"), (4, "dp4 zero3")]
+# Context parallelism: all-to-all (both models), ring attention (llama-tiny: ring does not
+# split GPT-2's learned position table yet), its kernels also checked by `tessera-gpu-check ring`;
+# and tp8 on llama-tiny's 4 KV heads (tensor parallelism past the KV heads, the same check).
+PLANS += [(2, "cp2")]
+MODEL_PLANS = {"llama-tiny": [(2, "cp2 cp=ring"), (4, "cp4 cp=ring"), (4, "dp2 cp2 cp=ring"),
+                              (8, "tp8")]}
 MODELS = ["gpt2-tiny", "llama-tiny"]
 # Runs beside MODELS × PLANS: (model, devices, plan).
 EXTRA = [("mixtral-tiny", 2, "ep2"), ("mixtral-tiny", 2, "dp2")]
@@ -48,7 +54,7 @@ def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "gpu-shared-out"
     os.makedirs(out, exist_ok=True)
     fails = []
-    runs = {m: list(PLANS) for m in MODELS}
+    runs = {m: list(PLANS) + MODEL_PLANS.get(m, []) for m in MODELS}
     for model, devices, plan in EXTRA:
         runs.setdefault(model, []).append((devices, plan))
     for model, plans in runs.items():

@@ -107,12 +107,6 @@ pub const QLORA_ON_CUDA: &str = "QLoRA (--quantize-base) is not implemented on C
      quantised matmul's backward (dy · dequant(W)) has a CPU kernel only so far; train it on \
      the CPU runtime (--device cpu), or train LoRA on a float base on CUDA";
 
-/// Why ring attention does not run here: its block attention (global positions, a
-/// differentiable log-sum-exp) and its merge have no CUDA kernels yet.
-const RING_ON_CUDA: &str = "ring attention (cp=ring) is not implemented on CUDA: its \
-     attention over a block of keys at global positions, the log-sum-exp's gradient and the \
-     merge have CPU kernels only; use cp=a2a on CUDA, or the CPU runtime";
-
 impl Backend for CudaBackend {
     type Value = CudaTensor;
 
@@ -230,26 +224,16 @@ impl CudaBackend {
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
         self.gpu.bind()?;
-        if let Op::Attention(spec) | Op::AttentionBackward(spec) = op {
-            if spec.kv_whole.is_some() {
-                return Err(unsupported(
-                    op.name(),
-                    "tensor parallelism past the KV heads (query heads split over more GPUs \
-                     than there are KV heads) is not implemented on CUDA; use a tp that divides \
-                     the KV heads, or the CPU runtime",
-                ));
-            }
-            if spec.ring.is_some() || (matches!(op, Op::AttentionBackward(_)) && inputs.len() == 7)
-            {
-                return Err(unsupported(op.name(), RING_ON_CUDA));
-            }
-        }
-        // bf16 attention runs fused on tensor cores where the flash kernels apply.
+        // bf16 attention runs fused on tensor cores where the flash kernels apply: not ring
+        // attention (global positions, the log-sum-exp's cotangent) nor tensor parallelism
+        // past the KV heads (each query head's KV head by its global index), which the
+        // unfused path takes (module `attention`).
+        let unfused = |spec: &AttentionSpec| spec.ring.is_some() || spec.kv_whole.is_some();
         let flash = match op {
-            Op::Attention(spec) => {
+            Op::Attention(spec) if !unfused(spec) => {
                 crate::flash::forward(self, inputs, spec, at, outputs, Purpose::Program)?
             }
-            Op::AttentionBackward(spec) => {
+            Op::AttentionBackward(spec) if !unfused(spec) && inputs.len() == 6 => {
                 crate::flash::backward(self, inputs, spec, at, outputs, Purpose::Program)?
             }
             _ => None,
@@ -709,9 +693,9 @@ impl CudaBackend {
             )),
             Op::Attention(spec) => crate::attention::forward(self, x, spec, at, out, p),
             Op::AttentionBackward(spec) => crate::attention::backward(self, x, spec, at, out, p),
-            Op::AttentionMerge | Op::AttentionMergeBackward | Op::RingMerge(_) => {
-                Err(unsupported(op.name(), RING_ON_CUDA))
-            }
+            Op::AttentionMerge => one(crate::ring::merge(self, x, &out[0], p)?),
+            Op::AttentionMergeBackward => crate::ring::merge_backward(self, x, out, p),
+            Op::RingMerge(_) => crate::ring::ring_merge(self, x, out, p),
             Op::Rope { inv_freq, inverse } => one(crate::attention::rope(
                 self,
                 x[0],
@@ -795,7 +779,8 @@ pub(crate) fn geometry(q: &CudaTensor, k: &CudaTensor, spec: &AttentionSpec) -> 
             k.dims()
         )));
     };
-    if hkv == 0 || h % hkv != 0 {
+    // Past the KV heads, k/v hold every KV head and q some query heads (module `attention`).
+    if hkv == 0 || (h % hkv != 0 && spec.kv_whole.is_none()) {
         return Err(bad(format!("attention: {h} query heads over {hkv} kv heads")));
     }
     Ok(Attn {

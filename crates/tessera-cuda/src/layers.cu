@@ -311,52 +311,101 @@ __device__ __forceinline__ void attn_visible(const Attn& a, i64 p, i64* lo, i64*
     *hi = h > l ? h : l;
 }
 
-// D_i = Σ_e dO·O per query row ([B,H,S]), for the backward's dS = P ⊙ (dP − D).
-extern "C" __global__ void attention_delta(const float* out, const float* dout, float* delta, Attn a) {
+// Ring attention (`AttentionSpec::ring`): queries and keys at global positions, from the
+// device's cp coordinate `qc`, the key block owner's `kc`, the ring's `size` and the zig-zag
+// chunking (`RingBlock::positions_of`; `on` 0: not a ring). Passed by value: no upload.
+struct RingPos {
+    i64 on, qc, kc, size, zigzag;
+};
+
+// The global position of local row i of `len` rows held by cp coordinate c.
+__device__ __forceinline__ i64 ring_at(const RingPos& r, i64 c, i64 len, i64 i) {
+    if (!r.zigzag) return c * len + i;
+    i64 half = len / 2;
+    return i < half ? c * half + i : (2 * r.size - 1 - c) * half + i - half;
+}
+
+__device__ __forceinline__ i64 ring_pos(const Attn& a, const i64* start, const RingPos& r, i64 b, i64 i) {
+    return r.on && !start ? ring_at(r, r.qc, a.s, i) : attn_pos(a, start, b, i);
+}
+
+__device__ __forceinline__ i64 ring_key(const Attn& a, const RingPos& r, i64 j) {
+    return r.on ? ring_at(r, r.kc, a.t, j) : j;
+}
+
+// How many keys sit at positions below p (their positions increase with j).
+__device__ __forceinline__ i64 ring_keys_before(const Attn& a, const RingPos& r, i64 p) {
+    i64 lo = 0, hi = a.t;
+    while (lo < hi) {
+        i64 m = (lo + hi) / 2;
+        if (ring_at(r, r.kc, a.t, m) < p) lo = m + 1; else hi = m;
+    }
+    return lo;
+}
+
+// The keys `lo..hi` visible to the query at position p (the CPU's `Geom::visible`).
+__device__ __forceinline__ void ring_visible(const Attn& a, const RingPos& r, i64 p, i64* lo, i64* hi) {
+    if (!r.on) {
+        attn_visible(a, p, lo, hi);
+        return;
+    }
+    i64 h = a.causal ? ring_keys_before(a, r, p + 1) : a.t;
+    i64 l = a.window > 0 ? ring_keys_before(a, r, p - a.window + 1) : 0;
+    *lo = l;
+    *hi = h > l ? h : l;
+}
+
+// D_i = Σ_e dO·O per query row ([B,H,S]), for the backward's dS = P ⊙ (dP − D); minus the
+// log-sum-exp's cotangent `dlse` [B,H,S] where ring attention's merge read it (else null).
+extern "C" __global__ void attention_delta(const float* out, const float* dout, float* delta, Attn a,
+                                           const float* dlse) {
     i64 i = blockIdx.x, hh = blockIdx.y, b = blockIdx.z;
     i64 off = ((b * a.s + i) * a.h + hh) * a.d;
     double s = 0.0;
     for (i64 e = threadIdx.x; e < a.d; e += blockDim.x) s += (double)out[off + e] * dout[off + e];
     s = block_sum(s);
-    if (threadIdx.x == 0) delta[(b * a.h + hh) * a.s + i] = (float)s;
+    i64 r = (b * a.h + hh) * a.s + i;
+    if (threadIdx.x == 0) delta[r] = dlse ? (float)s - dlse[r] : (float)s;
 }
 
 // ---- attention through cuBLAS: per batch element b, the scores [H,S,T] come from a GEMM
 // (already scaled); these row kernels apply the masks and ALiBi and do the softmax parts. ----
 extern "C" __global__ void attn_softmax(float* sc, const i64* start, const float* slopes, Attn a, i64 b,
-                                        float* lse) {
+                                        float* lse, RingPos rp) {
     i64 i = blockIdx.x, hh = blockIdx.y;
     float* row = sc + (hh * a.s + i) * a.t;
-    i64 p = attn_pos(a, start, b, i);
+    i64 p = ring_pos(a, start, rp, b, i);
     i64 lo, hi;
-    attn_visible(a, p, &lo, &hi);
+    ring_visible(a, rp, p, &lo, &hi);
     float slope = slopes ? slopes[hh] : 0.0f;
     float m = -INFINITY;
-    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) m = fmaxf(m, row[j] + slope * (float)(j - p));
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) m = fmaxf(m, row[j] + slope * (float)(ring_key(a, rp, j) - p));
     m = block_max(m);
     double s = 0.0;
-    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) s += expf(row[j] + slope * (float)(j - p) - m);
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) s += expf(row[j] + slope * (float)(ring_key(a, rp, j) - p) - m);
     s = block_sum(s);
     float inv = s > 0.0 ? (float)(1.0 / s) : 0.0f;
     for (i64 j = threadIdx.x; j < a.t; j += blockDim.x)
-        row[j] = (j >= lo && j < hi) ? expf(row[j] + slope * (float)(j - p) - m) * inv : 0.0f;
+        row[j] = (j >= lo && j < hi) ? expf(row[j] + slope * (float)(ring_key(a, rp, j) - p) - m) * inv : 0.0f;
     if (threadIdx.x == 0) lse[(b * a.h + hh) * a.s + i] = hi > lo ? (float)((double)m + log(s)) : -INFINITY;
 }
 
 // Backward rows: `sc` holds the scaled scores, `dp` dO·Vᵀ; writes P into sc and
-// dS = P ⊙ (dP − D) into dp.
+// dS = P ⊙ (dP − D) into dp (zero on a row whose log-sum-exp is −∞: it saw no key).
 extern "C" __global__ void attn_grad_scores(float* sc, float* dp, const float* lse, const float* delta,
-                                            const i64* start, const float* slopes, Attn a, i64 b) {
+                                            const i64* start, const float* slopes, Attn a, i64 b,
+                                            RingPos rp) {
     i64 i = blockIdx.x, hh = blockIdx.y;
     i64 r = (hh * a.s + i) * a.t;
-    i64 p = attn_pos(a, start, b, i);
+    i64 p = ring_pos(a, start, rp, b, i);
     i64 lo, hi;
-    attn_visible(a, p, &lo, &hi);
+    ring_visible(a, rp, p, &lo, &hi);
     float slope = slopes ? slopes[hh] : 0.0f;
     float l = lse[(b * a.h + hh) * a.s + i];
     float dd = delta[(b * a.h + hh) * a.s + i];
+    if (l == -INFINITY) hi = lo;
     for (i64 j = threadIdx.x; j < a.t; j += blockDim.x) {
-        float pj = (j >= lo && j < hi) ? expf(sc[r + j] + slope * (float)(j - p) - l) : 0.0f;
+        float pj = (j >= lo && j < hi) ? expf(sc[r + j] + slope * (float)(ring_key(a, rp, j) - p) - l) : 0.0f;
         sc[r + j] = pj;
         dp[r + j] = pj * (dp[r + j] - dd);
     }

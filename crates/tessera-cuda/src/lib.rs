@@ -38,6 +38,7 @@ pub mod nccl_check;
 mod optim;
 mod reduce;
 pub mod rendezvous;
+mod ring;
 pub mod source;
 pub mod tensor;
 pub mod timer;

@@ -6,8 +6,9 @@ use tessera_ir::{BinaryOp, DType, ReduceOp, UnaryOp};
 
 /// `kernels.cu` (helpers, copies, elementwise), `reduce.cu` (reductions, norms), `layers.cu`
 /// (embedding, loss, AdamW, RoPE, unfused attention), then the flash-attention kernels
-/// (`flash.cu`), the vision ops (`vision.cu`), the generation ops (`infer.cu`) and the
-/// mixture-of-experts routing ops (`moe.cu`); each uses the helpers of the files before it.
+/// (`flash.cu`), the vision ops (`vision.cu`), the generation ops (`infer.cu`), the
+/// mixture-of-experts routing ops (`moe.cu`) and ring attention's merges (`ring.cu`); each uses
+/// the helpers of the files before it.
 pub const KERNELS: &str = concat!(
     include_str!("kernels.cu"),
     include_str!("reduce.cu"),
@@ -15,7 +16,8 @@ pub const KERNELS: &str = concat!(
     include_str!("flash.cu"),
     include_str!("vision.cu"),
     include_str!("infer.cu"),
-    include_str!("moe.cu")
+    include_str!("moe.cu"),
+    include_str!("ring.cu")
 );
 
 pub fn unary_code(u: UnaryOp) -> i32 {

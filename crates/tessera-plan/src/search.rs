@@ -249,8 +249,9 @@ pub struct SearchKnobs {
     /// balanced, see [`CostModel::moe_imbalance`]).
     pub moe_imbalance: f64,
     /// Whether the automatic search tries ring attention (`cp=ring`) where the all-to-all
-    /// variant cannot split the KV heads: the CPU backend runs it, the CUDA backend not yet,
-    /// so `tessera train --device cuda` turns this off.
+    /// variant cannot split the KV heads. `tessera train --device cuda` turns this off: the
+    /// CUDA kernels exist (a plan naming `cp=ring` runs them) but take the unfused attention,
+    /// not the flash kernels, so the search does not pick them for a GPU yet.
     pub ring: bool,
 }
 

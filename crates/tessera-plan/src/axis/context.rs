@@ -74,12 +74,12 @@
 //!   ring step costs the longer of its transfer and its block's compute.
 //! - Search: the automatic search tries ring attention beside the all-to-all variant where
 //!   the latter cannot go — cp × tp past the KV heads (`planner::rounds::megatron_jobs`);
-//!   `tessera train --device cuda` turns it off (`SearchKnobs::ring`: the CUDA backend has
-//!   no ring kernels yet), and a model ring refuses (learned positions) is the candidate's
-//!   own miss.
+//!   `tessera train --device cuda` turns it off (`SearchKnobs::ring`: the CUDA backend runs
+//!   ring attention on its unfused attention, not the flash kernels), and a model ring
+//!   refuses (learned positions) is the candidate's own miss.
 //! - Not yet: learned position tables (GPT-2's `wpe[0:S]` slice would have to gather each
 //!   device's zig-zag rows) and pipelines (a stage's mesh does not carry the ring) are refused
-//!   by name; CUDA refuses the ring's ops by name.
+//!   by name.
 
 use super::{Axis, ConfigError, Engine, ExplainContext, ExportFields, GridContext, Parsed};
 use super::{PinContext, Slot, Token};

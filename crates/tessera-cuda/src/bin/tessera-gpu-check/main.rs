@@ -27,6 +27,7 @@
 mod infer_check;
 mod moe_check;
 mod perf_check;
+mod ring_check;
 mod tp_check;
 mod vision_check;
 
@@ -578,6 +579,9 @@ fn main() {
     }
     if only("moe") {
         step("moe", &mut || moe_check::run(&gpu, &mut fails));
+    }
+    if only("ring") {
+        step("ring", &mut || ring_check::run(&gpu, &mut fails));
     }
     if only("generate") {
         step("generate", &mut || infer_check::run(&gpu, &mut fails));
