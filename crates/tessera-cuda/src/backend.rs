@@ -82,6 +82,7 @@ fn native_half(op: &Op) -> bool {
             op,
             Op::MatMul { .. }
                 | Op::QMatMul(_)
+                | Op::QMatMulBackward(_)
                 | Op::Transfer { .. }
                 | Op::Reshard(_)
                 | Op::Unary(_)
@@ -101,11 +102,6 @@ fn native_half(op: &Op) -> bool {
                 | Op::LogSumExp
         )
 }
-
-/// Why QLoRA does not train here: the quantised matmul's input gradient has no CUDA kernel.
-pub const QLORA_ON_CUDA: &str = "QLoRA (--quantize-base) is not implemented on CUDA: the \
-     quantised matmul's backward (dy · dequant(W)) has a CPU kernel only so far; train it on \
-     the CPU runtime (--device cpu), or train LoRA on a float base on CUDA";
 
 /// Why ring attention does not run here: its block attention (global positions, a
 /// differentiable log-sum-exp) and its merge have no CUDA kernels yet.
@@ -724,7 +720,7 @@ impl CudaBackend {
             Op::AdamW(spec) => crate::optim::adamw(self, spec, x),
             Op::Transfer { .. } => one(self.copy(x[0], p)?),
             Op::Reshard(spec) if spec.forward.iter().all(|s| s.size == 1) => one(x[0].clone()),
-            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => {
+            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) | Op::QMatMulBackward(_) => {
                 crate::infer::run(self, op, x, out, p)
             }
             Op::Conv2d(_)
@@ -749,7 +745,6 @@ impl CudaBackend {
                 "the mixture-of-experts routing ops have CPU kernels only so far: run the model \
                  on the CPU backend",
             )),
-            Op::QMatMulBackward(_) => Err(unsupported(op.name(), QLORA_ON_CUDA)),
             Op::Send(_) | Op::Recv(..) | Op::Reshard(_) => Err(bad(
                 "a transfer between devices needs a communicator: run the plan with the SPMD \
                  runtime"
