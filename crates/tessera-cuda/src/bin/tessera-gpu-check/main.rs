@@ -24,6 +24,7 @@
 
 mod infer_check;
 mod perf_check;
+mod qlora_check;
 mod tp_check;
 mod vision_check;
 
@@ -572,6 +573,9 @@ fn main() {
     }
     if only("vision") {
         step("vision", &mut || vision_check::run(&gpu, &mut fails));
+    }
+    if only("qlora") {
+        step("qlora", &mut || qlora_check::run(&gpu, &mut fails));
     }
     if only("generate") {
         step("generate", &mut || infer_check::run(&gpu, &mut fails));
