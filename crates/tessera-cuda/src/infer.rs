@@ -13,9 +13,10 @@
 //!   result is rounded once: the CPU's upcast-compute-round.
 //! - **QMatMulBackward** (QLoRA's input gradient `dy · dequant(W)`) is the tiled kernel's
 //!   transpose: 64×64 tiles of dx reduce over the weight rows in steps of 32, staging dy and the
-//!   dequantised weight rows in shared memory. It needs no workspace (the op declares one tile
-//!   of f32 rows for the CPU's gemm path; nothing here is allocated beyond dx), at any number
-//!   of rows.
+//!   dequantised weight rows in shared memory, at any number of rows.
+//!
+//! Both quantised matmuls hold their declared workspace (the CPU's f32 tile of weight rows) as
+//! Program memory while they run, unused, so the allocator's books stay the accountant's.
 //!
 //! The index tensors (cache starts, selected positions) are checked on the host first, with the
 //! CPU kernel's errors. Each is read back once per bound value ([`HostInts`]): every layer's
@@ -71,6 +72,11 @@ pub(crate) fn run(
             out.len()
         )));
     }
+    // The quantised matmuls' declared workspace, held while the kernel runs (see `workspace`).
+    let _workspace = match op {
+        Op::QMatMul(_) | Op::QMatMulBackward(_) => workspace(be, op, x)?,
+        _ => None,
+    };
     let y = match op {
         Op::CacheWrite => cache_write(be, x[0], x[1], x[2])?,
         Op::SelectPositions => select_positions(be, x[0], x[1], &out[0], p)?,
@@ -79,6 +85,21 @@ pub(crate) fn run(
         other => return Err(bad(format!("{} is not a generation op", other.name()))),
     };
     Ok(vec![y])
+}
+
+/// The op's declared workspace (`Op::workspace_bytes`: the CPU kernel's tile of dequantised
+/// weight rows, which the memory accountant charges while the op runs) as Program memory, so
+/// the allocator's Program peak equals the accountant's where a quantised matmul sets the
+/// step's peak (as the convolutions' columns do). The kernels stage their tiles in shared
+/// memory and do not touch it: it is held, not used.
+fn workspace(be: &CudaBackend, op: &Op, x: &[&CudaTensor]) -> Result<Option<CudaTensor>> {
+    let metas: Vec<TensorMeta> = x.iter().map(|t| t.meta()).collect();
+    let bytes = op.workspace_bytes(&metas.iter().collect::<Vec<_>>()) as usize;
+    if bytes == 0 {
+        return Ok(None);
+    }
+    let len = bytes.div_ceil(4);
+    Ok(Some(CudaTensor::empty(be.gpu(), &[len], DType::F32, Purpose::Program)?))
 }
 
 /// Host copies of small i64 device tensors (cache starts, selected positions), each read back
