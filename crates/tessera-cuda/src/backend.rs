@@ -225,15 +225,23 @@ impl CudaBackend {
         outputs: &[TensorMeta],
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
+        self.execute_as(op, inputs, outputs, at, Purpose::Program)
+    }
+
+    /// [`Self::execute_impl`] with the outputs of purpose `p` (Program for the executor's
+    /// nodes; Scratch for the parts of an op composed of others, `kv_whole`).
+    pub(crate) fn execute_as(
+        &self,
+        op: &Op,
+        inputs: &[&CudaTensor],
+        outputs: &[TensorMeta],
+        at: &MeshPos,
+        p: Purpose,
+    ) -> Result<Vec<CudaTensor>> {
         self.gpu.bind()?;
         if let Op::Attention(spec) | Op::AttentionBackward(spec) = op {
             if spec.kv_whole.is_some() {
-                return Err(unsupported(
-                    op.name(),
-                    "tensor parallelism past the KV heads (query heads split over more GPUs \
-                     than there are KV heads) is not implemented on CUDA; use a tp that divides \
-                     the KV heads, or the CPU runtime",
-                ));
+                return crate::kv_whole::run(self, op, spec, inputs, outputs, at, p);
             }
             if spec.ring.is_some() || (matches!(op, Op::AttentionBackward(_)) && inputs.len() == 7)
             {
@@ -242,11 +250,9 @@ impl CudaBackend {
         }
         // bf16 attention runs fused on tensor cores where the flash kernels apply.
         let flash = match op {
-            Op::Attention(spec) => {
-                crate::flash::forward(self, inputs, spec, at, outputs, Purpose::Program)?
-            }
+            Op::Attention(spec) => crate::flash::forward(self, inputs, spec, at, outputs, p)?,
             Op::AttentionBackward(spec) => {
-                crate::flash::backward(self, inputs, spec, at, outputs, Purpose::Program)?
+                crate::flash::backward(self, inputs, spec, at, outputs, p)?
             }
             _ => None,
         };
@@ -255,7 +261,7 @@ impl CudaBackend {
         }
         let half = inputs.iter().any(|t| is_half(t.dtype()));
         if !half || native_half(op) {
-            return self.run(op, inputs, outputs, at, Purpose::Program);
+            return self.run(op, inputs, outputs, at, p);
         }
         // Autocast: f32 copies of the half operands (scratch), f32 results, rounded into the
         // declared outputs.
@@ -281,10 +287,7 @@ impl CudaBackend {
             })
             .collect();
         let outs = self.run(op, &refs, &f32_out, at, Purpose::Scratch)?;
-        outs.into_iter()
-            .zip(outputs)
-            .map(|(t, m)| self.cast(&t, m.dtype, Purpose::Program))
-            .collect()
+        outs.into_iter().zip(outputs).map(|(t, m)| self.cast(&t, m.dtype, p)).collect()
     }
 }
 
@@ -774,6 +777,13 @@ impl CudaBackend {
         let outs = std::slice::from_ref(out);
         let mut r = self.run(&Op::Binary(b), &[x, y], outs, &MeshPos::single(), p)?;
         r.pop().ok_or_else(|| bad("binary: no output".into()))
+    }
+    /// Copies `x` into the view `y` (of x's dims, any strides) where it lies in its buffer.
+    pub(crate) fn copy_into_view(&self, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
+        if x.dims() != y.dims() || x.dtype() != y.dtype() {
+            return Err(bad(format!("copy of {} into {}", x.meta(), y.meta())));
+        }
+        self.copy_into(x, y, y.layout()?)
     }
     /// Copies `x` into `y`, a contiguous view (of x's element count) into a larger tensor.
     pub(crate) fn copy_rows(&self, x: &CudaTensor, y: &CudaTensor) -> Result<()> {

@@ -29,6 +29,7 @@ pub mod flash;
 mod gemm;
 pub mod gpu;
 mod infer;
+mod kv_whole;
 pub mod launch;
 mod linear_loss;
 mod loss;

@@ -99,8 +99,11 @@ fn one(
     let out = op.infer(&metas.iter().collect::<Vec<_>>()).map_err(s)?;
     let at = MeshPos::single();
     let want = cpu.execute(&op, &x, &out, &at).map_err(s)?;
-    let up: Vec<_> =
-        x.iter().map(|t| gpu.upload_as(t, Purpose::Scratch)).collect::<Result<_, _>>().map_err(s)?;
+    let up: Vec<_> = x
+        .iter()
+        .map(|t| gpu.upload_as(t, Purpose::Scratch))
+        .collect::<Result<_, _>>()
+        .map_err(s)?;
     let refs: Vec<_> = up.iter().collect();
     let got = gpu.execute(&op, &refs, &out, &at).map_err(s)?;
     if got[0].dims() != out[0].shape.dims() || got[0].dtype() != out[0].dtype {
