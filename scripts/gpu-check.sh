@@ -7,7 +7,8 @@
 # Stages run in the order given (default: every stage but nccl, compile and speed-llama), each
 # appending its JSON lines to OUT_DIR/checks.jsonl; a failing stage does not stop the others and
 # makes the exit code 1.
-#   kernels vision moe ring generate tp host flash-bench training memory memory-large calibrate speed
+#   kernels vision moe ring qlora generate tp host flash-bench training memory memory-large calibrate
+#   speed
 #   speed-llama nccl
 #            the check binary's own checks (crates/tessera-cuda/src/bin/tessera-gpu-check/):
 #            every op's kernel against the CPU's, the new ops' too; loss curves; memory against
@@ -16,6 +17,9 @@
 #            (host) and both flash backwards against each other (flash-bench); NCCL at world
 #            size 1
 #   shared   several devices sharing the GPU against one device, per plan (gpu_shared_check.py)
+#   qlora-cli  `tessera train --quantize-base int4|int8 --lora` (the LoRA fixture's tiny LLaMA,
+#            fp32, 5 steps) on the GPU against the CPU: losses within 1e-4, allocator peak ==
+#            predicted (gpu_qlora_check.py); the `qlora` stage checks the op's kernel alone
 #   unet     the ONNX UNet and ResNet train on the GPU at their predicted memory (`tessera train`)
 #   cost     `tessera calibrate --device cuda` (the kernels timed on training steps), then the
 #            planner's step against every `speed` row of this run (gpu_cost_check.py); run after
@@ -59,8 +63,8 @@ fi
 export TESSERA_KERNEL_CACHE=${TESSERA_KERNEL_CACHE:-$out/.kernels}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(kernels vision moe ring generate tp training memory memory-large speed cost \
-  shared unet cli torch decode bf16)
+[ ${#stages[@]} -eq 0 ] && stages=(kernels vision moe ring qlora generate tp training memory memory-large \
+  speed cost shared qlora-cli unet cli torch decode bf16)
 rc=0
 log() { tee -a "$out/checks.jsonl"; }
 fail() { echo "{\"check\":\"stage\",\"stage\":\"$1\",\"ok\":false}" | log; rc=1; }
@@ -68,8 +72,11 @@ big_gpu() { [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nouni
 for s in "${stages[@]}"; do
   t0=$SECONDS
   case "$s" in
-    kernels|vision|moe|ring|generate|tp|host|flash-bench|training|memory|memory-large|calibrate|speed|speed-llama|nccl)
+    kernels|vision|moe|ring|qlora|generate|tp|host|flash-bench|training|memory|memory-large|calibrate|speed|speed-llama|nccl)
       "$bin" "$s" 2>>"$out/stderr.txt" | log; [ "${PIPESTATUS[0]}" -eq 0 ] || fail "$s" ;;
+    qlora-cli)
+      python3 scripts/gpu_qlora_check.py "$out/qlora" 2>>"$out/stderr.txt" | log
+      [ "${PIPESTATUS[0]}" -eq 0 ] || fail qlora-cli ;;
     shared)
       python3 scripts/gpu_shared_check.py "$out/shared" 2>>"$out/stderr.txt" | log
       [ "${PIPESTATUS[0]}" -eq 0 ] || fail shared ;;

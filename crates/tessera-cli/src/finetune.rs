@@ -218,9 +218,6 @@ impl ShardSource for Layered {
 /// What a QLoRA training run refuses, by name, before it loads anything.
 pub fn check_qlora_run(args: &crate::train_cmd::TrainArgs, q: Quantize) -> Result<()> {
     let flag = format!("--quantize-base {}", q.name());
-    if args.device == crate::train_cmd::DeviceKind::Cuda {
-        bail!("{flag}: {QLORA_ON_CUDA}");
-    }
     if args.devices > 1 {
         bail!(
             "{flag}: QLoRA trains on one device so far (--devices 1); across devices the \
@@ -245,11 +242,6 @@ pub fn check_qlora_run(args: &crate::train_cmd::TrainArgs, q: Quantize) -> Resul
     }
     Ok(())
 }
-
-/// Why QLoRA does not train on CUDA (the CUDA backend refuses the op by the same words).
-pub const QLORA_ON_CUDA: &str = "QLoRA (--quantize-base) is not implemented on CUDA: the \
-     quantised matmul's backward (dy · dequant(W)) has a CPU kernel only so far; train it on \
-     the CPU runtime (--device cpu), or train LoRA on a float base on CUDA";
 
 /// The quantised weights of a QLoRA graph (its `QMatMul`s' weights and scales), each made
 /// from the float checkpoint tensor of the weight's name.

@@ -82,6 +82,7 @@ fn native_half(op: &Op) -> bool {
             op,
             Op::MatMul { .. }
                 | Op::QMatMul(_)
+                | Op::QMatMulBackward(_)
                 | Op::Transfer { .. }
                 | Op::Reshard(_)
                 | Op::Unary(_)
@@ -102,10 +103,6 @@ fn native_half(op: &Op) -> bool {
         )
 }
 
-/// Why QLoRA does not train here: the quantised matmul's input gradient has no CUDA kernel.
-pub const QLORA_ON_CUDA: &str = "QLoRA (--quantize-base) is not implemented on CUDA: the \
-     quantised matmul's backward (dy · dequant(W)) has a CPU kernel only so far; train it on \
-     the CPU runtime (--device cpu), or train LoRA on a float base on CUDA";
 
 impl Backend for CudaBackend {
     type Value = CudaTensor;
@@ -223,6 +220,19 @@ impl CudaBackend {
         outputs: &[TensorMeta],
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
+        self.execute_as(op, inputs, outputs, at, Purpose::Program)
+    }
+
+    /// [`Self::execute_impl`] with the outputs of purpose `p` (Program for the executor's
+    /// nodes; Scratch for the parts of an op composed of others, `kv_whole`).
+    pub(crate) fn execute_as(
+        &self,
+        op: &Op,
+        inputs: &[&CudaTensor],
+        outputs: &[TensorMeta],
+        at: &MeshPos,
+        p: Purpose,
+    ) -> Result<Vec<CudaTensor>> {
         self.gpu.bind()?;
         // bf16 attention runs fused on tensor cores where the flash kernels apply: not ring
         // attention (global positions, the log-sum-exp's cotangent) nor tensor parallelism
@@ -231,10 +241,10 @@ impl CudaBackend {
         let unfused = |spec: &AttentionSpec| spec.ring.is_some() || spec.kv_whole.is_some();
         let flash = match op {
             Op::Attention(spec) if !unfused(spec) => {
-                crate::flash::forward(self, inputs, spec, at, outputs, Purpose::Program)?
+                crate::flash::forward(self, inputs, spec, at, outputs, p)?
             }
             Op::AttentionBackward(spec) if !unfused(spec) && inputs.len() == 6 => {
-                crate::flash::backward(self, inputs, spec, at, outputs, Purpose::Program)?
+                crate::flash::backward(self, inputs, spec, at, outputs, p)?
             }
             _ => None,
         };
@@ -243,7 +253,7 @@ impl CudaBackend {
         }
         let half = inputs.iter().any(|t| is_half(t.dtype()));
         if !half || native_half(op) {
-            return self.run(op, inputs, outputs, at, Purpose::Program);
+            return self.run(op, inputs, outputs, at, p);
         }
         // Autocast: f32 copies of the half operands (scratch), f32 results, rounded into the
         // declared outputs.
@@ -269,10 +279,7 @@ impl CudaBackend {
             })
             .collect();
         let outs = self.run(op, &refs, &f32_out, at, Purpose::Scratch)?;
-        outs.into_iter()
-            .zip(outputs)
-            .map(|(t, m)| self.cast(&t, m.dtype, Purpose::Program))
-            .collect()
+        outs.into_iter().zip(outputs).map(|(t, m)| self.cast(&t, m.dtype, p)).collect()
     }
 }
 
@@ -708,7 +715,7 @@ impl CudaBackend {
             Op::AdamW(spec) => crate::optim::adamw(self, spec, x),
             Op::Transfer { .. } => one(self.copy(x[0], p)?),
             Op::Reshard(spec) if spec.forward.iter().all(|s| s.size == 1) => one(x[0].clone()),
-            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) => {
+            Op::CacheWrite | Op::SelectPositions | Op::QMatMul(_) | Op::QMatMulBackward(_) => {
                 crate::infer::run(self, op, x, out, p)
             }
             Op::Conv2d(_)
@@ -729,7 +736,6 @@ impl CudaBackend {
             | Op::MoeDispatch { .. }
             | Op::MoeCombine
             | Op::MoeSlotDot => crate::moe::run(self, op, x, out, p),
-            Op::QMatMulBackward(_) => Err(unsupported(op.name(), QLORA_ON_CUDA)),
             Op::Send(_) | Op::Recv(..) | Op::Reshard(_) => Err(bad(
                 "a transfer between devices needs a communicator: run the plan with the SPMD \
                  runtime"
@@ -759,6 +765,13 @@ impl CudaBackend {
         let outs = std::slice::from_ref(out);
         let mut r = self.run(&Op::Binary(b), &[x, y], outs, &MeshPos::single(), p)?;
         r.pop().ok_or_else(|| bad("binary: no output".into()))
+    }
+    /// Copies `x` into the view `y` (of x's dims, any strides) where it lies in its buffer.
+    pub(crate) fn copy_into_view(&self, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
+        if x.dims() != y.dims() || x.dtype() != y.dtype() {
+            return Err(bad(format!("copy of {} into {}", x.meta(), y.meta())));
+        }
+        self.copy_into(x, y, y.layout()?)
     }
     /// Copies `x` into `y`, a contiguous view (of x's element count) into a larger tensor.
     pub(crate) fn copy_rows(&self, x: &CudaTensor, y: &CudaTensor) -> Result<()> {

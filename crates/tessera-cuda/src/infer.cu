@@ -210,6 +210,62 @@ extern "C" __global__ void qmatmul_tiled(const void* x, int cx, const unsigned c
         }
     }
 }
+
+// The input gradient of the quantised matmul: dx [M, K] = dy [M, N] · dequant(w [N, rb], scales)
+// (tessera-runtime's `qmatmul_backward`). 64×64 tiles of dx, 256 threads of 4×4 outputs each;
+// per step of 32 weight rows the dy tile and the dequantised weight tile (scale·(q − offset) in
+// f32, as the CPU's tiles) are staged in shared memory, so no workspace is needed. dy (f32,
+// bf16 or f16, dense rows of N) is read as f32; the sums are f32 and dx is rounded once.
+extern "C" __global__ void qmatmul_backward_tiled(const void* dy, int cdy, const unsigned char* w, const float* sc,
+                                                  void* dx, int cdx, i64 m, i64 n, i64 k, i64 rb, i64 groups,
+                                                  i64 g, int bits) {
+    __shared__ float ys[QT_K][QT_M + 1];  // [weight row][row of dy]
+    __shared__ float ws[QT_K][QT_N + 1];  // [weight row][feature]
+    const int tid = threadIdx.x;
+    const int tx = tid & 15, ty = tid >> 4;
+    const i64 m0 = (i64)blockIdx.y * QT_M, f0 = (i64)blockIdx.x * QT_N;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) acc[i][jj] = 0.f;
+    for (i64 j0 = 0; j0 < n; j0 += QT_K) {
+        for (int e = tid; e < QT_M * QT_K; e += 256) {
+            // 64 rows of dy × 32 of its columns: consecutive threads read consecutive columns.
+            const int r = e / QT_K, jj = e % QT_K;
+            const i64 ym = m0 + r, yj = j0 + jj;
+            ys[jj][r] = (ym < m && yj < n) ? ldf(dy, cdy, ym * n + yj) : 0.f;
+            // 32 weight rows × 64 features: consecutive threads read consecutive features.
+            const int wr = e / QT_N, kk = e % QT_N;
+            const i64 wn = j0 + wr, f = f0 + kk;
+            ws[wr][kk] = (wn < n && f < k) ? sc[wn * groups + (unsigned int)f / (unsigned int)g] * qcode(w + wn * rb, f, bits) : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int jj = 0; jj < QT_K; ++jj) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = ys[jj][ty + 16 * i];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) b[c] = ws[jj][tx + 16 * c];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(a[i], b[c], acc[i][c]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const i64 row = m0 + ty + 16 * i;
+        if (row >= m) continue;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const i64 col = f0 + tx + 16 * c;
+            if (col < k) stf(dx, cdx, row * k + col, acc[i][c]);
+        }
+    }
+}
 #undef QT_M
 #undef QT_N
 #undef QT_K

@@ -11,6 +11,12 @@
 //!   x; with many rows (prefill) 64×64 output tiles stage dequantised 64×32 weight tiles in
 //!   shared memory. x is read in its own dtype (f32, bf16, f16), the sums are f32 and the
 //!   result is rounded once: the CPU's upcast-compute-round.
+//! - **QMatMulBackward** (QLoRA's input gradient `dy · dequant(W)`) is the tiled kernel's
+//!   transpose: 64×64 tiles of dx reduce over the weight rows in steps of 32, staging dy and the
+//!   dequantised weight rows in shared memory, at any number of rows.
+//!
+//! Both quantised matmuls hold their declared workspace (the CPU's f32 tile of weight rows) as
+//! Program memory while they run, unused, so the allocator's books stay the accountant's.
 //!
 //! The index tensors (cache starts, selected positions) are checked on the host first, with the
 //! CPU kernel's errors. Each is read back once per bound value ([`HostInts`]): every layer's
@@ -27,8 +33,13 @@ use tessera_ir::{DType, Op, QuantSpec, TensorMeta};
 use tessera_runtime::{Backend, Result, RuntimeError};
 
 /// The kernels of `infer.cu` the backend launches.
-pub const FUNCTIONS: &[&str] =
-    &["cache_write", "select_positions", "qmatmul_skinny", "qmatmul_tiled"];
+pub const FUNCTIONS: &[&str] = &[
+    "cache_write",
+    "select_positions",
+    "qmatmul_skinny",
+    "qmatmul_tiled",
+    "qmatmul_backward_tiled",
+];
 
 /// Rows of x up to which the quantised matmul takes the per-feature (decode) kernel, in blocks
 /// of 8, 4, 2 and 1 rows; above it, the tiled kernel.
@@ -50,7 +61,7 @@ pub(crate) fn run(
     p: Purpose,
 ) -> Result<Vec<CudaTensor>> {
     let want = match op {
-        Op::CacheWrite | Op::QMatMul(_) => 3,
+        Op::CacheWrite | Op::QMatMul(_) | Op::QMatMulBackward(_) => 3,
         _ => 2,
     };
     if x.len() != want || out.is_empty() {
@@ -61,13 +72,34 @@ pub(crate) fn run(
             out.len()
         )));
     }
+    // The quantised matmuls' declared workspace, held while the kernel runs (see `workspace`).
+    let _workspace = match op {
+        Op::QMatMul(_) | Op::QMatMulBackward(_) => workspace(be, op, x)?,
+        _ => None,
+    };
     let y = match op {
         Op::CacheWrite => cache_write(be, x[0], x[1], x[2])?,
         Op::SelectPositions => select_positions(be, x[0], x[1], &out[0], p)?,
         Op::QMatMul(q) => qmatmul(be, x[0], x[1], x[2], *q, &out[0], p)?,
+        Op::QMatMulBackward(q) => qmatmul_backward(be, x[0], x[1], x[2], *q, &out[0], p)?,
         other => return Err(bad(format!("{} is not a generation op", other.name()))),
     };
     Ok(vec![y])
+}
+
+/// The op's declared workspace (`Op::workspace_bytes`: the CPU kernel's tile of dequantised
+/// weight rows, which the memory accountant charges while the op runs) as Program memory, so
+/// the allocator's Program peak equals the accountant's where a quantised matmul sets the
+/// step's peak (as the convolutions' columns do). The kernels stage their tiles in shared
+/// memory and do not touch it: it is held, not used.
+fn workspace(be: &CudaBackend, op: &Op, x: &[&CudaTensor]) -> Result<Option<CudaTensor>> {
+    let metas: Vec<TensorMeta> = x.iter().map(|t| t.meta()).collect();
+    let bytes = op.workspace_bytes(&metas.iter().collect::<Vec<_>>()) as usize;
+    if bytes == 0 {
+        return Ok(None);
+    }
+    let len = bytes.div_ceil(4);
+    Ok(Some(CudaTensor::empty(be.gpu(), &[len], DType::F32, Purpose::Program)?))
 }
 
 /// Host copies of small i64 device tensors (cache starts, selected positions), each read back
@@ -422,4 +454,105 @@ fn tiled(be: &CudaBackend, o: &QOps) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// `dy [.., N] · dequant(w [N, K·bits/8] u8, scales [N, K/group] f32)` → `dx [.., K]` in the
+/// output's dtype: the input gradient of [`qmatmul`], checked as the CPU kernel checks it.
+fn qmatmul_backward(
+    be: &CudaBackend,
+    dy: &CudaTensor,
+    w: &CudaTensor,
+    scales: &CudaTensor,
+    q: QuantSpec,
+    out: &TensorMeta,
+    p: Purpose,
+) -> Result<CudaTensor> {
+    let qbad = |reason: String| bad(format!("qmatmul_backward: {reason}"));
+    if !matches!(w.dtype(), DType::U8 | DType::Bool) || scales.dtype() != DType::F32 {
+        return Err(qbad(format!(
+            "dy {:?}, weight {:?}, scales {:?}: expected a float dy, u8 weight, f32 scales",
+            dy.dtype(),
+            w.dtype(),
+            scales.dtype()
+        )));
+    }
+    let cdy = float_code("qmatmul_backward", dy.dtype())?;
+    let Some((&n, lead)) = dy.dims().split_last() else {
+        return Err(qbad("dy has no features".into()));
+    };
+    let &[wn, rb] = w.dims() else {
+        return Err(qbad(format!("weight {:?} is not 2-d", w.dims())));
+    };
+    if !matches!(q.bits, 4 | 8) || q.group == 0 {
+        return Err(qbad(format!("{} bits in groups of {}: give 8 or 4 bits", q.bits, q.group)));
+    }
+    let k = rb * 8 / q.bits as usize;
+    let groups = k / q.group;
+    if wn != n || !k.is_multiple_of(q.group) || scales.dims() != [n, groups] {
+        return Err(qbad(format!(
+            "dy {:?}, weight {:?}, scales {:?} do not fit ({} bits, groups of {})",
+            dy.dims(),
+            w.dims(),
+            scales.dims(),
+            q.bits,
+            q.group
+        )));
+    }
+    if k > i32::MAX as usize {
+        return Err(RuntimeError::Unsupported {
+            backend: "cuda".into(),
+            op: "qmatmul_backward".into(),
+            reason: format!("{k} input features (the kernel indexes a row in 32 bits)"),
+        });
+    }
+    let y = be.new_out(out, p)?;
+    let cdx = float_code("qmatmul_backward", y.dtype())?;
+    let mut want = dy.dims().to_vec();
+    if let Some(l) = want.last_mut() {
+        *l = k;
+    }
+    if y.dims() != want.as_slice() {
+        return Err(qbad(format!("dy {} does not give {out}", dy.meta())));
+    }
+    let m: usize = lead.iter().product();
+    if m == 0 || k == 0 {
+        return Ok(y);
+    }
+    if n == 0 {
+        be.fill_pub(&y, 0.0)?;
+        return Ok(y);
+    }
+    let (dy, w, scales) = (be.dense_pub(dy)?, be.dense_pub(w)?, be.dense_pub(scales)?);
+    let (ys, xs) = (elem_size(dy.dtype()), elem_size(y.dtype()));
+    let max_rows = 65535 * TILE;
+    let cols = k.div_ceil(TILE);
+    for r0 in (0..m).step_by(max_rows) {
+        let rows = max_rows.min(m - r0);
+        let cfg = LaunchConfig {
+            grid_dim: (cols as u32, rows.div_ceil(TILE) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch(
+            be.gpu(),
+            "qmatmul_backward_tiled",
+            cfg,
+            &[
+                Arg::Ptr(dy.ptr() + (r0 * n * ys) as u64),
+                Arg::I32(cdy),
+                Arg::Ptr(w.ptr()),
+                Arg::Ptr(scales.ptr()),
+                Arg::Ptr(y.ptr() + (r0 * k * xs) as u64),
+                Arg::I32(cdx),
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+                Arg::I64(k as i64),
+                Arg::I64(rb as i64),
+                Arg::I64(groups as i64),
+                Arg::I64(q.group as i64),
+                Arg::I32(q.bits as i32),
+            ],
+        )?;
+    }
+    Ok(y)
 }

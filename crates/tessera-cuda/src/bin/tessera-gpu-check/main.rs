@@ -27,6 +27,7 @@
 mod infer_check;
 mod moe_check;
 mod perf_check;
+mod qlora_check;
 mod ring_check;
 mod tp_check;
 mod vision_check;
@@ -582,6 +583,9 @@ fn main() {
     }
     if only("ring") {
         step("ring", &mut || ring_check::run(&gpu, &mut fails));
+    }
+    if only("qlora") {
+        step("qlora", &mut || qlora_check::run(&gpu, &mut fails));
     }
     if only("generate") {
         step("generate", &mut || infer_check::run(&gpu, &mut fails));

@@ -3,6 +3,8 @@
 //! transposed and broadcast inputs), the per-row log-sum-exp, and the vocabulary-parallel
 //! cross-entropy forward and backward (shards holding class 0 or not, targets inside and
 //! outside the shard, ignored rows, f32 and bf16 logits, a given log-sum-exp, mean and sum).
+//! Attention under tensor parallelism past the KV heads (`kv_whole`: each device's query heads
+//! against every KV head), forward and backward, at every rank of tp4 and tp8 over 2 KV heads.
 //! A bad target must give the CPU's error text (at the next download, the targets being
 //! checked on the device) and AdamW must skip its update until it is reported.
 //!
@@ -13,7 +15,7 @@ use candle_core::{Device, Tensor};
 use std::sync::Arc;
 use tessera_cuda::{CudaBackend, CudaTensor, Gpu};
 use tessera_ir::dist::{MeshPos, ShardOf};
-use tessera_ir::{AdamWSpec, DType, Op, TensorMeta};
+use tessera_ir::{AdamWSpec, AttentionSpec, DType, Op, TensorMeta};
 use tessera_runtime::{Backend, CpuBackend, Result, RuntimeError};
 
 /// f32 results against the CPU's (the kernels' other checks hold f32 to the same bound).
@@ -133,6 +135,7 @@ pub fn run(gpu: &Arc<Gpu>, fails: &mut Vec<String>) {
     cross_entropy(&mut tp);
     shards_add_up(&mut tp);
     bad_targets(&mut tp);
+    kv_whole(&mut tp);
     let mut st = 0xADA3_5C1B_0000_0001u64;
     let got = adamw_skips(&tp, &mut st);
     tp.record("bad_target", "adamw skips the step, then applies the next", 0.0, got);
@@ -597,6 +600,60 @@ fn adamw_skips(tp: &Tp<CudaBackend>, st: &mut u64) -> Result<f64> {
     Ok(if e <= F32_BOUND { 0.0 } else { e })
 }
 
+// ---- attention past the KV heads ----
+
+/// Each rank's attention over its query heads and every KV head (`kv_whole`), forward (output,
+/// log-sum-exp) and backward (dq, and dk, dv non-zero on the KV head read), against the CPU's.
+fn kv_whole<B: UnderTest>(tp: &mut Tp<B>) {
+    let mut st = 0x4B57_0000_0000_0001u64;
+    // (batch, seq, query heads, KV heads, head dim, devices on the tensor axis, dtype)
+    let cases = [
+        (2, 9, 8, 2, 16, 8, DType::F32),
+        (2, 9, 8, 2, 16, 4, DType::F32),
+        (1, 40, 8, 2, 64, 4, DType::BF16),
+    ];
+    for (b, s, h, hkv, d, n, dtype) in cases {
+        for r in 0..n {
+            let got = (|| -> Result<f64> {
+                let q = random(&mut st, &[b, s, h / n, d], 1.0, dtype)?;
+                let k = random(&mut st, &[b, s, hkv, d], 1.0, dtype)?;
+                let v = random(&mut st, &[b, s, hkv, d], 1.0, dtype)?;
+                let dout = random(&mut st, &[b, s, h / n, d], 1.0, dtype)?;
+                let spec = AttentionSpec {
+                    kv_whole: Some(ShardOf {
+                        global: vec![b, s, h, d],
+                        placement: vec![vec![], vec![], vec![1], vec![]],
+                        micro_batch: 0,
+                    }),
+                    ..AttentionSpec::causal(d)
+                };
+                let at = MeshPos::new(&[1, n], r).map_err(|e| err(e.to_string()))?;
+                let (gq, gk, gv) = (tp.up(&q)?, tp.up(&k)?, tp.up(&v)?);
+                let fwd = Op::Attention(spec.clone());
+                let (want, got) = tp.both(&fwd, &[&q, &k, &v], &[&gq, &gk, &gv], &at)?;
+                let mut worst = 0f64;
+                for (g, w) in got.iter().zip(&want) {
+                    worst = worst.max(super::rel_err(g, w)?);
+                }
+                let (go, gl, gd) = (tp.up(&want[0])?, tp.up(&want[1])?, tp.up(&dout)?);
+                let bwd = Op::AttentionBackward(spec);
+                let cpu_in = [&q, &k, &v, &want[0], &want[1], &dout];
+                let (want, got) = tp.both(&bwd, &cpu_in, &[&gq, &gk, &gv, &go, &gl, &gd], &at)?;
+                if got.len() != 3 {
+                    return Err(err(format!("the backward gave {} outputs", got.len())));
+                }
+                for (g, w) in got.iter().zip(&want) {
+                    worst = worst.max(super::rel_err(g, w)?);
+                }
+                Ok(worst)
+            })();
+            let case = format!("B={b} S={s} H={h} Hkv={hkv} D={d} tp{n} rank {r} {dtype:?}");
+            let bound = if dtype == DType::F32 { F32_BOUND } else { BF16_BOUND };
+            tp.record("attention_kv_whole", &case, bound, got);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -613,6 +670,7 @@ mod tests {
         cross_entropy(&mut tp);
         shards_add_up(&mut tp);
         bad_targets(&mut tp);
+        kv_whole(&mut tp);
         assert!(fails.is_empty(), "{fails:#?}");
     }
 }
