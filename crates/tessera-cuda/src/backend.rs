@@ -766,13 +766,6 @@ impl CudaBackend {
         let mut r = self.run(&Op::Binary(b), &[x, y], outs, &MeshPos::single(), p)?;
         r.pop().ok_or_else(|| bad("binary: no output".into()))
     }
-    /// Copies `x` into the view `y` (of x's dims, any strides) where it lies in its buffer.
-    pub(crate) fn copy_into_view(&self, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
-        if x.dims() != y.dims() || x.dtype() != y.dtype() {
-            return Err(bad(format!("copy of {} into {}", x.meta(), y.meta())));
-        }
-        self.copy_into(x, y, y.layout()?)
-    }
     /// Copies `x` into `y`, a contiguous view (of x's element count) into a larger tensor.
     pub(crate) fn copy_rows(&self, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
         if x.numel() != y.numel() {
