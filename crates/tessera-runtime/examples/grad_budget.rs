@@ -35,7 +35,10 @@ fn miss(what: String) -> Box<dyn std::error::Error> {
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.len() < 4 {
-        return Err(format!("usage: grad_budget MODEL_DIR IN.safetensors OUT.safetensors fp32|bf16").into());
+        return Err(format!(
+            "usage: grad_budget MODEL_DIR IN.safetensors OUT.safetensors fp32|bf16"
+        )
+        .into());
     }
     let dir = PathBuf::from(&args[0]);
     let dtype = match args[3].as_str() {
@@ -91,7 +94,9 @@ fn main() -> Res<()> {
         let v = match input.kind {
             InputKind::TokenIds { .. } => ids.reshape(shape.as_slice())?,
             InputKind::Labels { .. } => labels.reshape(shape.as_slice())?,
-            InputKind::TargetCount => Tensor::new((batch * seq) as f32, &Device::Cpu)?.to_dtype(d)?,
+            InputKind::TargetCount => {
+                Tensor::new((batch * seq) as f32, &Device::Cpu)?.to_dtype(d)?
+            }
             _ => Tensor::zeros(shape.as_slice(), d, &Device::Cpu)?,
         };
         values.push((input.tensor, v.contiguous()?));
