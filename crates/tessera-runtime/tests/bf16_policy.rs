@@ -8,7 +8,9 @@ use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tessera_ir::{DType, Program};
-use tessera_models::{build, BuildOptions, Gpt2Params, InputKind, LlamaParams, LlamaVariant, ModelConfig};
+use tessera_models::{
+    build, BuildOptions, Gpt2Params, InputKind, LlamaParams, LlamaVariant, ModelConfig,
+};
 use tessera_runtime::tensor::{candle_dtype, to_f64_vec};
 use tessera_runtime::{CpuBackend, Executor};
 
@@ -83,8 +85,11 @@ fn check(cfg: &ModelConfig) {
     let d32 = loss(cfg, DType::F32, w) - loss(cfg, DType::F32, 1.0);
     let d16 = loss(cfg, DType::BF16, w) - loss(cfg, DType::BF16, 1.0);
     assert!(d32.abs() > 1e-4, "{}: the fp32 loss barely moves ({d32:e}): no test", cfg.name());
+    // Held in bf16 the weights round to 1 and `d16` is exactly 0; held in fp32 it follows
+    // `d32` up to the bf16 forward's own rounding (26% on the LLaMA here: each loss of the
+    // difference carries ~1e-3 of noise).
     assert!(
-        (d16 - d32).abs() <= 0.25 * d32.abs(),
+        (d16 - d32).abs() <= 0.5 * d32.abs(),
         "{}: scaling the norm weights by 1 + 3e-3 moves the fp32 loss by {d32:e} but the bf16 \
          loss by {d16:e}",
         cfg.name()
@@ -107,7 +112,9 @@ fn bf16_holds_norms_and_embeddings_in_fp32_and_the_linear_layers_in_bf16() {
         let graph = build(&cfg, &BuildOptions::new(BATCH, SEQ, DType::BF16)).unwrap().builder.graph;
         for p in graph.parameters() {
             let name = graph.tensor_scope(p);
-            let want = if is_norm(name) || name.contains("wte") || name.contains("wpe")
+            let want = if is_norm(name)
+                || name.contains("wte")
+                || name.contains("wpe")
                 || name.contains("embed_tokens")
             {
                 DType::F32
