@@ -13,6 +13,12 @@ sides are also compared with each other (same start: ~1e-6).
     python3 scripts/bf16_grad_budget.py --seed-dir DUMP/gpt2-tiny/seed1 \
         --bin target/debug/examples/grad_budget [--step 0] [--device cpu|cuda] [--json]
 
+--warm K starts both from PyTorch's fp32 weights after K AdamW steps (the seed's first K
+batches) and takes batch K: at step 0 the weights are the init, where bf16 storage of small
+updates cannot yet show. --torch-round REGEX (an experiment) holds the matching PyTorch
+parameters in bf16 before autocast, to test whether Tessera's bf16 storage of them explains a gap.
+`scripts/bf16-grad-budget.sh` dumps a seed and runs this for both models.
+
 --device is PyTorch's (Tessera's side runs on the CPU: its CPU and CUDA backends round at
 the same points). --group sums the table by parameter kind (the name with layer numbers
 dropped). --acts PREFIX,... also dumps Tessera's activations under those scopes (fp32 and
@@ -32,13 +38,22 @@ def rel(a, b):
     return (a - b).norm().item() / n if n > 0 else float("nan")
 
 
+def load(path, device):
+    from transformers import AutoModelForCausalLM
+    kw = dict(attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    except TypeError:  # transformers 4.x
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, **kw)
+    return model.to(device)
+
+
 def torch_side(seed_dir, x, y, device, bf16, round_re=None):
     from transformers import AutoModelForCausalLM
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    model = AutoModelForCausalLM.from_pretrained(seed_dir, dtype=torch.float32,
-                                                 attn_implementation="sdpa").to(device)
+    model = load(seed_dir, device)
     model.train()
     if bf16 and round_re:
         # An experiment: hold these parameters in bf16 as Tessera does (autocast keeps them fp32).
@@ -62,8 +77,7 @@ def warm_start(seed_dir, meta, steps, device, out):
     """The seed's weights after `steps` fp32 AdamW steps of PyTorch (torch-bf16-spread.py's
     settings), saved as a Hugging Face directory `out`: both frameworks' budget then starts there."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(seed_dir, dtype=torch.float32,
-                                                 attn_implementation="sdpa").to(device)
+    model = load(seed_dir, device)
     model.train()
     a = meta["adamw"]
     params = [p for p in model.parameters() if p.requires_grad]

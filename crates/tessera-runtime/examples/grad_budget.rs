@@ -35,10 +35,10 @@ fn miss(what: String) -> Box<dyn std::error::Error> {
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.len() < 4 {
-        return Err(format!(
-            "usage: grad_budget MODEL_DIR IN.safetensors OUT.safetensors fp32|bf16"
-        )
-        .into());
+        return Err(
+            "usage: grad_budget MODEL_DIR IN.safetensors OUT.safetensors fp32|bf16 [prefix ...]"
+                .into(),
+        );
     }
     let dir = PathBuf::from(&args[0]);
     let dtype = match args[3].as_str() {
@@ -48,7 +48,7 @@ fn main() -> Res<()> {
     };
     let prefixes = &args[4..];
     let given = candle_core::safetensors::load(&args[1], &Device::Cpu)?;
-    let ids = given.get("input_ids").ok_or_else(|| miss(format!("no input_ids")))?;
+    let ids = given.get("input_ids").ok_or_else(|| miss("no input_ids".into()))?;
     let (batch, seq) = ids.dims2()?;
     let cfg = ModelConfig::from_path(&dir)?.without_dropout();
     let mut model = build(&cfg, &BuildOptions { batch, seq, dtype })?;
@@ -87,7 +87,7 @@ fn main() -> Res<()> {
         let v = weights.shard_of(name, &whole, &DeviceMesh::single(), d)?;
         values.push((p, v.ok_or_else(|| miss(format!("no weight {name}")))?));
     }
-    let labels = given.get("labels").ok_or_else(|| miss(format!("no labels")))?;
+    let labels = given.get("labels").ok_or_else(|| miss("no labels".into()))?;
     for input in &model.inputs {
         let shape = graph.shape(input.tensor).dims().to_vec();
         let d = candle_dtype(graph.meta(input.tensor).dtype);
