@@ -50,9 +50,8 @@ pub(crate) fn build(
     let mut drop = inputs.dropout(&mut b, &probs);
 
     b.push_scope("transformer");
-    let wte_vd = b.scoped("wte", |b| b.parameter("weight", [v, d], nn::EMBEDDING_DTYPE));
-    let wpe_pd =
-        b.scoped("wpe", |b| b.parameter("weight", [cfg.n_positions, d], nn::EMBEDDING_DTYPE));
+    let wte_vd = b.scoped("wte", |b| b.parameter("weight", [v, d], dtype));
+    let wpe_pd = b.scoped("wpe", |b| b.parameter("weight", [cfg.n_positions, d], dtype));
     let tok_bsd = b.scoped("wte", |b| b.embedding(wte_vd, ids))?;
     let pos_sd = match dec.generation() {
         Some(g) => b.scoped("wpe", |b| b.embedding(wpe_pd, g.positions))?,

@@ -50,7 +50,7 @@ pub(crate) fn build(
     let mut buffers = Vec::new();
 
     b.push_scope("model");
-    let embed_vd = b.scoped("embed_tokens", |b| b.parameter("weight", [v, d], nn::EMBEDDING_DTYPE));
+    let embed_vd = b.scoped("embed_tokens", |b| b.parameter("weight", [v, d], dtype));
     let x_bsd = b.scoped("embed_tokens", |b| b.embedding(embed_vd, ids))?;
     let mut x_bsd = nn::to(&mut b, x_bsd, nn::RESIDUAL_DTYPE)?;
     for layer in 0..cfg.num_hidden_layers {

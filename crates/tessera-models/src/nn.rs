@@ -58,12 +58,6 @@ pub(crate) fn layer_norm(b: &mut Builder, name: &str, x: TensorId, eps: f64) -> 
 /// small update to the stream would be rounded away.
 pub(crate) const RESIDUAL_DTYPE: DType = DType::F32;
 
-/// The token (and GPT-2's position) embedding tables' dtype, whatever the compute dtype: they
-/// are looked up into the fp32 residual stream, and, as autocast keeps them, held in fp32 so the
-/// forward sees AdamW's small updates (a bf16 table rounds them away; see
-/// [`layer_norm_to`]). A tied head rounds its copy to the compute dtype.
-pub(crate) const EMBEDDING_DTYPE: DType = DType::F32;
-
 /// `x` in `dtype` (a cast only when it differs).
 pub(crate) fn to(b: &mut Builder, x: TensorId, dtype: DType) -> IrResult<TensorId> {
     if b.dtype(x) == dtype {
@@ -122,8 +116,8 @@ pub(crate) fn lm_head(
     vocab: usize,
 ) -> IrResult<TensorId> {
     match tied {
-        // An fp32 embedding table (see [`EMBEDDING_DTYPE`]) is rounded to the head's dtype
-        // for the product, as autocast rounds it.
+        // An embedding table held in another dtype than the head's is rounded to it for the
+        // product, as autocast rounds it.
         Some(embedding) => b.scoped("lm_head", |b| {
             let dtype = b.dtype(x);
             let e = to(b, embedding, dtype)?;

@@ -91,8 +91,8 @@ fn the_resting_floor_of_a_lora_model_counts_no_state_for_its_frozen_base() {
         Ok(tessera_plan::search::Forward { graph: m.builder.finish(), loss: m.loss })
     };
     let g = b(1).unwrap().graph;
-    // Bytes at rest: a frozen parameter its own (bf16, or f32 for the norms and the embedding
-    // that mixed precision holds in f32); a trained one also its moments, and an f32 master
+    // Bytes at rest: a frozen parameter its own (bf16, or f32 for the norms, which mixed
+    // precision holds in f32); a trained one also its moments, and an f32 master
     // when it is half precision.
     let (mut frozen, mut trained) = (0u64, 0u64);
     for n in &g.nodes {

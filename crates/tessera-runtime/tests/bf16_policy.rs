@@ -1,5 +1,4 @@
-//! bf16 mixed precision holds the norms' weights and the embedding tables in fp32, as
-//! autocast does: a change to a norm weight smaller than a bf16 ulp at 1 (what ~10 AdamW steps
+//! bf16 mixed precision holds the norms' weights in fp32, as autocast does: a change to a norm weight smaller than a bf16 ulp at 1 (what ~10 AdamW steps
 //! at lr 3e-4 make) must reach the bf16 forward as it reaches the fp32 one. Held in bf16, the
 //! weight rounds back to 1 and the loss does not move at all (`scripts/bf16_grad_budget.py`
 //! found this the main part of bf16's extra loss error over autocast's).
@@ -14,8 +13,8 @@ use tessera_models::{
 use tessera_runtime::tensor::{candle_dtype, to_f64_vec};
 use tessera_runtime::{CpuBackend, Executor};
 
-const BATCH: usize = 2;
-const SEQ: usize = 8;
+const BATCH: usize = 8;
+const SEQ: usize = 16;
 
 fn gpt2() -> ModelConfig {
     let p = Gpt2Params::new("gpt2-policy-test", 64, 16, 32, 2, 4);
@@ -79,18 +78,17 @@ fn loss(cfg: &ModelConfig, dtype: DType, norm_weight: f32) -> f64 {
 }
 
 fn check(cfg: &ModelConfig) {
-    // 1 + 3e-3 rounds to 1 in bf16 (the ulp above 1 is 2⁻⁷ ≈ 7.8e-3).
-    let w = 1.0 + 3e-3f32;
+    // 1 + 3.5e-3 rounds to 1 in bf16 (the ulp above 1 is 2⁻⁷ ≈ 7.8e-3).
+    let w = 1.0 + 3.5e-3f32;
     assert_eq!(half::bf16::from_f32(w).to_f32(), 1.0);
     let d32 = loss(cfg, DType::F32, w) - loss(cfg, DType::F32, 1.0);
     let d16 = loss(cfg, DType::BF16, w) - loss(cfg, DType::BF16, 1.0);
     assert!(d32.abs() > 1e-4, "{}: the fp32 loss barely moves ({d32:e}): no test", cfg.name());
     // Held in bf16 the weights round to 1 and `d16` is exactly 0; held in fp32 it follows
-    // `d32` up to the bf16 forward's own rounding (26% on the LLaMA here: each loss of the
-    // difference carries ~1e-3 of noise).
+    // `d32` up to the bf16 forward's own rounding, which 128 tokens average down.
     assert!(
         (d16 - d32).abs() <= 0.5 * d32.abs(),
-        "{}: scaling the norm weights by 1 + 3e-3 moves the fp32 loss by {d32:e} but the bf16 \
+        "{}: scaling the norm weights by 1 + 3.5e-3 moves the fp32 loss by {d32:e} but the bf16 \
          loss by {d16:e}",
         cfg.name()
     );
@@ -107,20 +105,12 @@ fn bf16_forward_sees_sub_ulp_norm_updates_llama() {
 }
 
 #[test]
-fn bf16_holds_norms_and_embeddings_in_fp32_and_the_linear_layers_in_bf16() {
+fn bf16_holds_the_norms_in_fp32_and_the_rest_in_bf16() {
     for cfg in [gpt2(), llama()] {
         let graph = build(&cfg, &BuildOptions::new(BATCH, SEQ, DType::BF16)).unwrap().builder.graph;
         for p in graph.parameters() {
             let name = graph.tensor_scope(p);
-            let want = if is_norm(name)
-                || name.contains("wte")
-                || name.contains("wpe")
-                || name.contains("embed_tokens")
-            {
-                DType::F32
-            } else {
-                DType::BF16
-            };
+            let want = if is_norm(name) { DType::F32 } else { DType::BF16 };
             assert_eq!(graph.meta(p).dtype, want, "{}: {name}", cfg.name());
         }
     }
