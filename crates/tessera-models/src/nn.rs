@@ -67,8 +67,11 @@ pub(crate) fn to(b: &mut Builder, x: TensorId, dtype: DType) -> IrResult<TensorI
     }
 }
 
-/// `nn.LayerNorm` with `dtype` weights applied to the (fp32) residual stream, its output in
-/// `dtype` for the matmuls that follow.
+/// `nn.LayerNorm` applied to `x` (the fp32 residual stream), its weight and bias held in `x`'s
+/// dtype, its output in `dtype` for the matmuls that follow. In bf16 the weights stay fp32, as
+/// autocast keeps them: a bf16 weight near 1 moves only by whole ulps of 2⁻⁸–2⁻⁷, so the
+/// forward would not see the first ~10–30 AdamW steps' updates the fp32 masters hold
+/// (`scripts/bf16_grad_budget.py`: after 8 steps, the main part of bf16's loss error).
 pub(crate) fn layer_norm_to(
     b: &mut Builder,
     name: &str,
@@ -77,15 +80,17 @@ pub(crate) fn layer_norm_to(
     dtype: DType,
 ) -> IrResult<TensorId> {
     let dim = b.shape(x).last();
+    let held = b.dtype(x);
     let y = b.scoped(name, |b| {
-        let w = b.parameter("weight", [dim], dtype);
-        let bias = b.parameter("bias", [dim], dtype);
+        let w = b.parameter("weight", [dim], held);
+        let bias = b.parameter("bias", [dim], held);
         b.layer_norm(x, w, bias, eps)
     })?;
     to(b, y, dtype)
 }
 
-/// `LlamaRMSNorm` with `dtype` weights on the residual stream, output in `dtype`.
+/// `LlamaRMSNorm` on `x` (the residual stream), its weight in `x`'s dtype (fp32 there, as
+/// [`layer_norm_to`]'s), output in `dtype`.
 pub(crate) fn rms_norm_to(
     b: &mut Builder,
     name: &str,
@@ -94,8 +99,9 @@ pub(crate) fn rms_norm_to(
     dtype: DType,
 ) -> IrResult<TensorId> {
     let dim = b.shape(x).last();
+    let held = b.dtype(x);
     let y = b.scoped(name, |b| {
-        let w = b.parameter("weight", [dim], dtype);
+        let w = b.parameter("weight", [dim], held);
         b.rms_norm(x, w, eps)
     })?;
     to(b, y, dtype)
@@ -110,7 +116,13 @@ pub(crate) fn lm_head(
     vocab: usize,
 ) -> IrResult<TensorId> {
     match tied {
-        Some(embedding) => b.scoped("lm_head", |b| b.matmul(x, embedding, false, true)),
+        // An embedding table held in another dtype than the head's is rounded to it for the
+        // product, as autocast rounds it.
+        Some(embedding) => b.scoped("lm_head", |b| {
+            let dtype = b.dtype(x);
+            let e = to(b, embedding, dtype)?;
+            b.matmul(x, e, false, true)
+        }),
         None => linear(b, "lm_head", x, vocab, false),
     }
 }

@@ -327,7 +327,8 @@ pub(crate) fn torch_dtype(d: candle_core::DType) -> Option<&'static str> {
 
 /// Saves a checkpoint directory atomically (module docs: format and protocol). `config_json`
 /// is the model's HF config (`ModelConfig::to_hf_json`); its `torch_dtype` (and `dtype`, if
-/// present) is set to the parameters' dtype when they share one. `params` are named by
+/// present) is set to the parameters' dtype when they share one (the half-precision one
+/// beside f32 ones). `params` are named by
 /// their HF names; `optimizer` keys are [`optimizer_key`]s of those parameters.
 pub fn save_checkpoint(
     dir: &Path,
@@ -353,10 +354,15 @@ pub fn save_checkpoint(
         optimizer.iter().map(|(n, t)| (n.as_str(), t)),
         &format!("cannot save checkpoint {}", dir.display()),
     )?;
-    let common = params
-        .first()
-        .map(|(_, t)| t.dtype())
-        .filter(|&d| params.iter().all(|(_, t)| t.dtype() == d));
+    // Mixed precision holds some parameters (norms, embeddings) in f32 beside the half
+    // precision ones: the config states the half dtype, as transformers does for models that
+    // keep modules in fp32.
+    let mut halves =
+        params.iter().map(|(_, t)| t.dtype()).filter(|&d| d != candle_core::DType::F32);
+    let common = match halves.next() {
+        Some(d) => Some(d).filter(|&d| halves.all(|h| h == d)),
+        None => params.first().map(|(_, t)| t.dtype()),
+    };
     if let Some(name) = common.and_then(torch_dtype) {
         config.insert("torch_dtype".into(), Value::from(name));
         if config.contains_key("dtype") {

@@ -479,19 +479,22 @@ fn gather_digests(tmp: &Path, world_size: usize) -> Result<Checksums> {
 }
 
 /// The config `checkpoint::save_checkpoint` writes: `torch_dtype` (and `dtype`, if present)
-/// set to the parameters' dtype when they share one.
+/// set to the parameters' dtype when they share one (the half-precision one beside f32 ones).
 fn config_with_dtype<'a>(
     config_json: &Value,
-    mut param_dtypes: impl Iterator<Item = &'a str>,
+    param_dtypes: impl Iterator<Item = &'a str>,
 ) -> Result<Map<String, Value>> {
     let Value::Object(mut config) = config_json.clone() else {
         return Err(err(
             "the checkpoint's config.json must be a JSON object (ModelConfig::to_hf_json)",
         ));
     };
-    let common = match param_dtypes.next() {
-        Some(first) if param_dtypes.all(|d| d == first) => first.parse::<DType>().ok(),
-        _ => None,
+    // As `save_checkpoint`: the half-precision dtype beside f32 parameters (norms, embeddings).
+    let dtypes: Vec<DType> = param_dtypes.filter_map(|d| d.parse::<DType>().ok()).collect();
+    let mut halves = dtypes.iter().copied().filter(|&d| d != DType::F32);
+    let common = match halves.next() {
+        Some(d) => Some(d).filter(|&d| halves.all(|h| h == d)),
+        None => dtypes.first().copied(),
     };
     if let Some(name) = common.and_then(torch_dtype) {
         config.insert("torch_dtype".into(), Value::from(name));

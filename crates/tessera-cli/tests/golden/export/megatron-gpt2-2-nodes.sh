@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tessera plan `dp4 tp4 sp` for gpt2 on 2x8xH100 (batch 16 x seq 1024, bf16): predicted 0.0176 s per step, peak 1.21 GiB per device
+# Tessera plan `dp4 tp4 sp` for gpt2 on 2x8xH100 (batch 16 x seq 1024, bf16): predicted 0.0174 s per step, peak 1.21 GiB per device
 # Run it on each of the 2 nodes with NODE_RANK (0 to 1) and MASTER_ADDR (node 0's address) set.
 # Run it from a Megatron-LM checkout; data and tokenizer arguments (--data-path, --tokenizer-type, ...) follow as this script's arguments.
 # The vocabulary (50257 tokens) comes from the tokenizer; Megatron-LM pads it to a multiple of 128 x tensor-parallel size.

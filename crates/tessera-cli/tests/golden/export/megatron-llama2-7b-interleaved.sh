@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tessera plan `dp2 tp2 pp2 mb8 sched=interleaved:2 ckpt=full` for llama2-7b on 8xH100 (batch 16 x seq 4096, bf16): predicted 1.0607 s per step, peak 28.14 GiB per device
+# Tessera plan `dp2 tp2 pp2 mb8 sched=interleaved:2 ckpt=full` for llama2-7b on 8xH100 (batch 16 x seq 4096, bf16): predicted 1.0605 s per step, peak 28.14 GiB per device
 # Run it from a Megatron-LM checkout; data and tokenizer arguments (--data-path, --tokenizer-type, ...) follow as this script's arguments.
 # The vocabulary (32000 tokens) comes from the tokenizer; Megatron-LM pads it to a multiple of 128 x tensor-parallel size.
 set -euo pipefail

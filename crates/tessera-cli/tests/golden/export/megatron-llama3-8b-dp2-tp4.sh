@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tessera plan `dp2 tp4 sp zero1 mb4 ckpt=full` for llama3-8b on 8xH100 (batch 16 x seq 4096, bf16): predicted 1.2590 s per step, peak 20.72 GiB per device
+# Tessera plan `dp2 tp4 sp zero1 mb4 ckpt=full` for llama3-8b on 8xH100 (batch 16 x seq 4096, bf16): predicted 1.2586 s per step, peak 20.72 GiB per device
 # Run it from a Megatron-LM checkout; data and tokenizer arguments (--data-path, --tokenizer-type, ...) follow as this script's arguments.
 # The vocabulary (128256 tokens) comes from the tokenizer; Megatron-LM pads it to a multiple of 128 x tensor-parallel size.
 set -euo pipefail
