@@ -59,6 +59,9 @@ nccl=$(ldconfig -p 2>/dev/null | awk '/libnccl.so.2 /{print $NF; exit}')
 if [ -n "$nccl" ] && [ -f "$nccl" ]; then
   mkdir -p "$out/.nccl" && ln -sf "$nccl" "$out/.nccl/libnccl.so" && export LD_LIBRARY_PATH="$out/.nccl:$LD_LIBRARY_PATH"
 fi
+# Kernels compiled but not yet run on a GPU are refused unless this is set (the CUDA backend's
+# `tessera_cuda::unverified` list): these stages are what checks them.
+export TESSERA_CUDA_UNVERIFIED=1
 # Compiled kernels are kept between the stages' processes.
 export TESSERA_KERNEL_CACHE=${TESSERA_KERNEL_CACHE:-$out/.kernels}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"

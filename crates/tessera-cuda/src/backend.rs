@@ -103,7 +103,6 @@ fn native_half(op: &Op) -> bool {
         )
 }
 
-
 impl Backend for CudaBackend {
     type Value = CudaTensor;
 
@@ -220,20 +219,20 @@ impl CudaBackend {
         outputs: &[TensorMeta],
         at: &MeshPos,
     ) -> Result<Vec<CudaTensor>> {
-        self.execute_as(op, inputs, outputs, at, Purpose::Program)
-    }
-
-    /// [`Self::execute_impl`] with the outputs of purpose `p` (Program for the executor's
-    /// nodes; Scratch for the parts of an op composed of others, `kv_whole`).
-    pub(crate) fn execute_as(
-        &self,
-        op: &Op,
-        inputs: &[&CudaTensor],
-        outputs: &[TensorMeta],
-        at: &MeshPos,
-        p: Purpose,
-    ) -> Result<Vec<CudaTensor>> {
         self.gpu.bind()?;
+        if let Some(what) = crate::unverified::kernels(op, inputs.len()) {
+            if !crate::unverified::allowed() {
+                return Err(unsupported(
+                    op.name(),
+                    format!(
+                        "{what} on CUDA have been compiled (sm_90) but not yet run on a GPU, so                          their results are unchecked: use the CPU runtime (--device cpu), or set                          {}=1 to run them anyway (`scripts/gpu-check.sh moe ring \
+                         qlora tp shared qlora-cli` checks them against the CPU)",
+                        crate::unverified::ENV
+                    ),
+                ));
+            }
+        }
+        let p = Purpose::Program;
         // bf16 attention runs fused on tensor cores where the flash kernels apply: not ring
         // attention (global positions, the log-sum-exp's cotangent) nor tensor parallelism
         // past the KV heads (each query head's KV head by its global index), which the

@@ -42,6 +42,7 @@ mod ring;
 pub mod source;
 pub mod tensor;
 pub mod timer;
+pub mod unverified;
 mod vision;
 
 pub use backend::CudaBackend;

@@ -536,6 +536,9 @@ fn calibrate(gpu: &Arc<Gpu>) {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    // This binary is what checks the kernels not yet run on a GPU (`tessera_cuda::unverified`):
+    // they run here, against the CPU's.
+    std::env::set_var(tessera_cuda::unverified::ENV, "1");
     let gpu = match Gpu::open(0) {
         Ok(g) => g,
         Err(e) => {
