@@ -60,11 +60,9 @@ pub(crate) fn build(
     let tok_bsd = b.scoped("word_embeddings", |b| b.embedding(wte_vd, ids))?;
     let tok_bsd = nn::to(&mut b, tok_bsd, nn::RESIDUAL_DTYPE)?;
     // The normed embeddings are the residual stream (layer 0's residual too), kept in f32.
-    let mut x_bsd = b.scoped("word_embeddings_layernorm", |b| {
-        let w = b.parameter("weight", [d], dtype);
-        let bias = b.parameter("bias", [d], dtype);
-        b.layer_norm(tok_bsd, w, bias, cfg.layer_norm_epsilon)
-    })?;
+    // Its weights in f32, as every norm's on the f32 stream (autocast's policy).
+    let mut x_bsd =
+        nn::layer_norm(&mut b, "word_embeddings_layernorm", tok_bsd, cfg.layer_norm_epsilon)?;
     x_bsd = nn::to(&mut b, x_bsd, nn::RESIDUAL_DTYPE)?;
     for layer in 0..cfg.n_layer {
         b.set_block(Some(layer as u32));

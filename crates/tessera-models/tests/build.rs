@@ -56,15 +56,35 @@ fn bf16_build_has_bf16_parameters_and_an_f32_loss() {
     for &name in PRESETS {
         let m = model(name, 2, 8, DType::BF16);
         let g = &m.builder.graph;
+        let consumers = g.consumers();
+        // The norms on the fp32 residual stream hold fp32 weights (autocast's policy): a
+        // parameter read only by a LayerNorm/RMSNorm whose input is f32.
+        let fp32_norm = |p: tessera_ir::TensorId| {
+            let uses = &consumers[p.index()];
+            !uses.is_empty()
+                && uses.iter().all(|&u| {
+                    let n = g.node(u);
+                    matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
+                        && g.meta(n.inputs[0]).dtype == DType::F32
+                })
+        };
         let not_bf16: Vec<String> = g
             .parameters()
             .into_iter()
             .filter(|&p| g.meta(p).dtype != DType::BF16)
+            .filter(|&p| !(g.meta(p).dtype == DType::F32 && fp32_norm(p)))
             // DeepSeek-V3's router correction bias stays f32, as in the Hub's checkpoints.
             .filter(|&p| !g.tensor_scope(p).ends_with("e_score_correction_bias"))
             .map(|p| g.tensor_scope(p).to_string())
             .collect();
         assert!(not_bf16.is_empty(), "{name}: parameters not bf16: {not_bf16:?}");
+        let bf16_norms = g
+            .parameters()
+            .into_iter()
+            .filter(|&p| g.meta(p).dtype == DType::BF16 && fp32_norm(p))
+            .map(|p| g.tensor_scope(p).to_string())
+            .collect::<Vec<_>>();
+        assert!(bf16_norms.is_empty(), "{name}: bf16 norms on the fp32 stream: {bf16_norms:?}");
         assert_eq!(g.meta(m.logits).dtype, DType::BF16, "{name}: logits");
         assert_eq!(g.meta(m.loss).dtype, DType::F32, "{name}: loss");
         let t = build_training_graph(m.builder, m.loss, &TrainConfig::default()).unwrap();
