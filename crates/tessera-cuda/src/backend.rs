@@ -225,8 +225,10 @@ impl CudaBackend {
                 return Err(unsupported(
                     op.name(),
                     format!(
-                        "{what} on CUDA have been compiled (sm_90) but not yet run on a GPU, so                          their results are unchecked: use the CPU runtime (--device cpu), or set                          {}=1 to run them anyway (`scripts/gpu-check.sh moe ring \
-                         qlora tp shared qlora-cli` checks them against the CPU)",
+                        "{what} on CUDA have been compiled (sm_90) but not yet run on a GPU, \
+                         so their results are unchecked: use the CPU runtime (--device cpu), or \
+                         set {}=1 to run them anyway (`scripts/gpu-check.sh moe ring qlora tp \
+                         shared qlora-cli` checks them against the CPU)",
                         crate::unverified::ENV
                     ),
                 ));
