@@ -51,8 +51,9 @@ impl Reduced {
         }
     }
 
-    /// The least-cost picks; `None` when none fits, or when the LP relaxation proves that no
-    /// plan that fits costs at most `cutoff` (whole objective, seconds).
+    /// The least-cost picks; `None` when none fits, or when a lower bound (min-sum
+    /// diffusion's or the LP relaxation's) proves that no plan that fits costs at most `cutoff`
+    /// (whole objective, seconds).
     pub(super) fn solve_min_cost(
         &self,
         opts: &SolveOptions,
