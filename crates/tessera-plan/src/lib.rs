@@ -40,6 +40,7 @@ pub mod rules;
 pub mod search;
 pub mod spec;
 pub mod tiers;
+pub mod trace;
 pub mod units;
 
 pub use axis::{context, expert, ConfigError};

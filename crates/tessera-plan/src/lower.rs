@@ -139,8 +139,11 @@ pub fn lower_unfinished(
     if fidelity == Fidelity::Priced && opts.micro_batches.max(1) > priced::EXACT_UP_TO {
         return priced::lower_unfinished(forward, loss, strategy, mesh, opts);
     }
-    let (tg, leaf_specs) = differentiate(forward, loss, strategy, mesh, opts)?;
-    let training = replay(&tg, opts.micro_batches)?;
+    let (leaf_specs, training) = crate::trace::timed(crate::trace::Work::Lowering, || {
+        let (tg, leaf_specs) = differentiate(forward, loss, strategy, mesh, opts)?;
+        let training = replay(&tg, opts.micro_batches)?;
+        Ok::<_, PlanError>((leaf_specs, training))
+    })?;
     Ok(Unfinished {
         training,
         leaf_specs,
@@ -190,6 +193,15 @@ pub(crate) fn differentiate(
 
 /// Applies checkpoint decisions, lowers to the Program and predicts its memory and time.
 pub fn finish(
+    u: &Unfinished,
+    ckpt: &Checkpointing,
+    mesh: &Mesh,
+    cost: &CostModel,
+) -> Result<Lowered> {
+    crate::trace::timed(crate::trace::Work::Finish, || finish_untimed(u, ckpt, mesh, cost))
+}
+
+fn finish_untimed(
     u: &Unfinished,
     ckpt: &Checkpointing,
     mesh: &Mesh,

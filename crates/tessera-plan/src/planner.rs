@@ -387,6 +387,9 @@ fn plan_auto_as_built(req: &Request<'_>) -> Result<Plan> {
         },
     };
     plan.search_ms = t0.elapsed().as_secs_f64() * 1e3;
+    if trace {
+        eprintln!("trace: the search ran {}", crate::trace::summary());
+    }
     // The search priced every Megatron configuration anyway: keep the best as baseline.
     plan.baselines.megatron = megatron;
     Ok(plan)

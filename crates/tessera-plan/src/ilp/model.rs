@@ -14,6 +14,7 @@ use super::{
     argmax, diffusion, tolerance, Local, SolveOptions, DIFFUSION_SWEEPS, HIGHS_FEAS_TOL,
     MAX_SCALED_COST, RENS_SHARE,
 };
+use crate::trace::{timed, Work};
 use crate::PlanError;
 
 impl Reduced {
@@ -89,8 +90,11 @@ impl Reduced {
         // the gap of its bound, and else starts the MIP. (With rows and no cutoff it has
         // nothing to offer.)
         let cut = cutoff * (1.0 + 1e-9);
-        let diffused = (self.rows.is_empty() || cutoff.is_finite())
-            .then(|| diffusion::diffuse(&self.lin, &self.edges, DIFFUSION_SWEEPS, cut - offset));
+        let diffused = (self.rows.is_empty() || cutoff.is_finite()).then(|| {
+            timed(Work::Diffusion, || {
+                diffusion::diffuse(&self.lin, &self.edges, DIFFUSION_SWEEPS, cut - offset)
+            })
+        });
         if diffused.as_ref().is_some_and(|d| d.bound + offset > cut) {
             return Ok(None);
         }
@@ -114,7 +118,7 @@ impl Reduced {
             // Memory rows make the relaxation fractional. Its rounding (repaired, polished) is a
             // first plan; a MIP over the strategies the relaxation uses (RENS) a better one.
             let (model, x, links) = self.cost_model(false, opts, left(), None, abs_gap);
-            let sol = match model.solve() {
+            let sol = match timed(Work::Relaxation, || model.solve()) {
                 Err(ResolutionError::Infeasible) => return Ok(None),
                 Err(_) => None, // e.g. out of time: leave it to the MIP
                 Ok(sol) => Some(sol),
@@ -188,7 +192,7 @@ impl Reduced {
     fn lp_bound(&self, opts: &SolveOptions) -> Option<f64> {
         let (model, x, links) =
             self.cost_model(false, opts, opts.time_limit_s, None, f64::INFINITY);
-        let sol = model.solve().ok()?;
+        let sol = timed(Work::Relaxation, || model.solve()).ok()?;
         let mut bound: f64 = x
             .iter()
             .zip(&self.lin)
@@ -228,7 +232,7 @@ impl Reduced {
             }
             model = model.with_initial_solution(start);
         }
-        match model.solve() {
+        match timed(Work::Mip, || model.solve()) {
             Ok(sol) => {
                 Ok(Some(x.iter().map(|xi| argmax(xi.iter().map(|&v| sol.value(v)))).collect()))
             }
@@ -348,7 +352,7 @@ impl Reduced {
             start.extend(xi.iter().enumerate().map(|(s, &v)| (v, if s == k { 1.0 } else { 0.0 })));
         }
         let model = model.with_initial_solution(start);
-        let ks: Vec<usize> = match model.solve() {
+        let ks: Vec<usize> = match timed(Work::Mip, || model.solve()) {
             Ok(sol) => x.iter().map(|xi| argmax(xi.iter().map(|&v| sol.value(v)))).collect(),
             Err(ResolutionError::Other("NoSolutionFound")) => first.clone(),
             Err(e) => return Err(highs_error(e, opts)),
