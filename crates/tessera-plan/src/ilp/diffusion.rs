@@ -208,10 +208,14 @@ mod tests {
 
     #[test]
     fn a_bound_past_the_stop_ends_the_sweeps() {
-        let lin = vec![vec![1.0, 2.0], vec![1.0, 2.0]];
-        let edges = vec![(0, 1, vec![vec![5.0, 5.0], vec![5.0, 5.0]])];
-        // Without sweeps the bound is already 1 + 1 + 5.
-        let d = diffuse(&lin, &edges, 100, 3.0);
-        assert!((d.bound - 7.0).abs() < 1e-12);
+        // Without sweeps the bound is 0 + 0 + 0; the optimum (one node at 1, the other at 0)
+        // is 1, which sweeping reaches on this tree.
+        let lin = vec![vec![0.0, 1.0], vec![0.0, 1.0]];
+        let edges = vec![(0, 1, vec![vec![5.0, 0.0], vec![0.0, 5.0]])];
+        let swept = diffuse(&lin, &edges, 100, f64::INFINITY);
+        assert!((swept.bound - 1.0).abs() < 1e-9, "swept bound {}", swept.bound);
+        // A stop below the first bound: no sweep runs.
+        let stopped = diffuse(&lin, &edges, 100, -1.0);
+        assert_eq!(stopped.bound, 0.0);
     }
 }
