@@ -224,8 +224,8 @@ pub fn prepare(
         predicted_peak: plan.predicted.peak_bytes_per_device.clone(),
         plan,
         stages: match exe.pipeline {
-            Some(p) => p.devices.into_iter().map(|d| d.lowered.training).collect(),
-            None => vec![exe.lowered.training],
+            Some(p) => p.devices.into_iter().map(|d| d.lowered.into_training_graph()).collect(),
+            None => vec![exe.lowered.into_training_graph()],
         },
         mesh_shape: exe.mesh.shape.clone(),
         budget,

@@ -238,7 +238,7 @@ fn parallel(
                     let setup =
                         DeviceSetup { mesh, budget: None, host_budget: None, offload_dir: None };
                     let t = Trainer::new(
-                        exe.lowered.training.clone(),
+                        exe.lowered.training_graph(),
                         CpuBackend::new(rank),
                         Some(runner),
                         setup,
@@ -553,7 +553,7 @@ fn a_dead_or_stuck_rank_ends_every_rank_with_a_clear_error() {
                         let state =
                             StartState::Global { params: init, optimizer: None, steps_done: 0 };
                         let mut t = Trainer::new(
-                            exe.lowered.training.clone(),
+                            exe.lowered.training_graph(),
                             CpuBackend::new(rank),
                             Some(runner),
                             setup,
@@ -748,7 +748,7 @@ fn crossings_per_step(exe: &Executable) -> Vec<usize> {
                     let cpu = CpuBackend::new(rank);
                     let backend = Counting { cpu, crossings: crossings.clone() };
                     let mut t = Trainer::new(
-                        exe.lowered.training.clone(),
+                        exe.lowered.training_graph(),
                         backend,
                         runner,
                         setup,

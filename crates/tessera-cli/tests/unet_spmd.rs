@@ -140,7 +140,7 @@ fn parallel(plan: &Plan, config: &str) -> Vec<(f64, f64)> {
                     let setup =
                         DeviceSetup { mesh, budget: None, host_budget: None, offload_dir: None };
                     let mut t = Trainer::new(
-                        exe.lowered.training.clone(),
+                        exe.lowered.training_graph(),
                         CpuBackend::new(rank),
                         Some(runner),
                         setup,

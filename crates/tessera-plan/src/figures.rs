@@ -10,7 +10,9 @@
 pub use crate::cost::StepTime;
 use crate::rules::Strategy;
 use crate::{Mesh, Spec};
-use tessera_ir::{Checkpointing, Graph, Phase, Program, TensorId, TrainingGraph};
+use tessera_ir::{
+    Checkpointing, Graph, LeafLayout, ParamSlot, Phase, Program, TensorId, TrainingGraph,
+};
 use tessera_profile::MemoryReport;
 
 /// Which labels each mesh axis may split.
@@ -82,9 +84,13 @@ pub type SharedForward = std::sync::Arc<(Forward, Vec<bool>)>;
 /// The lowered plan and everything predicted from it.
 #[derive(Clone, Debug)]
 pub struct Lowered {
-    /// One device's Program (every device runs the same one on its own shards).
+    /// One device's Program (every device runs the same one on its own shards). Its graph is
+    /// the checkpointed training graph: kept once, here ([`Lowered::training_graph`]). A
+    /// second copy per lowering was a tenth of the search's time, in copies, frees and
+    /// page faults.
     pub program: Program,
-    pub training: TrainingGraph,
+    /// The training graph's handles and leaf layout (its graph is the Program's).
+    pub handles: StepHandles,
     pub memory: MemoryReport,
     pub time: StepTime,
     pub collectives: Vec<CollectiveRecord>,
@@ -96,6 +102,45 @@ pub struct Lowered {
     /// `false` when `memory` and `time` are extrapolated to more micro-batches than `program`
     /// holds ([`crate::lower::priced`]): a search figure, lowered exactly before it becomes a plan.
     pub exact: bool,
+}
+
+/// A training graph less its graph: the tensors that matter (loss, gradient norm, inputs,
+/// parameter slots) and the leaf layout, kept beside the Program that holds the graph.
+#[derive(Clone, Debug)]
+pub struct StepHandles {
+    pub loss: TensorId,
+    pub grad_norm: TensorId,
+    pub lr: TensorId,
+    pub step: TensorId,
+    pub loss_scale: Option<TensorId>,
+    pub params: Vec<ParamSlot>,
+    pub layout: LeafLayout,
+}
+
+impl StepHandles {
+    /// `tg` split into its graph and its handles.
+    pub fn split(tg: TrainingGraph) -> (Graph, StepHandles) {
+        let TrainingGraph { graph, loss, grad_norm, lr, step, loss_scale, params, layout } = tg;
+        (graph, StepHandles { loss, grad_norm, lr, step, loss_scale, params, layout })
+    }
+
+    /// The training graph of these handles over `graph`.
+    pub fn join(self, graph: Graph) -> TrainingGraph {
+        let StepHandles { loss, grad_norm, lr, step, loss_scale, params, layout } = self;
+        TrainingGraph { graph, loss, grad_norm, lr, step, loss_scale, params, layout }
+    }
+}
+
+impl Lowered {
+    /// The training graph the Program runs (a copy of its graph, with the handles).
+    pub fn training_graph(&self) -> TrainingGraph {
+        self.handles.clone().join(self.program.graph().clone())
+    }
+
+    /// [`Lowered::training_graph`], without the copy.
+    pub fn into_training_graph(self) -> TrainingGraph {
+        self.handles.join(self.program.graph)
+    }
 }
 
 /// Bytes by role at the peak instruction of a memory simulation (keys: [`tessera_ir::Role::name`]).

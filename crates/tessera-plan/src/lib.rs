@@ -32,6 +32,7 @@ pub mod lower;
 pub mod mesh;
 pub mod mlp_tile;
 pub mod offload;
+pub mod par;
 pub mod pipeline;
 pub mod plan;
 pub mod planner;

@@ -32,7 +32,7 @@ pub(crate) use replay::{replay, replay_tagged, ReplayTag};
 pub use time::simulate_time;
 // The lowering's figures live with the rest of the search's data ([`crate::figures`]).
 pub use crate::cost::StepTime;
-pub use crate::figures::{CollectiveRecord, Lowered};
+pub use crate::figures::{CollectiveRecord, Lowered, StepHandles};
 
 use crate::cost::CostModel;
 use crate::reshard::cheapest_path;
@@ -217,12 +217,13 @@ fn finish_untimed(
         ring::check_streams(&tg.graph)?;
     }
     let grads: Vec<TensorId> = tg.params.iter().map(|s| s.grad).collect();
-    let program = Program::lower_graph(tg.graph.clone(), vec![tg.loss, tg.grad_norm], &grads);
+    let (graph, handles) = StepHandles::split(tg);
+    let program = Program::lower_graph(graph, vec![handles.loss, handles.grad_norm], &grads);
     let memory = simulate_memory(&program).report;
     let (time, collectives) = simulate_time(&program, mesh, cost);
     let lowered = Lowered {
         program,
-        training: tg,
+        handles,
         memory,
         time,
         collectives,

@@ -145,7 +145,7 @@ impl Run {
                             offload_dir: None,
                         };
                         let mut t = Trainer::new(
-                            exe.lowered.training.clone(),
+                            exe.lowered.training_graph(),
                             CpuBackend::new(rank),
                             Some(runner),
                             setup,

@@ -79,8 +79,8 @@ pub fn lower_unfinished(
     let local_loss = lw.build(loss)?;
     let leaf_specs = lw.leaf_specs.clone();
     let forwards = split::cut(&lw.b.graph, local_loss, &pipe.map)?;
-    let mut devices = Vec::with_capacity(forwards.len());
-    for (d, fwd) in forwards.into_iter().enumerate() {
+    // The devices are independent: each is differentiated, replayed and reordered on its own.
+    let devices = crate::par::map_owned(forwards, |d, fwd| -> Result<DeviceUnfinished> {
         let params = fwd
             .params
             .iter()
@@ -102,7 +102,7 @@ pub fn lower_unfinished(
         let tg = loss_over_pipeline(tg, full, pipe.map.axis)?;
         let slot_of = slots_of(&tg.graph, &tags, &chunks, pipe.schedule);
         let (training, slot_of) = reorder(&tg, &slot_of, &schedule.slots[d])?;
-        devices.push(DeviceUnfinished {
+        Ok(DeviceUnfinished {
             unfinished: Unfinished {
                 training,
                 leaf_specs: leaf_specs.clone(),
@@ -113,8 +113,10 @@ pub fn lower_unfinished(
             },
             slot_of,
             boundaries: fwd.boundaries,
-        });
-    }
+        })
+    })
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
     Ok(PipeUnfinished { devices, schedule, options: pipe.clone() })
 }
 
@@ -339,14 +341,21 @@ pub fn finish_pipeline(
     full: &Mesh,
     cost: &CostModel,
 ) -> Result<PipeLowered> {
+    // Each device on its own: checkpointed, lowered, simulated and its slots timed.
+    let finished =
+        crate::par::map(&u.devices, |d| -> Result<(DeviceLowered, HashMap<Slot, f64>)> {
+            let lowered = finish(&d.unfinished, ckpt, full, cost)?;
+            let slot_of = follow_recompute(lowered.program.graph(), &d.slot_of);
+            let seconds = slot_seconds(&lowered, &slot_of, full, cost);
+            Ok((DeviceLowered { lowered, slot_of }, seconds))
+        });
     let mut devices = Vec::with_capacity(u.devices.len());
-    for d in &u.devices {
-        let lowered = finish(&d.unfinished, ckpt, full, cost)?;
-        let slot_of = follow_recompute(&lowered.training.graph, &d.slot_of);
-        devices.push(DeviceLowered { lowered, slot_of });
+    let mut durations: Vec<HashMap<Slot, f64>> = Vec::with_capacity(u.devices.len());
+    for f in finished {
+        let (device, seconds) = f?;
+        devices.push(device);
+        durations.push(seconds);
     }
-    let durations: Vec<HashMap<Slot, f64>> =
-        devices.iter().map(|d| slot_seconds(&d.lowered, &d.slot_of, full, cost)).collect();
     let map = &u.options.map;
     let link = full.links[map.axis].p2p(full.shape[map.axis]);
     let bytes: HashMap<(usize, usize), u64> =

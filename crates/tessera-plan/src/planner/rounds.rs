@@ -471,28 +471,5 @@ pub(super) fn auto_jobs(req: &Request<'_>, experts: usize) -> Result<Vec<Job>> {
     Ok(jobs)
 }
 
-/// Runs `f` over `items` on the machine's threads, keeping order.
-pub(crate) fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    let threads =
-        std::thread::available_parallelism().map_or(1, |n| n.get()).min(items.len()).max(1);
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut out: Vec<Option<R>> = (0..items.len()).map(|_| None).collect();
-    let slots: Vec<std::sync::Mutex<&mut Option<R>>> =
-        out.iter_mut().map(std::sync::Mutex::new).collect();
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= items.len() {
-                    break;
-                }
-                let r = f(&items[i]);
-                if let Ok(mut slot) = slots[i].lock() {
-                    **slot = Some(r);
-                }
-            });
-        }
-    });
-    drop(slots);
-    out.into_iter().map(|r| r.expect("every item ran")).collect()
-}
+// Runs `f` over `items` on the machine's threads, keeping order (`crate::par::map`).
+pub(crate) use crate::par::map as parallel_map;
