@@ -172,20 +172,28 @@ pub fn sample_and_screen(
         modes: Vec::new(),
         weight_inputs_bytes: BlockCosts::mode_cost(CkptMode::None, &e.lowered).kept_bytes,
     };
+    // The stage's layout lowered once, before checkpointing: every mode sampled finishes it.
+    let mut unfinished = None;
     for &mode in &at.knobs.ckpt_modes {
         let lowered = if mode == CkptMode::None {
             e.lowered.clone()
         } else {
-            let opts = LowerOptions {
-                zero: shape.zero,
-                micro_batches: 1,
-                train: p.problem.train.clone(),
-                ckpt: Checkpointing::default(),
-                offload: None,
+            if unfinished.is_none() {
+                let opts = LowerOptions {
+                    zero: shape.zero,
+                    micro_batches: 1,
+                    train: p.problem.train.clone(),
+                    ckpt: Checkpointing::default(),
+                    offload: None,
+                };
+                let (loss, strategies) = (fwd.0.loss, &e.strategies);
+                let u = lower_unfinished(g, loss, strategies, stage_mesh, &opts, Fidelity::Exact)?;
+                unfinished = Some(u);
+            }
+            let Some(u) = &unfinished else {
+                return Err(crate::PlanError::Internal("the stage was not lowered".into()));
             };
-            let u =
-                lower_unfinished(g, fwd.0.loss, &e.strategies, stage_mesh, &opts, Fidelity::Exact)?;
-            finish(&u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.problem.cost)?
+            finish(u, &Checkpointing::uniform(nb, mode), stage_mesh, &p.problem.cost)?
         };
         let weight_inputs_bytes = e.lowered.memory.activations_bytes;
         costs.modes.push(BlockCosts::mode_cost(mode, &lowered));
