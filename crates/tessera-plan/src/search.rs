@@ -239,6 +239,10 @@ pub struct SearchKnobs {
     /// A ZeRO stage whose fit cannot win and is faster than the stage before by less than
     /// this share ends the job's ZeRO scan (`planner::rounds::run_job`).
     pub zero_scan_min_gain: f64,
+    /// How many Megatron-style jobs the first round runs ahead of the others, their fits
+    /// published as the others' bound (`planner::rounds::pilots`; 0: none, every job of the
+    /// round unbounded).
+    pub pilots: usize,
     /// HiGHS's limits for one ILP.
     pub solve: SolveOptions,
     /// Whether the runtime that will run the plan has a kernel for the tiled MLP
@@ -261,6 +265,8 @@ impl Default for SearchKnobs {
             slacks: vec![1.5, 2.5, 4.0, 8.0],
             hopeless_over_bound: 1.5,
             zero_scan_min_gain: 0.01,
+            // One per thread of a 2-core machine's pool: the wave leaves no core idle.
+            pilots: 2,
             // The node limit stops an ILP at the same point on a busy machine as on an idle
             // one; the time limit is the backstop, and a limit that stops HiGHS before it
             // found a plan falls back to a greedy one (`crate::ilp`).
@@ -820,6 +826,25 @@ pub fn min_peak(p: &Search<'_>, cand: &Candidate) -> Result<Option<u64>> {
         Frugal::Misses { least, .. } => least.0,
         Frugal::Fits(l) => l.memory.peak_bytes,
     }))
+}
+
+/// The ILP's fastest layout of `cand` with memory aside: its objective (seconds), a floor of
+/// what the candidate's Programs cost by the ILP's figures. `None` when the candidate has no
+/// layout (a micro-batch count that does not divide the batch, an op without a strategy).
+pub fn unconstrained_objective(p: &Search<'_>, cand: &Candidate) -> Result<Option<f64>> {
+    let mb = cand.micro_batches.max(1);
+    if !p.problem.batch.is_multiple_of(mb) {
+        return Ok(None);
+    }
+    let shared = p.forward(p.problem.batch / mb)?;
+    let (fwd, saved) = (&shared.0, &shared.1);
+    let space =
+        p.state.graphs.spaces.get(p.problem.batch / mb, &fwd.graph, &cand.mesh, &cand.rule)?;
+    if space.options.contains(&0) {
+        return Ok(None);
+    }
+    let problem = build_problem(p, cand, fwd, &space, saved, f64::INFINITY)?;
+    Ok(ilp::solve_below(&problem, &p.problem.knobs.solve, f64::INFINITY)?.map(|s| s.objective))
 }
 
 /// `e` with its Program lowered exactly (the same layout, ZeRO stage, micro-batches and

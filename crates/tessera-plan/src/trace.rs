@@ -38,6 +38,11 @@ pub fn timed<T>(work: Work, f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// How many times `work` ran so far in this process.
+pub fn calls(work: Work) -> u64 {
+    CALLS[work as usize].load(Relaxed)
+}
+
 /// One line: each kind's count and seconds so far.
 pub fn summary() -> String {
     let parts: Vec<String> = (0..KINDS)

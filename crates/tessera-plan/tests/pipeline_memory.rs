@@ -67,3 +67,61 @@ fn one_f_one_b_holds_p_minus_d_micro_batches_gpipe_all() {
     // The first stage holds the most under 1F1B, and the plan fits by its worst device.
     assert!(fb_peaks[0] > fb_peaks[2], "{fb_peaks:?}");
 }
+
+/// The search's exact check of a screened pipeline stops at the first device found over the
+/// budget (`pipeline::lower::lower_within`): what it answers must be what the whole lowering
+/// says — under the worst device's peak, that same peak as the miss (its probes take the
+/// device holding the most parameters and the first, the one with the most in flight); one
+/// byte over, the same Program figures on every device.
+#[test]
+fn a_probed_pipeline_check_answers_as_the_whole_lowering() {
+    use tessera_plan::planner::pipelined::lower_fixed;
+    let cfg = ModelConfig::preset("gpt2-tiny").unwrap().without_dropout();
+    let b = move |mb: usize| -> tessera_plan::Result<Forward> {
+        let m = build(&cfg, &BuildOptions::new(mb, 32, DType::F32))
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
+    };
+    let req = Request {
+        build: &b,
+        model: "gpt2-tiny".into(),
+        batch: 16,
+        seq: 32,
+        dtype: DType::F32,
+        budget: u64::MAX,
+        cluster: Cluster::parse("4xcpu").unwrap(),
+        train: TrainConfig::default(),
+        model_flops: 1e12,
+        ckpt: CkptSearch::Off,
+        pipeline: Default::default(),
+        search: Default::default(),
+    };
+    for config in ["pp4 mb8 sched=1f1b", "dp2 pp2 mb4 sched=gpipe zero1"] {
+        let cfg = ParallelConfig::parse(config).unwrap();
+        let whole = lower_fixed(&req, &cfg, None).unwrap().lowered;
+        let peaks: Vec<u64> = whole.devices.iter().map(|d| d.lowered.memory.peak_bytes).collect();
+        let worst = whole.peak_bytes();
+        match lower_fixed(&req, &cfg, Some(worst - 1)) {
+            Err(PlanError::Infeasible { needed, budget, .. }) => {
+                assert_eq!(budget, worst - 1);
+                assert_eq!(needed, worst, "{config}: the probes missed the worst device {peaks:?}");
+            }
+            other => panic!(
+                "{config}: under the worst peak, {:?}",
+                other.map(|f| f.lowered.peak_bytes())
+            ),
+        }
+        let fits = lower_fixed(&req, &cfg, Some(worst)).unwrap().lowered;
+        for (d, (a, b)) in fits.devices.iter().zip(&whole.devices).enumerate() {
+            let (ma, mb) = (&a.lowered.memory, &b.lowered.memory);
+            assert_eq!(ma.peak_bytes, mb.peak_bytes, "{config}: device {d}'s peak");
+            assert_eq!(ma.peak_by_role, mb.peak_by_role, "{config}: device {d}'s peak by role");
+            assert_eq!(ma.resting_bytes, mb.resting_bytes, "{config}: device {d}'s resting bytes");
+            assert_eq!(
+                a.lowered.time.step_time_s, b.lowered.time.step_time_s,
+                "{config}: device {d}"
+            );
+        }
+        assert_eq!(fits.step_time_s, whole.step_time_s, "{config}: the schedule's step");
+    }
+}

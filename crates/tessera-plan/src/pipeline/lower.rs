@@ -72,19 +72,129 @@ pub fn lower_unfinished(
     opts: &LowerOptions,
     pipe: &PipelineOptions,
 ) -> Result<PipeUnfinished> {
-    let mb = opts.micro_batches.max(1);
-    let schedule = schedule::build(pipe.schedule, pipe.map.devices, mb)
-        .map_err(|e| PlanError::Invalid(format!("pipeline schedule {}: {e}", pipe.schedule)))?;
-    let mut lw = LocalForward::new(forward, strategy, stage_mesh, opts)?;
-    let local_loss = lw.build(loss)?;
-    let leaf_specs = lw.leaf_specs.clone();
-    let forwards = split::cut(&lw.b.graph, local_loss, &pipe.map)?;
-    // The devices are independent: each is differentiated, replayed and reordered on its own.
-    let devices = crate::par::map_owned(forwards, |d, fwd| -> Result<DeviceUnfinished> {
+    let cut = Cutting::new(forward, loss, strategy, stage_mesh, full, opts, pipe)?;
+    let forwards = cut.forwards()?;
+    let devices = cut.lower_devices(forwards.into_iter().enumerate().collect())?;
+    Ok(PipeUnfinished { devices, schedule: cut.schedule, options: pipe.clone() })
+}
+
+/// [`lower_unfinished`] and [`finish_pipeline`] under `budget`: the devices likeliest to peak
+/// highest ([`probes`]) are lowered and finished first, and when one of them misses the
+/// budget the rest are not lowered: the answer is that device's exact peak (each device's
+/// Program is lowered on its own, so the probe's is the one the whole lowering would give;
+/// the plan's worst stage peaks at least as high). A miss the probes do not catch is found
+/// by the whole lowering, as without them, whose devices include the probes' (not lowered
+/// twice).
+///
+/// The search's exact check of a screened pipeline: DeepSeek-V3's two `pp32` candidates on
+/// 256 GPUs, whose estimates fitted and whose worst stages did not, each lowered 32 devices
+/// of 128 and 256 micro-batches (six seconds) to learn it.
+#[allow(clippy::too_many_arguments)]
+pub fn lower_within(
+    forward: &Graph,
+    loss: TensorId,
+    strategy: &[Option<Strategy>],
+    stage_mesh: &Mesh,
+    full: &Mesh,
+    opts: &LowerOptions,
+    pipe: &PipelineOptions,
+    ckpt: &Checkpointing,
+    cost: &CostModel,
+    budget: u64,
+) -> Result<std::result::Result<PipeLowered, u64>> {
+    let cut = Cutting::new(forward, loss, strategy, stage_mesh, full, opts, pipe)?;
+    let forwards = cut.forwards()?;
+    let probes = probes(&cut.lw.b.graph, &forwards);
+    let (first, rest): (Vec<_>, Vec<_>) =
+        forwards.into_iter().enumerate().partition(|(d, _)| probes.contains(d));
+    let order: Vec<usize> = first.iter().chain(&rest).map(|(d, _)| *d).collect();
+    let probed = cut.lower_devices(first)?;
+    let mut finished = finish_devices(&probed, ckpt, full, cost)?;
+    let worst = finished.iter().map(|(d, _)| d.lowered.memory.peak_bytes).max().unwrap_or(0);
+    if worst > budget {
+        return Ok(Err(worst));
+    }
+    let others = cut.lower_devices(rest)?;
+    finished.extend(finish_devices(&others, ckpt, full, cost)?);
+    // Back in device order.
+    let mut by_device: Vec<_> =
+        order.into_iter().zip(probed.into_iter().chain(others).zip(finished)).collect();
+    by_device.sort_by_key(|(d, _)| *d);
+    let (devices, finished): (Vec<_>, Vec<_>) = by_device.into_iter().map(|(_, x)| x).unzip();
+    let u = PipeUnfinished { devices, schedule: cut.schedule, options: pipe.clone() };
+    Ok(Ok(assemble(&u, finished, full)?))
+}
+
+/// The devices [`lower_within`] lowers first: the one holding the most parameter bytes (its
+/// state is the most; on a tie the earliest, which holds the most micro-batches in flight),
+/// and the first device (the most in flight under every schedule here) — two, one per thread
+/// of a 2-core pool.
+fn probes(g: &Graph, forwards: &[split::DeviceForward]) -> Vec<usize> {
+    let bytes = |f: &split::DeviceForward| -> u64 {
+        f.params.keys().map(|&p| g.meta(p).size_bytes()).sum()
+    };
+    let heaviest = (0..forwards.len())
+        .max_by_key(|&d| (bytes(&forwards[d]), std::cmp::Reverse(d)))
+        .unwrap_or(0);
+    let mut out = vec![heaviest];
+    if heaviest != 0 {
+        out.push(0);
+    }
+    out
+}
+
+/// Step 1 and what each device's steps 2–4 share.
+struct Cutting<'a> {
+    lw: LocalForward<'a>,
+    local_loss: TensorId,
+    leaf_specs: Vec<(String, crate::spec::Spec)>,
+    schedule: Schedule,
+    full: &'a Mesh,
+    opts: &'a LowerOptions,
+    pipe: &'a PipelineOptions,
+}
+
+impl<'a> Cutting<'a> {
+    fn new(
+        forward: &'a Graph,
+        loss: TensorId,
+        strategy: &'a [Option<Strategy>],
+        stage_mesh: &'a Mesh,
+        full: &'a Mesh,
+        opts: &'a LowerOptions,
+        pipe: &'a PipelineOptions,
+    ) -> Result<Cutting<'a>> {
+        let mb = opts.micro_batches.max(1);
+        let schedule = schedule::build(pipe.schedule, pipe.map.devices, mb)
+            .map_err(|e| PlanError::Invalid(format!("pipeline schedule {}: {e}", pipe.schedule)))?;
+        let mut lw = LocalForward::new(forward, strategy, stage_mesh, opts)?;
+        let local_loss = lw.build(loss)?;
+        let leaf_specs = lw.leaf_specs.clone();
+        Ok(Cutting { lw, local_loss, leaf_specs, schedule, full, opts, pipe })
+    }
+
+    /// The per-device forward graphs.
+    fn forwards(&self) -> Result<Vec<split::DeviceForward>> {
+        split::cut(&self.lw.b.graph, self.local_loss, &self.pipe.map)
+    }
+
+    /// Steps 2–4 of each `(device, forward)`, in parallel: the devices are independent.
+    fn lower_devices(
+        &self,
+        forwards: Vec<(usize, split::DeviceForward)>,
+    ) -> Result<Vec<DeviceUnfinished>> {
+        crate::par::map_owned(forwards, |_, (d, fwd)| self.lower_device(d, fwd))
+            .into_iter()
+            .collect()
+    }
+
+    fn lower_device(&self, d: usize, fwd: split::DeviceForward) -> Result<DeviceUnfinished> {
+        let (opts, pipe, full) = (self.opts, self.pipe, self.full);
+        let mb = opts.micro_batches.max(1);
         let params = fwd
             .params
             .iter()
-            .filter_map(|(old, new)| lw.local_params.get(old).map(|i| (*new, i.clone())))
+            .filter_map(|(old, new)| self.lw.local_params.get(old).map(|i| (*new, i.clone())))
             .collect();
         let mut hooks = DistHooks {
             mesh: full,
@@ -101,11 +211,11 @@ pub fn lower_unfinished(
         let (tg, tags) = replay_tagged(&tg, mb)?;
         let tg = loss_over_pipeline(tg, full, pipe.map.axis)?;
         let slot_of = slots_of(&tg.graph, &tags, &chunks, pipe.schedule);
-        let (training, slot_of) = reorder(&tg, &slot_of, &schedule.slots[d])?;
+        let (training, slot_of) = reorder(&tg, &slot_of, &self.schedule.slots[d])?;
         Ok(DeviceUnfinished {
             unfinished: Unfinished {
                 training,
-                leaf_specs: leaf_specs.clone(),
+                leaf_specs: self.leaf_specs.clone(),
                 micro_batches: mb,
                 priced: None,
                 // Offload with a pipeline is refused (`ParallelConfig::validate`).
@@ -114,10 +224,7 @@ pub fn lower_unfinished(
             slot_of,
             boundaries: fwd.boundaries,
         })
-    })
-    .into_iter()
-    .collect::<Result<Vec<_>>>()?;
-    Ok(PipeUnfinished { devices, schedule, options: pipe.clone() })
+    }
 }
 
 /// The chunk of every node of a device's training graph: forward nodes as cut; a block's
@@ -341,18 +448,36 @@ pub fn finish_pipeline(
     full: &Mesh,
     cost: &CostModel,
 ) -> Result<PipeLowered> {
-    // Each device on its own: checkpointed, lowered, simulated and its slots timed.
-    let finished =
-        crate::par::map(&u.devices, |d| -> Result<(DeviceLowered, HashMap<Slot, f64>)> {
-            let lowered = finish(&d.unfinished, ckpt, full, cost)?;
-            let slot_of = follow_recompute(lowered.program.graph(), &d.slot_of);
-            let seconds = slot_seconds(&lowered, &slot_of, full, cost);
-            Ok((DeviceLowered { lowered, slot_of }, seconds))
-        });
-    let mut devices = Vec::with_capacity(u.devices.len());
-    let mut durations: Vec<HashMap<Slot, f64>> = Vec::with_capacity(u.devices.len());
-    for f in finished {
-        let (device, seconds) = f?;
+    let finished = finish_devices(&u.devices, ckpt, full, cost)?;
+    assemble(u, finished, full)
+}
+
+/// A device's Program and the seconds of each of its slots.
+type Finished = (DeviceLowered, HashMap<Slot, f64>);
+
+/// Each device on its own, in parallel: checkpointed, lowered, simulated and its slots timed.
+fn finish_devices(
+    devices: &[DeviceUnfinished],
+    ckpt: &Checkpointing,
+    full: &Mesh,
+    cost: &CostModel,
+) -> Result<Vec<Finished>> {
+    crate::par::map(devices, |d| -> Result<Finished> {
+        let lowered = finish(&d.unfinished, ckpt, full, cost)?;
+        let slot_of = follow_recompute(lowered.program.graph(), &d.slot_of);
+        let seconds = slot_seconds(&lowered, &slot_of, full, cost);
+        Ok((DeviceLowered { lowered, slot_of }, seconds))
+    })
+    .into_iter()
+    .collect()
+}
+
+/// The schedule simulated on the finished devices' slot times (`finished` in `u`'s device
+/// order).
+fn assemble(u: &PipeUnfinished, finished: Vec<Finished>, full: &Mesh) -> Result<PipeLowered> {
+    let mut devices = Vec::with_capacity(finished.len());
+    let mut durations: Vec<HashMap<Slot, f64>> = Vec::with_capacity(finished.len());
+    for (device, seconds) in finished {
         devices.push(device);
         durations.push(seconds);
     }

@@ -6,7 +6,9 @@
 //! lowered, checkpointed as the config says (or not), and priced by simulating the schedule.
 //! A plan fits when its worst device fits.
 
-use super::lower::{finish_pipeline, full_mesh, lower_unfinished, PipeLowered, PipelineOptions};
+use super::lower::{
+    finish_pipeline, full_mesh, lower_unfinished, lower_within, PipeLowered, PipelineOptions,
+};
 use super::split::StageMap;
 use super::ScheduleKind;
 use crate::cost::CostModel;
@@ -122,16 +124,34 @@ pub struct PipelineRequest<'a> {
 
 /// Lowers and prices a pipelined plan.
 pub fn lower_pipelined(r: &PipelineRequest<'_>, cost: &CostModel) -> Result<PipeLowered> {
-    let opts = LowerOptions {
-        zero: r.zero,
-        micro_batches: r.micro_batches,
-        train: r.train.clone(),
-        ckpt: r.ckpt.clone(),
-        offload: None,
-    };
-    let pipe = PipelineOptions { map: r.map.clone(), schedule: r.schedule };
+    let (opts, pipe) = r.options();
     let u = lower_unfinished(r.forward, r.loss, r.strategies, r.stage_mesh, r.full, &opts, &pipe)?;
     finish_pipeline(&u, &r.ckpt, r.full, cost)
+}
+
+/// [`lower_pipelined`] under `budget`, stopping at the first device found to miss it: its
+/// peak ([`crate::pipeline::lower::lower_within`]).
+pub fn lower_pipelined_within(
+    r: &PipelineRequest<'_>,
+    cost: &CostModel,
+    budget: u64,
+) -> Result<std::result::Result<PipeLowered, u64>> {
+    let (opts, pipe) = r.options();
+    let (fwd, mesh) = (r.forward, r.stage_mesh);
+    lower_within(fwd, r.loss, r.strategies, mesh, r.full, &opts, &pipe, &r.ckpt, cost, budget)
+}
+
+impl PipelineRequest<'_> {
+    fn options(&self) -> (LowerOptions, PipelineOptions) {
+        let opts = LowerOptions {
+            zero: self.zero,
+            micro_batches: self.micro_batches,
+            train: self.train.clone(),
+            ckpt: self.ckpt.clone(),
+            offload: None,
+        };
+        (opts, PipelineOptions { map: self.map.clone(), schedule: self.schedule })
+    }
 }
 
 /// The plan file's section for a lowered pipeline.

@@ -16,7 +16,7 @@ use std::time::Instant;
 /// [`crate::pipeline::plan`]).
 pub fn plan_fixed_pipelined(req: &Request<'_>, cfg: &ParallelConfig) -> Result<Plan> {
     let t0 = Instant::now();
-    let fixed = lower_fixed(req, cfg)?;
+    let fixed = lower_fixed(req, cfg, None)?;
     fixed_plan(req, cfg, fixed, t0)
 }
 
@@ -29,8 +29,15 @@ pub struct FixedLowered {
     stage: Evaluated,
 }
 
-/// Lowers `cfg` exactly (see [`plan_fixed_pipelined`]).
-pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLowered> {
+/// Lowers `cfg` exactly (see [`plan_fixed_pipelined`]). With a `probe` budget (the search's
+/// check of a screened candidate) a device found to miss it ends the lowering early
+/// ([`crate::pipeline::lower::lower_within`]): the answer is then `PlanError::Infeasible`
+/// with that device's peak, which the worst stage's reaches at least.
+pub fn lower_fixed(
+    req: &Request<'_>,
+    cfg: &ParallelConfig,
+    probe: Option<u64>,
+) -> Result<FixedLowered> {
     use crate::pipeline::plan as pplan;
     cfg.check_devices(req.cluster.num_devices())?;
     let mb = cfg.micro_batches.max(1);
@@ -89,7 +96,22 @@ pub fn lower_fixed(req: &Request<'_>, cfg: &ParallelConfig) -> Result<FixedLower
         map,
         schedule,
     };
-    let lowered = pplan::lower_pipelined(&r, &p.problem.cost)?;
+    let lowered = match probe {
+        None => pplan::lower_pipelined(&r, &p.problem.cost)?,
+        Some(budget) => {
+            pplan::lower_pipelined_within(&r, &p.problem.cost, budget)?.map_err(|needed| {
+                PlanError::Infeasible {
+                    budget,
+                    needed,
+                    hint: format!(
+                    "`{}`: a pipeline stage, the first found over the budget; add micro-batches \
+                     or stages",
+                    cfg.canonical()
+                ),
+                }
+            })?
+        }
+    };
     Ok(FixedLowered { lowered, full, stage: e })
 }
 
@@ -290,7 +312,7 @@ fn verify_even(
     recut: bool,
 ) -> Result<(Result<Plan>, Option<crate::pipeline::balance::Recut>)> {
     let t0 = Instant::now();
-    let even = match lower_fixed(req, &c.config) {
+    let even = match lower_fixed(req, &c.config, Some(req.budget)) {
         Ok(f) => f,
         Err(e @ PlanError::Infeasible { .. }) => return Ok((Err(e), None)),
         Err(e) => return Err(e),
