@@ -22,6 +22,7 @@
 pub mod act_offload;
 mod hooks;
 mod loss;
+mod paths;
 pub mod priced;
 mod replay;
 pub mod ring;
@@ -35,7 +36,7 @@ pub use crate::cost::StepTime;
 pub use crate::figures::{CollectiveRecord, Lowered, StepHandles};
 
 use crate::cost::CostModel;
-use crate::reshard::cheapest_path;
+use crate::reshard::ReshardPath;
 use crate::rules::{local_meta, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
 use std::collections::{BTreeSet, HashMap};
@@ -292,6 +293,8 @@ pub(crate) struct LocalForward<'a> {
     home: Vec<Option<(TensorId, Spec)>>,
     /// Reshards already emitted: (tensor, spec, gradient pending axes) → local tensor.
     moved: HashMap<(TensorId, Spec, Vec<usize>), TensorId>,
+    /// Collective paths found so far ([`paths::Paths`]).
+    paths: paths::Paths,
     params: HashMap<TensorId, ParamInfo>,
     /// Local parameter → its info (for the optimizer hooks).
     pub(crate) local_params: HashMap<TensorId, ParamInfo>,
@@ -325,6 +328,7 @@ impl<'a> LocalForward<'a> {
             b: Builder::new(),
             home: vec![None; g.tensors.len()],
             moved: HashMap::new(),
+            paths: paths::Paths::default(),
             params: HashMap::new(),
             local_params: HashMap::new(),
             leaf_specs: Vec::new(),
@@ -495,13 +499,12 @@ impl<'a> LocalForward<'a> {
             return Ok(src);
         }
         let dims = meta.shape.dims();
-        let path = cheapest_path(self.mesh, dims, meta.dtype.size_bytes(), &have, &want)
-            .ok_or_else(|| {
-                PlanError::Internal(format!(
-                    "no collective path from {have} to whole for {}",
-                    self.g.tensor_scope(t)
-                ))
-            })?;
+        let path = self.path(dims, meta.dtype.size_bytes(), &have, &want).ok_or_else(|| {
+            PlanError::Internal(format!(
+                "no collective path from {have} to whole for {}",
+                self.g.tensor_scope(t)
+            ))
+        })?;
         let spec = ReshardSpec { forward: path.steps, backward: vec![] };
         self.b.push1(Op::Reshard(spec), &[src]).map_err(internal)
     }
@@ -742,6 +745,11 @@ impl<'a> LocalForward<'a> {
         Ok(())
     }
 
+    /// [`cheapest_path`] on this lowering's mesh, remembered.
+    fn path(&mut self, dims: &[usize], elem: u64, from: &Spec, to: &Spec) -> Option<ReshardPath> {
+        self.paths.get(self.mesh, dims, elem, from, to)
+    }
+
     /// `t` in spec `want` for a reader that splits its work over `compute`.
     fn fetch(&mut self, t: TensorId, want: &Spec, compute: &[usize]) -> Result<TensorId> {
         let producer = self.g.producer(t);
@@ -780,21 +788,21 @@ impl<'a> LocalForward<'a> {
         }
         let elem = meta.dtype.size_bytes();
         let dims = meta.shape.dims();
-        let fwd = cheapest_path(self.mesh, dims, elem, &have, want).ok_or_else(|| {
+        let fwd = self.path(dims, elem, &have, want).ok_or_else(|| {
             PlanError::Internal(format!(
                 "no collective path from {have} to {want} for {}",
                 self.g.tensor_scope(t)
             ))
         })?;
         let bwd = if differentiable {
-            cheapest_path(self.mesh, dims, elem, &grad_at, &grad_to).ok_or_else(|| {
+            self.path(dims, elem, &grad_at, &grad_to).ok_or_else(|| {
                 PlanError::Internal(format!(
                     "no collective path for the gradient of {} from {grad_at} to {grad_to}",
                     self.g.tensor_scope(t)
                 ))
             })?
         } else {
-            crate::reshard::ReshardPath { steps: vec![], cost_s: 0.0 }
+            ReshardPath { steps: vec![], cost_s: 0.0 }
         };
         let spec = ReshardSpec { forward: fwd.steps, backward: bwd.steps };
         let out = self.b.push1(Op::Reshard(spec), &[src]).map_err(internal)?;

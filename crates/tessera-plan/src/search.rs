@@ -693,11 +693,14 @@ fn frugal_candidate(
         lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts, Fidelity::Priced)?;
     match frugal_fit(p, &u, &cand.mesh, budget, bound)? {
         Frugal::Fits(l) => Ok(Ok((strategies, *l, sol.objective))),
-        Frugal::Misses { resting, least } => {
+        Frugal::Misses { resting, least, exact } => {
             let mb = cand.micro_batches.max(1);
             let miss = Miss { micro_batches: mb, least_peak: least.0, resting };
-            let least = LeastPeak { peak_bytes: least.0, candidate: cand.clone(), ckpt: least.1 };
-            LeastPeak::record(&p.state.least, least);
+            if exact {
+                let least =
+                    LeastPeak { peak_bytes: least.0, candidate: cand.clone(), ckpt: least.1 };
+                LeastPeak::record(&p.state.least, least);
+            }
             if resting as f64 > budget {
                 if let Ok(mut h) = p.state.hopeless.lock() {
                     h.push((cand.mesh.clone(), cand.rule.clone(), cand.zero));
@@ -722,10 +725,12 @@ fn frugal_checkpointing(policy: &CkptSearch, num_blocks: u32) -> Checkpointing {
 enum Frugal {
     Fits(Box<Lowered>),
     /// Nothing the policy accepts fits: the bytes resting before a step (parameters, optimizer
-    /// state, inputs), and the least peak reached, with the checkpointing that reaches it.
+    /// state, inputs), and the least peak reached, with the checkpointing that reaches it —
+    /// `exact` when it is the least peak itself, else a floor of it (see [`frugal_fit`]).
     Misses {
         resting: u64,
         least: (u64, Checkpointing),
+        exact: bool,
     },
 }
 
@@ -748,6 +753,7 @@ fn frugal_fit(
     let miss = |l: &Lowered, ckpt| Frugal::Misses {
         resting: l.memory.resting_bytes,
         least: (l.memory.peak_bytes, ckpt),
+        exact: true,
     };
     if !matches!(p.problem.ckpt, CkptSearch::Joint) || nb == 0 {
         let ckpt = frugal_checkpointing(&p.problem.ckpt, nb);
@@ -758,6 +764,15 @@ fn frugal_fit(
     let none = finish(&plain)?;
     if fits(&none) {
         return Ok(Frugal::Fits(Box::new(none)));
+    }
+    let resting = none.memory.resting_bytes;
+    if bound.is_finite() && resting as f64 > budget {
+        // The state resting before a step misses the budget under every checkpointing. With a
+        // fit elsewhere (a finite bound) the least peak is never reported, so the fully
+        // recomputed lowering, which would only refine it, is spared; the miss says the
+        // resting bytes, a floor of the least peak (every Program holds them at its start),
+        // so the counts it rules out stay soundly ruled out.
+        return Ok(Frugal::Misses { resting, least: (resting, plain), exact: false });
     }
     let recompute = Checkpointing::uniform(nb, CkptMode::Full);
     let full = finish(&recompute)?;

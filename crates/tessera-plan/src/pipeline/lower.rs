@@ -86,9 +86,10 @@ pub fn lower_unfinished(
 /// by the whole lowering, as without them, whose devices include the probes' (not lowered
 /// twice).
 ///
-/// The search's exact check of a screened pipeline: DeepSeek-V3's two `pp32` candidates on
-/// 256 GPUs, whose estimates fitted and whose worst stages did not, each lowered 32 devices
-/// of 128 and 256 micro-batches (six seconds) to learn it.
+/// The exact check of a screened pipeline when no re-cut will read the devices' figures (a
+/// config string's pipeline with its unwritten knobs searched, `planner::pinned`): a
+/// DeepSeek-V3 `pp32` candidate on 256 GPUs whose estimate fitted and whose worst stage did
+/// not lowered 32 devices of 128 micro-batches (six seconds) to learn it.
 #[allow(clippy::too_many_arguments)]
 pub fn lower_within(
     forward: &Graph,

@@ -312,7 +312,10 @@ fn verify_even(
     recut: bool,
 ) -> Result<(Result<Plan>, Option<crate::pipeline::balance::Recut>)> {
     let t0 = Instant::now();
-    let even = match lower_fixed(req, &c.config, Some(req.budget)) {
+    // The re-cut reads every device's figures, a miss's too (a re-cut may fit where even
+    // stages do not): only without it may the probes end the lowering early.
+    let probe = (!recut).then_some(req.budget);
+    let even = match lower_fixed(req, &c.config, probe) {
         Ok(f) => f,
         Err(e @ PlanError::Infeasible { .. }) => return Ok((Err(e), None)),
         Err(e) => return Err(e),
