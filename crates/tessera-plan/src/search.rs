@@ -88,6 +88,13 @@ pub struct SearchState {
     /// The least peak any candidate that did not fit reaches ([`LeastPeak`]): what an
     /// infeasible search reports.
     pub least: std::sync::Mutex<Option<LeastPeak>>,
+    /// While set, the bound prunes by its exact rules only (a plain Program slower than the
+    /// bound skips the checkpoint DP; a resting state over the budget skips full recompute),
+    /// not by the ILP's figures (`SearchKnobs::hopeless_over_bound`, the slacks' skip): under
+    /// ZeRO-3 the ILP prices layouts up to 4× over their lowered steps (it does not see the
+    /// gathers overlap the compute: llama3-8b's HSDP layout on 2x8xH100, 1.29 against 0.33 s).
+    /// The first round sets it for the jobs its pilots bound (`planner::rounds::first_round`).
+    pub exact_pruning: std::sync::atomic::AtomicBool,
 }
 
 /// The fastest fitting step times found so far, shared by the search's threads: the bound of
@@ -412,7 +419,9 @@ fn evaluate_candidate(
     // figures. One more solve (milliseconds) can spare every lowering of a candidate that
     // cannot win ([`SearchKnobs::hopeless_over_bound`]).
     // With a finite cut the solve stops at the LP bound when that already exceeds it.
-    let cut = p.problem.knobs.hopeless_over_bound * bound;
+    let heuristic = !p.state.exact_pruning.load(std::sync::atomic::Ordering::Relaxed);
+    let hopeless = if heuristic { p.problem.knobs.hopeless_over_bound } else { f64::INFINITY };
+    let cut = hopeless * bound;
     let unconstrained = with_budget(&mut problem, f64::INFINITY, |pr| {
         ilp::solve_below(pr, &p.problem.knobs.solve, cut)
     })?;
@@ -528,7 +537,7 @@ fn evaluate_candidate(
         // Memory never bound the sharding: recomputation could only slow it down.
         return Ok(best);
     }
-    if bound.is_finite() {
+    if bound.is_finite() && heuristic {
         // By the ILP's ranking, its fastest layout without recomputation is as fast as this
         // candidate gets (recomputation only adds time; the slacks' layouts rank slower).
         // When another candidate already beats it, the slacks are skipped. (A heuristic bound,
@@ -558,7 +567,7 @@ fn evaluate_candidate(
         // A layout the ILP prices hopelessly above what it must beat is not worth its MIP, nor
         // its lowering (the rule the unconstrained layout met above); the LP bound says so
         // before the MIP runs. Looser slacks may still price lower.
-        let cutoff = p.problem.knobs.hopeless_over_bound * bound.min(local_best.get());
+        let cutoff = hopeless * bound.min(local_best.get());
         let sol = with_budget(&mut problem, budget * slack, |pr| {
             ilp::solve_below(pr, &p.problem.knobs.solve, cutoff)
         })?;
@@ -812,24 +821,14 @@ pub fn cannot_split(p: &Search<'_>, cand: &Candidate, config: &str) -> PlanError
 /// memory-frugal layout under the most frugal checkpointing the policy accepts); `None` when
 /// the model does not split this way.
 pub fn min_peak(p: &Search<'_>, cand: &Candidate) -> Result<Option<u64>> {
-    let mb = cand.micro_batches.max(1);
-    if !p.problem.batch.is_multiple_of(mb) {
-        return Ok(None);
-    }
-    let shared = p.forward(p.problem.batch / mb)?;
-    let (fwd, saved) = (&shared.0, &shared.1);
-    let space =
-        p.state.graphs.spaces.get(p.problem.batch / mb, &fwd.graph, &cand.mesh, &cand.rule)?;
-    if space.options.contains(&0) {
-        return Ok(None);
-    }
-    let problem = build_problem(p, cand, fwd, &space, saved, f64::INFINITY)?;
+    let Some((shared, space, problem)) = unbudgeted(p, cand)? else { return Ok(None) };
+    let fwd = &shared.0;
     let Some(sol) = ilp::min_peak(&problem, &p.problem.knobs.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
     let ckpt = Checkpointing::default();
     let lopts = LowerOptions {
         zero: cand.zero,
-        micro_batches: mb,
+        micro_batches: cand.micro_batches.max(1),
         train: p.problem.train.clone(),
         ckpt,
         offload: cand.offload,
@@ -847,6 +846,16 @@ pub fn min_peak(p: &Search<'_>, cand: &Candidate) -> Result<Option<u64>> {
 /// what the candidate's Programs cost by the ILP's figures. `None` when the candidate has no
 /// layout (a micro-batch count that does not divide the batch, an op without a strategy).
 pub fn unconstrained_objective(p: &Search<'_>, cand: &Candidate) -> Result<Option<f64>> {
+    let Some((_, _, problem)) = unbudgeted(p, cand)? else { return Ok(None) };
+    Ok(ilp::solve_below(&problem, &p.problem.knobs.solve, f64::INFINITY)?.map(|s| s.objective))
+}
+
+/// `cand`'s forward graph, ILP space and ILP without a budget; `None` when the candidate has
+/// no layout (a micro-batch count that does not divide the batch, an op without a strategy).
+fn unbudgeted(
+    p: &Search<'_>,
+    cand: &Candidate,
+) -> Result<Option<(SharedForward, std::sync::Arc<Space>, Problem)>> {
     let mb = cand.micro_batches.max(1);
     if !p.problem.batch.is_multiple_of(mb) {
         return Ok(None);
@@ -859,7 +868,7 @@ pub fn unconstrained_objective(p: &Search<'_>, cand: &Candidate) -> Result<Optio
         return Ok(None);
     }
     let problem = build_problem(p, cand, fwd, &space, saved, f64::INFINITY)?;
-    Ok(ilp::solve_below(&problem, &p.problem.knobs.solve, f64::INFINITY)?.map(|s| s.objective))
+    Ok(Some((shared, space, problem)))
 }
 
 /// `e` with its Program lowered exactly (the same layout, ZeRO stage, micro-batches and

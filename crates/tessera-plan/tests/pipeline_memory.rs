@@ -9,16 +9,20 @@ use tessera_plan::planner::{lower_plan, plan_fixed, Request};
 use tessera_plan::search::{CkptSearch, Forward};
 use tessera_plan::{Cluster, PlanError};
 
-/// Saved activations at each device's peak, and the plan's peaks, for `config` on 4 devices.
-fn activations(config: &str) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+/// gpt2-tiny's forward graph builder: f32, sequences of 32.
+fn gpt2_tiny() -> impl Fn(usize) -> tessera_plan::Result<Forward> + Sync {
     let cfg = ModelConfig::preset("gpt2-tiny").unwrap().without_dropout();
-    let b = move |mb: usize| -> tessera_plan::Result<Forward> {
+    move |mb: usize| -> tessera_plan::Result<Forward> {
         let m = build(&cfg, &BuildOptions::new(mb, 32, DType::F32))
             .map_err(|e| PlanError::Invalid(e.to_string()))?;
         Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    };
-    let req = Request {
-        build: &b,
+    }
+}
+
+/// Batch 16 of `b` on 4 CPU devices, without a budget.
+fn request(b: &(dyn Fn(usize) -> tessera_plan::Result<Forward> + Sync)) -> Request<'_> {
+    Request {
+        build: b,
         model: "gpt2-tiny".into(),
         batch: 16,
         seq: 32,
@@ -30,7 +34,13 @@ fn activations(config: &str) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
         ckpt: CkptSearch::Off,
         pipeline: Default::default(),
         search: Default::default(),
-    };
+    }
+}
+
+/// Saved activations at each device's peak, and the plan's peaks, for `config` on 4 devices.
+fn activations(config: &str) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+    let b = gpt2_tiny();
+    let req = request(&b);
     let plan = plan_fixed(&req, &ParallelConfig::parse(config).unwrap()).unwrap();
     let exe = lower_plan(&req, &plan).unwrap();
     let pipe = exe.pipeline.expect("a pipelined plan");
@@ -76,26 +86,8 @@ fn one_f_one_b_holds_p_minus_d_micro_batches_gpipe_all() {
 #[test]
 fn a_probed_pipeline_check_answers_as_the_whole_lowering() {
     use tessera_plan::planner::pipelined::lower_fixed;
-    let cfg = ModelConfig::preset("gpt2-tiny").unwrap().without_dropout();
-    let b = move |mb: usize| -> tessera_plan::Result<Forward> {
-        let m = build(&cfg, &BuildOptions::new(mb, 32, DType::F32))
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        Ok(Forward { graph: m.builder.finish(), loss: m.loss })
-    };
-    let req = Request {
-        build: &b,
-        model: "gpt2-tiny".into(),
-        batch: 16,
-        seq: 32,
-        dtype: DType::F32,
-        budget: u64::MAX,
-        cluster: Cluster::parse("4xcpu").unwrap(),
-        train: TrainConfig::default(),
-        model_flops: 1e12,
-        ckpt: CkptSearch::Off,
-        pipeline: Default::default(),
-        search: Default::default(),
-    };
+    let b = gpt2_tiny();
+    let req = request(&b);
     for config in ["pp4 mb8 sched=1f1b", "dp2 pp2 mb4 sched=gpipe zero1"] {
         let cfg = ParallelConfig::parse(config).unwrap();
         let whole = lower_fixed(&req, &cfg, None).unwrap().lowered;

@@ -264,9 +264,13 @@ pub(super) fn first_round(
     // The pilots first, alone: their fits bound every other job of the round.
     let pilots = pilots(req, p, jobs, mbs)?;
     let mut first: Vec<Option<JobResult>> = (0..jobs.len()).map(|_| None).collect();
+    let exact = |on: bool| p.state.exact_pruning.store(on, std::sync::atomic::Ordering::Relaxed);
     for wave in [true, false] {
+        // The pilots' bound prunes the others by its exact rules only (`exact_pruning`).
+        exact(!wave && !pilots.is_empty());
         let ids: Vec<usize> = (0..jobs.len()).filter(|i| pilots.contains(i) == wave).collect();
         let ran = parallel_map(&ids, |&i| run_job_zero3(req, p, &jobs[i], mbs));
+        exact(false);
         for (i, r) in ids.into_iter().zip(ran) {
             first[i] = Some(r?);
         }
