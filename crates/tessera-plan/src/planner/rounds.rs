@@ -291,14 +291,17 @@ pub(super) fn first_round(
     Ok(first)
 }
 
-/// The jobs [`first_round`] runs first, by index: the `SearchKnobs::pilots` Megatron-style jobs whose
-/// ILP prices their fastest layout lowest, memory aside, at their smallest micro-batch count
-/// (milliseconds per job: the spaces built are the ones the evaluations reuse).
+/// The jobs [`first_round`] runs first, by index: the `SearchKnobs::pilots` Megatron-style
+/// jobs whose ILP prices their fastest layout lowest, memory aside, at their smallest
+/// micro-batch count (milliseconds per job: the spaces built are the ones the evaluations
+/// reuse).
 ///
 /// Without them the first round ran every job unbounded (bounds are published between waves,
 /// so that the plan does not depend on thread timing), and a model whose candidates are slow
-/// to lower paid for every hopeless one in full: on DeepSeek-V3 (32x8xH100) half of the
-/// Megatron grid prices over 1.5× the best, each at one to three seconds. A Megatron fit
+/// to lower paid for every one in full: DeepSeek-V3's Megatron grid on 32x8xH100, one to
+/// three seconds a job. The pilots' bound prunes the others by its exact rules only
+/// (`SearchState::exact_pruning`: the ILP overprices ZeRO-3 layouts too much to cut by it
+/// here, see its docs), which skips most of their checkpoint DPs. A Megatron fit
 /// bounds every job (a free per-op plan must beat the best Megatron one,
 /// [`search::FastestSoFar`]), and the Megatron grid only by its own fits, so the
 /// `--baseline megatron` answer stays the grid's best. The ranking is a guess, never a
