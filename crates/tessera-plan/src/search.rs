@@ -508,6 +508,10 @@ fn evaluate_candidate(
             }
         }
     }
+    // The most frugal layout, once lowered and checkpointed as the candidate's first fit: a
+    // slack whose ILP picks it again (a third of DeepSeek-V3's repeated lowerings) would
+    // checkpoint the same Program under a bound no looser, so it is not lowered again.
+    let mut frugal_layout = None;
     if best.is_none() {
         let (strategies, l, objective) =
             match frugal_candidate(p, cand, &problem, &space, fwd, budget, bound)? {
@@ -519,6 +523,7 @@ fn evaluate_candidate(
             };
         // A fitting plan: the slacks below look for faster ones.
         local_best.set(l.time.step_time_s);
+        frugal_layout = Some(strategies.clone());
         best = Some(found(strategies, l, objective));
         plain_objective = None;
     }
@@ -581,6 +586,13 @@ fn evaluate_candidate(
         }
         last = Some(sol.objective);
         let strategies = space.assignment(&sol.picks);
+        if frugal_layout.as_ref() == Some(&strategies) {
+            // Already the candidate's fit: no faster here, and a looser slack may differ.
+            if sol.objective <= unconstrained * (1.0 + 1e-3) {
+                break;
+            }
+            continue;
+        }
         match finish_policy(&strategies)? {
             Some(lowered) => {
                 if best.as_ref().is_none_or(|b| lowered.time.step_time_s < b.step_time_s()) {
@@ -637,12 +649,19 @@ fn sharding_only(
     };
     let mut target = budget;
     let mut plain_objective = None;
+    // The last layout lowered and its peak: a tightened budget that gives the ILP the same
+    // layout again misses by the same bytes, so it is tightened again without a lowering.
+    let mut missed: Option<(Vec<Option<Strategy>>, f64)> = None;
     for _ in 0..4 {
         let t1 = std::time::Instant::now();
         let sol = with_budget(problem, target, |pr| ilp::solve(pr, &p.problem.knobs.solve))?;
         let Some(sol) = sol else { break };
         let t_solve = t1.elapsed();
         let strategies = space.assignment(&sol.picks);
+        if let Some((_, peak)) = missed.as_ref().filter(|(s, _)| *s == strategies) {
+            target *= (budget / peak) * 0.98;
+            continue;
+        }
         let lowered =
             lower(g, fwd.loss, &strategies, mesh, &p.problem.cost, &lopts, Fidelity::Priced)?;
         if std::env::var_os("TESSERA_TRACE").is_some() {
@@ -669,6 +688,7 @@ fn sharding_only(
         }
         // The ILP's estimate missed the simulated peak: tighten its budget by the miss.
         target *= (budget / peak) * 0.98;
+        missed = Some((strategies, peak));
     }
     Ok((None, plain_objective))
 }
