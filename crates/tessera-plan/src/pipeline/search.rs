@@ -127,6 +127,50 @@ pub struct StageSample {
     /// backward's weight-gradient pass may still read (checkpointed blocks recompute their
     /// internals for `B`, and `W` reads them later), so what a pending `W` holds at most.
     pub weight_inputs_bytes: u64,
+    /// Where the parameters' bytes sit (the same under every mode of one layout).
+    pub params: Arc<ParamShares>,
+}
+
+/// A sampled layout's parameter bytes per device: in each block, and outside them on the
+/// first stage (those a node before the first block reads: the embedding) or the last (the
+/// final norm, the head); and the largest block parameter.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ParamShares {
+    pub per_block: Vec<f64>,
+    pub first: f64,
+    pub last: f64,
+    pub all: f64,
+    pub largest: f64,
+}
+
+impl ParamShares {
+    /// The shares of `l`'s Program, a model of `num_blocks` blocks.
+    pub fn of(l: &Lowered, num_blocks: usize) -> ParamShares {
+        let g = l.program.graph();
+        let first_block = g.nodes.iter().position(|n| n.block.is_some()).unwrap_or(0);
+        let mut read_early = vec![false; g.tensors.len()];
+        for n in &g.nodes[..first_block] {
+            for t in &n.inputs {
+                read_early[t.index()] = true;
+            }
+        }
+        let mut out = ParamShares { per_block: vec![0.0; num_blocks], ..ParamShares::default() };
+        for n in &g.nodes {
+            if let tessera_ir::Op::Parameter { .. } = n.op {
+                let b = g.meta(n.outputs[0]).size_bytes() as f64;
+                out.all += b;
+                match n.block.map(|k| k as usize).filter(|&k| k < num_blocks) {
+                    Some(k) => {
+                        out.per_block[k] += b;
+                        out.largest = out.largest.max(b);
+                    }
+                    None if read_early[n.outputs[0].index()] => out.first += b,
+                    None => out.last += b,
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Bytes of the tensors block 1 reads from block 0 (the activations crossing a stage
@@ -170,6 +214,7 @@ pub fn sample_and_screen(
     let g = &fwd.0.graph;
     let nb = tessera_ir::remat::num_blocks(g);
     let hop = hop_bytes(g) / shape.dp.max(1) as u64;
+    let params = Arc::new(ParamShares::of(&e.lowered, nb as usize));
     let mut out = Vec::new();
     let mut costs = BlockCosts {
         modes: Vec::new(),
@@ -200,7 +245,8 @@ pub fn sample_and_screen(
         };
         let weight_inputs_bytes = e.lowered.memory.activations_bytes;
         costs.modes.push(BlockCosts::mode_cost(mode, &lowered));
-        let sample = StageSample { mode, lowered, hop_bytes: hop, weight_inputs_bytes };
+        let params = Arc::clone(&params);
+        let sample = StageSample { mode, lowered, hop_bytes: hop, weight_inputs_bytes, params };
         let unbounded = ScreenAt { budget: f64::INFINITY, bound: f64::INFINITY, ..*at };
         let all = screen(&[sample], &unbounded)?;
         let fastest = all.iter().map(|c| c.estimate.step_time_s).fold(f64::INFINITY, f64::min);
@@ -310,48 +356,25 @@ fn worst_device(
     if by_block.len() != num_blocks {
         return 0.0;
     }
-    let g = s.program.graph();
-    // Parameters outside the blocks belong to the first stage when a node before the first
-    // block reads them (the embedding), to the last otherwise (the final norm, the head).
-    let first_block = g.nodes.iter().position(|n| n.block.is_some()).unwrap_or(0);
-    let mut read_early = vec![false; g.tensors.len()];
-    for n in &g.nodes[..first_block] {
-        for t in &n.inputs {
-            read_early[t.index()] = true;
-        }
-    }
-    let (mut param_bytes, mut all, mut largest) = (vec![0.0f64; num_blocks], 0.0f64, 0.0f64);
-    let (mut first, mut last) = (0.0f64, 0.0f64);
-    for n in &g.nodes {
-        if let tessera_ir::Op::Parameter { .. } = n.op {
-            let b = g.meta(n.outputs[0]).size_bytes() as f64;
-            all += b;
-            match n.block.map(|k| k as usize).filter(|&k| k < num_blocks) {
-                Some(k) => {
-                    param_bytes[k] += b;
-                    largest = largest.max(b);
-                }
-                None if read_early[n.outputs[0].index()] => first += b,
-                None => last += b,
-            }
-        }
-    }
-    if all <= 0.0 {
+    let sh = &*sample.params;
+    let (param_bytes, all) = (&sh.per_block, sh.all);
+    if param_bytes.len() != num_blocks || all <= 0.0 {
         return 0.0;
     }
     let mem = &s.memory;
     let state_total = (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes) as f64;
     // A gradient in its own dtype: the largest parameter's bytes scaled as the gradients are.
     let fresh = match (m > 1, mem.params_bytes) {
-        (true, p) if p > 0 => largest * mem.grads_bytes as f64 / p as f64,
+        (true, p) if p > 0 => sh.largest * mem.grads_bytes as f64 / p as f64,
         _ => 0.0,
     };
     let parts = num_blocks as f64 / num_blocks.div_ceil(pp * chunks.max(1)) as f64;
     let ranges = map.block_ranges();
     (0..pp)
         .map(|d| {
-            let mut share =
-                (if d == 0 { first } else { 0.0 } + if d + 1 == pp { last } else { 0.0 }) / all;
+            let mut share = (if d == 0 { sh.first } else { 0.0 }
+                + if d + 1 == pp { sh.last } else { 0.0 })
+                / all;
             let mut kept = 0.0f64;
             for (vs, &(a, b)) in ranges.iter().enumerate() {
                 if map.device_of(vs).0 != d || a >= b {
