@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Loads the golden export files of `tessera plan --export` (crates/tessera-cli/tests/golden/export,
-# which `cargo test -p tessera-cli --test export` keeps equal to what the binary writes) with the
-# engines' own configuration code: DeepSpeed 0.19.8's DeepSpeedConfig and torchtitan 0.2.2's
-# ConfigManager and ParallelDims (the last torchtitan release that reads job TOML files).
+# which `cargo test -p tessera-cli --test all export::` keeps equal to what the binary writes)
+# with the engines' own configuration code: DeepSpeed 0.19.8's DeepSpeedConfig and torchtitan
+# 0.2.2's ConfigManager and ParallelDims (the last torchtitan release that reads job TOML files).
 # Needs PyPI (pip); PyTorch itself is not installed (see scripts/check_exports.py).
 #
 # usage: scripts/check-exports.sh          (venv and sources kept in target/check-exports/)

@@ -7,7 +7,7 @@
 //! (`offload=act+opt`). And
 //! `tessera plan --explain` names it; the exports refuse it.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use support::{assert_losses, Measured, Run};

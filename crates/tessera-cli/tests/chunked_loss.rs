@@ -9,7 +9,7 @@
 //! 8,192-token vocabulary, so the logits are what peaks, as they are at long sequences: at
 //! the presets' 256 tokens the peak lies elsewhere and the chunking moves nothing.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use support::{assert_losses, Measured, Run};

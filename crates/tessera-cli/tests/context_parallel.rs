@@ -6,7 +6,7 @@
 //! than a test needs), fp32. What does not compose is refused by name: KV heads that cp × tp
 //! does not divide, and the engines that cannot say it. Ring attention: `ring_attention.rs`.
 
-mod support;
+use crate::support;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};

@@ -9,7 +9,7 @@
 //! `dit-tiny` trained on the digits draws digits a ViT trained on the digits recognises as
 //! the requested class.
 
-mod support;
+use crate::support;
 
 use candle_core::Tensor;
 use std::collections::HashMap;

@@ -7,7 +7,7 @@
 //! equals the same plan on threads bit for bit. The planner takes `ep8` for Mixtral-8x7B on
 //! 8 H100s, says it in `--explain` and exports it to Megatron-LM.
 
-mod support;
+use crate::support;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};

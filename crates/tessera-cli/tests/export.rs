@@ -1,8 +1,8 @@
 //! `tessera plan --export`: each engine's file for three plans against a golden copy
-//! (`tests/golden/export/`; `TESSERA_BLESS=1 cargo test -p tessera-cli --test export` rewrites
-//! them after a deliberate change), each file checked against the engine's own rules (batch
-//! arithmetic, degrees that multiply to the cluster), and refusals that name why and a plan that
-//! does export. `scripts/check-exports.sh` loads the golden files with DeepSpeed's and
+//! (`tests/golden/export/`; `TESSERA_BLESS=1 cargo test -p tessera-cli --test all export::`
+//! rewrites them after a deliberate change), each file checked against the engine's own rules
+//! (batch arithmetic, degrees that multiply to the cluster), and refusals that name why and a
+//! plan that does export. `scripts/check-exports.sh` loads the golden files with DeepSpeed's and
 //! torchtitan's own configuration code.
 
 use std::path::{Path, PathBuf};

@@ -10,7 +10,7 @@
 //! tp2; DeepSeek-V3's compressed latent KV cache on one), and a `train --save` of one writes
 //! the Hub's per-expert tensors back one to one.
 
-mod support;
+use crate::support;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};

@@ -9,7 +9,7 @@
 //! what ring attention does not run yet is refused by name: learned positions (GPT-2's
 //! `wpe`) and pipelines.
 
-mod support;
+use crate::support;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};

@@ -6,7 +6,7 @@
 //!
 //! The single-device reference is itself pinned by a golden loss file per model
 //! (`tests/golden/<model>.losses`), so a change that moves both sides together is still caught.
-//! Regenerate the golden files with `TESSERA_BLESS=1 cargo test -p tessera-cli --test spmd`
+//! Regenerate the golden files with `TESSERA_BLESS=1 cargo test -p tessera-cli --test all spmd::`
 //! (and say why in the commit).
 
 use candle_core::Tensor;

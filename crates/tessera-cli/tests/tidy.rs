@@ -9,8 +9,8 @@ fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
 }
 
-/// Workspace crate → its normal (non-dev) dependencies, from `cargo metadata`.
-fn dependency_graph() -> BTreeMap<String, BTreeSet<String>> {
+/// `cargo metadata` of the workspace's own packages.
+fn metadata() -> serde_json::Value {
     let out = Command::new(env!("CARGO"))
         .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
         .current_dir(workspace_root())
@@ -21,7 +21,12 @@ fn dependency_graph() -> BTreeMap<String, BTreeSet<String>> {
         "cargo metadata failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata is JSON");
+    serde_json::from_slice(&out.stdout).expect("metadata is JSON")
+}
+
+/// Workspace crate → its normal (non-dev) dependencies, from `cargo metadata`.
+fn dependency_graph() -> BTreeMap<String, BTreeSet<String>> {
+    let meta = metadata();
     let mut graph = BTreeMap::new();
     for pkg in meta["packages"].as_array().expect("packages") {
         let name = pkg["name"].as_str().expect("name").to_string();
@@ -161,4 +166,54 @@ fn op_definitions_have_no_wildcard_arm() {
         }
     }
     assert!(found.is_empty(), "wildcard arms in op definitions:\n{}", found.join("\n"));
+}
+
+/// Every Rust file directly under a crate's `tests/`, and every module folder there, is compiled:
+/// it is a test target's root or a `mod` of one. Most crates gather their integration tests into
+/// one program (`tests/all.rs`, `autotests = false`), so a file no target names would otherwise
+/// be a test that silently never runs.
+#[test]
+fn every_test_file_is_compiled() {
+    let meta = metadata();
+    let mut unreached = Vec::new();
+    for pkg in meta["packages"].as_array().expect("packages") {
+        let manifest = PathBuf::from(pkg["manifest_path"].as_str().expect("manifest_path"));
+        let tests = manifest.parent().expect("crate dir").join("tests");
+        let Ok(entries) = std::fs::read_dir(&tests) else { continue };
+        let roots: Vec<PathBuf> = pkg["targets"]
+            .as_array()
+            .expect("targets")
+            .iter()
+            .filter(|t| t["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "test")))
+            .map(|t| PathBuf::from(t["src_path"].as_str().expect("src_path")))
+            .collect();
+        let mut reached: BTreeSet<String> = BTreeSet::new();
+        for root in &roots {
+            if let Some(stem) = root.file_stem() {
+                reached.insert(stem.to_string_lossy().into_owned());
+            }
+            let text = std::fs::read_to_string(root).expect("read a test root");
+            reached.extend(text.lines().filter_map(|l| {
+                let name = l.trim().strip_prefix("mod ")?.strip_suffix(';')?;
+                Some(name.to_string())
+            }));
+        }
+        for entry in entries {
+            let path = entry.expect("read tests/").path();
+            let is_module_dir = path.join("mod.rs").is_file() || path.join("main.rs").is_file();
+            let is_rust_file = path.extension().is_some_and(|e| e == "rs");
+            if !(is_rust_file || path.is_dir() && is_module_dir) {
+                continue;
+            }
+            let stem = path.file_stem().expect("a name").to_string_lossy().into_owned();
+            if !reached.contains(&stem) {
+                unreached.push(path.strip_prefix(workspace_root()).unwrap_or(&path).to_path_buf());
+            }
+        }
+    }
+    assert!(
+        unreached.is_empty(),
+        "test files no test target compiles (add a `mod` line to the crate's tests/all.rs, or a \
+         [[test]] to its Cargo.toml): {unreached:?}"
+    );
 }

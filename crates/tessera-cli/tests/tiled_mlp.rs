@@ -9,7 +9,7 @@
 //! 8× wide MLP (512 ffn features) and a small vocabulary, so the MLP's intermediates are what
 //! peaks, as they are at long sequences.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use support::{assert_losses, Measured, Run};

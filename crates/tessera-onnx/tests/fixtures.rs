@@ -3,7 +3,7 @@
 //! gradients. The imported graph, run by the IR's reference interpreter (f64) with the
 //! file's initialisers, must reproduce them.
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use support::pytorch::{self, Loss};

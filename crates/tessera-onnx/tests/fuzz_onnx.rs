@@ -6,7 +6,7 @@
 //! caught panic would say "panicked"), never a stack overflow (which would abort the test
 //! binary).
 
-mod support;
+use crate::support;
 
 use onnx_protobuf::ModelProto;
 use proptest::prelude::*;

@@ -2,7 +2,7 @@
 //! (issue 43): arity, SSA, cycles and depth (iteratively: no stack overflow), attributes,
 //! and NaN or infinite initialisers by name.
 
-mod support;
+use crate::support;
 
 use support::*;
 use tessera_onnx::{OnnxError, OnnxModel, MAX_DEPTH};

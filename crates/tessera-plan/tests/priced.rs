@@ -4,7 +4,7 @@
 //! sequence parallelism, each ZeRO stage and each checkpointing, and the planner's plans must
 //! carry the exact Program.
 
-mod common;
+use crate::common;
 
 use common::{builder, problem};
 use tessera_ir::{Checkpointing, CkptMode, TrainConfig};

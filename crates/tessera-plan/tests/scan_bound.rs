@@ -5,7 +5,7 @@
 //! against `search::min_peak` at every larger count, and the resting floor against each miss's
 //! own resting bytes.
 
-mod common;
+use crate::common;
 
 use common::{builder, problem};
 use tessera_plan::search::{self, AxisRule, Candidate};

@@ -35,7 +35,7 @@ fn train(cwd: &Path, steps: &str, extra: &[&str]) -> Output {
     tessera_in(cwd, &args)
 }
 
-/// The shared 1-step checkpoint (trained once per test binary).
+/// The shared 1-step checkpoint (trained once per test process).
 fn fixture() -> &'static Path {
     static CK: OnceLock<PathBuf> = OnceLock::new();
     CK.get_or_init(|| {

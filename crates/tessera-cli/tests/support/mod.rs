@@ -4,7 +4,7 @@
 //! and each device's measured device and host peaks — what the tests hold against one device
 //! and against the plan's prediction. The parallel-axis tests' runs of the binary itself are
 //! [`axis_runs`]'s.
-#![allow(dead_code)] // each test binary uses its part
+#![allow(dead_code)] // each test file uses its part
 
 pub mod axis_runs;
 
