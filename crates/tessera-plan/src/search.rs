@@ -322,6 +322,10 @@ pub fn evaluate(p: &Search<'_>, cand: &Candidate, budget: Budget) -> Result<Opti
 pub struct Outcome {
     pub fit: Option<Evaluated>,
     pub miss: Option<Miss>,
+    /// Skipped by the bound before anything was checkpointed: by the ILP's ranking no layout
+    /// of this candidate is faster than what it must beat, nor of its mesh, rule and ZeRO stage
+    /// with more micro-batches (which can spare recomputation, and nothing here recomputes).
+    pub cannot_win: bool,
 }
 
 /// [`evaluate`] where the caller already holds a fit of `bound_s` seconds (a smaller
@@ -358,7 +362,8 @@ fn evaluate_traced(
     // The ILP's boundary: its memory rows are f64, an unbounded budget an infinite one.
     let budget = budget.map_or(f64::INFINITY, |b| b as f64);
     let miss = std::cell::Cell::new(None);
-    let e = evaluate_candidate(p, cand, budget, outer, deferred, &miss)?;
+    let cannot_win = std::cell::Cell::new(false);
+    let e = evaluate_candidate(p, cand, budget, outer, deferred, &miss, &cannot_win)?;
     if std::env::var_os("TESSERA_TRACE").is_some() {
         eprintln!(
             "trace: evaluated mesh {:?} {:?} zero {} mb {} in {:?}: {}",
@@ -378,7 +383,7 @@ fn evaluate_traced(
     if let Some(e) = &e {
         p.state.fastest.record(&cand.rule, e.step_time_s());
     }
-    Ok(Outcome { fit: e, miss: miss.get() })
+    Ok(Outcome { fit: e, miss: miss.get(), cannot_win: cannot_win.get() })
 }
 
 fn evaluate_candidate(
@@ -388,6 +393,7 @@ fn evaluate_candidate(
     outer: f64,
     deferred: bool,
     miss: &std::cell::Cell<Option<Miss>>,
+    cannot_win: &std::cell::Cell<bool>,
 ) -> Result<Option<Evaluated>> {
     // What a plan of this candidate must beat to matter.
     let bound = p.state.fastest.bound(&cand.rule).min(outer);
@@ -473,6 +479,13 @@ fn evaluate_candidate(
         }
     };
 
+    // Whether the layout of `picks`, lowered without recomputation, is slower than the bound.
+    let fastest_over_bound = |picks: &[usize]| -> Result<bool> {
+        let strategies = space.assignment(picks);
+        let l = lower(g, fwd.loss, &strategies, mesh, &p.problem.cost, &lopts, Fidelity::Priced)?;
+        Ok(l.time.step_time_s > bound)
+    };
+
     // 1. The sharding-only plan (not for a deferred candidate: see `evaluate_deferred`).
     let mut best: Option<Evaluated> = None;
     let mut plain_objective = None;
@@ -512,6 +525,28 @@ fn evaluate_candidate(
     // slack whose ILP picks it again (a third of DeepSeek-V3's repeated lowerings) would
     // checkpoint the same Program under a bound no looser, so it is not lowered again.
     let mut frugal_layout = None;
+    // The same question as the slacks' (step 2 below), asked before the most frugal layout is
+    // lowered and checkpointed, where that layout is no faster than the fastest: on a free mesh
+    // below ZeRO-3 (under ZeRO-3 it can be, `frugal_may_win`). When the fastest layout, lowered,
+    // cannot beat the bound, neither can the frugal layout's checkpointings: the candidate
+    // cannot win, and more micro-batches will not change that ([`Outcome::cannot_win`]). On
+    // DeepSeek-V3 this spares the frugal lowerings of six free-mesh candidates that planned
+    // 17-36x over the bound.
+    let fastest_first = best.is_none()
+        && !deferred
+        && !blockless
+        && cand.rule == AxisRule::Free
+        && cand.zero < 3
+        && bound.is_finite()
+        && heuristic;
+    let mut fastest_checked = false;
+    if let (true, Some(free)) = (fastest_first, &unconstrained) {
+        if fastest_over_bound(&free.picks)? {
+            cannot_win.set(true);
+            return Ok(None);
+        }
+        fastest_checked = true;
+    }
     if best.is_none() {
         let (strategies, l, objective) =
             match frugal_candidate(p, cand, &problem, &space, fwd, budget, bound)? {
@@ -542,23 +577,12 @@ fn evaluate_candidate(
         // Memory never bound the sharding: recomputation could only slow it down.
         return Ok(best);
     }
-    if bound.is_finite() && heuristic {
+    if bound.is_finite() && heuristic && !fastest_checked && fastest_over_bound(&free.picks)? {
         // By the ILP's ranking, its fastest layout without recomputation is as fast as this
         // candidate gets (recomputation only adds time; the slacks' layouts rank slower).
         // When another candidate already beats it, the slacks are skipped. (A heuristic bound,
         // unlike the others: it trusts the ILP's ranking, which the lowering refines.)
-        let l = lower(
-            g,
-            fwd.loss,
-            &space.assignment(&free.picks),
-            mesh,
-            &p.problem.cost,
-            &lopts,
-            Fidelity::Priced,
-        )?;
-        if l.time.step_time_s > bound {
-            return Ok(best);
-        }
+        return Ok(best);
     }
     // Without a sharding-only fit (or with a fixed mode, which the ILP does not model) the
     // budget's own layout is the first to checkpoint.

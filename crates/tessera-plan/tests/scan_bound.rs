@@ -111,3 +111,72 @@ fn the_resting_floor_of_a_lora_model_counts_no_state_for_its_frozen_base() {
     let floor = search::resting_floor(&problem(&b, 8, &cluster), 2, 4).unwrap();
     assert_eq!(floor, (frozen + trained) / 4);
 }
+
+/// Below ZeRO-3 on a free mesh, a candidate whose fastest layout cannot beat the bound is
+/// skipped before its most frugal layout is checkpointed, and says so (`cannot_win`, which ends
+/// the micro-batch scan). The skip must only drop losers: under a bound just above the
+/// candidate's own fastest fit it still finds that fit, the same plan as with no bound.
+#[test]
+fn a_candidate_that_cannot_win_says_so_and_one_that_can_still_fits() {
+    let cluster = Cluster::parse("4xH100").unwrap();
+    let batch = 16;
+    let mut checked = 0;
+    for preset in ["gpt2-tiny", "llama-tiny"] {
+        let b = builder(preset, 64);
+        for (shape, zero) in [(vec![4], 0u8), (vec![4], 1), (vec![2, 2], 2)] {
+            let axes: Vec<&str> = ["dp", "tp"][..shape.len()].to_vec();
+            let mesh = Mesh::new(&cluster, &shape, &axes).unwrap();
+            let cand = Candidate {
+                mesh: mesh.clone(),
+                rule: AxisRule::Free,
+                zero,
+                micro_batches: 1,
+                offload: None,
+            };
+            let case = format!("{preset} {shape:?} zero {zero}");
+            let least = search::min_peak(&problem(&b, batch, &cluster), &cand).unwrap().unwrap();
+            // At the least peak only recomputation fits: the sharding-only plan misses.
+            let budget = Some(least);
+            let free = search::evaluate_within(
+                &problem(&b, batch, &cluster),
+                &cand,
+                budget,
+                f64::INFINITY,
+            )
+            .unwrap();
+            assert!(!free.cannot_win, "{case}: no bound, yet it cannot win");
+            let fit = free.fit.unwrap_or_else(|| panic!("{case}: nothing fits its least peak"));
+            assert!(fit.lowered.time.recompute_s > 0.0, "{case}: fits without recomputation");
+            let t = fit.step_time_s();
+
+            // Memory aside, its fastest layout (lowered as it is): no plan of it is faster.
+            let fastest =
+                search::evaluate_within(&problem(&b, batch, &cluster), &cand, None, f64::INFINITY)
+                    .unwrap()
+                    .fit
+                    .unwrap_or_else(|| panic!("{case}: no plan without a budget"))
+                    .step_time_s();
+            assert!(fastest <= t, "{case}: the fastest layout {fastest} s, the fit {t} s");
+            // A bound under it, though within the ILP's cut (1.5x) of it: skipped, and said so.
+            let out = search::evaluate_within(
+                &problem(&b, batch, &cluster),
+                &cand,
+                budget,
+                fastest * 0.8,
+            )
+            .unwrap();
+            assert!(out.cannot_win && out.fit.is_none(), "{case}: a losing bound was not skipped");
+
+            // Just above its own fit: the same fit.
+            let out =
+                search::evaluate_within(&problem(&b, batch, &cluster), &cand, budget, t * 1.001)
+                    .unwrap();
+            assert!(!out.cannot_win, "{case}: a winner was skipped");
+            let again = out.fit.unwrap_or_else(|| panic!("{case}: the fit was lost"));
+            assert_eq!(again.step_time_s(), t, "{case}");
+            assert_eq!(again.peak_bytes(), fit.peak_bytes(), "{case}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 6);
+}

@@ -51,6 +51,9 @@ pub(super) fn first_fit(
             }
             missed = Some(m);
         }
+        if outcome.cannot_win {
+            break;
+        }
         if let Some(e) = outcome.fit {
             let recomputes = e.lowered.time.recompute_s > 0.0;
             // More micro-batches can save the recomputation at most; when the step without it
