@@ -530,8 +530,8 @@ fn evaluate_candidate(
     // below ZeRO-3 (under ZeRO-3 it can be, `frugal_may_win`). When the fastest layout, lowered,
     // cannot beat the bound, neither can the frugal layout's checkpointings: the candidate
     // cannot win, and more micro-batches will not change that ([`Outcome::cannot_win`]). On
-    // DeepSeek-V3 this spares the frugal lowerings of six free-mesh candidates that planned
-    // 17-36x over the bound.
+    // DeepSeek-V3 it skips three of the six free-mesh candidates that planned 17-36x over the
+    // bound.
     let fastest_first = best.is_none()
         && !deferred
         && !blockless
