@@ -4,6 +4,7 @@
 //! (the budget, then slacks that checkpointing pays back), the bounds that prune candidates,
 //! the most memory-frugal fallback and the least peak an infeasible search reports.
 
+mod frugal;
 mod megatron;
 mod scan;
 mod sharing;
@@ -21,6 +22,7 @@ use crate::ilp::{self, Problem, SolveOptions};
 use crate::lower::{finish, lower, lower_unfinished, Fidelity, LowerOptions, Lowered};
 use crate::rules::Strategy;
 use crate::{Mesh, PlanError, Result};
+use frugal::{frugal_candidate, frugal_fit, Frugal};
 use space::{build_problem, Space};
 use std::collections::HashMap;
 use tessera_ir::{Checkpointing, CkptMode, Program};
@@ -359,19 +361,27 @@ fn evaluate_traced(
     deferred: bool,
 ) -> Result<Outcome> {
     let t0 = std::time::Instant::now();
+    let counts = || {
+        use crate::trace::{on_this_thread, Work};
+        (on_this_thread(Work::Lowering), on_this_thread(Work::Finish))
+    };
+    let before = counts();
     // The ILP's boundary: its memory rows are f64, an unbounded budget an infinite one.
     let budget = budget.map_or(f64::INFINITY, |b| b as f64);
     let miss = std::cell::Cell::new(None);
     let cannot_win = std::cell::Cell::new(false);
     let e = evaluate_candidate(p, cand, budget, outer, deferred, &miss, &cannot_win)?;
     if std::env::var_os("TESSERA_TRACE").is_some() {
+        let after = counts();
         eprintln!(
-            "trace: evaluated mesh {:?} {:?} zero {} mb {} in {:?}: {}",
+            "trace: evaluated mesh {:?} {:?} zero {} mb {} in {:?} ({} lowerings, {} finishes): {}",
             cand.mesh.shape,
             cand.rule,
             cand.zero,
             cand.micro_batches,
             t0.elapsed(),
+            after.0 - before.0,
+            after.1 - before.1,
             e.as_ref().map_or("no fit".to_string(), |e| format!(
                 "{:.4} s, recompute {:.4} s, peak {:.2} GiB",
                 e.step_time_s(),
@@ -414,6 +424,23 @@ fn evaluate_candidate(
     let mesh = &cand.mesh;
     let space = p.state.graphs.spaces.get(p.problem.batch / mb, g, mesh, &cand.rule)?;
     if space.options.contains(&0) {
+        return Ok(None);
+    }
+    // Every layout's resting state misses the budget, at every micro-batch count: hopeless,
+    // and deferred like the counts after it. Only with a fit elsewhere (a finite bound), as
+    // in `frugal_fit`: a search where nothing fits reports the least peak its lowerings
+    // reached (a pinned config's error names it).
+    if !deferred
+        && bound.is_finite()
+        && cand.offload.is_none()
+        && scan::layout_floor(g, mesh, &space, cand.zero) as f64 > budget
+    {
+        if let Ok(mut h) = p.state.hopeless.lock() {
+            h.push(key);
+        }
+        if let Ok(mut d) = p.state.deferred.lock() {
+            d.push(cand.clone());
+        }
         return Ok(None);
     }
     let t0 = std::time::Instant::now();
@@ -551,8 +578,16 @@ fn evaluate_candidate(
         let (strategies, l, objective) =
             match frugal_candidate(p, cand, &problem, &space, fwd, budget, bound)? {
                 Ok(fit) => fit,
-                Err(missed) => {
+                Err(frugal::Missed { miss: missed, plain_s }) => {
                     miss.set(missed);
+                    // With one layout, its step without recomputation is the least any count
+                    // of it reaches (more micro-batches only add to it, the rule that ends
+                    // `first_fit`'s scan after a fit): slower than the bound, it cannot win.
+                    // DeepSeek-V3's Megatron grid has one layout per job, most of them
+                    // 1.5-7x over the bound.
+                    if space.single_layout() && plain_s.is_some_and(|s| s > bound) {
+                        cannot_win.set(true);
+                    }
                     return Ok(None);
                 }
             };
@@ -649,7 +684,7 @@ fn with_budget<T>(
 }
 
 /// A layout, lowered, with its ILP objective.
-type Fit = (Vec<Option<Strategy>>, Lowered, f64);
+pub(super) type Fit = (Vec<Option<Strategy>>, Lowered, f64);
 
 /// The sharding-only plan of a candidate: the ILP under the budget, tightened by each miss of
 /// the lowered Program's simulated peak (four tries). Returns the fitting layout, if any, and
@@ -717,133 +752,6 @@ fn sharding_only(
     Ok((None, plain_objective))
 }
 
-/// Whether a candidate fits when nothing does without checkpointing (or a fixed schedule was
-/// asked for): its ILP's most memory-frugal layout under the most frugal checkpointing the
-/// policy allows ([`frugal_fit`]). One lowering answers for the whole candidate, where walking
-/// the slacks would lower each of their layouts for nothing. On a miss the candidate's least
-/// peak is recorded ([`SearchState::least`]), and when the state resting before a step alone
-/// misses the budget, its (mesh, rule, ZeRO stage) is marked hopeless. `Err` on a miss, with
-/// how it missed when a layout was lowered ([`Miss`]).
-fn frugal_candidate(
-    p: &Search<'_>,
-    cand: &Candidate,
-    problem: &Problem,
-    space: &Space,
-    fwd: &Forward,
-    budget: f64,
-    bound: f64,
-) -> Result<std::result::Result<Fit, Option<Miss>>> {
-    let Some(sol) = ilp::min_peak(problem, &p.problem.knobs.solve)? else { return Ok(Err(None)) };
-    let strategies = space.assignment(&sol.picks);
-    let lopts = LowerOptions {
-        zero: cand.zero,
-        micro_batches: cand.micro_batches.max(1),
-        train: p.problem.train.clone(),
-        ckpt: Checkpointing::default(),
-        offload: cand.offload,
-    };
-    let u =
-        lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts, Fidelity::Priced)?;
-    match frugal_fit(p, &u, &cand.mesh, budget, bound)? {
-        Frugal::Fits(l) => Ok(Ok((strategies, *l, sol.objective))),
-        Frugal::Misses { resting, least, exact } => {
-            let mb = cand.micro_batches.max(1);
-            let miss = Miss { micro_batches: mb, least_peak: least.0, resting };
-            if exact {
-                let least =
-                    LeastPeak { peak_bytes: least.0, candidate: cand.clone(), ckpt: least.1 };
-                LeastPeak::record(&p.state.least, least);
-            }
-            if resting as f64 > budget {
-                if let Ok(mut h) = p.state.hopeless.lock() {
-                    h.push((cand.mesh.clone(), cand.rule.clone(), cand.zero));
-                }
-            }
-            Ok(Err(Some(miss)))
-        }
-    }
-}
-
-/// The checkpointing that keeps the least under a policy: full recompute for the joint search.
-fn frugal_checkpointing(policy: &CkptSearch, num_blocks: u32) -> Checkpointing {
-    match policy {
-        CkptSearch::Off => Checkpointing::default(),
-        CkptSearch::Uniform(m) => Checkpointing::uniform(num_blocks, *m),
-        CkptSearch::Chen => chen_schedule(num_blocks),
-        CkptSearch::Joint => Checkpointing::uniform(num_blocks, CkptMode::Full),
-    }
-}
-
-/// How a candidate's most memory-frugal layout fares under a budget.
-enum Frugal {
-    Fits(Box<Lowered>),
-    /// Nothing the policy accepts fits: the bytes resting before a step (parameters, optimizer
-    /// state, inputs), and the least peak reached, with the checkpointing that reaches it —
-    /// `exact` when it is the least peak itself, else a floor of it (see [`frugal_fit`]).
-    Misses {
-        resting: u64,
-        least: (u64, Checkpointing),
-        exact: bool,
-    },
-}
-
-/// The most frugal layout `u` under the policy: the fixed schedule if one was asked for, else
-/// for the joint search what [`crate::ckpt::choose_or_resting`] finds — the plain Program,
-/// full recompute, or (when the plain step could still win) the DP's mix — with, on a miss,
-/// the lower of the plain and the fully recomputed peaks (the plain one on a tie; recomputing
-/// does not always lower the peak: the recomputed values are live while a block runs
-/// backward). The DP ([`crate::ckpt::choose_after`]) reuses both lowerings.
-fn frugal_fit(
-    p: &Search<'_>,
-    u: &crate::lower::Unfinished,
-    mesh: &Mesh,
-    budget: f64,
-    bound: f64,
-) -> Result<Frugal> {
-    let nb = tessera_ir::remat::num_blocks(&u.training.graph);
-    let fits = |l: &Lowered| l.memory.peak_bytes as f64 <= budget;
-    let finish = |ckpt: &Checkpointing| finish(u, ckpt, mesh, &p.problem.cost);
-    let miss = |l: &Lowered, ckpt| Frugal::Misses {
-        resting: l.memory.resting_bytes,
-        least: (l.memory.peak_bytes, ckpt),
-        exact: true,
-    };
-    if !matches!(p.problem.ckpt, CkptSearch::Joint) || nb == 0 {
-        let ckpt = frugal_checkpointing(&p.problem.ckpt, nb);
-        let l = finish(&ckpt)?;
-        return Ok(if fits(&l) { Frugal::Fits(Box::new(l)) } else { miss(&l, ckpt) });
-    }
-    let plain = Checkpointing::uniform(nb, CkptMode::None);
-    let none = finish(&plain)?;
-    if fits(&none) {
-        return Ok(Frugal::Fits(Box::new(none)));
-    }
-    let resting = none.memory.resting_bytes;
-    if bound.is_finite() && resting as f64 > budget {
-        // The state resting before a step misses the budget under every checkpointing. With a
-        // fit elsewhere (a finite bound) the least peak is never reported, so the fully
-        // recomputed lowering, which would only refine it, is spared; the miss says the
-        // resting bytes, a floor of the least peak (every Program holds them at its start),
-        // so the counts it rules out stay soundly ruled out.
-        return Ok(Frugal::Misses { resting, least: (resting, plain), exact: false });
-    }
-    let recompute = Checkpointing::uniform(nb, CkptMode::Full);
-    let full = finish(&recompute)?;
-    if !fits(&full) {
-        return Ok(match none.memory.peak_bytes <= full.memory.peak_bytes {
-            true => miss(&none, plain),
-            false => miss(&full, recompute),
-        });
-    }
-    // Full recompute fits, so the choice always finds a plan: full itself at worst (the DP's
-    // per-block model can miss where blocks share what they hold — an offloaded parameter
-    // prefetched during the block before — and then every choice it verifies misses).
-    match crate::ckpt::choose_after(u, mesh, &p.problem.cost, budget as u64, bound, none, full)? {
-        Ok(l) => Ok(Frugal::Fits(Box::new(l))),
-        Err(_) => Ok(Frugal::Fits(Box::new(finish(&recompute)?))),
-    }
-}
-
 /// The error for a config whose candidate cannot be lowered: why `cand`'s rule cannot split
 /// the model on its mesh (a Megatron layout whose heads or features its tensor-parallel degree
 /// does not divide), or else the general reason.
@@ -884,6 +792,23 @@ pub fn min_peak(p: &Search<'_>, cand: &Candidate) -> Result<Option<u64>> {
         Frugal::Misses { least, .. } => least.0,
         Frugal::Fits(l) => l.memory.peak_bytes,
     }))
+}
+
+/// The least bytes any layout of `cand`'s mesh, rule and ZeRO stage rests on a device before
+/// a step ([`scan::layout_floor`]); 0 with offload (its state rests below the device) or
+/// where the model does not split this way.
+pub fn layout_floor(p: &Search<'_>, cand: &Candidate) -> Result<u64> {
+    let mb = cand.micro_batches.max(1);
+    if cand.offload.is_some() || !p.problem.batch.is_multiple_of(mb) {
+        return Ok(0);
+    }
+    let shared = p.forward(p.problem.batch / mb)?;
+    let g = &shared.0.graph;
+    let space = p.state.graphs.spaces.get(p.problem.batch / mb, g, &cand.mesh, &cand.rule)?;
+    if space.options.contains(&0) {
+        return Ok(0);
+    }
+    Ok(scan::layout_floor(g, &cand.mesh, &space, cand.zero))
 }
 
 /// The ILP's fastest layout of `cand` with memory aside: its objective (seconds), a floor of

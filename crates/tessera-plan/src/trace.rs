@@ -28,11 +28,17 @@ const NAMES: [&str; KINDS] = ["diffusion", "LP relaxations", "MIPs", "lowerings"
 static CALLS: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 static NANOS: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 
+thread_local! {
+    /// This thread's calls per kind: what one evaluation ran ([`on_this_thread`]).
+    static LOCAL: [std::cell::Cell<u64>; KINDS] = const { [const { std::cell::Cell::new(0) }; KINDS] };
+}
+
 /// Runs `f`, counting it as `work`.
 pub fn timed<T>(work: Work, f: impl FnOnce() -> T) -> T {
     let t0 = Instant::now();
     let out = f();
     let i = work as usize;
+    LOCAL.with(|l| l[i].set(l[i].get() + 1));
     CALLS[i].fetch_add(1, Relaxed);
     NANOS[i].fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
     out
@@ -41,6 +47,12 @@ pub fn timed<T>(work: Work, f: impl FnOnce() -> T) -> T {
 /// How many times `work` ran so far in this process.
 pub fn calls(work: Work) -> u64 {
     CALLS[work as usize].load(Relaxed)
+}
+
+/// How many times `work` ran on this thread so far (an evaluation runs on one thread: the
+/// difference across it is its own count).
+pub fn on_this_thread(work: Work) -> u64 {
+    LOCAL.with(|l| l[work as usize].get())
 }
 
 /// One line: each kind's count and seconds so far.

@@ -2,8 +2,8 @@
 //! (`tessera_plan::search::Miss`): the bound it skips by must never exceed the least peak the
 //! search itself reaches at the larger count, or a count that fits would be skipped. Checked
 //! on real Programs — GPT-2 and LLaMA, data, tensor and sequence parallelism, ZeRO 0 to 3 —
-//! against `search::min_peak` at every larger count, and the resting floor against each miss's
-//! own resting bytes.
+//! against `search::min_peak` at every larger count, and the resting floors against each miss's
+//! own resting bytes; and what the bounds skip without a lowering.
 
 use crate::common;
 
@@ -53,8 +53,12 @@ fn a_miss_never_rules_out_a_count_that_reaches_under_its_bound() {
                 };
                 assert_eq!(miss.micro_batches, m);
                 assert_eq!(miss.least_peak, peak, "{case} mb {m}: the miss's least peak");
-                let floor = search::resting_floor(&p, batch / m, mesh.num_devices()).unwrap();
-                assert!(floor <= miss.resting, "{case} mb {m}: floor {floor} > {}", miss.resting);
+                let even = search::resting_floor(&p, batch / m, mesh.num_devices()).unwrap();
+                assert!(even <= miss.resting, "{case} mb {m}: floor {even} > {}", miss.resting);
+                // The scan's floor: the larger of the even spread and the layouts' own.
+                let layout = search::layout_floor(&p, &cand(m)).unwrap();
+                assert!(layout <= miss.resting, "{case} mb {m}: layout floor {layout}");
+                let floor = even.max(layout);
                 for (j, &later) in counts.iter().enumerate().skip(i + 1) {
                     let Some(reached) = least[j] else { continue };
                     let bound = miss.bound(later, floor);
@@ -179,4 +183,137 @@ fn a_candidate_that_cannot_win_says_so_and_one_that_can_still_fits() {
         }
     }
     assert_eq!(checked, 6);
+}
+
+/// The layout floor (`search::layout_floor`) is a floor of what every layout rests at: on a
+/// one-layout Megatron mesh without ZeRO it is that layout's parameters and AdamW state, all
+/// but the inputs of the lowered Program's resting bytes; elsewhere no more than the plain
+/// layout rests at (it divides ZeRO's state by every axis the parameter leaves free, where
+/// the lowering may shard over fewer: a norm replicated on the tensor axis has no gradient
+/// pending there). Under ZeRO-1 and -2 (replicated parameters) and hybrid sharding (whole
+/// copies per replica group) it exceeds the even spread the micro-batch scan had.
+#[test]
+fn the_layout_floor_is_under_every_layouts_resting_bytes() {
+    let cluster = Cluster::parse("4xH100").unwrap();
+    let batch = 16;
+    let b = builder("llama-tiny", 64);
+    let inputs = {
+        // Token ids and labels (the lowered Program's other resting bytes), whole.
+        let g = b(batch).unwrap().graph;
+        g.nodes
+            .iter()
+            .filter(|n| matches!(n.op, tessera_ir::Op::Input(_)))
+            .map(|n| g.meta(n.outputs[0]).size_bytes())
+            .sum::<u64>()
+    };
+    for (shape, rule, zero) in [
+        (vec![4, 1], AxisRule::Megatron { sp: false, cp: false }, 0u8),
+        (vec![2, 2], AxisRule::Megatron { sp: true, cp: false }, 1),
+        (vec![1, 4], AxisRule::Megatron { sp: false, cp: false }, 2),
+        (vec![4], AxisRule::Free, 1),
+        (vec![2, 2], AxisRule::Free, 3),
+        // Hybrid sharding: ZeRO-3 within the data axis, whole copies over the replica axis.
+        (vec![2, 2, 1], AxisRule::Megatron { sp: false, cp: false }, 3),
+    ] {
+        let mesh = match shape.len() {
+            3 => Mesh::new(&cluster, &shape, &["replica", "dp", "tp"]).unwrap().with_replicas(&[0]),
+            n => Mesh::new(&cluster, &shape, &["dp", "tp"][..n]).unwrap(),
+        };
+        let cand = Candidate { mesh, rule: rule.clone(), zero, micro_batches: 1, offload: None };
+        let case = format!("{shape:?} {rule:?} zero {zero}");
+        let p = problem(&b, batch, &cluster);
+        let floor = search::layout_floor(&p, &cand).unwrap();
+        let even = search::resting_floor(&p, batch, 4).unwrap();
+        let plain = search::evaluate(&p, &cand, None).unwrap().unwrap();
+        let resting = plain.lowered.memory.resting_bytes;
+        assert!(floor <= resting, "{case}: floor {floor} over the plain layout's {resting}");
+        if matches!(rule, AxisRule::Megatron { .. }) && zero == 0 {
+            // One layout, nothing sharded by ZeRO: the floor is its state, to the byte but
+            // for the inputs, which the data-parallel axis splits (a share of them or all).
+            let gap = resting - floor;
+            assert!(gap > 0 && gap <= inputs, "{case}: floor {floor}, resting {resting}");
+        }
+        if zero == 1 || zero == 2 || !cand.mesh.replicas.is_empty() {
+            assert!(floor > even, "{case}: the layout floor {floor} adds nothing to {even}");
+        }
+    }
+}
+
+/// A Megatron-style candidate has one layout, so when its most frugal Program misses, that
+/// Program's step without recomputation is the least any count of it reaches: over the bound,
+/// the candidate says it cannot win (ending the micro-batch scan); under it, it does not.
+#[test]
+fn a_one_layout_miss_slower_than_the_bound_cannot_win() {
+    let cluster = Cluster::parse("4xH100").unwrap();
+    let batch = 16;
+    let mut checked = 0;
+    for preset in ["gpt2-tiny", "llama-tiny"] {
+        let b = builder(preset, 64);
+        for (shape, sp, zero) in [(vec![4, 1], false, 0u8), (vec![2, 2], true, 3)] {
+            let axes: Vec<&str> = ["dp", "tp"][..shape.len()].to_vec();
+            let mesh = Mesh::new(&cluster, &shape, &axes).unwrap();
+            let cand = Candidate {
+                mesh,
+                rule: AxisRule::Megatron { sp, cp: false },
+                zero,
+                micro_batches: 1,
+                offload: None,
+            };
+            let case = format!("{preset} {shape:?} sp {sp} zero {zero}");
+            let p = || problem(&b, batch, &cluster);
+            let least = search::min_peak(&p(), &cand).unwrap().unwrap();
+            // Memory aside, its one layout, without recomputation.
+            let plain = search::evaluate(&p(), &cand, None).unwrap().unwrap();
+            assert_eq!(plain.lowered.time.recompute_s, 0.0, "{case}");
+            let t = plain.step_time_s();
+            let budget = Some(least - 1);
+            for (bound, loses) in [(t * 0.99, true), (t * 1.01, false)] {
+                let out = search::evaluate_within(&p(), &cand, budget, bound).unwrap();
+                assert!(out.fit.is_none(), "{case}: a fit under its least peak");
+                let miss = out.miss.unwrap_or_else(|| panic!("{case}: no miss under {bound}"));
+                assert_eq!(miss.least_peak, least, "{case}");
+                assert_eq!(out.cannot_win, loses, "{case}: bound {bound} s, plain step {t} s");
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4);
+}
+
+/// With a fit elsewhere (a finite bound), a candidate whose layout floor alone misses the
+/// budget is not lowered: it is marked hopeless and deferred, and said neither to miss nor to
+/// lose. Deferred, it is evaluated in full, and without a bound the search lowers it and
+/// reports how it missed (the least peak a pinned config's error names).
+#[test]
+fn a_layout_floor_over_the_budget_defers_the_candidate() {
+    let cluster = Cluster::parse("4xH100").unwrap();
+    let batch = 16;
+    let b = builder("llama-tiny", 64);
+    let mesh = Mesh::new(&cluster, &[4, 1], &["dp", "tp"]).unwrap();
+    let cand = Candidate {
+        mesh,
+        rule: AxisRule::Megatron { sp: false, cp: false },
+        zero: 1,
+        micro_batches: 2,
+        offload: None,
+    };
+    let p = problem(&b, batch, &cluster);
+    let floor = search::layout_floor(&p, &cand).unwrap();
+    let budget = Some(floor - 1);
+    let out = search::evaluate_within(&p, &cand, budget, 1.0).unwrap();
+    assert!(out.fit.is_none() && out.miss.is_none() && !out.cannot_win, "{out:?}");
+    assert_eq!(p.state.deferred.lock().unwrap().as_slice(), std::slice::from_ref(&cand));
+    // The next count of the same (mesh, rule, ZeRO stage) is deferred as hopeless.
+    let next = Candidate { micro_batches: 4, ..cand.clone() };
+    let out = search::evaluate_within(&p, &next, budget, 1.0).unwrap();
+    assert!(out.fit.is_none() && out.miss.is_none());
+    assert_eq!(p.state.deferred.lock().unwrap().len(), 2);
+    // Deferred: evaluated in full, and nothing fits.
+    assert!(search::evaluate_deferred(&p, &cand, budget).unwrap().is_none());
+    // No bound: lowered, and its miss measured (over the floor).
+    let fresh = problem(&b, batch, &cluster);
+    let out = search::evaluate_within(&fresh, &cand, budget, f64::INFINITY).unwrap();
+    let miss = out.miss.expect("a lowered miss");
+    assert!(miss.least_peak > floor && miss.resting > floor, "{miss:?}");
+    assert!(fresh.state.deferred.lock().unwrap().is_empty());
 }

@@ -25,7 +25,8 @@ pub(super) fn first_fit(
     let Scan { mesh, rule, zero, mbs, offload } = scan;
     let mut tried = 0;
     let mut best: Option<Evaluated> = None;
-    // The last miss, and the resting floor of this mesh's devices (the same for every count).
+    // The last miss, and the resting floor of this (mesh, rule, ZeRO stage)'s devices (the
+    // same for every count).
     let mut missed: Option<search::Miss> = None;
     let mut floor: Option<u64> = None;
     for &mb in mbs {
@@ -47,7 +48,21 @@ pub(super) fn first_fit(
         let outcome = search::evaluate_within(p, &cand, Some(req.budget), within)?;
         if let Some(m) = outcome.miss {
             if floor.is_none() {
-                floor = Some(search::resting_floor(p, req.batch / mb, mesh.num_devices())?);
+                // The model's state spread evenly, or what this layout's state rests at.
+                let even = search::resting_floor(p, req.batch / mb, mesh.num_devices())?;
+                floor = Some(even.max(search::layout_floor(p, &cand)?));
+            }
+            if std::env::var_os("TESSERA_TRACE").is_some() {
+                let mib = |b: u64| b >> 20;
+                eprintln!(
+                    "trace: missed mesh {:?} {rule:?} zero {zero} mb {mb}: least peak {} MiB, \
+                     resting {} MiB, floor {} MiB, budget {} MiB",
+                    mesh.shape,
+                    mib(m.least_peak),
+                    mib(m.resting),
+                    floor.map_or(0, mib),
+                    mib(req.budget)
+                );
             }
             missed = Some(m);
         }

@@ -17,12 +17,14 @@
 //! to be the least a count reaches. Skipped candidates join [`super::SearchState::deferred`], so
 //! a search where nothing fits still evaluates them and reports its least peak exactly.
 
-use super::space::optimizer_bytes_per_elem;
+use super::space::{optimizer_bytes_per_elem, Space};
 use super::Search;
 #[cfg(test)]
 use crate::figures::Miss;
+use crate::rules::local_meta;
+use crate::Mesh;
 use crate::Result;
-use tessera_ir::Op;
+use tessera_ir::{Graph, Op};
 
 /// The least bytes resting on any one of `devices` devices before a step, whatever the
 /// layout: the parameters and the AdamW state of the trained ones (moments, and the f32 master
@@ -51,6 +53,54 @@ pub fn resting_floor(p: &Search<'_>, micro_batch: usize, devices: usize) -> Resu
         })
         .sum();
     Ok((total / devices.max(1) as f64).floor() as u64)
+}
+
+/// The least bytes any layout in `space` rests on each device before a step at ZeRO stage
+/// `zero`, without offload: per parameter, the least over the specs its first reader may ask
+/// for (the lowering stores a parameter as its first reader wants it, `lower.rs`
+/// `plan_params`) of its local bytes and its AdamW state's. ZeRO splits the state (and at
+/// stage 3 the parameter) over the live mesh axes the stored spec leaves free but a hybrid
+/// group's replica axes, or over fewer (an axis with no gradient pending, a dim they do not
+/// divide); the floor divides by all of them. When it misses the budget, so does every micro-batch count of the (mesh, rule, ZeRO
+/// stage), under any checkpointing: DeepSeek-V3's ZeRO-1 and ZeRO-2 Megatron layouts, whose
+/// replicated dense weights and their gradients' state rest at 100-2,000 GiB a device, cost
+/// three lowerings each before the lowered Program said so.
+pub(super) fn layout_floor(g: &Graph, mesh: &Mesh, space: &Space, zero: u8) -> u64 {
+    let consumers = g.consumers();
+    let mut total = 0.0;
+    for n in &g.nodes {
+        let Op::Parameter { frozen, .. } = n.op else { continue };
+        for &p in &n.outputs {
+            let Some(&reader) = consumers[p.index()].first() else { continue };
+            let node = g.node(reader);
+            let Some(k) = node.inputs.iter().position(|&x| x == p) else { continue };
+            let meta = g.meta(p);
+            let state_per_elem = if frozen { 0.0 } else { optimizer_bytes_per_elem(meta.dtype) };
+            let least = space
+                .input_specs(reader.index(), k)
+                .filter_map(|spec| {
+                    let local = local_meta(meta, spec, mesh)?;
+                    // Hybrid sharding's replica axes keep whole copies.
+                    let free: usize = (0..mesh.ndim())
+                        .filter(|&a| mesh.shape[a] > 1 && !spec.uses_axis(a))
+                        .filter(|a| !mesh.replicas.contains(a))
+                        .map(|a| mesh.shape[a])
+                        .product();
+                    let (param_div, state_div) = match zero {
+                        0 => (1.0, 1.0),
+                        1 | 2 => (1.0, free as f64),
+                        _ => (free as f64, free as f64),
+                    };
+                    let elems = local.numel() as f64;
+                    Some(local.size_bytes() as f64 / param_div + elems * state_per_elem / state_div)
+                })
+                .fold(f64::INFINITY, f64::min);
+            if least.is_finite() {
+                total += least;
+            }
+        }
+    }
+    total.floor() as u64
 }
 
 #[cfg(test)]

@@ -327,6 +327,22 @@ impl Space {
         (0..self.nodes).map(|i| self.var_of[i].map(|v| self.chosen(i)[picks[v]].clone())).collect()
     }
 
+    /// Whether the space holds one layout: every decision has one option (a Megatron-style
+    /// rule that pins every op).
+    pub(super) fn single_layout(&self) -> bool {
+        self.options.iter().all(|&o| o == 1)
+    }
+
+    /// The spec node `i`'s strategies ask of its input `k`, one per pick of its decision (none
+    /// for a node without one).
+    pub(super) fn input_specs(&self, i: usize, k: usize) -> impl Iterator<Item = &Spec> + '_ {
+        let options = match self.var_of.get(i) {
+            Some(Some(_)) => self.chosen(i),
+            _ => &[],
+        };
+        options.iter().filter_map(move |s| s.inputs.get(k))
+    }
+
     /// Node `i`'s strategy per pick of its decision.
     fn chosen(&self, i: usize) -> &[Strategy] {
         &self.chosen[self.rep[i]]
