@@ -8,7 +8,6 @@
 
 use crate::{Op, Shape, TensorMeta, Tier};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -100,7 +99,7 @@ pub struct Graph {
     pub tensors: Vec<Tensor>,
     scopes: Vec<String>,
     #[serde(skip)]
-    scope_index: HashMap<String, ScopeId>,
+    scope_index: rustc_hash::FxHashMap<String, ScopeId>,
 }
 
 impl Graph {
@@ -261,8 +260,8 @@ impl Graph {
 
     /// Every leaf (parameter or input) by its full name, in one pass over the nodes: for
     /// callers that look up many leaves ([`Graph::find_leaf`] scans the nodes each time).
-    pub fn leaf_index(&self) -> HashMap<&str, TensorId> {
-        let mut index = HashMap::new();
+    pub fn leaf_index(&self) -> rustc_hash::FxHashMap<&str, TensorId> {
+        let mut index = rustc_hash::FxHashMap::default();
         for n in self.nodes.iter().filter(|n| n.op.is_leaf()) {
             index.entry(self.scopes[n.scope.0 as usize].as_str()).or_insert(n.outputs[0]);
         }

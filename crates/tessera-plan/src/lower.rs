@@ -38,7 +38,8 @@ use crate::cost::CostModel;
 use crate::reshard::{ReshardCache, ReshardPath};
 use crate::rules::{local_meta, Strategy};
 use crate::{Mesh, PlanError, Result, Spec};
-use std::collections::{BTreeSet, HashMap};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet};
+use std::collections::BTreeSet;
 use tessera_ir::dist::{micro_batch_input, state_key, ShardOf};
 use tessera_ir::{
     build_training_graph_with, rematerialize, Builder, Checkpointing, Collective, CommStep, Graph,
@@ -176,14 +177,14 @@ pub(crate) fn differentiate(
             .into_iter()
             .filter_map(|(p, tier)| lw.home[p.index()].as_ref().map(|(t, _)| (*t, tier)))
             .collect(),
-        None => HashMap::new(),
+        None => HashMap::default(),
     };
     let mut hooks = DistHooks {
         mesh,
         pipeline_axis: None,
         zero: opts.zero,
         params: lw.local_params,
-        synced: HashMap::new(),
+        synced: HashMap::default(),
         offload: opts.offload.map(|o| (o, offloaded)),
     };
     let tg = build_training_graph_with(lw.b, local_loss, &opts.train, &mut hooks)
@@ -301,7 +302,7 @@ pub(crate) struct LocalForward<'a> {
     pub(crate) leaf_specs: Vec<(String, Spec)>,
     /// `offload=all`: the (global) parameters that rest on the host, fetched to the device
     /// before each use.
-    on_host: std::collections::HashSet<TensorId>,
+    on_host: FxHashSet<TensorId>,
     /// Host parameters fetched ahead of their reader: at node → (parameter, reader) pairs,
     /// and the device copies made so far, by (parameter, reader).
     prefetch_at: HashMap<NodeId, Vec<(TensorId, NodeId)>>,
@@ -325,12 +326,16 @@ impl<'a> LocalForward<'a> {
             mesh,
             micro_batches: opts.micro_batches.max(1),
             zero: opts.zero,
-            b: Builder::new(),
+            // Room for the whole training graph autodiff appends to this one (the backward
+            // pass and the optimizer section, about twice the forward's nodes), so its node
+            // list (256-byte nodes) is not copied as it grows; room never touched costs no
+            // page faults.
+            b: Builder::from_graph(Graph::with_capacity(4 * g.nodes.len(), 4 * g.tensors.len())),
             home: vec![None; g.tensors.len()],
-            moved: HashMap::new(),
+            moved: HashMap::default(),
             paths: ReshardCache::new(mesh.clone()),
-            params: HashMap::new(),
-            local_params: HashMap::new(),
+            params: HashMap::default(),
+            local_params: HashMap::default(),
             leaf_specs: Vec::new(),
             on_host: match &opts.offload {
                 Some(o) if o.kind == crate::offload::OffloadKind::All => {
@@ -338,8 +343,8 @@ impl<'a> LocalForward<'a> {
                 }
                 _ => Default::default(),
             },
-            prefetch_at: HashMap::new(),
-            prefetched: HashMap::new(),
+            prefetch_at: HashMap::default(),
+            prefetched: HashMap::default(),
             current: NodeId(0),
             ring_positions: None,
         };
@@ -356,7 +361,7 @@ impl<'a> LocalForward<'a> {
             return;
         }
         let g = self.g;
-        let mut first_of: HashMap<u32, usize> = HashMap::new();
+        let mut first_of: HashMap<u32, usize> = HashMap::default();
         for (i, n) in g.nodes.iter().enumerate() {
             if let Some(b) = n.block {
                 first_of.entry(b).or_insert(i);

@@ -29,7 +29,8 @@
 use crate::{AxisLink, Link, Mesh, Spec};
 use serde::{Deserialize, Serialize};
 use std::cmp::{Ordering, Reverse};
-use std::collections::{BinaryHeap, HashMap};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::BinaryHeap;
 pub use tessera_ir::{Collective, CommStep};
 
 /// Seconds charged to every move on top of its communication time, so that among paths of
@@ -273,7 +274,7 @@ fn cheapest_path_generic(
     to: &Spec,
 ) -> Option<ReshardPath> {
     let mut states: Vec<Spec> = vec![from.clone()];
-    let mut index: HashMap<Spec, usize> = HashMap::from([(from.clone(), 0)]);
+    let mut index: HashMap<Spec, usize> = HashMap::from_iter([(from.clone(), 0)]);
     let mut dist: Vec<f64> = vec![0.0];
     let mut prev: Vec<Option<(usize, CommStep)>> = vec![None];
     let mut done: Vec<bool> = vec![false];
@@ -458,7 +459,7 @@ impl Tree {
         from: Code,
         target: Option<Code>,
     ) -> (Tree, Option<u32>) {
-        let mut t = Tree { index: HashMap::from([(from, 0)]), dist: vec![0.0], prev: vec![None] };
+        let mut t = Tree { index: HashMap::from_iter([(from, 0)]), dist: vec![0.0], prev: vec![None] };
         let mut codes: Vec<Code> = vec![from];
         let mut done: Vec<bool> = vec![false];
         let mut heap = BinaryHeap::from([Reverse((Cost(0.0), 0u32))]);
@@ -539,7 +540,7 @@ pub fn brute_force_all(
     from: &Spec,
     max_len: usize,
 ) -> HashMap<Spec, ReshardPath> {
-    let mut best: HashMap<Spec, ReshardPath> = HashMap::new();
+    let mut best: HashMap<Spec, ReshardPath> = HashMap::default();
     enumerate_paths(mesh, shape, elem_bytes, from, max_len, &mut |spec, steps, cost| {
         if best.get(spec).is_none_or(|b| cost < b.cost_s) {
             best.insert(spec.clone(), ReshardPath { steps: steps.to_vec(), cost_s: cost });
@@ -619,10 +620,10 @@ impl ReshardCache {
     pub fn new(mesh: Mesh) -> ReshardCache {
         ReshardCache {
             mesh,
-            shapes: HashMap::new(),
-            trees: HashMap::new(),
-            paths: HashMap::new(),
-            generic: HashMap::new(),
+            shapes: HashMap::default(),
+            trees: HashMap::default(),
+            paths: HashMap::default(),
+            generic: HashMap::default(),
             queries: 0,
             searches: 0,
         }

@@ -652,7 +652,22 @@ fn evaluate_candidate(
             }
             continue;
         }
-        match finish_policy(&strategies)? {
+        let finished = finish_policy(&strategies)?;
+        if std::env::var_os("TESSERA_TRACE").is_some() {
+            eprintln!(
+                "trace: mesh {:?} {:?} zero {} mb {mb}: slack {slack}, ilp {:.4} s (fastest \
+                 {unconstrained:.4}), lowered {}",
+                mesh.shape,
+                cand.rule,
+                cand.zero,
+                sol.objective,
+                finished.as_ref().map_or("no fit".into(), |l| format!(
+                    "{:.4} s, recompute {:.4} s",
+                    l.time.step_time_s, l.time.recompute_s
+                )),
+            );
+        }
+        match finished {
             Some(lowered) => {
                 if best.as_ref().is_none_or(|b| lowered.time.step_time_s < b.step_time_s()) {
                     local_best.set(lowered.time.step_time_s);

@@ -1,7 +1,7 @@
 //! Memory simulation over the Program: liveness, peak, what is live at the peak, timeline.
 
 use serde::Serialize;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use tessera_ir::{Instr, Program, Role, TensorId, TensorMeta, Tier};
 
 /// Live bytes right after one instruction (workspace of a `Run` included at its instant).
@@ -171,16 +171,23 @@ fn live_at(p: &Program, at: usize, workspace: u64) -> (Vec<(Role, u64)>, Vec<Liv
             Instr::Free(t) => alive[t.index()] = false,
         }
     }
-    let mut by_role: HashMap<Role, u64> = HashMap::new();
-    let mut groups: HashMap<(String, Role), (u64, u32)> = HashMap::new();
+    let mut by_role: HashMap<Role, u64> = HashMap::default();
+    // By the producer's scope first (ids: thousands of live tensors at a large model's peak),
+    // then by module name, one string per distinct scope.
+    let mut by_scope: HashMap<(tessera_ir::ScopeId, Role), (u64, u32)> = HashMap::default();
     for t in live.into_iter().filter(|t| alive[t.index()] && p.tier_of(*t).is_device()) {
         let b = g.meta(t).size_bytes();
         let role = p.role[t.index()];
         *by_role.entry(role).or_default() += b;
-        let scope = group_scope(g.tensor_scope(t), role);
-        let e = groups.entry((scope, role)).or_default();
+        let e = by_scope.entry((g.producer(t).scope, role)).or_default();
         e.0 += b;
         e.1 += 1;
+    }
+    let mut groups: HashMap<(String, Role), (u64, u32)> = HashMap::default();
+    for ((scope, role), (bytes, buffers)) in by_scope {
+        let e = groups.entry((group_scope(g.scope_name(scope), role), role)).or_default();
+        e.0 += bytes;
+        e.1 += buffers;
     }
     *by_role.entry(Role::Temporary).or_default() += workspace;
     let by_role = Role::ALL.iter().map(|r| (*r, by_role.get(r).copied().unwrap_or(0))).collect();

@@ -7,7 +7,7 @@
 use super::ParamInfo;
 use crate::offload::OffloadKind;
 use crate::{Mesh, Spec};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use tessera_ir::{Builder, Collective, CommStep, Op, ReshardSpec, TensorId, Tier, UpdateHooks};
 
 /// Distributed optimizer section: gradient sync, ZeRO shards, global norm.

@@ -5,7 +5,7 @@
 
 use super::internal;
 use crate::{PlanError, Result};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use tessera_ir::dist::{micro_batch_input, ShardOf};
 use tessera_ir::Tier;
 use tessera_ir::{Builder, Collective, Graph, NodeId, Op, Phase, TensorId, TrainingGraph};
@@ -65,8 +65,8 @@ pub(crate) fn replay_tagged(
     let grad_slot: HashMap<TensorId, usize> =
         tg.params.iter().enumerate().map(|(i, s)| (s.grad, i)).collect();
     let norm_at = g.tensors[tg.grad_norm.index()].producer.index();
-    let mut sync_node: HashMap<TensorId, Vec<NodeId>> = HashMap::new();
-    let mut chain_end: HashMap<TensorId, TensorId> = HashMap::new();
+    let mut sync_node: HashMap<TensorId, Vec<NodeId>> = HashMap::default();
+    let mut chain_end: HashMap<TensorId, TensorId> = HashMap::default();
     for (i, n) in g.nodes.iter().enumerate().take(norm_at) {
         if n.phase != Phase::Optimizer || !matches!(n.op, Op::Reshard(_) | Op::Transfer { .. }) {
             continue;
@@ -86,10 +86,10 @@ pub(crate) fn replay_tagged(
     let shared_input = |n: &tessera_ir::Node| {
         g.scope_name(n.scope).starts_with("optimizer") || n.phase == Phase::Optimizer
     };
-    let mut shared: HashMap<TensorId, TensorId> = HashMap::new();
+    let mut shared: HashMap<TensorId, TensorId> = HashMap::default();
     let mut acc: Vec<Option<TensorId>> = vec![None; tg.params.len()];
     let mut losses = Vec::new();
-    let mut emitted_sync: HashMap<NodeId, ()> = HashMap::new();
+    let mut emitted_sync: HashMap<NodeId, ()> = HashMap::default();
 
     let push_in = |b: &mut Builder,
                    n: &tessera_ir::Node,
@@ -105,8 +105,8 @@ pub(crate) fn replay_tagged(
         |b: &mut Builder, n: &tessera_ir::Node, inputs: &[TensorId]| push_in(b, n, inputs, 0);
 
     for k in 0..mb {
-        let mut map: HashMap<TensorId, TensorId> = HashMap::new();
-        let mut regathered: HashMap<TensorId, TensorId> = HashMap::new();
+        let mut map: HashMap<TensorId, TensorId> = HashMap::default();
+        let mut regathered: HashMap<TensorId, TensorId> = HashMap::default();
         for (ni, n) in g.nodes.iter().enumerate() {
             let origin = Some(NodeId(ni as u32));
             if n.phase == Phase::Optimizer {

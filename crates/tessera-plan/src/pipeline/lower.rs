@@ -202,7 +202,7 @@ impl<'a> Cutting<'a> {
             pipeline_axis: Some(pipe.map.axis),
             zero: opts.zero,
             params,
-            synced: HashMap::new(),
+            synced: Default::default(),
             offload: None,
         };
         let tg = build_training_graph_with(fwd.builder, fwd.loss, &opts.train, &mut hooks)
