@@ -91,12 +91,16 @@ fn axes_minus(a: &[usize], b: &Spec) -> Vec<usize> {
     a.iter().copied().filter(|&x| !b.uses_axis(x)).collect()
 }
 
+/// The ascending union of two lists of mesh axes.
+fn union_axes(a: &[usize], b: &[usize]) -> smallvec::SmallVec<[usize; 4]> {
+    let mut u: smallvec::SmallVec<[usize; 4]> = a.iter().chain(b).copied().collect();
+    u.sort_unstable();
+    u.dedup();
+    u
+}
+
 fn with_partial(spec: &Spec, extra: &[usize]) -> Spec {
-    let mut s = spec.clone();
-    let mut p: BTreeSet<usize> = s.partial.iter().copied().collect();
-    p.extend(extra.iter().copied());
-    s.partial = p.into_iter().collect();
-    s
+    Spec { dims: spec.dims.clone(), partial: union_axes(&spec.partial, extra).into_vec() }
 }
 
 fn without_partial(spec: &Spec) -> Spec {
@@ -762,9 +766,12 @@ impl<'a> LocalForward<'a> {
             let m = self.local(t, want)?;
             return self.b.fill(value, m.shape.clone(), m.dtype).map_err(internal);
         }
-        let (mut src, have) = self.home[t.index()].clone().ok_or_else(|| {
-            PlanError::Internal(format!("{} used before it is made", self.g.tensor_scope(t)))
-        })?;
+        let Some((mut src, _)) = self.home[t.index()] else {
+            return Err(PlanError::Internal(format!(
+                "{} used before it is made",
+                self.g.tensor_scope(t)
+            )));
+        };
         if self.on_host.contains(&t) {
             // A host-resident parameter comes to the device for each reader, prefetched (the
             // replay fetches it again for the backward pass); its gradient goes back by the
@@ -774,19 +781,38 @@ impl<'a> LocalForward<'a> {
                 None => self.copy_to_device(src)?,
             };
         }
-        let meta = self.g.meta(t).clone();
+        let g = self.g;
+        let meta = g.meta(t);
         let differentiable = meta.dtype.is_float();
-        let live: Vec<usize> =
+        let live: smallvec::SmallVec<[usize; 4]> =
             compute.iter().copied().filter(|&a| self.mesh.shape[a] > 1).collect();
         let pending = if differentiable { axes_minus(&live, want) } else { Vec::new() };
+        let have = match &self.home[t.index()] {
+            Some((_, have)) => have,
+            None => return Err(PlanError::Internal("a tensor's home was lost".into())),
+        };
+        // Most reads need no collective: the same spec, and a gradient that arrives as its
+        // producer (or the parameter's store) wants it. Checked without building either
+        // gradient spec (a lowering asks this for every input of every node).
+        if have == want {
+            let grad_at = union_axes(&want.partial, &pending);
+            let same_grad = match self.params.get(&t) {
+                Some(info) => {
+                    want.dims == info.stored.dims
+                        && grad_at == union_axes(&info.stored.partial, &info.pending)
+                }
+                None => grad_at.is_empty(),
+            };
+            if same_grad {
+                return Ok(src);
+            }
+        }
+        let have = have.clone();
         let grad_at = with_partial(want, &pending);
         let grad_to = match self.params.get(&t) {
             Some(info) => with_partial(&info.stored, &info.pending),
             None => without_partial(&have),
         };
-        if &have == want && grad_at == grad_to {
-            return Ok(src);
-        }
         let key = (t, want.clone(), pending.clone());
         if let Some(&m) = self.moved.get(&key) {
             return Ok(m);

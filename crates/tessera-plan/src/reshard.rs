@@ -27,9 +27,9 @@
 //! [`moves_from`] and so independent of the search.
 
 use crate::{AxisLink, Link, Mesh, Spec};
+use rustc_hash::FxHashMap as HashMap;
 use serde::{Deserialize, Serialize};
 use std::cmp::{Ordering, Reverse};
-use rustc_hash::FxHashMap as HashMap;
 use std::collections::BinaryHeap;
 pub use tessera_ir::{Collective, CommStep};
 
@@ -459,7 +459,8 @@ impl Tree {
         from: Code,
         target: Option<Code>,
     ) -> (Tree, Option<u32>) {
-        let mut t = Tree { index: HashMap::from_iter([(from, 0)]), dist: vec![0.0], prev: vec![None] };
+        let mut t =
+            Tree { index: HashMap::from_iter([(from, 0)]), dist: vec![0.0], prev: vec![None] };
         let mut codes: Vec<Code> = vec![from];
         let mut done: Vec<bool> = vec![false];
         let mut heap = BinaryHeap::from([Reverse((Cost(0.0), 0u32))]);

@@ -1,7 +1,7 @@
 //! Memory simulation over the Program: liveness, peak, what is live at the peak, timeline.
 
-use serde::Serialize;
 use rustc_hash::FxHashMap as HashMap;
+use serde::Serialize;
 use tessera_ir::{Instr, Program, Role, TensorId, TensorMeta, Tier};
 
 /// Live bytes right after one instruction (workspace of a `Run` included at its instant).
