@@ -8,6 +8,7 @@ mod frugal;
 mod megatron;
 mod scan;
 mod sharing;
+mod slacks;
 mod space;
 
 pub use megatron::tp_strategies;
@@ -23,6 +24,7 @@ use crate::lower::{finish, lower, lower_unfinished, Fidelity, LowerOptions, Lowe
 use crate::rules::Strategy;
 use crate::{Mesh, PlanError, Result};
 use frugal::{frugal_candidate, frugal_fit, Frugal};
+use slacks::{sharding_only, with_budget, Fit};
 use space::{build_problem, Space};
 use std::collections::HashMap;
 use tessera_ir::{Checkpointing, CkptMode, Program};
@@ -621,150 +623,19 @@ fn evaluate_candidate(
     }
     // Without a sharding-only fit (or with a fixed mode, which the ILP does not model) the
     // budget's own layout is the first to checkpoint.
-    let from_budget = fixed_mode.is_some() || (plain_objective.is_none() && joint);
-    let slacks: Vec<f64> = match from_budget {
-        true => [1.0].into_iter().chain(p.problem.knobs.slacks.iter().copied()).collect(),
-        false => p.problem.knobs.slacks.clone(),
+    let walk = slacks::Walk {
+        cand,
+        space: &space,
+        budget,
+        bound,
+        hopeless,
+        unconstrained,
+        from_budget: fixed_mode.is_some() || (plain_objective.is_none() && joint),
+        plain_objective,
+        frugal_layout: frugal_layout.as_deref(),
     };
-    let mut last = if from_budget { None } else { plain_objective };
-    for slack in slacks {
-        // A layout the ILP prices hopelessly above what it must beat is not worth its MIP, nor
-        // its lowering (the rule the unconstrained layout met above); the LP bound says so
-        // before the MIP runs. Looser slacks may still price lower.
-        let cutoff = hopeless * bound.min(local_best.get());
-        let sol = with_budget(&mut problem, budget * slack, |pr| {
-            ilp::solve_below(pr, &p.problem.knobs.solve, cutoff)
-        })?;
-        let Some(sol) = sol else { continue };
-        if last.is_some_and(|o| sol.objective >= o * (1.0 - 1e-3)) {
-            // The same layout as the tighter budget gave (or no faster): nothing new to try.
-            if sol.objective <= unconstrained * (1.0 + 1e-3) {
-                break;
-            }
-            continue;
-        }
-        last = Some(sol.objective);
-        let strategies = space.assignment(&sol.picks);
-        if frugal_layout.as_ref() == Some(&strategies) {
-            // Already the candidate's fit: no faster here, and a looser slack may differ.
-            if sol.objective <= unconstrained * (1.0 + 1e-3) {
-                break;
-            }
-            continue;
-        }
-        let finished = finish_policy(&strategies)?;
-        if std::env::var_os("TESSERA_TRACE").is_some() {
-            eprintln!(
-                "trace: mesh {:?} {:?} zero {} mb {mb}: slack {slack}, ilp {:.4} s (fastest \
-                 {unconstrained:.4}), lowered {}",
-                mesh.shape,
-                cand.rule,
-                cand.zero,
-                sol.objective,
-                finished.as_ref().map_or("no fit".into(), |l| format!(
-                    "{:.4} s, recompute {:.4} s",
-                    l.time.step_time_s, l.time.recompute_s
-                )),
-            );
-        }
-        match finished {
-            Some(lowered) => {
-                if best.as_ref().is_none_or(|b| lowered.time.step_time_s < b.step_time_s()) {
-                    local_best.set(lowered.time.step_time_s);
-                    best = Some(found(strategies, lowered, sol.objective));
-                }
-            }
-            // A looser budget's layout holds more, so it would not fit either.
-            None => break,
-        }
-        if sol.objective <= unconstrained * (1.0 + 1e-3) {
-            break;
-        }
-    }
+    walk.run(p, &mut problem, &local_best, &finish_policy, &mut best)?;
     Ok(best)
-}
-
-/// `solve` on `problem` under `budget`, the problem's own budget restored afterwards (the
-/// search's solves differ only in their budgets: setting it in place spares a copy of the
-/// problem per solve).
-fn with_budget<T>(
-    problem: &mut Problem,
-    budget: f64,
-    solve: impl FnOnce(&Problem) -> Result<T>,
-) -> Result<T> {
-    let own = std::mem::replace(&mut problem.budget, budget);
-    let out = solve(problem);
-    problem.budget = own;
-    out
-}
-
-/// A layout, lowered, with its ILP objective.
-pub(super) type Fit = (Vec<Option<Strategy>>, Lowered, f64);
-
-/// The sharding-only plan of a candidate: the ILP under the budget, tightened by each miss of
-/// the lowered Program's simulated peak (four tries). Returns the fitting layout, if any, and
-/// the objective of the ILP's first solution (`None`: the ILP has none under the budget).
-fn sharding_only(
-    p: &Search<'_>,
-    cand: &Candidate,
-    problem: &mut Problem,
-    space: &Space,
-    fwd: &Forward,
-    budget: f64,
-    t_build: std::time::Duration,
-) -> Result<(Option<Fit>, Option<f64>)> {
-    let (g, mesh, mb) = (&fwd.graph, &cand.mesh, cand.micro_batches.max(1));
-    let lopts = LowerOptions {
-        zero: cand.zero,
-        micro_batches: mb,
-        train: p.problem.train.clone(),
-        ckpt: Checkpointing::default(),
-        offload: cand.offload,
-    };
-    let mut target = budget;
-    let mut plain_objective = None;
-    // The last layout lowered and its peak: a tightened budget that gives the ILP the same
-    // layout again misses by the same bytes, so it is tightened again without a lowering.
-    let mut missed: Option<(Vec<Option<Strategy>>, f64)> = None;
-    for _ in 0..4 {
-        let t1 = std::time::Instant::now();
-        let sol = with_budget(problem, target, |pr| ilp::solve(pr, &p.problem.knobs.solve))?;
-        let Some(sol) = sol else { break };
-        let t_solve = t1.elapsed();
-        let strategies = space.assignment(&sol.picks);
-        if let Some((_, peak)) = missed.as_ref().filter(|(s, _)| *s == strategies) {
-            target *= (budget / peak) * 0.98;
-            continue;
-        }
-        let lowered =
-            lower(g, fwd.loss, &strategies, mesh, &p.problem.cost, &lopts, Fidelity::Priced)?;
-        if std::env::var_os("TESSERA_TRACE").is_some() {
-            eprintln!(
-                "trace: mesh {:?} {:?} zero {} mb {}: {} vars, build {:?} solve {:?} lower {:?} ilp {:.4} lowered {:.4} peak {:.2}/{:.2} GiB",
-                mesh.shape,
-                cand.rule,
-                cand.zero,
-                mb,
-                problem.choices.len(),
-                t_build,
-                t_solve,
-                t1.elapsed() - t_solve,
-                sol.objective,
-                lowered.time.step_time_s,
-                lowered.memory.peak_bytes as f64 / (1u64 << 30) as f64,
-                budget / (1u64 << 30) as f64,
-            );
-        }
-        plain_objective.get_or_insert(sol.objective);
-        let peak = lowered.memory.peak_bytes as f64;
-        if peak <= budget || !budget.is_finite() {
-            return Ok((Some((strategies, lowered, sol.objective)), plain_objective));
-        }
-        // The ILP's estimate missed the simulated peak: tighten its budget by the miss.
-        target *= (budget / peak) * 0.98;
-        missed = Some((strategies, peak));
-    }
-    Ok((None, plain_objective))
 }
 
 /// The error for a config whose candidate cannot be lowered: why `cand`'s rule cannot split
