@@ -61,10 +61,11 @@ pub fn resting_floor(p: &Search<'_>, micro_batch: usize, devices: usize) -> Resu
 /// `plan_params`) of its local bytes and its AdamW state's. ZeRO splits the state (and at
 /// stage 3 the parameter) over the live mesh axes the stored spec leaves free but a hybrid
 /// group's replica axes, or over fewer (an axis with no gradient pending, a dim they do not
-/// divide); the floor divides by all of them. When it misses the budget, so does every micro-batch count of the (mesh, rule, ZeRO
-/// stage), under any checkpointing: DeepSeek-V3's ZeRO-1 and ZeRO-2 Megatron layouts, whose
-/// replicated dense weights and their gradients' state rest at 100-2,000 GiB a device, cost
-/// three lowerings each before the lowered Program said so.
+/// divide); the floor divides by all of them. When it misses the budget, so does every
+/// micro-batch count of the (mesh, rule, ZeRO stage), under any checkpointing: DeepSeek-V3's
+/// ZeRO-0 Megatron layouts (and many of its ZeRO-1 and -2 ones), whose replicated weights
+/// and state rest at hundreds of GiB a device, each cost a lowering and two finishes before
+/// the lowered Program said so.
 pub(super) fn layout_floor(g: &Graph, mesh: &Mesh, space: &Space, zero: u8) -> u64 {
     let consumers = g.consumers();
     let mut total = 0.0;
