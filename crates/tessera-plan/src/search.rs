@@ -466,13 +466,7 @@ fn evaluate_candidate(
         return Ok(None);
     }
 
-    let lopts = LowerOptions {
-        zero: cand.zero,
-        micro_batches: mb,
-        train: p.problem.train.clone(),
-        ckpt: Checkpointing::default(),
-        offload: cand.offload,
-    };
+    let lopts = plain_options(p, cand);
     let found = |strategies: Vec<Option<Strategy>>, lowered: Lowered, objective: f64| Evaluated {
         candidate: cand.clone(),
         strategies,
@@ -638,6 +632,18 @@ fn evaluate_candidate(
     Ok(best)
 }
 
+/// How `cand` lowers before any checkpointing: its ZeRO stage, micro-batches and offload, the
+/// problem's optimizer.
+fn plain_options(p: &Search<'_>, cand: &Candidate) -> LowerOptions {
+    LowerOptions {
+        zero: cand.zero,
+        micro_batches: cand.micro_batches.max(1),
+        train: p.problem.train.clone(),
+        ckpt: Checkpointing::default(),
+        offload: cand.offload,
+    }
+}
+
 /// The error for a config whose candidate cannot be lowered: why `cand`'s rule cannot split
 /// the model on its mesh (a Megatron layout whose heads or features its tensor-parallel degree
 /// does not divide), or else the general reason.
@@ -663,14 +669,7 @@ pub fn min_peak(p: &Search<'_>, cand: &Candidate) -> Result<Option<u64>> {
     let fwd = &shared.0;
     let Some(sol) = ilp::min_peak(&problem, &p.problem.knobs.solve)? else { return Ok(None) };
     let strategies = space.assignment(&sol.picks);
-    let ckpt = Checkpointing::default();
-    let lopts = LowerOptions {
-        zero: cand.zero,
-        micro_batches: cand.micro_batches.max(1),
-        train: p.problem.train.clone(),
-        ckpt,
-        offload: cand.offload,
-    };
+    let lopts = plain_options(p, cand);
     let u =
         lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts, Fidelity::Priced)?;
     // Nothing fits a negative budget: the answer is the least peak.

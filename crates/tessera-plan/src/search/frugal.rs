@@ -7,7 +7,7 @@
 use super::space::Space;
 use super::{chen_schedule, Candidate, CkptSearch, Fit, Forward, LeastPeak, Miss, Search};
 use crate::ilp::{self, Problem};
-use crate::lower::{finish, lower_unfinished, Fidelity, LowerOptions, Lowered};
+use crate::lower::{finish, lower_unfinished, Fidelity, Lowered};
 use crate::{Mesh, Result};
 use tessera_ir::{Checkpointing, CkptMode};
 
@@ -32,13 +32,7 @@ pub(super) fn frugal_candidate(
         return Ok(Err(Missed { miss: None, plain_s: None }));
     };
     let strategies = space.assignment(&sol.picks);
-    let lopts = LowerOptions {
-        zero: cand.zero,
-        micro_batches: cand.micro_batches.max(1),
-        train: p.problem.train.clone(),
-        ckpt: Checkpointing::default(),
-        offload: cand.offload,
-    };
+    let lopts = super::plain_options(p, cand);
     let u =
         lower_unfinished(&fwd.graph, fwd.loss, &strategies, &cand.mesh, &lopts, Fidelity::Priced)?;
     match frugal_fit(p, &u, &cand.mesh, budget, bound)? {

@@ -6,11 +6,10 @@
 use super::space::Space;
 use super::{Candidate, Evaluated, Forward, Search};
 use crate::ilp::{self, Problem};
-use crate::lower::{lower, Fidelity, LowerOptions, Lowered};
+use crate::lower::{lower, Fidelity, Lowered};
 use crate::rules::Strategy;
 use crate::Result;
 use std::cell::Cell;
-use tessera_ir::Checkpointing;
 
 /// Lowers and checkpoints one layout under the candidate's policy (`None`: it does not fit).
 pub(super) type Finish<'a> = dyn Fn(&[Option<Strategy>]) -> Result<Option<Lowered>> + 'a;
@@ -148,13 +147,7 @@ pub(super) fn sharding_only(
     t_build: std::time::Duration,
 ) -> Result<(Option<Fit>, Option<f64>)> {
     let (g, mesh, mb) = (&fwd.graph, &cand.mesh, cand.micro_batches.max(1));
-    let lopts = LowerOptions {
-        zero: cand.zero,
-        micro_batches: mb,
-        train: p.problem.train.clone(),
-        ckpt: Checkpointing::default(),
-        offload: cand.offload,
-    };
+    let lopts = super::plain_options(p, cand);
     let mut target = budget;
     let mut plain_objective = None;
     // The last layout lowered and its peak: a tightened budget that gives the ILP the same
