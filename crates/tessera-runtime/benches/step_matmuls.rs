@@ -10,7 +10,9 @@
 //!
 //! `cargo bench -p tessera-runtime --bench step_matmuls`
 //! env: `STEP_BENCH="model batch seq"` (default `gpt2 4 256`, bench-vs-torch's case),
-//!      `STEP_BENCH_RUNS` timed step runs (default 3).
+//!      `STEP_BENCH_RUNS` timed step runs (default 3),
+//!      `STEP_BENCH_DTYPE=bf16` the model in bf16 (its GEMMs on the CPU's bf16 kernel: AMX or
+//!      `vdpbf16ps`, else f32 upcasts), default fp32.
 
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -25,6 +27,7 @@ struct Case {
     model: String,
     batch: usize,
     seq: usize,
+    dtype: DType,
 }
 
 fn case() -> Case {
@@ -35,7 +38,14 @@ fn case() -> Case {
         _ => (String::new(), None, None),
     };
     match (batch, seq) {
-        (Some(batch), Some(seq)) if !model.is_empty() => Case { model, batch, seq },
+        (Some(batch), Some(seq)) if !model.is_empty() => {
+            let dtype = match std::env::var("STEP_BENCH_DTYPE").as_deref() {
+                Ok("bf16") => DType::BF16,
+                Ok("fp32") | Err(_) => DType::F32,
+                Ok(other) => panic!("STEP_BENCH_DTYPE must be fp32 or bf16, got {other:?}"),
+            };
+            Case { model, batch, seq, dtype }
+        }
         _ => panic!("STEP_BENCH must be \"model batch seq\", got {spec:?}"),
     }
 }
@@ -59,7 +69,7 @@ impl Step {
 /// The forward + backward Program of `case` with its parameters bound.
 fn step(case: &Case) -> Step {
     let cfg = ModelConfig::resolve(&case.model).expect("a preset name");
-    let mut m = build(&cfg, &BuildOptions::new(case.batch, case.seq, DType::F32)).expect("build");
+    let mut m = build(&cfg, &BuildOptions::new(case.batch, case.seq, case.dtype)).expect("build");
     let params = m.builder.graph.trainable_parameters();
     let grads = gradients(&mut m.builder, m.loss, &params).expect("gradients");
     let grad_ids: Vec<_> = grads.into_iter().flatten().collect();
@@ -67,6 +77,14 @@ fn step(case: &Case) -> Step {
     let loss = m.loss;
     let graph = m.builder.finish();
     let values = tessera_runtime::init::init_parameters(&graph, 1).expect("init");
+    // Each parameter in its declared dtype (a bf16 model keeps some, norms', in f32).
+    let values: Vec<_> = values
+        .into_iter()
+        .map(|(t, v)| {
+            let want = tessera_runtime::tensor::candle_dtype(graph.meta(t).dtype);
+            (t, v.to_dtype(want).expect("cast a parameter"))
+        })
+        .collect();
     let mut kept = vec![loss];
     kept.extend(&grad_ids);
     let mut exec =
@@ -123,7 +141,8 @@ fn flops((a, b, ta, tb, y): &MatMulCall) -> u64 {
 }
 
 fn rand(meta: &TensorMeta) -> Tensor {
-    Tensor::randn(0f32, 1f32, meta.shape.dims(), &Device::Cpu).expect("randn")
+    let t = Tensor::randn(0f32, 1f32, meta.shape.dims(), &Device::Cpu).expect("randn");
+    t.to_dtype(tessera_runtime::tensor::candle_dtype(meta.dtype)).expect("the operand's dtype")
 }
 
 /// Runs the step `runs` times with timings; the matmul kind's (flops, seconds).
@@ -180,10 +199,11 @@ fn bench(c: &mut Criterion) {
     let (f_out, s_out, per_shape) = isolated(&calls, runs);
     let (g_in, g_out) = (f_in as f64 / s_in / 1e9, f_out as f64 / s_out / 1e9);
     println!(
-        "{} batch {} × seq {}: {} matmuls, {:.1} GFLOP per forward+backward",
+        "{} batch {} × seq {}, {}: {} matmuls, {:.1} GFLOP per forward+backward",
         case.model,
         case.batch,
         case.seq,
+        case.dtype,
         calls.len(),
         step_flops as f64 / 1e9
     );
@@ -201,7 +221,8 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("step_matmuls");
     g.sample_size(10).measurement_time(Duration::from_secs(10));
     g.throughput(Throughput::Elements(step_flops));
-    g.bench_function(format!("{}_fwd_bwd", case.model), |bch| bch.iter(|| step.run()));
+    let name = format!("{}_{}_fwd_bwd", case.model, case.dtype);
+    g.bench_function(name, |bch| bch.iter(|| step.run()));
     g.finish();
 }
 

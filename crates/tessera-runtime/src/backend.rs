@@ -54,9 +54,9 @@ pub trait Backend: Send + Sync {
 pub struct CpuBackend {
     name: String,
     device: Device,
-    /// bf16 matrix products run on their bf16 operands (`vdpbf16ps`, f32 accumulation)
-    /// rather than on f32 upcasts: opt-in ([`CpuBackend::with_native_bf16`]), where the CPU
-    /// has AVX512_BF16.
+    /// bf16 matrix products run on their bf16 operands (AMX tiles or `vdpbf16ps`, f32
+    /// accumulation) rather than on f32 upcasts: the default where the CPU has AMX-BF16,
+    /// opt-in ([`CpuBackend::with_native_bf16`]) where it has only AVX512_BF16.
     bf16_gemm: bool,
 }
 
@@ -65,15 +65,17 @@ impl CpuBackend {
         CpuBackend {
             name: format!("cpu:{index}"),
             device: Device::Cpu,
-            // Off by default: with the `gemm` crate's AVX-512 kernels the f32 GEMM on upcast
-            // operands (104–132 GFLOP/s at 1024×768×3072 on 2 cores) beats the bf16 kernel
-            // (60 GFLOP/s) — BENCHMARKS.md, CPU training throughput.
-            bf16_gemm: false,
+            // On by default where the CPU has AMX tiles (several times the f32 GEMM); off where
+            // it has only `vdpbf16ps`: `gemm`'s AVX-512 f32 kernels on upcast operands
+            // (104–132 GFLOP/s at 1024×768×3072 on 2 cores) beat that kernel (60 GFLOP/s) —
+            // BENCHMARKS.md, CPU training throughput.
+            bf16_gemm: kernels::Bf16Kernel::native().is_some_and(|k| k.beats_upcasting()),
         }
     }
 
     /// The same backend running bf16 matrix products on the bf16 kernel
-    /// (`kernels::gemm_bf16`) where the CPU has AVX512_BF16 (unchanged where it has not).
+    /// (`kernels::gemm_bf16`: AMX or `vdpbf16ps`) where the CPU has one (unchanged where it
+    /// has not).
     pub fn with_native_bf16(self) -> CpuBackend {
         CpuBackend { bf16_gemm: kernels::Bf16Kernel::native().is_some(), ..self }
     }
@@ -124,7 +126,10 @@ impl Backend for CpuBackend {
         outputs: &[TensorMeta],
         at: &MeshPos,
     ) -> Result<Vec<Tensor>> {
-        if !needs_upcast(op, inputs) || (self.bf16_gemm && native_bf16(op, inputs)) {
+        if !needs_upcast(op, inputs)
+            || (self.bf16_gemm && native_bf16(op, inputs))
+            || computes_on_bf16(op, inputs)
+        {
             return kernels::execute_at(op, inputs, outputs, at);
         }
         // Mixed precision on the CPU: bf16/f16 tensors are stored as such, and arithmetic
@@ -133,7 +138,7 @@ impl Backend for CpuBackend {
         let up: Vec<Tensor> = inputs
             .iter()
             .map(|t| match t.dtype() {
-                DType::BF16 | DType::F16 => t.to_dtype(DType::F32),
+                DType::BF16 | DType::F16 => kernels::convert_dtype(t, DType::F32),
                 _ => Ok((*t).clone()),
             })
             .collect::<Result<_, _>>()?;
@@ -152,7 +157,7 @@ impl Backend for CpuBackend {
             .zip(outputs)
             .map(|(t, m)| {
                 let want = candle_dtype(m.dtype);
-                Ok(if t.dtype() == want { t } else { t.to_dtype(want)? })
+                Ok(if t.dtype() == want { t } else { kernels::convert_dtype(&t, want)? })
             })
             .collect()
     }
@@ -168,6 +173,12 @@ fn needs_upcast(op: &Op, inputs: &[&Tensor]) -> bool {
 /// two bf16 operands (its output is the IR's declared dtype, written by the kernel).
 fn native_bf16(op: &Op, inputs: &[&Tensor]) -> bool {
     matches!(op, Op::MatMul { .. }) && inputs.iter().all(|t| t.dtype() == DType::BF16)
+}
+
+/// Whether the CPU kernels compute `op` on these bf16 inputs as they are (reading them
+/// exactly as f32 and rounding the result once, the bits of the upcast path): binary ops.
+fn computes_on_bf16(op: &Op, inputs: &[&Tensor]) -> bool {
+    matches!(op, Op::Binary(_)) && inputs.iter().all(|t| t.dtype() == DType::BF16)
 }
 
 /// The ops every backend runs on half-precision operands as they are, without the f32 upcast

@@ -1,5 +1,5 @@
 //! The bf16 GEMM (f32 accumulation) against an f64 reference on the same bf16 values, through
-//! both micro-kernels (`vdpbf16ps` where the CPU has AVX512_BF16, and the portable one), then
+//! every kernel (AMX tiles and `vdpbf16ps` where the CPU has them, and the portable one), then
 //! the `MatMul` op on bf16 tensors (transposes, batch broadcasts, views) and a short bf16
 //! training run against fp32 and against the f32-upcast path.
 //!
@@ -39,16 +39,33 @@ impl Rng {
     }
 }
 
-/// Both kernels where this CPU runs them; the native one must be there when the CPU says so.
+/// Every kernel this CPU runs; the native one must be there when the CPU says so (AMX first).
 fn kernels() -> Vec<Bf16Kernel> {
     #[cfg(target_arch = "x86_64")]
-    let native = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16");
+    let (dp, amx) = (
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16"),
+        // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE (std's detection of AMX is
+        // unstable).
+        std::arch::x86_64::__cpuid_count(7, 0).edx & (5 << 22) == 5 << 22,
+    );
     #[cfg(not(target_arch = "x86_64"))]
-    let native = false;
-    assert_eq!(Bf16Kernel::native().is_some(), native, "dispatch follows the CPU's features");
+    let (dp, amx) = (false, false);
+    // Linux may refuse the tile state (an old kernel); then AMX is not offered.
+    let amx = amx && Bf16Kernel::Amx.available();
+    let want = if amx {
+        Some(Bf16Kernel::Amx)
+    } else if dp {
+        Some(Bf16Kernel::Avx512Bf16)
+    } else {
+        None
+    };
+    assert_eq!(Bf16Kernel::native(), want, "dispatch follows the CPU's features");
     let mut k = vec![Bf16Kernel::Portable];
-    if native {
+    if dp {
         k.push(Bf16Kernel::Avx512Bf16);
+    }
+    if amx {
+        k.push(Bf16Kernel::Amx);
     }
     k
 }
@@ -56,9 +73,9 @@ fn kernels() -> Vec<Bf16Kernel> {
 /// The kernel on every layout (each operand row- or column-major, with padded leading
 /// dimensions), on tails of the 12 × 32 tile and of k's pairs, and on a k long enough to cut
 /// m into several row blocks and n into several packed panels: f32 output within the
-/// summation bound of the f64 reference, bf16 output its exact rounding, and the two
-/// micro-kernels the same bits (`vdpbf16ps` adds the high products, then the low, like the
-/// portable one).
+/// summation bound of the f64 reference, bf16 output its exact rounding, and the portable and
+/// `vdpbf16ps` micro-kernels the same bits (`vdpbf16ps` adds the high products, then the low,
+/// like the portable one; AMX's tiles add in the hardware's own order, held to the bound).
 #[test]
 fn gemm_bf16_matches_f64_on_every_layout_and_tail() {
     let mut rng = Rng::new(1);
@@ -70,7 +87,7 @@ fn gemm_bf16_matches_f64_on_every_layout_and_tail() {
             }
         }
     }
-    shapes.extend([(13, 31, 64), (40, 129, 4097)]);
+    shapes.extend([(13, 31, 64), (40, 129, 4097), (97, 70, 100), (64, 64, 96)]);
     for (m, n, k) in shapes {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
             // Stored with a padded leading dimension, so strides are not the shape.
@@ -105,6 +122,10 @@ fn gemm_bf16_matches_f64_on_every_layout_and_tail() {
                         );
                         assert_eq!(y16[i * n + j].to_bits(), bf16::from_f32(got).to_bits());
                     }
+                }
+                if kernel == Bf16Kernel::Amx {
+                    // AMX adds in its own order (within the bound above, not bit for bit).
+                    continue;
                 }
                 let these: Vec<u32> = y32.iter().map(|x| x.to_bits()).collect();
                 match &bits {
@@ -198,7 +219,11 @@ fn backend_bf16_matmul_native_and_upcast_agree() {
     let (a, b) = (rng.tensor(&[2, 19, 70]), rng.tensor(&[45, 70]));
     let op = Op::MatMul { trans_a: false, trans_b: true };
     let out = op.infer(&[&meta_of(&a).unwrap(), &meta_of(&b).unwrap()]).unwrap();
-    assert!(!CpuBackend::new(0).native_bf16_gemm(), "opt-in: the upcast path is the default");
+    assert_eq!(
+        CpuBackend::new(0).native_bf16_gemm(),
+        Bf16Kernel::native() == Some(Bf16Kernel::Amx),
+        "the native kernel is the default where it is AMX, opt-in where it is vdpbf16ps"
+    );
     let native = CpuBackend::new(0).with_native_bf16();
     assert_eq!(native.native_bf16_gemm(), Bf16Kernel::native().is_some());
     let up = CpuBackend::new(0).upcasting_bf16();
@@ -259,4 +284,50 @@ fn bf16_training_on_the_native_gemm_tracks_fp32() {
         }
     }
     assert!(fp32[steps as usize - 1] < fp32[0] * 0.95, "the run must learn: {fp32:?}");
+}
+
+/// The backend's bf16 ↔ f32 conversions (`kernels::convert_dtype`, every upcast op's inputs and
+/// outputs) give `half`'s bits: f32 → bf16 rounds to nearest even (NaN stays NaN), bf16 → f32
+/// is exact; on a tensor long enough for the parallel chunks and on a short one, and on a
+/// strided view (candle's path).
+#[test]
+fn conversions_give_halfs_bits() {
+    let mut x = 0x2545_F491u32;
+    let specials = [0.0f32, -0.0, 1.0, -1.5, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::INFINITY];
+    for n in [7usize, 70_001] {
+        let vals: Vec<f32> = specials
+            .into_iter()
+            .chain((0..n).map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                f32::from_bits(x)
+            }))
+            .collect();
+        let t = Tensor::from_vec(vals.clone(), vals.len(), &Device::Cpu).unwrap();
+        let narrow = tessera_runtime::kernels::convert_dtype(&t, DType::BF16).unwrap();
+        assert_eq!(narrow.dtype(), DType::BF16);
+        let got = narrow.to_vec1::<bf16>().unwrap();
+        for (v, g) in vals.iter().zip(&got) {
+            if v.is_nan() {
+                assert!(g.is_nan(), "{v:?} gave {g:?}");
+            } else {
+                assert_eq!(g.to_bits(), bf16::from_f32(*v).to_bits(), "{v:e}");
+            }
+        }
+        let wide = tessera_runtime::kernels::convert_dtype(&narrow, DType::F32).unwrap();
+        let back = wide.to_vec1::<f32>().unwrap();
+        for (g, b) in got.iter().zip(&back) {
+            assert_eq!(b.to_bits(), g.to_f32().to_bits());
+        }
+    }
+    // A transposed view: not contiguous, converted element for element all the same.
+    let m =
+        Tensor::from_vec((0..12).map(|i| i as f32 * 0.3).collect::<Vec<_>>(), (3, 4), &Device::Cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+    let got = tessera_runtime::kernels::convert_dtype(&m, DType::BF16).unwrap();
+    let want = m.to_dtype(DType::BF16).unwrap();
+    assert_eq!(got.to_vec2::<bf16>().unwrap(), want.to_vec2::<bf16>().unwrap());
 }

@@ -7,16 +7,19 @@
 //!   that LLVM vectorises, used by every exp-heavy f32 loop (softmax, cross-entropy, GELU);
 //! - f64-accumulating sums that vectorise (eight independent lanes).
 //!
-//! Numerics: f32 in, f32 out. Functions whose textbook form cancels (1 − tanh², σ(1 − σ),
+//! Numerics: f32 in, f32 out (binary ops also bf16 in, bf16 out: computed in f32, rounded
+//! once, as the backend's upcast path would). Functions whose textbook form cancels (1 − tanh², σ(1 − σ),
 //! 0.5·(1 + tanh)) are rewritten in forms that do not; where terms still cancel (the GELU
 //! and SiLU derivatives at their zero crossings) the function is evaluated in f64 with a
 //! vectorisable [`exp_f64`]; exact GELU uses an f64 erfc (Cephes' rational approximations).
 //! Outputs are within a few f32 ulps of the exact value.
 
+use super::inplace::Elem;
 use super::simd::wide;
 use crate::tensor::{candle_dtype, from_vec};
 use crate::{Result, RuntimeError};
 use candle_core::{DType as CDType, Device, Layout, Storage, StorageRef, Tensor, WithDType};
+use half::bf16;
 use rayon::prelude::*;
 use tessera_ir::ops::elementwise::dropout_keep;
 use tessera_ir::{BinaryOp, DType, TensorMeta, UnaryOp};
@@ -232,34 +235,45 @@ fn map2<F: Fn(f32, f32) -> f32 + Sync>(
     dims: &[usize],
     f: F,
 ) -> Result<Tensor> {
+    map2_as::<f32, F>(a, b, dims, f)
+}
+
+/// [`map2`] on operands of element type `T` (f32, or bf16 read exactly as f32), the f32
+/// result rounded to `T`: the bits the backend's upcast path gives, without its f32 copies.
+fn map2_as<T: Elem, F: Fn(f32, f32) -> f32 + Sync>(
+    a: &Tensor,
+    b: &Tensor,
+    dims: &[usize],
+    f: F,
+) -> Result<Tensor> {
     let (va, vb) = (View::new(a)?, View::new(b)?);
     let (sa, sb) = (va.strides_for(dims)?, vb.strides_for(dims)?);
-    let (da, db) = (va.data::<f32>()?, vb.data::<f32>()?);
-    let mut out = vec![0f32; numel(dims)];
+    let (da, db) = (va.data::<T>()?, vb.data::<T>()?);
+    let mut out = vec![T::put(0.0); numel(dims)];
     walk(&mut out, dims, [&sa, &sb], [va.offset(), vb.offset()], |o, _, [ia, ib], st| {
         wide! {
             let n = o.len();
             match st {
                 [1, 1] => {
                     for ((o, &x), &y) in o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]) {
-                        *o = f(x, y);
+                        *o = T::put(f(x.get(), y.get()));
                     }
                 }
                 [1, 0] => {
-                    let y = db[ib];
+                    let y = db[ib].get();
                     for (o, &x) in o.iter_mut().zip(&da[ia..ia + n]) {
-                        *o = f(x, y);
+                        *o = T::put(f(x.get(), y));
                     }
                 }
                 [0, 1] => {
-                    let x = da[ia];
+                    let x = da[ia].get();
                     for (o, &y) in o.iter_mut().zip(&db[ib..ib + n]) {
-                        *o = f(x, y);
+                        *o = T::put(f(x, y.get()));
                     }
                 }
                 [ja, jb] => {
                     for (k, o) in o.iter_mut().enumerate() {
-                        *o = f(da[ia + k * ja], db[ib + k * jb]);
+                        *o = T::put(f(da[ia + k * ja].get(), db[ib + k * jb].get()));
                     }
                 }
             }
@@ -670,17 +684,26 @@ fn min_nan(p: f32, q: f32) -> f32 {
 /// NumPy-broadcasting binary op. Operands are read in place through their strides: equal
 /// shapes and trailing broadcasts (a bias `[N]` against `[.., N]`) become vectorised
 /// slice loops, anything else a strided loop.
+///
+/// Two bf16 operands give a bf16 result computed in f32 and rounded once (the backend's
+/// mixed precision, without widening copies of the operands).
 pub fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &TensorMeta) -> Result<Tensor> {
+    if a.dtype() == CDType::BF16 && b.dtype() == CDType::BF16 {
+        return binary_as::<bf16>(op, a, b, out.shape.dims());
+    }
     expect_f32(a, "binary", "a")?;
     expect_f32(b, "binary", "b")?;
-    let dims = out.shape.dims();
+    binary_as::<f32>(op, a, b, out.shape.dims())
+}
+
+fn binary_as<T: Elem>(op: BinaryOp, a: &Tensor, b: &Tensor, dims: &[usize]) -> Result<Tensor> {
     match op {
-        BinaryOp::Add => map2(a, b, dims, |x, y| x + y),
-        BinaryOp::Sub => map2(a, b, dims, |x, y| x - y),
-        BinaryOp::Mul => map2(a, b, dims, |x, y| x * y),
-        BinaryOp::Div => map2(a, b, dims, |x, y| x / y),
-        BinaryOp::Max => map2(a, b, dims, max_nan),
-        BinaryOp::Min => map2(a, b, dims, min_nan),
+        BinaryOp::Add => map2_as::<T, _>(a, b, dims, |x, y| x + y),
+        BinaryOp::Sub => map2_as::<T, _>(a, b, dims, |x, y| x - y),
+        BinaryOp::Mul => map2_as::<T, _>(a, b, dims, |x, y| x * y),
+        BinaryOp::Div => map2_as::<T, _>(a, b, dims, |x, y| x / y),
+        BinaryOp::Max => map2_as::<T, _>(a, b, dims, max_nan),
+        BinaryOp::Min => map2_as::<T, _>(a, b, dims, min_nan),
     }
 }
 
@@ -722,7 +745,7 @@ pub fn binary_backward(
     }
 }
 
-/// Dtype conversion by candle (floats round to nearest, float → int truncates toward zero),
+/// Dtype conversion ([`super::convert`] for bf16 ↔ f32, else candle; floats round to nearest, float → int truncates toward zero),
 /// except to bool, which is `x != 0` (candle's `as u8` would truncate 0.5 to 0). Always a
 /// fresh contiguous tensor, even when the dtype does not change.
 pub fn cast(x: &Tensor, to: DType) -> Result<Tensor> {
@@ -732,7 +755,7 @@ pub fn cast(x: &Tensor, to: DType) -> Result<Tensor> {
     } else if x.dtype() == target {
         x.force_contiguous()?
     } else {
-        x.to_dtype(target)?
+        super::convert::to_dtype(x, target)?
     })
 }
 

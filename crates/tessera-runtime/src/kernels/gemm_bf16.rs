@@ -42,16 +42,20 @@ const A_BLOCK_BYTES: usize = 384 << 10;
 pub enum Bf16Kernel {
     /// `vdpbf16ps` on zmm registers (AVX512F + AVX512_BF16).
     Avx512Bf16,
+    /// Intel AMX tiles (`tdpbf16ps`, AMX-BF16): [`super::gemm_amx`].
+    Amx,
     /// Plain f32 arithmetic on the same packed panels: every CPU, slower.
     Portable,
 }
 
 impl Bf16Kernel {
-    /// The fastest kernel this CPU runs natively, if any is faster than the f32 GEMM on
-    /// upcast operands (only `vdpbf16ps` is: the portable one exists for tests).
+    /// The fastest kernel this CPU runs natively, if any: AMX tiles where the CPU has them
+    /// (and Linux grants them), else `vdpbf16ps`. The portable one exists for tests.
     pub fn native() -> Option<Bf16Kernel> {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") {
+        if super::gemm_amx::available() {
+            return Some(Bf16Kernel::Amx);
+        }
+        if Bf16Kernel::Avx512Bf16.available() {
             return Some(Bf16Kernel::Avx512Bf16);
         }
         None
@@ -60,9 +64,22 @@ impl Bf16Kernel {
     /// Whether this CPU can run the kernel.
     pub fn available(self) -> bool {
         match self {
-            Bf16Kernel::Avx512Bf16 => Bf16Kernel::native() == Some(Bf16Kernel::Avx512Bf16),
+            #[cfg(target_arch = "x86_64")]
+            Bf16Kernel::Avx512Bf16 => {
+                is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Bf16Kernel::Avx512Bf16 => false,
+            Bf16Kernel::Amx => super::gemm_amx::available(),
             Bf16Kernel::Portable => true,
         }
+    }
+
+    /// Whether the kernel runs bf16 products faster than the f32 GEMM runs their upcasts, so
+    /// that the CPU backend uses it by default: AMX does (several times over); `vdpbf16ps`
+    /// does not beat `gemm`'s AVX-512 f32 kernels (BENCHMARKS.md) and stays opt-in.
+    pub fn beats_upcasting(self) -> bool {
+        self == Bf16Kernel::Amx
     }
 }
 
@@ -77,7 +94,7 @@ pub(super) struct Bf16Ref {
 impl Bf16Ref {
     /// The submatrix starting at element (i, j) (a method, so closures capture the whole
     /// `Sync` wrapper rather than its raw pointer).
-    fn at(self, i: usize, j: usize) -> Bf16Ref {
+    pub(super) fn at(self, i: usize, j: usize) -> Bf16Ref {
         Bf16Ref {
             ptr: self.ptr.wrapping_offset(i as isize * self.rs + j as isize * self.cs),
             ..self
@@ -105,7 +122,7 @@ unsafe impl Sync for Bf16Dst {}
 /// `x` rounded to bf16 (nearest, ties to even; NaN stays a quiet NaN), as `half` does it but
 /// branch-free on the bits so loops over it vectorise.
 #[inline(always)]
-fn round_bf16(x: f32) -> u16 {
+pub(super) fn round_bf16(x: f32) -> u16 {
     let b = x.to_bits();
     let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
     let nan = ((b >> 16) as u16) | 0x0040;
@@ -138,6 +155,11 @@ pub(super) unsafe fn gemm_bf16(
     if m == 0 || n == 0 {
         return;
     }
+    if kernel == Bf16Kernel::Amx {
+        // SAFETY: the same contract; available() checked the tiles.
+        unsafe { super::gemm_amx::gemm(m, n, k, dst, lhs, rhs, scale, parallel) };
+        return;
+    }
     let kp = k.div_ceil(2).max(1);
     let words_per_col = kp * 4;
     let nc = (B_PANEL_BYTES / words_per_col / NR * NR).clamp(NR, n.next_multiple_of(NR));
@@ -156,7 +178,7 @@ pub(super) unsafe fn gemm_bf16(
         let pack_b = |(jp, buf): (usize, &mut [u32])| {
             let cols = NR.min(ncur - jp * NR);
             // SAFETY: columns jc + jp·NR .. + cols and rows 0..k are in bounds (contract).
-            unsafe { pack_rhs(rhs.at(0, jc + jp * NR), k, cols, buf) };
+            unsafe { pack_rhs_panel(rhs.at(0, jc + jp * NR), k, cols, buf) };
         };
         if threads > 1 && npan > 1 {
             bpack.par_chunks_mut(kp * NR).enumerate().for_each(pack_b);
@@ -226,11 +248,13 @@ unsafe fn pack_lhs(a: Bf16Ref, rows: usize, k: usize, out: &mut [u32]) {
 }
 
 /// Packs columns `0..cols` of `b` (`k × cols`) into one micro-panel of [`NR`] columns: per pair
-/// `p`, the words `(b[2p][j], b[2p+1][j])` (zero past `cols` and past k).
+/// `p < ⌈k/2⌉`, the words `(b[2p][j], b[2p+1][j])` (zero past `cols` and past k; words of
+/// pairs past k, where `out` is longer, are left as they are).
 ///
 /// # Safety
-/// Every addressed element of `b` is in bounds.
-unsafe fn pack_rhs(b: Bf16Ref, k: usize, cols: usize, out: &mut [u32]) {
+/// Every addressed element of `b` is in bounds; `out` holds at least `⌈k/2⌉·NR` words.
+pub(super) unsafe fn pack_rhs_panel(b: Bf16Ref, k: usize, cols: usize, out: &mut [u32]) {
+    let out = &mut out[..k.div_ceil(2) * NR];
     if b.cs == 1 && cols == NR {
         // Row-major rhs: interleave two contiguous rows per pair.
         for (p, words) in out.chunks_exact_mut(NR).enumerate() {
@@ -300,6 +324,8 @@ unsafe fn micro(kernel: Bf16Kernel, kp: usize, a: &[u32], b: &[u32], tile: &mut 
         #[cfg(not(target_arch = "x86_64"))]
         Bf16Kernel::Avx512Bf16 => unreachable!("AVX512_BF16 is never available off x86-64"),
         Bf16Kernel::Portable => micro_portable(kp, a, b, tile),
+        // gemm_bf16 hands AMX products to gemm_amx before any micro-tile of this layout.
+        Bf16Kernel::Amx => unreachable!("AMX products run in gemm_amx"),
     }
 }
 
@@ -349,9 +375,34 @@ unsafe fn store_tile(
     }
 }
 
+/// [`store_tile`] for a tile of any number of rows of [`NR`] columns, on AVX-512 where the
+/// CPU has it (the AMX kernel's 32 × 32 blocks).
+///
+/// # Safety
+/// As [`store_tile`]'s; `tile` holds at least `rows` rows.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub(super) unsafe fn store_rows(
+    tile: &[f32],
+    dst: Bf16Dst,
+    i: usize,
+    j: usize,
+    rows: usize,
+    cols: usize,
+    scale: f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+        // SAFETY: as the caller's; the features were just checked.
+        return unsafe { avx512::store(tile, dst, i, j, rows, cols, scale) };
+    }
+    // SAFETY: as the caller's.
+    unsafe { store_body(tile, dst, i, j, rows, cols, scale) }
+}
+
 #[inline(always)]
 unsafe fn store_body(
-    tile: &[f32; MR * NR],
+    tile: &[f32],
     dst: Bf16Dst,
     i: usize,
     j: usize,
@@ -438,7 +489,7 @@ mod avx512 {
     /// As `store_body`'s; AVX512F is available.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn store(
-        tile: &[f32; MR * NR],
+        tile: &[f32],
         dst: Bf16Dst,
         i: usize,
         j: usize,

@@ -1,4 +1,5 @@
-//! In-place access to a candle tensor's CPU storage (AdamW's update, the KV-cache write).
+//! In-place access to a candle tensor's CPU storage (AdamW's update, the KV-cache write), and
+//! the float element types kernels read and write ([`Elem`]).
 
 use crate::{Result, RuntimeError};
 use candle_core::backend::BackendStorage;
@@ -33,7 +34,9 @@ impl Elem for bf16 {
         self.to_f32()
     }
     fn put(x: f32) -> bf16 {
-        bf16::from_f32(x)
+        // `half`'s bits (round to nearest even, NaN stays quiet), branch-free so loops over
+        // it vectorise.
+        bf16::from_bits(super::gemm_bf16::round_bf16(x))
     }
     fn slice_mut(s: &mut CpuStorage) -> Option<&mut [bf16]> {
         match s {

@@ -9,13 +9,15 @@
 //! - no kernel allocates a temporary larger than its declared workspace
 //!   (`Op::workspace_bytes`) beyond O(rows) scratch, so the heap follows the Program;
 //! - arithmetic is f32 with f32 (or wider) accumulation; integer inputs are i64. bf16 matrix
-//!   products run on bf16 operands where the CPU has AVX512_BF16 ([`gemm_bf16`], still f32
-//!   accumulation); everything else that computes on half precision is upcast by the backend.
+//!   products run on bf16 operands where the CPU has AMX-BF16 or AVX512_BF16 ([`gemm_bf16`],
+//!   [`gemm_amx`], still f32 accumulation); everything else that computes on half precision is upcast by the backend.
 
 mod attention;
 mod attention_merge;
+mod convert;
 mod elementwise;
 mod embedding;
+mod gemm_amx;
 mod gemm_bf16;
 mod infer;
 mod inplace;
@@ -33,6 +35,7 @@ mod tiled_mlp;
 mod vision;
 
 pub use attention::{attention_backward_within, attention_within};
+pub use convert::to_dtype as convert_dtype;
 pub use gemm_bf16::{gemm_bf16_dense, Bf16Kernel};
 pub use loss::check_targets;
 
