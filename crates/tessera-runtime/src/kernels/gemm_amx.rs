@@ -29,7 +29,7 @@
 //! [`available`]); each task loads the tile configuration on its thread and releases the tiles
 //! when it ends, so threads that no longer use them carry no tile state.
 
-use super::gemm_bf16::{pack_rhs_panel, store_rows, Bf16Dst, Bf16Ref, NR};
+use super::gemm_bf16::{pack_rhs_panel, store_rows, Bf16Dst, Bf16Ref, TaskGrid, NR};
 use super::matmul::SendPtr;
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -144,22 +144,12 @@ pub(super) unsafe fn gemm(
             } else {
                 bpack.chunks_mut(panel_words).enumerate().for_each(pack_b);
             }
-            let row_blocks = m.div_ceil(mc);
-            let groups = if row_blocks >= 2 * threads {
-                1
-            } else {
-                npan.min((2 * threads).div_ceil(row_blocks))
-            };
-            let per_group = npan.div_ceil(groups);
+            let grid = TaskGrid::new(m, mc, npan, threads);
             let bp = &bpack[..];
             let task = |t: usize| {
-                let (rb, g) = (t / groups, t % groups);
-                let (i0, p0) = (rb * mc, g * per_group);
-                let rows = mc.min(m - i0);
-                let p1 = (p0 + per_group).min(npan);
-                if p0 >= p1 {
+                let Some((i0, rows, p0, p1)) = grid.task(t) else {
                     return;
-                }
+                };
                 let pairs_of_rows = rows.div_ceil(MR);
                 let mut apack = vec![0u16; 2 * pairs_of_rows * ns * tile_len];
                 // SAFETY: rows i0..i0 + rows and columns k0..k0 + klen of lhs are in bounds
@@ -195,12 +185,7 @@ pub(super) unsafe fn gemm(
                     }
                 }
             };
-            let ntasks = row_blocks * groups;
-            if threads > 1 && ntasks > 1 {
-                (0..ntasks).into_par_iter().for_each(task);
-            } else {
-                (0..ntasks).for_each(task);
-            }
+            grid.run(threads, task);
         }
     }
     drop(acc);

@@ -185,24 +185,12 @@ pub(super) unsafe fn gemm_bf16(
         } else {
             bpack.chunks_mut(kp * NR).enumerate().for_each(pack_b);
         }
-        // Tasks: row blocks, each cut into column groups when there are too few of them to
-        // keep every thread busy (short m: decoding, attention blocks).
-        let row_blocks = m.div_ceil(mc);
-        let groups = if row_blocks >= 2 * threads {
-            1
-        } else {
-            npan.min((2 * threads).div_ceil(row_blocks))
-        };
-        let per_group = npan.div_ceil(groups);
+        let grid = TaskGrid::new(m, mc, npan, threads);
         let bp = &bpack[..];
         let task = |t: usize| {
-            let (rb, g) = (t / groups, t % groups);
-            let (i0, p0) = (rb * mc, g * per_group);
-            let rows = mc.min(m - i0);
-            let p1 = (p0 + per_group).min(npan);
-            if p0 >= p1 {
+            let Some((i0, rows, p0, p1)) = grid.task(t) else {
                 return;
-            }
+            };
             let mut apack = vec![0u32; rows.div_ceil(MR) * kp * MR];
             // SAFETY: rows i0..i0+rows and 0..k of lhs are in bounds (contract).
             unsafe { pack_lhs(lhs.at(i0, 0), rows, k, &mut apack) };
@@ -218,16 +206,60 @@ pub(super) unsafe fn gemm_bf16(
                     // (contract); the tile's rows i.. and columns j.. are this task's own.
                     unsafe {
                         micro(kernel, kp, apanel, bpanel, &mut tile);
-                        store_tile(kernel, &tile, dst, i, j, nrows, cols, scale);
+                        store_rows(&tile, dst, i, j, nrows, cols, scale);
                     }
                 }
             }
         };
-        let ntasks = row_blocks * groups;
-        if threads > 1 && ntasks > 1 {
-            (0..ntasks).into_par_iter().for_each(task);
+        grid.run(threads, task);
+    }
+}
+
+/// How one pass's tasks cut the output: row blocks of `mc` rows, each cut into groups of
+/// column panels when there are too few row blocks to keep every thread busy (short m:
+/// decoding, attention blocks).
+pub(super) struct TaskGrid {
+    m: usize,
+    mc: usize,
+    npan: usize,
+    groups: usize,
+    per_group: usize,
+    count: usize,
+}
+
+impl TaskGrid {
+    pub(super) fn new(m: usize, mc: usize, npan: usize, threads: usize) -> TaskGrid {
+        let row_blocks = m.div_ceil(mc);
+        let groups = if row_blocks >= 2 * threads {
+            1
         } else {
-            (0..ntasks).for_each(task);
+            npan.min((2 * threads).div_ceil(row_blocks))
+        };
+        TaskGrid {
+            m,
+            mc,
+            npan,
+            groups,
+            per_group: npan.div_ceil(groups),
+            count: row_blocks * groups,
+        }
+    }
+
+    /// Task `t`'s first row, its number of rows and its panels `p0..p1`; `None` when it has no
+    /// panel.
+    pub(super) fn task(&self, t: usize) -> Option<(usize, usize, usize, usize)> {
+        let (rb, g) = (t / self.groups, t % self.groups);
+        let (i0, p0) = (rb * self.mc, g * self.per_group);
+        let p1 = (p0 + self.per_group).min(self.npan);
+        (p0 < p1).then(|| (i0, self.mc.min(self.m - i0), p0, p1))
+    }
+
+    /// Runs every task, in parallel where there are threads and tasks to share.
+    pub(super) fn run(&self, threads: usize, task: impl Fn(usize) + Sync + Send) {
+        if threads > 1 && self.count > 1 {
+            (0..self.count).into_par_iter().for_each(task);
+        } else {
+            (0..self.count).for_each(task);
         }
     }
 }
@@ -350,36 +382,13 @@ fn micro_portable(kp: usize, a: &[u32], b: &[u32], tile: &mut [f32; MR * NR]) {
     }
 }
 
-/// Writes rows `0..rows` and columns `0..cols` of `tile`, times `scale`, at `(i, j)` of `dst`.
+/// Writes rows `0..rows` and columns `0..cols` of `tile` (rows of [`NR`] columns: this file's
+/// 12 × 32 tiles, the AMX kernel's 32 × 32 blocks), times `scale`, at `(i, j)` of `dst`; on
+/// AVX-512 where the CPU has it (the same arithmetic, vectorised).
 ///
 /// # Safety
-/// The addressed elements of `dst` are in bounds and this caller's alone; `kernel.available()`.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-unsafe fn store_tile(
-    kernel: Bf16Kernel,
-    tile: &[f32; MR * NR],
-    dst: Bf16Dst,
-    i: usize,
-    j: usize,
-    rows: usize,
-    cols: usize,
-    scale: f32,
-) {
-    match kernel {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as the caller's; AVX512F is available with the kernel.
-        Bf16Kernel::Avx512Bf16 => unsafe { avx512::store(tile, dst, i, j, rows, cols, scale) },
-        // SAFETY: as the caller's.
-        _ => unsafe { store_body(tile, dst, i, j, rows, cols, scale) },
-    }
-}
-
-/// [`store_tile`] for a tile of any number of rows of [`NR`] columns, on AVX-512 where the
-/// CPU has it (the AMX kernel's 32 × 32 blocks).
-///
-/// # Safety
-/// As [`store_tile`]'s; `tile` holds at least `rows` rows.
+/// The addressed elements of `dst` are in bounds and this caller's alone; `tile` holds at
+/// least `rows` rows.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 pub(super) unsafe fn store_rows(
