@@ -52,7 +52,7 @@ impl Bf16Kernel {
     /// The fastest kernel this CPU runs natively, if any: AMX tiles where the CPU has them
     /// (and Linux grants them), else `vdpbf16ps`. The portable one exists for tests.
     pub fn native() -> Option<Bf16Kernel> {
-        if super::gemm_amx::available() {
+        if Bf16Kernel::Amx.available() {
             return Some(Bf16Kernel::Amx);
         }
         if Bf16Kernel::Avx512Bf16.available() {
@@ -70,7 +70,10 @@ impl Bf16Kernel {
             }
             #[cfg(not(target_arch = "x86_64"))]
             Bf16Kernel::Avx512Bf16 => false,
+            #[cfg(target_arch = "x86_64")]
             Bf16Kernel::Amx => super::gemm_amx::available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Bf16Kernel::Amx => false,
             Bf16Kernel::Portable => true,
         }
     }
@@ -155,6 +158,7 @@ pub(super) unsafe fn gemm_bf16(
     if m == 0 || n == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
     if kernel == Bf16Kernel::Amx {
         // SAFETY: the same contract; available() checked the tiles.
         unsafe { super::gemm_amx::gemm(m, n, k, dst, lhs, rhs, scale, parallel) };

@@ -17,6 +17,7 @@ mod attention_merge;
 mod convert;
 mod elementwise;
 mod embedding;
+#[cfg(target_arch = "x86_64")]
 mod gemm_amx;
 mod gemm_bf16;
 mod infer;
