@@ -34,6 +34,7 @@ mod optim;
 mod quant;
 mod reduce;
 pub mod simd;
+mod strided;
 mod tiled_mlp;
 mod vision;
 
