@@ -243,14 +243,14 @@ pub fn matmul(
             (DType::BF16, DType::BF16) => match Bf16Kernel::native() {
                 Some(kernel) => Some(kernel),
                 None => return Err(unsupported(
-                    "bf16 operands need AVX512_BF16 on the CPU (the backend upcasts them to f32 \
+                    "bf16 operands need AMX-BF16 or AVX512_BF16 on the CPU (the backend upcasts them to f32 \
                      elsewhere)"
                         .into(),
                 )),
             },
             (da, db) => {
                 return Err(unsupported(format!(
-                    "only f32 (and bf16 with AVX512_BF16) operands are supported on the CPU, got \
+                    "only f32 (and bf16 with AMX-BF16 or AVX512_BF16) operands are supported on the CPU, got \
                  {da:?} x {db:?} (cast to f32 first)"
                 )))
             }
