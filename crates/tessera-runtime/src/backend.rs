@@ -128,7 +128,7 @@ impl Backend for CpuBackend {
     ) -> Result<Vec<Tensor>> {
         if !needs_upcast(op, inputs)
             || (self.bf16_gemm && native_bf16(op, inputs))
-            || computes_on_bf16(op, inputs)
+            || computes_on_bf16(op, inputs, outputs)
         {
             return kernels::execute_at(op, inputs, outputs, at);
         }
@@ -175,10 +175,13 @@ fn native_bf16(op: &Op, inputs: &[&Tensor]) -> bool {
     matches!(op, Op::MatMul { .. }) && inputs.iter().all(|t| t.dtype() == DType::BF16)
 }
 
-/// Whether the CPU kernels compute `op` on these bf16 inputs as they are (reading them
-/// exactly as f32 and rounding the result once, the bits of the upcast path): binary ops.
-fn computes_on_bf16(op: &Op, inputs: &[&Tensor]) -> bool {
-    matches!(op, Op::Binary(_)) && inputs.iter().all(|t| t.dtype() == DType::BF16)
+/// Whether the CPU kernels compute `op` on these bf16 inputs into bf16 outputs as they are
+/// (reading them exactly as f32 and rounding the result once, the bits of the upcast path):
+/// binary and unary ops and the unary ops' backward.
+fn computes_on_bf16(op: &Op, inputs: &[&Tensor], outputs: &[TensorMeta]) -> bool {
+    matches!(op, Op::Binary(_) | Op::Unary(_) | Op::UnaryBackward(_))
+        && inputs.iter().all(|t| t.dtype() == DType::BF16)
+        && outputs.iter().all(|m| m.dtype == IrDType::BF16)
 }
 
 /// The ops every backend runs on half-precision operands as they are, without the f32 upcast

@@ -331,3 +331,79 @@ fn conversions_give_halfs_bits() {
     let want = m.to_dtype(DType::BF16).unwrap();
     assert_eq!(got.to_vec2::<bf16>().unwrap(), want.to_vec2::<bf16>().unwrap());
 }
+
+/// Binary, unary and unary-backward ops on bf16 operands compute in f32 and round once: the
+/// same bits as the backend's upcast path (widen, the f32 kernel, round to bf16), for every
+/// op, on contiguous operands long enough for the parallel chunks, a broadcast one and a
+/// transposed view.
+#[test]
+fn elementwise_ops_on_bf16_give_the_upcast_paths_bits() {
+    use tessera_ir::{BinaryOp, UnaryOp};
+    let mut rng = Rng::new(11);
+    // Positive values as well (log, sqrt, rsqrt), and a spread past [-1, 1).
+    let wide = |t: &Tensor, by: f32| {
+        let v: Vec<bf16> = t
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<bf16>()
+            .unwrap()
+            .iter()
+            .map(|x| bf16::from_f32(x.to_f32() * by))
+            .collect();
+        Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap()
+    };
+    let x = wide(&rng.tensor(&[70_003]), 4.0);
+    let dy = rng.tensor(&[70_003]);
+    let xt = wide(&rng.tensor(&[33, 47]), 3.0).t().unwrap();
+    let dyt = rng.tensor(&[47, 33]);
+    let row = rng.tensor(&[33]);
+    let same = |op: &Op, inputs: &[&Tensor]| {
+        let metas: Vec<TensorMeta> = inputs.iter().map(|t| meta_of(t).unwrap()).collect();
+        let out = op.infer(&metas.iter().collect::<Vec<_>>()).unwrap();
+        let got = execute(op, inputs, &out).unwrap().remove(0);
+        assert_eq!(got.dtype(), DType::BF16, "{op:?}");
+        let up: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect();
+        let up_refs: Vec<&Tensor> = up.iter().collect();
+        let up_metas: Vec<TensorMeta> = up.iter().map(|t| meta_of(t).unwrap()).collect();
+        let up_out = op.infer(&up_metas.iter().collect::<Vec<_>>()).unwrap();
+        let want = execute(op, &up_refs, &up_out).unwrap().remove(0).to_dtype(DType::BF16).unwrap();
+        let (g, w) = (
+            got.flatten_all().unwrap().to_vec1::<bf16>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<bf16>().unwrap(),
+        );
+        assert_eq!(g.len(), w.len());
+        for (i, (p, q)) in g.iter().zip(&w).enumerate() {
+            assert!(
+                p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()),
+                "{op:?} [{i}]: {p} vs {q}"
+            );
+        }
+    };
+    let unary = [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Tanh,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+        UnaryOp::Relu,
+        UnaryOp::Sigmoid,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+    ];
+    for u in unary {
+        same(&Op::Unary(u), &[&x]);
+        same(&Op::Unary(u), &[&xt]);
+        same(&Op::UnaryBackward(u), &[&x, &dy]);
+        same(&Op::UnaryBackward(u), &[&xt, &dyt]);
+    }
+    let binary =
+        [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min];
+    for b in binary {
+        same(&Op::Binary(b), &[&x, &dy]);
+        same(&Op::Binary(b), &[&xt, &row]);
+    }
+}

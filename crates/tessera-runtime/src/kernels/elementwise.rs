@@ -17,7 +17,7 @@
 
 use super::inplace::Elem;
 use super::simd::wide;
-use super::strided::{map1, map2, map2_as, map3};
+use super::strided::{map1, map1_as, map2_as, map3};
 pub(super) use super::strided::{walk, View};
 use crate::tensor::{candle_dtype, from_vec};
 use crate::{Result, RuntimeError};
@@ -358,29 +358,40 @@ pub fn fill(value: f64, meta: &TensorMeta) -> Result<Tensor> {
     Ok(t)
 }
 
+/// `f(x)` elementwise; f32, or bf16 computed in f32 and rounded once (the upcast path's bits).
 pub fn unary(u: UnaryOp, x: &Tensor) -> Result<Tensor> {
+    if x.dtype() == CDType::BF16 {
+        return unary_as::<bf16>(u, x);
+    }
     expect_f32(x, "unary", "x")?;
+    unary_as::<f32>(u, x)
+}
+
+fn unary_as<T: Elem>(u: UnaryOp, x: &Tensor) -> Result<Tensor> {
     match u {
-        UnaryOp::Neg => map1(x, |v| -v),
-        UnaryOp::Exp => map1(x, exp_f32),
-        UnaryOp::Log => map1(x, f32::ln),
-        UnaryOp::Sqrt => map1(x, f32::sqrt),
-        UnaryOp::Rsqrt => map1(x, |v| 1.0 / v.sqrt()),
-        UnaryOp::Tanh => map1(x, f32::tanh),
-        UnaryOp::Gelu => map1(x, gelu),
-        UnaryOp::GeluTanh => map1(x, gelu_tanh),
-        UnaryOp::Silu => map1(x, |v| v * sigmoid_parts(v).0),
-        UnaryOp::Relu => map1(x, |v| if v > 0.0 { v } else { 0.0 }),
-        UnaryOp::Sigmoid => map1(x, |v| sigmoid_parts(v).0),
-        UnaryOp::Sin => map1(x, f32::sin),
-        UnaryOp::Cos => map1(x, f32::cos),
+        UnaryOp::Neg => map1_as::<T, _>(x, |v| -v),
+        UnaryOp::Exp => map1_as::<T, _>(x, exp_f32),
+        UnaryOp::Log => map1_as::<T, _>(x, f32::ln),
+        UnaryOp::Sqrt => map1_as::<T, _>(x, f32::sqrt),
+        UnaryOp::Rsqrt => map1_as::<T, _>(x, |v| 1.0 / v.sqrt()),
+        UnaryOp::Tanh => map1_as::<T, _>(x, f32::tanh),
+        UnaryOp::Gelu => map1_as::<T, _>(x, gelu),
+        UnaryOp::GeluTanh => map1_as::<T, _>(x, gelu_tanh),
+        UnaryOp::Silu => map1_as::<T, _>(x, |v| v * sigmoid_parts(v).0),
+        UnaryOp::Relu => map1_as::<T, _>(x, |v| if v > 0.0 { v } else { 0.0 }),
+        UnaryOp::Sigmoid => map1_as::<T, _>(x, |v| sigmoid_parts(v).0),
+        UnaryOp::Sin => map1_as::<T, _>(x, f32::sin),
+        UnaryOp::Cos => map1_as::<T, _>(x, f32::cos),
     }
 }
 
-/// `dy · f'(x)`.
+/// `dy · f'(x)`; f32, or both bf16 computed in f32 and rounded once.
 pub fn unary_backward(u: UnaryOp, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    expect_f32(x, "unary_backward", "x")?;
-    expect_f32(dy, "unary_backward", "dy")?;
+    let half = x.dtype() == CDType::BF16 && dy.dtype() == CDType::BF16;
+    if !half {
+        expect_f32(x, "unary_backward", "x")?;
+        expect_f32(dy, "unary_backward", "dy")?;
+    }
     if x.dims() != dy.dims() {
         return Err(RuntimeError::Binding(format!(
             "unary_backward: x {:?} and dy {:?} must have one shape",
@@ -389,21 +400,29 @@ pub fn unary_backward(u: UnaryOp, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
         )));
     }
     let dims = x.dims().to_vec();
+    if half {
+        unary_backward_as::<bf16>(u, x, dy, &dims)
+    } else {
+        unary_backward_as::<f32>(u, x, dy, &dims)
+    }
+}
+
+fn unary_backward_as<T: Elem>(u: UnaryOp, x: &Tensor, dy: &Tensor, d: &[usize]) -> Result<Tensor> {
     match u {
-        UnaryOp::Neg => map2(x, dy, &dims, |_, g| -g),
-        UnaryOp::Exp => map2(x, dy, &dims, |v, g| g * exp_f32(v)),
-        UnaryOp::Log => map2(x, dy, &dims, |v, g| g / v),
-        UnaryOp::Sqrt => map2(x, dy, &dims, |v, g| g * (0.5 / v.sqrt())),
-        UnaryOp::Rsqrt => map2(x, dy, &dims, |v, g| g * (-0.5 / (v * v.sqrt()))),
+        UnaryOp::Neg => map2_as::<T, _>(x, dy, d, |_, g| -g),
+        UnaryOp::Exp => map2_as::<T, _>(x, dy, d, |v, g| g * exp_f32(v)),
+        UnaryOp::Log => map2_as::<T, _>(x, dy, d, |v, g| g / v),
+        UnaryOp::Sqrt => map2_as::<T, _>(x, dy, d, |v, g| g * (0.5 / v.sqrt())),
+        UnaryOp::Rsqrt => map2_as::<T, _>(x, dy, d, |v, g| g * (-0.5 / (v * v.sqrt()))),
         // 1 − tanh²(x) = 4e/(1+e)² with e = e^{−2|x|}: no cancellation for large |x|.
-        UnaryOp::Tanh => map2(x, dy, &dims, |v, g| g * (4.0 * sigmoid_parts(2.0 * v).1)),
-        UnaryOp::Gelu => map2(x, dy, &dims, |v, g| g * gelu_grad(v)),
-        UnaryOp::GeluTanh => map2(x, dy, &dims, |v, g| g * gelu_tanh_grad(v)),
-        UnaryOp::Silu => map2(x, dy, &dims, |v, g| g * silu_grad(v)),
-        UnaryOp::Relu => map2(x, dy, &dims, |v, g| if v > 0.0 { g } else { 0.0 }),
-        UnaryOp::Sigmoid => map2(x, dy, &dims, |v, g| g * sigmoid_parts(v).1),
-        UnaryOp::Sin => map2(x, dy, &dims, |v, g| g * v.cos()),
-        UnaryOp::Cos => map2(x, dy, &dims, |v, g| -g * v.sin()),
+        UnaryOp::Tanh => map2_as::<T, _>(x, dy, d, |v, g| g * (4.0 * sigmoid_parts(2.0 * v).1)),
+        UnaryOp::Gelu => map2_as::<T, _>(x, dy, d, |v, g| g * gelu_grad(v)),
+        UnaryOp::GeluTanh => map2_as::<T, _>(x, dy, d, |v, g| g * gelu_tanh_grad(v)),
+        UnaryOp::Silu => map2_as::<T, _>(x, dy, d, |v, g| g * silu_grad(v)),
+        UnaryOp::Relu => map2_as::<T, _>(x, dy, d, |v, g| if v > 0.0 { g } else { 0.0 }),
+        UnaryOp::Sigmoid => map2_as::<T, _>(x, dy, d, |v, g| g * sigmoid_parts(v).1),
+        UnaryOp::Sin => map2_as::<T, _>(x, dy, d, |v, g| g * v.cos()),
+        UnaryOp::Cos => map2_as::<T, _>(x, dy, d, |v, g| -g * v.sin()),
     }
 }
 

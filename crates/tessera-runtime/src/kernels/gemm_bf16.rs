@@ -293,6 +293,24 @@ pub(super) unsafe fn pack_rhs_panel(b: Bf16Ref, k: usize, cols: usize, out: &mut
     let out = &mut out[..k.div_ceil(2) * NR];
     if b.cs == 1 && cols == NR {
         // Row-major rhs: interleave two contiguous rows per pair.
+        #[cfg(target_arch = "x86_64")]
+        if super::pack_avx512::available() {
+            for (p, words) in out.chunks_exact_mut(NR).enumerate().take(k / 2) {
+                let r0 = b.ptr.wrapping_offset((2 * p) as isize * b.rs);
+                let r1 = b.ptr.wrapping_offset((2 * p + 1) as isize * b.rs);
+                // SAFETY: rows 2p, 2p + 1 < k hold NR = cols elements each (contract); words
+                // holds NR words.
+                unsafe { super::pack_avx512::rhs_pairs_interleave(r0, r1, words.as_mut_ptr()) };
+            }
+            if k % 2 == 1 {
+                let last = b.ptr.wrapping_offset((k - 1) as isize * b.rs);
+                for (j, w) in out[(k / 2) * NR..].iter_mut().enumerate() {
+                    // SAFETY: row k − 1, columns < NR = cols (contract).
+                    *w = u32::from(unsafe { *last.add(j) });
+                }
+            }
+            return;
+        }
         for (p, words) in out.chunks_exact_mut(NR).enumerate() {
             let r0 = b.ptr.wrapping_offset((2 * p) as isize * b.rs);
             let r1 = b.ptr.wrapping_offset((2 * p + 1) as isize * b.rs);
@@ -305,7 +323,37 @@ pub(super) unsafe fn pack_rhs_panel(b: Bf16Ref, k: usize, cols: usize, out: &mut
         }
         return;
     }
-    for c in 0..cols {
+    let mut c0 = 0;
+    #[cfg(target_arch = "x86_64")]
+    if b.rs == 1 && super::pack_avx512::available() {
+        // Transposed rhs: each column's pairs are contiguous words; 16 columns × 16 pairs at
+        // a time are one transpose.
+        let full_pairs = k / 32 * 16;
+        while c0 + 16 <= cols {
+            for p0 in (0..full_pairs).step_by(16) {
+                // SAFETY: columns c0..c0 + 16 < cols and rows 2·p0 .. 2·p0 + 32 <= k are in
+                // bounds (contract); out holds ⌈k/2⌉·NR words, past p0 + 15 rows of NR.
+                unsafe {
+                    super::pack_avx512::rhs_pairs_from_rows(
+                        b.at(2 * p0, c0).ptr,
+                        b.cs,
+                        out.as_mut_ptr().add(p0 * NR + c0),
+                        NR,
+                    )
+                };
+            }
+            if full_pairs * 2 < k {
+                let rest = b.at(2 * full_pairs, 0);
+                let tail = &mut out[full_pairs * NR..];
+                for c in c0..c0 + 16 {
+                    // SAFETY: column c < cols, rows 2·full_pairs .. k (contract).
+                    unsafe { pack_line(rest.at(0, c).ptr, b.rs, k - 2 * full_pairs, tail, c, NR) };
+                }
+            }
+            c0 += 16;
+        }
+    }
+    for c in c0..cols {
         // SAFETY: column c < cols, rows < k (contract).
         unsafe { pack_line(b.at(0, c).ptr, b.rs, k, out, c, NR) };
     }

@@ -16,6 +16,7 @@ use candle_core::{DType, Layout, Storage, Tensor};
 use gemm::Parallelism;
 use half::bf16;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 use tessera_ir::TensorMeta;
 
 /// Below this many multiply-adds per product, batches run in parallel with one thread each.
@@ -279,10 +280,13 @@ pub fn matmul(
         return matmul_bf16(a, b, trans_a, trans_b, out, [m, n, k], kernel);
     }
     let nbatch: usize = batch.iter().product();
-    let mut y = vec![0f32; nbatch * m * n];
-    if y.is_empty() || k == 0 {
-        return crate::tensor::from_vec(y, od);
+    let len = nbatch * m * n;
+    if len == 0 || k == 0 {
+        // Nothing, or an empty sum: zeros.
+        return crate::tensor::from_vec(vec![0f32; len], od);
     }
+    // Uninitialised: gemm overwrites every element without reading it (`accumulate` off).
+    let mut y: Vec<f32> = Vec::with_capacity(len);
 
     let (ga, la) = a.storage_and_layout();
     let (gb, lb) = b.storage_and_layout();
@@ -303,8 +307,12 @@ pub fn matmul(
                 cs: opb.cs as isize,
             };
             let dst = MatMut { ptr: y.as_mut_ptr(), rs: n_i, cs: 1 };
-            // SAFETY: every addressed element lies inside the checked layouts; y is fresh.
-            unsafe { gemm_f32(nbatch * m, n, k, dst, false, lhs, rhs, 1.0, all_threads()) };
+            // SAFETY: every addressed element lies inside the checked layouts; y has room
+            // for all `len`, which gemm writes (k > 0, not accumulating).
+            unsafe {
+                gemm_f32(nbatch * m, n, k, dst, false, lhs, rhs, 1.0, all_threads());
+                y.set_len(len);
+            }
             drop((ga, gb));
             return crate::tensor::from_vec(y, od);
         }
@@ -313,7 +321,7 @@ pub fn matmul(
     // One gemm per output batch element.
     let index = |flat: usize| batch_index(batch, flat);
     let (pa, pb) = (SendConstPtr(pa), SendConstPtr(pb));
-    let run = |bi: usize, c: &mut [f32], par: Parallelism| {
+    let run = |bi: usize, c: &mut [MaybeUninit<f32>], par: Parallelism| {
         let idx = index(bi);
         let lhs = MatRef {
             ptr: pa.get().wrapping_add(opa.at(&idx)),
@@ -325,16 +333,20 @@ pub fn matmul(
             rs: opb.rs as isize,
             cs: opb.cs as isize,
         };
-        let dst = MatMut { ptr: c.as_mut_ptr(), rs: n_i, cs: 1 };
-        // SAFETY: in bounds of the checked layouts; `c` is this batch element's own block.
+        let dst = MatMut { ptr: c.as_mut_ptr().cast(), rs: n_i, cs: 1 };
+        // SAFETY: in bounds of the checked layouts; `c` is this batch element's own block,
+        // which gemm writes whole (k > 0, not accumulating).
         unsafe { gemm_f32(m, n, k, dst, false, lhs, rhs, 1.0, par) };
     };
+    let blocks = &mut y.spare_capacity_mut()[..len];
     if m * n * k < SMALL_PRODUCT && nbatch > 1 {
-        y.par_chunks_mut(m * n).enumerate().for_each(|(bi, c)| run(bi, c, Parallelism::None));
+        blocks.par_chunks_mut(m * n).enumerate().for_each(|(bi, c)| run(bi, c, Parallelism::None));
     } else {
         let par = all_threads();
-        y.chunks_mut(m * n).enumerate().for_each(|(bi, c)| run(bi, c, par));
+        blocks.chunks_mut(m * n).enumerate().for_each(|(bi, c)| run(bi, c, par));
     }
+    // SAFETY: every batch element's block was written above.
+    unsafe { y.set_len(len) };
     drop((ga, gb));
     crate::tensor::from_vec(y, od)
 }
@@ -365,22 +377,44 @@ fn matmul_bf16(
     let batch = &od[..od.len() - 2];
     let nbatch: usize = batch.iter().product();
     let len = nbatch * m * n;
-    let (mut y32, mut y16) = match out.dtype {
-        tessera_ir::DType::F32 => (vec![0f32; len], Vec::new()),
-        tessera_ir::DType::BF16 => (Vec::new(), vec![bf16::ZERO; len]),
+    // Uninitialised: the kernel writes every element when k > 0 (zeroing first was a memset
+    // per product); an empty sum fills zeros below.
+    let f32_out = match out.dtype {
+        tessera_ir::DType::F32 => true,
+        tessera_ir::DType::BF16 => false,
         other => {
             return Err(unsupported(format!("bf16 operands give bf16 or f32, not {other}")));
         }
     };
-    let finish = |y32: Vec<f32>, y16: Vec<bf16>| match out.dtype {
-        tessera_ir::DType::F32 => crate::tensor::from_vec(y32, od),
-        _ => crate::tensor::from_vec(y16, od),
+    let (mut y32, mut y16): (Vec<f32>, Vec<bf16>) = if f32_out {
+        (Vec::with_capacity(len), Vec::new())
+    } else {
+        (Vec::new(), Vec::with_capacity(len))
     };
-    if len == 0 {
-        return finish(y32, y16);
+    // SAFETY (of every call): `written` only once the kernel wrote all `len` elements.
+    let finish = |mut y32: Vec<f32>, mut y16: Vec<bf16>, written: bool| {
+        if f32_out {
+            if written {
+                unsafe { y32.set_len(len) };
+            } else {
+                y32.resize(len, 0.0);
+            }
+            crate::tensor::from_vec(y32, od)
+        } else {
+            if written {
+                unsafe { y16.set_len(len) };
+            } else {
+                y16.resize(len, bf16::ZERO);
+            }
+            crate::tensor::from_vec(y16, od)
+        }
+    };
+    if len == 0 || k == 0 {
+        // Nothing, or an empty sum: zeros.
+        return finish(y32, y16, false);
     }
     // The output's base pointer as a `Bf16Dst` of row stride n (offset per product below).
-    let base = if y16.is_empty() {
+    let base = if f32_out {
         Bf16Dst::F32 { ptr: y32.as_mut_ptr(), rs: n as isize, cs: 1 }
     } else {
         Bf16Dst::Bf16 { ptr: y16.as_mut_ptr().cast(), rs: n as isize, cs: 1 }
@@ -389,10 +423,6 @@ fn matmul_bf16(
         Bf16Dst::F32 { ptr, rs, cs } => Bf16Dst::F32 { ptr: ptr.wrapping_add(by), rs, cs },
         Bf16Dst::Bf16 { ptr, rs, cs } => Bf16Dst::Bf16 { ptr: ptr.wrapping_add(by), rs, cs },
     };
-    if k == 0 {
-        // An empty sum: zeros, as allocated.
-        return finish(y32, y16);
-    }
 
     let (ga, la) = a.storage_and_layout();
     let (gb, lb) = b.storage_and_layout();
@@ -420,7 +450,7 @@ fn matmul_bf16(
                 gemm_bf16(nbatch * m, n, k, base, lhs, rhs_at(opb.offset), 1.0, kernel, true)
             };
             drop((ga, gb));
-            return finish(y32, y16);
+            return finish(y32, y16, true);
         }
     }
 
@@ -454,5 +484,5 @@ fn matmul_bf16(
         (0..nbatch).for_each(|bi| run(bi, true));
     }
     drop((ga, gb));
-    finish(y32, y16)
+    finish(y32, y16, true)
 }

@@ -31,6 +31,8 @@ mod matmul;
 mod moe;
 mod norm;
 mod optim;
+#[cfg(target_arch = "x86_64")]
+mod pack_avx512;
 mod quant;
 mod reduce;
 pub mod simd;

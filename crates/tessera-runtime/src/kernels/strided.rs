@@ -1,7 +1,7 @@
 //! Strided elementwise maps: [`View`] reads a candle view (broadcast, transposed, narrowed,
 //! offset) in place through its strides, [`walk`] runs over an output in parallel chunks, and
-//! `map1` / `map2` / `map3` apply an f32 function to one, two or three such operands into a
-//! fresh contiguous tensor (`map2_as` also on bf16 operands, rounding once). Split out of
+//! `map1` / `map2_as` / `map3` apply an f32 function to one, two or three such operands into
+//! a fresh contiguous tensor (`map1_as` / `map2_as` also on bf16 operands, rounding once). Split out of
 //! `elementwise.rs`, whose kernels (and layout's, reduce's) use them.
 
 use super::inplace::Elem;
@@ -10,6 +10,7 @@ use crate::tensor::from_vec;
 use crate::{Result, RuntimeError};
 use candle_core::{Layout, Storage, StorageRef, Tensor, WithDType};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Elements per parallel task: large enough to amortise rayon's scheduling (~1 µs).
 pub(super) const CHUNK: usize = 1 << 15;
@@ -17,6 +18,20 @@ pub(super) const CHUNK: usize = 1 << 15;
 /// Elements of a tensor of shape `dims`.
 pub(super) fn numel(dims: &[usize]) -> usize {
     dims.iter().product()
+}
+
+/// A vector of `len` elements that `fill` writes, in fresh uninitialised memory: zeroing it
+/// first cost a memset per op (the counting allocator hands back cached blocks, so a zeroed
+/// request is a `memset`, not fresh zero pages).
+///
+/// # Safety
+/// `fill` writes every one of the `len` elements.
+pub(super) unsafe fn fresh<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: every element was written (contract).
+    unsafe { out.set_len(len) };
+    out
 }
 
 /// A tensor's whole storage (read-locked) with its layout: strided reads without a copy.
@@ -164,40 +179,40 @@ pub(super) fn walk<T: Send, const N: usize>(
 
 /// `f` applied to every element of `x` (any layout), as a fresh contiguous f32 tensor.
 pub(super) fn map1<F: Fn(f32) -> f32 + Sync>(x: &Tensor, f: F) -> Result<Tensor> {
+    map1_as::<f32, F>(x, f)
+}
+
+/// [`map1`] on an operand of element type `T` (f32, or bf16 read exactly as f32), the f32
+/// result rounded to `T`: the bits the backend's upcast path gives, without its f32 copies.
+pub(super) fn map1_as<T: Elem, F: Fn(f32) -> f32 + Sync>(x: &Tensor, f: F) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let vx = View::new(x)?;
     let sx = vx.strides_for(&dims)?;
-    let dx = vx.data::<f32>()?;
-    let mut out = vec![0f32; numel(&dims)];
-    walk(&mut out, &dims, [&sx], [vx.offset()], |o, _, [i], [s]| {
-        wide! {
-            if s == 1 {
-                let n = o.len();
-                for (o, &v) in o.iter_mut().zip(&dx[i..i + n]) {
-                    *o = f(v);
-                }
-            } else {
-                for (k, o) in o.iter_mut().enumerate() {
-                    *o = f(dx[i + k * s]);
+    let dx = vx.data::<T>()?;
+    let fill = |out: &mut [MaybeUninit<T>]| {
+        walk(out, &dims, [&sx], [vx.offset()], |o, _, [i], [s]| {
+            wide! {
+                if s == 1 {
+                    let n = o.len();
+                    for (o, &v) in o.iter_mut().zip(&dx[i..i + n]) {
+                        o.write(T::put(f(v.get())));
+                    }
+                } else {
+                    for (k, o) in o.iter_mut().enumerate() {
+                        o.write(T::put(f(dx[i + k * s].get())));
+                    }
                 }
             }
-        }
-    });
+        })
+    };
+    // SAFETY: `walk` visits every output element once.
+    let out = unsafe { fresh(numel(&dims), fill) };
     from_vec(out, &dims)
 }
 
-/// `f(a, b)` elementwise with both operands read (broadcast, any layout) as `dims`.
-pub(super) fn map2<F: Fn(f32, f32) -> f32 + Sync>(
-    a: &Tensor,
-    b: &Tensor,
-    dims: &[usize],
-    f: F,
-) -> Result<Tensor> {
-    map2_as::<f32, F>(a, b, dims, f)
-}
-
-/// [`map2`] on operands of element type `T` (f32, or bf16 read exactly as f32), the f32
-/// result rounded to `T`: the bits the backend's upcast path gives, without its f32 copies.
+/// `f(a, b)` elementwise with both operands read (broadcast, any layout) as `dims`, of
+/// element type `T` (f32, or bf16 read exactly as f32), the f32 result rounded to `T`: the
+/// bits the backend's upcast path gives, without its f32 copies.
 pub(super) fn map2_as<T: Elem, F: Fn(f32, f32) -> f32 + Sync>(
     a: &Tensor,
     b: &Tensor,
@@ -207,36 +222,41 @@ pub(super) fn map2_as<T: Elem, F: Fn(f32, f32) -> f32 + Sync>(
     let (va, vb) = (View::new(a)?, View::new(b)?);
     let (sa, sb) = (va.strides_for(dims)?, vb.strides_for(dims)?);
     let (da, db) = (va.data::<T>()?, vb.data::<T>()?);
-    let mut out = vec![T::put(0.0); numel(dims)];
-    walk(&mut out, dims, [&sa, &sb], [va.offset(), vb.offset()], |o, _, [ia, ib], st| {
-        wide! {
-            let n = o.len();
-            match st {
-                [1, 1] => {
-                    for ((o, &x), &y) in o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]) {
-                        *o = T::put(f(x.get(), y.get()));
+    let offs = [va.offset(), vb.offset()];
+    let fill = |out: &mut [MaybeUninit<T>]| {
+        walk(out, dims, [&sa, &sb], offs, |o, _, [ia, ib], st| {
+            wide! {
+                let n = o.len();
+                match st {
+                    [1, 1] => {
+                        let it = o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]);
+                        for ((o, &x), &y) in it {
+                            o.write(T::put(f(x.get(), y.get())));
+                        }
                     }
-                }
-                [1, 0] => {
-                    let y = db[ib].get();
-                    for (o, &x) in o.iter_mut().zip(&da[ia..ia + n]) {
-                        *o = T::put(f(x.get(), y));
+                    [1, 0] => {
+                        let y = db[ib].get();
+                        for (o, &x) in o.iter_mut().zip(&da[ia..ia + n]) {
+                            o.write(T::put(f(x.get(), y)));
+                        }
                     }
-                }
-                [0, 1] => {
-                    let x = da[ia].get();
-                    for (o, &y) in o.iter_mut().zip(&db[ib..ib + n]) {
-                        *o = T::put(f(x, y.get()));
+                    [0, 1] => {
+                        let x = da[ia].get();
+                        for (o, &y) in o.iter_mut().zip(&db[ib..ib + n]) {
+                            o.write(T::put(f(x, y.get())));
+                        }
                     }
-                }
-                [ja, jb] => {
-                    for (k, o) in o.iter_mut().enumerate() {
-                        *o = T::put(f(da[ia + k * ja].get(), db[ib + k * jb].get()));
+                    [ja, jb] => {
+                        for (k, o) in o.iter_mut().enumerate() {
+                            o.write(T::put(f(da[ia + k * ja].get(), db[ib + k * jb].get())));
+                        }
                     }
                 }
             }
-        }
-    });
+        })
+    };
+    // SAFETY: `walk` visits every output element once.
+    let out = unsafe { fresh(numel(dims), fill) };
     from_vec(out, dims)
 }
 
@@ -251,23 +271,26 @@ pub(super) fn map3<F: Fn(f32, f32, f32) -> f32 + Sync>(
     let (va, vb, vc) = (View::new(a)?, View::new(b)?, View::new(c)?);
     let (sa, sb, sc) = (va.strides_for(dims)?, vb.strides_for(dims)?, vc.strides_for(dims)?);
     let (da, db, dc) = (va.data::<f32>()?, vb.data::<f32>()?, vc.data::<f32>()?);
-    let mut out = vec![0f32; numel(dims)];
     let offs = [va.offset(), vb.offset(), vc.offset()];
-    walk(&mut out, dims, [&sa, &sb, &sc], offs, |o, _, [ia, ib, ic], st| {
-        wide! {
-            let n = o.len();
-            if st == [1, 1, 1] {
-                let it = o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]).zip(&dc[ic..ic + n]);
-                for (((o, &x), &y), &z) in it {
-                    *o = f(x, y, z);
-                }
-            } else {
-                let [ja, jb, jc] = st;
-                for (k, o) in o.iter_mut().enumerate() {
-                    *o = f(da[ia + k * ja], db[ib + k * jb], dc[ic + k * jc]);
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        walk(out, dims, [&sa, &sb, &sc], offs, |o, _, [ia, ib, ic], st| {
+            wide! {
+                let n = o.len();
+                if st == [1, 1, 1] {
+                    let it = o.iter_mut().zip(&da[ia..ia + n]).zip(&db[ib..ib + n]);
+                    for (((o, &x), &y), &z) in it.zip(&dc[ic..ic + n]) {
+                        o.write(f(x, y, z));
+                    }
+                } else {
+                    let [ja, jb, jc] = st;
+                    for (k, o) in o.iter_mut().enumerate() {
+                        o.write(f(da[ia + k * ja], db[ib + k * jb], dc[ic + k * jc]));
+                    }
                 }
             }
-        }
-    });
+        })
+    };
+    // SAFETY: `walk` visits every output element once.
+    let out = unsafe { fresh(numel(dims), fill) };
     from_vec(out, dims)
 }
