@@ -177,10 +177,15 @@ fn native_bf16(op: &Op, inputs: &[&Tensor]) -> bool {
 
 /// Whether the CPU kernels compute `op` on these bf16 inputs into bf16 outputs as they are
 /// (reading them exactly as f32 and rounding the result once, the bits of the upcast path):
-/// binary and unary ops and the unary ops' backward.
+/// binary and unary ops, the unary ops' backward, reductions, dropout.
 fn computes_on_bf16(op: &Op, inputs: &[&Tensor], outputs: &[TensorMeta]) -> bool {
-    matches!(op, Op::Binary(_) | Op::Unary(_) | Op::UnaryBackward(_))
-        && inputs.iter().all(|t| t.dtype() == DType::BF16)
+    // The float operands: all inputs, but dropout's second is its i64 seed.
+    let floats = match op {
+        Op::Binary(_) | Op::Unary(_) | Op::UnaryBackward(_) | Op::Reduce { .. } => inputs,
+        Op::Dropout { .. } => &inputs[..1.min(inputs.len())],
+        _ => return false,
+    };
+    floats.iter().all(|t| t.dtype() == DType::BF16)
         && outputs.iter().all(|m| m.dtype == IrDType::BF16)
 }
 

@@ -332,13 +332,14 @@ fn conversions_give_halfs_bits() {
     assert_eq!(got.to_vec2::<bf16>().unwrap(), want.to_vec2::<bf16>().unwrap());
 }
 
-/// Binary, unary and unary-backward ops on bf16 operands compute in f32 and round once: the
+/// Binary, unary, unary-backward, reduction and dropout ops on bf16 operands compute in f32
+/// (reductions in f64) and round once: the
 /// same bits as the backend's upcast path (widen, the f32 kernel, round to bf16), for every
 /// op, on contiguous operands long enough for the parallel chunks, a broadcast one and a
 /// transposed view.
 #[test]
-fn elementwise_ops_on_bf16_give_the_upcast_paths_bits() {
-    use tessera_ir::{BinaryOp, UnaryOp};
+fn elementwise_and_reduce_ops_on_bf16_give_the_upcast_paths_bits() {
+    use tessera_ir::{BinaryOp, ReduceOp, UnaryOp};
     let mut rng = Rng::new(11);
     // Positive values as well (log, sqrt, rsqrt), and a spread past [-1, 1).
     let wide = |t: &Tensor, by: f32| {
@@ -362,7 +363,11 @@ fn elementwise_ops_on_bf16_give_the_upcast_paths_bits() {
         let out = op.infer(&metas.iter().collect::<Vec<_>>()).unwrap();
         let got = execute(op, inputs, &out).unwrap().remove(0);
         assert_eq!(got.dtype(), DType::BF16, "{op:?}");
-        let up: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect();
+        let widen = |t: &&Tensor| match t.dtype() {
+            DType::BF16 => t.to_dtype(DType::F32).unwrap(),
+            _ => (*t).clone(),
+        };
+        let up: Vec<Tensor> = inputs.iter().map(widen).collect();
         let up_refs: Vec<&Tensor> = up.iter().collect();
         let up_metas: Vec<TensorMeta> = up.iter().map(|t| meta_of(t).unwrap()).collect();
         let up_out = op.infer(&up_metas.iter().collect::<Vec<_>>()).unwrap();
@@ -405,5 +410,24 @@ fn elementwise_ops_on_bf16_give_the_upcast_paths_bits() {
     for b in binary {
         same(&Op::Binary(b), &[&x, &dy]);
         same(&Op::Binary(b), &[&xt, &row]);
+    }
+    // Reductions: a global one over a long vector (split over threads), rows, columns (a bias
+    // gradient) and a transposed view.
+    let x3 = rng.tensor(&[6, 37, 301]);
+    let reductions = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::SumSquares, ReduceOp::Max];
+    for op in reductions {
+        let red = |dims: &[usize], keepdim: bool| Op::Reduce { op, dims: dims.to_vec(), keepdim };
+        same(&red(&[0], false), &[&x]);
+        same(&red(&[2], false), &[&x3]);
+        same(&red(&[0, 1], true), &[&x3]);
+        same(&red(&[0, 1, 2], false), &[&x3]);
+        same(&red(&[1], false), &[&xt]);
+    }
+    // Dropout (its seed is an i64 scalar), on a long tensor and a transposed view.
+    let seed = Tensor::new(1234i64, &Device::Cpu).unwrap();
+    for p in [0.0, 0.1, 0.5] {
+        let drop = Op::Dropout { p, stream: 7, shard: None };
+        same(&drop, &[&x, &seed]);
+        same(&drop, &[&xt, &seed]);
     }
 }

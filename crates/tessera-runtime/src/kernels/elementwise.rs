@@ -17,12 +17,13 @@
 
 use super::inplace::Elem;
 use super::simd::wide;
-use super::strided::{map1, map1_as, map2_as, map3};
+use super::strided::{fresh, map1_as, map2_as, map3};
 pub(super) use super::strided::{walk, View};
 use crate::tensor::{candle_dtype, from_vec};
 use crate::{Result, RuntimeError};
 use candle_core::{DType as CDType, Device, Tensor};
 use half::bf16;
+use std::mem::MaybeUninit;
 use tessera_ir::ops::elementwise::dropout_keep;
 use tessera_ir::{BinaryOp, DType, TensorMeta, UnaryOp};
 
@@ -61,7 +62,7 @@ pub(super) fn expect_i64(t: &Tensor, op: &str, what: &str) -> Result<()> {
 /// Σ f(x) accumulated in f64 over eight independent lanes (vectorisable, and accurate: each
 /// lane sums n/8 terms in f64).
 #[inline(always)]
-pub(super) fn sum_by(xs: &[f32], f: impl Fn(f32) -> f64) -> f64 {
+pub(super) fn sum_by<E: Copy>(xs: &[E], f: impl Fn(E) -> f64) -> f64 {
     let mut acc = [0f64; 8];
     let (chunks, rest) = xs.as_chunks::<8>();
     for c in chunks {
@@ -551,7 +552,8 @@ impl DropoutMask {
 /// Zeroes element `k` unless `dropout_keep(seed, stream, g(k), p)`, and scales the kept ones
 /// by 1/(1 − p). `g(k)` is the flat row-major index `k` itself, or, for a shard
 /// (`index_map` = [`tessera_ir::dist::ShardOf::index_map`] at this device), the element's index
-/// in the single-device tensor, so every plan draws the single-device mask.
+/// in the single-device tensor, so every plan draws the single-device mask. f32, or bf16
+/// computed in f32 and rounded once (the upcast path's bits).
 pub fn dropout(
     x: &Tensor,
     seed: &Tensor,
@@ -559,7 +561,10 @@ pub fn dropout(
     stream: u64,
     index_map: Option<(u64, Vec<u64>)>,
 ) -> Result<Tensor> {
-    expect_f32(x, "dropout", "x")?;
+    let half = x.dtype() == CDType::BF16;
+    if !half {
+        expect_f32(x, "dropout", "x")?;
+    }
     expect_i64(seed, "dropout", "seed")?;
     if seed.elem_count() != 1 {
         return Err(RuntimeError::Binding(format!(
@@ -571,30 +576,72 @@ pub fn dropout(
         return Err(RuntimeError::Binding(format!("dropout: probability {p} must be in [0, 1)")));
     }
     let seed = seed.flatten_all()?.to_vec1::<i64>()?[0] as u64;
-    if p == 0.0 {
-        return map1(x, |v| v);
-    }
-    let scale = (1.0 / (1.0 - p)) as f32;
     let mask = DropoutMask::new(seed, stream, p);
     debug_assert!((0..64).all(|k| mask.keep(k) == dropout_keep(seed, stream, k, p)));
-    let dims = x.dims().to_vec();
-    let local = tessera_ir::dist::row_major_strides(&dims);
-    let vx = View::new(x)?;
-    let sx = vx.strides_for(&dims)?;
-    let dx = vx.data::<f32>()?;
-    let mut out = vec![0f32; numel(&dims)];
-    walk(&mut out, &dims, [&sx], [vx.offset()], |o, flat, [i], [s]| {
-        wide! {
-            for (k, o) in o.iter_mut().enumerate() {
-                let index = match &index_map {
-                    None => (flat + k) as u64,
-                    Some((base, strides)) => {
-                        tessera_ir::dist::global_index((flat + k) as u64, &local, *base, strides)
-                    }
-                };
-                *o = if mask.keep(index) { dx[i + k * s] * scale } else { 0.0 };
-            }
+    let local = tessera_ir::dist::row_major_strides(x.dims());
+    // A map that is the identity (one device, or a shard that is the whole tensor) is the
+    // flat index itself.
+    let index_map = index_map.filter(|(base, strides)| *base != 0 || *strides != local);
+    let d = Dropout { p, scale: (1.0 / (1.0 - p)) as f32, mask, local, index_map };
+    if half {
+        d.run::<bf16>(x)
+    } else {
+        d.run::<f32>(x)
+    }
+}
+
+/// One dropout: the mask, the scale of kept elements, and the map to global indices.
+struct Dropout {
+    p: f64,
+    scale: f32,
+    mask: DropoutMask,
+    /// Row-major strides of the local tensor.
+    local: Vec<u64>,
+    index_map: Option<(u64, Vec<u64>)>,
+}
+
+impl Dropout {
+    fn run<T: Elem>(&self, x: &Tensor) -> Result<Tensor> {
+        if self.p == 0.0 {
+            return map1_as::<T, _>(x, |v| v);
         }
-    });
-    from_vec(out, &dims)
+        let dims = x.dims().to_vec();
+        // Elements of a local row: along one, the global index grows by the map's last stride.
+        let row = dims.last().copied().unwrap_or(1).max(1);
+        let vx = View::new(x)?;
+        let sx = vx.strides_for(&dims)?;
+        let dx = vx.data::<T>()?;
+        let (mask, scale) = (&self.mask, self.scale);
+        let fill = |out: &mut [MaybeUninit<T>]| {
+            walk(out, &dims, [&sx], [vx.offset()], |o, flat, [i], [s]| {
+                let Some((base, strides)) = &self.index_map else {
+                    wide! {
+                        for (k, o) in o.iter_mut().enumerate() {
+                            let v = if mask.keep((flat + k) as u64) { dx[i + k * s].get() } else { 0.0 };
+                            o.write(T::put(v * scale));
+                        }
+                    }
+                    return;
+                };
+                let step = strides.last().copied().unwrap_or(1);
+                let mut k0 = 0;
+                while k0 < o.len() {
+                    let f = flat + k0;
+                    let len = (row - f % row).min(o.len() - k0);
+                    let g0 = tessera_ir::dist::global_index(f as u64, &self.local, *base, strides);
+                    wide! {
+                        for (j, o) in o[k0..k0 + len].iter_mut().enumerate() {
+                            let keep = mask.keep(g0 + j as u64 * step);
+                            let v = if keep { dx[i + (k0 + j) * s].get() } else { 0.0 };
+                            o.write(T::put(v * scale));
+                        }
+                    }
+                    k0 += len;
+                }
+            })
+        };
+        // SAFETY: `walk` visits every output element once.
+        let out = unsafe { fresh(numel(&dims), fill) };
+        from_vec(out, &dims)
+    }
 }

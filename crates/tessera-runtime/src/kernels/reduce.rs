@@ -12,10 +12,12 @@
 use super::elementwise::{
     exp_f32, expect_f32, max_f32, numel, sum_by, sum_by2, unsupported, walk, View, CHUNK,
 };
+use super::inplace::Elem;
 use super::simd::wide;
 use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
 use candle_core::Tensor;
+use half::bf16;
 use rayon::prelude::*;
 use tessera_ir::{ReduceOp, TensorMeta};
 
@@ -121,9 +123,9 @@ impl<'a> Odometer<'a> {
 trait Acc: Copy + Send + Sync {
     const INIT: Self;
     /// Folds a contiguous run whose first element has flat index `base`.
-    fn push_run(&mut self, run: &[f32], base: usize);
+    fn push_run<E: Elem>(&mut self, run: &[E], base: usize);
     /// Element `j` of `row` (flat index `base + j`) into `accs[j]`.
-    fn push_col(accs: &mut [Self], row: &[f32], base: usize);
+    fn push_col<E: Elem>(accs: &mut [Self], row: &[E], base: usize);
     fn merge(&mut self, later: &Self);
 }
 
@@ -132,12 +134,12 @@ struct SumAcc(f64);
 
 impl Acc for SumAcc {
     const INIT: Self = SumAcc(0.0);
-    fn push_run(&mut self, run: &[f32], _: usize) {
-        self.0 += sum_by(run, |v| v as f64);
+    fn push_run<E: Elem>(&mut self, run: &[E], _: usize) {
+        self.0 += sum_by(run, |v| v.get() as f64);
     }
-    fn push_col(accs: &mut [Self], row: &[f32], _: usize) {
+    fn push_col<E: Elem>(accs: &mut [Self], row: &[E], _: usize) {
         for (a, &v) in accs.iter_mut().zip(row) {
-            a.0 += v as f64;
+            a.0 += v.get() as f64;
         }
     }
     fn merge(&mut self, later: &Self) {
@@ -150,12 +152,12 @@ struct SqAcc(f64);
 
 impl Acc for SqAcc {
     const INIT: Self = SqAcc(0.0);
-    fn push_run(&mut self, run: &[f32], _: usize) {
-        self.0 += sum_by(run, |v| (v as f64) * (v as f64));
+    fn push_run<E: Elem>(&mut self, run: &[E], _: usize) {
+        self.0 += sum_by(run, |v| (v.get() as f64) * (v.get() as f64));
     }
-    fn push_col(accs: &mut [Self], row: &[f32], _: usize) {
+    fn push_col<E: Elem>(accs: &mut [Self], row: &[E], _: usize) {
         for (a, &v) in accs.iter_mut().zip(row) {
-            a.0 += (v as f64) * (v as f64);
+            a.0 += (v.get() as f64) * (v.get() as f64);
         }
     }
     fn merge(&mut self, later: &Self) {
@@ -183,14 +185,14 @@ impl MaxAcc {
 
 impl Acc for MaxAcc {
     const INIT: Self = MaxAcc { v: f32::NEG_INFINITY, i: usize::MAX };
-    fn push_run(&mut self, run: &[f32], base: usize) {
+    fn push_run<E: Elem>(&mut self, run: &[E], base: usize) {
         for (j, &v) in run.iter().enumerate() {
-            self.offer(v, base + j);
+            self.offer(v.get(), base + j);
         }
     }
-    fn push_col(accs: &mut [Self], row: &[f32], base: usize) {
+    fn push_col<E: Elem>(accs: &mut [Self], row: &[E], base: usize) {
         for (j, (a, &v)) in accs.iter_mut().zip(row).enumerate() {
-            a.offer(v, base + j);
+            a.offer(v.get(), base + j);
         }
     }
     fn merge(&mut self, later: &Self) {
@@ -201,9 +203,9 @@ impl Acc for MaxAcc {
 }
 
 /// Accumulates outputs `o_lo..o_lo + accs.len()` over the reduced flat range `r_lo..r_hi`.
-fn run_block<A: Acc>(
+fn run_block<A: Acc, E: Elem>(
     p: &Plan,
-    data: &[f32],
+    data: &[E],
     o_lo: usize,
     r_lo: usize,
     r_hi: usize,
@@ -247,9 +249,9 @@ fn run_block<A: Acc>(
 
 /// Runs the reduction planned by `p` over `data` (the contiguous input) and writes
 /// `finish(acc)` for every output, in row-major order of the reduced shape.
-fn reduce_into<A: Acc, T: Send>(
+fn reduce_into<A: Acc, E: Elem, T: Send>(
     p: &Plan,
-    data: &[f32],
+    data: &[E],
     out: &mut [T],
     finish: impl Fn(&A) -> T + Sync,
 ) {
@@ -318,7 +320,9 @@ fn check_dims(op: &str, rank: usize, dims: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// Sum, Mean, Max or Σx² over `dims` (empty `dims`: the identity), accumulated in f64.
+/// Sum, Mean, Max or Σx² over `dims` (empty `dims`: the identity), accumulated in f64; on f32,
+/// or on bf16 read exactly as f32 with the f32 result rounded once (the upcast path's bits,
+/// without its f32 copy of the input: a 39 M-element gradient's norm made one of 154 MB).
 pub fn reduce(
     op: ReduceOp,
     dims: &[usize],
@@ -326,13 +330,25 @@ pub fn reduce(
     x: &Tensor,
     out: &TensorMeta,
 ) -> Result<Tensor> {
+    if x.dtype() == candle_core::DType::BF16 {
+        return reduce_as::<bf16>(op, dims, x, out);
+    }
     expect_f32(x, "reduce", "x")?;
+    reduce_as::<f32>(op, dims, x, out)
+}
+
+fn reduce_as<E: Elem>(
+    op: ReduceOp,
+    dims: &[usize],
+    x: &Tensor,
+    out: &TensorMeta,
+) -> Result<Tensor> {
     check_dims("reduce", x.rank(), dims)?;
     let xc = contiguous(x)?;
-    let data = read::<f32>(&xc)?;
+    let data = read::<E>(&xc)?;
     let p = Plan::new(x.dims(), dims);
     let odims = out.shape.dims();
-    let mut o = vec![0f32; numel(odims)];
+    let mut o = vec![E::put(0.0); numel(odims)];
     if o.len() != p.n_out() {
         return Err(RuntimeError::Binding(format!(
             "reduce: output {:?} does not match reducing {dims:?} of {:?}",
@@ -342,10 +358,10 @@ pub fn reduce(
     }
     let count = p.count as f64;
     match op {
-        ReduceOp::Sum => reduce_into(&p, &data, &mut o, |a: &SumAcc| a.0 as f32),
-        ReduceOp::Mean => reduce_into(&p, &data, &mut o, |a: &SumAcc| (a.0 / count) as f32),
-        ReduceOp::SumSquares => reduce_into(&p, &data, &mut o, |a: &SqAcc| a.0 as f32),
-        ReduceOp::Max => reduce_into(&p, &data, &mut o, |a: &MaxAcc| a.v),
+        ReduceOp::Sum => reduce_into(&p, &data, &mut o, |a: &SumAcc| E::put(a.0 as f32)),
+        ReduceOp::Mean => reduce_into(&p, &data, &mut o, |a: &SumAcc| E::put((a.0 / count) as f32)),
+        ReduceOp::SumSquares => reduce_into(&p, &data, &mut o, |a: &SqAcc| E::put(a.0 as f32)),
+        ReduceOp::Max => reduce_into(&p, &data, &mut o, |a: &MaxAcc| E::put(a.v)),
     }
     from_vec(o, odims)
 }

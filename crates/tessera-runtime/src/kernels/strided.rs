@@ -1,7 +1,7 @@
 //! Strided elementwise maps: [`View`] reads a candle view (broadcast, transposed, narrowed,
 //! offset) in place through its strides, [`walk`] runs over an output in parallel chunks, and
-//! `map1` / `map2_as` / `map3` apply an f32 function to one, two or three such operands into
-//! a fresh contiguous tensor (`map1_as` / `map2_as` also on bf16 operands, rounding once). Split out of
+//! `map1_as` / `map2_as` / `map3` apply an f32 function to one, two or three such operands
+//! into a fresh contiguous tensor (the first two also on bf16 operands, rounding once). Split out of
 //! `elementwise.rs`, whose kernels (and layout's, reduce's) use them.
 
 use super::inplace::Elem;
@@ -177,13 +177,9 @@ pub(super) fn walk<T: Send, const N: usize>(
     }
 }
 
-/// `f` applied to every element of `x` (any layout), as a fresh contiguous f32 tensor.
-pub(super) fn map1<F: Fn(f32) -> f32 + Sync>(x: &Tensor, f: F) -> Result<Tensor> {
-    map1_as::<f32, F>(x, f)
-}
-
-/// [`map1`] on an operand of element type `T` (f32, or bf16 read exactly as f32), the f32
-/// result rounded to `T`: the bits the backend's upcast path gives, without its f32 copies.
+/// `f` applied to every element of `x` (any layout) of element type `T` (f32, or bf16 read
+/// exactly as f32), as a fresh contiguous tensor, the f32 result rounded to `T`: the bits the
+/// backend's upcast path gives, without its f32 copies.
 pub(super) fn map1_as<T: Elem, F: Fn(f32) -> f32 + Sync>(x: &Tensor, f: F) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let vx = View::new(x)?;
