@@ -177,12 +177,24 @@ fn native_bf16(op: &Op, inputs: &[&Tensor]) -> bool {
 
 /// Whether the CPU kernels compute `op` on these bf16 inputs into bf16 outputs as they are
 /// (reading them exactly as f32 and rounding the result once, the bits of the upcast path):
-/// binary and unary ops, the unary ops' backward, reductions, dropout.
+/// binary and unary ops, the unary ops' backward, reductions, dropout, cross-entropy (bf16
+/// logits).
 fn computes_on_bf16(op: &Op, inputs: &[&Tensor], outputs: &[TensorMeta]) -> bool {
     // The float operands: all inputs, but dropout's second is its i64 seed.
     let floats = match op {
         Op::Binary(_) | Op::Unary(_) | Op::UnaryBackward(_) | Op::Reduce { .. } => inputs,
         Op::Dropout { .. } => &inputs[..1.min(inputs.len())],
+        // The logits; targets are integers, the log-sum-exp and dloss f32.
+        Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => {
+            return inputs.first().is_some_and(|t| t.dtype() == DType::BF16)
+                && inputs[1..].iter().all(|t| !matches!(t.dtype(), DType::BF16 | DType::F16))
+                && match op {
+                    Op::CrossEntropyBackward { .. } => {
+                        outputs.iter().all(|m| m.dtype == IrDType::BF16)
+                    }
+                    _ => true,
+                };
+        }
         _ => return false,
     };
     floats.iter().all(|t| t.dtype() == DType::BF16)

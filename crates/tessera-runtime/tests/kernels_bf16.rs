@@ -423,6 +423,27 @@ fn elementwise_and_reduce_ops_on_bf16_give_the_upcast_paths_bits() {
         same(&red(&[0, 1, 2], false), &[&x3]);
         same(&red(&[1], false), &[&xt]);
     }
+    // Cross-entropy over bf16 logits (targets i64; the loss and log-sum-exp are f32, dlogits
+    // bf16), with an ignored row.
+    let logits = wide(&rng.tensor(&[3, 5, 301]), 6.0);
+    let targets = Tensor::from_vec(
+        (0..15).map(|i| if i == 4 { -100 } else { (i * 37) % 301 }).collect::<Vec<i64>>(),
+        (3, 5),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ce = Op::CrossEntropy { ignore_index: Some(-100), sum: false, classes: None };
+    let metas = [meta_of(&logits).unwrap(), meta_of(&targets).unwrap()];
+    let out = ce.infer(&metas.iter().collect::<Vec<_>>()).unwrap();
+    let got = execute(&ce, &[&logits, &targets], &out).unwrap();
+    let up = logits.to_dtype(DType::F32).unwrap();
+    let want = execute(&ce, &[&up, &targets], &out).unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(to_f64_vec(g).unwrap(), to_f64_vec(w).unwrap(), "cross-entropy outputs");
+    }
+    let dloss = Tensor::new(0.7f32, &Device::Cpu).unwrap();
+    let ceb = Op::CrossEntropyBackward { ignore_index: Some(-100), sum: false, classes: None };
+    same(&ceb, &[&logits, &targets, &got[1], &dloss]);
     // Dropout (its seed is an i64 scalar), on a long tensor and a transposed view.
     let seed = Tensor::new(1234i64, &Device::Cpu).unwrap();
     for p in [0.0, 0.1, 0.5] {

@@ -4,17 +4,21 @@
 //! summed in task order: deterministic). No `[rows, V]` buffer exists besides dlogits.
 
 use super::elementwise::{exp_f32, expect_f32, expect_i64, max_f32, sum_exp, CHUNK};
+use super::inplace::Elem;
 use super::reduce::par_rows;
 use super::simd::wide;
 use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
+use half::bf16;
 use rayon::prelude::*;
 use tessera_ir::dist::TableRows;
 
-/// Checks `logits [.., V]` against `targets [..]`; returns V.
+/// Checks `logits [.., V]` (f32 or bf16) against `targets [..]`; returns V.
 fn check(op: &str, logits: &Tensor, targets: &Tensor) -> Result<usize> {
-    expect_f32(logits, op, "logits")?;
+    if logits.dtype() != DType::BF16 {
+        expect_f32(logits, op, "logits")?;
+    }
     expect_i64(targets, op, "targets")?;
     let (l, t) = (logits.dims(), targets.dims());
     if l.len() < 2 || &l[..l.len() - 1] != t {
@@ -67,7 +71,43 @@ pub(super) fn logsumexp(row: &[f32]) -> f64 {
 /// row]`, both f32. With `lse` (each row's log-sum-exp over every class) and `classes` (the
 /// share of the vocabulary these logits are): this shard's part of the loss — `−logit[target]`
 /// where it holds the target, the log-sum-exp where it holds class 0 — and `lse` again.
+/// bf16 logits are read a row at a time, widened exactly into an f32 row (the upcast path's
+/// arithmetic and bits, without its f32 copy of the whole `[rows, V]` tensor).
 pub fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    lse: Option<&Tensor>,
+    ignore_index: Option<i64>,
+    sum: bool,
+    classes: &TableRows,
+) -> Result<Vec<Tensor>> {
+    if logits.dtype() == DType::BF16 {
+        cross_entropy_as::<bf16>(logits, targets, lse, ignore_index, sum, classes)
+    } else {
+        cross_entropy_as::<f32>(logits, targets, lse, ignore_index, sum, classes)
+    }
+}
+
+/// A logits element type: rows are read as f32 (bf16 widened exactly into a buffer).
+trait Logit: Elem {
+    fn row<'b>(r: &'b [Self], buf: &'b mut Vec<f32>) -> &'b [f32];
+}
+
+impl Logit for f32 {
+    fn row<'b>(r: &'b [f32], _: &'b mut Vec<f32>) -> &'b [f32] {
+        r
+    }
+}
+
+impl Logit for bf16 {
+    fn row<'b>(r: &'b [bf16], buf: &'b mut Vec<f32>) -> &'b [f32] {
+        buf.clear();
+        buf.extend(r.iter().map(|x| x.to_f32()));
+        buf
+    }
+}
+
+fn cross_entropy_as<E: Logit>(
     logits: &Tensor,
     targets: &Tensor,
     lse: Option<&Tensor>,
@@ -77,7 +117,7 @@ pub fn cross_entropy(
 ) -> Result<Vec<Tensor>> {
     let v = check("cross_entropy", logits, targets)?;
     let (lc, tc) = (contiguous(logits)?, contiguous(targets)?);
-    let (ls, ts) = (read::<f32>(&lc)?, read::<i64>(&tc)?);
+    let (ls, ts) = (read::<E>(&lc)?, read::<i64>(&tc)?);
     let count = check_targets("cross_entropy", &ts, classes.vocab, ignore_index)?;
     let given_c = match lse {
         Some(l) => {
@@ -102,11 +142,12 @@ pub fn cross_entropy(
     } else {
         let per = (CHUNK / v).max(1);
         let task = |r0: usize, out: &mut [f32]| -> f64 {
+            let mut buf = Vec::new();
             wide! {
             let mut loss = 0.0;
             for (j, o) in out.iter_mut().enumerate() {
                 let r = r0 + j;
-                let row = &ls[r * v..(r + 1) * v];
+                let row = E::row(&ls[r * v..(r + 1) * v], &mut buf);
                 let l = match &given {
                     Some(g) => g[r] as f64,
                     None => logsumexp(row),
@@ -140,8 +181,24 @@ pub fn cross_entropy(
 /// dlogits = dloss/N · (softmax(logits) − onehot(target)) on non-ignored rows, 0 on ignored
 /// ones, with N the number of non-ignored rows (at least 1), or 1 with `sum`. With `classes`
 /// a shard of the vocabulary: its columns, from the log-sum-exp over every class.
-#[allow(clippy::too_many_arguments)]
+/// bf16 logits give bf16 dlogits, each element computed in f32 and rounded once.
 pub fn cross_entropy_backward(
+    logits: &Tensor,
+    targets: &Tensor,
+    lse: &Tensor,
+    dloss: &Tensor,
+    ignore_index: Option<i64>,
+    sum: bool,
+    classes: &TableRows,
+) -> Result<Tensor> {
+    if logits.dtype() == DType::BF16 {
+        cross_entropy_backward_as::<bf16>(logits, targets, lse, dloss, ignore_index, sum, classes)
+    } else {
+        cross_entropy_backward_as::<f32>(logits, targets, lse, dloss, ignore_index, sum, classes)
+    }
+}
+
+fn cross_entropy_backward_as<E: Logit>(
     logits: &Tensor,
     targets: &Tensor,
     lse: &Tensor,
@@ -163,11 +220,11 @@ pub fn cross_entropy_backward(
         )));
     }
     let (lc, tc, sc) = (contiguous(logits)?, contiguous(targets)?, contiguous(lse)?);
-    let (ls, ts, ss) = (read::<f32>(&lc)?, read::<i64>(&tc)?, read::<f32>(&sc)?);
+    let (ls, ts, ss) = (read::<E>(&lc)?, read::<i64>(&tc)?, read::<f32>(&sc)?);
     let count = check_targets("cross_entropy_backward", &ts, classes.vocab, ignore_index)?;
     let dl = dloss.flatten_all()?.to_vec1::<f32>()?[0];
     let g = (dl as f64 / if sum { 1 } else { count.max(1) } as f64) as f32;
-    let mut out = vec![0f32; ls.len()];
+    let mut out = vec![E::put(0.0); ls.len()];
     if v > 0 {
         par_rows(&mut out, v, |r, orow| {
             let t = ts[r];
@@ -178,11 +235,12 @@ pub fn cross_entropy_backward(
             let m = ss[r];
             wide! {
                 for (o, &l) in orow.iter_mut().zip(row) {
-                    *o = g * exp_f32(l - m);
+                    *o = E::put(g * exp_f32(l.get() - m));
                 }
             }
             if let Some(k) = classes.local(t as usize) {
-                orow[k] -= g;
+                // The f32 value minus g, rounded once.
+                orow[k] = E::put(g * exp_f32(row[k].get() - m) - g);
             }
         });
     }
