@@ -356,9 +356,7 @@ impl<B: Backend> Trainer<B> {
     /// Binds parameters and optimizer state.
     fn bind_state(&mut self, state: &StartState<'_>) -> Result<()> {
         let slots = self.train.params.clone();
-        let zeros = |dims: &[usize]| {
-            Tensor::zeros(dims, candle_core::DType::F32, &candle_core::Device::Cpu)
-        };
+        let zeros = |dims: &[usize]| from_vec(written_zeros(dims.iter().product()), dims);
         for slot in &slots {
             let name = self.train.graph.tensor_scope(slot.param).to_string();
             let states = [(Some(slot.m), StateKind::AdamM), (Some(slot.v), StateKind::AdamV)]
@@ -738,6 +736,24 @@ impl<B: Backend> Trainer<B> {
     ) -> Option<&std::collections::BTreeMap<&'static str, crate::executor::OpTime>> {
         self.exec.timings()
     }
+}
+
+/// `n` f32 zeros, written (in parallel) rather than `calloc`ed: an optimizer moment is read
+/// and then written on the first step, and on a lazily mapped zero page that made each page
+/// two faults, the second a copy-on-write with a TLB shootdown to every other core (~2.9 s of
+/// GPT-2's first step, three quarters of the step, on two cores). Written here, each page
+/// faults once, at start-up.
+fn written_zeros(n: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    v.spare_capacity_mut().par_chunks_mut(1 << 16).for_each(|c| {
+        for x in c {
+            x.write(0.0);
+        }
+    });
+    // SAFETY: all n elements were written above.
+    unsafe { v.set_len(n) };
+    v
 }
 
 /// Batch field `name`; BERT's `token_type_ids` default to zeros (one segment), the
