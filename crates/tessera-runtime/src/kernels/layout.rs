@@ -4,10 +4,12 @@
 //! bools): slicing the targets out of a token batch is a layout op on i64.
 
 use super::elementwise::{numel, unsupported, walk, View};
+use super::strided::fresh;
 use crate::tensor::{contiguous, from_vec, read};
 use crate::{Result, RuntimeError};
 use candle_core::{DType as CDType, Tensor, WithDType};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 use tessera_ir::Shape;
 
 /// Runs `$body` with `$T` the element type of candle dtype `$dt`.
@@ -52,16 +54,19 @@ fn copy_strided<T: WithDType>(t: &Tensor) -> Result<Tensor> {
     let v = View::new(t)?;
     let st = v.strides_for(&dims)?;
     let src = v.data::<T>()?;
-    let mut out = vec![T::from_f64(0.0); numel(&dims)];
-    walk(&mut out, &dims, [&st], [v.offset()], |o, _, [i], [s]| {
-        if s == 1 {
-            o.copy_from_slice(&src[i..i + o.len()]);
-        } else {
-            for (k, o) in o.iter_mut().enumerate() {
-                *o = src[i + k * s];
+    let fill = |out: &mut [MaybeUninit<T>]| {
+        walk(out, &dims, [&st], [v.offset()], |o, _, [i], [s]| {
+            if s == 1 {
+                o.write_copy_of_slice(&src[i..i + o.len()]);
+            } else {
+                for (k, o) in o.iter_mut().enumerate() {
+                    o.write(src[i + k * s]);
+                }
             }
-        }
-    });
+        })
+    };
+    // SAFETY: `walk` visits every output element once.
+    let out = unsafe { fresh(numel(&dims), fill) };
     from_vec(out, &dims)
 }
 
@@ -166,20 +171,25 @@ fn concat_t<T: WithDType>(xs: &[&Tensor], dim: usize) -> Result<Tensor> {
     let (outer, _, inner) = split_at(first, dim);
     let widths: Vec<usize> = xs.iter().map(|t| t.dims()[dim] * inner).collect();
     let dst_row: usize = widths.iter().sum();
-    let mut out = vec![T::from_f64(0.0); outer * dst_row];
-    if dst_row > 0 {
+    let fill = |out: &mut [MaybeUninit<T>]| {
+        if dst_row == 0 {
+            return;
+        }
         let per = rows_per_task::<T>(dst_row);
         out.par_chunks_mut(per * dst_row).enumerate().for_each(|(k, chunk)| {
             for (j, row) in chunk.chunks_mut(dst_row).enumerate() {
                 let o = k * per + j;
                 let mut at = 0;
                 for (src, &w) in srcs.iter().zip(&widths) {
-                    row[at..at + w].copy_from_slice(&src[o * w..(o + 1) * w]);
+                    row[at..at + w].write_copy_of_slice(&src[o * w..(o + 1) * w]);
                     at += w;
                 }
             }
         });
-    }
+    };
+    // SAFETY: every row's `dst_row` elements are written, the inputs' widths side by side
+    // (with no elements at all when dst_row is 0).
+    let out = unsafe { fresh(outer * dst_row, fill) };
     let mut dims = first.to_vec();
     dims[dim] = xs.iter().map(|t| t.dims()[dim]).sum();
     from_vec(out, &dims)
