@@ -101,16 +101,20 @@ fn bench_matmul_bf16(c: &mut Criterion) {
         return;
     }
     let (bh, s, d) = (4 * 12, 256, 64);
+    // (name, [batch, m, k, n], trans_a, trans_b): GPT-2's layer product, attention's two, and
+    // gpt2-tiny's narrow ones (k = 256; a weight gradient, whose lhs is read transposed).
     let cases = [
-        ("1024x768 @ 768x3072", [1, 1024, 768, 3072], false),
-        ("1024x768 @ (3072x768)T", [1, 1024, 768, 3072], true),
-        ("attention 48x[256x64 @ (256x64)T]", [bh, s, d, s], true),
-        ("attention 48x[256x256 @ 256x64]", [bh, s, s, d], false),
+        ("1024x768 @ 768x3072", [1, 1024, 768, 3072], false, false),
+        ("1024x768 @ (3072x768)T", [1, 1024, 768, 3072], false, true),
+        ("attention 48x[256x64 @ (256x64)T]", [bh, s, d, s], false, true),
+        ("attention 48x[256x256 @ 256x64]", [bh, s, s, d], false, false),
+        ("2048x256 @ 256x256", [1, 2048, 256, 256], false, false),
+        ("(2048x256)T @ 2048x256", [1, 256, 2048, 256], true, false),
     ];
     let mut g = c.benchmark_group("matmul bf16");
-    for (name, [batch, m, k, n], tb) in cases {
-        let op = Op::MatMul { trans_a: false, trans_b: tb };
-        let a = rand(&[batch, m, k]);
+    for (name, [batch, m, k, n], ta, tb) in cases {
+        let op = Op::MatMul { trans_a: ta, trans_b: tb };
+        let a = if ta { rand(&[batch, k, m]) } else { rand(&[batch, m, k]) };
         let b = if tb { rand(&[batch, n, k]) } else { rand(&[batch, k, n]) };
         let (a16, b16) = (
             a.to_dtype(candle_core::DType::BF16).unwrap(),

@@ -31,7 +31,7 @@
 //!
 //! The packing buffers are per thread and kept between calls, aligned to cache lines: a
 //! fresh buffer cost a memset per call, and one at a 16-byte offset split every 64-byte tile
-//! row over two lines (20–30% slower on k = 256 products, BENCHMARKS.md).
+//! row over two lines.
 //!
 //! Tile state: the process asks Linux for it once (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, in
 //! [`available`]); each task loads the tile configuration on its thread and releases the tiles
