@@ -180,25 +180,25 @@ fn native_bf16(op: &Op, inputs: &[&Tensor]) -> bool {
 /// binary and unary ops, the unary ops' backward, reductions, dropout, cross-entropy (bf16
 /// logits).
 fn computes_on_bf16(op: &Op, inputs: &[&Tensor], outputs: &[TensorMeta]) -> bool {
-    // The float operands: all inputs, but dropout's second is its i64 seed.
-    let floats = match op {
-        Op::Binary(_) | Op::Unary(_) | Op::UnaryBackward(_) | Op::Reduce { .. } => inputs,
-        Op::Dropout { .. } => &inputs[..1.min(inputs.len())],
-        // The logits; targets are integers, the log-sum-exp and dloss f32.
-        Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => {
-            return inputs.first().is_some_and(|t| t.dtype() == DType::BF16)
-                && inputs[1..].iter().all(|t| !matches!(t.dtype(), DType::BF16 | DType::F16))
-                && match op {
-                    Op::CrossEntropyBackward { .. } => {
-                        outputs.iter().all(|m| m.dtype == IrDType::BF16)
-                    }
-                    _ => true,
-                };
+    let bf16 = |t: &&Tensor| t.dtype() == DType::BF16;
+    let bf16_out = outputs.iter().all(|m| m.dtype == IrDType::BF16);
+    match op {
+        Op::Binary(_) | Op::Unary(_) | Op::UnaryBackward(_) | Op::Reduce { .. } => {
+            inputs.iter().all(bf16) && bf16_out
         }
-        _ => return false,
-    };
-    floats.iter().all(|t| t.dtype() == DType::BF16)
-        && outputs.iter().all(|m| m.dtype == IrDType::BF16)
+        // Its second input is the i64 seed.
+        Op::Dropout { .. } => inputs.first().is_some_and(bf16) && bf16_out,
+        // bf16 logits; targets are integers, a given log-sum-exp and dloss f32. The loss and
+        // log-sum-exp come out f32, dlogits in the logits' dtype.
+        Op::CrossEntropy { .. } | Op::CrossEntropyBackward { .. } => {
+            let others_full =
+                inputs.iter().skip(1).all(|t| !matches!(t.dtype(), DType::BF16 | DType::F16));
+            inputs.first().is_some_and(bf16)
+                && others_full
+                && (matches!(op, Op::CrossEntropy { .. }) || bf16_out)
+        }
+        _ => false,
+    }
 }
 
 /// The ops every backend runs on half-precision operands as they are, without the f32 upcast
