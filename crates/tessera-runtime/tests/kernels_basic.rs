@@ -221,7 +221,8 @@ const SHAPES: &[&[usize]] = &[&[7], &[3, 33], &[2, 3, 5, 7], &[4, 1, 9], &[64, 3
 
 // ---- elementwise ----------------------------------------------------------------------------
 
-const UNARY: [UnaryOp; 13] = [
+/// Every unary op (also read by `kernels_bf16`).
+pub(crate) const UNARY: [UnaryOp; 13] = [
     UnaryOp::Neg,
     UnaryOp::Exp,
     UnaryOp::Log,

@@ -339,7 +339,7 @@ fn conversions_give_halfs_bits() {
 /// transposed view.
 #[test]
 fn elementwise_and_reduce_ops_on_bf16_give_the_upcast_paths_bits() {
-    use tessera_ir::{BinaryOp, ReduceOp, UnaryOp};
+    use tessera_ir::{BinaryOp, ReduceOp};
     let mut rng = Rng::new(11);
     // Positive values as well (log, sqrt, rsqrt), and a spread past [-1, 1).
     let wide = |t: &Tensor, by: f32| {
@@ -384,22 +384,7 @@ fn elementwise_and_reduce_ops_on_bf16_give_the_upcast_paths_bits() {
             );
         }
     };
-    let unary = [
-        UnaryOp::Neg,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Sqrt,
-        UnaryOp::Rsqrt,
-        UnaryOp::Tanh,
-        UnaryOp::Gelu,
-        UnaryOp::GeluTanh,
-        UnaryOp::Silu,
-        UnaryOp::Relu,
-        UnaryOp::Sigmoid,
-        UnaryOp::Sin,
-        UnaryOp::Cos,
-    ];
-    for u in unary {
+    for u in crate::kernels_basic::UNARY {
         same(&Op::Unary(u), &[&x]);
         same(&Op::Unary(u), &[&xt]);
         same(&Op::UnaryBackward(u), &[&x, &dy]);
