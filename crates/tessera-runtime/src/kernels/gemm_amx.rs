@@ -327,10 +327,10 @@ unsafe fn pack_lhs(a: Bf16Ref, rows: usize, k: usize, steps: usize, out: &mut [u
     let tile_len = TILE_ROWS * KSTEP;
     if a.rs == 1 && a.cs != 1 {
         // Column-major lhs (a transposed operand, as in a weight's gradient): each column's
-        // 16 rows of a tile are contiguous, so walk along them (a row at a time would touch
-        // a cache line per element).
-        // Whole tiles by transposes, a step along k at a time across every whole tile, so each
-        // column's contiguous rows are read once, in whole cache lines.
+        // 16 rows of a tile are contiguous. Whole tiles go by AVX-512 transposes, a step along
+        // k at a time across every whole tile, so each column's rows are read once, in whole
+        // cache lines; the rest walks along the columns (a row at a time would touch a cache
+        // line per element).
         let (whole_tiles, whole_steps) =
             if super::pack_avx512::available() { (rows / TILE_ROWS, k / KSTEP) } else { (0, 0) };
         for s in 0..whole_steps {

@@ -10,9 +10,11 @@
 //!   (`Op::workspace_bytes`) beyond O(rows) scratch, so the heap follows the Program;
 //! - arithmetic is f32 with f32 (or wider) accumulation; integer inputs are i64. bf16 matrix
 //!   products run on bf16 operands where the CPU has AMX-BF16 or AVX512_BF16 ([`gemm_bf16`],
-//!   `gemm_amx`, still f32 accumulation), binary ops read bf16 operands in place and round
-//!   once; everything else that computes on half precision is upcast by the backend
-//!   ([`convert`]).
+//!   `gemm_amx`, still f32 accumulation); binary and unary ops (and their backward),
+//!   reductions, dropout and the cross-entropy read bf16 operands in place and round once;
+//!   everything else that computes on half precision is upcast by the backend ([`convert`]);
+//! - an output the kernel writes whole is allocated uninitialised (`strided::fresh`), not
+//!   zeroed first.
 
 mod attention;
 mod attention_merge;
