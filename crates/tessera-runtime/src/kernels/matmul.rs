@@ -85,6 +85,68 @@ pub(super) unsafe fn gemm_f32(
         }
         return;
     }
+    let threads = match par {
+        Parallelism::Rayon(t) if m * n * k >= SPLIT_PRODUCT => t.min(m.max(n) / SPLIT_ALIGN),
+        _ => 1,
+    };
+    if threads < 2 {
+        // SAFETY: forwarded from the caller.
+        return unsafe { gemm_f32_serial(m, n, k, dst, accumulate, lhs, rhs, scale, par) };
+    }
+    // One serial gemm per thread over its own band of output rows (or columns, when there are
+    // more columns): the gemm crate's own threading splits the output into blocks far more
+    // finely, and on a weight gradient (m, n small, k the tokens) its threads spent a quarter
+    // of the product waiting on one another (`BENCHMARKS.md`). Every output element is still one
+    // gemm's sum over the whole k, in the same order.
+    let by_rows = m >= n;
+    let len = if by_rows { m } else { n };
+    let band = len.div_ceil(threads).next_multiple_of(SPLIT_ALIGN);
+    let (dp, lp, rp) = (SendPtr(dst.ptr), SendConstPtr(lhs.ptr), SendConstPtr(rhs.ptr));
+    let ([drs, dcs], [lrs, lcs], [rrs, rcs]) =
+        ([dst.rs, dst.cs], [lhs.rs, lhs.cs], [rhs.rs, rhs.cs]);
+    (0..len.div_ceil(band)).into_par_iter().for_each(|b| {
+        let (start, width) = (b * band, band.min(len - b * band));
+        let off = start as isize;
+        let mut d = MatMut { ptr: dp.get(), rs: drs, cs: dcs };
+        let mut l = MatRef { ptr: lp.get(), rs: lrs, cs: lcs };
+        let mut r = MatRef { ptr: rp.get(), rs: rrs, cs: rcs };
+        let (bm, bn) = if by_rows {
+            d.ptr = d.ptr.wrapping_offset(off * drs);
+            l.ptr = l.ptr.wrapping_offset(off * lrs);
+            (width, n)
+        } else {
+            d.ptr = d.ptr.wrapping_offset(off * dcs);
+            r.ptr = r.ptr.wrapping_offset(off * rcs);
+            (m, width)
+        };
+        // SAFETY: the band's rows (columns) of `dst` and `lhs` (`rhs`) lie inside the caller's
+        // m×k, k×n and m×n elements; the bands of `dst` are disjoint, so no two threads write
+        // one element.
+        unsafe { gemm_f32_serial(bm, bn, k, d, accumulate, l, r, scale, Parallelism::None) };
+    });
+}
+
+/// At or above this many multiply-adds, [`gemm_f32`] splits the output between threads itself.
+const SPLIT_PRODUCT: usize = 1 << 22;
+/// A thread's band of output rows or columns is a multiple of this (the f32 kernels' widths).
+const SPLIT_ALIGN: usize = 16;
+
+/// `gemm_f32` on the gemm crate, with its own threading (`par`).
+///
+/// # Safety
+/// As [`gemm_f32`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32_serial(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: MatMut,
+    accumulate: bool,
+    lhs: MatRef,
+    rhs: MatRef,
+    scale: f32,
+    par: Parallelism,
+) {
     // SAFETY: forwarded from the caller; gemm reads/writes exactly the addressed elements.
     unsafe {
         gemm::gemm(
