@@ -15,9 +15,11 @@ pub(super) trait Elem: WithDType + Copy + Send + Sync {
 }
 
 impl Elem for f32 {
+    #[inline(always)]
     fn get(self) -> f32 {
         self
     }
+    #[inline(always)]
     fn put(x: f32) -> f32 {
         x
     }
@@ -30,9 +32,11 @@ impl Elem for f32 {
 }
 
 impl Elem for bf16 {
+    #[inline(always)]
     fn get(self) -> f32 {
         self.to_f32()
     }
+    #[inline(always)]
     fn put(x: f32) -> bf16 {
         // `half`'s bits (round to nearest even, NaN stays quiet), branch-free so loops over
         // it vectorise.

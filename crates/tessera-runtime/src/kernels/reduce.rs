@@ -135,11 +135,13 @@ struct SumAcc(f64);
 impl Acc for SumAcc {
     const INIT: Self = SumAcc(0.0);
     fn push_run<E: Elem>(&mut self, run: &[E], _: usize) {
-        self.0 += sum_by(run, |v| v.get() as f64);
+        self.0 += wide! { sum_by(run, |v| v.get() as f64) };
     }
     fn push_col<E: Elem>(accs: &mut [Self], row: &[E], _: usize) {
-        for (a, &v) in accs.iter_mut().zip(row) {
-            a.0 += v.get() as f64;
+        wide! {
+            for (a, &v) in accs.iter_mut().zip(row) {
+                a.0 += v.get() as f64;
+            }
         }
     }
     fn merge(&mut self, later: &Self) {
@@ -153,11 +155,13 @@ struct SqAcc(f64);
 impl Acc for SqAcc {
     const INIT: Self = SqAcc(0.0);
     fn push_run<E: Elem>(&mut self, run: &[E], _: usize) {
-        self.0 += sum_by(run, |v| (v.get() as f64) * (v.get() as f64));
+        self.0 += wide! { sum_by(run, |v| (v.get() as f64) * (v.get() as f64)) };
     }
     fn push_col<E: Elem>(accs: &mut [Self], row: &[E], _: usize) {
-        for (a, &v) in accs.iter_mut().zip(row) {
-            a.0 += (v.get() as f64) * (v.get() as f64);
+        wide! {
+            for (a, &v) in accs.iter_mut().zip(row) {
+                a.0 += (v.get() as f64) * (v.get() as f64);
+            }
         }
     }
     fn merge(&mut self, later: &Self) {
